@@ -1,0 +1,23 @@
+"""meshkit: train JAX models across devices and hosts, and prove what it did."""
+
+from meshkit import analysis
+from meshkit._errors import DeviceSetupError, HloParseError, MeshkitError, MeshSpecError, TargetError
+from meshkit.devices import DeviceReport, describe_devices, simulate_devices
+from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceReport",
+    "DeviceSetupError",
+    "HloParseError",
+    "MeshSpecError",
+    "MeshkitError",
+    "TargetError",
+    "analysis",
+    "describe_devices",
+    "make_mesh",
+    "parse_mesh_spec",
+    "resolve_mesh_shape",
+    "simulate_devices",
+]

@@ -1,0 +1,195 @@
+"""The cost model of the reference chapter, as functions.
+
+- Ring-algorithm traffic per device (S = tensor bytes, n = group size):
+  all-reduce 2(n-1)/n*S, reduce-scatter (n-1)/n*S_in, all-gather (n-1)/n*S_out,
+  all-to-all (n-1)/n*S, collective-permute S.
+- Per-device memory of data parallelism and the ZeRO stages, under a declared convention of
+  bytes per parameter for parameters, gradients and optimizer state (the chapter's mixed
+  precision Adam: 2 + 2 + 12 = 16 bytes).
+- The GPipe pipeline bubble (p-1)/(m+p-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshkit._errors import MeshkitError
+
+RING_FACTORS = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+def ring_traffic(op: str, size_bytes: float, n: int) -> float:
+    """Bytes each device sends (and receives) for one collective under the ring algorithm.
+
+    ``size_bytes`` is S_in for reduce-scatter and S_out for all-gather; a group of one moves nothing
+    (collective-permute excepted: it moves S whatever the group).
+    """
+    if op not in RING_FACTORS:
+        raise MeshkitError(f"no ring model for {op!r}: known ops are {', '.join(RING_FACTORS)}")
+    if n < 1:
+        raise MeshkitError(f"group size must be at least 1, got {n}")
+    return RING_FACTORS[op](n) * size_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Convention:
+    """Bytes per parameter of each persistent component."""
+
+    name: str
+    param: float
+    """Bytes of the parameter copy used for compute."""
+    grad: float
+    """Bytes of its gradient."""
+    optimizer: float
+    """Bytes of optimizer state (including any fp32 master copy)."""
+    description: str = ""
+
+    @property
+    def total(self) -> float:
+        return self.param + self.grad + self.optimizer
+
+
+CONVENTIONS = {
+    "mixed-adam": Convention(
+        name="mixed-adam",
+        param=2,
+        grad=2,
+        optimizer=12,
+        description="fp16/bf16 params and grads, fp32 master + Adam m + v (ZeRO paper, 16 B/param)",
+    ),
+    "fp32-adam": Convention(
+        name="fp32-adam", param=4, grad=4, optimizer=8, description="fp32 params, grads, Adam m + v"
+    ),
+    "fp32-sgd-momentum": Convention(
+        name="fp32-sgd-momentum", param=4, grad=4, optimizer=4, description="fp32 params, grads, momentum"
+    ),
+    "fp32-sgd": Convention(
+        name="fp32-sgd", param=4, grad=4, optimizer=0, description="fp32 params and grads"
+    ),
+}
+
+
+def convention(spec: str | Convention) -> Convention:
+    """A named convention, or ``"P,G,O"`` bytes per parameter (e.g. ``"2,2,12"``)."""
+    if isinstance(spec, Convention):
+        return spec
+    if spec in CONVENTIONS:
+        return CONVENTIONS[spec]
+    parts = spec.split(",")
+    try:
+        p, g, o = (float(x) for x in parts)
+    except ValueError:
+        raise MeshkitError(
+            f"unknown convention {spec!r}: use one of {', '.join(CONVENTIONS)} or bytes per parameter "
+            f"as 'param,grad,optimizer', e.g. 2,2,12"
+        ) from None
+    if min(p, g, o) < 0:
+        raise MeshkitError(f"convention {spec!r} has a negative byte count: bytes per parameter are >= 0")
+    return Convention(name=spec, param=p, grad=g, optimizer=o, description="user-defined")
+
+
+STAGES = ("dp", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryModel:
+    """Per-device persistent bytes of one layout."""
+
+    stage: str
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def zero_memory(
+    num_params: float, num_devices: int, stage: str, conv: str | Convention = "mixed-adam"
+) -> MemoryModel:
+    """Per-device memory of DP / ZeRO-1 / ZeRO-2 / ZeRO-3 (= FSDP).
+
+    With the 16-byte convention: DP 16Φ, ZeRO-1 4Φ + 12Φ/N, ZeRO-2 2Φ + 14Φ/N, ZeRO-3 16Φ/N.
+    """
+    c = convention(conv)
+    _check(num_params, num_devices)
+    if stage not in STAGES:
+        raise MeshkitError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
+    shard = {"dp": (1, 1, 1), "zero1": (1, 1, num_devices), "zero2": (1, num_devices, num_devices)}.get(
+        stage, (num_devices, num_devices, num_devices)
+    )
+    return MemoryModel(
+        stage=stage,
+        params=c.param * num_params / shard[0],
+        grads=c.grad * num_params / shard[1],
+        optimizer=c.optimizer * num_params / shard[2],
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommModel:
+    """Per-device bytes sent per step by one layout, and the collectives that carry them."""
+
+    stage: str
+    traffic_bytes: float
+    collectives: tuple[str, ...]
+
+
+def zero_communication(
+    num_params: float,
+    num_devices: int,
+    stage: str,
+    conv: str | Convention = "mixed-adam",
+    regather_in_backward: bool = True,
+) -> CommModel:
+    """Per-device gradient-sync traffic per step under the ring model.
+
+    DP all-reduces the gradients: 2(N-1)/N * S. ZeRO-1/2 reduce-scatter the gradients and
+    all-gather the updated parameters: the same total. ZeRO-3 all-gathers the parameters for the
+    forward pass, again for the backward pass (unless kept), and reduce-scatters the gradients:
+    3(N-1)/N * S (2(N-1)/N * S when the gathered parameters are kept).
+    """
+    c = convention(conv)
+    _check(num_params, num_devices)
+    f = (num_devices - 1) / num_devices
+    grad_s, param_s = c.grad * num_params, c.param * num_params
+    if stage == "dp":
+        return CommModel(stage=stage, traffic_bytes=2 * f * grad_s, collectives=("all-reduce",))
+    if stage in ("zero1", "zero2"):
+        return CommModel(
+            stage=stage, traffic_bytes=f * grad_s + f * param_s, collectives=("reduce-scatter", "all-gather")
+        )
+    if stage == "zero3":
+        gathers = 2 if regather_in_backward else 1
+        return CommModel(
+            stage=stage,
+            traffic_bytes=f * grad_s + gathers * f * param_s,
+            collectives=("all-gather", "reduce-scatter"),
+        )
+    raise MeshkitError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
+
+
+def bubble(stages: int, microbatches: int) -> float:
+    """Idle fraction of a GPipe schedule with ``stages`` stages and ``microbatches`` micro-batches."""
+    if stages < 1 or microbatches < 1:
+        raise MeshkitError(
+            f"pipeline needs at least 1 stage and 1 micro-batch, got p={stages}, m={microbatches}"
+        )
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def _check(num_params: float, num_devices: int) -> None:
+    if num_params <= 0:
+        raise MeshkitError(f"parameter count must be positive, got {num_params}")
+    if num_devices < 1 or int(num_devices) != num_devices:
+        raise MeshkitError(f"device count must be a positive whole number, got {num_devices}")

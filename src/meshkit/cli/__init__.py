@@ -1,0 +1,48 @@
+"""The ``meshkit`` command: a thin layer over the library; every subcommand calls it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from meshkit._errors import MeshkitError
+from meshkit.cli import ledger as _ledger
+from meshkit.cli import migrate as _migrate
+
+app = typer.Typer(
+    name="meshkit",
+    help="Train JAX models across devices and hosts, and prove what it did.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+_ledger.register(app)
+_migrate.register(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: bad input prints one line and exits 2; nothing else prints a traceback
+    unless MESHKIT_DEBUG=1."""
+    try:
+        app(args=argv, prog_name="meshkit", standalone_mode=True)
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    except MeshkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("MESHKIT_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"error: {type(e).__name__}: {first} (set MESHKIT_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _entry() -> None:
+    sys.exit(main())

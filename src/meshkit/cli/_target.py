@@ -1,0 +1,55 @@
+"""Load a ``module:function`` target into a compiled program for the ledgers."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from meshkit._errors import TargetError
+
+
+def _import(module: str):
+    if module.endswith(".py") or "/" in module:
+        path = Path(module)
+        if not path.is_file():
+            raise TargetError(f"no file {module!r}: give module:function or path/to/file.py:function")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise TargetError(
+            f"cannot import module {module!r} ({e}): check the name, or run from the folder that holds it"
+        ) from None
+
+
+def load_target(target: str) -> jax.stages.Compiled:
+    """Resolve ``module:function``; the function returns ``(jitted, args)``, ``(jitted, args, kwargs)``,
+    a ``Lowered`` or a ``Compiled``; the result is compiled."""
+    module, sep, attr = target.rpartition(":")
+    if not sep or not module or not attr:
+        raise TargetError(f"bad target {target!r}: write module:function, e.g. meshkit.examples:dp_mlp_adam")
+    mod = _import(module)
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        raise TargetError(f"module {module!r} has no attribute {attr!r}: check the function name")
+    made: Any = fn() if callable(fn) and not isinstance(fn, jax.stages.Compiled | jax.stages.Lowered) else fn
+    if isinstance(made, jax.stages.Compiled):
+        return made
+    if isinstance(made, jax.stages.Lowered):
+        return made.compile()
+    if isinstance(made, tuple) and len(made) in (2, 3) and hasattr(made[0], "lower"):
+        args = made[1] if isinstance(made[1], tuple | list) else (made[1],)
+        kwargs = made[2] if len(made) == 3 else {}
+        return made[0].lower(*args, **kwargs).compile()
+    raise TargetError(
+        f"{target} returned {type(made).__name__}: it must return (jitted_fn, args), a Lowered or a Compiled"
+    )
