@@ -1,0 +1,9 @@
+"""Test set-up: 8 simulated CPU devices, configured once before JAX starts its backend."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
