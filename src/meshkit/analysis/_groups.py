@@ -100,14 +100,29 @@ def mesh_groups(
     return tuple(tuple(int(v) for v in row) for row in flat)
 
 
-def parse_replica_groups(attrs: str, num_devices: int | None) -> ReplicaGroups | None:
-    """Read ``replica_groups=...`` from an instruction's attribute text; None when absent."""
+def groups_text(attrs: str) -> str | None:
+    """The exact ``replica_groups=`` value in an instruction's attribute text, or None when absent."""
     pos = attrs.find("replica_groups=")
     if pos < 0:
         return None
     body = attrs[pos + len("replica_groups=") :]
     if body.startswith("{"):
-        text = _balanced(body, 0)
+        return _balanced(body, 0)
+    for pattern in (_IOTA, _MESH, _MAXIMAL):
+        if m := pattern.match(body):
+            return m.group(0)
+    raise HloParseError(f"cannot read replica_groups={body[:40]!r}: not a form meshkit knows")
+
+
+def parse_replica_groups(attrs: str, num_devices: int | None) -> ReplicaGroups | None:
+    """Read ``replica_groups=...`` from an instruction's attribute text; None when absent."""
+    text = groups_text(attrs)
+    return None if text is None else expand_groups(text, num_devices)
+
+
+def expand_groups(text: str, num_devices: int | None) -> ReplicaGroups:
+    """Expand replica groups printed in any form (see the module docstring) into device ids."""
+    if text.startswith("{"):
         inner = text[1:-1].strip()
         if not inner:
             if num_devices is None:
@@ -115,33 +130,36 @@ def parse_replica_groups(attrs: str, num_devices: int | None) -> ReplicaGroups |
             return ReplicaGroups(text, (tuple(range(num_devices)),))
         groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}", inner))
         return ReplicaGroups(text, groups)
-    if m := _IOTA.match(body):
+    if m := _IOTA.fullmatch(text):
         shape, dims = _ints(m.group(1)), _ints(m.group(2))
         perm = _ints(m.group(3)) if m.group(3) else list(range(len(dims)))
-        arr = np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(shape)
+        arr = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
         arr = arr.reshape(shape[0], -1) if len(shape) > 1 else arr.reshape(1, -1)
-        return ReplicaGroups(m.group(0), tuple(tuple(int(v) for v in row) for row in arr))
-    if m := _MESH.match(body):
-        mesh = []
-        for part in m.group(1).split(","):
-            name, _, size = part.strip().rpartition("=")
-            mesh.append((name.strip().strip("'\""), int(size)))
-        refs, labels = [], []
-        for ref in (r.strip() for r in m.group(3).split(",")):
-            if not ref:
-                continue
-            r = _AXIS_REF.match(ref)
-            if not r:
-                raise HloParseError(f"cannot read mesh axis {ref!r} in replica_groups")
-            pre, size = (int(r.group(2)), int(r.group(3))) if r.group(2) else (None, None)
-            refs.append((r.group(1), pre, size))
-            labels.append(r.group(1) if pre is None else f"{r.group(1)}:({pre}){size}")
-        ids = _ints(m.group(2)) if m.group(2) else None
-        groups = mesh_groups(tuple(mesh), refs, ids)
-        return ReplicaGroups(m.group(0), groups, mesh=tuple(mesh), axes=tuple(labels))
-    if m := _MAXIMAL.match(body):
-        return ReplicaGroups(m.group(0), ((int(m.group(1)),),))
-    raise HloParseError(f"cannot read replica_groups={body[:40]!r}: not a form meshkit knows")
+        return ReplicaGroups(text, tuple(tuple(int(v) for v in row) for row in arr))
+    if m := _MESH.fullmatch(text):
+        return _expand_mesh(text, m)
+    m = _MAXIMAL.fullmatch(text)
+    return ReplicaGroups(text, ((int(m.group(1)),),))
+
+
+def _expand_mesh(text: str, m: re.Match) -> ReplicaGroups:
+    mesh = []
+    for part in m.group(1).split(","):
+        name, _, size = part.strip().rpartition("=")
+        mesh.append((name.strip().strip("'\""), int(size)))
+    refs, labels = [], []
+    for ref in (r.strip() for r in m.group(3).split(",")):
+        if not ref:
+            continue
+        r = _AXIS_REF.match(ref)
+        if not r:
+            raise HloParseError(f"cannot read mesh axis {ref!r} in replica_groups")
+        pre, size = (int(r.group(2)), int(r.group(3))) if r.group(2) else (None, None)
+        refs.append((r.group(1), pre, size))
+        labels.append(r.group(1) if pre is None else f"{r.group(1)}:({pre}){size}")
+    ids = _ints(m.group(2)) if m.group(2) else None
+    groups = mesh_groups(tuple(mesh), refs, ids)
+    return ReplicaGroups(text, groups, mesh=tuple(mesh), axes=tuple(labels))
 
 
 def _canon(groups: Groups) -> frozenset[frozenset[int]]:

@@ -100,7 +100,9 @@ class Module:
     name: str
     entry: str | None
     instructions: list[Instruction]
-    types: dict[str, str]
+    types: dict[tuple[str, str], str]
+    """Result type text by (computation, name); names are module-unique in XLA's own output, but
+    hand-written or edited text may reuse them across computations."""
     edges: dict[str, list[Edge]] = field(default_factory=dict)
     num_partitions: int | None = None
     replica_count: int | None = None
@@ -113,8 +115,10 @@ class Module:
             name = text.rsplit(None, 1)[-1].lstrip("%") if text else ""
             if " " in text or "[" in text.split("%")[0]:
                 out.extend(parse_type(text))  # older HLO printed the type beside each operand
-            elif name in self.types:
-                out.extend(parse_type(self.types[name]))
+            elif (inst.computation, name) in self.types:
+                out.extend(parse_type(self.types[(inst.computation, name)]))
+            elif ("", name) in self.types:
+                out.extend(parse_type(self.types[("", name)]))
             else:
                 return None
         return tuple(out)
@@ -163,7 +167,7 @@ def parse_module(text: str) -> Module:
     if not isinstance(text, str) or not text.strip():
         raise HloParseError("empty HLO text: pass the output of compiled.as_text() or an .hlo/.txt dump file")
     instructions: list[Instruction] = []
-    types: dict[str, str] = {}
+    types: dict[tuple[str, str], str] = {}
     module_name, entry, current = "", None, None
     num_partitions = replica_count = None
     for lineno, raw in enumerate(text.splitlines(), 1):
@@ -200,7 +204,7 @@ def parse_module(text: str) -> Module:
             continue
         operands, end = _split_top(rest[op.end() :])
         attrs = rest[op.end() + end + 1 :]
-        types[name] = type_text
+        types[(current or "", name)] = type_text
         instructions.append(
             Instruction(
                 name=name,

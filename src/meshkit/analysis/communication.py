@@ -9,6 +9,7 @@ how many times it runs per step (loop trip counts), and the per-device traffic o
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -17,7 +18,15 @@ from typing import Any
 import jax
 
 from meshkit._errors import HloParseError
-from meshkit.analysis._groups import MeshShape, ReplicaGroups, match_axes, pair_axes, parse_replica_groups
+from meshkit.analysis._groups import (
+    MeshShape,
+    ReplicaGroups,
+    expand_groups,
+    groups_text,
+    match_axes,
+    pair_axes,
+    parse_replica_groups,
+)
 from meshkit.analysis._hlo import Array, Instruction, Module, frequencies, parse_module, parse_type
 from meshkit.analysis.cost import ring_traffic
 
@@ -66,6 +75,8 @@ class Collective:
     """False when it sits in a loop whose trip count the compiler does not state."""
     in_loop: bool
     """Whether it sits inside a while loop."""
+    in_conditional: bool
+    """Whether it sits under a conditional branch (so it runs at most ``executions`` times)."""
     is_async: bool
     """Whether it was issued as an async start/done pair (counted once)."""
     traffic_bytes: float | None
@@ -217,6 +228,16 @@ def communication(x: Any, mesh: MeshShape | Any | None = None) -> CommLedger:
     groups; by default the mesh of the program's input shardings, or the one printed in the text.
     """
     text = hlo_text(x)
+    gc_was_on = gc.isenabled()
+    gc.disable()  # millions of small objects: cyclic GC passes would make parsing superlinear
+    try:
+        return _communication(x, text, mesh)
+    finally:
+        if gc_was_on:
+            gc.enable()
+
+
+def _communication(x: Any, text: str, mesh: Any) -> CommLedger:
     if mesh is not None and hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
         mesh = tuple((str(k), int(v)) for k, v in mesh.shape.items())
     elif mesh is None and isinstance(x, jax.stages.Lowered | jax.stages.Compiled):
@@ -232,6 +253,7 @@ def communication(x: Any, mesh: MeshShape | Any | None = None) -> CommLedger:
             n_dev *= s
     records, warnings = [], []
     matched: dict[frozenset, tuple[str, ...] | None] = {}
+    parsed: dict[str, ReplicaGroups] = {}
     for inst in module.instructions:
         op, start = inst.opcode, False
         if op in _ASYNC:
@@ -241,7 +263,7 @@ def communication(x: Any, mesh: MeshShape | Any | None = None) -> CommLedger:
         f = freq.get(inst.computation)
         if f is None:
             continue  # dead computation, never called
-        rec = _record(module, inst, op, start, f, mesh, n_dev, matched)
+        rec = _record(module, inst, op, start, f, mesh, n_dev, matched, parsed)
         if not rec.exact:
             warnings.append(
                 f"{rec.op} {rec.name} runs inside a loop whose trip count the compiler does not state; counted once"
@@ -261,7 +283,17 @@ def _printed_mesh(instructions: Iterable[Instruction]) -> MeshShape | None:
     return None
 
 
-def _record(module, inst, op, start, f, mesh, n_dev, matched) -> Collective:
+def _groups_of(attrs: str, n_dev: int | None, parsed: dict[str, ReplicaGroups]) -> ReplicaGroups | None:
+    """Parse replica groups once per distinct text (large programs repeat a handful of forms)."""
+    text = groups_text(attrs)
+    if text is None:
+        return None
+    if text not in parsed:
+        parsed[text] = expand_groups(text, n_dev)
+    return parsed[text]
+
+
+def _record(module, inst, op, start, f, mesh, n_dev, matched, parsed) -> Collective:
     ins, outs = _arrays(module, inst)
     rg: ReplicaGroups | None = None
     if op in ("collective-permute", "send", "recv"):
@@ -276,7 +308,7 @@ def _record(module, inst, op, start, f, mesh, n_dev, matched) -> Collective:
         n = 2
         axes = pair_axes(pairs, mesh) if mesh and pairs else None
     else:
-        rg = parse_replica_groups(inst.attrs, n_dev)
+        rg = _groups_of(inst.attrs, n_dev, parsed)
         if rg is None:  # no groups printed: every device takes part
             if n_dev is None:
                 raise HloParseError(
@@ -314,6 +346,7 @@ def _record(module, inst, op, start, f, mesh, n_dev, matched) -> Collective:
         executions=f.count,
         exact=f.exact,
         in_loop=f.loops > 0,
+        in_conditional=f.conditional,
         is_async=start or f.async_wrapped,
         traffic_bytes=ring_traffic(op, size, n) if op in MODELLED else None,
     )

@@ -74,7 +74,14 @@ def comm(
     for r in ledger.records:
         shapes = ", ".join(f"{d}{list(s)}" for d, s in zip(r.dtypes, r.shapes, strict=True))
         flags = " ".join(
-            f for f, on in (("async", r.is_async), ("loop", r.in_loop), ("?trip", not r.exact)) if on
+            f
+            for f, on in (
+                ("async", r.is_async),
+                ("loop", r.in_loop),
+                ("?trip", not r.exact),
+                ("cond", r.in_conditional),
+            )
+            if on
         )
         rows.append(
             [r.op, shapes if len(shapes) < 48 else shapes[:45] + "...", fmt_bytes(r.size_bytes), r.group_size,
