@@ -1,0 +1,233 @@
+"""A small GPT-style decoder (pre-LN, learned positions, untied unembedding) as a plain pytree.
+
+Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``T = seq_len``, ``F = mlp_ratio * D``)::
+
+    {
+        "tok_embed": (V, D),
+        "pos_embed": (T, D),
+        "blocks": [                                   # a Python list, one dict per layer
+            {
+                "ln1": {"scale": (D,), "bias": (D,)},
+                "attn": {"wq": (D, D), "bq": (D,), "wk": (D, D), "bk": (D,),
+                         "wv": (D, D), "bv": (D,), "wo": (D, D), "bo": (D,)},
+                "ln2": {"scale": (D,), "bias": (D,)},
+                "mlp": {"w_in": (D, F), "b_in": (F,), "w_out": (F, D), "b_out": (D,)},
+            },
+            ...
+        ],
+        "ln_f": {"scale": (D,), "bias": (D,)},
+        "unembed": (D, V),
+    }
+
+The columns of wq, wk, wv (and the rows of wo) are ``heads * head_dim = D`` wide, head-major, so sharding
+the ``"heads"`` logical axis splits whole heads when the device count divides ``heads``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Params = dict[str, Any]
+Axes = tuple[str | None, ...]
+
+# Logical axis names per parameter, keyed by the leaf's dict key (unique across the tree).
+_AXES: dict[str, Axes] = {
+    "tok_embed": ("vocab", "embed"),
+    "pos_embed": ("seq", "embed"),
+    "unembed": ("embed", "vocab"),
+    "scale": ("embed",),
+    "bias": ("embed",),
+    "wq": ("embed", "heads"),
+    "wk": ("embed", "heads"),
+    "wv": ("embed", "heads"),
+    "bq": ("heads",),
+    "bk": ("heads",),
+    "bv": ("heads",),
+    "wo": ("heads", "embed"),
+    "bo": ("embed",),
+    "w_in": ("embed", "mlp"),
+    "b_in": ("mlp",),
+    "w_out": ("mlp", "embed"),
+    "b_out": ("embed",),
+}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class GPTConfig:
+    """Sizes and dtypes of a GPT decoder. Hashable, so it can be a static argument of ``jax.jit``."""
+
+    vocab_size: int
+    """Number of token ids (e.g. distinct characters for a character-level model)."""
+    seq_len: int
+    """Maximum context length: rows of the position table; inputs may be shorter."""
+    layers: int
+    """Number of transformer blocks."""
+    width: int
+    """Model width D (residual stream size); must be divisible by ``heads``."""
+    heads: int
+    """Number of attention heads; each has ``head_dim = width // heads``."""
+    mlp_ratio: int = 4
+    """Hidden MLP size as a multiple of ``width``."""
+    dtype: str = "float32"
+    """Dtype of the parameters as stored and updated by the optimizer."""
+    compute_dtype: str | None = None
+    """Dtype of the forward pass (params are cast to it inside ``apply``); ``None`` means ``dtype``."""
+
+    def __post_init__(self):
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.width // self.heads
+
+    @property
+    def mlp_width(self) -> int:
+        """Hidden MLP size F."""
+        return self.mlp_ratio * self.width
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _layer_norm_params(cfg: GPTConfig) -> dict[str, jax.Array]:
+    return {"scale": jnp.ones((cfg.width,), cfg.dtype), "bias": jnp.zeros((cfg.width,), cfg.dtype)}
+
+
+def _init_block(key: jax.Array, cfg: GPTConfig) -> Params:
+    d, f, dt = cfg.width, cfg.mlp_width, cfg.dtype
+    resid_std = 0.02 / math.sqrt(2 * cfg.layers)
+    kq, kk, kv, ko, kin, kout = jax.random.split(key, 6)
+    attn = {
+        "wq": _normal(kq, (d, d), 0.02, dt),
+        "bq": jnp.zeros((d,), dt),
+        "wk": _normal(kk, (d, d), 0.02, dt),
+        "bk": jnp.zeros((d,), dt),
+        "wv": _normal(kv, (d, d), 0.02, dt),
+        "bv": jnp.zeros((d,), dt),
+        "wo": _normal(ko, (d, d), resid_std, dt),
+        "bo": jnp.zeros((d,), dt),
+    }
+    mlp = {
+        "w_in": _normal(kin, (d, f), 0.02, dt),
+        "b_in": jnp.zeros((f,), dt),
+        "w_out": _normal(kout, (f, d), resid_std, dt),
+        "b_out": jnp.zeros((d,), dt),
+    }
+    return {"ln1": _layer_norm_params(cfg), "attn": attn, "ln2": _layer_norm_params(cfg), "mlp": mlp}
+
+
+def init(key: jax.Array, cfg: GPTConfig) -> Params:
+    """Parameters: weights ~ N(0, 0.02²), residual projections (wo, w_out) scaled by 1/sqrt(2 layers),
+    LayerNorm scales ones, biases zeros."""
+    k_tok, k_pos, k_un, k_blocks = jax.random.split(key, 4)
+    return {
+        "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
+        "pos_embed": _normal(k_pos, (cfg.seq_len, cfg.width), 0.02, cfg.dtype),
+        "blocks": [_init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)],
+        "ln_f": _layer_norm_params(cfg),
+        "unembed": _normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype),
+    }
+
+
+def _wide(dtype) -> jnp.dtype:
+    """The dtype for numerically sensitive steps: at least float32 (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _layer_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """LayerNorm with statistics in at least float32, result in the input dtype."""
+    xw_btd = x_btd.astype(_wide(x_btd.dtype))
+    mean_bt1 = xw_btd.mean(-1, keepdims=True)
+    var_bt1 = jnp.square(xw_btd - mean_bt1).mean(-1, keepdims=True)
+    y_btd = ((xw_btd - mean_bt1) * jax.lax.rsqrt(var_bt1 + eps)).astype(x_btd.dtype)
+    return y_btd * p["scale"] + p["bias"]
+
+
+def _attention(p: dict[str, jax.Array], x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
+    """Causal multi-head self-attention; scores and softmax in at least float32."""
+    b, t, _ = x_btd.shape
+    q_bthk, k_bthk, v_bthk = (
+        (x_btd @ p[w] + p[bias]).reshape(b, t, cfg.heads, cfg.head_dim)
+        for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+    )
+    wide = _wide(x_btd.dtype)
+    scores_bhts = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bthk, preferred_element_type=wide)
+    scores_bhts = scores_bhts / math.sqrt(cfg.head_dim)
+    causal_ts = jnp.tril(jnp.ones((t, t), bool))
+    scores_bhts = jnp.where(causal_ts, scores_bhts, jnp.finfo(wide).min)
+    probs_bhts = jax.nn.softmax(scores_bhts, axis=-1).astype(x_btd.dtype)
+    out_bthk = jnp.einsum("bhts,bshk->bthk", probs_bhts, v_bthk)
+    return out_bthk.reshape(b, t, cfg.width) @ p["wo"] + p["bo"]
+
+
+def _mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x_btd @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
+
+
+def apply(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
+    """Next-token logits ``(B, T, V)`` for integer tokens ``(B, T)`` with ``T <= seq_len``.
+
+    Parameters are cast to ``cfg.compute_dtype`` first; LayerNorm statistics, attention softmax and the
+    returned logits are float32 (float64 when computing in float64).
+    """
+    t = tokens_bt.shape[1]
+    if t > cfg.seq_len:
+        raise ValueError(f"sequence length {t} exceeds seq_len {cfg.seq_len}")
+    compute = cfg.compute_dtype or cfg.dtype
+    params = jax.tree.map(lambda p: p.astype(compute), params)
+    x_btd = params["tok_embed"][tokens_bt] + params["pos_embed"][:t]
+    for block in params["blocks"]:
+        x_btd = x_btd + _attention(block["attn"], _layer_norm(block["ln1"], x_btd), cfg)
+        x_btd = x_btd + _mlp(block["mlp"], _layer_norm(block["ln2"], x_btd))
+    x_btd = _layer_norm(params["ln_f"], x_btd)
+    return jnp.matmul(x_btd, params["unembed"], preferred_element_type=_wide(compute))
+
+
+def make_loss(cfg: GPTConfig) -> Callable[[Params, tuple[jax.Array, jax.Array]], jax.Array]:
+    """``loss(params, (tokens_bt, targets_bt))``: mean token cross-entropy of the next-token logits."""
+
+    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+        tokens_bt, targets_bt = batch
+        logits_btv = apply(params, tokens_bt, cfg)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt).mean()
+
+    return loss
+
+
+def logical_axes(params: Params) -> Any:
+    """The same structure as ``params`` with a tuple of logical axis names (or None) per dimension.
+
+    Names: ``"vocab"``, ``"embed"`` (width), ``"heads"`` (the heads*head_dim dimension), ``"mlp"`` (hidden
+    MLP dimension), ``"seq"`` (position table rows). Works on arrays or ``jax.ShapeDtypeStruct`` leaves.
+    """
+    return jax.tree.map_with_path(lambda path, _: _AXES[path[-1].key], params)
+
+
+def matmul_params(cfg: GPTConfig) -> int:
+    """Parameter count without the token and position tables, which are lookups rather than matmuls.
+
+    Biases and LayerNorm parameters are included (as nanoGPT does); they are a negligible share.
+    """
+    d, f = cfg.width, cfg.mlp_width
+    block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
+    return cfg.layers * block + 2 * d + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: GPTConfig) -> int:
+    """Training FLOPs per token at full context: ``6 N + 12 L T D`` (PaLM, appendix B).
+
+    ``N = matmul_params(cfg)`` (embedding lookups are not matmuls); ``6 N`` is forward (2 N) plus backward
+    (4 N) for the weight matmuls, and ``12 L T D`` the attention score and value matmuls (``Q K^T`` and
+    ``P V``, 2 x 2 T D forward per layer, x3 with backward), with no discount for the causal mask.
+    """
+    return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.seq_len * cfg.width
