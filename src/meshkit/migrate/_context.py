@@ -1,0 +1,189 @@
+"""What the rules know about a module: resolved names, and every place ``jax.pmap`` is applied."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import QualifiedNameProvider
+
+COLLECTIVES = frozenset(
+    f"jax.lax.{n}" for n in ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute")
+)
+_PMAP_POSITIONAL = ("fun", "axis_name")
+_EMPTY = cst.Module(body=[])
+
+
+def code(node: cst.CSTNode) -> str:
+    """The source text of ``node``."""
+    return _EMPTY.code_for_node(node)
+
+
+def keyword(call: cst.Call, name: str) -> cst.Arg | None:
+    """The ``name=...`` argument of ``call``, if given."""
+    return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
+
+
+def drop_keyword(call: cst.Call, name: str) -> cst.Call:
+    """``call`` without its ``name=...`` argument; the comma of the last argument is kept as it was."""
+    args = list(call.args)
+    i = next(i for i, a in enumerate(args) if a.keyword is not None and a.keyword.value == name)
+    removed = args.pop(i)
+    if i == len(args) and args:
+        args[-1] = args[-1].with_changes(comma=removed.comma)
+    return call.with_changes(args=args)
+
+
+def pmap_arguments(call: cst.Call, offset: int) -> dict[str, cst.Arg] | None:
+    """pmap's arguments by name (``fun``, ``axis_name`` may be positional); None with ``*``/``**``."""
+    named: dict[str, cst.Arg] = {}
+    for i, a in enumerate(call.args[offset:]):
+        if a.star:
+            return None
+        if a.keyword is not None:
+            named[a.keyword.value] = a
+        elif i < len(_PMAP_POSITIONAL):
+            named[_PMAP_POSITIONAL[i]] = a
+        else:
+            return None
+    return named
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PmapSite:
+    """One application of ``jax.pmap``: a call ``jax.pmap(f, ...)`` or a decorator on a ``def``.
+
+    ``anchor`` is the Call or Decorator node; ``call`` carries pmap's arguments (None for a bare
+    ``@jax.pmap``) from ``offset`` on; ``fn`` is the mapped function where this module defines it;
+    ``name`` is the name the pmapped function is bound to.
+    """
+
+    anchor: cst.CSTNode
+    call: cst.Call | None
+    offset: int
+    fn: cst.FunctionDef | cst.Lambda | None
+    name: str | None
+    decorator: bool
+
+    def arguments(self) -> dict[str, cst.Arg] | None:
+        return {} if self.call is None else pmap_arguments(self.call, self.offset)
+
+
+@dataclass(kw_only=True, slots=True)
+class Context:
+    """Per-module facts the rules share, built once before the rewrite pass."""
+
+    get_metadata: Callable
+    sites: dict[cst.CSTNode, PmapSite] = field(default_factory=dict)
+    nested: dict[cst.Call, PmapSite] = field(default_factory=dict)
+    nested_sites: set[int] = field(default_factory=set)
+
+    def qname(self, node: cst.CSTNode) -> str | None:
+        """The dotted name ``node`` refers to through the module's imports (``jnp.ones`` -> ``jax.numpy.ones``)."""
+        names = self.get_metadata(QualifiedNameProvider, node, set())
+        return min((q.name for q in names), default=None)
+
+    def callee(self, call: cst.Call) -> tuple[str | None, int]:
+        """The function a call applies, seen through ``functools.partial``, and where its arguments start."""
+        name = self.qname(call.func)
+        if name == "functools.partial" and call.args and call.args[0].keyword is None:
+            return self.qname(call.args[0].value), 1
+        return name, 0
+
+    def uses_collectives(self, fn: cst.CSTNode) -> bool:
+        """Whether the body of ``fn`` calls a ``jax.lax`` collective."""
+        return any(self.qname(c.func) in COLLECTIVES for c in _calls(fn))
+
+    def is_nested(self, site: PmapSite) -> bool:
+        return id(site) in self.nested_sites
+
+
+def _calls(node: cst.CSTNode) -> list[cst.Call]:
+    found: list[cst.Call] = []
+
+    class _Collect(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            found.append(call)
+
+    node.visit(_Collect())
+    return found
+
+
+class _SiteFinder(cst.CSTVisitor):
+    """Collects functions by name, assignments of calls, and the pmap sites of a module."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.defs: dict[str, cst.FunctionDef] = {}
+        self.assigned: dict[cst.Call, str] = {}
+        self.decorators: set[int] = set()
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.defs[node.name.value] = node
+        for d in node.decorators:
+            self.decorators.add(id(d.decorator))
+            expr = d.decorator
+            if self.ctx.qname(expr) == "jax.pmap":
+                self._add(d, None, 0, node, node.name.value, True)
+            elif isinstance(expr, cst.Call) and self.ctx.callee(expr) == ("jax.pmap", 1):
+                self._add(d, expr, 1, node, node.name.value, True)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if isinstance(node.value, cst.Call) and len(node.targets) == 1:
+            target = node.targets[0].target
+            if isinstance(target, cst.Name):
+                self.assigned[node.value] = target.value
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if id(node) in self.decorators:
+            return
+        name, offset = self.ctx.callee(node)
+        if name == "jax.pmap":
+            self._add(node, node, offset, None, self.assigned.get(node), False)
+
+    def _add(self, anchor, call, offset, fn, name, decorator) -> None:
+        self.ctx.sites[anchor] = PmapSite(
+            anchor=anchor, call=call, offset=offset, fn=fn, name=name, decorator=decorator
+        )
+
+    def resolve(self, site: PmapSite) -> PmapSite:
+        """The site with ``fn`` filled in when the mapped function is a lambda or a def of this module."""
+        if site.fn is not None or site.call is None or site.offset != 0:
+            return site
+        fun = (site.arguments() or {}).get("fun")
+        value = None if fun is None else fun.value
+        if isinstance(value, cst.Lambda):
+            return _replace_fn(site, value)
+        if isinstance(value, cst.Name) and value.value in self.defs:
+            return _replace_fn(site, self.defs[value.value])
+        return site
+
+
+def _replace_fn(site: PmapSite, fn: cst.FunctionDef | cst.Lambda) -> PmapSite:
+    return PmapSite(
+        anchor=site.anchor,
+        call=site.call,
+        offset=site.offset,
+        fn=fn,
+        name=site.name,
+        decorator=site.decorator,
+    )
+
+
+def build_context(module: cst.Module, get_metadata: Callable) -> Context:
+    """Resolve every pmap site of ``module`` and find pmapped functions called inside pmapped functions."""
+    ctx = Context(get_metadata=get_metadata)
+    finder = _SiteFinder(ctx)
+    module.visit(finder)
+    ctx.sites = {anchor: finder.resolve(s) for anchor, s in ctx.sites.items()}
+    by_name = {s.name: s for s in ctx.sites.values() if s.name is not None}
+    for outer in ctx.sites.values():
+        if outer.fn is None:
+            continue
+        for call in _calls(outer.fn):
+            inner = by_name.get(call.func.value) if isinstance(call.func, cst.Name) else None
+            if inner is not None and inner is not outer:
+                ctx.nested[call] = outer
+                ctx.nested_sites.update((id(outer), id(inner)))
+    return ctx

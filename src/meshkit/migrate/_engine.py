@@ -1,0 +1,130 @@
+"""One pass over a module: run the rules on every node, record findings, apply the safe rewrites."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+
+from meshkit.migrate._context import Context, build_context
+from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Import, Rule
+
+
+def _comments(node: cst.CSTNode | cst.FlattenSentinel) -> Counter[str]:
+    found: Counter[str] = Counter()
+    if isinstance(node, cst.FlattenSentinel):
+        return sum((_comments(n) for n in node.nodes), found)
+
+    class _Collect(cst.CSTVisitor):
+        def visit_Comment(self, comment: cst.Comment) -> None:
+            found[comment.value] += 1
+
+    node.visit(_Collect())
+    return found
+
+
+class _Migrator(cst.CSTTransformer):
+    """Runs ``rules`` on every node; with ``fix``, replaces nodes and keeps every comment."""
+
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+
+    def __init__(self, path: str, rules: Iterable[Rule], fix: bool) -> None:
+        super().__init__()
+        self.path, self.fix = path, fix
+        self.by_type: dict[type, list[Rule]] = {}
+        for r in rules:
+            for t in r.nodes:
+                self.by_type.setdefault(t, []).append(r)
+        self.findings: list[Finding] = []
+        self.imports: set[Import] = set()
+        self.unused: set[tuple[str, str]] = set()
+        self.orphans: list[str] = []
+        self.ctx: Context | None = None
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.ctx = build_context(node, self.get_metadata)
+        return True
+
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+        for r in self.by_type.get(type(original), ()):
+            hit = r.check(original, self.ctx)
+            if hit is None:
+                continue
+            start = self.get_metadata(PositionProvider, original).start
+            fix = hit.fix if hit.rewrite else f"by hand: {hit.fix}"
+            self.findings.append(
+                Finding(
+                    path=self.path,
+                    line=start.line,
+                    col=start.column + 1,
+                    rule=r.id,
+                    message=hit.message,
+                    fix=fix,
+                    fixable=hit.rewrite is not None,
+                )
+            )
+            if self.fix and hit.rewrite is not None:
+                new = hit.rewrite(updated)
+                self.orphans.extend((_comments(updated) - _comments(new)).elements())
+                updated = new
+                self.imports.update(hit.imports)
+                self.unused.update(hit.unused)
+        return self._adopt_orphans(updated)
+
+    def _adopt_orphans(self, node: cst.CSTNode) -> cst.CSTNode:
+        """Put comments a rewrite dropped above the statement that held them."""
+        if not self.orphans:
+            return node
+        lines = [cst.EmptyLine(comment=cst.Comment(c)) for c in self.orphans]
+        if isinstance(node, cst.SimpleStatementLine | cst.BaseCompoundStatement):
+            self.orphans = []
+            return node.with_changes(leading_lines=[*node.leading_lines, *lines])
+        if isinstance(node, cst.Module):
+            self.orphans = []
+            return node.with_changes(header=[*node.header, *lines])
+        return node
+
+
+def _fix_imports(tree: cst.Module, migrator: _Migrator) -> cst.Module:
+    if not (migrator.imports or migrator.unused):
+        return tree
+    context = CodemodContext()
+    for module, obj, asname in sorted(migrator.imports, key=str):
+        AddImportsVisitor.add_needed_import(context, module, obj, asname)
+    for module, obj in sorted(migrator.unused):
+        RemoveImportsVisitor.remove_unused_import(context, module, obj)
+    tree = AddImportsVisitor(context).transform_module(tree)
+    return RemoveImportsVisitor(context).transform_module(tree)
+
+
+def run(
+    text: str, path: str = "<string>", *, fix: bool = False, select: Iterable[str] | None = None
+) -> tuple[list[Finding], str]:
+    """Findings in ``text`` and, with ``fix``, the text with every safe fix applied.
+
+    A file that does not parse gives one MK000 finding and comes back unchanged.
+    """
+    rules = [REGISTRY[i] for i in sorted(REGISTRY) if select is None or i in set(select)]
+    try:
+        wrapper = MetadataWrapper(cst.parse_module(text))
+    except cst.ParserSyntaxError as e:
+        first = (str(e.message).strip().splitlines() or ["syntax error"])[0]
+        finding = Finding(
+            path=path,
+            line=e.raw_line,
+            col=e.raw_column + 1,
+            rule=PARSE_ERROR.id,
+            message=f"cannot parse: {first}",
+            fix="by hand: make the file valid Python, then run migrate again",
+            fixable=False,
+        )
+        return [finding], text
+    migrator = _Migrator(path, rules, fix)
+    tree = wrapper.visit(migrator)
+    if fix:
+        tree = _fix_imports(tree, migrator)
+    return migrator.findings, tree.code if fix else text
