@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections import Counter
 from collections.abc import Iterable
 
@@ -101,6 +102,15 @@ def _fix_imports(tree: cst.Module, migrator: _Migrator) -> cst.Module:
     return RemoveImportsVisitor(context).transform_module(tree)
 
 
+def _syntax_error(text: str, path: str) -> tuple[int, int, str] | None:
+    """Python's own line, 0-based column and message for a syntax error (clearer than the CST parser's)."""
+    try:
+        compile(text, path, "exec", flags=ast.PyCF_ONLY_AST)
+    except SyntaxError as e:
+        return e.lineno or 1, max((e.offset or 1) - 1, 0), e.msg
+    return None
+
+
 def run(
     text: str, path: str = "<string>", *, fix: bool = False, select: Iterable[str] | None = None
 ) -> tuple[list[Finding], str]:
@@ -112,13 +122,13 @@ def run(
     try:
         wrapper = MetadataWrapper(cst.parse_module(text))
     except cst.ParserSyntaxError as e:
-        first = (str(e.message).strip().splitlines() or ["syntax error"])[0]
+        line, col, why = _syntax_error(text, path) or (e.raw_line, e.raw_column, str(e.message))
         finding = Finding(
             path=path,
-            line=e.raw_line,
-            col=e.raw_column + 1,
+            line=line,
+            col=col + 1,
             rule=PARSE_ERROR.id,
-            message=f"cannot parse: {first}",
+            message=f"cannot parse: {(why.strip().splitlines() or ['syntax error'])[0]}",
             fix="by hand: make the file valid Python, then run migrate again",
             fixable=False,
         )

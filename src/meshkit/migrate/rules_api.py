@@ -34,6 +34,10 @@ def _absolute(expr: str):
     return lambda node: cst.parse_expression(expr).with_changes(lpar=node.lpar, rpar=node.rpar)
 
 
+def _import_text(module: str, name: str, local: str) -> str:
+    return f"from {module} import {name}" + ("" if name == local else f" as {local}")
+
+
 def _from_import(
     node: cst.ImportFrom, module: str, renames: dict[str, tuple[str, str]], message: str
 ) -> Hit | None:
