@@ -15,17 +15,30 @@ from meshkit.migrate._context import Context, build_context
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Import, Rule
 
 
-def _comments(node: cst.CSTNode | cst.FlattenSentinel) -> Counter[str]:
-    found: Counter[str] = Counter()
+def _comments(node: cst.CSTNode | cst.FlattenSentinel) -> list[str]:
+    """The comments in ``node``, in source order."""
     if isinstance(node, cst.FlattenSentinel):
-        return sum((_comments(n) for n in node.nodes), found)
+        return [c for n in node.nodes for c in _comments(n)]
+    found: list[str] = []
 
     class _Collect(cst.CSTVisitor):
         def visit_Comment(self, comment: cst.Comment) -> None:
-            found[comment.value] += 1
+            found.append(comment.value)
 
     node.visit(_Collect())
     return found
+
+
+def _lost(before: cst.CSTNode, after: cst.CSTNode | cst.FlattenSentinel) -> list[str]:
+    """Comments of ``before`` that ``after`` no longer has, in source order."""
+    kept = Counter(_comments(after))
+    lost = []
+    for c in _comments(before):
+        if kept[c]:
+            kept[c] -= 1
+        else:
+            lost.append(c)
+    return lost
 
 
 class _Migrator(cst.CSTTransformer):
@@ -70,17 +83,19 @@ class _Migrator(cst.CSTTransformer):
             )
             if self.fix and hit.rewrite is not None:
                 new = hit.rewrite(updated)
-                self.orphans.extend((_comments(updated) - _comments(new)).elements())
+                self.orphans.extend(_lost(updated, new))
                 updated = new
                 self.imports.update(hit.imports)
                 self.unused.update(hit.unused)
-        return self._adopt_orphans(updated)
+        return self._adopt_orphans(original, updated)
 
-    def _adopt_orphans(self, node: cst.CSTNode) -> cst.CSTNode:
-        """Put comments a rewrite dropped above the statement that held them."""
+    def _adopt_orphans(self, original: cst.CSTNode, node: cst.CSTNode) -> cst.CSTNode:
+        """Put comments a rewrite dropped above the statement that held them, in their source order."""
         if not self.orphans:
             return node
-        lines = [cst.EmptyLine(comment=cst.Comment(c)) for c in self.orphans]
+        order = _comments(original)
+        ordered = sorted(self.orphans, key=lambda c: order.index(c) if c in order else len(order))
+        lines = [cst.EmptyLine(comment=cst.Comment(c)) for c in ordered]
         if isinstance(node, cst.SimpleStatementLine | cst.BaseCompoundStatement):
             self.orphans = []
             return node.with_changes(leading_lines=[*node.leading_lines, *lines])

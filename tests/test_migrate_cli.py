@@ -1,0 +1,126 @@
+"""meshkit migrate on files and through the CLI: output format, --diff, --fix, --check, --json, excludes."""
+
+import io
+import json
+import re
+import shutil
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from meshkit.cli import main
+from meshkit.migrate import MigratePathError, fix_source, lint
+
+FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
+LINE = re.compile(r"^\S+:\d+:\d+ MK\d{3} .+ \(fix: .+\)$")
+COMMENTED = """\
+# header comment
+import jax  # why jax
+
+# a step, mapped over devices
+step = jax.pmap(  # opening
+    lambda x: x * 2,  # the body
+    axis_name="i",  # the axis
+    jit=True,  # legacy flag
+)
+key = jax.random.PRNGKey(0)  # seed
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A copy of the fixtures plus a file that does not parse and one under an excluded directory."""
+    shutil.copytree(FIXTURES, tmp_path / "proj")
+    (tmp_path / "proj" / "broken.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "proj" / "vendor").mkdir()
+    (tmp_path / "proj" / "vendor" / "old.py").write_text("import jax\nk = jax.random.PRNGKey(1)\n")
+    return tmp_path / "proj"
+
+
+def comments(text: str) -> list[str]:
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return sorted(t.string for t in tokens if t.type == tokenize.COMMENT)
+
+
+def test_fix_keeps_every_comment_and_is_idempotent():
+    once = fix_source(COMMENTED)
+    assert comments(once) == comments(COMMENTED)
+    assert "jit=" not in once and "jax.random.key(0)  # seed" in once
+    assert fix_source(once) == once
+    fixture = (FIXTURES / "legacy_train.py").read_text()
+    assert comments(fix_source(fixture)) == comments(fixture)
+    assert fix_source(fix_source(fixture)) == fix_source(fixture)
+
+
+def test_directory_with_a_syntax_error_reports_it_and_goes_on(project: Path, capsys):
+    assert main(["migrate", str(project)]) == 0
+    out = capsys.readouterr().out
+    broken = [line for line in out.splitlines() if "broken.py" in line]
+    assert len(broken) == 1 and re.match(r"^\S+broken\.py:1:7 MK000 cannot parse: ", broken[0])
+    assert "legacy_train.py:13:1 MK015 " in out and "vendor/old.py:2:5 MK002 " in out
+    assert sum(1 for f in lint([project]) if f.rule == "MK000") == 1
+
+
+def test_lint_output_format_and_summary(project: Path, capsys):
+    assert main(["migrate", str(project / "legacy_train.py"), str(project / "modern.py")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    findings = [line for line in out if LINE.match(line)]
+    assert len(findings) == 5
+    assert any(line.startswith(f"{project}/legacy_train.py:29:11 MK002 ") for line in findings)
+    assert "Findings by rule" in out[len(findings)]
+    assert out[-1] == "5 finding(s) in 2 file(s)"
+
+
+def test_diff_shows_the_change_and_writes_nothing(project: Path, capsys):
+    path = project / "vendor" / "old.py"
+    assert main(["migrate", str(path), "--diff", "--fix"]) == 0
+    out = capsys.readouterr().out
+    assert f"--- {path}\n+++ {path} (fixed)\n" in out
+    assert "-k = jax.random.PRNGKey(1)\n+k = jax.random.key(1)\n" in out
+    assert path.read_text() == "import jax\nk = jax.random.PRNGKey(1)\n"
+
+
+def test_fix_writes_then_check_passes_and_second_fix_changes_nothing(project: Path, capsys):
+    target = project / "legacy_train.py"
+    assert main(["migrate", str(target), "--fix", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == "0 finding(s) in 1 file(s); fixed 5"
+    fixed = target.read_text()
+    assert "jax.shard_map(" in fixed and "jax.pmap" not in fixed
+    assert main(["migrate", str(target), "--fix", "--check"]) == 0
+    assert target.read_text() == fixed
+
+
+def test_check_exits_1_while_findings_remain(project: Path, capsys):
+    assert main(["migrate", str(project / "modern.py"), "--check"]) == 0
+    assert main(["migrate", str(project / "legacy_train.py"), "--check"]) == 1
+    nested = project / "nested.py"
+    nested.write_text("import jax\ninner = jax.pmap(lambda x: x)\nouter = jax.pmap(lambda x: inner(x))\n")
+    assert main(["migrate", str(nested), "--fix", "--check"]) == 1
+    assert "MK014" in capsys.readouterr().out
+
+
+def test_json_lists_findings_and_counts(project: Path, capsys):
+    assert main(["migrate", str(project), "--json", "--exclude", "broken.py"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["counts"] == {"MK001": 1, "MK002": 2, "MK010": 1, "MK015": 2}
+    assert report["files"] == 3 and report["fixed"] == 0
+    first = report["findings"][0]
+    assert set(first) == {"path", "line", "col", "rule", "message", "fix", "fixable"}
+
+
+def test_excludes_skip_matching_files_and_directories(project: Path, capsys):
+    assert main(["migrate", str(project), "--json", "--exclude", "vendor", "--exclude", "*.py"]) == 0
+    assert json.loads(capsys.readouterr().out)["files"] == 0
+    assert main(["migrate", str(project), "--json", "--exclude", "vendor", "--exclude", "broken*"]) == 0
+    paths = {Path(f["path"]).name for f in json.loads(capsys.readouterr().out)["findings"]}
+    assert paths == {"legacy_train.py"}
+
+
+def test_missing_path_is_one_line_error_and_exit_2(tmp_path: Path, capsys):
+    assert main(["migrate", str(tmp_path / "nope.py")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: no such file or directory ") and captured.err.count("\n") == 1
+    with pytest.raises(MigratePathError):
+        lint([tmp_path / "nope.py"])
