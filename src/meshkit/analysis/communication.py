@@ -318,7 +318,7 @@ def _record(module, inst, op, start, f, mesh, n_dev, matched, parsed) -> Collect
         else:
             groups = rg.groups
         n = len(groups[0]) if groups else 1
-        if rg is not None and rg.axes is not None:
+        if rg is not None and rg.axes is not None and (mesh is None or rg.mesh == tuple(mesh)):
             axes = rg.axes
         elif mesh is not None:
             key = frozenset(frozenset(g) for g in groups)

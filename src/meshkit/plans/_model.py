@@ -1,0 +1,210 @@
+"""What a plan should cost: the collectives per step under the ring model, and per-device memory.
+
+The model is built from the layout alone (leaf sizes and where each leaf lives), never from the
+compiled program, so setting it beside the ledger is a real check. Per step, with N devices on
+the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on one model shard:
+
+- dp: one all-reduce over data of every gradient (sum of b);
+- zero1: one reduce-scatter of the sharded gradients, one all-gather of the updated parameters;
+- zero2: a reduce-scatter per micro-batch, one all-gather of the updated parameters;
+- zero3: a reduce-scatter of the gradients per micro-batch and one all-gather of the parameters
+  (the gather is loop-invariant across micro-batches, and XLA hoists it out of the loop: the full
+  parameters then live through the accumulation, which the memory report shows as temporaries);
+- leaves a ZeRO plan keeps whole: one all-reduce over data;
+- tensor parallel, per micro-batch: every row-parallel matrix (model axis on its rows) all-reduces
+  its output partial sums in the forward pass (tokens x output width), and every column-parallel
+  matrix (model axis on its columns) all-reduces the partial sums of its input gradient in the
+  backward pass (tokens x input width). A GPT layer has wo and w_out row-parallel, wq, wk, wv and
+  w_in column-parallel: 2 forward and 4 backward all-reduces.
+
+Scalar collectives (the loss, gradient-norm partial sums) are left out of the comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+import optax
+
+from meshkit.analysis.communication import CommLedger
+from meshkit.analysis.cost import ring_traffic
+from meshkit.plans._layout import DATA, MODEL, Layout, LeafLayout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expected:
+    """One kind of collective the plan should run."""
+
+    op: str
+    axes: str
+    count: int
+    size_bytes: float
+    """S summed over the executions of one step."""
+    traffic_bytes: float
+    """Per-device ring traffic per step (all executions)."""
+    what: str
+
+
+def _model_bytes(leaf: LeafLayout, model: int) -> int:
+    return leaf.nbytes // model if leaf.model_sharded else leaf.nbytes
+
+
+def expected_collectives(
+    layout: Layout, accumulate: int, *, tokens_per_device: int, activation_bytes: int = 4
+) -> list[Expected]:
+    """The plan's collectives per step (see the module docstring)."""
+    n, m_axis, stage = layout.data_size, layout.model_size, layout.plan.stage
+    out: list[Expected] = []
+
+    def add(op, axes, count, size, n_group, what):
+        if count and size:
+            out.append(
+                Expected(op=op, axes=axes, count=count, size_bytes=count * size,
+                         traffic_bytes=count * ring_traffic(op, size, n_group), what=what)
+            )  # fmt: skip
+
+    leaves = layout.flat()
+    if n > 1:
+        sharded = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is not None)
+        whole = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is None)
+        add("all-reduce", DATA, 1, whole, n, "gradients of leaves kept whole on data")
+        if stage == "zero1":
+            add("reduce-scatter", DATA, 1, sharded, n, "gradients, once after accumulation")
+            add("all-gather", DATA, 1, sharded, n, "updated parameters")
+        elif stage == "zero2":
+            add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
+            add("all-gather", DATA, 1, sharded, n, "updated parameters")
+        elif stage == "zero3":
+            add("all-gather", DATA, 1, sharded, n, "parameters (hoisted out of the micro-batch loop)")
+            add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
+    if m_axis > 1:
+        for x in leaves:
+            if len(x.shape) != 2:
+                continue
+            if x.model_spec[0] == MODEL:  # row-parallel: forward partial sums of the output
+                size = tokens_per_device * x.shape[1] * activation_bytes
+                add("all-reduce", MODEL, accumulate, size, m_axis, f"{x.path}: forward output partial sums")
+            elif x.model_spec[1] == MODEL:  # column-parallel: backward partial sums of the input gradient
+                size = tokens_per_device * x.shape[0] * activation_bytes
+                add(
+                    "all-reduce",
+                    MODEL,
+                    accumulate,
+                    size,
+                    m_axis,
+                    f"{x.path}: backward input-gradient partial sums",
+                )
+    return _merge(out)
+
+
+def _merge(items: Iterable[Expected]) -> list[Expected]:
+    """One row per (op, axes): counts, bytes and traffic added up."""
+    merged: dict[tuple[str, str], Expected] = {}
+    for e in items:
+        key = (e.op, e.axes)
+        if key in merged:
+            o = merged[key]
+            e = Expected(op=e.op, axes=e.axes, count=o.count + e.count,
+                         size_bytes=o.size_bytes + e.size_bytes,
+                         traffic_bytes=o.traffic_bytes + e.traffic_bytes, what=f"{o.what}; {e.what}")  # fmt: skip
+        merged[key] = e
+    return list(merged.values())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommRow:
+    """Measured beside model for one (op, axes)."""
+
+    op: str
+    axes: str
+    measured_runs: int
+    measured_traffic_bytes: float
+    model_runs: int
+    model_traffic_bytes: float
+
+    @property
+    def ratio(self) -> float | None:
+        if self.model_traffic_bytes == 0:
+            return None
+        return self.measured_traffic_bytes / self.model_traffic_bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio is not None and abs(self.ratio - 1) <= 0.01
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio, "ok": self.ok}
+
+
+def compare_communication(ledger: CommLedger, expected: list[Expected]) -> list[CommRow]:
+    """Measured traffic per (op, axes) beside the model; scalar collectives are left out."""
+    measured: dict[tuple[str, str], list] = {}
+    for r in ledger.records:
+        if all(shape == () for shape in r.shapes):
+            continue  # scalar metrics
+        key = (r.op, r.axes_label)
+        runs, traffic = measured.get(key, (0, 0.0))
+        measured[key] = (runs + r.executions, traffic + (r.total_traffic_bytes or 0.0))
+    model = {(e.op, e.axes): e for e in expected}
+    rows = []
+    for key in sorted(set(measured) | set(model)):
+        runs, traffic = measured.get(key, (0, 0.0))
+        e = model.get(key)
+        rows.append(
+            CommRow(op=key[0], axes=key[1], measured_runs=runs, measured_traffic_bytes=traffic,
+                    model_runs=e.count if e else 0, model_traffic_bytes=e.traffic_bytes if e else 0.0)
+        )  # fmt: skip
+    return rows
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryRow:
+    component: str
+    measured_bytes: float
+    formula_bytes: float
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.formula_bytes else self.measured_bytes / self.formula_bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio is not None and abs(self.ratio - 1) <= 1e-9
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio, "ok": self.ok}
+
+
+def _divisor(leaf: LeafLayout, layout: Layout, sharded_on_data: bool) -> int:
+    d = layout.model_size if leaf.model_sharded else 1
+    if sharded_on_data and leaf.data_dim is not None:
+        d *= layout.data_size
+    return d
+
+
+def memory_formula(layout: Layout, optimizer: optax.GradientTransformation, params: Any) -> dict[str, float]:
+    """Per-device persistent bytes by the ZeRO rules, leaf by leaf (params and optimizer state)."""
+    stage = layout.plan.stage
+    params_b = sum(x.nbytes / _divisor(x, layout, stage == "zero3") for x in layout.flat())
+    shapes = jax.eval_shape(optimizer.init, params)
+    per_leaf = optax.tree_map_params(
+        optimizer,
+        lambda s, leaf: s.size * s.dtype.itemsize / _divisor(leaf, layout, stage != "dp"),
+        shapes,
+        layout.leaves,
+        transform_non_params=lambda s: s.size * s.dtype.itemsize,
+        is_leaf=lambda x: isinstance(x, LeafLayout),
+    )
+    return {"params": params_b, "optimizer": float(sum(jax.tree.leaves(per_leaf)))}
+
+
+def device_bytes(tree: Any) -> float:
+    """Bytes of a pytree of arrays held by the first addressable device."""
+    dev = jax.local_devices()[0]
+    total = 0
+    for a in jax.tree.leaves(tree):
+        total += sum(s.data.nbytes for s in a.addressable_shards if s.device == dev)
+    return float(total)

@@ -1,0 +1,211 @@
+"""The training step of a plan: gradients with the data-axis collectives written out, then optax.
+
+The gradient runs in ``jax.shard_map`` manual over the ``data`` axis only (the ``model`` axis, if
+any, stays with the compiler, which partitions the tensor-parallel matmuls). Collectives on the
+data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
+
+- dp:    local sum over micro-batches, then one all-reduce of the gradients;
+- zero1: local sum, then one reduce-scatter (every device holds full local gradients, as ZeRO-1);
+- zero2: one reduce-scatter per micro-batch into a sharded accumulator;
+- zero3: parameters all-gathered inside the loss per micro-batch; the gather's transpose is the
+  gradient reduce-scatter.
+
+Leaves a ZeRO plan keeps whole are all-reduced once. The optimizer update then runs in the global
+view on the sharded gradients and state, and the new parameters are pinned to the plan's layout
+(zero1/2: the compiler all-gathers the updated shards). Clipping by global norm is computed over
+the sharded gradients (a scalar all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshkit.plans._layout import DATA, Layout, LeafLayout
+
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, LeafLayout)
+
+
+def _split_micro(batch: Any, m: int) -> Any:
+    return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m, *a.shape[1:])), batch)
+
+
+def _gather(params: Any, layout: Layout) -> Any:
+    return jax.tree.map(
+        lambda a, leaf: (
+            a if leaf.data_dim is None else lax.all_gather(a, DATA, axis=leaf.data_dim, tiled=True)
+        ),
+        params,
+        layout.leaves,
+        is_leaf=lambda x: _is_leaf(x) or x is None,
+    )
+
+
+def _scatter_leaf(g: jax.Array, leaf: LeafLayout) -> jax.Array:
+    if leaf.data_dim is None:
+        return g  # replicated on data: summed once at the end
+    return lax.psum_scatter(g, DATA, scatter_dimension=leaf.data_dim, tiled=True)
+
+
+def _scatter(grads: Any, layout: Layout) -> Any:
+    """Reduce-scatter the data-sharded leaves; replicated leaves stay local."""
+    return jax.tree.map(_scatter_leaf, grads, layout.leaves)
+
+
+def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
+    """Reduce what is still local (one all-reduce of every leaf kept whole: all of them under dp), scale."""
+    leaves = layout.flat()
+    grads = jax.tree.leaves(acc)
+    if scatter_now:
+        grads = [_scatter_leaf(g, leaf) for g, leaf in zip(grads, leaves, strict=True)]
+    whole = [i for i, leaf in enumerate(leaves) if leaf.data_dim is None]
+    if whole:
+        for i, g in zip(whole, lax.psum([grads[i] for i in whole], DATA), strict=True):
+            grads[i] = g
+    return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
+
+
+def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
+    """The per-device gradient function (inside the manual data region)."""
+    stage = layout.plan.stage
+    n = layout.data_size
+    scale = 1.0 / (n * accumulate)
+
+    def one(params, micro):
+        if stage == "zero3":
+            return jax.value_and_grad(lambda q: loss_fn(_gather(q, layout), micro))(params)
+        return jax.value_and_grad(loss_fn)(params, micro)
+
+    def run(params, batch):
+        if accumulate == 1:
+            loss, acc = one(params, batch)
+            if stage == "zero2":
+                acc = _scatter(acc, layout)
+        else:
+            micros = _split_micro(batch, accumulate)
+
+            def body(carry, micro):
+                loss_sum, acc = carry
+                loss, g = one(params, micro)
+                if stage == "zero2":
+                    g = _scatter(g, layout)
+                return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
+
+            zeros = jax.eval_shape(one, params, _first(micros))[1]
+            if stage == "zero2":
+                zeros = jax.eval_shape(lambda g: _scatter(g, layout), zeros)
+            acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
+            (loss, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micros)
+            loss = loss / accumulate
+        grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
+        return lax.pmean(loss, DATA), grads
+
+    return run
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
+    """Global-view ``(params, batch) -> (loss, grads)`` with the plan's collectives."""
+    if not layout.has_data_axis:  # tensor parallel alone: the compiler partitions everything
+
+        def plain(params, batch):
+            if accumulate == 1:
+                return jax.value_and_grad(loss_fn)(params, batch)
+            micros = _split_micro(batch, accumulate)
+
+            def body(carry, micro):
+                loss, g = jax.value_and_grad(loss_fn)(params, micro)
+                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
+
+            acc0 = jax.tree.map(jnp.zeros_like, params)
+            (loss, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micros)
+            return loss / accumulate, jax.tree.map(lambda g: g / accumulate, acc)
+
+        return plain
+    zero3 = layout.plan.stage == "zero3"
+    in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(DATA))
+    out_specs = (P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
+    manual = jax.shard_map(
+        local_gradients(loss_fn, layout, accumulate),
+        mesh=layout.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={DATA},
+        check_vma=False,  # collectives are written out explicitly; no implicit psum on transpose
+    )
+    return manual
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepShardings:
+    """Shardings pinned on the step's inputs and outputs."""
+
+    params: Any
+    opt_state: Any
+    batch: NamedSharding
+    scalar: NamedSharding
+
+
+def state_shardings(optimizer: optax.GradientTransformation, params: Any, layout: Layout) -> Any:
+    """Optimizer-state shardings: parameter-shaped leaves follow the plan, the rest replicated."""
+    mesh = layout.mesh
+    shapes = jax.eval_shape(optimizer.init, params)
+    specs = layout.state_specs()
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: NamedSharding(mesh, spec),
+        shapes,
+        specs,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def build_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    layout: Layout,
+    shardings: StepShardings,
+    *,
+    accumulate: int = 1,
+    clip_norm: float | None = None,
+    donate: bool = True,
+) -> Callable:
+    """The jitted step ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    grads_of = gradient_fn(loss_fn, layout, accumulate)
+    mesh = layout.mesh
+    grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))
+
+    def step(params, opt_state, batch):
+        loss, grads = grads_of(params, batch)
+        grads = lax.with_sharding_constraint(grads, grad_sh)
+        norm = optax.global_norm(grads)
+        if clip_norm is not None:
+            factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": norm}
+
+    scalars = {"loss": shardings.scalar, "grad_norm": shardings.scalar}
+    return jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.opt_state, shardings.batch),
+        out_shardings=(shardings.params, shardings.opt_state, scalars),
+        donate_argnums=(0, 1) if donate else (),
+    )
