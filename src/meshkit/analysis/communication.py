@@ -55,6 +55,8 @@ class Collective:
     """Element type of each operand (several for tuple collectives)."""
     shapes: tuple[tuple[int, ...], ...]
     """Per-device shape of each operand."""
+    operand_bytes: tuple[int, ...]
+    """Bytes of each operand on one device."""
     in_bytes: int
     """Bytes of the operands on one device."""
     out_bytes: int
@@ -85,6 +87,15 @@ class Collective:
     @property
     def total_traffic_bytes(self) -> float | None:
         return None if self.traffic_bytes is None else self.traffic_bytes * self.executions
+
+    @property
+    def nonscalar_traffic_bytes(self) -> float | None:
+        """Total traffic less the share of scalar operands (metrics combined into a tuple collective)."""
+        total = self.total_traffic_bytes
+        if total is None or not self.operand_bytes:
+            return total
+        kept = sum(b for b, s in zip(self.operand_bytes, self.shapes, strict=True) if s != ())
+        return total * kept / (sum(self.operand_bytes) or 1)
 
     @property
     def axes_label(self) -> str:
@@ -336,6 +347,7 @@ def _record(module, inst, op, start, f, mesh, n_dev, matched, parsed) -> Collect
         line=inst.line,
         dtypes=tuple(a.dtype for a in arrays),
         shapes=tuple(a.dims for a in arrays),
+        operand_bytes=tuple(a.nbytes for a in arrays),
         in_bytes=ins_b,
         out_bytes=out_b,
         size_bytes=size,

@@ -10,6 +10,7 @@ import typer
 from meshkit._errors import MeshkitError
 from meshkit.cli import ledger as _ledger
 from meshkit.cli import migrate as _migrate
+from meshkit.cli import verify as _verify
 
 app = typer.Typer(
     name="meshkit",
@@ -20,6 +21,7 @@ app = typer.Typer(
 )
 _ledger.register(app)
 _migrate.register(app)
+_verify.register(app)
 
 
 def main(argv: list[str] | None = None) -> int:

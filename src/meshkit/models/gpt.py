@@ -8,7 +8,7 @@ Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``T = seq_l
         "blocks": [                                   # a Python list, one dict per layer
             {
                 "ln1": {"scale": (D,), "bias": (D,)},
-                "attn": {"wq": (D, D), "bq": (D,), "wk": (D, D), "bk": (D,),
+                "attn": {"wq": (D, D), "bq": (D,), "wk": (D, D),
                          "wv": (D, D), "bv": (D,), "wo": (D, D), "bo": (D,)},
                 "ln2": {"scale": (D,), "bias": (D,)},
                 "mlp": {"w_in": (D, F), "b_in": (F,), "w_out": (F, D), "b_out": (D,)},
@@ -48,7 +48,6 @@ _AXES: dict[str, Axes] = {
     "wk": ("embed", "heads"),
     "wv": ("embed", "heads"),
     "bq": ("heads",),
-    "bk": ("heads",),
     "bv": ("heads",),
     "wo": ("heads", "embed"),
     "bo": ("embed",),
@@ -111,7 +110,6 @@ def _init_block(key: jax.Array, cfg: GPTConfig) -> Params:
         "wq": _normal(kq, (d, d), 0.02, dt),
         "bq": jnp.zeros((d,), dt),
         "wk": _normal(kk, (d, d), 0.02, dt),
-        "bk": jnp.zeros((d,), dt),
         "wv": _normal(kv, (d, d), 0.02, dt),
         "bv": jnp.zeros((d,), dt),
         "wo": _normal(ko, (d, d), resid_std, dt),
@@ -156,10 +154,11 @@ def _layer_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float = 1e-5) ->
 def _attention(p: dict[str, jax.Array], x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Causal multi-head self-attention; scores and softmax in at least float32."""
     b, t, _ = x_btd.shape
-    q_bthk, k_bthk, v_bthk = (
-        (x_btd @ p[w] + p[bias]).reshape(b, t, cfg.heads, cfg.head_dim)
-        for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
-    )
+    # No key bias: it adds q.b_k to every score of a query, which softmax cancels, so its gradient
+    # is exactly zero and in floating point pure rounding noise (Adam would amplify it to +-lr).
+    q_bthk = (x_btd @ p["wq"] + p["bq"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    k_bthk = (x_btd @ p["wk"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    v_bthk = (x_btd @ p["wv"] + p["bv"]).reshape(b, t, cfg.heads, cfg.head_dim)
     wide = _wide(x_btd.dtype)
     scores_bhts = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bthk, preferred_element_type=wide)
     scores_bhts = scores_bhts / math.sqrt(cfg.head_dim)
@@ -219,7 +218,7 @@ def matmul_params(cfg: GPTConfig) -> int:
     Biases and LayerNorm parameters are included (as nanoGPT does); they are a negligible share.
     """
     d, f = cfg.width, cfg.mlp_width
-    block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d
+    block = 4 * d * d + 3 * d + (d * f + f) + (f * d + d) + 2 * 2 * d  # q, k, v, o; no key bias
     return cfg.layers * block + 2 * d + d * cfg.vocab_size
 
 

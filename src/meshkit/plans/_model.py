@@ -140,14 +140,15 @@ class CommRow:
 
 
 def compare_communication(ledger: CommLedger, expected: list[Expected]) -> list[CommRow]:
-    """Measured traffic per (op, axes) beside the model; scalar collectives are left out."""
+    """Measured traffic per (op, axes) beside the model; scalars (loss, norms) are left out, also where
+    the compiler combined them into a tuple collective with the gradients."""
     measured: dict[tuple[str, str], list] = {}
     for r in ledger.records:
         if all(shape == () for shape in r.shapes):
             continue  # scalar metrics
         key = (r.op, r.axes_label)
         runs, traffic = measured.get(key, (0, 0.0))
-        measured[key] = (runs + r.executions, traffic + (r.total_traffic_bytes or 0.0))
+        measured[key] = (runs + r.executions, traffic + (r.nonscalar_traffic_bytes or 0.0))
     model = {(e.op, e.axes): e for e in expected}
     rows = []
     for key in sorted(set(measured) | set(model)):

@@ -103,11 +103,11 @@ def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callabl
                     g = _scatter(g, layout)
                 return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
 
-            zeros = jax.eval_shape(one, params, _first(micros))[1]
+            loss0, zeros = jax.eval_shape(one, params, _first(micros))
             if stage == "zero2":
                 zeros = jax.eval_shape(lambda g: _scatter(g, layout), zeros)
             acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-            (loss, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micros)
+            (loss, acc), _ = lax.scan(body, (jnp.zeros((), loss0.dtype), acc0), micros)
             loss = loss / accumulate
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
         return lax.pmean(loss, DATA), grads
@@ -133,7 +133,8 @@ def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
                 return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
 
             acc0 = jax.tree.map(jnp.zeros_like, params)
-            (loss, acc), _ = lax.scan(body, (jnp.zeros((), jnp.float32), acc0), micros)
+            loss0 = jax.eval_shape(loss_fn, params, _first(micros))
+            (loss, acc), _ = lax.scan(body, (jnp.zeros((), loss0.dtype), acc0), micros)
             return loss / accumulate, jax.tree.map(lambda g: g / accumulate, acc)
 
         return plain
@@ -194,7 +195,7 @@ def build_step(
     def step(params, opt_state, batch):
         loss, grads = grads_of(params, batch)
         grads = lax.with_sharding_constraint(grads, grad_sh)
-        norm = optax.global_norm(grads)
+        norm = optax.tree.norm(grads)
         if clip_norm is not None:
             factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
             grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)

@@ -1,0 +1,239 @@
+"""Equivalence certificates: a plan run beside a single-device run and a NumPy float64 run.
+
+``verify(plan, model, ...)`` trains a reference model for K optimizer steps under the plan, the
+same K steps on one device, twice under the plan (to check bit-for-bit reproducibility) and, for
+the linear and MLP models, in NumPy float64 with hand-written gradients and Adam. It returns a
+``Certificate`` with the differences, the plan's communication and memory report, and ``ok``.
+
+Differences are relative to the reference's scale, leaf by leaf: ``max|a - b| / max|b|``.
+
+For the GPT model, float32 Adam is itself far from exact (the single-device float32 run drifts
+from float64 by about 1e-2 in 20 steps: gradient elements that nearly cancel carry a large relative
+rounding error, and Adam normalises them to +-lr). There the certificate proves equivalence in
+float64 (plan vs one device, both float64: the same function up to 1e-12) and checks that the
+float32 plan stays within the float32 noise floor (its own distance from float64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from meshkit._errors import MeshkitError
+from meshkit.models import gpt, linear, mlp, reference_np
+from meshkit.train import PlanReport, Trainer
+
+#: Tolerances: float32 distributed vs float32 single device, and float32 vs float64.
+TOL_SINGLE = 1e-5
+TOL_FLOAT64 = 1e-4
+#: Plan vs one device when both run in float64 (the same function, different summation order).
+TOL_EXACT = 1e-10
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """A reference model with its data, ready for any plan."""
+
+    name: str
+    loss_fn: Any
+    params: Any
+    batch: tuple[np.ndarray, np.ndarray]
+    logical_axes: Any
+    tokens_per_example: int
+    float64: Any = None
+    """``(params64, x, y) -> (loss, grads)`` in NumPy float64, where the model has one."""
+    in_float64: Any = None
+    """``() -> Workload`` of the same model in float64 (call under ``jax.enable_x64``), where no
+    NumPy reference exists."""
+
+
+def workload(name: str, seed: int = 0) -> Workload:
+    """The reference workloads: 'linear', 'mlp' (the chapter's [16, 64, 64, 8]) and 'gpt'."""
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    if name == "linear":
+        x = rng.normal(size=(64, 16)).astype(np.float32)
+        y = (x @ rng.normal(size=(16, 4)) + 0.1 * rng.normal(size=(64, 4))).astype(np.float32)
+        p = linear.init(key, 16, 4)
+        return Workload(name=name, loss_fn=linear.loss, params=p, batch=(x, y), logical_axes=linear.logical_axes(p),
+                        tokens_per_example=1, float64=reference_np.linear_grad)  # fmt: skip
+    if name == "mlp":
+        x = rng.normal(size=(64, 16)).astype(np.float32)
+        y = np.sin(x @ np.ones((16, 8)) / 4).astype(np.float32)
+        p = mlp.init(key, [16, 64, 64, 8])
+        return Workload(name=name, loss_fn=mlp.loss, params=p, batch=(x, y), logical_axes=None,
+                        tokens_per_example=1, float64=reference_np.mlp_grad)  # fmt: skip
+    if name == "gpt":
+        cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=8)
+        tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
+        p = gpt.init(key, cfg)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+
+        def in_float64() -> Workload:
+            cfg64 = dataclasses.replace(cfg, dtype="float64")
+            p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+            return Workload(name=name, loss_fn=gpt.make_loss(cfg64), params=p64, batch=batch,
+                            logical_axes=gpt.logical_axes(p64), tokens_per_example=cfg.seq_len)  # fmt: skip
+
+        return Workload(name=name, loss_fn=gpt.make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
+                        tokens_per_example=cfg.seq_len, in_float64=in_float64)  # fmt: skip
+    raise MeshkitError(f"unknown model {name!r}: choose linear, mlp or gpt")
+
+
+def relative_difference(a: Any, b: Any) -> float:
+    """Largest leaf-wise ``max|a - b| / max|b|``."""
+    out = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = float(np.max(np.abs(y))) or 1.0
+        out = max(out, float(np.max(np.abs(x - y))) / scale)
+    return out
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _single_device(w: Workload, optimizer, steps: int) -> Any:
+    dev = jax.devices()[0]
+    params = jax.device_put(w.params, dev)
+    state = optimizer.init(params)
+    batch = jax.device_put(w.batch, dev)
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(w.loss_fn)(p, batch)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(steps):
+        params, state = step(params, state)
+    return params
+
+
+def _float64(w: Workload, steps: int, lr: float) -> Any:
+    params = reference_np.to_float64(w.params)
+    x, y = (np.asarray(a, np.float64) for a in w.batch)
+    state = reference_np.adam_init(params)
+    for _ in range(steps):
+        _, grads = w.float64(params, x, y)
+        params, state = reference_np.adam_step(params, grads, state, lr)
+    return params
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Certificate:
+    """What ``meshkit verify`` proves about one plan on one model."""
+
+    plan: str
+    model: str
+    steps: int
+    accumulate: int
+    vs_single_device: float
+    bitwise_vs_single_device: bool
+    vs_float64: float | None
+    """float32 plan vs NumPy float64 (linear, MLP)."""
+    exact_vs_single_device: float | None
+    """Plan vs one device, both in float64 (GPT)."""
+    float32_noise: float | None
+    """One device float32 vs float64: how far float32 itself drifts (GPT)."""
+    reproducible: bool
+    final_loss: float
+    report: PlanReport
+
+    @property
+    def checks(self) -> dict[str, bool]:
+        tol = TOL_SINGLE if self.float32_noise is None else max(TOL_SINGLE, self.float32_noise)
+        out = {
+            "matches single device": self.vs_single_device <= tol,
+            "bitwise reproducible": self.reproducible,
+            "communication = model": all(r.ok for r in self.report.communication),
+            "memory = formula": all(r.ok for r in self.report.memory),
+        }
+        if self.vs_float64 is not None:
+            out["matches float64"] = self.vs_float64 <= TOL_FLOAT64
+        if self.exact_vs_single_device is not None:
+            out["matches single device in float64"] = self.exact_vs_single_device <= TOL_EXACT
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return all(self.checks.values())
+
+    def to_json(self) -> dict:
+        return {
+            "plan": self.plan,
+            "model": self.model,
+            "steps": self.steps,
+            "accumulate": self.accumulate,
+            "vs_single_device": self.vs_single_device,
+            "bitwise_vs_single_device": self.bitwise_vs_single_device,
+            "vs_float64": self.vs_float64,
+            "exact_vs_single_device": self.exact_vs_single_device,
+            "float32_noise": self.float32_noise,
+            "reproducible": self.reproducible,
+            "final_loss": self.final_loss,
+            "checks": self.checks,
+            "ok": self.ok,
+            "report": self.report.to_json(),
+        }
+
+
+def verify(
+    plan: str,
+    model: str = "mlp",
+    *,
+    mesh: str | None = None,
+    steps: int = 20,
+    accumulate: int = 1,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> Certificate:
+    """Train ``model`` for ``steps`` Adam steps under ``plan`` and certify the result."""
+    if steps < 1:
+        raise MeshkitError(f"steps must be at least 1, got {steps}")
+    w = workload(model, seed)
+    optimizer = optax.adam(lr)
+
+    def run(w: Workload) -> tuple[Trainer, float]:
+        t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate,
+                    logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example)  # fmt: skip
+        loss = jnp.nan
+        for _ in range(steps):
+            loss = t.step(w.batch)["loss"]
+        return t, float(loss)
+
+    first, loss = run(w)
+    second, _ = run(w)
+    single = _single_device(w, optimizer, steps)
+    f64 = _float64(w, steps, lr) if w.float64 is not None else None
+    exact = noise = None
+    if w.in_float64 is not None:
+        with jax.enable_x64(True):
+            w64 = w.in_float64()
+            single64 = _single_device(w64, optimizer, steps)
+            exact = relative_difference(run(w64)[0].params, single64)
+            noise = relative_difference(single, single64)
+    return Certificate(
+        plan=plan,
+        model=model,
+        steps=steps,
+        accumulate=accumulate,
+        vs_single_device=relative_difference(first.params, single),
+        bitwise_vs_single_device=bitwise_equal(first.params, single),
+        vs_float64=None if f64 is None else relative_difference(first.params, f64),
+        exact_vs_single_device=exact,
+        float32_noise=noise,
+        reproducible=bitwise_equal(first.params, second.params),
+        final_loss=loss,
+        report=first.report(w.batch),
+    )

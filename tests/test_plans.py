@@ -1,0 +1,179 @@
+"""Every plan against a single device (and NumPy float64), its cost against the model, bad input."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from meshkit import verify as V
+from meshkit.models import gpt, mlp
+from meshkit.plans import PlanError
+from meshkit.train import Trainer
+
+CASES = [
+    ("dp", "linear", None, 1),
+    ("zero1", "linear", None, 1),
+    ("zero2", "linear", None, 2),
+    ("zero3", "linear", None, 1),
+    ("dp", "mlp", None, 2),
+    ("zero1", "mlp", None, 2),
+    ("zero2", "mlp", None, 2),
+    ("zero3", "mlp", None, 2),
+    ("fsdp", "mlp", None, 1),
+    ("dp", "gpt", None, 1),
+    ("zero2", "gpt", None, 1),
+    ("zero3", "gpt", None, 2),
+    ("tp", "gpt", "model=8", 1),
+    ("dp+tp", "gpt", "data=4,model=2", 2),
+    ("fsdp+tp", "gpt", "data=4,model=2", 1),
+]
+
+
+@pytest.mark.parametrize(("plan", "model", "mesh", "accumulate"), CASES)
+def test_plan_certificate(plan, model, mesh, accumulate):
+    cert = V.verify(plan, model, mesh=mesh, steps=20, accumulate=accumulate)
+    assert cert.reproducible
+    if model == "gpt":
+        assert cert.exact_vs_single_device < V.TOL_EXACT  # float64: the same function
+        assert cert.vs_single_device <= max(V.TOL_SINGLE, cert.float32_noise)
+    else:
+        assert cert.vs_single_device <= V.TOL_SINGLE
+        assert cert.vs_float64 <= V.TOL_FLOAT64
+    for row in cert.report.communication:
+        assert row.ok, row  # measured / model within 1%, nothing unexplained, nothing missing
+    for row in cert.report.memory:
+        assert row.measured_bytes == pytest.approx(row.formula_bytes), row
+    assert cert.ok
+    assert cert.final_loss < V.workload(model).loss_fn(V.workload(model).params, V.workload(model).batch)
+
+
+def _mlp_trainer(plan, **kw):
+    params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+    return params, Trainer(mlp.loss, params, optax.adam(1e-2), plan=plan, **kw)
+
+
+def _batch(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 16)).astype(np.float32)
+    return x, np.sin(x @ np.ones((16, 8), np.float32) / 4)
+
+
+def test_zero1_really_shards_optimizer_state_and_dp_does_not():
+    params, z1 = _mlp_trainer("zero1")
+    full = sum(a.size * 4 for a in jax.tree.leaves(params))
+    mu = z1.opt_state[0].mu
+    for leaf, state in zip(jax.tree.leaves(params), jax.tree.leaves(mu), strict=True):
+        (shard,) = {s.data.shape for s in state.addressable_shards}
+        assert np.prod(shard) * 8 == leaf.size  # one eighth of every moment on every device
+    row = {r.component: r for r in z1.report(_batch()).memory}["optimizer"]
+    assert row.measured_bytes == pytest.approx(2 * full / 8 + 4)  # m and v sharded, the step count whole
+    assert {r.component: r for r in z1.report(_batch()).memory}["params"].measured_bytes == full
+    _, dp = _mlp_trainer("dp")
+    assert {r.component: r for r in dp.report(_batch()).memory}["optimizer"].measured_bytes == 2 * full + 4
+
+
+def test_shardings_kept_and_no_retracing_across_steps():
+    traces = []
+
+    def loss(p, b):
+        traces.append(1)
+        return mlp.loss(p, b)
+
+    params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+    t = Trainer(loss, params, optax.adam(1e-2), plan="zero3")
+    before = jax.tree.map(lambda a: a.sharding, (t.params, t.opt_state))
+    t.step(_batch())
+    n = len(traces)
+    for _ in range(3):
+        t.step(_batch())
+    after = jax.tree.map(lambda a: a.sharding, (t.params, t.opt_state))
+    assert len(traces) == n  # traced once
+    assert jax.tree.all(jax.tree.map(lambda a, b: a == b, before, after))
+    assert t.params[1]["w"].sharding.spec == jax.sharding.PartitionSpec(
+        "data", None
+    )  # largest dim, first on ties
+
+
+def test_accumulation_equals_the_full_batch_and_clipping_equals_optax():
+    params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+    batch = _batch()
+    clip = 0.05
+    ref_opt = optax.chain(optax.clip_by_global_norm(clip), optax.sgd(0.1))
+    state = ref_opt.init(params)
+    g = jax.grad(mlp.loss)(params, batch)
+    assert float(optax.tree.norm(g)) > clip  # clipping really happens
+    ref = optax.apply_updates(params, ref_opt.update(g, state, params)[0])
+    for plan in ("dp", "zero2", "zero3"):
+        t = Trainer(mlp.loss, params, optax.sgd(0.1), plan=plan, accumulate=4, clip_norm=clip)
+        metrics = t.step(batch)
+        assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(g)), rel=1e-5)
+        assert V.relative_difference(t.params, ref) < 1e-5, plan
+
+
+def test_global_jax_array_batch_equals_host_batch():
+    _, host = _mlp_trainer("zero2")
+    _, glob = _mlp_trainer("zero2")
+    x, y = _batch()
+    host.step((x, y))
+    glob.step(jax.device_put((x, y), glob.shardings.batch))
+    assert V.bitwise_equal(host.params, glob.params)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="tp", mesh="data=8"), "needs a mesh axis 'model'"),
+        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", mesh="data=4,model=2"), "does not use mesh axis model=2"),
+        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="zero4"), "unknown plan 'zero4'"),
+        (lambda p: Trainer(mlp.loss, p, "adam", plan="dp"), "must be an optax.GradientTransformation"),
+        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="tp", mesh="model=8"), "gives no logical_axes"),
+        (
+            lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="tp", mesh="model=8", rules=[(".*/nothing", ("model",))]),
+            "matches no parameter path",
+        ),
+        (
+            lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="tp", mesh="model=8", logical_axes=jax.tree.map(lambda a: ("embed",) * a.ndim, p)),
+            "match no parameter",
+        ),
+        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", accumulate=0), "accumulate must be at least 1"),
+        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp").step(_batch(60)), "batch of 60 examples does not divide over data=8"),
+        (
+            lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", accumulate=3).step(_batch(64)),
+            "data=8 x accumulate=3; use a multiple of 24",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_before_compiling(make, message):
+    params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+    with pytest.raises(PlanError, match=message) as e:
+        make(params)
+    assert "\n" not in str(e.value)
+
+
+def test_tp_split_must_divide():
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=8, layers=1, width=12, heads=3)
+    p = gpt.init(jax.random.key(0), cfg)
+    with pytest.raises(PlanError, match="does not divide over model=8"):
+        Trainer(
+            gpt.make_loss(cfg),
+            p,
+            optax.adam(1e-3),
+            plan="tp",
+            mesh="model=8",
+            logical_axes=gpt.logical_axes(p),
+        )
+
+
+def test_verify_cli_json_and_exit_code(capsys, monkeypatch):
+    from meshkit.cli import main
+
+    assert main(["verify", "--plan", "zero2", "--model", "linear", "--steps", "3", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["checks"]["communication = model"]
+    monkeypatch.setattr(V, "TOL_SINGLE", 0.0)
+    assert main(["verify", "--plan", "dp", "--model", "linear", "--steps", "3"]) == 1
+    assert "FAILED: matches single device" in capsys.readouterr().out
+    assert main(["verify", "--plan", "tp", "--model", "mlp", "--mesh", "model=8"]) == 2
+    assert "gives no logical_axes" in capsys.readouterr().err
