@@ -8,9 +8,7 @@ setup:
 	@bash scripts/bootstrap.sh
 
 run: setup
-	$(BIN)/meshkit devices --simulate 8
-	$(BIN)/meshkit comm meshkit.examples:dp_mlp_adam --devices 8
-	$(BIN)/meshkit memory meshkit.examples:fsdp_mlp_grad --devices 8
+	$(BIN)/meshkit train
 
 test: setup lint
 	$(BIN)/python -m pytest -n 2 -q

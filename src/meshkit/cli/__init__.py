@@ -10,6 +10,7 @@ import typer
 from meshkit._errors import MeshkitError
 from meshkit.cli import ledger as _ledger
 from meshkit.cli import migrate as _migrate
+from meshkit.cli import train as _train
 from meshkit.cli import verify as _verify
 
 app = typer.Typer(
@@ -20,6 +21,7 @@ app = typer.Typer(
     add_completion=False,
 )
 _ledger.register(app)
+_train.register(app)
 _migrate.register(app)
 _verify.register(app)
 

@@ -150,16 +150,20 @@ class Trainer:
         n = leaves[0].shape[0] if np.ndim(leaves[0]) else 0
         if any(np.ndim(a) == 0 or a.shape[0] != n for a in leaves):
             raise PlanError("every batch array needs the same leading (examples) dim")
+        self.check_examples(n)
+        return jax.tree.map(
+            lambda a: a if isinstance(a, jax.Array) and a.sharding == self.shardings.batch else jax.device_put(a, self.shardings.batch),
+            batch,
+        )  # fmt: skip
+
+    def check_examples(self, n: int) -> None:
+        """Raise unless a global batch of ``n`` examples divides over the data axis and micro-batches."""
         data = int(self.mesh.shape.get(DATA, 1))
         if n % (data * self.accumulate):
             raise PlanError(
                 f"batch of {n} examples does not divide over data={data} x accumulate={self.accumulate}; "
                 f"use a multiple of {data * self.accumulate}"
             )
-        return jax.tree.map(
-            lambda a: a if isinstance(a, jax.Array) and a.sharding == self.shardings.batch else jax.device_put(a, self.shardings.batch),
-            batch,
-        )  # fmt: skip
 
     # -- steps ------------------------------------------------------------------------------
     def step(self, batch: Any) -> dict[str, jax.Array]:

@@ -1,0 +1,313 @@
+"""``meshkit train``: a character-level GPT trained under any plan, with proof of what it cost.
+
+``run(cfg)`` prepares everything that can fail on bad input before it writes a byte (data,
+model, plan, mesh, resume checkpoint), then trains with a progress bar, evaluates on the held-out
+split, checkpoints with orbax (periodically, at the end and on Ctrl-C), and finishes with
+``report.json`` (loss, throughput, communication and memory measured beside the model, FLOPs),
+``loss.png``, ``cost.png`` and a summary table. Only process 0 writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from meshkit.models import gpt, num_params
+from meshkit.train import config as C
+from meshkit.train.checkpoint import Checkpointer, abstract_with
+from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
+from meshkit.train.trainer import Trainer
+
+
+@dataclass(kw_only=True)
+class Job:
+    """Everything a run holds: config, data, model, trainer, data stream, and what it measured."""
+
+    cfg: C.TrainConfig
+    data: TextData
+    train_tokens: np.ndarray
+    eval_tokens: np.ndarray
+    model: gpt.GPTConfig
+    trainer: Trainer
+    batches: Batches
+    run_dir: Path
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    eval_loss: Any = None
+    """The jitted loss used for evaluation."""
+
+    @property
+    def writer(self) -> bool:
+        return jax.process_index() == 0
+
+
+def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
+    """Build data, model and trainer, and check the resume checkpoint; writes nothing."""
+    C.validate(cfg)
+    run_dir = Path(cfg.run_dir)
+    if resume:
+        cfg = _resumable(cfg, run_dir)
+    elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
+        raise C.ConfigError(
+            f"run directory '{run_dir}' already holds checkpoints: pass --resume, or a new --run-dir"
+        )
+    data = load_text(cfg.data)
+    train_tokens, eval_tokens = split(data.tokens)
+    batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
+    Batches(
+        eval_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed
+    )  # checks the eval split
+    model = gpt.GPTConfig(vocab_size=data.vocab_size, seq_len=cfg.seq_len, layers=cfg.layers, width=cfg.width,
+                          heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None)  # fmt: skip
+    params = gpt.init(jax.random.key(cfg.seed), model)
+    trainer = Trainer(gpt.make_loss(model), params, C.optimizer(cfg), plan=cfg.plan, mesh=cfg.mesh,
+                      accumulate=cfg.accumulate, clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params),
+                      tokens_per_example=cfg.seq_len)  # fmt: skip
+    trainer.check_examples(cfg.batch_size)
+    job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
+              batches=batches, run_dir=run_dir, eval_loss=jax.jit(gpt.make_loss(model)))  # fmt: skip
+    if resume:
+        _restore(job)
+    return job
+
+
+def _resumable(cfg: C.TrainConfig, run_dir: Path) -> C.TrainConfig:
+    saved_path = run_dir / "config.json"
+    ckpt = run_dir / "checkpoints"
+    if not saved_path.is_file() or not ckpt.is_dir() or Checkpointer(ckpt).latest_step() is None:
+        raise C.ConfigError(f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume")
+    saved = C.TrainConfig.from_json(json.loads(saved_path.read_text()))
+    for key in C.RESUME_KEYS:
+        if getattr(saved, key) != getattr(cfg, key):
+            raise C.ConfigError(
+                f"--resume: {key} was {getattr(saved, key)!r} in '{run_dir}' but is {getattr(cfg, key)!r} now; "
+                f"use the same value (plan, mesh and steps may change)"
+            )
+    return cfg
+
+
+def _restore(job: Job) -> None:
+    t = job.trainer
+    ckpt = Checkpointer(job.run_dir / "checkpoints")
+    params, opt_state, meta = ckpt.restore(
+        None, abstract_with(t.params, t.shardings.params), abstract_with(t.opt_state, t.shardings.opt_state)
+    )
+    ckpt.close()
+    t.params, t.opt_state = params, opt_state
+    job.batches.restore(meta["data"])
+    job.step = int(meta["step"])
+    job.history = [h for h in _read_jsonl(job.run_dir / "metrics.jsonl") if h["step"] <= job.step]
+    job.evals = [e for e in job.history if "eval_loss" in e]
+    job.history = [h for h in job.history if "loss" in h]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# -- the loop ---------------------------------------------------------------------------------
+def evaluate(job: Job) -> float:
+    """Mean loss over ``eval_batches`` fixed held-out batches."""
+    t = job.trainer
+    stream = Batches(
+        job.eval_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size, seed=job.cfg.seed
+    )
+    losses = [
+        float(job.eval_loss(t.params, global_batch(t.shardings.batch, next(stream))))
+        for _ in range(job.cfg.eval_batches)
+    ]
+    return float(np.mean(losses))
+
+
+def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
+    """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by Ctrl-C."""
+    cfg = job.cfg
+    last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    lr = C.schedule(cfg)
+    ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
+    log = (job.run_dir / "metrics.jsonl").open("a") if job.writer else None
+    columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn()]  # fmt: skip
+    try:
+        with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+            task = bar.add_task("train", total=cfg.steps, completed=job.step, info="")
+            while job.step < last:
+                row = _one_step(job, float(lr(job.step)))
+                _log(job, log, row)
+                bar.update(
+                    task, completed=job.step, info=f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
+                )
+                if not console.is_terminal and (job.step % 50 == 0 or job.step == last):
+                    console.print(
+                        f"step {job.step}/{cfg.steps}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
+                    )
+                if cfg.eval_every and job.step % cfg.eval_every == 0 and job.step != cfg.steps:
+                    _log(job, log, {"step": job.step, "eval_loss": evaluate(job)})
+                if ckpt is not None and (job.step % cfg.checkpoint_every == 0 or job.step == last):
+                    _save(job, ckpt)
+    except KeyboardInterrupt:
+        if ckpt is not None:
+            _save(job, ckpt)
+        console.print(f"interrupted at step {job.step}: checkpoint saved; continue with --resume")
+        return False
+    finally:
+        if log is not None:
+            log.close()
+        if ckpt is not None:
+            ckpt.close()
+    return True
+
+
+def _one_step(job: Job, lr: float) -> dict[str, Any]:
+    t = job.trainer
+    batch = global_batch(t.shardings.batch, next(job.batches))
+    start = time.perf_counter()
+    metrics = t.step(batch)
+    loss = float(metrics["loss"])  # waits for the step
+    elapsed = time.perf_counter() - start
+    job.step += 1
+    row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.batch_size * job.cfg.seq_len / elapsed,
+           "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"])}  # fmt: skip
+    job.history.append(row)
+    return row
+
+
+def _log(job: Job, log, row: dict[str, Any]) -> None:
+    if "eval_loss" in row:
+        job.evals.append(row)
+    if log is not None:
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+
+
+def _save(job: Job, ckpt: Checkpointer) -> None:
+    if job.step in ckpt.all_steps():
+        return
+    meta = {"step": job.step, "data": job.batches.state, "config": job.cfg.to_json()}
+    ckpt.save(job.step, job.trainer.params, job.trainer.opt_state, meta, wait=True)
+
+
+# -- the end ----------------------------------------------------------------------------------
+def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
+    """Text sampled from the trained model, primed with the start of the held-out split."""
+    if chars <= 0 or job.data.vocab is None:
+        return ""
+    params = jax.device_put(jax.device_get(job.trainer.params), jax.devices()[0])
+    t_len = job.cfg.seq_len
+    ctx = np.asarray(job.eval_tokens[:t_len], np.int32)
+
+    @jax.jit
+    def next_token(p, window, key):
+        logits = gpt.apply(p, window[None], job.model)[0, -1].astype(jnp.float32)
+        return jax.random.categorical(key, logits / temperature)
+
+    key, out = jax.random.key(job.cfg.seed), []
+    for _ in range(chars):
+        key, sub = jax.random.split(key)
+        tok = int(next_token(params, jnp.asarray(ctx), sub))
+        out.append(tok)
+        ctx = np.concatenate([ctx[1:], [tok]]).astype(np.int32)
+    return decode(np.asarray(out), job.data.vocab)
+
+
+def report(job: Job) -> dict[str, Any]:
+    """What the run achieved and what it cost, measured beside the model."""
+    t = job.trainer
+    probe = next(Batches(job.train_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size,
+                         seed=job.cfg.seed, process_index=0, process_count=1))  # fmt: skip
+    plan_report = t.report(probe)
+    steady = [h["tokens_per_s"] for h in job.history[1:]] or [h["tokens_per_s"] for h in job.history]
+    tokens_per_s = float(np.median(steady)) if steady else 0.0
+    flops = gpt.flops_per_token(job.model)
+    return {
+        "plan": job.cfg.plan,
+        "mesh": plan_report.mesh,
+        "devices": t.num_devices,
+        "platform": jax.default_backend(),
+        "processes": jax.process_count(),
+        "params": num_params(t.params),
+        "data": job.data.source,
+        "steps": job.step,
+        "initial_loss": job.history[0]["loss"] if job.history else None,
+        "final_loss": job.history[-1]["loss"] if job.history else None,
+        "eval_loss": job.evals[-1]["eval_loss"] if job.evals else None,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
+        "model_flops_per_token": flops,
+        "achieved_flops_per_s": tokens_per_s * flops,
+        "checks_ok": plan_report.ok,
+        **{k: v for k, v in plan_report.to_json().items() if k in ("communication", "memory", "compiled_memory", "replicated_leaves")},
+    }  # fmt: skip
+
+
+def finish(job: Job, console: Console) -> dict[str, Any]:
+    """Final evaluation, sample, report.json, plots and the summary table."""
+    from meshkit.train import plots
+
+    job.evals.append({"step": job.step, "eval_loss": evaluate(job)})
+    out = report(job)
+    out["sample"] = sample(job, job.cfg.sample_chars)
+    if job.writer:
+        with (job.run_dir / "metrics.jsonl").open("a") as log:
+            log.write(json.dumps(job.evals[-1]) + "\n")
+        _write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
+        plots.loss_plot(job.history, job.evals, job.run_dir / "loss.png")
+        plots.cost_plot(out, job.run_dir / "cost.png")
+    plots.summary(out, job.run_dir, console)
+    return out
+
+
+def run(
+    cfg: C.TrainConfig,
+    console: Console,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    latest_link: Path | None = None,
+) -> int:
+    """The whole job; returns the exit code (0 done, 130 interrupted). ``latest_link`` is a symlink
+    pointed at the run directory once it is created."""
+    job = prepare(cfg, resume=resume)
+    if job.writer:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        if latest_link is not None and latest_link.resolve() != job.run_dir.resolve():
+            tmp = latest_link.with_name(latest_link.name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(job.run_dir.resolve())
+            os.replace(tmp, latest_link)
+        _write_atomic(job.run_dir / "config.json", C.dumps(job.cfg))
+        if resume:
+            _write_atomic(job.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in _read_jsonl(job.run_dir / "metrics.jsonl") if r["step"] <= job.step))  # fmt: skip
+    n = job.trainer.num_devices
+    console.print(
+        f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.plan}[/] on "
+        f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
+        f"({len(job.data.tokens):,} tokens, vocab {job.data.vocab_size})"
+        + (f", resuming at step {job.step}" if resume else "")
+    )
+    if not train(job, console, stop_after=stop_after):
+        return 130
+    if job.step < cfg.steps:
+        console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
+        return 0
+    finish(job, console)
+    return 0

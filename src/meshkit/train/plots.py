@@ -1,0 +1,82 @@
+"""Pictures and the summary table of a training run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from rich.console import Console
+
+from meshkit.cli._format import fmt_bytes, table
+
+
+def loss_plot(history: list[dict], evals: list[dict], path: Path) -> None:
+    """Train loss per step and held-out loss per evaluation."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1, label="train")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o-", label="held-out")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title="meshkit train: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cost_plot(report: dict[str, Any], path: Path) -> None:
+    """Communication per collective and memory per component: measured beside model."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    comm = report["communication"]
+    _bars(left, [f"{c['op']}\n{c['axes']}" for c in comm], [c["measured_traffic_bytes"] for c in comm],
+          [c["model_traffic_bytes"] for c in comm], "model (ring)", "traffic per device per step")  # fmt: skip
+    mem = report["memory"]
+    _bars(right, [m["component"] for m in mem], [m["measured_bytes"] for m in mem], [m["formula_bytes"] for m in mem],
+          "formula (ZeRO)", "persistent bytes per device")  # fmt: skip
+    fig.suptitle(f"plan {report['plan']} on {report['mesh']}: measured beside model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bars(ax, labels, measured, model, model_label, title) -> None:
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], [v / 1024 for v in measured], 0.4, label="measured (compiled)")
+    ax.bar([x + 0.2 for x in xs], [v / 1024 for v in model], 0.4, label=model_label)
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set(ylabel="KiB", title=title)
+    ax.set_ylim(top=max([*measured, *model, 1]) / 1024 * 1.3)
+    ax.legend(fontsize=8, loc="upper right")
+
+
+def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
+    """The end-of-run table."""
+    rows = [
+        ["loss (first step -> last step)", f"{report['initial_loss']:.4f} -> {report['final_loss']:.4f}"],
+        ["held-out loss", f"{report['eval_loss']:.4f}"],
+        ["throughput", f"{report['tokens_per_s']:,.0f} tokens/s ({report['step_time_s'] * 1000:.1f} ms/step)"],
+        ["model FLOPs", f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"],
+        ["devices", f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"],
+    ]  # fmt: skip
+    for c in report["communication"]:
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+        rows.append(
+            [f"comm {c['op']} over {c['axes']}", f"{fmt_bytes(c['measured_traffic_bytes'])} (model x{ratio})"]
+        )
+    for m in report["memory"]:
+        rows.append(
+            [f"memory: {m['component']}", f"{fmt_bytes(m['measured_bytes'])} (formula x{m['ratio']:.3f})"]
+        )
+    rows.append(["measured = model", "yes" if report["checks_ok"] else "NO"])
+    console.print(
+        table(
+            f"Run summary ({report['steps']} steps, plan {report['plan']})", ["", ""], rows, justify_right=9
+        )
+    )
+    if report.get("sample"):
+        console.print(f"[bold]sample:[/] {report['sample']!r}")
+    console.print(f"wrote {run_dir}/: config.json metrics.jsonl report.json loss.png cost.png checkpoints/")
