@@ -4,16 +4,22 @@ from meshkit import analysis
 from meshkit._errors import DeviceSetupError, HloParseError, MeshkitError, MeshSpecError, TargetError
 from meshkit.devices import DeviceReport, describe_devices, simulate_devices
 from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
+from meshkit.plans import PLANS, PlanError
+from meshkit.train import PlanReport, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PLANS",
     "DeviceReport",
     "DeviceSetupError",
     "HloParseError",
     "MeshSpecError",
     "MeshkitError",
+    "PlanError",
+    "PlanReport",
     "TargetError",
+    "Trainer",
     "analysis",
     "describe_devices",
     "make_mesh",
