@@ -8,8 +8,10 @@ import sys
 import typer
 
 from meshkit._errors import MeshkitError
+from meshkit.cli import launch as _launch
 from meshkit.cli import ledger as _ledger
 from meshkit.cli import migrate as _migrate
+from meshkit.cli import selftest as _selftest
 from meshkit.cli import train as _train
 from meshkit.cli import verify as _verify
 
@@ -23,6 +25,8 @@ app = typer.Typer(
 _ledger.register(app)
 _train.register(app)
 _migrate.register(app)
+_launch.register(app)
+_selftest.register(app)
 _verify.register(app)
 
 

@@ -1,0 +1,9 @@
+"""``meshkit launch``: registered here; implemented by meshkit.launch (issue 5)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    del app  # not yet built
