@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt, linear, mlp, reference_np
@@ -86,10 +87,15 @@ def workload(name: str, seed: int = 0) -> Workload:
     raise MeshkitError(f"unknown model {name!r}: choose linear, mlp or gpt")
 
 
+def host(tree: Any) -> Any:
+    """Every leaf as a NumPy array on this host, gathering shards held by other processes."""
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
 def relative_difference(a: Any, b: Any) -> float:
     """Largest leaf-wise ``max|a - b| / max|b|``."""
     out = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    for x, y in zip(jax.tree.leaves(host(a)), jax.tree.leaves(host(b)), strict=True):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         scale = float(np.max(np.abs(y))) or 1.0
         out = max(out, float(np.max(np.abs(x - y))) / scale)
@@ -97,14 +103,12 @@ def relative_difference(a: Any, b: Any) -> float:
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
-    return all(
-        np.array_equal(np.asarray(x), np.asarray(y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
+    pairs = zip(jax.tree.leaves(host(a)), jax.tree.leaves(host(b)), strict=True)
+    return all(np.array_equal(x, y) for x, y in pairs)
 
 
 def _single_device(w: Workload, optimizer, steps: int) -> Any:
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]  # every process runs the reference on a device of its own
     params = jax.device_put(w.params, dev)
     state = optimizer.init(params)
     batch = jax.device_put(w.batch, dev)

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -85,7 +86,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
 def _resumable(cfg: C.TrainConfig, run_dir: Path) -> C.TrainConfig:
     saved_path = run_dir / "config.json"
     ckpt = run_dir / "checkpoints"
-    if not saved_path.is_file() or not ckpt.is_dir() or Checkpointer(ckpt).latest_step() is None:
+    if not saved_path.is_file() or not ckpt.is_dir() or _latest_step(ckpt) is None:
         raise C.ConfigError(f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume")
     saved = C.TrainConfig.from_json(json.loads(saved_path.read_text()))
     for key in C.RESUME_KEYS:
@@ -95,6 +96,11 @@ def _resumable(cfg: C.TrainConfig, run_dir: Path) -> C.TrainConfig:
                 f"use the same value (plan, mesh and steps may change)"
             )
     return cfg
+
+
+def _latest_step(directory: Path) -> int | None:
+    with Checkpointer(directory) as ckpt:
+        return ckpt.latest_step()
 
 
 def _restore(job: Job) -> None:
@@ -211,7 +217,8 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     """Text sampled from the trained model, primed with the start of the held-out split."""
     if chars <= 0 or job.data.vocab is None:
         return ""
-    params = jax.device_put(jax.device_get(job.trainer.params), jax.devices()[0])
+    host = multihost_utils.process_allgather(job.trainer.params, tiled=True)  # every process, all shards
+    params = jax.device_put(host, jax.local_devices()[0])
     t_len = job.cfg.seq_len
     ctx = np.asarray(job.eval_tokens[:t_len], np.int32)
 
