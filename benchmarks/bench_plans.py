@@ -1,0 +1,439 @@
+"""Step time of meshkit's ``Trainer.step`` under each plan, beside a hand-written jit step and pmap.
+
+For every plan (dp, zero1, zero2, zero3, tp, dp+tp, fsdp+tp) on the GPT decoder over 8 simulated
+CPU devices, these variants of the same training step run side by side in one process:
+
+- ``meshkit``: ``Trainer(loss, params, optax.adamw(...), plan=...).step(batch)``: shard_map manual
+  over the data axis with the plan's collectives written out, optax in the global view, and the
+  gradient norm it always returns as a metric;
+- ``hand``: the step a user writes without meshkit: ``jax.jit`` of ``jax.value_and_grad`` + the same
+  optax update; parameters, optimizer state and batch placed with the same PartitionSpecs as the
+  Trainer's layout (``trainer.layout`` / ``trainer.shardings``), ``out_shardings`` pinned to that
+  layout, the same donation, and for ZeRO stages ``with_sharding_constraint`` of the gradients to
+  the sharded spec, so XLA's partitioner inserts every collective itself; it returns the loss only;
+- ``pmap`` (dp only): the legacy ``jax.pmap`` step, parameters replicated with a leading device
+  axis and ``lax.pmean`` of the gradients;
+- ``hand2`` (with ``--control``): a second, separately compiled hand-written step. ``hand2/hand``
+  should be 1.00; how far it strays is the noise floor of the run.
+
+Before timing, every variant runs the same steps from the same initial parameters on the same
+batches and the benchmark checks that the losses and then the parameters agree with meshkit's
+(``allclose``; parameters to a small fraction of one Adam step, since Adam rescales gradient
+rounding noise); a mismatch prints ``MISMATCH`` and makes the exit status 1.
+
+Run (about two to three minutes on 2 cores)::
+
+    .venv/bin/python benchmarks/bench_plans.py [--steps 4] [--rounds 10] [--plans dp,zero1,tp]
+                                               [--control] [--json results.json]
+
+Timing: after warm-up the variants of a plan take turns round-robin, ``--rounds`` rounds with the
+order rotated every round; in each turn a variant runs one untimed step, then ``--steps`` timed
+steps, each ended by ``block_until_ready`` of the new parameters, optimizer state and loss. Each
+step's wall-clock time and the process's CPU time are recorded; the table reports medians.
+
+Reading the table: ``mk/hand`` is meshkit's median wall-clock step time over the hand-written
+step's; at or below 1.05 meshkit costs no more than writing the step by hand (the target). ``cpu``
+is the same ratio of CPU time per step (all threads of the process): the machine is shared, and
+other tenants' load stretches wall-clock time but not CPU time, so when the two ratios disagree,
+trust ``cpu`` (and the ``--control`` A/A ratio tells how noisy the run was). ``mk/pmap`` (dp only)
+compares against legacy pmap. The ``coll`` and ``MB`` columns are what
+``meshkit.analysis.communication`` reads from each compiled program: collective executions per
+step and the bytes they move (``S`` of the ring formulas, summed); the per-op breakdown follows
+the table. On simulated CPU devices a collective is a rendezvous of 8 device threads that share
+2 cores: each one costs a synchronisation (the slowest thread) more than its bytes, so the
+*number* of collectives matters more here than on a GPU, where XLA also combines reduce-scatters
+and all-gathers (XLA:CPU combines only all-reduces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+
+import meshkit
+
+meshkit.simulate_devices(8)
+
+from meshkit.analysis import CommLedger, communication  # noqa: E402
+from meshkit.models import gpt  # noqa: E402
+from meshkit.train.trainer import Trainer  # noqa: E402
+
+ALL_PLANS = ("dp", "zero1", "zero2", "zero3", "tp", "dp+tp", "fsdp+tp")
+CFG = gpt.GPTConfig(vocab_size=128, seq_len=64, layers=2, width=128, heads=8)
+BATCH = 32
+LR = 1e-3
+CHECK_STEPS = 3
+WARMUP = 2
+TARGET = 1.05
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+PARAM_TOL = {"rtol": 1e-4, "atol": 0.05 * LR}  # 5% of one Adam step per parameter
+
+
+def make_optimizer() -> optax.GradientTransformation:
+    return optax.adamw(LR)
+
+
+def batches(n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, CFG.vocab_size, (BATCH, CFG.seq_len), dtype=np.int32)
+        out.append((tokens, np.roll(tokens, -1, axis=1)))
+    return out
+
+
+@dataclass
+class Variant:
+    """One way of running the step: ``step(batch)`` advances its own state and returns the loss."""
+
+    name: str
+    step: Callable[[Any], jax.Array]
+    state: Callable[[], Any]
+    """The arrays to block on after a step (new params, optimizer state)."""
+    params: Callable[[], Any]
+    """The global parameters, as host arrays."""
+    prepare: Callable[[Any], Any]
+    """Places a host batch the way this variant wants it (done once, outside the timing)."""
+    ledger: CommLedger
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+
+def meshkit_variant(trainer: Trainer, sample: Any) -> Variant:
+    def step(batch):
+        return trainer.step(batch)["loss"]
+
+    return Variant(
+        name="meshkit",
+        step=step,
+        state=lambda: (trainer.params, trainer.opt_state),
+        params=lambda: jax.device_get(trainer.params),
+        prepare=trainer.put_batch,
+        ledger=communication(trainer.compiled(sample), mesh=trainer.mesh),
+    )
+
+
+def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str = "hand") -> Variant:
+    """``jax.jit`` + NamedSharding: the obvious step, the Trainer's layout, XLA's collectives."""
+    mesh, layout, sh = trainer.mesh, trainer.layout, trainer.shardings
+    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.param_specs())
+    grad_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.grad_specs())
+    opt_sh, batch_sh, scalar_sh = sh.opt_state, sh.batch, sh.scalar
+    optimizer = make_optimizer()
+    zero = layout.plan.stage != "dp"
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if zero:
+            grads = lax.with_sharding_constraint(grads, grad_sh)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jitted = jax.jit(
+        train_step,
+        in_shardings=(param_sh, opt_sh, batch_sh),
+        out_shardings=(param_sh, opt_sh, scalar_sh),
+        donate_argnums=(0, 1),
+    )
+    st = {"params": jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params0)}
+    st["opt"] = jax.jit(optimizer.init, out_shardings=opt_sh)(st["params"])
+
+    def prepare(batch):
+        return jax.device_put(batch, batch_sh)
+
+    def step(batch):
+        st["params"], st["opt"], loss = jitted(st["params"], st["opt"], batch)
+        return loss
+
+    compiled = jitted.lower(st["params"], st["opt"], prepare(sample)).compile()
+    return Variant(
+        name=name,
+        step=step,
+        state=lambda: (st["params"], st["opt"]),
+        params=lambda: jax.device_get(st["params"]),
+        prepare=prepare,
+        ledger=communication(compiled, mesh=mesh),
+    )
+
+
+def pmap_variant(params0: Any, loss_fn, sample: Any) -> Variant:
+    """Legacy data parallelism: replicated params with a leading device axis, pmean of the grads."""
+    n = jax.device_count()
+    optimizer = make_optimizer()
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        grads = lax.pmean(grads, "data")
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "data")
+
+    pmapped = jax.pmap(train_step, axis_name="data", donate_argnums=(0, 1))
+    replicate = jax.pmap(lambda t: jax.tree.map(jnp.copy, t), axis_name="data")
+    stacked = jax.tree.map(lambda a: np.broadcast_to(np.asarray(a), (n, *np.shape(a))), params0)
+    st = {"params": replicate(stacked)}
+    st["opt"] = jax.pmap(optimizer.init)(st["params"])
+    place = jax.pmap(lambda b: b)
+
+    def prepare(batch):
+        return place(jax.tree.map(lambda a: np.asarray(a).reshape(n, a.shape[0] // n, *a.shape[1:]), batch))
+
+    def step(batch):
+        st["params"], st["opt"], loss = pmapped(st["params"], st["opt"], batch)
+        return loss[0]
+
+    compiled = pmapped.lower(st["params"], st["opt"], prepare(sample)).compile()
+    return Variant(
+        name="pmap",
+        step=step,
+        state=lambda: (st["params"], st["opt"]),
+        params=lambda: jax.tree.map(lambda a: np.asarray(a[0]), jax.device_get(st["params"])),
+        prepare=prepare,
+        ledger=communication(compiled),
+    )
+
+
+def check_same(variants: list[Variant], data: list[Any]) -> dict[str, dict[str, Any]]:
+    """Run the same steps on every variant; compare losses and parameters with meshkit's."""
+    losses: dict[str, list[float]] = {v.name: [] for v in variants}
+    for batch in data:
+        for v in variants:
+            losses[v.name].append(float(v.step(v.prepare(batch))))
+    ref_loss = np.array(losses["meshkit"])
+    ref_params = jax.tree.leaves(variants[0].params())
+    out = {}
+    for v in variants[1:]:
+        loss = np.array(losses[v.name])
+        params = jax.tree.leaves(v.params())
+        pairs = list(zip(params, ref_params, strict=True))
+        loss_ok = bool(np.allclose(loss, ref_loss, **LOSS_TOL))
+        params_ok = all(np.allclose(a, b, **PARAM_TOL) for a, b in pairs)
+        out[v.name] = {
+            "ok": loss_ok and params_ok,
+            "losses": loss.tolist(),
+            "meshkit_losses": ref_loss.tolist(),
+            "max_loss_diff": float(np.max(np.abs(loss - ref_loss))),
+            "max_param_diff": max(float(np.max(np.abs(a - b))) for a, b in pairs),
+        }
+    return out
+
+
+def time_variants(variants: list[Variant], batch: Any, steps: int, rounds: int) -> None:
+    placed = {v.name: v.prepare(batch) for v in variants}
+    for v in variants:  # warm-up: caches, allocator, thread pools
+        for _ in range(WARMUP):
+            jax.block_until_ready((v.step(placed[v.name]), v.state()))
+    for r in range(rounds):
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            b = placed[v.name]
+            jax.block_until_ready((v.step(b), v.state()))  # untimed: the switch from another variant
+            for _ in range(steps):
+                c0, t0 = time.process_time(), time.perf_counter()
+                loss = v.step(b)
+                jax.block_until_ready((loss, v.state()))
+                v.wall.append(time.perf_counter() - t0)
+                v.cpu.append(time.process_time() - c0)
+
+
+def by_op_axes(ledger: CommLedger) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in ledger.records:
+        acc = out.setdefault(f"{r.op}@{r.axes_label}", {"executions": 0, "size_bytes": 0})
+        acc["executions"] += r.executions
+        acc["size_bytes"] += r.size_bytes * r.executions
+    return dict(sorted(out.items()))
+
+
+def ms(xs: list[float], q: float = 50) -> float:
+    return 1e3 * float(np.percentile(xs, q))
+
+
+def run_plan(plan: str, params0: Any, loss_fn, args) -> dict[str, Any]:
+    data = batches(CHECK_STEPS + 1)
+    sample = data[0]
+    trainer = Trainer(
+        loss_fn,
+        params0,
+        make_optimizer(),
+        plan=plan,
+        logical_axes=gpt.logical_axes(params0),
+        tokens_per_example=CFG.seq_len,
+    )
+    variants = [meshkit_variant(trainer, sample), hand_variant(trainer, params0, loss_fn, sample)]
+    if plan == "dp":
+        variants.append(pmap_variant(params0, loss_fn, sample))
+    if args.control:
+        variants.append(hand_variant(trainer, params0, loss_fn, sample, name="hand2"))
+    checks = check_same(variants, data[:CHECK_STEPS])
+    time_variants(variants, data[CHECK_STEPS], args.steps, args.rounds)
+    res: dict[str, Any] = {"plan": plan, "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()}}
+    res["variants"] = {
+        v.name: {
+            "median_ms": ms(v.wall),
+            "p25_ms": ms(v.wall, 25),
+            "p75_ms": ms(v.wall, 75),
+            "cpu_median_ms": ms(v.cpu),
+            "wall_ms": [1e3 * t for t in v.wall],
+            "cpu_ms": [1e3 * t for t in v.cpu],
+            "collectives": v.ledger.count(),
+            "size_bytes": v.ledger.size_bytes,
+            "traffic_bytes": v.ledger.traffic_bytes,
+            "by_op": by_op_axes(v.ledger),
+        }
+        for v in variants
+    }
+    var = res["variants"]
+    mk = var["meshkit"]
+
+    def ratios(other: str) -> dict[str, float] | None:
+        if other not in var:
+            return None
+        return {
+            "wall": mk["median_ms"] / var[other]["median_ms"],
+            "cpu": mk["cpu_median_ms"] / var[other]["cpu_median_ms"],
+        }
+
+    res["ratio_hand"] = ratios("hand")
+    res["ratio_pmap"] = ratios("pmap")
+    res["control"] = (
+        {
+            "wall": var["hand2"]["median_ms"] / var["hand"]["median_ms"],
+            "cpu": var["hand2"]["cpu_median_ms"] / var["hand"]["cpu_median_ms"],
+        }
+        if "hand2" in var
+        else None
+    )
+    res["checks"] = checks
+    res["same_result"] = all(c["ok"] for c in checks.values())
+    return res
+
+
+def mb(b: float) -> str:
+    return f"{b / 1e6:.2f}"
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    control = any(r["control"] for r in results)
+    head = (
+        f"{'plan':<8} {'mesh':<15} {'meshkit ms':>10} {'hand ms':>8} {'mk/hand':>7} {'cpu':>5} "
+        f"{'pmap ms':>8} {'mk/pmap':>7} {'cpu':>5}" + (f" {'A/A':>5} {'cpu':>5}" if control else "") + " |"
+        f" {'coll mk':>7} {'MB mk':>6} {'coll hand':>9} {'MB hand':>7} {'coll pmap':>9} {'MB pmap':>7} | same"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        v, rh, rp, ctl = r["variants"], r["ratio_hand"], r["ratio_pmap"], r["control"]
+        mesh = ",".join(f"{k}={s}" for k, s in r["mesh"].items())
+        pm = v.get("pmap")
+        flag = " *" if rh["wall"] > TARGET or rh["cpu"] > TARGET else ""
+        line = (
+            f"{r['plan']:<8} {mesh:<15} {v['meshkit']['median_ms']:>10.1f} {v['hand']['median_ms']:>8.1f} "
+            f"{rh['wall']:>7.2f} {rh['cpu']:>5.2f} "
+            + (
+                f"{pm['median_ms']:>8.1f} {rp['wall']:>7.2f} {rp['cpu']:>5.2f}"
+                if pm
+                else f"{'-':>8} {'-':>7} {'-':>5}"
+            )
+            + (
+                f" {ctl['wall']:>5.2f} {ctl['cpu']:>5.2f}"
+                if ctl
+                else (f" {'-':>5} {'-':>5}" if control else "")
+            )
+            + f" | {v['meshkit']['collectives']:>7} {mb(v['meshkit']['size_bytes']):>6} "
+            f"{v['hand']['collectives']:>9} {mb(v['hand']['size_bytes']):>7} "
+            + (f"{pm['collectives']:>9} {mb(pm['size_bytes']):>7}" if pm else f"{'-':>9} {'-':>7}")
+            + f" | {'yes' if r['same_result'] else 'MISMATCH'}{flag}"
+        )
+        print(line)
+    print(
+        f"(ratios: median wall-clock and, under 'cpu', median process CPU time per step; "
+        f"* = meshkit above {TARGET:.2f}x the hand-written step"
+        + ("; A/A = hand2/hand, the noise floor" if control else "")
+        + ")"
+    )
+    print("\ncollectives per step (executions x MB) by op@axes:")
+    for r in results:
+        for name, v in r["variants"].items():
+            if name == "hand2":
+                continue
+            parts = ", ".join(f"{k} {d['executions']}x{mb(d['size_bytes'])}" for k, d in v["by_op"].items())
+            print(f"  {r['plan']:<8} {name:<8} {parts or '(none)'}")
+    print("\nsame result (max |diff| vs meshkit after the same steps):")
+    for r in results:
+        for name, c in r["checks"].items():
+            print(
+                f"  {r['plan']:<8} {name:<8} loss {c['max_loss_diff']:.2e}  params {c['max_param_diff']:.2e}  "
+                f"{'ok' if c['ok'] else 'MISMATCH'}"
+            )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per variant per turn (default 4)")
+    ap.add_argument("--rounds", type=int, default=10, help="round-robin rounds (default 10)")
+    ap.add_argument(
+        "--plans", default=",".join(ALL_PLANS), help=f"comma-separated subset of {','.join(ALL_PLANS)}"
+    )
+    ap.add_argument(
+        "--control", action="store_true", help="also time a second hand-written step (A/A noise floor)"
+    )
+    ap.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    args = ap.parse_args()
+    plans = [p.strip() for p in args.plans.split(",") if p.strip()]
+    unknown = [p for p in plans if p not in ALL_PLANS]
+    if unknown or not plans:
+        ap.error(f"unknown plan(s) {unknown}: choose from {','.join(ALL_PLANS)}")
+    if args.steps < 1 or args.rounds < 1:
+        ap.error("--steps and --rounds must be at least 1")
+
+    t_start = time.perf_counter()
+    params0 = jax.device_get(gpt.init(jax.random.key(0), CFG))
+    loss_fn = gpt.make_loss(CFG)
+    print(
+        f"GPT {CFG.layers} layers, width {CFG.width}, {CFG.heads} heads, vocab {CFG.vocab_size}, "
+        f"seq {CFG.seq_len}; global batch {BATCH}; adamw; {jax.device_count()} {jax.default_backend()} "
+        f"devices; {args.rounds} rounds x {args.steps} timed steps per variant\n",
+        flush=True,
+    )
+    results = []
+    for plan in plans:
+        t0 = time.perf_counter()
+        results.append(run_plan(plan, params0, loss_fn, args))
+        print(f"  {plan}: done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    print_table(results)
+    total = time.perf_counter() - t_start
+    print(f"\ntotal {total:.1f}s")
+    if args.json:
+        cfg = {k: getattr(CFG, k) for k in ("vocab_size", "seq_len", "layers", "width", "heads")}
+        payload = {
+            "config": {
+                "gpt": cfg,
+                "batch": BATCH,
+                "optimizer": f"adamw({LR})",
+                "devices": jax.device_count(),
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "target_ratio": TARGET,
+                "seconds": total,
+            },
+            "results": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 0 if all(r["same_result"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
