@@ -17,7 +17,9 @@ the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on on
   backward pass (tokens x input width). A GPT layer has wo and w_out row-parallel, wq, wk, wv and
   w_in column-parallel: 2 forward and 4 backward all-reduces.
 
-Scalar collectives (the loss, gradient-norm partial sums) are left out of the comparison.
+Data-axis reduce-scatters and all-gathers are bucketed (one per dtype), so the counts above are
+collectives per dtype; the bytes are the sum over leaves. Scalar collectives (the loss,
+gradient-norm partial sums) are left out of the comparison.
 """
 
 from __future__ import annotations

@@ -29,48 +29,37 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit.plans._layout import DATA, Layout, LeafLayout
+from meshkit.plans import _buckets as buckets
+from meshkit.plans._layout import DATA, Layout
 
 LossFn = Callable[[Any, Any], jax.Array]
-
-
-def _is_leaf(x) -> bool:
-    return isinstance(x, LeafLayout)
 
 
 def _split_micro(batch: Any, m: int) -> Any:
     return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m, *a.shape[1:])), batch)
 
 
+def _tree_apply(fn, tree: Any, layout: Layout) -> Any:
+    """Apply a list function over the leaves of a parameter-shaped tree."""
+    leaves = jax.tree.leaves(tree)
+    return jax.tree.unflatten(jax.tree.structure(tree), fn(leaves, layout.flat(), layout.data_size))
+
+
 def _gather(params: Any, layout: Layout) -> Any:
-    return jax.tree.map(
-        lambda a, leaf: (
-            a if leaf.data_dim is None else lax.all_gather(a, DATA, axis=leaf.data_dim, tiled=True)
-        ),
-        params,
-        layout.leaves,
-        is_leaf=lambda x: _is_leaf(x) or x is None,
-    )
-
-
-def _scatter_leaf(g: jax.Array, leaf: LeafLayout) -> jax.Array:
-    if leaf.data_dim is None:
-        return g  # replicated on data: summed once at the end
-    return lax.psum_scatter(g, DATA, scatter_dimension=leaf.data_dim, tiled=True)
+    return _tree_apply(buckets.all_gather, params, layout)
 
 
 def _scatter(grads: Any, layout: Layout) -> Any:
-    """Reduce-scatter the data-sharded leaves; replicated leaves stay local."""
-    return jax.tree.map(_scatter_leaf, grads, layout.leaves)
+    """Reduce-scatter the data-sharded leaves (bucketed); replicated leaves stay local."""
+    return _tree_apply(buckets.reduce_scatter, grads, layout)
 
 
 def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
     """Reduce what is still local (one all-reduce of every leaf kept whole: all of them under dp), scale."""
-    leaves = layout.flat()
-    grads = jax.tree.leaves(acc)
     if scatter_now:
-        grads = [_scatter_leaf(g, leaf) for g, leaf in zip(grads, leaves, strict=True)]
-    whole = [i for i, leaf in enumerate(leaves) if leaf.data_dim is None]
+        acc = _scatter(acc, layout)
+    grads = jax.tree.leaves(acc)
+    whole = [i for i, leaf in enumerate(layout.flat()) if leaf.data_dim is None]
     if whole:
         for i, g in zip(whole, lax.psum([grads[i] for i in whole], DATA), strict=True):
             grads[i] = g
@@ -120,8 +109,13 @@ def _first(tree: Any) -> Any:
 
 
 def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
-    """Global-view ``(params, batch) -> (loss, grads)`` with the plan's collectives."""
-    if not layout.has_data_axis:  # tensor parallel alone: the compiler partitions everything
+    """Global-view ``(params, batch) -> (loss, grads)`` with the plan's collectives.
+
+    Plain data parallelism of one micro-batch (and tensor parallelism alone) is left to XLA's
+    partitioner, which emits the single gradient all-reduce the model predicts; everything else
+    runs manual over the data axis.
+    """
+    if not layout.has_data_axis or (layout.plan.stage == "dp" and accumulate == 1):
 
         def plain(params, batch):
             if accumulate == 1:
@@ -177,6 +171,20 @@ def state_shardings(optimizer: optax.GradientTransformation, params: Any, layout
     )
 
 
+def _param_gather(layout: Layout) -> Callable | None:
+    """ZeRO-1/2: the all-gather of the updated parameter shards (bucketed), or None."""
+    if layout.plan.stage not in ("zero1", "zero2") or all(leaf.data_dim is None for leaf in layout.flat()):
+        return None
+    return jax.shard_map(
+        lambda p: _gather(p, layout),
+        mesh=layout.mesh,
+        in_specs=(layout.tree(lambda leaf: leaf.manual_spec(data=True)),),
+        out_specs=P(),
+        axis_names={DATA},
+        check_vma=False,
+    )
+
+
 def build_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -185,25 +193,36 @@ def build_step(
     *,
     accumulate: int = 1,
     clip_norm: float | None = None,
+    grad_norm: bool = False,
     donate: bool = True,
 ) -> Callable:
-    """The jitted step ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    """The jitted step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    Metrics: the loss, and the global gradient norm when clipping or ``grad_norm`` asks for it (it
+    costs a reduction over every gradient, which the compiler may fuse into the last collective).
+    """
     grads_of = gradient_fn(loss_fn, layout, accumulate)
+    gather = _param_gather(layout)
     mesh = layout.mesh
     grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))
+    with_norm = grad_norm or clip_norm is not None
 
     def step(params, opt_state, batch):
         loss, grads = grads_of(params, batch)
         grads = lax.with_sharding_constraint(grads, grad_sh)
-        norm = optax.tree.norm(grads)
-        if clip_norm is not None:
-            factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
-            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+        metrics = {"loss": loss}
+        if with_norm:
+            metrics["grad_norm"] = norm = optax.tree.norm(grads)
+            if clip_norm is not None:
+                factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
+                grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": norm}
+        if gather is not None:  # update the shards where they live, then one bucketed all-gather
+            params = gather(lax.with_sharding_constraint(params, grad_sh))
+        return params, opt_state, metrics
 
-    scalars = {"loss": shardings.scalar, "grad_norm": shardings.scalar}
+    scalars = dict.fromkeys(("loss", "grad_norm") if with_norm else ("loss",), shardings.scalar)
     return jax.jit(
         step,
         in_shardings=(shardings.params, shardings.opt_state, shardings.batch),

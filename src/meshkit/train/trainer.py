@@ -95,6 +95,7 @@ class Trainer:
         logical_axes: Any = None,
         min_shard_size: int = 1,
         tokens_per_example: int = 1,
+        grad_norm: bool = False,
         donate: bool = True,
     ) -> None:
         _check_optimizer(optimizer)
@@ -137,6 +138,7 @@ class Trainer:
             self.shardings,
             accumulate=accumulate,
             clip_norm=clip_norm,
+            grad_norm=grad_norm,
             donate=donate,
         )
         self._compiled: dict[Any, jax.stages.Compiled] = {}
@@ -167,7 +169,7 @@ class Trainer:
 
     # -- steps ------------------------------------------------------------------------------
     def step(self, batch: Any) -> dict[str, jax.Array]:
-        """One optimizer step on the global batch; returns {'loss', 'grad_norm'} (global scalars)."""
+        """One optimizer step on the global batch; returns {'loss'} and, when computed, 'grad_norm'."""
         batch = self.put_batch(batch)
         self.params, self.opt_state, metrics = self._step(self.params, self.opt_state, batch)
         return metrics
