@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup mpi run test lint bench clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -10,7 +10,14 @@ setup:
 run: setup
 	$(BIN)/meshkit train
 
-test: setup lint
+# The multi-process tests run the same training under Open MPI's mpirun: Debian's openmpi-bin.
+mpi:
+	@command -v mpirun >/dev/null 2>&1 || { \
+	  echo "meshkit setup: installing openmpi-bin (for the mpirun tests)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin >/dev/null; }
+
+test: setup mpi lint
 	$(BIN)/python -m pytest -n 2 -q
 
 lint: setup
@@ -19,6 +26,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_ledger.py
+	$(BIN)/python benchmarks/bench_plans.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -17,7 +17,15 @@ DevicesOpt = Annotated[
 
 
 def _simulate(n: int | None) -> None:
-    if n is not None:
+    """Set up devices before JAX starts: join the multi-process job when started as one (``meshkit
+    launch``, ``mpirun``, ``srun``), simulating ``n`` CPU devices in all; else simulate ``n``."""
+    from meshkit import distributed
+
+    if distributed.is_multiprocess_env():
+        spec = distributed.detect()
+        per = spec.devices_per_process or (max(n // spec.process_count, 1) if n else None)
+        distributed.initialize(devices_per_process=per)
+    elif n is not None:
         from meshkit.devices import simulate_devices
 
         simulate_devices(n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import time
 from pathlib import Path
 from typing import Annotated
@@ -61,7 +62,13 @@ def train(
     from meshkit.cli.ledger import _simulate
 
     _simulate(devices)
+    import jax
+    from rich.console import Console
+
     from meshkit.cli._format import console
+
+    if jax.process_index() != 0:  # one voice per job: the others train quietly (errors still print)
+        console = Console(file=io.StringIO())
     from meshkit.train import config as C
     from meshkit.train.loop import run
 

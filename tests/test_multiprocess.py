@@ -1,0 +1,121 @@
+"""Training with real processes: 2 processes x 4 simulated devices, under meshkit launch and mpirun."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit.launch import launch
+from meshkit.models import mlp
+from meshkit.train.checkpoint import Checkpointer, abstract_with
+
+WORKER = str(Path(__file__).parent / "mp" / "train_worker.py")
+ENV = {"JAX_PLATFORMS": "cpu"}
+
+
+def results(out_dir: Path) -> dict[int, dict]:
+    found = (json.loads(p.read_text()) for p in out_dir.glob("result-*.json"))
+    return {r["process"]: r for r in found}
+
+
+def single_process(plan: str):
+    params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+    t = meshkit.Trainer(mlp.loss, params, optax.adam(1e-2), plan=plan, mesh="data=8")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    y = np.sin(x @ np.ones((16, 8), np.float32) / 4)
+    for _ in range(10):
+        t.step((x, y))
+    return t
+
+
+def check(res: dict[int, dict], plan: str, ckpt: Path, source: str) -> None:
+    assert sorted(res) == [0, 1]
+    for r in res.values():
+        assert (r["processes"], r["local_devices"], r["devices"], r["source"]) == (2, 4, 8, source)
+    assert res[0]["params"] == res[1]["params"]  # both processes hold the same parameters
+    ref = single_process(plan)
+    for got, want in zip(res[0]["params"], jax.tree.leaves(ref.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    with Checkpointer(ckpt) as c:  # written by 2 processes, restored by this one
+        params, _, meta = c.restore(None, abstract_with(ref.params, ref.shardings.params),
+                                    abstract_with(ref.opt_state, ref.shardings.opt_state))  # fmt: skip
+    assert meta == {"plan": plan}
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(params), res[0]["params"], strict=True)
+    )
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_two_processes_under_meshkit_launch_match_one_process(tmp_path, plan):
+    out = io.StringIO()
+    cmd = [sys.executable, WORKER, plan, str(tmp_path / "ckpt"), str(tmp_path)]
+    code = launch(cmd, 2, devices_per_process=4, env=ENV, output=out)
+    assert code == 0, out.getvalue()[-3000:]
+    check(results(tmp_path), plan, tmp_path / "ckpt", "meshkit-launch")
+
+
+def test_two_processes_under_mpirun_without_meshkit_environment(tmp_path):
+    mpirun = shutil.which("mpirun")
+    assert mpirun, (
+        "mpirun is missing: install Debian's openmpi-bin (make test does: apt-get install -y openmpi-bin)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
+    env.update(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [
+        mpirun,
+        "-np",
+        "2",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        WORKER,
+        "fsdp",
+        str(tmp_path / "ckpt"),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    check(results(tmp_path), "fsdp", tmp_path / "ckpt", "openmpi")
+
+
+def test_meshkit_train_under_launch_writes_once(tmp_path):
+    run = tmp_path / "run"
+    exe = str(Path(sys.executable).parent / "meshkit")
+    cmd = [
+        exe,
+        "launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+        "--",
+        exe,
+        "train",
+        "--preset",
+        "tiny",
+        "--run-dir",
+        str(run),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[0] " in proc.stdout and "Run summary" in proc.stdout
+    assert "Run summary" not in "".join(
+        line for line in proc.stdout.splitlines(True) if line.startswith("[1] ")
+    )
+    report = json.loads((run / "report.json").read_text())
+    assert (report["processes"], report["devices"], report["mesh"]) == (2, 8, {"data": 8})
+    assert report["checks_ok"] and report["final_loss"] < report["initial_loss"]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == list(range(1, 13))  # one writer, not two
