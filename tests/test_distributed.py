@@ -1,0 +1,321 @@
+"""meshkit.distributed: where a process's place in its job comes from, start-up errors, and what
+survivors do when a process of a running job is SIGKILLed (without the launcher)."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from meshkit import distributed
+from meshkit._errors import MeshkitError
+from meshkit.distributed import DistributedError, ProcessInfo, detect, is_multiprocess_env
+
+WORKERS = Path(__file__).parent / "workers"
+_PREFIXES = ("MESHKIT_", "SLURM_", "OMPI_", "PMIX_", "JAX_COORDINATOR", "JAX_LOCAL_DEVICE_IDS")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No job environment at all, and no job started in this process."""
+    for name in list(os.environ):
+        if name.startswith(_PREFIXES):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(distributed, "_started", None)
+    return monkeypatch
+
+
+def _slurm(monkeypatch, *, ntasks=2, procid=1, jobid=12345):
+    for name, value in {
+        "SLURM_JOB_ID": jobid, "SLURM_NTASKS": ntasks, "SLURM_PROCID": procid, "SLURM_LOCALID": procid,
+        "SLURM_STEP_NODELIST": "localhost", "SLURM_NODELIST": "localhost", "SLURM_STEP_NUM_NODES": 1,
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+
+
+_HNP_URI = "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"
+_OMPI_PORT = 1531576320 // 2**12 % 2**12 + 65535 - 2**12 + 1  # JAX's port from the job id: 62624
+
+
+def _ompi(monkeypatch, *, size=2, rank=1):
+    for name, value in {
+        "OMPI_COMM_WORLD_SIZE": size, "OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_LOCAL_RANK": rank,
+        "OMPI_MCA_orte_hnp_uri": _HNP_URI,
+    }.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+
+
+class _FakeJax:
+    """Stands in for jax.distributed.initialize and the backend, capturing the call."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.simulated = []
+        monkeypatch.setattr(distributed, "backend_started", lambda: False)
+        monkeypatch.setattr(distributed, "simulate_devices", self.simulated.append)
+        monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+        monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: self.calls.append((a, k)))
+        monkeypatch.setattr(distributed, "_describe", self._describe)
+
+    @staticmethod
+    def _describe(spec):
+        return ProcessInfo(
+            process_index=spec.process_index, process_count=spec.process_count, coordinator=spec.coordinator,
+            source=spec.source, local_device_count=4, device_count=4 * spec.process_count,
+        )  # fmt: skip
+
+
+# --- detection -------------------------------------------------------------------------------------
+
+
+def test_no_job_environment_is_a_single_process(clean_env):
+    spec = detect()
+    assert (spec.source, spec.process_index, spec.process_count, spec.coordinator) == ("single", 0, 1, None)
+    assert not is_multiprocess_env()
+    assert detect(num_processes=1).source == "single"
+
+
+def test_meshkit_launch_environment(clean_env):
+    for name, value in {
+        distributed.MESHKIT_COORDINATOR_ADDRESS: "localhost:12355", distributed.MESHKIT_NUM_PROCESSES: "4",
+        distributed.MESHKIT_PROCESS_ID: "3", distributed.MESHKIT_DEVICES_PER_PROCESS: "2",
+    }.items():  # fmt: skip
+        clean_env.setenv(name, value)
+    spec = detect()
+    assert (spec.source, spec.process_index, spec.process_count) == ("meshkit-launch", 3, 4)
+    assert (spec.coordinator, spec.devices_per_process) == ("localhost:12355", 2)
+    assert is_multiprocess_env()
+    _slurm(clean_env)  # meshkit launch's variables come before a scheduler's
+    assert detect().source == "meshkit-launch"
+    explicit = detect("otherhost:1", 2, 0)  # and explicit values before both
+    assert (explicit.source, explicit.coordinator, explicit.process_index) == ("explicit", "otherhost:1", 0)
+
+
+def test_slurm_detected_as_jax_does(clean_env):
+    _slurm(clean_env)
+    spec = detect()
+    port = 12345 % 2**12 + 65535 - 2**12 + 1
+    assert (spec.source, spec.process_index, spec.process_count) == ("slurm", 1, 2)
+    assert spec.coordinator == f"localhost:{port}"
+    assert is_multiprocess_env()
+    from jax._src.clusters import ClusterEnv
+
+    assert ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, "slurm", 10) == (
+        f"localhost:{port}", 2, 1, [1],
+    )  # fmt: skip
+    _slurm(clean_env, ntasks=1, procid=0)
+    assert detect().source == "single" and not is_multiprocess_env()
+
+
+def test_openmpi_detected_as_jax_does(clean_env):
+    _ompi(clean_env)
+    spec = detect()
+    assert (spec.source, spec.process_index, spec.process_count) == ("openmpi", 1, 2)
+    assert spec.coordinator == f"10.96.0.1:{_OMPI_PORT}"
+    assert is_multiprocess_env()
+    _slurm(clean_env, procid=0)  # mpirun inside a SLURM allocation: Open MPI's per-process values win
+    assert (detect().source, detect().process_index) == ("openmpi", 1)
+
+
+@pytest.mark.parametrize(("setup", "method"), [(_slurm, "slurm"), (_ompi, "ompi")])
+def test_initialize_lets_jax_detect_the_scheduler(clean_env, setup, method):
+    setup(clean_env)
+    fake = _FakeJax(clean_env)
+    info = distributed.initialize(devices_per_process=4, heartbeat_timeout_s=12)
+    ((args, kwargs),) = fake.calls
+    assert args == (None, None, None)  # JAX's own detection fills them...
+    assert kwargs["cluster_detection_method"] == method  # ...from the source meshkit found
+    assert kwargs["heartbeat_timeout_seconds"] == 12
+    assert kwargs["shutdown_timeout_seconds"] == distributed.DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert kwargs["initialization_timeout"] > distributed.DEFAULT_TIMEOUT_S  # meshkit's message comes first
+    assert fake.simulated == [4]
+    assert (info.source, info.process_index, info.process_count) == (
+        "slurm" if method == "slurm" else "openmpi", 1, 2,
+    )  # fmt: skip
+    assert distributed.initialize() is info  # idempotent
+    with pytest.raises(DistributedError, match="already joined a job as process 1 of 2"):
+        distributed.initialize("localhost:1", 3, 0)
+
+
+def test_initialize_explicit_values_and_launch_environment(clean_env):
+    fake = _FakeJax(clean_env)
+    clean_env.setenv(distributed.MESHKIT_TIMEOUT_S, "7")
+    info = distributed.initialize("localhost:4242", 2, 0)
+    ((args, kwargs),) = fake.calls
+    assert args == ("localhost:4242", 2, 0) and kwargs["cluster_detection_method"] == "deactivate"
+    assert kwargs["initialization_timeout"] == 7 + distributed._JAX_TIMEOUT_MARGIN_S
+    assert info.source == "explicit" and fake.simulated == []
+
+
+def test_single_process_initialize_needs_no_coordinator(clean_env):
+    info = distributed.initialize(devices_per_process=jax.device_count())  # same count: allowed
+    assert (info.source, info.process_count, info.coordinator) == ("single", 1, None)
+    assert info.device_count == jax.device_count() == info.local_device_count
+    assert distributed.initialize() is info and distributed.process_info() is info
+    distributed.shutdown()
+    assert distributed.process_info() is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "message"),
+    [
+        ({"coordinator_address": "localhost:1", "num_processes": 2, "process_id": 2}, {}, "process_id 2 is out of range for 2"),
+        ({"num_processes": 2}, {}, "give coordinator_address, num_processes and process_id together"),
+        ({"coordinator_address": "nohost", "num_processes": 2, "process_id": 0}, {}, "is not 'host:port'"),
+        ({}, {"MESHKIT_NUM_PROCESSES": "two"}, "MESHKIT_NUM_PROCESSES='two' is not a whole number"),
+        ({}, {"MESHKIT_NUM_PROCESSES": "2", "MESHKIT_PROCESS_ID": "0"}, "set MESHKIT_COORDINATOR_ADDRESS"),
+        ({}, {"MESHKIT_NUM_PROCESSES": "2", "MESHKIT_COORDINATOR_ADDRESS": "localhost:1"}, "MESHKIT_PROCESS_ID is not set"),
+        ({"coordinator_address": "localhost:1", "num_processes": 2, "process_id": 0, "devices_per_process": 0}, {}, "devices_per_process must be a positive"),
+    ],
+)  # fmt: skip
+def test_inconsistent_values_are_one_line_errors(clean_env, kwargs, env, message):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(DistributedError, match=re.escape(message)) as info:
+        distributed.initialize(**kwargs)
+    assert "\n" not in str(info.value) and isinstance(info.value, MeshkitError)
+    assert is_multiprocess_env() == bool(env)
+
+
+def test_backend_already_started_is_a_clear_error(clean_env):
+    jax.devices()  # the backend has started in this process
+    with pytest.raises(
+        DistributedError, match=r"call meshkit.distributed.initialize\(\) before any JAX computation"
+    ):
+        distributed.initialize("localhost:4242", 2, 0)
+
+
+def test_bad_timeouts(clean_env):
+    _FakeJax(clean_env)
+    with pytest.raises(DistributedError, match="heartbeat_timeout_s must be a positive number"):
+        distributed.initialize("localhost:4242", 2, 0, heartbeat_timeout_s=0)
+
+
+# --- real processes --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES)}
+    return {**env, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **extra}
+
+
+@pytest.mark.slow
+def test_unreachable_coordinator_and_missing_processes_time_out_clearly():
+    code = "import sys; from meshkit import distributed as d; d.initialize(sys.argv[1], 2, int(sys.argv[2]), timeout_s=2)"
+    address = f"localhost:{_free_port()}"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, a, r], env=_env(), stderr=subprocess.PIPE, text=True)
+        for a, r in ((address, "1"), (f"localhost:{_free_port()}", "0"))
+    ]
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    assert errs[0] == (
+        f"error: could not reach the coordinator at {address} within 2 s (process 1 of 2): check that "
+        f"process 0 started and listens there, or raise the timeout (timeout_s / meshkit launch --timeout)\n"
+    )
+    assert errs[1].startswith("error: the job did not form within 2 s") and errs[1].count("\n") == 1
+
+
+def _worker(address: str, rank: int, heartbeat: int, extra: tuple[str, ...]) -> subprocess.Popen:
+    argv = ["--explicit", address, "2", str(rank), "--heartbeat", str(heartbeat), *extra]
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS / "fault_worker.py"), *argv],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _start_pair(*extra: str, heartbeat: int = 8) -> list[subprocess.Popen]:
+    """Two fault workers with explicit arguments (no launcher), both past their first psum."""
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, rank, heartbeat, extra) for rank in range(2)]
+    for p in procs:
+        for line in p.stdout:
+            if line.startswith("ready"):
+                break
+        else:
+            pytest.fail(f"worker exited before it was ready: {p.wait()}")
+    return procs
+
+
+def _kill_and_wait(procs: list[subprocess.Popen], victim: int) -> tuple[int, str, float]:
+    time.sleep(0.3)  # mid-loop
+    start = time.monotonic()
+    procs[victim].send_signal(signal.SIGKILL)
+    survivor = procs[1 - victim]
+    try:
+        out, _ = survivor.communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+    return survivor.returncode, out, time.monotonic() - start
+
+
+_NAMES_PROCESS_1 = re.compile(
+    r"lost process 1 of 2|Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1\b"
+)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_collective_survivor_names_the_lost_process():
+    """The survivor's psum fails (or hangs until the heartbeat timeout): it exits non-zero, naming 1."""
+    code, out, elapsed = _kill_and_wait(_start_pair(), victim=1)
+    assert code != 0 and elapsed < 120, (code, elapsed)
+    assert _NAMES_PROCESS_1.search(out), out[-3000:]
+    if code == distributed.PEER_LOST_EXIT_CODE:  # the collective failed first: meshkit's one line
+        assert re.search(r"^error: lost process 1 of 2 \(.*\): it crashed, was killed or hangs", out, re.M)
+
+
+@pytest.mark.slow
+def test_sigkill_while_survivor_is_idle_heartbeat_timeout_stops_it():
+    """No collective to fail: JAX's coordination service misses process 1's heartbeats and stops 0."""
+    code, out, elapsed = _kill_and_wait(_start_pair("--idle-rank", "0", heartbeat=5), victim=1)
+    assert code != 0 and elapsed < 60, (code, elapsed)
+    assert _NAMES_PROCESS_1.search(out), out[-3000:]
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_coordinator_stops_the_survivor_at_once():
+    code, out, elapsed = _kill_and_wait(_start_pair(), victim=0)
+    assert code != 0 and elapsed < 60, (code, elapsed)
+    assert re.search(r"lost process 0 of 2, the coordinator|coordination service", out), out[-3000:]
+
+
+# --- Open MPI ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_mpirun_job_is_detected_as_openmpi(tmp_path):
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("mpirun not found: install Open MPI (Debian/Ubuntu: apt-get install -y openmpi-bin)")
+    env = _env(
+        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1"
+    )
+    out = subprocess.run(
+        [mpirun, "-np", "2", sys.executable, str(WORKERS / "psum_worker.py"), "4", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(r["info"]["process_index"] for r in results) == [0, 1]
+    for r in results:
+        assert r["info"]["source"] == "openmpi" and r["info"]["process_count"] == 2
+        assert (r["info"]["local_device_count"], r["info"]["device_count"]) == (4, 8)
+        assert r["shard_map_psum"] == r["jit_sum"] == 36.0
+        assert r["pmap_leading_axis"] == 4 and r["pmap_psum"] == [36.0] * 4

@@ -1,0 +1,215 @@
+"""meshkit.launch and ``meshkit launch``: real local processes, rank-prefixed output, first failure
+wins, nothing outlives the launcher."""
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from meshkit.cli import main
+from meshkit.launch import LaunchError, child_env, describe_status, launch
+
+WORKERS = Path(__file__).parent / "workers"
+PY = sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    for name in list(os.environ):
+        if name.startswith(("MESHKIT_", "SLURM_", "OMPI_")):
+            monkeypatch.delenv(name)
+
+
+def _results(text: str) -> dict[int, dict]:
+    """RESULT lines of the psum worker, by the rank in their prefix."""
+    out = {}
+    for line in text.splitlines():
+        prefix, _, rest = line.partition("] ")
+        if rest.startswith("RESULT "):
+            out[int(prefix.lstrip("["))] = json.loads(rest[len("RESULT ") :])
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_sum_across_processes():
+    out = io.StringIO()
+    code = launch([PY, str(WORKERS / "psum_worker.py")], 2, devices_per_process=4, output=out)
+    assert code == 0, out.getvalue()[-3000:]
+    results = _results(out.getvalue())
+    assert sorted(results) == [0, 1]
+    for rank, r in results.items():
+        info = r["info"]
+        assert (info["process_index"], info["process_count"], info["source"]) == (rank, 2, "meshkit-launch")
+        assert (info["local_device_count"], info["device_count"]) == (4, 8)
+        assert info["coordinator"].startswith("localhost:")
+        assert r["global_shape"] == [8]
+        assert r["shard_map_psum"] == r["jit_sum"] == 36.0  # 1 + ... + 8 across both processes
+        assert r["pmap_leading_axis"] == 4 and r["pmap_psum"] == [36.0] * 4  # legacy pmap: local axis
+
+
+def test_child_environment():
+    env = child_env(1, 3, "localhost:5", devices_per_process=2, timeout_s=9.5, env={"A": "b"})
+    assert (env["MESHKIT_PROCESS_ID"], env["MESHKIT_NUM_PROCESSES"], env["MESHKIT_COORDINATOR_ADDRESS"]) == (
+        "1", "3", "localhost:5",
+    )  # fmt: skip
+    assert (env["MESHKIT_DEVICES_PER_PROCESS"], env["MESHKIT_TIMEOUT_S"], env["A"]) == ("2", "9.5", "b")
+    assert "MESHKIT_DEVICES_PER_PROCESS" not in child_env(0, 2, "localhost:5")
+    assert describe_status(-9) == "signal SIGKILL" and describe_status(3) == "exit code 3"
+
+
+def test_lines_are_prefixed_and_the_first_failure_wins():
+    script = textwrap.dedent("""
+        import os, sys, time
+        rank = int(os.environ["MESHKIT_PROCESS_ID"])
+        print(f"hello from {rank}\\nsecond line", flush=True)
+        print(f"to stderr {rank}", file=sys.stderr, flush=True)
+        if rank == 1:
+            sys.exit(7)
+        time.sleep(0.5 if rank == 2 else 60)
+        sys.exit(3)
+    """)
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    code = launch([PY, "-c", script], 3, output=out, error_output=err, grace_s=2)
+    assert code == 7 and time.monotonic() - start < 30
+    lines = out.getvalue().splitlines()
+    for rank in range(3):
+        assert f"[{rank}] hello from {rank}" in lines and f"[{rank}] second line" in lines
+        assert f"[{rank}] to stderr {rank}" in err.getvalue().splitlines()
+    assert "meshkit launch: process 1 exited with exit code 7; stopping the others" in err.getvalue()
+
+
+def test_success_and_signal_status():
+    assert launch([PY, "-c", "pass"], 2, output=io.StringIO()) == 0
+    out = io.StringIO()
+    kill_self = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert launch([PY, "-c", kill_self], 1, output=out) == 128 + signal.SIGKILL
+    assert "process 0 exited with signal SIGKILL" in out.getvalue()
+
+
+def test_bad_arguments_and_busy_port():
+    with pytest.raises(LaunchError, match="give the command to run after --"):
+        launch([], 2)
+    with pytest.raises(LaunchError, match="at least 1, got 0"):
+        launch([PY, "-c", "pass"], 0)
+    with pytest.raises(LaunchError, match="cannot start 'no-such-program-here'"):
+        launch(["no-such-program-here"], 1, output=io.StringIO())
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(
+            LaunchError, match=f"port {port} is in use.*pick another with --port, or leave --port out"
+        ):
+            launch([PY, "-c", "pass"], 2, port=port)
+        out = io.StringIO()  # without --port a free one is found
+        echo = "import os; print(os.environ['MESHKIT_COORDINATOR_ADDRESS'])"
+        assert launch([PY, "-c", echo], 1, output=out) == 0
+        assert out.getvalue().startswith("[0] localhost:") and f":{port}\n" not in out.getvalue()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (zombies, which an init that does not reap leaves behind, do not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+_STUBBORN = textwrap.dedent("""
+    import os, signal, subprocess, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    grandchild = subprocess.Popen(["sleep", "300"])  # inherits the ignored signals
+    print("pids", os.getpid(), grandchild.pid, flush=True)
+    time.sleep(300)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_launcher_leaves_no_process_behind(signum):
+    runner = "import sys; from meshkit.launch import launch; sys.exit(launch(sys.argv[1:], 2, grace_s=1))"
+    launcher = subprocess.Popen(
+        [PY, "-c", runner, PY, "-c", _STUBBORN], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    pids = []
+    try:
+        for line in launcher.stdout:
+            if "] pids " in line:
+                pids += [int(p) for p in line.split("pids ")[1].split()]
+            if len(pids) == 4:
+                break
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(signum)
+        rest, _ = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signum
+    assert f"got {signal.Signals(signum).name}; stopping all 2 process(es)" in rest
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_process_stops_the_job_and_names_it():
+    out = io.StringIO()
+    start = time.monotonic()
+    code = launch(
+        [PY, str(WORKERS / "fault_worker.py"), "--die-rank", "1", "--die-after", "30"],
+        2,
+        output=out,
+        grace_s=2,
+    )
+    elapsed = time.monotonic() - start
+    assert code == 128 + signal.SIGKILL, out.getvalue()[-3000:]
+    assert "meshkit launch: process 1 exited with signal SIGKILL; stopping the others" in out.getvalue()
+    assert "[0] ready 0" in out.getvalue() and "[1] ready 1" in out.getvalue()
+    assert elapsed < 60
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cli_launch_runs_the_command_in_every_process():
+    exe = Path(sys.executable).parent / "meshkit"
+    code = "import os; print('rank', os.environ['MESHKIT_PROCESS_ID'], 'of', os.environ['MESHKIT_NUM_PROCESSES'])"
+    out = subprocess.run(
+        [str(exe), "launch", "-n", "2", "--timeout", "30", "--", PY, "-c", code],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[0] rank 0 of 2", "[1] rank 1 of 2"]
+    fail = subprocess.run(
+        [str(exe), "launch", "-n", "2", "--", PY, "-c", "import sys; sys.exit(4)"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert fail.returncode == 4 and "exited with exit code 4" in fail.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["launch", "-n", "0", "--", "true"], "error: the number of processes must be at least 1, got 0"),
+        (["launch", "-n", "2"], "error: give the command to run after --"),
+        (["launch", "--", "true"], "error: give the number of processes with -n N"),
+        (["launch", "-n", "2", "--timeout", "0", "--", "true"], "error: --timeout must be a positive number"),
+        (["launch", "-n", "2", "--devices-per-process", "0", "--", "true"], "error: --devices-per-process must be at least 1"),
+    ],
+)  # fmt: skip
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
