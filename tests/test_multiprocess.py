@@ -3,9 +3,11 @@
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -119,3 +121,38 @@ def test_meshkit_train_under_launch_writes_once(tmp_path):
     assert report["checks_ok"] and report["final_loss"] < report["initial_loss"]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "loss" in r] == list(range(1, 13))  # one writer, not two
+
+
+def test_a_killed_process_ends_the_survivor_with_its_name(tmp_path):
+    from meshkit import distributed
+    from meshkit.launch import free_port
+
+    exe = str(Path(sys.executable).parent / "meshkit")
+    run = tmp_path / "run"
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, **ENV, distributed.MESHKIT_COORDINATOR_ADDRESS: f"localhost:{port}",
+               distributed.MESHKIT_NUM_PROCESSES: "2", distributed.MESHKIT_PROCESS_ID: str(rank),
+               distributed.MESHKIT_DEVICES_PER_PROCESS: "4"}  # fmt: skip
+        cmd = [exe, "train", "--preset", "tiny", "--steps", "400", "--eval-every", "0", "--run-dir", str(run)]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    metrics = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "training never started"
+            time.sleep(0.2)
+        procs[1].kill()  # SIGKILL mid-training
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=150)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert elapsed < 120 and procs[0].returncode != 0
+    # meshkit's one line when a collective fails first; JAX's heartbeat abort when it hangs instead
+    assert re.search(r"lost process 1|stopped sending heartbeats\):\s*1\b", err), err[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import time
@@ -87,9 +88,17 @@ def train(
             latest.resolve() if resume else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         )
     cfg = dataclasses.replace(C.PRESETS[preset](), **changes)
-    code = run(
-        cfg, console, resume=resume, stop_after=stop_after, latest_link=latest if run_dir is None else None
-    )
+    from meshkit import distributed
+
+    guard = distributed.fail_fast() if jax.process_count() > 1 else contextlib.nullcontext()
+    with guard:  # a lost peer ends every survivor at once, with one line naming it
+        code = run(
+            cfg,
+            console,
+            resume=resume,
+            stop_after=stop_after,
+            latest_link=latest if run_dir is None else None,
+        )
     if code:
         raise typer.Exit(code)
 
