@@ -4,16 +4,18 @@ The gradient runs in ``jax.shard_map`` manual over the ``data`` axis only (the `
 any, stays with the compiler, which partitions the tensor-parallel matmuls). Collectives on the
 data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
 
-- dp:    local sum over micro-batches, then one all-reduce of the gradients;
+- dp:    local sum over micro-batches, then one all-reduce of the gradients (with one micro-batch,
+         and for tensor parallelism alone, the whole gradient is left to XLA's partitioner, which
+         emits that same single all-reduce);
 - zero1: local sum, then one reduce-scatter (every device holds full local gradients, as ZeRO-1);
 - zero2: one reduce-scatter per micro-batch into a sharded accumulator;
-- zero3: parameters all-gathered inside the loss per micro-batch; the gather's transpose is the
-  gradient reduce-scatter.
+- zero3: parameters all-gathered inside the loss (XLA hoists the gather out of the micro-batch
+  loop: the parameters are loop-invariant); the gather's transpose is the gradient reduce-scatter.
 
-Leaves a ZeRO plan keeps whole are all-reduced once. The optimizer update then runs in the global
-view on the sharded gradients and state, and the new parameters are pinned to the plan's layout
-(zero1/2: the compiler all-gathers the updated shards). Clipping by global norm is computed over
-the sharded gradients (a scalar all-reduce).
+Reduce-scatters and all-gathers are bucketed per dtype (``_buckets``). Leaves a ZeRO plan keeps
+whole are all-reduced once. The optimizer update then runs in the global view on the sharded
+gradients and state; zero1/2 update the shards where they live and all-gather the new parameters
+in one bucket. Clipping by global norm is computed over the sharded gradients (scalar all-reduces).
 """
 
 from __future__ import annotations
@@ -66,38 +68,40 @@ def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
 
 
+def _accumulate(grad_fn: Callable, params: Any, batch: Any, m: int, per_micro: Callable = lambda g: g):
+    """Mean loss and summed ``per_micro(grads)`` over ``m`` micro-batches (a scan when m > 1)."""
+    if m == 1:
+        loss, grads = grad_fn(params, batch)
+        return loss, per_micro(grads)
+    micros = _split_micro(batch, m)
+
+    def one(micro):
+        loss, grads = grad_fn(params, micro)
+        return loss, per_micro(grads)
+
+    def body(carry, micro):
+        loss, grads = one(micro)
+        return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+
+    loss0, grads0 = jax.eval_shape(one, _first(micros))
+    acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads0)
+    (loss, acc), _ = lax.scan(body, (jnp.zeros((), loss0.dtype), acc0), micros)
+    return loss / m, acc
+
+
 def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
     """The per-device gradient function (inside the manual data region)."""
     stage = layout.plan.stage
-    n = layout.data_size
-    scale = 1.0 / (n * accumulate)
+    scale = 1.0 / (layout.data_size * accumulate)
 
-    def one(params, micro):
+    def grad_fn(params, micro):
         if stage == "zero3":
             return jax.value_and_grad(lambda q: loss_fn(_gather(q, layout), micro))(params)
         return jax.value_and_grad(loss_fn)(params, micro)
 
     def run(params, batch):
-        if accumulate == 1:
-            loss, acc = one(params, batch)
-            if stage == "zero2":
-                acc = _scatter(acc, layout)
-        else:
-            micros = _split_micro(batch, accumulate)
-
-            def body(carry, micro):
-                loss_sum, acc = carry
-                loss, g = one(params, micro)
-                if stage == "zero2":
-                    g = _scatter(g, layout)
-                return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
-
-            loss0, zeros = jax.eval_shape(one, params, _first(micros))
-            if stage == "zero2":
-                zeros = jax.eval_shape(lambda g: _scatter(g, layout), zeros)
-            acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
-            (loss, acc), _ = lax.scan(body, (jnp.zeros((), loss0.dtype), acc0), micros)
-            loss = loss / accumulate
+        per_micro = (lambda g: _scatter(g, layout)) if stage == "zero2" else (lambda g: g)
+        loss, acc = _accumulate(grad_fn, params, batch, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
         return lax.pmean(loss, DATA), grads
 
@@ -118,24 +122,14 @@ def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
     if not layout.has_data_axis or (layout.plan.stage == "dp" and accumulate == 1):
 
         def plain(params, batch):
-            if accumulate == 1:
-                return jax.value_and_grad(loss_fn)(params, batch)
-            micros = _split_micro(batch, accumulate)
-
-            def body(carry, micro):
-                loss, g = jax.value_and_grad(loss_fn)(params, micro)
-                return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
-
-            acc0 = jax.tree.map(jnp.zeros_like, params)
-            loss0 = jax.eval_shape(loss_fn, params, _first(micros))
-            (loss, acc), _ = lax.scan(body, (jnp.zeros((), loss0.dtype), acc0), micros)
-            return loss / accumulate, jax.tree.map(lambda g: g / accumulate, acc)
+            loss, acc = _accumulate(jax.value_and_grad(loss_fn), params, batch, accumulate)
+            return loss, jax.tree.map(lambda g: g / accumulate, acc)
 
         return plain
     zero3 = layout.plan.stage == "zero3"
     in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(DATA))
     out_specs = (P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
-    manual = jax.shard_map(
+    return jax.shard_map(
         local_gradients(loss_fn, layout, accumulate),
         mesh=layout.mesh,
         in_specs=in_specs,
@@ -143,7 +137,6 @@ def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
         axis_names={DATA},
         check_vma=False,  # collectives are written out explicitly; no implicit psum on transpose
     )
-    return manual
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
