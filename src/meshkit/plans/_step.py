@@ -9,8 +9,10 @@ data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
          emits that same single all-reduce);
 - zero1: local sum, then one reduce-scatter (every device holds full local gradients, as ZeRO-1);
 - zero2: one reduce-scatter per micro-batch into a sharded accumulator;
-- zero3: parameters all-gathered inside the loss (XLA hoists the gather out of the micro-batch
-  loop: the parameters are loop-invariant); the gather's transpose is the gradient reduce-scatter.
+- zero3: parameters all-gathered before each micro-batch's gradient (XLA hoists the gather out of
+  the micro-batch loop: the parameters are loop-invariant), gradients reduce-scattered per
+  micro-batch. (Differentiating through the bucketed gather instead would make its transpose, a
+  pad of every leaf to the bucket's size, cost time quadratic in the leaf count.)
 
 Reduce-scatters and all-gathers are bucketed per dtype (``_buckets``). Leaves a ZeRO plan keeps
 whole are all-reduced once. The optimizer update then runs in the global view on the sharded
@@ -95,12 +97,12 @@ def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callabl
     scale = 1.0 / (layout.data_size * accumulate)
 
     def grad_fn(params, micro):
-        if stage == "zero3":
-            return jax.value_and_grad(lambda q: loss_fn(_gather(q, layout), micro))(params)
+        if stage == "zero3":  # gather, differentiate at the full parameters, reduce-scatter per micro-batch
+            params = _gather(params, layout)
         return jax.value_and_grad(loss_fn)(params, micro)
 
     def run(params, batch):
-        per_micro = (lambda g: _scatter(g, layout)) if stage == "zero2" else (lambda g: g)
+        per_micro = (lambda g: _scatter(g, layout)) if stage in ("zero2", "zero3") else (lambda g: g)
         loss, acc = _accumulate(grad_fn, params, batch, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
         return lax.pmean(loss, DATA), grads
