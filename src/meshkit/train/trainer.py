@@ -117,10 +117,11 @@ class Trainer:
         self.optimizer = optimizer
         self.accumulate = accumulate
         self.tokens_per_example = tokens_per_example
-        self._loss_fn = loss_fn
         self._param_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), params)
-        param_sh = self.layout.tree(
-            lambda leaf: NamedSharding(self.mesh, leaf.spec(data=self.plan.stage == "zero3"))
+        param_sh = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s),
+            self.layout.param_specs(),
+            is_leaf=lambda x: isinstance(x, P),
         )
         self.shardings = StepShardings(
             params=param_sh,
