@@ -156,3 +156,16 @@ def test_a_killed_process_ends_the_survivor_with_its_name(tmp_path):
     assert elapsed < 120 and procs[0].returncode != 0
     # meshkit's one line when a collective fails first; JAX's heartbeat abort when it hangs instead
     assert re.search(r"lost process 1|stopped sending heartbeats\):\s*1\b", err), err[-2000:]
+
+
+def test_meshkit_verify_under_launch(tmp_path):
+    exe = str(Path(sys.executable).parent / "meshkit")
+    cmd = [exe, "launch", "-n", "2", "--devices-per-process", "4", "--", exe, "verify", "--plan", "zero3",
+           "--model", "mlp", "--steps", "5", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in ("0", "1"):  # every process certifies the same result
+        text = "".join(line[4:] for line in proc.stdout.splitlines(True) if line.startswith(f"[{rank}] "))
+        cert = json.loads(text[text.index("{") :])
+        assert cert["ok"] and cert["reproducible"] and cert["vs_single_device"] <= 1e-5
+        assert cert["report"]["mesh"] == {"data": 8}

@@ -88,8 +88,18 @@ def workload(name: str, seed: int = 0) -> Workload:
 
 
 def host(tree: Any) -> Any:
-    """Every leaf as a NumPy array on this host, gathering shards held by other processes."""
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    """Every leaf as a NumPy array on this host, gathering shards held by other processes.
+
+    (``process_allgather`` alone would concatenate the per-process copies of an array that is
+    local to each process, such as the single-device reference.)
+    """
+
+    def one(a):
+        if not isinstance(a, jax.Array) or a.is_fully_addressable:
+            return np.asarray(a)
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    return jax.tree.map(one, tree)
 
 
 def relative_difference(a: Any, b: Any) -> float:

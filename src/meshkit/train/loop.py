@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -28,6 +27,7 @@ from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, abstract_with
 from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
 from meshkit.train.trainer import Trainer
+from meshkit.verify import host
 
 
 @dataclass(kw_only=True)
@@ -217,8 +217,7 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     """Text sampled from the trained model, primed with the start of the held-out split."""
     if chars <= 0 or job.data.vocab is None:
         return ""
-    host = multihost_utils.process_allgather(job.trainer.params, tiled=True)  # every process, all shards
-    params = jax.device_put(host, jax.local_devices()[0])
+    params = jax.device_put(host(job.trainer.params), jax.local_devices()[0])  # every process, all shards
     t_len = job.cfg.seq_len
     ctx = np.asarray(job.eval_tokens[:t_len], np.int32)
 
