@@ -6,6 +6,7 @@ import os
 import sys
 
 import typer
+from typer.exceptions import TyperException
 
 from meshkit._errors import MeshkitError
 from meshkit.cli import launch as _launch
@@ -34,7 +35,21 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input prints one line and exits 2; nothing else prints a traceback
     unless MESHKIT_DEBUG=1."""
     try:
-        app(args=argv, prog_name="meshkit", standalone_mode=True)
+        result = typer.main.get_command(app).main(args=argv, prog_name="meshkit", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except TyperException as e:  # usage errors: one line, naming where the help is
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            print(ctx.get_help())
+            return 0
+        where = f"{ctx.command_path} --help" if ctx is not None else "meshkit --help"
+        print(f"error: {e.format_message()} (see {where})", file=sys.stderr)
+        return e.exit_code
     except SystemExit as e:
         return int(e.code or 0) if not isinstance(e.code, str) else 1
     except MeshkitError as e:
