@@ -101,3 +101,22 @@ def test_fresh_process_simulates_devices_and_bad_hlo_text(tmp_path):
     out = subprocess.run([str(exe), "comm", "--hlo", str(bad)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.startswith("error: no HLO instructions found")
     assert out.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--steps", "abc"], "Invalid value for '--steps'"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["budget", "--devices", "8"], "Missing option '--params'"),
+    ],
+)
+def test_usage_errors_are_one_line_naming_the_help(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert "--help)" in err and "╭" not in err
+
+
+def test_no_arguments_prints_help(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0 and "Usage: meshkit" in out and "train" in out
