@@ -172,15 +172,18 @@ class Trainer:
     def step(self, batch: Any) -> dict[str, jax.Array]:
         """One optimizer step on the global batch; returns {'loss'} and, when computed, 'grad_norm'."""
         batch = self.put_batch(batch)
-        self.params, self.opt_state, metrics = self._step(self.params, self.opt_state, batch)
+        self.params, self.opt_state, metrics = self._executable(batch)(self.params, self.opt_state, batch)
         return metrics
 
     def compiled(self, batch: Any) -> jax.stages.Compiled:
-        """The compiled step for a batch of this shape (compiled once, then cached)."""
-        batch = self.put_batch(batch)
-        key = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(batch))
+        """The compiled step for a batch of this shape: the very executable ``step`` runs."""
+        return self._executable(self.put_batch(batch))
+
+    def _executable(self, placed: Any) -> jax.stages.Compiled:
+        """Compile once per batch shape; the steps and the report share the executable."""
+        key = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(placed))
         if key not in self._compiled:
-            self._compiled[key] = self._step.lower(self.params, self.opt_state, batch).compile()
+            self._compiled[key] = self._step.lower(self.params, self.opt_state, placed).compile()
         return self._compiled[key]
 
     # -- proof ------------------------------------------------------------------------------
