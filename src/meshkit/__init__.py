@@ -2,6 +2,7 @@
 
 from meshkit import analysis
 from meshkit._errors import DeviceSetupError, HloParseError, MeshkitError, MeshSpecError, TargetError
+from meshkit.adapters import Adapted, from_equinox, from_linen, from_nnx
 from meshkit.devices import DeviceReport, describe_devices, simulate_devices
 from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
 from meshkit.plans import PLANS, PlanError
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PLANS",
+    "Adapted",
     "DeviceReport",
     "DeviceSetupError",
     "HloParseError",
@@ -22,6 +24,9 @@ __all__ = [
     "Trainer",
     "analysis",
     "describe_devices",
+    "from_equinox",
+    "from_linen",
+    "from_nnx",
     "make_mesh",
     "parse_mesh_spec",
     "resolve_mesh_shape",

@@ -53,7 +53,8 @@ PLANS: dict[str, Plan] = {
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out).
-DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "mlp": MODEL}
+DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "mlp": MODEL, MODEL: MODEL}
+"""Default rules that match no axis of a model are ignored; rules a user passes must all match."""
 
 Rules = Mapping[str, str] | Sequence[tuple[str, Sequence[str | None]]]
 
@@ -143,7 +144,7 @@ class Layout:
 
 
 def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any, model_size: int) -> dict:
@@ -152,7 +153,8 @@ def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any
     out = {_path_str(p): (None,) * len(leaf.shape) for p, leaf in flat}
     if not plan.tensor:
         return out
-    rules = DEFAULT_TP_RULES if rules is None else rules
+    defaults = rules is None
+    rules = DEFAULT_TP_RULES if defaults else rules
     if isinstance(rules, Mapping):
         if logical_axes is None:
             raise PlanError(
@@ -160,13 +162,27 @@ def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any
                 f"pass logical_axes=model.logical_axes(params), or path rules such as [('.*w_in', (None, 'model'))]"
             )
         names = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0]
+        shapes = {_path_str(p): leaf.shape for p, leaf in flat}
         used = set()
         for p, axes in names:
-            spec = tuple(rules.get(a) if a is not None else None for a in axes)
+            key = _path_str(p)
+            if key not in shapes:
+                raise PlanError(
+                    f"logical_axes names {key!r}, which is no parameter: give the parameters' structure"
+                )
+            if len(axes) > len(shapes[key]):
+                raise PlanError(
+                    f"logical_axes for {key} name {len(axes)} dims {axes} but the parameter has shape {shapes[key]}"
+                )
+            axes = (
+                *axes,
+                *(None,) * (len(shapes[key]) - len(axes)),
+            )  # linen gives () for an unannotated bias
+            spec = tuple(rules.get(a) if isinstance(a, str) else None for a in axes)
             used |= {a for a in axes if a in rules}
-            out[_path_str(p)] = spec
+            out[key] = spec
         unused = sorted(set(rules) - used)
-        if unused:
+        if unused and not defaults:
             raise PlanError(
                 f"tensor-parallel rule(s) for {unused} match no parameter: check the logical axis names"
             )
@@ -188,7 +204,10 @@ def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any
                     f"pick a model axis size that divides it"
                 )
     if not any(any(s) for s in out.values()):
-        raise PlanError(f"plan {plan.name}: the tensor-parallel rules shard no parameter")
+        raise PlanError(
+            f"plan {plan.name}: the tensor-parallel rules shard no parameter; annotate logical axes "
+            f"{sorted(rules) if isinstance(rules, Mapping) else ''} (e.g. nnx.with_partitioning(init, (None, 'mlp'))) or pass rules="
+        )
     return out
 
 
