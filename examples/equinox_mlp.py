@@ -3,16 +3,15 @@
 Run: python examples/equinox_mlp.py   (8 simulated CPU devices; about 10 s)
 """
 
-import jax
-
-import meshkit
-
-meshkit.simulate_devices(8)  # right after `import jax`, before any computation
-
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+import meshkit
+
+meshkit.simulate_devices(8)  # before any computation: 8 simulated CPU devices
 
 
 class MLP(eqx.Module):

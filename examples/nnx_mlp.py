@@ -3,14 +3,14 @@
 Run: python examples/nnx_mlp.py   (8 simulated CPU devices; about 10 s)
 """
 
-import meshkit
-
-meshkit.simulate_devices(8)  # right after `import jax`, before any computation
-
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+
+import meshkit
+
+meshkit.simulate_devices(8)  # before any computation: 8 simulated CPU devices
 
 
 class MLP(nnx.Module):
@@ -45,7 +45,6 @@ def main(steps: int = 20) -> meshkit.Trainer:
     for _ in range(steps):
         metrics = trainer.step(batch)
     print(f"loss after {steps} steps: {float(metrics['loss']):.4f}")
-    print(trainer.report(batch))
     trained = trainer.model()  # an nnx.Module again, with the trained parameters and statistics
     trained.eval()
     print("eval loss:", float(loss_fn(trained, batch)))

@@ -376,3 +376,14 @@ def test_framework_models_equal_a_single_device_loop(framework, kind, plan, mesh
     if kind == "mlp":
         assert got, "the BatchNorm statistics are carried as state"
     assert relative_difference(got, want) <= TOL
+
+
+@pytest.mark.parametrize("script", ["nnx_mlp", "linen_mlp", "equinox_mlp"])
+def test_examples_run(script, capsys):
+    import runpy
+    from pathlib import Path
+
+    module = runpy.run_path(str(Path(__file__).parents[1] / "examples" / f"{script}.py"))
+    module["main"](steps=3)
+    out = capsys.readouterr().out
+    assert "loss after 3 steps" in out and "eval loss" in out

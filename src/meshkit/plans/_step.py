@@ -227,11 +227,10 @@ def build_step(
     clip_norm: float | None = None,
     grad_norm: bool = False,
     donate: bool = True,
-    aux: Any = None,
 ) -> Callable:
     """The jitted step ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``.
 
-    Metrics: the loss, the ``aux`` metrics (a dict of their shapes, averaged over the batch), and
+    Metrics: the loss, the loss's aux metrics (averaged over the batch, replicated), and
     the global gradient norm when clipping or ``grad_norm`` asks for it (it costs a reduction over
     every gradient, which the compiler may fuse into the last collective).
     """
@@ -256,8 +255,6 @@ def build_step(
             params = gather(lax.with_sharding_constraint(params, grad_sh))
         return params, opt_state, state, metrics
 
-    names = [*(aux or {}), "loss", *(("grad_norm",) if with_norm else ())]
-    scalars = dict.fromkeys(names, shardings.scalar)
     return jax.jit(
         step,
         in_shardings=(
@@ -267,6 +264,6 @@ def build_step(
             shardings.batch,
             shardings.scalar,
         ),
-        out_shardings=(shardings.params, shardings.opt_state, shardings.state, scalars),
+        out_shardings=(shardings.params, shardings.opt_state, shardings.state, shardings.scalar),
         donate_argnums=(0, 1, 2) if donate else (),
     )
