@@ -98,7 +98,8 @@ def test_aux_state_and_a_fresh_key_per_step_match_a_single_device_loop():
     st = opt.init(p)
     kept = []
     for i in range(4):
-        (_, aux), g = jax.value_and_grad(lambda q: loss_fn(q, s, _batch(), jax.random.fold_in(jax.random.key(5), i))[0], has_aux=True)(p)  # fmt: skip
+        key = jax.random.fold_in(jax.random.key(5), i)
+        (_, aux), g = jax.value_and_grad(lambda q, k=key: loss_fn(q, s, _batch(), k)[0], has_aux=True)(p)
         kept.append(float(aux["kept"]))
         u, st = opt.update(g, st, p)
         p = optax.apply_updates(p, u)
