@@ -147,7 +147,22 @@ def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any, model_size: int) -> dict:
+def _check_units(units: Mapping[str, int], rules: Rules, model_size: int) -> None:
+    """Logical axes made of whole units (attention heads) must split into whole units per device."""
+    if not isinstance(rules, Mapping):
+        return
+    for name, count in units.items():
+        if rules.get(name) == MODEL and count % model_size:
+            fits = [d for d in range(1, count + 1) if count % d == 0]
+            raise PlanError(
+                f"{count} {name} do not divide over model={model_size}: each device must hold whole {name}; "
+                f"use a model axis of {', '.join(map(str, fits))}"
+            )
+
+
+def _model_specs(
+    params: Any, plan: Plan, rules: Rules | None, logical_axes: Any, model_size: int, units: Mapping[str, int]
+) -> dict:
     """Per-leaf TP spec by path; raises when a rule matches nothing or a split does not divide."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     out = {_path_str(p): (None,) * len(leaf.shape) for p, leaf in flat}
@@ -155,6 +170,7 @@ def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any
         return out
     defaults = rules is None
     rules = DEFAULT_TP_RULES if defaults else rules
+    _check_units(units, rules, model_size)
     if isinstance(rules, Mapping):
         if logical_axes is None:
             raise PlanError(
@@ -233,8 +249,13 @@ def make_layout(
     rules: Rules | None = None,
     logical_axes: Any = None,
     min_shard_size: int = 1,
+    units: Mapping[str, int] | None = None,
 ) -> Layout:
-    """Decide, for every parameter leaf, its model-axis split and its data-axis ZeRO split."""
+    """Decide, for every parameter leaf, its model-axis split and its data-axis ZeRO split.
+
+    ``units``: logical axes made of whole units, e.g. ``{"heads": 4}``: the model axis must divide
+    the count (a head split across devices is a wrong layout, not only a slow one).
+    """
     for axis in plan.needs:
         if axis not in mesh.shape:
             raise PlanError(
@@ -246,7 +267,7 @@ def make_layout(
             hint = "dp+tp or fsdp+tp" if axis == MODEL else "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
     n = int(mesh.shape.get(DATA, 1))
-    model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)))
+    model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {})
 
     def leaf(path, x) -> LeafLayout:
         key = _path_str(path)

@@ -37,6 +37,7 @@ from meshkit.plans import (
     memory_formula,
     state_shardings,
 )
+from meshkit.plans._dataflow import batch_fed
 from meshkit.plans._layout import DATA, Rules
 from meshkit.train._inputs import check_params, check_state
 
@@ -202,7 +203,8 @@ class Trainer:
     ``rng=`` (a seed or key) passes a fresh key per step as a last argument (``fold_in(key, step)``,
     the same under every plan, and each device's rows of the batch draw what one device would draw
     on the whole batch); ``has_aux=True`` lets the loss return ``(loss, aux)`` with ``aux`` a dict
-    of metrics, returned from ``step`` beside the loss. A model from ``meshkit.from_nnx``,
+    of metrics, returned from ``step`` beside the loss. ``units={"heads": n}`` makes a model axis
+    that does not divide the head count an error before compiling. A model from ``meshkit.from_nnx``,
     ``from_linen`` or ``from_equinox`` may be passed as ``params``: its state and logical axes
     are then taken from it and ``loss_fn`` is written against the framework's model.
 
@@ -230,6 +232,7 @@ class Trainer:
         rules: Rules | None = None,
         logical_axes: Any = None,
         min_shard_size: int = 1,
+        units: Mapping[str, int] | None = None,
         tokens_per_example: int = 1,
         grad_norm: bool = False,
         donate: bool = True,
@@ -273,6 +276,7 @@ class Trainer:
             rules=rules,
             logical_axes=logical_axes,
             min_shard_size=min_shard_size,
+            units=units,
         )
         self.optimizer = optimizer
         self.accumulate = accumulate
@@ -297,8 +301,9 @@ class Trainer:
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=(param_sh, self.shardings.state))
         self.params, self.state = copy(_to_host_if_other_mesh((params, state), self.mesh))
         self.opt_state = jax.jit(optimizer.init, out_shardings=self.shardings.opt_state)(self.params)
+        self._loss = as_step_loss(loss_fn, stateful=stateful, rng=rng is not None, has_aux=has_aux)
         self._step = build_step(
-            as_step_loss(loss_fn, stateful=stateful, rng=rng is not None, has_aux=has_aux),
+            self._loss,
             optimizer,
             self.layout,
             self.shardings,
@@ -429,7 +434,11 @@ class Trainer:
         ledger = communication(compiled, mesh=self.mesh)
         n_examples = jax.tree.leaves(batch)[0].shape[0]
         tokens = n_examples // (int(self.mesh.shape.get(DATA, 1)) * self.accumulate) * self.tokens_per_example
-        expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens)
+        fed = frozenset()
+        if self.layout.model_size > 1:  # column-parallel matmuls on the batch itself need no input gradient
+            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.params, self.state))
+            fed = batch_fed(self._loss, *shapes, self.put_batch(batch), self._step_key())
+        expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed)
         formula = memory_formula(self.layout, self.optimizer, self._param_shapes)
         mem = [
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
