@@ -9,6 +9,9 @@ compile per model x plan; tiny widths.
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -20,6 +23,15 @@ from flax import nnx
 
 import meshkit
 from meshkit.verify import relative_difference
+
+#: The MLPs (BatchNorm, dropout) are the runnable examples' own (examples/*.py: 8 -> 32 -> 4).
+_EXAMPLES = Path(__file__).parents[1] / "examples"
+NNX_EX, LINEN_EX, EQX_EX = (
+    runpy.run_path(str(_EXAMPLES / f"{n}_mlp.py")) for n in ("nnx", "linen", "equinox")
+)
+NnxMLP, nnx_mlp_loss = NNX_EX["MLP"], NNX_EX["loss_fn"]
+LinenMLP, linen_mlp_loss = LINEN_EX["MLP"], LINEN_EX["loss_fn"]  # returns (loss, aux): has_aux=True
+EqxMLP, eqx_mlp_loss = EQX_EX["MLP"], EQX_EX["loss_fn"]
 
 STEPS, LR, TOL = 10, 1e-2, 1e-5
 D_IN, HIDDEN, D_OUT = 8, 32, 4
@@ -51,20 +63,6 @@ def _xent(logits, targets):
 
 # -- Flax NNX ------------------------------------------------------------------------------------
 init = nnx.initializers.lecun_normal()
-
-
-class NnxMLP(nnx.Module):
-    def __init__(self, din: int, dhidden: int, dout: int, *, rngs: nnx.Rngs):
-        self.linear1 = nnx.Linear(din, dhidden, use_bias=False, rngs=rngs,
-                                  kernel_init=nnx.with_partitioning(init, ("embed", "mlp")))  # fmt: skip
-        self.bn = nnx.BatchNorm(dhidden, rngs=rngs)
-        self.dropout = nnx.Dropout(0.1, rngs=rngs)
-        self.linear2 = nnx.Linear(
-            dhidden, dout, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("mlp", "embed"))
-        )
-
-    def __call__(self, x):
-        return self.linear2(self.dropout(nnx.relu(self.bn(self.linear1(x)))))
 
 
 class NnxBlock(nnx.Module):
@@ -102,11 +100,6 @@ class NnxTransformer(nnx.Module):
         return self.head(self.ln_f(self.block(x, nnx.make_causal_mask(tokens))))
 
 
-def nnx_mlp_loss(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
-
-
 def nnx_lm_loss(model, batch):
     tokens, targets = batch
     return _xent(model(tokens), targets)
@@ -138,19 +131,6 @@ def _nnx_reference(kind, loss_fn, batch):
 
 
 # -- Flax linen ----------------------------------------------------------------------------------
-class LinenMLP(nn.Module):
-    hidden: int = HIDDEN
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        x = nn.Dense(
-            self.hidden, use_bias=False, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp"))
-        )(x)
-        x = nn.BatchNorm(use_running_average=not train)(x)
-        x = nn.Dropout(0.1, deterministic=not train)(nn.relu(x))
-        return nn.Dense(D_OUT, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(x)
-
-
 class LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x, mask, train: bool = True):
@@ -175,11 +155,6 @@ class LinenTransformer(nn.Module):
         x = x + self.param("pos", nn.initializers.normal(0.02), (SEQ, WIDTH))
         x = LinenBlock()(x, nn.make_causal_mask(tokens), train)
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
-
-
-def linen_mlp_loss(model, batch, key):
-    x, y = batch
-    return jnp.mean((model(x, train=True) - y) ** 2)
 
 
 def linen_lm_loss(model, batch, key):
@@ -220,24 +195,6 @@ def _linen_reference(kind, loss_fn, batch):
 
 
 # -- Equinox -------------------------------------------------------------------------------------
-class EqxMLP(eqx.Module):
-    linear1: eqx.nn.Linear
-    norm: eqx.nn.BatchNorm
-    dropout: eqx.nn.Dropout
-    linear2: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.linear1 = eqx.nn.Linear(D_IN, HIDDEN, use_bias=False, key=k1)
-        self.norm = eqx.nn.BatchNorm(HIDDEN, axis_name="batch", mode="batch")
-        self.dropout = eqx.nn.Dropout(0.1)
-        self.linear2 = eqx.nn.Linear(HIDDEN, D_OUT, key=k2)
-
-    def __call__(self, x, state, *, key):
-        x, state = self.norm(self.linear1(x), state)
-        return self.linear2(self.dropout(jax.nn.relu(x), key=key)), state
-
-
 class EqxTransformer(eqx.Module):
     embed: eqx.nn.Embedding
     pos: jax.Array
@@ -282,15 +239,6 @@ EQX_RULES = {
     "lm": [(r"attn/(query|key|value)_proj/weight", ("model", None)), (r"attn/output_proj/weight", (None, "model")),
            (r"mlp_in/weight", ("model", None)), (r"mlp_in/bias", ("model",)), (r"mlp_out/weight", (None, "model"))],
 }  # fmt: skip
-
-
-def eqx_mlp_loss(model, state, batch, key):
-    x, y = batch
-    keys = jax.random.split(key, x.shape[0])
-    pred, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
-        x, state, key=keys
-    )
-    return jnp.mean((pred - y) ** 2), state
 
 
 def eqx_lm_loss(model, batch, key):
@@ -354,7 +302,8 @@ def _trainer(framework, kind, plan, mesh):
         )
     if framework == "linen":
         adapted = meshkit.from_linen(*_linen_model(kind))
-        return meshkit.Trainer(loss_fn, adapted, optax.adamw(LR), plan=plan, mesh=mesh, rng=jax.random.key(7))
+        return meshkit.Trainer(loss_fn, adapted, optax.adamw(LR), plan=plan, mesh=mesh, rng=jax.random.key(7),
+                               has_aux=kind == "mlp")  # fmt: skip
     model, state = _eqx_model(kind)
     rules = EQX_RULES[kind] if "tp" in plan else None
     return meshkit.Trainer(loss_fn, meshkit.from_equinox(model, state), optax.adamw(LR), plan=plan, mesh=mesh,
@@ -380,10 +329,6 @@ def test_framework_models_equal_a_single_device_loop(framework, kind, plan, mesh
 
 @pytest.mark.parametrize("script", ["nnx_mlp", "linen_mlp", "equinox_mlp"])
 def test_examples_run(script, capsys):
-    import runpy
-    from pathlib import Path
-
-    module = runpy.run_path(str(Path(__file__).parents[1] / "examples" / f"{script}.py"))
-    module["main"](steps=3)
+    {"nnx_mlp": NNX_EX, "linen_mlp": LINEN_EX, "equinox_mlp": EQX_EX}[script]["main"](steps=3)
     out = capsys.readouterr().out
     assert "loss after 3 steps" in out and "eval loss" in out

@@ -153,7 +153,9 @@ def test_bad_input_is_one_line_before_compiling(make, message):
 def test_heads_must_divide_the_model_axis_before_compiling():
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=8, layers=1, width=32, heads=4)
     p = gpt.init(jax.random.key(0), cfg)
-    with pytest.raises(PlanError, match=r"4 heads do not divide over model=8: .* use a model axis of 1, 2, 4"):
+    with pytest.raises(
+        PlanError, match=r"4 heads do not divide over model=8: .* use a model axis of 1, 2, 4"
+    ):
         Trainer(gpt.make_loss(cfg), p, optax.adam(1e-3), plan="tp", mesh="model=8",
                 logical_axes=gpt.logical_axes(p), units={"heads": cfg.heads})  # fmt: skip
 
