@@ -139,6 +139,10 @@ def _base_key(rng: Any) -> jax.Array | None:
         return jax.random.key(rng)
     if isinstance(rng, jax.Array | np.ndarray):
         if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ():
+            if str(jax.random.key_impl(rng)) not in ("threefry2x32", "fry"):
+                raise PlanError(
+                    f"rng must be a threefry key (jax.random.key's default), got {jax.random.key_impl(rng)}"
+                )
             return rng
         if rng.dtype == np.uint32 and rng.shape == (2,):
             return jax.random.wrap_key_data(jnp.asarray(rng))
@@ -351,8 +355,19 @@ class Trainer:
         return metrics
 
     def _step_key(self) -> jax.Array:
-        key = jax.random.key(0) if self._key is None else jax.random.fold_in(self._key, self.steps_done)
-        return jax.device_put(key, self.shardings.scalar)
+        """``fold_in(rng, steps_done)``, made by a jitted function so every process of a job holds it."""
+        if not hasattr(self, "_keygen"):
+            data = None if self._key is None else np.asarray(jax.random.key_data(self._key))
+
+            def keygen(i):
+                return (
+                    jax.random.key(0)
+                    if data is None
+                    else jax.random.fold_in(jax.random.wrap_key_data(data), i)
+                )
+
+            self._keygen = jax.jit(keygen, out_shardings=self.shardings.scalar)
+        return self._keygen(np.uint32(self.steps_done))
 
     def compiled(self, batch: Any) -> jax.stages.Compiled:
         """The compiled step for a batch of this shape: the very executable ``step`` runs."""
