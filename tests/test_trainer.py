@@ -3,6 +3,8 @@ mesh, a readable report, save/restore in the CLI's checkpoint format. Tiny model
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -197,3 +199,26 @@ def test_save_and_restore_an_nnx_model_with_state(tmp_path):
     assert relative_difference(back.state["bn"], t.state["bn"]) == 0
     model = back.model()
     assert isinstance(model, Net) and int(model.drop.rngs.count[...]) == 2
+
+
+def test_mixed_precision_gathers_and_reduce_scatters_in_the_compute_dtype():
+    def loss_fn(p, batch):  # the loss computes in bf16, as --precision bf16's GPT does
+        return mlp.loss(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), batch).astype(jnp.float32)
+
+    runs = {}
+    for dtype in (None, "bfloat16"):
+        t = Trainer(loss_fn, _params(), optax.adam(1e-2), plan="fsdp", compute_dtype=dtype)
+        for _ in range(3):
+            t.step(_batch())
+        runs[dtype] = t
+    low = runs["bfloat16"]
+    program = low._step.lower(
+        low.params, low.opt_state, low.state, low.put_batch(_batch()), low._step_key()
+    ).as_text()
+    moved = re.findall(r'"stablehlo\.(?:all_gather|reduce_scatter)".*?\) -> tensor<([^>]*)>', program, re.S)
+    assert len(moved) == 2 and all(t.endswith("bf16") for t in moved), moved  # the program moves bf16
+    assert low.report(_batch()).ok  # the model moves what XLA moves (CPU: as f32; GPU: bf16, half)
+    assert jax.tree.leaves(low.params)[0].dtype == jnp.float32  # the optimizer updates float32
+    assert relative_difference(low.params, runs[None].params) < 0.05
+    with pytest.raises(PlanError, match="compute_dtype must be a floating dtype"):
+        Trainer(loss_fn, _params(), optax.adam(1e-2), compute_dtype="int8")

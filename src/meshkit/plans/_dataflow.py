@@ -30,25 +30,29 @@ def _inner(eqn) -> Any:
     return None
 
 
+def _var(v) -> Any:
+    """A jaxpr variable, or None for a literal (literals are unhashable and depend on nothing)."""
+    return None if isinstance(v, jcore.Literal) else v
+
+
 def _walk(jaxpr, origin: dict, tainted: set, found: set) -> None:
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         dirty = any(v in tainted for v in ins)
         sub = _inner(eqn)
         if sub is not None and len(sub.invars) == len(eqn.invars):
-            inner_origin = {
-                iv: origin[ov] for iv, ov in zip(sub.invars, eqn.invars, strict=True) if ov in origin
-            }
-            inner_taint = {iv for iv, ov in zip(sub.invars, eqn.invars, strict=True) if ov in tainted}
+            pairs = [(iv, _var(ov)) for iv, ov in zip(sub.invars, eqn.invars, strict=True)]
+            inner_origin = {iv: origin[ov] for iv, ov in pairs if ov in origin}
+            inner_taint = {iv for iv, ov in pairs if ov in tainted}
             _walk(sub, inner_origin, inner_taint, found)
-            for ov, iv in zip(eqn.outvars, sub.outvars, strict=True):
+            for ov, iv in zip(eqn.outvars, map(_var, sub.outvars), strict=True):
                 if iv in inner_taint:
                     tainted.add(ov)
                 if iv in inner_origin:
                     origin[ov] = inner_origin[iv]
             continue
         if eqn.primitive.name == "dot_general" and len(ins) == 2:
-            a, b = eqn.invars
+            a, b = ins
             for w, x in ((a, b), (b, a)):
                 if w in origin and x not in tainted:
                     found.add(origin[w])

@@ -52,6 +52,13 @@ class Expected:
     what: str
 
 
+def _itemsize(leaf: LeafLayout) -> int:
+    size = 1
+    for s in leaf.shape:
+        size *= s
+    return max(leaf.nbytes // max(size, 1), 1)
+
+
 def _model_bytes(leaf: LeafLayout, model: int) -> int:
     return leaf.nbytes // model if leaf.model_sharded else leaf.nbytes
 
@@ -63,8 +70,10 @@ def expected_collectives(
     tokens_per_device: int,
     activation_bytes: int = 4,
     batch_fed: frozenset[str] = frozenset(),
+    gather_itemsize: int | None = None,
 ) -> list[Expected]:
-    """The plan's collectives per step (see the module docstring)."""
+    """The plan's collectives per step (see the module docstring). ``gather_itemsize``: bytes per
+    element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16)."""
     n, m_axis, stage = layout.data_size, layout.model_size, layout.plan.stage
     out: list[Expected] = []
 
@@ -78,6 +87,12 @@ def expected_collectives(
     leaves = layout.flat()
     if n > 1:
         sharded = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is not None)
+        if gather_itemsize is not None and stage == "zero3":
+            sharded = sum(
+                _model_bytes(x, m_axis) * gather_itemsize // _itemsize(x)
+                for x in leaves
+                if x.data_dim is not None
+            )
         whole = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is None)
         add("all-reduce", DATA, 1, whole, n, "gradients of leaves kept whole on data")
         if stage == "zero1":

@@ -119,9 +119,20 @@ def _accumulate(grad_fn: Callable, params: Any, state: Any, batch: Any, key: jax
     return loss / m, jax.tree.map(lambda a: a / m, aux), state, acc
 
 
-def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
-    """The per-device gradient function (inside the manual data region)."""
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Floating leaves of ``tree`` in ``dtype``."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dtype: Any = None) -> Callable:
+    """The per-device gradient function (inside the manual data region).
+
+    With ``compute_dtype`` (mixed precision) under zero3, the parameter shards are cast before the
+    all-gather and the gradients reduce-scattered in that dtype (half the bytes for bf16), then
+    cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
+    """
     stage = layout.plan.stage
+    low = compute_dtype is not None and stage == "zero3"
     scale = 1.0 / (layout.data_size * accumulate)
 
     def first_row(j, rows):
@@ -131,12 +142,14 @@ def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callabl
 
     def grad_fn(params, state, micro, key, j):
         if stage == "zero3":  # gather, differentiate at the full parameters, reduce-scatter per micro-batch
-            params = _gather(params, layout)
+            params = _gather(_cast(params, compute_dtype) if low else params, layout)
         with manual_data(DATA):
             return chunk(params, state, micro, key, j)
 
     def run(params, state, batch, key):
         per_micro = (lambda g: _scatter(g, layout)) if stage in ("zero2", "zero3") else (lambda g: g)
+        if low:
+            per_micro = lambda g: jax.tree.map(lambda s, p: s.astype(p.dtype), _scatter(g, layout), params)  # noqa: E731
         loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
         return lax.pmean(loss, DATA), lax.pmean(aux, DATA), state, grads
@@ -148,7 +161,7 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
+def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dtype: Any = None) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, aux, state, grads)`` with the plan's collectives.
 
     Plain data parallelism of one micro-batch (and tensor parallelism alone) is left to XLA's
@@ -167,7 +180,7 @@ def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
     in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), P(DATA), P())
     out_specs = (P(), P(), P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
     return jax.shard_map(
-        local_gradients(loss_fn, layout, accumulate),
+        local_gradients(loss_fn, layout, accumulate, compute_dtype),
         mesh=layout.mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -227,6 +240,7 @@ def build_step(
     clip_norm: float | None = None,
     grad_norm: bool = False,
     donate: bool = True,
+    compute_dtype: Any = None,
 ) -> Callable:
     """The jitted step ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``.
 
@@ -234,7 +248,7 @@ def build_step(
     the global gradient norm when clipping or ``grad_norm`` asks for it (it costs a reduction over
     every gradient, which the compiler may fuse into the last collective).
     """
-    grads_of = gradient_fn(loss_fn, layout, accumulate)
+    grads_of = gradient_fn(loss_fn, layout, accumulate, compute_dtype)
     gather = _param_gather(layout)
     mesh = layout.mesh
     grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))

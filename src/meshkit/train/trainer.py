@@ -207,7 +207,9 @@ class Trainer:
     ``rng=`` (a seed or key) passes a fresh key per step as a last argument (``fold_in(key, step)``,
     the same under every plan, and each device's rows of the batch draw what one device would draw
     on the whole batch); ``has_aux=True`` lets the loss return ``(loss, aux)`` with ``aux`` a dict
-    of metrics, returned from ``step`` beside the loss. ``units={"heads": n}`` makes a model axis
+    of metrics, returned from ``step`` beside the loss. ``compute_dtype="bfloat16"`` (mixed
+    precision, the loss casting to it anyway) has zero3/fsdp gather parameters and reduce-scatter
+    gradients in that dtype: half the bytes; the optimizer still updates float32. ``units={"heads": n}`` makes a model axis
     that does not divide the head count an error before compiling. A model from ``meshkit.from_nnx``,
     ``from_linen`` or ``from_equinox`` may be passed as ``params``: its state and logical axes
     are then taken from it and ``loss_fn`` is written against the framework's model.
@@ -237,6 +239,7 @@ class Trainer:
         logical_axes: Any = None,
         min_shard_size: int = 1,
         units: Mapping[str, int] | None = None,
+        compute_dtype: Any = None,
         tokens_per_example: int = 1,
         grad_norm: bool = False,
         donate: bool = True,
@@ -264,6 +267,11 @@ class Trainer:
         if clip_norm is not None and clip_norm <= 0:
             raise PlanError(f"clip_norm must be positive, got {clip_norm}")
         self._key = _base_key(rng)
+        if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
+            raise PlanError(
+                f"compute_dtype must be a floating dtype such as 'bfloat16', got {compute_dtype!r}"
+            )
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         spec = _DEFAULT_MESH[self.plan.name] if mesh is None else mesh
         if isinstance(spec, Mesh):
             self.mesh = as_auto(spec)
@@ -315,6 +323,7 @@ class Trainer:
             clip_norm=clip_norm,
             grad_norm=grad_norm,
             donate=donate,
+            compute_dtype=self.compute_dtype,
         )
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
@@ -453,7 +462,12 @@ class Trainer:
         if self.layout.model_size > 1:  # column-parallel matmuls on the batch itself need no input gradient
             shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.params, self.state))
             fed = batch_fed(self._loss, *shapes, self.put_batch(batch), self._step_key())
-        expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed)
+        low = None
+        if self.compute_dtype is not None:  # XLA's CPU compiler moves sub-32-bit float collectives as f32
+            cpu = self.mesh.devices.flat[0].platform == "cpu"
+            low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
+        expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
+                                        gather_itemsize=low)  # fmt: skip
         formula = memory_formula(self.layout, self.optimizer, self._param_shapes)
         mem = [
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
