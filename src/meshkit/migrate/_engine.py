@@ -11,7 +11,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
 
-from meshkit.migrate._context import Context, build_context
+from meshkit.migrate._context import Context, build_context, code
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Import, Rule
 
 
@@ -56,6 +56,7 @@ class _Migrator(cst.CSTTransformer):
         self.findings: list[Finding] = []
         self.imports: set[Import] = set()
         self.unused: set[tuple[str, str]] = set()
+        self.helpers: dict[str, None] = {}
         self.orphans: list[str] = []
         self.ctx: Context | None = None
 
@@ -87,6 +88,7 @@ class _Migrator(cst.CSTTransformer):
                 updated = new
                 self.imports.update(hit.imports)
                 self.unused.update(hit.unused)
+                self.helpers.update(dict.fromkeys(hit.helpers))
         return self._adopt_orphans(original, updated)
 
     def _adopt_orphans(self, original: cst.CSTNode, node: cst.CSTNode) -> cst.CSTNode:
@@ -105,16 +107,79 @@ class _Migrator(cst.CSTTransformer):
         return node
 
 
+def _is_import(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, cst.Import | cst.ImportFrom) for s in stmt.body
+    )
+
+
+def _add_helpers(tree: cst.Module, helpers: Iterable[str], existing: set[str]) -> cst.Module:
+    """``tree`` with each helper not yet defined placed after the module's leading imports."""
+    body = list(tree.body)
+    at = 0
+    for i, stmt in enumerate(body):
+        docstring = (
+            i == 0 and isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr)
+        )
+        if _is_import(stmt) or docstring:
+            at = i + 1
+        else:
+            break
+    new = [
+        s
+        for h in helpers
+        for s in cst.parse_module(h).body
+        if getattr(s, "name", None) is None or s.name.value not in existing
+    ]
+    if not new:
+        return tree
+    new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+    if at < len(body):
+        body[at] = body[at].with_changes(
+            leading_lines=[cst.EmptyLine(), cst.EmptyLine(), *body[at].leading_lines]
+        )
+    return tree.with_changes(body=[*body[:at], *new, *body[at:]])
+
+
+def _bound_imports(tree: cst.Module) -> set[tuple[str, str | None, str | None]]:
+    """The top-level imports already present, in AddImportsVisitor's terms."""
+    found = set()
+    for stmt in tree.body:
+        if not _is_import(stmt):
+            continue
+        for small in stmt.body:
+            if isinstance(small, cst.Import):
+                found.update(
+                    (code(a.name), None, a.asname.name.value if a.asname else None) for a in small.names
+                )
+            elif (
+                small.module is not None
+                and not small.relative
+                and not isinstance(small.names, cst.ImportStar)
+            ):
+                found.update(
+                    (code(small.module), code(a.name), a.asname.name.value if a.asname else None)
+                    for a in small.names
+                )
+    return found
+
+
 def _fix_imports(tree: cst.Module, migrator: _Migrator) -> cst.Module:
-    if not (migrator.imports or migrator.unused):
+    """Add the imports fixes need and drop those they left unused (libcst's codemods, run only when needed)."""
+    tree = _add_helpers(tree, migrator.helpers, {n for n in migrator.ctx.module_names if n})
+    bound = _bound_imports(tree)
+    needed = migrator.imports - bound
+    unused = {(m, o) for m, o in migrator.unused if any(b[:2] == (m, o) for b in bound)}
+    if not (needed or unused):
         return tree
     context = CodemodContext()
-    for module, obj, asname in sorted(migrator.imports, key=str):
+    for module, obj, asname in sorted(needed, key=str):
         AddImportsVisitor.add_needed_import(context, module, obj, asname)
-    for module, obj in sorted(migrator.unused):
+    for module, obj in sorted(unused):
         RemoveImportsVisitor.remove_unused_import(context, module, obj)
-    tree = AddImportsVisitor(context).transform_module(tree)
-    return RemoveImportsVisitor(context).transform_module(tree)
+    if needed:
+        tree = AddImportsVisitor(context).transform_module(tree)
+    return RemoveImportsVisitor(context).transform_module(tree) if unused else tree
 
 
 def _syntax_error(text: str, path: str) -> tuple[int, int, str] | None:

@@ -45,7 +45,8 @@ class Hit:
 
     ``rewrite`` takes the node as already updated by rules run on its children and returns its
     replacement; ``imports`` are added to the module and ``unused`` imports removed if the fix
-    leaves them unused.
+    leaves them unused; ``helpers`` are top-level definitions the rewrite calls, added once after
+    the module's imports.
     """
 
     message: str
@@ -53,6 +54,7 @@ class Hit:
     rewrite: Callable[[Any], cst.CSTNode] | None = None
     imports: tuple[Import, ...] = ()
     unused: tuple[tuple[str, str], ...] = ()
+    helpers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
