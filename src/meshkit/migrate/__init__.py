@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshkit.migrate import rules_api, rules_misuse, rules_pmap
+from meshkit.migrate import rules_api, rules_misuse, rules_pmap, rules_removed
 from meshkit.migrate._engine import run
 from meshkit.migrate._files import MigratePathError, python_files
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Rule
@@ -95,4 +95,5 @@ __all__ = [
     "rules_api",
     "rules_misuse",
     "rules_pmap",
+    "rules_removed",
 ]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
+from meshkit.migrate._keys import safe_prng_keys
+
 COLLECTIVES = frozenset(
     f"jax.lax.{n}" for n in ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute")
 )
@@ -97,7 +99,10 @@ class Context:
     imports_jax: bool = False
     # Whether the module replicates arrays over devices first (the standard pmap idiom for params).
     replicates: bool = False
-    safe_keys: set[cst.CSTNode] | None = None
+    # PRNGKey: every call of it, those safe to make typed keys (see _keys), and whether all uses are.
+    key_calls: list[cst.Call] = field(default_factory=list)
+    safe_keys: set[cst.Call] = field(default_factory=set)
+    all_keys_safe: bool = True
 
     def qname(self, node: cst.CSTNode) -> str | None:
         """The dotted name ``node`` refers to through the module's imports (``jnp.ones`` -> ``jax.numpy.ones``).
@@ -150,6 +155,8 @@ class _SiteFinder(cst.CSTVisitor):
         self.decorators: set[int] = set()
         self.applied: set[int] = set()
         self.refs: list[cst.CSTNode] = []
+        self.key_refs: list[cst.CSTNode] = []
+        self.key_funcs: set[int] = set()
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -173,6 +180,8 @@ class _SiteFinder(cst.CSTVisitor):
                 self.ctx.multihost = (name, line)
         elif name in _REPLICATE:
             self.ctx.replicates = True
+        elif name == "jax.random.PRNGKey":
+            self.key_refs.append(node)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.defs[node.name.value] = node
@@ -193,6 +202,9 @@ class _SiteFinder(cst.CSTVisitor):
                 self.assigned[node.value] = target.value
 
     def visit_Call(self, node: cst.Call) -> None:
+        if self.ctx.qname(node.func) == "jax.random.PRNGKey":
+            self.ctx.key_calls.append(node)
+            self.key_funcs.add(id(node.func))
         if id(node) in self.decorators:
             return
         name, offset = self.ctx.callee(node)
@@ -236,6 +248,10 @@ def build_context(module: cst.Module, get_metadata: Callable) -> Context:
     module.visit(finder)
     ctx.pmap_refs = {r for r in finder.refs if id(r) not in finder.applied}
     ctx.module_names, ctx.imports_jax = _module_names(module)
+    if ctx.key_calls:
+        ctx.safe_keys = safe_prng_keys(ctx.key_calls, get_metadata, ctx.qname)
+    safe_funcs = {id(c.func) for c in ctx.safe_keys}
+    ctx.all_keys_safe = all(id(r) in safe_funcs for r in finder.key_refs)
     ctx.sites = {anchor: finder.resolve(s) for anchor, s in ctx.sites.items()}
     by_name = {s.name: s for s in ctx.sites.values() if s.name is not None}
     for outer in ctx.sites.values():

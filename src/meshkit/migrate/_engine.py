@@ -9,7 +9,13 @@ from collections.abc import Iterable
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+from libcst.metadata import (
+    MetadataWrapper,
+    ParentNodeProvider,
+    PositionProvider,
+    QualifiedNameProvider,
+    ScopeProvider,
+)
 
 from meshkit.migrate._context import Context, build_context, code
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Import, Rule
@@ -44,7 +50,7 @@ def _lost(before: cst.CSTNode, after: cst.CSTNode | cst.FlattenSentinel) -> list
 class _Migrator(cst.CSTTransformer):
     """Runs ``rules`` on every node; with ``fix``, replaces nodes and keeps every comment."""
 
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ParentNodeProvider, ScopeProvider)
 
     def __init__(self, path: str, rules: Iterable[Rule], fix: bool) -> None:
         super().__init__()
@@ -59,29 +65,51 @@ class _Migrator(cst.CSTTransformer):
         self.helpers: dict[str, None] = {}
         self.orphans: list[str] = []
         self.ctx: Context | None = None
+        self.in_import = 0
+        # Where non-fallback rules reported, as (start, end) positions, and the fallback findings.
+        self.spans: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        self.fallbacks: list[tuple[tuple[int, int], Finding]] = []
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.ctx = build_context(node, self.get_metadata)
         return True
 
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.in_import += isinstance(node, cst.Import | cst.ImportFrom)
+        return super().on_visit(node)
+
+    def report(self) -> list[Finding]:
+        """The findings, fallback ones only where no other rule reported a node containing them."""
+        kept = [f for at, f in self.fallbacks if not any(s <= at <= e for s, e in self.spans)]
+        return sorted([*self.findings, *kept], key=lambda f: (f.line, f.col, f.rule))
+
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+        is_import = isinstance(original, cst.Import | cst.ImportFrom)
+        self.in_import -= is_import
+        if self.in_import and not is_import:
+            return updated  # names inside an import statement are the import rules' business
         for r in self.by_type.get(type(original), ()):
             hit = r.check(original, self.ctx)
             if hit is None:
                 continue
-            start = self.get_metadata(PositionProvider, original).start
+            where = self.get_metadata(PositionProvider, original)
+            start = where.start
             fix = hit.fix if hit.rewrite else f"by hand: {hit.fix}"
-            self.findings.append(
-                Finding(
-                    path=self.path,
-                    line=start.line,
-                    col=start.column + 1,
-                    rule=r.id,
-                    message=hit.message,
-                    fix=fix,
-                    fixable=hit.rewrite is not None,
-                )
+            found = Finding(
+                path=self.path,
+                line=start.line,
+                col=start.column + 1,
+                rule=r.id,
+                message=hit.message,
+                fix=fix,
+                fixable=hit.rewrite is not None,
             )
+            span = ((start.line, start.column), (where.end.line, where.end.column))
+            if r.fallback:
+                self.fallbacks.append((span[0], found))
+                continue
+            self.spans.append(span)
+            self.findings.append(found)
             if self.fix and hit.rewrite is not None:
                 new = hit.rewrite(updated)
                 self.orphans.extend(_lost(updated, new))
@@ -217,4 +245,4 @@ def run(
     tree = wrapper.visit(migrator)
     if fix:
         tree = _fix_imports(tree, migrator)
-    return migrator.findings, tree.code if fix else text
+    return migrator.report(), tree.code if fix else text
