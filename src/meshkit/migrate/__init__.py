@@ -19,7 +19,7 @@ from meshkit.migrate._engine import run
 from meshkit.migrate._files import MigratePathError, python_files
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Rule
 
-RULES: dict[str, Rule] = {PARSE_ERROR.id: PARSE_ERROR, **REGISTRY}
+RULES: dict[str, Rule] = {PARSE_ERROR.id: PARSE_ERROR, **dict(sorted(REGISTRY.items()))}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

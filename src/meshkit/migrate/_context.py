@@ -20,8 +20,15 @@ PMAP_NAMES = frozenset({"jax.pmap", "jax.api.pmap", "jax._src.api.pmap"})
 _MULTIHOST = frozenset(
     f"jax.{n}" for n in ("process_index", "process_count", "host_id", "host_count", "distributed.initialize")
 )
+# Ways legacy code gives arrays a device axis before pmap: replicate helpers and broadcasts.
 _REPLICATE = frozenset(
-    {"flax.jax_utils.replicate", "jax.device_put_replicated", "jax.api.device_put_replicated"}
+    {
+        "flax.jax_utils.replicate",
+        "jax.device_put_replicated",
+        "jax.api.device_put_replicated",
+        "numpy.broadcast_to",
+        "jax.numpy.broadcast_to",
+    }
 )
 _EMPTY = cst.Module(body=[])
 
@@ -103,6 +110,7 @@ class Context:
     key_calls: list[cst.Call] = field(default_factory=list)
     safe_keys: set[cst.Call] = field(default_factory=set)
     all_keys_safe: bool = True
+    _qnames: dict[int, str | None] = field(default_factory=dict)
 
     def qname(self, node: cst.CSTNode) -> str | None:
         """The dotted name ``node`` refers to through the module's imports (``jnp.ones`` -> ``jax.numpy.ones``).
@@ -111,8 +119,11 @@ class Context:
         """
         if not isinstance(node, cst.Name | cst.Attribute):
             return None
-        names = self.get_metadata(QualifiedNameProvider, node, set())
-        return min((q.name for q in names), default=None)
+        key = id(node)
+        if key not in self._qnames:
+            names = self.get_metadata(QualifiedNameProvider, node, set())
+            self._qnames[key] = min((q.name for q in names), default=None)
+        return self._qnames[key]
 
     def callee(self, call: cst.Call) -> tuple[str | None, int]:
         """The function a call applies, seen through ``functools.partial``, and where its arguments start."""
@@ -178,7 +189,7 @@ class _SiteFinder(cst.CSTVisitor):
             if self.ctx.multihost is None:
                 line = self.ctx.get_metadata(PositionProvider, node).start.line
                 self.ctx.multihost = (name, line)
-        elif name in _REPLICATE:
+        elif name in _REPLICATE or (name or "").endswith("_utils.replicate"):
             self.ctx.replicates = True
         elif name == "jax.random.PRNGKey":
             self.key_refs.append(node)
@@ -200,6 +211,11 @@ class _SiteFinder(cst.CSTVisitor):
             target = node.targets[0].target
             if isinstance(target, cst.Name):
                 self.assigned[node.value] = target.value
+
+    def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
+        # ``[x] * n_devices``: the docs' way to stack one copy per device.
+        if isinstance(node.operator, cst.Multiply) and isinstance(node.left, cst.List):
+            self.ctx.replicates = True
 
     def visit_Call(self, node: cst.Call) -> None:
         if self.ctx.qname(node.func) == "jax.random.PRNGKey":

@@ -346,7 +346,8 @@ _ATOMIC = (cst.Name, cst.Attribute, cst.Call, cst.Subscript)
 def _index_slice(idx: cst.BaseExpression, ctx: Context) -> str:
     """The subscript text for ``x.at[...]``: ``jax.ops.index[a, b]`` gives ``a, b``, any other index itself."""
     if isinstance(idx, cst.Subscript) and ctx.qname(idx.value) == "jax.ops.index":
-        return ", ".join(code(s) for s in idx.slice).rstrip(", ")
+        text = code(idx.with_changes(lpar=[], rpar=[]))[len(code(idx.value)) :].strip()
+        return text.removeprefix("[").removesuffix("]").strip()
     return code(idx)
 
 

@@ -29,7 +29,7 @@ HELPER = "_pmap_via_shard_map"
 PMAP_HELPER = f'''
 
 def {HELPER}(fun, axis_name=None, *, in_axes=0, donate_argnums=()):
-    """jax.pmap(fun, axis_name, in_axes=...) written with jax.shard_map (added by meshkit migrate).
+    """What pmap(fun, axis_name, in_axes=...) did, written with jax.shard_map (added by meshkit migrate).
 
     As under pmap, the body sees one entry of each mapped argument (keyword arguments are
     mapped over axis 0) and the outputs come back stacked on axis 0. The 1D mesh spans the

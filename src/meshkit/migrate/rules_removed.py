@@ -59,6 +59,13 @@ def _jax_name(name: str | None) -> bool:
     return name is not None and name.startswith("jax.") and all(p.isidentifier() for p in name.split("."))
 
 
+def _dotted(node: cst.BaseExpression) -> bool:
+    """Whether ``node`` is a plain dotted name (``a.b.c``), not an attribute of a call's result."""
+    while isinstance(node, cst.Attribute):
+        node = node.value
+    return isinstance(node, cst.Name)
+
+
 def _hit(name: str) -> Hit:
     return Hit(message=f"{name} does not exist in JAX 0.12 (removed API)", fix=_RECIPE)
 
@@ -70,16 +77,16 @@ def removed_api(node: cst.Attribute | cst.Import | cst.ImportFrom, ctx: Context)
         gone = [code(a.name) for a in node.names if code(a.name).startswith("jax.") and missing(code(a.name))]
         return _hit(gone[0]) if gone else None
     if isinstance(node, cst.ImportFrom):
-        if node.relative or node.module is None or not code(node.module).startswith("jax"):
+        module = "" if node.relative or node.module is None else code(node.module)
+        if module != "jax" and not module.startswith("jax."):
             return None
-        module = code(node.module)
         if module != "jax" and missing(module):
             return _hit(module)
         names = [] if isinstance(node.names, cst.ImportStar) else [code(a.name) for a in node.names]
         gone = [f"{module}.{n}" for n in names if missing(f"{module}.{n}")]
         return _hit(gone[0]) if gone else None
     name = ctx.qname(node)
-    if not _jax_name(name) or name.rsplit(".", 1)[1] != node.attr.value:
+    if not _dotted(node) or not _jax_name(name) or name.rsplit(".", 1)[1] != node.attr.value:
         return None
     parent = name.rsplit(".", 1)[0]
     if missing(name) and (parent == "jax" or not missing(parent)):
