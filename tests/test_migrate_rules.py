@@ -26,7 +26,7 @@ def run(text: str) -> dict:
 
 
 def test_registry_has_ids_titles_and_checks():
-    assert [r for r in RULES if r != "MK000"] == [f"MK{i:03d}" for i in range(1, 16)]
+    assert [r for r in RULES if r != "MK000"] == [f"MK{i:03d}" for i in range(1, 23)]
     assert all(r.title and (r.nodes or r.id == "MK000") for r in RULES.values())
 
 

@@ -197,14 +197,14 @@ def _fix_imports(tree: cst.Module, migrator: _Migrator) -> cst.Module:
     tree = _add_helpers(tree, migrator.helpers, {n for n in migrator.ctx.module_names if n})
     bound = _bound_imports(tree)
     needed = migrator.imports - bound
-    unused = {(m, o) for m, o in migrator.unused if any(b[:2] == (m, o) for b in bound)}
+    unused = {b for b in bound if b[:2] in migrator.unused}
     if not (needed or unused):
         return tree
     context = CodemodContext()
     for module, obj, asname in sorted(needed, key=str):
         AddImportsVisitor.add_needed_import(context, module, obj, asname)
-    for module, obj in sorted(unused):
-        RemoveImportsVisitor.remove_unused_import(context, module, obj)
+    for module, obj, asname in sorted(unused, key=str):
+        RemoveImportsVisitor.remove_unused_import(context, module, obj, asname)
     if needed:
         tree = AddImportsVisitor(context).transform_module(tree)
     return RemoveImportsVisitor(context).transform_module(tree) if unused else tree
