@@ -97,7 +97,7 @@ def test_module_level_pmap_builds_no_mesh_at_import(tmp_path: Path):
         double = jax.pmap(lambda x: 2 * jax.lax.psum(x, "d"), axis_name="d")
     """)
     fixed = fix_source(legacy)
-    assert "make_mesh" in fixed and f'double = {HELPER}(lambda x' in fixed
+    assert "make_mesh" in fixed and f"double = {HELPER}(lambda x" in fixed
     (tmp_path / "legacy_mod.py").write_text(fixed)
     main = src("""
         import os

@@ -273,12 +273,15 @@ def partition_spec(node: cst.Attribute | cst.ImportFrom, ctx: Context) -> Hit | 
 
 @rule("MK018", "jax.experimental.pjit removed", cst.Import, cst.ImportFrom, cst.Attribute)
 def experimental_pjit(node: cst.Import | cst.ImportFrom | cst.Attribute, ctx: Context) -> Hit | None:
-    """``jax.experimental.pjit.pjit`` is gone: ``jax.jit`` takes in_shardings/out_shardings.
+    """``jax.experimental.pjit`` keeps only a deprecated ``pjit`` alias of ``jax.jit``; the rest is gone.
 
-    Not fixed: pjit's ``in_axis_resources`` were specs resolved against the mesh of a ``with mesh:``
-    block, and jax.jit needs NamedShardings (or ``jax.set_mesh``) instead.
+    Not fixed: pjit's ``in_axis_resources`` (TypeError under jax.jit) were specs resolved against the
+    mesh of a ``with mesh:`` block, and jax.jit needs NamedShardings (or ``jax.set_mesh``) instead;
+    ``with_sharding_constraint`` and the other names raise ImportError.
     """
-    message = "jax.experimental.pjit.pjit was removed (ImportError)"
+    message = (
+        "jax.experimental.pjit is gone: pjit is a deprecated alias of jax.jit, the rest raises ImportError"
+    )
     recipe = (
         "jax.jit(f, in_shardings=NamedSharding(mesh, spec), out_shardings=...) for "
         "pjit(f, in_axis_resources=spec, out_axis_resources=...); "
