@@ -265,7 +265,7 @@ def build_context(module: cst.Module, get_metadata: Callable) -> Context:
     ctx.pmap_refs = {r for r in finder.refs if id(r) not in finder.applied}
     ctx.module_names, ctx.imports_jax = _module_names(module)
     if ctx.key_calls:
-        ctx.safe_keys = safe_prng_keys(ctx.key_calls, get_metadata, ctx.qname)
+        ctx.safe_keys = safe_prng_keys(module, ctx.key_calls, get_metadata, ctx.qname)
     safe_funcs = {id(c.func) for c in ctx.safe_keys}
     ctx.all_keys_safe = all(id(r) in safe_funcs for r in finder.key_refs)
     ctx.sites = {anchor: finder.resolve(s) for anchor, s in ctx.sites.items()}

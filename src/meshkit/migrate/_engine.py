@@ -11,7 +11,6 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.metadata import (
     MetadataWrapper,
-    ParentNodeProvider,
     PositionProvider,
     QualifiedNameProvider,
     ScopeProvider,
@@ -50,7 +49,7 @@ def _lost(before: cst.CSTNode, after: cst.CSTNode | cst.FlattenSentinel) -> list
 class _Migrator(cst.CSTTransformer):
     """Runs ``rules`` on every node; with ``fix``, replaces nodes and keeps every comment."""
 
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ParentNodeProvider, ScopeProvider)
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ScopeProvider)
 
     def __init__(self, path: str, rules: Iterable[Rule], fix: bool) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import libcst as cst
-from libcst.metadata import ParentNodeProvider, ScopeProvider
+from libcst.metadata import ScopeProvider
 
 # jax.random functions that return keys (an array of keys for split), and ones that must not see keys.
 _MAKES_KEYS = {"jax.random.split": True, "jax.random.fold_in": False, "jax.random.clone": False}
@@ -24,13 +24,19 @@ _NOT_SAMPLERS = frozenset({"jax.random.key_data", "jax.random.wrap_key_data", "j
 class KeyUses:
     """Follows the keys a PRNGKey call makes through a module (flow-insensitive, so conservative)."""
 
-    def __init__(self, get_metadata: Callable, qname: Callable[[cst.CSTNode], str | None]) -> None:
+    def __init__(
+        self,
+        get_metadata: Callable,
+        qname: Callable[[cst.CSTNode], str | None],
+        parents: dict[int, cst.CSTNode],
+    ) -> None:
         self.meta = get_metadata
         self.qname = qname
+        self.parents = parents
         self.seen: set[int] = set()
 
     def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
-        return self.meta(ParentNodeProvider, node, None)
+        return self.parents.get(id(node))
 
     def safe(self, expr: cst.BaseExpression, array: bool = False) -> bool:
         """Whether every use of the key (``array``: of keys) that ``expr`` evaluates to is safe."""
@@ -90,10 +96,31 @@ class KeyUses:
         return all(isinstance(u, cst.Name) and self.safe(u, array) for u in uses)
 
 
-def safe_prng_keys(calls: list[cst.Call], get_metadata: Callable, qname: Callable) -> set[cst.Call]:
+class _Parents(cst.CSTVisitor):
+    """Each node's parent by id (built only for modules that call PRNGKey)."""
+
+    def __init__(self) -> None:
+        self.parents: dict[int, cst.CSTNode] = {}
+        self.stack: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.stack:
+            self.parents[id(node)] = self.stack[-1]
+        self.stack.append(node)
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.stack.pop()
+
+
+def safe_prng_keys(
+    module: cst.Module, calls: list[cst.Call], get_metadata: Callable, qname: Callable
+) -> set[cst.Call]:
     """The PRNGKey calls among ``calls`` whose keys are used only through jax.random.
 
     Each call is followed afresh: a name assumed safe while following it (a loop like
     ``rng = split(rng)[0]``) only stands if nothing else on the way is unsafe.
     """
-    return {c for c in calls if KeyUses(get_metadata, qname).safe(c)}
+    finder = _Parents()
+    module.visit(finder)
+    return {c for c in calls if KeyUses(get_metadata, qname, finder.parents).safe(c)}

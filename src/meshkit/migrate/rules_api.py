@@ -208,7 +208,7 @@ def _shard_map_keywords(node: cst.Call, ctx: Context) -> Hit | None:
 @rule("MK006", "jax_cpu_device_count is not a config option", cst.SimpleString)
 def cpu_device_count(node: cst.SimpleString, ctx: Context) -> Hit | None:
     """The option is ``jax_num_cpu_devices`` (set before the backend starts)."""
-    if node.evaluated_value != "jax_cpu_device_count":
+    if "jax_cpu_device_count" not in node.value or node.value.strip("\"'") != "jax_cpu_device_count":
         return None
     return Hit(
         message="jax_cpu_device_count is not a config option (AttributeError)",
