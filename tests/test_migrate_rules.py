@@ -83,9 +83,10 @@ def test_mk004_experimental_maps_is_reported_not_fixed():
         import jax.experimental.maps
         from jax.experimental.maps import Mesh, xmap
         from jax.experimental import maps
+        mesh = jax.experimental.maps.Mesh(devices, ("x",))
     """)
     found = lint_source(before)
-    assert [f.rule for f in found] == ["MK004"] * 3
+    assert [(f.rule, f.line) for f in found] == [("MK004", 1), ("MK004", 2), ("MK004", 3), ("MK004", 4)]
     assert all(not f.fixable and "jax.make_mesh" in f.fix for f in found)
     assert fix_source(before) == before
     with pytest.raises(ModuleNotFoundError):
