@@ -222,6 +222,8 @@ def test_helper_is_added_once_and_reused_on_a_later_fix():
         ('jax.pmap(f, axis_name="i", in_axes=(0, -1))', "in_axes not a literal"),
         ("jax.pmap(f, **options)", "passed with * or **"),
         ("jax.pmap", "named here but not applied"),
+        ('jax.pmap(f, axis_name="i")\n        text = h.lower(1, 2)', "attributes are used"),
+        ('jax.pmap(f, axis_name="i").lower(1, 2)', "attributes are used"),
     ],
 )
 def test_not_provable_is_reported_with_a_recipe(call, reason):

@@ -98,6 +98,10 @@ class Context:
     nested_sites: set[int] = field(default_factory=set)
     # pmap named but not applied where this module can follow it (``p = jax.pmap``, ``g(jax.pmap)``).
     pmap_refs: set[cst.CSTNode] = field(default_factory=set)
+    # Names and call results whose attributes the module reads (``step.lower(...)``): a pmapped
+    # function's own methods have no counterpart on the rewritten one.
+    attribute_bases: set[str] = field(default_factory=set)
+    attribute_calls: set[int] = field(default_factory=set)
     # The first call that makes the module multi-host, as (dotted name, line), if any.
     multihost: tuple[str, int] | None = None
     # Names bound at module level (imports, assignments, defs), for helpers and imports a fix adds.
@@ -180,6 +184,10 @@ class _SiteFinder(cst.CSTVisitor):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         self._reference(node)
+        if isinstance(node.value, cst.Name):
+            self.ctx.attribute_bases.add(node.value.value)
+        elif isinstance(node.value, cst.Call):
+            self.ctx.attribute_calls.add(id(node.value))
 
     def _reference(self, node: cst.Name | cst.Attribute) -> None:
         name = self.ctx.qname(node)

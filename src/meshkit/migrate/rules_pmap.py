@@ -129,6 +129,11 @@ def _blocker(site: PmapSite, args: dict[str, cst.Arg], ctx: Context) -> tuple[st
             "in_axes not a literal of non-negative ints and Nones",
             "in_specs=P(axis) per mapped input, P() per broadcast one",
         )
+    if site.name in ctx.attribute_bases or id(site.anchor) in ctx.attribute_calls:
+        return (
+            "the pmapped function's attributes are used (.lower, ...)",
+            "rewrite by hand with jax.jit(jax.shard_map(...)), whose .lower/.trace you can then use",
+        )
     if _helper_taken(ctx):
         return f"the module already binds {HELPER}", f"rename the module's {HELPER}, then rewrite"
     if not ctx.imports_jax and "jax" in ctx.module_names:
