@@ -171,7 +171,6 @@ class _SiteFinder(cst.CSTVisitor):
         self.applied: set[int] = set()
         self.refs: list[cst.CSTNode] = []
         self.key_refs: list[cst.CSTNode] = []
-        self.key_funcs: set[int] = set()
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -228,7 +227,6 @@ class _SiteFinder(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         if self.ctx.qname(node.func) == "jax.random.PRNGKey":
             self.ctx.key_calls.append(node)
-            self.key_funcs.add(id(node.func))
         if id(node) in self.decorators:
             return
         name, offset = self.ctx.callee(node)
