@@ -7,6 +7,10 @@ Forms read:
 - ``mesh['data'=4,'model'=2] {'model'}``: the mesh-axis form JAX 0.12 emits for shard_map
   collectives, with optional ``, device_ids=(...)`` and sub-axes such as ``'data':(1)2``;
 - ``maximal_mesh[device_id=3] {}``: a single device.
+
+Explicit and iota groups hold replica ids, partition ids or flattened device ids depending on the
+collective's grouping mode (``channel_id`` and ``use_global_device_ids``); ``device_groups`` maps
+them to device ids as XLA's ``GetParticipatingDevicesGroups`` (collective_ops_utils.cc) does.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class ReplicaGroups:
     """The mesh printed with the groups (mesh-axis form only)."""
     axes: tuple[str, ...] | None = None
     """Mesh axes printed with the groups (mesh-axis form only; sub-axes as 'data:(1)2')."""
+    device_ids: bool = False
+    """Whether the ids are device ids whatever the grouping mode (mesh-axis and maximal forms)."""
 
 
 def _ints(text: str) -> list[int]:
@@ -75,6 +81,10 @@ def mesh_groups(
     sub_sizes: list[int] = []
     where: dict[tuple[str, int, int], int] = {}
     for name, size in mesh:
+        if size == 1:  # a size-1 axis: one trivial part, so groups may still name it
+            where[(name, 1, 1)] = len(sub_sizes)
+            sub_sizes.append(1)
+            continue
         refs = [(p or 1, s or size) for n, p, s in axes if n == name]
         bounds = sorted({1, size} | {p for p, _ in refs} | {p * s for p, s in refs})
         for lo, hi in pairwise(bounds):
@@ -100,12 +110,15 @@ def mesh_groups(
     return tuple(tuple(int(v) for v in row) for row in flat)
 
 
+_GROUPS_ATTR = re.compile(r"\breplica_groups\s*=\s*")
+
+
 def groups_text(attrs: str) -> str | None:
     """The exact ``replica_groups=`` value in an instruction's attribute text, or None when absent."""
-    pos = attrs.find("replica_groups=")
-    if pos < 0:
+    m = _GROUPS_ATTR.search(attrs)
+    if m is None:
         return None
-    body = attrs[pos + len("replica_groups=") :]
+    body = attrs[m.end() :]
     if body.startswith("{"):
         return _balanced(body, 0)
     for pattern in (_IOTA, _MESH, _MAXIMAL):
@@ -114,38 +127,37 @@ def groups_text(attrs: str) -> str | None:
     raise HloParseError(f"cannot read replica_groups={body[:40]!r}: not a form meshkit knows")
 
 
-def parse_replica_groups(attrs: str, num_devices: int | None) -> ReplicaGroups | None:
-    """Read ``replica_groups=...`` from an instruction's attribute text; None when absent."""
-    text = groups_text(attrs)
-    return None if text is None else expand_groups(text, num_devices)
-
-
-def expand_groups(text: str, num_devices: int | None) -> ReplicaGroups:
-    """Expand replica groups printed in any form (see the module docstring) into device ids."""
+def expand_groups(text: str) -> ReplicaGroups:
+    """Expand replica groups printed in any form (see the module docstring) into the ids printed;
+    ``replica_groups={}`` gives no groups (every participant: see ``device_groups``)."""
     if text.startswith("{"):
         inner = text[1:-1].strip()
         if not inner:
-            if num_devices is None:
-                raise HloParseError("replica_groups={} means every device, but the device count is unknown")
-            return ReplicaGroups(text, (tuple(range(num_devices)),))
+            return ReplicaGroups(text, ())
         groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}", inner))
+        if not groups or re.sub(r"[\d\s,{}]", "", inner):
+            raise HloParseError(f"cannot read replica_groups={text[:40]!r}: expected {{{{0,1}},{{2,3}}}}")
         return ReplicaGroups(text, groups)
     if m := _IOTA.fullmatch(text):
         shape, dims = _ints(m.group(1)), _ints(m.group(2))
         perm = _ints(m.group(3)) if m.group(3) else list(range(len(dims)))
+        if math.prod(shape) != math.prod(dims) or sorted(perm) != list(range(len(dims))):
+            raise HloParseError(f"replica_groups={text}: the iota shapes or transpose do not agree")
         arr = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
         arr = arr.reshape(shape[0], -1) if len(shape) > 1 else arr.reshape(1, -1)
         return ReplicaGroups(text, tuple(tuple(int(v) for v in row) for row in arr))
     if m := _MESH.fullmatch(text):
         return _expand_mesh(text, m)
     m = _MAXIMAL.fullmatch(text)
-    return ReplicaGroups(text, ((int(m.group(1)),),))
+    return ReplicaGroups(text, ((int(m.group(1)),),), device_ids=True)
 
 
 def _expand_mesh(text: str, m: re.Match) -> ReplicaGroups:
     mesh = []
     for part in m.group(1).split(","):
         name, _, size = part.strip().rpartition("=")
+        if not size.strip().isdigit():
+            raise HloParseError(f"cannot read mesh axis {part.strip()!r} in replica_groups (expected 'name'=size)")
         mesh.append((name.strip().strip("'\""), int(size)))
     refs, labels = [], []
     for ref in (r.strip() for r in m.group(3).split(",")):
@@ -159,7 +171,52 @@ def _expand_mesh(text: str, m: re.Match) -> ReplicaGroups:
         labels.append(r.group(1) if pre is None else f"{r.group(1)}:({pre}){size}")
     ids = _ints(m.group(2)) if m.group(2) else None
     groups = mesh_groups(tuple(mesh), refs, ids)
-    return ReplicaGroups(text, groups, mesh=tuple(mesh), axes=tuple(labels))
+    return ReplicaGroups(text, groups, mesh=tuple(mesh), axes=tuple(labels), device_ids=True)
+
+
+CROSS_REPLICA = "cross-replica"
+CROSS_PARTITION = "cross-partition"
+CROSS_REPLICA_AND_PARTITION = "cross-replica-and-partition"
+FLATTENED_ID = "flattened-id"
+#: Opcodes with a ``use_global_device_ids`` attribute (XLA's all-gather and all-reduce bases).
+_GLOBAL_IDS_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-reduce-scatter")
+_CHANNEL = re.compile(r"\bchannel_id\s*=")
+_GLOBAL_IDS = re.compile(r"\buse_global_device_ids\s*=\s*true")
+
+
+def group_mode(op: str, attrs: str) -> str:
+    """XLA's ``GetCollectiveOpGroupMode``: how a collective's replica group ids are to be read."""
+    has_channel = bool(_CHANNEL.search(attrs))
+    global_ids = bool(_GLOBAL_IDS.search(attrs)) if op in _GLOBAL_IDS_OPS else None
+    if not has_channel:
+        if global_ids:
+            raise HloParseError("use_global_device_ids=true needs a channel_id (XLA rejects the combination)")
+        return CROSS_REPLICA
+    if global_ids is None:
+        return CROSS_PARTITION
+    return FLATTENED_ID if global_ids else CROSS_REPLICA_AND_PARTITION
+
+
+def device_groups(groups: Groups, mode: str, replicas: int, partitions: int) -> Groups | None:
+    """Device groups (device = replica * partitions + partition) of groups printed in ``mode``'s
+    ids; ``groups == ()`` is ``replica_groups={}``. None when an id is out of range for the mode."""
+    if not groups:
+        if mode == CROSS_PARTITION:
+            groups = (tuple(range(partitions)),)
+        elif mode == FLATTENED_ID:
+            groups = (tuple(range(replicas * partitions)),)
+        else:
+            groups = (tuple(range(replicas)),)
+    limit = {CROSS_PARTITION: partitions, FLATTENED_ID: replicas * partitions}.get(mode, replicas)
+    if any(not 0 <= i < limit for g in groups for i in g):
+        return None
+    if mode == CROSS_REPLICA:
+        return tuple(tuple(r * partitions + p for r in g) for g in groups for p in range(partitions))
+    if mode == CROSS_PARTITION:
+        return tuple(tuple(r * partitions + p for p in g) for g in groups for r in range(replicas))
+    if mode == CROSS_REPLICA_AND_PARTITION:
+        return tuple(tuple(r * partitions + p for r in g for p in range(partitions)) for g in groups)
+    return groups
 
 
 def _canon(groups: Groups) -> frozenset[frozenset[int]]:
