@@ -157,7 +157,9 @@ def _expand_mesh(text: str, m: re.Match) -> ReplicaGroups:
     for part in m.group(1).split(","):
         name, _, size = part.strip().rpartition("=")
         if not size.strip().isdigit():
-            raise HloParseError(f"cannot read mesh axis {part.strip()!r} in replica_groups (expected 'name'=size)")
+            raise HloParseError(
+                f"cannot read mesh axis {part.strip()!r} in replica_groups (expected 'name'=size)"
+            )
         mesh.append((name.strip().strip("'\""), int(size)))
     refs, labels = [], []
     for ref in (r.strip() for r in m.group(3).split(",")):

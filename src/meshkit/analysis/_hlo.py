@@ -174,12 +174,11 @@ class Module:
             name = text.rsplit(None, 1)[-1].lstrip("%") if text else ""
             if " " in text or "[" in text.split("%")[0]:
                 out.extend(parse_type(text.rsplit(None, 1)[0]))  # older HLO: the type beside the name
-            elif (inst.computation, name) in self.types:
-                out.extend(parse_type(self.types[(inst.computation, name)]))
-            elif ("", name) in self.types:
-                out.extend(parse_type(self.types[("", name)]))
             else:
-                return None
+                known = self.types.get((inst.computation, name)) or self.types.get(("", name))
+                if not known:
+                    return None  # not defined here, or its type omitted (inferred by XLA)
+                out.extend(parse_type(known))
         return tuple(out)
 
 
@@ -208,7 +207,12 @@ def _lines(text: str) -> tuple[list[str], list[str]]:
 
 def _depth(bare: str) -> int:
     return (
-        bare.count("(") + bare.count("[") + bare.count("{") - bare.count(")") - bare.count("]") - bare.count("}")
+        bare.count("(")
+        + bare.count("[")
+        + bare.count("{")
+        - bare.count(")")
+        - bare.count("]")
+        - bare.count("}")
     )
 
 
@@ -302,7 +306,7 @@ def parse_module(text: str) -> Module:
     lines, bares = _lines(text)
     instructions: list[Instruction] = []
     types: dict[tuple[str, str], str] = {}
-    module_name, entry, current = "", None, None
+    module_name, entry, current, last = "", None, None, None
     num_partitions = replica_count = None
     n, i = len(lines), 0
 
@@ -337,7 +341,7 @@ def parse_module(text: str) -> Module:
             current = None
             continue
         head = _INSTR_HEAD.match(bare)
-        if head is None or current is None and bare.endswith("{") and "=" not in bare.split("(")[0]:
+        if head is None:
             # A computation header, possibly spread over lines: ends with the body's '{'.
             while i < n and depth >= 1 and not (depth == 1 and sbare[-1].endswith("{")):
                 stmt.append(lines[i].strip())
@@ -347,18 +351,18 @@ def parse_module(text: str) -> Module:
             joined = " ".join(sbare)
             h = _COMP_HEAD.match(joined)
             if depth == 1 and joined.endswith("{") and h:
-                current = h.group(2)
+                current = last = h.group(2)
                 if h.group(1):
                     entry = current
                 continue
             if _MENTION.search(joined):
-                raise HloParseError(f"line {start}: cannot read {joined[:80]!r} (expected 'name = type opcode(...)')")
+                raise HloParseError(
+                    f"line {start}: cannot read {joined[:80]!r} (expected 'name = type opcode(...)')"
+                )
             continue  # not HLO we need (and names no collective or computation)
         # An instruction: join lines until its brackets balance and no attribute follows.
         while True:
-            while i < n and (
-                depth > 0 or sbare[-1].endswith((",", "=")) or next_starts_with_comma(i)
-            ):
+            while i < n and (depth > 0 or sbare[-1].endswith((",", "=")) or next_starts_with_comma(i)):
                 if not bares[i].strip():
                     i += 1
                     continue
@@ -402,7 +406,7 @@ def parse_module(text: str) -> Module:
         )
     module = Module(
         name=module_name,
-        entry=entry,
+        entry=entry or last,  # XLA: without ENTRY, the last computation is the entry
         instructions=instructions,
         types=types,
         num_partitions=num_partitions,
@@ -473,7 +477,9 @@ def frequencies(module: Module) -> dict[str, Frequency]:
             if e.kind == "apply":
                 continue
             if e.callee not in comps:
-                raise HloParseError(f"{e.caller} calls computation %{e.callee}, which the module does not define")
+                raise HloParseError(
+                    f"{e.caller} calls computation %{e.callee}, which the module does not define"
+                )
             indegree[e.callee] = indegree.get(e.callee, 0) + 1
             if e.callee not in seen:
                 seen.add(e.callee)
@@ -513,5 +519,7 @@ def frequencies(module: Module) -> dict[str, Frequency]:
             if indegree[e.callee] == 0:
                 ready.append(e.callee)
     if stuck := sorted(c for c, d in indegree.items() if d > 0):
-        raise HloParseError(f"the call graph has a cycle through computation %{stuck[0]}: HLO does not allow recursion")
+        raise HloParseError(
+            f"the call graph has a cycle through computation %{stuck[0]}: HLO does not allow recursion"
+        )
     return freq

@@ -393,6 +393,8 @@ def _shapes(module: Module, inst: Instruction, op: str, start: bool, n: int):
             in_b = 0
     if out_b is None:
         out_b = in_b * n if op == "all-gather" else in_b // n if op == "reduce-scatter" else in_b
+    if op == "send":
+        out_b = in_b  # what it sends (its result repeats the data operand's type)
     size = out_b if op in ("all-gather", "recv") else in_b
     arrays = ins if ins else (outs or ())
     return arrays, in_b, out_b, size
@@ -436,4 +438,3 @@ def _record(ctx: _Context, inst: Instruction, op: str, start: bool, f) -> tuple[
         traffic_bytes=ring_traffic(op, size, n) if op in MODELLED else None,
     )
     return rec, warning
-
