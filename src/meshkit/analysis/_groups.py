@@ -18,9 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from itertools import combinations, pairwise
-
-import numpy as np
+from itertools import combinations, pairwise, product
 
 from meshkit._errors import HloParseError
 
@@ -67,6 +65,19 @@ def _balanced(text: str, start: int) -> str:
     raise HloParseError("unbalanced braces in replica_groups")
 
 
+def _transposed(values: list[int], shape: list[int], order: list[int]) -> list[int]:
+    """``values`` laid out row-major in ``shape``, read back row-major after moving axes into
+    ``order`` (numpy's ``reshape(shape).transpose(order).ravel()``, without importing numpy)."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    moved = [strides[d] for d in order]
+    return [values[sum(i * st for i, st in zip(idx, moved, strict=True))]
+            for idx in product(*(range(shape[d]) for d in order))]  # fmt: skip
+
+
+def _rows(flat: list[int], size: int) -> Groups:
+    return tuple(tuple(flat[i : i + size]) for i in range(0, len(flat), size))
+
+
 def mesh_groups(
     mesh: MeshShape, axes: list[tuple[str, int | None, int | None]], device_ids: list[int] | None = None
 ) -> Groups:
@@ -74,9 +85,9 @@ def mesh_groups(
     names = [n for n, _ in mesh]
     sizes = [s for _, s in mesh]
     total = math.prod(sizes)
-    ids = np.arange(total) if device_ids is None else np.asarray(device_ids)
-    if ids.size != total:
-        raise HloParseError(f"mesh {mesh} lists {ids.size} device ids, expected {total}")
+    ids = list(range(total)) if device_ids is None else list(device_ids)
+    if len(ids) != total:
+        raise HloParseError(f"mesh {mesh} lists {len(ids)} device ids, expected {total}")
     # Split each mesh dimension at the boundaries of its sub-axes (major to minor).
     sub_sizes: list[int] = []
     where: dict[tuple[str, int, int], int] = {}
@@ -103,11 +114,9 @@ def mesh_groups(
         grouped.append(where[key])
     # Shardy's sub-axis "(pre)size" has pre = product of the more-major parts of the axis, so the
     # split above (boundaries ascending, major to minor) puts it at index where[...].
-    arr = ids.reshape(sub_sizes)
-    rest = [d for d in range(arr.ndim) if d not in grouped]
-    n = math.prod(arr.shape[d] for d in grouped) if grouped else 1
-    flat = arr.transpose(rest + grouped).reshape(-1, n)
-    return tuple(tuple(int(v) for v in row) for row in flat)
+    rest = [d for d in range(len(sub_sizes)) if d not in grouped]
+    n = math.prod(sub_sizes[d] for d in grouped) if grouped else 1
+    return _rows(_transposed(ids, sub_sizes, rest + grouped), n)
 
 
 _GROUPS_ATTR = re.compile(r"\breplica_groups\s*=\s*")
@@ -143,9 +152,9 @@ def expand_groups(text: str) -> ReplicaGroups:
         perm = _ints(m.group(3)) if m.group(3) else list(range(len(dims)))
         if math.prod(shape) != math.prod(dims) or sorted(perm) != list(range(len(dims))):
             raise HloParseError(f"replica_groups={text}: the iota shapes or transpose do not agree")
-        arr = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
-        arr = arr.reshape(shape[0], -1) if len(shape) > 1 else arr.reshape(1, -1)
-        return ReplicaGroups(text, tuple(tuple(int(v) for v in row) for row in arr))
+        total = math.prod(dims)
+        flat = _transposed(list(range(total)), dims, perm)
+        return ReplicaGroups(text, _rows(flat, total // shape[0] if len(shape) > 1 else total))
     if m := _MESH.fullmatch(text):
         return _expand_mesh(text, m)
     m = _MAXIMAL.fullmatch(text)
@@ -236,6 +245,14 @@ def match_axes(groups: Groups, mesh: MeshShape) -> tuple[str, ...] | None:
     return None
 
 
+def _coords(index: int, sizes: list[int]) -> list[int]:
+    out = []
+    for size in reversed(sizes):
+        index, c = divmod(index, size)
+        out.append(c)
+    return out[::-1]
+
+
 def pair_axes(pairs: tuple[tuple[int, int], ...], mesh: MeshShape) -> tuple[str, ...] | None:
     """Mesh axes along which source/target pairs of a collective-permute move data."""
     sizes = [s for _, s in mesh]
@@ -244,6 +261,6 @@ def pair_axes(pairs: tuple[tuple[int, int], ...], mesh: MeshShape) -> tuple[str,
     for s, t in pairs:
         if not (0 <= s < total and 0 <= t < total):
             return None
-        cs, ct = np.unravel_index(s, sizes), np.unravel_index(t, sizes)
+        cs, ct = _coords(s, sizes), _coords(t, sizes)
         moved |= {i for i in range(len(sizes)) if cs[i] != ct[i]}
     return tuple(mesh[i][0] for i in sorted(moved))

@@ -37,6 +37,8 @@ _LAYOUT = re.compile(r"\{[^{}]*\}")
 _SHAPE_TOKEN = re.compile(r"\(|\)|([a-z][a-z0-9]*)\[([^\]]*)\]")
 _INSTR_HEAD = re.compile(r"(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _DTYPE = re.compile(r"[a-z][a-z0-9]*\[")
+_SIMPLE_TYPE = re.compile(r"[a-z][a-z0-9]*\[[^\[\](){}]*\](?: *\{[^{}()\[\]]*\})?")
+_FLAT_OPERANDS = re.compile(r"\([^()\[\]{}]*\)")
 _OPCODE = re.compile(r"([a-z][a-z0-9\-_]*)\s*\(")
 _COMP_HEAD = re.compile(r"(ENTRY\s+)?%?([\w.\-]+)")
 _CALLS = re.compile(
@@ -232,6 +234,8 @@ def _closing(bare: str, start: int) -> int:
 
 def _split_top(text: str, bare: str) -> list[str]:
     """Split ``text`` at top-level commas (structure read from ``bare``)."""
+    if not any(c in bare for c in "([{"):
+        return [p.strip() for p in text.split(",")] if text.strip() else []
     parts, depth, start = [], 0, 0
     for m in re.finditer(r"[()\[\]{},]", bare):
         ch = m.group(0)
@@ -264,6 +268,9 @@ def _instruction(text: str, bare: str, computation: str, line: int) -> Instructi
         if end < 0:
             raise HloParseError(f"{where}: unbalanced parentheses in its result type")
         type_text, pos = text[pos : end + 1], end + 1
+    elif (simple := _SIMPLE_TYPE.match(bare, pos)) and not bare[simple.end() :].lstrip().startswith("{"):
+        # f32[8,4]{1,0}: no nesting (a layout with tiles, {1,0:T(8,128)}, takes the path below)
+        type_text, pos = text[pos : simple.end()], simple.end()
     elif _DTYPE.match(bare, pos):
         end = _closing(bare, bare.index("[", pos))
         if end < 0:
@@ -283,7 +290,8 @@ def _instruction(text: str, bare: str, computation: str, line: int) -> Instructi
     if not op:
         raise _Incomplete
     paren = op.end() - 1
-    close = _closing(bare, paren)
+    flat = _FLAT_OPERANDS.match(bare, paren)
+    close = flat.end() - 1 if flat else _closing(bare, paren)
     if close < 0:
         raise HloParseError(f"{where}: unbalanced parentheses in its operand list")
     operands = _split_top(text[paren + 1 : close], bare[paren + 1 : close])
