@@ -136,3 +136,22 @@ def test_meshes_with_a_size_1_axis(shape):
         np.asarray(summed).reshape(*sizes, 4), np.broadcast_to(want, grid.shape), rtol=1e-6
     )
     assert np.asarray(gathered).shape == (8 * 4 * model,)
+
+
+@pytest.mark.parametrize("shape", [(("data", 1), ("model", 8)), (("data", 2), ("pipe", 1), ("model", 4))])
+def test_partitioner_groups_match_mesh_axes_with_a_size_1_axis(shape):
+    """Groups the partitioner prints as iota lists are matched to the mesh of the input shardings."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    names = tuple(n for n, _ in shape)
+    sizes = tuple(s for _, s in shape)
+    mesh = jax.make_mesh(sizes, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    a = jax.device_put(np.ones((16, 64), np.float32), NamedSharding(mesh, P(None, "model")))
+    b = jax.device_put(np.ones((64, 8), np.float32), NamedSharding(mesh, P("model", None)))
+    fn = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P()))
+    led = communication(fn.lower(a, b).compile())
+    assert led.mesh == shape and led.kinds() == ["all-reduce"]
+    (rec,) = led.records
+    assert rec.axes == ("model",) and rec.group_size == dict(shape)["model"]
+    np.testing.assert_allclose(np.asarray(fn(a, b)), np.full((16, 8), 64.0))
