@@ -275,6 +275,8 @@ MALFORMED = [
     ),
     ("  ar = q9[4] all-reduce(x), replica_groups={{0,1}}, to_apply=add\n", "instruction %ar", "element type"),
     ("  w = while(x), condition=cond\n  ROOT w2 = f32[4] negate(x\n", "instruction %w2", "unbalanced"),
+    ("  w = f32[4] while(x), condition=add\n", "instruction %w (while", "needs condition= and body="),
+    ('  c = f32[4] call(x), to_apply="add"\n', "instruction %c (call", "cannot read its to_apply= value"),
 ]
 
 
@@ -318,3 +320,24 @@ ENTRY main {
     )
     with pytest.raises(HloParseError, match="cycle through computation"):
         communication(text)
+
+
+def test_collectives_the_entry_never_calls_are_named_in_a_warning():
+    text = (
+        "HloModule m, num_partitions=2\n"
+        + ADD
+        + """
+unused {
+  p = f32[4] parameter(0)
+  ROOT ar = f32[4] all-reduce(p), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=add
+}
+
+ENTRY main {
+  ROOT x = f32[4] parameter(0)
+}
+"""
+    )
+    led = communication(text)
+    assert led.records == () and led.warnings == (
+        "1 collective(s) sit in computations the entry never calls and are not counted (first: %ar in %unused, line 11)",
+    )

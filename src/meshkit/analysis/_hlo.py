@@ -45,6 +45,10 @@ _CALLS = re.compile(
     r"\b(to_apply|calls|body|condition|true_computation|false_computation|branch_computations"
     r"|called_computations)\s*=\s*(\{[^}]*\}|%?[\w.\-]+)"
 )
+_CALL_KEY = re.compile(
+    r"\b(to_apply|calls|body|condition|true_computation|false_computation|branch_computations"
+    r"|called_computations)\s*="
+)
 _TRIP = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
 _NUM_PARTITIONS = re.compile(r"\bnum_partitions\s*=\s*(\d+)")
 _REPLICA_COUNT = re.compile(r"\breplica_count\s*=\s*(\d+)")
@@ -427,12 +431,22 @@ def parse_module(text: str) -> Module:
 def _call_edges(instructions: list[Instruction]) -> dict[str, list[Edge]]:
     edges: dict[str, list[Edge]] = {}
     for inst in instructions:
+        if inst.opcode == "while" and not ("body" in inst.attrs and "condition" in inst.attrs):
+            raise HloParseError(f"{inst.label}: a while needs condition= and body=")
         if "=" not in inst.attrs or inst.opcode.endswith(_NO_CALLS):
             continue
         trip = None
         if inst.opcode == "while" and (m := _TRIP.search(inst.attrs)):
             trip = int(m.group(1))
-        for key, value in _CALLS.findall(inst.attrs):
+        bare = _STRING.sub('""', inst.attrs) if '"' in inst.attrs else inst.attrs
+        found = _CALLS.findall(bare)
+        named = _CALL_KEY.findall(bare)
+        if len(found) != len(named):
+            missing = sorted(set(named) - {k for k, _ in found}) or named
+            raise HloParseError(
+                f"{inst.label}: cannot read its {missing[0]}= value (expected a computation name)"
+            )
+        for key, value in found:
             callees = [v.strip().lstrip("%") for v in value.strip("{}").split(",") if v.strip()]
             if key == "body":
                 kind = "while-body"

@@ -272,7 +272,7 @@ def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLed
         for _, s in mesh:
             n_dev *= s
     ctx = _Context(module=module, mesh=tuple(mesh) if mesh else None, n_dev=n_dev, counts=counts)
-    records, warnings = [], []
+    records, warnings, dead = [], [], []
     for inst in module.instructions:
         op, start = inst.opcode, False
         if op in _ASYNC:
@@ -281,7 +281,8 @@ def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLed
             continue
         f = freq.get(inst.computation)
         if f is None:
-            continue  # dead computation, never called
+            dead.append(inst)  # in a computation the entry never calls: it never runs
+            continue
         try:
             rec, warning = _record(ctx, inst, op, start, f)
         except HloParseError as e:
@@ -294,6 +295,11 @@ def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLed
                 f"{rec.op} {rec.name} runs inside a loop whose trip count the compiler does not state; counted once"
             )
         records.append(rec)
+    if dead:
+        warnings.append(
+            f"{len(dead)} collective(s) sit in computations the entry never calls and are not counted "
+            f"(first: %{dead[0].name} in %{dead[0].computation}, line {dead[0].line})"
+        )
     return CommLedger(
         module=module.name, num_devices=n_dev, mesh=ctx.mesh, records=tuple(records), warnings=tuple(warnings)
     )
