@@ -136,11 +136,17 @@ class Instruction:
     type_text: str
     """Result type as printed ('' where the text omits it)."""
     opcode: str
-    operands: list[str]
+    operand_text: tuple[str, str]
+    """The operand list as printed, and the same with string contents blanked (split on demand:
+    most instructions' operands are never needed)."""
     attrs: str
     computation: str
     line: int
     """Line where the instruction starts."""
+
+    @property
+    def operands(self) -> list[str]:
+        return _split_top(*self.operand_text)
 
     @property
     def label(self) -> str:
@@ -261,8 +267,7 @@ class _Incomplete(Exception):
     """The statement needs the next line (no opcode yet)."""
 
 
-def _instruction(text: str, bare: str, computation: str, line: int) -> Instruction:
-    head = _INSTR_HEAD.match(bare)
+def _instruction(text: str, bare: str, head: re.Match, computation: str, line: int) -> Instruction:
     name = head.group(1)
     where = f"instruction %{name} (line {line})"
     pos = head.end()
@@ -298,12 +303,11 @@ def _instruction(text: str, bare: str, computation: str, line: int) -> Instructi
     close = flat.end() - 1 if flat else _closing(bare, paren)
     if close < 0:
         raise HloParseError(f"{where}: unbalanced parentheses in its operand list")
-    operands = _split_top(text[paren + 1 : close], bare[paren + 1 : close])
     return Instruction(
         name=name,
         type_text=type_text.strip(),
         opcode=op.group(1),
-        operands=operands,
+        operand_text=(text[paren + 1 : close], bare[paren + 1 : close]),
         attrs=text[close + 1 :],
         computation=computation,
         line=line,
@@ -384,7 +388,9 @@ def parse_module(text: str) -> Module:
                 i += 1
             joined, jbare = " ".join(stmt), " ".join(sbare)
             try:
-                inst = _instruction(joined, jbare, current or "", start)
+                inst = _instruction(
+                    joined, jbare, head if len(stmt) == 1 else _INSTR_HEAD.match(jbare), current or "", start
+                )
                 break
             except _Incomplete:
                 # The opcode may follow on the next line (e.g. after a long tuple type).
@@ -433,7 +439,7 @@ def _call_edges(instructions: list[Instruction]) -> dict[str, list[Edge]]:
     for inst in instructions:
         if inst.opcode == "while" and not ("body" in inst.attrs and "condition" in inst.attrs):
             raise HloParseError(f"{inst.label}: a while needs condition= and body=")
-        if "=" not in inst.attrs or inst.opcode.endswith(_NO_CALLS):
+        if "=" not in inst.attrs or inst.opcode.endswith(_NO_CALLS) or not _CALL_KEY.search(inst.attrs):
             continue
         trip = None
         if inst.opcode == "while" and (m := _TRIP.search(inst.attrs)):
