@@ -341,3 +341,25 @@ ENTRY main {
     assert led.records == () and led.warnings == (
         "1 collective(s) sit in computations the entry never calls and are not counted (first: %ar in %unused, line 11)",
     )
+
+
+def test_collective_permute_in_place_counts_its_input_and_combined_counts_every_operand():
+    text = """HloModule m, num_partitions=2
+
+ENTRY main {
+  x = f32[4,8] parameter(0)
+  out = f32[8,8] parameter(1)
+  y = f32[16] parameter(2)
+  z = s32[] constant(0)
+  four = s32[] constant(4)
+  starts_in = (s32[], s32[]) tuple(z, z)
+  starts_out = (s32[], s32[]) tuple(four, z)
+  in_place = f32[8,8] collective-permute(x, out, starts_in, starts_out), channel_id=1,
+    source_target_pairs={{0,1},{1,0}}, slice_sizes={{4,8}}
+  ROOT combined = (f32[4,8], f32[16]) collective-permute(x, y), channel_id=2, source_target_pairs={{0,1},{1,0}}
+}
+"""
+    recs, _ = read(text)
+    assert (recs["in_place"].size_bytes, recs["in_place"].out_bytes) == (128, 256)
+    assert recs["combined"].size_bytes == recs["combined"].out_bytes == 128 + 64
+    assert recs["combined"].shapes == ((4, 8), (16,))

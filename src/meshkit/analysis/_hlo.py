@@ -178,10 +178,11 @@ class Module:
     num_partitions: int | None = None
     replica_count: int | None = None
 
-    def operand_types(self, inst: Instruction) -> tuple[Array, ...] | None:
-        """Array types of an instruction's operands, or None where an operand is not defined here."""
+    def operand_types(self, inst: Instruction, first: int | None = None) -> tuple[Array, ...] | None:
+        """Array types of an instruction's operands (of its ``first`` operands only, if given), or
+        None where an operand is not defined here."""
         out: list[Array] = []
-        for op in inst.operands:
+        for op in inst.operands[:first]:
             text = op.strip()
             name = text.rsplit(None, 1)[-1].lstrip("%") if text else ""
             if " " in text or "[" in text.split("%")[0]:

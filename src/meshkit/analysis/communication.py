@@ -371,7 +371,12 @@ def _pairs(attrs: str) -> tuple[tuple[int, int], ...]:
 
 def _shapes(module: Module, inst: Instruction, op: str, start: bool, n: int):
     """Operand arrays (the data counted in S), result arrays, in/out bytes and S of a collective."""
-    ins = module.operand_types(inst)
+    # ragged-all-to-all: (input, output, input_offsets, send_sizes, output_offsets, recv_sizes);
+    # the in-place collective-permute (with slice_sizes=): (input, output, input_starts,
+    # output_starts). S is the input. (A combined collective-permute's operands are all inputs.)
+    in_place = op == "collective-permute" and "slice_sizes" in inst.attrs
+    first = 1 if op == "ragged-all-to-all" or in_place else None
+    ins = module.operand_types(inst, first)
     res = parse_shape(inst.type_text) if inst.type_text else None
     outs: tuple[Array, ...] | None
     if res is None:
@@ -387,8 +392,6 @@ def _shapes(module: Module, inst: Instruction, op: str, start: bool, n: int):
         outs = leaves(res)
     if ins is not None:
         ins = tuple(a for a in ins if a.dtype not in ("token", "opaque"))
-        if op == "ragged-all-to-all":
-            ins = ins[:1]  # (input, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     if ins is None and outs is None:
         raise HloParseError("its result type is not printed and its operands are not defined in the text")
     out_b = sum(a.nbytes for a in outs) if outs is not None else None
