@@ -363,3 +363,32 @@ ENTRY main {
     assert (recs["in_place"].size_bytes, recs["in_place"].out_bytes) == (128, 256)
     assert recs["combined"].size_bytes == recs["combined"].out_bytes == 128 + 64
     assert recs["combined"].shapes == ((4, 8), (16,))
+
+
+def test_headers_over_several_lines_and_execution_threads():
+    text = """HloModule m,
+  num_partitions=4
+
+%reduce (a: f32[],
+         b: f32[]) -> f32[] {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+
+%wrapped (p: f32[32]) -> f32[8] {
+  p = f32[32] parameter(0)
+  ROOT rs = f32[8] reduce-scatter(p), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0},
+    use_global_device_ids=true, to_apply=reduce
+}, execution_thread="collectives"
+
+ENTRY %main (x: f32[32])
+    -> f32[8] {
+  x = f32[32] parameter(0)
+  start = ((f32[32]), f32[8]) async-start(x), async_execution_thread="collectives", calls=wrapped
+  ROOT done = f32[8] async-done(start)
+}
+"""
+    recs, led = read(text)
+    assert list(recs) == ["rs"] and led.num_devices == 4
+    assert (recs["rs"].group_size, recs["rs"].in_bytes, recs["rs"].is_async) == (4, 128, True)
