@@ -315,6 +315,29 @@ def _instruction(text: str, bare: str, head: re.Match, computation: str, line: i
     )
 
 
+@dataclass(slots=True)
+class _Statement:
+    """Lines joined into one statement, with its bracket depth so far."""
+
+    start: int
+    lines: list[str]
+    bares: list[str]
+    depth: int = 0
+
+    def add(self, line: str, bare: str) -> None:
+        self.lines.append(line)
+        self.bares.append(bare)
+        self.depth += _depth(bare)
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.lines)
+
+    @property
+    def bare(self) -> str:
+        return " ".join(self.bares)
+
+
 def parse_module(text: str) -> Module:
     """Parse HLO text (one module, as printed by ``Compiled.as_text()``, an XLA dump, or written by
     hand in any layout XLA's parser accepts)."""
@@ -337,17 +360,13 @@ def parse_module(text: str) -> Module:
         if not bare or bare.startswith("#"):
             i += 1
             continue
-        start = i + 1
-        stmt, sbare = [lines[i].strip()], [bare]
-        depth = _depth(bare)
+        st = _Statement(i + 1, [lines[i].strip()], [bare], _depth(bare))
         i += 1
         if bare.startswith("HloModule"):
-            while i < n and (depth > 0 or sbare[-1].endswith(",") or next_starts_with_comma(i)):
-                stmt.append(lines[i].strip())
-                sbare.append(bares[i].strip())
-                depth += _depth(sbare[-1])
+            while i < n and (st.depth > 0 or st.bares[-1].endswith(",") or next_starts_with_comma(i)):
+                st.add(lines[i].strip(), bares[i].strip())
                 i += 1
-            header = " ".join(stmt)
+            header = st.text
             module_name = header.split(None, 1)[1].split(",")[0].strip() if len(header.split()) > 1 else ""
             if m := _NUM_PARTITIONS.search(header):
                 num_partitions = int(m.group(1))
@@ -360,58 +379,49 @@ def parse_module(text: str) -> Module:
         head = _INSTR_HEAD.match(bare)
         if head is None:
             # A computation header, possibly spread over lines: ends with the body's '{'.
-            while i < n and depth >= 1 and not (depth == 1 and sbare[-1].endswith("{")):
-                stmt.append(lines[i].strip())
-                sbare.append(bares[i].strip())
-                depth += _depth(sbare[-1])
+            while i < n and st.depth >= 1 and not (st.depth == 1 and st.bares[-1].endswith("{")):
+                st.add(lines[i].strip(), bares[i].strip())
                 i += 1
-            joined = " ".join(sbare)
+            joined = st.bare
             h = _COMP_HEAD.match(joined)
-            if depth == 1 and joined.endswith("{") and h:
+            if st.depth == 1 and joined.endswith("{") and h:
                 current = last = h.group(2)
                 if h.group(1):
                     entry = current
                 continue
             if _MENTION.search(joined):
                 raise HloParseError(
-                    f"line {start}: cannot read {joined[:80]!r} (expected 'name = type opcode(...)')"
+                    f"line {st.start}: cannot read {joined[:80]!r} (expected 'name = type opcode(...)')"
                 )
             continue  # not HLO we need (and names no collective or computation)
         # An instruction: join lines until its brackets balance and no attribute follows.
+        inst = None
         while True:
-            while i < n and (depth > 0 or sbare[-1].endswith((",", "=")) or next_starts_with_comma(i)):
-                if not bares[i].strip():
-                    i += 1
-                    continue
-                stmt.append(lines[i].strip())
-                sbare.append(bares[i].strip())
-                depth += _depth(sbare[-1])
+            while i < n and (st.depth > 0 or st.bares[-1].endswith((",", "=")) or next_starts_with_comma(i)):
+                if bares[i].strip():
+                    st.add(lines[i].strip(), bares[i].strip())
                 i += 1
-            joined, jbare = " ".join(stmt), " ".join(sbare)
+            jbare = st.bare
             try:
-                inst = _instruction(
-                    joined, jbare, head if len(stmt) == 1 else _INSTR_HEAD.match(jbare), current or "", start
-                )
+                match = head if len(st.lines) == 1 else _INSTR_HEAD.match(jbare)
+                inst = _instruction(st.text, jbare, match, current or "", st.start)
                 break
             except _Incomplete:
                 # The opcode may follow on the next line (e.g. after a long tuple type).
-                if depth == 0 and i < n and bares[i].strip() and not _INSTR_HEAD.match(bares[i].strip()) \
-                        and not bares[i].strip().startswith("}"):  # fmt: skip
-                    stmt.append(lines[i].strip())
-                    sbare.append(bares[i].strip())
-                    depth += _depth(sbare[-1])
+                nxt = bares[i].strip() if i < n else ""
+                if st.depth == 0 and nxt and not _INSTR_HEAD.match(nxt) and not nxt.startswith("}"):
+                    st.add(lines[i].strip(), nxt)
                     i += 1
                     continue
-                inst = None
                 break
         if inst is None:
-            if _MENTION.search(jbare) or depth != 0:
-                name = head.group(1)
+            if _MENTION.search(jbare) or st.depth != 0:
                 raise HloParseError(
-                    f"instruction %{name} (line {start}): cannot read it (expected 'name = type opcode(operands), attributes')"
+                    f"instruction %{head.group(1)} (line {st.start}): cannot read it "
+                    "(expected 'name = type opcode(operands), attributes')"
                 )
             continue
-        if depth != 0:
+        if st.depth != 0:
             raise HloParseError(f"{inst.label}: unbalanced brackets")
         if current is None:
             if _MENTION.search(jbare):
