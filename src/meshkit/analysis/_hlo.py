@@ -97,7 +97,7 @@ def _dims(dtype: str, text: str) -> tuple[int, ...]:
 
 def parse_shape(text: str) -> Shape:
     """A (possibly nested tuple) HLO type as a tree of ``Array``; layouts and comments ignored."""
-    text = _LAYOUT.sub("", _BLOCK_COMMENT.sub("", text))
+    text = _LAYOUT.sub("", _BLOCK_COMMENT.sub("", text) if "/*" in text else text)
     stack: list[list] = [[]]
     for m in _SHAPE_TOKEN.finditer(text):
         tok = m.group(0)
@@ -360,8 +360,18 @@ def parse_module(text: str) -> Module:
         if not bare or bare.startswith("#"):
             i += 1
             continue
-        st = _Statement(i + 1, [lines[i].strip()], [bare], _depth(bare))
+        depth = _depth(bare)
         i += 1
+        head = _INSTR_HEAD.match(bare)
+        if head and current and not depth and not bare.endswith((",", "=")) and not next_starts_with_comma(i):
+            try:  # the common case: a whole instruction on one line
+                inst = _instruction(lines[i - 1].strip(), bare, head, current, i)
+                types[(current, inst.name)] = inst.type_text
+                instructions.append(inst)
+                continue
+            except _Incomplete:
+                pass  # its opcode may be on the next line: read it below
+        st = _Statement(i, [lines[i - 1].strip()], [bare], depth)
         if bare.startswith("HloModule"):
             while i < n and (st.depth > 0 or st.bares[-1].endswith(",") or next_starts_with_comma(i)):
                 st.add(lines[i].strip(), bares[i].strip())
@@ -376,7 +386,6 @@ def parse_module(text: str) -> Module:
         if bare.startswith("}"):
             current = None
             continue
-        head = _INSTR_HEAD.match(bare)
         if head is None:
             # A computation header, possibly spread over lines: ends with the body's '{'.
             while i < n and st.depth >= 1 and not (st.depth == 1 and st.bares[-1].endswith("{")):
