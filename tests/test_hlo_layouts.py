@@ -392,3 +392,19 @@ ENTRY %main (x: f32[32])
     recs, led = read(text)
     assert list(recs) == ["rs"] and led.num_devices == 4
     assert (recs["rs"].group_size, recs["rs"].in_bytes, recs["rs"].is_async) == (4, 128, True)
+
+
+def test_cross_replica_groups_with_one_replica_say_each_device_is_alone():
+    text = (
+        "HloModule m, num_partitions=4\n"
+        + ADD
+        + """
+ENTRY main {
+  x = f32[8] parameter(0)
+  ROOT ar = f32[8] all-reduce(x), replica_groups={}, to_apply=add
+}
+"""
+    )
+    recs, led = read(text)
+    assert (recs["ar"].group_size, recs["ar"].traffic_bytes, recs["ar"].group_mode) == (1, 0, "cross-replica")
+    assert len(led.warnings) == 1 and "every device is alone" in led.warnings[0]

@@ -335,6 +335,11 @@ def _resolve(ctx: _Context, text: str | None, mode: str) -> tuple:
                 f"num_partitions={p}); read as device ids"
             )
             groups, used_mode = rg.groups, None
+        elif ctx.counts[1] > 1 and all(len(g) == 1 for g in groups):
+            warning = (
+                f"replica_groups={text or '{}'} without a channel_id is cross-replica, and with "
+                f"replica_count={ctx.counts[0]} every device is alone (no communication): XLA reads it so"
+            )
     elif rg.groups:
         groups, used_mode = rg.groups, None
     elif ctx.n_dev is not None:
