@@ -341,6 +341,7 @@ def run(
 ) -> int:
     """The whole job; returns the exit code (0 done, 130 interrupted). ``latest_link`` is a symlink
     pointed at the run directory once it is created."""
+    C.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
     job = prepare(cfg, resume=resume)
     C.check_stop_after(stop_after, job.step)
     if job.writer:
