@@ -39,6 +39,20 @@ def test_train_help_shows_every_default(capsys):
         assert shown in out, shown
 
 
+def test_every_option_of_every_command_shows_its_default(capsys):
+    from meshkit.cli import _command
+
+    for name, sub in _command().commands.items():
+        for p in sub.params:
+            if getattr(p, "param_type_name", "") != "option" or p.required or p.is_flag:
+                continue
+            said = isinstance(p.show_default, str) or "default" in (p.help or "").lower()
+            assert said or (p.default is not None and p.show_default), (name, p.opts)
+    for argv, shown in [(["devices", "--help"], "[default: (none)]"), (["verify", "--help"], "[default: dp]"),
+                        (["budget", "--help"], "[default: (none)]")]:  # fmt: skip
+        assert main(argv) == 0 and shown in capsys.readouterr().out, argv
+
+
 # -- 4. errors name the option to change ----------------------------------------------------------
 @pytest.mark.parametrize(
     ("args", "message"),
