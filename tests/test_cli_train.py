@@ -29,6 +29,16 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
     assert C.warmup_steps(C.default().replace(steps=40, warmup=7)) == 7
 
 
+def test_resume_config_round_trips_and_applies_only_what_is_given(tmp_path):
+    saved = C.tiny().replace(mesh="data=8", clip=None, tensorboard=True, run_dir="elsewhere")
+    assert C.TrainConfig.from_json(json.loads(C.dumps(saved))) == saved
+    same, lines = C.resumed(saved, {}, str(tmp_path))
+    assert same == saved.replace(run_dir=str(tmp_path)) and lines == []
+    moved, lines = C.resumed(saved, {"mesh": "data=4,model=2", "accumulate": 2, "clip": None}, "d")
+    assert (moved.mesh, moved.accumulate, moved.clip) == ("data=4,model=2", 2, None)
+    assert lines == ["--mesh: data=8 -> data=4,model=2", "--accumulate: 1 -> 2"]
+
+
 # -- 3. defaults in --help --------------------------------------------------------------------------
 def test_train_help_shows_every_default(capsys):
     assert main(["train", "--help"]) == 0

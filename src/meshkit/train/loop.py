@@ -289,11 +289,6 @@ def proof(job: Job) -> dict[str, Any]:
             **{k: v for k, v in plan_report.to_json().items() if k in keep}}  # fmt: skip
 
 
-def report(job: Job) -> dict[str, Any]:
-    """``results`` and ``proof`` together."""
-    return {**results(job), **proof(job)}
-
-
 def _attempt(what: str, problems: list[str], fn, *args) -> Any:
     """``fn(*args)``, or None and one line in ``problems`` if it fails: a report never costs the results."""
     try:
