@@ -99,6 +99,8 @@ def test_resume_takes_the_runs_config_and_changes_only_what_is_safe(tmp_path, mo
     latest = tmp_path / "runs" / "latest"
     assert latest.is_symlink() and json.loads((latest / "config.json").read_text())["steps"] == 6
     capsys.readouterr()
+    assert main(["train", "--preset", "tiny", "--run-dir", str(latest)]) == 2  # a new run there: refused
+    assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
     for args, option in [(["--batch-size", "32"], "--batch-size was 16"), (["--steps", "12"], "--steps was 6"),
                          (["--seed", "1"], "--seed was 0"), (["--width", "64"], "--width was 32"),
                          (["--lr", "0.1"], "--lr was 0.003"), (["--precision", "bf16"], "--precision was 'fp32'"),

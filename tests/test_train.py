@@ -2,7 +2,6 @@
 
 import io
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -137,15 +136,3 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args,
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
     assert not run.exists()
-
-
-def test_existing_checkpoints_need_resume_and_resume_needs_same_model(tmp_path, capsys):
-    run = tmp_path / "run"
-    assert main(["train", "--preset", "tiny", "--run-dir", str(run), "--stop-after", "3"]) == 0
-    capsys.readouterr()
-    assert main(["train", "--preset", "tiny", "--run-dir", str(run)]) == 2
-    assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
-    assert main(["train", "--preset", "tiny", "--run-dir", str(run), "--resume", "--seq-len", "16"]) == 2
-    assert "--seq-len was 32" in capsys.readouterr().err
-    assert main(["train", "--preset", "tiny", "--run-dir", str(run), "--resume"]) == 0
-    assert json.loads((Path(run) / "report.json").read_text())["steps"] == 12

@@ -10,6 +10,7 @@ split, checkpoints with orbax (periodically, at the end and on Ctrl-C), and fini
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import time
@@ -304,21 +305,22 @@ def _attempt(what: str, problems: list[str], fn, *args) -> Any:
 def finish(job: Job, console: Console) -> dict[str, Any]:
     """Final evaluation, then what can be made of report.json, sample, plots and the summary table;
     anything but the evaluation that fails is one warning line, and the rest is still written."""
-    from meshkit.train import plots
-
     with _metrics(job):
         _log(job, {"step": job.step, "eval_loss": evaluate(job)})
     out, problems = results(job), []
     out.update(_attempt("the communication/memory report", problems, proof, job) or {"checks_ok": None})
     out["sample"] = _attempt("sampling", problems, sample, job, job.cfg.sample_chars) or ""
-    if problems:
-        out["report_problems"] = problems
-    if job.writer:
-        _write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
+    plots = _attempt("loading matplotlib", problems, importlib.import_module, "meshkit.train.plots")
+    if job.writer and plots is not None:
         _attempt("loss.png", problems, plots.loss_plot, job.history, job.evals, job.run_dir / "loss.png")
         if "communication" in out:
             _attempt("cost.png", problems, plots.cost_plot, out, job.run_dir / "cost.png")
-    _attempt("the summary table", problems, plots.summary, out, job.run_dir, console)
+    if problems:
+        out["report_problems"] = list(problems)
+    if job.writer:
+        _write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
+    if plots is not None:
+        _attempt("the summary table", problems, plots.summary, out, job.run_dir, console)
     for line in problems:
         console.print(
             f"[yellow]warning:[/] {line}; the training results are in {job.run_dir}", soft_wrap=True
