@@ -1,6 +1,7 @@
 """`meshkit train` as a user meets it: defaults that scale, `--resume` from the run's config.json,
 defaults in --help, errors naming the option, a failed report that keeps the results, TensorBoard."""
 
+import dataclasses
 import json
 import struct
 
@@ -30,6 +31,9 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
 
 
 def test_resume_config_round_trips_and_applies_only_what_is_given(tmp_path):
+    fields = {f.name for f in dataclasses.fields(C.TrainConfig)} - {"run_dir"}
+    assert fields == set(C.FIXED_ON_RESUME) | set(C.CHANGEABLE_ON_RESUME)  # every option is classified
+    assert not set(C.FIXED_ON_RESUME) & set(C.CHANGEABLE_ON_RESUME)
     saved = C.tiny().replace(mesh="data=8", clip=None, tensorboard=True, run_dir="elsewhere")
     assert C.TrainConfig.from_json(json.loads(C.dumps(saved))) == saved
     same, lines = C.resumed(saved, {}, str(tmp_path))

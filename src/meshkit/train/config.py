@@ -161,15 +161,11 @@ def check_same_run(saved: TrainConfig, cfg: TrainConfig, where: str) -> None:
 def resumed(saved: TrainConfig, given: dict[str, Any], where: str) -> tuple[TrainConfig, list[str]]:
     """The saved config with the options given again: those that only change the layout or the logging
     are applied (each change is returned as one line), any change of what the run fixed is refused."""
-    unknown = set(given) - set(FIXED_ON_RESUME) - set(CHANGEABLE_ON_RESUME) - {"run_dir"}
-    if unknown:
-        raise ConfigError(f"--resume cannot take {', '.join(sorted(map(flag, unknown)))}")
     changes = {k: v for k, v in given.items() if k != "run_dir"}
     cfg = saved.replace(**changes, run_dir=where)
     check_same_run(saved, cfg, where)
-    cfg = cfg.replace(
-        warmup=saved.warmup
-    )  # a --warmup equal to the saved one (a tenth of steps) is no change
+    # a --warmup equal to the one the saved run uses (a tenth of its steps) changes nothing
+    cfg = cfg.replace(warmup=saved.warmup)
     lines = [
         f"{flag(k)}: {_text(getattr(saved, k))} -> {_text(v)}"
         for k, v in changes.items()
