@@ -48,3 +48,18 @@ def test_missing_dependency_is_named_not_the_module(folder, capsys):
     assert main(["comm", "mk_user_dep:make"]) == 2
     err = capsys.readouterr().err
     assert "module 'mk_user_dep' imports 'mk_not_installed_anywhere', which is not installed" in err
+
+
+def test_the_console_script_imports_from_the_current_folder(tmp_path):
+    """The real case: the `meshkit` script puts its own bin folder first on sys.path, not the current one."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "mk_user_script.py").write_text(STEP)
+    exe = str(Path(sys.executable).parent / "meshkit")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""}
+    proc = subprocess.run([exe, "comm", "mk_user_script:make", "--devices", "2", "--json"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["records"] == []
