@@ -133,7 +133,10 @@ def test_initialize_lets_jax_detect_the_scheduler(clean_env, setup, method):
     ((args, kwargs),) = fake.calls
     assert args == (None, None, None)  # JAX's own detection fills them...
     assert kwargs["cluster_detection_method"] == method  # ...from the source meshkit found
-    assert kwargs["heartbeat_timeout_seconds"] == 12
+    assert (
+        kwargs["heartbeat_timeout_seconds"] == 12 + distributed._JAX_HEARTBEAT_MARGIN_S
+    )  # meshkit's line first
+    assert kwargs["coordinator_bind_address"] is None and "mtls_cert_file" not in kwargs  # JAX's defaults
     assert kwargs["shutdown_timeout_seconds"] == distributed.DEFAULT_SHUTDOWN_TIMEOUT_S
     assert kwargs["initialization_timeout"] > distributed.DEFAULT_TIMEOUT_S  # meshkit's message comes first
     assert fake.simulated == [4]
@@ -153,6 +156,70 @@ def test_initialize_explicit_values_and_launch_environment(clean_env):
     assert args == ("localhost:4242", 2, 0) and kwargs["cluster_detection_method"] == "deactivate"
     assert kwargs["initialization_timeout"] == 7 + distributed._JAX_TIMEOUT_MARGIN_S
     assert info.source == "explicit" and fake.simulated == []
+
+
+def _pki(tmp_path):
+    paths = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    for p in paths.values():
+        p.write_text("-----BEGIN TEST-----\n")
+    return {k: str(v) for k, v in paths.items()}
+
+
+def test_bind_address_tls_and_heartbeat_from_the_environment(clean_env, tmp_path):
+    fake = _FakeJax(clean_env)
+    pki = _pki(tmp_path)
+    for name, value in {
+        distributed.MESHKIT_COORDINATOR_BIND_ADDRESS: "127.0.0.1", distributed.MESHKIT_HEARTBEAT_TIMEOUT_S: "7",
+        distributed.MESHKIT_MTLS_CERT: pki["cert"], distributed.MESHKIT_MTLS_KEY: pki["key"],
+        distributed.MESHKIT_MTLS_CA: pki["ca"],
+    }.items():  # fmt: skip
+        clean_env.setenv(name, value)
+    distributed.initialize("localhost:4242", 2, 1)
+    ((_, kwargs),) = fake.calls
+    assert kwargs["coordinator_bind_address"] == "127.0.0.1:4242"  # a bare host takes the coordinator's port
+    assert kwargs["heartbeat_timeout_seconds"] == 7 + distributed._JAX_HEARTBEAT_MARGIN_S
+    assert (kwargs["mtls_cert_file"], kwargs["mtls_key_file"], kwargs["mtls_ca_file"]) == (
+        pki["cert"], pki["key"], pki["ca"],
+    )  # fmt: skip
+
+
+def test_arguments_come_before_the_environment(clean_env, tmp_path):
+    fake = _FakeJax(clean_env)
+    pki = _pki(tmp_path)
+    clean_env.setenv(distributed.MESHKIT_COORDINATOR_BIND_ADDRESS, "0.0.0.0")
+    tls = distributed.MutualTLS(cert=pki["cert"], key=pki["key"], ca=pki["ca"])
+    distributed.initialize("localhost:4242", 2, 0, coordinator_bind_address="[::1]:5000", mtls=tls)
+    ((_, kwargs),) = fake.calls
+    assert kwargs["coordinator_bind_address"] == "[::1]:5000" and kwargs["mtls_ca_file"] == pki["ca"]
+
+
+@pytest.mark.parametrize(
+    ("bind", "coordinator", "want"),
+    [("127.0.0.1", "localhost:9", "127.0.0.1:9"), ("::1", "h:9", "[::1]:9"), ("[::1]", "h:9", "[::1]:9"),
+     ("10.0.0.5:77", None, "10.0.0.5:77"), ("[::]:77", "h:9", "[::]:77"), (None, "h:9", None)],
+)  # fmt: skip
+def test_bind_address_forms(bind, coordinator, want):
+    assert distributed.bind_address(bind, coordinator) == want
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MESHKIT_MTLS_CERT": "c.pem"}, "set MESHKIT_MTLS_KEY, MESHKIT_MTLS_CA too"),
+        ({"MESHKIT_MTLS_CERT": "/no/c.pem", "MESHKIT_MTLS_KEY": "/no/k", "MESHKIT_MTLS_CA": "/no/ca"},
+         "cannot read the mutual-TLS certificate '/no/c.pem' (No such file or directory)"),
+        ({"MESHKIT_COORDINATOR_BIND_ADDRESS": "host:99999"}, "port 99999 is not in 1..65535"),
+        ({"MESHKIT_HEARTBEAT_TIMEOUT_S": "soon"}, "MESHKIT_HEARTBEAT_TIMEOUT_S='soon' is not a number"),
+        ({"MESHKIT_HEARTBEAT_TIMEOUT_S": "-1"}, "heartbeat_timeout_s must be a positive number"),
+    ],
+)  # fmt: skip
+def test_bad_security_settings_are_one_line_errors(clean_env, env, message):
+    fake = _FakeJax(clean_env)
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(DistributedError, match=re.escape(message)) as info:
+        distributed.initialize("localhost:4242", 2, 0)
+    assert "\n" not in str(info.value) and fake.calls == []
 
 
 def test_single_process_initialize_needs_no_coordinator(clean_env):
