@@ -386,3 +386,50 @@ def test_mpirun_job_is_detected_as_openmpi(tmp_path):
         assert (r["info"]["local_device_count"], r["info"]["device_count"]) == (4, 8)
         assert r["shard_map_psum"] == r["jit_sum"] == 36.0
         assert r["pmap_leading_axis"] == 4 and r["pmap_psum"] == [36.0] * 4
+
+
+# --- stalled processes (SIGSTOP) --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_stalled_process_ends_the_job_and_leaves_when_resumed(victim):
+    """SIGSTOP of one process: the other ends within the heartbeat timeout (+10 s) with one line
+    naming it; after SIGCONT the stalled one finds the job gone and leaves with one line."""
+    heartbeat = 6
+    procs = _start_pair(heartbeat=heartbeat)
+    survivor, stalled = procs[1 - victim], procs[victim]
+    try:
+        time.sleep(0.3)
+        stalled.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        out, _ = survivor.communicate(timeout=heartbeat + 60)
+        elapsed = time.monotonic() - start
+        stalled.send_signal(signal.SIGCONT)
+        start = time.monotonic()
+        rest, _ = stalled.communicate(timeout=60)
+        resumed_after = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+            p.stdout.close()
+    assert survivor.returncode == distributed.PEER_LOST_EXIT_CODE and elapsed < heartbeat + 10, (elapsed, out)
+    lost = (
+        f"lost process 1 of 2: no heartbeat for {heartbeat} s (stalled - stopped, swapping or stuck in I/O - or "
+        "dead); process 0 stops"
+        if victim == 1
+        else "lost process 0 of 2, the coordinator at localhost:"
+    )
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {lost}"), out[-3000:]
+    assert "Traceback" not in out and "Terminating process" not in out
+    # the resumed process: gone within seconds, non-zero, one line saying it was stopped too long
+    assert stalled.returncode == distributed.PEER_LOST_EXIT_CODE and resumed_after < 10, (resumed_after, rest)
+    assert re.search(
+        rf"^error: process {victim} of 2 was stopped for \d+ s, past the job's heartbeat timeout of {heartbeat} s",
+        rest,
+        re.M,
+    ), rest[-3000:]
+    assert "Traceback" not in rest and "Terminating process" not in rest
