@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -50,10 +53,15 @@ class _Unreadable(Exception):
     """A step's files cannot be read back (corrupt, partial): the reason, in one line."""
 
 
-def _gist(e: BaseException, limit: int = 160) -> str:
-    """The first line of an error, shortened (tensorstore's run to kilobytes)."""
+def _gist(e: BaseException, limit: int = 200) -> str:
+    """The first line of an error, shortened: tensorstore's run to kilobytes, status first and the
+    cause last ("OUT_OF_RANGE: Error writing ... file 4: File too large"), so keep those two."""
     line = (str(e).strip().splitlines() or [type(e).__name__])[0]
     line = line.split(" [tensorstore_spec=")[0].split(" See full TensorStore details")[0]
+    line = re.sub(r"\s*\[os_error_code='?\d+'?\]", "", line)
+    status = re.match(r"([A-Z][A-Z_]+): (.+)", line)
+    if status and ": " in status.group(2):
+        line = f"{status.group(1)}: {status.group(2).rpartition(': ')[2]}"
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -123,11 +131,26 @@ def _sigint_deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
-def _quiet_late_reads() -> None:
-    """Installed before reads and writes: after a failed one, tensorstore's other operations on that step finish later and
-    try to wake orbax's event loop, which orbax already closed: Python would print each as
-    "Exception ignored ... RuntimeError: Event loop is closed" with a traceback, long after the
-    one-line error. Drop exactly those (every other unraisable exception goes where it went)."""
+class _DropRaisedInThread(logging.Filter):
+    """orbax logs a failed background write (from its writer, commit and finalize threads) with the
+    whole traceback, before it raises the same error to the caller, who reports it in one line:
+    drop orbax's error records that carry a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        return not (from_orbax and record.levelno >= logging.ERROR and record.exc_info)
+
+
+def _quiet_orbax_noise() -> None:
+    """Installed before reads and writes. After a failed one (1) orbax logs the error with its
+    traceback from a background thread, and (2) tensorstore's other operations on that step finish
+    later and try to wake orbax's event loop, which orbax already closed: Python would print each
+    as "Exception ignored ... RuntimeError: Event loop is closed" with a traceback, long after the
+    one-line error. Drop exactly those (every other log record and unraisable exception goes where
+    it went)."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _DropRaisedInThread) for f in absl.filters):
+        absl.addFilter(_DropRaisedInThread())
     previous = sys.unraisablehook
     if getattr(previous, "meshkit_quiet", False):
         return
@@ -208,15 +231,23 @@ class Checkpointer:
                 name: ocp.args.StandardSave(tree) for name, tree in items.items() if jax.tree.leaves(tree)
             }
             with _sigint_deferred(), self._failing_save(step):
+                self._probe_writable()
                 self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
                 self._last_saved = step
         if wait:
             self.wait()
 
+    def _probe_writable(self) -> None:
+        """Create and remove a file first: orbax, refused its temporary directory, leaves threads
+        waiting (not daemons) for a signal that never comes, and the process could not exit."""
+        fd, probe = tempfile.mkstemp(dir=self.directory, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+
     @contextlib.contextmanager
     def _failing_save(self, step: int) -> Iterator[None]:
         """Turn a failed write into one line naming the directory, its free space and what is kept."""
-        _quiet_late_reads()
+        _quiet_orbax_noise()
         try:
             yield
         except CheckpointError:
@@ -287,7 +318,7 @@ class Checkpointer:
 
     def _restore(self, step: int, targets: dict[str, Any]) -> tuple[Any, Any, dict]:
         """Restore one step; :class:`_Unreadable` when its files cannot be read back."""
-        _quiet_late_reads()  # before reading: orbax closes its loop before the error reaches us
+        _quiet_orbax_noise()  # before reading: orbax closes its loop before the error reaches us
         try:
             saved = self._manager.item_metadata(step)
         except Exception as e:
