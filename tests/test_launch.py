@@ -328,3 +328,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--mtls-cert", "/no/such.crt", "--mtls-key", "/no/k", "--mtls-ca", "/no/ca"],
+         "error: cannot read the mutual-TLS certificate '/no/such.crt' (No such file or directory)"),
+        (["--mtls-cert", "c.crt"], "error: mutual TLS needs a certificate, its key and the CA: set MESHKIT_MTLS_KEY, MESHKIT_MTLS_CA too"),
+        (["--coordinator-bind-address", "host:0"], "error: coordinator bind address 'host:0': port 0 is not in 1..65535"),
+        (["--heartbeat-timeout", "0"], "error: --heartbeat-timeout must be a positive number of seconds, got 0"),
+    ],
+)  # fmt: skip
+def test_cli_global_job_options_are_checked_before_anything_starts(capsys, monkeypatch, options, message):
+    for name in ("MESHKIT_MTLS_CERT", "MESHKIT_MTLS_KEY", "MESHKIT_MTLS_CA", "MESHKIT_COORDINATOR_BIND_ADDRESS",
+                 "MESHKIT_HEARTBEAT_TIMEOUT_S"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)  # restored afterwards: the options set them for the job
+    assert main([*options, "launch", "-n", "2", "--", PY, "-c", "print('ran')"]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith(message) and out.err.count("\n") == 1 and "ran" not in out.out
