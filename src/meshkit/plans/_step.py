@@ -64,7 +64,7 @@ def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
         acc = _scatter(acc, layout)
     grads = jax.tree.leaves(acc)
     whole = [i for i, leaf in enumerate(layout.flat()) if leaf.data_dim is None]
-    if whole:
+    if whole and layout.data_size > 1:  # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1)
         for i, g in zip(whole, lax.psum([grads[i] for i in whole], DATA), strict=True):
             grads[i] = g
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
@@ -105,7 +105,7 @@ def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callabl
         per_micro = (lambda g: _scatter(g, layout)) if stage in ("zero2", "zero3") else (lambda g: g)
         loss, acc = _accumulate(grad_fn, params, batch, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
-        return lax.pmean(loss, DATA), grads
+        return (lax.pmean(loss, DATA) if layout.data_size > 1 else loss), grads
 
     return run
 
