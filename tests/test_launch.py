@@ -343,7 +343,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 def test_cli_global_job_options_are_checked_before_anything_starts(capsys, monkeypatch, options, message):
     for name in ("MESHKIT_MTLS_CERT", "MESHKIT_MTLS_KEY", "MESHKIT_MTLS_CA", "MESHKIT_COORDINATOR_BIND_ADDRESS",
                  "MESHKIT_HEARTBEAT_TIMEOUT_S"):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)  # restored afterwards: the options set them for the job
+        monkeypatch.setenv(name, "")  # recorded, so the values the options set are undone afterwards
+        monkeypatch.delenv(name)
     assert main([*options, "launch", "-n", "2", "--", PY, "-c", "print('ran')"]) == 2
     out = capsys.readouterr()
     assert out.err.startswith(message) and out.err.count("\n") == 1 and "ran" not in out.out
