@@ -123,6 +123,14 @@ class PeerWatch:
             stale = [
                 r for r in range(n) if r != me and seen.get(r) != DONE and now - changed.get(r, start) > h
             ]
+            if stale == [0] and me != 0:  # process 0 holds the coordination service: say so
+                self._fail(
+                    f"lost process 0 of {n}, the coordinator at {self._coordinator}: no heartbeat for {h:g} s "
+                    f"(stalled - stopped, swapping or stuck in I/O - or dead); process {me} stops: check process "
+                    f"0's log and host",
+                    (0,),
+                )
+                return
             if stale:
                 names = ", ".join(map(str, stale))
                 self._fail(

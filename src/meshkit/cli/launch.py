@@ -89,14 +89,15 @@ def job_options(
 ) -> None:
     """Set for this command (and the processes ``meshkit launch`` starts) through the environment
     that :func:`meshkit.distributed.initialize` reads."""
-    from meshkit import distributed as d
-
-    for name, value in (
-        (d.MESHKIT_COORDINATOR_BIND_ADDRESS, coordinator_bind_address),
-        (d.MESHKIT_MTLS_CERT, mtls_cert),
-        (d.MESHKIT_MTLS_KEY, mtls_key),
-        (d.MESHKIT_MTLS_CA, mtls_ca),
-        (d.MESHKIT_HEARTBEAT_TIMEOUT_S, heartbeat_timeout),
+    for (
+        name,
+        value,
+    ) in (  # the names of meshkit.distributed, not imported: it imports jax, and every command runs this
+        ("MESHKIT_COORDINATOR_BIND_ADDRESS", coordinator_bind_address),
+        ("MESHKIT_MTLS_CERT", mtls_cert),
+        ("MESHKIT_MTLS_KEY", mtls_key),
+        ("MESHKIT_MTLS_CA", mtls_ca),
+        ("MESHKIT_HEARTBEAT_TIMEOUT_S", heartbeat_timeout),
     ):
         if value is not None:
             os.environ[name] = str(value)

@@ -188,6 +188,9 @@ class Checkpointer:
         self._keep = keep
         try:
             self._manager = self._open()
+            # orbax removes unfinished steps in a background task that only a save waits for: finish it
+            # now, so that it cannot race a later reader or writer of this directory
+            getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         except Exception as e:
             raise CheckpointError(
                 f"cannot open checkpoint directory '{self.directory}' ({_gist(e)}); {_free(self.directory)} there: "
