@@ -2,6 +2,7 @@
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,6 +141,79 @@ def test_errors_are_one_line(tmp_path):
         ck.save(2, params, opt_state, {"loss": jnp.float32(1.5)})
     with pytest.raises(CheckpointError, match="keep must be at least 1"):
         Checkpointer(tmp_path / "ck", keep=0)
+
+
+def _damage(step_dir, how):
+    """Damage a saved step the ways disks and interrupted copies do."""
+    if how == "garbage in the array files":
+        for f in (step_dir / "params").rglob("d/*"):
+            f.write_bytes(os.urandom(20))
+    elif how == "truncated manifest":
+        for f in (step_dir / "params").rglob("manifest.ocdbt"):
+            f.write_bytes(f.read_bytes()[:10])
+    elif how == "meta missing":
+        shutil.rmtree(step_dir / "meta")
+    elif how == "meta not JSON":
+        (step_dir / "meta" / "metadata").write_text("{not json")
+    elif how == "empty step directory":
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "garbage in the array files",
+        "truncated manifest",
+        "meta missing",
+        "meta not JSON",
+        "empty step directory",
+    ],
+)
+def test_an_unreadable_latest_step_falls_back_to_the_newest_intact_one(tmp_path, capsys, how):
+    params, opt_state = _state()
+    later = jax.tree.map(lambda a: a + 1, params)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, params, opt_state, {"step": 1})
+        ck.save(2, later, opt_state, {"step": 2})
+    _damage(tmp_path / "2", how)
+    with Checkpointer(tmp_path) as ck:
+        got, got_state, meta = ck.restore(None, abstract(params), abstract(opt_state))
+        assert meta == {"step": 1}
+        _assert_same(got, params)
+        _assert_same(got_state, opt_state)
+        assert ck.all_steps() == [1]
+        ck.save(2, later, opt_state, {"step": 2})  # the number is free again
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
+    assert line.startswith(f"warning: checkpoint step 2 in '{tmp_path}' cannot be read (")
+    assert line.endswith("; trying step 1") and "moved to .unreadable/2-" in line and len(line) < 400
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    (kept,) = (tmp_path / ".unreadable").iterdir()  # kept for inspection, nothing deleted
+    assert kept.name.startswith("2-")
+
+
+def test_unreadable_steps_given_or_all_are_one_line_errors(tmp_path, capsys):
+    params, opt_state = _state()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, params, opt_state, {"step": 1})
+        ck.save(2, params, opt_state, {"step": 2})
+    _damage(tmp_path / "2", "garbage in the array files")
+    with (
+        Checkpointer(tmp_path) as ck,
+        pytest.raises(CheckpointError, match=r"^step 2 in .* cannot be read: ") as e,
+    ):
+        ck.restore(2, abstract(params), abstract(opt_state))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    assert (tmp_path / "2").is_dir()  # an explicit step is reported, not moved
+    _damage(tmp_path / "1", "meta missing")
+    with Checkpointer(tmp_path) as ck, pytest.raises(CheckpointError) as e:
+        ck.restore(None, abstract(params), abstract(opt_state))
+    assert str(e.value) == (
+        f"no readable checkpoint in '{tmp_path}': steps [2, 1] are corrupt or partial (moved to .unreadable/): "
+        "train again without --resume, or into a fresh --run-dir"
+    )
+    assert len(capsys.readouterr().err.splitlines()) == 2  # one warning per step
 
 
 def test_save_in_a_keyboard_interrupt_handler(tmp_path, monkeypatch):

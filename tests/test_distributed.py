@@ -133,7 +133,10 @@ def test_initialize_lets_jax_detect_the_scheduler(clean_env, setup, method):
     ((args, kwargs),) = fake.calls
     assert args == (None, None, None)  # JAX's own detection fills them...
     assert kwargs["cluster_detection_method"] == method  # ...from the source meshkit found
-    assert kwargs["heartbeat_timeout_seconds"] == 12
+    assert (
+        kwargs["heartbeat_timeout_seconds"] == 12 + distributed._JAX_HEARTBEAT_MARGIN_S
+    )  # meshkit's line first
+    assert kwargs["coordinator_bind_address"] is None and "mtls_cert_file" not in kwargs  # JAX's defaults
     assert kwargs["shutdown_timeout_seconds"] == distributed.DEFAULT_SHUTDOWN_TIMEOUT_S
     assert kwargs["initialization_timeout"] > distributed.DEFAULT_TIMEOUT_S  # meshkit's message comes first
     assert fake.simulated == [4]
@@ -153,6 +156,70 @@ def test_initialize_explicit_values_and_launch_environment(clean_env):
     assert args == ("localhost:4242", 2, 0) and kwargs["cluster_detection_method"] == "deactivate"
     assert kwargs["initialization_timeout"] == 7 + distributed._JAX_TIMEOUT_MARGIN_S
     assert info.source == "explicit" and fake.simulated == []
+
+
+def _pki(tmp_path):
+    paths = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    for p in paths.values():
+        p.write_text("-----BEGIN TEST-----\n")
+    return {k: str(v) for k, v in paths.items()}
+
+
+def test_bind_address_tls_and_heartbeat_from_the_environment(clean_env, tmp_path):
+    fake = _FakeJax(clean_env)
+    pki = _pki(tmp_path)
+    for name, value in {
+        distributed.MESHKIT_COORDINATOR_BIND_ADDRESS: "127.0.0.1", distributed.MESHKIT_HEARTBEAT_TIMEOUT_S: "7",
+        distributed.MESHKIT_MTLS_CERT: pki["cert"], distributed.MESHKIT_MTLS_KEY: pki["key"],
+        distributed.MESHKIT_MTLS_CA: pki["ca"],
+    }.items():  # fmt: skip
+        clean_env.setenv(name, value)
+    distributed.initialize("localhost:4242", 2, 1)
+    ((_, kwargs),) = fake.calls
+    assert kwargs["coordinator_bind_address"] == "127.0.0.1:4242"  # a bare host takes the coordinator's port
+    assert kwargs["heartbeat_timeout_seconds"] == 7 + distributed._JAX_HEARTBEAT_MARGIN_S
+    assert (kwargs["mtls_cert_file"], kwargs["mtls_key_file"], kwargs["mtls_ca_file"]) == (
+        pki["cert"], pki["key"], pki["ca"],
+    )  # fmt: skip
+
+
+def test_arguments_come_before_the_environment(clean_env, tmp_path):
+    fake = _FakeJax(clean_env)
+    pki = _pki(tmp_path)
+    clean_env.setenv(distributed.MESHKIT_COORDINATOR_BIND_ADDRESS, "0.0.0.0")
+    tls = distributed.MutualTLS(cert=pki["cert"], key=pki["key"], ca=pki["ca"])
+    distributed.initialize("localhost:4242", 2, 0, coordinator_bind_address="[::1]:5000", mtls=tls)
+    ((_, kwargs),) = fake.calls
+    assert kwargs["coordinator_bind_address"] == "[::1]:5000" and kwargs["mtls_ca_file"] == pki["ca"]
+
+
+@pytest.mark.parametrize(
+    ("bind", "coordinator", "want"),
+    [("127.0.0.1", "localhost:9", "127.0.0.1:9"), ("::1", "h:9", "[::1]:9"), ("[::1]", "h:9", "[::1]:9"),
+     ("10.0.0.5:77", None, "10.0.0.5:77"), ("[::]:77", "h:9", "[::]:77"), (None, "h:9", None)],
+)  # fmt: skip
+def test_bind_address_forms(bind, coordinator, want):
+    assert distributed.bind_address(bind, coordinator) == want
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MESHKIT_MTLS_CERT": "c.pem"}, "set MESHKIT_MTLS_KEY, MESHKIT_MTLS_CA too"),
+        ({"MESHKIT_MTLS_CERT": "/no/c.pem", "MESHKIT_MTLS_KEY": "/no/k", "MESHKIT_MTLS_CA": "/no/ca"},
+         "cannot read the mutual-TLS certificate '/no/c.pem' (No such file or directory)"),
+        ({"MESHKIT_COORDINATOR_BIND_ADDRESS": "host:99999"}, "port 99999 is not in 1..65535"),
+        ({"MESHKIT_HEARTBEAT_TIMEOUT_S": "soon"}, "MESHKIT_HEARTBEAT_TIMEOUT_S='soon' is not a number"),
+        ({"MESHKIT_HEARTBEAT_TIMEOUT_S": "-1"}, "heartbeat_timeout_s must be a positive number"),
+    ],
+)  # fmt: skip
+def test_bad_security_settings_are_one_line_errors(clean_env, env, message):
+    fake = _FakeJax(clean_env)
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(DistributedError, match=re.escape(message)) as info:
+        distributed.initialize("localhost:4242", 2, 0)
+    assert "\n" not in str(info.value) and fake.calls == []
 
 
 def test_single_process_initialize_needs_no_coordinator(clean_env):
@@ -277,8 +344,12 @@ def test_sigkill_mid_collective_survivor_names_the_lost_process():
     code, out, elapsed = _kill_and_wait(_start_pair(), victim=1)
     assert code != 0 and elapsed < 120, (code, elapsed)
     assert _NAMES_PROCESS_1.search(out), out[-3000:]
-    if code == distributed.PEER_LOST_EXIT_CODE:  # the collective failed first: meshkit's one line
-        assert re.search(r"^error: lost process 1 of 2 \(.*\): it crashed, was killed or hangs", out, re.M)
+    if code == distributed.PEER_LOST_EXIT_CODE:  # meshkit's one line: the collective failed, or no heartbeat
+        assert re.search(
+            r"^error: lost process 1 of 2( \(.*\): it crashed, was killed or hangs|: no heartbeat for 8 s)",
+            out,
+            re.M,
+        ), out[-3000:]
 
 
 @pytest.mark.slow
@@ -319,3 +390,50 @@ def test_mpirun_job_is_detected_as_openmpi(tmp_path):
         assert (r["info"]["local_device_count"], r["info"]["device_count"]) == (4, 8)
         assert r["shard_map_psum"] == r["jit_sum"] == 36.0
         assert r["pmap_leading_axis"] == 4 and r["pmap_psum"] == [36.0] * 4
+
+
+# --- stalled processes (SIGSTOP) --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_stalled_process_ends_the_job_and_leaves_when_resumed(victim):
+    """SIGSTOP of one process: the other ends within the heartbeat timeout (+10 s) with one line
+    naming it; after SIGCONT the stalled one finds the job gone and leaves with one line."""
+    heartbeat = 6
+    procs = _start_pair(heartbeat=heartbeat)
+    survivor, stalled = procs[1 - victim], procs[victim]
+    try:
+        time.sleep(0.3)
+        stalled.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        out, _ = survivor.communicate(timeout=heartbeat + 60)
+        elapsed = time.monotonic() - start
+        stalled.send_signal(signal.SIGCONT)
+        start = time.monotonic()
+        rest, _ = stalled.communicate(timeout=60)
+        resumed_after = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+            p.stdout.close()
+    assert survivor.returncode == distributed.PEER_LOST_EXIT_CODE and elapsed < heartbeat + 10, (elapsed, out)
+    lost = (
+        f"lost process 1 of 2: no heartbeat for {heartbeat} s (stalled - stopped, swapping or stuck in I/O - or "
+        "dead); process 0 stops"
+        if victim == 1
+        else "lost process 0 of 2, the coordinator at localhost:"
+    )
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {lost}"), out[-3000:]
+    assert "Traceback" not in out and "Terminating process" not in out
+    # the resumed process: gone within seconds, non-zero, one line saying it was stopped too long
+    assert stalled.returncode == distributed.PEER_LOST_EXIT_CODE and resumed_after < 10, (resumed_after, rest)
+    assert re.search(
+        rf"^error: process {victim} of 2 was stopped for \d+ s, past the job's heartbeat timeout of {heartbeat} s",
+        rest,
+        re.M,
+    ), rest[-3000:]
+    assert "Traceback" not in rest and "Terminating process" not in rest

@@ -1,19 +1,23 @@
 """meshkit.launch and ``meshkit launch``: real local processes, rank-prefixed output, first failure
 wins, nothing outlives the launcher."""
 
+import contextlib
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from meshkit import distributed
 from meshkit.cli import main
 from meshkit.launch import LaunchError, child_env, describe_status, launch
 
@@ -66,26 +70,57 @@ def test_child_environment():
     assert describe_status(-9) == "signal SIGKILL" and describe_status(3) == "exit code 3"
 
 
-def test_lines_are_prefixed_and_the_first_failure_wins():
+def test_lines_are_prefixed_and_the_first_failure_wins(tmp_path):
+    """Process 1 fails once every process has printed (so that none is stopped before it could,
+    however loaded the machine); the others' last lines, written while they are being stopped,
+    are kept."""
     script = textwrap.dedent("""
-        import os, sys, time
-        rank = int(os.environ["MESHKIT_PROCESS_ID"])
+        import os, signal, sys, time
+        from pathlib import Path
+        rank, sync = int(os.environ["MESHKIT_PROCESS_ID"]), Path(os.environ["SYNC"])
+        def stopping(signum, frame):
+            print(f"stopping {rank}", file=sys.stderr, flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, stopping)
         print(f"hello from {rank}\\nsecond line", flush=True)
         print(f"to stderr {rank}", file=sys.stderr, flush=True)
+        (sync / str(rank)).touch()
         if rank == 1:
+            deadline = time.monotonic() + 60
+            while len(list(sync.iterdir())) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
             sys.exit(7)
-        time.sleep(0.5 if rank == 2 else 60)
-        sys.exit(3)
+        time.sleep(60)
     """)
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
-    code = launch([PY, "-c", script], 3, output=out, error_output=err, grace_s=2)
-    assert code == 7 and time.monotonic() - start < 30
-    lines = out.getvalue().splitlines()
+    code = launch(
+        [PY, "-c", script], 3, output=out, error_output=err, grace_s=10, env={"SYNC": str(tmp_path)}
+    )
+    assert code == 7 and time.monotonic() - start < 60
+    lines, errors = out.getvalue().splitlines(), err.getvalue().splitlines()
     for rank in range(3):
         assert f"[{rank}] hello from {rank}" in lines and f"[{rank}] second line" in lines
-        assert f"[{rank}] to stderr {rank}" in err.getvalue().splitlines()
-    assert "meshkit launch: process 1 exited with exit code 7; stopping the others" in err.getvalue()
+        assert f"[{rank}] to stderr {rank}" in errors
+    assert "[0] stopping 0" in errors and "[2] stopping 2" in errors  # written after the SIGTERM
+    assert "meshkit launch: process 1 exited with exit code 7; stopping the others" in errors
+
+
+def test_output_held_open_by_an_escaped_process_is_named(tmp_path):
+    """A process that started something in another session (outside its group, so not stopped
+    with it) which keeps its output open: the launcher waits drain_s, then says so."""
+    script = "import subprocess; p = subprocess.Popen(['sleep', '30'], start_new_session=True); print('bye', p.pid)"
+    out = io.StringIO()
+    start = time.monotonic()
+    try:
+        assert launch([PY, "-c", script], 1, output=out, drain_s=1) == 0
+        assert time.monotonic() - start < 20
+    finally:
+        for pid in re.findall(r"\[0\] bye (\d+)", out.getvalue()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    assert "[0] bye " in out.getvalue()
+    assert "meshkit launch: output of process(es) 0 may be cut short" in out.getvalue()
 
 
 def test_success_and_signal_status():
@@ -162,6 +197,86 @@ def test_interrupting_the_launcher_leaves_no_process_behind(signum):
     assert not [p for p in pids if _alive(p)]
 
 
+def _listeners(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on, read from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # TCP_LISTEN
+                address, port = local.split(":")
+                found.append((address, int(port, 16)))
+    return found
+
+
+def _loopback(hex_address: str) -> bool:
+    """127.0.0.0/8, ::1 or ::ffff:127.x.y.z, as /proc/net/tcp* print them (32-bit words, host order)."""
+    words = [hex_address[i : i + 8] for i in range(0, len(hex_address), 8)]
+    if len(words) == 1:
+        return words[0].endswith("7F")
+    return words == ["00000000"] * 3 + ["01000000"] or (
+        words[:3] == ["00000000", "00000000", "FFFF0000"] and words[3].endswith("7F")
+    )
+
+
+@pytest.mark.slow
+def test_a_local_job_listens_on_loopback_only_and_a_stalled_process_stops_it():
+    """While the job runs, no process of it listens on a wildcard or outside address; SIGSTOP of
+    process 1 then ends process 0 within the heartbeat timeout (+10 s) with one line naming 1."""
+    pids: dict[int, int] = {}
+    ready = threading.Event()
+
+    class Lines(io.StringIO):
+        def write(self, text: str) -> int:
+            for rank, pid in re.findall(r"\[(\d)\] ready \d pid (\d+)", text):
+                pids[int(rank)] = int(pid)
+            if len(pids) == 2:
+                ready.set()
+            return super().write(text)
+
+    out, heartbeat, result = Lines(), 6, {}
+    cmd = [PY, str(WORKERS / "fault_worker.py")]
+    runner = threading.Thread(
+        target=lambda: result.update(
+            code=launch(cmd, 2, output=out, grace_s=2, heartbeat_timeout_s=heartbeat)
+        )
+    )
+    runner.start()
+    try:
+        assert ready.wait(120), out.getvalue()[-3000:]
+        listening = {rank: _listeners(pid) for rank, pid in pids.items()}
+        assert listening[0], "process 0 runs the coordination service: it must listen somewhere"
+        outside = [(rank, a, p) for rank, found in listening.items() for a, p in found if not _loopback(a)]
+        assert outside == [], f"listening beyond loopback: {outside}"
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        runner.join(heartbeat + 60)
+        elapsed = time.monotonic() - stopped
+    finally:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        runner.join(30)
+    text = out.getvalue()
+    assert result.get("code") == distributed.PEER_LOST_EXIT_CODE, text[-3000:]
+    assert elapsed < heartbeat + 10, (elapsed, text[-3000:])
+    lines = [line for line in text.splitlines() if line.startswith("[0] error:")]
+    assert lines == [
+        f"[0] error: lost process 1 of 2: no heartbeat for {heartbeat} s (stalled - stopped, swapping or stuck "
+        "in I/O - or dead); process 0 stops: check process 1's log and host"
+    ], text[-3000:]
+    assert "Traceback" not in text and "Terminating process" not in text
+    assert "meshkit launch: process 0 exited with exit code 75; stopping the others" in text
+    assert not _alive(pids[1])  # the stopped process did not outlive the launcher
+
+
 @pytest.mark.slow
 def test_sigkill_of_one_process_stops_the_job_and_names_it():
     out = io.StringIO()
@@ -213,3 +328,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--mtls-cert", "/no/such.crt", "--mtls-key", "/no/k", "--mtls-ca", "/no/ca"],
+         "error: cannot read the mutual-TLS certificate '/no/such.crt' (No such file or directory)"),
+        (["--mtls-cert", "c.crt"], "error: mutual TLS needs a certificate, its key and the CA: set MESHKIT_MTLS_KEY, MESHKIT_MTLS_CA too"),
+        (["--coordinator-bind-address", "host:0"], "error: coordinator bind address 'host:0': port 0 is not in 1..65535"),
+        (["--heartbeat-timeout", "0"], "error: --heartbeat-timeout must be a positive number of seconds, got 0"),
+    ],
+)  # fmt: skip
+def test_cli_global_job_options_are_checked_before_anything_starts(capsys, monkeypatch, options, message):
+    for name in ("MESHKIT_MTLS_CERT", "MESHKIT_MTLS_KEY", "MESHKIT_MTLS_CA", "MESHKIT_COORDINATOR_BIND_ADDRESS",
+                 "MESHKIT_HEARTBEAT_TIMEOUT_S"):  # fmt: skip
+        monkeypatch.setenv(name, "")  # recorded, so the values the options set are undone afterwards
+        monkeypatch.delenv(name)
+    assert main([*options, "launch", "-n", "2", "--", PY, "-c", "print('ran')"]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith(message) and out.err.count("\n") == 1 and "ran" not in out.out

@@ -21,6 +21,7 @@ from meshkit.models import mlp
 from meshkit.train.checkpoint import Checkpointer, abstract_with
 
 WORKER = str(Path(__file__).parent / "mp" / "train_worker.py")
+WORKERS = Path(__file__).parent / "workers"
 ENV = {"JAX_PLATFORMS": "cpu"}
 
 
@@ -169,3 +170,70 @@ def test_meshkit_verify_under_launch(tmp_path):
         cert = json.loads(text[text.index("{") :])
         assert cert["ok"] and cert["reproducible"] and cert["vs_single_device"] <= 1e-5
         assert cert["report"]["mesh"] == {"data": 8}
+
+
+# --- mutual TLS -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """The README's throwaway CA and certificate (tests/workers/make_pki.sh), and an outsider's."""
+    directory = tmp_path_factory.mktemp("pki")
+    subprocess.run(["sh", str(WORKERS / "make_pki.sh"), str(directory)], check=True, timeout=60)
+    return directory
+
+
+def _tls(directory: Path, name: str = "node", ca: str = "ca"):
+    from meshkit.distributed import MutualTLS
+
+    return MutualTLS(
+        cert=str(directory / f"{name}.crt"),
+        key=str(directory / f"{name}.key"),
+        ca=str(directory / f"{ca}.crt"),
+    )
+
+
+def test_two_processes_with_mutual_tls_match_one_process(tmp_path, pki):
+    out = io.StringIO()
+    cmd = [sys.executable, WORKER, "dp", str(tmp_path / "ckpt"), str(tmp_path)]
+    code = launch(cmd, 2, devices_per_process=4, env=ENV, output=out, mtls=_tls(pki))
+    assert code == 0, out.getvalue()[-3000:]
+    check(results(tmp_path), "dp", tmp_path / "ckpt", "meshkit-launch")
+
+
+@pytest.mark.parametrize("outsider", ["no certificate", "another CA's certificate"])
+def test_a_process_without_the_jobs_certificate_is_refused(pki, outsider):
+    """Process 0 runs the coordination service with mutual TLS; process 1 knows the address, the
+    port and the job's size but not a certificate of the job's CA: it is never admitted."""
+    from meshkit import distributed as d
+    from meshkit.launch import free_port
+
+    port = free_port()
+    tls = {"no certificate": None, "another CA's certificate": _tls(pki, "outsider", "other-ca")}[outsider]
+    procs = []
+    for rank, mine in ((0, _tls(pki)), (1, tls)):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
+        env.update(ENV, PYTHONUNBUFFERED="1", **(mine.env() if mine else {}))
+        env.update({d.MESHKIT_COORDINATOR_ADDRESS: f"localhost:{port}", d.MESHKIT_NUM_PROCESSES: "2",
+                    d.MESHKIT_PROCESS_ID: str(rank), d.MESHKIT_TIMEOUT_S: "8",
+                    d.MESHKIT_COORDINATOR_BIND_ADDRESS: "127.0.0.1"})  # fmt: skip
+        cmd = [sys.executable, str(WORKERS / "psum_worker.py"), "2"]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert not any("RESULT" in o for o, _ in outs)  # no collective ran
+    assert outs[0][1].startswith("error: the job did not form within 8 s") and outs[0][1].count("\n") == 1
+    err = outs[1][1]
+    assert err.startswith(
+        f"error: the coordinator at localhost:{port} did not admit process 1 of 2 within 8 s"
+    )
+    assert err.count("\n") == 1
+    hint = "give this process its certificate" if tls is None else "signed by the job's CA"
+    assert hint in err

@@ -5,14 +5,20 @@ by ``meshkit launch``, Open MPI's ``mpirun``, or SLURM), calls :func:`jax.distri
 with failure detection tuned for fast, clear failures, and returns a :class:`ProcessInfo`.
 :func:`detect` does the finding alone, without side effects.
 
-When a process of a running job dies, JAX's coordination service notices the missing heartbeats
-after ``heartbeat_timeout_s`` and terminates every survivor (SIGABRT, naming the lost task in its
-log); a collective that fails first (e.g. gloo's "Connection reset by peer") raises in Python, where
-:func:`fail_fast` turns it into one line naming the lost process and exits at once.
+When a process of a running job dies or stalls (SIGSTOP, swapping, stuck in I/O), meshkit's peer
+watch (:mod:`meshkit._heartbeat`) notices its missing heartbeats after ``heartbeat_timeout_s`` and
+ends every survivor with one line naming it (JAX's coordination service, set a few seconds later,
+would abort them from C++); a collective that fails first (e.g. gloo's "Connection reset by peer")
+raises in Python, where :func:`fail_fast` turns it into one line naming the lost process.
+
+Who may join: the coordination service binds where ``coordinator_bind_address`` says (``meshkit
+launch`` binds it to loopback; JAX's default is every interface), and with :class:`MutualTLS` the
+service and every process prove themselves with certificates of one CA.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
@@ -27,6 +33,7 @@ from typing import NoReturn
 import jax
 
 from meshkit._errors import MeshkitError
+from meshkit._heartbeat import PeerWatch
 from meshkit.devices import backend_started, simulate_devices
 
 #: Environment set by ``meshkit launch`` for each process it starts.
@@ -36,6 +43,14 @@ MESHKIT_PROCESS_ID = "MESHKIT_PROCESS_ID"
 MESHKIT_DEVICES_PER_PROCESS = "MESHKIT_DEVICES_PER_PROCESS"
 #: Seconds to wait for the whole job to connect (``meshkit launch --timeout``).
 MESHKIT_TIMEOUT_S = "MESHKIT_TIMEOUT_S"
+#: Where process 0's coordination service listens ('host:port', or 'host' for the coordinator's port).
+MESHKIT_COORDINATOR_BIND_ADDRESS = "MESHKIT_COORDINATOR_BIND_ADDRESS"
+#: Seconds without a heartbeat after which a process is declared lost and the job stops.
+MESHKIT_HEARTBEAT_TIMEOUT_S = "MESHKIT_HEARTBEAT_TIMEOUT_S"
+#: Mutual TLS: this process's PEM certificate chain, its private key, and the CA bundle of the job.
+MESHKIT_MTLS_CERT = "MESHKIT_MTLS_CERT"
+MESHKIT_MTLS_KEY = "MESHKIT_MTLS_KEY"
+MESHKIT_MTLS_CA = "MESHKIT_MTLS_CA"
 
 DEFAULT_TIMEOUT_S = 300.0
 #: A process silent this long is declared dead and the job stops (JAX's default is 100 s).
@@ -56,6 +71,8 @@ _PEER_FAILURE = re.compile(
 )
 #: Extra seconds JAX waits beyond ``timeout_s``, so that meshkit's clear message comes first.
 _JAX_TIMEOUT_MARGIN_S = 5
+#: Extra seconds of JAX's heartbeat timeout beyond meshkit's peer watch, for the same reason.
+_JAX_HEARTBEAT_MARGIN_S = 5
 
 
 class DistributedError(MeshkitError):
@@ -68,6 +85,48 @@ class PeerLostError(DistributedError):
     def __init__(self, message: str, lost: tuple[int, ...]) -> None:
         super().__init__(message)
         self.lost = lost
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MutualTLS:
+    """Mutual TLS for the coordination service: each process presents ``cert`` (with ``key``) and
+    accepts only peers whose certificates ``ca`` signed. Clients check the coordinator's certificate
+    against the host of the coordinator address (e.g. a DNS:localhost entry under ``meshkit launch``)."""
+
+    cert: str
+    key: str
+    ca: str
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> MutualTLS | None:
+        """From ``MESHKIT_MTLS_CERT/KEY/CA`` (all three, or none: None)."""
+        env = os.environ if env is None else env
+        names = (MESHKIT_MTLS_CERT, MESHKIT_MTLS_KEY, MESHKIT_MTLS_CA)
+        values = [env.get(n) or None for n in names]
+        if not any(values):
+            return None
+        if not all(values):
+            missing = ", ".join(n for n, v in zip(names, values, strict=True) if not v)
+            raise DistributedError(f"mutual TLS needs a certificate, its key and the CA: set {missing} too")
+        return cls(cert=values[0], key=values[1], ca=values[2])
+
+    def check(self) -> None:
+        """Raise :class:`DistributedError` unless every file can be read."""
+        for what, path in (("certificate", self.cert), ("key", self.key), ("CA bundle", self.ca)):
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise DistributedError(
+                    f"cannot read the mutual-TLS {what} '{path}' ({e.strerror or e}): fix the path "
+                    f"(--mtls-cert/--mtls-key/--mtls-ca or {MESHKIT_MTLS_CERT}/KEY/CA)"
+                ) from None
+
+    def env(self) -> dict[str, str]:
+        return {MESHKIT_MTLS_CERT: self.cert, MESHKIT_MTLS_KEY: self.key, MESHKIT_MTLS_CA: self.ca}
+
+    def jax_kwargs(self) -> dict[str, str]:
+        return {"mtls_cert_file": self.cert, "mtls_key_file": self.key, "mtls_ca_file": self.ca}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +166,7 @@ class ProcessInfo:
 class _Started:
     spec: ProcessSpec
     info: ProcessInfo
+    watch: PeerWatch | None = None
 
 
 _started: _Started | None = None
@@ -265,14 +325,43 @@ def is_multiprocess_env() -> bool:
         return True  # a job was meant; initialize() will say what is wrong
 
 
-def _default_timeout() -> float:
-    raw = os.environ.get(MESHKIT_TIMEOUT_S)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
     try:
         return float(raw)
     except ValueError:
-        raise DistributedError(f"{MESHKIT_TIMEOUT_S}={raw!r} is not a number of seconds") from None
+        raise DistributedError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def _default_timeout() -> float:
+    return _env_float(MESHKIT_TIMEOUT_S, DEFAULT_TIMEOUT_S)
+
+
+def bind_address(bind: str | None, coordinator: str | None) -> str | None:
+    """``bind`` as JAX takes it ('host:port'); a bare host (``127.0.0.1``, ``::1``, ``[::1]``) gets
+    the coordinator's port. None stays None (JAX binds every interface)."""
+    if bind is None or bind.strip() == "":
+        return None
+    bind = bind.strip()
+    host, sep, port = bind.rpartition(":")
+    bracketed = bind.startswith("[") and bind.endswith("]")
+    if sep and port.isdigit() and (host.startswith("[") or ":" not in host) and host:
+        if not 0 < int(port) < 65536:
+            raise DistributedError(f"coordinator bind address {bind!r}: port {port} is not in 1..65535")
+        return bind
+    if not sep or bracketed or bind.count(":") > 1:  # a bare host name, IPv4 or IPv6 address
+        if coordinator is None:
+            raise DistributedError(
+                f"coordinator bind address {bind!r} has no port and the coordinator's is unknown: give 'host:port'"
+            )
+        host = bind if bracketed or ":" not in bind else f"[{bind}]"
+        return f"{host}:{coordinator.rpartition(':')[2]}"
+    raise DistributedError(
+        f"coordinator bind address {bind!r} is not 'host:port' or 'host' (e.g. 127.0.0.1:12355, [::1], 10.0.0.5): "
+        f"fix --coordinator-bind-address or {MESHKIT_COORDINATOR_BIND_ADDRESS}"
+    )
 
 
 def initialize(
@@ -283,8 +372,10 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     devices_per_process: int | None = None,
     timeout_s: float | None = None,
-    heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    heartbeat_timeout_s: float | None = None,
     shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    coordinator_bind_address: str | None = None,
+    mtls: MutualTLS | None = None,
 ) -> ProcessInfo:
     """Join this process to its multi-process job; call it first, before any JAX computation.
 
@@ -295,9 +386,15 @@ def initialize(
 
     ``timeout_s`` (default ``MESHKIT_TIMEOUT_S`` or 300): how long to wait for all processes to
     connect; past it the process prints one ``error:`` line naming the coordinator and exits with
-    status 2 (JAX would abort it there anyway). ``heartbeat_timeout_s``: a process silent this
-    long is declared dead and every survivor is stopped. ``shutdown_timeout_s``: how long a
-    finished process waits at exit for the others.
+    status 2 (JAX would abort it there anyway). ``heartbeat_timeout_s`` (default
+    ``MESHKIT_HEARTBEAT_TIMEOUT_S`` or 30): a process silent this long (dead or stalled) is named in
+    one line and every survivor exits with status 75. ``shutdown_timeout_s``: how long a finished
+    process waits at exit for the others.
+
+    Who may join: ``coordinator_bind_address`` (default ``MESHKIT_COORDINATOR_BIND_ADDRESS``, else
+    JAX's: every interface) is where process 0's coordination service listens, 'host:port' or a
+    bare host taking the coordinator's port; ``mtls`` (default ``MESHKIT_MTLS_CERT/KEY/CA``) makes
+    the service and every process authenticate each other with certificates of one CA.
 
     Calling it again with the same values returns the same :class:`ProcessInfo`. Starts JAX's
     backend (to report devices).
@@ -308,16 +405,36 @@ def initialize(
         return _same_job(spec)
     if spec.multiprocess:
         _check_can_start(spec)
+        timeout = _default_timeout() if timeout_s is None else timeout_s
+        if heartbeat_timeout_s is None:
+            heartbeat_timeout_s = _env_float(MESHKIT_HEARTBEAT_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S)
+        _check_timeouts(timeout, heartbeat_timeout_s, shutdown_timeout_s)
+        bind = bind_address(
+            coordinator_bind_address or os.environ.get(MESHKIT_COORDINATOR_BIND_ADDRESS), spec.coordinator
+        )
+        mtls = MutualTLS.from_env() if mtls is None else mtls
+        if mtls is not None:
+            mtls.check()
     if spec.devices_per_process is not None:
         simulate_devices(spec.devices_per_process)
+    watch = None
     if spec.multiprocess:
-        timeout = _default_timeout() if timeout_s is None else timeout_s
-        _check_timeouts(timeout, heartbeat_timeout_s, shutdown_timeout_s)
         explicit = (coordinator_address, num_processes, process_id)
-        _start(spec, explicit, local_device_ids, timeout, heartbeat_timeout_s, shutdown_timeout_s)
+        security = {"coordinator_bind_address": bind, **(mtls.jax_kwargs() if mtls else {})}
+        _start(spec, explicit, local_device_ids, timeout, heartbeat_timeout_s, shutdown_timeout_s, security)
     info = _describe(spec)
-    _started = _Started(spec, info)
+    if spec.multiprocess and (client := _client()) is not None:  # the peer watch (see meshkit._heartbeat)
+        watch = PeerWatch(
+            client, process_index=info.process_index, process_count=info.process_count,
+            timeout_s=heartbeat_timeout_s, coordinator=info.coordinator, fail=_peer_stalled,
+        ).start()  # fmt: skip
+        atexit.register(watch.stop)
+    _started = _Started(spec, info, watch)
     return info
+
+
+def _peer_stalled(message: str, lost: tuple[int, ...]) -> NoReturn:
+    _exit_now(PeerLostError(message, lost), PEER_LOST_EXIT_CODE)
 
 
 def _check_can_start(spec: ProcessSpec) -> None:
@@ -333,7 +450,7 @@ def _check_can_start(spec: ProcessSpec) -> None:
         )
 
 
-def _check_timeouts(timeout: float, heartbeat: int, shutdown: int) -> None:
+def _check_timeouts(timeout: float, heartbeat: float, shutdown: int) -> None:
     for name, value in (
         ("timeout_s", timeout),
         ("heartbeat_timeout_s", heartbeat),
@@ -362,18 +479,22 @@ def _start(
     explicit: tuple[str | None, int | None, int | None],
     local_device_ids: Sequence[int] | None,
     timeout: float,
-    heartbeat: int,
+    heartbeat: float,
     shutdown: int,
+    security: dict,
 ) -> None:
     """Call :func:`jax.distributed.initialize`; under mpirun or SLURM only with what the caller gave
     explicitly, letting JAX's own detection (forced to the source meshkit found) fill the rest."""
     kwargs = dict(
         local_device_ids=list(local_device_ids) if local_device_ids is not None else None,
         initialization_timeout=math.ceil(timeout) + _JAX_TIMEOUT_MARGIN_S,
-        heartbeat_timeout_seconds=math.ceil(heartbeat),
+        heartbeat_timeout_seconds=math.ceil(heartbeat) + _JAX_HEARTBEAT_MARGIN_S,
         shutdown_timeout_seconds=math.ceil(shutdown),
+        **security,
     )
-    watchdog = threading.Timer(timeout, _startup_timed_out, args=(spec, timeout))
+    watchdog = threading.Timer(
+        timeout, _startup_timed_out, args=(spec, timeout, "mtls_cert_file" in security)
+    )
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -412,7 +533,7 @@ def _reachable(address: str | None, timeout: float = 1.0) -> bool:
         return False
 
 
-def _startup_timed_out(spec: ProcessSpec, timeout: float) -> None:
+def _startup_timed_out(spec: ProcessSpec, timeout: float, tls: bool) -> None:
     """Runs on a timer thread while JAX waits in C++: say why in one line and exit (JAX would
     abort the process a few seconds later with a stack trace)."""
     me = f"process {spec.process_index} of {spec.process_count}"
@@ -421,11 +542,23 @@ def _startup_timed_out(spec: ProcessSpec, timeout: float) -> None:
             f"could not reach the coordinator at {spec.coordinator} within {timeout:g} s ({me}): check that "
             f"process 0 started and listens there, or raise the timeout (timeout_s / meshkit launch --timeout)"
         )
+    elif spec.process_index != 0:
+        msg = (
+            f"the coordinator at {spec.coordinator} did not admit {me} within {timeout:g} s: "
+            + (
+                "check that this process's certificate is signed by the job's CA and names the coordinator's host"
+                if tls
+                else f"if the job uses mutual TLS, give this process its certificate ({MESHKIT_MTLS_CERT}/KEY/CA or "
+                f"meshkit --mtls-cert/--mtls-key/--mtls-ca)"
+            )
+            + "; else check that every process has the same coordinator address and process count, or raise the timeout"
+        )
     else:
         msg = (
             f"the job did not form within {timeout:g} s at coordinator {spec.coordinator} ({me}): not all "
             f"{spec.process_count} processes connected; check that every process started with the same "
-            f"coordinator address and process count, or raise the timeout"
+            f"coordinator address and process count (and, with mutual TLS, a certificate of the job's CA), "
+            f"or raise the timeout"
         )
     _exit_now(DistributedError(msg), STARTUP_FAILED_EXIT_CODE)
 
@@ -471,6 +604,9 @@ def shutdown() -> None:
     """Leave the job: waits (up to ``shutdown_timeout_s``) for the other processes to leave too.
     A no-op when not initialized."""
     global _started
+    if _started is not None and _started.watch is not None:
+        _started.watch.stop()
+        atexit.unregister(_started.watch.stop)
     if _started is not None and _started.spec.multiprocess:
         jax.distributed.shutdown()
     _started = None

@@ -2,9 +2,13 @@
 
 Each process runs the same command with ``MESHKIT_*`` variables naming its place in the job (read
 by :func:`meshkit.distributed.initialize`). Their output comes back line by line, prefixed with the
-rank. When one fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and its
-exit status is returned; SIGINT or SIGTERM to the launcher is passed on to every process group, so
-that nothing outlives the launcher.
+rank, and all of it (to the last line of a process stopped because another failed) is copied before
+the launcher returns. When one fails, the others are stopped (SIGTERM, then SIGKILL after a grace
+period) and its exit status is returned; SIGINT or SIGTERM to the launcher is passed on to every
+process group, so that nothing outlives the launcher.
+
+The job is local, so its coordination service listens on loopback only (JAX's default is every
+interface): no other host can join or talk to it. Mutual TLS, if given, is passed on to every process.
 """
 
 from __future__ import annotations
@@ -24,15 +28,23 @@ from typing import IO, TextIO
 from meshkit._errors import MeshkitError
 from meshkit.distributed import (
     MESHKIT_COORDINATOR_ADDRESS,
+    MESHKIT_COORDINATOR_BIND_ADDRESS,
     MESHKIT_DEVICES_PER_PROCESS,
+    MESHKIT_HEARTBEAT_TIMEOUT_S,
     MESHKIT_NUM_PROCESSES,
     MESHKIT_PROCESS_ID,
     MESHKIT_TIMEOUT_S,
+    MutualTLS,
+    bind_address,
 )
 
 #: Seconds the other processes get to exit after SIGTERM (or a forwarded SIGINT) before SIGKILL.
 DEFAULT_GRACE_S = 5.0
+#: Seconds to wait, once every process has ended, for the rest of their output.
+DRAIN_S = 30.0
 _POLL_S = 0.05
+#: Where a local job's coordination service listens (the port is the coordinator's).
+LOOPBACK = "127.0.0.1"
 
 
 class LaunchError(MeshkitError):
@@ -103,9 +115,14 @@ def child_env(
     *,
     devices_per_process: int | None = None,
     timeout_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
+    coordinator_bind_address: str | None = None,
+    mtls: MutualTLS | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment of process ``rank``: the launcher's own, then ``env``, then the job's."""
+    """The environment of process ``rank``: the launcher's own, then ``env``, then the job's.
+    Values left None are not set (a heartbeat timeout, bind address or mutual TLS already in the
+    launcher's environment passes through)."""
     out = {**os.environ, **(env or {})}
     out.setdefault("PYTHONUNBUFFERED", "1")  # lines arrive as printed, not at exit
     out[MESHKIT_COORDINATOR_ADDRESS] = coordinator
@@ -116,6 +133,13 @@ def child_env(
             out.pop(name, None)
         else:
             out[name] = str(value)
+    for name, value in (
+        (MESHKIT_HEARTBEAT_TIMEOUT_S, heartbeat_timeout_s),
+        (MESHKIT_COORDINATOR_BIND_ADDRESS, coordinator_bind_address),
+    ):
+        if value is not None:
+            out[name] = str(value)
+    out.update(mtls.env() if mtls is not None else {})
     return out
 
 
@@ -144,6 +168,22 @@ def _spawn(rank: int, command: Sequence[str], env: dict, out: TextIO, err: TextI
     for t in pumps:
         t.start()
     return _Child(rank, proc, pumps)
+
+
+def _drain(children: Sequence[_Child], say: Callable[[str], None], drain_s: float) -> None:
+    """Wait until every line the processes wrote has been copied (their pipes reach end of file);
+    a pipe still open after ``drain_s`` (held by something a process started outside its group) is
+    named and left."""
+    deadline = time.monotonic() + drain_s
+    for c in children:
+        for t in c.pumps:
+            t.join(max(0.0, deadline - time.monotonic()))
+    cut = [c.rank for c in children if any(t.is_alive() for t in c.pumps)]
+    if cut:
+        say(
+            f"output of process(es) {', '.join(map(str, cut))} may be cut short: something they started "
+            f"still holds it open {drain_s:g} s after they ended"
+        )
 
 
 def _signal_group(child: _Child, signum: int) -> None:
@@ -243,23 +283,44 @@ def launch(
     devices_per_process: int | None = None,
     port: int | None = None,
     timeout_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
+    coordinator_bind_address: str | None = None,
+    mtls: MutualTLS | None = None,
     env: Mapping[str, str] | None = None,
     output: TextIO | None = None,
     error_output: TextIO | None = None,
     grace_s: float = DEFAULT_GRACE_S,
+    drain_s: float = DRAIN_S,
 ) -> int:
     """Run ``command`` as processes 0..N-1 of one job on this machine; return the job's exit status.
 
-    The coordinator is ``localhost`` on ``port`` (default: a free one). ``devices_per_process``
-    simulates that many CPU devices in each; ``timeout_s`` is how long they wait for each other at
-    start-up. Children's stdout goes to ``output`` (default ``sys.stdout``) and their stderr to
+    The coordinator is ``localhost`` on ``port`` (default: a free one); its coordination service
+    listens on ``coordinator_bind_address`` (default ``MESHKIT_COORDINATOR_BIND_ADDRESS``, else
+    loopback: 127.0.0.1). ``mtls`` (default: ``MESHKIT_MTLS_*`` of the launcher's environment)
+    makes every process authenticate with its certificate. ``devices_per_process`` simulates that
+    many CPU devices in each; ``timeout_s`` is how long they wait for each other at start-up;
+    ``heartbeat_timeout_s`` how long a silent (dead or stalled) process is waited for before the
+    job stops. Children's stdout goes to ``output`` (default ``sys.stdout``) and their stderr to
     ``error_output`` (default: ``output``), each line prefixed ``[rank] ``; the launcher's own
     messages go to ``error_output``. Returns 0 when all succeed, else the status of the first
     process to fail (128+N for signal N), after stopping the rest; on SIGINT/SIGTERM, passes the
     signal to every process group, SIGKILLs what remains after ``grace_s`` and returns 128+signal.
+    Every line written is copied before it returns (waiting up to ``drain_s`` for pipes that
+    something outside the process groups holds open).
     """
     _check(command, num_processes, devices_per_process, port)
+    mtls = MutualTLS.from_env() if mtls is None else mtls
+    if mtls is not None:
+        mtls.check()
+    if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
+        raise LaunchError(
+            f"--heartbeat-timeout must be a positive number of seconds, got {heartbeat_timeout_s:g}"
+        )
     port = free_port() if port is None else port
+    bind = bind_address(
+        coordinator_bind_address or os.environ.get(MESHKIT_COORDINATOR_BIND_ADDRESS) or LOOPBACK,
+        f"localhost:{port}",
+    )
     out = output if output is not None else sys.stdout
     err = error_output if error_output is not None else out
     lock = threading.Lock()
@@ -277,12 +338,11 @@ def launch(
                 if signals.received is not None:
                     break
                 child = child_env(rank, num_processes, coordinator, devices_per_process=devices_per_process,
-                                  timeout_s=timeout_s, env=env)  # fmt: skip
+                                  timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                                  coordinator_bind_address=bind, mtls=mtls, env=env)  # fmt: skip
                 children.append(_spawn(rank, command, child, out, err, lock))
             status = _supervise(children, say, grace_s, signals)
         finally:
             _stop(children, signal.SIGKILL, 0, signals.hurry)
-    for c in children:
-        for t in c.pumps:
-            t.join(timeout=5)
+            _drain(children, say, drain_s)
     return status

@@ -23,7 +23,9 @@ from meshkit import distributed
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--explicit", nargs=3, metavar=("ADDRESS", "N", "RANK"))
-    parser.add_argument("--heartbeat", type=int, default=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S)
+    parser.add_argument(
+        "--heartbeat", type=float, default=None, help="default: MESHKIT_HEARTBEAT_TIMEOUT_S or 30"
+    )
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-after", type=int, default=20)
     parser.add_argument("--idle-rank", type=int, default=-1, help="this rank sleeps after the first step")

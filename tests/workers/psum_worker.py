@@ -23,7 +23,9 @@ from meshkit import distributed
 
 def main() -> None:
     devices = int(sys.argv[1]) if len(sys.argv) > 1 else None
-    info = distributed.initialize(devices_per_process=devices, timeout_s=60)
+    info = distributed.initialize(
+        devices_per_process=devices, timeout_s=float(os.environ.get("MESHKIT_TIMEOUT_S", 60))
+    )
     n_local = jax.local_device_count()
     local = np.arange(1, n_local + 1, dtype=np.float32) + info.process_index * n_local
     mesh = jax.make_mesh((jax.device_count(),), ("data",))

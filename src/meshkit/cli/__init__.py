@@ -23,6 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.callback()(_launch.job_options)  # global: --coordinator-bind-address, --mtls-*, --heartbeat-timeout
 _ledger.register(app)
 _train.register(app)
 _migrate.register(app)

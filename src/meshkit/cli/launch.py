@@ -1,7 +1,10 @@
-"""``meshkit launch -n N -- COMMAND...``: run one multi-process job on this machine."""
+"""``meshkit launch -n N -- COMMAND...``: run one multi-process job on this machine; and the global
+options of every command that may join a multi-process job (who may join it, when a silent peer
+counts as lost), as flags before the command or as environment variables."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -44,6 +47,64 @@ def launch(
         output=sys.stdout, error_output=sys.stderr,
     )  # fmt: skip
     raise typer.Exit(status)
+
+
+def job_options(
+    coordinator_bind_address: Annotated[
+        str | None,
+        typer.Option(
+            "--coordinator-bind-address",
+            envvar="MESHKIT_COORDINATOR_BIND_ADDRESS",
+            metavar="HOST[:PORT]",
+            help="Where process 0's coordination service listens (meshkit launch: 127.0.0.1; "
+            "otherwise JAX's default, every interface).",
+        ),
+    ] = None,
+    mtls_cert: Annotated[
+        str | None,
+        typer.Option(
+            "--mtls-cert", envvar="MESHKIT_MTLS_CERT", help="Mutual TLS: this process's PEM certificate."
+        ),
+    ] = None,
+    mtls_key: Annotated[
+        str | None, typer.Option("--mtls-key", envvar="MESHKIT_MTLS_KEY", help="Mutual TLS: its private key.")
+    ] = None,
+    mtls_ca: Annotated[
+        str | None,
+        typer.Option(
+            "--mtls-ca",
+            envvar="MESHKIT_MTLS_CA",
+            help="Mutual TLS: the CA that signed every process's certificate.",
+        ),
+    ] = None,
+    heartbeat_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--heartbeat-timeout",
+            envvar="MESHKIT_HEARTBEAT_TIMEOUT_S",
+            metavar="SECONDS",
+            help="A process silent this long (dead or stalled) stops the job (default 30).",
+        ),
+    ] = None,
+) -> None:
+    """Set for this command (and the processes ``meshkit launch`` starts) through the environment
+    that :func:`meshkit.distributed.initialize` reads."""
+    for (
+        name,
+        value,
+    ) in (  # the names of meshkit.distributed, not imported: it imports jax, and every command runs this
+        ("MESHKIT_COORDINATOR_BIND_ADDRESS", coordinator_bind_address),
+        ("MESHKIT_MTLS_CERT", mtls_cert),
+        ("MESHKIT_MTLS_KEY", mtls_key),
+        ("MESHKIT_MTLS_CA", mtls_ca),
+        ("MESHKIT_HEARTBEAT_TIMEOUT_S", heartbeat_timeout),
+    ):
+        if value is not None:
+            os.environ[name] = str(value)
+    if heartbeat_timeout is not None and not heartbeat_timeout > 0:
+        raise MeshkitError(
+            f"--heartbeat-timeout must be a positive number of seconds, got {heartbeat_timeout:g}"
+        )
 
 
 def register(app: typer.Typer) -> None:

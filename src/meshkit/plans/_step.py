@@ -73,7 +73,7 @@ def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
         acc = _scatter(acc, layout)
     grads = jax.tree.leaves(acc)
     whole = [i for i, leaf in enumerate(layout.flat()) if leaf.data_dim is None]
-    if whole:
+    if whole and layout.data_size > 1:  # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1)
         for i, g in zip(whole, lax.psum([grads[i] for i in whole], DATA), strict=True):
             grads[i] = g
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
@@ -152,6 +152,8 @@ def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dt
             per_micro = lambda g: jax.tree.map(lambda s, p: s.astype(p.dtype), _scatter(g, layout), params)  # noqa: E731
         loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
+        if layout.data_size == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
+            return loss, aux, state, grads
         return lax.pmean(loss, DATA), lax.pmean(aux, DATA), state, grads
 
     return run

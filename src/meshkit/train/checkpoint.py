@@ -6,6 +6,11 @@ leaves the previous steps as they were; the unfinished directory is removed when
 next opens the directory. Steps beyond ``keep`` are likewise renamed into ``<directory>/.deleted``
 before they are deleted, so no step is ever listed half-deleted either.
 
+A save that fails (disk full, file-size limit, permission denied) raises one line naming the
+directory and its free space, and leaves the earlier steps as they were. Restoring the latest step
+skips a step that cannot be read (corrupt or partial files): it is named in one warning line, moved
+aside into ``<directory>/.unreadable/`` (kept, not deleted) and the newest intact step is restored.
+
 Arrays are saved as global, sharded ``jax.Array``s and restored onto any layout: the targets'
 shardings (another mesh, another plan) decide where the shards land. Every process of a multi-host
 job calls the same methods; orbax writes each shard once.
@@ -15,9 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
+import re
 import shutil
 import signal
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,10 +41,40 @@ from meshkit._errors import MeshkitError
 
 _ARRAY_ITEMS = ("params", "opt_state")
 _TRASH = ".deleted"
+#: Where unreadable steps are moved (kept for inspection), inside the checkpoint directory.
+UNREADABLE = ".unreadable"
 
 
 class CheckpointError(MeshkitError):
     """A checkpoint cannot be saved or restored as asked."""
+
+
+class _Unreadable(Exception):
+    """A step's files cannot be read back (corrupt, partial): the reason, in one line."""
+
+
+def _gist(e: BaseException, limit: int = 200) -> str:
+    """The first line of an error, shortened: tensorstore's run to kilobytes, status first and the
+    cause last ("OUT_OF_RANGE: Error writing ... file 4: File too large"), so keep those two."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    line = line.split(" [tensorstore_spec=")[0].split(" See full TensorStore details")[0]
+    line = re.sub(r"\s*\[os_error_code='?\d+'?\]", "", line)
+    status = re.match(r"([A-Z][A-Z_]+): (.+)", line)
+    if status and ": " in status.group(2):
+        line = f"{status.group(1)}: {status.group(2).rpartition(': ')[2]}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _free(path: Path) -> str:
+    """Free space on the disk holding ``path`` (or its nearest existing parent), for error lines."""
+    for p in (path, *path.absolute().parents):
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(p).free
+            for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+                if free >= size:
+                    return f"{free / size:.1f} {unit} free"
+            return f"{free} bytes free"
+    return "free space unknown"
 
 
 def abstract(tree: Any) -> Any:
@@ -90,6 +131,46 @@ def _sigint_deferred() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
+class _DropRaisedInThread(logging.Filter):
+    """orbax logs a failed background write (from its writer, commit and finalize threads) with the
+    whole traceback, before it raises the same error to the caller, who reports it in one line:
+    drop orbax's error records that carry a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        return not (from_orbax and record.levelno >= logging.ERROR and record.exc_info)
+
+
+def _quiet_orbax_noise() -> None:
+    """Installed before reads and writes. After a failed one (1) orbax logs the error with its
+    traceback from a background thread, and (2) tensorstore's other operations on that step finish
+    later and try to wake orbax's event loop, which orbax already closed: Python would print each
+    as "Exception ignored ... RuntimeError: Event loop is closed" with a traceback, long after the
+    one-line error. Drop exactly those (every other log record and unraisable exception goes where
+    it went)."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _DropRaisedInThread) for f in absl.filters):
+        absl.addFilter(_DropRaisedInThread())
+    previous = sys.unraisablehook
+    if getattr(previous, "meshkit_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.meshkit_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _warn(message: str) -> None:
+    """One ``warning:`` line on stderr (process 0 only)."""
+    if jax.process_index() == 0:
+        sys.stderr.write(f"warning: {message}\n")
+        sys.stderr.flush()
+
+
 class Checkpointer:
     """Save and restore ``(params, opt_state, meta)`` by step in ``directory``, keeping the latest ``keep``.
 
@@ -104,10 +185,23 @@ class Checkpointer:
             raise CheckpointError(f"keep must be at least 1 checkpoint, got {keep}")
         self.directory = Path(directory)
         self._last_saved: int | None = None
-        self._manager = ocp.CheckpointManager(
+        self._keep = keep
+        try:
+            self._manager = self._open()
+            # orbax removes unfinished steps in a background task that only a save waits for: finish it
+            # now, so that it cannot race a later reader or writer of this directory
+            getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot open checkpoint directory '{self.directory}' ({_gist(e)}); {_free(self.directory)} there: "
+                "fix permissions or pick another --run-dir"
+            ) from e
+
+    def _open(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
             self.directory.absolute(),
             options=ocp.CheckpointManagerOptions(
-                preservation_policy=LatestN(n=keep),
+                preservation_policy=LatestN(n=self._keep),
                 create=True,
                 cleanup_tmp_directories=True,
                 todelete_subdir=_TRASH,
@@ -139,11 +233,35 @@ class Checkpointer:
             args = {
                 name: ocp.args.StandardSave(tree) for name, tree in items.items() if jax.tree.leaves(tree)
             }
-            with _sigint_deferred():
+            with _sigint_deferred(), self._failing_save(step):
+                self._probe_writable()
                 self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
                 self._last_saved = step
         if wait:
             self.wait()
+
+    def _probe_writable(self) -> None:
+        """Create and remove a file first: orbax, refused its temporary directory, leaves threads
+        waiting (not daemons) for a signal that never comes, and the process could not exit."""
+        fd, probe = tempfile.mkstemp(dir=self.directory, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int) -> Iterator[None]:
+        """Turn a failed write into one line naming the directory, its free space and what is kept."""
+        _quiet_orbax_noise()
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:
+            kept = [s for s in self._manager.all_steps() if s != step]
+            keep = f"steps {sorted(kept)} are intact" if kept else "no earlier step was saved"
+            raise CheckpointError(
+                f"cannot save step {step} in '{self.directory}' ({_gist(e)}); {_free(self.directory)} there: "
+                f"free space, fix permissions or pick another --run-dir; {keep}"
+            ) from e
 
     def latest_step(self) -> int | None:
         """The newest saved step (an asynchronous save counts from its start), or None."""
@@ -154,23 +272,63 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def restore(self, step: int | None, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, dict]:
-        """``(params, opt_state, meta)`` of ``step`` (None: the latest), laid out as the targets say.
+        """``(params, opt_state, meta)`` of ``step`` (None: the newest readable step), laid out as the
+        targets say.
 
         ``*_like`` are pytrees of ``jax.ShapeDtypeStruct`` with ``sharding`` (see ``abstract`` and
         ``abstract_with``); they may name another mesh or plan than the save's: orbax reshards
         (and casts to the targets' dtypes). Shapes must match the checkpoint's.
+
+        With ``step=None``, a step whose files cannot be read (corrupt or partial) is named in one
+        ``warning:`` line on stderr, moved into ``<directory>/.unreadable/`` and the next older step
+        is tried. A given ``step`` that cannot be read raises :class:`CheckpointError`.
         """
         self.wait()
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no checkpoint in '{self.directory}': train first, or drop --resume")
-        if step not in self.all_steps():
-            raise CheckpointError(
-                f"no checkpoint for step {step} in '{self.directory}': it holds steps {self.all_steps()}"
-            )
         targets = {"params": params_like, "opt_state": opt_state_like}
-        saved = self._manager.item_metadata(step)
+        if step is not None:
+            if step not in self.all_steps():
+                raise CheckpointError(
+                    f"no checkpoint for step {step} in '{self.directory}': it holds steps {self.all_steps()}"
+                )
+            try:
+                return self._restore(step, targets)
+            except _Unreadable as e:
+                raise CheckpointError(f"step {step} in '{self.directory}' cannot be read: {e}") from None
+        candidates = sorted(self.all_steps(), reverse=True)
+        if not candidates:
+            raise CheckpointError(f"no checkpoint in '{self.directory}': train first, or drop --resume")
+        bad: list[int] = []
+        for candidate in candidates:
+            try:
+                got = self._restore(candidate, targets)
+            except _Unreadable as e:
+                bad.append(candidate)
+                older = [c for c in candidates if c < candidate]
+                moved = self._set_aside(candidate)
+                then = f"trying step {older[0]}" if older else "no older step to try"
+                _warn(
+                    f"checkpoint step {candidate} in '{self.directory}' cannot be read ({e}){moved}; {then}"
+                )
+                continue
+            if bad:
+                self._manager.reload()
+            return got
+        self._manager.reload()
+        raise CheckpointError(
+            f"no readable checkpoint in '{self.directory}': steps {bad} are corrupt or partial (moved to "
+            f"{UNREADABLE}/): train again without --resume, or into a fresh --run-dir"
+        )
+
+    def _restore(self, step: int, targets: dict[str, Any]) -> tuple[Any, Any, dict]:
+        """Restore one step; :class:`_Unreadable` when its files cannot be read back."""
+        _quiet_orbax_noise()  # before reading: orbax closes its loop before the error reaches us
+        try:
+            saved = self._manager.item_metadata(step)
+        except Exception as e:
+            raise _Unreadable(_gist(e)) from None
         for name, like in targets.items():
+            if jax.tree.leaves(like) and not jax.tree.leaves(saved.get(name) if saved else None):
+                raise _Unreadable(f"its {name} are missing")
             if mismatch := _first_mismatch(saved.get(name), like):
                 raise CheckpointError(
                     f"{name}/{mismatch} (step {step} in '{self.directory}'): restore with the config "
@@ -179,13 +337,34 @@ class Checkpointer:
         args = {
             name: ocp.args.StandardRestore(like) for name, like in targets.items() if jax.tree.leaves(like)
         }
-        got = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args))
+        try:
+            got = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args))
+            meta = got["meta"]
+        except Exception as e:
+            raise _Unreadable(_gist(e)) from None
+        if not isinstance(meta, dict):
+            raise _Unreadable("its meta is not a JSON object")
         params, opt_state = (got[name] if name in args else like for name, like in targets.items())
-        return params, opt_state, got["meta"]
+        return params, opt_state, meta
+
+    def _set_aside(self, step: int) -> str:
+        """Move an unreadable step out of the way (a later save may reuse its number); kept, not
+        deleted. Only process 0 moves it. Returns a note for the warning."""
+        if jax.process_index() != 0:
+            return ""
+        source = self.directory / str(step)
+        target = self.directory / UNREADABLE / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        try:
+            target.parent.mkdir(exist_ok=True)
+            os.replace(source, target)
+        except OSError as e:
+            return f"; could not move it aside ({e.strerror or e})"
+        return f"; moved to {target.relative_to(self.directory)}"
 
     def wait(self) -> None:
         """Block until a save in flight is on disk and the steps beyond ``keep`` are deleted."""
-        self._manager.wait_until_finished()
+        with self._failing_save(self._last_saved):
+            self._manager.wait_until_finished()
         if jax.process_index() == 0:
             shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
 

@@ -31,6 +31,7 @@ from meshkit.plans._layout import DATA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, abstract_with
 from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
+from meshkit.train.lock import lock_run_dir
 from meshkit.train.metrics import MetricsLog
 from meshkit.train.trainer import Trainer
 from meshkit.verify import host
@@ -343,6 +344,7 @@ def run(
     C.check_stop_after(stop_after, job.step)
     if job.writer:
         job.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(job.run_dir)  # noqa: F841  held until run() returns: one run per directory
         if latest_link is not None and latest_link.resolve() != job.run_dir.resolve():
             tmp = latest_link.with_name(latest_link.name + ".tmp")
             tmp.unlink(missing_ok=True)

@@ -1,0 +1,303 @@
+"""Faults around checkpoints, with real processes: SIGKILL at random moments of saves (30 times,
+each followed by a resume that must continue bit for bit), a file-size limit and a read-only
+directory during a save, a second run on a locked run directory, a corrupt latest checkpoint."""
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit.cli import main
+from meshkit.models import mlp
+from meshkit.train.checkpoint import Checkpointer, abstract_with
+from meshkit.train.lock import RunDirLockedError, lock_run_dir
+from meshkit.verify import bitwise_equal
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+SIZES = [8, 16, 4]
+
+
+def _trainer():
+    return meshkit.Trainer(
+        mlp.loss, mlp.init(jax.random.key(0), SIZES), optax.adam(1e-2), plan="dp", mesh="data=8"
+    )
+
+
+def _batch(step: int):
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(16, SIZES[0])).astype(np.float32)
+    return x, np.tanh(x[:, : SIZES[-1]])
+
+
+@pytest.fixture(scope="module")
+def trajectory():
+    """(trainer, states): the states after steps 1..K of one uninterrupted run, on the host."""
+    t = _trainer()
+    states = []
+    for step in range(1, 103):
+        t.step(_batch(step))
+        states.append(jax.device_get((t.params, t.opt_state)))
+    return t, states
+
+
+# The zygote imports everything once and forks a saver per round (no thread runs yet, so fork is
+# safe): a round costs a fork and a few saves, not a Python start and JAX's imports.
+_ZYGOTE = r"""
+import os, pickle, sys
+import jax, numpy
+from meshkit.train.checkpoint import Checkpointer
+assert __import__("threading").active_count() == 1
+for line in sys.stdin:
+    directory, states_path, last = line.split()
+    pid = os.fork()
+    if pid == 0:
+        states = pickle.load(open(states_path, "rb"))
+        ck = Checkpointer(directory, keep=3)
+        for step in range((ck.latest_step() or 0) + 1, int(last) + 1):
+            params, opt_state = jax.device_put(states[step - 1])
+            print(f"start {step}", flush=True)
+            ck.save(step, params, opt_state, {"step": step, "data": {"position": step}})
+            print(f"done {step}", flush=True)
+        ck.close()
+        os._exit(0)
+    print(f"pid {pid}", flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(f"exit {status}", flush=True)
+"""
+
+
+def _read_line(proc: subprocess.Popen, timeout: float = 60) -> str:
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        raise AssertionError(f"no output from the saver in {timeout} s")
+    return proc.stdout.readline().strip()
+
+
+@pytest.mark.slow
+def test_thirty_sigkills_mid_save_each_resume_continues_bit_for_bit(tmp_path, trajectory, capsys):
+    trainer, states = trajectory
+    last = len(states) - 2  # two more states to compare each continuation with
+    states_path = tmp_path / "states.pkl"
+    states_path.write_bytes(pickle.dumps(states))
+    directory = tmp_path / "ck"
+    rng = np.random.default_rng(0)
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", _ZYGOTE], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    save_s, landed, started = 0.1, [], time.monotonic()
+    like = (abstract_with(trainer.params, trainer.shardings.params),
+            abstract_with(trainer.opt_state, trainer.shardings.opt_state))  # fmt: skip
+    try:
+        for _ in range(30):
+            zygote.stdin.write(f"{directory} {states_path} {last}\n")
+            zygote.stdin.flush()
+            pid = int(_read_line(zygote).split()[1])
+            target, delay = int(rng.integers(0, 3)), rng.uniform(0, 1.3 * save_s)
+            done, begun, t_start = None, None, None
+            while True:  # let `target` saves finish, then kill the next one `delay` seconds in
+                line = _read_line(zygote)
+                kind, step = line.split()
+                if kind == "start":
+                    begun, t_start = int(step), time.monotonic()
+                    if target == 0:
+                        time.sleep(delay)
+                        os.kill(pid, signal.SIGKILL)
+                        break
+                elif kind == "done":
+                    done, target = int(step), target - 1
+                    save_s = 0.8 * save_s + 0.2 * (time.monotonic() - t_start)
+                else:
+                    pytest.fail(f"the saver ended before it was killed: {line}")
+            while not (line := _read_line(zygote)).startswith("exit "):  # reaped: nothing writes any more
+                kind, step = line.split()  # what the saver printed before the kill reached it
+                done, begun = (int(step), begun) if kind == "done" else (done, int(step))
+            with Checkpointer(directory, keep=3) as ck:
+                latest = ck.latest_step()
+                assert latest in (done, begun) or (done is None and latest == begun - 1), (
+                    done,
+                    begun,
+                    latest,
+                )
+                landed.append(latest == begun)
+                params, opt_state, meta = ck.restore(None, *like)
+            assert meta == {"step": latest, "data": {"position": latest}}
+            assert bitwise_equal((params, opt_state), states[latest - 1])
+            trainer.params, trainer.opt_state = params, opt_state  # --resume, then two more steps
+            for step in (latest + 1, latest + 2):
+                trainer.step(_batch(step))
+                assert bitwise_equal((trainer.params, trainer.opt_state), states[step - 1]), step
+            assert sorted(p.name for p in directory.iterdir() if "tmp" in p.name) == []
+    finally:
+        zygote.stdin.close()
+        zygote.kill()
+        zygote.wait()
+        zygote.stdout.close()
+    err = capsys.readouterr().err
+    assert "warning:" not in err and "Traceback" not in err  # no step was ever damaged
+    # the kills fell both before and after the killed save was committed
+    assert 0 < sum(landed) < len(landed), (landed, save_s, time.monotonic() - started)
+
+
+# --- saves that fail ----------------------------------------------------------------------------------
+
+_SAVER = r"""
+import os, resource, signal, sys
+import jax, numpy as np
+from meshkit.train.checkpoint import Checkpointer, CheckpointError
+directory, how = sys.argv[1], sys.argv[2]
+small = jax.device_put(np.arange(64, dtype=np.float32))
+ck = Checkpointer(directory)
+ck.save(1, {"w": small}, {"mu": -small}, {"step": 1})
+if how == "fsize":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+else:
+    os.chmod(directory, 0o555)
+    if os.getuid() == 0:  # root writes anywhere: become nobody
+        os.setgid(65534)
+        os.setuid(65534)
+big = jax.device_put(np.random.default_rng(0).standard_normal(1 << 20, dtype=np.float32))  # incompressible
+try:
+    ck.save(2, {"w": big}, {"mu": big}, {"step": 2})
+except CheckpointError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["fsize", "read-only"])
+def test_a_failed_save_is_one_line_and_keeps_the_earlier_step(how):
+    # a directory that nobody (uid 65534) can reach but not write, outside root's private /tmp/pytest-of-root
+    base = Path(tempfile.mkdtemp(prefix="meshkit-fault-"))
+    try:
+        base.chmod(0o755)
+        directory = base / "ck"
+        proc = subprocess.run([sys.executable, "-c", _SAVER, str(directory), how], env=ENV,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        directory.chmod(0o755)
+        err = proc.stderr.strip()
+        assert proc.returncode == 2, err[-3000:]
+        assert err.count("\n") == 0 and "Traceback" not in err, err[-3000:]
+        assert re.fullmatch(
+            rf"error: cannot save step 2 in '{re.escape(str(directory))}' \(.+\); [\d.]+ [KMG]iB free there: "
+            r"free space, fix permissions or pick another --run-dir; steps \[1\] are intact",
+            err,
+        ), err
+        reason = {
+            "fsize": r"File too large|EFBIG|Errno 27",
+            "read-only": r"Permission denied|EACCES|Errno 13",
+        }[how]
+        assert re.search(reason, err), err
+        like = jax.ShapeDtypeStruct(
+            (64,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        )
+        with Checkpointer(directory) as ck:
+            assert ck.all_steps() == [1]
+            params, opt_state, meta = ck.restore(None, {"w": like}, {"mu": like})
+        assert meta == {"step": 1}
+        np.testing.assert_array_equal(np.asarray(params["w"]), np.arange(64, dtype=np.float32))
+        np.testing.assert_array_equal(np.asarray(opt_state["mu"]), -np.arange(64, dtype=np.float32))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# --- one run per run directory -------------------------------------------------------------------------
+
+_HOLDER = "import sys, time; from meshkit.train.lock import lock_run_dir; l = lock_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+
+
+@contextlib.contextmanager
+def _held_by_another_process(run_dir: Path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(run_dir)], env=ENV, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert _read_line(holder) == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
+def test_a_locked_run_directory_is_refused_naming_the_holder(tmp_path):
+    with _held_by_another_process(tmp_path) as pid:
+        with pytest.raises(RunDirLockedError) as e:
+            lock_run_dir(tmp_path)
+        assert str(e.value).startswith(f"run directory '{tmp_path}' is in use by another run (pid {pid}: ")
+        assert str(e.value).endswith("wait for it to finish or stop it, or pass another --run-dir")
+    with lock_run_dir(tmp_path):  # released when its holder died (SIGKILL): no stale lock
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(RunDirLockedError, match=f"pid {os.getpid()}"):
+            lock_run_dir(tmp_path)  # the same process, twice: refused too
+    lock_run_dir(tmp_path).release()
+
+
+@pytest.mark.slow
+def test_meshkit_train_on_a_directory_another_run_holds_exits_2(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    with _held_by_another_process(run) as pid:
+        code = main(["train", "--preset", "tiny", "--steps", "4", "--warmup", "1", "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: run directory '{run}' is in use by another run (pid {pid}")
+    assert [p.name for p in run.iterdir()] == [".lock"]  # the refused run wrote nothing
+
+
+# --- a corrupt latest checkpoint ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_from_a_corrupt_latest_checkpoint_continues_from_the_previous_one(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "12",
+        "--stop-after",
+        "8",
+        "--warmup",
+        "1",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "4",
+        "--run-dir",
+        str(run),
+    ]  # fmt: skip (stops at 8: no report to make)
+    assert main(args) == 0
+    straight = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for f in (run / "checkpoints" / "8" / "params").rglob("d/*"):
+        f.write_bytes(os.urandom(32))  # step 8's arrays are garbage now; step 4 is intact
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"warning: checkpoint step 8 in '{run / 'checkpoints'}' cannot be read ("
+    ), err
+    assert warnings[0].endswith("; trying step 4") and len(warnings[0]) < 400
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    resumed = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    loss = lambda rows: [(r["step"], r["loss"]) for r in rows if "loss" in r]  # noqa: E731
+    assert loss(resumed) == loss(straight)  # steps 5..8 again, bit for bit
+    assert [p.name[:2] for p in (run / "checkpoints" / ".unreadable").iterdir()] == ["8-"]  # kept
