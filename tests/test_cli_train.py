@@ -56,14 +56,15 @@ def test_train_help_shows_every_default(capsys):
 def test_every_option_of_every_command_shows_its_default(capsys):
     from meshkit.cli import _command
 
-    for name, sub in _command().commands.items():
+    command = _command()
+    for name, sub in [("meshkit", command), *command.commands.items()]:
         for p in sub.params:
             if getattr(p, "param_type_name", "") != "option" or p.required or p.is_flag:
                 continue
             said = isinstance(p.show_default, str) or "default" in (p.help or "").lower()
             assert said or (p.default is not None and p.show_default), (name, p.opts)
     for argv, shown in [(["devices", "--help"], "[default: (none)]"), (["verify", "--help"], "[default: dp]"),
-                        (["budget", "--help"], "[default: (none)]")]:  # fmt: skip
+                        (["budget", "--help"], "[default: (none)]"), (["--help"], "[default: (none)]")]:  # fmt: skip
         assert main(argv) == 0 and shown in capsys.readouterr().out, argv
 
 
@@ -147,7 +148,7 @@ def test_failed_report_keeps_the_results_and_is_one_warning(tmp_path, monkeypatc
     )
     (warning,) = _warnings(capsys.readouterr().out)
     assert "communication/memory report failed (RuntimeError: ledger could not read the program)" in warning
-    assert {p.name for p in run.iterdir()} == {"config.json", "metrics.jsonl", "report.json", "loss.png",
+    assert {p.name for p in run.iterdir() if not p.name.startswith(".")} == {"config.json", "metrics.jsonl", "report.json", "loss.png",
                                                "checkpoints"}  # fmt: skip
     report = json.loads((run / "report.json").read_text())
     assert report["steps"] == 3 and report["checks_ok"] is None and "communication" not in report

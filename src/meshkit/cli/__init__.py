@@ -36,7 +36,7 @@ def _command():
     """The click command of ``app``, with a default in --help for every option: an option that
     defaults to None shows ``none`` unless its help, or its own show_default, already says what it is."""
     command = typer.main.get_command(app)
-    for sub in getattr(command, "commands", {}).values():
+    for sub in [command, *getattr(command, "commands", {}).values()]:  # the global options too
         for p in sub.params:
             if (
                 getattr(p, "param_type_name", "") != "option"
