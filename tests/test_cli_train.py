@@ -86,6 +86,7 @@ def test_every_option_of_every_command_shows_its_default(capsys):
         (["--stop-after", "0"], "--stop-after 0 must be after step 0"),
         (["--seq-len", "60000"], "--seq-len 60000 needs 60001 held-out tokens"),
         (["--width", "0"], "--width must be at least 1"),
+        (["--plan", "tp", "--mesh", "model=8"], "4 heads do not divide over model=8"),
     ],
 )
 def test_bad_option_is_one_line_naming_it(tmp_path, capsys, args, message):

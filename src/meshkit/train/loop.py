@@ -85,7 +85,8 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     params = gpt.init(jax.random.key(cfg.seed), model)
     trainer = Trainer(gpt.make_loss(model), params, C.optimizer(cfg), plan=cfg.plan, mesh=cfg.mesh,
                       accumulate=cfg.accumulate, clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params),
-                      tokens_per_example=cfg.seq_len, grad_norm=True)  # fmt: skip
+                      tokens_per_example=cfg.seq_len, grad_norm=True, units={"heads": cfg.heads},
+                      compute_dtype=model.compute_dtype)  # fmt: skip
     C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
