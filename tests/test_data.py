@@ -140,7 +140,10 @@ def test_processes_read_their_slice_of_the_global_batch():
             {"seq_len": 512, "global_batch": 4},
             "sequence length 512 needs at least 513 tokens but the data has 100",
         ),
-        ({"seq_len": 8, "global_batch": 5, "process_index": 0, "process_count": 2}, "use a multiple of 2"),
+        (
+            {"seq_len": 8, "global_batch": 5, "process_index": 0, "process_count": 2},
+            "use a --batch-size that is a multiple of 2",
+        ),
         ({"seq_len": 8, "global_batch": 4, "seed": -1}, "seed"),
         ({"seq_len": 0, "global_batch": 4}, "must be positive"),
     ],

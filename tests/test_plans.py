@@ -133,7 +133,7 @@ def test_global_jax_array_batch_equals_host_batch():
         ),
         (
             lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="tp", mesh="model=8", logical_axes=jax.tree.map(lambda a: ("embed",) * a.ndim, p)),
-            "match no parameter",
+            "shard no parameter",
         ),
         (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", accumulate=0), "accumulate must be at least 1"),
         (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp").step(_batch(60)), "batch of 60 examples does not divide over data=8"),
@@ -148,6 +148,35 @@ def test_bad_input_is_one_line_before_compiling(make, message):
     with pytest.raises(PlanError, match=message) as e:
         make(params)
     assert "\n" not in str(e.value)
+
+
+def test_heads_must_divide_the_model_axis_before_compiling():
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=8, layers=1, width=32, heads=4)
+    p = gpt.init(jax.random.key(0), cfg)
+    with pytest.raises(
+        PlanError, match=r"4 heads do not divide over model=8: .* use a model axis of 1, 2, 4"
+    ):
+        Trainer(gpt.make_loss(cfg), p, optax.adam(1e-3), plan="tp", mesh="model=8",
+                logical_axes=gpt.logical_axes(p), units={"heads": cfg.heads})  # fmt: skip
+
+
+def test_short_logical_axes_are_padded_and_user_rules_must_match():
+    params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+    axes = [
+        {"w": ("embed", "mlp"), "b": ()},
+        {"w": ("mlp",), "b": ()},
+        {"w": (), "b": ()},
+    ]  # linen gives () unannotated
+    t = Trainer(mlp.loss, params, optax.adam(1e-3), plan="fsdp+tp", mesh="data=4,model=2", logical_axes=axes)
+    assert [leaf.model_spec for leaf in t.layout.flat()][:4] == [
+        (None,),
+        (None, "model"),
+        (None,),
+        ("model", None),
+    ]
+    with pytest.raises(PlanError, match=r"rule\(s\) for \['experts'\] match no parameter"):
+        Trainer(mlp.loss, params, optax.adam(1e-3), plan="tp", mesh="model=8", logical_axes=axes,
+                rules={"mlp": "model", "experts": "model"})  # fmt: skip
 
 
 def test_tp_split_must_divide():
@@ -172,8 +201,10 @@ def test_verify_cli_json_and_exit_code(capsys, monkeypatch):
 
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and data["checks"]["communication = model"]
+    # an MLP needs no rules (the default 'heads' rule matches nothing and is ignored), and XLA's
+    # elided backward all-reduce of the first (batch-fed) layer is in the model
+    assert main(["verify", "--plan", "fsdp+tp", "--model", "mlp", "--steps", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
     monkeypatch.setattr(V, "TOL_SINGLE", 0.0)
     assert main(["verify", "--plan", "dp", "--model", "linear", "--steps", "3"]) == 1
     assert "FAILED: matches single device" in capsys.readouterr().out
-    assert main(["verify", "--plan", "tp", "--model", "mlp", "--mesh", "model=8"]) == 2
-    assert "gives no logical_axes" in capsys.readouterr().err

@@ -16,6 +16,10 @@ __version__ = "0.1.0"
 #: Public name -> module that defines it (imported on first access).
 _LAZY = {
     "analysis": "meshkit.analysis",
+    "Adapted": "meshkit.adapters",
+    "from_equinox": "meshkit.adapters",
+    "from_linen": "meshkit.adapters",
+    "from_nnx": "meshkit.adapters",
     "DeviceReport": "meshkit.devices",
     "describe_devices": "meshkit.devices",
     "simulate_devices": "meshkit.devices",
@@ -30,6 +34,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from meshkit import analysis
+    from meshkit.adapters import Adapted, from_equinox, from_linen, from_nnx
     from meshkit.devices import DeviceReport, describe_devices, simulate_devices
     from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
     from meshkit.plans import PLANS, PlanError
@@ -52,6 +57,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "PLANS",
+    "Adapted",
     "DeviceReport",
     "DeviceSetupError",
     "HloParseError",
@@ -63,6 +69,9 @@ __all__ = [
     "Trainer",
     "analysis",
     "describe_devices",
+    "from_equinox",
+    "from_linen",
+    "from_nnx",
     "make_mesh",
     "parse_mesh_spec",
     "resolve_mesh_shape",

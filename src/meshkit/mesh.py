@@ -95,20 +95,49 @@ def resolve_mesh_shape(spec: MeshSpec, device_count: int) -> tuple[tuple[str, in
     return pairs
 
 
+AxisTypes = Literal["explicit", "auto"] | AxisType | Sequence[AxisType]
+
+
+def _axis_types(axis_types: AxisTypes, n: int) -> tuple[AxisType, ...]:
+    if isinstance(axis_types, str):
+        if axis_types not in ("explicit", "auto"):
+            raise MeshSpecError(f"unknown axis_types {axis_types!r}: use 'explicit' or 'auto'")
+        return ((AxisType.Explicit if axis_types == "explicit" else AxisType.Auto),) * n
+    if isinstance(axis_types, AxisType):
+        return (axis_types,) * n
+    types = tuple(axis_types)
+    if not all(isinstance(t, AxisType) for t in types) or len(types) != n:
+        raise MeshSpecError(
+            f"axis_types {axis_types!r}: give 'explicit', 'auto', one jax.sharding.AxisType, or one per axis ({n})"
+        )
+    return types
+
+
 def make_mesh(
     spec: MeshSpec,
-    axis_types: Literal["explicit", "auto"] = "explicit",
+    axis_types: AxisTypes = "explicit",
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Build a ``jax.sharding.Mesh`` from ``"data=4,model=2"`` over all (or the given) devices."""
-    if axis_types not in ("explicit", "auto"):
+    """Build a ``jax.sharding.Mesh`` from ``"data=4,model=2"`` over all (or the given) devices.
+
+    ``axis_types``: 'explicit' (default), 'auto', a ``jax.sharding.AxisType``, or a tuple of them
+    (one per axis, as ``jax.make_mesh`` takes).
+    """
+    if isinstance(axis_types, str) and axis_types not in ("explicit", "auto"):
         raise MeshSpecError(f"unknown axis_types {axis_types!r}: use 'explicit' or 'auto'")
     devices = list(jax.devices() if devices is None else devices)
     pairs = resolve_mesh_shape(spec, len(devices))
-    kind = AxisType.Explicit if axis_types == "explicit" else AxisType.Auto
     return jax.make_mesh(
         tuple(s for _, s in pairs),
         tuple(n for n, _ in pairs),
-        axis_types=(kind,) * len(pairs),
+        axis_types=_axis_types(axis_types, len(pairs)),
         devices=devices,
     )
+
+
+def as_auto(mesh: Mesh) -> Mesh:
+    """The same devices and axes with every axis ``Auto`` (the plans' steps partition the model axis
+    with XLA and write the data axis out by hand; Explicit axes would have the user's types decide)."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

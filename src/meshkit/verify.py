@@ -52,10 +52,18 @@ class Workload:
     in_float64: Any = None
     """``() -> Workload`` of the same model in float64 (call under ``jax.enable_x64``), where no
     NumPy reference exists."""
+    units: Any = None
+    """Logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
 
 
-def workload(name: str, seed: int = 0) -> Workload:
-    """The reference workloads: 'linear', 'mlp' (the chapter's [16, 64, 64, 8]) and 'gpt'."""
+#: Megatron pairs for the reference MLP: the first layer column-parallel, the second row-parallel.
+MLP_AXES = [{"w": ("embed", "mlp"), "b": ("mlp",)}, {"w": ("mlp", "embed"), "b": ("embed",)},
+            {"w": ("embed", None), "b": (None,)}]  # fmt: skip
+
+
+def workload(name: str, seed: int = 0, *, heads: int = 8) -> Workload:
+    """The reference workloads: 'linear', 'mlp' (the chapter's [16, 64, 64, 8]) and 'gpt' (width 32,
+    ``heads`` heads)."""
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
     if name == "linear":
@@ -68,10 +76,10 @@ def workload(name: str, seed: int = 0) -> Workload:
         x = rng.normal(size=(64, 16)).astype(np.float32)
         y = np.sin(x @ np.ones((16, 8)) / 4).astype(np.float32)
         p = mlp.init(key, [16, 64, 64, 8])
-        return Workload(name=name, loss_fn=mlp.loss, params=p, batch=(x, y), logical_axes=None,
+        return Workload(name=name, loss_fn=mlp.loss, params=p, batch=(x, y), logical_axes=MLP_AXES,
                         tokens_per_example=1, float64=reference_np.mlp_grad)  # fmt: skip
     if name == "gpt":
-        cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=8)
+        cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=heads)
         tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
         p = gpt.init(key, cfg)
         batch = (tokens[:, :-1], tokens[:, 1:])
@@ -80,10 +88,11 @@ def workload(name: str, seed: int = 0) -> Workload:
             cfg64 = dataclasses.replace(cfg, dtype="float64")
             p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
             return Workload(name=name, loss_fn=gpt.make_loss(cfg64), params=p64, batch=batch,
-                            logical_axes=gpt.logical_axes(p64), tokens_per_example=cfg.seq_len)  # fmt: skip
+                            logical_axes=gpt.logical_axes(p64), tokens_per_example=cfg.seq_len,
+                            units={"heads": cfg.heads})  # fmt: skip
 
         return Workload(name=name, loss_fn=gpt.make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
-                        tokens_per_example=cfg.seq_len, in_float64=in_float64)  # fmt: skip
+                        tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads})  # fmt: skip
     raise MeshkitError(f"unknown model {name!r}: choose linear, mlp or gpt")
 
 
@@ -220,7 +229,7 @@ def verify(
 
     def run(w: Workload) -> tuple[Trainer, float]:
         t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate,
-                    logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example)  # fmt: skip
+                    logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example, units=w.units)  # fmt: skip
         loss = jnp.nan
         for _ in range(steps):
             loss = t.step(w.batch)["loss"]

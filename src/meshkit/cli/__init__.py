@@ -32,11 +32,28 @@ _selftest.register(app)
 _verify.register(app)
 
 
+def _command():
+    """The click command of ``app``, with a default in --help for every option: an option that
+    defaults to None shows ``none`` unless its help, or its own show_default, already says what it is."""
+    command = typer.main.get_command(app)
+    for sub in getattr(command, "commands", {}).values():
+        for p in sub.params:
+            if (
+                getattr(p, "param_type_name", "") != "option"
+                or p.default is not None
+                or p.show_default is not True
+            ):
+                continue
+            if not (p.required or p.is_flag or "default" in (p.help or "").lower()):
+                p.show_default = "none"
+    return command
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input prints one line and exits 2; nothing else prints a traceback
     unless MESHKIT_DEBUG=1."""
     try:
-        result = typer.main.get_command(app).main(args=argv, prog_name="meshkit", standalone_mode=False)
+        result = _command().main(args=argv, prog_name="meshkit", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except typer.Exit as e:
         return e.exit_code

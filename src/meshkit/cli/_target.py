@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,28 @@ def _import(module: str):
         sys.modules[path.stem] = mod
         spec.loader.exec_module(mod)
         return mod
+    _cwd_importable()
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
+        parts = module.split(".")
+        if e.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            raise TargetError(
+                f"module {module!r} imports {e.name!r}, which is not installed: install it, or import it lazily"
+            ) from None
         raise TargetError(
-            f"cannot import module {module!r} ({e}): check the name, or run from the folder that holds it"
+            f"cannot import module {module!r} from the current folder '{os.getcwd()}' or the installed "
+            f"packages: check the name, or run from the folder that holds {parts[0]}.py (or {parts[0]}/)"
         ) from None
+
+
+def _cwd_importable() -> None:
+    """Put the current folder first on ``sys.path``, as ``python -m`` does (a console script puts its
+    own bin folder there instead), so that ``mymodule:fn`` finds ``./mymodule.py``."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    importlib.invalidate_caches()
 
 
 def load_target(target: str) -> jax.stages.Compiled:

@@ -1,9 +1,13 @@
-"""``meshkit train``: the main job. Options map one to one onto ``meshkit.train.config.TrainConfig``."""
+"""``meshkit train``: the main job. Options map one to one onto ``meshkit.train.config.TrainConfig``.
+
+Every option defaults to None here so that the command knows what the user gave: a new run fills the
+rest from ``--preset``, a resumed run from the run's own ``config.json`` (``meshkit.train.config.resumed``
+decides what may change). The defaults ``--help`` shows are read from the presets.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import time
 from pathlib import Path
@@ -12,50 +16,85 @@ from typing import Annotated
 import typer
 
 from meshkit.cli.ledger import DevicesOpt
+from meshkit.train import config as C
+
+
+def _default(name: str, text: str | None = None) -> str:
+    """What --help shows as the default of a config field: the default preset's, and tiny's if it differs."""
+    base, tiny = getattr(C.default(), name), getattr(C.tiny(), name)
+    shown = text or str(base)
+    return shown if base == tiny or text else f"{shown}; tiny: {tiny}"
+
+
+def _opt(name: str, help: str, text: str | None = None, *decls: str) -> typer.models.OptionInfo:
+    return typer.Option(*decls, help=help, show_default=_default(name, text))
 
 
 def train(
     preset: Annotated[
-        str, typer.Option(help="Starting point: default or tiny; options below override it.")
-    ] = "default",
-    plan: Annotated[
-        str | None, typer.Option(help="dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp.")
+        str | None,
+        typer.Option(
+            help="Starting point: default or tiny; options below override it.", show_default="default"
+        ),
     ] = None,
+    plan: Annotated[str | None, _opt("plan", "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp.")] = None,
     mesh: Annotated[
-        str | None, typer.Option(help="e.g. data=8 or data=4,model=2 (default: per plan).")
+        str | None, _opt("mesh", "e.g. data=8 or data=4,model=2.", "the plan's, over all devices")
     ] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps in total.")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Global batch in sequences.")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Characters per sequence.")] = None,
-    layers: Annotated[int | None, typer.Option(help="Transformer blocks.")] = None,
-    width: Annotated[int | None, typer.Option(help="Model width.")] = None,
-    heads: Annotated[int | None, typer.Option(help="Attention heads.")] = None,
-    optimizer: Annotated[str | None, typer.Option(help="adamw or sgd (momentum).")] = None,
-    lr: Annotated[float | None, typer.Option(help="Peak learning rate (warmup + cosine).")] = None,
-    warmup: Annotated[int | None, typer.Option(help="Warmup steps.")] = None,
-    accumulate: Annotated[int | None, typer.Option(help="Micro-batches per step.")] = None,
-    clip: Annotated[float | None, typer.Option(help="Global-norm clipping (0 turns it off).")] = None,
+    steps: Annotated[int | None, _opt("steps", "Optimizer steps in total.")] = None,
+    batch_size: Annotated[int | None, _opt("batch_size", "Global batch in sequences.")] = None,
+    seq_len: Annotated[int | None, _opt("seq_len", "Characters per sequence.")] = None,
+    layers: Annotated[int | None, _opt("layers", "Transformer blocks.")] = None,
+    width: Annotated[int | None, _opt("width", "Model width.")] = None,
+    heads: Annotated[int | None, _opt("heads", "Attention heads (must divide --width).")] = None,
+    optimizer: Annotated[str | None, _opt("optimizer", "adamw or sgd (momentum).")] = None,
+    lr: Annotated[float | None, _opt("lr", "Peak learning rate (warmup + cosine).")] = None,
+    warmup: Annotated[
+        int | None, _opt("warmup", "Linear warmup steps (below --steps).", "a tenth of --steps, rounded down")
+    ] = None,
+    accumulate: Annotated[
+        int | None, _opt("accumulate", "Micro-batches per step (must divide the batch per data shard).")
+    ] = None,
+    clip: Annotated[float | None, _opt("clip", "Global-norm clipping (0 turns it off).")] = None,
     precision: Annotated[
-        str | None, typer.Option(help="fp32, or bf16 (bf16 compute, fp32 master weights).")
+        str | None, _opt("precision", "fp32, or bf16 (bf16 compute, fp32 master weights).")
     ] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of initialisation and data order.")] = None,
+    seed: Annotated[int | None, _opt("seed", "Seed of initialisation and data order.")] = None,
     data: Annotated[
-        str | None, typer.Option(help="UTF-8 text file or .npy of token ids (default: Python's docs).")
+        str | None,
+        _opt("data", "UTF-8 text file or .npy of token ids.", "Python's reference docs (pydoc_data)"),
     ] = None,
     run_dir: Annotated[
         str | None,
-        typer.Option(help="Output directory (default: a new runs/<time>; with --resume, runs/latest)."),
+        typer.Option(help="Output directory.", show_default="a new runs/<time>; with --resume, runs/latest"),
     ] = None,
     eval_every: Annotated[
-        int | None, typer.Option(help="Evaluate every k steps (0: at the end only).")
+        int | None, _opt("eval_every", "Evaluate every k steps (0: at the end only).")
     ] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(help="Checkpoint every k steps.")] = None,
-    sample_chars: Annotated[int | None, typer.Option(help="Characters to sample at the end.")] = None,
+    checkpoint_every: Annotated[int | None, _opt("checkpoint_every", "Checkpoint every k steps.")] = None,
+    sample_chars: Annotated[int | None, _opt("sample_chars", "Characters to sample at the end.")] = None,
+    tensorboard: Annotated[
+        bool | None,
+        _opt(
+            "tensorboard",
+            "Also write TensorBoard event files beside metrics.jsonl.",
+            "off",
+            "--tensorboard/--no-tensorboard",
+        ),
+    ] = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the run directory's latest checkpoint.")
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue the run in --run-dir from its latest checkpoint, with its config.json; options "
+            "given again may change the plan, mesh, accumulation, evaluation, checkpoints and logging only.",
+        ),
     ] = False,
     stop_after: Annotated[
-        int | None, typer.Option(help="Stop (with a checkpoint) after this step; --resume continues.")
+        int | None,
+        typer.Option(
+            help="Stop (with a checkpoint) after this step; --resume continues.", show_default="off"
+        ),
     ] = None,
     devices: DevicesOpt = 8,
 ) -> None:
@@ -70,24 +109,31 @@ def train(
 
     if jax.process_index() != 0:  # one voice per job: the others train quietly (errors still print)
         console = Console(file=io.StringIO())
-    from meshkit.train import config as C
-    from meshkit.train.loop import run
+    from meshkit.train.loop import run, saved_config
 
-    if preset not in C.PRESETS:
-        raise C.ConfigError(f"unknown --preset {preset!r}: use {' or '.join(C.PRESETS)}")
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
                  heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
-                 seed=seed, data=data, run_dir=run_dir, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                 sample_chars=sample_chars)  # fmt: skip
-    changes = {k: v for k, v in given.items() if v is not None}
+                 seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
+                 sample_chars=sample_chars, tensorboard=tensorboard)  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
-        changes["clip"] = clip or None
+        given["clip"] = clip or None
     latest = Path("runs") / "latest"
-    if run_dir is None:
-        changes["run_dir"] = str(
-            latest.resolve() if resume else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        )
-    cfg = dataclasses.replace(C.PRESETS[preset](), **changes)
+    if resume:
+        where = run_dir or str(latest.resolve())
+        cfg, changed = C.resumed(saved_config(Path(where)), given, where)
+        if preset is not None:
+            console.print(
+                f"--preset {preset} is not used with --resume: the run's settings come from its config.json"
+            )
+        for line in changed:
+            console.print(f"resume: {line}", soft_wrap=True, highlight=False)
+    else:
+        preset = preset or "default"
+        if preset not in C.PRESETS:
+            raise C.ConfigError(f"unknown --preset {preset!r}: use {' or '.join(C.PRESETS)}")
+        new_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        cfg = C.PRESETS[preset]().replace(**given, run_dir=new_dir)
     from meshkit import distributed
 
     guard = distributed.fail_fast() if jax.process_count() > 1 else contextlib.nullcontext()

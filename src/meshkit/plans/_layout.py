@@ -53,7 +53,8 @@ PLANS: dict[str, Plan] = {
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out).
-DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "mlp": MODEL}
+DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "mlp": MODEL, MODEL: MODEL}
+"""Default rules that match no axis of a model are ignored; rules a user passes must all match."""
 
 Rules = Mapping[str, str] | Sequence[tuple[str, Sequence[str | None]]]
 
@@ -143,16 +144,33 @@ class Layout:
 
 
 def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any, model_size: int) -> dict:
+def _check_units(units: Mapping[str, int], rules: Rules, model_size: int) -> None:
+    """Logical axes made of whole units (attention heads) must split into whole units per device."""
+    if not isinstance(rules, Mapping):
+        return
+    for name, count in units.items():
+        if rules.get(name) == MODEL and count % model_size:
+            fits = [d for d in range(1, count + 1) if count % d == 0]
+            raise PlanError(
+                f"{count} {name} do not divide over model={model_size}: each device must hold whole {name}; "
+                f"use a model axis of {', '.join(map(str, fits))}"
+            )
+
+
+def _model_specs(
+    params: Any, plan: Plan, rules: Rules | None, logical_axes: Any, model_size: int, units: Mapping[str, int]
+) -> dict:
     """Per-leaf TP spec by path; raises when a rule matches nothing or a split does not divide."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     out = {_path_str(p): (None,) * len(leaf.shape) for p, leaf in flat}
     if not plan.tensor:
         return out
-    rules = DEFAULT_TP_RULES if rules is None else rules
+    defaults = rules is None
+    rules = DEFAULT_TP_RULES if defaults else rules
+    _check_units(units, rules, model_size)
     if isinstance(rules, Mapping):
         if logical_axes is None:
             raise PlanError(
@@ -160,13 +178,27 @@ def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any
                 f"pass logical_axes=model.logical_axes(params), or path rules such as [('.*w_in', (None, 'model'))]"
             )
         names = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0]
+        shapes = {_path_str(p): leaf.shape for p, leaf in flat}
         used = set()
         for p, axes in names:
-            spec = tuple(rules.get(a) if a is not None else None for a in axes)
+            key = _path_str(p)
+            if key not in shapes:
+                raise PlanError(
+                    f"logical_axes names {key!r}, which is no parameter: give the parameters' structure"
+                )
+            if len(axes) > len(shapes[key]):
+                raise PlanError(
+                    f"logical_axes for {key} name {len(axes)} dims {axes} but the parameter has shape {shapes[key]}"
+                )
+            axes = (
+                *axes,
+                *(None,) * (len(shapes[key]) - len(axes)),
+            )  # linen gives () for an unannotated bias
+            spec = tuple(rules.get(a) if isinstance(a, str) else None for a in axes)
             used |= {a for a in axes if a in rules}
-            out[_path_str(p)] = spec
+            out[key] = spec
         unused = sorted(set(rules) - used)
-        if unused:
+        if unused and not defaults:
             raise PlanError(
                 f"tensor-parallel rule(s) for {unused} match no parameter: check the logical axis names"
             )
@@ -188,7 +220,10 @@ def _model_specs(params: Any, plan: Plan, rules: Rules | None, logical_axes: Any
                     f"pick a model axis size that divides it"
                 )
     if not any(any(s) for s in out.values()):
-        raise PlanError(f"plan {plan.name}: the tensor-parallel rules shard no parameter")
+        raise PlanError(
+            f"plan {plan.name}: the tensor-parallel rules shard no parameter; annotate logical axes "
+            f"{sorted(rules) if isinstance(rules, Mapping) else ''} (e.g. nnx.with_partitioning(init, (None, 'mlp'))) or pass rules="
+        )
     return out
 
 
@@ -214,8 +249,13 @@ def make_layout(
     rules: Rules | None = None,
     logical_axes: Any = None,
     min_shard_size: int = 1,
+    units: Mapping[str, int] | None = None,
 ) -> Layout:
-    """Decide, for every parameter leaf, its model-axis split and its data-axis ZeRO split."""
+    """Decide, for every parameter leaf, its model-axis split and its data-axis ZeRO split.
+
+    ``units``: logical axes made of whole units, e.g. ``{"heads": 4}``: the model axis must divide
+    the count (a head split across devices is a wrong layout, not only a slow one).
+    """
     for axis in plan.needs:
         if axis not in mesh.shape:
             raise PlanError(
@@ -227,7 +267,7 @@ def make_layout(
             hint = "dp+tp or fsdp+tp" if axis == MODEL else "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
     n = int(mesh.shape.get(DATA, 1))
-    model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)))
+    model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {})
 
     def leaf(path, x) -> LeafLayout:
         key = _path_str(path)

@@ -15,7 +15,9 @@ the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on on
   its output partial sums in the forward pass (tokens x output width), and every column-parallel
   matrix (model axis on its columns) all-reduces the partial sums of its input gradient in the
   backward pass (tokens x input width). A GPT layer has wo and w_out row-parallel, wq, wk, wv and
-  w_in column-parallel: 2 forward and 4 backward all-reduces.
+  w_in column-parallel: 2 forward and 4 backward all-reduces. A column-parallel matrix applied to
+  the batch itself (an MLP's first layer) has no input gradient to reduce: XLA drops it, and so
+  does the model for the leaves in ``batch_fed`` (read from the loss's jaxpr, ``_dataflow``).
 
 Data-axis reduce-scatters and all-gathers are bucketed (one per dtype), so the counts above are
 collectives per dtype; the bytes are the sum over leaves. Scalar collectives (the loss,
@@ -50,14 +52,28 @@ class Expected:
     what: str
 
 
+def _itemsize(leaf: LeafLayout) -> int:
+    size = 1
+    for s in leaf.shape:
+        size *= s
+    return max(leaf.nbytes // max(size, 1), 1)
+
+
 def _model_bytes(leaf: LeafLayout, model: int) -> int:
     return leaf.nbytes // model if leaf.model_sharded else leaf.nbytes
 
 
 def expected_collectives(
-    layout: Layout, accumulate: int, *, tokens_per_device: int, activation_bytes: int = 4
+    layout: Layout,
+    accumulate: int,
+    *,
+    tokens_per_device: int,
+    activation_bytes: int = 4,
+    batch_fed: frozenset[str] = frozenset(),
+    gather_itemsize: int | None = None,
 ) -> list[Expected]:
-    """The plan's collectives per step (see the module docstring)."""
+    """The plan's collectives per step (see the module docstring). ``gather_itemsize``: bytes per
+    element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16)."""
     n, m_axis, stage = layout.data_size, layout.model_size, layout.plan.stage
     out: list[Expected] = []
 
@@ -71,6 +87,12 @@ def expected_collectives(
     leaves = layout.flat()
     if n > 1:
         sharded = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is not None)
+        if gather_itemsize is not None and stage == "zero3":
+            sharded = sum(
+                _model_bytes(x, m_axis) * gather_itemsize // _itemsize(x)
+                for x in leaves
+                if x.data_dim is not None
+            )
         whole = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is None)
         add("all-reduce", DATA, 1, whole, n, "gradients of leaves kept whole on data")
         if stage == "zero1":
@@ -89,7 +111,9 @@ def expected_collectives(
             if x.model_spec[0] == MODEL:  # row-parallel: forward partial sums of the output
                 size = tokens_per_device * x.shape[1] * activation_bytes
                 add("all-reduce", MODEL, accumulate, size, m_axis, f"{x.path}: forward output partial sums")
-            elif x.model_spec[1] == MODEL:  # column-parallel: backward partial sums of the input gradient
+            elif (
+                x.model_spec[1] == MODEL and x.path not in batch_fed
+            ):  # column-parallel: backward input grads
                 size = tokens_per_device * x.shape[0] * activation_bytes
                 add(
                     "all-reduce",

@@ -14,6 +14,12 @@ data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
   micro-batch. (Differentiating through the bucketed gather instead would make its transpose, a
   pad of every leaf to the bucket's size, cost time quadratic in the leaf count.)
 
+The loss has one internal form, ``(params, state, batch, key) -> (loss, (aux, state))``: ``state``
+(BatchNorm statistics, RNG counters) is threaded through the micro-batches, never differentiated,
+and comes back replicated; ``aux`` metrics are averaged like the loss. Each chunk of the batch (a
+device's rows of a micro-batch) sees ``key`` and the PRNG keys in ``state`` as rows keys at the
+chunk's first row (``_rng``), so random draws equal a single device's on the whole batch.
+
 Reduce-scatters and all-gathers are bucketed per dtype (``_buckets``). Leaves a ZeRO plan keeps
 whole are all-reduced once. The optimizer update then runs in the global view on the sharded
 gradients and state; zero1/2 update the shards where they live and all-gather the new parameters
@@ -34,9 +40,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
+from meshkit.plans import _rng
 from meshkit.plans._layout import DATA, Layout
+from meshkit.plans._manual import manual_data
 
-LossFn = Callable[[Any, Any], jax.Array]
+LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
+"""``(params, state, batch, key) -> (loss, (aux, new_state))``."""
 
 
 def _split_micro(batch: Any, m: int) -> Any:
@@ -70,42 +79,82 @@ def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
 
 
-def _accumulate(grad_fn: Callable, params: Any, batch: Any, m: int, per_micro: Callable = lambda g: g):
-    """Mean loss and summed ``per_micro(grads)`` over ``m`` micro-batches (a scan when m > 1)."""
+def _chunk_grad(loss_fn: LossFn, first_row: Callable[[int | jax.Array, int], jax.Array]) -> Callable:
+    """``(params, state, micro, key, j) -> ((loss, (aux, state)), grads)`` on micro-batch ``j``,
+    with the keys offset to the chunk's first row of the global batch (``first_row(j, rows)``)."""
+
+    def inner(params, state, micro, key, j):
+        rows = jax.tree.leaves(micro)[0].shape[0]
+        offset = first_row(j, rows)
+        (loss, (aux, new)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, _rng.with_offset(state, offset, rows), micro, _rng.rows_key(key, offset, rows)
+        )
+        return (loss, (aux, _rng.without_offset(new))), grads
+
+    return inner
+
+
+def _accumulate(grad_fn: Callable, params: Any, state: Any, batch: Any, key: jax.Array, m: int,
+                per_micro: Callable = lambda g: g):  # fmt: skip
+    """Mean loss and aux, final state and summed ``per_micro(grads)`` over ``m`` micro-batches
+    (a scan when m > 1; the state runs through them in order)."""
     if m == 1:
-        loss, grads = grad_fn(params, batch)
-        return loss, per_micro(grads)
+        (loss, (aux, state)), grads = grad_fn(params, state, batch, key, 0)
+        return loss, aux, state, per_micro(grads)
     micros = _split_micro(batch, m)
 
-    def one(micro):
-        loss, grads = grad_fn(params, micro)
-        return loss, per_micro(grads)
+    def one(state, micro, j):
+        (loss, (aux, state)), grads = grad_fn(params, state, micro, key, j)
+        return loss, aux, state, per_micro(grads)
 
-    def body(carry, micro):
-        loss, grads = one(micro)
-        return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], grads)), None
+    def body(carry, xs):
+        loss, aux, state, grads = one(carry[2], *xs)
+        add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+        return (carry[0] + loss, add(carry[1], aux), state, add(carry[3], grads)), None
 
-    loss0, grads0 = jax.eval_shape(one, _first(micros))
-    acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads0)
-    (loss, acc), _ = lax.scan(body, (jnp.zeros((), loss0.dtype), acc0), micros)
-    return loss / m, acc
+    shapes = jax.eval_shape(one, state, _first(micros), 0)
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+    carry = (zeros(shapes[0]), zeros(shapes[1]), state, zeros(shapes[3]))
+    (loss, aux, state, acc), _ = lax.scan(body, carry, (micros, jnp.arange(m)))
+    return loss / m, jax.tree.map(lambda a: a / m, aux), state, acc
 
 
-def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
-    """The per-device gradient function (inside the manual data region)."""
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Floating leaves of ``tree`` in ``dtype``."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dtype: Any = None) -> Callable:
+    """The per-device gradient function (inside the manual data region).
+
+    With ``compute_dtype`` (mixed precision) under zero3, the parameter shards are cast before the
+    all-gather and the gradients reduce-scattered in that dtype (half the bytes for bf16), then
+    cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
+    """
     stage = layout.plan.stage
+    low = compute_dtype is not None and stage == "zero3"
     scale = 1.0 / (layout.data_size * accumulate)
 
-    def grad_fn(params, micro):
-        if stage == "zero3":  # gather, differentiate at the full parameters, reduce-scatter per micro-batch
-            params = _gather(params, layout)
-        return jax.value_and_grad(loss_fn)(params, micro)
+    def first_row(j, rows):
+        return (lax.axis_index(DATA) * accumulate + j) * rows
 
-    def run(params, batch):
+    chunk = _chunk_grad(loss_fn, first_row)
+
+    def grad_fn(params, state, micro, key, j):
+        if stage == "zero3":  # gather, differentiate at the full parameters, reduce-scatter per micro-batch
+            params = _gather(_cast(params, compute_dtype) if low else params, layout)
+        with manual_data(DATA):
+            return chunk(params, state, micro, key, j)
+
+    def run(params, state, batch, key):
         per_micro = (lambda g: _scatter(g, layout)) if stage in ("zero2", "zero3") else (lambda g: g)
-        loss, acc = _accumulate(grad_fn, params, batch, accumulate, per_micro)
+        if low:
+            per_micro = lambda g: jax.tree.map(lambda s, p: s.astype(p.dtype), _scatter(g, layout), params)  # noqa: E731
+        loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
-        return (lax.pmean(loss, DATA) if layout.data_size > 1 else loss), grads
+        if layout.data_size == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
+            return loss, aux, state, grads
+        return lax.pmean(loss, DATA), lax.pmean(aux, DATA), state, grads
 
     return run
 
@@ -114,25 +163,26 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
-    """Global-view ``(params, batch) -> (loss, grads)`` with the plan's collectives.
+def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dtype: Any = None) -> Callable:
+    """Global-view ``(params, state, batch, key) -> (loss, aux, state, grads)`` with the plan's collectives.
 
     Plain data parallelism of one micro-batch (and tensor parallelism alone) is left to XLA's
     partitioner, which emits the single gradient all-reduce the model predicts; everything else
     runs manual over the data axis.
     """
     if not layout.has_data_axis or (layout.plan.stage == "dp" and accumulate == 1):
+        chunk = _chunk_grad(loss_fn, lambda j, rows: j * rows)
 
-        def plain(params, batch):
-            loss, acc = _accumulate(jax.value_and_grad(loss_fn), params, batch, accumulate)
-            return loss, jax.tree.map(lambda g: g / accumulate, acc)
+        def plain(params, state, batch, key):
+            loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+            return loss, aux, state, jax.tree.map(lambda g: g / accumulate, acc)
 
         return plain
     zero3 = layout.plan.stage == "zero3"
-    in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(DATA))
-    out_specs = (P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
+    in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), P(DATA), P())
+    out_specs = (P(), P(), P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
     return jax.shard_map(
-        local_gradients(loss_fn, layout, accumulate),
+        local_gradients(loss_fn, layout, accumulate, compute_dtype),
         mesh=layout.mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -149,6 +199,8 @@ class StepShardings:
     opt_state: Any
     batch: NamedSharding
     scalar: NamedSharding
+    state: Any = None
+    """The model's other state (replicated), structured like it."""
 
 
 def state_shardings(optimizer: optax.GradientTransformation, params: Any, layout: Layout) -> Any:
@@ -190,22 +242,24 @@ def build_step(
     clip_norm: float | None = None,
     grad_norm: bool = False,
     donate: bool = True,
+    compute_dtype: Any = None,
 ) -> Callable:
-    """The jitted step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+    """The jitted step ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``.
 
-    Metrics: the loss, and the global gradient norm when clipping or ``grad_norm`` asks for it (it
-    costs a reduction over every gradient, which the compiler may fuse into the last collective).
+    Metrics: the loss, the loss's aux metrics (averaged over the batch, replicated), and
+    the global gradient norm when clipping or ``grad_norm`` asks for it (it costs a reduction over
+    every gradient, which the compiler may fuse into the last collective).
     """
-    grads_of = gradient_fn(loss_fn, layout, accumulate)
+    grads_of = gradient_fn(loss_fn, layout, accumulate, compute_dtype)
     gather = _param_gather(layout)
     mesh = layout.mesh
     grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))
     with_norm = grad_norm or clip_norm is not None
 
-    def step(params, opt_state, batch):
-        loss, grads = grads_of(params, batch)
+    def step(params, opt_state, state, batch, key):
+        loss, aux_out, state, grads = grads_of(params, state, batch, key)
         grads = lax.with_sharding_constraint(grads, grad_sh)
-        metrics = {"loss": loss}
+        metrics = {**(aux_out or {}), "loss": loss}
         if with_norm:
             metrics["grad_norm"] = norm = optax.tree.norm(grads)
             if clip_norm is not None:
@@ -215,12 +269,17 @@ def build_step(
         params = optax.apply_updates(params, updates)
         if gather is not None:  # update the shards where they live, then one bucketed all-gather
             params = gather(lax.with_sharding_constraint(params, grad_sh))
-        return params, opt_state, metrics
+        return params, opt_state, state, metrics
 
-    scalars = dict.fromkeys(("loss", "grad_norm") if with_norm else ("loss",), shardings.scalar)
     return jax.jit(
         step,
-        in_shardings=(shardings.params, shardings.opt_state, shardings.batch),
-        out_shardings=(shardings.params, shardings.opt_state, scalars),
-        donate_argnums=(0, 1) if donate else (),
+        in_shardings=(
+            shardings.params,
+            shardings.opt_state,
+            shardings.state,
+            shardings.batch,
+            shardings.scalar,
+        ),
+        out_shardings=(shardings.params, shardings.opt_state, shardings.state, shardings.scalar),
+        donate_argnums=(0, 1, 2) if donate else (),
     )

@@ -189,7 +189,7 @@ class Batches:
         if self.global_batch % self.process_count:
             raise DataError(
                 f"global batch {self.global_batch} does not divide over {self.process_count} processes; "
-                f"use a multiple of {self.process_count}"
+                f"use a --batch-size that is a multiple of {self.process_count}"
             )
 
     def __iter__(self) -> Batches:

@@ -9,9 +9,13 @@ split, checkpoints with orbax (periodically, at the end and on Ctrl-C), and fini
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import time
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +27,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshkit.models import gpt, num_params
+from meshkit.plans._layout import DATA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, abstract_with
 from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
 from meshkit.train.lock import lock_run_dir
+from meshkit.train.metrics import MetricsLog
 from meshkit.train.trainer import Trainer
 from meshkit.verify import host
 
@@ -48,6 +54,8 @@ class Job:
     evals: list[dict[str, Any]] = field(default_factory=list)
     eval_loss: Any = None
     """The jitted loss used for evaluation."""
+    log: MetricsLog | None = None
+    """Where rows go while the run is open (process 0 only)."""
 
     @property
     def writer(self) -> bool:
@@ -59,23 +67,26 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     C.validate(cfg)
     run_dir = Path(cfg.run_dir)
     if resume:
-        cfg = _resumable(cfg, run_dir)
+        C.check_same_run(saved_config(run_dir), cfg, str(run_dir))
     elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
         raise C.ConfigError(
             f"run directory '{run_dir}' already holds checkpoints: pass --resume, or a new --run-dir"
         )
     data = load_text(cfg.data)
     train_tokens, eval_tokens = split(data.tokens)
+    if cfg.seq_len + 1 > len(eval_tokens):
+        raise C.ConfigError(
+            f"--seq-len {cfg.seq_len} needs {cfg.seq_len + 1} held-out tokens but the held-out tenth of the "
+            f"data has {len(eval_tokens)}; use a shorter --seq-len or more --data"
+        )
     batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
-    Batches(
-        eval_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed
-    )  # checks the eval split
     model = gpt.GPTConfig(vocab_size=data.vocab_size, seq_len=cfg.seq_len, layers=cfg.layers, width=cfg.width,
                           heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None)  # fmt: skip
     params = gpt.init(jax.random.key(cfg.seed), model)
     trainer = Trainer(gpt.make_loss(model), params, C.optimizer(cfg), plan=cfg.plan, mesh=cfg.mesh,
                       accumulate=cfg.accumulate, clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params),
                       tokens_per_example=cfg.seq_len, grad_norm=True)  # fmt: skip
+    C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
               batches=batches, run_dir=run_dir, eval_loss=jax.jit(gpt.make_loss(model)))  # fmt: skip
@@ -84,19 +95,18 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     return job
 
 
-def _resumable(cfg: C.TrainConfig, run_dir: Path) -> C.TrainConfig:
+def saved_config(run_dir: Path) -> C.TrainConfig:
+    """The config a run directory was started with; raises unless it holds a run to resume."""
     saved_path = run_dir / "config.json"
     ckpt = run_dir / "checkpoints"
     if not saved_path.is_file() or not ckpt.is_dir() or _latest_step(ckpt) is None:
         raise C.ConfigError(f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume")
-    saved = C.TrainConfig.from_json(json.loads(saved_path.read_text()))
-    for key in C.RESUME_KEYS:
-        if getattr(saved, key) != getattr(cfg, key):
-            raise C.ConfigError(
-                f"--resume: {key} was {getattr(saved, key)!r} in '{run_dir}' but is {getattr(cfg, key)!r} now; "
-                f"use the same value (plan, mesh and steps may change)"
-            )
-    return cfg
+    try:
+        return C.TrainConfig.from_json(json.loads(saved_path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise C.ConfigError(
+            f"--resume: '{saved_path}' is not a meshkit config ({e}): give the run's directory"
+        ) from None
 
 
 def _latest_step(directory: Path) -> int | None:
@@ -145,21 +155,34 @@ def evaluate(job: Job) -> float:
     return float(np.mean(losses))
 
 
+@contextlib.contextmanager
+def _metrics(job: Job) -> Iterator[None]:
+    """Keep ``job.log`` open for the block (opening it here unless an outer block did)."""
+    if job.log is not None or not job.writer:
+        yield
+        return
+    job.log = MetricsLog(job.run_dir, tensorboard=job.cfg.tensorboard, first_step=job.step)
+    try:
+        yield
+    finally:
+        job.log.close()
+        job.log = None
+
+
 def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
     """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by Ctrl-C."""
     cfg = job.cfg
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     lr = C.schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
-    log = (job.run_dir / "metrics.jsonl").open("a") if job.writer else None
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
     try:
-        with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        with _metrics(job), Progress(*columns, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task("train", total=cfg.steps, completed=job.step, info="")
             while job.step < last:
                 row = _one_step(job, float(lr(job.step)))
-                _log(job, log, row)
+                _log(job, row)
                 bar.update(
                     task, completed=job.step, info=f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
                 )
@@ -168,7 +191,7 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
                         f"step {job.step}/{cfg.steps}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
                     )
                 if cfg.eval_every and job.step % cfg.eval_every == 0 and job.step != cfg.steps:
-                    _log(job, log, {"step": job.step, "eval_loss": evaluate(job)})
+                    _log(job, {"step": job.step, "eval_loss": evaluate(job)})
                 if ckpt is not None and (job.step % cfg.checkpoint_every == 0 or job.step == last):
                     _save(job, ckpt)
     except KeyboardInterrupt:
@@ -177,8 +200,6 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
         console.print(f"interrupted at step {job.step}: checkpoint saved; continue with --resume")
         return False
     finally:
-        if log is not None:
-            log.close()
         if ckpt is not None:
             ckpt.close()
     return True
@@ -198,12 +219,11 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     return row
 
 
-def _log(job: Job, log, row: dict[str, Any]) -> None:
+def _log(job: Job, row: dict[str, Any]) -> None:
     if "eval_loss" in row:
         job.evals.append(row)
-    if log is not None:
-        log.write(json.dumps(row) + "\n")
-        log.flush()
+    if job.log is not None:
+        job.log.write(row)
 
 
 def _save(job: Job, ckpt: Checkpointer) -> None:
@@ -236,18 +256,15 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     return decode(np.asarray(out), job.data.vocab)
 
 
-def report(job: Job) -> dict[str, Any]:
-    """What the run achieved and what it cost, measured beside the model."""
+def results(job: Job) -> dict[str, Any]:
+    """What the run achieved: loss, throughput, FLOPs; needs nothing but the history."""
     t = job.trainer
-    probe = next(Batches(job.train_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size,
-                         seed=job.cfg.seed, process_index=0, process_count=1))  # fmt: skip
-    plan_report = t.report(probe)
     steady = [h["tokens_per_s"] for h in job.history[1:]] or [h["tokens_per_s"] for h in job.history]
     tokens_per_s = float(np.median(steady)) if steady else 0.0
     flops = gpt.flops_per_token(job.model)
     return {
         "plan": job.cfg.plan,
-        "mesh": plan_report.mesh,
+        "mesh": dict(t.mesh.shape),
         "devices": t.num_devices,
         "platform": jax.default_backend(),
         "processes": jax.process_count(),
@@ -261,25 +278,54 @@ def report(job: Job) -> dict[str, Any]:
         "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
         "model_flops_per_token": flops,
         "achieved_flops_per_s": tokens_per_s * flops,
-        "checks_ok": plan_report.ok,
-        **{k: v for k, v in plan_report.to_json().items() if k in ("communication", "memory", "compiled_memory", "replicated_leaves")},
-    }  # fmt: skip
+    }
+
+
+def proof(job: Job) -> dict[str, Any]:
+    """What the run cost: communication and memory measured from the compiled step beside the model."""
+    probe = next(Batches(job.train_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size,
+                         seed=job.cfg.seed, process_index=0, process_count=1))  # fmt: skip
+    plan_report = job.trainer.report(probe)
+    keep = ("communication", "memory", "compiled_memory", "replicated_leaves")
+    return {"mesh": plan_report.mesh, "checks_ok": plan_report.ok,
+            **{k: v for k, v in plan_report.to_json().items() if k in keep}}  # fmt: skip
+
+
+def _attempt(what: str, problems: list[str], fn, *args) -> Any:
+    """``fn(*args)``, or None and one line in ``problems`` if it fails: a report never costs the results."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if os.environ.get("MESHKIT_DEBUG"):
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        problems.append(f"{what} failed ({type(e).__name__}: {first})")
+        return None
 
 
 def finish(job: Job, console: Console) -> dict[str, Any]:
-    """Final evaluation, sample, report.json, plots and the summary table."""
-    from meshkit.train import plots
-
-    job.evals.append({"step": job.step, "eval_loss": evaluate(job)})
-    out = report(job)
-    out["sample"] = sample(job, job.cfg.sample_chars)
+    """Final evaluation, then what can be made of report.json, sample, plots and the summary table;
+    anything but the evaluation that fails is one warning line, and the rest is still written."""
+    with _metrics(job):
+        _log(job, {"step": job.step, "eval_loss": evaluate(job)})
+    out, problems = results(job), []
+    out.update(_attempt("the communication/memory report", problems, proof, job) or {"checks_ok": None})
+    out["sample"] = _attempt("sampling", problems, sample, job, job.cfg.sample_chars) or ""
+    plots = _attempt("loading matplotlib", problems, importlib.import_module, "meshkit.train.plots")
+    if job.writer and plots is not None:
+        _attempt("loss.png", problems, plots.loss_plot, job.history, job.evals, job.run_dir / "loss.png")
+        if "communication" in out:
+            _attempt("cost.png", problems, plots.cost_plot, out, job.run_dir / "cost.png")
+    if problems:
+        out["report_problems"] = list(problems)
     if job.writer:
-        with (job.run_dir / "metrics.jsonl").open("a") as log:
-            log.write(json.dumps(job.evals[-1]) + "\n")
         _write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
-        plots.loss_plot(job.history, job.evals, job.run_dir / "loss.png")
-        plots.cost_plot(out, job.run_dir / "cost.png")
-    plots.summary(out, job.run_dir, console)
+    if plots is not None:
+        _attempt("the summary table", problems, plots.summary, out, job.run_dir, console)
+    for line in problems:
+        console.print(
+            f"[yellow]warning:[/] {line}; the training results are in {job.run_dir}", soft_wrap=True
+        )
     return out
 
 
@@ -293,7 +339,9 @@ def run(
 ) -> int:
     """The whole job; returns the exit code (0 done, 130 interrupted). ``latest_link`` is a symlink
     pointed at the run directory once it is created."""
+    C.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
     job = prepare(cfg, resume=resume)
+    C.check_stop_after(stop_after, job.step)
     if job.writer:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run_dir(job.run_dir)  # noqa: F841  held until run() returns: one run per directory
@@ -310,12 +358,14 @@ def run(
         f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.plan}[/] on "
         f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
         f"({len(job.data.tokens):,} tokens, vocab {job.data.vocab_size})"
-        + (f", resuming at step {job.step}" if resume else "")
+        + (f", resuming at step {job.step}" if resume else ""),
+        soft_wrap=True,
     )
-    if not train(job, console, stop_after=stop_after):
-        return 130
-    if job.step < cfg.steps:
-        console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
-        return 0
-    finish(job, console)
+    with _metrics(job):
+        if not train(job, console, stop_after=stop_after):
+            return 130
+        if job.step < cfg.steps:
+            console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
+            return 0
+        finish(job, console)
     return 0

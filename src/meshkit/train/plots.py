@@ -53,25 +53,30 @@ def _bars(ax, labels, measured, model, model_label, title) -> None:
     ax.legend(fontsize=8, loc="upper right")
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
     """The end-of-run table."""
     rows = [
-        ["loss (first step -> last step)", f"{report['initial_loss']:.4f} -> {report['final_loss']:.4f}"],
-        ["held-out loss", f"{report['eval_loss']:.4f}"],
+        ["loss (first step -> last step)", f"{_num(report['initial_loss'])} -> {_num(report['final_loss'])}"],
+        ["held-out loss", _num(report["eval_loss"])],
         ["throughput", f"{report['tokens_per_s']:,.0f} tokens/s ({report['step_time_s'] * 1000:.1f} ms/step)"],
         ["model FLOPs", f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"],
         ["devices", f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"],
     ]  # fmt: skip
-    for c in report["communication"]:
+    for c in report.get("communication", []):
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
         rows.append(
             [f"comm {c['op']} over {c['axes']}", f"{fmt_bytes(c['measured_traffic_bytes'])} (model x{ratio})"]
         )
-    for m in report["memory"]:
+    for m in report.get("memory", []):
         rows.append(
             [f"memory: {m['component']}", f"{fmt_bytes(m['measured_bytes'])} (formula x{m['ratio']:.3f})"]
         )
-    rows.append(["measured = model", "yes" if report["checks_ok"] else "NO"])
+    ok = report.get("checks_ok")
+    rows.append(["measured = model", "not measured" if ok is None else "yes" if ok else "NO"])
     console.print(
         table(
             f"Run summary ({report['steps']} steps, plan {report['plan']})", ["", ""], rows, justify_right=9
@@ -79,4 +84,6 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
     )
     if report.get("sample"):
         console.print(f"[bold]sample:[/] {report['sample']!r}")
-    console.print(f"wrote {run_dir}/: config.json metrics.jsonl report.json loss.png cost.png checkpoints/")
+    names = ("config.json", "metrics.jsonl", "report.json", "loss.png", "cost.png", "checkpoints")
+    wrote = [n + "/" * (n == "checkpoints") for n in names if (run_dir / n).exists()]
+    console.print(f"wrote {run_dir}/: {' '.join(wrote)}")

@@ -1,0 +1,52 @@
+"""What every adapter returns: parameters, state, logical axes, and the glue into the loss."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from meshkit._errors import MeshkitError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Adapted:
+    """A framework model split for ``Trainer``: pass it as ``params``."""
+
+    framework: str
+    params: Any
+    """Trainable floating arrays (a plain pytree: nested dicts for Flax, the module's array
+    leaves for Equinox)."""
+    state: Any
+    """Everything else the model carries and updates (BatchNorm statistics, RNG state, counters)."""
+    logical_axes: Any
+    """Per parameter a tuple of logical axis names (None where unannotated), from the framework's
+    partition metadata; None when the model carries none."""
+    wrap: Callable[..., Callable]
+    """``wrap(user_loss, *, has_aux, rng) -> loss(params, state, batch[, key]) -> (out, new_state)``."""
+    rebuild: Callable[[Any, Any], Any]
+    """``rebuild(params, state)``: the framework's model holding them (e.g. after training)."""
+
+    def loss(self, user_loss: Callable, *, has_aux: bool = False, rng: bool = False) -> Callable:
+        """``user_loss`` (written against the framework's model) in the Trainer's stateful form."""
+        return self.wrap(user_loss, has_aux=has_aux, rng=rng)
+
+
+def require(module: str, extra: str) -> Any:
+    """Import an optional framework, or say how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MeshkitError(
+            f"{module} is not installed: pip install 'meshkit[{extra}]' (or the pinned {extra} version)"
+        ) from None
+
+
+def to_axes(spec: Any, ndim: int) -> tuple:
+    """A PartitionSpec or tuple of names as a tuple of ``ndim`` logical names (None-padded).
+
+    Entries naming several axes at once (``('data', 'model')``) are kept as given.
+    """
+    names = tuple(spec) if spec is not None else ()
+    return names + (None,) * (ndim - len(names))

@@ -1,0 +1,76 @@
+"""Which tensor-parallel matmuls need no input gradient: read from the loss's jaxpr.
+
+A column-parallel matrix (split on its output dim) all-reduces the partial sums of its input's
+gradient in the backward pass, unless nothing upstream needs that gradient: when the matmul's
+other operand depends on no parameter (the batch itself, as in an MLP's first layer), XLA drops
+the all-reduce. The plan's cost model asks this module which leaves those are, so model and
+ledger agree. The walk follows the loss's jaxpr, into nested calls (``jit``, custom derivatives,
+remat), tracking which values depend on parameters and which are a parameter leaf up to
+dtype/shape-only operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+_SAME_VALUE = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+               "expand_dims", "copy", "copy_p", "reduce_precision", "sharding_constraint"}  # fmt: skip
+_SUB = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _inner(eqn) -> Any:
+    for name in _SUB:
+        sub = eqn.params.get(name)
+        if sub is not None:
+            return getattr(sub, "jaxpr", sub)
+    return None
+
+
+def _var(v) -> Any:
+    """A jaxpr variable, or None for a literal (literals are unhashable and depend on nothing)."""
+    return None if isinstance(v, jcore.Literal) else v
+
+
+def _walk(jaxpr, origin: dict, tainted: set, found: set) -> None:
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        dirty = any(v in tainted for v in ins)
+        sub = _inner(eqn)
+        if sub is not None and len(sub.invars) == len(eqn.invars):
+            pairs = [(iv, _var(ov)) for iv, ov in zip(sub.invars, eqn.invars, strict=True)]
+            inner_origin = {iv: origin[ov] for iv, ov in pairs if ov in origin}
+            inner_taint = {iv for iv, ov in pairs if ov in tainted}
+            _walk(sub, inner_origin, inner_taint, found)
+            for ov, iv in zip(eqn.outvars, map(_var, sub.outvars), strict=True):
+                if iv in inner_taint:
+                    tainted.add(ov)
+                if iv in inner_origin:
+                    origin[ov] = inner_origin[iv]
+            continue
+        if eqn.primitive.name == "dot_general" and len(ins) == 2:
+            a, b = ins
+            for w, x in ((a, b), (b, a)):
+                if w in origin and x not in tainted:
+                    found.add(origin[w])
+        if eqn.primitive.name in _SAME_VALUE and ins and ins[0] in origin:
+            origin[eqn.outvars[0]] = origin[ins[0]]
+        if dirty:
+            tainted.update(eqn.outvars)
+
+
+def batch_fed(loss_fn: Callable, params: Any, *rest: Any) -> frozenset[str]:
+    """Paths (``a/b/c``) of parameter leaves some matmul multiplies with a value that depends on no
+    parameter. ``loss_fn(params, *rest)``; arguments may be arrays or ``jax.ShapeDtypeStruct``s."""
+    from meshkit.plans._layout import _path_str
+
+    closed = jax.make_jaxpr(loss_fn)(params, *rest)
+    paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    invars = closed.jaxpr.invars[: len(paths)]
+    origin = dict(zip(invars, paths, strict=True))
+    found: set = set()
+    _walk(closed.jaxpr, origin, set(invars), found)
+    return frozenset(found)
