@@ -211,29 +211,42 @@ def test_a_process_without_the_jobs_certificate_is_refused(pki, outsider):
     port = free_port()
     tls = {"no certificate": None, "another CA's certificate": _tls(pki, "outsider", "other-ca")}[outsider]
     procs = []
-    for rank, mine in ((0, _tls(pki)), (1, tls)):
+    for rank, mine, timeout in ((0, _tls(pki), "120"), (1, tls, "8")):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_")}
         env.update(ENV, PYTHONUNBUFFERED="1", **(mine.env() if mine else {}))
         env.update({d.MESHKIT_COORDINATOR_ADDRESS: f"localhost:{port}", d.MESHKIT_NUM_PROCESSES: "2",
-                    d.MESHKIT_PROCESS_ID: str(rank), d.MESHKIT_TIMEOUT_S: "8",
+                    d.MESHKIT_PROCESS_ID: str(rank), d.MESHKIT_TIMEOUT_S: timeout,
                     d.MESHKIT_COORDINATOR_BIND_ADDRESS: "127.0.0.1"})  # fmt: skip
         cmd = [sys.executable, str(WORKERS / "psum_worker.py"), "2"]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
+        deadline = time.monotonic() + 120  # process 1 starts once process 0's service listens
+        while rank == 0 and not _listening(port):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "process 0 never listened"
+            time.sleep(0.2)
     try:
-        outs = [p.communicate(timeout=120) for p in procs]
+        out1 = procs[1].communicate(timeout=120)
+        procs[0].terminate()  # it would wait its 120 s for a process 1 it will never admit
+        out0 = procs[0].communicate(timeout=60)
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert [p.returncode for p in procs] == [2, 2], outs
-    assert not any("RESULT" in o for o, _ in outs)  # no collective ran
-    assert outs[0][1].startswith("error: the job did not form within 8 s") and outs[0][1].count("\n") == 1
-    err = outs[1][1]
+    assert procs[1].returncode == 2, out1
+    assert "RESULT" not in out0[0] + out1[0]  # no collective ran
+    err = out1[1]
     assert err.startswith(
         f"error: the coordinator at localhost:{port} did not admit process 1 of 2 within 8 s"
-    )
+    ), err
     assert err.count("\n") == 1
     hint = "give this process its certificate" if tls is None else "signed by the job's CA"
     assert hint in err
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
