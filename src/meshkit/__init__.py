@@ -5,6 +5,7 @@ from meshkit._errors import DeviceSetupError, HloParseError, MeshkitError, MeshS
 from meshkit.devices import DeviceReport, describe_devices, simulate_devices
 from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
 from meshkit.plans import PLANS, PlanError
+from meshkit.plans._hook import layer
 from meshkit.train import PlanReport, Trainer
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "Trainer",
     "analysis",
     "describe_devices",
+    "layer",
     "make_mesh",
     "parse_mesh_spec",
     "resolve_mesh_shape",

@@ -9,9 +9,11 @@ data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
          emits that same single all-reduce);
 - zero1: local sum, then one reduce-scatter (every device holds full local gradients, as ZeRO-1);
 - zero2: one reduce-scatter per micro-batch into a sharded accumulator;
-- zero3: parameters all-gathered before each micro-batch's gradient (XLA hoists the gather out of
-  the micro-batch loop: the parameters are loop-invariant), gradients reduce-scattered per
-  micro-batch. (Differentiating through the bucketed gather instead would make its transpose, a
+- zero3: where the loss has layers (a ``lax.scan`` over stacked leaves, or blocks marked with
+  ``meshkit.layer``), each layer gathers its parameters inside and reduce-scatters their gradients
+  in its backward pass (``_fsdp``); every other leaf is all-gathered before each micro-batch's
+  gradient (XLA hoists that gather out of the micro-batch loop: the parameters are loop-invariant),
+  and its gradient reduce-scattered per micro-batch. (Differentiating through the bucketed gather instead would make its transpose, a
   pad of every leaf to the bucket's size, cost time quadratic in the leaf count.)
 
 Reduce-scatters and all-gathers are bucketed per dtype (``_buckets``). Leaves a ZeRO plan keeps
@@ -34,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
+from meshkit.plans import _fsdp
 from meshkit.plans._layout import DATA, Layout
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -91,18 +94,21 @@ def _accumulate(grad_fn: Callable, params: Any, batch: Any, m: int, per_micro: C
     return loss / m, acc
 
 
-def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
+def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int, per: _fsdp.PerLayer) -> Callable:
     """The per-device gradient function (inside the manual data region)."""
     stage = layout.plan.stage
     scale = 1.0 / (layout.data_size * accumulate)
 
-    def grad_fn(params, micro):
-        if stage == "zero3":  # gather, differentiate at the full parameters, reduce-scatter per micro-batch
-            params = _gather(params, layout)
-        return jax.value_and_grad(loss_fn)(params, micro)
+    def grad_fn(params, micro):  # zero3: gathers per layer where the loss has layers (_fsdp), else up front
+        return _fsdp.value_and_grad(loss_fn, per, params, micro)
+
+    def scatter(g):  # per-layer leaves come back already reduce-scattered
+        return _tree_apply(
+            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, layout
+        )
 
     def run(params, batch):
-        per_micro = (lambda g: _scatter(g, layout)) if stage in ("zero2", "zero3") else (lambda g: g)
+        per_micro = scatter if stage in ("zero2", "zero3") else (lambda g: g)
         loss, acc = _accumulate(grad_fn, params, batch, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
         return lax.pmean(loss, DATA), grads
@@ -114,17 +120,21 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
+def gradient_fn(
+    loss_fn: LossFn, layout: Layout, accumulate: int, per: _fsdp.PerLayer | None = None
+) -> Callable:
     """Global-view ``(params, batch) -> (loss, grads)`` with the plan's collectives.
 
     Plain data parallelism of one micro-batch (and tensor parallelism alone) is left to XLA's
     partitioner, which emits the single gradient all-reduce the model predicts; everything else
-    runs manual over the data axis.
+    runs manual over the data axis. ``per`` carries the remat policy and records the layers found.
     """
+    per = _fsdp.PerLayer(layout=layout) if per is None else per
     if not layout.has_data_axis or (layout.plan.stage == "dp" and accumulate == 1):
 
         def plain(params, batch):
-            loss, acc = _accumulate(jax.value_and_grad(loss_fn), params, batch, accumulate)
+            grad_fn = lambda p, b: _fsdp.value_and_grad(loss_fn, per, p, b)  # noqa: E731
+            loss, acc = _accumulate(grad_fn, params, batch, accumulate)
             return loss, jax.tree.map(lambda g: g / accumulate, acc)
 
         return plain
@@ -132,7 +142,7 @@ def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int) -> Callable:
     in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(DATA))
     out_specs = (P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
     return jax.shard_map(
-        local_gradients(loss_fn, layout, accumulate),
+        local_gradients(loss_fn, layout, accumulate, per),
         mesh=layout.mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -190,13 +200,14 @@ def build_step(
     clip_norm: float | None = None,
     grad_norm: bool = False,
     donate: bool = True,
+    per_layer: _fsdp.PerLayer | None = None,
 ) -> Callable:
     """The jitted step ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     Metrics: the loss, and the global gradient norm when clipping or ``grad_norm`` asks for it (it
     costs a reduction over every gradient, which the compiler may fuse into the last collective).
     """
-    grads_of = gradient_fn(loss_fn, layout, accumulate)
+    grads_of = gradient_fn(loss_fn, layout, accumulate, per_layer)
     gather = _param_gather(layout)
     mesh = layout.mesh
     grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))

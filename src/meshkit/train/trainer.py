@@ -31,6 +31,7 @@ from meshkit.plans import (
     memory_formula,
     state_shardings,
 )
+from meshkit.plans._fsdp import PerLayer
 from meshkit.plans._layout import DATA, Rules
 
 _DEFAULT_MESH = {"dp": "data=-1", "zero1": "data=-1", "zero2": "data=-1", "zero3": "data=-1", "fsdp": "data=-1",
@@ -79,6 +80,10 @@ class Trainer:
     examples) and returns the metrics; ``trainer.params`` holds the global, sharded parameters;
     ``trainer.compiled(batch)`` is the compiled step for the ledgers; ``trainer.report(batch)``
     sets measured communication and memory beside the plan's model.
+
+    ``remat`` is the activation-checkpoint policy per layer ('none', 'layer', 'dots', 'regather';
+    see ``meshkit.plans._fsdp``); under zero3/fsdp a layer's parameters are gathered inside it. Layers
+    are found in the loss: a ``lax.scan`` over stacked parameters, or blocks marked ``meshkit.layer``.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class Trainer:
         tokens_per_example: int = 1,
         grad_norm: bool = False,
         donate: bool = True,
+        remat: str = "none",
     ) -> None:
         _check_optimizer(optimizer)
         self.plan = get_plan(plan)
@@ -132,6 +138,7 @@ class Trainer:
         # A fresh copy: steps donate their inputs, and device_put may hand back the caller's buffers.
         self.params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params)
         self.opt_state = jax.jit(optimizer.init, out_shardings=self.shardings.opt_state)(self.params)
+        self.per_layer = PerLayer(layout=self.layout, remat=remat)
         self._step = build_step(
             loss_fn,
             optimizer,
@@ -141,6 +148,7 @@ class Trainer:
             clip_norm=clip_norm,
             grad_norm=grad_norm,
             donate=donate,
+            per_layer=self.per_layer,
         )
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
@@ -193,7 +201,9 @@ class Trainer:
         ledger = communication(compiled, mesh=self.mesh)
         n_examples = jax.tree.leaves(batch)[0].shape[0]
         tokens = n_examples // (int(self.mesh.shape.get(DATA, 1)) * self.accumulate) * self.tokens_per_example
-        expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens)
+        expected = expected_collectives(
+            self.layout, self.accumulate, tokens_per_device=tokens, per_layer=self.per_layer
+        )
         formula = memory_formula(self.layout, self.optimizer, self._param_shapes)
         mem = [
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
