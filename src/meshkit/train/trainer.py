@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.analysis import CommLedger, MemoryLedger, communication, memory
+from meshkit.analysis.peak import peak_report
 from meshkit.mesh import make_mesh
 from meshkit.plans import (
     CommRow,
@@ -49,6 +50,9 @@ class PlanReport:
     compiled_memory: MemoryLedger
     replicated: list[tuple[str, str]]
     ledger: CommLedger = field(repr=False)
+    peak: dict | None = None
+    """Measured peak (arguments + temporaries) beside ``meshkit.analysis.peak``'s model, and the
+    layers the plan found in the loss."""
 
     @property
     def ok(self) -> bool:
@@ -63,6 +67,7 @@ class PlanReport:
             "memory": [r.to_json() for r in self.memory],
             "compiled_memory": self.compiled_memory.to_json(),
             "replicated_leaves": [{"path": p, "why": w} for p, w in self.replicated],
+            "peak": self.peak,
         }
 
 
@@ -139,6 +144,7 @@ class Trainer:
         self.params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params)
         self.opt_state = jax.jit(optimizer.init, out_shardings=self.shardings.opt_state)(self.params)
         self.per_layer = PerLayer(layout=self.layout, remat=remat)
+        self._loss_fn = loss_fn
         self._step = build_step(
             loss_fn,
             optimizer,
@@ -209,12 +215,22 @@ class Trainer:
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
             MemoryRow(component="optimizer", measured_bytes=device_bytes(self.opt_state), formula_bytes=formula["optimizer"]),
         ]  # fmt: skip
+        compiled_memory = memory(compiled)
         return PlanReport(
+            peak=peak_report(
+                compiled_memory,
+                self._loss_fn,
+                self.per_layer,
+                self._param_shapes,
+                batch,
+                self.optimizer,
+                self.accumulate,
+            ),
             plan=self.plan.name,
             mesh={k: int(v) for k, v in self.mesh.shape.items()},
             communication=compare_communication(ledger, expected),
             memory=mem,
-            compiled_memory=memory(compiled),
+            compiled_memory=compiled_memory,
             replicated=self.layout.replicated(),
             ledger=ledger,
         )

@@ -1,0 +1,216 @@
+"""Peak per-device memory of a training step: the compiled step, compiled from abstract shapes
+(nothing allocated), beside a model from the layout and the loss's layers.
+
+Measured is ``memory_analysis()``'s arguments + temporaries (the outputs alias the donated
+parameters and optimizer state). See ``predict_peak`` for the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals in 0.12
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshkit.mesh import make_mesh
+from meshkit.plans import StepShardings, build_step, get_plan, make_layout, memory_formula, state_shardings
+from meshkit.plans._fsdp import PerLayer, analyse
+from meshkit.plans._layout import DATA
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AbstractStep:
+    """A plan's step compiled from shapes, with what the model needs to predict its memory."""
+
+    compiled: Any
+    per_layer: PerLayer
+    params: Any
+    """Parameter shapes (jax.ShapeDtypeStruct)."""
+    batch: Any
+    optimizer: Any
+    loss_fn: Callable
+
+    def predict(self) -> PeakModel:
+        return predict_peak(self.loss_fn, self.per_layer, self.params, self.batch, self.optimizer)
+
+    @property
+    def measured_peak(self) -> int:
+        m = self.compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.temp_size_in_bytes)
+
+
+def abstract_step(
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    optimizer: optax.GradientTransformation,
+    *,
+    plan: str,
+    mesh: str,
+    remat: str = "none",
+    logical_axes: Any = None,
+    accumulate: int = 1,
+) -> AbstractStep:
+    """Compile the plan's step ahead of time from parameter and batch shapes (ShapeDtypeStructs)."""
+    p = get_plan(plan)
+    m = make_mesh(mesh, axis_types="auto")
+    layout = make_layout(params, p, m, logical_axes=logical_axes)
+    param_sh = layout.tree(lambda leaf: NamedSharding(m, leaf.spec(data=p.stage == "zero3")))
+    sh = StepShardings(
+        params=param_sh,
+        opt_state=state_shardings(optimizer, params, layout),
+        batch=NamedSharding(m, P(DATA) if DATA in m.shape else P()),
+        scalar=NamedSharding(m, P()),
+    )
+    per = PerLayer(layout=layout, remat=remat)
+    step = build_step(loss_fn, optimizer, layout, sh, accumulate=accumulate, per_layer=per)
+    opt = jax.eval_shape(optimizer.init, params)
+    attach = lambda tree, shard: jax.tree.map(  # noqa: E731
+        lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shard
+    )
+    compiled = step.lower(
+        attach(params, param_sh), attach(opt, sh.opt_state), jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh.batch), batch)
+    ).compile()  # fmt: skip
+    return AbstractStep(
+        compiled=compiled, per_layer=per, params=params, batch=batch, optimizer=optimizer, loss_fn=loss_fn
+    )
+
+
+def nbytes(tree: Any) -> float:
+    return float(
+        sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeakModel:
+    """Predicted per-device bytes at the step's peak, by component (see ``predict_peak``)."""
+
+    persistent: float
+    gradients: float
+    gathered: float
+    activations: float
+    update: float
+
+    @property
+    def total(self) -> float:
+        return self.persistent + max(self.gradients + self.gathered + self.activations, self.update)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> tuple[float, float]:
+    """(bytes the backward pass keeps, bytes one layer keeps without remat), parameters excluded,
+    from ``jax.ad_checkpoint.saved_residuals`` of the per-device loss under the remat policy."""
+    from meshkit.plans import Layout
+    from meshkit.plans._fsdp import layered_loss
+
+    layout = Layout(plan=get_plan("dp"), mesh=per.layout.mesh, leaves=per.layout.leaves)
+    leaves = jax.tree.leaves(params)
+
+    def saved(remat: str) -> float:
+        f = layered_loss(loss_fn, PerLayer(layout=layout, remat=remat, found=per.found), params, micro)
+        res = saved_residuals(f, leaves, micro)
+        return sum(nbytes(a) for a, where in res if "argument" not in str(where))
+
+    plain = saved("none")
+    layers = per.found.layers if per.found is not None and per.found.per_layer else 0
+    return (plain if per.remat == "none" else saved(per.remat)), (plain / layers if layers else 0.0)
+
+
+def predict_peak(
+    loss_fn: Callable, per: PerLayer, params: Any, batch: Any, optimizer: Any, accumulate: int = 1
+) -> PeakModel:
+    """Per-device peak of the step: arguments + the larger of the backward and the update phases.
+
+    - persistent (the arguments): parameters and optimizer state as the plan keeps them, the batch;
+    - backward phase: full local gradients of every leaf not reduce-scattered inside a layer; zero3's
+      gathered parameters (leaves used outside layers for the step; per-layer leaves whole for every
+      layer without remat, else one layer); a bucketed gather holds its bucket and the leaves sliced
+      from it (2x), and a layer's gradient is whole until its reduce-scatter; activations as saved;
+    - update phase: the optimizer's update tree (one copy of the state's parameter-shaped leaves).
+    """
+    layout = per.layout
+    n, stage = layout.data_size, layout.plan.stage
+    flat = layout.flat()
+    sizes = [nbytes(x) for x in jax.tree.leaves(params)]
+    total = sum(sizes)
+    micro = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((s.shape[0] // (n * accumulate), *s.shape[1:]), s.dtype), batch
+    )
+    if per.found is None:  # the step was not traced yet: trace the loss once for its layers
+        per.found = analyse(loss_fn, layout, params, micro)
+    found = per.found
+    layer = set(found.layer_leaves) if found is not None and found.per_layer and per.gathers else set()
+    zero3 = stage == "zero3" and n > 1
+
+    def at_rest(i: int, sharded: bool) -> float:
+        return sizes[i] / n if sharded and flat[i].data_dim is not None else sizes[i]
+
+    params_b = sum(at_rest(i, zero3) for i in range(len(sizes)))
+    opt_b = memory_formula(layout, optimizer, params)["optimizer"]
+    batch_b = nbytes(batch) / n
+    persistent = params_b + opt_b + batch_b
+
+    layer_b = sum(sizes[i] for i in layer)
+    top_b = total - layer_b
+    if zero3:
+        grads = top_b + layer_b / n
+        lay = found.layers if layer else 1
+        per_layer_b = layer_b / lay if layer else 0.0
+        held = layer_b if per.remat == "none" else per_layer_b
+        gathered = 2 * top_b + 2 * held + per_layer_b  # bucket + slices; one layer's whole gradient
+    else:
+        grads, gathered = total, 0.0
+    saved, one = saved_activations(loss_fn, per, params, micro)
+    activations = saved + (one if per.remat != "none" else 0.0)
+    update = params_b if stage == "dp" else sum(at_rest(i, True) for i in range(len(sizes)))
+    return PeakModel(
+        persistent=persistent, gradients=grads, gathered=gathered, activations=activations, update=update
+    )
+
+
+def peak_report(
+    measured: Any,
+    loss_fn: Callable,
+    per: PerLayer,
+    params: Any,
+    batch: Any,
+    optimizer: Any,
+    accumulate: int = 1,
+) -> dict:
+    """Measured peak (a MemoryLedger's arguments + temporaries) beside the model, explained past 10%."""
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
+    model = predict_peak(loss_fn, per, params, shapes, optimizer, accumulate)
+    got = measured.argument_bytes + measured.temp_bytes
+    ratio = got / model.total
+    found = per.found
+    out = {
+        "measured_bytes": got,
+        "model_bytes": model.total,
+        "ratio": ratio,
+        "model": model.to_json(),
+        "remat": per.remat,
+        "layers": found.note if found is not None else None,
+        "ok": 0.9 <= ratio <= 1.1,
+    }
+    if not out["ok"]:
+        why = []
+        if ratio > 1.1:
+            why.append("the compiler keeps more alive at once than the model counts (buffers of several "
+                       "layers overlap, or gathered buckets are copied)")  # fmt: skip
+        else:
+            why.append("the compiler reuses buffers the model counts separately (gradients, activations and "
+                       "the update share memory over time)")  # fmt: skip
+        if per.gathers and found is not None and not found.per_layer:
+            why.append(found.note)
+        out["explanation"] = "; ".join(why)
+    return out
