@@ -120,3 +120,48 @@ def test_usage_errors_are_one_line_naming_the_help(capsys, argv, message):
 def test_no_arguments_prints_help(capsys):
     code, out, _ = run(capsys)
     assert code == 0 and "Usage: meshkit" in out and "train" in out
+
+
+def test_comm_with_hlo_imports_neither_jax_nor_numpy(tmp_path):
+    code = (
+        "import sys\nfrom meshkit.cli import main\n"
+        f"assert main(['comm', '--hlo', {str(FIXTURES / 'loops.hlo')!r}]) == 0\n"
+        "print(sorted(m for m in ('jax', 'jaxlib', 'numpy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("[]")
+
+
+def _many_collectives(n: int) -> str:
+    body = "\n".join(
+        f"  ar{i} = f32[{i + 1}] all-reduce(p{i}), channel_id={i + 1}, replica_groups=[2,4]<=[8], "
+        f"use_global_device_ids=true, to_apply=add\n  p{i + 1} = f32[{i + 2}] parameter({i + 1})"
+        for i in range(n)
+    )
+    return (
+        "HloModule many, num_partitions=8\n\nadd {\n  a = f32[] parameter(0)\n  b = f32[] parameter(1)\n"
+        f"  ROOT s = f32[] add(a, b)\n}}\n\nENTRY main {{\n  p0 = f32[1] parameter(0)\n{body}\n"
+        f"  ROOT r = f32[{n + 1}] copy(p{n})\n}}\n"
+    )
+
+
+def test_comm_tables_group_by_op_and_axes_and_all_lists_every_collective(tmp_path, capsys):
+    f = tmp_path / "many.hlo"
+    f.write_text(_many_collectives(2000))
+    code, out, _ = run(capsys, "comm", "--hlo", str(f))
+    assert code == 0 and "By op" in out and "By mesh axes" in out
+    assert "2,000 collective instruction(s)" in out and "Largest 10 of 2,000 collectives" in out
+    assert out.count("all-reduce") < 20  # grouped, not one line per collective
+    code, out, _ = run(capsys, "comm", "--hlo", str(f), "--all")
+    assert code == 0 and sum(line.startswith("all-reduce ") for line in out.splitlines()) == 2000
+    assert "ar1999 " in out and "7.81 KiB" in out  # f32[2000]
+    code, out, _ = run(capsys, "comm", "--hlo", str(f), "--json")
+    assert code == 0 and len(json.loads(out)["records"]) == 2000
+
+
+def test_comm_on_a_binary_file_is_one_line(tmp_path, capsys):
+    f = tmp_path / "x.hlo"
+    f.write_bytes(b"\x80\x81\xff\x00" * 10)
+    code, _, err = run(capsys, "comm", "--hlo", str(f))
+    assert code == 2 and "is not text" in err and err.count("\n") == 1

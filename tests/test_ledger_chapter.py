@@ -95,3 +95,63 @@ def test_ring_identity_all_reduce_is_reduce_scatter_plus_all_gather():
         assert ring_traffic("all-reduce", s, n) == pytest.approx(
             ring_traffic("reduce-scatter", s, n) + ring_traffic("all-gather", s, n)
         )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(("data", 1), ("model", 8)), (("model", 8), ("data", 1)), (("data", 2), ("pipe", 1), ("model", 4))],
+)
+def test_meshes_with_a_size_1_axis(shape):
+    """A mesh axis of size 1 (``--mesh data=1,model=8``) names no devices of its own: groups over
+    the other axes still match, and the ledger reads the program (issue 10: it raised before)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    names = tuple(n for n, _ in shape)
+    sizes = tuple(s for _, s in shape)
+    mesh = jax.make_mesh(sizes, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
+
+    def step(x):
+        return jax.lax.psum(x, "model") + jax.lax.psum(2 * x, names), jax.lax.all_gather(
+            x, "model", tiled=True
+        )
+
+    spec = P(names)
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+    x = jax.device_put(np.arange(8 * 4, dtype=np.float32), NamedSharding(mesh, spec))
+    led = communication(fn.lower(x).compile())
+    assert led.mesh == shape
+    model = dict(shape)["model"]
+    wide = tuple(n for n, s in shape if s > 1)
+    for r in led.records:
+        assert r.axes in (("model",), wide, names) and r.group_size == (model if r.axes == ("model",) else 8)
+    assert {r.op for r in led.records} == {"all-reduce", "all-gather"}
+    assert any(r.axes == ("model",) and r.op == "all-gather" for r in led.records)
+    summed, gathered = fn(x)
+    grid = np.asarray(x, np.float64).reshape(*sizes, 4)  # each device's block, in mesh order
+    want = grid.sum(axis=names.index("model"), keepdims=True) + 2 * grid.sum(
+        axis=tuple(range(len(sizes))), keepdims=True
+    )
+    np.testing.assert_allclose(
+        np.asarray(summed).reshape(*sizes, 4), np.broadcast_to(want, grid.shape), rtol=1e-6
+    )
+    assert np.asarray(gathered).shape == (8 * 4 * model,)
+
+
+@pytest.mark.parametrize("shape", [(("data", 1), ("model", 8)), (("data", 2), ("pipe", 1), ("model", 4))])
+def test_partitioner_groups_match_mesh_axes_with_a_size_1_axis(shape):
+    """Groups the partitioner prints as iota lists are matched to the mesh of the input shardings."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    names = tuple(n for n, _ in shape)
+    sizes = tuple(s for _, s in shape)
+    mesh = jax.make_mesh(sizes, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    a = jax.device_put(np.ones((16, 64), np.float32), NamedSharding(mesh, P(None, "model")))
+    b = jax.device_put(np.ones((64, 8), np.float32), NamedSharding(mesh, P("model", None)))
+    fn = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(mesh, P()))
+    led = communication(fn.lower(a, b).compile())
+    assert led.mesh == shape and led.kinds() == ["all-reduce"]
+    (rec,) = led.records
+    assert rec.axes == ("model",) and rec.group_size == dict(shape)["model"]
+    np.testing.assert_allclose(np.asarray(fn(a, b)), np.full((16, 8), 64.0))

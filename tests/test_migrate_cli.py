@@ -124,3 +124,37 @@ def test_missing_path_is_one_line_error_and_exit_2(tmp_path: Path, capsys):
     assert captured.err.startswith("error: no such file or directory ") and captured.err.count("\n") == 1
     with pytest.raises(MigratePathError):
         lint([tmp_path / "nope.py"])
+
+
+@pytest.mark.parametrize(
+    "legacy",
+    [
+        "import jax\nt = jax.tree_multimap(lambda a, b: a + b, [1], [2])\n",
+        "from jax.experimental import PartitionSpec\n",
+        "import jax\nx = jax.ops.index_update(jax.numpy.zeros(3), 0, 1.0)\n",
+        "import jax.numpy as jnp\nninf = jnp.NINF\n",
+        "from jax.experimental.pjit import with_sharding_constraint\n",
+    ],
+)
+def test_check_fails_on_a_file_that_would_not_import_under_jax_0_12(tmp_path: Path, legacy: str, capsys):
+    path = tmp_path / "old.py"
+    path.write_text(legacy)
+    with pytest.raises((AttributeError, ImportError)):  # the file itself fails under JAX 0.12
+        exec(compile(legacy, str(path), "exec"), {})
+    assert main(["migrate", str(path), "--check"]) == 1
+    assert " MK0" in capsys.readouterr().out
+
+
+def test_json_reports_an_immediately_called_pmap_once(tmp_path: Path, capsys):
+    path = tmp_path / "doc.py"
+    path.write_text(
+        'import jax\ny = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")(jax.numpy.ones(8))\n'
+    )
+    assert main(["migrate", str(path), "--json"]) == 0
+    (finding,) = json.loads(capsys.readouterr().out)["findings"]
+    assert finding["rule"] == "MK015" and finding["fixable"] and (finding["line"], finding["col"]) == (2, 5)
+    assert main(["migrate", str(path), "--fix", "--check"]) == 0
+    assert (
+        '_pmap_via_shard_map(lambda x: jax.lax.psum(x, "i"), axis_name="i")(jax.numpy.ones(8))'
+        in path.read_text()
+    )

@@ -1,14 +1,56 @@
-"""meshkit: train JAX models across devices and hosts, and prove what it did."""
+"""meshkit: train JAX models across devices and hosts, and prove what it did.
 
-from meshkit import analysis
+Names are imported on first use, so that ``meshkit comm --hlo FILE`` (and any tool that only
+reads HLO text) starts without importing JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from meshkit._errors import DeviceSetupError, HloParseError, MeshkitError, MeshSpecError, TargetError
-from meshkit.devices import DeviceReport, describe_devices, simulate_devices
-from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
-from meshkit.plans import PLANS, PlanError
-from meshkit.plans._hook import layer
-from meshkit.train import PlanReport, Trainer
 
 __version__ = "0.1.0"
+
+#: Public name -> module that defines it (imported on first access).
+_LAZY = {
+    "analysis": "meshkit.analysis",
+    "DeviceReport": "meshkit.devices",
+    "describe_devices": "meshkit.devices",
+    "simulate_devices": "meshkit.devices",
+    "make_mesh": "meshkit.mesh",
+    "parse_mesh_spec": "meshkit.mesh",
+    "resolve_mesh_shape": "meshkit.mesh",
+    "PLANS": "meshkit.plans",
+    "PlanError": "meshkit.plans",
+    "PlanReport": "meshkit.train",
+    "Trainer": "meshkit.train",
+    "layer": "meshkit.plans._hook",
+}
+
+if TYPE_CHECKING:
+    from meshkit import analysis
+    from meshkit.devices import DeviceReport, describe_devices, simulate_devices
+    from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
+    from meshkit.plans import PLANS, PlanError
+    from meshkit.plans._hook import layer
+    from meshkit.train import PlanReport, Trainer
+
+
+def __getattr__(name: str):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
+    module = importlib.import_module(target)
+    value = module if target == f"meshkit.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "PLANS",

@@ -7,6 +7,10 @@ Forms read:
 - ``mesh['data'=4,'model'=2] {'model'}``: the mesh-axis form JAX 0.12 emits for shard_map
   collectives, with optional ``, device_ids=(...)`` and sub-axes such as ``'data':(1)2``;
 - ``maximal_mesh[device_id=3] {}``: a single device.
+
+Explicit and iota groups hold replica ids, partition ids or flattened device ids depending on the
+collective's grouping mode (``channel_id`` and ``use_global_device_ids``); ``device_groups`` maps
+them to device ids as XLA's ``GetParticipatingDevicesGroups`` (collective_ops_utils.cc) does.
 """
 
 from __future__ import annotations
@@ -14,9 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from itertools import combinations, pairwise
-
-import numpy as np
+from itertools import combinations, pairwise, product
 
 from meshkit._errors import HloParseError
 
@@ -43,6 +45,8 @@ class ReplicaGroups:
     """The mesh printed with the groups (mesh-axis form only)."""
     axes: tuple[str, ...] | None = None
     """Mesh axes printed with the groups (mesh-axis form only; sub-axes as 'data:(1)2')."""
+    device_ids: bool = False
+    """Whether the ids are device ids whatever the grouping mode (mesh-axis and maximal forms)."""
 
 
 def _ints(text: str) -> list[int]:
@@ -61,6 +65,19 @@ def _balanced(text: str, start: int) -> str:
     raise HloParseError("unbalanced braces in replica_groups")
 
 
+def _transposed(values: list[int], shape: list[int], order: list[int]) -> list[int]:
+    """``values`` laid out row-major in ``shape``, read back row-major after moving axes into
+    ``order`` (numpy's ``reshape(shape).transpose(order).ravel()``, without importing numpy)."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    moved = [strides[d] for d in order]
+    return [values[sum(i * st for i, st in zip(idx, moved, strict=True))]
+            for idx in product(*(range(shape[d]) for d in order))]  # fmt: skip
+
+
+def _rows(flat: list[int], size: int) -> Groups:
+    return tuple(tuple(flat[i : i + size]) for i in range(0, len(flat), size))
+
+
 def mesh_groups(
     mesh: MeshShape, axes: list[tuple[str, int | None, int | None]], device_ids: list[int] | None = None
 ) -> Groups:
@@ -68,13 +85,17 @@ def mesh_groups(
     names = [n for n, _ in mesh]
     sizes = [s for _, s in mesh]
     total = math.prod(sizes)
-    ids = np.arange(total) if device_ids is None else np.asarray(device_ids)
-    if ids.size != total:
-        raise HloParseError(f"mesh {mesh} lists {ids.size} device ids, expected {total}")
+    ids = list(range(total)) if device_ids is None else list(device_ids)
+    if len(ids) != total:
+        raise HloParseError(f"mesh {mesh} lists {len(ids)} device ids, expected {total}")
     # Split each mesh dimension at the boundaries of its sub-axes (major to minor).
     sub_sizes: list[int] = []
     where: dict[tuple[str, int, int], int] = {}
     for name, size in mesh:
+        if size == 1:  # a size-1 axis: one trivial part, so groups may still name it
+            where[(name, 1, 1)] = len(sub_sizes)
+            sub_sizes.append(1)
+            continue
         refs = [(p or 1, s or size) for n, p, s in axes if n == name]
         bounds = sorted({1, size} | {p for p, _ in refs} | {p * s for p, s in refs})
         for lo, hi in pairwise(bounds):
@@ -93,19 +114,20 @@ def mesh_groups(
         grouped.append(where[key])
     # Shardy's sub-axis "(pre)size" has pre = product of the more-major parts of the axis, so the
     # split above (boundaries ascending, major to minor) puts it at index where[...].
-    arr = ids.reshape(sub_sizes)
-    rest = [d for d in range(arr.ndim) if d not in grouped]
-    n = math.prod(arr.shape[d] for d in grouped) if grouped else 1
-    flat = arr.transpose(rest + grouped).reshape(-1, n)
-    return tuple(tuple(int(v) for v in row) for row in flat)
+    rest = [d for d in range(len(sub_sizes)) if d not in grouped]
+    n = math.prod(sub_sizes[d] for d in grouped) if grouped else 1
+    return _rows(_transposed(ids, sub_sizes, rest + grouped), n)
+
+
+_GROUPS_ATTR = re.compile(r"\breplica_groups\s*=\s*")
 
 
 def groups_text(attrs: str) -> str | None:
     """The exact ``replica_groups=`` value in an instruction's attribute text, or None when absent."""
-    pos = attrs.find("replica_groups=")
-    if pos < 0:
+    m = _GROUPS_ATTR.search(attrs)
+    if m is None:
         return None
-    body = attrs[pos + len("replica_groups=") :]
+    body = attrs[m.end() :]
     if body.startswith("{"):
         return _balanced(body, 0)
     for pattern in (_IOTA, _MESH, _MAXIMAL):
@@ -114,38 +136,39 @@ def groups_text(attrs: str) -> str | None:
     raise HloParseError(f"cannot read replica_groups={body[:40]!r}: not a form meshkit knows")
 
 
-def parse_replica_groups(attrs: str, num_devices: int | None) -> ReplicaGroups | None:
-    """Read ``replica_groups=...`` from an instruction's attribute text; None when absent."""
-    text = groups_text(attrs)
-    return None if text is None else expand_groups(text, num_devices)
-
-
-def expand_groups(text: str, num_devices: int | None) -> ReplicaGroups:
-    """Expand replica groups printed in any form (see the module docstring) into device ids."""
+def expand_groups(text: str) -> ReplicaGroups:
+    """Expand replica groups printed in any form (see the module docstring) into the ids printed;
+    ``replica_groups={}`` gives no groups (every participant: see ``device_groups``)."""
     if text.startswith("{"):
         inner = text[1:-1].strip()
         if not inner:
-            if num_devices is None:
-                raise HloParseError("replica_groups={} means every device, but the device count is unknown")
-            return ReplicaGroups(text, (tuple(range(num_devices)),))
+            return ReplicaGroups(text, ())
         groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}", inner))
+        if not groups or re.sub(r"[\d\s,{}]", "", inner):
+            raise HloParseError(f"cannot read replica_groups={text[:40]!r}: expected {{{{0,1}},{{2,3}}}}")
         return ReplicaGroups(text, groups)
     if m := _IOTA.fullmatch(text):
         shape, dims = _ints(m.group(1)), _ints(m.group(2))
         perm = _ints(m.group(3)) if m.group(3) else list(range(len(dims)))
-        arr = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
-        arr = arr.reshape(shape[0], -1) if len(shape) > 1 else arr.reshape(1, -1)
-        return ReplicaGroups(text, tuple(tuple(int(v) for v in row) for row in arr))
+        if math.prod(shape) != math.prod(dims) or sorted(perm) != list(range(len(dims))):
+            raise HloParseError(f"replica_groups={text}: the iota shapes or transpose do not agree")
+        total = math.prod(dims)
+        flat = _transposed(list(range(total)), dims, perm)
+        return ReplicaGroups(text, _rows(flat, total // shape[0] if len(shape) > 1 else total))
     if m := _MESH.fullmatch(text):
         return _expand_mesh(text, m)
     m = _MAXIMAL.fullmatch(text)
-    return ReplicaGroups(text, ((int(m.group(1)),),))
+    return ReplicaGroups(text, ((int(m.group(1)),),), device_ids=True)
 
 
 def _expand_mesh(text: str, m: re.Match) -> ReplicaGroups:
     mesh = []
     for part in m.group(1).split(","):
         name, _, size = part.strip().rpartition("=")
+        if not size.strip().isdigit():
+            raise HloParseError(
+                f"cannot read mesh axis {part.strip()!r} in replica_groups (expected 'name'=size)"
+            )
         mesh.append((name.strip().strip("'\""), int(size)))
     refs, labels = [], []
     for ref in (r.strip() for r in m.group(3).split(",")):
@@ -159,7 +182,52 @@ def _expand_mesh(text: str, m: re.Match) -> ReplicaGroups:
         labels.append(r.group(1) if pre is None else f"{r.group(1)}:({pre}){size}")
     ids = _ints(m.group(2)) if m.group(2) else None
     groups = mesh_groups(tuple(mesh), refs, ids)
-    return ReplicaGroups(text, groups, mesh=tuple(mesh), axes=tuple(labels))
+    return ReplicaGroups(text, groups, mesh=tuple(mesh), axes=tuple(labels), device_ids=True)
+
+
+CROSS_REPLICA = "cross-replica"
+CROSS_PARTITION = "cross-partition"
+CROSS_REPLICA_AND_PARTITION = "cross-replica-and-partition"
+FLATTENED_ID = "flattened-id"
+#: Opcodes with a ``use_global_device_ids`` attribute (XLA's all-gather and all-reduce bases).
+_GLOBAL_IDS_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-reduce-scatter")
+_CHANNEL = re.compile(r"\bchannel_id\s*=")
+_GLOBAL_IDS = re.compile(r"\buse_global_device_ids\s*=\s*true")
+
+
+def group_mode(op: str, attrs: str) -> str:
+    """XLA's ``GetCollectiveOpGroupMode``: how a collective's replica group ids are to be read."""
+    has_channel = bool(_CHANNEL.search(attrs))
+    global_ids = bool(_GLOBAL_IDS.search(attrs)) if op in _GLOBAL_IDS_OPS else None
+    if not has_channel:
+        if global_ids:
+            raise HloParseError("use_global_device_ids=true needs a channel_id (XLA rejects the combination)")
+        return CROSS_REPLICA
+    if global_ids is None:
+        return CROSS_PARTITION
+    return FLATTENED_ID if global_ids else CROSS_REPLICA_AND_PARTITION
+
+
+def device_groups(groups: Groups, mode: str, replicas: int, partitions: int) -> Groups | None:
+    """Device groups (device = replica * partitions + partition) of groups printed in ``mode``'s
+    ids; ``groups == ()`` is ``replica_groups={}``. None when an id is out of range for the mode."""
+    if not groups:
+        if mode == CROSS_PARTITION:
+            groups = (tuple(range(partitions)),)
+        elif mode == FLATTENED_ID:
+            groups = (tuple(range(replicas * partitions)),)
+        else:
+            groups = (tuple(range(replicas)),)
+    limit = {CROSS_PARTITION: partitions, FLATTENED_ID: replicas * partitions}.get(mode, replicas)
+    if any(not 0 <= i < limit for g in groups for i in g):
+        return None
+    if mode == CROSS_REPLICA:
+        return tuple(tuple(r * partitions + p for r in g) for g in groups for p in range(partitions))
+    if mode == CROSS_PARTITION:
+        return tuple(tuple(r * partitions + p for p in g) for g in groups for r in range(replicas))
+    if mode == CROSS_REPLICA_AND_PARTITION:
+        return tuple(tuple(r * partitions + p for r in g for p in range(partitions)) for g in groups)
+    return groups
 
 
 def _canon(groups: Groups) -> frozenset[frozenset[int]]:
@@ -177,6 +245,14 @@ def match_axes(groups: Groups, mesh: MeshShape) -> tuple[str, ...] | None:
     return None
 
 
+def _coords(index: int, sizes: list[int]) -> list[int]:
+    out = []
+    for size in reversed(sizes):
+        index, c = divmod(index, size)
+        out.append(c)
+    return out[::-1]
+
+
 def pair_axes(pairs: tuple[tuple[int, int], ...], mesh: MeshShape) -> tuple[str, ...] | None:
     """Mesh axes along which source/target pairs of a collective-permute move data."""
     sizes = [s for _, s in mesh]
@@ -185,6 +261,6 @@ def pair_axes(pairs: tuple[tuple[int, int], ...], mesh: MeshShape) -> tuple[str,
     for s, t in pairs:
         if not (0 <= s < total and 0 <= t < total):
             return None
-        cs, ct = np.unravel_index(s, sizes), np.unravel_index(t, sizes)
+        cs, ct = _coords(s, sizes), _coords(t, sizes)
         moved |= {i for i in range(len(sizes)) if cs[i] != ct[i]}
     return tuple(mesh[i][0] for i in sorted(moved))

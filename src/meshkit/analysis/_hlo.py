@@ -1,8 +1,13 @@
 """A small, linear-time reader of XLA's HLO text: computations, instructions, shapes, call graph.
 
-Only what the ledgers need is read: each instruction's name, result type, opcode, operands and
-attribute text, which computation holds it, and how often each computation runs (while loops
-with a trip count the compiler states, conditionals, async wrappers, calls).
+It reads instructions, not lines: XLA's parser ignores line breaks, so an instruction may be
+continued on the following lines (operands, attributes, ``calls=``, a loop's ``backend_config``),
+shapes and layouts may hold spaces (``f32[64, 128]{1, 0}``) and the result type may be omitted
+(``w = while(init), condition=c, body=b``). Only what the ledgers need is kept: each instruction's
+name, result type, opcode, operands and attribute text, which computation holds it, and how often
+each computation runs (while loops with a trip count the compiler states, conditionals, async
+wrappers, calls). A statement that mentions a collective or a called computation and cannot be
+read is an error naming it, never dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from meshkit._errors import HloParseError
 # Bits per element of XLA primitive types (sub-byte types round up per array).
 _BITS = {
     "pred": 8,
-    "s2": 2, "u2": 2, "s4": 4, "u4": 4,
+    "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4,
     "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
     "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
     "f4e2m1fn": 4, "f8e3m4": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e4m3fnuz": 8,
@@ -24,20 +29,36 @@ _BITS = {
     "token": 0, "opaque": 0,
 }  # fmt: skip
 
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_COMMENT = re.compile(r"/\*.*?\*/")
-_HEADER = re.compile(
-    r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$|^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\{\s*$"
-)
-_INSTR_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_OPCODE = re.compile(r"\s*([a-z][a-z0-9\-_]*)\(")
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
+_BRACKET = re.compile(r"[()\[\]{}]")
+_CLOSE = {"(": ")", "[": "]", "{": "}"}
+_LAYOUT = re.compile(r"\{[^{}]*\}")
+_SHAPE_TOKEN = re.compile(r"\(|\)|([a-z][a-z0-9]*)\[([^\]]*)\]")
+_INSTR_HEAD = re.compile(r"(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_DTYPE = re.compile(r"[a-z][a-z0-9]*\[")
+_SIMPLE_TYPE = re.compile(r"[a-z][a-z0-9]*\[[^\[\](){}]*\](?: *\{[^{}()\[\]]*\})?")
+_FLAT_OPERANDS = re.compile(r"\([^()\[\]{}]*\)")
+_OPCODE = re.compile(r"([a-z][a-z0-9\-_]*)\s*\(")
+_COMP_HEAD = re.compile(r"(ENTRY\s+)?%?([\w.\-]+)")
 _CALLS = re.compile(
-    r"\b(to_apply|calls|body|condition|true_computation|false_computation|branch_computations|called_computations)"
-    r"=(\{[^}]*\}|%?[\w.\-]+)"
+    r"\b(to_apply|calls|body|condition|true_computation|false_computation|branch_computations"
+    r"|called_computations)\s*=\s*(\{[^}]*\}|%?[\w.\-]+)"
+)
+_CALL_KEY = re.compile(
+    r"\b(to_apply|calls|body|condition|true_computation|false_computation|branch_computations"
+    r"|called_computations)\s*="
 )
 _TRIP = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
-_NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
-_REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
+_NUM_PARTITIONS = re.compile(r"\bnum_partitions\s*=\s*(\d+)")
+_REPLICA_COUNT = re.compile(r"\breplica_count\s*=\s*(\d+)")
+#: A statement that names a cross-device opcode or a called computation must be understood.
+_MENTION = re.compile(
+    r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast"
+    r"|ragged-all-to-all|send|recv|async)(?:-start)?\s*\("
+    r"|\b(?:calls|body|condition|branch_computations|true_computation|false_computation)\s*="
+)
+_NO_CALLS = ("-done", "-update")  # async-done/-update repeat the start's calls=: not a second call
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,17 +79,53 @@ class Array:
         return f"{self.dtype}[{','.join(map(str, self.dims))}]"
 
 
+Shape = Array | tuple  # a tuple holds Shapes
+
+
+def _dims(dtype: str, text: str) -> tuple[int, ...]:
+    out = []
+    for d in text.split(","):
+        d = d.strip()
+        if not d:
+            continue
+        d = d.removeprefix("<=").strip()  # bounded dynamic dimension: its bound
+        if not d.isdigit():
+            raise HloParseError(f"dimension {d!r} of {dtype}[{text}] is not a number")
+        out.append(int(d))
+    return tuple(out)
+
+
+def parse_shape(text: str) -> Shape:
+    """A (possibly nested tuple) HLO type as a tree of ``Array``; layouts and comments ignored."""
+    text = _LAYOUT.sub("", _BLOCK_COMMENT.sub("", text) if "/*" in text else text)
+    stack: list[list] = [[]]
+    for m in _SHAPE_TOKEN.finditer(text):
+        tok = m.group(0)
+        if tok == "(":
+            stack.append([])
+        elif tok == ")":
+            if len(stack) == 1:
+                raise HloParseError(f"unbalanced parentheses in type {text.strip()!r}")
+            done = tuple(stack.pop())
+            stack[-1].append(done)
+        else:
+            stack[-1].append(Array(m.group(1), _dims(m.group(1), m.group(2))))
+    if len(stack) != 1:
+        raise HloParseError(f"unbalanced parentheses in type {text.strip()!r}")
+    top = stack[0]
+    return top[0] if len(top) == 1 else tuple(top)
+
+
+def leaves(shape: Shape) -> tuple[Array, ...]:
+    """Arrays of a shape tree in order."""
+    if isinstance(shape, Array):
+        return (shape,)
+    return tuple(a for s in shape for a in leaves(s))
+
+
 def parse_type(text: str) -> tuple[Array, ...]:
     """All array types in a (possibly tuple) HLO type, in order; layouts and comments ignored."""
-    out = []
-    for dtype, dims in _ARRAY.findall(_COMMENT.sub("", text)):
-        if dtype not in _BITS:
-            continue  # e.g. a layout tile such as T(8,128) never matches; unknown words are skipped
-        sizes = tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
-        out.append(Array(dtype, sizes))
-    for dtype in re.findall(r"\b(token|opaque)\[\]", text):
-        out.append(Array(dtype, ()))
-    return tuple(out)
+    return leaves(parse_shape(text)) if text.strip() else ()
 
 
 @dataclass(slots=True)
@@ -77,11 +134,23 @@ class Instruction:
 
     name: str
     type_text: str
+    """Result type as printed ('' where the text omits it)."""
     opcode: str
-    operands: list[str]
+    operand_text: tuple[str, str]
+    """The operand list as printed, and the same with string contents blanked (split on demand:
+    most instructions' operands are never needed)."""
     attrs: str
     computation: str
     line: int
+    """Line where the instruction starts."""
+
+    @property
+    def operands(self) -> list[str]:
+        return _split_top(*self.operand_text)
+
+    @property
+    def label(self) -> str:
+        return f"instruction %{self.name} ({self.opcode}, line {self.line})"
 
 
 @dataclass(slots=True)
@@ -91,6 +160,8 @@ class Edge:
     callee: str
     kind: str  # 'while-body', 'while-condition', 'conditional', 'async', 'call', 'apply'
     trip_count: int | None = None
+    caller: str = ""
+    """Label of the calling instruction."""
 
 
 @dataclass(slots=True)
@@ -107,122 +178,273 @@ class Module:
     num_partitions: int | None = None
     replica_count: int | None = None
 
-    def operand_types(self, inst: Instruction) -> tuple[Array, ...] | None:
-        """Array types of an instruction's operands, or None where an operand is not defined here."""
+    def operand_types(self, inst: Instruction, first: int | None = None) -> tuple[Array, ...] | None:
+        """Array types of an instruction's operands (of its ``first`` operands only, if given), or
+        None where an operand is not defined here."""
         out: list[Array] = []
-        for op in inst.operands:
+        for op in inst.operands[:first]:
             text = op.strip()
             name = text.rsplit(None, 1)[-1].lstrip("%") if text else ""
             if " " in text or "[" in text.split("%")[0]:
-                out.extend(parse_type(text))  # older HLO printed the type beside each operand
-            elif (inst.computation, name) in self.types:
-                out.extend(parse_type(self.types[(inst.computation, name)]))
-            elif ("", name) in self.types:
-                out.extend(parse_type(self.types[("", name)]))
+                out.extend(parse_type(text.rsplit(None, 1)[0]))  # older HLO: the type beside the name
             else:
-                return None
+                known = self.types.get((inst.computation, name)) or self.types.get(("", name))
+                if not known:
+                    return None  # not defined here, or its type omitted (inferred by XLA)
+                out.extend(parse_type(known))
         return tuple(out)
 
 
-def _split_top(text: str, sep: str = ",") -> tuple[list[str], int]:
-    """Split ``text`` at top-level separators up to the closing parenthesis; return parts and end index."""
-    depth, start, parts = 0, 0, []
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
+def _blank(m: re.Match) -> str:
+    s = m.group(0)
+    return s[0] + " " * (len(s) - 2) + s[-1]
+
+
+def _spaces(m: re.Match) -> str:
+    return re.sub(r"[^\n]", " ", m.group(0))
+
+
+def _lines(text: str) -> tuple[list[str], list[str]]:
+    """Lines of ``text`` without comments, and the same lines with string contents blanked, so
+    that brackets are counted outside strings and positions agree between the two."""
+    if "/*" in text:
+        text = _BLOCK_COMMENT.sub(_spaces, text)
+    bare = _STRING.sub(_blank, text) if '"' in text else text
+    lines, bares = text.split("\n"), bare.split("\n")
+    for i, b in enumerate(bares):
+        if "//" in b:
+            cut = b.index("//")
+            lines[i], bares[i] = lines[i][:cut], b[:cut]
+    return lines, bares
+
+
+def _depth(bare: str) -> int:
+    return (
+        bare.count("(")
+        + bare.count("[")
+        + bare.count("{")
+        - bare.count(")")
+        - bare.count("]")
+        - bare.count("}")
+    )
+
+
+def _closing(bare: str, start: int) -> int:
+    """Index of the bracket closing the one at ``bare[start]``, or -1."""
+    stack = []
+    for m in _BRACKET.finditer(bare, start):
+        ch = m.group(0)
+        if ch in _CLOSE:
+            stack.append(_CLOSE[ch])
+        elif not stack or stack.pop() != ch:
+            return -1
+        if not stack:
+            return m.start()
+    return -1
+
+
+def _split_top(text: str, bare: str) -> list[str]:
+    """Split ``text`` at top-level commas (structure read from ``bare``)."""
+    if not any(c in bare for c in "([{"):
+        return [p.strip() for p in text.split(",")] if text.strip() else []
+    parts, depth, start = [], 0, 0
+    for m in re.finditer(r"[()\[\]{},]", bare):
+        ch = m.group(0)
+        if ch == ",":
             if depth == 0:
-                piece = text[start:i].strip()
-                if piece:
-                    parts.append(piece)
-                return parts, i
+                parts.append(text[start : m.start()].strip())
+                start = m.end()
+        elif ch in "([{":
+            depth += 1
+        else:
             depth -= 1
-        elif ch == sep and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    raise HloParseError("unbalanced parentheses in HLO operand list")
+    last = text[start:].strip()
+    if last or parts:
+        parts.append(last)
+    return parts
 
 
-def _read_type(text: str) -> tuple[str, str]:
-    """Split the result type off the front of ``text``; return (type, rest)."""
-    text = text.lstrip()
-    if text.startswith("("):
-        depth = 0
-        for i, ch in enumerate(text):
-            if ch == "(":
-                depth += 1
-            elif ch == ")":
-                depth -= 1
-                if depth == 0:
-                    return text[: i + 1], text[i + 1 :]
-        raise HloParseError("unbalanced tuple type in HLO text")
-    m = re.match(r"\S+", text)
-    if not m:
-        raise HloParseError("missing result type in HLO instruction")
-    return m.group(0), text[m.end() :]
+class _Incomplete(Exception):
+    """The statement needs the next line (no opcode yet)."""
+
+
+def _instruction(text: str, bare: str, head: re.Match, computation: str, line: int) -> Instruction:
+    name = head.group(1)
+    where = f"instruction %{name} (line {line})"
+    pos = head.end()
+    type_text = ""
+    if bare.startswith("(", pos):  # tuple type
+        end = _closing(bare, pos)
+        if end < 0:
+            raise HloParseError(f"{where}: unbalanced parentheses in its result type")
+        type_text, pos = text[pos : end + 1], end + 1
+    elif (simple := _SIMPLE_TYPE.match(bare, pos)) and not bare[simple.end() :].lstrip().startswith("{"):
+        # f32[8,4]{1,0}: no nesting (a layout with tiles, {1,0:T(8,128)}, takes the path below)
+        type_text, pos = text[pos : simple.end()], simple.end()
+    elif _DTYPE.match(bare, pos):
+        end = _closing(bare, bare.index("[", pos))
+        if end < 0:
+            raise HloParseError(f"{where}: unbalanced brackets in its result type")
+        stop = end + 1
+        while stop < len(bare) and bare[stop] == " ":
+            stop += 1
+        if bare.startswith("{", stop):  # layout
+            close = _closing(bare, stop)
+            if close < 0:
+                raise HloParseError(f"{where}: unbalanced braces in its layout")
+            end = close
+        type_text, pos = text[pos : end + 1], end + 1
+    while pos < len(bare) and bare[pos] == " ":
+        pos += 1
+    op = _OPCODE.match(bare, pos)
+    if not op:
+        raise _Incomplete
+    paren = op.end() - 1
+    flat = _FLAT_OPERANDS.match(bare, paren)
+    close = flat.end() - 1 if flat else _closing(bare, paren)
+    if close < 0:
+        raise HloParseError(f"{where}: unbalanced parentheses in its operand list")
+    return Instruction(
+        name=name,
+        type_text=type_text.strip(),
+        opcode=op.group(1),
+        operand_text=(text[paren + 1 : close], bare[paren + 1 : close]),
+        attrs=text[close + 1 :],
+        computation=computation,
+        line=line,
+    )
+
+
+@dataclass(slots=True)
+class _Statement:
+    """Lines joined into one statement, with its bracket depth so far."""
+
+    start: int
+    lines: list[str]
+    bares: list[str]
+    depth: int = 0
+
+    def add(self, line: str, bare: str) -> None:
+        self.lines.append(line)
+        self.bares.append(bare)
+        self.depth += _depth(bare)
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.lines)
+
+    @property
+    def bare(self) -> str:
+        return " ".join(self.bares)
 
 
 def parse_module(text: str) -> Module:
-    """Parse HLO text (one module, as printed by ``Compiled.as_text()`` or ``--xla_dump_to``)."""
+    """Parse HLO text (one module, as printed by ``Compiled.as_text()``, an XLA dump, or written by
+    hand in any layout XLA's parser accepts)."""
     if not isinstance(text, str) or not text.strip():
         raise HloParseError("empty HLO text: pass the output of compiled.as_text() or an .hlo/.txt dump file")
+    lines, bares = _lines(text)
     instructions: list[Instruction] = []
     types: dict[tuple[str, str], str] = {}
-    module_name, entry, current = "", None, None
+    module_name, entry, current, last = "", None, None, None
     num_partitions = replica_count = None
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("//") or line.startswith("#"):
+    n, i = len(lines), 0
+
+    def next_starts_with_comma(j: int) -> bool:
+        while j < n and not bares[j].strip():
+            j += 1
+        return j < n and bares[j].lstrip().startswith(",")
+
+    while i < n:
+        bare = bares[i].strip()
+        if not bare or bare.startswith("#"):
+            i += 1
             continue
-        if line.startswith("HloModule"):
-            module_name = line.split()[1].rstrip(",") if len(line.split()) > 1 else ""
-            if m := _NUM_PARTITIONS.search(line):
+        depth = _depth(bare)
+        i += 1
+        head = _INSTR_HEAD.match(bare)
+        if head and current and not depth and not bare.endswith((",", "=")) and not next_starts_with_comma(i):
+            try:  # the common case: a whole instruction on one line
+                inst = _instruction(lines[i - 1].strip(), bare, head, current, i)
+                types[(current, inst.name)] = inst.type_text
+                instructions.append(inst)
+                continue
+            except _Incomplete:
+                pass  # its opcode may be on the next line: read it below
+        st = _Statement(i, [lines[i - 1].strip()], [bare], depth)
+        if bare.startswith("HloModule"):
+            while i < n and (st.depth > 0 or st.bares[-1].endswith(",") or next_starts_with_comma(i)):
+                st.add(lines[i].strip(), bares[i].strip())
+                i += 1
+            header = st.text
+            module_name = header.split(None, 1)[1].split(",")[0].strip() if len(header.split()) > 1 else ""
+            if m := _NUM_PARTITIONS.search(header):
                 num_partitions = int(m.group(1))
-            if m := _REPLICA_COUNT.search(line):
+            if m := _REPLICA_COUNT.search(header):
                 replica_count = int(m.group(1))
             continue
-        if line == "}":
+        if bare.startswith("}"):
             current = None
             continue
-        if current is None or (line.endswith("{") and "=" not in line.split("(")[0]):
-            h = _HEADER.match(line)
-            if h:
-                is_entry = bool(h.group(1) or h.group(4))
-                current = h.group(2) or h.group(5)
-                if is_entry:
+        if head is None:
+            # A computation header, possibly spread over lines: ends with the body's '{'.
+            while i < n and st.depth >= 1 and not (st.depth == 1 and st.bares[-1].endswith("{")):
+                st.add(lines[i].strip(), bares[i].strip())
+                i += 1
+            joined = st.bare
+            h = _COMP_HEAD.match(joined)
+            if st.depth == 1 and joined.endswith("{") and h:
+                current = last = h.group(2)
+                if h.group(1):
                     entry = current
                 continue
-        if "/*" in line:
-            line = _COMMENT.sub("", line)
-        head = _INSTR_HEAD.match(line)
-        if not head:
+            if _MENTION.search(joined):
+                raise HloParseError(
+                    f"line {st.start}: cannot read {joined[:80]!r} (expected 'name = type opcode(...)')"
+                )
+            continue  # not HLO we need (and names no collective or computation)
+        # An instruction: join lines until its brackets balance and no attribute follows.
+        inst = None
+        while True:
+            while i < n and (st.depth > 0 or st.bares[-1].endswith((",", "=")) or next_starts_with_comma(i)):
+                if bares[i].strip():
+                    st.add(lines[i].strip(), bares[i].strip())
+                i += 1
+            jbare = st.bare
+            try:
+                match = head if len(st.lines) == 1 else _INSTR_HEAD.match(jbare)
+                inst = _instruction(st.text, jbare, match, current or "", st.start)
+                break
+            except _Incomplete:
+                # The opcode may follow on the next line (e.g. after a long tuple type).
+                nxt = bares[i].strip() if i < n else ""
+                if st.depth == 0 and nxt and not _INSTR_HEAD.match(nxt) and not nxt.startswith("}"):
+                    st.add(lines[i].strip(), nxt)
+                    i += 1
+                    continue
+                break
+        if inst is None:
+            if _MENTION.search(jbare) or st.depth != 0:
+                raise HloParseError(
+                    f"instruction %{head.group(1)} (line {st.start}): cannot read it "
+                    "(expected 'name = type opcode(operands), attributes')"
+                )
             continue
-        name = head.group(1)
-        type_text, rest = _read_type(line[head.end() :])
-        op = _OPCODE.match(rest)
-        if not op:
+        if st.depth != 0:
+            raise HloParseError(f"{inst.label}: unbalanced brackets")
+        if current is None:
+            if _MENTION.search(jbare):
+                raise HloParseError(f"{inst.label}: outside any computation (a missing '{{' line?)")
             continue
-        operands, end = _split_top(rest[op.end() :])
-        attrs = rest[op.end() + end + 1 :]
-        types[(current or "", name)] = type_text
-        instructions.append(
-            Instruction(
-                name=name,
-                type_text=type_text,
-                opcode=op.group(1),
-                operands=operands,
-                attrs=attrs,
-                computation=current or "",
-                line=lineno,
-            )
-        )
+        types[(current, inst.name)] = inst.type_text
+        instructions.append(inst)
     if not instructions:
         raise HloParseError(
             "no HLO instructions found: the text is not HLO (expected lines like '%x = f32[8] all-reduce(...)')"
         )
     module = Module(
         name=module_name,
-        entry=entry,
+        entry=entry or last,  # XLA: without ENTRY, the last computation is the entry
         instructions=instructions,
         types=types,
         num_partitions=num_partitions,
@@ -235,12 +457,22 @@ def parse_module(text: str) -> Module:
 def _call_edges(instructions: list[Instruction]) -> dict[str, list[Edge]]:
     edges: dict[str, list[Edge]] = {}
     for inst in instructions:
-        if "=" not in inst.attrs:
+        if inst.opcode == "while" and not ("body" in inst.attrs and "condition" in inst.attrs):
+            raise HloParseError(f"{inst.label}: a while needs condition= and body=")
+        if "=" not in inst.attrs or inst.opcode.endswith(_NO_CALLS) or not _CALL_KEY.search(inst.attrs):
             continue
         trip = None
         if inst.opcode == "while" and (m := _TRIP.search(inst.attrs)):
             trip = int(m.group(1))
-        for key, value in _CALLS.findall(inst.attrs):
+        bare = _STRING.sub('""', inst.attrs) if '"' in inst.attrs else inst.attrs
+        found = _CALLS.findall(bare)
+        named = _CALL_KEY.findall(bare)
+        if len(found) != len(named):
+            missing = sorted(set(named) - {k for k, _ in found}) or named
+            raise HloParseError(
+                f"{inst.label}: cannot read its {missing[0]}= value (expected a computation name)"
+            )
+        for key, value in found:
             callees = [v.strip().lstrip("%") for v in value.strip("{}").split(",") if v.strip()]
             if key == "body":
                 kind = "while-body"
@@ -250,12 +482,12 @@ def _call_edges(instructions: list[Instruction]) -> dict[str, list[Edge]]:
                 kind = "conditional"
             elif key == "to_apply" and inst.opcode not in ("call",):
                 kind = "apply"
-            elif inst.opcode.endswith("-start") or inst.opcode == "async-start":
+            elif inst.opcode.endswith("-start"):
                 kind = "async"
             else:
                 kind = "call"
             for callee in callees:
-                edges.setdefault(inst.computation, []).append(Edge(callee, kind, trip))
+                edges.setdefault(inst.computation, []).append(Edge(callee, kind, trip, inst.label))
     return edges
 
 
@@ -292,6 +524,10 @@ def frequencies(module: Module) -> dict[str, Frequency]:
         for e in module.edges.get(comp, ()):
             if e.kind == "apply":
                 continue
+            if e.callee not in comps:
+                raise HloParseError(
+                    f"{e.caller} calls computation %{e.callee}, which the module does not define"
+                )
             indegree[e.callee] = indegree.get(e.callee, 0) + 1
             if e.callee not in seen:
                 seen.add(e.callee)
@@ -330,4 +566,8 @@ def frequencies(module: Module) -> dict[str, Frequency]:
             indegree[e.callee] -= 1
             if indegree[e.callee] == 0:
                 ready.append(e.callee)
+    if stuck := sorted(c for c, d in indegree.items() if d > 0):
+        raise HloParseError(
+            f"the call graph has a cycle through computation %{stuck[0]}: HLO does not allow recursion"
+        )
     return freq

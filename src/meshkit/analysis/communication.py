@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import gc
 import re
-from collections.abc import Iterable
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import jax
 
 from meshkit._errors import HloParseError
 from meshkit.analysis._groups import (
     MeshShape,
     ReplicaGroups,
+    device_groups,
     expand_groups,
+    group_mode,
     groups_text,
     match_axes,
     pair_axes,
-    parse_replica_groups,
 )
-from meshkit.analysis._hlo import Array, Instruction, Module, frequencies, parse_module, parse_type
+from meshkit.analysis._hlo import Array, Instruction, Module, frequencies, leaves, parse_module, parse_shape
 from meshkit.analysis.cost import ring_traffic
 
 #: Collectives the ring model covers, by the name XLA prints for the synchronous form.
@@ -62,11 +61,17 @@ class Collective:
     out_bytes: int
     """Bytes of the results on one device."""
     size_bytes: int
-    """``S`` of the ring formulas: in_bytes, except all-gather (out_bytes)."""
+    """``S`` of the ring formulas: in_bytes, except all-gather and recv (out_bytes); for
+    ragged-all-to-all the data operand only (not the offset and size arrays)."""
     replica_groups: str | None
     """Groups as printed (None for collective-permute, which has pairs)."""
+    group_mode: str | None
+    """How XLA reads the printed ids: 'cross-replica', 'cross-partition',
+    'cross-replica-and-partition' or 'flattened-id' (None where the module states neither
+    replica_count nor num_partitions, or for the mesh-axis form, whose ids are device ids)."""
     groups: tuple[tuple[int, ...], ...]
-    """Device groups (collective-permute: each source/target pair)."""
+    """Device groups, device = replica * num_partitions + partition (collective-permute: each
+    source/target pair as printed)."""
     group_size: int
     """Devices per group (collective-permute: 2)."""
     axes: tuple[str, ...] | None
@@ -184,6 +189,8 @@ def hlo_text(x: Any) -> str:
     """HLO text of a Compiled, a Lowered (compiled first) or a string."""
     if isinstance(x, str):
         return x
+    import jax  # only for compiled programs: reading HLO text needs no JAX
+
     if isinstance(x, jax.stages.Lowered):
         x = x.compile()
     if isinstance(x, jax.stages.Compiled):
@@ -200,6 +207,8 @@ def mesh_of(x: Any) -> MeshShape | None:
         shardings = x.input_shardings
     except Exception:
         return None
+    import jax
+
     for s in jax.tree.leaves(shardings):
         mesh = getattr(s, "mesh", None)
         if mesh is not None and getattr(mesh, "shape", None):
@@ -207,64 +216,63 @@ def mesh_of(x: Any) -> MeshShape | None:
     return None
 
 
-def _arrays(module: Module, inst: Instruction) -> tuple[tuple[Array, ...] | None, tuple[Array, ...]]:
-    return module.operand_types(inst), parse_type(inst.type_text)
-
-
-def _sizes(op: str, start: bool, ins: tuple[Array, ...] | None, outs: tuple[Array, ...], n: int):
-    out_b = sum(a.nbytes for a in outs)
-    if ins is None:  # operands not in the text: derive from the result
-        if op == "all-gather":
-            ins_b = out_b // n if not start else out_b // (n + 1)
-        elif op == "reduce-scatter":
-            ins_b = out_b * n
-        else:
-            ins_b = out_b
-    else:
-        ins_b = sum(a.nbytes for a in ins)
-    if start:  # async starts return (operands, results[, scratch]) tuples
-        if op == "all-gather":
-            out_b = ins_b * n
-        elif op != "reduce-scatter":
-            out_b = ins_b
-    size = out_b if op == "all-gather" else ins_b
-    return ins_b, out_b, size
-
-
-def communication(x: Any, mesh: MeshShape | Any | None = None) -> CommLedger:
+def communication(x: Any, mesh: MeshShape | Any | None = None, devices: int | None = None) -> CommLedger:
     """Read every collective of a compiled program.
 
     ``x``: ``jax.stages.Compiled``, ``jax.stages.Lowered`` or HLO text. ``mesh``: a
     ``jax.sharding.Mesh`` or ``(("data", 4), ("model", 2))`` used to name the axes of replica
     groups; by default the mesh of the program's input shardings, or the one printed in the text.
+    ``devices``: the device count where the text states neither ``replica_count`` nor
+    ``num_partitions`` (so that ``replica_groups={}`` can be read).
     """
     text = hlo_text(x)
     gc_was_on = gc.isenabled()
     gc.disable()  # millions of small objects: cyclic GC passes would make parsing superlinear
     try:
-        return _communication(x, text, mesh)
+        return _communication(x, text, mesh, devices)
     finally:
         if gc_was_on:
             gc.enable()
 
 
-def _communication(x: Any, text: str, mesh: Any) -> CommLedger:
+@dataclass(slots=True)
+class _Context:
+    """What every collective of one module is read against."""
+
+    module: Module
+    mesh: MeshShape | None
+    n_dev: int | None
+    counts: tuple[int, int] | None
+    """(replica_count, num_partitions) where the header states either, else None."""
+    groups: dict = field(default_factory=dict)
+    """Resolved groups, group size, axes and warning by (printed text, mode)."""
+    warned: set = field(default_factory=set)
+
+
+def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLedger:
     if mesh is not None and hasattr(mesh, "shape") and hasattr(mesh, "axis_names"):
         mesh = tuple((str(k), int(v)) for k, v in mesh.shape.items())
-    elif mesh is None and isinstance(x, jax.stages.Lowered | jax.stages.Compiled):
+    elif mesh is None and not isinstance(x, str) and "jax" in sys.modules:
         mesh = mesh_of(x)
     module = parse_module(text)
     freq = frequencies(module)
-    n_dev = module.num_partitions or module.replica_count
+    counts = None
+    if module.replica_count is not None or module.num_partitions is not None:
+        counts = (module.replica_count or 1, module.num_partitions or 1)
     if mesh is None:
         mesh = _printed_mesh(module.instructions)
+    n_dev = counts[0] * counts[1] if counts else devices
+    if devices is not None and n_dev != devices:
+        raise HloParseError(
+            f"--devices {devices} disagrees with the module's replica_count x num_partitions = {n_dev}: "
+            "drop --devices or fix the header"
+        )
     if n_dev is None and mesh is not None:
         n_dev = 1
         for _, s in mesh:
             n_dev *= s
-    records, warnings = [], []
-    matched: dict[frozenset, tuple[str, ...] | None] = {}
-    parsed: dict[str, ReplicaGroups] = {}
+    ctx = _Context(module=module, mesh=tuple(mesh) if mesh else None, n_dev=n_dev, counts=counts)
+    records, warnings, dead = [], [], []
     for inst in module.instructions:
         op, start = inst.opcode, False
         if op in _ASYNC:
@@ -273,74 +281,154 @@ def _communication(x: Any, text: str, mesh: Any) -> CommLedger:
             continue
         f = freq.get(inst.computation)
         if f is None:
-            continue  # dead computation, never called
-        rec = _record(module, inst, op, start, f, mesh, n_dev, matched, parsed)
+            dead.append(inst)  # in a computation the entry never calls: it never runs
+            continue
+        try:
+            rec, warning = _record(ctx, inst, op, start, f)
+        except HloParseError as e:
+            raise HloParseError(f"{inst.label}: {e}") from None
+        if warning and warning not in ctx.warned:
+            ctx.warned.add(warning)
+            warnings.append(warning)
         if not rec.exact:
             warnings.append(
                 f"{rec.op} {rec.name} runs inside a loop whose trip count the compiler does not state; counted once"
             )
         records.append(rec)
+    if dead:
+        warnings.append(
+            f"{len(dead)} collective(s) sit in computations the entry never calls and are not counted "
+            f"(first: %{dead[0].name} in %{dead[0].computation}, line {dead[0].line})"
+        )
     return CommLedger(
-        module=module.name, num_devices=n_dev, mesh=mesh, records=tuple(records), warnings=tuple(warnings)
+        module=module.name, num_devices=n_dev, mesh=ctx.mesh, records=tuple(records), warnings=tuple(warnings)
     )
 
 
-def _printed_mesh(instructions: Iterable[Instruction]) -> MeshShape | None:
+def _printed_mesh(instructions: list[Instruction]) -> MeshShape | None:
     for inst in instructions:
-        if "replica_groups=mesh[" in inst.attrs:
-            rg = parse_replica_groups(inst.attrs, None)
-            if rg is not None and rg.mesh:
-                return rg.mesh
+        if "mesh[" in inst.attrs and (text := groups_text(inst.attrs)) and text.startswith("mesh["):
+            try:
+                return expand_groups(text).mesh
+            except HloParseError as e:
+                raise HloParseError(f"{inst.label}: {e}") from None
     return None
 
 
-def _groups_of(attrs: str, n_dev: int | None, parsed: dict[str, ReplicaGroups]) -> ReplicaGroups | None:
-    """Parse replica groups once per distinct text (large programs repeat a handful of forms)."""
-    text = groups_text(attrs)
-    if text is None:
-        return None
-    if text not in parsed:
-        parsed[text] = expand_groups(text, n_dev)
-    return parsed[text]
-
-
-def _record(module, inst, op, start, f, mesh, n_dev, matched, parsed) -> Collective:
-    ins, outs = _arrays(module, inst)
-    rg: ReplicaGroups | None = None
-    if op in ("collective-permute", "send", "recv"):
-        pairs_text = inst.attrs.split("source_target_pairs=", 1)
-        pairs: tuple[tuple[int, int], ...] = ()
-        if len(pairs_text) == 2:
-            pairs = tuple(
-                (int(a), int(b))
-                for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", pairs_text[1].split("}}")[0] + "}")
+def _resolve(ctx: _Context, text: str | None, mode: str) -> tuple:
+    """(device groups, group size, mesh axes, warning or None, mode used or None) for printed
+    groups ``text`` (None: no replica_groups attribute) read in ``mode``; cached per (text, mode)."""
+    key = (text, mode)
+    if key in ctx.groups:
+        return ctx.groups[key]
+    rg = expand_groups(text) if text is not None else ReplicaGroups("", ())
+    warning = None
+    used_mode: str | None = mode
+    if rg.device_ids:
+        groups, used_mode = rg.groups, None
+    elif ctx.counts is not None:
+        groups = device_groups(rg.groups, mode, *ctx.counts)
+        if groups is None:
+            r, p = ctx.counts
+            warning = (
+                f"replica_groups={text} names ids beyond {mode} mode's range (replica_count={r}, "
+                f"num_partitions={p}); read as device ids"
             )
-        groups = pairs
-        n = 2
-        axes = pair_axes(pairs, mesh) if mesh and pairs else None
+            groups, used_mode = rg.groups, None
+        elif ctx.counts[1] > 1 and all(len(g) == 1 for g in groups):
+            warning = (
+                f"replica_groups={text or '{}'} without a channel_id is cross-replica, and with "
+                f"replica_count={ctx.counts[0]} every device is alone (no communication): XLA reads it so"
+            )
+    elif rg.groups:
+        groups, used_mode = rg.groups, None
+    elif ctx.n_dev is not None:
+        groups, used_mode = (tuple(range(ctx.n_dev)),), None
     else:
-        rg = _groups_of(inst.attrs, n_dev, parsed)
-        if rg is None:  # no groups printed: every device takes part
-            if n_dev is None:
-                raise HloParseError(
-                    f"{inst.opcode} {inst.name} has no replica_groups and the device count is unknown"
-                )
-            groups = (tuple(range(n_dev)),)
-        else:
-            groups = rg.groups
-        n = len(groups[0]) if groups else 1
-        if rg is not None and rg.axes is not None and (mesh is None or rg.mesh == tuple(mesh)):
-            axes = rg.axes
-        elif mesh is not None:
-            key = frozenset(frozenset(g) for g in groups)
-            if key not in matched:
-                matched[key] = match_axes(groups, mesh)
-            axes = matched[key]
-        else:
-            axes = None
-    ins_b, out_b, size = _sizes(op, start, ins, outs, n)
-    arrays = ins if ins is not None else outs
-    return Collective(
+        raise HloParseError(
+            "replica_groups={} (or none) means every device, but the device count is unknown: "
+            "pass --devices N (or devices=N)"
+        )
+    n = len(groups[0]) if groups else 1
+    if rg.axes is not None and (ctx.mesh is None or rg.mesh == ctx.mesh):
+        axes = rg.axes
+    elif ctx.mesh is not None and groups:
+        axes = match_axes(groups, ctx.mesh)
+    else:
+        axes = None
+    ctx.groups[key] = out = (groups, n, axes, warning, used_mode)
+    return out
+
+
+def _pairs(attrs: str) -> tuple[tuple[int, int], ...]:
+    found = re.search(r"\bsource_target_pairs\s*=\s*\{", attrs)
+    if not found:
+        return ()
+    body = attrs[found.end() - 1 :]
+    depth = 0
+    for i, ch in enumerate(body):
+        depth += (ch == "{") - (ch == "}")
+        if depth == 0:
+            body = body[: i + 1]
+            break
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", body))
+
+
+def _shapes(module: Module, inst: Instruction, op: str, start: bool, n: int):
+    """Operand arrays (the data counted in S), result arrays, in/out bytes and S of a collective."""
+    # ragged-all-to-all: (input, output, input_offsets, send_sizes, output_offsets, recv_sizes);
+    # the in-place collective-permute (with slice_sizes=): (input, output, input_starts,
+    # output_starts). S is the input. (A combined collective-permute's operands are all inputs.)
+    in_place = op == "collective-permute" and "slice_sizes" in inst.attrs
+    first = 1 if op == "ragged-all-to-all" or in_place else None
+    ins = module.operand_types(inst, first)
+    res = parse_shape(inst.type_text) if inst.type_text else None
+    outs: tuple[Array, ...] | None
+    if res is None:
+        outs = None
+    elif start and op != "all-reduce" and isinstance(res, tuple) and len(res) >= 2:
+        # Async starts return (operands, results[, context]); all-reduce-start returns the results.
+        outs = leaves(res[1])
+        if ins is None:
+            ins = leaves(res[0])
+    elif op in ("recv", "send") and isinstance(res, tuple) and res:
+        outs = leaves(res[0])  # (data, u32[] context, token[])
+    else:
+        outs = leaves(res)
+    if ins is not None:
+        ins = tuple(a for a in ins if a.dtype not in ("token", "opaque"))
+    if ins is None and outs is None:
+        raise HloParseError("its result type is not printed and its operands are not defined in the text")
+    out_b = sum(a.nbytes for a in outs) if outs is not None else None
+    in_b = sum(a.nbytes for a in ins) if ins is not None else None
+    if in_b is None:
+        in_b = out_b // n if op == "all-gather" else out_b * n if op == "reduce-scatter" else out_b
+        if op == "recv":
+            in_b = 0
+    if out_b is None:
+        out_b = in_b * n if op == "all-gather" else in_b // n if op == "reduce-scatter" else in_b
+    if op == "send":
+        out_b = in_b  # what it sends (its result repeats the data operand's type)
+    size = out_b if op in ("all-gather", "recv") else in_b
+    arrays = ins if ins else (outs or ())
+    return arrays, in_b, out_b, size
+
+
+def _record(ctx: _Context, inst: Instruction, op: str, start: bool, f) -> tuple[Collective, str | None]:
+    mode = group_mode(op, inst.attrs)
+    warning = None
+    rg_text = None
+    if op in ("collective-permute", "send", "recv"):
+        pairs = _pairs(inst.attrs)
+        groups: tuple = pairs
+        n = 2
+        axes = pair_axes(pairs, ctx.mesh) if ctx.mesh and pairs else None
+        used_mode = mode if ctx.counts is not None else None
+    else:
+        rg_text = groups_text(inst.attrs)
+        groups, n, axes, warning, used_mode = _resolve(ctx, rg_text, mode)
+    arrays, in_b, out_b, size = _shapes(ctx.module, inst, op, start, n)
+    rec = Collective(
         op=op,
         name=inst.name,
         computation=inst.computation,
@@ -348,11 +436,12 @@ def _record(module, inst, op, start, f, mesh, n_dev, matched, parsed) -> Collect
         dtypes=tuple(a.dtype for a in arrays),
         shapes=tuple(a.dims for a in arrays),
         operand_bytes=tuple(a.nbytes for a in arrays),
-        in_bytes=ins_b,
+        in_bytes=in_b,
         out_bytes=out_b,
         size_bytes=size,
-        replica_groups=rg.text if rg else None,
-        groups=tuple(tuple(g) for g in groups),
+        replica_groups=rg_text,
+        group_mode=used_mode,
+        groups=groups,
         group_size=n,
         axes=tuple(axes) if axes is not None else None,
         executions=f.count,
@@ -362,3 +451,4 @@ def _record(module, inst, op, start, f, mesh, n_dev, matched, parsed) -> Collect
         is_async=start or f.async_wrapped,
         traffic_bytes=ring_traffic(op, size, n) if op in MODELLED else None,
     )
+    return rec, warning

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import jax
-
 from meshkit._errors import MeshkitError
 
 
@@ -44,6 +42,8 @@ class MemoryLedger:
 
 def memory(x: Any) -> MemoryLedger:
     """Read ``memory_analysis()`` of a ``jax.stages.Compiled`` (a ``Lowered`` is compiled first)."""
+    import jax  # here, so that importing meshkit.analysis does not start JAX
+
     if isinstance(x, jax.stages.Lowered):
         x = x.compile()
     if not isinstance(x, jax.stages.Compiled):

@@ -56,7 +56,10 @@ def _compiled(target: str | None, hlo: Path | None, devices: int | None):
             raise HloParseError(
                 f"no HLO file {str(hlo)!r}: dump one with XLA_FLAGS=--xla_dump_to=DIR or compiled.as_text()"
             )
-        return hlo.read_text()
+        try:
+            return hlo.read_text()
+        except UnicodeDecodeError:
+            raise HloParseError(f"{str(hlo)!r} is not text: pass HLO text (an .hlo/.txt dump)") from None
     _simulate(devices)
     from meshkit.cli._target import load_target
 
@@ -66,45 +69,28 @@ def _compiled(target: str | None, hlo: Path | None, devices: int | None):
 def comm(
     target: Annotated[str | None, typer.Argument(help="module:function returning (jitted, args).")] = None,
     hlo: Annotated[Path | None, typer.Option("--hlo", help="Read HLO text from FILE instead.")] = None,
-    devices: DevicesOpt = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(
+            "--devices",
+            "--simulate",
+            help="With TARGET: simulate N CPU devices. With --hlo: the device count, where the module's "
+            "header states neither replica_count nor num_partitions.",
+        ),
+    ] = None,
+    all_: Annotated[bool, typer.Option("--all", help="List every collective, one line each.")] = False,
     json: JsonOpt = False,
 ) -> None:
     """Every collective the compiled program runs, its bytes and groups, beside the ring model."""
     from meshkit.analysis import communication
 
-    ledger = communication(_compiled(target, hlo, devices))
+    ledger = communication(_compiled(target, hlo, devices), devices=devices if hlo is not None else None)
     if json:
         print_json(ledger.to_json())
         return
-    mesh = ", ".join(f"{n}={s}" for n, s in ledger.mesh) if ledger.mesh else "unknown"
-    console.print(f"module [bold]{ledger.module}[/] | {ledger.num_devices} device(s) | mesh {mesh}")
-    rows = []
-    for r in ledger.records:
-        shapes = ", ".join(f"{d}{list(s)}" for d, s in zip(r.dtypes, r.shapes, strict=True))
-        flags = " ".join(
-            f
-            for f, on in (
-                ("async", r.is_async),
-                ("loop", r.in_loop),
-                ("?trip", not r.exact),
-                ("cond", r.in_conditional),
-            )
-            if on
-        )
-        rows.append(
-            [r.op, shapes if len(shapes) < 48 else shapes[:45] + "...", fmt_bytes(r.size_bytes), r.group_size,
-             r.axes_label, r.executions, fmt_bytes(r.total_traffic_bytes), flags]
-        )  # fmt: skip
-    cols = ["op", "operands (per device)", "S", "group", "axes", "runs", "ring traffic/device", "notes"]
-    console.print(table("Collectives per step", cols, rows, justify_right=2))
-    for title, totals in (("By op", ledger.by_op()), ("By mesh axes", ledger.by_axes())):
-        rows = [
-            [k, t.executions, fmt_bytes(t.size_bytes), fmt_bytes(t.traffic_bytes)] for k, t in totals.items()
-        ]
-        console.print(table(title, ["", "runs", "S total", "ring traffic/device"], rows))
-    console.print(f"total ring-model traffic per device per step: [bold]{fmt_bytes(ledger.traffic_bytes)}[/]")
-    for w in ledger.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+    from meshkit.cli._format import print_comm
+
+    print_comm(ledger, every=all_)
 
 
 def memory(

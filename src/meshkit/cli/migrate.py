@@ -42,7 +42,10 @@ def migrate(
     diff: Annotated[
         bool, typer.Option("--diff", help="Show the unified diff of the fixes; write nothing.")
     ] = False,
-    check: Annotated[bool, typer.Option("--check", help="Exit 1 when findings remain (for CI).")] = False,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Exit 1 when findings remain, e.g. an API JAX 0.12 removed (for CI)."),
+    ] = False,
     json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text and tables.")] = False,
     exclude: Annotated[
         list[str] | None,
@@ -58,6 +61,8 @@ def migrate(
     for r in results:
         if write and r.changed:
             Path(r.path).write_text(r.fixed, encoding="utf-8")
+        if r.changed and not r.stable:
+            print(f"warning: {r.path}: a second --fix would change it again; check the diff", file=sys.stderr)
     findings = [f for r in results for f in (r.remaining if write else r.findings)]
     fixed = sum(len(r.findings) - len(r.remaining) for r in results if r.changed) if write else 0
     diffs = {r.path: _diff(r) for r in results if diff and r.changed}

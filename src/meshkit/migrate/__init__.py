@@ -14,23 +14,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshkit.migrate import rules_api, rules_misuse, rules_pmap
+from meshkit.migrate import rules_api, rules_misuse, rules_pmap, rules_removed
 from meshkit.migrate._engine import run
 from meshkit.migrate._files import MigratePathError, python_files
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Rule
 
-RULES: dict[str, Rule] = {PARSE_ERROR.id: PARSE_ERROR, **REGISTRY}
+RULES: dict[str, Rule] = {PARSE_ERROR.id: PARSE_ERROR, **dict(sorted(REGISTRY.items()))}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FileResult:
-    """One file: its findings, its text before and after every safe fix, and what the fixes leave."""
+    """One file: its findings, its text before and after every safe fix, and what the fixes leave.
+
+    ``stable`` says a second ``--fix`` changes nothing (the fixes are idempotent on this file).
+    """
 
     path: str
     source: str
     fixed: str
     findings: tuple[Finding, ...]
     remaining: tuple[Finding, ...]
+    stable: bool = True
 
     @property
     def changed(self) -> bool:
@@ -59,9 +63,14 @@ def migrate_file(path: str | Path) -> FileResult:
         )  # fmt: skip
         return FileResult(path=name, source="", fixed="", findings=(finding,), remaining=(finding,))
     findings, fixed = run(source, name, fix=True)
-    remaining = findings if fixed == source else run(fixed, name)[0]
+    remaining, again = (findings, fixed) if fixed == source else run(fixed, name, fix=True)
     return FileResult(
-        path=name, source=source, fixed=fixed, findings=tuple(findings), remaining=tuple(remaining)
+        path=name,
+        source=source,
+        fixed=fixed,
+        findings=tuple(findings),
+        remaining=tuple(remaining),
+        stable=again == fixed,
     )
 
 
@@ -95,4 +104,5 @@ __all__ = [
     "rules_api",
     "rules_misuse",
     "rules_pmap",
+    "rules_removed",
 ]

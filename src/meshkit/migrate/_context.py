@@ -6,12 +6,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import QualifiedNameProvider
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from meshkit.migrate._keys import safe_prng_keys
 
 COLLECTIVES = frozenset(
     f"jax.lax.{n}" for n in ("psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute")
 )
 _PMAP_POSITIONAL = ("fun", "axis_name")
+# pmap as JAX 0.12 code or old code may name it (``from jax.api import pmap`` was common).
+PMAP_NAMES = frozenset({"jax.pmap", "jax.api.pmap", "jax._src.api.pmap"})
+# Calls that make code multi-host: a pmap's leading axis is then host-local, not global.
+_MULTIHOST = frozenset(
+    f"jax.{n}" for n in ("process_index", "process_count", "host_id", "host_count", "distributed.initialize")
+)
+# Ways legacy code gives arrays a device axis before pmap: replicate helpers and broadcasts.
+_REPLICATE = frozenset(
+    {
+        "flax.jax_utils.replicate",
+        "jax.device_put_replicated",
+        "jax.api.device_put_replicated",
+        "numpy.broadcast_to",
+        "jax.numpy.broadcast_to",
+    }
+)
 _EMPTY = cst.Module(body=[])
 
 
@@ -78,18 +96,45 @@ class Context:
     sites: dict[cst.CSTNode, PmapSite] = field(default_factory=dict)
     nested: dict[cst.Call, PmapSite] = field(default_factory=dict)
     nested_sites: set[int] = field(default_factory=set)
+    # pmap named but not applied where this module can follow it (``p = jax.pmap``, ``g(jax.pmap)``).
+    pmap_refs: set[cst.CSTNode] = field(default_factory=set)
+    # Names and call results whose attributes the module reads (``step.lower(...)``): a pmapped
+    # function's own methods have no counterpart on the rewritten one.
+    attribute_bases: set[str] = field(default_factory=set)
+    attribute_calls: set[int] = field(default_factory=set)
+    # The first call that makes the module multi-host, as (dotted name, line), if any.
+    multihost: tuple[str, int] | None = None
+    # Names bound at module level (imports, assignments, defs), for helpers and imports a fix adds.
+    module_names: dict[str, cst.CSTNode] = field(default_factory=dict)
+    # Whether the module binds ``jax`` to the jax package at top level (``import jax``).
+    imports_jax: bool = False
+    # Whether the module replicates arrays over devices first (the standard pmap idiom for params).
+    replicates: bool = False
+    # PRNGKey: every call of it, those safe to make typed keys (see _keys), and whether all uses are.
+    key_calls: list[cst.Call] = field(default_factory=list)
+    safe_keys: set[cst.Call] = field(default_factory=set)
+    all_keys_safe: bool = True
+    _qnames: dict[int, str | None] = field(default_factory=dict)
 
     def qname(self, node: cst.CSTNode) -> str | None:
-        """The dotted name ``node`` refers to through the module's imports (``jnp.ones`` -> ``jax.numpy.ones``)."""
-        names = self.get_metadata(QualifiedNameProvider, node, set())
-        return min((q.name for q in names), default=None)
+        """The dotted name ``node`` refers to through the module's imports (``jnp.ones`` -> ``jax.numpy.ones``).
+
+        Only names and attributes have one: the value a call returns is not the function it calls.
+        """
+        if not isinstance(node, cst.Name | cst.Attribute):
+            return None
+        key = id(node)
+        if key not in self._qnames:
+            names = self.get_metadata(QualifiedNameProvider, node, set())
+            self._qnames[key] = min((q.name for q in names), default=None)
+        return self._qnames[key]
 
     def callee(self, call: cst.Call) -> tuple[str | None, int]:
         """The function a call applies, seen through ``functools.partial``, and where its arguments start."""
         name = self.qname(call.func)
         if name == "functools.partial" and call.args and call.args[0].keyword is None:
-            return self.qname(call.args[0].value), 1
-        return name, 0
+            return _canonical(self.qname(call.args[0].value)), 1
+        return _canonical(name), 0
 
     def uses_collectives(self, fn: cst.CSTNode) -> bool:
         """Whether the body of ``fn`` calls a ``jax.lax`` collective."""
@@ -97,6 +142,11 @@ class Context:
 
     def is_nested(self, site: PmapSite) -> bool:
         return id(site) in self.nested_sites
+
+
+def _canonical(name: str | None) -> str | None:
+    """``jax.pmap`` for every name pmap goes by; other names unchanged."""
+    return "jax.pmap" if name in PMAP_NAMES else name
 
 
 def _calls(node: cst.CSTNode) -> list[cst.Call]:
@@ -118,15 +168,49 @@ class _SiteFinder(cst.CSTVisitor):
         self.defs: dict[str, cst.FunctionDef] = {}
         self.assigned: dict[cst.Call, str] = {}
         self.decorators: set[int] = set()
+        self.applied: set[int] = set()
+        self.refs: list[cst.CSTNode] = []
+        self.key_refs: list[cst.CSTNode] = []
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self._reference(node)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self._reference(node)
+        if isinstance(node.value, cst.Name):
+            self.ctx.attribute_bases.add(node.value.value)
+        elif isinstance(node.value, cst.Call):
+            self.ctx.attribute_calls.add(id(node.value))
+
+    def _reference(self, node: cst.Name | cst.Attribute) -> None:
+        name = self.ctx.qname(node)
+        if name in PMAP_NAMES:
+            self.refs.append(node)
+        elif name in _MULTIHOST or (name or "").startswith("jax.experimental.multihost_utils."):
+            if self.ctx.multihost is None:
+                line = self.ctx.get_metadata(PositionProvider, node).start.line
+                self.ctx.multihost = (name, line)
+        elif name in _REPLICATE or (name or "").endswith("_utils.replicate"):
+            self.ctx.replicates = True
+        elif name == "jax.random.PRNGKey":
+            self.key_refs.append(node)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.defs[node.name.value] = node
         for d in node.decorators:
             self.decorators.add(id(d.decorator))
             expr = d.decorator
-            if self.ctx.qname(expr) == "jax.pmap":
+            if _canonical(self.ctx.qname(expr)) == "jax.pmap":
+                self.applied.add(id(expr))
                 self._add(d, None, 0, node, node.name.value, True)
             elif isinstance(expr, cst.Call) and self.ctx.callee(expr) == ("jax.pmap", 1):
+                self.applied.add(id(expr.args[0].value))
                 self._add(d, expr, 1, node, node.name.value, True)
 
     def visit_Assign(self, node: cst.Assign) -> None:
@@ -135,11 +219,19 @@ class _SiteFinder(cst.CSTVisitor):
             if isinstance(target, cst.Name):
                 self.assigned[node.value] = target.value
 
+    def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
+        # ``[x] * n_devices``: the docs' way to stack one copy per device.
+        if isinstance(node.operator, cst.Multiply) and isinstance(node.left, cst.List):
+            self.ctx.replicates = True
+
     def visit_Call(self, node: cst.Call) -> None:
+        if self.ctx.qname(node.func) == "jax.random.PRNGKey":
+            self.ctx.key_calls.append(node)
         if id(node) in self.decorators:
             return
         name, offset = self.ctx.callee(node)
         if name == "jax.pmap":
+            self.applied.add(id(node.args[0].value if offset else node.func))
             self._add(node, node, offset, None, self.assigned.get(node), False)
 
     def _add(self, anchor, call, offset, fn, name, decorator) -> None:
@@ -176,6 +268,12 @@ def build_context(module: cst.Module, get_metadata: Callable) -> Context:
     ctx = Context(get_metadata=get_metadata)
     finder = _SiteFinder(ctx)
     module.visit(finder)
+    ctx.pmap_refs = {r for r in finder.refs if id(r) not in finder.applied}
+    ctx.module_names, ctx.imports_jax = _module_names(module)
+    if ctx.key_calls:
+        ctx.safe_keys = safe_prng_keys(module, ctx.key_calls, get_metadata, ctx.qname)
+    safe_funcs = {id(c.func) for c in ctx.safe_keys}
+    ctx.all_keys_safe = all(id(r) in safe_funcs for r in finder.key_refs)
     ctx.sites = {anchor: finder.resolve(s) for anchor, s in ctx.sites.items()}
     by_name = {s.name: s for s in ctx.sites.values() if s.name is not None}
     for outer in ctx.sites.values():
@@ -187,3 +285,40 @@ def build_context(module: cst.Module, get_metadata: Callable) -> Context:
                 ctx.nested[call] = outer
                 ctx.nested_sites.update((id(outer), id(inner)))
     return ctx
+
+
+def _bound(target: cst.BaseExpression) -> list[str]:
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, cst.Tuple | cst.List):
+        return [n for e in target.elements for n in _bound(e.value)]
+    return []
+
+
+def _module_names(module: cst.Module) -> tuple[dict[str, cst.CSTNode], bool]:
+    """Top-level bindings by name, and whether ``import jax`` binds ``jax`` to the jax package."""
+    names: dict[str, cst.CSTNode] = {}
+    imports_jax = False
+    for stmt in module.body:
+        if isinstance(stmt, cst.FunctionDef | cst.ClassDef):
+            names[stmt.name.value] = stmt
+            continue
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if isinstance(small, cst.Import):
+                for a in small.names:
+                    local = a.asname.name.value if a.asname else code(a.name).split(".")[0]
+                    names[local] = small
+                    imports_jax |= local == "jax" and code(a.name).split(".")[0] == "jax"
+            elif isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+                for a in small.names:
+                    names[a.asname.name.value if a.asname else code(a.name)] = small
+            elif isinstance(small, cst.Assign):
+                for t in small.targets:
+                    names.update(dict.fromkeys(_bound(t.target), small))
+            elif isinstance(small, cst.AnnAssign | cst.AugAssign):
+                names.update(dict.fromkeys(_bound(small.target), small))
+    if names.get("jax") is not None and not isinstance(names["jax"], cst.Import):
+        imports_jax = False
+    return names, imports_jax

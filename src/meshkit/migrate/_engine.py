@@ -9,9 +9,14 @@ from collections.abc import Iterable
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+from libcst.metadata import (
+    MetadataWrapper,
+    PositionProvider,
+    QualifiedNameProvider,
+    ScopeProvider,
+)
 
-from meshkit.migrate._context import Context, build_context
+from meshkit.migrate._context import Context, build_context, code
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Import, Rule
 
 
@@ -44,7 +49,7 @@ def _lost(before: cst.CSTNode, after: cst.CSTNode | cst.FlattenSentinel) -> list
 class _Migrator(cst.CSTTransformer):
     """Runs ``rules`` on every node; with ``fix``, replaces nodes and keeps every comment."""
 
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ScopeProvider)
 
     def __init__(self, path: str, rules: Iterable[Rule], fix: bool) -> None:
         super().__init__()
@@ -56,37 +61,61 @@ class _Migrator(cst.CSTTransformer):
         self.findings: list[Finding] = []
         self.imports: set[Import] = set()
         self.unused: set[tuple[str, str]] = set()
+        self.helpers: dict[str, None] = {}
         self.orphans: list[str] = []
         self.ctx: Context | None = None
+        self.in_import = 0
+        # Where non-fallback rules reported, as (start, end) positions, and the fallback findings.
+        self.spans: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        self.fallbacks: list[tuple[tuple[int, int], Finding]] = []
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.ctx = build_context(node, self.get_metadata)
         return True
 
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.in_import += isinstance(node, cst.Import | cst.ImportFrom)
+        return super().on_visit(node)
+
+    def report(self) -> list[Finding]:
+        """The findings, fallback ones only where no other rule reported a node containing them."""
+        kept = [f for at, f in self.fallbacks if not any(s <= at <= e for s, e in self.spans)]
+        return sorted([*self.findings, *kept], key=lambda f: (f.line, f.col, f.rule))
+
     def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+        is_import = isinstance(original, cst.Import | cst.ImportFrom)
+        self.in_import -= is_import
+        if self.in_import and not is_import:
+            return updated  # names inside an import statement are the import rules' business
         for r in self.by_type.get(type(original), ()):
             hit = r.check(original, self.ctx)
             if hit is None:
                 continue
-            start = self.get_metadata(PositionProvider, original).start
+            where = self.get_metadata(PositionProvider, original)
+            start = where.start
             fix = hit.fix if hit.rewrite else f"by hand: {hit.fix}"
-            self.findings.append(
-                Finding(
-                    path=self.path,
-                    line=start.line,
-                    col=start.column + 1,
-                    rule=r.id,
-                    message=hit.message,
-                    fix=fix,
-                    fixable=hit.rewrite is not None,
-                )
+            found = Finding(
+                path=self.path,
+                line=start.line,
+                col=start.column + 1,
+                rule=r.id,
+                message=hit.message,
+                fix=fix,
+                fixable=hit.rewrite is not None,
             )
+            span = ((start.line, start.column), (where.end.line, where.end.column))
+            if r.fallback:
+                self.fallbacks.append((span[0], found))
+                continue
+            self.spans.append(span)
+            self.findings.append(found)
             if self.fix and hit.rewrite is not None:
                 new = hit.rewrite(updated)
                 self.orphans.extend(_lost(updated, new))
                 updated = new
                 self.imports.update(hit.imports)
                 self.unused.update(hit.unused)
+                self.helpers.update(dict.fromkeys(hit.helpers))
         return self._adopt_orphans(original, updated)
 
     def _adopt_orphans(self, original: cst.CSTNode, node: cst.CSTNode) -> cst.CSTNode:
@@ -105,16 +134,79 @@ class _Migrator(cst.CSTTransformer):
         return node
 
 
+def _is_import(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, cst.Import | cst.ImportFrom) for s in stmt.body
+    )
+
+
+def _add_helpers(tree: cst.Module, helpers: Iterable[str], existing: set[str]) -> cst.Module:
+    """``tree`` with each helper not yet defined placed after the module's leading imports."""
+    body = list(tree.body)
+    at = 0
+    for i, stmt in enumerate(body):
+        docstring = (
+            i == 0 and isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr)
+        )
+        if _is_import(stmt) or docstring:
+            at = i + 1
+        else:
+            break
+    new = [
+        s
+        for h in helpers
+        for s in cst.parse_module(h).body
+        if getattr(s, "name", None) is None or s.name.value not in existing
+    ]
+    if not new:
+        return tree
+    new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+    if at < len(body):
+        body[at] = body[at].with_changes(
+            leading_lines=[cst.EmptyLine(), cst.EmptyLine(), *body[at].leading_lines]
+        )
+    return tree.with_changes(body=[*body[:at], *new, *body[at:]])
+
+
+def _bound_imports(tree: cst.Module) -> set[tuple[str, str | None, str | None]]:
+    """The top-level imports already present, in AddImportsVisitor's terms."""
+    found = set()
+    for stmt in tree.body:
+        if not _is_import(stmt):
+            continue
+        for small in stmt.body:
+            if isinstance(small, cst.Import):
+                found.update(
+                    (code(a.name), None, a.asname.name.value if a.asname else None) for a in small.names
+                )
+            elif (
+                small.module is not None
+                and not small.relative
+                and not isinstance(small.names, cst.ImportStar)
+            ):
+                found.update(
+                    (code(small.module), code(a.name), a.asname.name.value if a.asname else None)
+                    for a in small.names
+                )
+    return found
+
+
 def _fix_imports(tree: cst.Module, migrator: _Migrator) -> cst.Module:
-    if not (migrator.imports or migrator.unused):
+    """Add the imports fixes need and drop those they left unused (libcst's codemods, run only when needed)."""
+    tree = _add_helpers(tree, migrator.helpers, {n for n in migrator.ctx.module_names if n})
+    bound = _bound_imports(tree)
+    needed = migrator.imports - bound
+    unused = {b for b in bound if b[:2] in migrator.unused}
+    if not (needed or unused):
         return tree
     context = CodemodContext()
-    for module, obj, asname in sorted(migrator.imports, key=str):
+    for module, obj, asname in sorted(needed, key=str):
         AddImportsVisitor.add_needed_import(context, module, obj, asname)
-    for module, obj in sorted(migrator.unused):
-        RemoveImportsVisitor.remove_unused_import(context, module, obj)
-    tree = AddImportsVisitor(context).transform_module(tree)
-    return RemoveImportsVisitor(context).transform_module(tree)
+    for module, obj, asname in sorted(unused, key=str):
+        RemoveImportsVisitor.remove_unused_import(context, module, obj, asname)
+    if needed:
+        tree = AddImportsVisitor(context).transform_module(tree)
+    return RemoveImportsVisitor(context).transform_module(tree) if unused else tree
 
 
 def _syntax_error(text: str, path: str) -> tuple[int, int, str] | None:
@@ -152,4 +244,4 @@ def run(
     tree = wrapper.visit(migrator)
     if fix:
         tree = _fix_imports(tree, migrator)
-    return migrator.findings, tree.code if fix else text
+    return migrator.report(), tree.code if fix else text

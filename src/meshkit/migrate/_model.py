@@ -45,7 +45,8 @@ class Hit:
 
     ``rewrite`` takes the node as already updated by rules run on its children and returns its
     replacement; ``imports`` are added to the module and ``unused`` imports removed if the fix
-    leaves them unused.
+    leaves them unused; ``helpers`` are top-level definitions the rewrite calls, added once after
+    the module's imports.
     """
 
     message: str
@@ -53,16 +54,21 @@ class Hit:
     rewrite: Callable[[Any], cst.CSTNode] | None = None
     imports: tuple[Import, ...] = ()
     unused: tuple[tuple[str, str], ...] = ()
+    helpers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Rule:
-    """A check run on every node of the given types; ``check(node, ctx)`` returns a Hit or None."""
+    """A check run on every node of the given types; ``check(node, ctx)`` returns a Hit or None.
+
+    A ``fallback`` rule's finding is dropped where another rule reported a node that contains it.
+    """
 
     id: str
     title: str
     nodes: tuple[type[cst.CSTNode], ...]
     check: Callable[[Any, Any], Hit | None]
+    fallback: bool = False
 
 
 REGISTRY: dict[str, Rule] = {}
@@ -70,13 +76,13 @@ REGISTRY: dict[str, Rule] = {}
 PARSE_ERROR = Rule(id="MK000", title="file cannot be parsed", nodes=(), check=lambda node, ctx: None)
 
 
-def rule(rule_id: str, title: str, *nodes: type[cst.CSTNode]) -> Callable:
+def rule(rule_id: str, title: str, *nodes: type[cst.CSTNode], fallback: bool = False) -> Callable:
     """Register the decorated ``check(node, ctx)`` as rule ``rule_id`` run on ``nodes``."""
 
     def register(check: Callable[[Any, Any], Hit | None]) -> Callable[[Any, Any], Hit | None]:
         if rule_id in REGISTRY:
             raise ValueError(f"rule id {rule_id} registered twice: give each rule its own id")
-        REGISTRY[rule_id] = Rule(id=rule_id, title=title, nodes=nodes, check=check)
+        REGISTRY[rule_id] = Rule(id=rule_id, title=title, nodes=nodes, check=check, fallback=fallback)
         return check
 
     return register

@@ -90,12 +90,24 @@ def tree_aliases(node: cst.Attribute | cst.ImportFrom, ctx: Context) -> Hit | No
 
 @rule("MK002", "jax.random.PRNGKey is legacy", cst.Attribute, cst.ImportFrom)
 def prng_key(node: cst.Attribute | cst.ImportFrom, ctx: Context) -> Hit | None:
-    """Raw uint32 keys are legacy: ``jax.random.key`` makes a typed key with the same random bits."""
+    """Raw uint32 keys are legacy: ``jax.random.key`` makes a typed key with the same random bits.
+
+    Fixed only where the key is used solely through jax.random calls (see ``_keys``).
+    """
     message = "jax.random.PRNGKey makes a legacy raw uint32 key"
+    recipe = (
+        "jax.random.key where the key only feeds jax.random calls; where it is converted, indexed "
+        "or passed on, keep PRNGKey or convert there with jax.random.key_data(key)"
+    )
     if isinstance(node, cst.ImportFrom):
-        return _from_import(node, "jax.random", {"PRNGKey": ("jax.random", "key")}, message)
+        found = _from_import(node, "jax.random", {"PRNGKey": ("jax.random", "key")}, message)
+        if found is None or ctx.all_keys_safe:
+            return found
+        return Hit(message=f"{message}; not fixed: a key is used outside jax.random calls", fix=recipe)
     if ctx.qname(node) != "jax.random.PRNGKey" or node.attr.value != "PRNGKey":
         return None
+    if not any(c.func is node for c in ctx.safe_keys):
+        return Hit(message=f"{message}; not fixed: the key is used outside jax.random calls", fix=recipe)
     return Hit(message=message, fix="jax.random.key (typed key, same bits)", rewrite=_relative("key"))
 
 
@@ -114,10 +126,12 @@ def device_call(node: cst.Call, ctx: Context) -> Hit | None:
     )
 
 
-@rule("MK004", "jax.experimental.maps removed", cst.Import, cst.ImportFrom)
-def experimental_maps(node: cst.Import | cst.ImportFrom, ctx: Context) -> Hit | None:
+@rule("MK004", "jax.experimental.maps removed", cst.Import, cst.ImportFrom, cst.Attribute)
+def experimental_maps(node: cst.Import | cst.ImportFrom | cst.Attribute, ctx: Context) -> Hit | None:
     """``jax.experimental.maps`` (Mesh, xmap) is gone: build meshes with jax.make_mesh, map with jax.shard_map."""
-    if isinstance(node, cst.Import):
+    if isinstance(node, cst.Attribute):
+        found = ctx.qname(node) == "jax.experimental.maps" and node.attr.value == "maps"
+    elif isinstance(node, cst.Import):
         found = any(code(a.name).startswith("jax.experimental.maps") for a in node.names)
     elif node.module is None or node.relative:
         found = False
@@ -194,7 +208,7 @@ def _shard_map_keywords(node: cst.Call, ctx: Context) -> Hit | None:
 @rule("MK006", "jax_cpu_device_count is not a config option", cst.SimpleString)
 def cpu_device_count(node: cst.SimpleString, ctx: Context) -> Hit | None:
     """The option is ``jax_num_cpu_devices`` (set before the backend starts)."""
-    if node.evaluated_value != "jax_cpu_device_count":
+    if "jax_cpu_device_count" not in node.value or node.value.strip("\"'") != "jax_cpu_device_count":
         return None
     return Hit(
         message="jax_cpu_device_count is not a config option (AttributeError)",
@@ -217,3 +231,214 @@ def device_array(node: cst.Attribute | cst.ImportFrom, ctx: Context) -> Hit | No
     return Hit(
         message=message, fix="jax.Array", rewrite=_absolute("jax.Array"), imports=(("jax", None, None),)
     )
+
+
+@rule("MK016", "tree_multimap removed", cst.Attribute, cst.ImportFrom)
+def tree_multimap(node: cst.Attribute | cst.ImportFrom, ctx: Context) -> Hit | None:
+    """``tree_multimap(f, t, *rest)`` was ``tree_map(f, t, *rest)`` before it was removed (AttributeError)."""
+    message = "tree_multimap was removed (AttributeError); tree_map takes several trees"
+    if isinstance(node, cst.ImportFrom):
+        renames = {"tree_multimap": ("jax.tree_util", "tree_map")}
+        return _from_import(node, "jax.tree_util", renames, message) or _from_import(
+            node, "jax", {"tree_multimap": ("jax.tree", "map")}, message
+        )
+    name = ctx.qname(node)
+    if name not in ("jax.tree_multimap", "jax.tree_util.tree_multimap") or node.attr.value != "tree_multimap":
+        return None
+    if code(node) in ("jax.tree_multimap", "jax.tree_util.tree_multimap"):
+        return Hit(message=message, fix="jax.tree.map", rewrite=_absolute("jax.tree.map"))
+    # tree_util.tree_multimap with tree_util imported under its own name: keep the module's alias.
+    return Hit(message=message, fix="tree_map", rewrite=_relative("tree_map"))
+
+
+_PARTITION_SPEC = ("jax.experimental", "jax.experimental.pjit", "jax.interpreters.pxla")
+
+
+@rule("MK017", "PartitionSpec moved to jax.sharding", cst.Attribute, cst.ImportFrom)
+def partition_spec(node: cst.Attribute | cst.ImportFrom, ctx: Context) -> Hit | None:
+    """``jax.experimental.PartitionSpec`` (and pjit's, pxla's) is gone: ``jax.sharding.PartitionSpec``."""
+    message = "PartitionSpec moved to jax.sharding (ImportError)"
+    if isinstance(node, cst.ImportFrom):
+        renames = {"PartitionSpec": ("jax.sharding", "PartitionSpec")}
+        return next(filter(None, (_from_import(node, m, renames, message) for m in _PARTITION_SPEC)), None)
+    if ctx.qname(node) not in {f"{m}.PartitionSpec" for m in _PARTITION_SPEC}:
+        return None
+    return Hit(
+        message=message,
+        fix="jax.sharding.PartitionSpec",
+        rewrite=_absolute("jax.sharding.PartitionSpec"),
+        imports=(("jax", None, None),),
+    )
+
+
+@rule("MK018", "jax.experimental.pjit removed", cst.Import, cst.ImportFrom, cst.Attribute)
+def experimental_pjit(node: cst.Import | cst.ImportFrom | cst.Attribute, ctx: Context) -> Hit | None:
+    """``jax.experimental.pjit`` keeps only a deprecated ``pjit`` alias of ``jax.jit``; the rest is gone.
+
+    Not fixed: pjit's ``in_axis_resources`` (TypeError under jax.jit) were specs resolved against the
+    mesh of a ``with mesh:`` block, and jax.jit needs NamedShardings (or ``jax.set_mesh``) instead;
+    ``with_sharding_constraint`` and the other names raise ImportError.
+    """
+    message = (
+        "jax.experimental.pjit is gone: pjit is a deprecated alias of jax.jit, the rest raises ImportError"
+    )
+    recipe = (
+        "jax.jit(f, in_shardings=NamedSharding(mesh, spec), out_shardings=...) for "
+        "pjit(f, in_axis_resources=spec, out_axis_resources=...); "
+        "with_sharding_constraint is jax.lax.with_sharding_constraint"
+    )
+    if isinstance(node, cst.ImportFrom):
+        if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+            return None
+        module = code(node.module)
+        names = {code(a.name) for a in node.names}
+        if module == "jax.experimental.pjit" and names - {"PartitionSpec"}:
+            return Hit(message=message, fix=recipe)
+        if module == "jax.experimental" and "pjit" in names:
+            return Hit(message=message, fix=recipe)
+        return None
+    if isinstance(node, cst.Attribute):
+        if ctx.qname(node) not in (
+            "jax.experimental.pjit.pjit",
+            "jax.experimental.pjit.with_sharding_constraint",
+        ):
+            return None
+        return Hit(message=message, fix=recipe)
+    return None
+
+
+@rule("MK019", "jax.random.shuffle removed", cst.Call)
+def random_shuffle(node: cst.Call, ctx: Context) -> Hit | None:
+    """``shuffle(key, x, axis)`` was ``permutation(key, x, axis, independent=True)`` (same ``_shuffle``)."""
+    if ctx.qname(node.func) != "jax.random.shuffle" or not isinstance(node.func, cst.Attribute):
+        return None
+    message = "jax.random.shuffle was removed (AttributeError)"
+    fix = "jax.random.permutation(key, x, axis, independent=True): shuffle shuffled each slice along axis"
+    if any(a.star for a in node.args) or keyword(node, "independent") is not None or len(node.args) < 2:
+        return Hit(message=message, fix=fix)
+    x = keyword(node, "x") or node.args[1]
+    if isinstance(x.value, cst.Integer | cst.UnaryOperation):
+        # permutation(key, n) permutes range(n); shuffle(key, n) did not.
+        return Hit(message=message, fix=fix)
+
+    def rewrite(updated: cst.Call) -> cst.Call:
+        flag = cst.Arg(
+            keyword=cst.Name("independent"),
+            value=cst.Name("True"),
+            equal=cst.AssignEqual(
+                whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+            ),
+        )
+        args = list(updated.args)
+        if args[-1].comma is cst.MaybeSentinel.DEFAULT:
+            args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        else:
+            flag = flag.with_changes(comma=args[-1].comma)
+            args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        func = updated.func.with_changes(attr=cst.Name("permutation"))
+        return updated.with_changes(func=func, args=[*args, flag])
+
+    return Hit(message=message, fix=fix, rewrite=rewrite)
+
+
+_INDEX_OPS = {f"jax.ops.index_{op}": op for op in ("update", "add", "mul", "min", "max")}
+_INDEX_KEYWORDS = frozenset({"indices_are_sorted", "unique_indices"})
+_ATOMIC = (cst.Name, cst.Attribute, cst.Call, cst.Subscript)
+
+
+def _index_slice(idx: cst.BaseExpression, ctx: Context) -> str:
+    """The subscript text for ``x.at[...]``: ``jax.ops.index[a, b]`` gives ``a, b``, any other index itself."""
+    if isinstance(idx, cst.Subscript) and ctx.qname(idx.value) == "jax.ops.index":
+        text = code(idx.with_changes(lpar=[], rpar=[]))[len(code(idx.value)) :].strip()
+        return text.removeprefix("[").removesuffix("]").strip()
+    return code(idx)
+
+
+@rule("MK020", "jax.ops.index_* removed", cst.Call)
+def index_ops(node: cst.Call, ctx: Context) -> Hit | None:
+    """``jax.ops.index_update(x, idx, y)`` is ``x.at[idx].set(y)`` (``index_add`` -> ``.add``, ...)."""
+    op = _INDEX_OPS.get(ctx.qname(node.func) or "")
+    if op is None:
+        return None
+    method = "set" if op == "update" else op
+    message = f"jax.ops.index_{op} was removed (AttributeError)"
+    fix = f"x.at[idx].{method}(y)"
+    positional = [a for a in node.args if a.keyword is None]
+    keywords = {a.keyword.value: a for a in node.args if a.keyword is not None}
+    if any(a.star for a in node.args) or len(positional) != 3 or set(keywords) - _INDEX_KEYWORDS:
+        return Hit(message=message, fix=fix)
+
+    index = _index_slice(positional[1].value, ctx)
+
+    def rewrite(updated: cst.Call) -> cst.BaseExpression:
+        x, _, y = (a.value for a in updated.args if a.keyword is None)
+        base = code(x) if isinstance(x, _ATOMIC) and not x.lpar else f"({code(x).strip()})"
+        extra = "".join(f", {k}={code(v.value)}" for k, v in keywords.items())
+        text = f"{base}.at[{index}].{method}({code(y)}{extra})"
+        return cst.parse_expression(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
+
+    return Hit(message=message, fix=fix, rewrite=rewrite)
+
+
+# jax.api.NAME is jax.NAME for these; anything else under jax.api has no public home to move to.
+_API_MOVED = frozenset(
+    [
+        "jit",
+        "grad",
+        "value_and_grad",
+        "vmap",
+        "pmap",
+        "jvp",
+        "vjp",
+        "linearize",
+        "hessian",
+        "jacfwd",
+        "jacrev",
+        "jacobian",
+        "eval_shape",
+        "make_jaxpr",
+        "device_put",
+        "device_get",
+        "devices",
+        "local_devices",
+        "device_count",
+        "local_device_count",
+        "process_index",
+        "process_count",
+        "custom_jvp",
+        "custom_vjp",
+        "checkpoint",
+        "remat",
+        "named_call",
+        "block_until_ready",
+        "ShapeDtypeStruct",
+        "pure_callback",
+        "disable_jit",
+    ]
+)
+
+
+@rule("MK021", "jax.api removed", cst.Attribute, cst.ImportFrom, cst.Import)
+def jax_api(node: cst.Attribute | cst.ImportFrom | cst.Import, ctx: Context) -> Hit | None:
+    """The ``jax.api`` module is gone (ModuleNotFoundError): its public functions live on ``jax``."""
+    message = "jax.api was removed (ModuleNotFoundError)"
+    if isinstance(node, cst.Import):
+        if not any(code(a.name) == "jax.api" for a in node.names):
+            return None
+        return Hit(message=message, fix="import jax and use jax.jit, jax.grad, ... directly")
+    if isinstance(node, cst.ImportFrom):
+        if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
+            return None
+        if code(node.module) != "jax.api":
+            return None
+        renames = {n: ("jax", n) for n in _API_MOVED}
+        return _from_import(node, "jax.api", renames, message) or Hit(
+            message=message, fix="import from jax; names not public there have no replacement"
+        )
+    name = ctx.qname(node) or ""
+    attr = name.removeprefix("jax.api.")
+    if not name.startswith("jax.api.") or "." in attr or node.attr.value != attr:
+        return None
+    if attr not in _API_MOVED or not isinstance(node.value, cst.Attribute) or code(node.value) != "jax.api":
+        return Hit(message=message, fix=f"jax.{attr} if it is public there")
+    return Hit(message=message, fix=f"jax.{attr}", rewrite=_absolute(f"jax.{attr}"))

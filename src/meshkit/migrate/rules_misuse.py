@@ -117,9 +117,16 @@ def collective_axis(node: cst.Call, ctx: Context) -> Hit | None:
 
 @rule("MK012", "params not broadcast to pmap", cst.Call, cst.Decorator)
 def pmap_params(node: cst.Call | cst.Decorator, ctx: Context) -> Hit | None:
-    """Heuristic: pmap maps every argument over axis 0, so a first argument named params is split, not shared."""
+    """Heuristic: pmap maps every argument over axis 0, so a first argument named params is split, not shared.
+
+    Silent where the module gives arrays a device axis first (``jax_utils.replicate``,
+    ``jax.device_put_replicated``, ``broadcast_to``, ``[x] * n``) or where another pmap may have made
+    the params (an init pmap returns one copy per device): in_axes=0 then hands each device its copy.
+    """
     found = site_of(node, ctx)
-    if found is None or "in_axes" in found[1] or found[0].fn is None:
+    if found is None or "in_axes" in found[1] or found[0].fn is None or ctx.replicates:
+        return None
+    if len(ctx.sites) > 1:
         return None
     params = found[0].fn.params.params
     if not params or params[0].name.value not in _PARAM_NAMES:
