@@ -39,6 +39,12 @@ def train(
         str | None, typer.Option(help="fp32, or bf16 (bf16 compute, fp32 master weights).")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of initialisation and data order.")] = None,
+    remat: Annotated[
+        str | None, typer.Option(help="Activation checkpointing per block: none, layer, dots or regather.")
+    ] = None,
+    scan_layers: Annotated[
+        bool | None, typer.Option("--scan-layers/--no-scan-layers", help="Stack the blocks under lax.scan.")
+    ] = None,
     data: Annotated[
         str | None, typer.Option(help="UTF-8 text file or .npy of token ids (default: Python's docs).")
     ] = None,
@@ -78,7 +84,7 @@ def train(
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
                  heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
                  seed=seed, data=data, run_dir=run_dir, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                 sample_chars=sample_chars)  # fmt: skip
+                 sample_chars=sample_chars, remat=remat, scan_layers=scan_layers)  # fmt: skip
     changes = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
         changes["clip"] = clip or None

@@ -52,6 +52,11 @@ class TrainConfig:
     """Global-norm gradient clipping (None: off)."""
     precision: str = "fp32"
     """'fp32', or 'bf16' (bfloat16 compute, float32 master weights and optimizer state)."""
+    remat: str = "none"
+    """Activation checkpointing per block: 'none', 'layer', 'dots' or 'regather' (zero3/fsdp then
+    gathers each block's parameters again in the backward pass)."""
+    scan_layers: bool = False
+    """The GPT's scanned form: blocks stacked under lax.scan (compile time flat in depth)."""
     seed: int = 0
     """Seed of the parameter initialisation and of the data order."""
     data: str | None = None
@@ -95,7 +100,7 @@ PRESETS = {"default": default, "tiny": tiny}
 
 #: Options that define the model, the data order and the optimizer: a resumed run must match them.
 RESUME_KEYS = ("batch_size", "seq_len", "layers", "width", "heads", "optimizer", "lr", "warmup", "weight_decay",
-               "momentum", "accumulate", "clip", "precision", "seed", "data")  # fmt: skip
+               "momentum", "accumulate", "clip", "precision", "seed", "data", "scan_layers")  # fmt: skip
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -118,6 +123,10 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.accumulate >= 1, f"--accumulate must be at least 1, got {cfg.accumulate}"),
         (cfg.clip is None or cfg.clip > 0, f"--clip must be positive, got {cfg.clip}"),
         (cfg.precision in ("fp32", "bf16"), f"unknown --precision {cfg.precision!r}: use fp32 or bf16"),
+        (
+            cfg.remat in ("none", "layer", "dots", "regather"),
+            f"unknown --remat {cfg.remat!r}: use none, layer, dots or regather",
+        ),
         (cfg.eval_every >= 0 and cfg.eval_batches >= 1, "--eval-every must be >= 0 and --eval-batches >= 1"),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
         (0 <= cfg.seed < 2**32, f"--seed must be in [0, 2**32), got {cfg.seed}"),

@@ -70,11 +70,12 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         eval_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed
     )  # checks the eval split
     model = gpt.GPTConfig(vocab_size=data.vocab_size, seq_len=cfg.seq_len, layers=cfg.layers, width=cfg.width,
-                          heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None)  # fmt: skip
+                          heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None,
+                          scan_layers=cfg.scan_layers)  # fmt: skip
     params = gpt.init(jax.random.key(cfg.seed), model)
     trainer = Trainer(gpt.make_loss(model), params, C.optimizer(cfg), plan=cfg.plan, mesh=cfg.mesh,
                       accumulate=cfg.accumulate, clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params),
-                      tokens_per_example=cfg.seq_len, grad_norm=True)  # fmt: skip
+                      tokens_per_example=cfg.seq_len, grad_norm=True, remat=cfg.remat)  # fmt: skip
     trainer.check_examples(cfg.batch_size)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
               batches=batches, run_dir=run_dir, eval_loss=jax.jit(gpt.make_loss(model)))  # fmt: skip
