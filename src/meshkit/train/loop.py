@@ -262,7 +262,7 @@ def report(job: Job) -> dict[str, Any]:
         "model_flops_per_token": flops,
         "achieved_flops_per_s": tokens_per_s * flops,
         "checks_ok": plan_report.ok,
-        **{k: v for k, v in plan_report.to_json().items() if k in ("communication", "memory", "compiled_memory", "replicated_leaves")},
+        **{k: v for k, v in plan_report.to_json().items() if k in ("communication", "memory", "compiled_memory", "replicated_leaves", "peak")},
     }  # fmt: skip
 
 
