@@ -91,39 +91,57 @@ def nbytes(tree: Any) -> float:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PeakModel:
-    """Predicted per-device bytes at the step's peak, by component (see ``predict_peak``)."""
+    """Predicted per-device bytes at the step's peak (see ``predict_peak``)."""
 
     persistent: float
-    gradients: float
-    gathered: float
-    activations: float
+    """Parameters and optimizer state as the plan keeps them at rest, and the batch (the arguments)."""
+    backward: float
+    """Temporaries of the gradient phase: gradients in flight, gathered parameters, activations."""
     update: float
+    """Temporaries of the update phase: gradients with the update tree, and ZeRO-1/2's gathered new
+    parameters."""
+    activations: float
+    """The part of ``backward`` that is activations."""
 
     @property
     def total(self) -> float:
-        return self.persistent + max(self.gradients + self.gathered + self.activations, self.update)
+        return self.persistent + max(self.backward, self.update)
 
     def to_json(self) -> dict:
         return {**asdict(self), "total": self.total}
 
 
 def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> tuple[float, float]:
-    """(bytes the backward pass keeps, bytes one layer keeps without remat), parameters excluded,
-    from ``jax.ad_checkpoint.saved_residuals`` of the per-device loss under the remat policy."""
+    """(bytes the backward pass keeps, bytes one layer keeps without remat), per device.
+
+    From ``saved_residuals`` of the per-device loss under the remat policy, parameters excluded.
+    Without remat (and under ``dots``) only matmul outputs count (and their reshapes): XLA fuses
+    elementwise ops into their consumers and recomputes them inside the backward pass's fusions.
+    Under ``layer`` and ``regather`` what the checkpoint saves is an explicit output of the forward
+    pass and counts whole (``layer``: each layer's input; ``regather``: every activation); with remat
+    one layer's matmul outputs come on top, recreated in its backward pass."""
     from meshkit.plans import Layout
     from meshkit.plans._fsdp import layered_loss
 
     layout = Layout(plan=get_plan("dp"), mesh=per.layout.mesh, leaves=per.layout.leaves)
     leaves = jax.tree.leaves(params)
 
-    def saved(remat: str) -> float:
+    def saved(remat: str, matmuls_only: bool) -> float:
         f = layered_loss(loss_fn, PerLayer(layout=layout, remat=remat, found=per.found), params, micro)
-        res = saved_residuals(f, leaves, micro)
-        return sum(nbytes(a) for a, where in res if "argument" not in str(where))
+        total = 0.0
+        for aval, where in saved_residuals(f, leaves, micro):
+            if "argument" in where or (
+                matmuls_only and not where.startswith(("output of dot_general", "output of reshape"))
+            ):
+                continue
+            total += nbytes(aval)
+        return total
 
-    plain = saved("none")
+    plain = saved("none", True)
     layers = per.found.layers if per.found is not None and per.found.per_layer else 0
-    return (plain if per.remat == "none" else saved(per.remat)), (plain / layers if layers else 0.0)
+    if per.remat == "none" or not layers:
+        return plain, 0.0
+    return saved(per.remat, per.remat == "dots"), plain / layers
 
 
 def predict_peak(
@@ -132,11 +150,15 @@ def predict_peak(
     """Per-device peak of the step: arguments + the larger of the backward and the update phases.
 
     - persistent (the arguments): parameters and optimizer state as the plan keeps them, the batch;
-    - backward phase: full local gradients of every leaf not reduce-scattered inside a layer; zero3's
-      gathered parameters (leaves used outside layers for the step; per-layer leaves whole for every
-      layer without remat, else one layer); a bucketed gather holds its bucket and the leaves sliced
-      from it (2x), and a layer's gradient is whole until its reduce-scatter; activations as saved;
-    - update phase: the optimizer's update tree (one copy of the state's parameter-shaped leaves).
+    - backward phase: whole local gradients (dp, zero1, zero2); under zero3 each gathered leaf costs
+      3x its bytes while alive (the gathered bucket, the leaves sliced from it, its whole gradient
+      before the reduce-scatter): leaves used outside layers for the step, per-layer leaves for
+      every layer without remat (held for the backward pass) or one layer at a time with it (2x:
+      the compiler frees a layer's bucket as its slices are made); plus
+      gradient shards and the activations the backward pass keeps (``saved_activations``; with remat
+      one layer's own residuals on top, recreated in its backward pass);
+    - update phase: the gradients with the optimizer's update tree (2x the gradients); zero1/zero2's
+      bucketed all-gather of the new parameters (bucket + slices, 2x the parameters).
     """
     layout = per.layout
     n, stage = layout.data_size, layout.plan.stage
@@ -162,19 +184,25 @@ def predict_peak(
 
     layer_b = sum(sizes[i] for i in layer)
     top_b = total - layer_b
-    if zero3:
-        grads = top_b + layer_b / n
-        lay = found.layers if layer else 1
-        per_layer_b = layer_b / lay if layer else 0.0
-        held = layer_b if per.remat == "none" else per_layer_b
-        gathered = 2 * top_b + 2 * held + per_layer_b  # bucket + slices; one layer's whole gradient
-    else:
-        grads, gathered = total, 0.0
     saved, one = saved_activations(loss_fn, per, params, micro)
     activations = saved + (one if per.remat != "none" else 0.0)
-    update = params_b if stage == "dp" else sum(at_rest(i, True) for i in range(len(sizes)))
+    if zero3:
+        lay = found.layers if layer else 1
+        per_layer_b = layer_b / lay if layer else 0.0
+        # gathered for the step (bucket + slices) with their whole gradients; shards of the rest
+        backward = 3 * top_b + layer_b / n
+        if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered
+            backward += 3 * layer_b
+        else:  # one layer at a time: its gathered bucket and whole gradient (slices die with the bucket)
+            backward += 2 * per_layer_b
+        shards = sum(at_rest(i, True) for i in range(len(sizes)))
+        update = 2 * shards
+    else:
+        backward = total  # whole local gradients
+        sharded = sum(at_rest(i, True) for i in range(len(sizes)))
+        update = 2 * total if stage in ("dp",) else max(total + sharded, 2 * total)
     return PeakModel(
-        persistent=persistent, gradients=grads, gathered=gathered, activations=activations, update=update
+        persistent=persistent, backward=backward + activations, update=update, activations=activations
     )
 
 
