@@ -119,7 +119,8 @@ def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, micro: Any)
     elementwise ops into their consumers and recomputes them inside the backward pass's fusions.
     Under ``layer`` and ``regather`` what the checkpoint saves is an explicit output of the forward
     pass and counts whole (``layer``: each layer's input; ``regather``: every activation); with remat
-    one layer's matmul outputs come on top, recreated in its backward pass."""
+    one layer's matmul outputs come on top, recreated in its backward pass. In a ``lax.scan`` every
+    saved residual is a stacked output of the loop and counts whole."""
     from meshkit.plans import Layout
     from meshkit.plans._fsdp import layered_loss
 
@@ -137,11 +138,12 @@ def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, micro: Any)
             total += nbytes(aval)
         return total
 
-    plain = saved("none", True)
+    fused = per.found is None or per.found.mode != "scan"  # a scan stacks every residual it saves
+    plain = saved("none", fused)
     layers = per.found.layers if per.found is not None and per.found.per_layer else 0
     if per.remat == "none" or not layers:
         return plain, 0.0
-    return saved(per.remat, per.remat == "dots"), plain / layers
+    return saved(per.remat, fused and per.remat == "dots"), saved("none", True) / layers
 
 
 def predict_peak(
@@ -191,16 +193,19 @@ def predict_peak(
         per_layer_b = layer_b / lay if layer else 0.0
         # gathered for the step (bucket + slices) with their whole gradients; shards of the rest
         backward = 3 * top_b + layer_b / n
-        if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered
-            backward += 3 * layer_b
+        if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered;
+            # a scan saves each layer's gathered slice as a stacked residual (its bucket dies in the body)
+            backward += (2 if found.mode == "scan" else 3) * layer_b
         else:  # one layer at a time: its gathered bucket and whole gradient (slices die with the bucket)
             backward += 2 * per_layer_b
         shards = sum(at_rest(i, True) for i in range(len(sizes)))
         update = 2 * shards
     else:
         backward = total  # whole local gradients
-        sharded = sum(at_rest(i, True) for i in range(len(sizes)))
-        update = 2 * total if stage in ("dp",) else max(total + sharded, 2 * total)
+        scan = found is not None and found.mode == "scan"
+        # the loop form materializes the update tree beside the gradients; in the scanned form XLA
+        # updates in the gradients' buffers; zero1/2 gather the new parameters (bucket + slices)
+        update = (total if scan else 2 * total) if stage == "dp" else 2 * total
     return PeakModel(
         persistent=persistent, backward=backward + activations, update=update, activations=activations
     )
