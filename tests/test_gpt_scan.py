@@ -76,3 +76,23 @@ def test_layer_hook_is_a_plain_call_outside_a_plan():
 
     out = meshkit.layer(block)({"s": jnp.float32(3.0)}, jnp.ones(2))
     assert calls == [1] and np.array_equal(out, [3.0, 3.0])
+
+
+def test_optimizer_state_converts_with_the_parameters():
+    import optax
+
+    loop = gpt.init(jax.random.key(0), CFG)
+    opt = optax.adamw(1e-3)
+    state = opt.init(loop)
+    g = jax.grad(gpt.make_loss(CFG))(loop, _batch())
+    _, state = opt.update(g, state, loop)
+    scanned_state = gpt.to_form(state, scan_layers=True)
+    assert scanned_state[0].mu["blocks"]["mlp"]["w_in"].shape == (CFG.layers, CFG.width, CFG.mlp_width)
+    assert int(scanned_state[0].count) == int(state[0].count)  # non-parameter leaves untouched
+    back = gpt.to_form(scanned_state, scan_layers=False)
+    assert jax.tree.all(jax.tree.map(np.array_equal, back, state))
+    # the scanned model continues from the converted state exactly as the loop model would
+    s_params = gpt.to_scanned(loop)
+    u1, _ = opt.update(g, state, loop)
+    u2, _ = opt.update(gpt.to_scanned(g), scanned_state, s_params)
+    assert jax.tree.all(jax.tree.map(np.allclose, gpt.to_scanned(u1), u2))

@@ -177,6 +177,21 @@ def to_layers(tree: Any) -> Any:
     return {**tree, "blocks": [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]}
 
 
+def _is_gpt_tree(x: Any) -> bool:
+    return isinstance(x, dict) and "blocks" in x and "tok_embed" in x
+
+
+def to_form(tree: Any, scan_layers: bool) -> Any:
+    """Every GPT parameter-shaped subtree of ``tree`` (parameters, optax state such as Adam's mu and
+    nu, a checkpoint's payload) in the scanned form or the Python-loop form; other leaves unchanged.
+
+    The hook a checkpoint restore needs: record ``blocks_form(params)`` when saving, and on restore
+    into a model of the other form pass the restored tree through ``to_form(tree, cfg.scan_layers)``.
+    """
+    convert = to_scanned if scan_layers else to_layers
+    return jax.tree.map(lambda x: convert(x) if _is_gpt_tree(x) else x, tree, is_leaf=_is_gpt_tree)
+
+
 def _wide(dtype) -> jnp.dtype:
     """The dtype for numerically sensitive steps: at least float32 (float64 stays float64)."""
     return jnp.promote_types(dtype, jnp.float32)
