@@ -431,9 +431,13 @@ def test_a_stalled_process_ends_the_job_and_leaves_when_resumed(victim):
     assert "Traceback" not in out and "Terminating process" not in out
     # the resumed process: gone within seconds, non-zero, one line saying it was stopped too long
     assert stalled.returncode == distributed.PEER_LOST_EXIT_CODE and resumed_after < 10, (resumed_after, rest)
-    assert re.search(
-        rf"^error: process {victim} of 2 was stopped for \d+ s, past the job's heartbeat timeout of {heartbeat} s",
-        rest,
-        re.M,
+    # Which of its two threads wakes first after SIGCONT is up to the scheduler: the judge says it was
+    # stopped, or the heartbeat thread's fresh view finds the peer gone. Either way: one line, exit 75.
+    said = [line for line in rest.splitlines() if line.startswith("error:")]
+    assert len(said) == 1, rest[-3000:]
+    assert re.match(
+        rf"error: (process {victim} of 2 was stopped for \d+ s, past the job's heartbeat timeout of {heartbeat} s"
+        rf"|lost process {1 - victim} of 2)",
+        said[0],
     ), rest[-3000:]
     assert "Traceback" not in rest and "Terminating process" not in rest
