@@ -30,6 +30,7 @@ _LAZY = {
     "PlanError": "meshkit.plans",
     "PlanReport": "meshkit.train",
     "Trainer": "meshkit.train",
+    "layer": "meshkit.plans._hook",
 }
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from meshkit.devices import DeviceReport, describe_devices, simulate_devices
     from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
     from meshkit.plans import PLANS, PlanError
+    from meshkit.plans._hook import layer
     from meshkit.train import PlanReport, Trainer
 
 
@@ -72,6 +74,7 @@ __all__ = [
     "from_equinox",
     "from_linen",
     "from_nnx",
+    "layer",
     "make_mesh",
     "parse_mesh_spec",
     "resolve_mesh_shape",

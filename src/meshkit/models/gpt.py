@@ -19,6 +19,14 @@ Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``T = seq_l
         "unembed": (D, V),
     }
 
+With ``GPTConfig(scan_layers=True)`` (the scanned form) ``"blocks"`` is one dict of the same keys whose
+leaves are stacked with a leading layer axis (``wq: (L, D, D)``, ...) and ``apply`` runs ``lax.scan``
+over it: one compiled block instead of ``L`` (compile time flat in depth), and the form under which a
+ZeRO-3 plan gathers one layer's parameters at a time. Both forms compute the same function from the
+same initial values; ``to_scanned`` and ``to_layers`` convert parameters (or optimizer state shaped
+like them) between the forms, and ``blocks_form`` tells which one a tree holds. The Python-loop form
+marks each block with ``meshkit.layer`` (the hook a plan uses to gather and rematerialize per block).
+
 The columns of wq, wk, wv (and the rows of wo) are ``heads * head_dim = D`` wide, head-major, so sharding
 the ``"heads"`` logical axis splits whole heads when the device count divides ``heads``.
 """
@@ -33,6 +41,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+
+from meshkit.plans._hook import layer
 
 Params = dict[str, Any]
 Axes = tuple[str | None, ...]
@@ -78,6 +89,8 @@ class GPTConfig:
     """Dtype of the parameters as stored and updated by the optimizer."""
     compute_dtype: str | None = None
     """Dtype of the forward pass (params are cast to it inside ``apply``); ``None`` means ``dtype``."""
+    scan_layers: bool = False
+    """Stack the blocks' parameters with a leading layer axis and ``lax.scan`` over them."""
 
     def __post_init__(self):
         if self.width % self.heads:
@@ -131,10 +144,52 @@ def init(key: jax.Array, cfg: GPTConfig) -> Params:
     return {
         "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
         "pos_embed": _normal(k_pos, (cfg.seq_len, cfg.width), 0.02, cfg.dtype),
-        "blocks": [_init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)],
+        "blocks": _stack(
+            [_init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)], cfg.scan_layers
+        ),
         "ln_f": _layer_norm_params(cfg),
         "unembed": _normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype),
     }
+
+
+def _stack(blocks: list[Params], scan: bool) -> Any:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *blocks) if scan else blocks
+
+
+def blocks_form(tree: Any) -> str:
+    """``"layers"`` (a list of per-layer dicts) or ``"scanned"`` (stacked leaves) for a GPT parameter tree."""
+    return "layers" if isinstance(tree["blocks"], (list, tuple)) else "scanned"
+
+
+def to_scanned(tree: Any) -> Any:
+    """The scanned form of a parameter-shaped tree (blocks stacked on a new leading axis); idempotent."""
+    if blocks_form(tree) == "scanned":
+        return tree
+    return {**tree, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *tree["blocks"])}
+
+
+def to_layers(tree: Any) -> Any:
+    """The Python-loop form of a parameter-shaped tree (one dict per layer); idempotent."""
+    if blocks_form(tree) == "layers":
+        return tree
+    stacked = tree["blocks"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return {**tree, "blocks": [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]}
+
+
+def _is_gpt_tree(x: Any) -> bool:
+    return isinstance(x, dict) and "blocks" in x and "tok_embed" in x
+
+
+def to_form(tree: Any, scan_layers: bool) -> Any:
+    """Every GPT parameter-shaped subtree of ``tree`` (parameters, optax state such as Adam's mu and
+    nu, a checkpoint's payload) in the scanned form or the Python-loop form; other leaves unchanged.
+
+    The hook a checkpoint restore needs: record ``blocks_form(params)`` when saving, and on restore
+    into a model of the other form pass the restored tree through ``to_form(tree, cfg.scan_layers)``.
+    """
+    convert = to_scanned if scan_layers else to_layers
+    return jax.tree.map(lambda x: convert(x) if _is_gpt_tree(x) else x, tree, is_leaf=_is_gpt_tree)
 
 
 def _wide(dtype) -> jnp.dtype:
@@ -182,14 +237,29 @@ def apply(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
     t = tokens_bt.shape[1]
     if t > cfg.seq_len:
         raise ValueError(f"sequence length {t} exceeds seq_len {cfg.seq_len}")
+    form = blocks_form(params)
+    if (form == "scanned") != cfg.scan_layers:
+        fix = "gpt.to_scanned(params)" if cfg.scan_layers else "gpt.to_layers(params)"
+        raise ValueError(
+            f"params hold the {form} form but cfg.scan_layers={cfg.scan_layers}: convert with {fix}"
+        )
     compute = cfg.compute_dtype or cfg.dtype
-    params = jax.tree.map(lambda p: p.astype(compute), params)
-    x_btd = params["tok_embed"][tokens_bt] + params["pos_embed"][:t]
-    for block in params["blocks"]:
-        x_btd = x_btd + _attention(block["attn"], _layer_norm(block["ln1"], x_btd), cfg)
-        x_btd = x_btd + _mlp(block["mlp"], _layer_norm(block["ln2"], x_btd))
-    x_btd = _layer_norm(params["ln_f"], x_btd)
-    return jnp.matmul(x_btd, params["unembed"], preferred_element_type=_wide(compute))
+    # Blocks cast their own parameters, inside the block: where a plan gathers them per layer.
+    top = jax.tree.map(lambda p: p.astype(compute), {k: v for k, v in params.items() if k != "blocks"})
+    x_btd = top["tok_embed"][tokens_bt] + top["pos_embed"][:t]
+
+    def block(p: Params, x_btd: jax.Array) -> jax.Array:
+        p = jax.tree.map(lambda a: a.astype(compute), p)
+        x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg)
+        return x_btd + _mlp(p["mlp"], _layer_norm(p["ln2"], x_btd))
+
+    if cfg.scan_layers:
+        x_btd, _ = lax.scan(lambda x, p: (block(p, x), None), x_btd, params["blocks"])
+    else:
+        for p in params["blocks"]:
+            x_btd = layer(block)(p, x_btd)
+    x_btd = _layer_norm(top["ln_f"], x_btd)
+    return jnp.matmul(x_btd, top["unembed"], preferred_element_type=_wide(compute))
 
 
 def make_loss(cfg: GPTConfig) -> Callable[[Params, tuple[jax.Array, jax.Array]], jax.Array]:
@@ -207,9 +277,15 @@ def logical_axes(params: Params) -> Any:
     """The same structure as ``params`` with a tuple of logical axis names (or None) per dimension.
 
     Names: ``"vocab"``, ``"embed"`` (width), ``"heads"`` (the heads*head_dim dimension), ``"mlp"`` (hidden
-    MLP dimension), ``"seq"`` (position table rows). Works on arrays or ``jax.ShapeDtypeStruct`` leaves.
+    MLP dimension), ``"seq"`` (position table rows), ``"layers"`` (the scanned form's stacked axis). Works on arrays or ``jax.ShapeDtypeStruct`` leaves.
     """
-    return jax.tree.map_with_path(lambda path, _: _AXES[path[-1].key], params)
+
+    def axes(path, _) -> Axes:
+        names = _AXES[path[-1].key]
+        stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
+        return ("layers", *names) if stacked else names
+
+    return jax.tree.map_with_path(axes, params)
 
 
 def matmul_params(cfg: GPTConfig) -> int:
