@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 from meshkit._errors import MeshkitError
 
 DATA, MODEL = "data", "model"
+STAGE = "stage"
+"""The mesh axis pipeline plans split the layers over (``_pipeline``)."""
 STAGES = ("dp", "zero1", "zero2", "zero3")
 
 
@@ -38,6 +40,8 @@ class Plan:
     """Whether tensor-parallel rules shard leaves on the model axis (Megatron column/row)."""
     needs: tuple[str, ...]
     """Mesh axes the plan requires."""
+    pipeline: bool = False
+    """Whether the stacked layers of a ``meshkit.Stages`` model are split over the stage axis."""
 
 
 PLANS: dict[str, Plan] = {
@@ -49,6 +53,8 @@ PLANS: dict[str, Plan] = {
     "tp": Plan(name="tp", stage="dp", tensor=True, needs=(MODEL,)),
     "dp+tp": Plan(name="dp+tp", stage="dp", tensor=True, needs=(DATA, MODEL)),
     "fsdp+tp": Plan(name="fsdp+tp", stage="zero3", tensor=True, needs=(DATA, MODEL)),
+    "pp": Plan(name="pp", stage="dp", tensor=False, needs=(STAGE,), pipeline=True),
+    "dp+pp": Plan(name="dp+pp", stage="dp", tensor=False, needs=(DATA, STAGE), pipeline=True),
 }
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
@@ -264,7 +270,9 @@ def make_layout(
             )
     for axis, size in mesh.shape.items():
         if axis not in plan.needs and size > 1:
-            hint = "dp+tp or fsdp+tp" if axis == MODEL else "a mesh with only " + " and ".join(plan.needs)
+            hint = {MODEL: "dp+tp or fsdp+tp", STAGE: "pp or dp+pp"}.get(
+                axis, "a mesh with only " + " and ".join(plan.needs)
+            )
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
     n = int(mesh.shape.get(DATA, 1))
     model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {})

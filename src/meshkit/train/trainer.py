@@ -42,7 +42,8 @@ from meshkit.plans._layout import DATA, Rules
 from meshkit.train._inputs import check_params, check_state
 
 _DEFAULT_MESH = {"dp": "data=-1", "zero1": "data=-1", "zero2": "data=-1", "zero3": "data=-1", "fsdp": "data=-1",
-                 "tp": "model=-1", "dp+tp": "data=-1,model=2", "fsdp+tp": "data=-1,model=2"}  # fmt: skip
+                 "tp": "model=-1", "dp+tp": "data=-1,model=2", "fsdp+tp": "data=-1,model=2",
+                "pp": "stage=-1", "dp+pp": "stage=2,data=-1"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,10 +57,13 @@ class PlanReport:
     compiled_memory: MemoryLedger
     replicated: list[tuple[str, str]]
     ledger: CommLedger = field(repr=False)
+    pipeline: Any = None
+    """Pipeline plans: the executed schedule beside the model (``_pipeline.PipelineReport``)."""
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.communication) and all(r.ok for r in self.memory)
+        pipeline_ok = self.pipeline is None or self.pipeline.ok
+        return all(r.ok for r in self.communication) and all(r.ok for r in self.memory) and pipeline_ok
 
     def to_json(self) -> dict:
         return {
@@ -70,6 +74,7 @@ class PlanReport:
             "memory": [r.to_json() for r in self.memory],
             "compiled_memory": self.compiled_memory.to_json(),
             "replicated_leaves": [{"path": p, "why": w} for p, w in self.replicated],
+            **({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}),
         }
 
     def tables(self) -> list:
@@ -95,7 +100,7 @@ class PlanReport:
         cm = self.compiled_memory
         mem.add_row("compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", "")
         mem.add_row("compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", "")
-        return [comm, mem]
+        return [comm, mem] + ([] if self.pipeline is None else [self.pipeline.table()])
 
     def __rich__(self):
         from rich.console import Group
@@ -243,6 +248,9 @@ class Trainer:
         tokens_per_example: int = 1,
         grad_norm: bool = False,
         donate: bool = True,
+        microbatches: int | None = None,
+        schedule: str | None = None,
+        virtual_stages: int = 1,
     ) -> None:
         from meshkit.adapters import Adapted
 
@@ -290,6 +298,11 @@ class Trainer:
             min_shard_size=min_shard_size,
             units=units,
         )
+        self.pipeline = _pipeline_of(self.plan, loss_fn, params, self.layout, microbatches, schedule, virtual_stages,
+                                     {"state=": stateful, "rng=": rng is not None, "has_aux=True": has_aux,
+                                      "accumulate=": accumulate != 1, "compute_dtype=": compute_dtype is not None})  # fmt: skip
+        if self.pipeline is not None:
+            self.layout, accumulate = self.pipeline.layout, self.pipeline.microbatches
         self.optimizer = optimizer
         self.accumulate = accumulate
         self.tokens_per_example = tokens_per_example
@@ -324,7 +337,10 @@ class Trainer:
             grad_norm=grad_norm,
             donate=donate,
             compute_dtype=self.compute_dtype,
+            gradients=None if self.pipeline is None else self.pipeline.gradients(),
         )
+        self.last_schedule: jax.Array | None = None
+        """Pipeline plans: the schedule the last step executed, ``(ticks, stages, 3)`` (see ``_pipeline``)."""
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
     # -- data -------------------------------------------------------------------------------
@@ -346,8 +362,9 @@ class Trainer:
         """Raise unless a global batch of ``n`` examples divides over the data axis and micro-batches."""
         data = int(self.mesh.shape.get(DATA, 1))
         if n % (data * self.accumulate):
+            what = "accumulate" if self.pipeline is None else "microbatches"
             raise PlanError(
-                f"batch of {n} examples does not divide over data={data} x accumulate={self.accumulate}; "
+                f"batch of {n} examples does not divide over data={data} x {what}={self.accumulate}; "
                 f"use a multiple of {data * self.accumulate}"
             )
 
@@ -360,6 +377,7 @@ class Trainer:
         self.params, self.opt_state, self.state, metrics = self._executable(batch)(
             self.params, self.opt_state, self.state, batch, key
         )
+        self.last_schedule = metrics.pop("schedule", None)
         self.steps_done += 1
         return metrics
 
@@ -468,24 +486,45 @@ class Trainer:
             low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
         expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
                                         gather_itemsize=low)  # fmt: skip
+        if self.pipeline is not None:
+            expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
         formula = memory_formula(self.layout, self.optimizer, self._param_shapes)
         mem = [
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
             MemoryRow(component="optimizer", measured_bytes=device_bytes(self.opt_state), formula_bytes=formula["optimizer"]),
         ]  # fmt: skip
+        cm = memory(compiled)
         return PlanReport(
             plan=self.plan.name,
             mesh={k: int(v) for k, v in self.mesh.shape.items()},
             communication=compare_communication(ledger, expected),
             memory=mem,
-            compiled_memory=memory(compiled),
+            compiled_memory=cm,
             replicated=self.layout.replicated(),
             ledger=ledger,
+            pipeline=None
+            if self.pipeline is None
+            else self.pipeline.report(self.last_schedule, self._param_shapes, batch, cm.temp_bytes),
         )
 
     @property
     def num_devices(self) -> int:
         return math.prod(self.mesh.shape.values())
+
+
+def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_stages, extras):
+    """A pipeline plan's ``Pipeline`` (checked), or None; other plans refuse the pipeline options."""
+    from meshkit.plans._pipeline import Pipeline
+
+    if plan.pipeline:
+        return Pipeline.make(loss_fn, params, layout, microbatches=microbatches, schedule=schedule,
+                             virtual_stages=virtual_stages, extras=extras)  # fmt: skip
+    if microbatches is not None or schedule is not None or virtual_stages != 1:
+        raise PlanError(
+            f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp), not {plan.name}; "
+            f"use accumulate= for micro-batches"
+        )
+    return None
 
 
 def _is_key(x: Any) -> bool:
