@@ -120,6 +120,49 @@ def interleave_order(layers: int, p: int, v: int) -> np.ndarray:
     return np.arange(layers).reshape(v, p, k).transpose(1, 0, 2).reshape(-1)
 
 
+def relayout_moves(p: int, v: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Interleaved: the stored order gives device e virtual stages ``e v .. e v + v - 1`` (its slice of
+    the layer axis), the schedule wants ``c p + d`` as chunk c of device d. Per (stored chunk i,
+    wanted chunk c), the (source, destination) device pairs: a partial permutation (one ppermute),
+    with pairs whose source is the destination kept local."""
+    out = []
+    for c in range(v):
+        for i in range(v):
+            pairs = [(e, d) for e in range(p) for d in range(p) if e * v + i == c * p + d]
+            if pairs:
+                out.append((i, c, pairs))
+    return out
+
+
+def _relayout(tree: Any, p: int, v: int, d: jax.Array, back: bool) -> Any:
+    """Chunks from the stored order to the schedule's (or ``back``), by ppermutes over the stage axis;
+    each chunk that changes device costs one collective-permute of its bytes."""
+    k = jax.tree.leaves(tree)[0].shape[0] // v
+    get = lambda a, i: lax.slice_in_dim(a, i * k, (i + 1) * k)  # noqa: E731
+    parts = [jax.tree.map(lambda a: jnp.zeros_like(get(a, 0)), tree) for _ in range(v)]
+    for i, c, pairs in relayout_moves(p, v):
+        src_i, dst_c = (c, i) if back else (i, c)
+        pairs = [(b, a) for a, b in pairs] if back else pairs
+        moving = [(a, b) for a, b in pairs if a != b]
+        here = np.zeros(p, bool)
+        here[[a for a, b in pairs if a == b]] = True
+        src = jax.tree.map(lambda a: get(a, src_i), tree)
+        add = jax.tree.map(lambda x: jnp.where(jnp.asarray(here)[d], x, jnp.zeros_like(x)), src)
+        if moving:
+            add = jax.tree.map(jnp.add, add, lax.ppermute(src, STAGE, moving))
+        parts[dst_c] = jax.tree.map(jnp.add, parts[dst_c], add)
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
+def relayout_count(p: int, v: int) -> int:
+    """Collective-permutes of one chunk per relayout (one way)."""
+    return sum(any(a != b for a, b in pairs) for _, _, pairs in relayout_moves(p, v))
+
+
+def _nbytes(a: Any) -> int:
+    return int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
+
+
 def _micro(batch: Any, m: int) -> Any:
     return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m, *a.shape[1:])), batch)
 
@@ -141,6 +184,8 @@ def local_pipeline(stages: Stages, sched: _schedule.Schedule, data_size: int) ->
     def run(params, batch):
         top, blocks = stages.split(params)
         d = lax.axis_index(STAGE) if p > 1 else 0
+        if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
+            blocks = _relayout(blocks, p, v, d, back=False)
         micro = _micro(batch, m)
         k = jax.tree.leaves(blocks)[0].shape[0] // v
         x_like = jax.eval_shape(stages.embed, top, jax.tree.map(lambda a: a[0], micro))
@@ -225,6 +270,8 @@ def local_pipeline(stages: Stages, sched: _schedule.Schedule, data_size: int) ->
                  jax.tree.map(jnp.zeros_like, top), jnp.zeros((), loss_dtype))  # fmt: skip
         carry, record = lax.scan(tick, carry, jnp.asarray(table, jnp.int32))
         acc_c, acc_t, loss = carry[4], carry[5], carry[6]
+        if v > 1 and p > 1:
+            acc_c = _relayout(acc_c, p, v, d, back=True)
         if p > 1:
             acc_t, loss = lax.psum((acc_t, loss), STAGE)
         grads = stages_join(stages, acc_t, acc_c)
@@ -317,7 +364,7 @@ class Pipeline:
         two permutes of one activation per tick, the stage all-reduce of the top gradients, and the
         all-gather of the executed record."""
         from meshkit.analysis.cost import ring_traffic
-        from meshkit.plans._model import Expected
+        from meshkit.plans._model import Expected, _merge
 
         s, p = self.schedule, self.schedule.p
         if p == 1:
@@ -329,11 +376,14 @@ class Pipeline:
             for a in jax.tree.leaves(self.stages.split(params)[0])
         )
         record = s.ticks * p * 3 * 4
+        chunk = sum(_nbytes(a) for a in jax.tree.leaves(self.stages.split(params)[1])) // (p * s.v)
+        moves = 2 * relayout_count(p, s.v)
         rows = [("collective-permute", 2 * s.ticks, act_bytes, 2, "one activation forward and one cotangent back per tick"),
+                ("collective-permute", moves, chunk, 2, "interleaved: chunks to their devices and gradients back"),
                 ("all-reduce", 1, top, p, "embedding and head gradients, summed over the stages"),
                 ("all-gather", 1, record, p, "the executed schedule record (int32 kind, micro-batch, stage)")]  # fmt: skip
-        return [Expected(op=op, axes=STAGE, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
-                         what=what) for op, n, size, g, what in rows]  # fmt: skip
+        return _merge([Expected(op=op, axes=STAGE, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
+                                what=what) for op, n, size, g, what in rows if n])  # fmt: skip
 
     def report(self, record: Any, params: Any, batch: Any, temp_bytes: float) -> PipelineReport:
         s = self.schedule

@@ -31,6 +31,8 @@ slot that receives what no one needs (a device's idle tick still takes part in t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -253,3 +255,40 @@ def _with_slots(name, p, m, v, kind, chunk, mb, done) -> Schedule:
         g_read[r, d] = slot
     return Schedule(name=name, p=p, m=m, v=v, kind=kind, chunk=chunk, mb=mb, x_read=x_read, g_read=g_read,
                     x_write=x_write, g_write=g_write, x_slots=nx, g_slots=ng)  # fmt: skip
+
+
+def plot(record: np.ndarray, path: Any, *, title: str = "", v: int = 1) -> Path:
+    """The executed schedule as a picture (stage x tick; forward, backward, idle), as in the GPipe and
+    Megatron papers; written atomically to ``path`` (PNG). Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    record = np.asarray(record)
+    ticks, p, _ = record.shape
+    colors = {FWD: "#4c72b0", BWD: "#dd8452", IDLE: "#eeeeee"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.45 * p + 1.3))
+    for t in range(ticks):
+        for d in range(p):
+            kind, mb, s = (int(x) for x in record[t, d])
+            ax.add_patch(plt.Rectangle((t, p - 1 - d), 1, 1, facecolor=colors[kind], edgecolor="white"))
+            if kind != IDLE:
+                label = f"{mb}" + ("" if v == 1 else "abcdefgh"[s // p])
+                ax.text(t + 0.5, p - 0.5 - d, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(0, p)
+    ax.set_yticks([p - 0.5 - d for d in range(p)], [f"stage {d}" for d in range(p)])
+    ax.set_xlabel("tick")
+    idle = bubble_of(record)
+    ax.set_title(f"{title}  bubble (idle ticks / ticks) = {idle:.3f}".strip())
+    ax.legend(handles=[Patch(color=colors[k], label=n) for k, n in ((FWD, "forward"), (BWD, "backward"), (IDLE, "idle"))],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)  # fmt: skip
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
