@@ -146,8 +146,9 @@ def _relayout(tree: Any, p: int, v: int, d: jax.Array, back: bool) -> Any:
         moving = [(a, b) for a, b in pairs if a != b]
         here = np.zeros(p, bool)
         here[[a for a, b in pairs if a == b]] = True
-        src = jax.tree.map(lambda a: get(a, src_i), tree)
-        add = jax.tree.map(lambda x: jnp.where(jnp.asarray(here)[d], x, jnp.zeros_like(x)), src)
+        src = jax.tree.map(lambda a, i=src_i: get(a, i), tree)
+        keep = jnp.asarray(here)[d]
+        add = jax.tree.map(lambda x, keep=keep: jnp.where(keep, x, jnp.zeros_like(x)), src)
         if moving:
             add = jax.tree.map(jnp.add, add, lax.ppermute(src, STAGE, moving))
         parts[dst_c] = jax.tree.map(jnp.add, parts[dst_c], add)
