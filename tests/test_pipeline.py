@@ -2,6 +2,7 @@
 one device (float64, and NumPy for a user model), the Trainer's plans, validation and the ledger."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -200,8 +201,9 @@ def test_user_stages_model_matches_numpy_float64_under_interleaved():
 # -- the Trainer -----------------------------------------------------------------------------------
 
 
-def test_trainer_dp_pp_matches_one_device_and_its_report_measures_the_schedule():
-    """dp+pp 1F1B, 3 Adam steps beside the same steps on one device; then the report."""
+def test_trainer_dp_pp_matches_one_device_and_its_report_measures_the_schedule(tmp_path):
+    """dp+pp 1F1B, 3 Adam steps beside the same steps on one device; then the report, and the
+    checkpoint restored under fsdp and back (bitwise)."""
     params = gpt.init(jax.random.key(0), CFG)
     batch = _tokens()
     t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), plan="dp+pp", mesh="stage=4,data=2",
@@ -233,6 +235,25 @@ def test_trainer_dp_pp_matches_one_device_and_its_report_measures_the_schedule()
     with pytest.raises(PlanError, match=r"data=2 x microbatches=4; use a multiple of 8"):
         t.check_examples(12)
 
+    t.save(tmp_path / "pp")
+    opt = optax.adam(1e-2)
+    fsdp = meshkit.Trainer.restore(tmp_path / "pp", gpt.stages(CFG), params, opt, plan="fsdp", mesh="data=8")
+    assert fsdp.steps_done == 3 and _bitwise(fsdp.params, t.params) and _bitwise(fsdp.opt_state, t.opt_state)
+    assert (
+        fsdp.params["blocks"]["mlp"]["w_in"].sharding.spec != t.params["blocks"]["mlp"]["w_in"].sharding.spec
+    )
+    fsdp.save(tmp_path / "fsdp")
+    back = meshkit.Trainer.restore(tmp_path / "fsdp", gpt.stages(CFG), params, opt, plan="dp+pp",
+                                   mesh="stage=4,data=2", microbatches=4)  # fmt: skip
+    assert _bitwise(back.params, t.params) and _bitwise(back.opt_state, t.opt_state)
+
+
+def _bitwise(a, b):
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
 
 @pytest.mark.parametrize(
     ("kwargs", "fix"),
@@ -248,3 +269,55 @@ def test_trainer_refusals_name_the_fix(kwargs, fix):
     loss = kwargs.pop("loss", gpt.stages(CFG))
     with pytest.raises(PlanError, match=fix):
         meshkit.Trainer(loss, gpt.init(jax.random.key(0), CFG), optax.adam(1e-2), **kwargs)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+def test_meshkit_train_dp_pp_writes_the_schedule_and_its_proof(tmp_path, capsys):
+    from meshkit.cli import main
+
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--plan", "dp+pp", "--mesh", "stage=4,data=2", "--layers", "4", "--microbatches", "8",
+            "--schedule", "1f1b", "--steps", "2", "--eval-every", "0", "--sample-chars", "0", "--run-dir", str(run)]  # fmt: skip
+    assert main(["train", *args]) == 0, capsys.readouterr().err
+    report = json.loads((run / "report.json").read_text())
+    pipe = report["pipeline"]
+    assert report["checks_ok"] is True and pipe["bubble_measured"] == pipe["bubble_model"] == 3 / 11
+    assert np.asarray(pipe["record"]).shape == (22, 4, 3)
+    assert (run / "schedule.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["train", "--preset", "tiny", "--plan", "pp", "--mesh", "stage=8"],
+            "1 layers do not divide over stage=8",
+        ),
+        (["train", "--preset", "tiny", "--plan", "pp", "--mesh", "stage=4,data=2"], "use dp+pp"),
+        (
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--plan",
+                "dp+pp",
+                "--mesh",
+                "stage=4,data=2",
+                "--layers",
+                "4",
+                "--microbatches",
+                "2",
+            ],
+            "use microbatches=4 or more",
+        ),
+        (["verify", "--plan", "dp+pp", "--model", "mlp", "--mesh", "stage=4,data=2"], "use --model gpt"),
+    ],
+)
+def test_cli_refusals_are_one_line_naming_the_fix(tmp_path, capsys, args, message):
+    from meshkit.cli import main
+
+    assert main([*args, *(["--run-dir", str(tmp_path / "run")] if args[0] == "train" else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

@@ -11,13 +11,24 @@ from meshkit.cli.ledger import DevicesOpt, JsonOpt
 
 
 def verify(
-    plan: Annotated[str, typer.Option(help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp or fsdp+tp.")] = "dp",
+    plan: Annotated[
+        str, typer.Option(help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp, pp or dp+pp.")
+    ] = "dp",
     model: Annotated[str, typer.Option(help="linear, mlp or gpt.")] = "mlp",
     mesh: Annotated[
         str | None, typer.Option(help="Mesh such as data=8 or data=4,model=2 (default: per plan).")
     ] = None,
     steps: Annotated[int, typer.Option(help="Adam steps to compare.")] = 20,
     accumulate: Annotated[int, typer.Option(help="Micro-batches accumulated per step.")] = 1,
+    schedule: Annotated[
+        str | None, typer.Option(help="Pipeline plans: gpipe, 1f1b or interleaved (default 1f1b).")
+    ] = None,
+    microbatches: Annotated[
+        int | None, typer.Option(help="Pipeline plans: micro-batches per step (default: the stages).")
+    ] = None,
+    virtual_stages: Annotated[
+        int, typer.Option(help="Interleaved schedule: chunks of layers per device.")
+    ] = 1,
     devices: DevicesOpt = 8,
     json: JsonOpt = False,
 ) -> None:
@@ -28,7 +39,8 @@ def verify(
     from meshkit.verify import TOL_EXACT, TOL_FLOAT64, TOL_SINGLE
     from meshkit.verify import verify as run_verify
 
-    cert = run_verify(plan, model, mesh=mesh, steps=steps, accumulate=accumulate)
+    cert = run_verify(plan, model, mesh=mesh, steps=steps, accumulate=accumulate, microbatches=microbatches,
+                      schedule=schedule, virtual_stages=virtual_stages)  # fmt: skip
     if json:
         print_json(cert.to_json())
     else:
@@ -69,6 +81,8 @@ def _print(cert, tol_single: float, tol_f64: float, tol_exact: float) -> None:
     rows.append(["compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", ""])
     rows.append(["compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", ""])
     console.print(table("Per-device memory", ["component", "measured", "formula", "ratio", ""], rows))
+    if r.pipeline is not None:
+        console.print(r.pipeline.table())
     reasons: dict[str, list[str]] = {}
     for path, why in r.replicated:
         reasons.setdefault(why, []).append(path)

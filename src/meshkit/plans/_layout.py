@@ -270,9 +270,8 @@ def make_layout(
             )
     for axis, size in mesh.shape.items():
         if axis not in plan.needs and size > 1:
-            hint = {MODEL: "dp+tp or fsdp+tp", STAGE: "pp or dp+pp"}.get(
-                axis, "a mesh with only " + " and ".join(plan.needs)
-            )
+            hints = {MODEL: "dp+tp or fsdp+tp", STAGE: "pp or dp+pp", DATA: "dp+pp" if plan.pipeline else ""}
+            hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
     n = int(mesh.shape.get(DATA, 1))
     model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {})

@@ -269,7 +269,7 @@ def plot(record: np.ndarray, path: Any, *, title: str = "", v: int = 1) -> Path:
     record = np.asarray(record)
     ticks, p, _ = record.shape
     colors = {FWD: "#4c72b0", BWD: "#dd8452", IDLE: "#eeeeee"}
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.45 * p + 1.3))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.45 * p + 1.6))
     for t in range(ticks):
         for d in range(p):
             kind, mb, s = (int(x) for x in record[t, d])
@@ -281,10 +281,11 @@ def plot(record: np.ndarray, path: Any, *, title: str = "", v: int = 1) -> Path:
     ax.set_ylim(0, p)
     ax.set_yticks([p - 0.5 - d for d in range(p)], [f"stage {d}" for d in range(p)])
     ax.set_xlabel("tick")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     idle = bubble_of(record)
     ax.set_title(f"{title}  bubble (idle ticks / ticks) = {idle:.3f}".strip())
     ax.legend(handles=[Patch(color=colors[k], label=n) for k, n in ((FWD, "forward"), (BWD, "backward"), (IDLE, "idle"))],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)  # fmt: skip
+              loc="lower center", bbox_to_anchor=(0.5, 1.08), ncol=3, frameon=False)  # fmt: skip
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp.png")
