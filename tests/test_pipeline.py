@@ -14,7 +14,7 @@ import meshkit
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
 from meshkit.plans import PlanError, _schedule, get_plan, make_layout
-from meshkit.plans._pipeline import Stages, pipeline_gradients, relayout_moves, stage_layout
+from meshkit.plans._pipeline import pipeline_gradients, relayout_moves, stage_layout
 from meshkit.plans._schedule import BWD, FWD, IDLE
 
 CASES = [
@@ -136,7 +136,7 @@ def _max_diff(a, b):
 
 @pytest.mark.parametrize(
     ("mesh", "plan", "name", "m"),
-    [("stage=4,data=2", "dp+pp", "1f1b", 4), ("stage=8", "pp", "gpipe", 8)],
+    [("stage=4,data=2", "fsdp+pp", "1f1b", 4), ("stage=8", "pp", "gpipe", 8)],
 )
 def test_gpt_loss_and_every_gradient_equal_one_device_in_float64(mesh, plan, name, m):
     with jax.enable_x64(True):
@@ -152,7 +152,7 @@ def test_gpt_loss_and_every_gradient_equal_one_device_in_float64(mesh, plan, nam
 
 def _residual_stack():
     """A user model written against the public interface: linear in, tanh residual blocks, linear out, MSE."""
-    return Stages(
+    return meshkit.Stages(
         embed=lambda top, b: b[0] @ top["w_in"],
         block=lambda p, x: x + jnp.tanh(x @ p["w"] + p["b"]),
         head=lambda top, x: x @ top["w_out"],

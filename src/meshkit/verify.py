@@ -205,6 +205,8 @@ class Certificate:
             out["matches float64"] = self.vs_float64 <= TOL_FLOAT64
         if self.exact_vs_single_device is not None:
             out["matches single device in float64"] = self.exact_vs_single_device <= TOL_EXACT
+        if self.report.pipeline is not None:
+            out["executed schedule = model (bubble)"] = self.report.pipeline.ok
         return out
 
     @property

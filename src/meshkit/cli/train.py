@@ -38,7 +38,7 @@ def train(
         ),
     ] = None,
     plan: Annotated[
-        str | None, _opt("plan", "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp, pp, dp+pp.")
+        str | None, _opt("plan", "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp, pp, dp+pp, fsdp+pp.")
     ] = None,
     mesh: Annotated[
         str | None, _opt("mesh", "e.g. data=8 or data=4,model=2.", "the plan's, over all devices")

@@ -12,7 +12,7 @@ from meshkit.cli.ledger import DevicesOpt, JsonOpt
 
 def verify(
     plan: Annotated[
-        str, typer.Option(help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp, pp or dp+pp.")
+        str, typer.Option(help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp, pp, dp+pp or fsdp+pp.")
     ] = "dp",
     model: Annotated[str, typer.Option(help="linear, mlp or gpt.")] = "mlp",
     mesh: Annotated[

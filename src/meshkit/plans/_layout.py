@@ -55,6 +55,7 @@ PLANS: dict[str, Plan] = {
     "fsdp+tp": Plan(name="fsdp+tp", stage="zero3", tensor=True, needs=(DATA, MODEL)),
     "pp": Plan(name="pp", stage="dp", tensor=False, needs=(STAGE,), pipeline=True),
     "dp+pp": Plan(name="dp+pp", stage="dp", tensor=False, needs=(DATA, STAGE), pipeline=True),
+    "fsdp+pp": Plan(name="fsdp+pp", stage="zero3", tensor=False, needs=(DATA, STAGE), pipeline=True),
 }
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
@@ -270,7 +271,11 @@ def make_layout(
             )
     for axis, size in mesh.shape.items():
         if axis not in plan.needs and size > 1:
-            hints = {MODEL: "dp+tp or fsdp+tp", STAGE: "pp or dp+pp", DATA: "dp+pp" if plan.pipeline else ""}
+            hints = {
+                MODEL: "dp+tp or fsdp+tp",
+                STAGE: "pp, dp+pp or fsdp+pp",
+                DATA: "dp+pp or fsdp+pp" if plan.pipeline else "",
+            }
             hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
     n = int(mesh.shape.get(DATA, 1))

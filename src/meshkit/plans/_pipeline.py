@@ -104,12 +104,24 @@ def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: s
 def stage_layout(layout: Layout, stages: Stages) -> Layout:
     """The layout with every stacked block leaf split on its layer dim over the stage axis."""
 
+    n = layout.data_size
+
     def split(leaf: LeafLayout) -> LeafLayout:
         if not leaf.path.startswith(stages.blocks + "/") and leaf.path != stages.blocks:
             return leaf
         spec = (STAGE, *leaf.model_spec[1:])
+        dim, why = leaf.data_dim, leaf.why_replicated
+        if dim == 0:  # ZeRO-3 picked the layer dim, which the stages split: another dim, or whole
+            dims = sorted(
+                (d for d in range(1, len(leaf.shape)) if leaf.shape[d] % n == 0), key=lambda d: -leaf.shape[d]
+            )
+            dim, why = (
+                (dims[0], None)
+                if dims
+                else (None, f"no dim of {leaf.shape} but the layer dim divides over data={n}")
+            )
         return LeafLayout(path=leaf.path, shape=leaf.shape, nbytes=leaf.nbytes, model_spec=spec,
-                          data_dim=leaf.data_dim, why_replicated=leaf.why_replicated)  # fmt: skip
+                          data_dim=dim, why_replicated=why)  # fmt: skip
 
     return Layout(plan=layout.plan, mesh=layout.mesh, leaves=layout.tree(split))
 
@@ -175,14 +187,23 @@ def _perm(p: int, shift: int, ring: bool) -> list[tuple[int, int]]:
     return pairs
 
 
-def local_pipeline(stages: Stages, sched: _schedule.Schedule, data_size: int) -> Callable:
-    """Per-device ``(params, batch) -> (loss, record, grads)`` inside the manual region."""
+def local_pipeline(stages: Stages, sched: _schedule.Schedule, layout: Layout) -> Callable:
+    """Per-device ``(params, batch) -> (loss, record, grads)`` inside the manual region.
+
+    Over ``data``: gradients all-reduced (dp+pp), or under fsdp+pp (ZeRO-3) the parameter shards
+    all-gathered once before the schedule and the gradients reduce-scattered once after it (both
+    bucketed, ``_step``'s helpers): the stage's full parameters live through the step."""
+    from meshkit.plans._step import _finish, _gather
+
+    data_size, zero3 = layout.data_size, layout.plan.stage == "zero3"
     p, m, v, S = sched.p, sched.m, sched.v, sched.stages
     table = np.stack([sched.kind, sched.chunk, sched.mb, sched.x_read, sched.g_read, sched.x_write,
                       sched.g_write], axis=-1)  # fmt: skip
     fwd_perm, bwd_perm = _perm(p, 1, v > 1), _perm(p, -1, v > 1)
 
     def run(params, batch):
+        if zero3:
+            params = _gather(params, layout)
         top, blocks = stages.split(params)
         d = lax.axis_index(STAGE) if p > 1 else 0
         if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
@@ -276,8 +297,11 @@ def local_pipeline(stages: Stages, sched: _schedule.Schedule, data_size: int) ->
         if p > 1:
             acc_t, loss = lax.psum((acc_t, loss), STAGE)
         grads = stages_join(stages, acc_t, acc_c)
-        if data_size > 1:
+        if zero3:
+            grads = _finish(grads, layout, scatter_now=True, scale=1.0 / data_size)
+        elif data_size > 1:
             grads = jax.tree.map(lambda g: g / data_size, lax.psum(grads, DATA))
+        if data_size > 1:
             loss = lax.pmean(loss, DATA)
         return loss, record[:, None, :], grads
 
@@ -293,11 +317,11 @@ def pipeline_gradients(stages: Stages, layout: Layout, sched: _schedule.Schedule
     the gradient function ``build_step`` takes for a pipeline plan (state and key pass through)."""
     mesh = layout.mesh
     has_data = DATA in mesh.shape
-    data_size = int(mesh.shape.get(DATA, 1))
-    specs = layout.tree(lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=False)]))
+    zero3 = layout.plan.stage == "zero3"
+    specs = layout.tree(lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=zero3)]))
     manual = {STAGE} | ({DATA} if has_data else set())
     body = jax.shard_map(
-        local_pipeline(stages, sched, data_size),
+        local_pipeline(stages, sched, layout),
         mesh=mesh,
         in_specs=(specs, P(DATA) if has_data else P()),
         out_specs=(P(), P(None, STAGE), specs),

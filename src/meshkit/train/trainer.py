@@ -43,7 +43,7 @@ from meshkit.train._inputs import check_params, check_state
 
 _DEFAULT_MESH = {"dp": "data=-1", "zero1": "data=-1", "zero2": "data=-1", "zero3": "data=-1", "fsdp": "data=-1",
                  "tp": "model=-1", "dp+tp": "data=-1,model=2", "fsdp+tp": "data=-1,model=2",
-                "pp": "stage=-1", "dp+pp": "stage=2,data=-1"}  # fmt: skip
+                "pp": "stage=-1", "dp+pp": "stage=2,data=-1", "fsdp+pp": "stage=2,data=-1"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -302,7 +302,7 @@ class Trainer:
                                      {"state=": stateful, "rng=": rng is not None, "has_aux=True": has_aux,
                                       "accumulate=": accumulate != 1, "compute_dtype=": compute_dtype is not None})  # fmt: skip
         if self.pipeline is not None:
-            self.layout, accumulate = self.pipeline.layout, self.pipeline.microbatches
+            self.layout = self.pipeline.layout
         self.optimizer = optimizer
         self.accumulate = accumulate
         self.tokens_per_example = tokens_per_example
@@ -361,11 +361,14 @@ class Trainer:
     def check_examples(self, n: int) -> None:
         """Raise unless a global batch of ``n`` examples divides over the data axis and micro-batches."""
         data = int(self.mesh.shape.get(DATA, 1))
-        if n % (data * self.accumulate):
-            what = "accumulate" if self.pipeline is None else "microbatches"
+        what, m = (
+            ("accumulate", self.accumulate)
+            if self.pipeline is None
+            else ("microbatches", self.pipeline.microbatches)
+        )
+        if n % (data * m):
             raise PlanError(
-                f"batch of {n} examples does not divide over data={data} x {what}={self.accumulate}; "
-                f"use a multiple of {data * self.accumulate}"
+                f"batch of {n} examples does not divide over data={data} x {what}={m}; use a multiple of {data * m}"
             )
 
     # -- steps ------------------------------------------------------------------------------
@@ -521,7 +524,7 @@ def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_
                              virtual_stages=virtual_stages, extras=extras)  # fmt: skip
     if microbatches is not None or schedule is not None or virtual_stages != 1:
         raise PlanError(
-            f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp), not {plan.name}; "
+            f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp, fsdp+pp), not {plan.name}; "
             f"use accumulate= for micro-batches"
         )
     return None
