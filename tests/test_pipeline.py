@@ -134,13 +134,10 @@ def _max_diff(a, b):
     )
 
 
-@pytest.mark.parametrize(
-    ("mesh", "plan", "name", "m"),
-    [("stage=4,data=2", "fsdp+pp", "1f1b", 4), ("stage=8", "pp", "gpipe", 8)],
-)
-def test_gpt_loss_and_every_gradient_equal_one_device_in_float64(mesh, plan, name, m):
+def test_gpt_loss_and_every_gradient_equal_one_device_in_float64():
+    mesh, plan, name, m = "stage=4,data=2", "fsdp+pp", "1f1b", 4
     with jax.enable_x64(True):
-        cfg = dataclasses.replace(CFG, dtype="float64", layers=8 if mesh == "stage=8" else 4)
+        cfg = dataclasses.replace(CFG, dtype="float64")
         params = gpt.init(jax.random.key(0), cfg)
         batch = _tokens()
         ref_loss, ref = jax.value_and_grad(gpt.make_loss(cfg))(params, batch)
@@ -182,18 +179,22 @@ def _residual_stack_numpy(params, x, y):
     return loss, grads
 
 
-def test_user_stages_model_matches_numpy_float64_under_interleaved():
+@pytest.mark.parametrize(
+    ("mesh", "plan", "name", "m", "v"),
+    [("stage=8", "pp", "gpipe", 8, 1), ("stage=2,data=4", "dp+pp", "interleaved", 2, 2),
+     ("stage=4,data=2", "dp+pp", "1f1b", 8, 1)],
+)  # fmt: skip
+def test_user_stages_model_matches_numpy_float64(mesh, plan, name, m, v):
     rng = np.random.default_rng(1)
+    layers = 8 if mesh == "stage=8" else 4
     params = {"w_in": rng.normal(size=(6, 8)) / 3, "w_out": rng.normal(size=(8, 3)) / 3,
-              "blocks": {"w": rng.normal(size=(4, 8, 8)) / 3, "b": rng.normal(size=(4, 8)) / 3}}  # fmt: skip
+              "blocks": {"w": rng.normal(size=(layers, 8, 8)) / 3, "b": rng.normal(size=(layers, 8)) / 3}}  # fmt: skip
     x, y = rng.normal(size=(16, 6)), rng.normal(size=(16, 3))
     ref_loss, ref = _residual_stack_numpy(params, x, y)
     with jax.enable_x64(True):
         stages = _residual_stack()
         assert abs(float(stages(params, (x, y))) - ref_loss) < 1e-13  # the same model off the pipeline
-        loss, grads = _pipeline_grads(
-            stages, params, (x, y), "stage=2,data=4", "dp+pp", "interleaved", 2, v=2
-        )
+        loss, grads = _pipeline_grads(stages, params, (x, y), mesh, plan, name, m, v=v)
     assert abs(float(loss) - ref_loss) < 1e-13
     assert _max_diff(grads, ref) < 1e-13
 
