@@ -219,6 +219,11 @@ class Trainer:
     ``from_linen`` or ``from_equinox`` may be passed as ``params``: its state and logical axes
     are then taken from it and ``loss_fn`` is written against the framework's model.
 
+    Pipeline plans (``pp``, ``dp+pp``, ``fsdp+pp``, mesh with a ``stage`` axis) take the model as
+    ``meshkit.Stages`` (the loss_fn), ``microbatches=`` (default: one per stage), ``schedule=``
+    ('gpipe', '1f1b' (default) or 'interleaved') and ``virtual_stages=``; ``trainer.last_schedule``
+    is the schedule the last step executed and ``report`` counts the bubble from it.
+
     ``trainer.step(batch)`` takes the global batch (host arrays or global jax.Arrays, leading dim =
     examples) and returns the metrics; ``trainer.params`` holds the global, sharded parameters
     (``trainer.state`` the state; ``trainer.model()`` the framework's model, for an adapted one);
