@@ -322,3 +322,33 @@ def test_cli_refusals_are_one_line_naming_the_fix(tmp_path, capsys, args, messag
     assert main([*args, *(["--run-dir", str(tmp_path / "run")] if args[0] == "train" else [])]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+# -- two processes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_dp_pp_over_two_processes_one_stage_each_matches_one_device(tmp_path):
+    import io
+    import sys
+    from pathlib import Path
+
+    from meshkit.launch import launch
+
+    worker = str(Path(__file__).parent / "mp" / "pipeline_worker.py")
+    out = io.StringIO()
+    code = launch([sys.executable, worker, str(tmp_path)], 2, devices_per_process=4, env={"JAX_PLATFORMS": "cpu"},
+                  output=out)  # fmt: skip
+    assert code == 0, out.getvalue()[-3000:]
+    res = {r["process"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("result-*.json"))}
+    assert sorted(res) == [0, 1] and res[0]["params"] == res[1]["params"]
+    assert res[0]["stage_processes"] == [[0], [1]]  # the permutes cross processes
+    assert res[0]["bubble"] == 1 / 5  # (p-1)/(m+p-1), p=2, m=4
+    params = gpt.init(jax.random.key(0), CFG)
+    opt, batch = optax.adam(1e-2), _tokens()
+    state = opt.init(params)
+    for _ in range(2):
+        updates, state = opt.update(jax.grad(gpt.make_loss(CFG))(params, batch), state, params)
+        params = optax.apply_updates(params, updates)
+    for got, want in zip(res[0]["params"], jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
