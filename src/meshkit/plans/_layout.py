@@ -56,6 +56,11 @@ PLANS: dict[str, Plan] = {
     "pp": Plan(name="pp", stage="dp", tensor=False, needs=(STAGE,), pipeline=True),
     "dp+pp": Plan(name="dp+pp", stage="dp", tensor=False, needs=(DATA, STAGE), pipeline=True),
     "fsdp+pp": Plan(name="fsdp+pp", stage="zero3", tensor=False, needs=(DATA, STAGE), pipeline=True),
+    "tp+pp": Plan(name="tp+pp", stage="dp", tensor=True, needs=(MODEL, STAGE), pipeline=True),
+    "dp+tp+pp": Plan(name="dp+tp+pp", stage="dp", tensor=True, needs=(DATA, MODEL, STAGE), pipeline=True),
+    "fsdp+tp+pp": Plan(
+        name="fsdp+tp+pp", stage="zero3", tensor=True, needs=(DATA, MODEL, STAGE), pipeline=True
+    ),
 }
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
@@ -263,17 +268,19 @@ def make_layout(
     ``units``: logical axes made of whole units, e.g. ``{"heads": 4}``: the model axis must divide
     the count (a head split across devices is a wrong layout, not only a slow one).
     """
+    example = {1: "stage=8", 2: "stage=4," + "".join(a for a in plan.needs if a != STAGE) + "=2",
+               3: "stage=2,data=2,model=2"}[len(plan.needs)] if plan.pipeline else "data=4,model=2"  # fmt: skip
     for axis in plan.needs:
         if axis not in mesh.shape:
             raise PlanError(
                 f"plan {plan.name} needs a mesh axis {axis!r}, but the mesh has "
-                f"{', '.join(f'{k}={v}' for k, v in mesh.shape.items())}; add it, e.g. --mesh data=4,model=2"
+                f"{', '.join(f'{k}={v}' for k, v in mesh.shape.items())}; add it, e.g. --mesh {example}"
             )
     for axis, size in mesh.shape.items():
         if axis not in plan.needs and size > 1:
             hints = {
                 MODEL: "dp+tp or fsdp+tp",
-                STAGE: "pp, dp+pp or fsdp+pp",
+                STAGE: "a pipeline plan (pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp)",
                 DATA: "dp+pp or fsdp+pp" if plan.pipeline else "",
             }
             hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)

@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _schedule
-from meshkit.plans._layout import DATA, STAGE, Layout, LeafLayout, PlanError
+from meshkit.plans._layout import DATA, MODEL, STAGE, Layout, LeafLayout, PlanError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -385,30 +385,53 @@ class Pipeline:
         return jax.eval_shape(self.stages.embed, self.stages.split(params)[0], micro)
 
     def expected(self, params: Any, batch: Any) -> list:
-        """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows):
-        two permutes of one activation per tick, the stage all-reduce of the top gradients, and the
-        all-gather of the executed record."""
-        from meshkit.analysis.cost import ring_traffic
-        from meshkit.plans._model import Expected, _merge
+        """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows).
 
-        s, p = self.schedule, self.schedule.p
-        if p == 1:
-            return []
-        act = self.activation(params, batch, int(self.layout.mesh.shape.get(DATA, 1)))
+        Over ``stage``: two permutes of one activation per tick, the all-reduce of the top gradients,
+        the all-gather of the executed record (and, interleaved, the chunks' relayout). Over
+        ``model`` (tp+pp): per layer of a chunk, every row-parallel matrix all-reduces its output in
+        the forward branch and again in the backward branch's recomputation, every column-parallel
+        one its input gradient in the backward branch. These collectives sit in the branches of the
+        tick's ``switch``, and the ledger counts a branch's collectives once per tick (as it counts
+        any conditional's: at most that many), so the model counts them per tick too; a device
+        runs them on its own F or B ticks only, m of the ticks each.
+        """
+        from meshkit.analysis.cost import ring_traffic
+        from meshkit.plans._model import Expected, _merge, _spec_split
+
+        s, p, layout = self.schedule, self.schedule.p, self.layout
+        act = self.activation(params, batch, layout.data_size)
         act_bytes = int(np.prod(act.shape)) * act.dtype.itemsize
-        top = sum(
-            int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
-            for a in jax.tree.leaves(self.stages.split(params)[0])
-        )
-        record = s.ticks * p * 3 * 4
-        chunk = sum(_nbytes(a) for a in jax.tree.leaves(self.stages.split(params)[1])) // (p * s.v)
-        moves = 2 * relayout_count(p, s.v)
-        rows = [("collective-permute", 2 * s.ticks, act_bytes, 2, "one activation forward and one cotangent back per tick"),
-                ("collective-permute", moves, chunk, 2, "interleaved: chunks to their devices and gradients back"),
-                ("all-reduce", 1, top, p, "embedding and head gradients, summed over the stages"),
-                ("all-gather", 1, record, p, "the executed schedule record (int32 kind, micro-batch, stage)")]  # fmt: skip
-        return _merge([Expected(op=op, axes=STAGE, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
-                                what=what) for op, n, size, g, what in rows if n])  # fmt: skip
+        blocks = [x for x in layout.flat() if x.path.startswith(self.stages.blocks + "/")]
+        rows = []
+        if p > 1:
+            top = sum(x.nbytes for x in layout.flat() if x not in blocks)
+            chunk = sum(x.nbytes // _spec_split(x, layout) for x in blocks) // s.v
+            rows += [(STAGE, "collective-permute", 2 * s.ticks, act_bytes, 2, "an activation forward, a cotangent back, per tick"),
+                     (STAGE, "collective-permute", 2 * relayout_count(p, s.v), chunk, 2, "interleaved: chunks to their devices and back"),
+                     (STAGE, "all-reduce", 1, top, p, "embedding and head gradients, summed over the stages"),
+                     (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
+        if layout.model_size > 1:
+            tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
+            for x in blocks:
+                spec, item = x.model_spec, x.nbytes // max(int(np.prod(x.shape)), 1)
+                if len(x.shape) == 3 and spec[1] == MODEL:  # row-parallel: output partial sums, F and B
+                    rows.append(
+                        (
+                            MODEL,
+                            "all-reduce",
+                            2 * s.ticks * k,
+                            tokens * x.shape[2] * item,
+                            layout.model_size,
+                            f"{x.path}: outputs",
+                        )
+                    )
+                elif (
+                    len(x.shape) == 3 and spec[2] == MODEL
+                ):  # column-parallel: input-gradient partial sums, B
+                    rows.append((MODEL, "all-reduce", s.ticks * k, tokens * x.shape[1] * item, layout.model_size, f"{x.path}: input gradients"))  # fmt: skip
+        return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
+                                what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
 
     def report(self, record: Any, params: Any, batch: Any, temp_bytes: float) -> PipelineReport:
         s = self.schedule

@@ -43,7 +43,8 @@ from meshkit.train._inputs import check_params, check_state
 
 _DEFAULT_MESH = {"dp": "data=-1", "zero1": "data=-1", "zero2": "data=-1", "zero3": "data=-1", "fsdp": "data=-1",
                  "tp": "model=-1", "dp+tp": "data=-1,model=2", "fsdp+tp": "data=-1,model=2",
-                "pp": "stage=-1", "dp+pp": "stage=2,data=-1", "fsdp+pp": "stage=2,data=-1"}  # fmt: skip
+                "pp": "stage=-1", "dp+pp": "stage=2,data=-1", "fsdp+pp": "stage=2,data=-1", "tp+pp": "stage=-1,model=2",
+                "dp+tp+pp": "stage=2,data=-1,model=2", "fsdp+tp+pp": "stage=2,data=-1,model=2"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -529,7 +530,7 @@ def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_
                              virtual_stages=virtual_stages, extras=extras)  # fmt: skip
     if microbatches is not None or schedule is not None or virtual_stages != 1:
         raise PlanError(
-            f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp, fsdp+pp), not {plan.name}; "
+            f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp), not {plan.name}; "
             f"use accumulate= for micro-batches"
         )
     return None
