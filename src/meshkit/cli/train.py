@@ -38,7 +38,11 @@ def train(
         ),
     ] = None,
     plan: Annotated[
-        str | None, _opt("plan", "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp, pp, dp+pp, fsdp+pp.")
+        str | None,
+        _opt(
+            "plan",
+            "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp.",
+        ),
     ] = None,
     mesh: Annotated[
         str | None, _opt("mesh", "e.g. data=8 or data=4,model=2.", "the plan's, over all devices")

@@ -12,7 +12,10 @@ from meshkit.cli.ledger import DevicesOpt, JsonOpt
 
 def verify(
     plan: Annotated[
-        str, typer.Option(help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp, pp, dp+pp or fsdp+pp.")
+        str,
+        typer.Option(
+            help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."
+        ),
     ] = "dp",
     model: Annotated[str, typer.Option(help="linear, mlp or gpt.")] = "mlp",
     mesh: Annotated[

@@ -22,7 +22,7 @@ class TrainConfig:
     """Everything ``meshkit train`` needs; ``config.json`` in the run directory is this, as JSON."""
 
     plan: str = "fsdp"
-    """Parallel plan: dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp, pp, dp+pp, fsdp+pp."""
+    """Parallel plan: dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."""
     mesh: str | None = None
     """Mesh such as 'data=8' or 'data=4,model=2'; None picks the plan's default over all devices."""
     steps: int = 400
@@ -50,7 +50,7 @@ class TrainConfig:
     accumulate: int = 1
     """Micro-batches accumulated per optimizer step."""
     microbatches: int | None = None
-    """Pipeline plans (pp, dp+pp, fsdp+pp): micro-batches per step; None: one per stage."""
+    """Pipeline plans (+pp): micro-batches per step; None: one per stage."""
     schedule: str | None = None
     """Pipeline plans: 'gpipe', '1f1b' or 'interleaved'; None: 1f1b."""
     virtual_stages: int = 1
