@@ -280,11 +280,13 @@ def test_trainer_refusals_name_the_fix(kwargs, fix):
 
 
 def test_meshkit_train_dp_pp_writes_the_schedule_and_its_proof(tmp_path, capsys):
+    """bf16 compute: the permutes move bf16 activations, as f32 on XLA's CPU compiler (the model says so)."""
     from meshkit.cli import main
 
     run = tmp_path / "run"
     args = ["--preset", "tiny", "--plan", "dp+pp", "--mesh", "stage=4,data=2", "--layers", "4", "--microbatches", "8",
-            "--schedule", "1f1b", "--steps", "2", "--eval-every", "0", "--sample-chars", "0", "--run-dir", str(run)]  # fmt: skip
+            "--schedule", "1f1b", "--precision", "bf16", "--steps", "2", "--eval-every", "0", "--sample-chars", "0",
+            "--run-dir", str(run)]  # fmt: skip
     assert main(["train", *args]) == 0, capsys.readouterr().err
     report = json.loads((run / "report.json").read_text())
     pipe = report["pipeline"]

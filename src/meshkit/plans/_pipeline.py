@@ -401,7 +401,9 @@ class Pipeline:
 
         s, p, layout = self.schedule, self.schedule.p, self.layout
         act = self.activation(params, batch, layout.data_size)
-        act_bytes = int(np.prod(act.shape)) * act.dtype.itemsize
+        item = act.dtype.itemsize  # XLA's CPU compiler moves sub-32-bit float collectives as f32
+        item = max(item, 4) if layout.mesh.devices.flat[0].platform == "cpu" else item
+        act_bytes = int(np.prod(act.shape)) * item
         blocks = [x for x in layout.flat() if x.path.startswith(self.stages.blocks + "/")]
         rows = []
         if p > 1:
@@ -414,7 +416,7 @@ class Pipeline:
         if layout.model_size > 1:
             tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
             for x in blocks:
-                spec, item = x.model_spec, x.nbytes // max(int(np.prod(x.shape)), 1)
+                spec = x.model_spec
                 if len(x.shape) == 3 and spec[1] == MODEL:  # row-parallel: output partial sums, F and B
                     rows.append(
                         (
