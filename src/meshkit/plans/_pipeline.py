@@ -27,9 +27,19 @@ block's intermediates for each slot (their pytree known only after tracing the c
 the stage input; recomputation keeps the carry to arrays of one known shape, and a schedule's
 activation memory to its stash: slots x one micro-batch's activation.
 
+Interleaved: the stored layer order gives device d a contiguous slice of the layer axis (so the
+parameters keep the user's order and one NamedSharding), while the schedule wants virtual stages
+``c p + d``; the step moves the chunks into that order with ppermutes at its start and the
+gradients back at its end (modelled, in the ledger beside the per-tick permutes). Over ``data``:
+an all-reduce of the gradients (dp+pp) or ZeRO-3 per stage (fsdp+pp: one bucketed gather, one
+bucketed reduce-scatter per step). Over ``model`` (tp+pp and the 3D plans): the axis is left to
+XLA's partitioner inside the manual region, as the other tensor-parallel plans do.
+
 Why one SPMD program: MaxText (issue 752) says 1F1B "requires MPMD"; it does not, once the
 schedule is a table of ticks that every device reads with its own index, and the collectives
-(the two permutes) are issued unconditionally by every device each tick.
+(the two permutes) are issued unconditionally by every device each tick. Known costs of that
+choice: idle ticks still permute (zeros), and the last stage's forward tick computes an activation
+nobody receives (its backward recomputes it).
 """
 
 from __future__ import annotations
