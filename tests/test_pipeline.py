@@ -268,12 +268,14 @@ def _bitwise(a, b):
         (dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=4, rng=0), "does not take rng="),
         (dict(plan="dp", mesh="data=8", microbatches=4), "are for pipeline plans"),
         (dict(plan="pp", mesh="stage=8", loss=gpt.make_loss(CFG)), "needs the model as meshkit.Stages"),
+        (dict(plan="pp", mesh="stage=8", params=gpt.to_layers), r"is a list of layers: stack them"),
     ],
 )
 def test_trainer_refusals_name_the_fix(kwargs, fix):
     loss = kwargs.pop("loss", gpt.stages(CFG))
+    params = kwargs.pop("params", lambda p: p)(gpt.init(jax.random.key(0), CFG))
     with pytest.raises(PlanError, match=fix):
-        meshkit.Trainer(loss, gpt.init(jax.random.key(0), CFG), optax.adam(1e-2), **kwargs)
+        meshkit.Trainer(loss, params, optax.adam(1e-2), **kwargs)
 
 
 # -- the CLI ---------------------------------------------------------------------------------------

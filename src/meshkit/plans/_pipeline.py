@@ -84,7 +84,13 @@ class Stages:
         return {k: v for k, v in params.items() if k != self.blocks}, params[self.blocks]
 
     def layers(self, params: Any) -> int:
-        shapes = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(self.split(params)[1])}
+        blocks = self.split(params)[1]
+        if isinstance(blocks, list | tuple):
+            raise PlanError(
+                f"params[{self.blocks!r}] is a list of layers: stack them with a leading layer axis "
+                f"(for the GPT: gpt.to_scanned(params), or GPTConfig(scan_layers=True))"
+            )
+        shapes = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(blocks)}
         if len(shapes) != 1 or None in shapes:
             raise PlanError(
                 f"every leaf of params[{self.blocks!r}] needs the same leading layer dim, got {sorted(map(str, shapes))}"
