@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import optax
+import pytest
 
 from meshkit.analysis.peak import abstract_step
 from meshkit.models import gpt, mlp
@@ -42,3 +43,19 @@ def test_model_predicts_per_layer_remat_below_holding_and_the_compiler_agrees():
     assert remat.predict().total < held.predict().total
     assert remat.measured_peak < held.measured_peak
     assert remat.per_layer.found.mode == "scan"
+
+
+PEAK_CASES = [(False, "zero3", "layer"), (False, "zero3", "regather"), (True, "dp", "none"),
+              (True, "zero3", "none"), (True, "zero3", "dots")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("scan", "plan", "remat"), PEAK_CASES)
+def test_measured_peak_is_within_ten_percent_of_the_model(scan, plan, remat):
+    """The compiled step's arguments + temporaries against ``predict_peak`` (GPT width 128, 4 layers,
+    data=8, adamw), in both GPT forms; benchmarks/bench_memory.py runs the whole table."""
+    cfg = gpt.GPTConfig(vocab_size=128, seq_len=32, layers=4, width=128, heads=4, scan_layers=scan)
+    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    tok = jax.ShapeDtypeStruct((16, 32), np.int32)
+    st = abstract_step(gpt.make_loss(cfg), params, (tok, tok), optax.adamw(1e-3), plan=plan, mesh="data=8",
+                       remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
+    assert 0.9 <= st.measured_peak / st.predict().total <= 1.1

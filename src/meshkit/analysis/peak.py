@@ -220,21 +220,32 @@ def predict_peak(
     top_b = total - layer_b
     saved, one = saved_activations(loss_fn, per, params, extra)
     activations = saved + (one if per.remat != "none" else 0.0)
+    scan = found is not None and found.mode == "scan"
+    one_layer = (
+        sum(sizes[i] for i in found.layer_leaves) / found.layers
+        if found is not None and found.per_layer
+        else 0.0
+    )
+    # A scan's loop keeps one layer's slice of the stacked parameters and of their gradient in loop
+    # buffers besides the stacked arrays (measured: +2 layers; +1 under zero3 with remat, where the
+    # body's slice is a shard and only the gathered layer's buffer stays)
+    body = (1 if zero3 and per.remat != "none" else 2) * one_layer if scan else 0.0
     if zero3:
         lay = found.layers if layer else 1
         per_layer_b = layer_b / lay if layer else 0.0
         # gathered for the step (bucket + slices) with their whole gradients; shards of the rest
-        backward = 3 * top_b + layer_b / n
+        backward = 3 * top_b + layer_b / n + body
         if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered;
-            # a scan saves each layer's gathered slice as a stacked residual (its bucket dies in the body)
-            backward += (2 if found.mode == "scan" else 3) * layer_b
-        else:  # one layer at a time: its gathered bucket and whole gradient (slices die with the bucket)
+            # a scan saves each layer's gathered slice as a stacked residual (bucket and gradient die in the body)
+            backward += (1 if scan else 3) * layer_b
+        elif per.remat != "regather" or scan:  # one layer at a time: its gathered bucket and whole gradient
             backward += 2 * per_layer_b
+        # (regather in the loop form: the re-gathered layer reuses the buffers of the activations it
+        # does not recompute; measured, no extra layer term)
         shards = sum(at_rest(i, True) for i in range(len(sizes)))
         update = 2 * shards
     else:
-        backward = total  # whole local gradients
-        scan = found is not None and found.mode == "scan"
+        backward = total + body  # whole local gradients
         # the loop form materializes the update tree beside the gradients; in the scanned form XLA
         # updates in the gradients' buffers; zero1/2 gather the new parameters (bucket + slices)
         update = (total if scan else 2 * total) if stage == "dp" else 2 * total
