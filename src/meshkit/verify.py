@@ -79,10 +79,9 @@ def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stage
         p = mlp.init(key, [16, 64, 64, 8])
         return Workload(name=name, loss_fn=mlp.loss, params=p, batch=(x, y), logical_axes=MLP_AXES,
                         tokens_per_example=1, float64=reference_np.mlp_grad)  # fmt: skip
-    if name == "gpt":
-        cfg = gpt.GPTConfig(
-            vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads, scan_layers=stages
-        )
+    if name in ("gpt", "gpt-scan"):  # gpt-scan: the same model, blocks stacked under lax.scan
+        cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
+                            scan_layers=stages or name == "gpt-scan")  # fmt: skip
         make_loss = gpt.stages if stages else gpt.make_loss
         tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
         p = gpt.init(key, cfg)
@@ -97,7 +96,7 @@ def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stage
 
         return Workload(name=name, loss_fn=make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
                         tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads})  # fmt: skip
-    raise MeshkitError(f"unknown model {name!r}: choose linear, mlp or gpt")
+    raise MeshkitError(f"unknown model {name!r}: choose linear, mlp, gpt or gpt-scan")
 
 
 def host(tree: Any) -> Any:
@@ -155,7 +154,7 @@ def _pipeline_options(plan, model, mesh, microbatches, schedule, virtual_stages)
 
     if not get_plan(plan).pipeline:
         return None
-    if model != "gpt":
+    if model not in ("gpt", "gpt-scan"):
         raise MeshkitError(f"plan {plan} verifies the GPT (a model of stacked blocks): use --model gpt")
     p = dict(resolve_mesh_shape(mesh or _DEFAULT_MESH[plan], jax.device_count())).get("stage", 1)
     return {"layers": max(2, p * virtual_stages), "microbatches": microbatches, "schedule": schedule,
@@ -241,6 +240,7 @@ def verify(
     accumulate: int = 1,
     lr: float = 1e-2,
     seed: int = 0,
+    remat: str = "none",
     microbatches: int | None = None,
     schedule: str | None = None,
     virtual_stages: int = 1,
@@ -256,7 +256,7 @@ def verify(
     optimizer = optax.adam(lr)
 
     def run(w: Workload) -> tuple[Trainer, float]:
-        t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate,
+        t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat,
                     logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example, units=w.units,
                     **(pipe or {}))  # fmt: skip
         loss = jnp.nan
