@@ -95,7 +95,7 @@ class LeafLayout:
 
     @property
     def model_sharded(self) -> bool:
-        return any(a is not None for a in self.model_spec)
+        return MODEL in self.model_spec  # (a pipeline's stage split is in the spec too; it is not this)
 
     def spec(self, *, data: bool) -> P:
         """Global PartitionSpec: the TP split, plus the data split where ``data``."""
