@@ -12,16 +12,17 @@ Reading the output: one line per plan with the RSS series in MiB, then the growt
 (last sample - sample at step ``--warmup``) / sample at step ``--warmup``; the target is under 5%.
 Warm-up (600 steps) includes the first checkpoint, where orbax and tensorstore start their threads.
 
-Threads are judged in two parts. Python threads (``threading.enumerate()``: what meshkit, orbax's
+Threads are judged in three parts. Python threads (``threading.enumerate()``: what meshkit, orbax's
 Python side or a metrics writer start) must be constant after warm-up: a thread started per step,
-evaluation or checkpoint and never joined would show there. Native threads are not constant, and
-meshkit cannot make them so: tensorstore (orbax's array writer) runs a shared pool, ``ts_pool_worker``,
-that starts a thread whenever work waits and none is idle and ends a thread idle for 20 s
-(``tensorstore/internal/thread/pool_impl.cc``); so its size after a checkpoint depends on timing
-(0 to 9 threads here), and one unnamed native thread comes and goes with it. For those the check
-is that they stay bounded: the most seen in the second half of the samples after warm-up is no
-more than in the first half (no growth trend). ``fds`` lists the distinct counts after warm-up:
-one value means constant. Exit status 1 if any plan misses a target.
+evaluation or checkpoint and never joined would show there. tensorstore (orbax's array writer)
+runs a shared pool that starts a worker (``ts_pool_worker``) whenever work waits and none is idle,
+and ends a worker, or its overseer, idle for 20 s (``tensorstore/internal/thread/pool_impl.cc``):
+its size after a checkpoint depends on timing, not on the step (0 to 9 workers here; 40 saves in
+a row reached 9; orbax caps its file I/O at 128 concurrent operations), so it is reported, not
+required constant. The other native threads (XLA's pools, LLVM's workers) must be constant, give
+or take that pool's overseer, which shows as ``python`` because Linux refuses its 16-character
+name ``ts_pool_overseer``: two adjacent counts at most. ``fds`` lists the distinct counts after
+warm-up: one value means constant. Exit status 1 if any plan misses a target.
 
 Run (several minutes on 2 cores; ``--steps 600`` for a quick look)::
 
@@ -41,6 +42,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+POOL = "ts_pool_worker"
+"""tensorstore's shared pool: threads started on demand while a checkpoint is written, ended after 20 s idle."""
 FAMILIES = ("dp", "zero1", "zero2", "zero3", "tp", "dp+tp", "fsdp+tp")
 
 
@@ -106,16 +109,16 @@ def _growth(samples: list[dict], warmup: int) -> float:
 
 
 def _threads(samples: list[dict], warmup: int) -> dict:
-    """Python threads (must be constant) and native threads (must not trend up) after warm-up."""
+    """Python threads (must be constant), native threads beside tensorstore's pool (constant but for
+    the pool's overseer: two adjacent counts at most), and the pool's workers (reported) after warm-up."""
     after = [s for s in samples if s["step"] >= warmup]
-    native = [s["threads"] - len(s["python_threads"]) for s in after]
-    half = len(native) // 2
+    pool = [s["names"].get(POOL, 0) for s in after]
+    native = [s["threads"] - len(s["python_threads"]) - p for s, p in zip(after, pool, strict=True)]
     return {
         "python": sorted({tuple(s["python_threads"]) for s in after}),
-        "native_min": min(native),
-        "native_max": max(native),
-        "pool": sorted({s["names"].get("ts_pool_worker", 0) for s in after}),
-        "bounded": max(native[half:]) <= max(native[: max(half, 1)]),
+        "native": sorted(set(native)),
+        "pool": sorted(set(pool)),
+        "native_ok": max(native) - min(native) <= 1,
     }
 
 
@@ -123,14 +126,12 @@ def _verdict(plan: str, samples: list[dict], every: int, warmup: int) -> tuple[b
     """Print one plan's series and figures; (targets met, the figures)."""
     growth, threads = _growth(samples, warmup), _threads(samples, warmup)
     fds = sorted({s["fds"] for s in samples if s["step"] >= warmup})
-    good = growth < 0.05 and len(threads["python"]) == 1 and threads["bounded"] and len(fds) == 1
+    good = growth < 0.05 and len(threads["python"]) == 1 and threads["native_ok"] and len(fds) == 1
     series = " ".join(f"{s['rss_kib'] / 1024:.0f}" for s in samples)
     python = " | ".join(",".join(names) for names in threads["python"])
     print(f"{plan:8s} RSS MiB by {every} steps: {series}")
     print(f"{'':8s} growth after step {warmup}: {growth * 100:+.2f}% (target < 5%)  fds {fds}  python threads "
-          f"[{python}]  native threads {threads['native_min']}-{threads['native_max']} "
-          f"({'bounded' if threads['bounded'] else 'GROWING'}; tensorstore pool {threads['pool']})  "
-          f"{'ok' if good else 'MISSED'}")  # fmt: skip
+          f"[{python}]  native {threads['native']} + tensorstore pool {threads['pool']}  {'ok' if good else 'MISSED'}")  # fmt: skip
     return good, {"growth": growth, "threads": threads, "fds": fds}
 
 
