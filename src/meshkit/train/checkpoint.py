@@ -10,6 +10,8 @@ A save that fails (disk full, file-size limit, permission denied) raises one lin
 directory and its free space, and leaves the earlier steps as they were. Restoring the latest step
 skips a step that cannot be read (corrupt or partial files): it is named in one warning line, moved
 aside into ``<directory>/.unreadable/`` (kept, not deleted) and the newest intact step is restored.
+In a job of several processes each process reads its shards of a step on its own first and all
+agree on the result, so that they all restore the same step (at the cost of reading it twice).
 
 Arrays are saved as global, sharded ``jax.Array``s and restored onto any layout: the targets'
 shardings (another mesh, another plan) decide where the shards land. Every process of a multi-host
