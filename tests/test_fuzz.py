@@ -113,7 +113,7 @@ def _reference(precision: str, batch: int) -> list[float]:
         losses = []
         for i in range(max(STEPS)):
             tokens, targets = _batch(batch, i)
-            sums = (0.0, jax.tree.map(jax.numpy.zeros_like, params))
+            sums = (jax.numpy.float32(0), jax.tree.map(jax.numpy.zeros_like, params))
             for row in range(batch):
                 sums = accumulate(params, sums, (tokens[row : row + 1], targets[row : row + 1]))
             params, opt_state, loss = update(params, opt_state, sums, batch)
