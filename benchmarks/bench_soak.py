@@ -72,7 +72,7 @@ def _thread_names() -> dict[str, int]:
     return dict(sorted(names.items()))
 
 
-def child(plan: str, steps: int, every: int, run_dir: str) -> None:
+def child(plan: str, steps: int, every: int, run_dir: str, checkpoint_every: int) -> None:
     """Run one plan and print its samples as one JSON line."""
     import io
 
@@ -84,7 +84,7 @@ def child(plan: str, steps: int, every: int, run_dir: str) -> None:
     from meshkit.train import config as C
     from meshkit.train import loop
 
-    cfg = C.tiny().replace(plan=plan, steps=steps, eval_every=250, checkpoint_every=500, sample_chars=0,
+    cfg = C.tiny().replace(plan=plan, steps=steps, eval_every=250, checkpoint_every=checkpoint_every, sample_chars=0,
                            warmup=10, heads=8, run_dir=run_dir)  # fmt: skip
     job = loop.prepare(cfg)
     job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -143,13 +143,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=600)
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=500, help="(a run's length: none before the end)"
+    )
     parser.add_argument("--json", help="write the series here")
     parser.add_argument("--report", help="print the figures of a run saved with --json, and exit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.steps, args.every, args.run_dir)
+        child(args.child, args.steps, args.every, args.run_dir, args.checkpoint_every)
         return 0
     if args.report:
         saved = json.loads(Path(args.report).read_text())
@@ -162,6 +165,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", plan, "--steps", str(args.steps), "--every", str(args.every),
+                 "--checkpoint-every", str(args.checkpoint_every),
                  "--run-dir", str(Path(tmp) / "run")],
                 capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
             )  # fmt: skip
