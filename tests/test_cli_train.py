@@ -131,6 +131,26 @@ def test_resume_takes_the_runs_config_and_changes_only_what_is_safe(tmp_path, mo
     assert json.loads((latest / "report.json").read_text())["steps"] == 6
 
 
+def test_resume_may_switch_the_gpt_form_and_continues_the_same_run(tmp_path, capsys):
+    """A checkpoint of the Python-loop GPT resumes under --scan-layers (converted on restore) and the
+    run continues as the uninterrupted one does (the two forms agree to float32 rounding)."""
+    common = ["train", "--preset", "tiny", "--steps", "4", "--eval-every", "0", "--sample-chars", "0"]
+    assert main([*common, "--run-dir", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--run-dir", str(tmp_path / "split"), "--stop-after", "2"]) == 0
+    capsys.readouterr()
+    assert (
+        main(["train", "--resume", "--run-dir", str(tmp_path / "split"), "--scan-layers", "--remat", "layer"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "resume: --scan-layers: off -> on" in out and "resume: --remat: none -> layer" in out
+    whole = [r["loss"] for r in rows(tmp_path / "whole") if "loss" in r]
+    split = [r["loss"] for r in rows(tmp_path / "split") if "loss" in r]
+    assert len(split) == 4 and split[:2] == whole[:2]
+    np.testing.assert_allclose(split[2:], whole[2:], rtol=1e-5)
+    assert json.loads((tmp_path / "split" / "config.json").read_text())["scan_layers"] is True
+
+
 # -- 6. a report that cannot be made never costs the run its outputs -------------------------------
 def _warnings(out):
     return [line for line in out.splitlines() if line.startswith("warning:")]

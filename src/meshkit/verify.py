@@ -78,8 +78,10 @@ def workload(name: str, seed: int = 0, *, heads: int = 8) -> Workload:
         p = mlp.init(key, [16, 64, 64, 8])
         return Workload(name=name, loss_fn=mlp.loss, params=p, batch=(x, y), logical_axes=MLP_AXES,
                         tokens_per_example=1, float64=reference_np.mlp_grad)  # fmt: skip
-    if name == "gpt":
-        cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=heads)
+    if name in ("gpt", "gpt-scan"):  # gpt-scan: the same model, blocks stacked under lax.scan
+        cfg = gpt.GPTConfig(
+            vocab_size=64, seq_len=16, layers=2, width=32, heads=heads, scan_layers=name == "gpt-scan"
+        )
         tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
         p = gpt.init(key, cfg)
         batch = (tokens[:, :-1], tokens[:, 1:])
@@ -93,7 +95,7 @@ def workload(name: str, seed: int = 0, *, heads: int = 8) -> Workload:
 
         return Workload(name=name, loss_fn=gpt.make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
                         tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads})  # fmt: skip
-    raise MeshkitError(f"unknown model {name!r}: choose linear, mlp or gpt")
+    raise MeshkitError(f"unknown model {name!r}: choose linear, mlp, gpt or gpt-scan")
 
 
 def host(tree: Any) -> Any:
@@ -220,6 +222,7 @@ def verify(
     accumulate: int = 1,
     lr: float = 1e-2,
     seed: int = 0,
+    remat: str = "none",
 ) -> Certificate:
     """Train ``model`` for ``steps`` Adam steps under ``plan`` and certify the result."""
     if steps < 1:
@@ -228,7 +231,7 @@ def verify(
     optimizer = optax.adam(lr)
 
     def run(w: Workload) -> tuple[Trainer, float]:
-        t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate,
+        t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat,
                     logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example, units=w.units)  # fmt: skip
         loss = jnp.nan
         for _ in range(steps):

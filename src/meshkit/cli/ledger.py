@@ -112,7 +112,11 @@ def memory(
         ["temporaries", fmt_bytes(ledger.temp_bytes), ledger.temp_bytes],
         ["generated code", fmt_bytes(ledger.generated_code_bytes), ledger.generated_code_bytes],
         ["total", fmt_bytes(ledger.total_bytes), ledger.total_bytes],
-    ]
+        ["peak: arguments + temporaries", fmt_bytes(ledger.argument_bytes + ledger.temp_bytes),
+         ledger.argument_bytes + ledger.temp_bytes],
+    ]  # fmt: skip
+    if ledger.peak_bytes is not None:  # the compiler's live-buffer peak, where its backend reports one
+        rows.append(["peak: live buffers (compiler)", fmt_bytes(ledger.peak_bytes), ledger.peak_bytes])
     console.print(table("Memory per device (compiled)", ["", "size", "bytes"], rows))
 
 

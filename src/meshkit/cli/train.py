@@ -60,6 +60,13 @@ def train(
         str | None, _opt("precision", "fp32, or bf16 (bf16 compute, fp32 master weights).")
     ] = None,
     seed: Annotated[int | None, _opt("seed", "Seed of initialisation and data order.")] = None,
+    remat: Annotated[
+        str | None, _opt("remat", "Activation checkpointing per block: none, layer, dots or regather.")
+    ] = None,
+    scan_layers: Annotated[
+        bool | None,
+        _opt("scan_layers", "Stack the blocks under lax.scan.", None, "--scan-layers/--no-scan-layers"),
+    ] = None,
     data: Annotated[
         str | None,
         _opt("data", "UTF-8 text file or .npy of token ids.", "Python's reference docs (pydoc_data)"),
@@ -114,7 +121,8 @@ def train(
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
                  heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
                  seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                 sample_chars=sample_chars, tensorboard=tensorboard)  # fmt: skip
+                 sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
+                 scan_layers=scan_layers)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
         given["clip"] = clip or None

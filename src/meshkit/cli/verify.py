@@ -12,12 +12,17 @@ from meshkit.cli.ledger import DevicesOpt, JsonOpt
 
 def verify(
     plan: Annotated[str, typer.Option(help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp or fsdp+tp.")] = "dp",
-    model: Annotated[str, typer.Option(help="linear, mlp or gpt.")] = "mlp",
+    model: Annotated[
+        str, typer.Option(help="linear, mlp, gpt, or gpt-scan (the GPT's blocks stacked under lax.scan).")
+    ] = "mlp",
     mesh: Annotated[
         str | None, typer.Option(help="Mesh such as data=8 or data=4,model=2 (default: per plan).")
     ] = None,
     steps: Annotated[int, typer.Option(help="Adam steps to compare.")] = 20,
     accumulate: Annotated[int, typer.Option(help="Micro-batches accumulated per step.")] = 1,
+    remat: Annotated[
+        str, typer.Option(help="Activation checkpointing per layer: none, layer, dots or regather.")
+    ] = "none",
     devices: DevicesOpt = 8,
     json: JsonOpt = False,
 ) -> None:
@@ -28,7 +33,7 @@ def verify(
     from meshkit.verify import TOL_EXACT, TOL_FLOAT64, TOL_SINGLE
     from meshkit.verify import verify as run_verify
 
-    cert = run_verify(plan, model, mesh=mesh, steps=steps, accumulate=accumulate)
+    cert = run_verify(plan, model, mesh=mesh, steps=steps, accumulate=accumulate, remat=remat)
     if json:
         print_json(cert.to_json())
     else:
@@ -68,10 +73,20 @@ def _print(cert, tol_single: float, tol_f64: float, tol_exact: float) -> None:
     cm = r.compiled_memory
     rows.append(["compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", ""])
     rows.append(["compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", ""])
+    if r.peak is not None:  # arguments + temporaries beside the peak model (meshkit.analysis.peak)
+        pk = r.peak
+        rows.append(["peak (arguments + temporaries)", fmt_bytes(pk["measured_bytes"]), fmt_bytes(pk["model_bytes"]),
+                     f"{pk['ratio']:.4f}", "ok" if pk["ok"] else "see below"])  # fmt: skip
     console.print(table("Per-device memory", ["component", "measured", "formula", "ratio", ""], rows))
     reasons: dict[str, list[str]] = {}
     for path, why in r.replicated:
         reasons.setdefault(why, []).append(path)
+    if r.peak is not None:
+        console.print(f"layers: {r.peak['layers']}; remat {r.peak['remat']}", soft_wrap=True, highlight=False)
+        if "explanation" in r.peak:
+            console.print(
+                f"peak beyond 10% of the model: {r.peak['explanation']}", soft_wrap=True, highlight=False
+            )
     for why, paths in reasons.items():
         console.print(f"kept whole on the data axis ({why}): {len(paths)} leaves: {', '.join(paths)}")
     verdict = (

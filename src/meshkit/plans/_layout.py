@@ -227,18 +227,39 @@ def _model_specs(
     return out
 
 
-def _data_dim(shape: tuple[int, ...], model_spec, n: int, min_size: int) -> tuple[int | None, str | None]:
-    if any(a is not None for a in model_spec):
+def _data_dim(
+    shape: tuple[int, ...],
+    model_spec,
+    n: int,
+    min_size: int,
+    *,
+    two_d: bool,
+    skip: frozenset[int] = frozenset(),
+) -> tuple[int | None, str | None]:
+    """The dim a ZeRO plan splits over data: the largest that divides, other than a dim split on the
+    model axis (``two_d``: fsdp+tp splits such a leaf on both axes, else it stays whole on data)
+    or a ``skip``ped one (a scanned model's stacked layer axis, which its scan slices)."""
+    if any(a is not None for a in model_spec) and not two_d:
         return None, "split on the model axis (a leaf is not split on both axes)"
     size = 1
     for s in shape:
         size *= s
     if size < max(min_size, 1) or not shape:
         return None, f"too small ({size} elements)"
-    for d in sorted(range(len(shape)), key=lambda d: (-shape[d], d)):
+    free = [d for d in range(len(shape)) if model_spec[d] is None and d not in skip]
+    for d in sorted(free, key=lambda d: (-shape[d], d)):
         if shape[d] % n == 0:
             return d, None
-    return None, f"no dim of {shape} divides over data={n}"
+    excluded = " other than its model-split and stacked-layer dims" if len(free) < len(shape) else ""
+    return None, f"no dim of {shape}{excluded} divides over data={n}"
+
+
+def _layer_dims(params: Any, logical_axes: Any) -> dict[str, frozenset[int]]:
+    """Per leaf path, the dims the logical axes name ``"layers"`` (a scanned model's stacked axis)."""
+    if logical_axes is None:
+        return {}
+    names = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    return {_path_str(p): frozenset(d for d, a in enumerate(axes) if a == "layers") for p, axes in names}
 
 
 def make_layout(
@@ -267,6 +288,7 @@ def make_layout(
             hint = "dp+tp or fsdp+tp" if axis == MODEL else "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
     n = int(mesh.shape.get(DATA, 1))
+    stacked = _layer_dims(params, logical_axes)
     model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {})
 
     def leaf(path, x) -> LeafLayout:
@@ -275,7 +297,8 @@ def make_layout(
         if plan.stage == "dp" or DATA not in mesh.shape:
             dim, why = None, "data-parallel plan"
         else:
-            dim, why = _data_dim(shape, model[key], n, min_shard_size)
+            dim, why = _data_dim(shape, model[key], n, min_shard_size, two_d=plan.tensor and plan.stage == "zero3",
+                                 skip=stacked.get(key, frozenset()))  # fmt: skip
         nbytes = int(x.size * x.dtype.itemsize) if hasattr(x, "dtype") else 0
         return LeafLayout(
             path=key, shape=shape, nbytes=nbytes, model_spec=model[key], data_dim=dim, why_replicated=why

@@ -10,6 +10,8 @@ the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on on
 - zero3: a reduce-scatter of the gradients per micro-batch and one all-gather of the parameters
   (the gather is loop-invariant across micro-batches, and XLA hoists it out of the loop: the full
   parameters then live through the accumulation, which the memory report shows as temporaries);
+  where the loss has layers (``_fsdp``), the layers' parameters are instead gathered per layer and
+  micro-batch, and once more in the backward pass under remat;
 - leaves a ZeRO plan keeps whole: one all-reduce over data;
 - tensor parallel, per micro-batch: every row-parallel matrix (model axis on its rows) all-reduces
   its output partial sums in the forward pass (tokens x output width), and every column-parallel
@@ -35,6 +37,7 @@ import optax
 
 from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
+from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
 from meshkit.plans._layout import DATA, MODEL, Layout, LeafLayout
 
 
@@ -71,6 +74,7 @@ def expected_collectives(
     activation_bytes: int = 4,
     batch_fed: frozenset[str] = frozenset(),
     gather_itemsize: int | None = None,
+    per_layer: PerLayer | None = None,
 ) -> list[Expected]:
     """The plan's collectives per step (see the module docstring). ``gather_itemsize``: bytes per
     element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16)."""
@@ -94,6 +98,12 @@ def expected_collectives(
                 if x.data_dim is not None
             )
         whole = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is None)
+
+        def gathered(
+            x: LeafLayout,
+        ) -> int:  # bytes of one leaf's all-gather (the compute dtype's under zero3)
+            return _model_bytes(x, m_axis) * (gather_itemsize or _itemsize(x)) // _itemsize(x)
+
         add("all-reduce", DATA, 1, whole, n, "gradients of leaves kept whole on data")
         if stage == "zero1":
             add("reduce-scatter", DATA, 1, sharded, n, "gradients, once after accumulation")
@@ -102,23 +112,25 @@ def expected_collectives(
             add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
             add("all-gather", DATA, 1, sharded, n, "updated parameters")
         elif stage == "zero3":
-            add("all-gather", DATA, 1, sharded, n, "parameters (hoisted out of the micro-batch loop)")
+            for count, size, what in gather_rows(per_layer or PerLayer(layout=layout), accumulate, gathered):
+                add("all-gather", DATA, count, size, n, what)
             add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
     if m_axis > 1:
-        for x in leaves:
-            if len(x.shape) != 2:
-                continue
-            if x.model_spec[0] == MODEL:  # row-parallel: forward partial sums of the output
+        for x, uses, redone in tp_matrices(per_layer, layout):  # a scan's stacked leaf: one per layer
+            if (
+                x.model_spec[0] == MODEL
+            ):  # row-parallel: forward partial sums of the output (again under remat)
                 size = tokens_per_device * x.shape[1] * activation_bytes
-                add("all-reduce", MODEL, accumulate, size, m_axis, f"{x.path}: forward output partial sums")
+                times = accumulate * uses * (2 if redone else 1)
+                add("all-reduce", MODEL, times, size, m_axis, f"{x.path}: forward output partial sums")
             elif (
                 x.model_spec[1] == MODEL and x.path not in batch_fed
-            ):  # column-parallel: backward input grads
+            ):  # column-parallel: backward partial sums of the input gradient
                 size = tokens_per_device * x.shape[0] * activation_bytes
                 add(
                     "all-reduce",
                     MODEL,
-                    accumulate,
+                    accumulate * uses,
                     size,
                     m_axis,
                     f"{x.path}: backward input-gradient partial sums",

@@ -9,9 +9,11 @@ data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
          emits that same single all-reduce);
 - zero1: local sum, then one reduce-scatter (every device holds full local gradients, as ZeRO-1);
 - zero2: one reduce-scatter per micro-batch into a sharded accumulator;
-- zero3: parameters all-gathered before each micro-batch's gradient (XLA hoists the gather out of
-  the micro-batch loop: the parameters are loop-invariant), gradients reduce-scattered per
-  micro-batch. (Differentiating through the bucketed gather instead would make its transpose, a
+- zero3: where the loss has layers (a ``lax.scan`` over stacked leaves, or blocks marked with
+  ``meshkit.layer``), each layer gathers its parameters inside and reduce-scatters their gradients
+  in its backward pass (``_fsdp``); every other leaf is all-gathered before each micro-batch's
+  gradient (XLA hoists that gather out of the micro-batch loop: the parameters are loop-invariant),
+  and its gradient reduce-scattered per micro-batch. (Differentiating through the bucketed gather instead would make its transpose, a
   pad of every leaf to the bucket's size, cost time quadratic in the leaf count.)
 
 The loss has one internal form, ``(params, state, batch, key) -> (loss, (aux, state))``: ``state``
@@ -40,7 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
-from meshkit.plans import _rng
+from meshkit.plans import _fsdp, _rng
 from meshkit.plans._layout import DATA, Layout
 from meshkit.plans._manual import manual_data
 
@@ -79,16 +81,21 @@ def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
 
 
-def _chunk_grad(loss_fn: LossFn, first_row: Callable[[int | jax.Array, int], jax.Array]) -> Callable:
+def _chunk_grad(
+    loss_fn: LossFn, per: _fsdp.PerLayer, first_row: Callable[[int | jax.Array, int], jax.Array]
+) -> Callable:
     """``(params, state, micro, key, j) -> ((loss, (aux, state)), grads)`` on micro-batch ``j``,
-    with the keys offset to the chunk's first row of the global batch (``first_row(j, rows)``)."""
+    with the keys offset to the chunk's first row of the global batch (``first_row(j, rows)``);
+    per layer (gathers, remat) where ``per`` says so (``_fsdp``)."""
+
+    def pair(p, extra):  # the form _fsdp differentiates: (params, everything else) -> (loss, aux)
+        return loss_fn(p, *extra)
 
     def inner(params, state, micro, key, j):
         rows = jax.tree.leaves(micro)[0].shape[0]
         offset = first_row(j, rows)
-        (loss, (aux, new)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, _rng.with_offset(state, offset, rows), micro, _rng.rows_key(key, offset, rows)
-        )
+        extra = (_rng.with_offset(state, offset, rows), micro, _rng.rows_key(key, offset, rows))
+        (loss, (aux, new)), grads = _fsdp.value_and_grad(pair, per, params, extra)
         return (loss, (aux, _rng.without_offset(new))), grads
 
     return inner
@@ -124,11 +131,13 @@ def _cast(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dtype: Any = None) -> Callable:
+def local_gradients(
+    loss_fn: LossFn, layout: Layout, accumulate: int, per: _fsdp.PerLayer, compute_dtype: Any = None
+) -> Callable:
     """The per-device gradient function (inside the manual data region).
 
     With ``compute_dtype`` (mixed precision) under zero3, the parameter shards are cast before the
-    all-gather and the gradients reduce-scattered in that dtype (half the bytes for bf16), then
+    all-gathers and the gradients reduce-scattered in that dtype (half the bytes for bf16), then
     cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
     """
     stage = layout.plan.stage
@@ -138,18 +147,21 @@ def local_gradients(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dt
     def first_row(j, rows):
         return (lax.axis_index(DATA) * accumulate + j) * rows
 
-    chunk = _chunk_grad(loss_fn, first_row)
+    chunk = _chunk_grad(loss_fn, per, first_row)  # zero3: gathers per layer where the loss has layers
 
     def grad_fn(params, state, micro, key, j):
-        if stage == "zero3":  # gather, differentiate at the full parameters, reduce-scatter per micro-batch
-            params = _gather(_cast(params, compute_dtype) if low else params, layout)
         with manual_data(DATA):
-            return chunk(params, state, micro, key, j)
+            return chunk(_cast(params, compute_dtype) if low else params, state, micro, key, j)
+
+    def scatter(g):  # per-layer leaves come back already reduce-scattered
+        return _tree_apply(
+            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, layout
+        )
 
     def run(params, state, batch, key):
-        per_micro = (lambda g: _scatter(g, layout)) if stage in ("zero2", "zero3") else (lambda g: g)
+        per_micro = scatter if stage in ("zero2", "zero3") else (lambda g: g)
         if low:
-            per_micro = lambda g: jax.tree.map(lambda s, p: s.astype(p.dtype), _scatter(g, layout), params)  # noqa: E731
+            per_micro = lambda g: jax.tree.map(lambda s, p: s.astype(p.dtype), scatter(g), params)  # noqa: E731
         loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
         grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
         if layout.data_size == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
@@ -163,15 +175,22 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dtype: Any = None) -> Callable:
+def gradient_fn(
+    loss_fn: LossFn,
+    layout: Layout,
+    accumulate: int,
+    per: _fsdp.PerLayer | None = None,
+    compute_dtype: Any = None,
+) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, aux, state, grads)`` with the plan's collectives.
 
     Plain data parallelism of one micro-batch (and tensor parallelism alone) is left to XLA's
     partitioner, which emits the single gradient all-reduce the model predicts; everything else
-    runs manual over the data axis.
+    runs manual over the data axis. ``per`` carries the remat policy and records the layers found.
     """
+    per = _fsdp.PerLayer(layout=layout) if per is None else per
     if not layout.has_data_axis or (layout.plan.stage == "dp" and accumulate == 1):
-        chunk = _chunk_grad(loss_fn, lambda j, rows: j * rows)
+        chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
         def plain(params, state, batch, key):
             loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
@@ -182,7 +201,7 @@ def gradient_fn(loss_fn: LossFn, layout: Layout, accumulate: int, compute_dtype:
     in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), P(DATA), P())
     out_specs = (P(), P(), P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
     return jax.shard_map(
-        local_gradients(loss_fn, layout, accumulate, compute_dtype),
+        local_gradients(loss_fn, layout, accumulate, per, compute_dtype),
         mesh=layout.mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -243,6 +262,7 @@ def build_step(
     grad_norm: bool = False,
     donate: bool = True,
     compute_dtype: Any = None,
+    per_layer: _fsdp.PerLayer | None = None,
 ) -> Callable:
     """The jitted step ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``.
 
@@ -250,7 +270,7 @@ def build_step(
     the global gradient norm when clipping or ``grad_norm`` asks for it (it costs a reduction over
     every gradient, which the compiler may fuse into the last collective).
     """
-    grads_of = gradient_fn(loss_fn, layout, accumulate, compute_dtype)
+    grads_of = gradient_fn(loss_fn, layout, accumulate, per_layer, compute_dtype)
     gather = _param_gather(layout)
     mesh = layout.mesh
     grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))

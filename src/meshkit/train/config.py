@@ -53,6 +53,11 @@ class TrainConfig:
     """Global-norm gradient clipping (None: off)."""
     precision: str = "fp32"
     """'fp32', or 'bf16' (bfloat16 compute, float32 master weights and optimizer state)."""
+    remat: str = "none"
+    """Activation checkpointing per block: 'none', 'layer', 'dots' or 'regather' (zero3/fsdp then
+    gathers each block's parameters again in the backward pass)."""
+    scan_layers: bool = False
+    """The GPT's scanned form: blocks stacked under lax.scan (compile time flat in depth)."""
     seed: int = 0
     """Seed of the parameter initialisation and of the data order."""
     data: str | None = None
@@ -132,7 +137,7 @@ FIXED_ON_RESUME = {
 #: What a resumed run may change: how the same computation is laid out over devices (the checkpoint is
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
-                        "sample_chars", "tensorboard")  # fmt: skip
+                        "sample_chars", "tensorboard", "remat", "scan_layers")  # fmt: skip
 
 
 def _shown(cfg: TrainConfig, key: str) -> Any:
@@ -199,6 +204,10 @@ def validate(cfg: TrainConfig) -> None:
         (cfg.precision in ("fp32", "bf16"), f"unknown --precision {cfg.precision!r}: use fp32 or bf16"),
         (cfg.eval_every >= 0, f"--eval-every must be at least 0 (0: at the end only), got {cfg.eval_every}"),
         (cfg.eval_batches >= 1, f"--eval-batches must be at least 1, got {cfg.eval_batches}"),
+        (
+            cfg.remat in ("none", "layer", "dots", "regather"),
+            f"unknown --remat {cfg.remat!r}: use none, layer, dots or regather",
+        ),
         (cfg.checkpoint_every >= 1, f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
         (cfg.sample_chars >= 0, f"--sample-chars must be at least 0, got {cfg.sample_chars}"),
         (0 <= cfg.seed < 2**32, f"--seed must be in [0, 2**32), got {cfg.seed}"),

@@ -23,13 +23,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshkit.models import gpt, num_params
 from meshkit.plans._layout import DATA
 from meshkit.train import config as C
-from meshkit.train.checkpoint import Checkpointer, abstract_with
+from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
 from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
 from meshkit.train.lock import lock_run_dir
 from meshkit.train.metrics import MetricsLog
@@ -81,12 +83,13 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         )
     batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
     model = gpt.GPTConfig(vocab_size=data.vocab_size, seq_len=cfg.seq_len, layers=cfg.layers, width=cfg.width,
-                          heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None)  # fmt: skip
+                          heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None,
+                          scan_layers=cfg.scan_layers)  # fmt: skip
     params = gpt.init(jax.random.key(cfg.seed), model)
     trainer = Trainer(gpt.make_loss(model), params, C.optimizer(cfg), plan=cfg.plan, mesh=cfg.mesh,
                       accumulate=cfg.accumulate, clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params),
                       tokens_per_example=cfg.seq_len, grad_norm=True, units={"heads": cfg.heads},
-                      compute_dtype=model.compute_dtype)  # fmt: skip
+                      compute_dtype=model.compute_dtype, remat=cfg.remat)  # fmt: skip
     C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
@@ -116,18 +119,36 @@ def _latest_step(directory: Path) -> int | None:
 
 
 def _restore(job: Job) -> None:
+    """Restore the newest readable step onto the trainer's layout. A checkpoint of the GPT's other
+    form (``--scan-layers`` changed on resume) is read replicated in its own form and converted."""
     t = job.trainer
-    ckpt = Checkpointer(job.run_dir / "checkpoints")
-    params, opt_state, meta = ckpt.restore(
-        None, abstract_with(t.params, t.shardings.params), abstract_with(t.opt_state, t.shardings.opt_state)
-    )
-    ckpt.close()
+    with Checkpointer(job.run_dir / "checkpoints") as ckpt:
+        try:
+            params, opt_state, meta = ckpt.restore(
+                None, abstract_with(t.params, t.shardings.params), abstract_with(t.opt_state, t.shardings.opt_state)
+            )  # fmt: skip
+        except CheckpointError as first:
+            try:
+                params, opt_state, meta = ckpt.restore(None, *_other_form(t, job.model.scan_layers))
+            except CheckpointError:
+                raise first from None  # neither form: the first error names the mismatch
+            params, opt_state = gpt.to_form((params, opt_state), job.model.scan_layers)
+            params, opt_state = jax.device_put(
+                (params, opt_state), (t.shardings.params, t.shardings.opt_state)
+            )
     t.params, t.opt_state = params, opt_state
     job.batches.restore(meta["data"])
     job.step = int(meta["step"])
     job.history = [h for h in _read_jsonl(job.run_dir / "metrics.jsonl") if h["step"] <= job.step]
     job.evals = [e for e in job.history if "eval_loss" in e]
     job.history = [h for h in job.history if "loss" in h]
+
+
+def _other_form(t: Trainer, scan_layers: bool) -> tuple[Any, Any]:
+    """Restore targets for a checkpoint of the GPT's other form, replicated over the trainer's mesh."""
+    replicated = NamedSharding(t.mesh, P())
+    shapes = jax.eval_shape(lambda tree: gpt.to_form(tree, not scan_layers), (t.params, t.opt_state))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), shapes)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -287,7 +308,7 @@ def proof(job: Job) -> dict[str, Any]:
     probe = next(Batches(job.train_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size,
                          seed=job.cfg.seed, process_index=0, process_count=1))  # fmt: skip
     plan_report = job.trainer.report(probe)
-    keep = ("communication", "memory", "compiled_memory", "replicated_leaves")
+    keep = ("communication", "memory", "compiled_memory", "replicated_leaves", "peak")
     return {"mesh": plan_report.mesh, "checks_ok": plan_report.ok,
             **{k: v for k, v in plan_report.to_json().items() if k in keep}}  # fmt: skip
 

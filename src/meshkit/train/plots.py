@@ -35,8 +35,13 @@ def cost_plot(report: dict[str, Any], path: Path) -> None:
     _bars(left, [f"{c['op']}\n{c['axes']}" for c in comm], [c["measured_traffic_bytes"] for c in comm],
           [c["model_traffic_bytes"] for c in comm], "model (ring)", "traffic per device per step")  # fmt: skip
     mem = report["memory"]
-    _bars(right, [m["component"] for m in mem], [m["measured_bytes"] for m in mem], [m["formula_bytes"] for m in mem],
-          "formula (ZeRO)", "persistent bytes per device")  # fmt: skip
+    labels, measured, model = ([m["component"] for m in mem], [m["measured_bytes"] for m in mem],
+                               [m["formula_bytes"] for m in mem])  # fmt: skip
+    if peak := report.get("peak"):  # the step's peak (arguments + temporaries) beside the peak model
+        labels.append(f"step peak\n(remat {peak['remat']})")
+        measured.append(peak["measured_bytes"])
+        model.append(peak["model_bytes"])
+    _bars(right, labels, measured, model, "model (ZeRO formula; peak model)", "bytes per device")
     fig.suptitle(f"plan {report['plan']} on {report['mesh']}: measured beside model")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -75,6 +80,10 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
         rows.append(
             [f"memory: {m['component']}", f"{fmt_bytes(m['measured_bytes'])} (formula x{m['ratio']:.3f})"]
         )
+    if peak := report.get("peak"):
+        rows.append(
+            ["memory: step peak", f"{fmt_bytes(peak['measured_bytes'])} (model x{peak['ratio']:.3f}, remat {peak['remat']})"]
+        )  # fmt: skip
     ok = report.get("checks_ok")
     rows.append(["measured = model", "not measured" if ok is None else "yes" if ok else "NO"])
     console.print(

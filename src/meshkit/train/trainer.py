@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.analysis import CommLedger, MemoryLedger, communication, memory
+from meshkit.analysis.peak import peak_report
 from meshkit.mesh import as_auto, make_mesh
 from meshkit.plans import (
     CommRow,
@@ -38,6 +39,7 @@ from meshkit.plans import (
     state_shardings,
 )
 from meshkit.plans._dataflow import batch_fed
+from meshkit.plans._fsdp import PerLayer
 from meshkit.plans._layout import DATA, Rules
 from meshkit.train._inputs import check_params, check_state
 
@@ -56,6 +58,9 @@ class PlanReport:
     compiled_memory: MemoryLedger
     replicated: list[tuple[str, str]]
     ledger: CommLedger = field(repr=False)
+    peak: dict | None = None
+    """Measured peak (arguments + temporaries) beside ``meshkit.analysis.peak``'s model, and the
+    layers the plan found in the loss."""
 
     @property
     def ok(self) -> bool:
@@ -70,6 +75,7 @@ class PlanReport:
             "memory": [r.to_json() for r in self.memory],
             "compiled_memory": self.compiled_memory.to_json(),
             "replicated_leaves": [{"path": p, "why": w} for p, w in self.replicated],
+            "peak": self.peak,
         }
 
     def tables(self) -> list:
@@ -220,6 +226,10 @@ class Trainer:
     ``trainer.compiled(batch)`` is the compiled step for the ledgers; ``trainer.report(batch)``
     sets measured communication and memory beside the plan's model; ``trainer.save(dir)`` and
     ``Trainer.restore(dir, ...)`` use the checkpoint format of ``meshkit train``.
+
+    ``remat`` is the activation-checkpoint policy per layer ('none', 'layer', 'dots', 'regather';
+    see ``meshkit.plans._fsdp``); under zero3/fsdp a layer's parameters are gathered inside it. Layers
+    are found in the loss: a ``lax.scan`` over stacked parameters, or blocks marked ``meshkit.layer``.
     """
 
     def __init__(
@@ -243,6 +253,7 @@ class Trainer:
         tokens_per_example: int = 1,
         grad_norm: bool = False,
         donate: bool = True,
+        remat: str = "none",
     ) -> None:
         from meshkit.adapters import Adapted
 
@@ -314,6 +325,7 @@ class Trainer:
         self.params, self.state = copy(_to_host_if_other_mesh((params, state), self.mesh))
         self.opt_state = jax.jit(optimizer.init, out_shardings=self.shardings.opt_state)(self.params)
         self._loss = as_step_loss(loss_fn, stateful=stateful, rng=rng is not None, has_aux=has_aux)
+        self.per_layer = PerLayer(layout=self.layout, remat=remat)
         self._step = build_step(
             self._loss,
             optimizer,
@@ -324,6 +336,7 @@ class Trainer:
             grad_norm=grad_norm,
             donate=donate,
             compute_dtype=self.compute_dtype,
+            per_layer=self.per_layer,
         )
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
@@ -467,18 +480,30 @@ class Trainer:
             cpu = self.mesh.devices.flat[0].platform == "cpu"
             low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
         expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
-                                        gather_itemsize=low)  # fmt: skip
+                                        gather_itemsize=low, per_layer=self.per_layer)  # fmt: skip
         formula = memory_formula(self.layout, self.optimizer, self._param_shapes)
         mem = [
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
             MemoryRow(component="optimizer", measured_bytes=device_bytes(self.opt_state), formula_bytes=formula["optimizer"]),
         ]  # fmt: skip
+        compiled_memory = memory(compiled)
         return PlanReport(
+            peak=peak_report(
+                compiled_memory,
+                self._loss,
+                self.per_layer,
+                self._param_shapes,
+                batch,
+                self.optimizer,
+                self.accumulate,
+                state=self.state,
+                key=self._step_key(),
+            ),
             plan=self.plan.name,
             mesh={k: int(v) for k, v in self.mesh.shape.items()},
             communication=compare_communication(ledger, expected),
             memory=mem,
-            compiled_memory=memory(compiled),
+            compiled_memory=compiled_memory,
             replicated=self.layout.replicated(),
             ledger=ledger,
         )

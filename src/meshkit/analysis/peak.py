@@ -1,0 +1,295 @@
+"""Peak per-device memory of a training step: the compiled step, compiled from abstract shapes
+(nothing allocated), beside a model from the layout and the loss's layers.
+
+Measured is ``memory_analysis()``'s arguments + temporaries (the outputs alias the donated
+parameters and optimizer state). See ``predict_peak`` for the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals in 0.12
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshkit.mesh import make_mesh
+from meshkit.plans import StepShardings, build_step, get_plan, make_layout, memory_formula, state_shardings
+from meshkit.plans._fsdp import PerLayer, abstract, analyse
+from meshkit.plans._layout import DATA
+
+
+def step_extra(state: Any, micro: Any, key: Any = None) -> tuple:
+    """What the step's loss reads besides the parameters, as abstract values: ``(state, micro, key)``
+    (the form ``meshkit.plans._fsdp`` traces and differentiates)."""
+    key = jax.eval_shape(lambda: jax.random.key(0)) if key is None else key
+    return jax.tree.map(abstract, (state, micro, key))
+
+
+def pair(loss_fn: Callable) -> Callable:
+    """The step loss ``(params, state, batch, key) -> (loss, (aux, state))`` as ``(params, extra)``."""
+    return lambda p, extra: loss_fn(p, *extra)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AbstractStep:
+    """A plan's step compiled from shapes, with what the model needs to predict its memory."""
+
+    compiled: Any
+    per_layer: PerLayer
+    params: Any
+    """Parameter shapes (jax.ShapeDtypeStruct)."""
+    batch: Any
+    optimizer: Any
+    loss_fn: Callable
+    """The step's loss, ``(params, state, batch, key) -> (loss, (aux, state))``."""
+
+    def predict(self) -> PeakModel:
+        return predict_peak(self.loss_fn, self.per_layer, self.params, self.batch, self.optimizer)
+
+    @property
+    def measured_peak(self) -> int:
+        m = self.compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.temp_size_in_bytes)
+
+
+def abstract_step(
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    optimizer: optax.GradientTransformation,
+    *,
+    plan: str,
+    mesh: str,
+    remat: str = "none",
+    logical_axes: Any = None,
+    accumulate: int = 1,
+) -> AbstractStep:
+    """Compile the plan's step ahead of time from parameter and batch shapes (ShapeDtypeStructs);
+    ``loss_fn(params, batch)`` returns the loss."""
+    from meshkit.train.trainer import as_step_loss  # the Trainer's own wrapping of a user loss
+
+    loss_fn = as_step_loss(loss_fn, stateful=False, rng=False, has_aux=False)
+    p = get_plan(plan)
+    m = make_mesh(mesh, axis_types="auto")
+    layout = make_layout(params, p, m, logical_axes=logical_axes)
+    param_sh = layout.tree(lambda leaf: NamedSharding(m, leaf.spec(data=p.stage == "zero3")))
+    sh = StepShardings(
+        params=param_sh,
+        opt_state=state_shardings(optimizer, params, layout),
+        batch=NamedSharding(m, P(DATA) if DATA in m.shape else P()),
+        scalar=NamedSharding(m, P()),
+        state=None,
+    )
+    per = PerLayer(layout=layout, remat=remat)
+    step = build_step(loss_fn, optimizer, layout, sh, accumulate=accumulate, per_layer=per)
+    opt = jax.eval_shape(optimizer.init, params)
+    attach = lambda tree, shard: jax.tree.map(  # noqa: E731
+        lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shard
+    )
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=sh.scalar)
+    compiled = step.lower(
+        attach(params, param_sh), attach(opt, sh.opt_state), None, jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh.batch), batch), key
+    ).compile()  # fmt: skip
+    return AbstractStep(
+        compiled=compiled, per_layer=per, params=params, batch=batch, optimizer=optimizer, loss_fn=loss_fn
+    )
+
+
+def nbytes(tree: Any) -> float:
+    return float(
+        sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeakModel:
+    """Predicted per-device bytes at the step's peak (see ``predict_peak``)."""
+
+    persistent: float
+    """Parameters and optimizer state as the plan keeps them at rest, and the batch (the arguments)."""
+    backward: float
+    """Temporaries of the gradient phase: gradients in flight, gathered parameters, activations."""
+    update: float
+    """Temporaries of the update phase: gradients with the update tree, and ZeRO-1/2's gathered new
+    parameters."""
+    activations: float
+    """The part of ``backward`` that is activations."""
+
+    @property
+    def total(self) -> float:
+        return self.persistent + max(self.backward, self.update)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> tuple[float, float]:
+    """(bytes the backward pass keeps, bytes one layer keeps without remat), per device, for
+    ``loss_fn(params, extra) -> (loss, aux)`` (``extra``: state, micro-batch and key, ``step_extra``).
+
+    From ``saved_residuals`` of the per-device loss under the remat policy, parameters excluded.
+    Without remat (and under ``dots``) only matmul outputs count (and their reshapes): XLA fuses
+    elementwise ops into their consumers and recomputes them inside the backward pass's fusions.
+    Under ``layer`` and ``regather`` what the checkpoint saves is an explicit output of the forward
+    pass and counts whole (``layer``: each layer's input; ``regather``: every activation); with remat
+    one layer's matmul outputs come on top, recreated in its backward pass. In a ``lax.scan`` every
+    saved residual is a stacked output of the loop and counts whole."""
+    from meshkit.plans import Layout
+    from meshkit.plans._fsdp import layered_loss
+
+    layout = Layout(plan=get_plan("dp"), mesh=per.layout.mesh, leaves=per.layout.leaves)
+    leaves = jax.tree.leaves(params)
+
+    def saved(remat: str, matmuls_only: bool) -> float:
+        f = layered_loss(loss_fn, PerLayer(layout=layout, remat=remat, found=per.found), params, extra)
+        total = 0.0
+        for aval, where in saved_residuals(lambda x, e: f(x, e)[0], leaves, extra):
+            if "argument" in where or (
+                matmuls_only and not where.startswith(("output of dot_general", "output of reshape"))
+            ):
+                continue
+            total += nbytes(aval)
+        return total
+
+    fused = per.found is None or per.found.mode != "scan"  # a scan stacks every residual it saves
+    plain = saved("none", fused)
+    layers = per.found.layers if per.found is not None and per.found.per_layer else 0
+    if per.remat == "none" or not layers:
+        return plain, 0.0
+    return saved(per.remat, fused and per.remat == "dots"), saved("none", True) / layers
+
+
+def predict_peak(
+    loss_fn: Callable,
+    per: PerLayer,
+    params: Any,
+    batch: Any,
+    optimizer: Any,
+    accumulate: int = 1,
+    *,
+    state: Any = None,
+    key: Any = None,
+) -> PeakModel:
+    """Per-device peak of the step: arguments + the larger of the backward and the update phases.
+
+    ``loss_fn`` is the step's loss ``(params, state, batch, key) -> (loss, (aux, state))``.
+
+    - persistent (the arguments): parameters and optimizer state as the plan keeps them, the batch;
+    - backward phase: whole local gradients (dp, zero1, zero2); under zero3 each gathered leaf costs
+      3x its bytes while alive (the gathered bucket, the leaves sliced from it, its whole gradient
+      before the reduce-scatter): leaves used outside layers for the step, per-layer leaves for
+      every layer without remat (held for the backward pass) or one layer at a time with it (2x:
+      the compiler frees a layer's bucket as its slices are made); plus
+      gradient shards and the activations the backward pass keeps (``saved_activations``; with remat
+      one layer's own residuals on top, recreated in its backward pass);
+    - update phase: the gradients with the optimizer's update tree (2x the gradients); zero1/zero2's
+      bucketed all-gather of the new parameters (bucket + slices, 2x the parameters).
+    """
+    layout = per.layout
+    n, stage = layout.data_size, layout.plan.stage
+    flat = layout.flat()
+    sizes = [nbytes(x) for x in jax.tree.leaves(params)]
+    total = sum(sizes)
+    micro = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((s.shape[0] // (n * accumulate), *s.shape[1:]), s.dtype), batch
+    )
+    extra = step_extra(state, micro, key)
+    loss_fn = pair(loss_fn)
+    if per.found is None:  # the step was not traced yet: trace the loss once for its layers
+        per.found = analyse(loss_fn, layout, params, extra)
+    found = per.found
+    layer = set(found.layer_leaves) if found is not None and found.per_layer and per.gathers else set()
+    zero3 = stage == "zero3" and n > 1
+
+    def at_rest(i: int, sharded: bool) -> float:
+        return sizes[i] / n if sharded and flat[i].data_dim is not None else sizes[i]
+
+    params_b = sum(at_rest(i, zero3) for i in range(len(sizes)))
+    opt_b = memory_formula(layout, optimizer, params)["optimizer"]
+    batch_b = nbytes(batch) / n
+    persistent = params_b + opt_b + batch_b
+
+    layer_b = sum(sizes[i] for i in layer)
+    top_b = total - layer_b
+    saved, one = saved_activations(loss_fn, per, params, extra)
+    activations = saved + (one if per.remat != "none" else 0.0)
+    scan = found is not None and found.mode == "scan"
+    one_layer = (
+        sum(sizes[i] for i in found.layer_leaves) / found.layers
+        if found is not None and found.per_layer
+        else 0.0
+    )
+    # A scan's loop keeps one layer's slice of the stacked parameters and of their gradient in loop
+    # buffers besides the stacked arrays (measured: +2 layers; +1 under zero3 with remat, where the
+    # body's slice is a shard and only the gathered layer's buffer stays)
+    body = (1 if zero3 and per.remat != "none" else 2) * one_layer if scan else 0.0
+    if zero3:
+        lay = found.layers if layer else 1
+        per_layer_b = layer_b / lay if layer else 0.0
+        # gathered for the step (bucket + slices) with their whole gradients; shards of the rest
+        backward = 3 * top_b + layer_b / n + body
+        if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered;
+            # a scan saves each layer's gathered slice as a stacked residual (bucket and gradient die in the body)
+            backward += (1 if scan else 3) * layer_b
+        elif per.remat != "regather" or scan:  # one layer at a time: its gathered bucket and whole gradient
+            backward += 2 * per_layer_b
+        # (regather in the loop form: the re-gathered layer reuses the buffers of the activations it
+        # does not recompute; measured, no extra layer term)
+        shards = sum(at_rest(i, True) for i in range(len(sizes)))
+        update = 2 * shards
+    else:
+        backward = total + body  # whole local gradients
+        # the loop form materializes the update tree beside the gradients; in the scanned form XLA
+        # updates in the gradients' buffers; zero1/2 gather the new parameters (bucket + slices)
+        update = (total if scan else 2 * total) if stage == "dp" else 2 * total
+    return PeakModel(
+        persistent=persistent, backward=backward + activations, update=update, activations=activations
+    )
+
+
+def peak_report(
+    measured: Any,
+    loss_fn: Callable,
+    per: PerLayer,
+    params: Any,
+    batch: Any,
+    optimizer: Any,
+    accumulate: int = 1,
+    *,
+    state: Any = None,
+    key: Any = None,
+) -> dict:
+    """Measured peak (a MemoryLedger's arguments + temporaries) beside the model, explained past 10%."""
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
+    model = predict_peak(loss_fn, per, params, shapes, optimizer, accumulate, state=state, key=key)
+    got = measured.argument_bytes + measured.temp_bytes
+    ratio = got / model.total
+    found = per.found
+    out = {
+        "measured_bytes": got,
+        "model_bytes": model.total,
+        "ratio": ratio,
+        "model": model.to_json(),
+        "remat": per.remat,
+        "layers": found.note if found is not None else None,
+        "ok": 0.9 <= ratio <= 1.1,
+    }
+    if not out["ok"]:
+        why = []
+        if ratio > 1.1:
+            why.append("the compiler keeps more alive at once than the model counts (buffers of several "
+                       "layers overlap, or gathered buckets are copied)")  # fmt: skip
+        else:
+            why.append("the compiler reuses buffers the model counts separately (gradients, activations and "
+                       "the update share memory over time)")  # fmt: skip
+        if per.gathers and found is not None and not found.per_layer:
+            why.append(found.note)
+        out["explanation"] = "; ".join(why)
+    return out

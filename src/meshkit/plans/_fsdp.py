@@ -1,0 +1,543 @@
+"""ZeRO-3/FSDP that gathers a layer's parameters where the layer runs and frees them after.
+
+Why: the peak memory of a step decides whether a model fits. Gathering every parameter at the top
+of the loss keeps the whole model (and, through the backward pass, its gradients and the bucket
+copies: about 3x the parameters) alive at once, so sharding at rest bought nothing at the peak.
+
+What was tried (issue 14, measured on a GPT of width 256 on data=8, gradients alone):
+
+- gathers at the top of the loss: temporaries 50 MiB at 8 layers, growing with the whole model;
+- each block rematerialized with its own gathers inside, in a Python loop: 25.5 MiB, still growing
+  (XLA:CPU is free to schedule every layer's gather early, and does);
+- the same, with ``lax.optimization_barrier((shards, block inputs))`` before the gathers: 6.6 MiB at
+  8 and at 16 layers. The barrier makes the gather depend on the block's input, so it cannot run
+  before the previous block has produced it, and the gathered values die inside the block;
+- stacked blocks under ``lax.scan`` with the gathers inside the body: 64 MiB without remat (the
+  backward pass needs every layer's gathered weights, so the scan saves them all), 7.8-8.8 MiB with
+  the body rematerialized (the backward pass gathers each layer again).
+
+So this module does exactly that, in two ways, found by tracing the loss once (``analyse``):
+
+- **hook**: a model marks its blocks with ``meshkit.layer(block_fn)`` (``_hook``). Leaves that
+  enter blocks only through the hook are passed to the loss as shards; the hook ties them to the
+  block's inputs with an optimization barrier, gathers them (one bucketed all-gather per block and
+  dtype) and applies the remat policy around gather + block;
+- **scan**: a model that ``lax.scan``s over stacked layer parameters needs no hook. The loss is
+  traced to a jaxpr and evaluated again with each such scan replaced by one whose body gathers its
+  slice of the stacked shards (barrier tied to the carry) and is rematerialized by the policy.
+
+The gather is a ``custom_vjp`` whose backward is the bucketed reduce-scatter, so each layer's
+gradient is reduce-scattered as soon as that layer's backward is done. Everything else (leaves used
+outside blocks: embeddings, the final norm, the unembedding) is gathered once for the step as
+before. Any other ``loss_fn`` runs unchanged with every parameter gathered up front; the report
+says per-layer memory needs the scan form or the hook.
+
+Remat (``REMAT``): ``none`` holds the gathered parameters for the backward pass (all-gather traffic
+equals the forward's: the model's bytes; peak grows with the whole model); ``layer`` saves only each
+block's input and recomputes the block, re-gathering its parameters (all-gather traffic 2x);
+``dots`` saves matmul outputs and re-gathers; ``regather`` saves every value but an all-gather's
+output, so the backward pass re-gathers the weights but recomputes no activation. For that policy
+each leaf is gathered by its own all-gather (a bucket would be sliced, and the slices saved). The remat policy applies to every
+plan (activation checkpointing), the gathers only to zero3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+from jax import lax
+
+from meshkit.plans import _buckets as buckets
+from meshkit.plans._hook import handling
+from meshkit.plans._layout import DATA, Layout, LeafLayout, PlanError
+
+_MARK = "meshkit_layer"
+
+
+def _all_but_gathers(prim, *_, **__) -> bool:
+    """Save every value but an all-gather's output (JAX 0.12's ``save_anything_except_these_names``
+    saves everything, and a name on the gathered value would still let its producer be saved)."""
+    return prim.name != "all_gather"
+
+
+REMAT: dict[str, Any] = {
+    "none": None,
+    "layer": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "regather": _all_but_gathers,
+}
+
+
+def check_remat(remat: str) -> str:
+    if remat not in REMAT:
+        raise PlanError(f"unknown remat {remat!r}: choose one of {', '.join(REMAT)}")
+    return remat
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Found:
+    """How the traced loss is structured into layers."""
+
+    mode: str
+    """'hook' (blocks marked with meshkit.layer), 'scan' (lax.scan over stacked leaves) or 'none'."""
+    layer_leaves: tuple[int, ...]
+    """Flat indices of the parameter leaves gathered per layer."""
+    layers: int
+    """Number of layer applications per forward pass (hook calls, or scan iterations)."""
+    note: str
+    groups: tuple[tuple[int, ...], ...] = ()
+    """The per-layer leaves of each layer (one group of stacked leaves for a scan)."""
+    backward_reads: tuple[int, ...] = ()
+    """Per-layer leaves whose value a layer's backward pass reads (all but biases, which only add):
+    what the ``regather`` policy gathers again."""
+
+    @property
+    def per_layer(self) -> bool:
+        return self.mode != "none"
+
+
+@dataclass(kw_only=True, slots=True)
+class PerLayer:
+    """A plan's per-layer settings; records what tracing the loss found (read by the reports)."""
+
+    layout: Layout
+    remat: str = "none"
+    found: Found | None = field(default=None)
+
+    def __post_init__(self):
+        check_remat(self.remat)
+
+    @property
+    def policy(self) -> Any:
+        return REMAT[self.remat]
+
+    @property
+    def gathers(self) -> bool:
+        return self.layout.plan.stage == "zero3" and self.layout.has_data_axis and self.layout.data_size > 1
+
+    def whole_step_leaves(self) -> list[LeafLayout]:
+        """The layout with per-layer leaves marked whole: what the step-wide gather and the caller's
+        reduce-scatter move (per-layer leaves are gathered and reduce-scattered inside layers)."""
+        layer = self.found.layer_leaves if self.found is not None and self.gathers else ()
+        return without(self.layout.flat(), layer)
+
+    @property
+    def regathers(self) -> bool:
+        """Whether the backward pass gathers a layer's parameters again (remat other than none)."""
+        return self.remat != "none"
+
+
+def _per_leaf_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: int) -> list[jax.Array]:
+    """One all-gather per leaf, its output the gathered leaf itself (a leaf also split on ``model``
+    goes through ``_buckets``, manual over ``model``: the policy then sees that region's output)."""
+    return [x if leaf.data_dim is None
+            else buckets.all_gather([x], [leaf], n)[0] if leaf.model_sharded
+            else lax.all_gather(x, DATA, axis=leaf.data_dim, tiled=True)
+            for x, leaf in zip(shards, leaves, strict=True)]  # fmt: skip
+
+
+def _per_leaf_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: int) -> list[jax.Array]:
+    return [buckets.reduce_scatter([g], [leaf], n)[0] for g, leaf in zip(grads, leaves, strict=True)]
+
+
+def _gather_vjp(leaves: Sequence[LeafLayout], n: int, *, per_leaf: bool = False) -> Callable:
+    """All-gather whose backward is the reduce-scatter: bucketed (one per dtype), or one per leaf,
+    where the gathered value must be the all-gather's own output (the ``regather`` policy)."""
+    leaves = list(leaves)
+    gather_fn, scatter_fn = (
+        (_per_leaf_gather, _per_leaf_scatter) if per_leaf else (buckets.all_gather, buckets.reduce_scatter)
+    )
+
+    @jax.custom_vjp
+    def gather(shards):
+        return gather_fn(shards, leaves, n)
+
+    def fwd(shards):
+        return gather_fn(shards, leaves, n), None
+
+    def bwd(_, cotangents):
+        return (scatter_fn(list(cotangents), leaves, n),)
+
+    gather.defvjp(fwd, bwd)
+    return lambda shards: gather(list(shards))
+
+
+def _unstacked(leaf: LeafLayout) -> LeafLayout:
+    """A stacked leaf's layout as one layer's slice sees it (leading layer axis dropped)."""
+    return dataclasses.replace(
+        leaf,
+        shape=leaf.shape[1:],
+        model_spec=leaf.model_spec[1:],
+        data_dim=None if leaf.data_dim is None else leaf.data_dim - 1,
+    )
+
+
+def without(layout_leaves: Sequence[LeafLayout], drop: Sequence[int]) -> list[LeafLayout]:
+    """The leaves with those indices marked whole (buckets then pass them through untouched)."""
+    drop = set(drop)
+    return [dataclasses.replace(x, data_dim=None) if i in drop else x for i, x in enumerate(layout_leaves)]
+
+
+def gather_rows(per: PerLayer | None, accumulate: int, nbytes: Callable[[LeafLayout], float]) -> list[tuple]:
+    """zero3's data-axis all-gathers per step as ``(count, size_bytes_each, what)``.
+
+    Leaves used outside layers: one gather per step (hoisted out of the micro-batch loop). Per-layer
+    leaves: one gather per layer application and micro-batch, twice with remat (the backward pass
+    gathers again)."""
+    flat = per.layout.flat() if per is not None else []
+    layer = (
+        set(per.found.layer_leaves) if per is not None and per.found is not None and per.gathers else set()
+    )
+    top = sum(nbytes(x) for i, x in enumerate(flat) if x.data_dim is not None and i not in layer)
+    rows = [(1, top, "parameters used outside layers (hoisted out of the micro-batch loop)")]
+    if layer:
+        total = sum(nbytes(flat[i]) for i in layer if flat[i].data_dim is not None)
+        rows.append(
+            (accumulate * per.found.layers, total / per.found.layers, "one layer's parameters per layer")
+        )
+        if per.regathers:
+            again = layer if per.remat != "regather" else set(per.found.backward_reads)
+            total = sum(nbytes(flat[i]) for i in again if flat[i].data_dim is not None)
+            what = "again in the backward pass (remat)" + (
+                ", all but biases" if per.remat == "regather" else ""
+            )
+            rows.append((accumulate * per.found.layers, total / per.found.layers, what))
+    return rows
+
+
+def tp_matrices(per: PerLayer | None, layout: Layout) -> list[tuple[LeafLayout, int, bool]]:
+    """Tensor-parallel matrices as ``(2-D leaf, uses per forward pass, forward redone in backward)``.
+
+    A stacked leaf of a scan is one matrix per layer. Under ``layer`` remat the backward pass redoes a
+    layer's forward, and with it the row-parallel output all-reduces, but not the layer's last one
+    (its output only feeds the residual sum, which the backward pass does not need): the model counts
+    one fewer than the layer's row-parallel matrices again per layer."""
+    found = per.found if per is not None else None
+    stacked = set(found.layer_leaves) if found is not None and found.mode == "scan" else set()
+    redo: set[int] = set()
+    if per is not None and per.remat == "layer" and found is not None:
+        for group in found.groups:  # leaf order: a GPT block's attention before its MLP
+            rows = [i for i in group if layout.flat()[i].model_spec[-2:][:1] == ("model",)]
+            redo.update(rows[:-1])
+    out = []
+    for i, x in enumerate(layout.flat()):
+        if i in stacked:  # (L, D) stacked vectors are no matrices
+            if len(x.shape) == 3:
+                out.append((_unstacked(x), x.shape[0], i in redo))
+        elif len(x.shape) == 2:
+            out.append((x, 1, i in redo))
+    return out
+
+
+# -- finding the layers ---------------------------------------------------------------------------
+
+
+def abstract(a: Any) -> jax.ShapeDtypeStruct:
+    """An array's (or tracer's) abstract value, weak type included (a state's Python-int counter
+    traced as weakly typed must stay so, or a framework's state check rejects the new value)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return a
+    return jax.ShapeDtypeStruct(
+        jnp.shape(a), jnp.result_type(a), weak_type=getattr(jax.typeof(a), "weak_type", False)
+    )
+
+
+def _uses(jaxpr: Any, var: Any) -> list[Any]:
+    return [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
+
+
+def analyse(loss_fn: Callable, layout: Layout, params: Any, micro: Any) -> Found:
+    """Trace ``loss_fn(params, micro)`` once (abstractly) to find hooked blocks or scans over stacked
+    leaves. ``micro`` is everything else the loss reads (the step passes its state, batch and key)."""
+    flat_layout = layout.flat()
+    treedef = jax.tree.structure(params)
+    ids: dict[int, int] = {}
+    hooked: set[int] = set()
+    calls = [0]
+    groups: list[tuple[int, ...]] = []
+    order: list[list[int | None]] = []
+
+    def handler(block_fn, block_params, inputs):
+        calls[0] += 1
+        order.append([ids.get(id(x)) for x in jax.tree.leaves(block_params)])
+        mine = tuple(i for i in order[-1] if i is not None)
+        hooked.update(mine)
+        groups.append(mine)
+
+        def marked(p, i):
+            return block_fn(p, *i)
+
+        marked.__name__ = _MARK
+        return jax.jit(marked)(block_params, inputs)
+
+    def traced(leaves, micro):
+        ids.update({id(x): i for i, x in enumerate(leaves)})
+        with handling(handler):
+            return loss_fn(jax.tree.unflatten(treedef, leaves), micro)
+
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+    jaxpr = jax.make_jaxpr(traced)(avals, micro).jaxpr
+    pvars = jaxpr.invars[: len(avals)]
+    outside = {i for i, v in enumerate(pvars) if any(o is v for o in jaxpr.outvars)}
+    if hooked:
+        for i in sorted(hooked):
+            if any(e.params.get("name") != _MARK for e in _uses(jaxpr, pvars[i])):
+                outside.add(i)
+        kept = tuple(sorted(hooked - outside))
+        note = (
+            f"{calls[0]} blocks marked with meshkit.layer; {len(kept)} parameter leaves gathered inside them"
+        )
+        if hooked & outside:
+            note += f"; {len(hooked & outside)} also used outside a block, gathered for the whole step"
+        groups = tuple(tuple(i for i in g if i in kept) for g in groups)
+        reads = set()
+        marked = [e for e in jaxpr.eqns if e.params.get("name") == _MARK]
+        for eqn, idx in zip(marked, order, strict=False):
+            inner = eqn.params["jaxpr"].jaxpr
+            reads |= {
+                i for v, i in zip(inner.invars, idx, strict=False) if i is not None and _value_read(inner, v)
+            }
+        return Found(mode="hook", layer_leaves=kept, layers=calls[0], note=note, groups=groups,
+                     backward_reads=tuple(sorted(reads & set(kept))))  # fmt: skip
+    stacked: set[int] = set()
+    lengths = []
+    reads = set()
+    for i, v in enumerate(pvars):
+        uses = _uses(jaxpr, v)
+        if (
+            uses
+            and all(e.primitive.name == "scan" and _is_xs(e, v) for e in uses)
+            and flat_layout[i].data_dim != 0
+        ):
+            stacked.add(i)
+            lengths += [e.params["length"] for e in uses]
+            for e in uses:
+                body, start = e.params["jaxpr"], sum(_scan_groups(e))
+                body = getattr(body, "jaxpr", body)
+                for k, u in enumerate(e.invars[start:]):
+                    if u is v and _value_read(body, body.invars[start + k]):
+                        reads.add(i)
+    if stacked:
+        return Found(
+            mode="scan",
+            layer_leaves=tuple(sorted(stacked)),
+            layers=max(lengths),
+            groups=(tuple(sorted(stacked)),),
+            backward_reads=tuple(sorted(reads)),
+            note=f"lax.scan over {len(stacked)} stacked parameter leaves, {max(lengths)} layers, gathered per layer",
+        )
+    return Found(
+        mode="none",
+        layer_leaves=(),
+        layers=0,
+        note="no layer structure found: every parameter is gathered for the whole step; per-layer memory "
+        "needs the model to lax.scan over stacked layer parameters or to mark its blocks with meshkit.layer",
+    )
+
+
+_PASS = {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims"}
+
+
+def _value_read(jaxpr: Any, var: Any) -> bool:
+    """Whether differentiating ``jaxpr`` reads ``var``'s value: False where it only enters sums
+    (through broadcasts, casts, reshapes), as a bias does; True for anything else (conservative)."""
+    for eqn in _uses(jaxpr, var):
+        if eqn.primitive.name in ("add", "sub", "add_any"):
+            continue
+        if eqn.primitive.name in _PASS:
+            if any(_value_read(jaxpr, o) for o in eqn.outvars):
+                return True
+            continue
+        return True
+    return False
+
+
+def _scan_groups(eqn: Any) -> tuple[int, int] | None:
+    """(consts, carry) counts of a scan equation, or None where its form is not the plain one
+    (the scan's internal parameters changed across JAX versions: ``ft_in`` groups in 0.12)."""
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    groups = getattr(p.get("ft_in"), "elts", None)  # a FlatTree of (consts, carry, xs) groups
+    body = p.get("jaxpr")
+    if (
+        groups is None
+        or len(groups) != 3
+        or getattr(body, "constvars", ())
+        or len(eqn.invars) != sum(map(len, groups))
+    ):
+        return None
+    if len(body.outvars) != len(eqn.outvars):
+        return None
+    return len(groups[0]), len(groups[1])
+
+
+def _body(eqn: Any) -> Callable:
+    body = eqn.params["jaxpr"]
+    closed = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, [])
+    return jcore.jaxpr_as_fun(closed)
+
+
+def _is_xs(eqn: Any, var: Any) -> bool:
+    groups = _scan_groups(eqn)
+    if groups is None:
+        return False
+    start = sum(groups)
+    return any(v is var for v in eqn.invars[start:]) and not any(v is var for v in eqn.invars[:start])
+
+
+# -- running the loss per layer -------------------------------------------------------------------
+
+
+def _barrier_gather(gather: Callable, shards: list, tie: Any) -> tuple[list, Any]:
+    """Gather ``shards`` after ``tie`` exists (an optimization barrier binds them), so the gather
+    cannot be scheduled before the layer's input and its result dies with the layer."""
+    arrays = [x for x in jax.tree.leaves(tie) if isinstance(x, jax.Array)]
+    shards, _ = lax.optimization_barrier((list(shards), arrays))
+    return gather(shards)
+
+
+def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
+    """``f(leaves, micro)``: the loss with hooked leaves given as shards (gathered inside each block)."""
+    found = per.found
+    flat = per.layout.flat()
+    n = per.layout.data_size
+    layer_set = set(found.layer_leaves) if per.gathers else set()
+    policy = per.policy
+
+    def f(leaves, micro):
+        ids = {id(x): i for i, x in enumerate(leaves)}
+
+        def handler(block_fn, block_params, inputs):
+            bl, bdef = jax.tree.flatten(block_params)
+            mine = [k for k, x in enumerate(bl) if ids.get(id(x)) in layer_set]
+            gather = _gather_vjp([flat[ids[id(bl[k])]] for k in mine], n, per_leaf=per.remat == "regather")
+
+            def run(bl, inputs):
+                bl = list(bl)
+                if mine:
+                    for k, x in zip(
+                        mine, _barrier_gather(gather, [bl[k] for k in mine], inputs), strict=True
+                    ):
+                        bl[k] = x
+                return block_fn(jax.tree.unflatten(bdef, bl), *inputs)
+
+            if policy is not None:
+                run = jax.checkpoint(run, policy=policy)
+            return run(bl, inputs)
+
+        with handling(handler):
+            return loss_fn(jax.tree.unflatten(treedef, leaves), micro)
+
+    return f
+
+
+def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> Callable:
+    """``f(leaves, micro)``: the loss re-evaluated from its jaxpr, every scan over stacked leaves
+    replaced by one that gathers its layer's slice inside the (rematerialized) body."""
+    flat = per.layout.flat()
+    n = per.layout.data_size
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+    treedef = jax.tree.structure(params)
+    closed, out_shape = jax.make_jaxpr(
+        lambda leaves, m: loss_fn(jax.tree.unflatten(treedef, leaves), m), return_shape=True
+    )(avals, micro)
+    out_tree = jax.tree.structure(out_shape)
+    jaxpr = closed.jaxpr
+    index = {v: i for i, v in enumerate(jaxpr.invars[: len(avals)])}
+    layer_set = set(per.found.layer_leaves) if per.gathers else set()
+    policy = per.policy
+
+    def run_scan(eqn, invals):
+        p = eqn.params
+        nc, nk = _scan_groups(eqn)
+        consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+        which = [index.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars[nc + nk :]]
+        mine = [k for k, i in enumerate(which) if i in layer_set]
+        gather = _gather_vjp([_unstacked(flat[which[k]]) for k in mine], n, per_leaf=per.remat == "regather")
+        body = _body(eqn)
+
+        def layer(carry, x):
+            x = list(x)
+            if mine:
+                for k, g in zip(mine, _barrier_gather(gather, [x[k] for k in mine], carry), strict=True):
+                    x[k] = g
+            out = body(*consts, *carry, *x)
+            return list(out[:nk]), list(out[nk:])
+
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy)
+        carry, ys = lax.scan(layer, list(carry), list(xs), length=p["length"], reverse=p["reverse"])
+        return [*carry, *ys]
+
+    def f(leaves, m):
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, closed.consts, strict=True):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, [*leaves, *jax.tree.leaves(m)], strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if eqn.primitive.name == "scan" and any(
+                index.get(v) in per.found.layer_leaves for v in eqn.invars
+            ):
+                outs = run_scan(eqn, invals)
+            else:
+                with eqn.ctx.manager:  # as jax.core.eval_jaxpr binds an equation
+                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                env[v] = x
+        return jax.tree.unflatten(out_tree, [read(v) for v in jaxpr.outvars])
+
+    return f
+
+
+def layered_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> Callable:
+    """``f(leaves, micro)`` for the found structure: per-layer leaves arrive as shards under zero3
+    (whole otherwise) and every layer runs under the remat policy."""
+    if per.found.mode == "hook":
+        return hooked_loss(loss_fn, per, jax.tree.structure(params))
+    if per.found.mode == "scan":
+        return scanned_loss(loss_fn, per, params, micro)
+    treedef = jax.tree.structure(params)
+    return lambda leaves, m: loss_fn(jax.tree.unflatten(treedef, leaves), m)
+
+
+def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> tuple[Any, Any]:
+    """``((loss, aux), grads)`` of ``loss_fn(params, micro) -> (loss, aux)`` on one micro-batch, per
+    layer where the loss has layers (``micro``: what the loss reads besides the parameters).
+
+    Inside zero3's manual data region ``params`` are the local shards: leaves used outside layers
+    are gathered here for the whole step (their gradients come back whole, for the caller's
+    reduce-scatter); per-layer leaves stay shards and come back as reduce-scattered gradient shards.
+    Elsewhere ``params`` are whole and only the remat policy applies.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    flat = per.layout.flat()
+    shapes = [leaf.shape if per.gathers else x.shape for leaf, x in zip(flat, leaves, strict=True)]
+    full = jax.tree.unflatten(
+        treedef, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves, strict=True)]
+    )
+    micro_avals = micro  # the tracers themselves: make_jaxpr keeps their full types (weak, varying)
+    if per.found is None:  # one abstract trace, also read by the reports (layers, stacked leaves)
+        per.found = analyse(loss_fn, per.layout, full, micro_avals)
+    if per.remat == "none" and not per.gathers:
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
+    if per.gathers:
+        leaves = buckets.all_gather(leaves, per.whole_step_leaves(), per.layout.data_size)
+    out, grads = jax.value_and_grad(layered_loss(loss_fn, per, full, micro_avals), has_aux=True)(
+        leaves, micro
+    )
+    return out, jax.tree.unflatten(treedef, grads)

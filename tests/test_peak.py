@@ -1,0 +1,61 @@
+"""Peak memory: the report sets the compiled step's arguments + temporaries beside the model."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from meshkit.analysis.peak import abstract_step
+from meshkit.models import gpt, mlp
+from meshkit.train import Trainer
+
+
+def _batch(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 16)).astype(np.float32)
+    return x, np.sin(x @ np.ones((16, 8), np.float32) / 4)
+
+
+def test_report_sets_measured_peak_beside_the_model_and_explains_a_gap():
+    params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+    t = Trainer(mlp.loss, params, optax.adam(1e-2), plan="zero3")
+    r = t.report(_batch())
+    m = t.compiled(_batch()).memory_analysis()
+    peak = r.peak
+    assert peak["measured_bytes"] == m.argument_size_in_bytes + m.temp_size_in_bytes
+    assert peak["ratio"] == peak["measured_bytes"] / peak["model_bytes"]
+    assert peak["ok"] == (0.9 <= peak["ratio"] <= 1.1)
+    assert ("explanation" in peak) != peak["ok"]
+    assert "needs the model to lax.scan" in peak["layers"]  # the MLP has no layer structure
+    assert r.to_json()["peak"] is peak
+
+
+def test_model_predicts_per_layer_remat_below_holding_and_the_compiler_agrees():
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=4, width=64, heads=4, scan_layers=True)
+    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    tok = jax.ShapeDtypeStruct((16, 16), np.int32)
+    steps = {
+        remat: abstract_step(gpt.make_loss(cfg), params, (tok, tok), optax.adamw(1e-3), plan="zero3",
+                             mesh="data=8", remat=remat, logical_axes=gpt.logical_axes(params))
+        for remat in ("none", "layer")
+    }  # fmt: skip
+    held, remat = steps["none"], steps["layer"]
+    assert remat.predict().total < held.predict().total
+    assert remat.measured_peak < held.measured_peak
+    assert remat.per_layer.found.mode == "scan"
+
+
+PEAK_CASES = [(False, "zero3", "layer"), (False, "zero3", "regather"), (True, "dp", "none"),
+              (True, "zero3", "none"), (True, "zero3", "dots")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("scan", "plan", "remat"), PEAK_CASES)
+def test_measured_peak_is_within_ten_percent_of_the_model(scan, plan, remat):
+    """The compiled step's arguments + temporaries against ``predict_peak`` (GPT width 128, 4 layers,
+    data=8, adamw), in both GPT forms; benchmarks/bench_memory.py runs the whole table."""
+    cfg = gpt.GPTConfig(vocab_size=128, seq_len=32, layers=4, width=128, heads=4, scan_layers=scan)
+    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    tok = jax.ShapeDtypeStruct((16, 32), np.int32)
+    st = abstract_step(gpt.make_loss(cfg), params, (tok, tok), optax.adamw(1e-3), plan=plan, mesh="data=8",
+                       remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
+    assert 0.9 <= st.measured_peak / st.predict().total <= 1.1
