@@ -12,7 +12,11 @@ derandomized, so the same examples run every time; the examples are split over a
 plan family, so their compiled programs rarely overlap) that pytest-xdist spreads over its workers.
 """
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -235,3 +239,20 @@ def test_every_configuration_trains_right_or_is_refused_in_one_line(family):
 
 def test_the_fuzz_runs_at_least_300_examples():
     assert len(ANCHORS) * EXAMPLES >= 300
+
+
+def test_fsdp_tp_in_bf16_trains_a_step_without_crashing_xla():
+    """Found by the fuzz once issue 14's per-layer ZeRO-3 landed: compiling fsdp+tp with bf16 compute
+    aborted the process inside XLA ("Invalid binary instruction opcode copy", exit 134), as did
+    ``meshkit train --preset tiny --plan fsdp+tp --precision bf16``. Run in a child process, so that
+    an abort is this test's failure and not the pytest worker's death."""
+    code = (
+        "import jax; jax.config.update('jax_num_cpu_devices', 8); import sys; sys.path.insert(0, 'tests');"
+        "import test_fuzz as T; print(T.attempt(plan='fsdp+tp', mesh='data=2,model=2', batch=4, accumulate=1,"
+        " steps=1, precision='bf16', devices=4))"
+    )
+    root = Path(__file__).parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    crash = next((x for x in proc.stderr.splitlines() if x.startswith("F")), proc.stderr[-300:])
+    assert proc.returncode == 0 and proc.stdout.strip() == "trained", (proc.returncode, crash)
