@@ -1,6 +1,7 @@
 """Faults around checkpoints, with real processes: SIGKILL at random moments of saves (30 times,
 each followed by a resume that must continue bit for bit), a file-size limit and a read-only
-directory during a save, a second run on a locked run directory, a corrupt latest checkpoint."""
+directory during a save, a second run on a locked run directory, a corrupt latest checkpoint (in
+one process, and in one of a job's two processes only: all must fall back to the same step)."""
 
 import contextlib
 import json
@@ -301,3 +302,35 @@ def test_resume_from_a_corrupt_latest_checkpoint_continues_from_the_previous_one
     loss = lambda rows: [(r["step"], r["loss"]) for r in rows if "loss" in r]  # noqa: E731
     assert loss(resumed) == loss(straight)  # steps 5..8 again, bit for bit
     assert [p.name[:2] for p in (run / "checkpoints" / ".unreadable").iterdir()] == ["8-"]  # kept
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest(tmp_path):
+    """Step 8's shards written by process 1 are garbage: process 0 could read all it needs of step 8
+    (its own shards and the replicated leaves), process 1 cannot. Unagreed, process 0 went on from
+    step 8 and process 1 from step 4, and the job hung; agreed, both resume from step 4."""
+    run, exe = tmp_path / "run", str(Path(sys.executable).parent / "meshkit")
+    job = [exe, "launch", "-n", "2", "--devices-per-process", "4", "--", exe, "train"]
+    first = [*job, "--preset", "tiny", "--plan", "zero3", "--steps", "12", "--stop-after", "8", "--warmup", "1",
+             "--eval-every", "0", "--checkpoint-every", "4", "--sample-chars", "0", "--run-dir", str(run)]  # fmt: skip
+    proc = subprocess.run(first, capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    straight = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    garbage = list((run / "checkpoints" / "8").glob("*/ocdbt.process_1/d/*"))
+    assert garbage, "process 1 wrote no files of its own: nothing to corrupt"
+    for f in garbage:
+        f.write_bytes(os.urandom(32))
+    proc = subprocess.run([*job, "--run-dir", str(run), "--resume"], capture_output=True, text=True, env=ENV,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    warnings = [x for x in out.splitlines() if "warning:" in x]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"[0] warning: checkpoint step 8 in '{run / 'checkpoints'}' cannot be read (process 1 cannot read it)"
+    ), out[-2000:]
+    assert warnings[0].endswith("; trying step 4")
+    assert "resuming at step 4" in out and "Traceback" not in out
+    resumed = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    loss = lambda rows: [(r["step"], r["loss"]) for r in rows if "loss" in r]  # noqa: E731
+    assert loss(resumed)[:8] == loss(straight) and [s for s, _ in loss(resumed)] == list(range(1, 13))
+    assert [p.name[:2] for p in (run / "checkpoints" / ".unreadable").iterdir()] == ["8-"]

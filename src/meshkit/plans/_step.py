@@ -141,7 +141,10 @@ def local_gradients(
     cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
     """
     stage = layout.plan.stage
-    low = compute_dtype is not None and stage == "zero3"
+    # Not under fsdp+tp: XLA:CPU (JAX 0.12) aborts compiling low-precision shards gathered on data
+    # while the model axis is the partitioner's ("Invalid binary instruction opcode copy"); there the
+    # parameters are gathered in their own dtype and the model casts them.
+    low = compute_dtype is not None and stage == "zero3" and not layout.plan.tensor
     scale = 1.0 / (layout.data_size * accumulate)
 
     def first_row(j, rows):

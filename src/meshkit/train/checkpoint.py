@@ -10,6 +10,8 @@ A save that fails (disk full, file-size limit, permission denied) raises one lin
 directory and its free space, and leaves the earlier steps as they were. Restoring the latest step
 skips a step that cannot be read (corrupt or partial files): it is named in one warning line, moved
 aside into ``<directory>/.unreadable/`` (kept, not deleted) and the newest intact step is restored.
+In a job of several processes each process reads its shards of a step on its own first and all
+agree on the result, so that they all restore the same step (at the cost of reading it twice).
 
 Arrays are saved as global, sharded ``jax.Array``s and restored onto any layout: the targets'
 shardings (another mesh, another plan) decide where the shards land. Every process of a multi-host
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
@@ -291,6 +294,8 @@ class Checkpointer:
                     f"no checkpoint for step {step} in '{self.directory}': it holds steps {self.all_steps()}"
                 )
             try:
+                if failing := self._unreadable_somewhere(step, targets):
+                    raise _Unreadable(failing)
                 return self._restore(step, targets)
             except _Unreadable as e:
                 raise CheckpointError(f"step {step} in '{self.directory}' cannot be read: {e}") from None
@@ -300,7 +305,9 @@ class Checkpointer:
         bad: list[int] = []
         for candidate in candidates:
             try:
-                got = self._restore(candidate, targets)
+                if failing := self._unreadable_somewhere(candidate, targets):
+                    raise _Unreadable(failing)
+                got = self._restore_agreed(candidate, targets)
             except _Unreadable as e:
                 bad.append(candidate)
                 older = [c for c in candidates if c < candidate]
@@ -319,7 +326,49 @@ class Checkpointer:
             f"{UNREADABLE}/): train again without --resume, or into a fresh --run-dir"
         )
 
-    def _restore(self, step: int, targets: dict[str, Any]) -> tuple[Any, Any, dict]:
+    def _unreadable_somewhere(self, step: int, targets: dict[str, Any]) -> str:
+        """In a multi-process job: '' when every process can read ``step``, else why not (naming the
+        processes). Each process reads the step on its own first (orbax's restore ends in a barrier
+        of all processes, which one that fails never reaches: the others would go on with this step
+        and it with an older one), then all agree, so that they all restore the same step.
+        A single process has nothing to agree on: ''."""
+        if jax.process_count() == 1:
+            return ""
+        from jax.experimental import multihost_utils
+
+        me = jax.process_index()
+        alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        handler = ocp.CompositeCheckpointHandler(
+            handler_registry=_registry(),
+            composite_options=ocp.CompositeOptions(multiprocessing_options=alone),
+        )
+        here = ""
+        try:
+            with ocp.Checkpointer(handler, multiprocessing_options=alone) as reader:
+                self._restore(
+                    step, targets, reader=lambda args: reader.restore(self.directory / str(step), args=args)
+                )
+        except _Unreadable as e:
+            here = str(e)
+        failed = multihost_utils.process_allgather(np.asarray([bool(here)], np.int32)).reshape(-1)
+        processes = [i for i, f in enumerate(failed) if f]
+        if not processes:
+            return ""
+        who = "process" + ("es " if len(processes) > 1 else " ") + ", ".join(map(str, processes))
+        return f"{who} cannot read it" + (f": {here}" if here else "")
+
+    def _restore_agreed(self, step: int, targets: dict[str, Any]) -> tuple[Any, Any, dict]:
+        """Restore a step every process has read (one process failing now would split the job)."""
+        try:
+            return self._restore(step, targets)
+        except _Unreadable as e:
+            if jax.process_count() == 1:
+                raise
+            raise CheckpointError(
+                f"step {step} in '{self.directory}' could be read by every process, then not ({e}): restart the job"
+            ) from None
+
+    def _restore(self, step: int, targets: dict[str, Any], reader: Any = None) -> tuple[Any, Any, dict]:
         """Restore one step; :class:`_Unreadable` when its files cannot be read back."""
         _quiet_orbax_noise()  # before reading: orbax closes its loop before the error reaches us
         try:
@@ -337,8 +386,9 @@ class Checkpointer:
         args = {
             name: ocp.args.StandardRestore(like) for name, like in targets.items() if jax.tree.leaves(like)
         }
+        composite = ocp.args.Composite(meta=ocp.args.JsonRestore(), **args)
         try:
-            got = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args))
+            got = reader(composite) if reader else self._manager.restore(step, args=composite)
             meta = got["meta"]
         except Exception as e:
             raise _Unreadable(_gist(e)) from None

@@ -504,8 +504,8 @@ class Trainer:
             fed = batch_fed(self._loss, *shapes, self.put_batch(batch), self._step_key())
         low = None
         if (
-            self.compute_dtype is not None and self.pipeline is None
-        ):  # XLA's CPU compiler moves sub-32-bit float collectives as f32
+            self.compute_dtype is not None and not self.plan.tensor and self.pipeline is None
+        ):  # fsdp+tp and pipelines gather in the params dtype; XLA's CPU compiler moves sub-32-bit floats as f32
             cpu = self.mesh.devices.flat[0].platform == "cpu"
             low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
         expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
