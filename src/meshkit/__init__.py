@@ -29,6 +29,7 @@ _LAZY = {
     "PLANS": "meshkit.plans",
     "PlanError": "meshkit.plans",
     "PlanReport": "meshkit.train",
+    "Stages": "meshkit.plans._pipeline",
     "Trainer": "meshkit.train",
     "layer": "meshkit.plans._hook",
 }
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
     from meshkit.plans import PLANS, PlanError
     from meshkit.plans._hook import layer
+    from meshkit.plans._pipeline import Stages
     from meshkit.train import PlanReport, Trainer
 
 
@@ -67,6 +69,7 @@ __all__ = [
     "MeshkitError",
     "PlanError",
     "PlanReport",
+    "Stages",
     "TargetError",
     "Trainer",
     "analysis",

@@ -61,9 +61,10 @@ MLP_AXES = [{"w": ("embed", "mlp"), "b": ("mlp",)}, {"w": ("mlp", "embed"), "b":
             {"w": ("embed", None), "b": (None,)}]  # fmt: skip
 
 
-def workload(name: str, seed: int = 0, *, heads: int = 8) -> Workload:
+def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stages: bool = False) -> Workload:
     """The reference workloads: 'linear', 'mlp' (the chapter's [16, 64, 64, 8]) and 'gpt' (width 32,
-    ``heads`` heads)."""
+    ``heads`` heads, ``layers`` blocks; with ``stages`` the scanned GPT as ``meshkit.Stages``, the form
+    pipeline plans take)."""
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
     if name == "linear":
@@ -79,9 +80,9 @@ def workload(name: str, seed: int = 0, *, heads: int = 8) -> Workload:
         return Workload(name=name, loss_fn=mlp.loss, params=p, batch=(x, y), logical_axes=MLP_AXES,
                         tokens_per_example=1, float64=reference_np.mlp_grad)  # fmt: skip
     if name in ("gpt", "gpt-scan"):  # gpt-scan: the same model, blocks stacked under lax.scan
-        cfg = gpt.GPTConfig(
-            vocab_size=64, seq_len=16, layers=2, width=32, heads=heads, scan_layers=name == "gpt-scan"
-        )
+        cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
+                            scan_layers=stages or name == "gpt-scan")  # fmt: skip
+        make_loss = gpt.stages if stages else gpt.make_loss
         tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
         p = gpt.init(key, cfg)
         batch = (tokens[:, :-1], tokens[:, 1:])
@@ -89,11 +90,11 @@ def workload(name: str, seed: int = 0, *, heads: int = 8) -> Workload:
         def in_float64() -> Workload:
             cfg64 = dataclasses.replace(cfg, dtype="float64")
             p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
-            return Workload(name=name, loss_fn=gpt.make_loss(cfg64), params=p64, batch=batch,
+            return Workload(name=name, loss_fn=make_loss(cfg64), params=p64, batch=batch,
                             logical_axes=gpt.logical_axes(p64), tokens_per_example=cfg.seq_len,
                             units={"heads": cfg.heads})  # fmt: skip
 
-        return Workload(name=name, loss_fn=gpt.make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
+        return Workload(name=name, loss_fn=make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
                         tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads})  # fmt: skip
     raise MeshkitError(f"unknown model {name!r}: choose linear, mlp, gpt or gpt-scan")
 
@@ -145,6 +146,21 @@ def _single_device(w: Workload, optimizer, steps: int) -> Any:
     return params
 
 
+def _pipeline_options(plan, model, mesh, microbatches, schedule, virtual_stages) -> dict | None:
+    """The Trainer's pipeline options and the GPT's layer count for a pipeline plan, else None."""
+    from meshkit.mesh import resolve_mesh_shape
+    from meshkit.plans import get_plan
+    from meshkit.train.trainer import _DEFAULT_MESH
+
+    if not get_plan(plan).pipeline:
+        return None
+    if model not in ("gpt", "gpt-scan"):
+        raise MeshkitError(f"plan {plan} verifies the GPT (a model of stacked blocks): use --model gpt")
+    p = dict(resolve_mesh_shape(mesh or _DEFAULT_MESH[plan], jax.device_count())).get("stage", 1)
+    return {"layers": max(2, p * virtual_stages), "microbatches": microbatches, "schedule": schedule,
+            "virtual_stages": virtual_stages}  # fmt: skip
+
+
 def _float64(w: Workload, steps: int, lr: float) -> Any:
     params = reference_np.to_float64(w.params)
     x, y = (np.asarray(a, np.float64) for a in w.batch)
@@ -188,6 +204,8 @@ class Certificate:
             out["matches float64"] = self.vs_float64 <= TOL_FLOAT64
         if self.exact_vs_single_device is not None:
             out["matches single device in float64"] = self.exact_vs_single_device <= TOL_EXACT
+        if self.report.pipeline is not None:
+            out["executed schedule = model (bubble)"] = self.report.pipeline.ok
         return out
 
     @property
@@ -223,16 +241,24 @@ def verify(
     lr: float = 1e-2,
     seed: int = 0,
     remat: str = "none",
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    virtual_stages: int = 1,
 ) -> Certificate:
-    """Train ``model`` for ``steps`` Adam steps under ``plan`` and certify the result."""
+    """Train ``model`` for ``steps`` Adam steps under ``plan`` and certify the result.
+
+    Pipeline plans take ``microbatches``, ``schedule`` and ``virtual_stages``, and verify the GPT
+    as ``Stages`` with one layer per virtual stage (so the layers divide over the stages)."""
     if steps < 1:
         raise MeshkitError(f"steps must be at least 1, got {steps}")
-    w = workload(model, seed)
+    pipe = _pipeline_options(plan, model, mesh, microbatches, schedule, virtual_stages)
+    w = workload(model, seed, **({} if pipe is None else {"layers": pipe.pop("layers"), "stages": True}))
     optimizer = optax.adam(lr)
 
     def run(w: Workload) -> tuple[Trainer, float]:
         t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat,
-                    logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example, units=w.units)  # fmt: skip
+                    logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example, units=w.units,
+                    **(pipe or {}))  # fmt: skip
         loss = jnp.nan
         for _ in range(steps):
             loss = t.step(w.batch)["loss"]

@@ -37,7 +37,13 @@ def train(
             help="Starting point: default or tiny; options below override it.", show_default="default"
         ),
     ] = None,
-    plan: Annotated[str | None, _opt("plan", "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp.")] = None,
+    plan: Annotated[
+        str | None,
+        _opt(
+            "plan",
+            "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp.",
+        ),
+    ] = None,
     mesh: Annotated[
         str | None, _opt("mesh", "e.g. data=8 or data=4,model=2.", "the plan's, over all devices")
     ] = None,
@@ -54,6 +60,15 @@ def train(
     ] = None,
     accumulate: Annotated[
         int | None, _opt("accumulate", "Micro-batches per step (must divide the batch per data shard).")
+    ] = None,
+    microbatches: Annotated[
+        int | None, _opt("microbatches", "Pipeline plans: micro-batches per step.", "one per stage")
+    ] = None,
+    schedule: Annotated[
+        str | None, _opt("schedule", "Pipeline plans: gpipe, 1f1b or interleaved.", "1f1b")
+    ] = None,
+    virtual_stages: Annotated[
+        int | None, _opt("virtual_stages", "Interleaved: chunks of layers per device.")
     ] = None,
     clip: Annotated[float | None, _opt("clip", "Global-norm clipping (0 turns it off).")] = None,
     precision: Annotated[
@@ -120,6 +135,7 @@ def train(
 
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
                  heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
+                 microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                  seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
                  scan_layers=scan_layers)  # fmt: skip

@@ -11,7 +11,12 @@ from meshkit.cli.ledger import DevicesOpt, JsonOpt
 
 
 def verify(
-    plan: Annotated[str, typer.Option(help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp or fsdp+tp.")] = "dp",
+    plan: Annotated[
+        str,
+        typer.Option(
+            help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."
+        ),
+    ] = "dp",
     model: Annotated[
         str, typer.Option(help="linear, mlp, gpt, or gpt-scan (the GPT's blocks stacked under lax.scan).")
     ] = "mlp",
@@ -23,6 +28,15 @@ def verify(
     remat: Annotated[
         str, typer.Option(help="Activation checkpointing per layer: none, layer, dots or regather.")
     ] = "none",
+    schedule: Annotated[
+        str | None, typer.Option(help="Pipeline plans: gpipe, 1f1b or interleaved (default 1f1b).")
+    ] = None,
+    microbatches: Annotated[
+        int | None, typer.Option(help="Pipeline plans: micro-batches per step (default: the stages).")
+    ] = None,
+    virtual_stages: Annotated[
+        int, typer.Option(help="Interleaved schedule: chunks of layers per device.")
+    ] = 1,
     devices: DevicesOpt = 8,
     json: JsonOpt = False,
 ) -> None:
@@ -33,7 +47,8 @@ def verify(
     from meshkit.verify import TOL_EXACT, TOL_FLOAT64, TOL_SINGLE
     from meshkit.verify import verify as run_verify
 
-    cert = run_verify(plan, model, mesh=mesh, steps=steps, accumulate=accumulate, remat=remat)
+    cert = run_verify(plan, model, mesh=mesh, steps=steps, accumulate=accumulate, remat=remat,
+                      microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)  # fmt: skip
     if json:
         print_json(cert.to_json())
     else:
@@ -78,6 +93,8 @@ def _print(cert, tol_single: float, tol_f64: float, tol_exact: float) -> None:
         rows.append(["peak (arguments + temporaries)", fmt_bytes(pk["measured_bytes"]), fmt_bytes(pk["model_bytes"]),
                      f"{pk['ratio']:.4f}", "ok" if pk["ok"] else "see below"])  # fmt: skip
     console.print(table("Per-device memory", ["component", "measured", "formula", "ratio", ""], rows))
+    if r.pipeline is not None:
+        console.print(r.pipeline.table())
     reasons: dict[str, list[str]] = {}
     for path, why in r.replicated:
         reasons.setdefault(why, []).append(path)

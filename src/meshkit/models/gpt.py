@@ -228,38 +228,69 @@ def _mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     return jax.nn.gelu(x_btd @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
 
 
+def _embed(top: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
+    """Token plus position embeddings, in the compute dtype (``top``: the non-block parameters)."""
+    t = tokens_bt.shape[1]
+    if t > cfg.seq_len:
+        raise ValueError(f"sequence length {t} exceeds seq_len {cfg.seq_len}")
+    compute = cfg.compute_dtype or cfg.dtype
+    return top["tok_embed"].astype(compute)[tokens_bt] + top["pos_embed"].astype(compute)[:t]
+
+
+def _block(p: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
+    """One pre-LN transformer block; casts its own parameters (where a plan gathers them per layer)."""
+    p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype or cfg.dtype), p)
+    x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg)
+    return x_btd + _mlp(p["mlp"], _layer_norm(p["ln2"], x_btd))
+
+
+def _head(top: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
+    """Final LayerNorm and unembedding: logits in at least float32."""
+    compute = cfg.compute_dtype or cfg.dtype
+    x_btd = _layer_norm(jax.tree.map(lambda a: a.astype(compute), top["ln_f"]), x_btd)
+    return jnp.matmul(x_btd, top["unembed"].astype(compute), preferred_element_type=_wide(compute))
+
+
 def apply(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Next-token logits ``(B, T, V)`` for integer tokens ``(B, T)`` with ``T <= seq_len``.
 
     Parameters are cast to ``cfg.compute_dtype`` first; LayerNorm statistics, attention softmax and the
     returned logits are float32 (float64 when computing in float64).
     """
-    t = tokens_bt.shape[1]
-    if t > cfg.seq_len:
-        raise ValueError(f"sequence length {t} exceeds seq_len {cfg.seq_len}")
     form = blocks_form(params)
     if (form == "scanned") != cfg.scan_layers:
         fix = "gpt.to_scanned(params)" if cfg.scan_layers else "gpt.to_layers(params)"
         raise ValueError(
             f"params hold the {form} form but cfg.scan_layers={cfg.scan_layers}: convert with {fix}"
         )
-    compute = cfg.compute_dtype or cfg.dtype
-    # Blocks cast their own parameters, inside the block: where a plan gathers them per layer.
-    top = jax.tree.map(lambda p: p.astype(compute), {k: v for k, v in params.items() if k != "blocks"})
-    x_btd = top["tok_embed"][tokens_bt] + top["pos_embed"][:t]
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    x_btd = _embed(top, tokens_bt, cfg)
 
     def block(p: Params, x_btd: jax.Array) -> jax.Array:
-        p = jax.tree.map(lambda a: a.astype(compute), p)
-        x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg)
-        return x_btd + _mlp(p["mlp"], _layer_norm(p["ln2"], x_btd))
+        return _block(p, x_btd, cfg)
 
     if cfg.scan_layers:
         x_btd, _ = lax.scan(lambda x, p: (block(p, x), None), x_btd, params["blocks"])
     else:
         for p in params["blocks"]:
             x_btd = layer(block)(p, x_btd)
-    x_btd = _layer_norm(top["ln_f"], x_btd)
-    return jnp.matmul(x_btd, top["unembed"], preferred_element_type=_wide(compute))
+    return _head(top, x_btd, cfg)
+
+
+def stages(cfg: GPTConfig) -> Any:
+    """The GPT as ``meshkit.Stages`` (embedding, stacked blocks, head, cross-entropy), for pipeline
+    plans and every other plan alike; its parameters are the scanned form (``GPTConfig(scan_layers=True)``,
+    or ``to_scanned(params)``). The batch is ``(tokens_bt, targets_bt)``."""
+    from meshkit.plans._pipeline import Stages
+
+    return Stages(
+        embed=lambda top, batch: _embed(top, batch[0], cfg),
+        block=lambda p, x_btd: _block(p, x_btd, cfg),
+        head=lambda top, x_btd: _head(top, x_btd, cfg),
+        loss=lambda logits_btv, batch: optax.softmax_cross_entropy_with_integer_labels(
+            logits_btv, batch[1]
+        ).mean(),
+    )
 
 
 def make_loss(cfg: GPTConfig) -> Callable[[Params, tuple[jax.Array, jax.Array]], jax.Array]:

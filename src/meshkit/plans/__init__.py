@@ -1,4 +1,4 @@
-"""Parallel plans: data parallel, ZeRO-1/2/3 (FSDP), tensor parallel, and their 2D combinations.
+"""Parallel plans: data parallel, ZeRO-1/2/3 (FSDP), tensor parallel, pipelines, and their combinations.
 
 A plan is data (``Plan``); ``make_layout`` decides where every leaf lives; ``build_step`` makes the
 jitted step; ``expected_collectives`` and ``memory_formula`` say what it should cost.
@@ -23,6 +23,10 @@ from meshkit.plans._model import (
     expected_collectives,
     memory_formula,
 )
+from meshkit.plans._pipeline import Stages
+from meshkit.plans._schedule import Schedule, bubble_model
+from meshkit.plans._schedule import build as build_schedule
+from meshkit.plans._schedule import plot as plot_schedule
 from meshkit.plans._step import StepShardings, build_step, state_shardings
 
 __all__ = [
@@ -35,7 +39,11 @@ __all__ = [
     "MemoryRow",
     "Plan",
     "PlanError",
+    "Schedule",
+    "Stages",
     "StepShardings",
+    "bubble_model",
+    "build_schedule",
     "build_step",
     "compare_communication",
     "device_bytes",
@@ -43,5 +51,6 @@ __all__ = [
     "get_plan",
     "make_layout",
     "memory_formula",
+    "plot_schedule",
     "state_shardings",
 ]

@@ -46,7 +46,9 @@ def _alone(idx: list[int], leaves: Sequence[LeafLayout]) -> int | None:
 
 def _on_model_shard(fn, x: jax.Array, leaf: LeafLayout) -> jax.Array:
     """``fn`` on this device's model shard of ``x`` (manual over ``model`` as well as ``data``)."""
-    spec = P(*leaf.model_spec)
+    spec = P(
+        *[a if a == MODEL else None for a in leaf.model_spec]
+    )  # (a pipeline's stage axis is manual already)
     return jax.shard_map(fn, mesh=get_abstract_mesh(), in_specs=spec, out_specs=spec, axis_names={MODEL},
                          check_vma=False)(x)  # fmt: skip
 

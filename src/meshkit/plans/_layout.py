@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 from meshkit._errors import MeshkitError
 
 DATA, MODEL = "data", "model"
+STAGE = "stage"
+"""The mesh axis pipeline plans split the layers over (``_pipeline``)."""
 STAGES = ("dp", "zero1", "zero2", "zero3")
 
 
@@ -38,6 +40,8 @@ class Plan:
     """Whether tensor-parallel rules shard leaves on the model axis (Megatron column/row)."""
     needs: tuple[str, ...]
     """Mesh axes the plan requires."""
+    pipeline: bool = False
+    """Whether the stacked layers of a ``meshkit.Stages`` model are split over the stage axis."""
 
 
 PLANS: dict[str, Plan] = {
@@ -49,6 +53,14 @@ PLANS: dict[str, Plan] = {
     "tp": Plan(name="tp", stage="dp", tensor=True, needs=(MODEL,)),
     "dp+tp": Plan(name="dp+tp", stage="dp", tensor=True, needs=(DATA, MODEL)),
     "fsdp+tp": Plan(name="fsdp+tp", stage="zero3", tensor=True, needs=(DATA, MODEL)),
+    "pp": Plan(name="pp", stage="dp", tensor=False, needs=(STAGE,), pipeline=True),
+    "dp+pp": Plan(name="dp+pp", stage="dp", tensor=False, needs=(DATA, STAGE), pipeline=True),
+    "fsdp+pp": Plan(name="fsdp+pp", stage="zero3", tensor=False, needs=(DATA, STAGE), pipeline=True),
+    "tp+pp": Plan(name="tp+pp", stage="dp", tensor=True, needs=(MODEL, STAGE), pipeline=True),
+    "dp+tp+pp": Plan(name="dp+tp+pp", stage="dp", tensor=True, needs=(DATA, MODEL, STAGE), pipeline=True),
+    "fsdp+tp+pp": Plan(
+        name="fsdp+tp+pp", stage="zero3", tensor=True, needs=(DATA, MODEL, STAGE), pipeline=True
+    ),
 }
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
@@ -83,7 +95,7 @@ class LeafLayout:
 
     @property
     def model_sharded(self) -> bool:
-        return any(a is not None for a in self.model_spec)
+        return MODEL in self.model_spec  # (a pipeline's stage split is in the spec too; it is not this)
 
     def spec(self, *, data: bool) -> P:
         """Global PartitionSpec: the TP split, plus the data split where ``data``."""
@@ -277,15 +289,22 @@ def make_layout(
     ``units``: logical axes made of whole units, e.g. ``{"heads": 4}``: the model axis must divide
     the count (a head split across devices is a wrong layout, not only a slow one).
     """
+    example = {1: "stage=8", 2: "stage=4," + "".join(a for a in plan.needs if a != STAGE) + "=2",
+               3: "stage=2,data=2,model=2"}[len(plan.needs)] if plan.pipeline else "data=4,model=2"  # fmt: skip
     for axis in plan.needs:
         if axis not in mesh.shape:
             raise PlanError(
                 f"plan {plan.name} needs a mesh axis {axis!r}, but the mesh has "
-                f"{', '.join(f'{k}={v}' for k, v in mesh.shape.items())}; add it, e.g. --mesh data=4,model=2"
+                f"{', '.join(f'{k}={v}' for k, v in mesh.shape.items())}; add it, e.g. --mesh {example}"
             )
     for axis, size in mesh.shape.items():
         if axis not in plan.needs and size > 1:
-            hint = "dp+tp or fsdp+tp" if axis == MODEL else "a mesh with only " + " and ".join(plan.needs)
+            hints = {
+                MODEL: "dp+tp or fsdp+tp",
+                STAGE: "a pipeline plan (pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp)",
+                DATA: "dp+pp or fsdp+pp" if plan.pipeline else "",
+            }
+            hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
     n = int(mesh.shape.get(DATA, 1))
     stacked = _layer_dims(params, logical_axes)

@@ -62,8 +62,16 @@ def _itemsize(leaf: LeafLayout) -> int:
     return max(leaf.nbytes // max(size, 1), 1)
 
 
-def _model_bytes(leaf: LeafLayout, model: int) -> int:
-    return leaf.nbytes // model if leaf.model_sharded else leaf.nbytes
+def _spec_split(leaf: LeafLayout, layout: Layout) -> int:
+    """Devices the leaf's non-data spec splits it over (the model axis; a pipeline's stage axis)."""
+    n = 1
+    for axis in {a for a in leaf.model_spec if a is not None}:
+        n *= int(layout.mesh.shape.get(axis, 1))
+    return n
+
+
+def _model_bytes(leaf: LeafLayout, layout: Layout) -> int:
+    return leaf.nbytes // _spec_split(leaf, layout)
 
 
 def expected_collectives(
@@ -90,19 +98,19 @@ def expected_collectives(
 
     leaves = layout.flat()
     if n > 1:
-        sharded = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is not None)
+        sharded = sum(_model_bytes(x, layout) for x in leaves if x.data_dim is not None)
         if gather_itemsize is not None and stage == "zero3":
             sharded = sum(
-                _model_bytes(x, m_axis) * gather_itemsize // _itemsize(x)
+                _model_bytes(x, layout) * gather_itemsize // _itemsize(x)
                 for x in leaves
                 if x.data_dim is not None
             )
-        whole = sum(_model_bytes(x, m_axis) for x in leaves if x.data_dim is None)
+        whole = sum(_model_bytes(x, layout) for x in leaves if x.data_dim is None)
 
         def gathered(
             x: LeafLayout,
         ) -> int:  # bytes of one leaf's all-gather (the compute dtype's under zero3)
-            return _model_bytes(x, m_axis) * (gather_itemsize or _itemsize(x)) // _itemsize(x)
+            return _model_bytes(x, layout) * (gather_itemsize or _itemsize(x)) // _itemsize(x)
 
         add("all-reduce", DATA, 1, whole, n, "gradients of leaves kept whole on data")
         if stage == "zero1":
@@ -218,7 +226,7 @@ class MemoryRow:
 
 
 def _divisor(leaf: LeafLayout, layout: Layout, sharded_on_data: bool) -> int:
-    d = layout.model_size if leaf.model_sharded else 1
+    d = _spec_split(leaf, layout)
     if sharded_on_data and leaf.data_dim is not None:
         d *= layout.data_size
     return d

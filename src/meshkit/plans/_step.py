@@ -266,14 +266,16 @@ def build_step(
     donate: bool = True,
     compute_dtype: Any = None,
     per_layer: _fsdp.PerLayer | None = None,
+    gradients: Callable | None = None,
 ) -> Callable:
     """The jitted step ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``.
 
     Metrics: the loss, the loss's aux metrics (averaged over the batch, replicated), and
     the global gradient norm when clipping or ``grad_norm`` asks for it (it costs a reduction over
-    every gradient, which the compiler may fuse into the last collective).
+    every gradient, which the compiler may fuse into the last collective). ``gradients`` replaces
+    the plan's gradient function (a pipeline's, from ``_pipeline``), same signature as ``gradient_fn``'s.
     """
-    grads_of = gradient_fn(loss_fn, layout, accumulate, per_layer, compute_dtype)
+    grads_of = gradients or gradient_fn(loss_fn, layout, accumulate, per_layer, compute_dtype)
     gather = _param_gather(layout)
     mesh = layout.mesh
     grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))

@@ -22,7 +22,7 @@ class TrainConfig:
     """Everything ``meshkit train`` needs; ``config.json`` in the run directory is this, as JSON."""
 
     plan: str = "fsdp"
-    """Parallel plan: dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp."""
+    """Parallel plan: dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."""
     mesh: str | None = None
     """Mesh such as 'data=8' or 'data=4,model=2'; None picks the plan's default over all devices."""
     steps: int = 400
@@ -49,6 +49,12 @@ class TrainConfig:
     """SGD momentum."""
     accumulate: int = 1
     """Micro-batches accumulated per optimizer step."""
+    microbatches: int | None = None
+    """Pipeline plans (+pp): micro-batches per step; None: one per stage."""
+    schedule: str | None = None
+    """Pipeline plans: 'gpipe', '1f1b' or 'interleaved'; None: 1f1b."""
+    virtual_stages: int = 1
+    """Interleaved schedule: chunks of layers per device."""
     clip: float | None = 1.0
     """Global-norm gradient clipping (None: off)."""
     precision: str = "fp32"
@@ -137,7 +143,8 @@ FIXED_ON_RESUME = {
 #: What a resumed run may change: how the same computation is laid out over devices (the checkpoint is
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
-                        "sample_chars", "tensorboard", "remat", "scan_layers")  # fmt: skip
+                        "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "schedule",
+                        "virtual_stages")  # fmt: skip
 
 
 def _shown(cfg: TrainConfig, key: str) -> Any:

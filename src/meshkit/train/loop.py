@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshkit.models import gpt, num_params
-from meshkit.plans._layout import DATA
+from meshkit.plans._layout import DATA, get_plan
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
 from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
@@ -82,14 +82,16 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
             f"data has {len(eval_tokens)}; use a shorter --seq-len or more --data"
         )
     batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
+    pipeline = get_plan(cfg.plan).pipeline  # the GPT as Stages: blocks stacked, split over the stages
     model = gpt.GPTConfig(vocab_size=data.vocab_size, seq_len=cfg.seq_len, layers=cfg.layers, width=cfg.width,
                           heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None,
-                          scan_layers=cfg.scan_layers)  # fmt: skip
+                          scan_layers=cfg.scan_layers or pipeline)  # fmt: skip
     params = gpt.init(jax.random.key(cfg.seed), model)
-    trainer = Trainer(gpt.make_loss(model), params, C.optimizer(cfg), plan=cfg.plan, mesh=cfg.mesh,
-                      accumulate=cfg.accumulate, clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params),
-                      tokens_per_example=cfg.seq_len, grad_norm=True, units={"heads": cfg.heads},
-                      compute_dtype=model.compute_dtype, remat=cfg.remat)  # fmt: skip
+    trainer = Trainer(gpt.stages(model) if pipeline else gpt.make_loss(model), params, C.optimizer(cfg),
+                      plan=cfg.plan, mesh=cfg.mesh, accumulate=cfg.accumulate, clip_norm=cfg.clip,
+                      logical_axes=gpt.logical_axes(params), tokens_per_example=cfg.seq_len, grad_norm=True,
+                      units={"heads": cfg.heads}, compute_dtype=model.compute_dtype, remat=cfg.remat,
+                      microbatches=cfg.microbatches, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)  # fmt: skip
     C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
@@ -308,7 +310,13 @@ def proof(job: Job) -> dict[str, Any]:
     probe = next(Batches(job.train_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size,
                          seed=job.cfg.seed, process_index=0, process_count=1))  # fmt: skip
     plan_report = job.trainer.report(probe)
-    keep = ("communication", "memory", "compiled_memory", "replicated_leaves", "peak")
+    if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:
+        from meshkit.plans._schedule import plot
+
+        p = plan_report.pipeline
+        plot(p.record, job.run_dir / "schedule.png", v=p.virtual_stages,
+             title=f"{p.schedule}, stage={p.stages}, microbatches={p.microbatches}")  # fmt: skip
+    keep = ("communication", "memory", "compiled_memory", "replicated_leaves", "peak", "pipeline")
     return {"mesh": plan_report.mesh, "checks_ok": plan_report.ok,
             **{k: v for k, v in plan_report.to_json().items() if k in keep}}  # fmt: skip
 

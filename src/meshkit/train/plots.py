@@ -84,6 +84,9 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
         rows.append(
             ["memory: step peak", f"{fmt_bytes(peak['measured_bytes'])} (model x{peak['ratio']:.3f}, remat {peak['remat']})"]
         )  # fmt: skip
+    if pipe := report.get("pipeline"):
+        rows.append([f"pipeline bubble ({pipe['schedule']}, {pipe['ticks']} ticks)",
+                     f"{_num(pipe['bubble_measured'])} (model {_num(pipe['bubble_model'])}); schedule.png"])  # fmt: skip
     ok = report.get("checks_ok")
     rows.append(["measured = model", "not measured" if ok is None else "yes" if ok else "NO"])
     console.print(
@@ -93,6 +96,14 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
     )
     if report.get("sample"):
         console.print(f"[bold]sample:[/] {report['sample']!r}")
-    names = ("config.json", "metrics.jsonl", "report.json", "loss.png", "cost.png", "checkpoints")
+    names = (
+        "config.json",
+        "metrics.jsonl",
+        "report.json",
+        "loss.png",
+        "cost.png",
+        "schedule.png",
+        "checkpoints",
+    )
     wrote = [n + "/" * (n == "checkpoints") for n in names if (run_dir / n).exists()]
     console.print(f"wrote {run_dir}/: {' '.join(wrote)}")

@@ -44,7 +44,9 @@ from meshkit.plans._layout import DATA, Rules
 from meshkit.train._inputs import check_params, check_state
 
 _DEFAULT_MESH = {"dp": "data=-1", "zero1": "data=-1", "zero2": "data=-1", "zero3": "data=-1", "fsdp": "data=-1",
-                 "tp": "model=-1", "dp+tp": "data=-1,model=2", "fsdp+tp": "data=-1,model=2"}  # fmt: skip
+                 "tp": "model=-1", "dp+tp": "data=-1,model=2", "fsdp+tp": "data=-1,model=2",
+                "pp": "stage=-1", "dp+pp": "stage=2,data=-1", "fsdp+pp": "stage=2,data=-1", "tp+pp": "stage=-1,model=2",
+                "dp+tp+pp": "stage=2,data=-1,model=2", "fsdp+tp+pp": "stage=2,data=-1,model=2"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,10 +63,13 @@ class PlanReport:
     peak: dict | None = None
     """Measured peak (arguments + temporaries) beside ``meshkit.analysis.peak``'s model, and the
     layers the plan found in the loss."""
+    pipeline: Any = None
+    """Pipeline plans: the executed schedule beside the model (``_pipeline.PipelineReport``)."""
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.communication) and all(r.ok for r in self.memory)
+        pipeline_ok = self.pipeline is None or self.pipeline.ok
+        return all(r.ok for r in self.communication) and all(r.ok for r in self.memory) and pipeline_ok
 
     def to_json(self) -> dict:
         return {
@@ -76,6 +81,7 @@ class PlanReport:
             "compiled_memory": self.compiled_memory.to_json(),
             "replicated_leaves": [{"path": p, "why": w} for p, w in self.replicated],
             "peak": self.peak,
+            **({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}),
         }
 
     def tables(self) -> list:
@@ -101,7 +107,7 @@ class PlanReport:
         cm = self.compiled_memory
         mem.add_row("compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", "")
         mem.add_row("compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", "")
-        return [comm, mem]
+        return [comm, mem] + ([] if self.pipeline is None else [self.pipeline.table()])
 
     def __rich__(self):
         from rich.console import Group
@@ -220,6 +226,11 @@ class Trainer:
     ``from_linen`` or ``from_equinox`` may be passed as ``params``: its state and logical axes
     are then taken from it and ``loss_fn`` is written against the framework's model.
 
+    Pipeline plans (``pp``, ``dp+pp``, ``fsdp+pp``, mesh with a ``stage`` axis) take the model as
+    ``meshkit.Stages`` (the loss_fn), ``microbatches=`` (default: one per stage), ``schedule=``
+    ('gpipe', '1f1b' (default) or 'interleaved') and ``virtual_stages=``; ``trainer.last_schedule``
+    is the schedule the last step executed and ``report`` counts the bubble from it.
+
     ``trainer.step(batch)`` takes the global batch (host arrays or global jax.Arrays, leading dim =
     examples) and returns the metrics; ``trainer.params`` holds the global, sharded parameters
     (``trainer.state`` the state; ``trainer.model()`` the framework's model, for an adapted one);
@@ -254,6 +265,9 @@ class Trainer:
         grad_norm: bool = False,
         donate: bool = True,
         remat: str = "none",
+        microbatches: int | None = None,
+        schedule: str | None = None,
+        virtual_stages: int = 1,
     ) -> None:
         from meshkit.adapters import Adapted
 
@@ -301,6 +315,11 @@ class Trainer:
             min_shard_size=min_shard_size,
             units=units,
         )
+        self.pipeline = _pipeline_of(self.plan, loss_fn, params, self.layout, microbatches, schedule, virtual_stages,
+                                     {"state=": stateful, "rng=": rng is not None, "has_aux=True": has_aux,
+                                      "accumulate=": accumulate != 1, "remat=": remat != "none"})  # fmt: skip
+        if self.pipeline is not None:
+            self.layout = self.pipeline.layout
         self.optimizer = optimizer
         self.accumulate = accumulate
         self.tokens_per_example = tokens_per_example
@@ -337,7 +356,10 @@ class Trainer:
             donate=donate,
             compute_dtype=self.compute_dtype,
             per_layer=self.per_layer,
+            gradients=None if self.pipeline is None else self.pipeline.gradients(),
         )
+        self.last_schedule: jax.Array | None = None
+        """Pipeline plans: the schedule the last step executed, ``(ticks, stages, 3)`` (see ``_pipeline``)."""
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
     # -- data -------------------------------------------------------------------------------
@@ -358,10 +380,14 @@ class Trainer:
     def check_examples(self, n: int) -> None:
         """Raise unless a global batch of ``n`` examples divides over the data axis and micro-batches."""
         data = int(self.mesh.shape.get(DATA, 1))
-        if n % (data * self.accumulate):
+        what, m = (
+            ("accumulate", self.accumulate)
+            if self.pipeline is None
+            else ("microbatches", self.pipeline.microbatches)
+        )
+        if n % (data * m):
             raise PlanError(
-                f"batch of {n} examples does not divide over data={data} x accumulate={self.accumulate}; "
-                f"use a multiple of {data * self.accumulate}"
+                f"batch of {n} examples does not divide over data={data} x {what}={m}; use a multiple of {data * m}"
             )
 
     # -- steps ------------------------------------------------------------------------------
@@ -373,6 +399,7 @@ class Trainer:
         self.params, self.opt_state, self.state, metrics = self._executable(batch)(
             self.params, self.opt_state, self.state, batch, key
         )
+        self.last_schedule = metrics.pop("schedule", None)
         self.steps_done += 1
         return metrics
 
@@ -477,12 +504,14 @@ class Trainer:
             fed = batch_fed(self._loss, *shapes, self.put_batch(batch), self._step_key())
         low = None
         if (
-            self.compute_dtype is not None and not self.plan.tensor
-        ):  # fsdp+tp gathers in the params dtype; XLA's CPU compiler moves sub-32-bit float collectives as f32
+            self.compute_dtype is not None and not self.plan.tensor and self.pipeline is None
+        ):  # fsdp+tp and pipelines gather in the params dtype; XLA's CPU compiler moves sub-32-bit floats as f32
             cpu = self.mesh.devices.flat[0].platform == "cpu"
             low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
         expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
                                         gather_itemsize=low, per_layer=self.per_layer)  # fmt: skip
+        if self.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
+            expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
         formula = memory_formula(self.layout, self.optimizer, self._param_shapes)
         mem = [
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
@@ -490,7 +519,9 @@ class Trainer:
         ]  # fmt: skip
         compiled_memory = memory(compiled)
         return PlanReport(
-            peak=peak_report(
+            peak=None  # the peak model describes the non-pipeline step; a pipeline reports its stash
+            if self.pipeline is not None
+            else peak_report(
                 compiled_memory,
                 self._loss,
                 self.per_layer,
@@ -508,11 +539,31 @@ class Trainer:
             compiled_memory=compiled_memory,
             replicated=self.layout.replicated(),
             ledger=ledger,
+            pipeline=None
+            if self.pipeline is None
+            else self.pipeline.report(
+                self.last_schedule, self._param_shapes, batch, compiled_memory.temp_bytes
+            ),
         )
 
     @property
     def num_devices(self) -> int:
         return math.prod(self.mesh.shape.values())
+
+
+def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_stages, extras):
+    """A pipeline plan's ``Pipeline`` (checked), or None; other plans refuse the pipeline options."""
+    from meshkit.plans._pipeline import Pipeline
+
+    if plan.pipeline:
+        return Pipeline.make(loss_fn, params, layout, microbatches=microbatches, schedule=schedule,
+                             virtual_stages=virtual_stages, extras=extras)  # fmt: skip
+    if microbatches is not None or schedule is not None or virtual_stages != 1:
+        raise PlanError(
+            f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp), not {plan.name}; "
+            f"use accumulate= for micro-batches"
+        )
+    return None
 
 
 def _is_key(x: Any) -> bool:

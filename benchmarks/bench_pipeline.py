@@ -1,0 +1,180 @@
+"""Pipeline schedules on 8 simulated CPU devices: bubble, permute bytes, activation memory, step time.
+
+Three parts, printed in one run:
+
+1. **Bubble and permutes** (p in {2, 4, 8}, m in {p, 2p, 4p}; GPipe, 1F1B, interleaved with v = 2):
+   the pipeline's gradient step is compiled and run once; the bubble is counted from the record the
+   step returns (idle ticks / ticks) and set beside ``(p-1)/(v m+p-1)``; the collective-permute
+   traffic is read from the compiled HLO (``meshkit.analysis.communication``) and set beside the
+   model (2 permutes of one micro-batch's activation per tick, plus the interleaved relayout).
+2. **Activation memory** (p = 4, m = 4, 8, 16 with a fixed micro-batch, so the global batch grows
+   with m): the compiled step's temporaries (``memory_analysis``) under GPipe and 1F1B, and their
+   growth from m = p beside the model's growth of the stash (slots x one micro-batch's activation):
+   GPipe keeps m stage inputs, 1F1B at most p.
+3. **Step time**: ``Trainer.step`` of the same GPT and global batch under dp (data=8, one
+   micro-batch), dp with the same micro-batches accumulated, a single-stage pipeline (stage=1,
+   data=8) and dp+pp on stage=4,data=2 under each schedule; medians of wall-clock and process CPU
+   time per step, as ratios to dp. On 2 shared cores these are noisy (the load of other tenants
+   stretches wall-clock time); the CPU ratio is the steadier one.
+
+Run (several minutes on 2 cores)::
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--parts 1,2,3] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from meshkit import Trainer  # noqa: E402
+from meshkit.analysis import communication, memory  # noqa: E402
+from meshkit.mesh import make_mesh  # noqa: E402
+from meshkit.models import gpt  # noqa: E402
+from meshkit.plans import compare_communication, get_plan, make_layout  # noqa: E402
+from meshkit.plans._pipeline import Pipeline  # noqa: E402
+
+
+def _tokens(n: int, t: int, vocab: int, seed: int = 0):
+    tok = np.random.default_rng(seed).integers(0, vocab, size=(n, t + 1)).astype(np.int32)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _pipeline(cfg, mesh_text, schedule, m, v):
+    params = gpt.init(jax.random.key(0), cfg)
+    mesh = make_mesh(mesh_text, axis_types="auto")
+    layout = make_layout(params, get_plan("dp+pp"), mesh)
+    pipe = Pipeline.make(gpt.stages(cfg), params, layout, microbatches=m, schedule=schedule, virtual_stages=v,
+                         extras={})  # fmt: skip
+    return params, pipe
+
+
+def bubble_and_permutes() -> bool:
+    print("1. bubble (idle ticks / ticks, from the executed record) and collective-permute bytes per step")
+    print(f"{'schedule':12} {'p':>2} {'m':>3} {'v':>2} {'ticks':>5} {'measured':>9} {'model':>9} "
+          f"{'permute meas.':>14} {'model':>10} {'ratio':>6}")  # fmt: skip
+    ok = True
+    for p in (2, 4, 8):
+        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+            for m in (p, 2 * p, 4 * p):
+                cfg = gpt.GPTConfig(
+                    vocab_size=32, seq_len=8, layers=p * v, width=16, heads=2, scan_layers=True
+                )
+                data = 8 // p
+                params, pipe = _pipeline(cfg, f"stage={p},data={data}", name, m, v)
+                batch = _tokens(data * m, cfg.seq_len, cfg.vocab_size)
+                f = jax.jit(pipe.gradients())
+                compiled = f.lower(params, None, batch, jax.random.key(0)).compile()
+                record = np.asarray(compiled(params, None, batch, jax.random.key(0))[1]["schedule"])
+                measured = float(np.mean(record[..., 0] == 0))
+                model = (p - 1) / (v * m + p - 1)
+                rows = compare_communication(
+                    communication(compiled, mesh=pipe.layout.mesh), pipe.expected(params, batch)
+                )
+                row = next(r for r in rows if r.op == "collective-permute")
+                good = measured == model and row.ratio == 1.0
+                ok &= good
+                print(f"{name:12} {p:>2} {m:>3} {v:>2} {record.shape[0]:>5} {measured:>9.5f} {model:>9.5f} "
+                      f"{row.measured_traffic_bytes:>14,.0f} {row.model_traffic_bytes:>10,.0f} {row.ratio:>6.3f}"
+                      + ("" if good else "  MISMATCH"), flush=True)  # fmt: skip
+    return ok
+
+
+def activation_memory() -> bool:
+    print("\n2. activation memory: compiled temporaries (memory_analysis) vs the stash model; p=4, micro-batch "
+          "4 rows x 64 tokens x width 64 (one activation = 64 KiB)")  # fmt: skip
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=64, layers=4, width=64, heads=4, scan_layers=True)
+    rows, ok = 4, True
+    print(f"{'schedule':9} {'m':>3} {'slots':>5} {'temps':>12} {'stash model':>12} {'temps growth':>13} "
+          f"{'model growth':>13} {'ratio':>6} {'temps / temps(m=p)':>19}")  # fmt: skip
+    for name in ("gpipe", "1f1b"):
+        base = None
+        for m in (4, 8, 16):
+            params, pipe = _pipeline(cfg, "stage=4,data=2", name, m, 1)
+            batch = _tokens(2 * rows * m, cfg.seq_len, cfg.vocab_size)
+            temps = memory(
+                jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
+            ).temp_bytes
+            s = pipe.schedule
+            act = rows * cfg.seq_len * cfg.width * 4
+            stash = (s.x_slots + s.g_slots + 2) * act
+            base = base or (temps, stash)
+            grow, model_grow = temps - base[0], stash - base[1]
+            ratio = grow / model_grow if model_grow else None
+            flat = temps / base[0]
+            if name == "1f1b":
+                ok &= abs(flat - 1) <= 0.10
+            elif ratio is not None:
+                ok &= 0.9 <= ratio <= 1.1
+            print(f"{name:9} {m:>3} {s.x_slots:>5} {temps:>12,} {stash:>12,} {grow:>13,} {model_grow:>13,} "
+                  f"{'-' if ratio is None else f'{ratio:.4f}':>6} {flat:>19.4f}", flush=True)  # fmt: skip
+    return ok
+
+
+def _time(trainer, batch, steps: int) -> tuple[float, float]:
+    trainer.step(batch)  # compile and warm up
+    jax.block_until_ready(trainer.params)
+    wall, cpu = [], []
+    for _ in range(steps):
+        w0, c0 = time.perf_counter(), time.process_time()
+        trainer.step(batch)
+        jax.block_until_ready(trainer.params)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    return float(np.median(wall)), float(np.median(cpu))
+
+
+def step_time(steps: int) -> None:
+    print("\n3. step time, GPT width 64, 8 layers, seq 64, global batch 32, 8 devices (medians; ratio to dp)")
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=64, layers=8, width=64, heads=4, scan_layers=True)
+    params = gpt.init(jax.random.key(0), cfg)
+    batch = _tokens(32, cfg.seq_len, cfg.vocab_size)
+    runs = [("dp, data=8", dict(plan="dp", mesh="data=8"), gpt.make_loss(cfg)),
+            ("dp, data=8, accumulate=4", dict(plan="dp", mesh="data=8", accumulate=4), gpt.make_loss(cfg)),
+            ("dp+pp stage=1 (1f1b, m=4)", dict(plan="dp+pp", mesh="stage=1,data=8", microbatches=4), None),
+            ("dp+pp stage=4 gpipe m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="gpipe"), None),
+            ("dp+pp stage=4 1f1b m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="1f1b"), None),
+            ("dp+pp stage=4 interleaved v=2 m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8,
+                                                       schedule="interleaved", virtual_stages=2), None)]  # fmt: skip
+    base = None
+    print(f"{'run':36} {'wall ms':>9} {'cpu ms':>9} {'wall/dp':>8} {'cpu/dp':>7} {'bubble':>7}")
+    for label, kwargs, loss in runs:
+        t = Trainer(loss or gpt.stages(cfg), params, optax.adam(1e-3), **kwargs)
+        wall, cpu = _time(t, batch, steps)
+        base = base or (wall, cpu)
+        bubble = (
+            "-" if t.pipeline is None else f"{float(np.mean(np.asarray(t.last_schedule)[..., 0] == 0)):.3f}"
+        )
+        print(f"{label:36} {wall * 1e3:>9.1f} {cpu * 1e3:>9.1f} {wall / base[0]:>8.2f} {cpu / base[1]:>7.2f} "
+              f"{bubble:>7}", flush=True)  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="1,2,3")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    parts = {int(x) for x in args.parts.split(",")}
+    ok = True
+    if 1 in parts:
+        ok &= bubble_and_permutes()
+    if 2 in parts:
+        ok &= activation_memory()
+    if 3 in parts:
+        step_time(args.steps)
+    print("\nall checks ok" if ok else "\nMISMATCH: see the rows marked above")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B) as one SPMD program over a ``stage`` mesh axis.
+
+The model is given as ``Stages``: an embedding, L identical blocks whose parameters are stacked
+with a leading layer axis, a head and a loss. The layer axis is split over the ``stage`` axis (each
+device holds L/p consecutive layers; under the interleaved schedule v chunks of L/(p v)); the
+embedding and head parameters are replicated, used on the first and last stage only, and their
+gradients are summed over the stages once per step (an all-reduce of those leaves over ``stage``).
+Off a stage axis the same ``Stages`` is a plain loss (``stages(params, batch)``), so one model runs
+under every plan.
+
+The step is ``jax.shard_map`` manual over ``stage`` (and ``data``): a ``lax.scan`` over the clock
+ticks of a static schedule table (``_schedule``), where each device looks up its action for the
+tick (forward, backward or idle, which micro-batch, which chunk, which buffer slots) and runs it
+under ``lax.switch``. After every tick two ``lax.ppermute`` move one micro-batch's activation to
+the next stage and one cotangent to the previous one (every tick, idle or not: the program is the
+same on every device, so the permutes per step are ``2 x ticks``, each of one micro-batch's
+activation bytes). Each message carries a tag (its micro-batch and destination stage); the device
+records the tag it consumed at each tick, and that record, returned from the step as
+``metrics["schedule"]`` (ticks x stages x (kind, micro-batch, virtual stage)), is what the bubble
+is counted from: the schedule as executed, not as planned.
+
+Backward by recomputation: a stage keeps only its input activation per micro-batch in flight
+(GPipe: up to m per device; 1F1B: at most p), and its backward re-runs the chunk's forward under
+``jax.vjp`` (one extra forward per micro-batch, as full activation checkpointing costs). The
+alternative, ``jax.vjp`` residuals per micro-batch in the scan carry, needs a carry of every
+block's intermediates for each slot (their pytree known only after tracing the chunk), many times
+the stage input; recomputation keeps the carry to arrays of one known shape, and a schedule's
+activation memory to its stash: slots x one micro-batch's activation.
+
+Interleaved: the stored layer order gives device d a contiguous slice of the layer axis (so the
+parameters keep the user's order and one NamedSharding), while the schedule wants virtual stages
+``c p + d``; the step moves the chunks into that order with ppermutes at its start and the
+gradients back at its end (modelled, in the ledger beside the per-tick permutes). Over ``data``:
+an all-reduce of the gradients (dp+pp) or ZeRO-3 per stage (fsdp+pp: one bucketed gather, one
+bucketed reduce-scatter per step). Over ``model`` (tp+pp and the 3D plans): the axis is left to
+XLA's partitioner inside the manual region, as the other tensor-parallel plans do.
+
+Why one SPMD program: MaxText (issue 752) says 1F1B "requires MPMD"; it does not, once the
+schedule is a table of ticks that every device reads with its own index, and the collectives
+(the two permutes) are issued unconditionally by every device each tick. Known costs of that
+choice: idle ticks still permute (zeros), and the last stage's forward tick computes an activation
+nobody receives (its backward recomputes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshkit.plans import _schedule
+from meshkit.plans._layout import DATA, MODEL, STAGE, Layout, LeafLayout, PlanError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stages:
+    """A model as embedding -> L identical blocks -> head -> loss, the shape a pipeline splits.
+
+    ``params`` is a dict; ``params[blocks]`` holds the blocks' parameters stacked with a leading
+    layer axis (every leaf ``(L, ...)``), the other entries (the "top") belong to the embedding and
+    the head. Calling a ``Stages`` is its loss on a batch, so it is a ``loss_fn`` for every plan.
+    """
+
+    embed: Callable[[Any, Any], jax.Array]
+    """``(top, batch) -> x``: the first block's input, one array (e.g. ``(B, T, D)``)."""
+    block: Callable[[Any, jax.Array], jax.Array]
+    """``(layer_params, x) -> x`` for one layer (its slice of the stacked parameters)."""
+    head: Callable[[Any, jax.Array], Any]
+    """``(top, x) -> outputs`` (e.g. logits)."""
+    loss: Callable[[Any, Any], jax.Array]
+    """``(outputs, batch) -> scalar``: the mean over the batch's examples."""
+    blocks: str = "blocks"
+    """The key of ``params`` holding the stacked blocks."""
+
+    def split(self, params: Any) -> tuple[dict, Any]:
+        if not isinstance(params, dict) or self.blocks not in params:
+            raise PlanError(f"Stages parameters must be a dict with the stacked blocks under {self.blocks!r}")
+        return {k: v for k, v in params.items() if k != self.blocks}, params[self.blocks]
+
+    def layers(self, params: Any) -> int:
+        blocks = self.split(params)[1]
+        if isinstance(blocks, list | tuple):
+            raise PlanError(
+                f"params[{self.blocks!r}] is a list of layers: stack them with a leading layer axis "
+                f"(for the GPT: gpt.to_scanned(params), or GPTConfig(scan_layers=True))"
+            )
+        shapes = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(blocks)}
+        if len(shapes) != 1 or None in shapes:
+            raise PlanError(
+                f"every leaf of params[{self.blocks!r}] needs the same leading layer dim, got {sorted(map(str, shapes))}"
+            )
+        return int(shapes.pop())
+
+    def run_blocks(self, blocks: Any, x: jax.Array) -> jax.Array:
+        return lax.scan(lambda h, p: (self.block(p, h), None), x, blocks)[0]
+
+    def __call__(self, params: Any, batch: Any) -> jax.Array:
+        top, blocks = self.split(params)
+        return self.loss(self.head(top, self.run_blocks(blocks, self.embed(top, batch))), batch)
+
+
+def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: str) -> None:
+    """Raise PlanError naming the fix when layers, stages, micro-batches and schedule do not fit."""
+    _schedule.check(schedule, p, m, v)
+    layers = stages.layers(params)
+    if layers % (p * v):
+        fits = [d for d in range(1, layers + 1) if layers % (d * v) == 0]
+        raise PlanError(
+            f"{layers} layers do not divide over stage={p} x virtual_stages={v}: each stage needs whole "
+            f"layers; use a stage axis of {', '.join(map(str, fits))}, or a layer count divisible by {p * v}"
+        )
+
+
+def stage_layout(layout: Layout, stages: Stages) -> Layout:
+    """The layout with every stacked block leaf split on its layer dim over the stage axis."""
+
+    n = layout.data_size
+
+    def split(leaf: LeafLayout) -> LeafLayout:
+        if not leaf.path.startswith(stages.blocks + "/") and leaf.path != stages.blocks:
+            return leaf
+        spec = (STAGE, *leaf.model_spec[1:])
+        dim, why = leaf.data_dim, leaf.why_replicated
+        if dim == 0:  # ZeRO-3 picked the layer dim, which the stages split: another dim, or whole
+            dims = sorted(
+                (d for d in range(1, len(leaf.shape)) if leaf.shape[d] % n == 0), key=lambda d: -leaf.shape[d]
+            )
+            dim, why = (
+                (dims[0], None)
+                if dims
+                else (None, f"no dim of {leaf.shape} but the layer dim divides over data={n}")
+            )
+        return LeafLayout(path=leaf.path, shape=leaf.shape, nbytes=leaf.nbytes, model_spec=spec,
+                          data_dim=dim, why_replicated=why)  # fmt: skip
+
+    return Layout(plan=layout.plan, mesh=layout.mesh, leaves=layout.tree(split))
+
+
+def interleave_order(layers: int, p: int, v: int) -> np.ndarray:
+    """Layer order that puts virtual stage ``c p + d`` as chunk c of device d (identity for v = 1)."""
+    k = layers // (p * v)
+    return np.arange(layers).reshape(v, p, k).transpose(1, 0, 2).reshape(-1)
+
+
+def relayout_moves(p: int, v: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Interleaved: the stored order gives device e virtual stages ``e v .. e v + v - 1`` (its slice of
+    the layer axis), the schedule wants ``c p + d`` as chunk c of device d. Per (stored chunk i,
+    wanted chunk c), the (source, destination) device pairs: a partial permutation (one ppermute),
+    with pairs whose source is the destination kept local."""
+    out = []
+    for c in range(v):
+        for i in range(v):
+            pairs = [(e, d) for e in range(p) for d in range(p) if e * v + i == c * p + d]
+            if pairs:
+                out.append((i, c, pairs))
+    return out
+
+
+def _relayout(tree: Any, p: int, v: int, d: jax.Array, back: bool) -> Any:
+    """Chunks from the stored order to the schedule's (or ``back``), by ppermutes over the stage axis;
+    each chunk that changes device costs one collective-permute of its bytes."""
+    k = jax.tree.leaves(tree)[0].shape[0] // v
+    get = lambda a, i: lax.slice_in_dim(a, i * k, (i + 1) * k)  # noqa: E731
+    parts = [jax.tree.map(lambda a: jnp.zeros_like(get(a, 0)), tree) for _ in range(v)]
+    for i, c, pairs in relayout_moves(p, v):
+        src_i, dst_c = (c, i) if back else (i, c)
+        pairs = [(b, a) for a, b in pairs] if back else pairs
+        moving = [(a, b) for a, b in pairs if a != b]
+        here = np.zeros(p, bool)
+        here[[a for a, b in pairs if a == b]] = True
+        src = jax.tree.map(lambda a, i=src_i: get(a, i), tree)
+        keep = jnp.asarray(here)[d]
+        add = jax.tree.map(lambda x, keep=keep: jnp.where(keep, x, jnp.zeros_like(x)), src)
+        if moving:
+            add = jax.tree.map(jnp.add, add, lax.ppermute(src, STAGE, moving))
+        parts[dst_c] = jax.tree.map(jnp.add, parts[dst_c], add)
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
+def relayout_count(p: int, v: int) -> int:
+    """Collective-permutes of one chunk per relayout (one way)."""
+    return sum(any(a != b for a, b in pairs) for _, _, pairs in relayout_moves(p, v))
+
+
+def _nbytes(a: Any) -> int:
+    return int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
+
+
+def _micro(batch: Any, m: int) -> Any:
+    return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m, *a.shape[1:])), batch)
+
+
+def _perm(p: int, shift: int, ring: bool) -> list[tuple[int, int]]:
+    pairs = [(i, i + shift) for i in range(p) if 0 <= i + shift < p]
+    if ring and p > 1:
+        pairs.append((p - 1, 0) if shift > 0 else (0, p - 1))
+    return pairs
+
+
+def local_pipeline(stages: Stages, sched: _schedule.Schedule, layout: Layout) -> Callable:
+    """Per-device ``(params, batch) -> (loss, record, grads)`` inside the manual region.
+
+    Over ``data``: gradients all-reduced (dp+pp), or under fsdp+pp (ZeRO-3) the parameter shards
+    all-gathered once before the schedule and the gradients reduce-scattered once after it (both
+    bucketed, ``_step``'s helpers): the stage's full parameters live through the step."""
+    from meshkit.plans._step import _finish, _gather
+
+    data_size, zero3 = layout.data_size, layout.plan.stage == "zero3"
+    p, m, v, S = sched.p, sched.m, sched.v, sched.stages
+    table = np.stack([sched.kind, sched.chunk, sched.mb, sched.x_read, sched.g_read, sched.x_write,
+                      sched.g_write], axis=-1)  # fmt: skip
+    fwd_perm, bwd_perm = _perm(p, 1, v > 1), _perm(p, -1, v > 1)
+
+    def run(params, batch):
+        if zero3:
+            params = _gather(params, layout)
+        top, blocks = stages.split(params)
+        d = lax.axis_index(STAGE) if p > 1 else 0
+        if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
+            blocks = _relayout(blocks, p, v, d, back=False)
+        micro = _micro(batch, m)
+        k = jax.tree.leaves(blocks)[0].shape[0] // v
+        x_like = jax.eval_shape(stages.embed, top, jax.tree.map(lambda a: a[0], micro))
+        zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
+        scale = 1.0 / m
+        loss_dtype = jnp.promote_types(x_like.dtype, jnp.float32)
+
+        def chunk(tree, c):
+            return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k), tree)
+
+        def forward(cp, tp, x_in, s, mbatch):
+            x = lax.cond(s == 0, lambda: stages.embed(tp, mbatch).astype(x_like.dtype), lambda: x_in)
+            return stages.run_blocks(cp, x)
+
+        def with_loss(cp, tp, x_in, s, mbatch):
+            y = forward(cp, tp, x_in, s, mbatch)
+            loss = lax.cond(s == S - 1, lambda: jnp.asarray(stages.loss(stages.head(tp, y), mbatch), loss_dtype)
+                            * scale, lambda: jnp.zeros((), loss_dtype))  # fmt: skip
+            return y, loss
+
+        def decode(tag):
+            return tag // S, tag % S
+
+        def idle(ops):
+            zeros_c = jax.tree.map(jnp.zeros_like, chunk(blocks, 0))
+            return zeros_x, zeros_x, zeros_c, jax.tree.map(jnp.zeros_like, top), jnp.zeros((), loss_dtype), \
+                jnp.zeros((3,), jnp.int32)  # fmt: skip
+
+        def fwd(ops):
+            c, s, j, xbuf, xtag, xr = ops[:6]
+            mbatch = jax.tree.map(lambda a: a[j], micro)
+            y = forward(chunk(blocks, c), top, xbuf[xr], s, mbatch)
+            got_j, got_s = decode(xtag[xr])
+            got_j, got_s = jnp.where(s == 0, j, got_j), jnp.where(s == 0, 0, got_s)
+            out = idle(ops)
+            return y, zeros_x, out[2], out[3], out[4], jnp.stack([jnp.int32(_schedule.FWD), got_j, got_s])
+
+        def bwd(ops):
+            c, s, j, xbuf, xtag, xr, gbuf, gtag, gr = ops
+            mbatch = jax.tree.map(lambda a: a[j], micro)
+            (y, loss), vjp = jax.vjp(
+                lambda cp, tp, x: with_loss(cp, tp, x, s, mbatch), chunk(blocks, c), top, xbuf[xr]
+            )
+            last = s == S - 1
+            g = jnp.where(last, jnp.zeros_like(y), gbuf[gr].astype(y.dtype))
+            dc, dt, dx = vjp((g, jnp.where(last, 1.0, 0.0).astype(loss_dtype)))
+            tag = jnp.where(last, xtag[xr], gtag[gr])
+            got_j, got_s = decode(tag)
+            if S == 1:
+                got_j, got_s = j, jnp.int32(0)
+            return (
+                zeros_x,
+                dx.astype(x_like.dtype),
+                dc,
+                dt,
+                loss,
+                jnp.stack([jnp.int32(_schedule.BWD), got_j, got_s]),
+            )
+
+        def tick(carry, row):
+            xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc = carry
+            kind, c, j, xr, gr, xw, gw = (row[d, i] for i in range(7))
+            s = c * p + d
+            send_x, send_g, dc, dt, loss, rec = lax.switch(kind, [idle, fwd, bwd],
+                                                           (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr))  # fmt: skip
+            acc_c = jax.tree.map(lambda a, g: lax.dynamic_update_slice_in_dim(
+                a, lax.dynamic_slice_in_dim(a, c * k, k) + g, c * k, 0), acc_c, dc)  # fmt: skip
+            acc_t = jax.tree.map(jnp.add, acc_t, dt)
+            if p > 1 or v > 1:
+                tag_x = j * S + s + 1  # what the receiver consumes: micro-batch j at virtual stage s + 1
+                tag_g = j * S + s - 1
+                if p > 1:
+                    send_x, tag_x = lax.ppermute((send_x, tag_x), STAGE, fwd_perm)
+                    send_g, tag_g = lax.ppermute((send_g, tag_g), STAGE, bwd_perm)
+                xbuf, xtag = xbuf.at[xw].set(send_x), xtag.at[xw].set(tag_x)
+                gbuf, gtag = gbuf.at[gw].set(send_g), gtag.at[gw].set(tag_g)
+            return (xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc + loss), rec
+
+        buf = lambda n: jnp.zeros((n + 1, *x_like.shape), x_like.dtype)  # noqa: E731
+        carry = (buf(sched.x_slots), jnp.zeros((sched.x_slots + 1,), jnp.int32), buf(sched.g_slots),
+                 jnp.zeros((sched.g_slots + 1,), jnp.int32), jax.tree.map(jnp.zeros_like, blocks),
+                 jax.tree.map(jnp.zeros_like, top), jnp.zeros((), loss_dtype))  # fmt: skip
+        carry, record = lax.scan(tick, carry, jnp.asarray(table, jnp.int32))
+        acc_c, acc_t, loss = carry[4], carry[5], carry[6]
+        if v > 1 and p > 1:
+            acc_c = _relayout(acc_c, p, v, d, back=True)
+        if p > 1:
+            acc_t, loss = lax.psum((acc_t, loss), STAGE)
+        grads = stages_join(stages, acc_t, acc_c)
+        if zero3:
+            grads = _finish(grads, layout, scatter_now=True, scale=1.0 / data_size)
+        elif data_size > 1:
+            grads = jax.tree.map(lambda g: g / data_size, lax.psum(grads, DATA))
+        if data_size > 1:
+            loss = lax.pmean(loss, DATA)
+        return loss, record[:, None, :], grads
+
+    return run
+
+
+def stages_join(stages: Stages, top: dict, blocks: Any) -> dict:
+    return {**top, stages.blocks: blocks}
+
+
+def pipeline_gradients(stages: Stages, layout: Layout, sched: _schedule.Schedule) -> Callable:
+    """Global-view ``(params, state, batch, key) -> (loss, {"schedule": record}, state, grads)``:
+    the gradient function ``build_step`` takes for a pipeline plan (state and key pass through)."""
+    mesh = layout.mesh
+    has_data = DATA in mesh.shape
+    zero3 = layout.plan.stage == "zero3"
+    specs = layout.tree(lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=zero3)]))
+    manual = {STAGE} | ({DATA} if has_data else set())
+    body = jax.shard_map(
+        local_pipeline(stages, sched, layout),
+        mesh=mesh,
+        in_specs=(specs, P(DATA) if has_data else P()),
+        out_specs=(P(), P(None, STAGE), specs),
+        axis_names=manual,
+        check_vma=False,  # the collectives are written out; no implicit psum on transpose
+    )
+
+    def grads_of(params, state, batch, key):
+        loss, record, grads = body(params, batch)
+        return loss, {"schedule": record}, state, grads
+
+    return grads_of
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pipeline:
+    """A pipeline plan's pieces for the Trainer: the model, the schedule, the staged layout."""
+
+    stages: Stages
+    schedule: _schedule.Schedule
+    layout: Layout
+    layers: int
+
+    @classmethod
+    def make(cls, loss_fn: Any, params: Any, layout: Layout, *, microbatches: int | None, schedule: str | None,
+             virtual_stages: int, extras: dict[str, bool]) -> Pipeline:  # fmt: skip
+        """Check a pipeline plan's inputs (naming the fix) and build its schedule and layout.
+
+        ``extras``: Trainer options the pipeline does not take yet (name -> whether given).
+        """
+        plan = layout.plan.name
+        if not isinstance(loss_fn, Stages):
+            raise PlanError(
+                f"plan {plan} needs the model as meshkit.Stages(embed=, block=, head=, loss=) with stacked "
+                f"block parameters (for the GPT: gpt.stages(cfg) with GPTConfig(scan_layers=True))"
+            )
+        if given := [k for k, v in extras.items() if v]:
+            raise PlanError(
+                f"plan {plan} does not take {', '.join(given)} yet: drop it, or use a plan without pp"
+            )
+        p = int(layout.mesh.shape[STAGE])
+        m = p if microbatches is None else microbatches
+        name = schedule or "1f1b"
+        check_sizes(loss_fn, params, p, m, virtual_stages, name)
+        return cls(stages=loss_fn, schedule=_schedule.build(name, p, m, virtual_stages),
+                   layout=stage_layout(layout, loss_fn), layers=loss_fn.layers(params))  # fmt: skip
+
+    @property
+    def microbatches(self) -> int:
+        return self.schedule.m
+
+    def gradients(self) -> Callable:
+        return pipeline_gradients(self.stages, self.layout, self.schedule)
+
+    def activation(self, params: Any, batch: Any, data_size: int) -> jax.ShapeDtypeStruct:
+        """One micro-batch's activation on one device (what each permute moves and each slot holds)."""
+        rows = jax.tree.leaves(batch)[0].shape[0] // (data_size * self.microbatches)
+        micro = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((rows, *np.shape(a)[1:]), np.asarray(a).dtype), batch
+        )
+        return jax.eval_shape(self.stages.embed, self.stages.split(params)[0], micro)
+
+    def expected(self, params: Any, batch: Any) -> list:
+        """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows).
+
+        Over ``stage``: two permutes of one activation per tick, the all-reduce of the top gradients,
+        the all-gather of the executed record (and, interleaved, the chunks' relayout). Over
+        ``model`` (tp+pp): per layer of a chunk, every row-parallel matrix all-reduces its output in
+        the forward branch and again in the backward branch's recomputation, every column-parallel
+        one its input gradient in the backward branch. These collectives sit in the branches of the
+        tick's ``switch``, and the ledger counts a branch's collectives once per tick (as it counts
+        any conditional's: at most that many), so the model counts them per tick too; a device
+        runs them on its own F or B ticks only, m of the ticks each.
+        """
+        from meshkit.analysis.cost import ring_traffic
+        from meshkit.plans._model import Expected, _merge, _spec_split
+
+        s, p, layout = self.schedule, self.schedule.p, self.layout
+        act = self.activation(params, batch, layout.data_size)
+        item = act.dtype.itemsize  # XLA's CPU compiler moves sub-32-bit float collectives as f32
+        item = max(item, 4) if layout.mesh.devices.flat[0].platform == "cpu" else item
+        act_bytes = int(np.prod(act.shape)) * item
+        blocks = [x for x in layout.flat() if x.path.startswith(self.stages.blocks + "/")]
+        rows = []
+        if p > 1:
+            top = sum(x.nbytes for x in layout.flat() if x not in blocks)
+            chunk = sum(x.nbytes // _spec_split(x, layout) for x in blocks) // s.v
+            rows += [(STAGE, "collective-permute", 2 * s.ticks, act_bytes, 2, "an activation forward, a cotangent back, per tick"),
+                     (STAGE, "collective-permute", 2 * relayout_count(p, s.v), chunk, 2, "interleaved: chunks to their devices and back"),
+                     (STAGE, "all-reduce", 1, top, p, "embedding and head gradients, summed over the stages"),
+                     (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
+        if layout.model_size > 1:
+            tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
+            for x in blocks:
+                spec = x.model_spec
+                if len(x.shape) == 3 and spec[1] == MODEL:  # row-parallel: output partial sums, F and B
+                    rows.append(
+                        (
+                            MODEL,
+                            "all-reduce",
+                            2 * s.ticks * k,
+                            tokens * x.shape[2] * item,
+                            layout.model_size,
+                            f"{x.path}: outputs",
+                        )
+                    )
+                elif (
+                    len(x.shape) == 3 and spec[2] == MODEL
+                ):  # column-parallel: input-gradient partial sums, B
+                    rows.append((MODEL, "all-reduce", s.ticks * k, tokens * x.shape[1] * item, layout.model_size, f"{x.path}: input gradients"))  # fmt: skip
+        return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
+                                what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
+
+    def report(self, record: Any, params: Any, batch: Any, temp_bytes: float) -> PipelineReport:
+        s = self.schedule
+        act = self.activation(params, batch, int(self.layout.mesh.shape.get(DATA, 1)))
+        act_bytes = int(np.prod(act.shape)) * act.dtype.itemsize
+        return PipelineReport(
+            schedule=s.name, stages=s.p, microbatches=s.m, virtual_stages=s.v, ticks=s.ticks,
+            bubble_model=_schedule.bubble_model(s.p, s.m, s.v),
+            bubble_measured=None if record is None else _schedule.bubble_of(np.asarray(record)),
+            executed_as_planned=None if record is None else bool(np.array_equal(np.asarray(record), s.table())),
+            stash_slots=s.x_slots, cotangent_slots=s.g_slots, activation_bytes=act_bytes,
+            activation_model_bytes=float((s.x_slots + s.g_slots + 2) * act_bytes), temp_bytes=float(temp_bytes),
+            record=None if record is None else np.asarray(record),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineReport:
+    """The executed schedule beside the model: bubble, and activation memory beside the compiler's temporaries."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    ticks: int
+    bubble_model: float
+    """``(p - 1) / (v m + p - 1)``: idle ticks over all ticks of the step (see ``_schedule``)."""
+    bubble_measured: float | None
+    """Idle ticks over all ticks in the record the last step returned (None before a step)."""
+    executed_as_planned: bool | None
+    stash_slots: int
+    cotangent_slots: int
+    activation_bytes: int
+    """One micro-batch's activation on one device."""
+    activation_model_bytes: float
+    """Activation memory of the schedule: (stash slots + cotangent slots + 2 scratch) x activation."""
+    temp_bytes: float
+    """The compiled step's temporaries (memory_analysis), which hold the stash among other buffers."""
+    record: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.bubble_measured is not None and abs(self.bubble_measured - self.bubble_model) < 1e-12 \
+            and bool(self.executed_as_planned)  # fmt: skip
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "record"}
+        return {**out, "ok": self.ok, "record": None if self.record is None else self.record.tolist()}
+
+    def table(self) -> Any:
+        from rich.table import Table
+
+        from meshkit.cli._format import fmt_bytes
+
+        t = Table(title=f"pipeline: {self.schedule}, stage={self.stages}, microbatches={self.microbatches}, "
+                        f"virtual stages={self.virtual_stages}, {self.ticks} ticks", title_justify="left")  # fmt: skip
+        for c in ("quantity", "measured", "model", ""):
+            t.add_column(c, justify="left" if c == "quantity" else "right")
+        measured = "-" if self.bubble_measured is None else f"{self.bubble_measured:.4f}"
+        t.add_row(
+            "bubble (idle ticks / ticks)", measured, f"{self.bubble_model:.4f}", "ok" if self.ok else "FAIL"
+        )
+        t.add_row("executed record = schedule table", str(self.executed_as_planned), "True", "")
+        t.add_row(f"activations in flight ({self.stash_slots} stash + {self.cotangent_slots} cotangent slots)",
+                  fmt_bytes(self.temp_bytes) + " temps", fmt_bytes(self.activation_model_bytes), "")  # fmt: skip
+        return t

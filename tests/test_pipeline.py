@@ -1,0 +1,346 @@
+"""Pipeline plans: the schedule tables on their own, the SPMD pipeline's loss and gradients against
+one device (float64, and NumPy for a user model), the Trainer's plans, validation and the ledger."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshkit
+from meshkit.mesh import make_mesh
+from meshkit.models import gpt
+from meshkit.plans import PlanError, _schedule, get_plan, make_layout
+from meshkit.plans._pipeline import pipeline_gradients, relayout_moves, stage_layout
+from meshkit.plans._schedule import BWD, FWD, IDLE
+
+CASES = [
+    (name, p, m, v)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+    for p in (2, 4, 8)
+    for m in (p, 2 * p, 4 * p)
+]
+
+
+def _play(s: _schedule.Schedule) -> None:
+    """Run the table's data flow in NumPy: every read finds the tag its F/B needs, and the order is legal."""
+    S = s.stages
+    xbuf = np.full((s.p, s.x_slots + 1), -1)
+    gbuf = np.full((s.p, s.g_slots + 1), -1)
+    done = {}
+    for t in range(s.ticks):
+        send_x, send_g = np.full(s.p, -1), np.full(s.p, -1)
+        for d in range(s.p):
+            kind, c, j = s.kind[t, d], s.chunk[t, d], s.mb[t, d]
+            st = c * s.p + d
+            if kind == IDLE:
+                continue
+            assert (kind, st, j) not in done, "an action runs twice"
+            if kind == FWD:
+                if st > 0:
+                    assert xbuf[d, s.x_read[t, d]] == j * S + st and done[(FWD, st - 1, j)] < t
+                send_x[d] = j * S + st + 1
+            else:
+                assert done[(FWD, st, j)] < t
+                if st > 0:
+                    assert xbuf[d, s.x_read[t, d]] == j * S + st
+                if st < S - 1:
+                    assert gbuf[d, s.g_read[t, d]] == j * S + st and done[(BWD, st + 1, j)] < t
+                send_g[d] = j * S + st - 1
+            done[(kind, st, j)] = t
+        for d in range(s.p):  # ring: the receiver of device d's forward is d + 1, of its backward d - 1
+            xbuf[d, s.x_write[t, d]] = send_x[(d - 1) % s.p] if s.x_write[t, d] < s.x_slots else -1
+            gbuf[d, s.g_write[t, d]] = send_g[(d + 1) % s.p] if s.g_write[t, d] < s.g_slots else -1
+    assert len(done) == 2 * S * s.m, "every micro-batch forwarded and backwarded once per virtual stage"
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), CASES)
+def test_schedule_table_is_legal_and_reaches_the_bubble(name, p, m, v):
+    s = _schedule.build(name, p, m, v)
+    _play(s)
+    assert s.ticks == 2 * (v * m + p - 1)
+    assert _schedule.bubble_of(s.table()) == pytest.approx(_schedule.bubble_model(p, m, v), abs=0)
+    in_flight = np.cumsum(s.kind == FWD, axis=0) - np.cumsum(s.kind == BWD, axis=0)
+    if name == "gpipe":
+        assert in_flight.max() == m and s.x_slots == m
+    if name == "1f1b":  # at most p - d micro-batches in flight on device d
+        assert (in_flight.max(axis=0) == np.arange(p, 0, -1)).all() and s.x_slots <= p
+
+
+def test_schedule_picture_and_text(tmp_path):
+    s = _schedule.build("1f1b", 4, 8)
+    lines = str(s).splitlines()
+    assert lines[3].split()[2:9] == [
+        ".",
+        ".",
+        ".",
+        "F0",
+        "B0",
+        "F1",
+        "B1",
+    ]  # the last stage alternates at once
+    out = _schedule.plot(s.table(), tmp_path / "schedule.png", title="1f1b")
+    assert out.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("args", "fix"),
+    [
+        (("nope", 2, 2, 1), "choose one of gpipe, 1f1b, interleaved"),
+        (("1f1b", 4, 2, 1), "use microbatches=4 or more"),
+        (("interleaved", 4, 6, 2), "use microbatches=8"),
+        (("gpipe", 2, 4, 2), "schedule='interleaved'"),
+    ],
+)
+def test_schedule_refusals_name_the_fix(args, fix):
+    with pytest.raises(PlanError, match=fix):
+        _schedule.build(*args)
+
+
+def test_relayout_moves_every_virtual_stage_once():
+    for p, v in ((2, 2), (4, 2), (2, 3), (4, 3)):
+        got = sorted((c * p + d, e * v + i) for i, c, pairs in relayout_moves(p, v) for e, d in pairs)
+        assert got == [(s, s) for s in range(p * v)]
+
+
+# -- gradients against one device ------------------------------------------------------------------
+
+CFG = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=2, scan_layers=True)
+
+
+def _tokens(n=16, seed=0):
+    tok = np.random.default_rng(seed).integers(0, CFG.vocab_size, size=(n, CFG.seq_len + 1)).astype(np.int32)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _pipeline_grads(stages, params, batch, mesh, plan, name, m, v=1, logical_axes=None):
+    mesh = make_mesh(mesh, axis_types="auto")
+    layout = stage_layout(make_layout(params, get_plan(plan), mesh, logical_axes=logical_axes), stages)
+    sched = _schedule.build(name, int(mesh.shape["stage"]), m, v)
+    loss, aux, _, grads = jax.jit(pipeline_gradients(stages, layout, sched))(
+        params, None, batch, jax.random.key(0)
+    )
+    assert np.array_equal(np.asarray(aux["schedule"]), sched.table()), "the executed record is the table"
+    return loss, grads
+
+
+def _max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_gpt_loss_and_every_gradient_equal_one_device_in_float64():
+    """3D: ZeRO-3 over data, Megatron over model, 1F1B over stages."""
+    mesh, plan, name, m = "stage=2,data=2,model=2", "fsdp+tp+pp", "1f1b", 4
+    with jax.enable_x64(True):
+        cfg = dataclasses.replace(CFG, dtype="float64")
+        params = gpt.init(jax.random.key(0), cfg)
+        batch = _tokens()
+        ref_loss, ref = jax.value_and_grad(gpt.make_loss(cfg))(params, batch)
+        loss, grads = _pipeline_grads(
+            gpt.stages(cfg), params, batch, mesh, plan, name, m, logical_axes=gpt.logical_axes(params)
+        )
+        assert abs(float(loss) - float(ref_loss)) < 1e-13
+        assert _max_diff(grads, ref) < 1e-13  # embedding and head included
+        assert jax.tree.structure(grads) == jax.tree.structure(params)
+
+
+def _residual_stack():
+    """A user model written against the public interface: linear in, tanh residual blocks, linear out, MSE."""
+    return meshkit.Stages(
+        embed=lambda top, b: b[0] @ top["w_in"],
+        block=lambda p, x: x + jnp.tanh(x @ p["w"] + p["b"]),
+        head=lambda top, x: x @ top["w_out"],
+        loss=lambda out, b: jnp.mean((out - b[1]) ** 2),
+    )
+
+
+def _residual_stack_numpy(params, x, y):
+    """Loss and gradients by hand in NumPy float64."""
+    h = [x @ params["w_in"]]
+    for w, b in zip(params["blocks"]["w"], params["blocks"]["b"], strict=True):
+        h.append(h[-1] + np.tanh(h[-1] @ w + b))
+    out = h[-1] @ params["w_out"]
+    loss = np.mean((out - y) ** 2)
+    g_out = 2 * (out - y) / out.size
+    grads = {"w_out": h[-1].T @ g_out, "blocks": {"w": [], "b": []}}
+    g = g_out @ params["w_out"].T
+    for layer in reversed(range(len(h) - 1)):
+        w, b = params["blocks"]["w"][layer], params["blocks"]["b"][layer]
+        pre = h[layer] @ w + b
+        g_pre = g * (1 - np.tanh(pre) ** 2)
+        grads["blocks"]["w"].insert(0, h[layer].T @ g_pre)
+        grads["blocks"]["b"].insert(0, g_pre.sum(0))
+        g = g + g_pre @ w.T
+    grads["w_in"] = x.T @ g
+    grads["blocks"] = {k: np.stack(v) for k, v in grads["blocks"].items()}
+    return loss, grads
+
+
+@pytest.mark.parametrize(
+    ("mesh", "plan", "name", "m", "v"),
+    [("stage=8", "pp", "gpipe", 8, 1), ("stage=2,data=4", "dp+pp", "interleaved", 2, 2),
+     ("stage=4,data=2", "dp+pp", "1f1b", 8, 1)],
+)  # fmt: skip
+def test_user_stages_model_matches_numpy_float64(mesh, plan, name, m, v):
+    rng = np.random.default_rng(1)
+    layers = 8 if mesh == "stage=8" else 4
+    params = {"w_in": rng.normal(size=(6, 8)) / 3, "w_out": rng.normal(size=(8, 3)) / 3,
+              "blocks": {"w": rng.normal(size=(layers, 8, 8)) / 3, "b": rng.normal(size=(layers, 8)) / 3}}  # fmt: skip
+    x, y = rng.normal(size=(16, 6)), rng.normal(size=(16, 3))
+    ref_loss, ref = _residual_stack_numpy(params, x, y)
+    with jax.enable_x64(True):
+        stages = _residual_stack()
+        assert abs(float(stages(params, (x, y))) - ref_loss) < 1e-13  # the same model off the pipeline
+        loss, grads = _pipeline_grads(stages, params, (x, y), mesh, plan, name, m, v=v)
+    assert abs(float(loss) - ref_loss) < 1e-13
+    assert _max_diff(grads, ref) < 1e-13
+
+
+# -- the Trainer -----------------------------------------------------------------------------------
+
+
+def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_schedule(tmp_path):
+    """dp+tp+pp, interleaved (v=2) on stage=2,data=2,model=2, 3 Adam steps beside the same steps on
+    one device; then the report, and the checkpoint restored under fsdp and back (bitwise)."""
+    params = gpt.init(jax.random.key(0), CFG)
+    batch = _tokens()
+    kwargs = dict(plan="dp+tp+pp", mesh="stage=2,data=2,model=2", microbatches=4, schedule="interleaved",
+                  virtual_stages=2, logical_axes=gpt.logical_axes(params))  # fmt: skip
+    t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), **kwargs)
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, s):
+        updates, s = opt.update(jax.grad(gpt.make_loss(CFG))(p, batch), s, p)
+        return optax.apply_updates(p, updates), s
+
+    ref, state = params, opt.init(params)
+    for _ in range(3):
+        t.step(batch)
+        ref, state = step(ref, state)
+    assert _max_diff(t.params, ref) < 1e-5
+    assert tuple(t.params["blocks"]["attn"]["wq"].sharding.spec) == ("stage", None, "model")
+    assert t.params["tok_embed"].sharding.is_fully_replicated
+
+    r = t.report(batch)
+    assert r.ok, str(r)
+    rows = {(c.op, c.axes): c for c in r.communication}
+    assert {("collective-permute", "stage"), ("all-reduce", "data"), ("all-reduce", "model")} <= set(rows)
+    assert all(c.ratio == 1.0 for c in r.communication)
+    assert r.pipeline.ticks == 18 and r.pipeline.bubble_measured == r.pipeline.bubble_model == 1 / 9
+    assert r.pipeline.executed_as_planned
+    assert "pipeline" in r.to_json() and "bubble" in str(r)
+    with pytest.raises(PlanError, match=r"data=2 x microbatches=4; use a multiple of 8"):
+        t.check_examples(12)
+    with pytest.raises(PlanError, match=r"data=2 x microbatches=4; use a multiple of 8"):
+        t.step(_tokens(12))
+
+    t.save(tmp_path / "pp")
+    opt = optax.adam(1e-2)
+    fsdp = meshkit.Trainer.restore(tmp_path / "pp", gpt.stages(CFG), params, opt, plan="fsdp", mesh="data=8")
+    assert fsdp.steps_done == 3 and _bitwise(fsdp.params, t.params) and _bitwise(fsdp.opt_state, t.opt_state)
+    assert (
+        fsdp.params["blocks"]["mlp"]["w_in"].sharding.spec != t.params["blocks"]["mlp"]["w_in"].sharding.spec
+    )
+    fsdp.save(tmp_path / "fsdp")
+    back = meshkit.Trainer.restore(tmp_path / "fsdp", gpt.stages(CFG), params, opt, **kwargs)
+    assert _bitwise(back.params, t.params) and _bitwise(back.opt_state, t.opt_state)
+
+
+def _bitwise(a, b):
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        (dict(plan="pp", mesh="stage=8"), "4 layers do not divide over stage=8"),
+        (dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=2), "use microbatches=4 or more"),
+        (dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=4, rng=0), "does not take rng="),
+        (dict(plan="dp", mesh="data=8", microbatches=4), "are for pipeline plans"),
+        (dict(plan="pp", mesh="stage=8", loss=gpt.make_loss(CFG)), "needs the model as meshkit.Stages"),
+        (dict(plan="pp", mesh="stage=8", params=gpt.to_layers), r"is a list of layers: stack them"),
+    ],
+)
+def test_trainer_refusals_name_the_fix(kwargs, fix):
+    loss = kwargs.pop("loss", gpt.stages(CFG))
+    params = kwargs.pop("params", lambda p: p)(gpt.init(jax.random.key(0), CFG))
+    with pytest.raises(PlanError, match=fix):
+        meshkit.Trainer(loss, params, optax.adam(1e-2), **kwargs)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+def test_meshkit_train_dp_pp_writes_the_schedule_and_its_proof(tmp_path, capsys):
+    """bf16 compute: the permutes move bf16 activations, as f32 on XLA's CPU compiler (the model says so)."""
+    from meshkit.cli import main
+
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--plan", "dp+pp", "--mesh", "stage=4,data=2", "--layers", "4", "--microbatches", "8",
+            "--schedule", "1f1b", "--precision", "bf16", "--steps", "2", "--eval-every", "0", "--sample-chars", "0",
+            "--run-dir", str(run)]  # fmt: skip
+    assert main(["train", *args]) == 0, capsys.readouterr().err
+    report = json.loads((run / "report.json").read_text())
+    pipe = report["pipeline"]
+    assert report["checks_ok"] is True and pipe["bubble_measured"] == pipe["bubble_model"] == 3 / 11
+    assert np.asarray(pipe["record"]).shape == (22, 4, 3)
+    assert (run / "schedule.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["train", "--preset", "tiny", "--plan", "pp", "--mesh", "stage=8"],
+            "1 layers do not divide over stage=8",
+        ),
+        (["train", "--preset", "tiny", "--plan", "pp", "--mesh", "stage=4,data=2"], "use dp+pp"),
+        (["verify", "--plan", "dp+pp", "--model", "mlp", "--mesh", "stage=4,data=2"], "use --model gpt"),
+    ],
+)
+def test_cli_refusals_are_one_line_naming_the_fix(tmp_path, capsys, args, message):
+    from meshkit.cli import main
+
+    assert main([*args, *(["--run-dir", str(tmp_path / "run")] if args[0] == "train" else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+# -- two processes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_dp_pp_over_two_processes_one_stage_each_matches_one_device(tmp_path):
+    import io
+    import sys
+    from pathlib import Path
+
+    from meshkit.launch import launch
+
+    worker = str(Path(__file__).parent / "mp" / "pipeline_worker.py")
+    out = io.StringIO()
+    code = launch([sys.executable, worker, str(tmp_path)], 2, devices_per_process=4, env={"JAX_PLATFORMS": "cpu"},
+                  output=out)  # fmt: skip
+    assert code == 0, out.getvalue()[-3000:]
+    res = {r["process"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("result-*.json"))}
+    assert sorted(res) == [0, 1] and res[0]["params"] == res[1]["params"]
+    assert res[0]["stage_processes"] == [[0], [1]]  # the permutes cross processes
+    assert res[0]["bubble"] == 1 / 5  # (p-1)/(m+p-1), p=2, m=4
+    params = gpt.init(jax.random.key(0), CFG)
+    opt, batch = optax.adam(1e-2), _tokens()
+    state = opt.init(params)
+    for _ in range(2):
+        updates, state = opt.update(jax.grad(gpt.make_loss(CFG))(params, batch), state, params)
+        params = optax.apply_updates(params, updates)
+    for got, want in zip(res[0]["params"], jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
