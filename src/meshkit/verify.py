@@ -32,6 +32,10 @@ from meshkit.train import PlanReport, Trainer
 
 #: Tolerances: float32 distributed vs float32 single device, and float32 vs float64.
 TOL_SINGLE = 1e-5
+#: The float32 check allows a plan NOISE_FACTOR x one device's own float32 drift from float64: summing
+#: micro-batch (or pipeline-stage) gradients in another order is a float32 rounding of the same size
+#: (dp with accumulate=2 lands at 1.2x, pp on 8 stages at 1.5x), while float64 proves the function.
+NOISE_FACTOR = 2
 TOL_FLOAT64 = 1e-4
 #: Plan vs one device when both run in float64 (the same function, different summation order).
 TOL_EXACT = 1e-10
@@ -193,7 +197,7 @@ class Certificate:
 
     @property
     def checks(self) -> dict[str, bool]:
-        tol = TOL_SINGLE if self.float32_noise is None else max(TOL_SINGLE, self.float32_noise)
+        tol = TOL_SINGLE if self.float32_noise is None else max(TOL_SINGLE, NOISE_FACTOR * self.float32_noise)
         out = {
             "matches single device": self.vs_single_device <= tol,
             "bitwise reproducible": self.reproducible,
