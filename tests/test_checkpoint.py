@@ -227,12 +227,17 @@ def test_save_in_a_keyboard_interrupt_handler(tmp_path, monkeypatch):
         return started
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", interrupted)
+    # Python's own Ctrl-C handler, whatever an earlier test in this worker left installed (this test
+    # failed once in a full run with "the Ctrl-C was lost"; not reproduced in 8 runs alone)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     ck = Checkpointer(tmp_path)
     try:
         ck.save(5, params, opt_state, {"step": 5}, wait=False)
         pytest.fail("the Ctrl-C was lost")
     except KeyboardInterrupt:
         ck.save(5, params, opt_state, {"step": 5}, wait=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     ck.close()
     with Checkpointer(tmp_path) as fresh:
         assert fresh.all_steps() == [5]
