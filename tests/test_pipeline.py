@@ -150,6 +150,33 @@ def test_gpt_loss_and_every_gradient_equal_one_device_in_float64():
         assert jax.tree.structure(grads) == jax.tree.structure(params)
 
 
+def test_remat_matches_one_device_in_float64_and_lowers_the_temporaries():
+    """dp+pp, GPipe, 2 layers per stage: every block rematerialized (``layer``) or its matmuls kept
+    (``dots``) inside the backward tick; the same loss and gradients, fewer temporaries, and the
+    temporaries saved beside the model's (``Pipeline.working_bytes``: one chunk's residuals)."""
+    from meshkit.analysis import memory
+    from meshkit.plans._pipeline import Pipeline
+
+    with jax.enable_x64(True):
+        cfg = dataclasses.replace(CFG, dtype="float64")
+        params = gpt.init(jax.random.key(0), cfg)
+        batch = _tokens()
+        ref_loss, ref = jax.value_and_grad(gpt.make_loss(cfg))(params, batch)
+        layout = make_layout(params, get_plan("dp+pp"), make_mesh("stage=2,data=4", axis_types="auto"))
+        temps, model = {}, {}
+        for remat in ("none", "layer", "dots"):
+            pipe = Pipeline.make(gpt.stages(cfg), params, layout, microbatches=4, schedule="gpipe",
+                                 virtual_stages=1, extras={}, remat=remat)  # fmt: skip
+            compiled = jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
+            loss, _, _, grads = compiled(params, None, batch, jax.random.key(0))
+            assert abs(float(loss) - float(ref_loss)) < 1e-13 and _max_diff(grads, ref) < 1e-13, remat
+            temps[remat], model[remat] = memory(compiled).temp_bytes, pipe.working_bytes(params, batch)
+    for remat in ("layer", "dots"):
+        saved, predicted = temps["none"] - temps[remat], model["none"] - model[remat]
+        assert saved > 0 and 0.85 <= saved / predicted <= 1.15, (remat, temps, model)
+    assert temps["layer"] < temps["dots"] < temps["none"]
+
+
 def _residual_stack():
     """A user model written against the public interface: linear in, tanh residual blocks, linear out, MSE."""
     return meshkit.Stages(
@@ -266,6 +293,7 @@ def _bitwise(a, b):
         (dict(plan="pp", mesh="stage=8"), "4 layers do not divide over stage=8"),
         (dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=2), "use microbatches=4 or more"),
         (dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=4, rng=0), "does not take rng="),
+        (dict(plan="dp+pp", mesh="stage=2,data=4", remat="regather"), "use remat='layer'"),
         (dict(plan="dp", mesh="data=8", microbatches=4), "are for pipeline plans"),
         (dict(plan="pp", mesh="stage=8", loss=gpt.make_loss(CFG)), "needs the model as meshkit.Stages"),
         (dict(plan="pp", mesh="stage=8", params=gpt.to_layers), r"is a list of layers: stack them"),

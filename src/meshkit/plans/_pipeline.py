@@ -27,6 +27,17 @@ block's intermediates for each slot (their pytree known only after tracing the c
 the stage input; recomputation keeps the carry to arrays of one known shape, and a schedule's
 activation memory to its stash: slots x one micro-batch's activation.
 
+Activation checkpointing (``remat``): the backward tick differentiates its chunk of k layers, and
+without remat keeps every block's intermediates of that micro-batch while it does (k layers of
+them, for one micro-batch at a time: the stash above is what scales with the schedule).
+``remat="layer"`` runs each block under ``jax.checkpoint`` inside that recomputation, so the tick
+keeps one input per block (k activations) and recreates one block's intermediates at a time, at
+the cost of one more forward per block (forward tick, the chunk's recomputation, the block's);
+``"dots"`` keeps the blocks' matmul outputs. Megatron's "full recompute" keeps every block's input
+per micro-batch in flight; here the stash keeps only the stage's input, and ``layer`` bounds the
+working set of the one micro-batch being differentiated. ``Pipeline.working_bytes`` models that
+working set (``benchmarks/bench_pipeline.py`` part 4 sets the temporaries saved beside it).
+
 Interleaved: the stored layer order gives device d a contiguous slice of the layer axis (so the
 parameters keep the user's order and one NamedSharding), while the schedule wants virtual stages
 ``c p + d``; the step moves the chunks into that order with ppermutes at its start and the
@@ -97,12 +108,19 @@ class Stages:
             )
         return int(shapes.pop())
 
-    def run_blocks(self, blocks: Any, x: jax.Array) -> jax.Array:
-        return lax.scan(lambda h, p: (self.block(p, h), None), x, blocks)[0]
+    def run_blocks(self, blocks: Any, x: jax.Array, policy: Any = None) -> jax.Array:
+        """The blocks in order, a ``lax.scan`` over the layer axis; with ``policy`` (a
+        ``jax.checkpoint`` policy) each block rematerialized under it."""
+        block = self.block if policy is None else jax.checkpoint(self.block, policy=policy, prevent_cse=False)
+        return lax.scan(lambda h, p: (block(p, h), None), x, blocks)[0]
 
     def __call__(self, params: Any, batch: Any) -> jax.Array:
         top, blocks = self.split(params)
         return self.loss(self.head(top, self.run_blocks(blocks, self.embed(top, batch))), batch)
+
+
+PIPELINE_REMAT = ("none", "layer", "dots")
+"""The remat policies a pipeline takes (``_fsdp.REMAT``'s, less ``regather``)."""
 
 
 def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: str) -> None:
@@ -203,14 +221,18 @@ def _perm(p: int, shift: int, ring: bool) -> list[tuple[int, int]]:
     return pairs
 
 
-def local_pipeline(stages: Stages, sched: _schedule.Schedule, layout: Layout) -> Callable:
+def local_pipeline(
+    stages: Stages, sched: _schedule.Schedule, layout: Layout, remat: str = "none"
+) -> Callable:
     """Per-device ``(params, batch) -> (loss, record, grads)`` inside the manual region.
 
     Over ``data``: gradients all-reduced (dp+pp), or under fsdp+pp (ZeRO-3) the parameter shards
     all-gathered once before the schedule and the gradients reduce-scattered once after it (both
     bucketed, ``_step``'s helpers): the stage's full parameters live through the step."""
+    from meshkit.plans._fsdp import REMAT
     from meshkit.plans._step import _finish, _gather
 
+    policy = REMAT[remat]
     data_size, zero3 = layout.data_size, layout.plan.stage == "zero3"
     p, m, v, S = sched.p, sched.m, sched.v, sched.stages
     table = np.stack([sched.kind, sched.chunk, sched.mb, sched.x_read, sched.g_read, sched.x_write,
@@ -236,7 +258,7 @@ def local_pipeline(stages: Stages, sched: _schedule.Schedule, layout: Layout) ->
 
         def forward(cp, tp, x_in, s, mbatch):
             x = lax.cond(s == 0, lambda: stages.embed(tp, mbatch).astype(x_like.dtype), lambda: x_in)
-            return stages.run_blocks(cp, x)
+            return stages.run_blocks(cp, x, policy)
 
         def with_loss(cp, tp, x_in, s, mbatch):
             y = forward(cp, tp, x_in, s, mbatch)
@@ -328,7 +350,9 @@ def stages_join(stages: Stages, top: dict, blocks: Any) -> dict:
     return {**top, stages.blocks: blocks}
 
 
-def pipeline_gradients(stages: Stages, layout: Layout, sched: _schedule.Schedule) -> Callable:
+def pipeline_gradients(
+    stages: Stages, layout: Layout, sched: _schedule.Schedule, remat: str = "none"
+) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, {"schedule": record}, state, grads)``:
     the gradient function ``build_step`` takes for a pipeline plan (state and key pass through)."""
     mesh = layout.mesh
@@ -337,7 +361,7 @@ def pipeline_gradients(stages: Stages, layout: Layout, sched: _schedule.Schedule
     specs = layout.tree(lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=zero3)]))
     manual = {STAGE} | ({DATA} if has_data else set())
     body = jax.shard_map(
-        local_pipeline(stages, sched, layout),
+        local_pipeline(stages, sched, layout, remat),
         mesh=mesh,
         in_specs=(specs, P(DATA) if has_data else P()),
         out_specs=(P(), P(None, STAGE), specs),
@@ -360,14 +384,18 @@ class Pipeline:
     schedule: _schedule.Schedule
     layout: Layout
     layers: int
+    remat: str = "none"
+    """Activation checkpointing per block inside a chunk's recomputing backward: 'none', 'layer', 'dots'."""
 
     @classmethod
     def make(cls, loss_fn: Any, params: Any, layout: Layout, *, microbatches: int | None, schedule: str | None,
-             virtual_stages: int, extras: dict[str, bool]) -> Pipeline:  # fmt: skip
+             virtual_stages: int, extras: dict[str, bool], remat: str = "none") -> Pipeline:  # fmt: skip
         """Check a pipeline plan's inputs (naming the fix) and build its schedule and layout.
 
         ``extras``: Trainer options the pipeline does not take yet (name -> whether given).
         """
+        from meshkit.plans._fsdp import check_remat
+
         plan = layout.plan.name
         if not isinstance(loss_fn, Stages):
             raise PlanError(
@@ -378,19 +406,24 @@ class Pipeline:
             raise PlanError(
                 f"plan {plan} does not take {', '.join(given)} yet: drop it, or use a plan without pp"
             )
+        if check_remat(remat) not in PIPELINE_REMAT:
+            raise PlanError(
+                f"plan {plan} takes remat {', '.join(map(repr, PIPELINE_REMAT))}: {remat!r} re-gathers ZeRO-3 shards "
+                f"per layer, and a pipeline gathers its stage once per step; use remat='layer'"
+            )
         p = int(layout.mesh.shape[STAGE])
         m = p if microbatches is None else microbatches
         name = schedule or "1f1b"
         check_sizes(loss_fn, params, p, m, virtual_stages, name)
         return cls(stages=loss_fn, schedule=_schedule.build(name, p, m, virtual_stages),
-                   layout=stage_layout(layout, loss_fn), layers=loss_fn.layers(params))  # fmt: skip
+                   layout=stage_layout(layout, loss_fn), layers=loss_fn.layers(params), remat=remat)  # fmt: skip
 
     @property
     def microbatches(self) -> int:
         return self.schedule.m
 
     def gradients(self) -> Callable:
-        return pipeline_gradients(self.stages, self.layout, self.schedule)
+        return pipeline_gradients(self.stages, self.layout, self.schedule, self.remat)
 
     def activation(self, params: Any, batch: Any, data_size: int) -> jax.ShapeDtypeStruct:
         """One micro-batch's activation on one device (what each permute moves and each slot holds)."""
@@ -399,6 +432,34 @@ class Pipeline:
             lambda a: jax.ShapeDtypeStruct((rows, *np.shape(a)[1:]), np.asarray(a).dtype), batch
         )
         return jax.eval_shape(self.stages.embed, self.stages.split(params)[0], micro)
+
+    def working_bytes(self, params: Any, batch: Any, remat: str | None = None) -> float:
+        """Bytes one backward tick keeps while it differentiates one micro-batch through one chunk
+        (k = L / (p v) layers), per device without a model axis, under ``remat`` (default: the plan's).
+
+        From ``saved_residuals`` of the chunk's ``lax.scan`` under the policy (every saved residual
+        is a stacked output of the loop and counts whole, parameters excluded): without remat every
+        block's intermediates (k layers of them); ``layer``: each block's input (k activations),
+        plus one block's matmul outputs recreated in its backward (its elementwise ops are fused
+        into the backward's consumers, as ``analysis.peak`` models them); ``dots``: the matmul
+        outputs of k layers, the rest recreated inside fusions."""
+        from jax._src.ad_checkpoint import saved_residuals
+
+        from meshkit.plans._fsdp import REMAT
+
+        remat = self.remat if remat is None else remat
+        blocks = self.stages.split(params)[1]
+        k = self.layers // (self.schedule.p * self.schedule.v)
+        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((k, *np.shape(a)[1:]), a.dtype), blocks)
+        act = self.activation(params, batch, self.layout.data_size)
+
+        def saved(policy: str) -> float:
+            run = lambda cp, x: jnp.sum(self.stages.run_blocks(cp, x, REMAT[policy]))  # noqa: E731
+            return float(
+                sum(_nbytes(a) for a, where in saved_residuals(run, chunk, act) if "argument" not in where)
+            )
+
+        return saved(remat) + (saved("dots") / k if remat == "layer" else 0.0)
 
     def expected(self, params: Any, batch: Any) -> list:
         """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows).
@@ -431,19 +492,14 @@ class Pipeline:
                      (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
         if layout.model_size > 1:
             tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
+            row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]
+            redone = row_parallel[:-1] if self.remat == "layer" else []  # see ``_fsdp.tp_matrices``
             for x in blocks:
                 spec = x.model_spec
-                if len(x.shape) == 3 and spec[1] == MODEL:  # row-parallel: output partial sums, F and B
-                    rows.append(
-                        (
-                            MODEL,
-                            "all-reduce",
-                            2 * s.ticks * k,
-                            tokens * x.shape[2] * item,
-                            layout.model_size,
-                            f"{x.path}: outputs",
-                        )
-                    )
+                if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
+                    times = (3 if x in redone else 2) * s.ticks * k
+                    rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, layout.model_size,
+                                 f"{x.path}: outputs"))  # fmt: skip
                 elif (
                     len(x.shape) == 3 and spec[2] == MODEL
                 ):  # column-parallel: input-gradient partial sums, B
@@ -462,6 +518,7 @@ class Pipeline:
             executed_as_planned=None if record is None else bool(np.array_equal(np.asarray(record), s.table())),
             stash_slots=s.x_slots, cotangent_slots=s.g_slots, activation_bytes=act_bytes,
             activation_model_bytes=float((s.x_slots + s.g_slots + 2) * act_bytes), temp_bytes=float(temp_bytes),
+            remat=self.remat, working_model_bytes=self.working_bytes(params, batch),
             record=None if record is None else np.asarray(record),
         )  # fmt: skip
 
@@ -488,6 +545,9 @@ class PipelineReport:
     """Activation memory of the schedule: (stash slots + cotangent slots + 2 scratch) x activation."""
     temp_bytes: float
     """The compiled step's temporaries (memory_analysis), which hold the stash among other buffers."""
+    remat: str = "none"
+    working_model_bytes: float = 0.0
+    """One backward tick's residuals through its chunk under ``remat`` (``Pipeline.working_bytes``)."""
     record: Any = None
 
     @property
@@ -515,4 +575,7 @@ class PipelineReport:
         t.add_row("executed record = schedule table", str(self.executed_as_planned), "True", "")
         t.add_row(f"activations in flight ({self.stash_slots} stash + {self.cotangent_slots} cotangent slots)",
                   fmt_bytes(self.temp_bytes) + " temps", fmt_bytes(self.activation_model_bytes), "")  # fmt: skip
+        t.add_row(
+            f"backward tick's residuals (remat {self.remat})", "", fmt_bytes(self.working_model_bytes), ""
+        )
         return t
