@@ -309,15 +309,39 @@ def test_trainer_refusals_name_the_fix(kwargs, fix):
 # -- the CLI ---------------------------------------------------------------------------------------
 
 
-def test_meshkit_train_dp_pp_writes_the_schedule_and_its_proof(tmp_path, capsys):
-    """bf16 compute: the permutes move bf16 activations, as f32 on XLA's CPU compiler (the model says so)."""
+def test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_schedule(tmp_path, capsys):
+    """`meshkit train --plan dp+pp` (1F1B, bf16 compute) stopped at step 2, resumed with `--plan fsdp`
+    (the checkpoint's stacked blocks converted to the loop form fsdp runs) to step 3, then with
+    `--plan dp+pp` to the end: at each switch the restored parameters and optimizer state are the
+    saved ones, bit for bit; the finished run writes the executed schedule and its proof. The bf16
+    permutes move bf16 activations, as f32 on XLA's CPU compiler (the model says so)."""
     from meshkit.cli import main
+    from meshkit.train import loop
 
     run = tmp_path / "run"
-    args = ["--preset", "tiny", "--plan", "dp+pp", "--mesh", "stage=4,data=2", "--layers", "4", "--microbatches", "8",
-            "--schedule", "1f1b", "--precision", "bf16", "--steps", "2", "--eval-every", "0", "--sample-chars", "0",
-            "--run-dir", str(run)]  # fmt: skip
-    assert main(["train", *args]) == 0, capsys.readouterr().err
+    pp = ["--plan", "dp+pp", "--mesh", "stage=4,data=2"]
+    fsdp = ["--plan", "fsdp", "--mesh", "data=8"]
+    assert main(["train", "--preset", "tiny", "--layers", "4", "--microbatches", "8", "--schedule", "1f1b",
+                 "--precision", "bf16", "--steps", "4", "--eval-every", "0", "--sample-chars", "0",
+                 "--run-dir", str(run), *pp, "--stop-after", "2"]) == 0, capsys.readouterr().err  # fmt: skip
+
+    def restored(plan, mesh):
+        cfg = dataclasses.replace(loop.saved_config(run), plan=plan, mesh=mesh)
+        t = loop.prepare(cfg, resume=True).trainer
+        return gpt.to_form((t.params, t.opt_state), True), t  # (the stacked form, to compare; the trainer)
+
+    saved, _ = restored("dp+pp", "stage=4,data=2")
+    back, t = restored("fsdp", "data=8")
+    assert isinstance(t.params["blocks"], list) and _bitwise(back, saved)
+    assert main(["train", "--resume", "--run-dir", str(run), *fsdp, "--stop-after", "3"]) == 0
+    saved, _ = restored("fsdp", "data=8")
+    back, t = restored("dp+pp", "stage=4,data=2")
+    assert t.params["blocks"]["mlp"]["w_in"].sharding.spec[0] == "stage" and _bitwise(back, saved)
+    assert main(["train", "--resume", "--run-dir", str(run), *pp]) == 0
+    out = capsys.readouterr().out
+    assert "resume: --plan: dp+pp -> fsdp" in out and "resume: --plan: fsdp -> dp+pp" in out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     report = json.loads((run / "report.json").read_text())
     pipe = report["pipeline"]
     assert report["checks_ok"] is True and pipe["bubble_measured"] == pipe["bubble_model"] == 3 / 11
