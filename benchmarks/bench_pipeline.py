@@ -157,48 +157,50 @@ def remat_memory() -> bool:
     return ok
 
 
-def _time(trainer, batch, steps: int) -> tuple[float, float]:
-    trainer.step(batch)  # compile and warm up
+def _one(trainer, batch) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    trainer.step(batch)
     jax.block_until_ready(trainer.params)
-    wall, cpu = [], []
-    for _ in range(steps):
-        w0, c0 = time.perf_counter(), time.process_time()
-        trainer.step(batch)
-        jax.block_until_ready(trainer.params)
-        wall.append(time.perf_counter() - w0)
-        cpu.append(time.process_time() - c0)
-    return float(np.median(wall)), float(np.median(cpu))
+    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def step_time(steps: int) -> None:
-    print("\n3. step time, GPT width 64, 8 layers, seq 64, global batch 32, 8 devices (medians; ratio to dp)")
+    print("\n3. step time, GPT width 64, 8 layers, seq 64, global batch 32, 8 devices (medians of steps taken "
+          "in turn, one of each run per round, so load drift hits every run alike; ratio to dp)")  # fmt: skip
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=64, layers=8, width=64, heads=4, scan_layers=True)
     params = gpt.init(jax.random.key(0), cfg)
     batch = _tokens(32, cfg.seq_len, cfg.vocab_size)
     runs = [("dp, data=8", dict(plan="dp", mesh="data=8"), gpt.make_loss(cfg)),
+            ("dp+pp stage=1 (m=1, the default)", dict(plan="dp+pp", mesh="stage=1,data=8"), None),
             ("dp, data=8, accumulate=4", dict(plan="dp", mesh="data=8", accumulate=4), gpt.make_loss(cfg)),
             ("dp+pp stage=1 (1f1b, m=4)", dict(plan="dp+pp", mesh="stage=1,data=8", microbatches=4), None),
             ("dp+pp stage=4 gpipe m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="gpipe"), None),
             ("dp+pp stage=4 1f1b m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="1f1b"), None),
             ("dp+pp stage=4 interleaved v=2 m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8,
                                                        schedule="interleaved", virtual_stages=2), None)]  # fmt: skip
-    base = None
-    print(f"{'run':36} {'wall ms':>9} {'cpu ms':>9} {'wall/dp':>8} {'cpu/dp':>7} {'bubble':>7}")
-    for label, kwargs, loss in runs:
+    trainers = []
+    for _label, kwargs, loss in runs:
         t = Trainer(loss or gpt.stages(cfg), params, optax.adam(1e-3), **kwargs)
-        wall, cpu = _time(t, batch, steps)
-        base = base or (wall, cpu)
+        _one(t, batch)  # compile and warm up
+        trainers.append(t)
+    times = [[] for _ in runs]
+    for _ in range(steps):
+        for i, t in enumerate(trainers):
+            times[i].append(_one(t, batch))
+    med = [tuple(float(np.median([x[k] for x in ts])) for k in (0, 1)) for ts in times]
+    print(f"{'run':36} {'wall ms':>9} {'cpu ms':>9} {'wall/dp':>8} {'cpu/dp':>7} {'bubble':>7}")
+    for (label, _, _), t, (wall, cpu) in zip(runs, trainers, med, strict=True):
         bubble = (
             "-" if t.pipeline is None else f"{float(np.mean(np.asarray(t.last_schedule)[..., 0] == 0)):.3f}"
         )
-        print(f"{label:36} {wall * 1e3:>9.1f} {cpu * 1e3:>9.1f} {wall / base[0]:>8.2f} {cpu / base[1]:>7.2f} "
+        print(f"{label:36} {wall * 1e3:>9.1f} {cpu * 1e3:>9.1f} {wall / med[0][0]:>8.2f} {cpu / med[0][1]:>7.2f} "
               f"{bubble:>7}", flush=True)  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="1,2,3,4")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=9)
     args = ap.parse_args()
     parts = {int(x) for x in args.parts.split(",")}
     ok = True

@@ -212,7 +212,7 @@ def _residual_stack_numpy(params, x, y):
 @pytest.mark.parametrize(
     ("mesh", "plan", "name", "m", "v"),
     [("stage=8", "pp", "gpipe", 8, 1), ("stage=2,data=4", "dp+pp", "interleaved", 2, 2),
-     ("stage=4,data=2", "dp+pp", "1f1b", 8, 1)],
+     ("stage=4,data=2", "dp+pp", "1f1b", 8, 1), ("stage=1,data=8", "dp+pp", "1f1b", 2, 1)],
 )  # fmt: skip
 def test_user_stages_model_matches_numpy_float64(mesh, plan, name, m, v):
     rng = np.random.default_rng(1)

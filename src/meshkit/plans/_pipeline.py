@@ -46,6 +46,11 @@ an all-reduce of the gradients (dp+pp) or ZeRO-3 per stage (fsdp+pp: one buckete
 bucketed reduce-scatter per step). Over ``model`` (tp+pp and the 3D plans): the axis is left to
 XLA's partitioner inside the manual region, as the other tensor-parallel plans do.
 
+One stage (``stage=1``, v = 1) has nothing to send and no bubble: its schedule is gradient
+accumulation over the micro-batches, and it runs as such (a scan of ``jax.value_and_grad``, one call
+for m = 1), without the tick loop, the permutes or the recomputing backward, so it costs what dp
+costs (``benchmarks/bench_pipeline.py`` part 3); its record is the schedule's table.
+
 Why one SPMD program: MaxText (issue 752) says 1F1B "requires MPMD"; it does not, once the
 schedule is a table of ticks that every device reads with its own index, and the collectives
 (the two permutes) are issued unconditionally by every device each tick. Known costs of that
@@ -334,16 +339,44 @@ def local_pipeline(
             acc_c = _relayout(acc_c, p, v, d, back=True)
         if p > 1:
             acc_t, loss = lax.psum((acc_t, loss), STAGE)
-        grads = stages_join(stages, acc_t, acc_c)
+        loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
+        return loss, record[:, None, :], grads
+
+    def over_data(loss, grads):
         if zero3:
             grads = _finish(grads, layout, scatter_now=True, scale=1.0 / data_size)
         elif data_size > 1:
             grads = jax.tree.map(lambda g: g / data_size, lax.psum(grads, DATA))
         if data_size > 1:
             loss = lax.pmean(loss, DATA)
-        return loss, record[:, None, :], grads
+        return loss, grads
 
-    return run
+    def single_stage(params, batch):
+        """One stage (p = v = 1): nothing to send and no bubble; its schedule (F j then B j) is gradient
+        accumulation, run as a scan of ``jax.value_and_grad`` over the micro-batches (one call for
+        m = 1): no tick loop, no permutes, no recomputing backward. The record is the table."""
+        if zero3:
+            params = _gather(params, layout)
+        micro = _micro(batch, m)
+
+        def loss_of(pr, mb):
+            top, blocks = stages.split(pr)
+            x = stages.run_blocks(blocks, stages.embed(top, mb), policy)
+            return (
+                jnp.asarray(stages.loss(stages.head(top, x), mb), jnp.promote_types(x.dtype, jnp.float32)) / m
+            )
+
+        grad = jax.value_and_grad(loss_of)
+        if m == 1:
+            loss, grads = grad(params, jax.tree.map(lambda a: a[0], micro))
+        else:
+            zero = jax.eval_shape(grad, params, jax.tree.map(lambda a: a[0], micro))
+            step = lambda acc, mb: (jax.tree.map(jnp.add, acc, grad(params, mb)), None)  # noqa: E731
+            loss, grads = lax.scan(step, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero), micro)[0]
+        loss, grads = over_data(loss, grads)
+        return loss, jnp.asarray(sched.table()), grads
+
+    return single_stage if p == 1 and v == 1 else run
 
 
 def stages_join(stages: Stages, top: dict, blocks: Any) -> dict:
@@ -471,7 +504,9 @@ class Pipeline:
         one its input gradient in the backward branch. These collectives sit in the branches of the
         tick's ``switch``, and the ledger counts a branch's collectives once per tick (as it counts
         any conditional's: at most that many), so the model counts them per tick too; a device
-        runs them on its own F or B ticks only, m of the ticks each.
+        runs them on its own F or B ticks only, m of the ticks each. Under ``layer`` remat the
+        backward redoes every row-parallel output all-reduce but a block's last. One stage runs
+        without ticks: one forward and one backward per micro-batch.
         """
         from meshkit.analysis.cost import ring_traffic
         from meshkit.plans._model import Expected, _merge, _spec_split
@@ -494,16 +529,19 @@ class Pipeline:
             tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
             row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]
             redone = row_parallel[:-1] if self.remat == "layer" else []  # see ``_fsdp.tp_matrices``
+            # one stage runs each micro-batch's forward and backward once, without the tick loop
+            single = p == 1 and s.v == 1
+            runs, forwards = (s.m, 1) if single else (s.ticks, 2)
             for x in blocks:
                 spec = x.model_spec
                 if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
-                    times = (3 if x in redone else 2) * s.ticks * k
+                    times = (forwards + (x in redone)) * runs * k
                     rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, layout.model_size,
                                  f"{x.path}: outputs"))  # fmt: skip
                 elif (
                     len(x.shape) == 3 and spec[2] == MODEL
                 ):  # column-parallel: input-gradient partial sums, B
-                    rows.append((MODEL, "all-reduce", s.ticks * k, tokens * x.shape[1] * item, layout.model_size, f"{x.path}: input gradients"))  # fmt: skip
+                    rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, layout.model_size, f"{x.path}: input gradients"))  # fmt: skip
         return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
                                 what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
 
