@@ -9,7 +9,8 @@ stage (the default; interleaved v = 2 groups them by stage).
 
 Run (about 15 minutes on 2 cores)::
 
-    .venv/bin/python benchmarks/verify_pipeline_matrix.py [--remat layer] [--only dp+pp] [--json out.json]
+    .venv/bin/python benchmarks/verify_pipeline_matrix.py [--remat layer] [--only dp+pp] [--schedules 1f1b]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--remat", default="none")
     ap.add_argument("--only", default=None, help="one plan")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
@@ -52,6 +54,8 @@ def main() -> int:
         if args.only and plan != args.only:
             continue
         for schedule, v in SCHEDULES:
+            if schedule not in args.schedules.split(","):
+                continue
             t0 = time.perf_counter()
             c = verify(
                 plan,

@@ -359,14 +359,7 @@ def local_pipeline(
             params = _gather(params, layout)
         micro = _micro(batch, m)
 
-        def loss_of(pr, mb):
-            top, blocks = stages.split(pr)
-            x = stages.run_blocks(blocks, stages.embed(top, mb), policy)
-            return (
-                jnp.asarray(stages.loss(stages.head(top, x), mb), jnp.promote_types(x.dtype, jnp.float32)) / m
-            )
-
-        grad = jax.value_and_grad(loss_of)
+        grad = jax.value_and_grad(lambda pr, mb: _whole_loss(stages, pr, mb, policy) / m)
         if m == 1:
             loss, grads = grad(params, jax.tree.map(lambda a: a[0], micro))
         else:
@@ -383,14 +376,35 @@ def stages_join(stages: Stages, top: dict, blocks: Any) -> dict:
     return {**top, stages.blocks: blocks}
 
 
+def _whole_loss(stages: Stages, params: Any, batch: Any, policy: Any) -> jax.Array:
+    """The loss of ``stages`` on a batch, its blocks under the remat ``policy``, at least float32."""
+    top, blocks = stages.split(params)
+    x = stages.run_blocks(blocks, stages.embed(top, batch), policy)
+    return jnp.asarray(stages.loss(stages.head(top, x), batch), jnp.promote_types(x.dtype, jnp.float32))
+
+
 def pipeline_gradients(
     stages: Stages, layout: Layout, sched: _schedule.Schedule, remat: str = "none"
 ) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, {"schedule": record}, state, grads)``:
-    the gradient function ``build_step`` takes for a pipeline plan (state and key pass through)."""
+    the gradient function ``build_step`` takes for a pipeline plan (state and key pass through).
+
+    One stage and one micro-batch without ZeRO-3 or a model axis is the plan without stages: the
+    loss's gradient in the global view, XLA's partitioner all-reducing it over ``data`` as under
+    dp (so ``stage=1`` costs what dp costs)."""
+    from meshkit.plans._fsdp import REMAT
+
     mesh = layout.mesh
     has_data = DATA in mesh.shape
     zero3 = layout.plan.stage == "zero3"
+    if (sched.p, sched.v, sched.m) == (1, 1, 1) and not zero3 and layout.model_size == 1:
+        table, policy = jnp.asarray(sched.table()), REMAT[remat]
+
+        def plain(params, state, batch, key):
+            loss, grads = jax.value_and_grad(lambda pr: _whole_loss(stages, pr, batch, policy))(params)
+            return loss, {"schedule": table}, state, grads
+
+        return plain
     specs = layout.tree(lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=zero3)]))
     manual = {STAGE} | ({DATA} if has_data else set())
     body = jax.shard_map(

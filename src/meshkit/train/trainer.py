@@ -239,7 +239,8 @@ class Trainer:
     ``Trainer.restore(dir, ...)`` use the checkpoint format of ``meshkit train``.
 
     ``remat`` is the activation-checkpoint policy per layer ('none', 'layer', 'dots', 'regather';
-    see ``meshkit.plans._fsdp``); under zero3/fsdp a layer's parameters are gathered inside it. Layers
+    see ``meshkit.plans._fsdp``); under zero3/fsdp a layer's parameters are gathered inside it; pipeline
+    plans take 'none', 'layer' and 'dots', applied to each block inside a stage's backward (``_pipeline``). Layers
     are found in the loss: a ``lax.scan`` over stacked parameters, or blocks marked ``meshkit.layer``.
     """
 
