@@ -94,6 +94,14 @@ def bubble_and_permutes() -> bool:
     return ok
 
 
+def _temps(cfg, name: str, m: int, rows: int, remat: str = "none"):
+    """The compiled gradient step's temporaries on stage=4,data=2, micro-batches of ``rows`` rows."""
+    params, pipe = _pipeline(cfg, "stage=4,data=2", name, m, 1, remat)
+    batch = _tokens(2 * rows * m, cfg.seq_len, cfg.vocab_size)
+    compiled = jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
+    return memory(compiled).temp_bytes, pipe, params, batch
+
+
 def activation_memory() -> bool:
     print("\n2. activation memory: compiled temporaries (memory_analysis) vs the stash model; p=4, micro-batch "
           "4 rows x 64 tokens x width 64 (one activation = 64 KiB)")  # fmt: skip
@@ -104,11 +112,7 @@ def activation_memory() -> bool:
     for name in ("gpipe", "1f1b"):
         base = None
         for m in (4, 8, 16):
-            params, pipe = _pipeline(cfg, "stage=4,data=2", name, m, 1)
-            batch = _tokens(2 * rows * m, cfg.seq_len, cfg.vocab_size)
-            temps = memory(
-                jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
-            ).temp_bytes
+            temps, pipe, _, _ = _temps(cfg, name, m, rows)
             s = pipe.schedule
             act = rows * cfg.seq_len * cfg.width * 4
             stash = (s.x_slots + s.g_slots + 2) * act
@@ -138,11 +142,7 @@ def remat_memory() -> bool:
         m = 8
         base = None
         for remat in ("none", "layer", "dots"):
-            params, pipe = _pipeline(cfg, "stage=4,data=2", name, m, 1, remat)
-            batch = _tokens(2 * rows * m, cfg.seq_len, cfg.vocab_size)
-            temps = memory(
-                jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
-            ).temp_bytes
+            temps, pipe, params, batch = _temps(cfg, name, m, rows, remat)
             s = pipe.schedule
             stash = (s.x_slots + s.g_slots + 2) * rows * cfg.seq_len * cfg.width * 4
             working = pipe.working_bytes(params, batch)
