@@ -48,8 +48,10 @@ XLA's partitioner inside the manual region, as the other tensor-parallel plans d
 
 One stage (``stage=1``, v = 1) has nothing to send and no bubble: its schedule is gradient
 accumulation over the micro-batches, and it runs as such (a scan of ``jax.value_and_grad``, one call
-for m = 1), without the tick loop, the permutes or the recomputing backward, so it costs what dp
-costs (``benchmarks/bench_pipeline.py`` part 3); its record is the schedule's table.
+for m = 1), without the tick loop, the permutes or the recomputing backward; with one micro-batch
+and neither ZeRO-3 nor a model axis it is the plan without stages (the global-view gradient, which
+XLA's partitioner all-reduces as under dp), so it costs what dp costs (``benchmarks/bench_pipeline.py``
+part 3). Its record is the schedule's table.
 
 Why one SPMD program: MaxText (issue 752) says 1F1B "requires MPMD"; it does not, once the
 schedule is a table of ticks that every device reads with its own index, and the collectives
