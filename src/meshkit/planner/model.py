@@ -166,8 +166,11 @@ def model_flops_per_token(shape: ModelShape) -> float:
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple[float, float, float]:
-    """(all saved activations, those left after ``dots`` remat, layer input) of one layer and one
-    micro-batch on one device, in bytes (Korthikanti et al. 2022, 16-bit activations, 1-byte masks)."""
+    """(all saved activations, those ``dots`` remat keeps, the layer's input) of one layer and one
+    micro-batch on one device, in bytes (Korthikanti et al. 2022: 16-bit activations, 1-byte
+    dropout masks, no sequence parallelism, so what precedes a tensor-parallel matmul is whole).
+    ``dots`` keeps the layer input and the matmul outputs (Q, K, V, attention output, the MLP's
+    first matmul(s)) and recomputes the elementwise rest (norms, activation function, masks, softmax)."""
     t, e = layout.tp, job.act_bytes
     sb = shape.seq * layout.microbatch_size
     d, f, kv = shape.width, shape.ffn, shape.kv_heads * (shape.width // shape.heads)
@@ -176,7 +179,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple
     mlp = sb * f * (4 if shape.gated else 2) * e / t  # gate/up outputs and the activation's output
     scores = 0.0 if job.flash_attention else sb * shape.heads * shape.seq * (2 * e + 1) / t
     full = replicated + attention + mlp + scores
-    return full, full - scores, sb * d * e
+    dots = sb * d * e + attention + mlp / 2
+    return full, dots, sb * d * e
 
 
 def in_flight(layout: Layout, layers: int, m: int) -> float:
@@ -338,6 +342,8 @@ def predict(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> Pr
     eff = efficiency(shape, layout, hw)
     peak_flops = hw.peak_flops if job.precision == "bf16" else hw.fp32_flops
     t_mb = stage_hw / (peak_flops * eff)
+    if layout.remat == "dots":  # the elementwise ops recomputed: their activations written and read again
+        t_mb += per_stage * 2 * (full - dots) / hw.hbm_bytes_per_s
 
     # -- communication -----------------------------------------------------------------------------
     tp_cross = crosses_hosts(1, tp, cluster)
