@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 
 from meshkit._errors import MeshkitError
 
-GB = 1e9
 GIB = 2**30
 
 
@@ -45,59 +44,69 @@ class Hardware:
 
 
 HARDWARE: dict[str, Hardware] = {
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM4): bf16 312 TFLOP/s dense, TF32 156, HBM2 40 GB at
-    # 1,555 GB/s (40 GB) / HBM2e 80 GB at 2,039 GB/s (80 GB), NVLink 3 600 GB/s bidirectional.
-    # DGX A100 user guide: 8 GPUs, 8 x 200 Gb/s HDR InfiniBand compute ports (25 GB/s per GPU).
+    # A100 SXM4: NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, as quoted
+    # by glennklockwood.com/garden/processors/A100): bf16 312 TFLOP/s dense (624 with sparsity),
+    # TF32 156; 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s; NVLink 3 "300+300 GB/s".
+    # Capacity as the driver reports it (nvidia-smi: 40960 / 81920 MiB).
+    # Inter-host: DGX A100, eight 200 Gb/s HDR InfiniBand NICs, one per GPU (25 GB/s per GPU);
+    # clusters vary (BLOOM's Jean Zay nodes: 4 x 100 Gb/s Omni-Path per 8 GPUs).
     "a100-40gb": Hardware(
         name="a100-40gb", family="gpu-ampere", peak_flops=312e12, fp32_flops=156e12,
-        memory_bytes=40 * GIB, hbm_bytes_per_s=1555 * GB, intra_host_bytes_per_s=300 * GB,
-        inter_host_bytes_per_s=25 * GB, devices_per_host=8,
-        source="NVIDIA A100 datasheet (SXM4 40GB); DGX A100 user guide (8x HDR 200 Gb/s)",
+        memory_bytes=40 * GIB, hbm_bytes_per_s=1555e9, intra_host_bytes_per_s=300e9,
+        inter_host_bytes_per_s=25e9, devices_per_host=8,
+        source="NVIDIA A100 datasheet (SXM4 40GB); DGX A100: 8 x HDR 200 Gb/s",
     ),
     "a100-80gb": Hardware(
         name="a100-80gb", family="gpu-ampere", peak_flops=312e12, fp32_flops=156e12,
-        memory_bytes=80 * GIB, hbm_bytes_per_s=2039 * GB, intra_host_bytes_per_s=300 * GB,
-        inter_host_bytes_per_s=25 * GB, devices_per_host=8,
-        source="NVIDIA A100 datasheet (SXM4 80GB); DGX A100 user guide (8x HDR 200 Gb/s)",
+        memory_bytes=80 * GIB, hbm_bytes_per_s=2039e9, intra_host_bytes_per_s=300e9,
+        inter_host_bytes_per_s=25e9, devices_per_host=8,
+        source="NVIDIA A100 datasheet (SXM4 80GB); DGX A100: 8 x HDR 200 Gb/s",
     ),
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): bf16 989 TFLOP/s dense (1,979 with sparsity),
-    # TF32 495 dense, HBM3 80 GB at 3.35 TB/s, NVLink 4 900 GB/s bidirectional. DGX H100: 8 GPUs,
-    # 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), 50 GB/s per GPU.
+    # H100 SXM5 (700 W): NVIDIA H100 datasheet (as reproduced by archive-lib.hpctech.co.jp and
+    # glennklockwood.com/garden/processors/h100): bf16 989.4 TFLOP/s dense (1,979 is with sparsity),
+    # TF32 494.7; 80 GB HBM3 at 3,350 GB/s (nvidia-smi: 81559 MiB); NVLink 4 900 GB/s bidirectional. Inter-host: DGX H100,
+    # eight single-port ConnectX-7 at 400 Gb/s (docs.nvidia.com DGX BasePOD), 50 GB/s per GPU.
     "h100": Hardware(
-        name="h100", family="gpu-hopper", peak_flops=989e12, fp32_flops=495e12,
-        memory_bytes=80 * GIB, hbm_bytes_per_s=3350 * GB, intra_host_bytes_per_s=450 * GB,
-        inter_host_bytes_per_s=50 * GB, devices_per_host=8,
-        source="NVIDIA H100 datasheet (SXM5); DGX H100 datasheet (8x NDR 400 Gb/s)",
+        name="h100", family="gpu-hopper", peak_flops=989.4e12, fp32_flops=494.7e12,
+        memory_bytes=81559 * 2**20, hbm_bytes_per_s=3350e9, intra_host_bytes_per_s=450e9,
+        inter_host_bytes_per_s=50e9, devices_per_host=8,
+        source="NVIDIA H100 datasheet (SXM5); DGX H100: 8 x ConnectX-7 400 Gb/s",
     ),
-    # NVIDIA H200 datasheet (SXM): same compute as H100 SXM, HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s
-    # bidirectional; DGX H200: 8 x 400 Gb/s NDR.
+    # H200 SXM: the H100's compute die (bf16 989.4 TFLOP/s dense) with 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 4 450 GB/s per direction (NVIDIA H200 datasheet, as quoted by lzwjava.github.io and
+    # saulelectric.com); DGX H200: 8 x ConnectX-7 400 Gb/s.
     "h200": Hardware(
-        name="h200", family="gpu-hopper", peak_flops=989e12, fp32_flops=495e12,
-        memory_bytes=141 * GB, hbm_bytes_per_s=4800 * GB, intra_host_bytes_per_s=450 * GB,
-        inter_host_bytes_per_s=50 * GB, devices_per_host=8,
-        source="NVIDIA H200 datasheet (SXM); DGX H200 datasheet (8x NDR 400 Gb/s)",
+        name="h200", family="gpu-hopper", peak_flops=989.4e12, fp32_flops=494.7e12,
+        memory_bytes=141e9, hbm_bytes_per_s=4800e9, intra_host_bytes_per_s=450e9,
+        inter_host_bytes_per_s=50e9, devices_per_host=8,
+        source="NVIDIA H200 datasheet (SXM); DGX H200: 8 x ConnectX-7 400 Gb/s",
     ),
-    # Google Cloud TPU system architecture pages (v4, v5e, v5p): bf16 peak per chip, HBM per chip and
-    # its bandwidth, ICI bandwidth per chip (v4 2,400 Gbps, v5e 1,600 Gbps, v5p 4,800 Gbps; all
-    # links of a chip together, so the table takes the per-direction half); 4 chips per host
-    # (v5e: 8 per host in the v5litepod-8 machine type, 4 in training slices' hosts).
+    # Cloud TPU system architecture pages. ICI joins every chip of a slice, across hosts: both link
+    # figures are ICI per chip per direction (a job spanning slices over the data-center network,
+    # v5e 25 Gb/s and v5p 50 Gb/s per chip, is far slower than this table says).
+    # v4 (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, 3D torus;
+    # 4 chips per host (PaLM paper: 3,072 chips on 768 hosts). ICI 2,400 Gb/s per chip.
     "tpu-v4": Hardware(
         name="tpu-v4", family="tpu", peak_flops=275e12, fp32_flops=275e12 / 3,
-        memory_bytes=32 * GIB, hbm_bytes_per_s=1200 * GB, intra_host_bytes_per_s=150 * GB,
-        inter_host_bytes_per_s=150 * GB, devices_per_host=4,
-        source="cloud.google.com/tpu/docs/v4 (275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, ICI 2,400 Gbps)",
+        memory_bytes=32 * GIB, hbm_bytes_per_s=1200e9, intra_host_bytes_per_s=300e9,
+        inter_host_bytes_per_s=300e9, devices_per_host=4,
+        source="cloud.google.com/tpu/docs/v4",
     ),
+    # v5e (docs.cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 400 GB/s
+    # bidirectional per chip, 2D torus, 8 chips per host.
     "tpu-v5e": Hardware(
         name="tpu-v5e", family="tpu", peak_flops=197e12, fp32_flops=197e12 / 3,
-        memory_bytes=16 * GIB, hbm_bytes_per_s=819 * GB, intra_host_bytes_per_s=100 * GB,
-        inter_host_bytes_per_s=100 * GB, devices_per_host=4,
-        source="cloud.google.com/tpu/docs/v5e (197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 1,600 Gbps)",
+        memory_bytes=16e9, hbm_bytes_per_s=819e9, intra_host_bytes_per_s=200e9,
+        inter_host_bytes_per_s=200e9, devices_per_host=8,
+        source="docs.cloud.google.com/tpu/docs/v5e",
     ),
+    # v5p (docs.cloud.google.com/tpu/docs/v5p-training): 459 TFLOP/s bf16, 95 GiB HBM at 2,765 GB/s,
+    # ICI 1,200 GB/s bidirectional per chip, 3D torus, 4 chips per host.
     "tpu-v5p": Hardware(
         name="tpu-v5p", family="tpu", peak_flops=459e12, fp32_flops=459e12 / 3,
-        memory_bytes=95 * GIB, hbm_bytes_per_s=2765 * GB, intra_host_bytes_per_s=300 * GB,
-        inter_host_bytes_per_s=300 * GB, devices_per_host=4,
-        source="cloud.google.com/tpu/docs/v5p (459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, ICI 4,800 Gbps)",
+        memory_bytes=95 * GIB, hbm_bytes_per_s=2765e9, intra_host_bytes_per_s=600e9,
+        inter_host_bytes_per_s=600e9, devices_per_host=4,
+        source="docs.cloud.google.com/tpu/docs/v5p-training",
     ),
 }  # fmt: skip
 """The known accelerators by name (``--hardware``); TPU fp32 matmuls as XLA's HIGH precision (3 bf16 passes)."""
@@ -136,6 +145,6 @@ def custom(
         raise MeshkitError(f"unknown hardware family {family!r}: choose one of {', '.join(families)}")
     return Hardware(
         name="custom", family=family, peak_flops=peak_tflops * 1e12, fp32_flops=peak_tflops * 1e12 / 2,
-        memory_bytes=memory_gb * GB, hbm_bytes_per_s=hbm_gbps * GB, intra_host_bytes_per_s=intra_gbps * GB,
-        inter_host_bytes_per_s=inter_gbps * GB, devices_per_host=devices_per_host, source="user flags",
+        memory_bytes=memory_gb * 1e9, hbm_bytes_per_s=hbm_gbps * 1e9, intra_host_bytes_per_s=intra_gbps * 1e9,
+        inter_host_bytes_per_s=inter_gbps * 1e9, devices_per_host=devices_per_host, source="user flags",
     )  # fmt: skip

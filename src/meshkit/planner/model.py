@@ -3,9 +3,10 @@ bubble, step time, tokens/s and MFU, from the model's shape alone (no JAX, no co
 
 Conventions (stated so the numbers can be checked):
 
-- FLOPs: matmuls only. Forward per token and layer ``2 (2 D^2 + 2 D D_kv) + 4 S D + 2 k D F``
+- FLOPs: matmuls only. Forward per token and layer ``2 (2 D D_q + 2 D D_kv) + 4 S D_q + 2 k D F``
   (QKV and output projections, the ``S^2`` terms of scores and values counted whole, no causal
-  halving; k = 2 matrices, 3 when gated), logits ``2 D V``. A training step is 3x the forward
+  halving; D_q = heads x head_dim, D_kv = kv_heads x head_dim; k = 2 matrices, 3 when gated),
+  logits ``2 D V``. A training step is 3x the forward
   (backward = 2x). **Model FLOPs** (what MFU divides by peak) count no recompute; **hardware FLOPs**
   add the recomputed forward of the layers under ``layer`` (full) remat, as Megatron's and BLOOM's
   TFLOP/s per GPU do. ``dots`` saves the matmul outputs: no matmul is recomputed.
@@ -23,13 +24,13 @@ Conventions (stated so the numbers can be checked):
 - Memory: parameters, gradients and optimizer state by ZeRO stage (``analysis.cost.zero_memory``,
   mixed-precision Adam 2 + 2 + 12 bytes per parameter in bf16, 4 + 4 + 8 in fp32) of the largest
   stage's share of the parameters (matrices split over tp); activations per layer and micro-batch
-  as Korthikanti et al. (2022) count them for a GPT layer with tensor parallelism and no sequence
-  parallelism, generalised to any MLP width, gated MLPs and grouped-query attention (the ``S^2``
+  as Korthikanti et al. (2022) count them for a GPT layer with tensor and sequence parallelism, generalised to any MLP width, gated MLPs and grouped-query attention (the ``S^2``
   softmax terms left out under flash attention); times the layer-micro-batches a device holds
   (1F1B: up to p micro-batches on the first stage, GPipe: m, interleaved: p (1 + (p - 1)/(p v)));
   under full remat one layer input per layer-micro-batch plus one layer recomputed at a time.
-  Transients: the fp32 logits and their gradient on the last stage, ZeRO-3's gathered layer (two,
-  with the prefetch) and its unsharded gradient. A layout fits when the peak is within
+  Transients: the fp32 logits and their gradient (compute dtype) on the last stage, ZeRO-3's gathered layer and
+  its unsharded gradient. With sequence parallelism (``Job.sequence_parallel``, the default) the
+  activations outside the tensor-parallel matmuls are split over tp as well. A layout fits when the peak is within
   ``MEMORY_USABLE`` of the device's HBM (allocator fragmentation, runtime context, workspaces).
 
 ``Job(runtime="meshkit")`` counts what meshkit's own compiled programs do where they differ from the
@@ -96,6 +97,13 @@ class Job:
     """Optimizer state bytes per parameter (fp32 master + Adam moments: 12 in bf16; 8 in fp32)."""
     flash_attention: bool = True
     """Attention without a materialised S x S score matrix (no S^2 activation memory)."""
+    sequence_parallel: bool = True
+    """Under tensor parallelism, the activations between the tensor-parallel matmuls (norms,
+    residuals, dropout) split over the sequence across tp (Megatron-LM's sequence parallelism;
+    MaxText's and PaLM's sharded activations): replicated activations shrink by tp, the bytes
+    moved stay (all-reduce = reduce-scatter + all-gather). meshkit's plans keep them whole."""
+    dropout: bool = False
+    """Dropout masks stored for the backward pass (1 byte per element after attention and MLP)."""
     runtime: str = "standard"
     """``standard`` (Megatron-style implementation) or ``meshkit`` (meshkit's compiled programs)."""
 
@@ -125,14 +133,19 @@ class Job:
 # -- the model's sizes ------------------------------------------------------------------------------
 
 
+def _attention_widths(shape: ModelShape) -> tuple[int, int]:
+    """(query width, key/value width): heads x head_dim and kv_heads x head_dim."""
+    return shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+
+
 def layer_params(shape: ModelShape, tp: int = 1) -> float:
     """Parameters of one layer on one tensor-parallel shard (matrices and their column-parallel
     biases split over tp; row-parallel biases and norms replicated)."""
-    d, f, kv = shape.width, shape.ffn, shape.kv_heads * (shape.width // shape.heads)
+    d, f, q, kv = shape.width, shape.ffn, *_attention_widths(shape)
     if shape.gated:  # LLaMA: no biases, RMSNorm scales
-        return (2 * d * d + 2 * d * kv + 3 * d * f) / tp + 2 * d
-    matrices = 2 * d * d + 2 * d * kv + 2 * d * f
-    return (matrices + d + kv + f) / tp + d + d + 4 * d  # bq bv b_in split; bo b_out, 2 LayerNorms whole
+        return (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 2 * d
+    matrices = 2 * d * q + 2 * d * kv + 2 * d * f
+    return (matrices + q + kv + f) / tp + d + d + 4 * d  # bq bv b_in split; bo b_out, 2 LayerNorms whole
 
 
 def embed_params(shape: ModelShape, tp: int = 1) -> float:
@@ -151,8 +164,8 @@ def param_count(shape: ModelShape) -> float:
 
 def layer_flops(shape: ModelShape) -> float:
     """Forward matmul FLOPs of one layer per token (the S^2 terms counted whole)."""
-    d, f, kv = shape.width, shape.ffn, shape.kv_heads * (shape.width // shape.heads)
-    return 2 * (2 * d * d + 2 * d * kv) + 4 * shape.seq * d + 2 * (3 if shape.gated else 2) * d * f
+    d, f, q, kv = shape.width, shape.ffn, *_attention_widths(shape)
+    return 2 * (2 * d * q + 2 * d * kv) + 4 * shape.seq * q + 2 * (3 if shape.gated else 2) * d * f
 
 
 def head_flops(shape: ModelShape) -> float:
@@ -168,25 +181,28 @@ def model_flops_per_token(shape: ModelShape) -> float:
 def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple[float, float, float]:
     """(all saved activations, those ``dots`` remat keeps, the layer's input) of one layer and one
     micro-batch on one device, in bytes (Korthikanti et al. 2022: 16-bit activations, 1-byte
-    dropout masks, no sequence parallelism, so what precedes a tensor-parallel matmul is whole).
+    dropout masks where ``job.dropout``; what precedes a tensor-parallel matmul is whole unless
+    ``job.sequence_parallel`` splits it).
     ``dots`` keeps the layer input and the matmul outputs (Q, K, V, attention output, the MLP's
     first matmul(s)) and recomputes the elementwise rest (norms, activation function, masks, softmax)."""
     t, e = layout.tp, job.act_bytes
     sb = shape.seq * layout.microbatch_size
-    d, f, kv = shape.width, shape.ffn, shape.kv_heads * (shape.width // shape.heads)
-    replicated = sb * d * (e + 1 + e + 1 + 2 * e)  # QKV input + mask, MLP input + mask, 2 norm inputs
-    attention = sb * (d + 2 * kv + d) * e / t  # Q, K, V and the output projection's input
-    mlp = sb * f * (4 if shape.gated else 2) * e / t  # gate/up outputs and the activation's output
-    scores = 0.0 if job.flash_attention else sb * shape.heads * shape.seq * (2 * e + 1) / t
+    d, f, q, kv = shape.width, shape.ffn, *_attention_widths(shape)
+    split = t if job.sequence_parallel and job.runtime != "meshkit" else 1
+    mask = 1 if job.dropout else 0
+    replicated = sb * d * (4 * e + 2 * mask) / split  # QKV and MLP inputs, 2 norm inputs, dropout masks
+    attention = sb * (q + 2 * kv + q) * e / t  # Q, K, V and the output projection's input
+    mlp = sb * f * (3 if shape.gated else 2) * e / t  # GeLU: its input and output; SwiGLU: gate, up, product
+    scores = 0.0 if job.flash_attention else sb * shape.heads * shape.seq * (2 * e + mask) / t
     full = replicated + attention + mlp + scores
-    dots = sb * d * e + attention + mlp / 2
-    return full, dots, sb * d * e
+    dots = sb * d * e / split + attention + sb * f * (2 if shape.gated else 1) * e / t
+    return full, dots, sb * d * e / split
 
 
 def in_flight(layout: Layout, layers: int, m: int) -> float:
     """Layer-micro-batches whose activations the busiest device holds at once."""
     p, v = layout.pp, layout.virtual_stages
-    per_stage = layers / p
+    per_stage = -(-layers // p)
     if p == 1:
         return float(layers)
     if layout.schedule == "gpipe":
@@ -250,8 +266,8 @@ def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str 
         return f"tp={layout.tp} does not divide heads={shape.heads}"
     if shape.kv_heads % layout.tp and layout.tp % shape.kv_heads:
         return f"tp={layout.tp} neither divides nor is a multiple of kv_heads={shape.kv_heads}"
-    if shape.layers % (layout.pp * layout.virtual_stages):
-        return f"pp*virtual_stages={layout.pp * layout.virtual_stages} does not divide layers={shape.layers}"
+    if shape.layers < layout.pp * layout.virtual_stages:
+        return f"pp*virtual_stages={layout.pp * layout.virtual_stages} exceeds layers={shape.layers}"
     per_replica = layout.dp * layout.microbatch_size
     if job.global_batch % per_replica:
         return f"global batch {job.global_batch} is not a multiple of dp*microbatch={per_replica}"
@@ -285,14 +301,24 @@ def _bandwidth(cluster: Cluster, crosses: bool) -> float:
     return h.inter_host_bytes_per_s if crosses else h.intra_host_bytes_per_s
 
 
-def efficiency(shape: ModelShape, layout: Layout, hardware: Hardware) -> float:
+def efficiency(
+    shape: ModelShape, layout: Layout, hardware: Hardware, efficiencies: dict[str, float] | None = None
+) -> float:
     """Calibrated matmul efficiency of the family, scaled down for narrow per-device matmuls."""
     n = min(shape.width / layout.tp, layout.microbatch_size * shape.seq)
-    return EFFICIENCY[hardware.family] * n / (n + N_HALF)
+    return (efficiencies or EFFICIENCY)[hardware.family] * n / (n + N_HALF)
 
 
-def predict(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> Prediction:
-    """The cost of ``layout`` for ``shape`` on ``cluster`` running ``job`` (see the module docstring)."""
+def predict(
+    shape: ModelShape,
+    layout: Layout,
+    cluster: Cluster,
+    job: Job,
+    *,
+    efficiencies: dict[str, float] | None = None,
+) -> Prediction:
+    """The cost of ``layout`` for ``shape`` on ``cluster`` running ``job`` (see the module docstring);
+    ``efficiencies`` replaces the calibrated ``EFFICIENCY`` per hardware family (calibration)."""
     why = check(shape, layout, cluster, job)
     if why is not None:
         return Prediction(layout=layout, valid=False, fits=False, why=why)
@@ -300,7 +326,7 @@ def predict(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> Pr
     dp, tp, pp, v, b = layout.dp, layout.tp, layout.pp, layout.virtual_stages, layout.microbatch_size
     m = job.global_batch // (dp * b)
     meshkit = job.runtime == "meshkit"
-    per_stage = shape.layers // pp
+    per_stage = -(-shape.layers // (pp * v)) * v  # layers on the busiest device (uneven splits round up)
     tokens_mb = b * shape.seq  # tokens of one micro-batch
 
     # -- memory ----------------------------------------------------------------------------------
@@ -318,11 +344,11 @@ def predict(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> Pr
         activations = held * dots
     else:
         activations = held * full
-    logits = 2 * 4 * tokens_mb * shape.vocab / tp  # fp32 logits and their gradient (last stage)
+    logits = (4 + e) * tokens_mb * shape.vocab / tp  # fp32 logits, their gradient in the compute dtype
     gathered = 0.0
     if stage == "zero3":
         one_layer = layer_params(shape, tp)
-        gathered = 2 * one_layer * conv.param + one_layer * conv.grad
+        gathered = one_layer * (conv.param + conv.grad)  # one gathered layer, its unsharded gradient
     memory = {
         "parameters": state.params,
         "gradients": state.grads,
@@ -339,7 +365,7 @@ def predict(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> Pr
     layer_fwd = layer_flops(shape) * tokens_mb / tp  # one layer, one micro-batch, one device
     head_fwd = head_flops(shape) * tokens_mb / tp
     stage_hw = per_stage * layer_fwd * (3 + recompute) + 3 * head_fwd  # the last (busiest) stage
-    eff = efficiency(shape, layout, hw)
+    eff = efficiency(shape, layout, hw, efficiencies)
     peak_flops = hw.peak_flops if job.precision == "bf16" else hw.fp32_flops
     t_mb = stage_hw / (peak_flops * eff)
     if layout.remat == "dots":  # the elementwise ops recomputed: their activations written and read again

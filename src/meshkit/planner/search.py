@@ -1,7 +1,8 @@
 """Every layout of a model on a cluster, predicted and ranked.
 
 Enumerated: dp * tp * pp = devices with tp inside a host and dividing the heads, pp dividing the
-layers; ZeRO stage 0-3 (1-3 only with dp > 1); micro-batch sizes dividing the per-replica batch;
+layers; ZeRO stage 0-3 (1-3 only with dp > 1); micro-batch sizes dividing the per-replica batch
+(up to ``MAX_MICROBATCH``);
 pipeline schedules (1F1B, GPipe, interleaved with 2 or more virtual stages dividing the layers per
 stage); remat none, dots, layer. Layouts that fit are ranked by predicted step time; every other
 one keeps the one line that says why it was rejected.
@@ -17,7 +18,8 @@ from meshkit.planner.layout import Layout, ModelShape
 from meshkit.planner.model import Cluster, Job, Prediction, predict
 
 REMATS = ("none", "dots", "layer")
-MICROBATCH_SIZES = (1, 2, 4, 8, 16, 32)
+MAX_MICROBATCH = 64
+"""Largest micro-batch size tried (every divisor of the per-replica batch up to it)."""
 VIRTUAL_STAGES = (2, 4, 8)
 
 
@@ -41,9 +43,9 @@ def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
             schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)]
             if pp > 1:
                 schedules += [("interleaved", v) for v in VIRTUAL_STAGES if (shape.layers // pp) % v == 0]
-            for b in MICROBATCH_SIZES:
-                if per_replica % b:
-                    continue
+            for b in _divisors(per_replica):
+                if b > MAX_MICROBATCH:
+                    break
                 m = per_replica // b
                 if pp > 1 and m < pp:
                     continue
