@@ -19,7 +19,15 @@ from pathlib import Path
 from meshkit._errors import MeshkitError
 from meshkit.planner.hardware import hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.model import EFFICIENCY, Cluster, Job, Prediction, layer_flops, model_flops_per_token, predict
+from meshkit.planner.model import (
+    EFFICIENCY,
+    Cluster,
+    Job,
+    Prediction,
+    layer_flops,
+    model_flops_per_token,
+    predict,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
