@@ -26,7 +26,8 @@ Conventions (stated so the numbers can be checked):
   stage's share of the parameters (matrices split over tp); activations per layer and micro-batch
   as Korthikanti et al. (2022) count them for a GPT layer with tensor and sequence parallelism, generalised to any MLP width, gated MLPs and grouped-query attention (the ``S^2``
   softmax terms left out under flash attention); times the layer-micro-batches a device holds
-  (1F1B: up to p micro-batches on the first stage, GPipe: m, interleaved: p (1 + (p - 1)/(p v)));
+  (1F1B: up to p micro-batches on the first stage, GPipe: m, interleaved: ``v p + p - 2`` chunks of
+  ``L / (p v)`` layers, as meshkit's schedule tables hold them);
   under full remat one layer input per layer-micro-batch plus one layer recomputed at a time.
   Transients: the fp32 logits and their gradient (compute dtype) on the last stage, ZeRO-3's gathered layer and
   its unsharded gradient. With sequence parallelism (``Job.sequence_parallel``, the default) the
@@ -49,7 +50,7 @@ from meshkit.analysis.cost import Convention, convention, ring_traffic, zero_mem
 from meshkit.planner.hardware import Hardware
 from meshkit.planner.layout import Layout, ModelShape
 
-EFFICIENCY = {"gpu-ampere": 0.60, "gpu-hopper": 0.50, "tpu": 0.60}
+EFFICIENCY = {"gpu-ampere": 0.616, "gpu-hopper": 0.748, "tpu": 0.79}
 """Fraction of peak FLOP/s a large matmul-bound transformer layer reaches, per hardware family
 (calibrated on tests/corpus/published_runs.json; see tests/test_planner.py and the README)."""
 N_HALF = 128
@@ -200,17 +201,19 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple
 
 
 def in_flight(layout: Layout, layers: int, m: int) -> float:
-    """Layer-micro-batches whose activations the busiest device holds at once."""
+    """Layer-micro-batches whose activations the busiest device (the first stage) holds at once:
+    its stage's layers times the micro-batch chunks it stashes, as meshkit's schedule tables count
+    them (``plans._schedule``: GPipe m, 1F1B p, interleaved ``v p + p - 2`` chunks of ``L / (p v)``
+    layers; Korthikanti et al. count one chunk more)."""
     p, v = layout.pp, layout.virtual_stages
-    per_stage = -(-layers // p)
     if p == 1:
         return float(layers)
+    per_stage = -(-layers // (p * v)) * v
     if layout.schedule == "gpipe":
-        return per_stage * m
-    held = per_stage * min(p, m)
-    if layout.schedule == "interleaved":
-        held *= 1 + (p - 1) / (p * v)
-    return min(held, per_stage * m)
+        return float(per_stage * m)
+    if v == 1:
+        return float(per_stage * min(p, m))
+    return per_stage / v * min(v * p + p - 2, v * m)
 
 
 # -- the prediction ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Every layout of a model on a cluster, predicted and ranked.
 
-Enumerated: dp * tp * pp = devices with tp inside a host and dividing the heads, pp dividing the
-layers; ZeRO stage 0-3 (1-3 only with dp > 1); micro-batch sizes dividing the per-replica batch
+Enumerated: dp * tp * pp = devices with tp inside a host and dividing the heads, pp up to the
+layers (where pp does not divide them the busiest stage holds the rounded-up share; meshkit's own
+pipeline plans need it to divide); ZeRO stage 0-3 (1-3 only with dp > 1); micro-batch sizes dividing the per-replica batch
 (up to ``MAX_MICROBATCH``);
 pipeline schedules (1F1B, GPipe, interleaved with 2 or more virtual stages dividing the layers per
 stage); remat none, dots, layer. Layouts that fit are ranked by predicted step time; every other
@@ -34,8 +35,8 @@ def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
         if tp > cluster.devices_per_host or shape.heads % tp:
             continue
         for pp in _divisors(n // tp):
-            if shape.layers % pp:
-                continue
+            if pp > shape.layers:
+                break
             dp = n // tp // pp
             if job.global_batch % dp:
                 continue
