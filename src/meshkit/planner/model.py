@@ -120,7 +120,10 @@ class Job:
 
     @property
     def convention(self) -> Convention:
-        base = convention("mixed-adam" if self.precision == "bf16" else "fp32-adam")
+        """Bytes per parameter: mixed-precision Adam in bf16 (2 + 2 + 12), fp32 Adam (4 + 4 + 8);
+        meshkit's programs keep float32 parameters and gradients in either precision."""
+        bf16 = self.precision == "bf16" and self.runtime != "meshkit"
+        base = convention("mixed-adam" if bf16 else "fp32-adam")
         if self.optimizer_bytes is None:
             return base
         return convention(f"{base.param:g},{base.grad:g},{self.optimizer_bytes:g}")
@@ -334,9 +337,13 @@ def predict(
 
     # -- memory ----------------------------------------------------------------------------------
     stage_layers = per_stage * layer_params(shape, tp)
-    first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
-    last = stage_layers + head_params(shape, tp)
-    phi = max(first, last)  # parameters on the busiest device
+    if meshkit:  # embeddings and unembedding whole on every device (every stage)
+        top_params = embed_params(shape) + head_params(shape)
+        phi = stage_layers + top_params
+    else:
+        first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
+        last = stage_layers + head_params(shape, tp)
+        phi = max(first, last)  # parameters on the busiest device
     stage = ("dp", "zero1", "zero2", "zero3")[layout.zero if dp > 1 else 0]
     state = zero_memory(phi, dp, stage, conv)
     full, dots, layer_in = layer_activation_bytes(shape, layout, job)
@@ -360,6 +367,10 @@ def predict(
         "logits": logits,
         "gathered_parameters": gathered,
     }
+    if meshkit:
+        from meshkit.planner import runtime
+
+        memory = runtime.memory(shape, layout, job, layer_params(shape, tp), top_params, per_stage, m)
     peak = sum(memory.values())
     limit = hw.memory_bytes * MEMORY_USABLE
 
@@ -381,14 +392,16 @@ def predict(
     act = tokens_mb * shape.width * e  # one micro-batch's activation, whole
     if tp > 1:
         per_layer = 2 + (4 if meshkit else 2) + (1 if meshkit else 2) * recompute
-        ends = 2 if pp == 1 else 1  # vocab-parallel embedding (forward) and unembedding (backward)
+        ends = 0 if meshkit else 2 if pp == 1 else 1  # vocab-parallel embedding, unembedding
         tp_mb = (per_stage * per_layer + ends) * ring_traffic("all-reduce", act, tp)
     else:
         tp_mb = 0.0
     t_tp_mb = tp_mb / _bandwidth(cluster, tp_cross)
     pp_bytes = 0.0  # meshkit: activation and cotangent permuted on every tick; else each sent once
-    if pp > 1:
-        pp_bytes = 4 * (v * m + pp - 1) * act if meshkit else 2 * v * m * act / tp
+    if pp > 1 and meshkit:  # and the replicated top's gradients all-reduced over the stages
+        pp_bytes = 4 * (v * m + pp - 1) * act + ring_traffic("all-reduce", top_params * conv.grad, pp)
+    elif pp > 1:
+        pp_bytes = 2 * v * m * act / tp
     t_pp = pp_bytes / _bandwidth(cluster, pp_cross)
     grad_b, param_b = conv.grad * phi, conv.param * phi
     f = (dp - 1) / dp
