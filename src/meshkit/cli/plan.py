@@ -148,12 +148,14 @@ def plan(
 
 
 def _virtual(schedule: str, layers: int, layout: str) -> int:
-    """Interleaved without --virtual-stages: 2 chunks per device where they divide its layers."""
+    """Interleaved without --virtual-stages: 2 chunks per device where they divide its layers
+    (1 without a pipeline, where the schedule means nothing)."""
     if schedule != "interleaved":
         return 1
     pp = dict(p.split("=", 1) for p in layout.replace(" ", "").split(",") if "=" in p).get("pp", "1")
-    per_stage = layers // int(pp) if pp.isdigit() and int(pp) > 0 and layers % int(pp) == 0 else 1
-    return 2 if per_stage % 2 == 0 else 1
+    if not pp.isdigit() or int(pp) <= 1 or layers % int(pp):
+        return 1
+    return 2 if (layers // int(pp)) % 2 == 0 else 1
 
 
 def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, preset, ModelShape):
