@@ -257,6 +257,11 @@ def test_plan_one_layout_json_megatron_style(capsys):
     assert p["fits"] and p["layout"]["virtual_stages"] == 2 and p["layout"]["remat"] == "layer"
     assert 0.2 < p["mfu"] < 0.7 and p["hardware_tflops_per_device"] > p["model_tflops_per_device"]
     assert math.isclose(p["tokens_per_s"] * p["step_time_s"], 512 * 2048)
+    # without a pipeline the schedule means nothing: the same flags still evaluate the layout
+    code, out, _ = run(capsys, "plan", "--layout", "dp=32,tp=1,pp=1", "--schedule", "interleaved", "--remat", "full",
+                       "--hardware", "a100-80gb", "--devices", "32", "--global-batch", "512", "--layers", "24",
+                       "--width", "2048", "--heads", "16", "--vocab", "51200", "--seq", "2048", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["layouts"][0]["layout"]["virtual_stages"] == 1
 
 
 @pytest.mark.parametrize(

@@ -148,12 +148,14 @@ def plan(
 
 
 def _virtual(schedule: str, layers: int, layout: str) -> int:
-    """Interleaved without --virtual-stages: 2 chunks per device where they divide its layers."""
+    """Interleaved without --virtual-stages: 2 chunks per device where they divide its layers
+    (1 without a pipeline, where the schedule means nothing)."""
     if schedule != "interleaved":
         return 1
     pp = dict(p.split("=", 1) for p in layout.replace(" ", "").split(",") if "=" in p).get("pp", "1")
-    per_stage = layers // int(pp) if pp.isdigit() and int(pp) > 0 and layers % int(pp) == 0 else 1
-    return 2 if per_stage % 2 == 0 else 1
+    if not pp.isdigit() or int(pp) <= 1 or layers % int(pp):
+        return 1
+    return 2 if (layers // int(pp)) % 2 == 0 else 1
 
 
 def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, preset, ModelShape):
@@ -217,6 +219,14 @@ def _payload(shape, cluster, job, preds, result, measured) -> dict:
     return out
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
 def _pct(x: float, total: float) -> str:
     return f"{100 * x / total:.0f}" if total else "-"
 
@@ -226,7 +236,7 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
 
     hw = cluster.hardware
     console.print(
-        f"[bold]{shape.name}[/]: {param_count(shape) / 1e9:.2f} B parameters, {shape.layers} layers, width "
+        f"[bold]{shape.name}[/]: {_count(param_count(shape))} parameters, {shape.layers} layers, width "
         f"{shape.width}, {shape.heads} heads, seq {shape.seq}, vocab {shape.vocab} | {cluster.devices} x "
         f"{hw.name} ({cluster.devices_per_host} per host) | global batch {job.global_batch}, {job.precision}",
         highlight=False,
@@ -241,7 +251,7 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         )
         rows.append([i, p.layout.label(), p.layout.meshkit_plan() or "-",
                      fmt_bytes(p.peak_bytes, decimal=True) + ("" if p.fits else " (no fit)"),
-                     f"{s:.3f} s", f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%",
+                     _seconds(s), f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%",
                      f"{p.hardware_tflops_per_device:.0f}", split])  # fmt: skip
     title = (
         "Predicted"
@@ -267,14 +277,15 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         )
         console.print(
             f"{'fits' if p.fits else '[red]does not fit[/]: ' + str(p.why)} | micro-batches {p.microbatches}, bubble "
-            f"{p.bubble:.3f} | step {p.step_time_s:.3f} s, {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}% "
+            f"{p.bubble:.3f} | step {_seconds(p.step_time_s)}, {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}% "
             f"(model FLOPs), {p.hardware_tflops_per_device:.0f} TFLOP/s per device with recompute "
             f"(efficiency {p.efficiency:.3f} of peak)",
             highlight=False,
         )
     else:
         summary = ", ".join(f"{n} {k}" for k, n in result.reasons())
-        console.print(f"rejected {len(result.rejected)} of {len(result.ranked) + len(result.rejected)} layouts: {summary}",
+        considered = len(result.ranked) + len(result.rejected)
+        console.print(f"rejected {len(result.rejected)} of {considered} layouts" + (f": {summary}" if summary else ""),
                       highlight=False)  # fmt: skip
         console.print(f"choice: [bold]{preds[0].layout.label()}[/]", highlight=False)
     if measured:

@@ -92,7 +92,7 @@ def run(row: dict) -> Run | None:
         hw = replace(hw, inter_host_bytes_per_s=plan["inter_host_gbps"] * 1e9)
     cluster = Cluster(hardware=hw, devices=get("devices"), devices_per_host=get("devices_per_host") or 0)
     job = Job(global_batch=get("global_batch"), precision="bf16", flash_attention=bool(plan.get("flash", True)),
-              dropout=bool(plan.get("dropout", False)))  # fmt: skip
+              dropout=bool(plan.get("dropout", False)), tp_overlap=float(plan.get("tp_overlap", 0.0)))  # fmt: skip
     tokens = job.global_batch * shape.seq
     if row.get("tokens_per_s"):
         published, basis = row["tokens_per_s"], "tokens/s"

@@ -13,7 +13,10 @@ Conventions (stated so the numbers can be checked):
 - Compute time: hardware FLOPs of the slowest pipeline stage at ``peak x efficiency``, the
   efficiency calibrated per hardware family on published runs (``EFFICIENCY``), scaled by
   ``n / (n + N_HALF)`` for the smallest per-device matmul dimension n (a GEMM narrower than a few
-  hundred columns leaves tensor cores idle: ``N_HALF`` is where it reaches half).
+  hundred columns leaves tensor cores idle: ``N_HALF`` is where it reaches half); plus the
+  memory-bound elementwise ops (norms, residual adds, activation function: ``elementwise_bytes``
+  per pass at HBM bandwidth; forward, backward counted twice, recomputed forward), which is
+  what makes small models reach a lower MFU than large ones.
 - Communication, ring model (``analysis.cost.ring_traffic``) at the link bandwidth of the axis:
   intra-host for tensor parallelism (kept inside a host), inter-host wherever a group spans hosts.
   Tensor-parallel all-reduces sit between the matmuls that need them: exposed whole. Data-parallel
@@ -50,7 +53,7 @@ from meshkit.analysis.cost import Convention, convention, ring_traffic, zero_mem
 from meshkit.planner.hardware import Hardware
 from meshkit.planner.layout import Layout, ModelShape
 
-EFFICIENCY = {"gpu-ampere": 0.616, "gpu-hopper": 0.748, "tpu": 0.79}
+EFFICIENCY = {"gpu-ampere": 0.626, "gpu-hopper": 0.682, "tpu": 0.811}
 """Fraction of peak FLOP/s a large matmul-bound transformer layer reaches, per hardware family
 (calibrated on tests/corpus/published_runs.json; see tests/test_planner.py and the README)."""
 N_HALF = 128
@@ -103,6 +106,10 @@ class Job:
     residuals, dropout) split over the sequence across tp (Megatron-LM's sequence parallelism;
     MaxText's and PaLM's sharded activations): replicated activations shrink by tp, the bytes
     moved stay (all-reduce = reduce-scatter + all-gather). meshkit's plans keep them whole."""
+    tp_overlap: float = 0.0
+    """Fraction of the tensor-parallel all-reduces hidden behind the matmuls (0: on the critical
+    path, Megatron-LM's classic TP; 1: overlapped, Megatron-Core's --tp-comm-overlap, up to the
+    compute time)."""
     dropout: bool = False
     """Dropout masks stored for the backward pass (1 byte per element after attention and MLP)."""
     runtime: str = "standard"
@@ -115,12 +122,17 @@ class Job:
             raise MeshkitError(f"unknown precision {self.precision!r}: choose bf16 or fp32")
         if self.optimizer_bytes is not None and self.optimizer_bytes < 0:
             raise MeshkitError(f"optimizer bytes per parameter {self.optimizer_bytes}: must be >= 0")
+        if not 0.0 <= self.tp_overlap <= 1.0:
+            raise MeshkitError(f"tp_overlap {self.tp_overlap}: a fraction between 0 and 1")
         if self.runtime not in RUNTIMES:
             raise MeshkitError(f"unknown runtime {self.runtime!r}: choose one of {', '.join(RUNTIMES)}")
 
     @property
     def convention(self) -> Convention:
-        base = convention("mixed-adam" if self.precision == "bf16" else "fp32-adam")
+        """Bytes per parameter: mixed-precision Adam in bf16 (2 + 2 + 12), fp32 Adam (4 + 4 + 8);
+        meshkit's programs keep float32 parameters and gradients in either precision."""
+        bf16 = self.precision == "bf16" and self.runtime != "meshkit"
+        base = convention("mixed-adam" if bf16 else "fp32-adam")
         if self.optimizer_bytes is None:
             return base
         return convention(f"{base.param:g},{base.grad:g},{self.optimizer_bytes:g}")
@@ -198,6 +210,21 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple
     full = replicated + attention + mlp + scores
     dots = sb * d * e / split + attention + sb * f * (2 if shape.gated else 1) * e / t
     return full, dots, sb * d * e / split
+
+
+def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
+    """HBM bytes the non-matmul ops of one layer's forward pass move for one micro-batch on one
+    device: two norms (read and write D), two residual adds (read 2 D, write D), the MLP's
+    activation function (read and write F; SwiGLU: read 2 F, write F). The backward pass moves
+    about twice as much, a recomputed forward as much again: ``ELEMENTWISE`` is this per pass."""
+    split = layout.tp if job.sequence_parallel and job.runtime != "meshkit" else 1
+    d, f = shape.width, shape.ffn
+    return (
+        layout.microbatch_size
+        * shape.seq
+        * job.act_bytes
+        * (10 * d / split + (3 if shape.gated else 2) * f / layout.tp)
+    )
 
 
 def in_flight(layout: Layout, layers: int, m: int) -> float:
@@ -334,9 +361,13 @@ def predict(
 
     # -- memory ----------------------------------------------------------------------------------
     stage_layers = per_stage * layer_params(shape, tp)
-    first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
-    last = stage_layers + head_params(shape, tp)
-    phi = max(first, last)  # parameters on the busiest device
+    if meshkit:  # embeddings and unembedding whole on every device (every stage)
+        top_params = embed_params(shape) + head_params(shape)
+        phi = stage_layers + top_params
+    else:
+        first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
+        last = stage_layers + head_params(shape, tp)
+        phi = max(first, last)  # parameters on the busiest device
     stage = ("dp", "zero1", "zero2", "zero3")[layout.zero if dp > 1 else 0]
     state = zero_memory(phi, dp, stage, conv)
     full, dots, layer_in = layer_activation_bytes(shape, layout, job)
@@ -360,6 +391,10 @@ def predict(
         "logits": logits,
         "gathered_parameters": gathered,
     }
+    if meshkit:
+        from meshkit.planner import runtime
+
+        memory = runtime.memory(shape, layout, job, layer_params(shape, tp), top_params, per_stage, m)
     peak = sum(memory.values())
     limit = hw.memory_bytes * MEMORY_USABLE
 
@@ -371,6 +406,7 @@ def predict(
     eff = efficiency(shape, layout, hw, efficiencies)
     peak_flops = hw.peak_flops if job.precision == "bf16" else hw.fp32_flops
     t_mb = stage_hw / (peak_flops * eff)
+    t_mb += per_stage * (3 + recompute) * elementwise_bytes(shape, layout, job) / hw.hbm_bytes_per_s
     if layout.remat == "dots":  # the elementwise ops recomputed: their activations written and read again
         t_mb += per_stage * 2 * (full - dots) / hw.hbm_bytes_per_s
 
@@ -381,14 +417,18 @@ def predict(
     act = tokens_mb * shape.width * e  # one micro-batch's activation, whole
     if tp > 1:
         per_layer = 2 + (4 if meshkit else 2) + (1 if meshkit else 2) * recompute
-        ends = 2 if pp == 1 else 1  # vocab-parallel embedding (forward) and unembedding (backward)
+        ends = 0 if meshkit else 2 if pp == 1 else 1  # vocab-parallel embedding, unembedding
         tp_mb = (per_stage * per_layer + ends) * ring_traffic("all-reduce", act, tp)
+        if meshkit and pp > 1:  # every clock tick runs a chunk's 2 x 2 forward and 4 backward reduces
+            tp_mb = 2 * (v * m + pp - 1) * 8 * (per_stage // v) * ring_traffic("all-reduce", act, tp) / m
     else:
         tp_mb = 0.0
     t_tp_mb = tp_mb / _bandwidth(cluster, tp_cross)
     pp_bytes = 0.0  # meshkit: activation and cotangent permuted on every tick; else each sent once
-    if pp > 1:
-        pp_bytes = 4 * (v * m + pp - 1) * act if meshkit else 2 * v * m * act / tp
+    if pp > 1 and meshkit:  # and the replicated top's gradients all-reduced over the stages
+        pp_bytes = 4 * (v * m + pp - 1) * act + ring_traffic("all-reduce", top_params * conv.grad, pp)
+    elif pp > 1:
+        pp_bytes = 2 * v * m * act / tp
     t_pp = pp_bytes / _bandwidth(cluster, pp_cross)
     grad_b, param_b = conv.grad * phi, conv.param * phi
     f = (dp - 1) / dp
@@ -410,7 +450,7 @@ def predict(
 
     bub = bubble_model(pp, m, v) if pp > 1 else 0.0
     compute = m * t_mb
-    exposed_tp = m * t_tp_mb
+    exposed_tp = m * max(t_tp_mb * (1 - job.tp_overlap), t_tp_mb - t_mb)
     useful = compute + exposed_tp + t_pp
     t_bubble = useful * bub / (1 - bub)
     t_opt = 2 * (state.params + state.grads + state.optimizer) / hw.hbm_bytes_per_s  # read + write

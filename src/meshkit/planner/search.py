@@ -82,8 +82,9 @@ class Search:
 
 
 def _kind(p: Prediction) -> str:
-    if p.valid:
-        return "does not fit in memory"
+    if p.valid:  # named by its largest component
+        part = max(p.memory, key=p.memory.get) if p.memory else "memory"
+        return f"does not fit (largest part: {part.replace('_', ' ')})"
     why = p.why or ""
     return why.split(":")[0] if ":" in why else why
 
