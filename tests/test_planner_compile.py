@@ -115,7 +115,9 @@ DISAGREE = {
     ): "model 2.375 = ticks / m: the model counts the ledger's every-tick bound",
     Layout(dp=2, tp=2, pp=2): "model 2.25 = ticks / m (as above)",
     Layout(dp=2, tp=2, pp=2, zero=3): "peak 0.74, data 8.0, model 2.25 (as above)",
-    Layout(dp=4, pp=2, schedule="interleaved", virtual_stages=2): "stage 0.35",
+    Layout(
+        dp=4, pp=2, schedule="interleaved", virtual_stages=2
+    ): "stage 0.35: the relayout permutes of the chunks (4 x 199680 B) are missing",
 }
 
 
