@@ -177,6 +177,8 @@ def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_d
             given["ffn"] = 0
         if ("width" in given or "heads" in given) and "head_dim" not in given:
             given["head_dim"] = 0
+        if "heads" in given and "kv_heads" not in given and base.kv_heads == base.heads:
+            given["kv_heads"] = 0  # multi-head attention stays multi-head
         return dataclasses.replace(base, **given)  # a preset with sizes overridden
     missing = [k for k in ("layers", "width", "heads", "vocab", "seq") if k not in given]
     if missing:
