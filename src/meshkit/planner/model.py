@@ -439,9 +439,14 @@ def predict(
         dp_bytes, hidden = f * (grad_b + param_b), window
     elif stage == "zero2":
         dp_bytes, hidden = m * f * grad_b + f * param_b, m * window
+    elif meshkit:  # the top gathered once per step, each layer per micro-batch (again under remat),
+        # gradients reduce-scattered per micro-batch; gathers and reduce-scatters in the compute dtype
+        gathers = 1 if layout.remat == "none" else 2
+        top_b = top_params * e
+        dp_bytes = f * (top_b + m * gathers * (phi - top_params) * e + m * phi * e)
+        hidden = m * t_mb
     else:
-        gathers = 1 if meshkit and layout.remat == "none" else 2
-        dp_bytes, hidden = m * f * (gathers * param_b + grad_b), m * t_mb
+        dp_bytes, hidden = m * f * (2 * param_b + grad_b), m * t_mb
     t_dp = dp_bytes / _bandwidth(cluster, dp_cross)
     exposed_dp = max(0.0, t_dp - DP_OVERLAP * hidden)
 
