@@ -59,7 +59,11 @@ class Measured:
     """The arguments by part: ``params``, ``optimizer``, ``batch`` (per-device shards), and ``temporaries``."""
     comm_bytes: dict[str, float] = field(default_factory=dict)
     """Per-device ring-model traffic per step, by mesh axes (``data``, ``model``, ``stage``,
-    ``data+model``, ...), as meshkit's communication ledger reads it from the compiled HLO."""
+    ``data+model``, ...), from meshkit's communication ledger of the compiled HLO, with the
+    collectives inside a pipeline tick's forward or backward branch counted on the ``m v`` ticks a
+    device runs that branch (the ledger, not knowing which branch runs, counts every tick)."""
+    ledger_comm_bytes: dict[str, float] = field(default_factory=dict)
+    """The same as the ledger counts it (every branch's collectives on every trip of their loop)."""
     comm_counts: dict[str, int] = field(default_factory=dict)
     """Collective executions per step, by the same keys."""
     compile_s: float = 0.0
@@ -139,12 +143,17 @@ def steps_per_batch(layout: Layout, global_batch: int) -> int:
     return global_batch // unit
 
 
-def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any, Any, dict[str, int]]:
-    """``(lowered step, mesh, per-device bytes of its params, optimizer and batch arguments)``: meshkit's step for ``layout`` on abstract GPT parameters and batch.
+def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any, Any, dict[str, int], float]:
+    """``(lowered step, mesh, per-device bytes of its params, optimizer and batch arguments, branch
+    share)``: meshkit's step for ``layout`` on abstract GPT parameters and batch.
 
     The step ``meshkit train`` builds (``Trainer``'s construction, without allocating): the plan's
     layout with the GPT's logical axes and whole heads, AdamW, clipping and the gradient norm,
-    bf16 compute and (fsdp) bf16 gathers for bf16; pipeline plans with their schedule."""
+    bf16 compute and (fsdp) bf16 gathers for bf16; pipeline plans with their schedule.
+
+    The branch share is the fraction of a loop's trips on which a device runs each branch of a
+    conditional in it: a pipeline's forward and backward branches run ``m v`` of the schedule's
+    ticks each (1 without a pipeline)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -202,7 +211,8 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
     batch = (attach(tokens, sh.batch), attach(tokens, sh.batch))
     args = {"params": attach(params, param_sh), "optimizer": attach(opt, sh.opt_state), "batch": batch}
     lowered = step.lower(args["params"], args["optimizer"], None, batch, key)
-    return lowered, mesh, {k: _shard_bytes(v) for k, v in args.items()}
+    share = 1.0 if pipe is None else pipe.schedule.m * pipe.schedule.v / pipe.schedule.ticks
+    return lowered, mesh, {k: _shard_bytes(v) for k, v in args.items()}, share
 
 
 def _shard_bytes(tree: Any) -> int:
@@ -222,7 +232,7 @@ def compile_layout(shape: ModelShape, layout: Layout, job: Any) -> Measured:
 
     start = time.perf_counter()
     try:
-        lowered, mesh, parts = abstract_gpt_step(shape, layout, job)
+        lowered, mesh, parts, share = abstract_gpt_step(shape, layout, job)
         compiled = lowered.compile()
     except (MeshkitError, PlanError) as e:
         return failed(layout, str(e).splitlines()[0], time.perf_counter() - start)
@@ -230,6 +240,10 @@ def compile_layout(shape: ModelShape, layout: Layout, job: Any) -> Measured:
     mem = memory(compiled)
     ledger = communication(compiled, mesh=mesh)
     by = ledger.by_axes()
+    executed: dict[str, float] = {}
+    for r in ledger.records:  # a branch's collectives run on its share of the loop's trips
+        bytes_ = (r.total_traffic_bytes or 0.0) * (share if r.in_conditional and r.in_loop else 1.0)
+        executed[r.axes_label] = executed.get(r.axes_label, 0.0) + bytes_
     return Measured(
         layout=layout,
         plan=layout.meshkit_plan(),
@@ -239,7 +253,8 @@ def compile_layout(shape: ModelShape, layout: Layout, job: Any) -> Measured:
         output_bytes=mem.output_bytes,
         alias_bytes=mem.alias_bytes,
         parts={**parts, "temporaries": mem.temp_bytes},
-        comm_bytes={k: float(v.traffic_bytes) for k, v in by.items()},
+        comm_bytes=executed,
+        ledger_comm_bytes={k: float(v.traffic_bytes) for k, v in by.items()},
         comm_counts={k: int(v.executions) for k, v in by.items()},
         compile_s=seconds,
         warnings=ledger.warnings,
