@@ -111,7 +111,8 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
         g_slots = 1 if v == 1 else 2
         chunk = layers_here // v
         activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
-        backward, update = total + 2 * one_layer + activations + head, 2 * total
+        body = 2 * one_layer if chunk > 1 else 0.0  # the loop over a chunk's layers keeps two in buffers
+        backward, update = total + body + activations + head, 2 * total
         return _parts(params, optimizer, batch, backward, update, total, activations + head, 0.0)
     if zero3:  # a layer's weights are its gathered parameters, counted with them
         saved -= weights
