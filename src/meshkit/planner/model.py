@@ -419,8 +419,8 @@ def predict(
         per_layer = 2 + (4 if meshkit else 2) + (1 if meshkit else 2) * recompute
         ends = 0 if meshkit else 2 if pp == 1 else 1  # vocab-parallel embedding, unembedding
         tp_mb = (per_stage * per_layer + ends) * ring_traffic("all-reduce", act, tp)
-        if meshkit and pp > 1:  # every clock tick runs a chunk's 2 x 2 forward and 4 backward reduces
-            tp_mb = 2 * (v * m + pp - 1) * 8 * (per_stage // v) * ring_traffic("all-reduce", act, tp) / m
+        if meshkit and pp > 1:  # a forward tick's 2 reduces per layer, a backward tick's 2 again + 4
+            tp_mb = 8 * per_stage * ring_traffic("all-reduce", act, tp)
     else:
         tp_mb = 0.0
     t_tp_mb = tp_mb / _bandwidth(cluster, tp_cross)
