@@ -291,3 +291,41 @@ def test_plan_custom_hardware(capsys):
     assert code == 0
     data = json.loads(out)
     assert data["cluster"]["hardware"]["peak_flops"] == 100e12 and all(x["fits"] for x in data["layouts"])
+
+
+# -- meshkit's own programs (Job(runtime="meshkit")) -------------------------------------------------
+
+
+@pytest.mark.parametrize(("dp", "tp", "zero"), [(8, 1, 0), (8, 1, 1), (8, 1, 2), (8, 1, 3), (4, 2, 0)])
+def test_meshkit_runtime_agrees_with_the_plans_models(dp, tp, zero):
+    """Parameters and optimizer state are ``plans.memory_formula``'s, data-axis bytes
+    ``plans.expected_collectives``' (zero3: all-gathers of the step's leaves and the layers'),
+    for meshkit's scanned GPT with AdamW laid out by the plan on 8 devices."""
+    import optax
+
+    from meshkit.mesh import make_mesh
+    from meshkit.models import gpt
+    from meshkit.plans import expected_collectives, get_plan, make_layout, memory_formula
+    from meshkit.plans._fsdp import PerLayer, analyse
+
+    shape = SMALL
+    lay = Layout(dp=dp, tp=tp, zero=zero)
+    cfg = gpt.GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
+                        heads=shape.heads, scan_layers=True)  # fmt: skip
+    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    mesh = make_mesh(lay.mesh_spec(), axis_types="auto")
+    plan_layout = make_layout(params, get_plan(lay.meshkit_plan()), mesh, logical_axes=gpt.logical_axes(params),
+                              units={"heads": shape.heads})  # fmt: skip
+    formula = memory_formula(plan_layout, optax.adamw(1e-3), params)
+    job = Job(global_batch=16, precision="fp32", runtime="meshkit")
+    p = predict(shape, lay, Cluster(hardware=hardware("h100"), devices=8), job)
+    assert p.memory["parameters"] == pytest.approx(formula["params"], rel=0.01)
+    assert p.memory["optimizer"] == pytest.approx(formula["optimizer"], rel=0.01)
+    per = PerLayer(layout=plan_layout, remat="none")
+    tokens = jax.ShapeDtypeStruct((2, shape.seq), jax.numpy.int32)
+    per.found = analyse(lambda q, extra: (gpt.make_loss(cfg)(q, extra[1]), None), plan_layout, params,
+                        (None, (tokens, tokens), None))  # fmt: skip
+    expected = expected_collectives(plan_layout, 2 // lay.microbatch_size, tokens_per_device=2 * shape.seq,
+                                    per_layer=per)  # fmt: skip
+    data = sum(e.traffic_bytes for e in expected if e.axes == "data")
+    assert p.comm_bytes["data"] == pytest.approx(data, rel=0.05)

@@ -38,6 +38,7 @@ def plan(
     kv_heads: Annotated[
         int | None, _opt(_M, "Key/value heads (grouped-query attention; default heads).")
     ] = None,
+    head_dim: Annotated[int | None, _opt(_M, "Width of one head (default width / heads).")] = None,
     devices: Annotated[int, _opt(_C, "Devices in the cluster.")] = 8,
     devices_per_host: Annotated[
         int | None, _opt(_C, "Devices per host (default: the hardware's node).")
@@ -98,7 +99,9 @@ def plan(
     from meshkit.planner.hardware import hardware as get_hardware
     from meshkit.planner.presets import preset
 
-    shape = _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, preset, ModelShape)
+    shape = _shape(
+        model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape
+    )
     if hardware.strip().lower() == "custom":
         hw = custom(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
                     inter_gbps=inter_gbps, devices_per_host=devices_per_host or 8, family=family)  # fmt: skip
@@ -125,8 +128,10 @@ def plan(
         if result.best is None:
             close = result.closest()
             if close is None:
-                why = result.rejected[0].why if result.rejected else "no candidate layout"
-                raise MeshkitError(f"no layout of {shape.name} runs on {devices} devices: {why}")
+                raise MeshkitError(
+                    f"no layout of {shape.name} runs on {devices} devices with global batch {global_batch}: "
+                    f"use a global batch that divides over the data-parallel degrees (e.g. a multiple of {devices})"
+                )
             raise MeshkitError(
                 f"{shape.name} fits no layout on {devices} x {hw.name}: the best, {close.layout.label()}, "
                 f"needs {close.peak_bytes / 1e9:.1f} GB per device of {close.limit_bytes / 1e9:.1f} GB usable "
@@ -158,9 +163,9 @@ def _virtual(schedule: str, layers: int, layout: str) -> int:
     return 2 if (layers // int(pp)) % 2 == 0 else 1
 
 
-def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, preset, ModelShape):
+def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape):
     sizes = {"layers": layers, "width": width, "heads": heads, "vocab": vocab, "seq": seq, "ffn": ffn,
-             "gated": gated, "kv_heads": kv_heads}  # fmt: skip
+             "gated": gated, "kv_heads": kv_heads, "head_dim": head_dim}  # fmt: skip
     given = {k: v for k, v in sizes.items() if v is not None}
     if model is not None:
         base = preset(model)
@@ -170,6 +175,10 @@ def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, preset
 
         if "width" in given and "ffn" not in given and not base.gated:
             given["ffn"] = 0
+        if ("width" in given or "heads" in given) and "head_dim" not in given:
+            given["head_dim"] = 0
+        if "heads" in given and "kv_heads" not in given and base.kv_heads == base.heads:
+            given["kv_heads"] = 0  # multi-head attention stays multi-head
         return dataclasses.replace(base, **given)  # a preset with sizes overridden
     missing = [k for k in ("layers", "width", "heads", "vocab", "seq") if k not in given]
     if missing:

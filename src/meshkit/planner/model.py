@@ -419,8 +419,8 @@ def predict(
         per_layer = 2 + (4 if meshkit else 2) + (1 if meshkit else 2) * recompute
         ends = 0 if meshkit else 2 if pp == 1 else 1  # vocab-parallel embedding, unembedding
         tp_mb = (per_stage * per_layer + ends) * ring_traffic("all-reduce", act, tp)
-        if meshkit and pp > 1:  # every clock tick runs a chunk's 2 x 2 forward and 4 backward reduces
-            tp_mb = 2 * (v * m + pp - 1) * 8 * (per_stage // v) * ring_traffic("all-reduce", act, tp) / m
+        if meshkit and pp > 1:  # a forward tick's 2 reduces per layer, a backward tick's 2 again + 4
+            tp_mb = 8 * per_stage * ring_traffic("all-reduce", act, tp)
     else:
         tp_mb = 0.0
     t_tp_mb = tp_mb / _bandwidth(cluster, tp_cross)
@@ -439,9 +439,14 @@ def predict(
         dp_bytes, hidden = f * (grad_b + param_b), window
     elif stage == "zero2":
         dp_bytes, hidden = m * f * grad_b + f * param_b, m * window
+    elif meshkit:  # the top gathered once per step, each layer per micro-batch (again under remat),
+        # gradients reduce-scattered per micro-batch; gathers and reduce-scatters in the compute dtype
+        gathers = 1 if layout.remat == "none" else 2
+        top_b = top_params * e
+        dp_bytes = f * (top_b + m * gathers * (phi - top_params) * e + m * phi * e)
+        hidden = m * t_mb
     else:
-        gathers = 1 if meshkit and layout.remat == "none" else 2
-        dp_bytes, hidden = m * f * (gathers * param_b + grad_b), m * t_mb
+        dp_bytes, hidden = m * f * (2 * param_b + grad_b), m * t_mb
     t_dp = dp_bytes / _bandwidth(cluster, dp_cross)
     exposed_dp = max(0.0, t_dp - DP_OVERLAP * hidden)
 

@@ -56,12 +56,12 @@ def residuals(
         split = len(aval.shape) == 4 or (f != d and aval.shape[-1:] == (f,)) or len(aval.shape) == 2
         return n / tp if split else n  # heads (b,t,h,k) / (b,h,t,s), MLP width, weight copies
 
-    def saved(fn, args, matmuls_only=False) -> float:
+    def saved(fn, args, weights_only=False) -> float:
         total = 0.0
         for aval, where in saved_residuals(fn, *args):
             if "argument" in where or "literal" in where:
                 continue
-            if matmuls_only and not where.startswith(("output of dot_general", "output of reshape")):
+            if weights_only and len(aval.shape) != 2:
                 continue
             total += size(aval)
         return total
@@ -77,7 +77,7 @@ def residuals(
         return fn(p, x).astype(jnp.float32).sum()
 
     layer = saved(run, (block, x))
-    matmuls = saved(lambda p, x: gpt._block(p, x, cfg).astype(jnp.float32).sum(), (block, x), True)
+    weights = saved(run, (block, x), weights_only=True)  # compute-dtype copies of the matrices
     layer_input = float(np.prod(x.shape)) * compute.itemsize
     top = jax.eval_shape(lambda: gpt.init(jax.random.key(0), _config(shape, precision)))
     top = {k: v for k, v in top.items() if k != "blocks"}
@@ -88,7 +88,7 @@ def residuals(
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
     head_b = saved(head, (top, x))
-    return layer, matmuls, layer_input, head_b
+    return layer, weights, layer_input, head_b
 
 
 def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_params: float,
@@ -101,7 +101,7 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
     params = total / n if zero3 else total
     optimizer = 2 * (total / n if layout.zero >= 1 and n > 1 else total)  # AdamW's two float32 moments
     batch = 2 * 4 * job.global_batch * shape.seq / n
-    saved, matmuls, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision,
+    saved, weights, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision,
                                                layout.remat if layout.pp == 1 else "none")  # fmt: skip
     one_layer = layer_b / max(layers_here, 1)
     if layout.pp > 1:  # the stash of stage inputs and cotangents, one chunk recomputed, the head
@@ -111,10 +111,18 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
         g_slots = 1 if v == 1 else 2
         chunk = layers_here // v
         activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
-        backward, update = total + 2 * one_layer + activations + head, 2 * total
+        body = 2 * one_layer if chunk > 1 else 0.0  # the loop over a chunk's layers keeps two in buffers
+        backward, update = total + body + activations + head, 2 * total
         return _parts(params, optimizer, batch, backward, update, total, activations + head, 0.0)
-    # the saved residuals of every layer; under remat one layer's matmul outputs recreated on top
-    activations = layers_here * saved + (matmuls if layout.remat != "none" else 0.0) + head
+    if zero3:  # a layer's weights are its gathered parameters, counted with them
+        saved -= weights
+    # the saved residuals of every layer; under remat one layer's residuals recreated on top (in
+    # the scan every one of them: XLA does not fuse across the loop body's recomputation)
+    if layout.remat != "none":
+        recomputed = residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none")[0]
+        activations = layers_here * saved + recomputed + head
+    else:
+        activations = layers_here * saved + head
     body = (1 if zero3 and layout.remat != "none" else 2) * one_layer  # the scan's loop buffers
     if zero3:  # gathered in the compute dtype (bf16 gathers under bf16)
         g = (2 if job.precision == "bf16" else 4) / 4
