@@ -103,21 +103,13 @@ CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and 
 ]
 
 
-# Where the planner's model of meshkit's step still disagrees with the compiled program (diagnosed in
-# /work/wt/plancompile_to_planner.md; strict: a layout that comes to agree fails here until moved out).
+# Where the planner's model of meshkit's step still disagrees with the compiled program (each diagnosed
+# for the planner, issue 12; strict: a layout that comes to agree fails here until moved out).
 DISAGREE = {
     Layout(dp=8, zero=1): "peak 0.88",
-    Layout(dp=2, tp=2, zero=3): "data 1.13",
-    Layout(dp=2, pp=4): "peak 1.20",
     Layout(dp=2, pp=4, zero=3): "data 8.0: fsdp+pp gathers and scatters once per step, not per micro-batch",
-    Layout(
-        tp=2, pp=4, schedule="gpipe"
-    ): "model 2.375 = ticks / m: the model counts the ledger's every-tick bound",
-    Layout(dp=2, tp=2, pp=2): "model 2.25 = ticks / m (as above)",
-    Layout(dp=2, tp=2, pp=2, zero=3): "peak 0.74, data 8.0, model 2.25 (as above)",
-    Layout(
-        dp=4, pp=2, schedule="interleaved", virtual_stages=2
-    ): "stage 0.35: the relayout permutes of the chunks (4 x 199680 B) are missing",
+    Layout(dp=2, tp=2, pp=2, zero=3): "peak 0.74, data 8.0 (as above)",
+    Layout(dp=4, pp=2, schedule="interleaved", virtual_stages=2): "stage 0.35: the chunks' relayout permutes",
 }
 
 
