@@ -107,9 +107,6 @@ CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and 
 # for the planner, issue 12; strict: a layout that comes to agree fails here until moved out).
 DISAGREE = {
     Layout(dp=8, zero=1): "peak 0.88",
-    Layout(dp=2, pp=4, zero=3): "data 8.0: fsdp+pp gathers and scatters once per step, not per micro-batch",
-    Layout(dp=2, tp=2, pp=2, zero=3): "peak 0.74, data 8.0 (as above)",
-    Layout(dp=4, pp=2, schedule="interleaved", virtual_stages=2): "stage 0.35: the chunks' relayout permutes",
 }
 
 

@@ -427,6 +427,8 @@ def predict(
     pp_bytes = 0.0  # meshkit: activation and cotangent permuted on every tick; else each sent once
     if pp > 1 and meshkit:  # and the replicated top's gradients all-reduced over the stages
         pp_bytes = 4 * (v * m + pp - 1) * act + ring_traffic("all-reduce", top_params * conv.grad, pp)
+        if v > 1:  # interleaved: the chunks permuted into schedule order at the start, gradients back
+            pp_bytes += stage_layers * (conv.param + conv.grad)
     elif pp > 1:
         pp_bytes = 2 * v * m * act / tp
     t_pp = pp_bytes / _bandwidth(cluster, pp_cross)
@@ -439,6 +441,8 @@ def predict(
         dp_bytes, hidden = f * (grad_b + param_b), window
     elif stage == "zero2":
         dp_bytes, hidden = m * f * grad_b + f * param_b, m * window
+    elif meshkit and pp > 1:  # fsdp+pp: one bucketed gather, one bucketed reduce-scatter per step
+        dp_bytes, hidden = f * 2 * phi * e, m * t_mb
     elif meshkit:  # the top gathered once per step, each layer per micro-batch (again under remat),
         # gradients reduce-scattered per micro-batch; gathers and reduce-scatters in the compute dtype
         gathers = 1 if layout.remat == "none" else 2

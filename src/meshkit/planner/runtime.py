@@ -112,8 +112,12 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
         chunk = layers_here // v
         activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
         body = 2 * one_layer if chunk > 1 else 0.0  # the loop over a chunk's layers keeps two in buffers
-        backward, update = total + body + activations + head, 2 * total
-        return _parts(params, optimizer, batch, backward, update, total, activations + head, 0.0)
+        # fsdp+pp gathers the stage's parameters once for the step (compute dtype); interleaved keeps
+        # its layers permuted into schedule order beside them
+        gathered = total * (2 if job.precision == "bf16" else 4) / 4 if zero3 else 0.0
+        relayout = layer_b if v > 1 else 0.0
+        backward = total + body + activations + head + gathered + relayout
+        return _parts(params, optimizer, batch, backward, 2 * total, total, activations + head, gathered)
     if zero3:  # a layer's weights are its gathered parameters, counted with them
         saved -= weights
     # the saved residuals of every layer; under remat one layer's residuals recreated on top (in
