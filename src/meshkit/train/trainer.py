@@ -572,7 +572,7 @@ class Trainer:
         return math.prod(self.mesh.shape.values())
 
 
-def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_stages, extras, remat):
+def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_stages, extras, remat="none"):
     """A pipeline plan's ``Pipeline`` (checked), or None; other plans refuse the pipeline options."""
     from meshkit.plans._pipeline import Pipeline
 
