@@ -17,9 +17,13 @@ Three parts, printed in one run:
    time per step, as ratios to dp. On 2 shared cores these are noisy (the load of other tenants
    stretches wall-clock time); the CPU ratio is the steadier one.
 
+4. **Activation checkpointing** (p = 4, 2 layers per stage, m = 8): the temporaries under GPipe
+   and 1F1B with ``remat`` none, layer and dots, beside the model (stash + one backward tick's
+   residuals, ``Pipeline.working_bytes``); what remat saves, measured beside predicted.
+
 Run (several minutes on 2 cores)::
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--parts 1,2,3] [--steps 5]
+    .venv/bin/python benchmarks/bench_pipeline.py [--parts 1,2,3,4] [--steps 5]
 """
 
 from __future__ import annotations
@@ -50,12 +54,12 @@ def _tokens(n: int, t: int, vocab: int, seed: int = 0):
     return tok[:, :-1], tok[:, 1:]
 
 
-def _pipeline(cfg, mesh_text, schedule, m, v):
+def _pipeline(cfg, mesh_text, schedule, m, v, remat="none"):
     params = gpt.init(jax.random.key(0), cfg)
     mesh = make_mesh(mesh_text, axis_types="auto")
     layout = make_layout(params, get_plan("dp+pp"), mesh)
     pipe = Pipeline.make(gpt.stages(cfg), params, layout, microbatches=m, schedule=schedule, virtual_stages=v,
-                         extras={})  # fmt: skip
+                         extras={}, remat=remat)  # fmt: skip
     return params, pipe
 
 
@@ -90,6 +94,14 @@ def bubble_and_permutes() -> bool:
     return ok
 
 
+def _temps(cfg, name: str, m: int, rows: int, remat: str = "none"):
+    """The compiled gradient step's temporaries on stage=4,data=2, micro-batches of ``rows`` rows."""
+    params, pipe = _pipeline(cfg, "stage=4,data=2", name, m, 1, remat)
+    batch = _tokens(2 * rows * m, cfg.seq_len, cfg.vocab_size)
+    compiled = jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
+    return memory(compiled).temp_bytes, pipe, params, batch
+
+
 def activation_memory() -> bool:
     print("\n2. activation memory: compiled temporaries (memory_analysis) vs the stash model; p=4, micro-batch "
           "4 rows x 64 tokens x width 64 (one activation = 64 KiB)")  # fmt: skip
@@ -100,11 +112,7 @@ def activation_memory() -> bool:
     for name in ("gpipe", "1f1b"):
         base = None
         for m in (4, 8, 16):
-            params, pipe = _pipeline(cfg, "stage=4,data=2", name, m, 1)
-            batch = _tokens(2 * rows * m, cfg.seq_len, cfg.vocab_size)
-            temps = memory(
-                jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
-            ).temp_bytes
+            temps, pipe, _, _ = _temps(cfg, name, m, rows)
             s = pipe.schedule
             act = rows * cfg.seq_len * cfg.width * 4
             stash = (s.x_slots + s.g_slots + 2) * act
@@ -121,48 +129,78 @@ def activation_memory() -> bool:
     return ok
 
 
-def _time(trainer, batch, steps: int) -> tuple[float, float]:
-    trainer.step(batch)  # compile and warm up
+def remat_memory() -> bool:
+    print("\n4. activation checkpointing: compiled temporaries (memory_analysis) without and with remat; p=4, "
+          "8 layers (2 per stage), micro-batch 4 rows x 64 tokens x width 64")  # fmt: skip
+    print("   model: stash (slots x one activation) + one backward tick's residuals through its chunk "
+          "(Pipeline.working_bytes); 'saved' = temps(none) - temps(remat), beside the model's")  # fmt: skip
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=64, layers=8, width=64, heads=4, scan_layers=True)
+    rows, ok = 4, True
+    print(f"{'schedule':9} {'m':>3} {'remat':6} {'temps':>12} {'stash':>10} {'working':>12} {'model':>12} "
+          f"{'temps/model':>11} {'saved':>12} {'model saved':>12} {'ratio':>6}")  # fmt: skip
+    for name in ("gpipe", "1f1b"):
+        m = 8
+        base = None
+        for remat in ("none", "layer", "dots"):
+            temps, pipe, params, batch = _temps(cfg, name, m, rows, remat)
+            s = pipe.schedule
+            stash = (s.x_slots + s.g_slots + 2) * rows * cfg.seq_len * cfg.width * 4
+            working = pipe.working_bytes(params, batch)
+            base = base or (temps, working)
+            saved, model_saved = base[0] - temps, base[1] - working
+            ratio = saved / model_saved if model_saved else None
+            if ratio is not None:
+                ok &= saved > 0 and 0.9 <= ratio <= 1.1
+            print(f"{name:9} {m:>3} {remat:6} {temps:>12,} {stash:>10,} {working:>12,.0f} {stash + working:>12,.0f} "
+                  f"{temps / (stash + working):>11.3f} {saved:>12,} {model_saved:>12,.0f} "
+                  f"{'-' if ratio is None else f'{ratio:.4f}':>6}", flush=True)  # fmt: skip
+    return ok
+
+
+def _one(trainer, batch) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    trainer.step(batch)
     jax.block_until_ready(trainer.params)
-    wall, cpu = [], []
-    for _ in range(steps):
-        w0, c0 = time.perf_counter(), time.process_time()
-        trainer.step(batch)
-        jax.block_until_ready(trainer.params)
-        wall.append(time.perf_counter() - w0)
-        cpu.append(time.process_time() - c0)
-    return float(np.median(wall)), float(np.median(cpu))
+    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def step_time(steps: int) -> None:
-    print("\n3. step time, GPT width 64, 8 layers, seq 64, global batch 32, 8 devices (medians; ratio to dp)")
+    print("\n3. step time, GPT width 64, 8 layers, seq 64, global batch 32, 8 devices (medians of steps taken "
+          "in turn, one of each run per round, so load drift hits every run alike; ratio to dp)")  # fmt: skip
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=64, layers=8, width=64, heads=4, scan_layers=True)
     params = gpt.init(jax.random.key(0), cfg)
     batch = _tokens(32, cfg.seq_len, cfg.vocab_size)
     runs = [("dp, data=8", dict(plan="dp", mesh="data=8"), gpt.make_loss(cfg)),
+            ("dp+pp stage=1 (m=1, the default)", dict(plan="dp+pp", mesh="stage=1,data=8"), None),
             ("dp, data=8, accumulate=4", dict(plan="dp", mesh="data=8", accumulate=4), gpt.make_loss(cfg)),
             ("dp+pp stage=1 (1f1b, m=4)", dict(plan="dp+pp", mesh="stage=1,data=8", microbatches=4), None),
             ("dp+pp stage=4 gpipe m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="gpipe"), None),
             ("dp+pp stage=4 1f1b m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="1f1b"), None),
             ("dp+pp stage=4 interleaved v=2 m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8,
                                                        schedule="interleaved", virtual_stages=2), None)]  # fmt: skip
-    base = None
-    print(f"{'run':36} {'wall ms':>9} {'cpu ms':>9} {'wall/dp':>8} {'cpu/dp':>7} {'bubble':>7}")
-    for label, kwargs, loss in runs:
+    trainers = []
+    for _label, kwargs, loss in runs:
         t = Trainer(loss or gpt.stages(cfg), params, optax.adam(1e-3), **kwargs)
-        wall, cpu = _time(t, batch, steps)
-        base = base or (wall, cpu)
+        _one(t, batch)  # compile and warm up
+        trainers.append(t)
+    times = [[] for _ in runs]
+    for _ in range(steps):
+        for i, t in enumerate(trainers):
+            times[i].append(_one(t, batch))
+    med = [tuple(float(np.median([x[k] for x in ts])) for k in (0, 1)) for ts in times]
+    print(f"{'run':36} {'wall ms':>9} {'cpu ms':>9} {'wall/dp':>8} {'cpu/dp':>7} {'bubble':>7}")
+    for (label, _, _), t, (wall, cpu) in zip(runs, trainers, med, strict=True):
         bubble = (
             "-" if t.pipeline is None else f"{float(np.mean(np.asarray(t.last_schedule)[..., 0] == 0)):.3f}"
         )
-        print(f"{label:36} {wall * 1e3:>9.1f} {cpu * 1e3:>9.1f} {wall / base[0]:>8.2f} {cpu / base[1]:>7.2f} "
+        print(f"{label:36} {wall * 1e3:>9.1f} {cpu * 1e3:>9.1f} {wall / med[0][0]:>8.2f} {cpu / med[0][1]:>7.2f} "
               f"{bubble:>7}", flush=True)  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="1,2,3")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--parts", default="1,2,3,4")
+    ap.add_argument("--steps", type=int, default=9)
     args = ap.parse_args()
     parts = {int(x) for x in args.parts.split(",")}
     ok = True
@@ -170,6 +208,8 @@ def main() -> int:
         ok &= bubble_and_permutes()
     if 2 in parts:
         ok &= activation_memory()
+    if 4 in parts:
+        ok &= remat_memory()
     if 3 in parts:
         step_time(args.steps)
     print("\nall checks ok" if ok else "\nMISMATCH: see the rows marked above")

@@ -1,7 +1,9 @@
 """One process of the multi-process pipeline test: dp+pp (1F1B) on a tiny GPT over 2 processes x 4
-devices, mesh stage=2,data=4: each process holds one stage, so the activations and cotangents cross
-processes. Writes OUT_DIR/result-<process>.json (parameters gathered from every process, the bubble
-counted from the executed schedule).
+devices, on two meshes in turn: stage=2,data=4 (each process holds one stage, so every activation and
+cotangent crosses processes) and stage=4,data=2 (the pipeline spans the processes: two stages on each,
+the permutes between stages 1 and 2, and the ring's wrap, cross). Writes
+OUT_DIR/result-<process>.json: per mesh, the parameters gathered from every process, which processes
+hold each stage, and the bubble counted from the executed schedule.
 Usage: pipeline_worker.py OUT_DIR
 """
 
@@ -25,21 +27,17 @@ out_dir = Path(sys.argv[1])
 cfg = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=2, scan_layers=True)
 tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
 batch = (tokens[:, :-1], tokens[:, 1:])
-trainer = meshkit.Trainer(gpt.stages(cfg), gpt.init(jax.random.key(0), cfg), optax.adam(1e-2), plan="dp+pp",
-                          mesh="stage=2,data=4", microbatches=4, schedule="1f1b")  # fmt: skip
-stage_of = (
-    {d.process_index for d in trainer.mesh.devices[0].flat},
-    {d.process_index for d in trainer.mesh.devices[1].flat},
-)
-for _ in range(2):
-    metrics = trainer.step(batch)
-record = np.asarray(trainer.last_schedule)
-result = {
-    "process": info.process_index,
-    "processes": info.process_count,
-    "stage_processes": [sorted(s) for s in stage_of],
-    "bubble": float(np.mean(record[..., 0] == 0)),
-    "loss": float(metrics["loss"]),
-    "params": [a.tolist() for a in jax.tree.leaves(host(trainer.params))],
-}
+result = {"process": info.process_index, "processes": info.process_count, "meshes": {}}
+for mesh in ("stage=2,data=4", "stage=4,data=2"):
+    trainer = meshkit.Trainer(gpt.stages(cfg), gpt.init(jax.random.key(0), cfg), optax.adam(1e-2), plan="dp+pp",
+                              mesh=mesh, microbatches=4, schedule="1f1b")  # fmt: skip
+    for _ in range(2):
+        metrics = trainer.step(batch)
+    record = np.asarray(trainer.last_schedule)
+    result["meshes"][mesh] = {
+        "stage_processes": [sorted({d.process_index for d in row.flat}) for row in trainer.mesh.devices],
+        "bubble": float(np.mean(record[..., 0] == 0)),
+        "loss": float(metrics["loss"]),
+        "params": [a.tolist() for a in jax.tree.leaves(host(trainer.params))],
+    }
 (out_dir / f"result-{info.process_index}.json").write_text(json.dumps(result))

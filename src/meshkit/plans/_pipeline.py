@@ -27,6 +27,17 @@ block's intermediates for each slot (their pytree known only after tracing the c
 the stage input; recomputation keeps the carry to arrays of one known shape, and a schedule's
 activation memory to its stash: slots x one micro-batch's activation.
 
+Activation checkpointing (``remat``): the backward tick differentiates its chunk of k layers, and
+without remat keeps every block's intermediates of that micro-batch while it does (k layers of
+them, for one micro-batch at a time: the stash above is what scales with the schedule).
+``remat="layer"`` runs each block under ``jax.checkpoint`` inside that recomputation, so the tick
+keeps one input per block (k activations) and recreates one block's intermediates at a time, at
+the cost of one more forward per block (forward tick, the chunk's recomputation, the block's);
+``"dots"`` keeps the blocks' matmul outputs. Megatron's "full recompute" keeps every block's input
+per micro-batch in flight; here the stash keeps only the stage's input, and ``layer`` bounds the
+working set of the one micro-batch being differentiated. ``Pipeline.working_bytes`` models that
+working set (``benchmarks/bench_pipeline.py`` part 4 sets the temporaries saved beside it).
+
 Interleaved: the stored layer order gives device d a contiguous slice of the layer axis (so the
 parameters keep the user's order and one NamedSharding), while the schedule wants virtual stages
 ``c p + d``; the step moves the chunks into that order with ppermutes at its start and the
@@ -34,6 +45,13 @@ gradients back at its end (modelled, in the ledger beside the per-tick permutes)
 an all-reduce of the gradients (dp+pp) or ZeRO-3 per stage (fsdp+pp: one bucketed gather, one
 bucketed reduce-scatter per step). Over ``model`` (tp+pp and the 3D plans): the axis is left to
 XLA's partitioner inside the manual region, as the other tensor-parallel plans do.
+
+One stage (``stage=1``, v = 1) has nothing to send and no bubble: its schedule is gradient
+accumulation over the micro-batches, and it runs as such (a scan of ``jax.value_and_grad``, one call
+for m = 1), without the tick loop, the permutes or the recomputing backward; with one micro-batch
+and neither ZeRO-3 nor a model axis it is the plan without stages (the global-view gradient, which
+XLA's partitioner all-reduces as under dp), so it costs what dp costs (``benchmarks/bench_pipeline.py``
+part 3). Its record is the schedule's table.
 
 Why one SPMD program: MaxText (issue 752) says 1F1B "requires MPMD"; it does not, once the
 schedule is a table of ticks that every device reads with its own index, and the collectives
@@ -97,12 +115,19 @@ class Stages:
             )
         return int(shapes.pop())
 
-    def run_blocks(self, blocks: Any, x: jax.Array) -> jax.Array:
-        return lax.scan(lambda h, p: (self.block(p, h), None), x, blocks)[0]
+    def run_blocks(self, blocks: Any, x: jax.Array, policy: Any = None) -> jax.Array:
+        """The blocks in order, a ``lax.scan`` over the layer axis; with ``policy`` (a
+        ``jax.checkpoint`` policy) each block rematerialized under it."""
+        block = self.block if policy is None else jax.checkpoint(self.block, policy=policy, prevent_cse=False)
+        return lax.scan(lambda h, p: (block(p, h), None), x, blocks)[0]
 
     def __call__(self, params: Any, batch: Any) -> jax.Array:
         top, blocks = self.split(params)
         return self.loss(self.head(top, self.run_blocks(blocks, self.embed(top, batch))), batch)
+
+
+PIPELINE_REMAT = ("none", "layer", "dots")
+"""The remat policies a pipeline takes (``_fsdp.REMAT``'s, less ``regather``)."""
 
 
 def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: str) -> None:
@@ -203,14 +228,18 @@ def _perm(p: int, shift: int, ring: bool) -> list[tuple[int, int]]:
     return pairs
 
 
-def local_pipeline(stages: Stages, sched: _schedule.Schedule, layout: Layout) -> Callable:
+def local_pipeline(
+    stages: Stages, sched: _schedule.Schedule, layout: Layout, remat: str = "none"
+) -> Callable:
     """Per-device ``(params, batch) -> (loss, record, grads)`` inside the manual region.
 
     Over ``data``: gradients all-reduced (dp+pp), or under fsdp+pp (ZeRO-3) the parameter shards
     all-gathered once before the schedule and the gradients reduce-scattered once after it (both
     bucketed, ``_step``'s helpers): the stage's full parameters live through the step."""
+    from meshkit.plans._fsdp import REMAT
     from meshkit.plans._step import _finish, _gather
 
+    policy = REMAT[remat]
     data_size, zero3 = layout.data_size, layout.plan.stage == "zero3"
     p, m, v, S = sched.p, sched.m, sched.v, sched.stages
     table = np.stack([sched.kind, sched.chunk, sched.mb, sched.x_read, sched.g_read, sched.x_write,
@@ -236,7 +265,7 @@ def local_pipeline(stages: Stages, sched: _schedule.Schedule, layout: Layout) ->
 
         def forward(cp, tp, x_in, s, mbatch):
             x = lax.cond(s == 0, lambda: stages.embed(tp, mbatch).astype(x_like.dtype), lambda: x_in)
-            return stages.run_blocks(cp, x)
+            return stages.run_blocks(cp, x, policy)
 
         def with_loss(cp, tp, x_in, s, mbatch):
             y = forward(cp, tp, x_in, s, mbatch)
@@ -312,32 +341,76 @@ def local_pipeline(stages: Stages, sched: _schedule.Schedule, layout: Layout) ->
             acc_c = _relayout(acc_c, p, v, d, back=True)
         if p > 1:
             acc_t, loss = lax.psum((acc_t, loss), STAGE)
-        grads = stages_join(stages, acc_t, acc_c)
+        loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
+        return loss, record[:, None, :], grads
+
+    def over_data(loss, grads):
         if zero3:
             grads = _finish(grads, layout, scatter_now=True, scale=1.0 / data_size)
         elif data_size > 1:
             grads = jax.tree.map(lambda g: g / data_size, lax.psum(grads, DATA))
         if data_size > 1:
             loss = lax.pmean(loss, DATA)
-        return loss, record[:, None, :], grads
+        return loss, grads
 
-    return run
+    def single_stage(params, batch):
+        """One stage (p = v = 1): nothing to send and no bubble; its schedule (F j then B j) is gradient
+        accumulation, run as a scan of ``jax.value_and_grad`` over the micro-batches (one call for
+        m = 1): no tick loop, no permutes, no recomputing backward. The record is the table."""
+        if zero3:
+            params = _gather(params, layout)
+        micro = _micro(batch, m)
+
+        grad = jax.value_and_grad(lambda pr, mb: _whole_loss(stages, pr, mb, policy) / m)
+        if m == 1:
+            loss, grads = grad(params, jax.tree.map(lambda a: a[0], micro))
+        else:
+            zero = jax.eval_shape(grad, params, jax.tree.map(lambda a: a[0], micro))
+            step = lambda acc, mb: (jax.tree.map(jnp.add, acc, grad(params, mb)), None)  # noqa: E731
+            loss, grads = lax.scan(step, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero), micro)[0]
+        loss, grads = over_data(loss, grads)
+        return loss, jnp.asarray(sched.table()), grads
+
+    return single_stage if p == 1 and v == 1 else run
 
 
 def stages_join(stages: Stages, top: dict, blocks: Any) -> dict:
     return {**top, stages.blocks: blocks}
 
 
-def pipeline_gradients(stages: Stages, layout: Layout, sched: _schedule.Schedule) -> Callable:
+def _whole_loss(stages: Stages, params: Any, batch: Any, policy: Any) -> jax.Array:
+    """The loss of ``stages`` on a batch, its blocks under the remat ``policy``, at least float32."""
+    top, blocks = stages.split(params)
+    x = stages.run_blocks(blocks, stages.embed(top, batch), policy)
+    return jnp.asarray(stages.loss(stages.head(top, x), batch), jnp.promote_types(x.dtype, jnp.float32))
+
+
+def pipeline_gradients(
+    stages: Stages, layout: Layout, sched: _schedule.Schedule, remat: str = "none"
+) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, {"schedule": record}, state, grads)``:
-    the gradient function ``build_step`` takes for a pipeline plan (state and key pass through)."""
+    the gradient function ``build_step`` takes for a pipeline plan (state and key pass through).
+
+    One stage and one micro-batch without ZeRO-3 or a model axis is the plan without stages: the
+    loss's gradient in the global view, XLA's partitioner all-reducing it over ``data`` as under
+    dp (so ``stage=1`` costs what dp costs)."""
+    from meshkit.plans._fsdp import REMAT
+
     mesh = layout.mesh
     has_data = DATA in mesh.shape
     zero3 = layout.plan.stage == "zero3"
+    if (sched.p, sched.v, sched.m) == (1, 1, 1) and not zero3 and layout.model_size == 1:
+        table, policy = jnp.asarray(sched.table()), REMAT[remat]
+
+        def plain(params, state, batch, key):
+            loss, grads = jax.value_and_grad(lambda pr: _whole_loss(stages, pr, batch, policy))(params)
+            return loss, {"schedule": table}, state, grads
+
+        return plain
     specs = layout.tree(lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=zero3)]))
     manual = {STAGE} | ({DATA} if has_data else set())
     body = jax.shard_map(
-        local_pipeline(stages, sched, layout),
+        local_pipeline(stages, sched, layout, remat),
         mesh=mesh,
         in_specs=(specs, P(DATA) if has_data else P()),
         out_specs=(P(), P(None, STAGE), specs),
@@ -360,14 +433,18 @@ class Pipeline:
     schedule: _schedule.Schedule
     layout: Layout
     layers: int
+    remat: str = "none"
+    """Activation checkpointing per block inside a chunk's recomputing backward: 'none', 'layer', 'dots'."""
 
     @classmethod
     def make(cls, loss_fn: Any, params: Any, layout: Layout, *, microbatches: int | None, schedule: str | None,
-             virtual_stages: int, extras: dict[str, bool]) -> Pipeline:  # fmt: skip
+             virtual_stages: int, extras: dict[str, bool], remat: str = "none") -> Pipeline:  # fmt: skip
         """Check a pipeline plan's inputs (naming the fix) and build its schedule and layout.
 
         ``extras``: Trainer options the pipeline does not take yet (name -> whether given).
         """
+        from meshkit.plans._fsdp import check_remat
+
         plan = layout.plan.name
         if not isinstance(loss_fn, Stages):
             raise PlanError(
@@ -378,19 +455,24 @@ class Pipeline:
             raise PlanError(
                 f"plan {plan} does not take {', '.join(given)} yet: drop it, or use a plan without pp"
             )
+        if check_remat(remat) not in PIPELINE_REMAT:
+            raise PlanError(
+                f"plan {plan} takes remat {', '.join(map(repr, PIPELINE_REMAT))}: {remat!r} re-gathers ZeRO-3 shards "
+                f"per layer, and a pipeline gathers its stage once per step; use remat='layer'"
+            )
         p = int(layout.mesh.shape[STAGE])
         m = p if microbatches is None else microbatches
         name = schedule or "1f1b"
         check_sizes(loss_fn, params, p, m, virtual_stages, name)
         return cls(stages=loss_fn, schedule=_schedule.build(name, p, m, virtual_stages),
-                   layout=stage_layout(layout, loss_fn), layers=loss_fn.layers(params))  # fmt: skip
+                   layout=stage_layout(layout, loss_fn), layers=loss_fn.layers(params), remat=remat)  # fmt: skip
 
     @property
     def microbatches(self) -> int:
         return self.schedule.m
 
     def gradients(self) -> Callable:
-        return pipeline_gradients(self.stages, self.layout, self.schedule)
+        return pipeline_gradients(self.stages, self.layout, self.schedule, self.remat)
 
     def activation(self, params: Any, batch: Any, data_size: int) -> jax.ShapeDtypeStruct:
         """One micro-batch's activation on one device (what each permute moves and each slot holds)."""
@@ -399,6 +481,34 @@ class Pipeline:
             lambda a: jax.ShapeDtypeStruct((rows, *np.shape(a)[1:]), np.asarray(a).dtype), batch
         )
         return jax.eval_shape(self.stages.embed, self.stages.split(params)[0], micro)
+
+    def working_bytes(self, params: Any, batch: Any, remat: str | None = None) -> float:
+        """Bytes one backward tick keeps while it differentiates one micro-batch through one chunk
+        (k = L / (p v) layers), per device without a model axis, under ``remat`` (default: the plan's).
+
+        From ``saved_residuals`` of the chunk's ``lax.scan`` under the policy (every saved residual
+        is a stacked output of the loop and counts whole, parameters excluded): without remat every
+        block's intermediates (k layers of them); ``layer``: each block's input (k activations),
+        plus one block's matmul outputs recreated in its backward (its elementwise ops are fused
+        into the backward's consumers, as ``analysis.peak`` models them); ``dots``: the matmul
+        outputs of k layers, the rest recreated inside fusions."""
+        from jax._src.ad_checkpoint import saved_residuals
+
+        from meshkit.plans._fsdp import REMAT
+
+        remat = self.remat if remat is None else remat
+        blocks = self.stages.split(params)[1]
+        k = self.layers // (self.schedule.p * self.schedule.v)
+        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((k, *np.shape(a)[1:]), a.dtype), blocks)
+        act = self.activation(params, batch, self.layout.data_size)
+
+        def saved(policy: str) -> float:
+            run = lambda cp, x: jnp.sum(self.stages.run_blocks(cp, x, REMAT[policy]))  # noqa: E731
+            return float(
+                sum(_nbytes(a) for a, where in saved_residuals(run, chunk, act) if "argument" not in where)
+            )
+
+        return saved(remat) + (saved("dots") / k if remat == "layer" else 0.0)
 
     def expected(self, params: Any, batch: Any) -> list:
         """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows).
@@ -410,7 +520,9 @@ class Pipeline:
         one its input gradient in the backward branch. These collectives sit in the branches of the
         tick's ``switch``, and the ledger counts a branch's collectives once per tick (as it counts
         any conditional's: at most that many), so the model counts them per tick too; a device
-        runs them on its own F or B ticks only, m of the ticks each.
+        runs them on its own F or B ticks only, m of the ticks each. Under ``layer`` remat the
+        backward redoes every row-parallel output all-reduce but a block's last. One stage runs
+        without ticks: one forward and one backward per micro-batch.
         """
         from meshkit.analysis.cost import ring_traffic
         from meshkit.plans._model import Expected, _merge, _spec_split
@@ -431,23 +543,21 @@ class Pipeline:
                      (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
         if layout.model_size > 1:
             tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
+            row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]
+            redone = row_parallel[:-1] if self.remat == "layer" else []  # see ``_fsdp.tp_matrices``
+            # one stage runs each micro-batch's forward and backward once, without the tick loop
+            single = p == 1 and s.v == 1
+            runs, forwards = (s.m, 1) if single else (s.ticks, 2)
             for x in blocks:
                 spec = x.model_spec
-                if len(x.shape) == 3 and spec[1] == MODEL:  # row-parallel: output partial sums, F and B
-                    rows.append(
-                        (
-                            MODEL,
-                            "all-reduce",
-                            2 * s.ticks * k,
-                            tokens * x.shape[2] * item,
-                            layout.model_size,
-                            f"{x.path}: outputs",
-                        )
-                    )
+                if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
+                    times = (forwards + (x in redone)) * runs * k
+                    rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, layout.model_size,
+                                 f"{x.path}: outputs"))  # fmt: skip
                 elif (
                     len(x.shape) == 3 and spec[2] == MODEL
                 ):  # column-parallel: input-gradient partial sums, B
-                    rows.append((MODEL, "all-reduce", s.ticks * k, tokens * x.shape[1] * item, layout.model_size, f"{x.path}: input gradients"))  # fmt: skip
+                    rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, layout.model_size, f"{x.path}: input gradients"))  # fmt: skip
         return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
                                 what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
 
@@ -462,6 +572,7 @@ class Pipeline:
             executed_as_planned=None if record is None else bool(np.array_equal(np.asarray(record), s.table())),
             stash_slots=s.x_slots, cotangent_slots=s.g_slots, activation_bytes=act_bytes,
             activation_model_bytes=float((s.x_slots + s.g_slots + 2) * act_bytes), temp_bytes=float(temp_bytes),
+            remat=self.remat, working_model_bytes=self.working_bytes(params, batch),
             record=None if record is None else np.asarray(record),
         )  # fmt: skip
 
@@ -488,6 +599,9 @@ class PipelineReport:
     """Activation memory of the schedule: (stash slots + cotangent slots + 2 scratch) x activation."""
     temp_bytes: float
     """The compiled step's temporaries (memory_analysis), which hold the stash among other buffers."""
+    remat: str = "none"
+    working_model_bytes: float = 0.0
+    """One backward tick's residuals through its chunk under ``remat`` (``Pipeline.working_bytes``)."""
     record: Any = None
 
     @property
@@ -515,4 +629,7 @@ class PipelineReport:
         t.add_row("executed record = schedule table", str(self.executed_as_planned), "True", "")
         t.add_row(f"activations in flight ({self.stash_slots} stash + {self.cotangent_slots} cotangent slots)",
                   fmt_bytes(self.temp_bytes) + " temps", fmt_bytes(self.activation_model_bytes), "")  # fmt: skip
+        t.add_row(
+            f"backward tick's residuals (remat {self.remat})", "", fmt_bytes(self.working_model_bytes), ""
+        )
         return t

@@ -87,11 +87,14 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
                           heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None,
                           scan_layers=cfg.scan_layers or pipeline)  # fmt: skip
     params = gpt.init(jax.random.key(cfg.seed), model)
+    # A run resumed under a plan without stages keeps its pipeline options in its config (for a later
+    # resume under a pipeline plan) but does not pass them; a new run gets them refused by the Trainer.
+    stages = {} if resume and not pipeline else dict(microbatches=cfg.microbatches, schedule=cfg.schedule,
+                                                     virtual_stages=cfg.virtual_stages)  # fmt: skip
     trainer = Trainer(gpt.stages(model) if pipeline else gpt.make_loss(model), params, C.optimizer(cfg),
                       plan=cfg.plan, mesh=cfg.mesh, accumulate=cfg.accumulate, clip_norm=cfg.clip,
                       logical_axes=gpt.logical_axes(params), tokens_per_example=cfg.seq_len, grad_norm=True,
-                      units={"heads": cfg.heads}, compute_dtype=model.compute_dtype, remat=cfg.remat,
-                      microbatches=cfg.microbatches, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages)  # fmt: skip
+                      units={"heads": cfg.heads}, compute_dtype=model.compute_dtype, remat=cfg.remat, **stages)  # fmt: skip
     C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,

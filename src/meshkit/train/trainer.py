@@ -243,7 +243,8 @@ class Trainer:
     ``Trainer.restore(dir, ...)`` use the checkpoint format of ``meshkit train``.
 
     ``remat`` is the activation-checkpoint policy per layer ('none', 'layer', 'dots', 'regather';
-    see ``meshkit.plans._fsdp``); under zero3/fsdp a layer's parameters are gathered inside it. Layers
+    see ``meshkit.plans._fsdp``); under zero3/fsdp a layer's parameters are gathered inside it; pipeline
+    plans take 'none', 'layer' and 'dots', applied to each block inside a stage's backward (``_pipeline``). Layers
     are found in the loss: a ``lax.scan`` over stacked parameters, or blocks marked ``meshkit.layer``.
     """
 
@@ -325,7 +326,7 @@ class Trainer:
         )
         self.pipeline = _pipeline_of(self.plan, loss_fn, params, self.layout, microbatches, schedule, virtual_stages,
                                      {"state=": stateful, "rng=": rng is not None, "has_aux=True": has_aux,
-                                      "accumulate=": accumulate != 1, "remat=": remat != "none"})  # fmt: skip
+                                      "accumulate=": accumulate != 1}, remat)  # fmt: skip
         if self.pipeline is not None:
             self.layout = self.pipeline.layout
         self.optimizer = optimizer
@@ -571,13 +572,13 @@ class Trainer:
         return math.prod(self.mesh.shape.values())
 
 
-def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_stages, extras):
+def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_stages, extras, remat="none"):
     """A pipeline plan's ``Pipeline`` (checked), or None; other plans refuse the pipeline options."""
     from meshkit.plans._pipeline import Pipeline
 
     if plan.pipeline:
         return Pipeline.make(loss_fn, params, layout, microbatches=microbatches, schedule=schedule,
-                             virtual_stages=virtual_stages, extras=extras)  # fmt: skip
+                             virtual_stages=virtual_stages, extras=extras, remat=remat)  # fmt: skip
     if microbatches is not None or schedule is not None or virtual_stages != 1:
         raise PlanError(
             f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp), not {plan.name}; "
