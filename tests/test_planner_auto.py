@@ -47,7 +47,7 @@ def test_gpt_auto_is_the_fastest_layout_meshkit_runs():
                                                                         "dp+tp", "fsdp+tp", "dp+pp", "fsdp+pp",
                                                                         "tp+pp", "dp+tp+pp", "fsdp+tp+pp")  # fmt: skip
     assert not runnable(Layout(dp=2, tp=4, zero=1), shape)  # meshkit has no zero1+tp
-    assert not runnable(Layout(dp=8, pp=8, remat="full"), shape)  # its pipelines take no remat
+    assert runnable(Layout(dp=8, pp=8, remat="full"), shape)
     assert not runnable(Layout(dp=4, pp=16), shape)  # 24 layers over 16 stages
     tiny = ModelShape(layers=2, width=32, heads=4, vocab=64, seq=16)
     assert "as h100, a stand-in" in choose_gpt(tiny, global_batch=16, precision="fp32").why  # 8 cpu devices

@@ -5,7 +5,7 @@ Two rules, by what is known about the model:
 - meshkit's GPT by its shape (``meshkit train --plan auto``, which knows the batch and precision
   too): the planner's search (``planner.search``, ``Job(runtime="meshkit")``) over the layouts of
   the devices present, kept to those meshkit executes (``Layout.meshkit_plan()``; pipelines with
-  whole layers per stage and no remat), ranked by predicted step time among those that fit. The
+  whole layers per stage), ranked by predicted step time among those that fit. The
   devices are the planner's hardware entry named in their ``device_kind`` (an H100, an A100 80GB,
   a TPU v5p...); devices it does not know (CPU, simulated) are ranked as h100s, and the line says so.
 - any other model (``Trainer(plan="auto")``: a loss and parameters, no shapes of layers or batch):
@@ -75,7 +75,7 @@ def runnable(layout: Layout, shape: ModelShape) -> bool:
     if layout.meshkit_plan() is None:
         return False
     if layout.pp > 1:
-        return layout.remat == "none" and shape.layers % (layout.pp * layout.virtual_stages) == 0
+        return shape.layers % (layout.pp * layout.virtual_stages) == 0
     return layout.virtual_stages == 1
 
 

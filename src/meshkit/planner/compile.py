@@ -188,7 +188,7 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
     lay = make_layout(params, plan, mesh, logical_axes=gpt.logical_axes(params), units={"heads": shape.heads})
     pipe = _pipeline_of(plan, loss, params, lay, micro if plan.pipeline else None,
                         layout.schedule if plan.pipeline else None, layout.virtual_stages if plan.pipeline else 1,
-                        {"remat=": layout.remat != "none"})  # fmt: skip
+                        {}, remat=layout.remat)  # fmt: skip
     lay = lay if pipe is None else pipe.layout
     optimizer = optax.adamw(3e-4, weight_decay=0.01)
     param_sh = jax.tree.map(
