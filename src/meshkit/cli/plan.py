@@ -138,7 +138,8 @@ def plan(
                 f"({close.peak_bytes / close.limit_bytes:.2f}x too large): add devices, or use larger ones"
             )
         preds = result.ranked[:top]
-    measured = _compile(shape, preds[:compile], cluster, job) if compile else None
+    runnable = [p for p in (preds if result is None else result.ranked) if p.layout.meshkit_plan()]
+    measured = _compile(shape, runnable[:compile], cluster, job) if compile else None
     payload = _payload(shape, cluster, job, preds, result, measured)
     if out is not None:
         (out / "plan.json").write_text(__import__("json").dumps(payload, indent=2, default=str) + "\n")
@@ -191,7 +192,8 @@ def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_d
 
 def _compile(shape, preds, cluster, job):
     """Measured (compiled on simulated devices) for each prediction, with meshkit's own runtime's
-    prediction to compare against."""
+    prediction to compare against. ``preds`` are the ranked layouts meshkit can run (a layout with no
+    meshkit plan, e.g. ZeRO-1 with tensor parallelism, is passed over: it could not be compiled)."""
     import dataclasses
 
     from meshkit.planner import predict
@@ -202,7 +204,7 @@ def _compile(shape, preds, cluster, job):
         raise MeshkitError("--compile needs meshkit.planner.compile, which this install lacks") from None
     layouts = [p.layout for p in preds]
     got = compile_layouts(shape, layouts, job, progress=True, console=console)
-    mk = dataclasses.replace(job, runtime="meshkit")
+    mk = dataclasses.replace(job, runtime="meshkit", flash_attention=False)  # meshkit's GPT stores S x S
     return [(m, predict(shape, p.layout, cluster, mk)) for p, m in zip(preds, got, strict=True)]
 
 
@@ -317,6 +319,8 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
             "ratio",
         ]
         console.print(table("Compiled ahead of time on simulated CPU devices", cols, rows))
+        console.print("compiled: the top layouts meshkit runs; XLA:CPU moves bf16 collectives as f32, so in bf16 "
+                      "compiled bytes read 2x the accelerator's", highlight=False)  # fmt: skip
 
 
 def _plot(preds, choice, path: Path) -> None:
