@@ -131,10 +131,9 @@ def meshkit_variant(trainer: Trainer, sample: Any) -> Variant:
 
 def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str = "hand") -> Variant:
     """``jax.jit`` + NamedSharding: the obvious step, the Trainer's layout, XLA's collectives."""
-    mesh, layout, sh = trainer.mesh, trainer.layout, trainer.shardings
+    mesh, layout = trainer.mesh, trainer.layout
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.param_specs())
     grad_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.grad_specs())
-    opt_sh, batch_sh, scalar_sh = sh.opt_state, sh.batch, sh.scalar
     optimizer = make_optimizer()
     zero = layout.plan.stage != "dp"
 
@@ -145,31 +144,7 @@ def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    jitted = jax.jit(
-        train_step,
-        in_shardings=(param_sh, opt_sh, batch_sh),
-        out_shardings=(param_sh, opt_sh, scalar_sh),
-        donate_argnums=(0, 1),
-    )
-    st = {"params": jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params0)}
-    st["opt"] = jax.jit(optimizer.init, out_shardings=opt_sh)(st["params"])
-
-    def prepare(batch):
-        return jax.device_put(batch, batch_sh)
-
-    def step(batch):
-        st["params"], st["opt"], loss = jitted(st["params"], st["opt"], batch)
-        return loss
-
-    compiled = jitted.lower(st["params"], st["opt"], prepare(sample)).compile()
-    return Variant(
-        name=name,
-        step=step,
-        state=lambda: (st["params"], st["opt"]),
-        params=lambda: jax.device_get(st["params"]),
-        prepare=prepare,
-        ledger=communication(compiled, mesh=mesh),
-    )
+    return jit_variant(name, train_step, trainer, params0, param_sh, sample)
 
 
 def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any) -> Variant:
@@ -236,14 +211,22 @@ def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    opt_sh, batch_sh = trainer.shardings.opt_state, trainer.shardings.batch
-    jitted = jax.jit(train_step, in_shardings=(param_sh, opt_sh, batch_sh),
-                     out_shardings=(param_sh, opt_sh, trainer.shardings.scalar), donate_argnums=(0, 1))  # fmt: skip
+    return jit_variant("hand", train_step, trainer, params0, param_sh, sample)
+
+
+def jit_variant(
+    name: str, train_step: Callable, trainer: Trainer, params0: Any, param_sh: Any, sample: Any
+) -> Variant:
+    """``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` jitted on the Trainer's
+    shardings with the same donation, running on its own copy of the parameters and state."""
+    sh, optimizer = trainer.shardings, make_optimizer()
+    jitted = jax.jit(train_step, in_shardings=(param_sh, sh.opt_state, sh.batch),
+                     out_shardings=(param_sh, sh.opt_state, sh.scalar), donate_argnums=(0, 1))  # fmt: skip
     st = {"params": jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params0)}
-    st["opt"] = jax.jit(optimizer.init, out_shardings=opt_sh)(st["params"])
+    st["opt"] = jax.jit(optimizer.init, out_shardings=sh.opt_state)(st["params"])
 
     def prepare(batch):
-        return jax.device_put(batch, batch_sh)
+        return jax.device_put(batch, sh.batch)
 
     def step(batch):
         st["params"], st["opt"], loss = jitted(st["params"], st["opt"], batch)
@@ -251,12 +234,12 @@ def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample
 
     compiled = jitted.lower(st["params"], st["opt"], prepare(sample)).compile()
     return Variant(
-        name="hand",
+        name=name,
         step=step,
         state=lambda: (st["params"], st["opt"]),
         params=lambda: jax.device_get(st["params"]),
         prepare=prepare,
-        ledger=communication(compiled, mesh=mesh),
+        ledger=communication(compiled, mesh=trainer.mesh),
     )
 
 
