@@ -147,14 +147,16 @@ def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str
     return jit_variant(name, train_step, trainer, params0, param_sh, sample)
 
 
-def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any) -> Variant:
-    """ZeRO-3 with per-layer memory, written by hand: the reference for ``zero3`` with layer remat.
+def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str) -> Variant:
+    """ZeRO-3 with per-layer gathers, written by hand: the reference for ``zero3`` (``remat``: none
+    holds each gathered layer for the backward pass, layer saves nothing and gathers again).
 
     ``jax.shard_map`` manual over ``data``; each parameter leaf arrives as this device's shard. The
     embeddings and the head are all-gathered once; each block all-gathers its own leaves (one
     ``all_gather`` per leaf) inside a ``jax.checkpoint``-ed body that saves nothing: a ``lax.scan``
     body in the scanned form, and in the Python-loop form a block whose shards are tied to its input
-    by ``lax.optimization_barrier`` (so the gathers cannot be hoisted). The transpose of each
+    by ``lax.optimization_barrier`` (so the gathers cannot be hoisted); ``remat="none"`` drops the
+    ``jax.checkpoint``. The transpose of each
     all-gather is a reduce-scatter, so gradients come back as shards; leaves kept whole are
     all-reduced. AdamW then updates the shards in the global view, as the Trainer does.
     """
@@ -174,6 +176,9 @@ def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample
     def block(p, x):
         return gpt._block(p, x, cfg)
 
+    def remat_(fn):
+        return fn if remat == "none" else jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
     def local_loss(p, batch):
         tokens, targets = batch
         top_dims = {k: v for k, v in dims.items() if k != "blocks"}
@@ -184,9 +189,7 @@ def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample
             def body(x, shards):
                 return block(gather(shards, dims["blocks"], stacked=True), x), None
 
-            x, _ = lax.scan(
-                jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable), x, p["blocks"]
-            )
+            x, _ = lax.scan(remat_(body), x, p["blocks"])
         else:
             for shards, bdims in zip(p["blocks"], dims["blocks"], strict=True):
 
@@ -194,7 +197,7 @@ def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample
                     shards, x = lax.optimization_barrier((shards, x))
                     return block(gather(shards, bdims), x)
 
-                x = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable)(shards, x)
+                x = remat_(one)(shards, x)
         logits = gpt._head(top, x, cfg)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -351,8 +354,8 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
         logical_axes=gpt.logical_axes(params0),
         tokens_per_example=CFG.seq_len,
     )
-    if remat == "layer":  # the reference with the same memory behaviour: gathers per rematerialized layer
-        hand = fsdp_hand_variant(trainer, params0, cfg, sample)
+    if plan == "zero3":  # the reference with the same memory behaviour: gathers per layer, remat or not
+        hand = fsdp_hand_variant(trainer, params0, cfg, sample, remat)
     else:
         hand = hand_variant(trainer, params0, loss_fn, sample)
     variants = [meshkit_variant(trainer, sample), hand]
