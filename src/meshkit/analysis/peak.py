@@ -245,13 +245,16 @@ def predict_peak(
       already holds), under ``regather`` bucket and slices (2 P_1), in a scan bucket and gradient
       (2 P_1, plus the loop's slice P_1). Gradient shards: all of them (P_layers / N) where the
       step takes the global norm (clipping or the grad_norm metric) or writes them as one stacked
-      scan output; otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
+      scan output, or under ``regather`` (its per-leaf reduce-scatters are scheduled at the end of
+      the step); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
       right after its reduce-scatter, into the donated parameter and state buffers, and the shard
-      dies there (its live range spans ~17 of ~1300 instructions at 4 layers). Counting all of
-      them was the loop form's 0.83-0.88 at 16-32 layers under ``layer`` remat;
+      dies there (its live range spans ~17 of ~1300 instructions at 4 layers);
     - update phase: the gradients with the optimizer's update tree (2x the gradients; a scanned
       dp step updates in the gradients' buffers); zero1/zero2's bucketed all-gather of the new
-      parameters (bucket + slices, 2x the parameters).
+      parameters (bucket + slices, 2x the parameters); zero3: 2x the gradient shards, of every
+      leaf where they are all alive at once (above), else of the leaves outside layers and one
+      layer. Counting every shard (with its update) was the loop form's 0.83-0.88 at 16-32 layers
+      under ``layer`` remat, where this phase decided the peak.
     """
     layout = per.layout
     n, stage = layout.data_size, layout.plan.stage
@@ -301,7 +304,9 @@ def predict_peak(
         # shards: all of them where the step takes their global norm before updating; else XLA
         # updates each layer's shards (into the donated parameters and Adam state) as they arrive,
         # and one layer's shard is alive at a time (a scan writes them all as one stacked array)
-        backward = 3 * top_b + (layer_b if per.global_norm or scan else per_layer_b) / n + body
+        # (regather's per-leaf reduce-scatters are scheduled at the step's end: all shards alive)
+        at_once = per.global_norm or scan or per.remat == "regather"
+        backward = 3 * top_b + (layer_b if at_once else per_layer_b) / n + body
         if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered;
             # a scan saves each layer's gathered slice as a stacked residual (bucket and gradient die in the body)
             backward += (1 if scan else 2) * layer_b
@@ -312,7 +317,9 @@ def predict_peak(
             # bucket; regather recomputes nothing, so its bucket and slices come on top
             backward += (2 if per.remat == "regather" else 1) * per_layer_b
         shards = sum(at_rest(i, True) for i in range(len(sizes)))
-        update = 2 * shards
+        # the update: gradient shards and the update tree, of every leaf at once, or (updated layer
+        # by layer as the shards arrive) of the leaves outside layers and one layer
+        update = 2 * (shards if at_once else shards - (layer_b - per_layer_b) / n)
     else:
         backward = total + body  # whole local gradients
         # the loop form materializes the update tree beside the gradients; in the scanned form XLA
