@@ -112,6 +112,8 @@ class PerLayer:
     global_norm: bool = False
     """Whether the step takes the gradients' global norm (clipping, or the grad_norm metric): then
     every gradient shard is alive until the norm is known (set by ``build_step``)."""
+    measured: dict = field(default_factory=dict)
+    """What the peak model compiled for this loss, by input shapes (``meshkit.analysis.peak``)."""
     barriers_only: bool = False
     """Place zero3's per-layer optimization barriers but gather nothing (parameters whole): the
     single-device compile ``meshkit.analysis.peak`` reads the compiler's activation bytes from."""
