@@ -12,6 +12,7 @@ from meshkit._errors import MeshkitError
 from meshkit.cli import launch as _launch
 from meshkit.cli import ledger as _ledger
 from meshkit.cli import migrate as _migrate
+from meshkit.cli import plan as _plan
 from meshkit.cli import selftest as _selftest
 from meshkit.cli import train as _train
 from meshkit.cli import verify as _verify
@@ -30,6 +31,7 @@ _migrate.register(app)
 _launch.register(app)
 _selftest.register(app)
 _verify.register(app)
+_plan.register(app)
 
 
 def _command():

@@ -41,7 +41,8 @@ def train(
         str | None,
         _opt(
             "plan",
-            "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp.",
+            "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; "
+            "auto: the planner's fastest predicted layout for this GPT on the devices present.",
         ),
     ] = None,
     mesh: Annotated[
@@ -158,6 +159,10 @@ def train(
             raise C.ConfigError(f"unknown --preset {preset!r}: use {' or '.join(C.PRESETS)}")
         new_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         cfg = C.PRESETS[preset]().replace(**given, run_dir=new_dir)
+    if cfg.plan == "auto":
+        cfg = _auto(cfg, given, console)
+    elif "plan" in given:  # a plan named again on resume: the reason auto gave no longer applies
+        cfg = cfg.replace(plan_reason=None)
     from meshkit import distributed
 
     guard = distributed.fail_fast() if jax.process_count() > 1 else contextlib.nullcontext()
@@ -171,6 +176,30 @@ def train(
         )
     if code:
         raise typer.Exit(code)
+
+
+AUTO_SETS = ("mesh", "accumulate", "microbatches", "schedule", "virtual_stages", "remat")
+"""What ``--plan auto`` chooses with the plan."""
+
+
+def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
+    """``--plan auto``: the planner's choice for this GPT, its batch and precision on these devices."""
+    from meshkit.planner.auto import choose_gpt
+    from meshkit.planner.layout import ModelShape
+    from meshkit.train.data import load_text
+
+    if clash := [C.flag(k) for k in AUTO_SETS if k in given]:
+        raise C.ConfigError(
+            f"--plan auto chooses {', '.join(clash)} itself: drop {', '.join(clash)}, or name a plan"
+        )
+    C.validate(cfg)
+    shape = ModelShape(name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads,
+                       vocab=load_text(cfg.data).vocab_size, seq=cfg.seq_len)  # fmt: skip
+    choice = choose_gpt(shape, global_batch=cfg.batch_size, precision=cfg.precision)
+    console.print(choice.line(), soft_wrap=True, highlight=False)
+    return cfg.replace(plan=choice.plan, mesh=choice.mesh, accumulate=choice.accumulate, microbatches=choice.microbatches,
+                       schedule=choice.schedule, virtual_stages=choice.virtual_stages, remat=choice.remat,
+                       plan_reason=choice.why)  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

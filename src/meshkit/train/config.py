@@ -22,7 +22,10 @@ class TrainConfig:
     """Everything ``meshkit train`` needs; ``config.json`` in the run directory is this, as JSON."""
 
     plan: str = "fsdp"
-    """Parallel plan: dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."""
+    """Parallel plan: dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp;
+    or auto (``meshkit train`` replaces it by the planner's choice before the run starts)."""
+    plan_reason: str | None = None
+    """Why ``--plan auto`` chose the plan (None: the plan was given)."""
     mesh: str | None = None
     """Mesh such as 'data=8' or 'data=4,model=2'; None picks the plan's default over all devices."""
     steps: int = 400
@@ -142,7 +145,7 @@ FIXED_ON_RESUME = {
 }
 #: What a resumed run may change: how the same computation is laid out over devices (the checkpoint is
 #: resharded; the results agree to rounding), and what is measured and written around it.
-CHANGEABLE_ON_RESUME = ("plan", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
+CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "schedule",
                         "virtual_stages")  # fmt: skip
 

@@ -231,6 +231,10 @@ class Trainer:
     ('gpipe', '1f1b' (default) or 'interleaved') and ``virtual_stages=``; ``trainer.last_schedule``
     is the schedule the last step executed and ``report`` counts the bubble from it.
 
+    ``plan="auto"`` picks dp, zero1, zero2 or fsdp over all devices by meshkit's cost model (the
+    fewest bytes per step whose state fits in half a device's memory; ``meshkit.planner.auto``) and
+    says which and why in ``trainer.plan_choice`` (and the ``meshkit`` logger).
+
     ``trainer.step(batch)`` takes the global batch (host arrays or global jax.Arrays, leading dim =
     examples) and returns the metrics; ``trainer.params`` holds the global, sharded parameters
     (``trainer.state`` the state; ``trainer.model()`` the framework's model, for an adapted one);
@@ -286,6 +290,10 @@ class Trainer:
         _check_optimizer(optimizer)
         check_params(params)
         check_state(state)
+        self.plan_choice = None
+        """With ``plan="auto"``: the plan chosen and why (``meshkit.planner.auto.Choice``)."""
+        if plan == "auto":
+            plan, mesh = self._auto(params, optimizer, mesh, logical_axes)
         self.plan = get_plan(plan)
         if accumulate < 1:
             raise PlanError(f"accumulate must be at least 1, got {accumulate}")
@@ -361,6 +369,18 @@ class Trainer:
         self.last_schedule: jax.Array | None = None
         """Pipeline plans: the schedule the last step executed, ``(ticks, stages, 3)`` (see ``_pipeline``)."""
         self._compiled: dict[Any, jax.stages.Compiled] = {}
+
+    def _auto(self, params: Any, optimizer: Any, mesh: Any, logical_axes: Any) -> tuple[str, str]:
+        """``plan="auto"``: the ZeRO ladder by meshkit's cost model (``meshkit.planner.auto``), logged."""
+        import logging
+
+        from meshkit.planner.auto import choose_generic
+
+        if mesh is not None:
+            raise PlanError("plan='auto' chooses the mesh too: drop mesh=, or name a plan")
+        self.plan_choice = choose_generic(params, optimizer, logical_axes=logical_axes)
+        logging.getLogger("meshkit").info(self.plan_choice.line())
+        return self.plan_choice.plan, self.plan_choice.mesh
 
     # -- data -------------------------------------------------------------------------------
     def put_batch(self, batch: Any) -> Any:

@@ -1,0 +1,352 @@
+"""``meshkit plan``: rank the parallel layouts of a model on a cluster by predicted step time, or
+evaluate one layout; ``--compile K`` compiles the top K on simulated devices beside the prediction.
+
+Thin over ``meshkit.planner`` (the model, the search, the hardware table, the presets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from meshkit._errors import MeshkitError
+from meshkit.cli._format import console, fmt_bytes, print_json, table
+
+_M = "Model"
+_C = "Cluster"
+_J = "Job"
+_L = "One layout (--layout)"
+_O = "Output"
+
+
+def _opt(panel: str, help: str, *decls: str, **kw) -> typer.models.OptionInfo:
+    return typer.Option(*decls, help=help, rich_help_panel=panel, **kw)
+
+
+def plan(
+    model: Annotated[str | None, _opt(_M, "A preset: gpt2-124m ... gpt-13b, llama-7b ... llama3-8b.")] = None,
+    layers: Annotated[int | None, _opt(_M, "Transformer blocks.")] = None,
+    width: Annotated[int | None, _opt(_M, "Model width.")] = None,
+    heads: Annotated[int | None, _opt(_M, "Attention heads.")] = None,
+    vocab: Annotated[int | None, _opt(_M, "Vocabulary size.")] = None,
+    seq: Annotated[int | None, _opt(_M, "Sequence length.")] = None,
+    ffn: Annotated[int | None, _opt(_M, "MLP hidden size (default 4 x width).")] = None,
+    gated: Annotated[
+        bool | None, _opt(_M, "SwiGLU MLP (LLaMA-style), no biases.", "--gated/--no-gated")
+    ] = None,
+    kv_heads: Annotated[
+        int | None, _opt(_M, "Key/value heads (grouped-query attention; default heads).")
+    ] = None,
+    head_dim: Annotated[int | None, _opt(_M, "Width of one head (default width / heads).")] = None,
+    devices: Annotated[int, _opt(_C, "Devices in the cluster.")] = 8,
+    devices_per_host: Annotated[
+        int | None, _opt(_C, "Devices per host (default: the hardware's node).")
+    ] = None,
+    hardware: Annotated[
+        str, _opt(_C, "a100-40gb, a100-80gb, h100, h200, tpu-v4, tpu-v5e, tpu-v5p, or custom.")
+    ] = "h100",
+    peak_tflops: Annotated[float | None, _opt(_C, "custom: dense bf16 TFLOP/s per device.")] = None,
+    memory_gb: Annotated[float | None, _opt(_C, "custom: HBM GB per device.")] = None,
+    hbm_gbps: Annotated[float | None, _opt(_C, "custom: HBM GB/s.")] = None,
+    intra_gbps: Annotated[
+        float | None, _opt(_C, "custom: GB/s per device per direction inside a host.")
+    ] = None,
+    inter_gbps: Annotated[
+        float | None, _opt(_C, "custom: GB/s per device per direction between hosts.")
+    ] = None,
+    family: Annotated[
+        str, _opt(_C, "custom: calibrated efficiency of gpu-ampere, gpu-hopper or tpu.")
+    ] = "gpu-hopper",
+    global_batch: Annotated[int, _opt(_J, "Sequences per optimizer step.")] = 512,
+    precision: Annotated[
+        str, _opt(_J, "bf16 (mixed precision Adam, 2+2+12 B/param) or fp32 (4+4+8).")
+    ] = "bf16",
+    optimizer_bytes: Annotated[
+        float | None, _opt(_J, "Optimizer state bytes per parameter (default 12 bf16, 8 fp32).")
+    ] = None,
+    flash_attention: Annotated[
+        bool,
+        _opt(_J, "Attention without a stored S x S score matrix.", "--flash-attention/--no-flash-attention"),
+    ] = True,
+    runtime: Annotated[
+        str, _opt(_J, "standard (Megatron-style) or meshkit (meshkit's compiled programs).")
+    ] = "standard",
+    layout: Annotated[str | None, _opt(_L, "Evaluate one layout, e.g. dp=24,tp=8,pp=8.")] = None,
+    microbatch_size: Annotated[int, _opt(_L, "Sequences per micro-batch per replica.")] = 1,
+    schedule: Annotated[str, _opt(_L, "gpipe, 1f1b or interleaved.")] = "1f1b",
+    virtual_stages: Annotated[
+        int,
+        _opt(
+            _L,
+            "Interleaved: chunks per device.",
+            show_default="interleaved: 2 where it divides the layers per stage, else 1",
+        ),
+    ] = 0,
+    remat: Annotated[str, _opt(_L, "none, layer (= full), dots (= selective) or regather.")] = "none",
+    zero: Annotated[int, _opt(_L, "ZeRO stage over the data axis: 0, 1, 2, 3.")] = 0,
+    top: Annotated[int, _opt(_O, "Ranked layouts to show.")] = 10,
+    json: Annotated[bool, _opt(_O, "Print JSON instead of tables.")] = False,
+    plot: Annotated[Path | None, _opt(_O, "Write the step time vs peak memory plot to FILE (.png).")] = None,
+    out: Annotated[Path | None, _opt(_O, "Write plan.json and plan.png into DIR.")] = None,
+    compile: Annotated[
+        int, _opt(_O, "Compile the top K layouts ahead of time on simulated CPU devices.")
+    ] = 0,
+) -> None:
+    """Choose a parallel layout: predicted memory, communication, bubble, step time and MFU per layout."""
+    from meshkit.planner import Cluster, Job, Layout, ModelShape, predict, search
+    from meshkit.planner.hardware import custom
+    from meshkit.planner.hardware import hardware as get_hardware
+    from meshkit.planner.presets import preset
+
+    shape = _shape(
+        model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape
+    )
+    if hardware.strip().lower() == "custom":
+        hw = custom(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
+                    inter_gbps=inter_gbps, devices_per_host=devices_per_host or 8, family=family)  # fmt: skip
+    else:
+        hw = get_hardware(hardware)
+    cluster = Cluster(hardware=hw, devices=devices, devices_per_host=devices_per_host or 0)
+    job = Job(global_batch=global_batch, precision=precision, optimizer_bytes=optimizer_bytes,
+              flash_attention=flash_attention, runtime=runtime)  # fmt: skip
+    if top < 1 or compile < 0:
+        raise MeshkitError(f"--top {top} / --compile {compile}: need --top >= 1 and --compile >= 0")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        plot = plot or out / "plan.png"
+    if layout is not None:
+        v = virtual_stages or _virtual(schedule, shape.layers, layout)
+        one = Layout.parse(layout, microbatch_size=microbatch_size, schedule=schedule, virtual_stages=v,
+                           remat=remat, zero=zero)  # fmt: skip
+        pred = predict(shape, one, cluster, job)
+        if not pred.valid:
+            raise MeshkitError(f"layout {one.label()} cannot run: {pred.why}")
+        preds, result = [pred], None
+    else:
+        result = search(shape, cluster, job)
+        if result.best is None:
+            close = result.closest()
+            if close is None:
+                raise MeshkitError(
+                    f"no layout of {shape.name} runs on {devices} devices with global batch {global_batch}: "
+                    f"use a global batch that divides over the data-parallel degrees (e.g. a multiple of {devices})"
+                )
+            raise MeshkitError(
+                f"{shape.name} fits no layout on {devices} x {hw.name}: the best, {close.layout.label()}, "
+                f"needs {close.peak_bytes / 1e9:.1f} GB per device of {close.limit_bytes / 1e9:.1f} GB usable "
+                f"({close.peak_bytes / close.limit_bytes:.2f}x too large): add devices, or use larger ones"
+            )
+        preds = result.ranked[:top]
+    measured = _compile(shape, preds[:compile], cluster, job) if compile else None
+    payload = _payload(shape, cluster, job, preds, result, measured)
+    if out is not None:
+        (out / "plan.json").write_text(__import__("json").dumps(payload, indent=2, default=str) + "\n")
+    if plot is not None:
+        _plot(preds if result is None else result.ranked + result.rejected, preds[0], plot)
+    if json:
+        print_json(payload)
+        return
+    _print(shape, cluster, job, preds, result, measured, single=layout is not None)
+    if plot is not None:
+        console.print(f"plot: {plot}")
+
+
+def _virtual(schedule: str, layers: int, layout: str) -> int:
+    """Interleaved without --virtual-stages: 2 chunks per device where they divide its layers
+    (1 without a pipeline, where the schedule means nothing)."""
+    if schedule != "interleaved":
+        return 1
+    pp = dict(p.split("=", 1) for p in layout.replace(" ", "").split(",") if "=" in p).get("pp", "1")
+    if not pp.isdigit() or int(pp) <= 1 or layers % int(pp):
+        return 1
+    return 2 if (layers // int(pp)) % 2 == 0 else 1
+
+
+def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape):
+    sizes = {"layers": layers, "width": width, "heads": heads, "vocab": vocab, "seq": seq, "ffn": ffn,
+             "gated": gated, "kv_heads": kv_heads, "head_dim": head_dim}  # fmt: skip
+    given = {k: v for k, v in sizes.items() if v is not None}
+    if model is not None:
+        base = preset(model)
+        if not given:
+            return base
+        import dataclasses
+
+        if "width" in given and "ffn" not in given and not base.gated:
+            given["ffn"] = 0
+        if ("width" in given or "heads" in given) and "head_dim" not in given:
+            given["head_dim"] = 0
+        if "heads" in given and "kv_heads" not in given and base.kv_heads == base.heads:
+            given["kv_heads"] = 0  # multi-head attention stays multi-head
+        return dataclasses.replace(base, **given)  # a preset with sizes overridden
+    missing = [k for k in ("layers", "width", "heads", "vocab", "seq") if k not in given]
+    if missing:
+        raise MeshkitError(
+            f"give --model NAME or the model's sizes: missing {', '.join('--' + k for k in missing)}"
+        )
+    name = f"gpt L{layers} D{width}"
+    return ModelShape(name=name, **{k: v for k, v in given.items() if v is not None})
+
+
+def _compile(shape, preds, cluster, job):
+    """Measured (compiled on simulated devices) for each prediction, with meshkit's own runtime's
+    prediction to compare against."""
+    import dataclasses
+
+    from meshkit.planner import predict
+
+    try:
+        from meshkit.planner.compile import compile_layouts
+    except ImportError:
+        raise MeshkitError("--compile needs meshkit.planner.compile, which this install lacks") from None
+    layouts = [p.layout for p in preds]
+    got = compile_layouts(shape, layouts, job, progress=True, console=console)
+    mk = dataclasses.replace(job, runtime="meshkit")
+    return [(m, predict(shape, p.layout, cluster, mk)) for p, m in zip(preds, got, strict=True)]
+
+
+def _payload(shape, cluster, job, preds, result, measured) -> dict:
+    import dataclasses
+
+    out = {
+        "model": dataclasses.asdict(shape),
+        "cluster": {"hardware": cluster.hardware.to_json(), "devices": cluster.devices,
+                    "devices_per_host": cluster.devices_per_host},
+        "job": dataclasses.asdict(job),
+        "layouts": [p.to_json() for p in preds],
+    }  # fmt: skip
+    if result is not None:
+        out["considered"] = len(result.ranked) + len(result.rejected)
+        out["fitting"] = len(result.ranked)
+        out["rejected"] = [{"why": k, "layouts": n} for k, n in result.reasons()]
+    if measured is not None:
+        out["compiled"] = [
+            {**m.to_json(), "predicted_meshkit": {"peak_bytes": p.peak_bytes, "comm_bytes": p.comm_bytes}}
+            for m, p in measured
+        ]
+    return out
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def _pct(x: float, total: float) -> str:
+    return f"{100 * x / total:.0f}" if total else "-"
+
+
+def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
+    from meshkit.planner.model import param_count
+
+    hw = cluster.hardware
+    console.print(
+        f"[bold]{shape.name}[/]: {_count(param_count(shape))} parameters, {shape.layers} layers, width "
+        f"{shape.width}, {shape.heads} heads, seq {shape.seq}, vocab {shape.vocab} | {cluster.devices} x "
+        f"{hw.name} ({cluster.devices_per_host} per host) | global batch {job.global_batch}, {job.precision}",
+        highlight=False,
+    )
+    cols = ["#", "layout", "meshkit plan", "peak/device", "step", "tokens/s", "MFU", "TFLOP/s",
+            "% compute/tp/dp/pp/bubble"]  # fmt: skip
+    rows = []
+    for i, p in enumerate(preds, 1):
+        s, pa = p.step_time_s, p.parts
+        split = "/".join(
+            _pct(pa[k], s) for k in ("compute", "comm_model", "comm_data", "comm_stage", "bubble")
+        )
+        rows.append([i, p.layout.label(), p.layout.meshkit_plan() or "-",
+                     fmt_bytes(p.peak_bytes, decimal=True) + ("" if p.fits else " (no fit)"),
+                     _seconds(s), f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%",
+                     f"{p.hardware_tflops_per_device:.0f}", split])  # fmt: skip
+    title = (
+        "Predicted"
+        if single
+        else f"Layouts that fit, fastest first (top {len(preds)} of {len(result.ranked)})"
+    )
+    t = table(title, cols, rows, justify_right=3)
+    t.columns[1].no_wrap = True
+    console.print(t)
+    console.print("MFU: model FLOPs (no recompute) / peak; TFLOP/s: hardware FLOPs per device (with recompute)",
+                  highlight=False, style="dim")  # fmt: skip
+    if single:
+        p = preds[0]
+        mem = [[k, fmt_bytes(v, decimal=True)] for k, v in p.memory.items()]
+        mem.append(["peak", fmt_bytes(p.peak_bytes, decimal=True)])
+        mem.append([f"usable ({hw.name})", fmt_bytes(p.limit_bytes, decimal=True)])
+        console.print(table("Memory per device", ["component", "bytes"], mem))
+        comm = [[axis, fmt_bytes(p.comm_bytes[axis], decimal=True), "yes" if p.crosses_hosts[axis] else "no",
+                 f"{p.parts['comm_' + name]:.3f} s"]
+                for axis, name in (("model", "model"), ("data", "data"), ("stage", "stage"))]  # fmt: skip
+        console.print(
+            table("Communication per device per step", ["axis", "bytes", "crosses hosts", "exposed"], comm)
+        )
+        console.print(
+            f"{'fits' if p.fits else '[red]does not fit[/]: ' + str(p.why)} | micro-batches {p.microbatches}, bubble "
+            f"{p.bubble:.3f} | step {_seconds(p.step_time_s)}, {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}% "
+            f"(model FLOPs), {p.hardware_tflops_per_device:.0f} TFLOP/s per device with recompute "
+            f"(efficiency {p.efficiency:.3f} of peak)",
+            highlight=False,
+        )
+    else:
+        summary = ", ".join(f"{n} {k}" for k, n in result.reasons())
+        considered = len(result.ranked) + len(result.rejected)
+        console.print(f"rejected {len(result.rejected)} of {considered} layouts" + (f": {summary}" if summary else ""),
+                      highlight=False)  # fmt: skip
+        console.print(f"choice: [bold]{preds[0].layout.label()}[/]", highlight=False)
+    if measured:
+        rows = []
+        for m, p in measured:
+            if not m.ok:
+                rows.append([m.layout.label(), "-", fmt_bytes(p.peak_bytes), "-", "-", "-", m.error])
+                continue
+            pc, mc = sum(p.comm_bytes.values()), m.total_comm_bytes
+            rows.append([m.layout.label(), fmt_bytes(m.peak_bytes), fmt_bytes(p.peak_bytes),
+                         f"{m.peak_bytes / p.peak_bytes:.2f}", fmt_bytes(mc), fmt_bytes(pc),
+                         f"{mc / pc:.2f}" if pc else "-"])  # fmt: skip
+        cols = [
+            "layout",
+            "peak compiled",
+            "peak predicted (meshkit)",
+            "ratio",
+            "comm compiled",
+            "comm predicted",
+            "ratio",
+        ]
+        console.print(table("Compiled ahead of time on simulated CPU devices", cols, rows))
+
+
+def _plot(preds, choice, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    valid = [p for p in preds if p.valid]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for fits, colour, label in ((True, "tab:blue", "fits"), (False, "tab:gray", "does not fit")):
+        xs = [p.peak_bytes / 1e9 for p in valid if p.fits == fits]
+        ys = [p.step_time_s for p in valid if p.fits == fits]
+        ax.scatter(xs, ys, s=10, c=colour, alpha=0.6, label=f"{label} ({len(xs)})")
+    limit = choice.limit_bytes / 1e9
+    ax.axvline(limit, color="tab:red", ls="--", lw=1, label=f"usable memory {limit:.0f} GB")
+    ax.scatter([choice.peak_bytes / 1e9], [choice.step_time_s], s=120, marker="*", c="tab:orange", zorder=5,
+               label=f"choice: {choice.layout.label()}")  # fmt: skip
+    ax.set(xlabel="predicted peak memory per device (GB)", ylabel="predicted step time (s)",
+           title="meshkit plan: layouts")  # fmt: skip
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(plan)

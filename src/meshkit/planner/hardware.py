@@ -1,0 +1,150 @@
+"""Accelerators the planner knows: peak bf16 FLOP/s, HBM capacity and bandwidth, link bandwidth.
+
+Figures are per device, dense (no 2:4 sparsity), bandwidths per direction. Where a datasheet quotes
+a bidirectional NVLink figure (A100: 600 GB/s, H100: 900 GB/s) the table holds half of it, the rate
+one device sends at while it receives as much (what a ring collective sees). Inter-host figures are
+the NIC bandwidth per device of the vendor's reference node (DGX: one InfiniBand port per GPU);
+TPU slices connect chips by ICI inside and across hosts, so their inter-host figure is the ICI one
+(a job spanning slices over the data-center network is slower than the table says). ``custom``
+builds one from flags. The calibrated compute efficiency per family lives in ``planner.model``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshkit._errors import MeshkitError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """One accelerator and the node it usually sits in."""
+
+    name: str
+    family: str
+    """``gpu-ampere``, ``gpu-hopper``, ``tpu``: devices sharing one calibrated matmul efficiency."""
+    peak_flops: float
+    """Dense bf16 matmul FLOP/s per device."""
+    fp32_flops: float
+    """FLOP/s of fp32 matmuls as XLA runs them by default (TF32 tensor cores on NVIDIA GPUs)."""
+    memory_bytes: float
+    """HBM capacity per device."""
+    hbm_bytes_per_s: float
+    intra_host_bytes_per_s: float
+    """Per device, per direction, between devices of one host (NVLink / ICI)."""
+    inter_host_bytes_per_s: float
+    """Per device, per direction, between hosts (InfiniBand NIC per GPU / ICI inside a TPU slice)."""
+    devices_per_host: int
+    source: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+HARDWARE: dict[str, Hardware] = {
+    # A100 SXM4: NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, as quoted
+    # by glennklockwood.com/garden/processors/A100): bf16 312 TFLOP/s dense (624 with sparsity),
+    # TF32 156; 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s; NVLink 3 "300+300 GB/s".
+    # Capacity as the driver reports it (nvidia-smi: 40960 / 81920 MiB).
+    # Inter-host: DGX A100, eight 200 Gb/s HDR InfiniBand NICs, one per GPU (25 GB/s per GPU);
+    # clusters vary (BLOOM's Jean Zay nodes: 4 x 100 Gb/s Omni-Path per 8 GPUs).
+    "a100-40gb": Hardware(
+        name="a100-40gb", family="gpu-ampere", peak_flops=312e12, fp32_flops=156e12,
+        memory_bytes=40 * GIB, hbm_bytes_per_s=1555e9, intra_host_bytes_per_s=300e9,
+        inter_host_bytes_per_s=25e9, devices_per_host=8,
+        source="NVIDIA A100 datasheet (SXM4 40GB); DGX A100: 8 x HDR 200 Gb/s",
+    ),
+    "a100-80gb": Hardware(
+        name="a100-80gb", family="gpu-ampere", peak_flops=312e12, fp32_flops=156e12,
+        memory_bytes=80 * GIB, hbm_bytes_per_s=2039e9, intra_host_bytes_per_s=300e9,
+        inter_host_bytes_per_s=25e9, devices_per_host=8,
+        source="NVIDIA A100 datasheet (SXM4 80GB); DGX A100: 8 x HDR 200 Gb/s",
+    ),
+    # H100 SXM5 (700 W): NVIDIA H100 datasheet (as reproduced by archive-lib.hpctech.co.jp and
+    # glennklockwood.com/garden/processors/h100): bf16 989.4 TFLOP/s dense (1,979 is with sparsity),
+    # TF32 494.7; 80 GB HBM3 at 3,350 GB/s (nvidia-smi: 81559 MiB); NVLink 4 900 GB/s bidirectional. Inter-host: DGX H100,
+    # eight single-port ConnectX-7 at 400 Gb/s (docs.nvidia.com DGX BasePOD), 50 GB/s per GPU.
+    "h100": Hardware(
+        name="h100", family="gpu-hopper", peak_flops=989.4e12, fp32_flops=494.7e12,
+        memory_bytes=81559 * 2**20, hbm_bytes_per_s=3350e9, intra_host_bytes_per_s=450e9,
+        inter_host_bytes_per_s=50e9, devices_per_host=8,
+        source="NVIDIA H100 datasheet (SXM5); DGX H100: 8 x ConnectX-7 400 Gb/s",
+    ),
+    # H200 SXM: the H100's compute die (bf16 989.4 TFLOP/s dense) with 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 4 450 GB/s per direction (NVIDIA H200 datasheet, as quoted by lzwjava.github.io and
+    # saulelectric.com); DGX H200: 8 x ConnectX-7 400 Gb/s.
+    "h200": Hardware(
+        name="h200", family="gpu-hopper", peak_flops=989.4e12, fp32_flops=494.7e12,
+        memory_bytes=141e9, hbm_bytes_per_s=4800e9, intra_host_bytes_per_s=450e9,
+        inter_host_bytes_per_s=50e9, devices_per_host=8,
+        source="NVIDIA H200 datasheet (SXM); DGX H200: 8 x ConnectX-7 400 Gb/s",
+    ),
+    # Cloud TPU system architecture pages. ICI joins every chip of a slice, across hosts: both link
+    # figures are ICI per chip per direction (a job spanning slices over the data-center network,
+    # v5e 25 Gb/s and v5p 50 Gb/s per chip, is far slower than this table says).
+    # v4 (cloud.google.com/tpu/docs/v4): 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s, 3D torus;
+    # 4 chips per host (PaLM paper: 3,072 chips on 768 hosts). ICI 2,400 Gb/s per chip.
+    "tpu-v4": Hardware(
+        name="tpu-v4", family="tpu", peak_flops=275e12, fp32_flops=275e12 / 3,
+        memory_bytes=32 * GIB, hbm_bytes_per_s=1200e9, intra_host_bytes_per_s=300e9,
+        inter_host_bytes_per_s=300e9, devices_per_host=4,
+        source="cloud.google.com/tpu/docs/v4",
+    ),
+    # v5e (docs.cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 400 GB/s
+    # bidirectional per chip, 2D torus, 8 chips per host.
+    "tpu-v5e": Hardware(
+        name="tpu-v5e", family="tpu", peak_flops=197e12, fp32_flops=197e12 / 3,
+        memory_bytes=16e9, hbm_bytes_per_s=819e9, intra_host_bytes_per_s=200e9,
+        inter_host_bytes_per_s=200e9, devices_per_host=8,
+        source="docs.cloud.google.com/tpu/docs/v5e",
+    ),
+    # v5p (docs.cloud.google.com/tpu/docs/v5p-training): 459 TFLOP/s bf16, 95 GiB HBM at 2,765 GB/s,
+    # ICI 1,200 GB/s bidirectional per chip, 3D torus, 4 chips per host.
+    "tpu-v5p": Hardware(
+        name="tpu-v5p", family="tpu", peak_flops=459e12, fp32_flops=459e12 / 3,
+        memory_bytes=95 * GIB, hbm_bytes_per_s=2765e9, intra_host_bytes_per_s=600e9,
+        inter_host_bytes_per_s=600e9, devices_per_host=4,
+        source="docs.cloud.google.com/tpu/docs/v5p-training",
+    ),
+}  # fmt: skip
+"""The known accelerators by name (``--hardware``); TPU fp32 matmuls as XLA's HIGH precision (3 bf16 passes)."""
+
+
+def hardware(name: str) -> Hardware:
+    """A known accelerator by name; MeshkitError naming the choices for an unknown one."""
+    key = name.strip().lower()
+    if key not in HARDWARE:
+        raise MeshkitError(
+            f"unknown hardware {name!r}: choose one of {', '.join(HARDWARE)}, or custom with "
+            "--peak-tflops --memory-gb --hbm-gbps --intra-gbps --inter-gbps"
+        )
+    return HARDWARE[key]
+
+
+def custom(
+    *,
+    peak_tflops: float,
+    memory_gb: float,
+    hbm_gbps: float,
+    intra_gbps: float,
+    inter_gbps: float,
+    devices_per_host: int = 8,
+    family: str = "gpu-hopper",
+) -> Hardware:
+    """An accelerator from its figures (TFLOP/s, GB, GB/s per direction); ``family`` picks the
+    calibrated efficiency (``gpu-ampere``, ``gpu-hopper`` or ``tpu``)."""
+    figures = dict(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
+                   inter_gbps=inter_gbps)  # fmt: skip
+    for k, v in figures.items():
+        if v is None or v <= 0:
+            raise MeshkitError(f"custom hardware needs --{k.replace('_', '-')} > 0")
+    families = sorted({h.family for h in HARDWARE.values()})
+    if family not in families:
+        raise MeshkitError(f"unknown hardware family {family!r}: choose one of {', '.join(families)}")
+    return Hardware(
+        name="custom", family=family, peak_flops=peak_tflops * 1e12, fp32_flops=peak_tflops * 1e12 / 2,
+        memory_bytes=memory_gb * 1e9, hbm_bytes_per_s=hbm_gbps * 1e9, intra_host_bytes_per_s=intra_gbps * 1e9,
+        inter_host_bytes_per_s=inter_gbps * 1e9, devices_per_host=devices_per_host, source="user flags",
+    )  # fmt: skip

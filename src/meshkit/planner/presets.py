@@ -1,0 +1,42 @@
+"""Model shapes by name for ``meshkit plan --model``, each with where its sizes come from."""
+
+from __future__ import annotations
+
+from meshkit._errors import MeshkitError
+from meshkit.planner.layout import ModelShape
+
+PRESETS: dict[str, ModelShape] = {
+    # GPT-2 (Radford et al. 2019, Table 2; openai/gpt-2 hparams): vocab 50257, context 1024.
+    "gpt2-124m": ModelShape(name="gpt2-124m", layers=12, width=768, heads=12, vocab=50257, seq=1024),
+    "gpt2-355m": ModelShape(name="gpt2-355m", layers=24, width=1024, heads=16, vocab=50257, seq=1024),
+    "gpt2-774m": ModelShape(name="gpt2-774m", layers=36, width=1280, heads=20, vocab=50257, seq=1024),
+    "gpt2-1.5b": ModelShape(name="gpt2-1.5b", layers=48, width=1600, heads=25, vocab=50257, seq=1024),
+    # GPT-3 (Brown et al. 2020, Table 2.1): context 2048, GPT-2's vocabulary.
+    "gpt-1.3b": ModelShape(name="gpt-1.3b", layers=24, width=2048, heads=16, vocab=50257, seq=2048),
+    "gpt-2.7b": ModelShape(name="gpt-2.7b", layers=32, width=2560, heads=32, vocab=50257, seq=2048),
+    "gpt-6.7b": ModelShape(name="gpt-6.7b", layers=32, width=4096, heads=32, vocab=50257, seq=2048),
+    # (13B: the table's d_model 5140 is not 40 heads x d_head 128; 5120 is)
+    "gpt-13b": ModelShape(name="gpt-13b", layers=40, width=5120, heads=40, vocab=50257, seq=2048),
+    # LLaMA (Touvron et al. 2023, Table 2; SwiGLU MLP 2/3 * 4d rounded to 256): vocab 32000, context 2048.
+    "llama-7b": ModelShape(name="llama-7b", layers=32, width=4096, heads=32, vocab=32000, seq=2048,
+                           ffn=11008, gated=True),
+    "llama-13b": ModelShape(name="llama-13b", layers=40, width=5120, heads=40, vocab=32000, seq=2048,
+                            ffn=13824, gated=True),
+    "llama-65b": ModelShape(name="llama-65b", layers=80, width=8192, heads=64, vocab=32000, seq=2048,
+                            ffn=22016, gated=True),
+    # Llama 2 70B (Touvron et al. 2023b; GQA with 8 key/value heads, context 4096).
+    "llama2-70b": ModelShape(name="llama2-70b", layers=80, width=8192, heads=64, vocab=32000, seq=4096,
+                             ffn=28672, gated=True, kv_heads=8),
+    # Llama 3 8B (meta-llama/llama3 model card; context 8192, vocab 128256, GQA 8).
+    "llama3-8b": ModelShape(name="llama3-8b", layers=32, width=4096, heads=32, vocab=128256, seq=8192,
+                            ffn=14336, gated=True, kv_heads=8),
+}  # fmt: skip
+
+
+def preset(name: str) -> ModelShape:
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise MeshkitError(
+            f"unknown model {name!r}: choose one of {', '.join(PRESETS)}, or give --layers --width --heads --vocab --seq"
+        )
+    return PRESETS[key]

@@ -1,0 +1,150 @@
+"""Memory of meshkit's own compiled step for a layout (``Job(runtime="meshkit")``): the scanned
+reference GPT as ``meshkit train`` and the planner's compile check build it, by the model of
+``meshkit.analysis.peak.predict_peak`` (and, for pipelines, ``plans._pipeline``'s stash model).
+
+Where the standard model counts what a fused GPU implementation keeps (Korthikanti et al.), XLA's
+scanned step keeps every residual the backward pass reads, each a stacked output of the loop. They
+are read here from the reference block itself: ``saved_residuals`` of ``models.gpt``'s block (and
+of its head and loss) traced on abstract shapes of one micro-batch (nothing allocated, no compile),
+under the layout's remat policy; tensors with a heads or MLP dimension are split over tp.
+
+Parameters stay float32 with AdamW's two float32 moments (4 + 8 bytes per parameter, bf16 only for
+compute); embeddings and unembedding are not split over tp; pipeline plans replicate them on every
+stage. Then, as ``predict_peak``: persistent (parameters at rest, optimizer state, the batch) plus
+the larger of the backward phase (gradients, two layers of loop buffers, ZeRO-3's gathered
+parameters, activations) and the update phase (the gradients with the update tree).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from meshkit.planner.layout import Layout, ModelShape
+
+
+def _config(shape: ModelShape, precision: str, layers: int = 1):
+    from meshkit.models import gpt
+
+    return gpt.GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, layers=layers, width=shape.width,
+                         heads=shape.heads, mlp_ratio=max(shape.ffn // shape.width, 1),
+                         compute_dtype="bfloat16" if precision == "bf16" else None)  # fmt: skip
+
+
+@lru_cache(maxsize=256)
+def residuals(
+    shape: ModelShape, batch: int, tp: int, precision: str, remat: str
+) -> tuple[float, float, float, float]:
+    """Per device, for ``batch`` sequences: (bytes one block saves under ``remat``, one block's
+    matmul outputs, the block's input, what the head and loss save)."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from meshkit.models import gpt
+    from meshkit.plans._fsdp import REMAT
+
+    cfg = _config(shape, precision)
+    compute = jnp.dtype(cfg.compute_dtype or cfg.dtype)
+    x = jax.ShapeDtypeStruct((batch, shape.seq, shape.width), compute)
+    block = jax.eval_shape(lambda: gpt._init_block(jax.random.key(0), cfg))
+    d, f = shape.width, shape.ffn
+
+    def size(aval) -> float:
+        n = float(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        split = len(aval.shape) == 4 or (f != d and aval.shape[-1:] == (f,)) or len(aval.shape) == 2
+        return n / tp if split else n  # heads (b,t,h,k) / (b,h,t,s), MLP width, weight copies
+
+    def saved(fn, args, weights_only=False) -> float:
+        total = 0.0
+        for aval, where in saved_residuals(fn, *args):
+            if "argument" in where or "literal" in where:
+                continue
+            if weights_only and len(aval.shape) != 2:
+                continue
+            total += size(aval)
+        return total
+
+    policy = REMAT[remat]
+
+    def run(p, x):
+        fn = (
+            (lambda p, x: gpt._block(p, x, cfg))
+            if policy is None
+            else jax.checkpoint(lambda p, x: gpt._block(p, x, cfg), policy=policy)
+        )
+        return fn(p, x).astype(jnp.float32).sum()
+
+    layer = saved(run, (block, x))
+    weights = saved(run, (block, x), weights_only=True)  # compute-dtype copies of the matrices
+    layer_input = float(np.prod(x.shape)) * compute.itemsize
+    top = jax.eval_shape(lambda: gpt.init(jax.random.key(0), _config(shape, precision)))
+    top = {k: v for k, v in top.items() if k != "blocks"}
+    targets = jnp.zeros((batch, shape.seq), jnp.int32)
+
+    def head(top, x):  # the unembedding and a cross-entropy, as the GPT's loss ends
+        logits = gpt._head(top, x, cfg)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+
+    head_b = saved(head, (top, x))
+    return layer, weights, layer_input, head_b
+
+
+def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_params: float,
+           layers_here: int, microbatches: int) -> dict[str, float]:  # fmt: skip
+    """Per-device bytes at the step's peak by component (they sum to the peak)."""
+    n, zero3 = layout.dp, layout.zero == 3 and layout.dp > 1
+    layer_b = layers_here * params_per_layer * 4
+    top_b = top_params * 4
+    total = layer_b + top_b
+    params = total / n if zero3 else total
+    optimizer = 2 * (total / n if layout.zero >= 1 and n > 1 else total)  # AdamW's two float32 moments
+    batch = 2 * 4 * job.global_batch * shape.seq / n
+    saved, weights, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision,
+                                               layout.remat if layout.pp == 1 else "none")  # fmt: skip
+    one_layer = layer_b / max(layers_here, 1)
+    if layout.pp > 1:  # the stash of stage inputs and cotangents, one chunk recomputed, the head
+        p, m, v = layout.pp, microbatches, layout.virtual_stages
+        # the schedule table's slots (plans._schedule: stash x_slots, cotangents g_slots, 2 scratch)
+        x_slots = m if layout.schedule == "gpipe" else min(p, m) if v == 1 else min(v * p + p - 2, v * m)
+        g_slots = 1 if v == 1 else 2
+        chunk = layers_here // v
+        activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
+        body = 2 * one_layer if chunk > 1 else 0.0  # the loop over a chunk's layers keeps two in buffers
+        # fsdp+pp gathers the stage's parameters once for the step (compute dtype); interleaved keeps
+        # its layers permuted into schedule order beside them
+        gathered = total * (2 if job.precision == "bf16" else 4) / 4 if zero3 else 0.0
+        relayout = layer_b if v > 1 else 0.0
+        backward = total + body + activations + head + gathered + relayout
+        return _parts(params, optimizer, batch, backward, 2 * total, total, activations + head, gathered)
+    if zero3:  # a layer's weights are its gathered parameters, counted with them
+        saved -= weights
+    # the saved residuals of every layer; under remat one layer's residuals recreated on top (in
+    # the scan every one of them: XLA does not fuse across the loop body's recomputation)
+    if layout.remat != "none":
+        recomputed = residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none")[0]
+        activations = layers_here * saved + recomputed + head
+    else:
+        activations = layers_here * saved + head
+    body = (1 if zero3 and layout.remat != "none" else 2) * one_layer  # the scan's loop buffers
+    if zero3:  # gathered in the compute dtype (bf16 gathers under bf16)
+        g = (2 if job.precision == "bf16" else 4) / 4
+        gathered = g * (3 * top_b + (layer_b if layout.remat == "none" else 2 * one_layer))
+        body *= g
+        backward = gathered + layer_b / n + body + activations
+        update = 2 * total / n
+        return _parts(params, optimizer, batch, backward, update, layer_b / n + body, activations, gathered)
+    backward = total + body + activations
+    update = total if layout.zero == 0 else 2 * total
+    return _parts(params, optimizer, batch, backward, update, total + body, activations, 0.0)
+
+
+def _parts(params, optimizer, batch, backward, update, grads, activations, gathered) -> dict[str, float]:
+    out = {"parameters": params, "optimizer": optimizer, "batch": batch}
+    if backward >= update:
+        out.update(gradients=grads, activations=activations, gathered_parameters=gathered)
+        out["other"] = backward - grads - activations - gathered
+    else:
+        out["update"] = update
+    return out

@@ -1,0 +1,105 @@
+"""Every layout of a model on a cluster, predicted and ranked.
+
+Enumerated: dp * tp * pp = devices with tp inside a host and dividing the heads, pp up to the
+layers (where pp does not divide them the busiest stage holds the rounded-up share; meshkit's own
+pipeline plans need it to divide); ZeRO stage 0-3 (1-3 only with dp > 1); micro-batch sizes dividing the per-replica batch
+(up to ``MAX_MICROBATCH``);
+pipeline schedules (1F1B, GPipe, interleaved with 2 or more virtual stages dividing the layers per
+stage); remat none, dots, layer. Layouts that fit are ranked by predicted step time; every other
+one keeps the one line that says why it was rejected.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from meshkit.planner.layout import Layout, ModelShape
+from meshkit.planner.model import Cluster, Job, Prediction, predict
+
+REMATS = ("none", "dots", "layer")
+MAX_MICROBATCH = 64
+"""Largest micro-batch size tried (every divisor of the per-replica batch up to it)."""
+VIRTUAL_STAGES = (2, 4, 8)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
+    """The candidate layouts (see the module docstring)."""
+    n = cluster.devices
+    for tp in _divisors(n):
+        if tp > cluster.devices_per_host or shape.heads % tp:
+            continue
+        for pp in _divisors(n // tp):
+            if pp > shape.layers:
+                break
+            dp = n // tp // pp
+            if job.global_batch % dp:
+                continue
+            per_replica = job.global_batch // dp
+            schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)]
+            if pp > 1:
+                schedules += [("interleaved", v) for v in VIRTUAL_STAGES if (shape.layers // pp) % v == 0]
+            for b in _divisors(per_replica):
+                if b > MAX_MICROBATCH:
+                    break
+                m = per_replica // b
+                if pp > 1 and m < pp:
+                    continue
+                for zero in range(4) if dp > 1 else (0,):
+                    for schedule, v in schedules:
+                        for remat in REMATS:
+                            yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, microbatch_size=b,
+                                         schedule=schedule, virtual_stages=v, remat=remat)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Search:
+    """Ranked layouts that fit, and the rejected ones with their reasons."""
+
+    ranked: list[Prediction]
+    """Fitting layouts, fastest first."""
+    rejected: list[Prediction]
+    """Layouts that do not fit or cannot run, smallest peak memory first."""
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.ranked[0] if self.ranked else None
+
+    def closest(self) -> Prediction | None:
+        """The valid layout needing the least memory (where nothing fits: by how much it misses)."""
+        valid = [p for p in self.rejected if p.valid]
+        return min(valid, key=lambda p: p.peak_bytes / p.limit_bytes) if valid else None
+
+    def reasons(self) -> list[tuple[str, int]]:
+        """Why layouts were rejected, summarised: (reason kind, how many)."""
+        counts = Counter(_kind(p) for p in self.rejected)
+        return counts.most_common()
+
+
+def _kind(p: Prediction) -> str:
+    if p.valid:  # named by its largest component
+        part = max(p.memory, key=p.memory.get) if p.memory else "memory"
+        return f"does not fit (largest part: {part.replace('_', ' ')})"
+    why = p.why or ""
+    return why.split(":")[0] if ":" in why else why
+
+
+def _rank(p: Prediction) -> tuple:
+    """Fastest first; among equals the least memory, then the simpler layout (less remat, lower ZeRO)."""
+    lay = p.layout
+    return (round(p.step_time_s, 9), round(p.peak_bytes), REMATS.index(lay.remat), lay.zero, lay.pp, lay.tp)
+
+
+def search(shape: ModelShape, cluster: Cluster, job: Job) -> Search:
+    """Predict every candidate layout; rank those that fit by step time."""
+    preds = [predict(shape, lay, cluster, job) for lay in layouts(shape, cluster, job)]
+    ranked = sorted((p for p in preds if p.fits), key=_rank)
+    rejected = sorted(
+        (p for p in preds if not p.fits), key=lambda p: (not p.valid, p.peak_bytes / max(p.limit_bytes, 1))
+    )
+    return Search(ranked=ranked, rejected=rejected)

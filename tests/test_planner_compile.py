@@ -1,0 +1,140 @@
+"""The planner's compile check: layouts compiled ahead of time from abstract shapes on simulated devices.
+
+In-process compiles use the 8 devices conftest starts (a layout on fewer takes the first ones); one
+test goes through the subprocess path with another device count and must measure the same step.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import pytest
+
+from meshkit.models import gpt
+from meshkit.planner.compile import Measured, compile_in_subprocess, compile_layout, compile_layouts
+from meshkit.planner.layout import Layout, ModelShape
+
+SHAPE = ModelShape(name="tiny", layers=4, width=64, heads=8, vocab=256, seq=32)
+
+
+@dataclass(frozen=True)
+class _Job:
+    global_batch: int = 16
+    precision: str = "fp32"
+
+
+JOB = _Job()
+
+
+@functools.cache
+def _compiled(layout: Layout) -> Measured:
+    """One in-process compile per layout for the whole module (fp32 jobs of batch 16 compile alike)."""
+    return compile_layout(SHAPE, layout, JOB)
+
+
+def _param_bytes() -> int:
+    cfg = gpt.GPTConfig(vocab_size=256, seq_len=32, layers=4, width=64, heads=8, scan_layers=True)
+    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    return sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(params))
+
+
+def test_fsdp_parts_add_up_to_the_arguments():
+    m = _compiled(Layout(dp=8, zero=3))
+    assert m.ok and m.plan == "fsdp" and m.mesh == "data=8"
+    total = _param_bytes()
+    # every GPT leaf of this shape divides over 8: a shard each, Adam's two moments beside it
+    assert m.parts["params"] == total // 8
+    assert m.parts["optimizer"] - 2 * m.parts["params"] < 64  # + the step counts
+    assert m.parts["batch"] == 2 * 16 * 32 * 4 // 8  # tokens and targets, int32, split over data
+    extra = m.argument_bytes - (m.parts["params"] + m.parts["optimizer"] + m.parts["batch"])
+    assert 0 <= extra <= 16  # the step's PRNG key
+    assert m.peak_bytes == m.argument_bytes + m.temp_bytes and m.parts["temporaries"] == m.temp_bytes
+    assert set(m.comm_bytes) == {"data"} and m.comm_bytes["data"] > 2 * total * 7 / 8  # gathers + scatters
+    assert m.compile_s > 0
+    assert Measured.from_json(m.to_json()) == m
+
+
+def test_layouts_meshkit_cannot_run_come_back_as_one_line():
+    no_plan = Layout(dp=2, tp=4, zero=1)
+    remat_pp = Layout(pp=4, dp=2, remat="full")
+    (a,) = compile_layouts(SHAPE, [no_plan], JOB, progress=False)  # no process is started for it
+    b = compile_layout(SHAPE, remat_pp, JOB)
+    assert not a.ok and "meshkit has no plan" in a.error and "\n" not in a.error
+    assert not b.ok and "remat" in b.error and "\n" not in b.error
+    odd = compile_layout(SHAPE, Layout(dp=8, microbatch_size=3), JOB)
+    assert not odd.ok and "use a multiple of 24" in odd.error
+
+
+def test_a_compile_past_its_timeout_is_reported_not_awaited():
+    m = compile_in_subprocess(SHAPE, Layout(dp=4), JOB, timeout_s=0.5)
+    assert not m.ok and "timed out after" in m.error
+
+
+def test_a_subprocess_with_its_own_device_count_measures_the_same_step():
+    layout = Layout(dp=2, tp=2, zero=3)  # 4 devices: the child simulates 4, this process uses 4 of its 8
+    (child,) = compile_layouts(SHAPE, [layout], JOB, progress=False)
+    here = _compiled(layout)
+    assert child.ok and here.ok, (child.error, here.error)
+    assert child.plan == "fsdp+tp" and child.mesh == "data=2,model=2"
+    assert (child.argument_bytes, child.temp_bytes, child.parts) == (
+        here.argument_bytes,
+        here.temp_bytes,
+        here.parts,
+    )
+    assert child.comm_bytes == pytest.approx(here.comm_bytes) and set(child.comm_bytes) == {"data", "model"}
+
+
+# -- the planner's prediction beside the compiled step, for every plan meshkit executes ---------------
+
+CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and dp+pp), and each schedule
+    Layout(dp=8),
+    Layout(dp=8, zero=1),
+    Layout(dp=8, zero=2),
+    Layout(dp=8, zero=3),
+    Layout(dp=2, tp=4),
+    Layout(dp=2, tp=2, zero=3),
+    Layout(dp=2, pp=4),
+    Layout(dp=2, pp=4, zero=3),
+    Layout(tp=2, pp=4, schedule="gpipe"),
+    Layout(dp=2, tp=2, pp=2),
+    Layout(dp=2, tp=2, pp=2, zero=3),
+    Layout(dp=4, pp=2, schedule="interleaved", virtual_stages=2),
+]
+
+
+# Where the planner's model of meshkit's step still disagrees with the compiled program (each diagnosed
+# for the planner, issue 12; strict: a layout that comes to agree fails here until moved out).
+DISAGREE = {
+    Layout(dp=8, zero=1): "peak 0.88",
+}
+
+
+def _checked(layout: Layout):
+    why = DISAGREE.get(layout)
+    marks = [pytest.mark.xfail(strict=True, reason=f"planner disagrees: {why}")] if why else []
+    return pytest.param(layout, marks=marks, id=f"{layout.meshkit_plan()}:{layout.label().replace(' ', '_')}")
+
+
+@pytest.mark.parametrize("layout", [_checked(lay) for lay in CHECKED])
+def test_predicted_peak_and_bytes_match_the_compiled_step(layout):
+    from meshkit.planner.hardware import hardware
+    from meshkit.planner.model import Cluster, Job, predict
+
+    job = Job(
+        global_batch=JOB.global_batch, precision=JOB.precision, runtime="meshkit", flash_attention=False
+    )
+    measured = _compiled(layout)
+    assert measured.ok, measured.error
+    pred = predict(SHAPE, layout, Cluster(hardware=hardware("h100"), devices=layout.devices), job)
+    assert pred.valid, pred.why
+    ratios = {"peak": pred.peak_bytes / measured.peak_bytes}
+    axes = {"data", "model", "stage"}
+    for axis in axes:
+        got, want = measured.comm_bytes.get(axis, 0.0), pred.comm_bytes.get(axis, 0.0)
+        if got or want:
+            ratios[axis] = want / got if got else float("inf")
+    other = sum(v for k, v in measured.comm_bytes.items() if k not in axes)  # scalars: loss, gradient norm
+    assert other < 0.01 * measured.total_comm_bytes
+    off = {k: round(r, 3) for k, r in ratios.items() if not 0.9 <= r <= 1.1}
+    assert not off, f"predicted/compiled outside 0.90-1.10: {off} (all: {ratios})"
