@@ -48,6 +48,7 @@ and all-gathers (XLA:CPU combines only all-reduces).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -61,6 +62,7 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import meshkit
 
@@ -70,7 +72,9 @@ from meshkit.analysis import CommLedger, communication  # noqa: E402
 from meshkit.models import gpt  # noqa: E402
 from meshkit.train.trainer import Trainer  # noqa: E402
 
-ALL_PLANS = ("dp", "zero1", "zero2", "zero3", "tp", "dp+tp", "fsdp+tp")
+ALL_PLANS = ("dp", "zero1", "zero2", "zero3", "tp", "dp+tp", "fsdp+tp", "zero3:layer", "zero3:layer:scan")
+"""``plan[:remat[:scan]]``: the last two run zero3 per layer (gathers inside each rematerialized
+block) in the GPT's Python-loop and scanned forms, beside ``fsdp_hand``."""
 CFG = gpt.GPTConfig(vocab_size=128, seq_len=64, layers=2, width=128, heads=8)
 BATCH = 32
 LR = 1e-3
@@ -127,10 +131,9 @@ def meshkit_variant(trainer: Trainer, sample: Any) -> Variant:
 
 def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str = "hand") -> Variant:
     """``jax.jit`` + NamedSharding: the obvious step, the Trainer's layout, XLA's collectives."""
-    mesh, layout, sh = trainer.mesh, trainer.layout, trainer.shardings
+    mesh, layout = trainer.mesh, trainer.layout
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.param_specs())
     grad_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.grad_specs())
-    opt_sh, batch_sh, scalar_sh = sh.opt_state, sh.batch, sh.scalar
     optimizer = make_optimizer()
     zero = layout.plan.stage != "dp"
 
@@ -141,17 +144,92 @@ def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    jitted = jax.jit(
-        train_step,
-        in_shardings=(param_sh, opt_sh, batch_sh),
-        out_shardings=(param_sh, opt_sh, scalar_sh),
-        donate_argnums=(0, 1),
-    )
+    return jit_variant(name, train_step, trainer, params0, param_sh, sample)
+
+
+def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str) -> Variant:
+    """ZeRO-3 with per-layer gathers, written by hand: the reference for ``zero3`` (``remat``: none
+    holds each gathered layer for the backward pass, layer saves nothing and gathers again).
+
+    ``jax.shard_map`` manual over ``data``; each parameter leaf arrives as this device's shard. The
+    embeddings and the head are all-gathered once; each block all-gathers its own leaves (one
+    ``all_gather`` per leaf) inside a ``jax.checkpoint``-ed body that saves nothing: a ``lax.scan``
+    body in the scanned form, and in the Python-loop form a block whose shards are tied to its input
+    by ``lax.optimization_barrier`` (so the gathers cannot be hoisted); ``remat="none"`` drops the
+    ``jax.checkpoint``. The transpose of each
+    all-gather is a reduce-scatter, so gradients come back as shards; leaves kept whole are
+    all-reduced. AdamW then updates the shards in the global view, as the Trainer does.
+    """
+    mesh, layout = trainer.mesh, trainer.layout
+    n = int(mesh.shape["data"])
+    optimizer = make_optimizer()
+    dims = layout.tree(lambda leaf: leaf.data_dim)
+    local_specs = layout.tree(lambda leaf: leaf.manual_spec(data=True))
+    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.param_specs())
+
+    def gather(shards, data_dims, stacked=False):
+        return jax.tree.map(
+            lambda x, d: x if d is None else lax.all_gather(x, "data", axis=d - stacked, tiled=True),
+            shards, data_dims,
+        )  # fmt: skip
+
+    def block(p, x):
+        return gpt._block(p, x, cfg)
+
+    def remat_(fn):
+        return fn if remat == "none" else jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def local_loss(p, batch):
+        tokens, targets = batch
+        top_dims = {k: v for k, v in dims.items() if k != "blocks"}
+        top = gather({k: v for k, v in p.items() if k != "blocks"}, top_dims)
+        x = gpt._embed(top, tokens, cfg)
+        if cfg.scan_layers:
+
+            def body(x, shards):
+                return block(gather(shards, dims["blocks"], stacked=True), x), None
+
+            x, _ = lax.scan(remat_(body), x, p["blocks"])
+        else:
+            for shards, bdims in zip(p["blocks"], dims["blocks"], strict=True):
+
+                def one(shards, x, bdims=bdims):
+                    shards, x = lax.optimization_barrier((shards, x))
+                    return block(gather(shards, bdims), x)
+
+                x = remat_(one)(shards, x)
+        logits = gpt._head(top, x, cfg)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def local_grads(p, batch):
+        loss, g = jax.value_and_grad(local_loss)(p, batch)  # sharded leaves: summed by the reduce-scatter
+        g = jax.tree.map(lambda gi, d: gi / n if d is not None else lax.psum(gi, "data") / n, g, dims)
+        return lax.pmean(loss, "data"), g
+
+    grads_of = jax.shard_map(local_grads, mesh=mesh, in_specs=(local_specs, P("data")),
+                             out_specs=(P(), local_specs), axis_names={"data"}, check_vma=False)  # fmt: skip
+
+    def train_step(params, opt_state, batch):
+        loss, grads = grads_of(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jit_variant("hand", train_step, trainer, params0, param_sh, sample)
+
+
+def jit_variant(
+    name: str, train_step: Callable, trainer: Trainer, params0: Any, param_sh: Any, sample: Any
+) -> Variant:
+    """``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` jitted on the Trainer's
+    shardings with the same donation, running on its own copy of the parameters and state."""
+    sh, optimizer = trainer.shardings, make_optimizer()
+    jitted = jax.jit(train_step, in_shardings=(param_sh, sh.opt_state, sh.batch),
+                     out_shardings=(param_sh, sh.opt_state, sh.scalar), donate_argnums=(0, 1))  # fmt: skip
     st = {"params": jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params0)}
-    st["opt"] = jax.jit(optimizer.init, out_shardings=opt_sh)(st["params"])
+    st["opt"] = jax.jit(optimizer.init, out_shardings=sh.opt_state)(st["params"])
 
     def prepare(batch):
-        return jax.device_put(batch, batch_sh)
+        return jax.device_put(batch, sh.batch)
 
     def step(batch):
         st["params"], st["opt"], loss = jitted(st["params"], st["opt"], batch)
@@ -164,7 +242,7 @@ def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str
         state=lambda: (st["params"], st["opt"]),
         params=lambda: jax.device_get(st["params"]),
         prepare=prepare,
-        ledger=communication(compiled, mesh=mesh),
+        ledger=communication(compiled, mesh=trainer.mesh),
     )
 
 
@@ -260,25 +338,34 @@ def ms(xs: list[float], q: float = 50) -> float:
     return 1e3 * float(np.percentile(xs, q))
 
 
-def run_plan(plan: str, params0: Any, loss_fn, args) -> dict[str, Any]:
+def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
     data = batches(CHECK_STEPS + 1)
     sample = data[0]
+    plan, remat, *form = [*spec.split(":"), "none"][:2] + spec.split(":")[2:]
+    cfg = dataclasses.replace(CFG, scan_layers=form == ["scan"])
+    if cfg.scan_layers:
+        params0, loss_fn = gpt.to_scanned(params0), gpt.make_loss(cfg)
     trainer = Trainer(
         loss_fn,
         params0,
         make_optimizer(),
         plan=plan,
+        remat=remat,
         logical_axes=gpt.logical_axes(params0),
         tokens_per_example=CFG.seq_len,
     )
-    variants = [meshkit_variant(trainer, sample), hand_variant(trainer, params0, loss_fn, sample)]
+    if plan == "zero3":  # the reference with the same memory behaviour: gathers per layer, remat or not
+        hand = fsdp_hand_variant(trainer, params0, cfg, sample, remat)
+    else:
+        hand = hand_variant(trainer, params0, loss_fn, sample)
+    variants = [meshkit_variant(trainer, sample), hand]
     if plan == "dp":
         variants.append(pmap_variant(params0, loss_fn, sample))
     if args.control:
         variants.append(hand_variant(trainer, params0, loss_fn, sample, name="hand2"))
     checks = check_same(variants, data[:CHECK_STEPS])
     time_variants(variants, data[CHECK_STEPS], args.steps, args.rounds)
-    res: dict[str, Any] = {"plan": plan, "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()}}
+    res: dict[str, Any] = {"plan": spec, "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()}}
     res["variants"] = {
         v.name: {
             "median_ms": ms(v.wall),
@@ -327,7 +414,7 @@ def mb(b: float) -> str:
 def print_table(results: list[dict[str, Any]]) -> None:
     control = any(r["control"] for r in results)
     head = (
-        f"{'plan':<8} {'mesh':<15} {'meshkit ms':>10} {'hand ms':>8} {'mk/hand':>7} {'cpu':>5} "
+        f"{'plan':<16} {'mesh':<15} {'meshkit ms':>10} {'hand ms':>8} {'mk/hand':>7} {'cpu':>5} "
         f"{'pmap ms':>8} {'mk/pmap':>7} {'cpu':>5}" + (f" {'A/A':>5} {'cpu':>5}" if control else "") + " |"
         f" {'coll mk':>7} {'MB mk':>6} {'coll hand':>9} {'MB hand':>7} {'coll pmap':>9} {'MB pmap':>7} | same"
     )
@@ -339,7 +426,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         pm = v.get("pmap")
         flag = " *" if rh["wall"] > TARGET or rh["cpu"] > TARGET else ""
         line = (
-            f"{r['plan']:<8} {mesh:<15} {v['meshkit']['median_ms']:>10.1f} {v['hand']['median_ms']:>8.1f} "
+            f"{r['plan']:<16} {mesh:<15} {v['meshkit']['median_ms']:>10.1f} {v['hand']['median_ms']:>8.1f} "
             f"{rh['wall']:>7.2f} {rh['cpu']:>5.2f} "
             + (
                 f"{pm['median_ms']:>8.1f} {rp['wall']:>7.2f} {rp['cpu']:>5.2f}"
@@ -369,12 +456,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
             if name == "hand2":
                 continue
             parts = ", ".join(f"{k} {d['executions']}x{mb(d['size_bytes'])}" for k, d in v["by_op"].items())
-            print(f"  {r['plan']:<8} {name:<8} {parts or '(none)'}")
+            print(f"  {r['plan']:<16} {name:<8} {parts or '(none)'}")
     print("\nsame result (max |diff| vs meshkit after the same steps):")
     for r in results:
         for name, c in r["checks"].items():
             print(
-                f"  {r['plan']:<8} {name:<8} loss {c['max_loss_diff']:.2e}  params {c['max_param_diff']:.2e}  "
+                f"  {r['plan']:<16} {name:<8} loss {c['max_loss_diff']:.2e}  params {c['max_param_diff']:.2e}  "
                 f"{'ok' if c['ok'] else 'MISMATCH'}"
             )
 

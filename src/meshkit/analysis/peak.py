@@ -2,7 +2,12 @@
 (nothing allocated), beside a model from the layout and the loss's layers.
 
 Measured is ``memory_analysis()``'s arguments + temporaries (the outputs alias the donated
-parameters and optimizer state). See ``predict_peak`` for the model.
+parameters and optimizer state). The model (``predict_peak``) is analytic in what the plan adds
+(parameters and optimizer state at rest, gathered buckets and slices, gradients, the update) and
+takes the activations from the compiler itself: the loss's gradient compiled on one device, with no
+plan (``compiled_activations``), because which activations XLA keeps for the backward pass is its
+fusion decision, not a property of the jaxpr. Each term and the measurement behind it is in
+``predict_peak``'s docstring.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals in 0.12
@@ -20,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.mesh import make_mesh
 from meshkit.plans import StepShardings, build_step, get_plan, make_layout, memory_formula, state_shardings
-from meshkit.plans._fsdp import PerLayer, abstract, analyse
+from meshkit.plans._fsdp import PerLayer, abstract, analyse, layered_loss
 from meshkit.plans._layout import DATA
 
 
@@ -69,6 +75,8 @@ def abstract_step(
     remat: str = "none",
     logical_axes: Any = None,
     accumulate: int = 1,
+    clip_norm: float | None = None,
+    grad_norm: bool = False,
 ) -> AbstractStep:
     """Compile the plan's step ahead of time from parameter and batch shapes (ShapeDtypeStructs);
     ``loss_fn(params, batch)`` returns the loss."""
@@ -87,7 +95,8 @@ def abstract_step(
         state=None,
     )
     per = PerLayer(layout=layout, remat=remat)
-    step = build_step(loss_fn, optimizer, layout, sh, accumulate=accumulate, per_layer=per)
+    step = build_step(loss_fn, optimizer, layout, sh, accumulate=accumulate, per_layer=per, clip_norm=clip_norm,
+                      grad_norm=grad_norm)  # fmt: skip
     opt = jax.eval_shape(optimizer.init, params)
     attach = lambda tree, shard: jax.tree.map(  # noqa: E731
         lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shard
@@ -130,17 +139,55 @@ class PeakModel:
         return {**asdict(self), "total": self.total}
 
 
-def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> tuple[float, float]:
-    """(bytes the backward pass keeps, bytes one layer keeps without remat), per device, for
-    ``loss_fn(params, extra) -> (loss, aux)`` (``extra``: state, micro-batch and key, ``step_extra``).
+def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> float:
+    """Bytes XLA keeps for the loss's own forward and backward pass, per device (loop and hook
+    forms): the temporaries of the loss's gradient compiled on one device for one device's
+    micro-batch (``loss_fn(params, extra) -> (loss, aux)``; ``extra``: state, micro-batch and key,
+    ``step_extra``), every layer under the remat policy and, under zero3, behind the same
+    optimization barriers as in the step, but with the parameters whole and no collectives. Each
+    gradient is reduced where it is made (as the step's update or reduce-scatter consumes it), so
+    the term holds what the backward pass keeps plus its working set, and no gradient output.
 
-    From ``saved_residuals`` of the per-device loss under the remat policy, parameters excluded.
-    Without remat (and under ``dots``) only matmul outputs count (and their reshapes): XLA fuses
-    elementwise ops into their consumers and recomputes them inside the backward pass's fusions.
-    Under ``layer`` and ``regather`` what the checkpoint saves is an explicit output of the forward
-    pass and counts whole (``layer``: each layer's input; ``regather``: every activation); with remat
-    one layer's matmul outputs come on top, recreated in its backward pass. In a ``lax.scan`` every
-    saved residual is a stacked output of the loop and counts whole."""
+    Why compile rather than count: what the backward pass keeps is the compiler's choice, not
+    JAX's. ``saved_residuals`` lists what JAX's linearization saves; XLA fuses the cheap elementwise
+    ones into the backward pass's fusions and recomputes them from what it does keep (matmul
+    outputs and operands, exponentials, tanh, reductions), and drops residuals the backward pass
+    does not read. Counting matmul outputs only (the model before) missed attention's T x T
+    scores and softmax and the MLP's hidden activations: on ``meshkit train``'s defaults (seq 128,
+    width 128, 2 layers) it predicted 2.0 MiB of activations where the step keeps about 17, so the
+    whole peak came out at 1/2.7 of the measured. Counting every residual over-counts by about 1.4x
+    (the GPT block keeps some 28 of JAX's 45 activation-sized residuals). The plan does not change
+    what the model keeps: it adds gathers, gradients and buckets, which ``predict_peak`` models.
+
+    ``regather`` keeps every activation, as ``none`` does, and is compiled as ``none`` (on one
+    device its policy would also save the barrier's copies of the weights, which the plan gathers
+    again instead)."""
+    from meshkit.plans import Layout
+
+    layout = Layout(plan=get_plan("dp"), mesh=per.layout.mesh, leaves=per.layout.leaves)
+    remat = "none" if per.remat == "regather" else per.remat
+    local = PerLayer(layout=layout, remat=remat, found=per.found, barriers_only=per.gathers)
+    f = layered_loss(loss_fn, local, params, extra)
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+
+    def step(xs, e):  # each gradient consumed where it is made, as the update would
+        loss, grads = jax.value_and_grad(lambda xs: f(xs, e)[0])(xs)
+        return loss, [jnp.sum(g) for g in grads]
+
+    grad = jax.jit(step)
+    compiled = grad.lower(leaves, extra).compile()
+    return float(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> tuple[float, float]:
+    """(bytes the backward pass keeps, bytes one layer keeps without remat), per device, for a loss
+    whose layers are a ``lax.scan`` (``loss_fn(params, extra) -> (loss, aux)``).
+
+    From ``saved_residuals`` of the per-device loss under the remat policy, parameters excluded. In
+    a scan every residual the body saves is a stacked output of the loop, which XLA cannot fuse
+    into the backward loop, so it counts whole (``layer``: each layer's input; ``regather``: every
+    activation). With remat one layer's matmul outputs come on top, recreated in its backward pass.
+    (The loop and hook forms use ``compiled_activations``: there XLA recomputes fused residuals.)"""
     from meshkit.plans import Layout
     from meshkit.plans._fsdp import layered_loss
 
@@ -179,18 +226,35 @@ def predict_peak(
 ) -> PeakModel:
     """Per-device peak of the step: arguments + the larger of the backward and the update phases.
 
-    ``loss_fn`` is the step's loss ``(params, state, batch, key) -> (loss, (aux, state))``.
+    ``loss_fn`` is the step's loss ``(params, state, batch, key) -> (loss, (aux, state))``. The
+    terms, and why (P = parameter bytes, P_top = leaves used outside layers, P_layers = per-layer
+    leaves, P_1 = one layer's, N = data-axis size; measured on the issue-14 GPT, data=8, by reading
+    XLA's buffer live ranges at the peak, ``--xla_dump_to``):
 
     - persistent (the arguments): parameters and optimizer state as the plan keeps them, the batch;
-    - backward phase: whole local gradients (dp, zero1, zero2); under zero3 each gathered leaf costs
-      3x its bytes while alive (the gathered bucket, the leaves sliced from it, its whole gradient
-      before the reduce-scatter): leaves used outside layers for the step, per-layer leaves for
-      every layer without remat (held for the backward pass) or one layer at a time with it (2x:
-      the compiler frees a layer's bucket as its slices are made); plus
-      gradient shards and the activations the backward pass keeps (``saved_activations``; with remat
-      one layer's own residuals on top, recreated in its backward pass);
-    - update phase: the gradients with the optimizer's update tree (2x the gradients); zero1/zero2's
-      bucketed all-gather of the new parameters (bucket + slices, 2x the parameters).
+    - activations (``compiled_activations`` for the loop and hook forms, ``saved_activations`` for
+      a scan): what the backward pass keeps, with its working set; with remat, the layer being
+      recomputed;
+    - backward phase, dp/zero1/zero2: the whole local gradients (P) + the activations; a scan's
+      loop also keeps one layer's parameter and gradient slices in its buffers (+2 P_1);
+    - backward phase, zero3: leaves used outside layers gathered for the step: bucket, slices and
+      whole gradient (3 P_top); per-layer leaves without remat: every layer's bucket and slices
+      held for the backward pass (2 P_layers; a scan saves only the gathered slices, P_layers);
+      with remat one layer at a time: under ``layer``/``dots`` its re-gathered bucket (P_1: its
+      slices and whole gradient share memory with the recomputed values the activation term
+      already holds), under ``regather`` bucket and slices (2 P_1), in a scan bucket and gradient
+      (2 P_1, plus the loop's slice P_1). Gradient shards: all of them (P_layers / N) where the
+      step takes the global norm (clipping or the grad_norm metric) or writes them as one stacked
+      scan output, or under ``regather`` (its per-leaf reduce-scatters are scheduled at the end of
+      the step); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
+      right after its reduce-scatter, into the donated parameter and state buffers, and the shard
+      dies there (its live range spans ~17 of ~1300 instructions at 4 layers);
+    - update phase: the gradients with the optimizer's update tree (2x the gradients; a scanned
+      dp step updates in the gradients' buffers); zero1/zero2's bucketed all-gather of the new
+      parameters (bucket + slices, 2x the parameters); zero3: 2x the gradient shards, of every
+      leaf where they are all alive at once (above), else of the leaves outside layers and one
+      layer. Counting every shard (with its update) was the loop form's 0.83-0.88 at 16-32 layers
+      under ``layer`` remat, where this phase decided the peak.
     """
     layout = per.layout
     n, stage = layout.data_size, layout.plan.stage
@@ -218,9 +282,15 @@ def predict_peak(
 
     layer_b = sum(sizes[i] for i in layer)
     top_b = total - layer_b
-    saved, one = saved_activations(loss_fn, per, params, extra)
-    activations = saved + (one if per.remat != "none" else 0.0)
     scan = found is not None and found.mode == "scan"
+    if scan:
+        saved, one = saved_activations(loss_fn, per, params, extra)
+        activations = saved + (one if per.remat != "none" else 0.0)
+    else:  # one compile per loss, remat and shapes (a Trainer reports the same step repeatedly)
+        memo = (per.remat, str(jax.tree.map(lambda a: (a.shape, a.dtype), (params, extra))))
+        if memo not in per.measured:
+            per.measured[memo] = compiled_activations(loss_fn, per, params, extra)
+        activations = per.measured[memo]
     one_layer = (
         sum(sizes[i] for i in found.layer_leaves) / found.layers
         if found is not None and found.per_layer
@@ -233,17 +303,26 @@ def predict_peak(
     if zero3:
         lay = found.layers if layer else 1
         per_layer_b = layer_b / lay if layer else 0.0
-        # gathered for the step (bucket + slices) with their whole gradients; shards of the rest
-        backward = 3 * top_b + layer_b / n + body
+        # gathered for the step (bucket + slices) with their whole gradients; the per-layer gradient
+        # shards: all of them where the step takes their global norm before updating; else XLA
+        # updates each layer's shards (into the donated parameters and Adam state) as they arrive,
+        # and one layer's shard is alive at a time (a scan writes them all as one stacked array)
+        # (regather's per-leaf reduce-scatters are scheduled at the step's end: all shards alive)
+        at_once = per.global_norm or scan or per.remat == "regather"
+        backward = 3 * top_b + (layer_b if at_once else per_layer_b) / n + body
         if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered;
             # a scan saves each layer's gathered slice as a stacked residual (bucket and gradient die in the body)
-            backward += (1 if scan else 3) * layer_b
-        elif per.remat != "regather" or scan:  # one layer at a time: its gathered bucket and whole gradient
+            backward += (1 if scan else 2) * layer_b
+        elif scan:  # one layer at a time: its gathered bucket and whole gradient
             backward += 2 * per_layer_b
-        # (regather in the loop form: the re-gathered layer reuses the buffers of the activations it
-        # does not recompute; measured, no extra layer term)
+        else:  # the layer re-gathered in the backward pass: under layer and dots the one-device
+            # compile already holds that layer's recomputed values, which share memory with its
+            # bucket; regather recomputes nothing, so its bucket and slices come on top
+            backward += (2 if per.remat == "regather" else 1) * per_layer_b
         shards = sum(at_rest(i, True) for i in range(len(sizes)))
-        update = 2 * shards
+        # the update: gradient shards and the update tree, of every leaf at once, or (updated layer
+        # by layer as the shards arrive) of the leaves outside layers and one layer
+        update = 2 * (shards if at_once else shards - (layer_b - per_layer_b) / n)
     else:
         backward = total + body  # whole local gradients
         # the loop form materializes the update tree beside the gradients; in the scanned form XLA

@@ -109,6 +109,14 @@ class PerLayer:
     layout: Layout
     remat: str = "none"
     found: Found | None = field(default=None)
+    global_norm: bool = False
+    """Whether the step takes the gradients' global norm (clipping, or the grad_norm metric): then
+    every gradient shard is alive until the norm is known (set by ``build_step``)."""
+    measured: dict = field(default_factory=dict)
+    """What the peak model compiled for this loss, by input shapes (``meshkit.analysis.peak``)."""
+    barriers_only: bool = False
+    """Place zero3's per-layer optimization barriers but gather nothing (parameters whole): the
+    single-device compile ``meshkit.analysis.peak`` reads the compiler's activation bytes from."""
 
     def __post_init__(self):
         check_remat(self.remat)
@@ -408,7 +416,7 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
     found = per.found
     flat = per.layout.flat()
     n = per.layout.data_size
-    layer_set = set(found.layer_leaves) if per.gathers else set()
+    layer_set = set(found.layer_leaves) if per.gathers or per.barriers_only else set()
     policy = per.policy
 
     def f(leaves, micro):
@@ -417,7 +425,11 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
         def handler(block_fn, block_params, inputs):
             bl, bdef = jax.tree.flatten(block_params)
             mine = [k for k, x in enumerate(bl) if ids.get(id(x)) in layer_set]
-            gather = _gather_vjp([flat[ids[id(bl[k])]] for k in mine], n, per_leaf=per.remat == "regather")
+            gather = (
+                list
+                if per.barriers_only
+                else _gather_vjp([flat[ids[id(bl[k])]] for k in mine], n, per_leaf=per.remat == "regather")
+            )
 
             def run(bl, inputs):
                 bl = list(bl)
@@ -451,7 +463,7 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
     out_tree = jax.tree.structure(out_shape)
     jaxpr = closed.jaxpr
     index = {v: i for i, v in enumerate(jaxpr.invars[: len(avals)])}
-    layer_set = set(per.found.layer_leaves) if per.gathers else set()
+    layer_set = set(per.found.layer_leaves) if per.gathers or per.barriers_only else set()
     policy = per.policy
 
     def run_scan(eqn, invals):
@@ -460,7 +472,11 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
         consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
         which = [index.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars[nc + nk :]]
         mine = [k for k, i in enumerate(which) if i in layer_set]
-        gather = _gather_vjp([_unstacked(flat[which[k]]) for k in mine], n, per_leaf=per.remat == "regather")
+        gather = (
+            list
+            if per.barriers_only
+            else _gather_vjp([_unstacked(flat[which[k]]) for k in mine], n, per_leaf=per.remat == "regather")
+        )
         body = _body(eqn)
 
         def layer(carry, x):

@@ -43,6 +43,15 @@ class Plan:
     pipeline: bool = False
     """Whether the stacked layers of a ``meshkit.Stages`` model are split over the stage axis."""
 
+    @property
+    def gathers_in_compute_dtype(self) -> bool:
+        """Whether, under mixed precision, ZeRO-3's data-axis gathers and reduce-scatters move the
+        parameters cast to the compute dtype (half the bytes for bf16). Not under tensor parallelism:
+        XLA:CPU (JAX 0.12) aborts compiling low-precision shards gathered on data while the model axis
+        is the partitioner's ("Invalid binary instruction opcode copy"), so fsdp+tp gathers in the
+        parameters' dtype and the model casts them; nor in pipelines, which gather in their own way."""
+        return self.stage == "zero3" and not self.tensor and not self.pipeline
+
 
 PLANS: dict[str, Plan] = {
     "dp": Plan(name="dp", stage="dp", tensor=False, needs=(DATA,)),

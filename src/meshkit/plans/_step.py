@@ -141,10 +141,7 @@ def local_gradients(
     cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
     """
     stage = layout.plan.stage
-    # Not under fsdp+tp: XLA:CPU (JAX 0.12) aborts compiling low-precision shards gathered on data
-    # while the model axis is the partitioner's ("Invalid binary instruction opcode copy"); there the
-    # parameters are gathered in their own dtype and the model casts them.
-    low = compute_dtype is not None and stage == "zero3" and not layout.plan.tensor
+    low = compute_dtype is not None and layout.plan.gathers_in_compute_dtype
     scale = 1.0 / (layout.data_size * accumulate)
 
     def first_row(j, rows):
@@ -280,6 +277,8 @@ def build_step(
     mesh = layout.mesh
     grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))
     with_norm = grad_norm or clip_norm is not None
+    if per_layer is not None:
+        per_layer.global_norm = with_norm
 
     def step(params, opt_state, state, batch, key):
         loss, aux_out, state, grads = grads_of(params, state, batch, key)

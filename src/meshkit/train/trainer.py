@@ -524,9 +524,8 @@ class Trainer:
             shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.params, self.state))
             fed = batch_fed(self._loss, *shapes, self.put_batch(batch), self._step_key())
         low = None
-        if (
-            self.compute_dtype is not None and not self.plan.tensor and self.pipeline is None
-        ):  # fsdp+tp and pipelines gather in the params dtype; XLA's CPU compiler moves sub-32-bit floats as f32
+        if self.compute_dtype is not None and self.plan.gathers_in_compute_dtype:
+            # XLA's CPU compiler moves sub-32-bit floats as f32
             cpu = self.mesh.devices.flat[0].platform == "cpu"
             low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
         expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
