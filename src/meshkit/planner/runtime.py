@@ -157,11 +157,10 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
     optimizer = 2 * (total / n if layout.zero >= 1 and n > 1 else total)  # AdamW's two float32 moments
     batch = 2 * 4 * job.global_batch * shape.seq / n
     # a pipeline's stage runs its chunk's forward and backward inside the tick's conditional
-    # branches: counted with every residual the vjp saves (with only those a scan keeps, dp+tp+pp
-    # and fsdp+tp+pp on 8 devices read 0.89 and 0.88 predicted / compiled; not diagnosed further)
+    # branches: counted with every residual the vjp saves (under the layout's remat policy)
     pipe = layout.pp > 1
     saved, weights, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision,
-                                               "none" if pipe else layout.remat, kept=not pipe)  # fmt: skip
+                                               layout.remat, kept=not pipe)  # fmt: skip
     one_layer = layer_b / max(layers_here, 1)
     if layout.pp > 1:  # the stash of stage inputs and cotangents, one chunk recomputed, the head
         p, m, v = layout.pp, microbatches, layout.virtual_stages
@@ -170,13 +169,24 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
         g_slots = 1 if v == 1 else 2
         chunk = layers_here // v
         activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
+        if layout.remat != "none":  # the backward tick recomputes one layer of its chunk at a time
+            mb, t = layout.microbatch_size, layout.tp
+            activations += residuals(shape, mb, t, job.precision, "none", kept=False)[0]
         body = 2 * one_layer if chunk > 1 else 0.0  # the loop over a chunk's layers keeps two in buffers
         # fsdp+pp gathers the stage's parameters once for the step, in their own dtype (float32: the
         # pipeline's ``_gather`` casts nothing; 1.3 B at 64 devices, bf16, fsdp+tp+pp: 1.40 -> 1.23
         # compiled / predicted); interleaved keeps its layers permuted into schedule order beside them
         gathered = total if zero3 else 0.0
         relayout = layer_b if v > 1 else 0.0
-        backward = total + body + activations + head + gathered + relayout
+        # the tick's branch returns the gradients of the leaves outside the layers (``dt`` out of
+        # ``lax.switch``, every stage: embeddings, unembedding, final norm) beside the accumulator
+        # they are added into; and a chunk of several layers (a loop) writes its gradient layer by
+        # layer into its own stacked buffer (a dynamic-update-slice, 0.2 GB per matrix at the peak of
+        # the 1.3 B GPT's fsdp+tp+pp step) before the tick adds it: one chunk's gradient more (a
+        # chunk of one layer has no loop). 1.3 B at 64 devices, fsdp+tp+pp with pp=2 and pp=4:
+        # 1.23-1.40 -> within 10% compiled / predicted
+        tick = top_b + (layer_b / v if chunk > 1 else 0.0)
+        backward = total + body + activations + head + gathered + relayout + tick
         return _parts(params, optimizer, batch, backward, 2 * total, total, activations + head, gathered)
     # gradient accumulation (m > 1 micro-batches without a pipeline): the scan over micro-batches
     # carries the summed gradients beside each micro-batch's own, whole under dp and zero1 (reduced
