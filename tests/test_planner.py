@@ -399,3 +399,20 @@ def test_meshkit_runtime_agrees_with_the_plans_models(dp, tp, zero):
                                     per_layer=per)  # fmt: skip
     data = sum(e.traffic_bytes for e in expected if e.axes == "data")
     assert p.comm_bytes["data"] == pytest.approx(data, rel=0.05)
+
+
+def test_kept_residuals_leave_out_the_dead_scores_and_the_causal_mask():
+    """What a compiled scan keeps of one block's residuals: JAX's list less the masked float32
+    scores the backward never reads and the causal mask (iotas only), exactly their bytes."""
+    from meshkit.planner.runtime import residuals
+
+    shape = ModelShape(name="t", layers=2, width=64, heads=4, vocab=97, seq=16)
+    for precision in ("fp32", "bf16"):
+        kept = residuals(shape, 2, 1, precision, "none", kept=True)
+        every = residuals(shape, 2, 1, precision, "none", kept=False)
+        scores = 2 * shape.heads * shape.seq * shape.seq  # (batch 2, heads, seq, seq)
+        assert every[0] - kept[0] == scores * 4 + scores * 1  # float32 scores, bool mask
+        assert kept[1:3] == every[1:3]  # the weights' compute copies, the layer input: unchanged
+        assert 0 < kept[3] <= every[3]  # the head and loss
+        # under layer remat a block keeps nothing but its input (an argument, not counted)
+        assert residuals(shape, 2, 1, precision, "layer")[0] == 0.0
