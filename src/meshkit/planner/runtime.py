@@ -207,15 +207,20 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
     body = (1 if zero3 and layout.remat != "none" else 2) * one_layer  # the scan's loop buffers
     if zero3:  # gathered in the compute dtype (bf16 gathers under bf16)
         g = (2 if job.precision == "bf16" else 4) / 4
-        gathered = g * (3 * top_b + (layer_b if layout.remat == "none" else 2 * one_layer))
+        # the leaves outside layers, gathered for the step: bucket, slices and whole gradient in the
+        # compute dtype; in float32 nothing is cast and the slices are views of the bucket (8
+        # devices fp32, zero3 and fsdp+tp: 1.04 and 1.06 -> 1.00 and 1.01 predicted / compiled)
+        top = 2 * top_b if g == 1 else 3 * g * top_b
+        gathered = top + g * (layer_b if layout.remat == "none" else 2 * one_layer)
         body *= g
         if layout.tp > 1 and microbatches > 1:
             # fsdp+tp reduce-scatters in float32 (``Plan.gathers_in_compute_dtype``); inside the
-            # micro-batch loop the gradient of the leaves outside layers and its reduce-scatter bucket
-            # stay float32 (live ranges at the peak of the 1.3 B GPT, tp=4, layer remat: a 0.53 GB
-            # float32 concatenate beside the float32 embedding and unembedding gradients): 1.31 ->
-            # 0.98 compiled / predicted; with one micro-batch XLA fuses them into the reduce-scatter
-            gathered += 2 * (1 - g) * top_b
+            # micro-batch loop the gradient of the leaves outside layers is concatenated into a
+            # float32 reduce-scatter bucket beside the leaves' gradients (live ranges at the peak of
+            # the 1.3 B GPT, tp=4, layer remat: a 0.53 GB concatenate beside the float32 embedding and
+            # unembedding gradients): bf16 1.31 -> 0.98 compiled / predicted; with one micro-batch
+            # XLA fuses it into the reduce-scatter
+            gathered += top_b
         grads = layer_b / n + body + accumulator
         backward = gathered + grads + activations
         update = 2 * total / n
