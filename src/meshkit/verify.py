@@ -17,6 +17,7 @@ float32 plan stays within the float32 noise floor (its own distance from float64
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,7 @@ MLP_AXES = [{"w": ("embed", "mlp"), "b": ("mlp",)}, {"w": ("mlp", "embed"), "b":
             {"w": ("embed", None), "b": (None,)}]  # fmt: skip
 
 
+@functools.cache  # one per process: its parameters are made by jitted code, and nothing changes them
 def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stages: bool = False) -> Workload:
     """The reference workloads: 'linear', 'mlp' (the chapter's [16, 64, 64, 8]) and 'gpt' (width 32,
     ``heads`` heads, ``layers`` blocks; with ``stages`` the scanned GPT as ``meshkit.Stages``, the form
