@@ -36,7 +36,9 @@ def test_both_forms_give_the_same_loss_and_gradients_in_float64():
         c64, s64 = (dataclasses.replace(c, dtype="float64") for c in (CFG, SCAN))
         loop = jax.tree.map(lambda a: np.asarray(a, np.float64), gpt.init(jax.random.key(1), CFG))
         batch = _batch(1)
-        l1, g1 = jax.jit(jax.value_and_grad(gpt.make_loss(c64)))(loop, batch)  # jitted: one compile, not one per op
+        l1, g1 = jax.jit(jax.value_and_grad(gpt.make_loss(c64)))(
+            loop, batch
+        )  # jitted: one compile, not one per op
         l2, g2 = jax.jit(jax.value_and_grad(gpt.make_loss(s64)))(gpt.to_scanned(loop), batch)
         assert abs(float(l1) - float(l2)) < 1e-13
         diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), gpt.to_scanned(g1), g2)

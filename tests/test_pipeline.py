@@ -141,7 +141,9 @@ def test_gpt_loss_and_every_gradient_equal_one_device_in_float64():
         cfg = dataclasses.replace(CFG, dtype="float64")
         params = gpt.init(jax.random.key(0), cfg)
         batch = _tokens()
-        ref_loss, ref = jax.jit(jax.value_and_grad(gpt.make_loss(cfg)))(params, batch)  # one compile, not one per op
+        ref_loss, ref = jax.jit(jax.value_and_grad(gpt.make_loss(cfg)))(
+            params, batch
+        )  # one compile, not one per op
         loss, grads = _pipeline_grads(
             gpt.stages(cfg), params, batch, mesh, plan, name, m, logical_axes=gpt.logical_axes(params)
         )
@@ -161,7 +163,9 @@ def test_remat_matches_one_device_in_float64_and_lowers_the_temporaries():
         cfg = dataclasses.replace(CFG, dtype="float64")
         params = gpt.init(jax.random.key(0), cfg)
         batch = _tokens()
-        ref_loss, ref = jax.jit(jax.value_and_grad(gpt.make_loss(cfg)))(params, batch)  # one compile, not one per op
+        ref_loss, ref = jax.jit(jax.value_and_grad(gpt.make_loss(cfg)))(
+            params, batch
+        )  # one compile, not one per op
         layout = make_layout(params, get_plan("dp+pp"), make_mesh("stage=2,data=4", axis_types="auto"))
         temps, model = {}, {}
         for remat in ("none", "layer", "dots"):
