@@ -1,22 +1,24 @@
 """The planner at scale: a ~1.3 B GPT on 64 devices (8 hosts x 8), the top layouts meshkit runs
 compiled ahead of time on 64 simulated CPU devices beside the planner's prediction of meshkit's step.
 
-Model: 24 layers, width 2048, 16 heads, vocab 50304, seq 2048 (1.31 B parameters); job: global batch
-256 sequences, bf16 compute (fp32 parameters and AdamW moments, as meshkit trains); cluster: 64 h100
-(8 per host). The planner's search ranks every layout; the first ``--top`` that meshkit executes
-(``Layout.meshkit_plan()``, pipelines with whole layers per stage and no remat) are compiled, each in
-its own process (``meshkit.planner.compile.compile_layouts``), plus any ``--layout``s given.
+Model: 24 layers, width 2048, 16 heads, vocab 32000, seq 1024 (1.28 B parameters); job: global batch
+64 sequences, bf16 compute (fp32 parameters and AdamW moments, as meshkit trains); cluster: 64 h100
+(8 per host). The planner's search (meshkit's runtime) ranks every layout; the first ``--top`` that
+meshkit executes (``Layout.meshkit_plan()``, pipelines with whole layers per stage) are compiled,
+each in its own process (``meshkit.planner.compile.compile_layouts``), then the ``--layout``s given
+(default: ``EXTRA``, one layout per memory regime: ZeRO-3 without remat, dp+tp with 8 accumulated
+micro-batches, ZeRO-3 under layer remat with and without tp).
 
 Printed per layout: compile seconds, per-device peak (arguments + temporaries) compiled and predicted
-(``Job(runtime="meshkit", flash_attention=False)``) and their ratio, and bytes each device sends per
+(``Job(runtime="meshkit", flash_attention=False)``) and compiled / predicted, and bytes each device sends per
 step per mesh axis, compiled (meshkit's ledger) and predicted, with ratios; then the wall time of
 the whole run. XLA's CPU compiler moves bf16 collectives as fp32: activation traffic (model, stage)
 compiled on CPU is twice what bf16 moves on a GPU, so ``--precision fp32`` compares like with like.
 
-Run (about a minute per layout on 2 shared cores)::
+Run (10-45 s per layout on 2 shared cores)::
 
     .venv/bin/python benchmarks/bench_plan_compile.py [--top 3] [--precision bf16|fp32]
-        [--layout dp=8,tp=8 ...] [--json out.json]
+        [--layout dp=16,tp=4,zero=3,remat=layer,mb=1 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,16 +34,39 @@ from meshkit.planner.layout import Layout, ModelShape
 from meshkit.planner.model import Cluster, Job, predict
 from meshkit.planner.search import search
 
-SHAPE = ModelShape(name="gpt-1.3b", layers=24, width=2048, heads=16, vocab=50304, seq=2048)
+SHAPE = ModelShape(name="gpt-1.3b", layers=24, width=2048, heads=16, vocab=32000, seq=1024)
 AXES = ("data", "model", "stage")
+EXTRA = ("dp=64,zero=3", "dp=8,tp=8", "dp=16,tp=4,zero=3,remat=layer", "dp=64,zero=3,remat=layer")
+
+
+def parse(text: str) -> Layout:
+    """``dp=16,tp=4,zero=3,remat=layer,mb=2`` (degrees, then zero, remat, mb, schedule, v)."""
+    degrees, options = [], {}
+    names = {
+        "zero": "zero",
+        "remat": "remat",
+        "mb": "microbatch_size",
+        "schedule": "schedule",
+        "v": "virtual_stages",
+    }
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() in names:
+            name = names[key.strip()]
+            options[name] = value.strip() if name in ("remat", "schedule") else int(value)
+        else:
+            degrees.append(part)
+    return Layout.parse(",".join(degrees), **options)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--global-batch", type=int, default=256)
-    ap.add_argument("--layout", action="append", default=[], help="also compile this layout (dp=8,tp=8)")
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument(
+        "--layout", action="append", default=None, help="also compile this layout (dp=8,tp=8,zero=3)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     start = time.perf_counter()
@@ -50,7 +75,8 @@ def main() -> None:
         global_batch=args.global_batch, precision=args.precision, runtime="meshkit", flash_attention=False
     )
     ranked = [p.layout for p in search(SHAPE, cluster, job).ranked if runnable(p.layout, SHAPE)]
-    layouts = ranked[: args.top] + [Layout.parse(text) for text in args.layout]
+    extra = [parse(text) for text in (EXTRA if args.layout is None else args.layout)]
+    layouts = ranked[: args.top] + [lay for lay in extra if lay not in ranked[: args.top]]
     searched = time.perf_counter() - start
     measured = compile_layouts(SHAPE, layouts, job)
     rows = []
@@ -58,7 +84,7 @@ def main() -> None:
         f"{SHAPE.name} on 64 h100 (8 per host), batch {args.global_batch}, {args.precision}; search {searched:.1f} s"
     )
     print(
-        f"{'layout':34s} {'plan':10s} {'compile s':>9s} {'peak GB comp/pred':>18s} {'ratio':>6s}  bytes per axis GB comp/pred (ratio)"
+        f"{'layout':34s} {'plan':10s} {'compile s':>9s} {'peak GB comp/pred':>18s} {'ratio':>6s}  bytes per axis GB comp/pred (comp/pred)"
     )
     for m in measured:
         p = predict(SHAPE, m.layout, cluster, job)
@@ -71,10 +97,10 @@ def main() -> None:
             if m.comm_bytes.get(a) or p.comm_bytes.get(a)
         }
         text = "  ".join(
-            f"{a} {g / 1e9:.2f}/{w / 1e9:.2f} ({w / g if g else float('inf'):.3f})"
+            f"{a} {g / 1e9:.2f}/{w / 1e9:.2f} ({g / w if w else float('inf'):.3f})"
             for a, (g, w) in comm.items()
         )
-        ratio = p.peak_bytes / m.peak_bytes
+        ratio = m.peak_bytes / p.peak_bytes
         print(
             f"{m.layout.label():34s} {m.plan:10s} {m.compile_s:9.1f} {m.peak_bytes / 1e9:8.2f}/{p.peak_bytes / 1e9:<9.2f} {ratio:6.3f}  {text}"
         )

@@ -293,6 +293,76 @@ def test_plan_custom_hardware(capsys):
     assert data["cluster"]["hardware"]["peak_flops"] == 100e12 and all(x["fits"] for x in data["layouts"])
 
 
+USER_MODEL = """
+import jax
+from meshkit.models import gpt
+from meshkit.planner import ModelShape
+
+def shape():
+    return ModelShape(name="mine", layers=6, width=256, heads=8, vocab=1000, seq=128)
+
+def params():  # a user's model as meshkit's GPT parameters, abstract (nothing allocated)
+    cfg = gpt.GPTConfig(vocab_size=1000, seq_len=128, layers=6, width=256, heads=8, scan_layers=True)
+    return jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+
+def listed():
+    cfg = gpt.GPTConfig(vocab_size=1000, seq_len=128, layers=6, width=256, heads=8)
+    return jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+
+def other():
+    return 3
+
+def broken():
+    raise ValueError("no weights here")
+"""
+
+
+@pytest.fixture
+def user_model(tmp_path, monkeypatch):
+    (tmp_path / "planner_user_model.py").write_text(USER_MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "planner_user_model"
+    import sys
+
+    sys.modules.pop("planner_user_model", None)
+
+
+@pytest.mark.parametrize("target", ["shape", "params", "listed"])
+def test_plan_a_user_model_target(capsys, user_model, target):
+    extra = [] if target == "shape" else ["--heads", "8"]
+    code, out, err = run(capsys, "plan", "--model", f"{user_model}:{target}", *extra, "--devices", "8",
+                         "--global-batch", "16", "--top", "2", "--json")  # fmt: skip
+    assert code == 0, err
+    model = json.loads(out)["model"]
+    want = {"layers": 6, "width": 256, "heads": 8, "vocab": 1000, "seq": 128, "ffn": 1024}
+    assert {k: model[k] for k in want} == want
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "message"),
+    [
+        ("params", [], "do not record the heads: pass --heads"),
+        ("other", [], "returned int: return a meshkit.planner.ModelShape"),
+        ("broken", [], "raised ValueError: no weights here"),
+        ("missing", [], "has no attribute 'missing'"),
+    ],
+)
+def test_plan_a_bad_user_target_one_line_exit_2(capsys, user_model, target, extra, message):
+    code, _, err = run(capsys, "plan", "--model", f"{user_model}:{target}", *extra, "--devices", "8")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_an_unimportable_target_one_line_exit_2(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "plan", "--model", "no_such_module_here:fn", "--devices", "8")
+    assert (
+        code == 2
+        and "cannot import module 'no_such_module_here'" in err
+        and len(err.strip().splitlines()) == 1
+    )
+
+
 # -- meshkit's own programs (Job(runtime="meshkit")) -------------------------------------------------
 
 
@@ -329,3 +399,20 @@ def test_meshkit_runtime_agrees_with_the_plans_models(dp, tp, zero):
                                     per_layer=per)  # fmt: skip
     data = sum(e.traffic_bytes for e in expected if e.axes == "data")
     assert p.comm_bytes["data"] == pytest.approx(data, rel=0.05)
+
+
+def test_kept_residuals_leave_out_the_dead_scores_and_the_causal_mask():
+    """What a compiled scan keeps of one block's residuals: JAX's list less the masked float32
+    scores the backward never reads and the causal mask (iotas only), exactly their bytes."""
+    from meshkit.planner.runtime import residuals
+
+    shape = ModelShape(name="t", layers=2, width=64, heads=4, vocab=97, seq=16)
+    for precision in ("fp32", "bf16"):
+        kept = residuals(shape, 2, 1, precision, "none", kept=True)
+        every = residuals(shape, 2, 1, precision, "none", kept=False)
+        scores = 2 * shape.heads * shape.seq * shape.seq  # (batch 2, heads, seq, seq)
+        assert every[0] - kept[0] == scores * 4 + scores * 1  # float32 scores, bool mask
+        assert kept[1:3] == every[1:3]  # the weights' compute copies, the layer input: unchanged
+        assert 0 < kept[3] <= every[3]  # the head and loss
+        # under layer remat a block keeps nothing but its input (an argument, not counted)
+        assert residuals(shape, 2, 1, precision, "layer")[0] == 0.0

@@ -25,7 +25,14 @@ def _opt(panel: str, help: str, *decls: str, **kw) -> typer.models.OptionInfo:
 
 
 def plan(
-    model: Annotated[str | None, _opt(_M, "A preset: gpt2-124m ... gpt-13b, llama-7b ... llama3-8b.")] = None,
+    model: Annotated[
+        str | None,
+        _opt(
+            _M,
+            "A preset (gpt2-124m ... gpt-13b, llama-7b ... llama3-8b), or module:function returning a "
+            "ModelShape or meshkit GPT parameters (with --heads).",
+        ),
+    ] = None,
     layers: Annotated[int | None, _opt(_M, "Transformer blocks.")] = None,
     width: Annotated[int | None, _opt(_M, "Model width.")] = None,
     heads: Annotated[int | None, _opt(_M, "Attention heads.")] = None,
@@ -168,6 +175,8 @@ def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_d
     sizes = {"layers": layers, "width": width, "heads": heads, "vocab": vocab, "seq": seq, "ffn": ffn,
              "gated": gated, "kv_heads": kv_heads, "head_dim": head_dim}  # fmt: skip
     given = {k: v for k, v in sizes.items() if v is not None}
+    if model is not None and ":" in model:
+        return _user_shape(model, heads, seq, ModelShape)
     if model is not None:
         base = preset(model)
         if not given:
@@ -188,6 +197,53 @@ def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_d
         )
     name = f"gpt L{layers} D{width}"
     return ModelShape(name=name, **{k: v for k, v in given.items() if v is not None})
+
+
+def _user_shape(target: str, heads, seq, ModelShape):
+    """A user's model as ``module:function``: the function returns a ``ModelShape``, or the
+    parameters (arrays or ``jax.ShapeDtypeStruct``s) of meshkit's reference GPT, list or scanned
+    form, whose sizes give layers, width, MLP width, vocabulary and positions (``--heads`` gives the
+    heads, which no parameter shape records; ``--seq`` a sequence shorter than the positions)."""
+    from meshkit._errors import TargetError
+    from meshkit.cli._target import _import
+
+    module, sep, attr = target.rpartition(":")
+    if not sep or not module or not attr:
+        raise TargetError(f"bad model target {target!r}: write module:function, e.g. mymodel:shape")
+    fn = getattr(_import(module), attr, None)
+    if fn is None:
+        raise TargetError(f"module {module!r} has no attribute {attr!r}: check the function name")
+    try:
+        made = fn() if callable(fn) else fn
+    except Exception as e:  # the user's code: say where it failed, in one line
+        raise TargetError(
+            f"{target}() raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+    if isinstance(made, ModelShape):
+        return made
+    if isinstance(made, dict) and {"tok_embed", "pos_embed", "blocks", "unembed"} <= set(made):
+        if heads is None:
+            raise TargetError(
+                f"{target} returned GPT parameters, which do not record the heads: pass --heads"
+            )
+        blocks = made["blocks"]
+        try:
+            if isinstance(blocks, list | tuple):
+                layers, w_in = len(blocks), blocks[0]["mlp"]["w_in"].shape
+            else:
+                layers, w_in = blocks["mlp"]["w_in"].shape[0], blocks["mlp"]["w_in"].shape[1:]
+            vocab, width = made["tok_embed"].shape
+            positions = made["pos_embed"].shape[0]
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError):
+            raise TargetError(
+                f"{target} returned parameters not shaped as meshkit's GPT: return a meshkit.planner.ModelShape"
+            ) from None
+        return ModelShape(name=target, layers=layers, width=width, heads=heads, vocab=vocab,
+                          seq=seq or positions, ffn=w_in[-1])  # fmt: skip
+    raise TargetError(
+        f"{target} returned {type(made).__name__}: return a meshkit.planner.ModelShape, or meshkit's GPT "
+        f"parameters (tok_embed, pos_embed, blocks, unembed) with --heads"
+    )
 
 
 def _compile(shape, preds, cluster, job):
