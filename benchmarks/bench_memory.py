@@ -15,7 +15,8 @@ read from the compiled HLO) over the model's fp32 bytes. Then the per-layer slop
 Run (slow: about 70 compiles; 32-layer loop forms take longest)::
 
     .venv/bin/python benchmarks/bench_memory.py [--layers 4,8,16,32] [--plans dp,zero1,zero2,zero3]
-                                                [--forms loop,scan] [--json out.json] [--merge earlier.json]
+                                                [--forms loop,scan] [--remats none,layer,dots,regather]
+                                                [--json out.json] [--merge earlier.json]
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="4,8,16,32")
     ap.add_argument("--plans", default="dp,zero1,zero2,zero3")
     ap.add_argument("--forms", default="loop,scan")
+    ap.add_argument("--remats", default="none,layer,dots,regather", help="zero3's; the others run none,layer")
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", default=None, help="JSON rows of an earlier run (other depths) for the slopes")
     args = ap.parse_args(argv)
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
             model_bytes = nbytes(params)
             dp_peak = None
             for plan in args.plans.split(","):
-                for remat in ("none", "layer", "dots", "regather") if plan == "zero3" else ("none", "layer"):
+                for remat in args.remats.split(",") if plan == "zero3" else ("none", "layer"):
                     t0 = time.time()
                     st = abstract_step(gpt.make_loss(cfg), params, batch, optax.adamw(1e-3), plan=plan,
                                        mesh="data=8", remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
