@@ -223,8 +223,10 @@ def predict_peak(
       with remat one layer at a time: under ``layer``/``dots`` its re-gathered bucket (P_1: its
       slices and whole gradient share memory with the recomputed values the activation term
       already holds), under ``regather`` bucket and slices (2 P_1), in a scan bucket and gradient
-      (2 P_1, plus the loop's slice P_1). Gradient shards: all of them (P_layers / N) where the
-      step takes the global norm (clipping or the grad_norm metric) or writes them as one stacked
+      (2 P_1, plus the loop's slice P_1; under ``regather`` also every layer's barrier output
+      shards, P_layers / N, which the policy lets the scan save as a stacked residual for the
+      re-gather to read). Gradient shards: all of them (P_layers / N) where the step takes the
+      global norm (clipping or the grad_norm metric) or writes them as one stacked
       scan output, or under ``regather`` (its per-leaf reduce-scatters are scheduled at the end of
       the step); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
       right after its reduce-scatter, into the donated parameter and state buffers, and the shard
