@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", default=None, help="JSON rows of an earlier run (other depths) for the slopes")
     args = ap.parse_args(argv)
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = [int(x) for x in args.layers.split(",") if x]  # --layers "" --merge rows.json: summary only
     rows = []
     print(f"{'L':>3} {'form':5} {'plan':6} {'remat':8} {'peak MiB':>9} {'model':>9} {'meas/mod':>8} {'/dp':>6} "
           f"{'AG/model':>8} {'RS/model':>8} {'s':>4}")  # fmt: skip
