@@ -430,14 +430,18 @@ def test_a_stalled_process_ends_the_job_and_leaves_when_resumed(victim):
     assert len(errors) == 1 and errors[0].startswith(f"error: {lost}"), out[-3000:]
     assert "Traceback" not in out and "Terminating process" not in out
     # the resumed process: gone within seconds, non-zero, one line saying it was stopped too long
-    assert stalled.returncode == distributed.PEER_LOST_EXIT_CODE and resumed_after < 10, (resumed_after, rest)
-    # Which of its two threads wakes first after SIGCONT is up to the scheduler: the judge says it was
-    # stopped, or the heartbeat thread's fresh view finds the peer gone. Either way: one line, exit 75.
+    assert stalled.returncode != 0 and resumed_after < 10, (resumed_after, rest)
+    assert "Traceback" not in rest, rest[-3000:]
     said = [line for line in rest.splitlines() if line.startswith("error:")]
-    assert len(said) == 1, rest[-3000:]
-    assert re.match(
+    meshkit_line = re.compile(
         rf"error: (process {victim} of 2 was stopped for \d+ s, past the job's heartbeat timeout of {heartbeat} s"
-        rf"|lost process {1 - victim} of 2)",
-        said[0],
-    ), rest[-3000:]
-    assert "Traceback" not in rest and "Terminating process" not in rest
+        rf"|lost process {1 - victim} of 2)"
+    )
+    assert len(said) <= 1 and all(meshkit_line.match(line) for line in said), rest[-3000:]
+    # Two threads wake at the same SIGCONT: meshkit's judge (it was stopped, or its heartbeat thread's
+    # fresh view finds the peer gone) and JAX's C++ error-poll thread, which finds the coordinator's
+    # connection closed and aborts the process with "Terminating process ...". Which runs first is the
+    # scheduler's choice (CI saw JAX's line printed, then meshkit's exit won). Without JAX's line the
+    # process must have left through meshkit: its one line and exit 75.
+    if "Terminating process" not in rest:
+        assert stalled.returncode == distributed.PEER_LOST_EXIT_CODE and len(said) == 1, rest[-3000:]

@@ -13,8 +13,8 @@ from meshkit.models import gpt, mlp
 from meshkit.plans import PlanError, device_bytes
 from meshkit.train import Trainer
 
+#: (zero3 on the loop-form GPT without remat is test_plans.py's certificate, 20 steps with accumulation.)
 CERTS = [
-    ("zero3", "gpt", None, "none", 1),
     ("zero3", "gpt", None, "layer", 2),
     ("zero3", "gpt", None, "dots", 1),
     ("zero3", "gpt", None, "regather", 1),

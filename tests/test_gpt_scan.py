@@ -36,8 +36,10 @@ def test_both_forms_give_the_same_loss_and_gradients_in_float64():
         c64, s64 = (dataclasses.replace(c, dtype="float64") for c in (CFG, SCAN))
         loop = jax.tree.map(lambda a: np.asarray(a, np.float64), gpt.init(jax.random.key(1), CFG))
         batch = _batch(1)
-        l1, g1 = jax.value_and_grad(gpt.make_loss(c64))(loop, batch)
-        l2, g2 = jax.value_and_grad(gpt.make_loss(s64))(gpt.to_scanned(loop), batch)
+        l1, g1 = jax.jit(jax.value_and_grad(gpt.make_loss(c64)))(
+            loop, batch
+        )  # jitted: one compile, not one per op
+        l2, g2 = jax.jit(jax.value_and_grad(gpt.make_loss(s64)))(gpt.to_scanned(loop), batch)
         assert abs(float(l1) - float(l2)) < 1e-13
         diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), gpt.to_scanned(g1), g2)
         assert max(jax.tree.leaves(diffs)) < 1e-12
@@ -84,8 +86,9 @@ def test_optimizer_state_converts_with_the_parameters():
     loop = gpt.init(jax.random.key(0), CFG)
     opt = optax.adamw(1e-3)
     state = opt.init(loop)
-    g = jax.grad(gpt.make_loss(CFG))(loop, _batch())
-    _, state = opt.update(g, state, loop)
+    g = jax.jit(jax.grad(gpt.make_loss(CFG)))(loop, _batch())
+    update = jax.jit(opt.update)  # one compile per form, not one per op
+    _, state = update(g, state, loop)
     scanned_state = gpt.to_form(state, scan_layers=True)
     assert scanned_state[0].mu["blocks"]["mlp"]["w_in"].shape == (CFG.layers, CFG.width, CFG.mlp_width)
     assert int(scanned_state[0].count) == int(state[0].count)  # non-parameter leaves untouched
@@ -93,6 +96,6 @@ def test_optimizer_state_converts_with_the_parameters():
     assert jax.tree.all(jax.tree.map(np.array_equal, back, state))
     # the scanned model continues from the converted state exactly as the loop model would
     s_params = gpt.to_scanned(loop)
-    u1, _ = opt.update(g, state, loop)
-    u2, _ = opt.update(gpt.to_scanned(g), scanned_state, s_params)
+    u1, _ = update(g, state, loop)
+    u2, _ = update(gpt.to_scanned(g), scanned_state, s_params)
     assert jax.tree.all(jax.tree.map(np.allclose, gpt.to_scanned(u1), u2))

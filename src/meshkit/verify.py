@@ -17,6 +17,7 @@ float32 plan stays within the float32 noise floor (its own distance from float64
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,7 @@ MLP_AXES = [{"w": ("embed", "mlp"), "b": ("mlp",)}, {"w": ("mlp", "embed"), "b":
             {"w": ("embed", None), "b": (None,)}]  # fmt: skip
 
 
+@functools.cache  # one per process: its parameters are made by jitted code, and nothing changes them
 def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stages: bool = False) -> Workload:
     """The reference workloads: 'linear', 'mlp' (the chapter's [16, 64, 64, 8]) and 'gpt' (width 32,
     ``heads`` heads, ``layers`` blocks; with ``stages`` the scanned GPT as ``meshkit.Stages``, the form
@@ -133,20 +135,30 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     return all(np.array_equal(x, y) for x, y in pairs)
 
 
-def _single_device(w: Workload, optimizer, steps: int) -> Any:
+#: Single-device reference runs already made in this process, by workload, dtype, steps and rate:
+#: every certificate of one model compares against the same run (a GPT step compiles in seconds).
+_REFERENCES: dict[tuple, Any] = {}
+
+
+def _single_device(w: Workload, optimizer, steps: int, key: tuple | None = None) -> Any:
+    """``steps`` optimizer steps of ``w`` on one device, memoized under ``key`` when given."""
+    if key is not None and key in _REFERENCES:
+        return _REFERENCES[key]
     dev = jax.local_devices()[0]  # every process runs the reference on a device of its own
     params = jax.device_put(w.params, dev)
     state = optimizer.init(params)
     batch = jax.device_put(w.batch, dev)
 
-    @jax.jit
-    def step(p, s):
+    @jax.jit  # the batch is an argument: as a closed-over constant XLA would fold through it
+    def step(p, s, batch):
         g = jax.grad(w.loss_fn)(p, batch)
         u, s = optimizer.update(g, s, p)
         return optax.apply_updates(p, u), s
 
     for _ in range(steps):
-        params, state = step(params, state)
+        params, state = step(params, state, batch)
+    if key is not None:
+        _REFERENCES[key] = params
     return params
 
 
@@ -256,27 +268,32 @@ def verify(
     if steps < 1:
         raise MeshkitError(f"steps must be at least 1, got {steps}")
     pipe = _pipeline_options(plan, model, mesh, microbatches, schedule, virtual_stages)
-    w = workload(model, seed, **({} if pipe is None else {"layers": pipe.pop("layers"), "stages": True}))
+    shape = {} if pipe is None else {"layers": pipe.pop("layers"), "stages": True}
+    w = workload(model, seed, **shape)
     optimizer = optax.adam(lr)
 
-    def run(w: Workload) -> tuple[Trainer, float]:
+    def run(w: Workload, compiled: dict | None = None) -> tuple[Trainer, float]:
         t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat,
                     logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example, units=w.units,
                     **(pipe or {}))  # fmt: skip
+        if compiled is not None:
+            t._compiled = compiled
         loss = jnp.nan
         for _ in range(steps):
             loss = t.step(w.batch)["loss"]
         return t, float(loss)
 
     first, loss = run(w)
-    second, _ = run(w)
-    single = _single_device(w, optimizer, steps)
+    # Reproducibility: the same compiled program run again from the same start, bit for bit.
+    second, _ = run(w, compiled=first._compiled)
+    ref = (model, seed, tuple(sorted(shape.items())), steps, lr)
+    single = _single_device(w, optimizer, steps, key=(*ref, "float32"))
     f64 = _float64(w, steps, lr) if w.float64 is not None else None
     exact = noise = None
     if w.in_float64 is not None:
         with jax.enable_x64(True):
             w64 = w.in_float64()
-            single64 = _single_device(w64, optimizer, steps)
+            single64 = _single_device(w64, optimizer, steps, key=(*ref, "float64"))
             exact = relative_difference(run(w64)[0].params, single64)
             noise = relative_difference(single, single64)
     return Certificate(
