@@ -15,7 +15,8 @@ read from the compiled HLO) over the model's fp32 bytes. Then the per-layer slop
 Run (slow: about 70 compiles; 32-layer loop forms take longest)::
 
     .venv/bin/python benchmarks/bench_memory.py [--layers 4,8,16,32] [--plans dp,zero1,zero2,zero3]
-                                                [--forms loop,scan] [--json out.json]
+                                                [--forms loop,scan] [--remats none,layer,dots,regather]
+                                                [--json out.json] [--merge earlier.json]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 
@@ -94,14 +96,24 @@ def hand_peak(cfg) -> float:
     return float(m.argument_size_in_bytes + m.temp_size_in_bytes)
 
 
+def save(path: str | None, rows: list) -> None:
+    """Write the rows so far (a long run killed midway keeps what it measured)."""
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(rows, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="4,8,16,32")
     ap.add_argument("--plans", default="dp,zero1,zero2,zero3")
     ap.add_argument("--forms", default="loop,scan")
+    ap.add_argument("--remats", default="none,layer,dots,regather", help="zero3's; the others run none,layer")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", default=None, help="JSON rows of an earlier run (other depths) for the slopes")
     args = ap.parse_args(argv)
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = [int(x) for x in args.layers.split(",") if x]  # --layers "" --merge rows.json: summary only
     rows = []
     print(f"{'L':>3} {'form':5} {'plan':6} {'remat':8} {'peak MiB':>9} {'model':>9} {'meas/mod':>8} {'/dp':>6} "
           f"{'AG/model':>8} {'RS/model':>8} {'s':>4}")  # fmt: skip
@@ -112,7 +124,7 @@ def main(argv=None) -> int:
             model_bytes = nbytes(params)
             dp_peak = None
             for plan in args.plans.split(","):
-                for remat in ("none", "layer", "dots", "regather") if plan == "zero3" else ("none", "layer"):
+                for remat in args.remats.split(",") if plan == "zero3" else ("none", "layer"):
                     t0 = time.time()
                     st = abstract_step(gpt.make_loss(cfg), params, batch, optax.adamw(1e-3), plan=plan,
                                        mesh="data=8", remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
@@ -125,11 +137,17 @@ def main(argv=None) -> int:
                                ratio=peak / pred, vs_dp=peak / dp_peak if dp_peak else None,
                                all_gather=tr["all-gather"] / model_bytes, reduce_scatter=tr["reduce-scatter"] / model_bytes)  # fmt: skip
                     rows.append(row)
+                    save(args.json, rows)
                     print(f"{n_layers:>3} {form:5} {plan:6} {remat:8} {peak / MiB:9.1f} {pred / MiB:9.1f} {row['ratio']:8.2f} "
                           f"{row['vs_dp'] or 0:6.3f} {row['all_gather']:8.2f} {row['reduce_scatter']:8.2f} {time.time() - t0:4.0f}", flush=True)  # fmt: skip
             hp = hand_peak(cfg)
             rows.append(dict(layers=n_layers, form=form, plan="hand-jit", remat="none", peak=hp))
+            save(args.json, rows)
             print(f"{n_layers:>3} {form:5} {'hand':6} {'none':8} {hp / MiB:9.1f} {'':>9} {'':>8} {hp / dp_peak if dp_peak else 0:6.3f}", flush=True)  # fmt: skip
+    if args.merge:  # rows of earlier runs (other depths) for the slopes and the check below
+        with open(args.merge) as f:
+            seen = {(r["layers"], r["form"], r["plan"], r["remat"]) for r in rows}
+            rows += [r for r in json.load(f) if (r["layers"], r["form"], r["plan"], r["remat"]) not in seen]
     print("\nper-layer slope of the peak (MiB per layer added), measured vs model:")
     ok = True
     for form in args.forms.split(","):
@@ -139,12 +157,35 @@ def main(argv=None) -> int:
             for (l0, p0, m0), (l1, p1, m1) in itertools.pairwise(pts):
                 print(f"  {form:5} {plan:6} {remat:8} {l0:>2}->{l1:<2} measured {(p1 - p0) / (l1 - l0) / MiB:7.3f}  "
                       f"model {(m1 - m0) / (l1 - l0) / MiB:7.3f}")  # fmt: skip
+    print("\nzero3 layer remat per layer added, beside dp's and one layer's own bytes (MiB): sharded parameters +"
+          " Adam state (3 P_1/N), its gradient shard (P_1/N), the saved layer input (B/N x seq x width fp32)")  # fmt: skip
+    for form in args.forms.split(","):
+        cfg = config(1, False)
+        one = nbytes(shapes(cfg)[0]["blocks"][0])  # one block's parameter bytes (P_1)
+        state, shard = 3 * one / 8, one / 8
+        saved = BATCH // 8 * cfg.seq_len * cfg.width * 4
+        peak = {
+            (r["layers"], r["plan"], r["remat"]): (r["peak"], r.get("model"))
+            for r in rows
+            if r["form"] == form
+        }
+        depths = sorted({d for d, p, m in peak if p == "zero3" and m == "layer"})
+        for l0, l1 in itertools.pairwise(depths):
+            z0, z1, d0, d1 = (peak.get((d, p, "none" if p == "dp" else "layer"), (None, None))
+                              for p in ("zero3", "dp") for d in (l0, l1))  # fmt: skip
+            if None in (z0[0], z1[0], d0[0], d1[0]):
+                continue
+            per = lambda a, b, k=l1 - l0: (b - a) / k / MiB  # noqa: E731
+            print(f"  {form:5} {l0:>2}->{l1:<2} zero3 layer measured {per(z0[0], z1[0]):6.3f} model "
+                  f"{per(z0[1], z1[1]):6.3f} | dp {per(d0[0], d1[0]):7.3f} | state {state / MiB:.3f} + saved input "
+                  f"{saved / MiB:.3f} = {(state + saved) / MiB:.3f} (+ gradient shard {shard / MiB:.3f})")  # fmt: skip
+        for d in depths:
+            if (d, "dp", "none") in peak:
+                z, dp = peak[(d, "zero3", "layer")][0], peak[(d, "dp", "none")][0]
+                print(f"  {form:5} {d:>2} layers: zero3 layer peak / dp peak = {z / dp:.3f}")
     for r in rows:
         if "ratio" in r and not 0.9 <= r["ratio"] <= 1.1:
             ok = False
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     print("all measured/model within 0.90-1.10" if ok else "SOME measured/model OUTSIDE 0.90-1.10")
     return 0 if ok else 1
 

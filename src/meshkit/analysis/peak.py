@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals in 0.12
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,13 +139,12 @@ class PeakModel:
 
 
 def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> float:
-    """Bytes XLA keeps for the loss's own forward and backward pass, per device (loop and hook
-    forms): the temporaries of the loss's gradient compiled on one device for one device's
-    micro-batch (``loss_fn(params, extra) -> (loss, aux)``; ``extra``: state, micro-batch and key,
-    ``step_extra``), every layer under the remat policy and, under zero3, behind the same
-    optimization barriers as in the step, but with the parameters whole and no collectives. Each
-    gradient is reduced where it is made (as the step's update or reduce-scatter consumes it), so
-    the term holds what the backward pass keeps plus its working set, and no gradient output.
+    """Bytes XLA keeps for the loss's own forward and backward pass, per device: the temporaries of
+    the loss's gradient compiled on one device for one device's micro-batch (``loss_fn(params,
+    extra) -> (loss, aux)``; ``extra``: state, micro-batch and key, ``step_extra``), every layer
+    under the remat policy, with the parameters whole and no collectives. Each gradient is reduced
+    where it is made (as the step's update or reduce-scatter consumes it), so the term holds what
+    the backward pass keeps plus its working set, and no gradient output, except in a scan (below).
 
     Why compile rather than count: what the backward pass keeps is the compiler's choice, not
     JAX's. ``saved_residuals`` lists what JAX's linearization saves; XLA fuses the cheap elementwise
@@ -159,14 +157,35 @@ def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: A
     (the GPT block keeps some 28 of JAX's 45 activation-sized residuals). The plan does not change
     what the model keeps: it adds gathers, gradients and buckets, which ``predict_peak`` models.
 
-    ``regather`` keeps every activation, as ``none`` does, and is compiled as ``none`` (on one
-    device its policy would also save the barrier's copies of the weights, which the plan gathers
-    again instead)."""
+    Loop and hook forms: under zero3 each layer sits behind the same optimization barriers as in
+    the step (they decide what XLA schedules together), except under ``regather``, compiled under
+    its policy without barriers (a barrier's output is saveable: on one device the policy would
+    save its copy of the whole weights, which the plan gathers again instead). Compiled as ``none``
+    (the model before), it missed 1.0 MiB per layer on the issue-14 GPT (1.13 at 16 layers): the
+    policy's saved residuals enter the backward pass through ``jax.checkpoint``'s own barrier, so
+    XLA keeps every one of them (4.26 MiB per layer, as many as a scan stacks), where without
+    remat it fuses the cheap ones away (3.26).
+
+    Scanned form: compiled without barriers (in a scan the barrier's copy of each layer's slice
+    would be saved as a stacked residual, which the plan gathers instead) and under every policy,
+    ``regather`` included (it saves what the step's body saves: everything but the gathers). The
+    stacked gradients are one output of the backward loop, which XLA cannot reduce inside it: the
+    temporaries include them (the stacked layer bytes) and the loop's buffers for one layer's
+    parameter and gradient slices; ``predict_peak`` takes those out and models the plan's own.
+    Under ``regather`` the compile also holds a copy of one layer's weights in the backward loop
+    (its temporaries exceed ``none``'s by a constant in depth: 2.25 MiB on the issue-14 GPT at 2, 3
+    and 4 layers, where one layer's parameters are 3.0), which zero3 gathers again instead (the
+    model's bucket): ``predict_peak`` takes one layer's parameters out (bench shape 0.85 -> 0.97).
+    Counting the scan's saved residuals instead (the model before: a scan stacks every residual it
+    saves, so none is fused away) missed one layer's backward working set inside the loop (its
+    T x T gradients; recomputed values under remat): 1.16x measured/predicted on an attention-heavy
+    GPT without remat, 3.35x with layer remat."""
     from meshkit.plans import Layout
 
     layout = Layout(plan=get_plan("dp"), mesh=per.layout.mesh, leaves=per.layout.leaves)
-    remat = "none" if per.remat == "regather" else per.remat
-    local = PerLayer(layout=layout, remat=remat, found=per.found, barriers_only=per.gathers)
+    scan = per.found is not None and per.found.mode == "scan"
+    barriers = per.gathers and not scan and per.remat != "regather"
+    local = PerLayer(layout=layout, remat=per.remat, found=per.found, barriers_only=barriers)
     f = layered_loss(loss_fn, local, params, extra)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
 
@@ -174,43 +193,21 @@ def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: A
         loss, grads = jax.value_and_grad(lambda xs: f(xs, e)[0])(xs)
         return loss, [jnp.sum(g) for g in grads]
 
-    grad = jax.jit(step)
-    compiled = grad.lower(leaves, extra).compile()
-    return float(compiled.memory_analysis().temp_size_in_bytes)
+    traced = jax.jit(step).trace(leaves, extra)
+    key = str(
+        traced.jaxpr
+    )  # the same program (another plan's Trainer, verify's next certificate): one compile
+    if key not in _COMPILED:
+        if len(_COMPILED) >= 64:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = float(traced.lower().compile().memory_analysis().temp_size_in_bytes)
+    return _COMPILED[key]
 
 
-def saved_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> tuple[float, float]:
-    """(bytes the backward pass keeps, bytes one layer keeps without remat), per device, for a loss
-    whose layers are a ``lax.scan`` (``loss_fn(params, extra) -> (loss, aux)``).
-
-    From ``saved_residuals`` of the per-device loss under the remat policy, parameters excluded. In
-    a scan every residual the body saves is a stacked output of the loop, which XLA cannot fuse
-    into the backward loop, so it counts whole (``layer``: each layer's input; ``regather``: every
-    activation). With remat one layer's matmul outputs come on top, recreated in its backward pass.
-    (The loop and hook forms use ``compiled_activations``: there XLA recomputes fused residuals.)"""
-    from meshkit.plans import Layout
-    from meshkit.plans._fsdp import layered_loss
-
-    layout = Layout(plan=get_plan("dp"), mesh=per.layout.mesh, leaves=per.layout.leaves)
-    leaves = jax.tree.leaves(params)
-
-    def saved(remat: str, matmuls_only: bool) -> float:
-        f = layered_loss(loss_fn, PerLayer(layout=layout, remat=remat, found=per.found), params, extra)
-        total = 0.0
-        for aval, where in saved_residuals(lambda x, e: f(x, e)[0], leaves, extra):
-            if "argument" in where or (
-                matmuls_only and not where.startswith(("output of dot_general", "output of reshape"))
-            ):
-                continue
-            total += nbytes(aval)
-        return total
-
-    fused = per.found is None or per.found.mode != "scan"  # a scan stacks every residual it saves
-    plain = saved("none", fused)
-    layers = per.found.layers if per.found is not None and per.found.per_layer else 0
-    if per.remat == "none" or not layers:
-        return plain, 0.0
-    return saved(per.remat, fused and per.remat == "dots"), saved("none", True) / layers
+_COMPILED: dict[str, float] = {}
+"""``compiled_activations``' bytes by the one-device program's jaxpr text (its memory depends on
+the program alone: shapes, operations, remat; the one-device compile is the same for every plan but
+zero3's barriers in the loop form)."""
 
 
 def predict_peak(
@@ -232,9 +229,8 @@ def predict_peak(
     XLA's buffer live ranges at the peak, ``--xla_dump_to``):
 
     - persistent (the arguments): parameters and optimizer state as the plan keeps them, the batch;
-    - activations (``compiled_activations`` for the loop and hook forms, ``saved_activations`` for
-      a scan): what the backward pass keeps, with its working set; with remat, the layer being
-      recomputed;
+    - activations (``compiled_activations``; in a scan less its stacked gradients and loop slices):
+      what the backward pass keeps, with its working set; with remat, the layer being recomputed;
     - backward phase, dp/zero1/zero2: the whole local gradients (P) + the activations; a scan's
       loop also keeps one layer's parameter and gradient slices in its buffers (+2 P_1);
     - backward phase, zero3: leaves used outside layers gathered for the step: bucket, slices and
@@ -243,8 +239,10 @@ def predict_peak(
       with remat one layer at a time: under ``layer``/``dots`` its re-gathered bucket (P_1: its
       slices and whole gradient share memory with the recomputed values the activation term
       already holds), under ``regather`` bucket and slices (2 P_1), in a scan bucket and gradient
-      (2 P_1, plus the loop's slice P_1). Gradient shards: all of them (P_layers / N) where the
-      step takes the global norm (clipping or the grad_norm metric) or writes them as one stacked
+      (2 P_1, plus the loop's slice P_1; under ``regather`` also every layer's barrier output
+      shards, P_layers / N, which the policy lets the scan save as a stacked residual for the
+      re-gather to read). Gradient shards: all of them (P_layers / N) where the step takes the
+      global norm (clipping or the grad_norm metric) or writes them as one stacked
       scan output, or under ``regather`` (its per-leaf reduce-scatters are scheduled at the end of
       the step); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
       right after its reduce-scatter, into the donated parameter and state buffers, and the shard
@@ -283,19 +281,17 @@ def predict_peak(
     layer_b = sum(sizes[i] for i in layer)
     top_b = total - layer_b
     scan = found is not None and found.mode == "scan"
-    if scan:
-        saved, one = saved_activations(loss_fn, per, params, extra)
-        activations = saved + (one if per.remat != "none" else 0.0)
-    else:  # one compile per loss, remat and shapes (a Trainer reports the same step repeatedly)
-        memo = (per.remat, str(jax.tree.map(lambda a: (a.shape, a.dtype), (params, extra))))
-        if memo not in per.measured:
-            per.measured[memo] = compiled_activations(loss_fn, per, params, extra)
-        activations = per.measured[memo]
-    one_layer = (
-        sum(sizes[i] for i in found.layer_leaves) / found.layers
-        if found is not None and found.per_layer
-        else 0.0
-    )
+    # one compile per loss, remat and shapes (a Trainer reports the same step repeatedly)
+    memo = (per.remat, str(jax.tree.map(lambda a: (a.shape, a.dtype), (params, extra))))
+    if memo not in per.measured:
+        per.measured[memo] = compiled_activations(loss_fn, per, params, extra)
+    activations = per.measured[memo]
+    stacked_b = sum(sizes[i] for i in found.layer_leaves) if found is not None and found.per_layer else 0.0
+    one_layer = stacked_b / found.layers if stacked_b else 0.0
+    if scan:  # the one-device compile's own stacked gradients and loop slices (the plan's are below)
+        activations -= stacked_b + 2 * one_layer
+        if per.remat == "regather" and zero3:  # its copy of the layer's weights, which zero3 gathers instead
+            activations -= one_layer
     # A scan's loop keeps one layer's slice of the stacked parameters and of their gradient in loop
     # buffers besides the stacked arrays (measured: +2 layers; +1 under zero3 with remat, where the
     # body's slice is a shard and only the gathered layer's buffer stays)
@@ -313,12 +309,16 @@ def predict_peak(
         if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered;
             # a scan saves each layer's gathered slice as a stacked residual (bucket and gradient die in the body)
             backward += (1 if scan else 2) * layer_b
-        elif scan:  # one layer at a time: its gathered bucket and whole gradient
-            backward += 2 * per_layer_b
-        else:  # the layer re-gathered in the backward pass: under layer and dots the one-device
-            # compile already holds that layer's recomputed values, which share memory with its
-            # bucket; regather recomputes nothing, so its bucket and slices come on top
-            backward += (2 if per.remat == "regather" else 1) * per_layer_b
+        elif scan:  # one layer at a time: its gathered bucket and whole gradient; under regather
+            # the barrier's output shards, which the re-gather reads and the policy may save, are
+            # saved as a stacked residual (a copy: measured slope +P_1/N per layer)
+            backward += 2 * per_layer_b + (layer_b / n if per.remat == "regather" else 0.0)
+        elif per.remat != "regather":  # the layer re-gathered in the backward pass: the one-device
+            # compile already holds that layer's recomputed values, which share memory with its bucket
+            backward += per_layer_b
+        # (regather's one-device compile, under its policy, holds weight-sized buffers of the layer
+        # in its backward pass where the step holds the gathered bucket and slices: measured
+        # 4 and 8 layers 0.83 / 0.90 with 2 P_1 on top, 1.01 / 1.01 without)
         shards = sum(at_rest(i, True) for i in range(len(sizes)))
         # the update: gradient shards and the update tree, of every leaf at once, or (updated layer
         # by layer as the shards arrive) of the leaves outside layers and one layer
