@@ -1,7 +1,9 @@
 """Equivalence certificates: a plan run beside a single-device run and a NumPy float64 run.
 
 ``verify(plan, model, ...)`` trains a reference model for K optimizer steps under the plan, the
-same K steps on one device, twice under the plan (to check bit-for-bit reproducibility) and, for
+same K steps on one device (one run per model, steps and rate in a process, shared by every
+certificate), twice under the plan (the same compiled program from the same start: bit-for-bit
+reproducibility) and, for
 the linear and MLP models, in NumPy float64 with hand-written gradients and Adam. It returns a
 ``Certificate`` with the differences, the plan's communication and memory report, and ``ok``.
 
