@@ -3,8 +3,8 @@
 ``verify(plan, model, ...)`` trains a reference model for K optimizer steps under the plan, the
 same K steps on one device (one run per model, steps and rate in a process, shared by every
 certificate), twice under the plan (the same compiled program from the same start: bit-for-bit
-reproducibility) and, for
-the linear and MLP models, in NumPy float64 with hand-written gradients and Adam. It returns a
+reproducibility) and, for the linear and MLP models, in NumPy float64 with hand-written gradients
+and Adam. It returns a
 ``Certificate`` with the differences, the plan's communication and memory report, and ``ok``.
 
 Differences are relative to the reference's scale, leaf by leaf: ``max|a - b| / max|b|``.
@@ -151,7 +151,7 @@ def _single_device(w: Workload, optimizer, steps: int, key: tuple | None = None)
     state = optimizer.init(params)
     batch = jax.device_put(w.batch, dev)
 
-    @jax.jit  # the batch is an argument: as a closed-over constant XLA would fold through it
+    @jax.jit  # the batch an argument, not a constant baked into the program
     def step(p, s, batch):
         g = jax.grad(w.loss_fn)(p, batch)
         u, s = optimizer.update(g, s, p)
