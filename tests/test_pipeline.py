@@ -236,6 +236,22 @@ def test_user_stages_model_matches_numpy_float64(mesh, plan, name, m, v):
 # -- the Trainer -----------------------------------------------------------------------------------
 
 
+def _one_device_adam(params, batch, steps):
+    """``steps`` Adam steps (lr 1e-2) of the GPT on one device: the Trainer tests' reference,
+    jitted (one compile, not one per op)."""
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, s):
+        updates, s = opt.update(jax.grad(gpt.make_loss(CFG))(p, batch), s, p)
+        return optax.apply_updates(p, updates), s
+
+    state = opt.init(params)
+    for _ in range(steps):
+        params, state = step(params, state)
+    return params
+
+
 def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_schedule(tmp_path):
     """dp+tp+pp, interleaved (v=2) on stage=2,data=2,model=2, 3 Adam steps beside the same steps on
     one device; then the report, and the checkpoint restored under fsdp and back (bitwise)."""
@@ -244,18 +260,9 @@ def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_s
     kwargs = dict(plan="dp+tp+pp", mesh="stage=2,data=2,model=2", microbatches=4, schedule="interleaved",
                   virtual_stages=2, logical_axes=gpt.logical_axes(params))  # fmt: skip
     t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), **kwargs)
-    opt = optax.adam(1e-2)
-
-    @jax.jit
-    def step(p, s):
-        updates, s = opt.update(jax.grad(gpt.make_loss(CFG))(p, batch), s, p)
-        return optax.apply_updates(p, updates), s
-
-    ref, state = params, opt.init(params)
     for _ in range(3):
         t.step(batch)
-        ref, state = step(ref, state)
-    assert _max_diff(t.params, ref) < 1e-5
+    assert _max_diff(t.params, _one_device_adam(params, batch, 3)) < 1e-5
     assert tuple(t.params["blocks"]["attn"]["wq"].sharding.spec) == ("stage", None, "model")
     assert t.params["tok_embed"].sharding.is_fully_replicated
 
@@ -296,18 +303,9 @@ def test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model(plan, mesh, 
     batch = _tokens()
     t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), plan=plan, mesh=mesh, schedule=schedule,
                         remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
-    opt = optax.adam(1e-2)
-
-    @jax.jit  # the one-device reference step: one compile, not one per op
-    def step(p, s):
-        updates, s = opt.update(jax.grad(gpt.make_loss(CFG))(p, batch), s, p)
-        return optax.apply_updates(p, updates), s
-
-    ref, state = params, opt.init(params)
     for _ in range(2):
         t.step(batch)
-        ref, state = step(ref, state)
-    assert _max_diff(t.params, ref) < 1e-5
+    assert _max_diff(t.params, _one_device_adam(params, batch, 2)) < 1e-5
     r = t.report(batch)
     assert r.ok and all(c.ratio == 1.0 for c in r.communication), str(r)
     axis = "data" if plan == "fsdp+pp" else "model"
