@@ -134,16 +134,21 @@ def _max_diff(a, b):
     )
 
 
+def _float64_gpt():
+    """(config, parameters, batch, loss, gradients) of the float64 GPT on one device, jitted (one
+    compile, not one per op); call under ``jax.enable_x64``."""
+    cfg = dataclasses.replace(CFG, dtype="float64")
+    params = gpt.init(jax.random.key(0), cfg)
+    batch = _tokens()
+    loss, grads = jax.jit(jax.value_and_grad(gpt.make_loss(cfg)))(params, batch)
+    return cfg, params, batch, loss, grads
+
+
 def test_gpt_loss_and_every_gradient_equal_one_device_in_float64():
     """3D: ZeRO-3 over data, Megatron over model, 1F1B over stages."""
     mesh, plan, name, m = "stage=2,data=2,model=2", "fsdp+tp+pp", "1f1b", 4
     with jax.enable_x64(True):
-        cfg = dataclasses.replace(CFG, dtype="float64")
-        params = gpt.init(jax.random.key(0), cfg)
-        batch = _tokens()
-        ref_loss, ref = jax.jit(jax.value_and_grad(gpt.make_loss(cfg)))(
-            params, batch
-        )  # one compile, not one per op
+        cfg, params, batch, ref_loss, ref = _float64_gpt()
         loss, grads = _pipeline_grads(
             gpt.stages(cfg), params, batch, mesh, plan, name, m, logical_axes=gpt.logical_axes(params)
         )
@@ -160,12 +165,7 @@ def test_remat_matches_one_device_in_float64_and_lowers_the_temporaries():
     from meshkit.plans._pipeline import Pipeline
 
     with jax.enable_x64(True):
-        cfg = dataclasses.replace(CFG, dtype="float64")
-        params = gpt.init(jax.random.key(0), cfg)
-        batch = _tokens()
-        ref_loss, ref = jax.jit(jax.value_and_grad(gpt.make_loss(cfg)))(
-            params, batch
-        )  # one compile, not one per op
+        cfg, params, batch, ref_loss, ref = _float64_gpt()
         layout = make_layout(params, get_plan("dp+pp"), make_mesh("stage=2,data=4", axis_types="auto"))
         temps, model = {}, {}
         for remat in ("none", "layer", "dots"):
