@@ -88,6 +88,14 @@ def _read_line(proc: subprocess.Popen, timeout: float = 60) -> str:
     return proc.stdout.readline().strip()
 
 
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.0005)
+
+
 @pytest.mark.slow
 def test_thirty_sigkills_mid_save_each_resume_continues_bit_for_bit(tmp_path, trajectory, capsys):
     trainer, states = trajectory
@@ -103,19 +111,27 @@ def test_thirty_sigkills_mid_save_each_resume_continues_bit_for_bit(tmp_path, tr
     like = (abstract_with(trainer.params, trainer.shardings.params),
             abstract_with(trainer.opt_state, trainer.shardings.opt_state))  # fmt: skip
     try:
-        for _ in range(30):
+        for round_ in range(30):
             zygote.stdin.write(f"{directory} {states_path} {last}\n")
             zygote.stdin.flush()
             pid = int(_read_line(zygote).split()[1])
             target, delay = int(rng.integers(0, 3)), rng.uniform(0, 1.3 * save_s)
-            done, begun, t_start = None, None, None
+            # a save is committed (renamed into place) in its last tenth or so: a random delay rarely
+            # lands there, so every third kill waits for the committed directory to appear instead
+            # and falls among what follows the rename (old steps deleted, the manager's wait)
+            after_commit = round_ % 3 == 2
+            done, begun, t_start, committed = None, None, None, 0
             while True:  # let `target` saves finish, then kill the next one `delay` seconds in
                 line = _read_line(zygote)
                 kind, step = line.split()
                 if kind == "start":
                     begun, t_start = int(step), time.monotonic()
                     if target == 0:
-                        time.sleep(delay)
+                        if after_commit:
+                            _wait_for(directory / str(begun), timeout=30)
+                            committed = begun
+                        else:
+                            time.sleep(delay)
                         os.kill(pid, signal.SIGKILL)
                         break
                 elif kind == "done":
@@ -134,6 +150,7 @@ def test_thirty_sigkills_mid_save_each_resume_continues_bit_for_bit(tmp_path, tr
                     latest,
                 )
                 landed.append(latest == begun)
+                assert latest >= committed, (committed, latest)  # a committed step is never lost
                 params, opt_state, meta = ck.restore(None, *like)
             assert meta == {"step": latest, "data": {"position": latest}}
             assert bitwise_equal((params, opt_state), states[latest - 1])
