@@ -186,8 +186,12 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
             activations += chunk * layer_in if chunk > 1 and layout.remat == "layer" else 0.0
             working = max(body, body / 2 + redo)
         # the last stage's backward tick runs the head's backward before its chunk's: the head's
-        # residuals die before the chunk's loop runs (dp+tp+pp, 8 devices: 1.06 -> 1.04)
-        activations += max(head, working)
+        # residuals and the logits' float32 cotangent die before the chunk's loop runs (dp+tp+pp,
+        # 8 devices: 1.06 -> 1.04). That cotangent (1.3 B GPT, fsdp+tp+pp at 64 devices, the peak:
+        # the head's backward, two float32 [tokens, vocab] buffers beside the chunk's residuals and
+        # the float32 unembedding and its gradient) is counted once: 1.05 -> 1.02 compiled / predicted
+        cotangent = 4.0 * layout.microbatch_size * shape.seq * shape.vocab
+        activations += max(head + cotangent, working)
         # fsdp+pp gathers the stage's parameters once for the step, in their own dtype (float32: the
         # pipeline's ``_gather`` casts nothing; 1.3 B at 64 devices, bf16, fsdp+tp+pp: 1.40 -> 1.23
         # compiled / predicted); interleaved keeps its layers permuted into schedule order beside them
