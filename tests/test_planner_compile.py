@@ -55,6 +55,20 @@ def test_fsdp_parts_add_up_to_the_arguments():
     assert Measured.from_json(m.to_json()) == m
 
 
+def test_the_measuring_compile_is_the_default_compile_at_lower_llvm_effort():
+    """``MEASURE_ONLY`` must not change what is measured: the same optimized HLO, the same memory."""
+    from meshkit.planner.compile import MEASURE_ONLY, abstract_gpt_step
+
+    lowered = abstract_gpt_step(SHAPE, Layout(dp=2, tp=2, zero=3, remat="layer"), JOB)[0]
+    fast, default = lowered.compile(compiler_options=MEASURE_ONLY), lowered.compile()
+    assert fast.as_text() == default.as_text()
+    a, b = fast.memory_analysis(), default.memory_analysis()
+    assert (a.temp_size_in_bytes, a.argument_size_in_bytes) == (
+        b.temp_size_in_bytes,
+        b.argument_size_in_bytes,
+    )
+
+
 def test_layouts_meshkit_cannot_run_come_back_as_one_line():
     no_plan = Layout(dp=2, tp=4, zero=1)
     few_layers = Layout(pp=8)  # 4 layers over 8 stages
