@@ -280,7 +280,7 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
         # the 1.3 B GPT, tp=4, layer remat: a 0.53 GB concatenate beside the float32 embedding and
         # unembedding gradients): bf16 1.31 -> 0.98 compiled / predicted; with one micro-batch
         # XLA fuses it into the reduce-scatter. It is made after the layers' backward loop, whose
-        # residuals and working set are dead by then (8 devices, dots: 1.10 -> 0.99 predicted / compiled)
+        # residuals and working set are dead by then (8 devices, dots: 1.10 -> 1.02 predicted / compiled)
         concat = top_b
     grads = stacked + accumulator
     loop = stash + max(head, working)
