@@ -234,14 +234,13 @@ def predict_peak(
     - backward phase, dp/zero1/zero2: the whole local gradients (P) + the activations; a scan's
       loop also keeps one layer's parameter and gradient slices in its buffers (+2 P_1);
     - backward phase, zero3: leaves used outside layers gathered for the step: bucket, slices and
-      whole gradient (3 P_top); per-layer leaves without remat: every layer's bucket and slices
-      held for the backward pass (2 P_layers; a scan saves only the gathered slices, P_layers);
-      with remat one layer at a time: under ``layer``/``dots`` its re-gathered bucket (P_1: its
-      slices and whole gradient share memory with the recomputed values the activation term
-      already holds), under ``regather`` bucket and slices (2 P_1), in a scan bucket and gradient
-      (2 P_1, plus the loop's slice P_1; under ``regather`` also every layer's barrier output
-      shards, P_layers / N, which the policy lets the scan save as a stacked residual for the
-      re-gather to read). Gradient shards: all of them (P_layers / N) where the step takes the
+      whole gradient (3 P_top); per-layer leaves (gathered leaf by leaf, no bucket) without remat:
+      every layer's gathered leaves held for the backward pass (P_layers, both forms); with remat
+      one layer at a time: in the loop form nothing on top (its gathered leaves and whole gradient
+      share memory with the recomputed values the activation term already holds), in a scan its
+      whole gradient (P_1, plus the loop's slice P_1; under ``regather`` 2 P_1 and every layer's
+      barrier output shards, P_layers / N, which the policy lets the scan save as a stacked
+      residual for the re-gather to read). Gradient shards: all of them (P_layers / N) where the step takes the
       global norm (clipping or the grad_norm metric) or writes them as one stacked
       scan output, or under ``regather`` (its per-leaf reduce-scatters are scheduled at the end of
       the step); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
@@ -306,19 +305,22 @@ def predict_peak(
         # (regather's per-leaf reduce-scatters are scheduled at the step's end: all shards alive)
         at_once = per.global_norm or scan or per.remat == "regather"
         backward = 3 * top_b + (layer_b if at_once else per_layer_b) / n + body
-        if per.remat == "none":  # every layer held (bucket + slices), gradients whole until scattered;
-            # a scan saves each layer's gathered slice as a stacked residual (bucket and gradient die in the body)
-            backward += (1 if scan else 2) * layer_b
-        elif scan:  # one layer at a time: its gathered bucket and whole gradient; under regather
-            # the barrier's output shards, which the re-gather reads and the policy may save, are
-            # saved as a stacked residual (a copy: measured slope +P_1/N per layer)
-            backward += 2 * per_layer_b + (layer_b / n if per.remat == "regather" else 0.0)
-        elif per.remat != "regather":  # the layer re-gathered in the backward pass: the one-device
-            # compile already holds that layer's recomputed values, which share memory with its bucket
-            backward += per_layer_b
-        # (regather's one-device compile, under its policy, holds weight-sized buffers of the layer
-        # in its backward pass where the step holds the gathered bucket and slices: measured
-        # 4 and 8 layers 0.83 / 0.90 with 2 P_1 on top, 1.01 / 1.01 without)
+        # (a layer's leaves are gathered one by one, no bucket: ``_fsdp._gather_vjp``; with the
+        # bucket and its slices both alive the terms below were 2 P_layers without remat and one
+        # P_1 more with remat; bench_memory, 8 layers, loop form, none 86.1 -> 61.9 MiB measured)
+        if per.remat == "none":  # every layer's gathered leaves held, gradients whole until scattered
+            # (a scan saves each layer's gathered leaves as stacked residuals)
+            backward += layer_b
+        elif scan:  # one layer at a time: its whole gradient (its gathered leaves share memory with
+            # the recomputed values); under regather its gathered leaves too, and the barrier's
+            # output shards, which the re-gather reads and the policy may save, are saved as a
+            # stacked residual (a copy: measured slope +P_1/N per layer)
+            backward += per_layer_b + (per_layer_b + layer_b / n if per.remat == "regather" else 0.0)
+        # (loop form with remat: the layer re-gathered in the backward pass; the one-device compile
+        # already holds that layer's recomputed values, which share memory with its gathered leaves.
+        # regather's one-device compile, under its policy, holds weight-sized buffers of the layer in
+        # its backward pass where the step holds the gathered leaves: measured 4 and 8 layers
+        # 0.83 / 0.90 with 2 P_1 on top, 1.01 / 1.01 without)
         shards = sum(at_rest(i, True) for i in range(len(sizes)))
         # the update: gradient shards and the update tree, of every leaf at once, or (updated layer
         # by layer as the shards arrive) of the leaves outside layers and one layer
