@@ -10,7 +10,11 @@ CPU devices, these variants of the same training step run side by side in one pr
   optax update; parameters, optimizer state and batch placed with the same PartitionSpecs as the
   Trainer's layout (``trainer.layout`` / ``trainer.shardings``), ``out_shardings`` pinned to that
   layout, the same donation, and for ZeRO stages ``with_sharding_constraint`` of the gradients to
-  the sharded spec, so XLA's partitioner inserts every collective itself; it returns the loss only;
+  the sharded spec, so XLA's partitioner inserts every collective itself; it returns the loss only.
+  zero3 and fsdp+tp (with ``:remat`` and ``:scan``) run instead beside a hand-written step with
+  the same memory behaviour: per-layer gathers inside the block, under the same remat policy
+  (``fsdp_hand_variant``: ``shard_map`` over ``data``; ``fsdp2d_hand_variant``: ``jax.jit`` with
+  sharding constraints, 2D);
 - ``pmap`` (dp only): the legacy ``jax.pmap`` step, parameters replicated with a leading device
   axis and ``lax.pmean`` of the gradients;
 - ``hand2`` (with ``--control``): a second, separately compiled hand-written step. ``hand2/hand``
@@ -30,6 +34,9 @@ Timing: after warm-up the variants of a plan take turns round-robin, ``--rounds`
 order rotated every round; in each turn a variant runs one untimed step, then ``--steps`` timed
 steps, each ended by ``block_until_ready`` of the new parameters, optimizer state and loss. Each
 step's wall-clock time and the process's CPU time are recorded; the table reports medians.
+
+The ``acc`` columns are the bytes each compiled step accesses per device (``cost_analysis()``):
+deterministic, where the timings are not.
 
 Reading the table: ``mk/hand`` is meshkit's median wall-clock step time over the hand-written
 step's; at or below 1.05 meshkit costs no more than writing the step by hand (the target). ``cpu``
