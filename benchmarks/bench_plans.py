@@ -10,7 +10,11 @@ CPU devices, these variants of the same training step run side by side in one pr
   optax update; parameters, optimizer state and batch placed with the same PartitionSpecs as the
   Trainer's layout (``trainer.layout`` / ``trainer.shardings``), ``out_shardings`` pinned to that
   layout, the same donation, and for ZeRO stages ``with_sharding_constraint`` of the gradients to
-  the sharded spec, so XLA's partitioner inserts every collective itself; it returns the loss only;
+  the sharded spec, so XLA's partitioner inserts every collective itself; it returns the loss only.
+  zero3 and fsdp+tp (with ``:remat`` and ``:scan``) run instead beside a hand-written step with
+  the same memory behaviour: per-layer gathers inside the block, under the same remat policy
+  (``fsdp_hand_variant``: ``shard_map`` over ``data``; ``fsdp2d_hand_variant``: ``jax.jit`` with
+  sharding constraints, 2D);
 - ``pmap`` (dp only): the legacy ``jax.pmap`` step, parameters replicated with a leading device
   axis and ``lax.pmean`` of the gradients;
 - ``hand2`` (with ``--control``): a second, separately compiled hand-written step. ``hand2/hand``
@@ -31,6 +35,9 @@ order rotated every round; in each turn a variant runs one untimed step, then ``
 steps, each ended by ``block_until_ready`` of the new parameters, optimizer state and loss. Each
 step's wall-clock time and the process's CPU time are recorded; the table reports medians.
 
+The ``acc`` columns are the bytes each compiled step accesses per device (``cost_analysis()``):
+deterministic, where the timings are not.
+
 Reading the table: ``mk/hand`` is meshkit's median wall-clock step time over the hand-written
 step's; at or below 1.05 meshkit costs no more than writing the step by hand (the target). ``cpu``
 is the same ratio of CPU time per step (all threads of the process): the machine is shared, and
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -72,9 +80,14 @@ from meshkit.analysis import CommLedger, communication  # noqa: E402
 from meshkit.models import gpt  # noqa: E402
 from meshkit.train.trainer import Trainer  # noqa: E402
 
-ALL_PLANS = ("dp", "zero1", "zero2", "zero3", "tp", "dp+tp", "fsdp+tp", "zero3:layer", "zero3:layer:scan")
-"""``plan[:remat[:scan]]``: the last two run zero3 per layer (gathers inside each rematerialized
-block) in the GPT's Python-loop and scanned forms, beside ``fsdp_hand``."""
+ALL_PLANS = (
+    "dp", "zero1", "zero2", "zero3", "tp", "dp+tp", "fsdp+tp",
+    "zero3:layer", "zero3:dots", "zero3:regather", "zero3:none:scan", "zero3:layer:scan",
+    "fsdp+tp:layer", "fsdp+tp:layer:scan",
+)  # fmt: skip
+"""``plan[:remat[:scan]]``: zero3 and fsdp+tp gather per layer (inside each block, rematerialized
+under the policy) in the GPT's Python-loop and, with ``:scan``, scanned forms; each runs beside a
+hand-written step with the same memory behaviour (``fsdp_hand_variant``, ``fsdp2d_hand_variant``)."""
 CFG = gpt.GPTConfig(vocab_size=128, seq_len=64, layers=2, width=128, heads=8)
 BATCH = 32
 LR = 1e-3
@@ -111,6 +124,8 @@ class Variant:
     prepare: Callable[[Any], Any]
     """Places a host batch the way this variant wants it (done once, outside the timing)."""
     ledger: CommLedger
+    compiled: Any = None
+    """The compiled step (its ``cost_analysis()`` gives the bytes it accesses)."""
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
 
@@ -119,13 +134,15 @@ def meshkit_variant(trainer: Trainer, sample: Any) -> Variant:
     def step(batch):
         return trainer.step(batch)["loss"]
 
+    compiled = trainer.compiled(sample)
     return Variant(
         name="meshkit",
         step=step,
         state=lambda: (trainer.params, trainer.opt_state),
         params=lambda: jax.device_get(trainer.params),
         prepare=trainer.put_batch,
-        ledger=communication(trainer.compiled(sample), mesh=trainer.mesh),
+        ledger=communication(compiled, mesh=trainer.mesh),
+        compiled=compiled,
     )
 
 
@@ -147,9 +164,12 @@ def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str
     return jit_variant(name, train_step, trainer, params0, param_sh, sample)
 
 
-def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str) -> Variant:
+def fsdp_hand_variant(
+    trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "hand"
+) -> Variant:
     """ZeRO-3 with per-layer gathers, written by hand: the reference for ``zero3`` (``remat``: none
-    holds each gathered layer for the backward pass, layer saves nothing and gathers again).
+    holds each gathered layer for the backward pass, layer saves nothing and gathers again, dots
+    saves matmul outputs, regather saves everything but the gathered weights).
 
     ``jax.shard_map`` manual over ``data``; each parameter leaf arrives as this device's shard. The
     embeddings and the head are all-gathered once; each block all-gathers its own leaves (one
@@ -176,8 +196,7 @@ def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample
     def block(p, x):
         return gpt._block(p, x, cfg)
 
-    def remat_(fn):
-        return fn if remat == "none" else jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+    remat_ = rematerialized(remat)
 
     def local_loss(p, batch):
         tokens, targets = batch
@@ -214,7 +233,92 @@ def fsdp_hand_variant(trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jit_variant("hand", train_step, trainer, params0, param_sh, sample)
+    return jit_variant(name, train_step, trainer, params0, param_sh, sample)
+
+
+def _not_gathers(prim, *_, **__) -> bool:
+    """A ``jax.checkpoint`` policy: save every value but an all-gather's output."""
+    return prim.name != "all_gather"
+
+
+def rematerialized(remat: str) -> Callable[[Callable], Callable]:
+    """``fn`` under ``jax.checkpoint`` with the policy a user picks for ``remat`` (none: no checkpoint)."""
+    policy = {
+        "layer": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.dots_saveable,
+        "regather": _not_gathers,
+    }
+    return (lambda fn: fn) if remat == "none" else (lambda fn: jax.checkpoint(fn, policy=policy[remat]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(x: jax.Array, rest: NamedSharding, used: NamedSharding) -> jax.Array:
+    """``x`` constrained to ``used`` (an all-gather over data); its gradient back to ``rest``."""
+    return lax.with_sharding_constraint(x, used)
+
+
+def _gathered_fwd(x, rest, used):
+    return _gathered(x, rest, used), None
+
+
+def _gathered_bwd(rest, used, _, ct):
+    return (lax.with_sharding_constraint(ct, rest),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def fsdp2d_hand_variant(
+    trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "hand"
+) -> Variant:
+    """fsdp+tp with per-layer gathers, written by hand in the global view: the reference for
+    ``fsdp+tp`` (parameters at rest split on ``data`` and ``model``, gathered on ``data`` only).
+
+    ``jax.jit`` alone, no ``shard_map``: each block's leaves are tied to its input by
+    ``lax.optimization_barrier`` and constrained (``with_sharding_constraint``) to their
+    tensor-parallel spec, which all-gathers them over ``data`` where the block runs, inside a
+    ``jax.checkpoint`` with the remat policy (none: no checkpoint); a ``custom_vjp`` constrains the
+    gradient back to the spec at rest, so the partitioner reduce-scatters it there. In the scanned
+    form the same happens in the scan body. The embeddings and head are gathered once.
+    """
+    mesh, layout = trainer.mesh, trainer.layout
+    optimizer = make_optimizer()
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    rest = layout.tree(lambda leaf: named(leaf.spec(data=True)))
+    used = layout.tree(lambda leaf: named(leaf.spec(data=False)))
+    param_sh = rest
+    remat_ = rematerialized(remat)
+
+    def unstacked(sh):  # a stacked leaf's sharding as one layer's slice sees it
+        return jax.tree.map(lambda s: named(P(*s.spec[1:])), sh)
+
+    def gather(p, rest_sh, used_sh):
+        return jax.tree.map(_gathered, p, rest_sh, used_sh)
+
+    def block(p, x, rest_sh, used_sh):
+        p, x = lax.optimization_barrier((p, x))
+        return gpt._block(gather(p, rest_sh, used_sh), x, cfg)
+
+    def loss(params, batch):
+        tokens, targets = batch
+        top = {k: v for k, v in params.items() if k != "blocks"}
+        top = gather(top, {k: rest[k] for k in top}, {k: used[k] for k in top})
+        x = gpt._embed(top, tokens, cfg)
+        if cfg.scan_layers:
+            r, u = unstacked(rest["blocks"]), unstacked(used["blocks"])
+            x, _ = lax.scan(remat_(lambda x, p: (block(p, x, r, u), None)), x, params["blocks"])
+        else:
+            for p, r, u in zip(params["blocks"], rest["blocks"], used["blocks"], strict=True):
+                x = remat_(lambda p, x, r=r, u=u: block(p, x, r, u))(p, x)
+        logits = gpt._head(top, x, cfg)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def train_step(params, opt_state, batch):
+        loss_, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss_
+
+    return jit_variant(name, train_step, trainer, params0, param_sh, sample)
 
 
 def jit_variant(
@@ -243,6 +347,7 @@ def jit_variant(
         params=lambda: jax.device_get(st["params"]),
         prepare=prepare,
         ledger=communication(compiled, mesh=trainer.mesh),
+        compiled=compiled,
     )
 
 
@@ -279,6 +384,7 @@ def pmap_variant(params0: Any, loss_fn, sample: Any) -> Variant:
         params=lambda: jax.tree.map(lambda a: np.asarray(a[0]), jax.device_get(st["params"])),
         prepare=prepare,
         ledger=communication(compiled),
+        compiled=compiled,
     )
 
 
@@ -334,6 +440,13 @@ def by_op_axes(ledger: CommLedger) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
+def bytes_accessed(compiled: Any) -> float:
+    """Bytes the compiled step reads and writes per device (XLA's ``cost_analysis``)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("bytes accessed", 0.0))
+
+
 def ms(xs: list[float], q: float = 50) -> float:
     return 1e3 * float(np.percentile(xs, q))
 
@@ -354,15 +467,19 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
         logical_axes=gpt.logical_axes(params0),
         tokens_per_example=CFG.seq_len,
     )
-    if plan == "zero3":  # the reference with the same memory behaviour: gathers per layer, remat or not
-        hand = fsdp_hand_variant(trainer, params0, cfg, sample, remat)
-    else:
-        hand = hand_variant(trainer, params0, loss_fn, sample)
-    variants = [meshkit_variant(trainer, sample), hand]
+
+    def hand(name: str) -> Variant:  # the reference with the same memory behaviour
+        if plan == "zero3":  # gathers per layer, remat or not
+            return fsdp_hand_variant(trainer, params0, cfg, sample, remat, name=name)
+        if plan == "fsdp+tp":
+            return fsdp2d_hand_variant(trainer, params0, cfg, sample, remat, name=name)
+        return hand_variant(trainer, params0, loss_fn, sample, name=name)
+
+    variants = [meshkit_variant(trainer, sample), hand("hand")]
     if plan == "dp":
         variants.append(pmap_variant(params0, loss_fn, sample))
-    if args.control:
-        variants.append(hand_variant(trainer, params0, loss_fn, sample, name="hand2"))
+    if args.control:  # a second compile of the same reference
+        variants.append(hand("hand2"))
     checks = check_same(variants, data[:CHECK_STEPS])
     time_variants(variants, data[CHECK_STEPS], args.steps, args.rounds)
     res: dict[str, Any] = {"plan": spec, "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()}}
@@ -378,6 +495,7 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
             "size_bytes": v.ledger.size_bytes,
             "traffic_bytes": v.ledger.traffic_bytes,
             "by_op": by_op_axes(v.ledger),
+            "bytes_accessed": bytes_accessed(v.compiled),
         }
         for v in variants
     }
@@ -393,6 +511,7 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
         }
 
     res["ratio_hand"] = ratios("hand")
+    res["bytes_ratio_hand"] = mk["bytes_accessed"] / var["hand"]["bytes_accessed"]
     res["ratio_pmap"] = ratios("pmap")
     res["control"] = (
         {
@@ -416,7 +535,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
     head = (
         f"{'plan':<16} {'mesh':<15} {'meshkit ms':>10} {'hand ms':>8} {'mk/hand':>7} {'cpu':>5} "
         f"{'pmap ms':>8} {'mk/pmap':>7} {'cpu':>5}" + (f" {'A/A':>5} {'cpu':>5}" if control else "") + " |"
-        f" {'coll mk':>7} {'MB mk':>6} {'coll hand':>9} {'MB hand':>7} {'coll pmap':>9} {'MB pmap':>7} | same"
+        f" {'coll mk':>7} {'MB mk':>6} {'coll hand':>9} {'MB hand':>7} {'coll pmap':>9} {'MB pmap':>7} |"
+        f" {'acc mk':>6} {'acc hand':>8} {'ratio':>5} | same"
     )
     print(head)
     print("-" * len(head))
@@ -441,14 +561,15 @@ def print_table(results: list[dict[str, Any]]) -> None:
             + f" | {v['meshkit']['collectives']:>7} {mb(v['meshkit']['size_bytes']):>6} "
             f"{v['hand']['collectives']:>9} {mb(v['hand']['size_bytes']):>7} "
             + (f"{pm['collectives']:>9} {mb(pm['size_bytes']):>7}" if pm else f"{'-':>9} {'-':>7}")
-            + f" | {'yes' if r['same_result'] else 'MISMATCH'}{flag}"
+            + f" | {mb(v['meshkit']['bytes_accessed']):>6} {mb(v['hand']['bytes_accessed']):>8} "
+            f"{r['bytes_ratio_hand']:>5.3f}" + f" | {'yes' if r['same_result'] else 'MISMATCH'}{flag}"
         )
         print(line)
     print(
         f"(ratios: median wall-clock and, under 'cpu', median process CPU time per step; "
         f"* = meshkit above {TARGET:.2f}x the hand-written step"
         + ("; A/A = hand2/hand, the noise floor" if control else "")
-        + ")"
+        + "; acc = MB the compiled step accesses per device, cost_analysis)"
     )
     print("\ncollectives per step (executions x MB) by op@axes:")
     for r in results:

@@ -35,7 +35,10 @@ def test_plan_certificate(plan, model, mesh, accumulate):
     assert cert.reproducible
     if model == "gpt":
         assert cert.exact_vs_single_device < V.TOL_EXACT  # float64: the same function
-        assert cert.vs_single_device <= max(V.TOL_SINGLE, cert.float32_noise)
+        # float32 within the certificate's own bound: NOISE_FACTOR x the float32 noise floor
+        # (zero3 with 2 micro-batches: 1.18x the floor since its layers reduce-scatter leaf by leaf)
+        assert cert.vs_single_device <= max(V.TOL_SINGLE, V.NOISE_FACTOR * cert.float32_noise)
+        assert cert.ok
     else:
         assert cert.vs_single_device <= V.TOL_SINGLE
         assert cert.vs_float64 <= V.TOL_FLOAT64
