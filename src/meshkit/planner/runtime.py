@@ -263,14 +263,11 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
     layer = g * one_layer
     if not remat:  # every layer's gathered parameters are residuals of the forward pass
         gathered, working = top + g * layer_b, 2 * layer
-    elif layout.tp == 1:
-        # one bucketed all-gather per layer: at the end of a layer's backward the gathered bucket,
-        # the layer's gradients and their concatenated reduce-scatter bucket (three layers); before
-        # that the bucket beside the recomputed residuals
-        gathered, working = top + layer, max(2 * layer, recomputed)
     else:
-        # fsdp+tp gathers and reduce-scatters each model-split leaf by itself: a leaf's gathered
-        # value dies at its last use, its gradient at its reduce-scatter (one layer's parameters at a time)
+        # each layer leaf is gathered and reduce-scattered by itself (``plans._fsdp._gather_vjp``):
+        # a leaf's gathered value dies at its last use, its gradient at its reduce-scatter, so one
+        # layer's parameters at a time beside the recomputed residuals (when a layer was one bucket:
+        # the bucket, the layer's gradients and their concatenated bucket, three layers, at its end)
         gathered, working = top + layer, max(layer, recomputed)
     concat = 0.0
     if layout.tp > 1 and microbatches > 1:
