@@ -117,9 +117,9 @@ CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and 
     Layout(dp=4, pp=2, schedule="interleaved", virtual_stages=2),
     # under remat, one layout per way the backward's working set is built: no ZeRO-3 with a whole
     # accumulator (dp+tp: the head's gradient added into it as it comes) and with a sharded one
-    # (zero2: the top leaves' gradient kept whole); ZeRO-3 with one bucket per layer (fsdp: the
-    # gathered bucket, the layer's gradients and their reduce-scatter bucket at a layer's end) and
-    # per leaf (fsdp+tp: its float32 bucket of the top gradients after the layers' loop); pipelines
+    # (zero2: the top leaves' gradient kept whole); ZeRO-3, each layer leaf gathered by itself, under
+    # both policies, without and with tp (fsdp+tp: its float32 bucket of the top gradients after
+    # the layers' loop); pipelines
     # with a chunk of one layer (dots compiles to the step without remat) and with a loop over a
     # chunk (and the tensor-parallel all-reduce the recomputed block redoes)
     Layout(dp=2, tp=4, remat="layer"),
