@@ -7,7 +7,8 @@ Model: 24 layers, width 2048, 16 heads, vocab 32000, seq 1024 (1.28 B parameters
 meshkit executes (``Layout.meshkit_plan()``, pipelines with whole layers per stage) are compiled,
 each in its own process (``meshkit.planner.compile.compile_layouts``), then the ``--layout``s given
 (default: ``EXTRA``, one layout per memory regime: ZeRO-3 without remat, dp+tp with 8 accumulated
-micro-batches, ZeRO-3 under layer remat with and without tp).
+micro-batches, ZeRO-3 under layer remat with and without tp, dp+tp under layer remat, fsdp+tp and
+fsdp+tp+pp under dots).
 
 Printed per layout: compile seconds, per-device peak (arguments + temporaries) compiled and predicted
 (``Job(runtime="meshkit", flash_attention=False)``) and compiled / predicted, and bytes each device sends per
@@ -36,7 +37,8 @@ from meshkit.planner.search import search
 
 SHAPE = ModelShape(name="gpt-1.3b", layers=24, width=2048, heads=16, vocab=32000, seq=1024)
 AXES = ("data", "model", "stage")
-EXTRA = ("dp=64,zero=3", "dp=8,tp=8", "dp=16,tp=4,zero=3,remat=layer", "dp=64,zero=3,remat=layer")
+EXTRA = ("dp=64,zero=3", "dp=8,tp=8", "dp=16,tp=4,zero=3,remat=layer", "dp=64,zero=3,remat=layer",
+         "dp=8,tp=8,remat=layer", "dp=16,tp=4,zero=3,remat=dots", "dp=4,tp=4,pp=4,zero=3,remat=dots")  # fmt: skip
 
 
 def parse(text: str) -> Layout:

@@ -55,6 +55,20 @@ def test_fsdp_parts_add_up_to_the_arguments():
     assert Measured.from_json(m.to_json()) == m
 
 
+def test_the_measuring_compile_is_the_default_compile_at_lower_llvm_effort():
+    """``MEASURE_ONLY`` must not change what is measured: the same optimized HLO, the same memory."""
+    from meshkit.planner.compile import MEASURE_ONLY, abstract_gpt_step
+
+    lowered = abstract_gpt_step(SHAPE, Layout(dp=2, tp=2, zero=3, remat="layer"), JOB)[0]
+    fast, default = lowered.compile(compiler_options=MEASURE_ONLY), lowered.compile()
+    assert fast.as_text() == default.as_text()
+    a, b = fast.memory_analysis(), default.memory_analysis()
+    assert (a.temp_size_in_bytes, a.argument_size_in_bytes) == (
+        b.temp_size_in_bytes,
+        b.argument_size_in_bytes,
+    )
+
+
 def test_layouts_meshkit_cannot_run_come_back_as_one_line():
     no_plan = Layout(dp=2, tp=4, zero=1)
     few_layers = Layout(pp=8)  # 4 layers over 8 stages
@@ -101,6 +115,23 @@ CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and 
     Layout(dp=2, tp=2, pp=2),
     Layout(dp=2, tp=2, pp=2, zero=3),
     Layout(dp=4, pp=2, schedule="interleaved", virtual_stages=2),
+    # under remat, one layout per way the backward's working set is built: no ZeRO-3 with a whole
+    # accumulator (dp+tp: the head's gradient added into it as it comes) and with a sharded one
+    # (zero2: the top leaves' gradient kept whole); ZeRO-3, each layer leaf gathered by itself, under
+    # both policies, without and with tp (fsdp+tp: its float32 bucket of the top gradients after
+    # the layers' loop); pipelines
+    # with a chunk of one layer (dots compiles to the step without remat) and with a loop over a
+    # chunk (and the tensor-parallel all-reduce the recomputed block redoes)
+    Layout(dp=2, tp=4, remat="layer"),
+    Layout(dp=2, tp=4, remat="dots"),
+    Layout(dp=8, zero=2, remat="layer"),
+    Layout(dp=8, zero=3, remat="layer"),
+    Layout(dp=8, zero=3, remat="dots"),
+    Layout(dp=2, tp=2, zero=3, remat="layer"),
+    Layout(dp=2, tp=2, zero=3, remat="dots"),
+    Layout(dp=2, pp=4, remat="dots"),
+    Layout(dp=2, tp=2, pp=2, remat="layer"),
+    Layout(dp=2, tp=2, pp=2, zero=3, remat="dots"),
 ]
 
 

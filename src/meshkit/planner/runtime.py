@@ -11,8 +11,12 @@ under the layout's remat policy; tensors with a heads or MLP dimension are split
 Parameters stay float32 with AdamW's two float32 moments (4 + 8 bytes per parameter, bf16 only for
 compute); embeddings and unembedding are not split over tp; pipeline plans replicate them on every
 stage. Then, as ``predict_peak``: persistent (parameters at rest, optimizer state, the batch) plus
-the larger of the backward phase (gradients, two layers of loop buffers, ZeRO-3's gathered
-parameters, activations) and the update phase (the gradients with the update tree).
+the larger of the backward phase and the update phase (the gradients with the update tree). The
+backward phase holds the accumulator, the stacked layer gradients, ZeRO-3's gathered leaves and
+the stash of every layer's residuals, and then the larger of what is live at three moments, each
+read from XLA's live ranges at the compiled peak: the head's backward (its residuals, the top
+leaves' gradient), one layer's backward inside the loop (its parameters, its gradient, under
+remat its recomputed residuals), and fsdp+tp's float32 bucket of the top gradients after the loop.
 """
 
 from __future__ import annotations
@@ -169,10 +173,25 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
         g_slots = 1 if v == 1 else 2
         chunk = layers_here // v
         activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
-        if layout.remat != "none":  # the backward tick recomputes one layer of its chunk at a time
+        working = body = 2 * one_layer if chunk > 1 else 0.0  # a chunk's loop: a layer's slices, its gradient
+        if layout.remat != "none":
+            # the backward tick recomputes one layer of its chunk at a time: that layer holds every
+            # residual the block makes, its saved ones among them (so under dots a chunk of one
+            # layer compiles to the step without remat; counted twice, 8 devices: 1.12-1.16); under
+            # layer remat a chunk's scan stacks each block's input (see ``stash`` below). As
+            # without a pipeline (``working`` below), the recomputed layer sits beside its
+            # parameters' slices, its gradient written matrix by matrix as the recomputed values die
             mb, t = layout.microbatch_size, layout.tp
-            activations += residuals(shape, mb, t, job.precision, "none", kept=False)[0]
-        body = 2 * one_layer if chunk > 1 else 0.0  # the loop over a chunk's layers keeps two in buffers
+            redo = residuals(shape, mb, t, job.precision, "none", kept=False)[0] - saved
+            activations += chunk * layer_in if chunk > 1 and layout.remat == "layer" else 0.0
+            working = max(body, body / 2 + redo)
+        # the last stage's backward tick runs the head's backward before its chunk's: the head's
+        # residuals and the logits' float32 cotangent die before the chunk's loop runs (dp+tp+pp,
+        # 8 devices: 1.06 -> 1.04). That cotangent (1.3 B GPT, fsdp+tp+pp at 64 devices, the peak:
+        # the head's backward, two float32 [tokens, vocab] buffers beside the chunk's residuals and
+        # the float32 unembedding and its gradient) is counted once: 1.05 -> 1.02 compiled / predicted
+        cotangent = 4.0 * layout.microbatch_size * shape.seq * shape.vocab
+        activations += max(head + cotangent, working)
         # fsdp+pp gathers the stage's parameters once for the step, in their own dtype (float32: the
         # pipeline's ``_gather`` casts nothing; 1.3 B at 64 devices, bf16, fsdp+tp+pp: 1.40 -> 1.23
         # compiled / predicted); interleaved keeps its layers permuted into schedule order beside them
@@ -186,49 +205,86 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
         # chunk of one layer has no loop). 1.3 B at 64 devices, fsdp+tp+pp with pp=2 and pp=4:
         # 1.23-1.40 -> within 10% compiled / predicted
         tick = top_b + (layer_b / v if chunk > 1 else 0.0)
-        backward = total + body + activations + head + gathered + relayout + tick
-        return _parts(params, optimizer, batch, backward, 2 * total, total, activations + head, gathered)
-    # gradient accumulation (m > 1 micro-batches without a pipeline): the scan over micro-batches
-    # carries the summed gradients beside each micro-batch's own, whole under dp and zero1 (reduced
-    # once at the end), a shard under zero2 and zero3 (reduce-scattered per micro-batch)
-    accumulator = 0.0 if microbatches == 1 else total / n if layout.zero >= 2 and n > 1 else total
+        backward = total + activations + gathered + relayout + tick
+        return _parts(params, optimizer, batch, backward, 2 * total, total, activations, gathered)
+    # Without a pipeline the step is a scan over micro-batches around the layers' forward scan, the
+    # head, and the layers' backward scan. What is live together (XLA's live ranges at the peak,
+    # ``--xla_dump_to``, 8 devices, GPT 4 layers width 64, and 64 devices at 1.3 B):
+    # - the gradient accumulator (m > 1): whole under dp and zero1 (reduced once at the end), a shard
+    #   under zero2 and zero3 (reduce-scattered per micro-batch). Into a whole accumulator the head's
+    #   gradient is added as soon as it is computed; otherwise the leaves outside layers keep their
+    #   whole gradient through the micro-batch (the step's output, or the input of zero2/zero3's
+    #   reduce-scatter);
+    # - the layers' stacked gradient: the backward scan's output, a buffer zero-initialised before the
+    #   forward loop, whole (zero3: each layer's gradient reduce-scattered into a stack of shards);
+    # - the stash: each layer's kept residuals; under layer remat, which saves nothing of the block,
+    #   its input: the checkpoint's argument (``kept_residuals`` drops arguments), stacked by the scan
+    #   for the backward pass to recompute the block from (8 devices: a [layers, batch, seq, width]
+    #   buffer through the backward loop); under dots the saved matmul outputs stand without it
+    #   (1.3 B, fsdp+tp: 33.5 MB per layer compiled, 38.8 MB kept residuals);
+    # - then either the head's backward (its residuals) or one layer's backward inside the loop, not
+    #   both: the head runs before the loop and its residuals die there (1.3 B GPT, 64 devices, zero3
+    #   with layer remat: predicted / compiled 1.22 -> 1.05, with dots 1.09 -> 1.02). One layer's
+    #   backward holds its parameters (sliced from the stack: a copy) and its gradient before it is
+    #   written into the stack; under remat, while the block is recomputed and differentiated, its
+    #   parameters and the recomputed residuals (the gradient is written matrix by matrix as the
+    #   recomputed values die), whichever moment is larger. Summing the head, the recomputed layer and
+    #   two layers' buffers predicted 1.11-1.18x the compiled peak at 8 devices under remat. The
+    #   head's backward computes the gradient of the leaves outside layers: with a whole accumulator
+    #   it is added as it comes (8 devices, dp+tp: the unembedding's gradient beside the accumulator
+    #   it is added into; 1.3 B in bf16 also their compute-dtype copies, cast once for the step),
+    #   counted as those leaves' size in that phase only.
+    remat = layout.remat != "none"
+    whole_accumulator = microbatches > 1 and not (layout.zero >= 2 and n > 1)
+    accumulator = 0.0 if microbatches == 1 else total if whole_accumulator else total / n
+    stacked = layer_b / n if zero3 else layer_b
     if zero3:  # a layer's weights are its gathered parameters, counted with them
         saved -= weights
-    # the saved residuals of every layer; under remat one layer's residuals recreated on top (in
-    # the scan every one of them: XLA does not fuse across the loop body's recomputation). The
-    # head's backward runs before the layers' loop and its residuals die there: under remat the
-    # peak holds the larger of the two, not both (1.3 B GPT, 64 devices, zero3 with layer remat:
-    # predicted / compiled 1.22 -> 1.05, with dots 1.09 -> 1.02)
-    if layout.remat != "none":
-        recomputed = residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none")[0]
-        activations = layers_here * saved + max(recomputed, head)
+    stash = layers_here * (saved + (layer_in if layout.remat == "layer" else 0.0))
+    recomputed = (
+        residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none")[0] if remat else 0.0
+    )
+    if not zero3:
+        top_grads = 0.0 if whole_accumulator else top_b
+        working = max(2 * one_layer, one_layer + recomputed)
+        grads = stacked + top_grads + accumulator
+        backward = grads + stash + max(head + top_b - top_grads, working)
+        activations = stash + max(head, recomputed)
+        update = total if layout.zero == 0 else 2 * total
+        return _parts(params, optimizer, batch, backward, update, grads, activations, 0.0)
+    g = (2 if job.precision == "bf16" else 4) / 4  # gathered in the compute dtype (bf16 gathers under bf16)
+    # the leaves outside layers, gathered for the step: bucket, slices and whole gradient in the
+    # compute dtype; in float32 nothing is cast and the slices are views of the bucket (8 devices
+    # fp32, zero3 and fsdp+tp: 1.04 and 1.06 -> 1.00 and 1.01 predicted / compiled). fsdp+tp
+    # reduce-scatters in float32 (``Plan.gathers_in_compute_dtype``): that whole gradient is float32
+    # (1.3 B GPT, tp=4, layer remat, the peak: the float32 embedding and unembedding gradients beside
+    # their compute-dtype copies, cast once for the step, and the float32 unembedding its backward reads)
+    top = 2 * top_b if g == 1 else 3 * g * top_b if layout.tp == 1 else 2 * g * top_b + top_b
+    layer = g * one_layer
+    if not remat:  # every layer's gathered parameters are residuals of the forward pass
+        gathered, working = top + g * layer_b, 2 * layer
     else:
-        activations = layers_here * saved + head
-    body = (1 if zero3 and layout.remat != "none" else 2) * one_layer  # the scan's loop buffers
-    if zero3:  # gathered in the compute dtype (bf16 gathers under bf16)
-        g = (2 if job.precision == "bf16" else 4) / 4
-        # the leaves outside layers, gathered for the step: bucket, slices and whole gradient in the
-        # compute dtype; in float32 nothing is cast and the slices are views of the bucket (8
-        # devices fp32, zero3 and fsdp+tp: 1.04 and 1.06 -> 1.00 and 1.01 predicted / compiled)
-        top = 2 * top_b if g == 1 else 3 * g * top_b
-        gathered = top + g * (layer_b if layout.remat == "none" else 2 * one_layer)
-        body *= g
-        if layout.tp > 1 and microbatches > 1:
-            # fsdp+tp reduce-scatters in float32 (``Plan.gathers_in_compute_dtype``); inside the
-            # micro-batch loop the gradient of the leaves outside layers is concatenated into a
-            # float32 reduce-scatter bucket beside the leaves' gradients (live ranges at the peak of
-            # the 1.3 B GPT, tp=4, layer remat: a 0.53 GB concatenate beside the float32 embedding and
-            # unembedding gradients): bf16 1.31 -> 0.98 compiled / predicted; with one micro-batch
-            # XLA fuses it into the reduce-scatter
-            gathered += top_b
-        grads = layer_b / n + body + accumulator
-        backward = gathered + grads + activations
-        update = 2 * total / n
-        return _parts(params, optimizer, batch, backward, update, grads, activations, gathered)
-    grads = total + body + accumulator
-    backward = grads + activations
-    update = total if layout.zero == 0 else 2 * total
-    return _parts(params, optimizer, batch, backward, update, grads, activations, 0.0)
+        # each layer leaf is gathered and reduce-scattered by itself (``plans._fsdp._gather_vjp``):
+        # a leaf's gathered value dies at its last use, its gradient at its reduce-scatter, so one
+        # layer's parameters at a time beside the recomputed residuals (when a layer was one bucket:
+        # the bucket, the layer's gradients and their concatenated bucket, three layers, at its end)
+        gathered, working = top + layer, max(layer, recomputed)
+    concat = 0.0
+    if layout.tp > 1 and microbatches > 1:
+        # fsdp+tp reduce-scatters in float32 (``Plan.gathers_in_compute_dtype``); inside the
+        # micro-batch loop the gradient of the leaves outside layers is concatenated into a
+        # float32 reduce-scatter bucket beside the leaves' gradients (live ranges at the peak of
+        # the 1.3 B GPT, tp=4, layer remat: a 0.53 GB concatenate beside the float32 embedding and
+        # unembedding gradients): bf16 1.31 -> 0.98 compiled / predicted; with one micro-batch
+        # XLA fuses it into the reduce-scatter. It is made after the layers' backward loop, whose
+        # residuals and working set are dead by then (8 devices, dots: 1.10 -> 1.02 predicted / compiled)
+        concat = top_b
+    grads = stacked + accumulator
+    loop = stash + max(head, working)
+    backward = gathered + grads + max(loop, concat)
+    activations = stash + max(head, recomputed) if loop >= concat else 0.0  # the rest: "other"
+    update = 2 * total / n
+    return _parts(params, optimizer, batch, backward, update, grads, activations, gathered)
 
 
 def _parts(params, optimizer, batch, backward, update, grads, activations, gathered) -> dict[str, float]:
