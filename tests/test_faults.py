@@ -71,9 +71,9 @@ for line in sys.stdin:
         ck = Checkpointer(directory, keep=3)
         for step in range((ck.latest_step() or 0) + 1, int(last) + 1):
             params, opt_state = jax.device_put(states[step - 1])
-            print(f"start {step}", flush=True)
+            os.write(1, f"start {step}\n".encode())  # one write: a kill never tears a line
             ck.save(step, params, opt_state, {"step": step, "data": {"position": step}})
-            print(f"done {step}", flush=True)
+            os.write(1, f"done {step}\n".encode())
         ck.close()
         os._exit(0)
     print(f"pid {pid}", flush=True)
