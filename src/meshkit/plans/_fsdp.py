@@ -426,10 +426,20 @@ def _is_xs(eqn: Any, var: Any) -> bool:
 
 def _barrier_gather(gather: Callable, shards: list, tie: Any) -> tuple[list, Any]:
     """Gather ``shards`` after ``tie`` exists (an optimization barrier binds them), so the gather
-    cannot be scheduled before the layer's input and its result dies with the layer."""
-    arrays = [x for x in jax.tree.leaves(tie) if isinstance(x, jax.Array)]
-    shards, _ = lax.optimization_barrier((list(shards), arrays))
-    return gather(shards)
+    cannot be scheduled before the layer's input and its result dies with the layer. Returns the
+    gathered leaves and ``tie`` as the barrier passes it on, which the layer then reads: the
+    barrier's transpose binds the input's cotangent with the gradient shards in the backward pass,
+    so XLA cannot fuse the residual stream's cotangent chain across layers. Reading the untouched
+    input instead, XLA fused the LayerNorm backward of every layer into each consumer of that chain
+    (fusions of 46 operands, recomputed four times): bench_plans fsdp+tp without remat 143.4 ->
+    131.6 MB accessed per step, CPU time 1.12-1.16x -> 1.05x the hand-written 2D step's; zero3
+    without remat 1.13 -> 1.04x."""
+    leaves, treedef = jax.tree.flatten(tie)
+    where = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    shards, arrays = lax.optimization_barrier((list(shards), [leaves[k] for k in where]))
+    for k, x in zip(where, arrays, strict=True):
+        leaves[k] = x
+    return gather(shards), jax.tree.unflatten(treedef, leaves)
 
 
 def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
@@ -455,9 +465,8 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
             def run(bl, inputs):
                 bl = list(bl)
                 if mine:
-                    for k, x in zip(
-                        mine, _barrier_gather(gather, [bl[k] for k in mine], inputs), strict=True
-                    ):
+                    gathered, inputs = _barrier_gather(gather, [bl[k] for k in mine], inputs)
+                    for k, x in zip(mine, gathered, strict=True):
                         bl[k] = x
                 return block_fn(jax.tree.unflatten(bdef, bl), *inputs)
 
@@ -505,7 +514,10 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
         def layer(carry, x):
             x = list(x)
             if mine:
-                for k, g in zip(mine, _barrier_gather(gather, [x[k] for k in mine], carry), strict=True):
+                # (the barrier's carry is not used: tying it made no difference in a scan, whose
+                # body is a fusion boundary already; bench_plans zero3/fsdp+tp scanned 0.96-1.02)
+                gathered, _ = _barrier_gather(gather, [x[k] for k in mine], carry)
+                for k, g in zip(mine, gathered, strict=True):
                     x[k] = g
             out = body(*consts, *carry, *x)
             return list(out[:nk]), list(out[nk:])
