@@ -1,4 +1,4 @@
-"""Step time of meshkit's ``Trainer.step`` under each plan, beside a hand-written jit step and pmap.
+"""Step time of meshkit's ``Trainer.step`` under each plan, beside hand-written steps and pmap.
 
 For every plan (dp, zero1, zero2, zero3, tp, dp+tp, fsdp+tp) on the GPT decoder over 8 simulated
 CPU devices, these variants of the same training step run side by side in one process:
@@ -12,11 +12,14 @@ CPU devices, these variants of the same training step run side by side in one pr
   layout, the same donation, and for ZeRO stages ``with_sharding_constraint`` of the gradients to
   the sharded spec, so XLA's partitioner inserts every collective itself; it returns the loss only.
   zero3 and fsdp+tp (with ``:remat`` and ``:scan``) run instead beside a hand-written step with
-  the same memory behaviour: per-layer gathers inside the block, under the same remat policy
-  (``fsdp_hand_variant``: ``shard_map`` over ``data``; ``fsdp2d_hand_variant``: ``jax.jit`` with
-  sharding constraints, 2D);
-- ``pmap`` (dp only): the legacy ``jax.pmap`` step, parameters replicated with a leading device
-  axis and ``lax.pmean`` of the gradients;
+  the same memory behaviour: per-layer gathers inside the block and per-layer gradient
+  reduce-scatters, under the same remat policy (``fsdp_hand_variant``: ``shard_map`` over
+  ``data``; ``fsdp2d_manual_variant``: ``shard_map`` over ``data`` and ``model``, Megatron by hand);
+- ``alt``, a second reference where one exists: for dp the legacy ``jax.pmap`` step (parameters
+  replicated with a leading device axis, ``lax.pmean`` of the gradients); for fsdp+tp the 2D
+  ``jax.jit`` step a user writes with sharding constraints alone (``fsdp2d_jit_variant``), whose
+  partitioner all-reduces whole gradients and combines them into a few collectives at the end of
+  the backward pass: fewer synchronisations, but every layer's gradients alive at once;
 - ``hand2`` (with ``--control``): a second, separately compiled hand-written step. ``hand2/hand``
   should be 1.00; how far it strays is the noise floor of the run.
 
@@ -42,8 +45,8 @@ Reading the table: ``mk/hand`` is meshkit's median wall-clock step time over the
 step's; at or below 1.05 meshkit costs no more than writing the step by hand (the target). ``cpu``
 is the same ratio of CPU time per step (all threads of the process): the machine is shared, and
 other tenants' load stretches wall-clock time but not CPU time, so when the two ratios disagree,
-trust ``cpu`` (and the ``--control`` A/A ratio tells how noisy the run was). ``mk/pmap`` (dp only)
-compares against legacy pmap. The ``coll`` and ``MB`` columns are what
+trust ``cpu`` (and the ``--control`` A/A ratio tells how noisy the run was). ``mk/alt`` compares
+against legacy pmap (dp) and the 2D jit step (fsdp+tp). The ``coll`` and ``MB`` columns are what
 ``meshkit.analysis.communication`` reads from each compiled program: collective executions per
 step and the bytes they move (``S`` of the ring formulas, summed); the per-op breakdown follows
 the table. On simulated CPU devices a collective is a rendezvous of 8 device threads that share
@@ -268,11 +271,13 @@ def _gathered_bwd(rest, used, _, ct):
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
-def fsdp2d_hand_variant(
-    trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "hand"
+def fsdp2d_jit_variant(
+    trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "alt"
 ) -> Variant:
-    """fsdp+tp with per-layer gathers, written by hand in the global view: the reference for
+    """fsdp+tp with per-layer gathers, written by hand in the global view: the second reference for
     ``fsdp+tp`` (parameters at rest split on ``data`` and ``model``, gathered on ``data`` only).
+    Not the same memory behaviour: XLA:CPU's partitioner all-reduces each gradient whole (then
+    slices it) and its combiner merges them into a few all-reduces after the backward pass.
 
     ``jax.jit`` alone, no ``shard_map``: each block's leaves are tied to its input by
     ``lax.optimization_barrier`` and constrained (``with_sharding_constraint``) to their
@@ -317,6 +322,95 @@ def fsdp2d_hand_variant(
         loss_, grads = jax.value_and_grad(loss)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss_
+
+    return jit_variant(name, train_step, trainer, params0, param_sh, sample)
+
+
+def _tp_block(p: Any, x: jax.Array, cfg: gpt.GPTConfig, model: int) -> jax.Array:
+    """One GPT block on this device's tensor-parallel shards (Megatron by hand, manual over ``model``):
+    column-split ``wq/wk/wv/w_in`` (this device's heads and hidden units), row-split ``wo/w_out``
+    whose partial products are summed over ``model`` before the replicated output bias. Under
+    ``check_vma`` the transpose of the replicated input's use in the column matmuls is the backward
+    all-reduce over ``model`` (Megatron's ``f``); the ``psum``'s is a pass-through (``g``)."""
+    b, t, _ = x.shape
+    heads, hd = cfg.heads // model, cfg.head_dim
+    a, m = p["attn"], p["mlp"]
+    h = gpt._layer_norm(p["ln1"], x)
+    q = (h @ a["wq"] + a["bq"]).reshape(b, t, heads, hd)
+    k = (h @ a["wk"]).reshape(b, t, heads, hd)
+    v = (h @ a["wv"] + a["bv"]).reshape(b, t, heads, hd)
+    s = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(hd)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
+    o = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, axis=-1), v).reshape(b, t, heads * hd)
+    x = x + lax.psum(o @ a["wo"], "model") + a["bo"]
+    h = jax.nn.gelu(gpt._layer_norm(p["ln2"], x) @ m["w_in"] + m["b_in"])
+    return x + lax.psum(h @ m["w_out"], "model") + m["b_out"]
+
+
+def fsdp2d_manual_variant(
+    trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "hand"
+) -> Variant:
+    """fsdp+tp with per-layer gathers and per-layer gradient reduce-scatters, written by hand with
+    every collective explicit: the reference with fsdp+tp's memory behaviour (the reference for
+    ``fsdp+tp``).
+
+    ``jax.shard_map`` manual over ``data`` and ``model``; each leaf arrives as its 2D shard (split
+    on ``model`` by the tensor-parallel rules, on ``data`` by ZeRO-3) and the block runs Megatron
+    tensor parallelism by hand (``_tp_block``). Each block all-gathers its leaves over ``data``
+    (one ``all_gather`` per leaf) tied to its input by ``lax.optimization_barrier`` under the remat
+    policy, exactly as ``fsdp_hand_variant``; the transpose of each gather is the leaf's
+    reduce-scatter, so every layer's gradients leave as shards when its backward pass is done.
+    ``check_vma`` (JAX's default) inserts the model-axis all-reduces of the backward pass and the
+    data-axis sums of the leaves kept whole on ``data``.
+    """
+    mesh, layout = trainer.mesh, trainer.layout
+    n, model = int(mesh.shape["data"]), int(mesh.shape["model"])
+    optimizer = make_optimizer()
+    dims = layout.tree(lambda leaf: leaf.data_dim)
+    specs = layout.tree(lambda leaf: leaf.spec(data=True))
+    param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    remat_ = rematerialized(remat)
+
+    def gather(shards, data_dims, stacked=False):
+        return jax.tree.map(
+            lambda x, d: x if d is None else lax.all_gather(x, "data", axis=d - stacked, tiled=True),
+            shards, data_dims,
+        )  # fmt: skip
+
+    def local_loss(p, batch):
+        tokens, targets = batch
+        top = gather(
+            {k: v for k, v in p.items() if k != "blocks"}, {k: v for k, v in dims.items() if k != "blocks"}
+        )
+        x = gpt._embed(top, tokens, cfg)
+        if cfg.scan_layers:
+
+            def body(x, shards):
+                shards, x = lax.optimization_barrier((shards, x))
+                return _tp_block(gather(shards, dims["blocks"], stacked=True), x, cfg, model), None
+
+            x, _ = lax.scan(remat_(body), x, p["blocks"])
+        else:
+            for shards, bdims in zip(p["blocks"], dims["blocks"], strict=True):
+
+                def one(shards, x, bdims=bdims):
+                    shards, x = lax.optimization_barrier((shards, x))
+                    return _tp_block(gather(shards, bdims), x, cfg, model)
+
+                x = remat_(one)(shards, x)
+        logits = gpt._head(top, x, cfg)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    def local_grads(p, batch):
+        loss, g = jax.value_and_grad(local_loss)(p, batch)  # every gradient summed over data already
+        return lax.pmean(loss, "data"), jax.tree.map(lambda gi: gi / n, g)
+
+    grads_of = jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs))
+
+    def train_step(params, opt_state, batch):
+        loss, grads = grads_of(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
 
     return jit_variant(name, train_step, trainer, params0, param_sh, sample)
 
@@ -447,6 +541,12 @@ def bytes_accessed(compiled: Any) -> float:
     return float(cost.get("bytes accessed", 0.0))
 
 
+def peak_bytes(compiled: Any) -> float:
+    """Per-device peak of the compiled step: arguments + temporaries (``memory_analysis()``)."""
+    mem = compiled.memory_analysis()
+    return float(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
+
+
 def ms(xs: list[float], q: float = 50) -> float:
     return 1e3 * float(np.percentile(xs, q))
 
@@ -472,12 +572,14 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
         if plan == "zero3":  # gathers per layer, remat or not
             return fsdp_hand_variant(trainer, params0, cfg, sample, remat, name=name)
         if plan == "fsdp+tp":
-            return fsdp2d_hand_variant(trainer, params0, cfg, sample, remat, name=name)
+            return fsdp2d_manual_variant(trainer, params0, cfg, sample, remat, name=name)
         return hand_variant(trainer, params0, loss_fn, sample, name=name)
 
     variants = [meshkit_variant(trainer, sample), hand("hand")]
     if plan == "dp":
         variants.append(pmap_variant(params0, loss_fn, sample))
+    if plan == "fsdp+tp":
+        variants.append(fsdp2d_jit_variant(trainer, params0, cfg, sample, remat))
     if args.control:  # a second compile of the same reference
         variants.append(hand("hand2"))
     checks = check_same(variants, data[:CHECK_STEPS])
@@ -496,6 +598,7 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
             "traffic_bytes": v.ledger.traffic_bytes,
             "by_op": by_op_axes(v.ledger),
             "bytes_accessed": bytes_accessed(v.compiled),
+            "peak_bytes": peak_bytes(v.compiled),
         }
         for v in variants
     }
@@ -512,7 +615,8 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
 
     res["ratio_hand"] = ratios("hand")
     res["bytes_ratio_hand"] = mk["bytes_accessed"] / var["hand"]["bytes_accessed"]
-    res["ratio_pmap"] = ratios("pmap")
+    res["alt"] = next((v.name for v in variants if v.name in ("pmap", "alt")), None)
+    res["ratio_alt"] = ratios(res["alt"]) if res["alt"] else None
     res["control"] = (
         {
             "wall": var["hand2"]["median_ms"] / var["hand"]["median_ms"],
@@ -530,20 +634,24 @@ def mb(b: float) -> str:
     return f"{b / 1e6:.2f}"
 
 
+def mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     control = any(r["control"] for r in results)
     head = (
         f"{'plan':<16} {'mesh':<15} {'meshkit ms':>10} {'hand ms':>8} {'mk/hand':>7} {'cpu':>5} "
-        f"{'pmap ms':>8} {'mk/pmap':>7} {'cpu':>5}" + (f" {'A/A':>5} {'cpu':>5}" if control else "") + " |"
-        f" {'coll mk':>7} {'MB mk':>6} {'coll hand':>9} {'MB hand':>7} {'coll pmap':>9} {'MB pmap':>7} |"
-        f" {'acc mk':>6} {'acc hand':>8} {'ratio':>5} | same"
+        f"{'alt ms':>8} {'mk/alt':>7} {'cpu':>5}" + (f" {'A/A':>5} {'cpu':>5}" if control else "") + " |"
+        f" {'coll mk':>7} {'MB mk':>6} {'coll hand':>9} {'MB hand':>7} {'coll alt':>9} {'MB alt':>7} |"
+        f" {'acc mk':>6} {'acc hand':>8} {'ratio':>5} | {'peak mk':>7} {'hand':>6} {'alt':>6} | same"
     )
     print(head)
     print("-" * len(head))
     for r in results:
-        v, rh, rp, ctl = r["variants"], r["ratio_hand"], r["ratio_pmap"], r["control"]
+        v, rh, rp, ctl = r["variants"], r["ratio_hand"], r["ratio_alt"], r["control"]
         mesh = ",".join(f"{k}={s}" for k, s in r["mesh"].items())
-        pm = v.get("pmap")
+        pm = v.get(r["alt"]) if r["alt"] else None
         flag = " *" if rh["wall"] > TARGET or rh["cpu"] > TARGET else ""
         line = (
             f"{r['plan']:<16} {mesh:<15} {v['meshkit']['median_ms']:>10.1f} {v['hand']['median_ms']:>8.1f} "
@@ -562,14 +670,17 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{v['hand']['collectives']:>9} {mb(v['hand']['size_bytes']):>7} "
             + (f"{pm['collectives']:>9} {mb(pm['size_bytes']):>7}" if pm else f"{'-':>9} {'-':>7}")
             + f" | {mb(v['meshkit']['bytes_accessed']):>6} {mb(v['hand']['bytes_accessed']):>8} "
-            f"{r['bytes_ratio_hand']:>5.3f}" + f" | {'yes' if r['same_result'] else 'MISMATCH'}{flag}"
+            f"{r['bytes_ratio_hand']:>5.3f} | {mib(v['meshkit']['peak_bytes']):>7} {mib(v['hand']['peak_bytes']):>6} "
+            + (f"{mib(pm['peak_bytes']):>6}" if pm else f"{'-':>6}")
+            + f" | {'yes' if r['same_result'] else 'MISMATCH'}{flag}"
         )
         print(line)
     print(
         f"(ratios: median wall-clock and, under 'cpu', median process CPU time per step; "
         f"* = meshkit above {TARGET:.2f}x the hand-written step"
         + ("; A/A = hand2/hand, the noise floor" if control else "")
-        + "; acc = MB the compiled step accesses per device, cost_analysis)"
+        + "; alt = legacy pmap for dp, the 2D jit step for fsdp+tp; acc = MB the compiled step accesses"
+        " per device, cost_analysis; peak = MiB per device, arguments + temporaries, memory_analysis)"
     )
     print("\ncollectives per step (executions x MB) by op@axes:")
     for r in results:
