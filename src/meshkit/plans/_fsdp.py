@@ -432,8 +432,8 @@ def _barrier_gather(gather: Callable, shards: list, tie: Any) -> tuple[list, Any
     so XLA cannot fuse the residual stream's cotangent chain across layers. Reading the untouched
     input instead, XLA fused the LayerNorm backward of every layer into each consumer of that chain
     (fusions of 46 operands, recomputed four times): bench_plans fsdp+tp without remat 143.4 ->
-    131.6 MB accessed per step, CPU time 1.12-1.16x -> 1.05x the hand-written 2D step's; zero3
-    without remat 1.13 -> 1.04x."""
+    131.6 MB accessed per step, wall / CPU time 1.16 / 1.12x -> 0.97 / 0.98x the hand-written 2D
+    step's; zero3 without remat 102.3 -> 96.3 MB, 1.13 -> 0.98 / 0.96x."""
     leaves, treedef = jax.tree.flatten(tie)
     where = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)]
     shards, arrays = lax.optimization_barrier((list(shards), [leaves[k] for k in where]))
