@@ -16,10 +16,10 @@ CPU devices, these variants of the same training step run side by side in one pr
   reduce-scatters, under the same remat policy (``fsdp_hand_variant``: ``shard_map`` over
   ``data``; ``fsdp2d_manual_variant``: ``shard_map`` over ``data`` and ``model``, Megatron by hand);
 - ``alt``, a second reference where one exists: for dp the legacy ``jax.pmap`` step (parameters
-  replicated with a leading device axis, ``lax.pmean`` of the gradients); for fsdp+tp the 2D
-  ``jax.jit`` step a user writes with sharding constraints alone (``fsdp2d_jit_variant``), whose
-  partitioner all-reduces whole gradients and combines them into a few collectives at the end of
-  the backward pass: fewer synchronisations, but every layer's gradients alive at once;
+  replicated with a leading device axis, ``lax.pmean`` of the gradients); for zero3 and fsdp+tp
+  the ``jax.jit`` step a user writes with sharding constraints alone (``fsdp2d_jit_variant``: the
+  same per-layer gathers, the same peak), whose partitioner all-reduces each layer's gradient and
+  slices it (2x the reduce-scatter's ring bytes) and combines those all-reduces into a few;
 - ``hand2`` (with ``--control``): a second, separately compiled hand-written step. ``hand2/hand``
   should be 1.00; how far it strays is the noise floor of the run.
 
@@ -46,7 +46,7 @@ step's; at or below 1.05 meshkit costs no more than writing the step by hand (th
 is the same ratio of CPU time per step (all threads of the process): the machine is shared, and
 other tenants' load stretches wall-clock time but not CPU time, so when the two ratios disagree,
 trust ``cpu`` (and the ``--control`` A/A ratio tells how noisy the run was). ``mk/alt`` compares
-against legacy pmap (dp) and the 2D jit step (fsdp+tp). The ``coll`` and ``MB`` columns are what
+against legacy pmap (dp) and the jit step with per-layer constraints (zero3, fsdp+tp). The ``coll`` and ``MB`` columns are what
 ``meshkit.analysis.communication`` reads from each compiled program: collective executions per
 step and the bytes they move (``S`` of the ring formulas, summed); the per-op breakdown follows
 the table. On simulated CPU devices a collective is a rendezvous of 8 device threads that share
@@ -274,10 +274,12 @@ _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 def fsdp2d_jit_variant(
     trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "alt"
 ) -> Variant:
-    """fsdp+tp with per-layer gathers, written by hand in the global view: the second reference for
-    ``fsdp+tp`` (parameters at rest split on ``data`` and ``model``, gathered on ``data`` only).
-    Not the same memory behaviour: XLA:CPU's partitioner all-reduces each gradient whole (then
-    slices it) and its combiner merges them into a few all-reduces after the backward pass.
+    """zero3 or fsdp+tp with per-layer gathers, written by hand in the global view: the second
+    reference (``alt``) for ``zero3`` and ``fsdp+tp`` (parameters at rest split on ``data``, and on
+    ``model`` by the tensor-parallel rules; gathered on ``data`` only). The same peak as the
+    others (measured: 2D at 2 and 16 layers, none and layer remat, within 0.1 MiB of the 2D
+    ``shard_map`` step), but not the same collectives: XLA:CPU's partitioner all-reduces each
+    gradient and slices it, and its combiner merges those all-reduces into a few.
 
     ``jax.jit`` alone, no ``shard_map``: each block's leaves are tied to its input by
     ``lax.optimization_barrier`` and constrained (``with_sharding_constraint``) to their
@@ -578,7 +580,7 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
     variants = [meshkit_variant(trainer, sample), hand("hand")]
     if plan == "dp":
         variants.append(pmap_variant(params0, loss_fn, sample))
-    if plan == "fsdp+tp":
+    if plan in ("zero3", "fsdp+tp"):
         variants.append(fsdp2d_jit_variant(trainer, params0, cfg, sample, remat))
     if args.control:  # a second compile of the same reference
         variants.append(hand("hand2"))
@@ -679,7 +681,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         f"(ratios: median wall-clock and, under 'cpu', median process CPU time per step; "
         f"* = meshkit above {TARGET:.2f}x the hand-written step"
         + ("; A/A = hand2/hand, the noise floor" if control else "")
-        + "; alt = legacy pmap for dp, the 2D jit step for fsdp+tp; acc = MB the compiled step accesses"
+        + "; alt = legacy pmap for dp, the jit step with per-layer constraints for zero3 and fsdp+tp; acc = MB the compiled step accesses"
         " per device, cost_analysis; peak = MiB per device, arguments + temporaries, memory_analysis)"
     )
     print("\ncollectives per step (executions x MB) by op@axes:")
