@@ -250,7 +250,9 @@ def predict_peak(
       residual for the re-gather to read). Gradient shards: all of them (P_layers / N) where the step takes the
       global norm (clipping or the grad_norm metric) or writes them as one stacked
       scan output, or under ``regather`` (its per-leaf reduce-scatters are scheduled at the end of
-      the step); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
+      the step), or with ``accumulate`` > 1 (the shards are summed into the micro-batch loop's
+      accumulator, alive through the loop and updated after it: the loop form under ``layer``
+      remat, 4 layers, was 1.12 counting one layer's, 1.02 counting all); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
       right after its reduce-scatter, into the donated parameter and state buffers, and the shard
       dies there (its live range spans ~17 of ~1300 instructions at 4 layers);
     - update phase: the gradients with the optimizer's update tree (2x the gradients; a scanned
@@ -320,8 +322,9 @@ def predict_peak(
         # shards: all of them where the step takes their global norm before updating; else XLA
         # updates each layer's shards (into the donated parameters and Adam state) as they arrive,
         # and one layer's shard is alive at a time (a scan writes them all as one stacked array)
-        # (regather's per-leaf reduce-scatters are scheduled at the step's end: all shards alive)
-        at_once = per.global_norm or scan or per.remat == "regather"
+        # (regather's per-leaf reduce-scatters are scheduled at the step's end: all shards alive;
+        # with micro-batches they are summed into the accumulator, updated after the loop)
+        at_once = per.global_norm or scan or per.remat == "regather" or accumulate > 1
         backward = 3 * top_b + (layer_b if at_once else per_layer_b) / n + body + accumulator
         # (a layer's leaves are gathered one by one, no bucket: ``_fsdp._gather_vjp``; with the
         # bucket and its slices both alive the terms below were 2 P_layers without remat and one
