@@ -214,9 +214,9 @@ def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: A
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep, weak_type=a.weak_type), extra
         )
     traced = jax.jit(step).trace(leaves, extra)
-    key = str(
-        traced.jaxpr
-    )  # the same program (another plan's Trainer, verify's next certificate): one compile
+    # the same program (another plan's Trainer, verify's next certificate): one compile; the jaxpr
+    # text does not show the inputs' shardings, so the tensor-parallel split is part of the key
+    key = str(traced.jaxpr) + (str([x.sharding.spec for x in leaves]) + str(m) if m > 1 else "")
     if key not in _COMPILED:
         if len(_COMPILED) >= 64:
             _COMPILED.pop(next(iter(_COMPILED)))
