@@ -167,6 +167,15 @@ def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str
     return jit_variant(name, train_step, trainer, params0, param_sh, sample)
 
 
+def gather_data(shards: Any, data_dims: Any, stacked: bool = False) -> Any:
+    """All-gather each leaf over ``data`` on its ZeRO dim (inside a manual region; ``stacked``: a
+    scan body's slice of a stacked leaf, whose leading layer axis is gone); whole leaves pass."""
+    return jax.tree.map(
+        lambda x, d: x if d is None else lax.all_gather(x, "data", axis=d - stacked, tiled=True),
+        shards, data_dims,
+    )  # fmt: skip
+
+
 def fsdp_hand_variant(
     trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "hand"
 ) -> Variant:
@@ -190,12 +199,6 @@ def fsdp_hand_variant(
     local_specs = layout.tree(lambda leaf: leaf.manual_spec(data=True))
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.param_specs())
 
-    def gather(shards, data_dims, stacked=False):
-        return jax.tree.map(
-            lambda x, d: x if d is None else lax.all_gather(x, "data", axis=d - stacked, tiled=True),
-            shards, data_dims,
-        )  # fmt: skip
-
     def block(p, x):
         return gpt._block(p, x, cfg)
 
@@ -204,12 +207,12 @@ def fsdp_hand_variant(
     def local_loss(p, batch):
         tokens, targets = batch
         top_dims = {k: v for k, v in dims.items() if k != "blocks"}
-        top = gather({k: v for k, v in p.items() if k != "blocks"}, top_dims)
+        top = gather_data({k: v for k, v in p.items() if k != "blocks"}, top_dims)
         x = gpt._embed(top, tokens, cfg)
         if cfg.scan_layers:
 
             def body(x, shards):
-                return block(gather(shards, dims["blocks"], stacked=True), x), None
+                return block(gather_data(shards, dims["blocks"], stacked=True), x), None
 
             x, _ = lax.scan(remat_(body), x, p["blocks"])
         else:
@@ -217,7 +220,7 @@ def fsdp_hand_variant(
 
                 def one(shards, x, bdims=bdims):
                     shards, x = lax.optimization_barrier((shards, x))
-                    return block(gather(shards, bdims), x)
+                    return block(gather_data(shards, bdims), x)
 
                 x = remat_(one)(shards, x)
         logits = gpt._head(top, x, cfg)
@@ -373,15 +376,9 @@ def fsdp2d_manual_variant(
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     remat_ = rematerialized(remat)
 
-    def gather(shards, data_dims, stacked=False):
-        return jax.tree.map(
-            lambda x, d: x if d is None else lax.all_gather(x, "data", axis=d - stacked, tiled=True),
-            shards, data_dims,
-        )  # fmt: skip
-
     def local_loss(p, batch):
         tokens, targets = batch
-        top = gather(
+        top = gather_data(
             {k: v for k, v in p.items() if k != "blocks"}, {k: v for k, v in dims.items() if k != "blocks"}
         )
         x = gpt._embed(top, tokens, cfg)
@@ -389,7 +386,7 @@ def fsdp2d_manual_variant(
 
             def body(x, shards):
                 shards, x = lax.optimization_barrier((shards, x))
-                return _tp_block(gather(shards, dims["blocks"], stacked=True), x, cfg, model), None
+                return _tp_block(gather_data(shards, dims["blocks"], stacked=True), x, cfg, model), None
 
             x, _ = lax.scan(remat_(body), x, p["blocks"])
         else:
@@ -397,7 +394,7 @@ def fsdp2d_manual_variant(
 
                 def one(shards, x, bdims=bdims):
                     shards, x = lax.optimization_barrier((shards, x))
-                    return _tp_block(gather(shards, bdims), x, cfg, model)
+                    return _tp_block(gather_data(shards, bdims), x, cfg, model)
 
                 x = remat_(one)(shards, x)
         logits = gpt._head(top, x, cfg)
