@@ -203,7 +203,11 @@ def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: A
     m = per.layout.model_size
     if m > 1:  # tensor parallel: the loss on one data shard's devices, split on the model axis as in
         # the step (the partitioner splits the activations of the heads and the MLP's hidden units)
-        sub = jax.sharding.Mesh(np.asarray(per.layout.mesh.devices).reshape(-1)[:m], (MODEL,))
+        # (this process's own devices where it has m of them: a multi-host compile then needs no
+        # other process)
+        devices = list(np.asarray(per.layout.mesh.devices).reshape(-1))
+        mine = [d for d in devices if d.process_index == jax.process_index()]
+        sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= m else devices)[:m], (MODEL,))
         specs = [NamedSharding(sub, P(*[a if a == MODEL else None for a in leaf.model_spec]))
                  for leaf in per.layout.flat()]  # fmt: skip
         leaves = [
