@@ -28,7 +28,7 @@ batches and the benchmark checks that the losses and then the parameters agree w
 (``allclose``; parameters to a small fraction of one Adam step, since Adam rescales gradient
 rounding noise); a mismatch prints ``MISMATCH`` and makes the exit status 1.
 
-Run (about two to three minutes on 2 cores)::
+Run (every plan with ``--control``: 335 s on 2 quiet cores)::
 
     .venv/bin/python benchmarks/bench_plans.py [--steps 4] [--rounds 10] [--plans dp,zero1,tp]
                                                [--control] [--json results.json]
