@@ -208,8 +208,7 @@ def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: A
         devices = list(np.asarray(per.layout.mesh.devices).reshape(-1))
         mine = [d for d in devices if d.process_index == jax.process_index()]
         sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= m else devices)[:m], (MODEL,))
-        specs = [NamedSharding(sub, P(*[a if a == MODEL else None for a in leaf.model_spec]))
-                 for leaf in per.layout.flat()]  # fmt: skip
+        specs = [NamedSharding(sub, leaf.spec(data=False)) for leaf in per.layout.flat()]
         leaves = [
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h) for x, h in zip(leaves, specs, strict=True)
         ]
@@ -314,7 +313,6 @@ def predict_peak(
     persistent = params_b + opt_b + batch_b
 
     layer_b = sum(sizes[i] for i in layer)
-    top_b = total - layer_b
     scan = found is not None and found.mode == "scan"
     # one compile per loss, remat and shapes (a Trainer reports the same step repeatedly)
     memo = (per.remat, str(jax.tree.map(lambda a: (a.shape, a.dtype), (params, extra))))
@@ -352,7 +350,12 @@ def predict_peak(
         # (regather's per-leaf reduce-scatters are scheduled at the step's end: all shards alive;
         # with micro-batches they are summed into the accumulator, updated after the loop)
         at_once = per.global_norm or scan or per.remat == "regather" or accumulate > 1
-        backward = 3 * top_b + (layer_b if at_once else per_layer_b) / n + body + accumulator
+        # the leaves outside layers, by how they are gathered: a data-sharded leaf in the dtype's
+        # bucket (bucket, slice, whole gradient: 3x), a leaf also split on model by itself (its
+        # gathered value and whole gradient: 2x), a leaf kept whole on data (its gradient: 1x)
+        top = sum(sizes[i] * (1 if flat[i].data_dim is None else 2 if flat[i].model_sharded else 3)
+                  for i in range(len(sizes)) if i not in layer)  # fmt: skip
+        backward = top + (layer_b if at_once else per_layer_b) / n + body + accumulator
         # (a layer's leaves are gathered one by one, no bucket: ``_fsdp._gather_vjp``; with the
         # bucket and its slices both alive the terms below were 2 P_layers without remat and one
         # P_1 more with remat; bench_memory, 8 layers, loop form, none 86.1 -> 61.9 MiB measured)
