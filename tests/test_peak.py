@@ -37,12 +37,12 @@ PEAK_CASES = [(False, "zero3", "layer"), (False, "zero3", "regather"), (True, "d
 
 
 @functools.cache
-def _gpt_step(scan, plan, remat, grad_norm=False, accumulate=1):
-    """GPT width 128, 4 layers, seq 32, data=8, adamw, compiled from shapes (shared by the tests)."""
+def _gpt_step(scan, plan, remat, grad_norm=False, accumulate=1, mesh="data=8"):
+    """GPT width 128, 4 layers, seq 32, adamw, compiled from shapes (shared by the tests)."""
     cfg = gpt.GPTConfig(vocab_size=128, seq_len=32, layers=4, width=128, heads=4, scan_layers=scan)
     params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
     tok = jax.ShapeDtypeStruct((16, 32), np.int32)
-    return abstract_step(gpt.make_loss(cfg), params, (tok, tok), optax.adamw(1e-3), plan=plan, mesh="data=8",
+    return abstract_step(gpt.make_loss(cfg), params, (tok, tok), optax.adamw(1e-3), plan=plan, mesh=mesh,
                          remat=remat, grad_norm=grad_norm, logical_axes=gpt.logical_axes(params),
                          accumulate=accumulate)  # fmt: skip
 
@@ -125,9 +125,5 @@ def test_tensor_parallel_peak_counts_each_devices_model_shard(scan, plan, mesh, 
     term (gathered, gradient, update), and the activations are the loss compiled on one data
     shard's devices, split on ``model`` as in the step. Counting whole leaves and one device's
     activations, the model predicted 1.4-2.4x the measured peak (0.41-0.72)."""
-    cfg = gpt.GPTConfig(vocab_size=128, seq_len=32, layers=4, width=128, heads=4, scan_layers=scan)
-    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
-    tok = jax.ShapeDtypeStruct((16, 32), np.int32)
-    st = abstract_step(gpt.make_loss(cfg), params, (tok, tok), optax.adamw(1e-3), plan=plan, mesh=mesh,
-                       remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
+    st = _gpt_step(scan, plan, remat, mesh=mesh)
     assert 0.9 <= st.measured_peak / st.predict().total <= 1.1
