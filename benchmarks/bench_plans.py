@@ -21,7 +21,12 @@ CPU devices, these variants of the same training step run side by side in one pr
   same per-layer gathers, the same peak), whose partitioner all-reduces each layer's gradient and
   slices it (2x the reduce-scatter's ring bytes) and combines those all-reduces into a few;
 - ``hand2`` (with ``--control``): a second, separately compiled hand-written step. ``hand2/hand``
-  should be 1.00; how far it strays is the noise floor of the run.
+  should be 1.00; how far it strays is the noise floor of the run;
+- ``bucket`` (with ``--bucket``, zero3 and fsdp+tp): the hand-written step with each layer's
+  gradients reduce-scattered in one collective (``gather_data_one_scatter``), as XLA's GPU
+  reduce-scatter combiner would merge them; XLA:CPU has no such pass. It isolates what the jit
+  step gains from its combined all-reduces (printed with its peak, which pays for the bucket's copy
+  where a layer's backward pass decides it).
 
 Before timing, every variant runs the same steps from the same initial parameters on the same
 batches and the benchmark checks that the losses and then the parameters agree with meshkit's
@@ -31,7 +36,7 @@ rounding noise); a mismatch prints ``MISMATCH`` and makes the exit status 1.
 Run (every plan with ``--control``: 335 s on 2 quiet cores)::
 
     .venv/bin/python benchmarks/bench_plans.py [--steps 4] [--rounds 10] [--plans dp,zero1,tp]
-                                               [--control] [--json results.json]
+                                               [--control] [--bucket] [--json results.json]
 
 Timing: after warm-up the variants of a plan take turns round-robin, ``--rounds`` rounds with the
 order rotated every round; in each turn a variant runs one untimed step, then ``--steps`` timed
@@ -176,8 +181,58 @@ def gather_data(shards: Any, data_dims: Any, stacked: bool = False) -> Any:
     )  # fmt: skip
 
 
+def gather_data_one_scatter(shards: Any, data_dims: Any, stacked: bool = False) -> Any:
+    """``gather_data`` (one all-gather per leaf) whose backward reduce-scatters all the gradients of
+    ``shards`` in one collective: each leaf's cotangent laid out as ``(n, chunk)`` rows, the rows
+    concatenated, one ``psum_scatter``, the result cut back into shards (the ``--bucket`` ablation:
+    what a reduce-scatter combiner would do, at the price of the concatenation's copy)."""
+    leaves, treedef = jax.tree.flatten(shards)
+    dims = jax.tree.leaves(data_dims, is_leaf=lambda d: d is None)
+    idx = [i for i, d in enumerate(dims) if d is not None]
+    ds = [dims[i] - stacked for i in idx]
+
+    @jax.custom_vjp
+    def gather(xs):
+        return [lax.all_gather(x, "data", axis=d, tiled=True) for x, d in zip(xs, ds, strict=True)]
+
+    def scatter(cts, dims_):
+        n = lax.axis_size("data")
+        rows = [jnp.moveaxis(ct, d, 0).reshape(n, -1) for ct, d in zip(cts, dims_, strict=True)]
+        mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), "data", scatter_dimension=0, tiled=True)[0]
+        out, offset = [], 0
+        for ct, d, r in zip(cts, dims_, rows, strict=True):
+            moved = jnp.moveaxis(ct, d, 0).shape
+            piece = mine[offset : offset + r.shape[1]].reshape((moved[0] // n, *moved[1:]))
+            out.append(jnp.moveaxis(piece, 0, d))
+            offset += r.shape[1]
+        return out
+
+    def bwd(_, cts):
+        # one bucket per varying-axes type: a leaf replicated over ``model`` stays apart from the
+        # model-split ones (under check_vma, concatenating them would type it as split too)
+        groups: dict[Any, list[int]] = {}
+        for j, ct in enumerate(cts):
+            groups.setdefault(jax.typeof(ct).mat.varying, []).append(j)
+        out: list[Any] = [None] * len(cts)
+        for js in groups.values():
+            for j, g in zip(js, scatter([cts[j] for j in js], [ds[j] for j in js]), strict=True):
+                out[j] = g
+        return (out,)
+
+    gather.defvjp(lambda xs: (gather(xs), None), bwd)
+    for i, g in zip(idx, gather([leaves[i] for i in idx]) if idx else [], strict=True):
+        leaves[i] = g
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def fsdp_hand_variant(
-    trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "hand"
+    trainer: Trainer,
+    params0: Any,
+    cfg: gpt.GPTConfig,
+    sample: Any,
+    remat: str,
+    name: str = "hand",
+    layer_gather: Callable = gather_data,
 ) -> Variant:
     """ZeRO-3 with per-layer gathers, written by hand: the reference for ``zero3`` (``remat``: none
     holds each gathered layer for the backward pass, layer saves nothing and gathers again, dots
@@ -212,7 +267,7 @@ def fsdp_hand_variant(
         if cfg.scan_layers:
 
             def body(x, shards):
-                return block(gather_data(shards, dims["blocks"], stacked=True), x), None
+                return block(layer_gather(shards, dims["blocks"], stacked=True), x), None
 
             x, _ = lax.scan(remat_(body), x, p["blocks"])
         else:
@@ -220,7 +275,7 @@ def fsdp_hand_variant(
 
                 def one(shards, x, bdims=bdims):
                     shards, x = lax.optimization_barrier((shards, x))
-                    return block(gather_data(shards, bdims), x)
+                    return block(layer_gather(shards, bdims), x)
 
                 x = remat_(one)(shards, x)
         logits = gpt._head(top, x, cfg)
@@ -353,7 +408,13 @@ def _tp_block(p: Any, x: jax.Array, cfg: gpt.GPTConfig, model: int) -> jax.Array
 
 
 def fsdp2d_manual_variant(
-    trainer: Trainer, params0: Any, cfg: gpt.GPTConfig, sample: Any, remat: str, name: str = "hand"
+    trainer: Trainer,
+    params0: Any,
+    cfg: gpt.GPTConfig,
+    sample: Any,
+    remat: str,
+    name: str = "hand",
+    layer_gather: Callable = gather_data,
 ) -> Variant:
     """fsdp+tp with per-layer gathers and per-layer gradient reduce-scatters, written by hand with
     every collective explicit: the reference with fsdp+tp's memory behaviour (the reference for
@@ -386,7 +447,7 @@ def fsdp2d_manual_variant(
 
             def body(x, shards):
                 shards, x = lax.optimization_barrier((shards, x))
-                return _tp_block(gather_data(shards, dims["blocks"], stacked=True), x, cfg, model), None
+                return _tp_block(layer_gather(shards, dims["blocks"], stacked=True), x, cfg, model), None
 
             x, _ = lax.scan(remat_(body), x, p["blocks"])
         else:
@@ -394,7 +455,7 @@ def fsdp2d_manual_variant(
 
                 def one(shards, x, bdims=bdims):
                     shards, x = lax.optimization_barrier((shards, x))
-                    return _tp_block(gather_data(shards, bdims), x, cfg, model)
+                    return _tp_block(layer_gather(shards, bdims), x, cfg, model)
 
                 x = remat_(one)(shards, x)
         logits = gpt._head(top, x, cfg)
@@ -567,11 +628,11 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
         tokens_per_example=CFG.seq_len,
     )
 
-    def hand(name: str) -> Variant:  # the reference with the same memory behaviour
+    def hand(name: str, layer_gather: Callable = gather_data) -> Variant:  # same memory behaviour
         if plan == "zero3":  # gathers per layer, remat or not
-            return fsdp_hand_variant(trainer, params0, cfg, sample, remat, name=name)
+            return fsdp_hand_variant(trainer, params0, cfg, sample, remat, name, layer_gather)
         if plan == "fsdp+tp":
-            return fsdp2d_manual_variant(trainer, params0, cfg, sample, remat, name=name)
+            return fsdp2d_manual_variant(trainer, params0, cfg, sample, remat, name, layer_gather)
         return hand_variant(trainer, params0, loss_fn, sample, name=name)
 
     variants = [meshkit_variant(trainer, sample), hand("hand")]
@@ -581,6 +642,8 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
         variants.append(fsdp2d_jit_variant(trainer, params0, cfg, sample, remat))
     if args.control:  # a second compile of the same reference
         variants.append(hand("hand2"))
+    if args.bucket and plan in ("zero3", "fsdp+tp"):  # the hand-written step, one scatter per layer
+        variants.append(hand("bucket", gather_data_one_scatter))
     checks = check_same(variants, data[:CHECK_STEPS])
     time_variants(variants, data[CHECK_STEPS], args.steps, args.rounds)
     res: dict[str, Any] = {"plan": spec, "mesh": {k: int(v) for k, v in trainer.mesh.shape.items()}}
@@ -616,6 +679,7 @@ def run_plan(spec: str, params0: Any, loss_fn, args) -> dict[str, Any]:
     res["bytes_ratio_hand"] = mk["bytes_accessed"] / var["hand"]["bytes_accessed"]
     res["alt"] = next((v.name for v in variants if v.name in ("pmap", "alt")), None)
     res["ratio_alt"] = ratios(res["alt"]) if res["alt"] else None
+    res["ratio_bucket"] = ratios("bucket")
     res["control"] = (
         {
             "wall": var["hand2"]["median_ms"] / var["hand"]["median_ms"],
@@ -688,6 +752,18 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 continue
             parts = ", ".join(f"{k} {d['executions']}x{mb(d['size_bytes'])}" for k, d in v["by_op"].items())
             print(f"  {r['plan']:<16} {name:<8} {parts or '(none)'}")
+    bucketed = [r for r in results if r["ratio_bucket"]]
+    if bucketed:
+        print("\none reduce-scatter per layer (--bucket), against the per-leaf hand-written step and alt:")
+        for r in bucketed:
+            v, rb = r["variants"], r["ratio_bucket"]
+            b, h, a = v["bucket"], v["hand"], v[r["alt"]]
+            print(
+                f"  {r['plan']:<20} bucket {b['median_ms']:6.1f} ms  mk/bucket {rb['wall']:.2f} cpu {rb['cpu']:.2f}  "
+                f"hand/bucket {h['median_ms'] / b['median_ms']:.2f}  bucket/alt {b['median_ms'] / a['median_ms']:.2f}  "
+                f"peak MiB bucket {mib(b['peak_bytes'])} hand {mib(h['peak_bytes'])} alt {mib(a['peak_bytes'])}  "
+                f"collectives {b['collectives']} (hand {h['collectives']}, alt {a['collectives']})"
+            )
     print("\nsame result (max |diff| vs meshkit after the same steps):")
     for r in results:
         for name, c in r["checks"].items():
@@ -706,6 +782,11 @@ def main() -> int:
     )
     ap.add_argument(
         "--control", action="store_true", help="also time a second hand-written step (A/A noise floor)"
+    )
+    ap.add_argument(
+        "--bucket",
+        action="store_true",
+        help="zero3/fsdp+tp: also time the hand-written step with one gradient reduce-scatter per layer",
     )
     ap.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     args = ap.parse_args()

@@ -171,6 +171,15 @@ def _gather_vjp(leaves: Sequence[LeafLayout], n: int, *, own_output: bool = Fals
     hand-written step bucketed, 0.85-0.98x per leaf, at the same CPU time; XLA:CPU's 8 device
     threads gain nothing from fewer, larger collectives here. Peak memory drops with it (the bucket
     and its slices were both alive: bench_memory, 8 layers, loop form, no remat 86.1 -> 61.9 MiB).
+
+    The backward pass alone bucketed (gathers per leaf, one reduce-scatter of the layer's
+    concatenated gradient rows) is another trade, measured and not taken: XLA:CPU combines no
+    reduce-scatters, and 31 of them per step cost 1.15-1.25x the jit step's time on bench_plans'
+    zero3 modes, 1.03-1.09x bucketed; but the concatenation copies the layer's whole gradients at
+    the end of its backward pass, +0.4-0.6 of a layer's parameters at the peak under layer and dots
+    remat (GPT width 256, 8 layers, layer: 14.5 -> 16.2 MiB). XLA's GPU and TPU compilers combine
+    per-leaf reduce-scatters into one variadic collective without a copy, so the bucket would spend
+    memory where the compiler already saves the time (``bench_plans.py --bucket`` shows the time).
     Under ``regather`` (``own_output``) the gathered value must be the all-gather's own output (of a
     bucket, or of rows reshaped, the policy would save the slices or the reshape)."""
     leaves = list(leaves)
