@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
-import record_steps  # noqa: E402
+import record_steps
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "steps.json").read_text())
 

@@ -120,7 +120,7 @@ def record_case(plan: str, mesh: str, opts: dict) -> dict:
             "output": mem.output_bytes,
             "alias": mem.alias_bytes,
             "temp": mem.temp_bytes,
-        },  # fmt: skip
+        },
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "model_rows": sorted(
             [r.op, r.axes, float(r.model_traffic_bytes or 0.0)] for r in report.communication
