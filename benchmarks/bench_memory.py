@@ -7,7 +7,7 @@ layer (zero3 also dots and regather), plus a hand-written ``jax.jit`` step with 
 data (XLA's own collectives); each compiled ahead of time from shapes (nothing allocated).
 
 Printed per row: measured peak (``memory_analysis()`` arguments + temporaries), the model's
-prediction (``meshkit.analysis.peak.predict_peak``) and their ratio, the ratio to dp's measured peak
+prediction (``meshkit.plans.peak.predict_peak``) and their ratio, the ratio to dp's measured peak
 at the same depth and form, and all-gather / reduce-scatter bytes per step (S of the ring formulas,
 read from the compiled HLO) over the model's fp32 bytes. Then the per-layer slope of the peak
 (8 -> 16 -> 32 layers) measured beside predicted.
@@ -39,8 +39,8 @@ import meshkit
 meshkit.simulate_devices(8)
 
 from meshkit.analysis import communication  # noqa: E402
-from meshkit.analysis.peak import abstract_step, nbytes  # noqa: E402
 from meshkit.models import gpt  # noqa: E402
+from meshkit.plans.peak import abstract_step, nbytes  # noqa: E402
 
 MiB = 2**20
 BATCH = 16
@@ -69,7 +69,7 @@ def hand_peak(cfg) -> float:
     """jax.jit of value_and_grad + adamw, parameters and state sharded on data like zero3 (XLA's collectives)."""
     params, batch = shapes(cfg)
     step = abstract_step(gpt.make_loss(cfg), params, batch, optax.adamw(1e-3), plan="zero3", mesh="data=8")
-    layout = step.per_layer.layout
+    layout = step.per_layer.placement
     mesh = layout.mesh
     sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=True)))
     opt = optax.adamw(1e-3)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                                        mesh="data=8", remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
                     peak = st.measured_peak
                     pred = st.predict().total
-                    tr = traffic(st.compiled, st.per_layer.layout.mesh)
+                    tr = traffic(st.compiled, st.per_layer.placement.mesh)
                     if plan == "dp" and remat == "none":
                         dp_peak = peak
                     row = dict(layers=n_layers, form=form, plan=plan, remat=remat, peak=peak, model=pred,

@@ -45,8 +45,9 @@ from meshkit import Trainer  # noqa: E402
 from meshkit.analysis import communication, memory  # noqa: E402
 from meshkit.mesh import make_mesh  # noqa: E402
 from meshkit.models import gpt  # noqa: E402
-from meshkit.plans import compare_communication, get_plan, make_layout  # noqa: E402
+from meshkit.plans import compare_communication, place  # noqa: E402
 from meshkit.plans._pipeline import Pipeline  # noqa: E402
+from meshkit.spec import ParallelSpec, get_plan  # noqa: E402
 
 
 def _tokens(n: int, t: int, vocab: int, seed: int = 0):
@@ -57,9 +58,11 @@ def _tokens(n: int, t: int, vocab: int, seed: int = 0):
 def _pipeline(cfg, mesh_text, schedule, m, v, remat="none"):
     params = gpt.init(jax.random.key(0), cfg)
     mesh = make_mesh(mesh_text, axis_types="auto")
-    layout = make_layout(params, get_plan("dp+pp"), mesh)
-    pipe = Pipeline.make(gpt.stages(cfg), params, layout, microbatches=m, schedule=schedule, virtual_stages=v,
-                         extras={}, remat=remat)  # fmt: skip
+    layout = place(params, get_plan("dp+pp"), mesh)
+    spec = ParallelSpec(
+        plan="dp+pp", microbatches=m, pipeline_schedule=schedule, virtual_stages=v, remat=remat
+    )
+    pipe = Pipeline.make(gpt.stages(cfg), params, layout, spec, extras={})
     return params, pipe
 
 
@@ -83,7 +86,7 @@ def bubble_and_permutes() -> bool:
                 measured = float(np.mean(record[..., 0] == 0))
                 model = (p - 1) / (v * m + p - 1)
                 rows = compare_communication(
-                    communication(compiled, mesh=pipe.layout.mesh), pipe.expected(params, batch)
+                    communication(compiled, mesh=pipe.placement.mesh), pipe.expected(params, batch)
                 )
                 row = next(r for r in rows if r.op == "collective-permute")
                 good = measured == model and row.ratio == 1.0
@@ -174,10 +177,10 @@ def step_time(steps: int) -> None:
             ("dp+pp stage=1 (m=1, the default)", dict(plan="dp+pp", mesh="stage=1,data=8"), None),
             ("dp, data=8, accumulate=4", dict(plan="dp", mesh="data=8", accumulate=4), gpt.make_loss(cfg)),
             ("dp+pp stage=1 (1f1b, m=4)", dict(plan="dp+pp", mesh="stage=1,data=8", microbatches=4), None),
-            ("dp+pp stage=4 gpipe m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="gpipe"), None),
-            ("dp+pp stage=4 1f1b m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, schedule="1f1b"), None),
+            ("dp+pp stage=4 gpipe m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, pipeline_schedule="gpipe"), None),
+            ("dp+pp stage=4 1f1b m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8, pipeline_schedule="1f1b"), None),
             ("dp+pp stage=4 interleaved v=2 m=8", dict(plan="dp+pp", mesh="stage=4,data=2", microbatches=8,
-                                                       schedule="interleaved", virtual_stages=2), None)]  # fmt: skip
+                                                       pipeline_schedule="interleaved", virtual_stages=2), None)]  # fmt: skip
     trainers = []
     for _label, kwargs, loss in runs:
         t = Trainer(loss or gpt.stages(cfg), params, optax.adam(1e-3), **kwargs)

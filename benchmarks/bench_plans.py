@@ -8,7 +8,7 @@ CPU devices, these variants of the same training step run side by side in one pr
   gradient norm it always returns as a metric;
 - ``hand``: the step a user writes without meshkit: ``jax.jit`` of ``jax.value_and_grad`` + the same
   optax update; parameters, optimizer state and batch placed with the same PartitionSpecs as the
-  Trainer's layout (``trainer.layout`` / ``trainer.shardings``), ``out_shardings`` pinned to that
+  Trainer's layout (``trainer.placement`` / ``trainer.shardings``), ``out_shardings`` pinned to that
   layout, the same donation, and for ZeRO stages ``with_sharding_constraint`` of the gradients to
   the sharded spec, so XLA's partitioner inserts every collective itself; it returns the loss only.
   zero3 and fsdp+tp (with ``:remat`` and ``:scan``) run instead beside a hand-written step with
@@ -156,11 +156,11 @@ def meshkit_variant(trainer: Trainer, sample: Any) -> Variant:
 
 def hand_variant(trainer: Trainer, params0: Any, loss_fn, sample: Any, name: str = "hand") -> Variant:
     """``jax.jit`` + NamedSharding: the obvious step, the Trainer's layout, XLA's collectives."""
-    mesh, layout = trainer.mesh, trainer.layout
+    mesh, layout = trainer.mesh, trainer.placement
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.param_specs())
     grad_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.grad_specs())
     optimizer = make_optimizer()
-    zero = layout.plan.stage != "dp"
+    zero = layout.plan.zero != "dp"
 
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -247,7 +247,7 @@ def fsdp_hand_variant(
     all-gather is a reduce-scatter, so gradients come back as shards; leaves kept whole are
     all-reduced. AdamW then updates the shards in the global view, as the Trainer does.
     """
-    mesh, layout = trainer.mesh, trainer.layout
+    mesh, layout = trainer.mesh, trainer.placement
     n = int(mesh.shape["data"])
     optimizer = make_optimizer()
     dims = layout.tree(lambda leaf: leaf.data_dim)
@@ -346,7 +346,7 @@ def fsdp2d_jit_variant(
     gradient back to the spec at rest, so the partitioner reduce-scatters it there. In the scanned
     form the same happens in the scan body. The embeddings and head are gathered once.
     """
-    mesh, layout = trainer.mesh, trainer.layout
+    mesh, layout = trainer.mesh, trainer.placement
     optimizer = make_optimizer()
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     rest = layout.tree(lambda leaf: named(leaf.spec(data=True)))
@@ -429,7 +429,7 @@ def fsdp2d_manual_variant(
     ``check_vma`` (JAX's default) inserts the model-axis all-reduces of the backward pass and the
     data-axis sums of the leaves kept whole on ``data``.
     """
-    mesh, layout = trainer.mesh, trainer.layout
+    mesh, layout = trainer.mesh, trainer.placement
     n, model = int(mesh.shape["data"]), int(mesh.shape["model"])
     optimizer = make_optimizer()
     dims = layout.tree(lambda leaf: leaf.data_dim)

@@ -62,7 +62,7 @@ def main() -> int:
                 "gpt",
                 mesh=mesh,
                 steps=args.steps,
-                schedule=schedule,
+                pipeline_schedule=schedule,
                 virtual_stages=v,
                 remat=args.remat,
             )

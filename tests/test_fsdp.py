@@ -10,7 +10,8 @@ import pytest
 import meshkit
 from meshkit import verify as V
 from meshkit.models import gpt, mlp
-from meshkit.plans import PlanError, device_bytes
+from meshkit.plans import device_bytes
+from meshkit.spec import PlanError
 from meshkit.train import Trainer
 
 #: (zero3 on the loop-form GPT without remat is test_plans.py's certificate, 20 steps with accumulation.)
@@ -132,7 +133,7 @@ def test_fsdp_tp_gathers_each_leaf_over_data_on_its_model_shard(scan):
     params = gpt.init(jax.random.key(0), cfg)
     t = Trainer(gpt.make_loss(cfg), params, optax.adam(1e-3), plan="fsdp+tp", mesh="data=2,model=4",
                 logical_axes=gpt.logical_axes(params), units={"heads": cfg.heads}, tokens_per_example=cfg.seq_len)  # fmt: skip
-    both = [x for x in t.layout.flat() if x.model_sharded and x.data_dim is not None]
+    both = [x for x in t.placement.flat() if x.model_sharded and x.data_dim is not None]
     assert {x.path.split("/")[-1] for x in both} == {"wq", "wk", "wv", "wo", "w_in", "w_out"}
     assert len(both) == (6 if scan else 6 * cfg.layers)
     assert all(x.data_dim != 0 for x in both) if scan else True  # not the stacked layer axis
@@ -150,10 +151,10 @@ def test_fsdp_tp_memory_at_rest_is_total_over_data_times_model():
     params = gpt.init(jax.random.key(0), cfg)
     t = Trainer(gpt.make_loss(cfg), params, optax.adam(1e-3), plan="fsdp+tp", mesh="data=2,model=4",
                 logical_axes=gpt.logical_axes(params), units={"heads": cfg.heads})  # fmt: skip
-    total = sum(x.nbytes for x in t.layout.flat())
+    total = sum(x.nbytes for x in t.placement.flat())
     assert device_bytes(t.params) / (total / 8) <= 1.05
     assert device_bytes(t.opt_state) / (2 * total / 8) <= 1.05  # Adam: mu and nu
-    whole = dict(t.layout.replicated())
+    whole = dict(t.placement.replicated())
     assert sorted(p.split("/")[-1] for p in whole) == ["b_in", "bq", "bv"]
     assert all(
         "other than its model-split and stacked-layer dims divides over data=2" in why

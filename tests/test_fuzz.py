@@ -30,10 +30,9 @@ import meshkit
 from meshkit._errors import MeshkitError
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
-from meshkit.plans import PLANS as OFFERED
-from meshkit.plans._layout import DATA
+from meshkit.spec import DATA
+from meshkit.spec import PLANS as OFFERED
 from meshkit.train import config as C
-from meshkit.train.trainer import _DEFAULT_MESH
 
 #: Every plan meshkit offers (pipeline plans join when they land), and names it does not.
 PLANS = [*OFFERED, "pp" if "pp" not in OFFERED else "zero4", "DP"]
@@ -70,7 +69,7 @@ def _batch(n: int, step: int):
 
 def _mesh(spec: str | None, plan: str, devices: int) -> Mesh:
     """The mesh over the first ``devices`` devices, as ``--devices N`` would simulate."""
-    spec = _DEFAULT_MESH.get(plan, "data=-1") if spec is None else spec
+    spec = OFFERED[plan].default_mesh if spec is None and plan in OFFERED else spec or "data=-1"
     return make_mesh(spec, axis_types="auto", devices=jax.devices()[:devices])
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from meshkit.analysis.peak import abstract_step
 from meshkit.models import gpt, mlp
+from meshkit.plans.peak import abstract_step
 from meshkit.train import Trainer
 
 

@@ -13,9 +13,10 @@ import pytest
 import meshkit
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
-from meshkit.plans import PlanError, _schedule, get_plan, make_layout
-from meshkit.plans._pipeline import pipeline_gradients, relayout_moves, stage_layout
+from meshkit.plans import _schedule, place
+from meshkit.plans._pipeline import pipeline_gradients, relayout_moves, stage_placement
 from meshkit.plans._schedule import BWD, FWD, IDLE
+from meshkit.spec import ParallelSpec, PlanError, get_plan
 
 CASES = [
     (name, p, m, v)
@@ -118,7 +119,7 @@ def _tokens(n=16, seed=0):
 
 def _pipeline_grads(stages, params, batch, mesh, plan, name, m, v=1, logical_axes=None):
     mesh = make_mesh(mesh, axis_types="auto")
-    layout = stage_layout(make_layout(params, get_plan(plan), mesh, logical_axes=logical_axes), stages)
+    layout = stage_placement(place(params, get_plan(plan), mesh, logical_axes=logical_axes), stages)
     sched = _schedule.build(name, int(mesh.shape["stage"]), m, v)
     loss, aux, _, grads = jax.jit(pipeline_gradients(stages, layout, sched))(
         params, None, batch, jax.random.key(0)
@@ -166,11 +167,11 @@ def test_remat_matches_one_device_in_float64_and_lowers_the_temporaries():
 
     with jax.enable_x64(True):
         cfg, params, batch, ref_loss, ref = _float64_gpt()
-        layout = make_layout(params, get_plan("dp+pp"), make_mesh("stage=2,data=4", axis_types="auto"))
+        layout = place(params, get_plan("dp+pp"), make_mesh("stage=2,data=4", axis_types="auto"))
         temps, model = {}, {}
         for remat in ("none", "layer", "dots"):
-            pipe = Pipeline.make(gpt.stages(cfg), params, layout, microbatches=4, schedule="gpipe",
-                                 virtual_stages=1, extras={}, remat=remat)  # fmt: skip
+            spec = ParallelSpec(plan="dp+pp", microbatches=4, pipeline_schedule="gpipe", remat=remat)
+            pipe = Pipeline.make(gpt.stages(cfg), params, layout, spec, extras={})
             compiled = jax.jit(pipe.gradients()).lower(params, None, batch, jax.random.key(0)).compile()
             loss, _, _, grads = compiled(params, None, batch, jax.random.key(0))
             assert abs(float(loss) - float(ref_loss)) < 1e-13 and _max_diff(grads, ref) < 1e-13, remat
@@ -257,7 +258,7 @@ def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_s
     one device; then the report, and the checkpoint restored under fsdp and back (bitwise)."""
     params = gpt.init(jax.random.key(0), CFG)
     batch = _tokens()
-    kwargs = dict(plan="dp+tp+pp", mesh="stage=2,data=2,model=2", microbatches=4, schedule="interleaved",
+    kwargs = dict(plan="dp+tp+pp", mesh="stage=2,data=2,model=2", microbatches=4, pipeline_schedule="interleaved",
                   virtual_stages=2, logical_axes=gpt.logical_axes(params))  # fmt: skip
     t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), **kwargs)
     for _ in range(3):
@@ -301,7 +302,7 @@ def test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model(plan, mesh, 
     layer remat: the backward's redone output all-reduces counted)."""
     params = gpt.init(jax.random.key(0), CFG)
     batch = _tokens()
-    t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), plan=plan, mesh=mesh, schedule=schedule,
+    t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), plan=plan, mesh=mesh, pipeline_schedule=schedule,
                         remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
     for _ in range(2):
         t.step(batch)
@@ -430,7 +431,7 @@ def test_dp_pp_over_two_processes_one_stage_each_and_spanning_matches_one_device
     assert one["bubble"] == 1 / 5 and spanning["bubble"] == 3 / 7  # (p-1)/(m+p-1), m=4
     for mesh, run in (("stage=2,data=4", one), ("stage=4,data=2", spanning)):  # the same plan, one process
         t = meshkit.Trainer(gpt.stages(CFG), gpt.init(jax.random.key(0), CFG), optax.adam(1e-2), plan="dp+pp",
-                            mesh=mesh, microbatches=4, schedule="1f1b")  # fmt: skip
+                            mesh=mesh, microbatches=4, pipeline_schedule="1f1b")  # fmt: skip
         for _ in range(2):
             t.step(_tokens())
         for got, want in zip(run["params"], jax.tree.leaves(t.params), strict=True):

@@ -18,7 +18,7 @@ import pytest
 from meshkit.cli import main
 from meshkit.planner import Cluster, Job, Layout, ModelShape, hardware, predict, search
 from meshkit.planner.calibrate import fit, load
-from meshkit.planner.model import (
+from meshkit.planner.predict import (
     EFFICIENCY,
     in_flight,
     layer_activation_bytes,
@@ -375,8 +375,9 @@ def test_meshkit_runtime_agrees_with_the_plans_models(dp, tp, zero):
 
     from meshkit.mesh import make_mesh
     from meshkit.models import gpt
-    from meshkit.plans import expected_collectives, get_plan, make_layout, memory_formula
+    from meshkit.plans import expected_collectives, memory_formula, place
     from meshkit.plans._fsdp import PerLayer, analyse
+    from meshkit.spec import get_plan
 
     shape = SMALL
     lay = Layout(dp=dp, tp=tp, zero=zero)
@@ -384,14 +385,14 @@ def test_meshkit_runtime_agrees_with_the_plans_models(dp, tp, zero):
                         heads=shape.heads, scan_layers=True)  # fmt: skip
     params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
     mesh = make_mesh(lay.mesh_spec(), axis_types="auto")
-    plan_layout = make_layout(params, get_plan(lay.meshkit_plan()), mesh, logical_axes=gpt.logical_axes(params),
+    plan_layout = place(params, get_plan(lay.meshkit_plan()), mesh, logical_axes=gpt.logical_axes(params),
                               units={"heads": shape.heads})  # fmt: skip
     formula = memory_formula(plan_layout, optax.adamw(1e-3), params)
     job = Job(global_batch=16, precision="fp32", runtime="meshkit")
     p = predict(shape, lay, Cluster(hardware=hardware("h100"), devices=8), job)
     assert p.memory["parameters"] == pytest.approx(formula["params"], rel=0.01)
     assert p.memory["optimizer"] == pytest.approx(formula["optimizer"], rel=0.01)
-    per = PerLayer(layout=plan_layout, remat="none")
+    per = PerLayer(placement=plan_layout, remat="none")
     tokens = jax.ShapeDtypeStruct((2, shape.seq), jax.numpy.int32)
     per.found = analyse(lambda q, extra: (gpt.make_loss(cfg)(q, extra[1]), None), plan_layout, params,
                         (None, (tokens, tokens), None))  # fmt: skip

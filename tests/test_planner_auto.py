@@ -13,7 +13,7 @@ from meshkit.cli import main
 from meshkit.models import mlp
 from meshkit.planner.auto import choose_generic, choose_gpt, runnable
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.plans import PlanError
+from meshkit.spec import PlanError
 
 
 def test_trainer_auto_takes_dp_where_memory_is_plenty_and_says_why():

@@ -7,7 +7,7 @@ import pytest
 
 from meshkit import verify as V
 from meshkit.models import gpt, mlp
-from meshkit.plans import PlanError
+from meshkit.spec import PlanError
 from meshkit.train import Trainer
 
 CASES = [
@@ -171,7 +171,7 @@ def test_short_logical_axes_are_padded_and_user_rules_must_match():
         {"w": (), "b": ()},
     ]  # linen gives () unannotated
     t = Trainer(mlp.loss, params, optax.adam(1e-3), plan="fsdp+tp", mesh="data=4,model=2", logical_axes=axes)
-    assert [leaf.model_spec for leaf in t.layout.flat()][:4] == [
+    assert [leaf.model_spec for leaf in t.placement.flat()][:4] == [
         (None,),
         (None, "model"),
         (None,),

@@ -16,7 +16,7 @@ from jax.sharding import AxisType
 
 import meshkit
 from meshkit.models import mlp
-from meshkit.plans import PlanError
+from meshkit.spec import PlanError
 from meshkit.train import Trainer
 from meshkit.verify import relative_difference
 

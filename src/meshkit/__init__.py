@@ -26,12 +26,13 @@ _LAZY = {
     "make_mesh": "meshkit.mesh",
     "parse_mesh_spec": "meshkit.mesh",
     "resolve_mesh_shape": "meshkit.mesh",
-    "PLANS": "meshkit.plans",
-    "PlanError": "meshkit.plans",
+    "PLANS": "meshkit.spec",
+    "ParallelSpec": "meshkit.spec",
+    "PlanError": "meshkit.spec",
     "PlanReport": "meshkit.train",
-    "Stages": "meshkit.plans._pipeline",
+    "Stages": "meshkit.plans",
     "Trainer": "meshkit.train",
-    "layer": "meshkit.plans._hook",
+    "layer": "meshkit.plans",
 }
 
 if TYPE_CHECKING:
@@ -39,9 +40,8 @@ if TYPE_CHECKING:
     from meshkit.adapters import Adapted, from_equinox, from_linen, from_nnx
     from meshkit.devices import DeviceReport, describe_devices, simulate_devices
     from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
-    from meshkit.plans import PLANS, PlanError
-    from meshkit.plans._hook import layer
-    from meshkit.plans._pipeline import Stages
+    from meshkit.plans import Stages, layer
+    from meshkit.spec import PLANS, ParallelSpec, PlanError
     from meshkit.train import PlanReport, Trainer
 
 
@@ -67,6 +67,7 @@ __all__ = [
     "HloParseError",
     "MeshSpecError",
     "MeshkitError",
+    "ParallelSpec",
     "PlanError",
     "PlanReport",
     "Stages",

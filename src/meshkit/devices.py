@@ -1,10 +1,12 @@
-"""Simulated CPU devices and a description of the devices JAX sees."""
+"""Simulated CPU devices, a description of the devices JAX sees, and arrays brought to the host."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import jax
+import numpy as np
 from jax._src import xla_bridge
 
 from meshkit._errors import DeviceSetupError
@@ -89,3 +91,20 @@ def describe_devices() -> DeviceReport:
         local_device_count=jax.local_device_count(),
         devices=devices,
     )
+
+
+def host(tree: Any) -> Any:
+    """Every leaf as a NumPy array on this host, gathering shards held by other processes.
+
+    (``process_allgather`` alone would concatenate the per-process copies of an array that is
+    local to each process, such as the single-device reference.)
+    """
+
+    def one(a):
+        if not isinstance(a, jax.Array) or a.is_fully_addressable:
+            return np.asarray(a)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+    return jax.tree.map(one, tree)

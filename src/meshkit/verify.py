@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 
 from meshkit._errors import MeshkitError
+from meshkit.devices import host
 from meshkit.models import gpt, linear, mlp, reference_np
+from meshkit.spec import STAGE, ParallelSpec
 from meshkit.train import PlanReport, Trainer
 
 #: Tolerances: float32 distributed vs float32 single device, and float32 vs float64.
@@ -107,21 +108,6 @@ def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stage
     raise MeshkitError(f"unknown model {name!r}: choose linear, mlp, gpt or gpt-scan")
 
 
-def host(tree: Any) -> Any:
-    """Every leaf as a NumPy array on this host, gathering shards held by other processes.
-
-    (``process_allgather`` alone would concatenate the per-process copies of an array that is
-    local to each process, such as the single-device reference.)
-    """
-
-    def one(a):
-        if not isinstance(a, jax.Array) or a.is_fully_addressable:
-            return np.asarray(a)
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-    return jax.tree.map(one, tree)
-
-
 def relative_difference(a: Any, b: Any) -> float:
     """Largest leaf-wise ``max|a - b| / max|b|``."""
     out = 0.0
@@ -164,19 +150,14 @@ def _single_device(w: Workload, optimizer, steps: int, key: tuple | None = None)
     return params
 
 
-def _pipeline_options(plan, model, mesh, microbatches, schedule, virtual_stages) -> dict | None:
-    """The Trainer's pipeline options and the GPT's layer count for a pipeline plan, else None."""
-    from meshkit.mesh import resolve_mesh_shape
-    from meshkit.plans import get_plan
-    from meshkit.train.trainer import _DEFAULT_MESH
-
-    if not get_plan(plan).pipeline:
-        return None
+def _layers(spec: ParallelSpec, model: str) -> dict:
+    """A pipeline plan verifies the GPT as ``Stages`` with one layer per virtual stage (at least 2)."""
+    if not spec.plan_info.pipeline:
+        return {}
     if model not in ("gpt", "gpt-scan"):
-        raise MeshkitError(f"plan {plan} verifies the GPT (a model of stacked blocks): use --model gpt")
-    p = dict(resolve_mesh_shape(mesh or _DEFAULT_MESH[plan], jax.device_count())).get("stage", 1)
-    return {"layers": max(2, p * virtual_stages), "microbatches": microbatches, "schedule": schedule,
-            "virtual_stages": virtual_stages}  # fmt: skip
+        raise MeshkitError(f"plan {spec.plan} verifies the GPT (a model of stacked blocks): use --model gpt")
+    p = spec.degrees(jax.device_count())[STAGE]
+    return {"layers": max(2, p * spec.virtual_stages), "stages": True}
 
 
 def _float64(w: Workload, steps: int, lr: float) -> Any:
@@ -260,24 +241,24 @@ def verify(
     seed: int = 0,
     remat: str = "none",
     microbatches: int | None = None,
-    schedule: str | None = None,
+    pipeline_schedule: str | None = None,
     virtual_stages: int = 1,
 ) -> Certificate:
     """Train ``model`` for ``steps`` Adam steps under ``plan`` and certify the result.
 
-    Pipeline plans take ``microbatches``, ``schedule`` and ``virtual_stages``, and verify the GPT
+    Pipeline plans take ``microbatches``, ``pipeline_schedule`` and ``virtual_stages``, and verify the GPT
     as ``Stages`` with one layer per virtual stage (so the layers divide over the stages)."""
     if steps < 1:
         raise MeshkitError(f"steps must be at least 1, got {steps}")
-    pipe = _pipeline_options(plan, model, mesh, microbatches, schedule, virtual_stages)
-    shape = {} if pipe is None else {"layers": pipe.pop("layers"), "stages": True}
+    spec = ParallelSpec(plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
+                        pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages)  # fmt: skip
+    shape = _layers(spec, model)
     w = workload(model, seed, **shape)
     optimizer = optax.adam(lr)
 
     def run(w: Workload, compiled: dict | None = None) -> tuple[Trainer, float]:
-        t = Trainer(w.loss_fn, w.params, optimizer, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat,
-                    logical_axes=w.logical_axes, tokens_per_example=w.tokens_per_example, units=w.units,
-                    **(pipe or {}))  # fmt: skip
+        t = Trainer(w.loss_fn, w.params, optimizer, spec=spec, logical_axes=w.logical_axes,
+                    tokens_per_example=w.tokens_per_example, units=w.units)  # fmt: skip
         if compiled is not None:
             t._compiled = compiled
         loss = jnp.nan

@@ -96,9 +96,9 @@ def record_case(plan: str, mesh: str, opts: dict) -> dict:
     cfg, params, loss, batch = _gpt(
         opts.get("layers", 2), opts.get("scan", False), pipeline, opts.get("bf16", False)
     )
-    kwargs = {
-        k: opts[k] for k in ("accumulate", "remat", "schedule", "microbatches", "virtual_stages") if k in opts
-    }
+    names = {"accumulate": "accumulate", "remat": "remat", "schedule": "pipeline_schedule",
+             "microbatches": "microbatches", "virtual_stages": "virtual_stages"}  # fmt: skip
+    kwargs = {names[k]: v for k, v in opts.items() if k in names}
     trainer = Trainer(loss, params, optax.adamw(1e-3, weight_decay=0.01), plan=plan, mesh=mesh,
                       logical_axes=gpt.logical_axes(params), units={"heads": cfg.heads}, clip_norm=1.0,
                       grad_norm=True, tokens_per_example=cfg.seq_len, compute_dtype=cfg.compute_dtype,

@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import meshkit  # noqa: E402
+from meshkit.devices import host  # noqa: E402
 from meshkit.models import gpt  # noqa: E402
-from meshkit.verify import host  # noqa: E402
 
 out_dir = Path(sys.argv[1])
 cfg = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=2, scan_layers=True)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshkit.adapters._common import Adapted, require
-from meshkit.plans._manual import manual_data_axis
+from meshkit.plans import manual_data_axis
 
 
 def _sync_batch_norm(eqx: Any, model: Any, axis: str | None) -> Any:
@@ -17,7 +17,7 @@ def _sync_batch_norm(eqx: Any, model: Any, axis: str | None) -> Any:
     if not norms:
         return model
     if any(getattr(bn, "mode", "batch") == "ema" for bn in norms):
-        from meshkit.plans import PlanError
+        from meshkit.spec import PlanError
 
         raise PlanError(
             "eqx.nn.BatchNorm in mode 'ema' cannot run in a plan's manual data region (Equinox's State.set "

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshkit.adapters._common import Adapted, require, to_axes
-from meshkit.plans._manual import manual_data_axis
+from meshkit.plans import manual_data_axis
 
 
 def _sync_batch_norm(nnx: Any, model: Any, axis: str | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshkit._errors import MeshkitError
+from meshkit.spec import ZERO_STAGES
 
 RING_FACTORS = {
     "all-reduce": lambda n: 2 * (n - 1) / n,
@@ -94,7 +95,7 @@ def convention(spec: str | Convention) -> Convention:
     return Convention(name=spec, param=p, grad=g, optimizer=o, description="user-defined")
 
 
-STAGES = ("dp", "zero1", "zero2", "zero3")
+STAGES = ZERO_STAGES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,9 +126,8 @@ def zero_memory(
     _check(num_params, num_devices)
     if stage not in STAGES:
         raise MeshkitError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
-    shard = {"dp": (1, 1, 1), "zero1": (1, 1, num_devices), "zero2": (1, num_devices, num_devices)}.get(
-        stage, (num_devices, num_devices, num_devices)
-    )
+    level = STAGES.index(stage)  # ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 parameters
+    shard = tuple(num_devices if level >= k else 1 for k in (3, 2, 1))
     return MemoryModel(
         stage=stage,
         params=c.param * num_params / shard[0],
@@ -165,7 +165,7 @@ def zero_communication(
     grad_s, param_s = c.grad * num_params, c.param * num_params
     if stage == "dp":
         return CommModel(stage=stage, traffic_bytes=2 * f * grad_s, collectives=("all-reduce",))
-    if stage in ("zero1", "zero2"):
+    if stage in STAGES[1:3]:  # ZeRO-1 and ZeRO-2
         return CommModel(
             stage=stage, traffic_bytes=f * grad_s + f * param_s, collectives=("reduce-scatter", "all-gather")
         )

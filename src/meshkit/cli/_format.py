@@ -1,4 +1,4 @@
-"""Human output helpers: byte sizes and rich tables."""
+"""The CLI's output: its console, JSON, and the communication ledger as a table."""
 
 from __future__ import annotations
 
@@ -7,33 +7,10 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+
+from meshkit.fmt import fmt_bytes, table
 
 console = Console(width=None if sys.stdout.isatty() else 132)
-
-
-def fmt_bytes(n: float | None, decimal: bool = False) -> str:
-    """``1.50 KiB`` (binary units), or ``1.50 kB`` with ``decimal=True`` (as model sizes are quoted)."""
-    if n is None:
-        return "-"
-    units = (
-        (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
-        if decimal
-        else (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-    )
-    for unit, scale in units:
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def table(title: str, columns: list[str], rows: list[list[Any]], justify_right: int = 1) -> Table:
-    t = Table(title=title, title_justify="left")
-    for i, c in enumerate(columns):
-        t.add_column(c, justify="right" if i >= justify_right else "left")
-    for r in rows:
-        t.add_row(*[str(x) for x in r])
-    return t
 
 
 def print_json(data: Any) -> None:

@@ -136,10 +136,11 @@ def budget(
     """Memory and communication per device for DP and the ZeRO stages, and the pipeline bubble."""
     from meshkit.analysis import bubble, zero_communication, zero_memory
     from meshkit.analysis import convention as get_convention
+    from meshkit.spec import ZERO_STAGES
 
     conv = get_convention(convention)
     rows_json = []
-    for stage in ("dp", "zero1", "zero2", "zero3"):
+    for stage in ZERO_STAGES:
         mem = zero_memory(params, devices, stage, conv)
         com = zero_communication(params, devices, stage, conv)
         rows_json.append(

@@ -299,7 +299,7 @@ def _pct(x: float, total: float) -> str:
 
 
 def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
-    from meshkit.planner.model import param_count
+    from meshkit.planner.predict import param_count
 
     hw = cluster.hardware
     console.print(

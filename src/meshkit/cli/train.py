@@ -16,12 +16,13 @@ from typing import Annotated
 import typer
 
 from meshkit.cli.ledger import DevicesOpt
+from meshkit.spec import AUTO, ParallelSpec
 from meshkit.train import config as C
 
 
 def _default(name: str, text: str | None = None) -> str:
     """What --help shows as the default of a config field: the default preset's, and tiny's if it differs."""
-    base, tiny = getattr(C.default(), name), getattr(C.tiny(), name)
+    base, tiny = C.default().get(name), C.tiny().get(name)
     shown = text or str(base)
     return shown if base == tiny or text else f"{shown}; tiny: {tiny}"
 
@@ -65,8 +66,15 @@ def train(
     microbatches: Annotated[
         int | None, _opt("microbatches", "Pipeline plans: micro-batches per step.", "one per stage")
     ] = None,
-    schedule: Annotated[
-        str | None, _opt("schedule", "Pipeline plans: gpipe, 1f1b or interleaved.", "1f1b")
+    pipeline_schedule: Annotated[
+        str | None,
+        _opt(
+            "pipeline_schedule",
+            "Pipeline plans: gpipe, 1f1b or interleaved.",
+            "1f1b",
+            "--pipeline-schedule",
+            "--schedule",
+        ),
     ] = None,
     virtual_stages: Annotated[
         int | None, _opt("virtual_stages", "Interleaved: chunks of layers per device.")
@@ -136,7 +144,7 @@ def train(
 
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
                  heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
-                 microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                 microbatches=microbatches, pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
                  seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
                  scan_layers=scan_layers)  # fmt: skip
@@ -159,7 +167,7 @@ def train(
             raise C.ConfigError(f"unknown --preset {preset!r}: use {' or '.join(C.PRESETS)}")
         new_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         cfg = C.PRESETS[preset]().replace(**given, run_dir=new_dir)
-    if cfg.plan == "auto":
+    if cfg.parallel.plan == AUTO:
         cfg = _auto(cfg, given, console)
     elif "plan" in given:  # a plan named again on resume: the reason auto gave no longer applies
         cfg = cfg.replace(plan_reason=None)
@@ -178,28 +186,25 @@ def train(
         raise typer.Exit(code)
 
 
-AUTO_SETS = ("mesh", "accumulate", "microbatches", "schedule", "virtual_stages", "remat")
+AUTO_SETS = tuple(k for k in ParallelSpec.fields() if k not in ("plan", "precision"))
 """What ``--plan auto`` chooses with the plan."""
 
 
 def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
     """``--plan auto``: the planner's choice for this GPT, its batch and precision on these devices."""
     from meshkit.planner.auto import choose_gpt
-    from meshkit.planner.layout import ModelShape
     from meshkit.train.data import load_text
+    from meshkit.train.loop import model_shape
 
     if clash := [C.flag(k) for k in AUTO_SETS if k in given]:
         raise C.ConfigError(
             f"--plan auto chooses {', '.join(clash)} itself: drop {', '.join(clash)}, or name a plan"
         )
     C.validate(cfg)
-    shape = ModelShape(name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads,
-                       vocab=load_text(cfg.data).vocab_size, seq=cfg.seq_len)  # fmt: skip
-    choice = choose_gpt(shape, global_batch=cfg.batch_size, precision=cfg.precision)
+    shape = model_shape(cfg, load_text(cfg.data).vocab_size)
+    choice = choose_gpt(shape, global_batch=cfg.batch_size, precision=cfg.parallel.precision)
     console.print(choice.line(), soft_wrap=True, highlight=False)
-    return cfg.replace(plan=choice.plan, mesh=choice.mesh, accumulate=choice.accumulate, microbatches=choice.microbatches,
-                       schedule=choice.schedule, virtual_stages=choice.virtual_stages, remat=choice.remat,
-                       plan_reason=choice.why)  # fmt: skip
+    return cfg.replace(parallel=choice.spec, plan_reason=choice.why)
 
 
 def register(app: typer.Typer) -> None:

@@ -28,8 +28,13 @@ def verify(
     remat: Annotated[
         str, typer.Option(help="Activation checkpointing per layer: none, layer, dots or regather.")
     ] = "none",
-    schedule: Annotated[
-        str | None, typer.Option(help="Pipeline plans: gpipe, 1f1b or interleaved (default 1f1b).")
+    pipeline_schedule: Annotated[
+        str | None,
+        typer.Option(
+            "--pipeline-schedule",
+            "--schedule",
+            help="Pipeline plans: gpipe, 1f1b or interleaved (default 1f1b).",
+        ),
     ] = None,
     microbatches: Annotated[
         int | None, typer.Option(help="Pipeline plans: micro-batches per step (default: the stages).")
@@ -48,7 +53,7 @@ def verify(
     from meshkit.verify import verify as run_verify
 
     cert = run_verify(plan, model, mesh=mesh, steps=steps, accumulate=accumulate, remat=remat,
-                      microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages)  # fmt: skip
+                      microbatches=microbatches, pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages)  # fmt: skip
     if json:
         print_json(cert.to_json())
     else:

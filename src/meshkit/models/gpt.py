@@ -34,6 +34,7 @@ the ``"heads"`` logical axis splits whole heads when the device count divides ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from meshkit.plans._hook import layer
+from meshkit._errors import MeshkitError
+from meshkit.models.shape import ModelShape
+from meshkit.plans import layer
+from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
 Axes = tuple[str | None, ...]
@@ -96,6 +100,36 @@ class GPTConfig:
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
 
+    @classmethod
+    def from_shape(
+        cls,
+        shape: ModelShape,
+        *,
+        precision: str = "fp32",
+        scan_layers: bool = False,
+        approximate: bool = False,
+    ) -> GPTConfig:
+        """The GPT of ``shape``: float32 parameters, computing in ``precision``'s dtype. A shape this GPT
+        cannot be (a gated MLP, an MLP width that is no multiple of the width) is refused, unless
+        ``approximate``: then its MLP is the GPT's two matrices of ``ffn // width`` (at least 1) times
+        the width, as the planner's memory model traces it."""
+        if not approximate and shape.gated:
+            raise MeshkitError(
+                f"{shape.name}: meshkit's GPT has no gated (SwiGLU) MLP to compile; predict only"
+            )
+        if not approximate and shape.ffn % shape.width:
+            raise MeshkitError(
+                f"{shape.name}: ffn {shape.ffn} is not a multiple of width {shape.width}; predict only"
+            )
+        return cls(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
+                   heads=shape.heads, mlp_ratio=max(shape.ffn // shape.width, 1),
+                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)  # fmt: skip
+
+    def shape(self, name: str = "gpt") -> ModelShape:
+        """This GPT's shape, as the planner describes models."""
+        return ModelShape(name=name, layers=self.layers, width=self.width, heads=self.heads, vocab=self.vocab_size,
+                          seq=self.seq_len, ffn=self.mlp_width)  # fmt: skip
+
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
@@ -137,6 +171,7 @@ def _init_block(key: jax.Array, cfg: GPTConfig) -> Params:
     return {"ln1": _layer_norm_params(cfg), "attn": attn, "ln2": _layer_norm_params(cfg), "mlp": mlp}
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one compiled program, not one per weight drawn
 def init(key: jax.Array, cfg: GPTConfig) -> Params:
     """Parameters: weights ~ N(0, 0.02²), residual projections (wo, w_out) scaled by 1/sqrt(2 layers),
     LayerNorm scales ones, biases zeros."""
@@ -281,7 +316,7 @@ def stages(cfg: GPTConfig) -> Any:
     """The GPT as ``meshkit.Stages`` (embedding, stacked blocks, head, cross-entropy), for pipeline
     plans and every other plan alike; its parameters are the scanned form (``GPTConfig(scan_layers=True)``,
     or ``to_scanned(params)``). The batch is ``(tokens_bt, targets_bt)``."""
-    from meshkit.plans._pipeline import Stages
+    from meshkit.plans import Stages
 
     return Stages(
         embed=lambda top, batch: _embed(top, batch[0], cfg),

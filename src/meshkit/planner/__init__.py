@@ -3,7 +3,7 @@ checked by compiling it ahead of time on simulated devices."""
 
 from meshkit.planner.hardware import HARDWARE, Hardware, hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.model import Cluster, Job, Prediction, predict
+from meshkit.planner.predict import Cluster, Job, Prediction, predict
 from meshkit.planner.search import Search, search
 
 __all__ = [

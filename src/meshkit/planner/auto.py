@@ -19,12 +19,17 @@ Two rules, by what is known about the model:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.planner.layout import Layout, ModelShape
+from meshkit.spec import PLANS, ParallelSpec, get_plan
 
+LADDER = tuple(
+    name for name, p in PLANS.items() if p.data and not (p.tensor or p.pipeline) and name != "zero3"
+)
+"""The plans ``auto`` climbs for a loss without layers: dp, zero1, zero2, fsdp."""
 STATE_SHARE = 0.5
 """Fraction of a device's memory the generic rule lets parameters, gradients and optimizer state take."""
 STAND_IN = "h100"
@@ -37,22 +42,24 @@ _KINDS = {"h200": "h200", "h100": "h100", "a100-sxm4-80gb": "a100-80gb", "a100 8
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Choice:
-    """The plan ``auto`` picked, the options that go with it, and why."""
+    """The spec ``auto`` picked (plan, mesh and the options that go with it), and why."""
 
-    plan: str
-    mesh: str
+    spec: ParallelSpec
     why: str
-    accumulate: int = 1
-    microbatches: int | None = None
-    schedule: str | None = None
-    virtual_stages: int = 1
-    remat: str = "none"
+
+    @property
+    def plan(self) -> str:
+        return self.spec.plan
+
+    @property
+    def mesh(self) -> str:
+        return self.spec.mesh_text
 
     def line(self) -> str:
         return f"plan auto: {self.plan} on {self.mesh}: {self.why}"
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {"spec": self.spec.to_json(), "why": self.why}
 
 
 def hardware_of(device_kind: str) -> tuple[Any, bool]:
@@ -84,8 +91,8 @@ def choose_gpt(shape: ModelShape, *, global_batch: int, precision: str, devices:
     """The fastest predicted layout meshkit runs for the GPT of ``shape`` (default: the devices JAX has)."""
     import jax
 
-    from meshkit.cli._format import fmt_bytes
-    from meshkit.planner.model import Cluster, Job
+    from meshkit.fmt import fmt_bytes
+    from meshkit.planner.predict import Cluster, Job
     from meshkit.planner.search import search
 
     devices = devices or jax.device_count()
@@ -111,11 +118,7 @@ def choose_gpt(shape: ModelShape, *, global_batch: int, precision: str, devices:
     )
     why = (f"{lay.label()}: predicted {_seconds(best.step_time_s)} per step, {fmt_bytes(best.peak_bytes)} per device "
            f"of {fmt_bytes(best.limit_bytes)} usable; fastest of {len(ranked)} layouts meshkit runs that fit ({on})")  # fmt: skip
-    m = global_batch // (lay.dp * lay.microbatch_size)
-    pipe = lay.pp > 1
-    return Choice(plan=lay.meshkit_plan(), mesh=lay.mesh_spec(), why=why, accumulate=1 if pipe else m,
-                  microbatches=m if pipe else None, schedule=lay.schedule if pipe else None,
-                  virtual_stages=lay.virtual_stages, remat=lay.remat)  # fmt: skip
+    return Choice(spec=lay.to_spec(global_batch, precision), why=why)
 
 
 def choose_generic(params: Any, optimizer: Any, *, logical_axes: Any = None, devices: int | None = None,
@@ -123,9 +126,9 @@ def choose_generic(params: Any, optimizer: Any, *, logical_axes: Any = None, dev
     """dp, zero1, zero2 or fsdp on ``data=devices`` by the rule of the module docstring."""
     import jax
 
-    from meshkit.cli._format import fmt_bytes
+    from meshkit.fmt import fmt_bytes
     from meshkit.mesh import make_mesh
-    from meshkit.plans import expected_collectives, get_plan, make_layout, memory_formula
+    from meshkit.plans import expected_collectives, memory_formula, place
 
     devices = devices or jax.device_count()
     if memory_limit is None:
@@ -133,15 +136,15 @@ def choose_generic(params: Any, optimizer: Any, *, logical_axes: Any = None, dev
         memory_limit = stats.get("bytes_limit")
     mesh = make_mesh(f"data={devices}", axis_types="auto", devices=jax.devices()[:devices])
     rows = []
-    for name in ("dp", "zero1", "zero2", "fsdp"):
-        layout = make_layout(params, get_plan(name), mesh, logical_axes=logical_axes)
-        formula = memory_formula(layout, optimizer, params)
-        sharded_grads = layout.plan.stage in ("zero2", "zero3")
+    for name in LADDER:
+        placement = place(params, get_plan(name), mesh, logical_axes=logical_axes)
+        formula = memory_formula(placement, optimizer, params)
+        sharded_grads = placement.plan.shards_gradients
         grads = sum(
-            x.nbytes / (devices if sharded_grads and x.data_dim is not None else 1) for x in layout.flat()
+            x.nbytes / (devices if sharded_grads and x.data_dim is not None else 1) for x in placement.flat()
         )
         state = formula["params"] + formula["optimizer"] + grads
-        moved = sum(e.traffic_bytes for e in expected_collectives(layout, 1, tokens_per_device=0))
+        moved = sum(e.traffic_bytes for e in expected_collectives(placement, 1, tokens_per_device=0))
         rows.append((moved, state, name))
     budget = None if memory_limit is None else STATE_SHARE * memory_limit
     order = {name: i for i, (_, _, name) in enumerate(rows)}  # among equal bytes, the simpler plan
@@ -160,4 +163,4 @@ def choose_generic(params: Any, optimizer: Any, *, logical_axes: Any = None, dev
     others = ", ".join(f"{n} {fmt_bytes(b)}" for b, _, n in rows if n != name)
     why = (f"state (parameters, gradients, optimizer) {fmt_bytes(state)} per device fits ({limit}); fewest bytes "
            f"per step among the plans that fit: {fmt_bytes(moved)} (others: {others})")  # fmt: skip
-    return Choice(plan=name, mesh=f"data={devices}", why=why)
+    return Choice(spec=ParallelSpec(plan=name, mesh=f"data={devices}"), why=why)

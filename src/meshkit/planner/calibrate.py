@@ -19,7 +19,7 @@ from pathlib import Path
 from meshkit._errors import MeshkitError
 from meshkit.planner.hardware import hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.model import (
+from meshkit.planner.predict import (
     EFFICIENCY,
     Cluster,
     Job,

@@ -1,6 +1,6 @@
 """The planner's check: a layout's GPT training step compiled ahead of time on simulated CPU devices.
 
-The analytic model (``meshkit.planner.model``) predicts what a layout costs on a cluster far larger
+The analytic model (``meshkit.planner.predict``) predicts what a layout costs on a cluster far larger
 than this machine; this module measures what XLA makes of the same layout: meshkit's own step for
 ``layout.meshkit_plan()`` on ``layout.mesh_spec()``, compiled from abstract shapes (the parameters
 are ``jax.eval_shape`` of the GPT's init in its scanned form, the batch a ``ShapeDtypeStruct``;
@@ -32,6 +32,7 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.planner.layout import Layout, ModelShape
+from meshkit.spec import PRECISIONS
 
 TIMEOUT_S = 900.0
 """Default limit per compile (a 1.3 B GPT over 64 simulated devices compiles in minutes)."""
@@ -116,45 +117,18 @@ def failed(layout: Layout, why: str, compile_s: float = 0.0) -> Measured:
 def _job_fields(job: Any) -> tuple[int, str]:
     """(global batch in sequences, precision) of the planner's job (any object with those attributes)."""
     batch, precision = int(job.global_batch), str(getattr(job, "precision", "fp32"))
-    if precision not in ("fp32", "bf16"):
-        raise MeshkitError(f"unknown precision {precision!r}: use fp32 or bf16")
+    if precision not in PRECISIONS:
+        raise MeshkitError(f"unknown precision {precision!r}: use {' or '.join(PRECISIONS)}")
     return batch, precision
-
-
-def gpt_config(shape: ModelShape, precision: str) -> Any:
-    """meshkit's reference GPT of ``shape``, scanned form, float32 parameters, bf16 compute for bf16."""
-    from meshkit.models import gpt
-
-    if shape.gated:
-        raise MeshkitError(f"{shape.name}: meshkit's GPT has no gated (SwiGLU) MLP to compile; predict only")
-    if shape.ffn % shape.width:
-        raise MeshkitError(
-            f"{shape.name}: ffn {shape.ffn} is not a multiple of width {shape.width}; predict only"
-        )
-    return gpt.GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
-                         heads=shape.heads, mlp_ratio=shape.ffn // shape.width, scan_layers=True,
-                         compute_dtype="bfloat16" if precision == "bf16" else None)  # fmt: skip
-
-
-def steps_per_batch(layout: Layout, global_batch: int) -> int:
-    """Micro-batches per step: ``global_batch / (dp x microbatch_size)`` (pipeline micro-batches, or
-    gradient accumulation without a pipeline); raises where it does not divide."""
-    unit = layout.dp * layout.microbatch_size
-    if global_batch % unit:
-        raise MeshkitError(
-            f"global batch {global_batch} does not divide over dp={layout.dp} x microbatch size "
-            f"{layout.microbatch_size}: use a multiple of {unit}"
-        )
-    return global_batch // unit
 
 
 def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any, Any, dict[str, int], float]:
     """``(lowered step, mesh, per-device bytes of its params, optimizer and batch arguments, branch
     share)``: meshkit's step for ``layout`` on abstract GPT parameters and batch.
 
-    The step ``meshkit train`` builds (``Trainer``'s construction, without allocating): the plan's
-    layout with the GPT's logical axes and whole heads, AdamW, clipping and the gradient norm,
-    bf16 compute and (fsdp) bf16 gathers for bf16; pipeline plans with their schedule.
+    The step ``meshkit train`` builds (``plans.assemble``, the Trainer's assembly, without allocating):
+    the layout's ``ParallelSpec`` with the GPT's logical axes and whole heads, AdamW, clipping and the
+    gradient norm, bf16 compute and (fsdp) bf16 gathers for bf16; pipeline plans with their schedule.
 
     The branch share is the fraction of a loop's trips on which a device runs each branch of a
     conditional in it: a pipeline's forward and backward branches run ``m v`` of the schedule's
@@ -162,62 +136,30 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from meshkit.mesh import make_mesh
     from meshkit.models import gpt
-    from meshkit.plans import StepShardings, build_step, get_plan, make_layout, state_shardings
-    from meshkit.plans._fsdp import PerLayer
-    from meshkit.plans._layout import DATA
-    from meshkit.train.trainer import _pipeline_of, as_step_loss
+    from meshkit.plans import assemble
 
-    name = layout.meshkit_plan()
-    if name is None:
-        raise MeshkitError(
-            f"meshkit has no plan for {layout.label()} (ZeRO-1/2 combine with neither tp nor pp)"
-        )
+    global_batch, precision = _job_fields(job)
+    spec = layout.to_spec(global_batch, precision)
     if jax.device_count() < layout.devices:
         raise MeshkitError(
             f"{layout.label()} needs {layout.devices} devices, this process has {jax.device_count()}: "
             f"use compile_layouts (one process per layout)"
         )
-    global_batch, precision = _job_fields(job)
-    micro = steps_per_batch(layout, global_batch)
-    cfg = gpt_config(shape, precision)
-    plan = get_plan(name)
-    mesh = make_mesh(layout.mesh_spec(), axis_types="auto", devices=jax.devices()[: layout.devices])
+    pipeline = spec.plan_info.pipeline
+    cfg = gpt.GPTConfig.from_shape(shape, precision=precision, scan_layers=True)
     params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
     tokens = jax.ShapeDtypeStruct((global_batch, shape.seq), jnp.int32)
-    loss = gpt.stages(cfg) if plan.pipeline else gpt.make_loss(cfg)
-    lay = make_layout(params, plan, mesh, logical_axes=gpt.logical_axes(params), units={"heads": shape.heads})
-    pipe = _pipeline_of(plan, loss, params, lay, micro if plan.pipeline else None,
-                        layout.schedule if plan.pipeline else None, layout.virtual_stages if plan.pipeline else 1,
-                        {}, remat=layout.remat)  # fmt: skip
-    lay = lay if pipe is None else pipe.layout
-    optimizer = optax.adamw(3e-4, weight_decay=0.01)
-    param_sh = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), lay.param_specs(), is_leaf=lambda x: isinstance(x, P)
-    )
-    sh = StepShardings(params=param_sh, opt_state=state_shardings(optimizer, params, lay),
-                       batch=NamedSharding(mesh, P(DATA) if DATA in mesh.shape else P()),
-                       scalar=NamedSharding(mesh, P()), state=None)  # fmt: skip
-    compute = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
-    step = build_step(as_step_loss(loss, stateful=False, rng=False, has_aux=False), optimizer, lay, sh,
-                      accumulate=1 if plan.pipeline else micro, clip_norm=CLIP, grad_norm=True,
-                      compute_dtype=compute, per_layer=PerLayer(layout=lay, remat=layout.remat),
-                      gradients=None if pipe is None else pipe.gradients())  # fmt: skip
-
-    def attach(tree, shardings):
-        return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shardings)
-
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=sh.scalar)
-    opt = jax.eval_shape(optimizer.init, params)
-    batch = (attach(tokens, sh.batch), attach(tokens, sh.batch))
-    args = {"params": attach(params, param_sh), "optimizer": attach(opt, sh.opt_state), "batch": batch}
-    lowered = step.lower(args["params"], args["optimizer"], None, batch, key)
-    share = 1.0 if pipe is None else pipe.schedule.m * pipe.schedule.v / pipe.schedule.ticks
-    return lowered, mesh, {k: _shard_bytes(v) for k, v in args.items()}, share
+    step = assemble(gpt.stages(cfg) if pipeline else gpt.make_loss(cfg), params, optax.adamw(3e-4, weight_decay=0.01),
+                    spec, devices=jax.devices()[: layout.devices], clip_norm=CLIP, grad_norm=True,
+                    logical_axes=gpt.logical_axes(params), units={"heads": shape.heads})  # fmt: skip
+    args = step.abstract_args(params, (tokens, tokens))
+    lowered = step.step.lower(*args)
+    parts = {"params": args[0], "optimizer": args[1], "batch": args[3]}
+    s = step.pipeline.schedule if pipeline else None
+    share = 1.0 if s is None else s.m * s.v / s.ticks
+    return lowered, step.mesh, {k: _shard_bytes(v) for k, v in parts.items()}, share
 
 
 def _shard_bytes(tree: Any) -> int:
@@ -233,13 +175,12 @@ def compile_layout(shape: ModelShape, layout: Layout, job: Any) -> Measured:
     """Compile ``layout``'s GPT step in this process (which must have ``layout.devices`` devices)
     and measure it; a layout meshkit cannot run comes back with ``error`` set."""
     from meshkit.analysis import communication, memory
-    from meshkit.plans import PlanError
 
     start = time.perf_counter()
     try:
         lowered, mesh, parts, share = abstract_gpt_step(shape, layout, job)
         compiled = lowered.compile(compiler_options=MEASURE_ONLY)
-    except (MeshkitError, PlanError) as e:
+    except MeshkitError as e:
         return failed(layout, str(e).splitlines()[0], time.perf_counter() - start)
     seconds = time.perf_counter() - start
     mem = memory(compiled)
@@ -287,10 +228,10 @@ def compile_in_subprocess(
     shape: ModelShape, layout: Layout, job: Any, *, timeout_s: float = TIMEOUT_S
 ) -> Measured:
     """``compile_layout`` in a fresh Python simulating ``layout.devices`` CPU devices."""
-    if layout.meshkit_plan() is None:  # no process to start for a layout meshkit cannot run
-        return failed(
-            layout, f"meshkit has no plan for {layout.label()} (ZeRO-1/2 combine with neither tp nor pp)"
-        )
+    try:  # no process to start for a layout meshkit cannot run
+        layout.check_runnable()
+    except MeshkitError as e:
+        return failed(layout, str(e))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     start = time.perf_counter()
     try:

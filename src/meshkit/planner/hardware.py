@@ -6,7 +6,7 @@ one device sends at while it receives as much (what a ring collective sees). Int
 the NIC bandwidth per device of the vendor's reference node (DGX: one InfiniBand port per GPU);
 TPU slices connect chips by ICI inside and across hosts, so their inter-host figure is the ICI one
 (a job spanning slices over the data-center network is slower than the table says). ``custom``
-builds one from flags. The calibrated compute efficiency per family lives in ``planner.model``.
+builds one from flags. The calibrated compute efficiency per family lives in ``planner.predict``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The planner's vocabulary: a model by shape, a parallel layout, and the meshkit plan that runs it.
+"""The planner's vocabulary: a parallel layout by its degrees, and the ``ParallelSpec`` that runs it.
 
-Shared by the analytic model (what a layout costs on a cluster far larger than this machine) and the
-ahead-of-time compile check (what XLA does with that layout on simulated devices), so that both
-speak of the same layout. A ``Layout`` is data; ``meshkit_plan`` and ``mesh_spec`` name the plan and
-mesh under which meshkit executes it (``None`` where meshkit has no such plan, e.g. ZeRO-1 combined
-with tensor parallelism: the model can still predict it).
+A ``Layout`` is what the planner enumerates and prices on a cluster far larger than this machine:
+degrees of data (dp), tensor (tp) and pipeline (pp) parallelism, the ZeRO stage over the data axis,
+the micro-batch size, and the spec's pipeline schedule and remat policy (their allowed values are
+``meshkit.spec``'s). ``to_spec`` is the one conversion into the ``ParallelSpec`` meshkit trains
+and compiles with; a layout meshkit has no plan for (ZeRO-1 combined with tensor parallelism) can
+still be predicted, and converting it is refused in one line.
 """
 
 from __future__ import annotations
@@ -13,52 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshkit._errors import MeshkitError
+from meshkit.models.shape import ModelShape
+from meshkit.spec import DATA, MODEL, STAGE, ParallelSpec, check_remat, check_schedule, plan_for
 
-REMAT = ("none", "layer", "dots", "regather")
-"""meshkit's activation checkpointing policies (``meshkit.plans._fsdp.REMAT``)."""
-REMAT_ALIASES = {"full": "layer", "selective": "dots"}
-"""Names other tools use: Megatron's full recompute is per-layer remat, its selective one saves matmuls."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelShape:
-    """A decoder-only transformer by its sizes (meshkit's reference GPT when ``gated`` is False:
-    learned positions, untied unembedding, biases, LayerNorm)."""
-
-    name: str = "gpt"
-    layers: int
-    width: int
-    heads: int
-    vocab: int
-    seq: int
-    ffn: int = 0
-    """MLP hidden size; 0 means 4 x width."""
-    gated: bool = False
-    """A SwiGLU MLP (three matrices, LLaMA-style) instead of two."""
-    kv_heads: int = 0
-    """Key/value heads (grouped-query attention); 0 means ``heads`` (multi-head attention)."""
-    head_dim: int = 0
-    """Width of one head; 0 means width / heads (some models, e.g. PaLM, attend wider or narrower)."""
-
-    def __post_init__(self):
-        for name in ("layers", "width", "heads", "vocab", "seq"):
-            if getattr(self, name) < 1:
-                raise MeshkitError(f"model {name}={getattr(self, name)}: must be at least 1")
-        if self.head_dim == 0 and self.width % self.heads:
-            raise MeshkitError(
-                f"width {self.width} is not divisible by heads {self.heads}: pick heads dividing it"
-            )
-        if self.ffn == 0:
-            object.__setattr__(self, "ffn", 4 * self.width)
-        if self.head_dim == 0:
-            object.__setattr__(self, "head_dim", self.width // self.heads)
-        if self.kv_heads == 0:
-            object.__setattr__(self, "kv_heads", self.heads)
-        if self.heads % self.kv_heads:
-            raise MeshkitError(
-                f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"
-            )
+__all__ = ["Layout", "ModelShape"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,24 +33,19 @@ class Layout:
     microbatch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (pipeline: per micro-batch in flight)."""
     schedule: str = "1f1b"
+    """The pipeline schedule (``meshkit.spec.PIPELINE_SCHEDULES``)."""
     virtual_stages: int = 1
     remat: str = "none"
+    """Activation checkpointing (``meshkit.spec.REMAT_POLICIES``, or an alias other tools use)."""
 
     def __post_init__(self):
-        remat = REMAT_ALIASES.get(self.remat, self.remat)
-        object.__setattr__(self, "remat", remat)
         for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise MeshkitError(f"layout {name}={getattr(self, name)}: must be at least 1")
         if self.zero not in (0, 1, 2, 3):
             raise MeshkitError(f"layout zero={self.zero}: choose 0, 1, 2 or 3")
-        if self.schedule not in SCHEDULES:
-            raise MeshkitError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if remat not in REMAT:
-            choices = ", ".join((*REMAT, *REMAT_ALIASES))
-            raise MeshkitError(f"unknown remat {self.remat!r}: choose one of {choices}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise MeshkitError("virtual_stages > 1 needs schedule=interleaved")
+        object.__setattr__(self, "remat", check_remat(self.remat))  # the spec's checks and messages
+        check_schedule(self.schedule, self.virtual_stages)
 
     @property
     def devices(self) -> int:
@@ -116,29 +70,38 @@ class Layout:
 
     def meshkit_plan(self) -> str | None:
         """The meshkit plan that executes this layout, or None where meshkit has none."""
-        parts = []
-        if self.dp > 1:
-            parts.append({0: "dp", 1: "zero1", 2: "zero2", 3: "fsdp"}[self.zero])
-        elif self.zero:
-            return None  # ZeRO over a data axis of one device means nothing
-        if self.tp > 1:
-            parts.append("tp")
-        if self.pp > 1:
-            parts.append("pp")
-        if not parts:
-            return "dp"  # one device
-        if len(parts) > 1 and parts[0] in ("zero1", "zero2"):
-            return None  # meshkit combines only dp and fsdp with tp/pp
-        name = "+".join(parts)
-        from meshkit.plans import PLANS
-
-        return name if name in PLANS else None
+        return plan_for(self.zero, data=self.dp > 1, tensor=self.tp > 1, pipeline=self.pp > 1)
 
     def mesh_spec(self) -> str:
         """meshkit's mesh string for this layout, axes named as the plans name them."""
-        axes = [("stage", self.pp), ("data", self.dp), ("model", self.tp)]
+        axes = [(STAGE, self.pp), (DATA, self.dp), (MODEL, self.tp)]
         kept = [f"{k}={v}" for k, v in axes if v > 1] or ["data=1"]
         return ",".join(kept)
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches per step: ``global_batch / (dp x microbatch_size)`` (pipeline micro-batches,
+        or gradient accumulation without a pipeline); raises where it does not divide."""
+        unit = self.dp * self.microbatch_size
+        if global_batch % unit:
+            raise MeshkitError(
+                f"global batch {global_batch} does not divide over dp={self.dp} x microbatch size "
+                f"{self.microbatch_size}: use a multiple of {unit}"
+            )
+        return global_batch // unit
+
+    def to_spec(self, global_batch: int, precision: str = "fp32") -> ParallelSpec:
+        """The ``ParallelSpec`` that runs this layout for a global batch of ``global_batch`` sequences."""
+        plan = self.meshkit_plan()
+        if plan is None:
+            raise MeshkitError(
+                f"meshkit has no plan for {self.label()} (ZeRO-1/2 combine with neither tp nor pp)"
+            )
+        m = self.microbatches(global_batch)
+        pipe = self.pp > 1
+        return ParallelSpec(plan=plan, mesh=self.mesh_spec(), remat=self.remat, precision=precision,
+                            accumulate=1 if pipe else m, microbatches=m if pipe else None,
+                            pipeline_schedule=self.schedule if pipe else None,
+                            virtual_stages=self.virtual_stages if pipe else 1)  # fmt: skip
 
     def label(self) -> str:
         text = f"dp={self.dp},tp={self.tp},pp={self.pp}"

@@ -1,6 +1,6 @@
 """Memory of meshkit's own compiled step for a layout (``Job(runtime="meshkit")``): the scanned
 reference GPT as ``meshkit train`` and the planner's compile check build it, by the model of
-``meshkit.analysis.peak.predict_peak`` (and, for pipelines, ``plans._pipeline``'s stash model).
+``meshkit.plans.peak.predict_peak`` (and, for pipelines, ``plans._pipeline``'s stash model).
 
 Where the standard model counts what a fused GPU implementation keeps (Korthikanti et al.), XLA's
 scanned step keeps every residual the backward pass reads, each a stacked output of the loop. They
@@ -29,11 +29,11 @@ from meshkit.planner.layout import Layout, ModelShape
 
 
 def _config(shape: ModelShape, precision: str, layers: int = 1):
+    from dataclasses import replace
+
     from meshkit.models import gpt
 
-    return gpt.GPTConfig(vocab_size=shape.vocab, seq_len=shape.seq, layers=layers, width=shape.width,
-                         heads=shape.heads, mlp_ratio=max(shape.ffn // shape.width, 1),
-                         compute_dtype="bfloat16" if precision == "bf16" else None)  # fmt: skip
+    return gpt.GPTConfig.from_shape(replace(shape, layers=layers), precision=precision, approximate=True)
 
 
 @lru_cache(maxsize=256)
@@ -47,7 +47,7 @@ def residuals(
     import jax.numpy as jnp
 
     from meshkit.models import gpt
-    from meshkit.plans._fsdp import REMAT
+    from meshkit.plans import remat_policy
 
     cfg = _config(shape, precision)
     compute = jnp.dtype(cfg.compute_dtype or cfg.dtype)
@@ -68,7 +68,7 @@ def residuals(
             total += size(aval)
         return total
 
-    policy = REMAT[remat]
+    policy = remat_policy(remat)
 
     def run(p, x):
         fn = (

@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.model import Cluster, Job, Prediction, predict
+from meshkit.planner.predict import Cluster, Job, Prediction, predict
+from meshkit.spec import PIPELINE_REMAT
 
-REMATS = ("none", "dots", "layer")
+REMATS = PIPELINE_REMAT
+"""The remat policies the search tries (every plan takes them), the least recomputed first."""
 MAX_MICROBATCH = 64
 """Largest micro-batch size tried (every divisor of the per-replica batch up to it)."""
 VIRTUAL_STAGES = (2, 4, 8)

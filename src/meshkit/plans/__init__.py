@@ -1,20 +1,16 @@
 """Parallel plans: data parallel, ZeRO-1/2/3 (FSDP), tensor parallel, pipelines, and their combinations.
 
-A plan is data (``Plan``); ``make_layout`` decides where every leaf lives; ``build_step`` makes the
-jitted step; ``expected_collectives`` and ``memory_formula`` say what it should cost.
+What a plan is, and every allowed value, is ``meshkit.spec``'s. Here: ``place`` decides where every
+leaf lives, ``assemble`` builds a spec's jitted step (the one assembly the Trainer, the peak model
+and the planner's compile check share), ``expected_collectives`` and ``memory_formula`` say what it
+should cost and ``peak`` what it should hold at its peak. One module per technique: ``_step`` (the
+data axis, ZeRO stages), ``_fsdp`` (per-layer gathers and remat), ``_buckets`` (bucketed data-axis
+collectives), ``_pipeline`` and ``_schedule`` (pipelines); tensor parallelism is the placement's
+rules, partitioned by XLA.
 """
 
-from meshkit.plans._layout import (
-    DEFAULT_TP_RULES,
-    PLANS,
-    Layout,
-    LeafLayout,
-    Plan,
-    PlanError,
-    get_plan,
-    make_layout,
-)
-from meshkit.plans._model import (
+from meshkit.plans._dataflow import batch_fed
+from meshkit.plans._expected import (
     CommRow,
     Expected,
     MemoryRow,
@@ -23,34 +19,47 @@ from meshkit.plans._model import (
     expected_collectives,
     memory_formula,
 )
-from meshkit.plans._pipeline import Stages
+from meshkit.plans._hook import layer
+from meshkit.plans._loss import LossFn, step_loss
+from meshkit.plans._manual import manual_data_axis
+from meshkit.plans._pipeline import Pipeline, Stages
+from meshkit.plans._remat import remat_policy
 from meshkit.plans._schedule import Schedule, bubble_model
 from meshkit.plans._schedule import build as build_schedule
 from meshkit.plans._schedule import plot as plot_schedule
 from meshkit.plans._step import StepShardings, build_step, state_shardings
+from meshkit.plans.assemble import Assembled, assemble, spec_mesh
+from meshkit.plans.placement import DEFAULT_TP_RULES, LeafPlacement, Placement, Rules, place
 
 __all__ = [
     "DEFAULT_TP_RULES",
-    "PLANS",
+    "Assembled",
     "CommRow",
     "Expected",
-    "Layout",
-    "LeafLayout",
+    "LeafPlacement",
+    "LossFn",
     "MemoryRow",
-    "Plan",
-    "PlanError",
+    "Pipeline",
+    "Placement",
+    "Rules",
     "Schedule",
     "Stages",
     "StepShardings",
+    "assemble",
+    "batch_fed",
     "bubble_model",
     "build_schedule",
     "build_step",
     "compare_communication",
     "device_bytes",
     "expected_collectives",
-    "get_plan",
-    "make_layout",
+    "layer",
+    "manual_data_axis",
     "memory_formula",
+    "place",
     "plot_schedule",
+    "remat_policy",
+    "spec_mesh",
     "state_shardings",
+    "step_loss",
 ]

@@ -27,10 +27,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh
 
-from meshkit.plans._layout import DATA, MODEL, LeafLayout
+from meshkit.plans.placement import LeafPlacement
+from meshkit.spec import DATA, MODEL
 
 
-def _groups(arrays: Sequence[jax.Array], leaves: Sequence[LeafLayout]) -> dict:
+def _groups(arrays: Sequence[jax.Array], leaves: Sequence[LeafPlacement]) -> dict:
     """Indices of data-sharded leaves, grouped by dtype (in leaf order); a leaf also split on the
     model axis is a group of its own."""
     out: dict = {}
@@ -40,11 +41,11 @@ def _groups(arrays: Sequence[jax.Array], leaves: Sequence[LeafLayout]) -> dict:
     return out
 
 
-def _alone(idx: list[int], leaves: Sequence[LeafLayout]) -> int | None:
+def _alone(idx: list[int], leaves: Sequence[LeafPlacement]) -> int | None:
     return idx[0] if len(idx) == 1 and leaves[idx[0]].model_sharded else None
 
 
-def _on_model_shard(fn, x: jax.Array, leaf: LeafLayout) -> jax.Array:
+def _on_model_shard(fn, x: jax.Array, leaf: LeafPlacement) -> jax.Array:
     """``fn`` on this device's model shard of ``x`` (manual over ``model`` as well as ``data``)."""
     spec = P(
         *[a if a == MODEL else None for a in leaf.model_spec]
@@ -53,7 +54,7 @@ def _on_model_shard(fn, x: jax.Array, leaf: LeafLayout) -> jax.Array:
                          check_vma=False)(x)  # fmt: skip
 
 
-def reduce_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: int) -> list[jax.Array]:
+def reduce_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafPlacement], n: int) -> list[jax.Array]:
     """Sum full local gradients over the data axis and keep this device's shard of each sharded leaf.
 
     Leaves kept whole pass through unchanged. Equal to ``psum_scatter(g, scatter_dimension=dim,
@@ -80,7 +81,7 @@ def reduce_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: 
     return out
 
 
-def all_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: int) -> list[jax.Array]:
+def all_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafPlacement], n: int) -> list[jax.Array]:
     """Reassemble every data-sharded leaf from its shards (one all-gather per dtype)."""
     out = list(shards)
     for idx in _groups(shards, leaves).values():

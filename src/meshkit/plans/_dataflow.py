@@ -65,7 +65,7 @@ def _walk(jaxpr, origin: dict, tainted: set, found: set) -> None:
 def batch_fed(loss_fn: Callable, params: Any, *rest: Any) -> frozenset[str]:
     """Paths (``a/b/c``) of parameter leaves some matmul multiplies with a value that depends on no
     parameter. ``loss_fn(params, *rest)``; arguments may be arrays or ``jax.ShapeDtypeStruct``s."""
-    from meshkit.plans._layout import _path_str
+    from meshkit.plans.placement import _path_str
 
     closed = jax.make_jaxpr(loss_fn)(params, *rest)
     paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]

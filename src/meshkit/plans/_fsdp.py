@@ -33,7 +33,7 @@ outside blocks: embeddings, the final norm, the unembedding) is gathered once fo
 per dtype (``_buckets``). Any other ``loss_fn`` runs unchanged with every parameter gathered up front; the report
 says per-layer memory needs the scan form or the hook.
 
-Remat (``REMAT``): ``none`` holds the gathered parameters for the backward pass (all-gather traffic
+Remat (``meshkit.spec.REMAT_POLICIES``): ``none`` holds the gathered parameters for the backward pass (all-gather traffic
 equals the forward's: the model's bytes; peak grows with the whole model); ``layer`` saves only each
 block's input and recomputes the block, re-gathering its parameters (all-gather traffic 2x);
 ``dots`` saves matmul outputs and re-gathers; ``regather`` saves every value but an all-gather's
@@ -55,29 +55,11 @@ from jax import lax
 
 from meshkit.plans import _buckets as buckets
 from meshkit.plans._hook import handling
-from meshkit.plans._layout import DATA, Layout, LeafLayout, PlanError
+from meshkit.plans._remat import remat_policy
+from meshkit.plans.placement import LeafPlacement, Placement
+from meshkit.spec import DATA
 
 _MARK = "meshkit_layer"
-
-
-def _all_but_gathers(prim, *_, **__) -> bool:
-    """Save every value but an all-gather's output (JAX 0.12's ``save_anything_except_these_names``
-    saves everything, and a name on the gathered value would still let its producer be saved)."""
-    return prim.name != "all_gather"
-
-
-REMAT: dict[str, Any] = {
-    "none": None,
-    "layer": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "regather": _all_but_gathers,
-}
-
-
-def check_remat(remat: str) -> str:
-    if remat not in REMAT:
-        raise PlanError(f"unknown remat {remat!r}: choose one of {', '.join(REMAT)}")
-    return remat
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,7 +88,7 @@ class Found:
 class PerLayer:
     """A plan's per-layer settings; records what tracing the loss found (read by the reports)."""
 
-    layout: Layout
+    placement: Placement
     remat: str = "none"
     found: Found | None = field(default=None)
     global_norm: bool = False
@@ -118,22 +100,23 @@ class PerLayer:
     """Place zero3's per-layer optimization barriers but gather nothing (parameters whole): the
     single-device compile ``meshkit.analysis.peak`` reads the compiler's activation bytes from."""
 
-    def __post_init__(self):
-        check_remat(self.remat)
-
     @property
     def policy(self) -> Any:
-        return REMAT[self.remat]
+        return remat_policy(self.remat)
 
     @property
     def gathers(self) -> bool:
-        return self.layout.plan.stage == "zero3" and self.layout.has_data_axis and self.layout.data_size > 1
+        return (
+            self.placement.plan.shards_params
+            and self.placement.has_data_axis
+            and self.placement.data_size > 1
+        )
 
-    def whole_step_leaves(self) -> list[LeafLayout]:
-        """The layout with per-layer leaves marked whole: what the step-wide gather and the caller's
+    def whole_step_leaves(self) -> list[LeafPlacement]:
+        """The placement with per-layer leaves marked whole: what the step-wide gather and the caller's
         reduce-scatter move (per-layer leaves are gathered and reduce-scattered inside layers)."""
         layer = self.found.layer_leaves if self.found is not None and self.gathers else ()
-        return without(self.layout.flat(), layer)
+        return without(self.placement.flat(), layer)
 
     @property
     def regathers(self) -> bool:
@@ -141,7 +124,9 @@ class PerLayer:
         return self.remat != "none"
 
 
-def _own_output_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: int) -> list[jax.Array]:
+def _own_output_gather(
+    shards: Sequence[jax.Array], leaves: Sequence[LeafPlacement], n: int
+) -> list[jax.Array]:
     """One all-gather per leaf, its output the gathered leaf itself (a leaf also split on ``model``
     goes through ``_buckets``, manual over ``model``: the policy then sees that region's output)."""
     return [x if leaf.data_dim is None
@@ -150,18 +135,18 @@ def _own_output_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafLayout]
             for x, leaf in zip(shards, leaves, strict=True)]  # fmt: skip
 
 
-def _per_leaf_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: int) -> list[jax.Array]:
+def _per_leaf_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafPlacement], n: int) -> list[jax.Array]:
     """One all-gather per leaf, of its ``(n, chunk)`` rows (``_buckets`` with a bucket of one: the
     sharded dim moved to the front, so the gather runs on the major dim; 2% fewer bytes accessed
     than gathering on the sharded dim in place, bench_plans zero3 layer remat 121.2 vs 123.3 MB)."""
     return [buckets.all_gather([x], [leaf], n)[0] for x, leaf in zip(shards, leaves, strict=True)]
 
 
-def _per_leaf_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafLayout], n: int) -> list[jax.Array]:
+def _per_leaf_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafPlacement], n: int) -> list[jax.Array]:
     return [buckets.reduce_scatter([g], [leaf], n)[0] for g, leaf in zip(grads, leaves, strict=True)]
 
 
-def _gather_vjp(leaves: Sequence[LeafLayout], n: int, *, own_output: bool = False) -> Callable:
+def _gather_vjp(leaves: Sequence[LeafPlacement], n: int, *, own_output: bool = False) -> Callable:
     """A layer's all-gather, one per leaf, whose backward is the leaf's reduce-scatter.
 
     One per leaf, not a bucket per dtype: packing a bucket (concatenate) and unpacking it (slices)
@@ -199,8 +184,8 @@ def _gather_vjp(leaves: Sequence[LeafLayout], n: int, *, own_output: bool = Fals
     return lambda shards: gather(list(shards))
 
 
-def _unstacked(leaf: LeafLayout) -> LeafLayout:
-    """A stacked leaf's layout as one layer's slice sees it (leading layer axis dropped)."""
+def _unstacked(leaf: LeafPlacement) -> LeafPlacement:
+    """A stacked leaf's placement as one layer's slice sees it (leading layer axis dropped)."""
     return dataclasses.replace(
         leaf,
         shape=leaf.shape[1:],
@@ -209,19 +194,21 @@ def _unstacked(leaf: LeafLayout) -> LeafLayout:
     )
 
 
-def without(layout_leaves: Sequence[LeafLayout], drop: Sequence[int]) -> list[LeafLayout]:
+def without(layout_leaves: Sequence[LeafPlacement], drop: Sequence[int]) -> list[LeafPlacement]:
     """The leaves with those indices marked whole (buckets then pass them through untouched)."""
     drop = set(drop)
     return [dataclasses.replace(x, data_dim=None) if i in drop else x for i, x in enumerate(layout_leaves)]
 
 
-def gather_rows(per: PerLayer | None, accumulate: int, nbytes: Callable[[LeafLayout], float]) -> list[tuple]:
+def gather_rows(
+    per: PerLayer | None, accumulate: int, nbytes: Callable[[LeafPlacement], float]
+) -> list[tuple]:
     """zero3's data-axis all-gathers per step as ``(count, size_bytes_each, what)``.
 
     Leaves used outside layers: one bucketed gather per step (hoisted out of the micro-batch loop).
     Per-layer leaves: one gather per leaf, layer application and micro-batch, twice with remat (the
     backward pass gathers again)."""
-    flat = per.layout.flat() if per is not None else []
+    flat = per.placement.flat() if per is not None else []
     layer = (
         set(per.found.layer_leaves) if per is not None and per.found is not None and per.gathers else set()
     )
@@ -249,7 +236,7 @@ def gather_rows(per: PerLayer | None, accumulate: int, nbytes: Callable[[LeafLay
     return rows
 
 
-def tp_matrices(per: PerLayer | None, layout: Layout) -> list[tuple[LeafLayout, int, bool]]:
+def tp_matrices(per: PerLayer | None, placement: Placement) -> list[tuple[LeafPlacement, int, bool]]:
     """Tensor-parallel matrices as ``(2-D leaf, uses per forward pass, forward redone in backward)``.
 
     A stacked leaf of a scan is one matrix per layer. Under ``layer`` remat the backward pass redoes a
@@ -261,10 +248,10 @@ def tp_matrices(per: PerLayer | None, layout: Layout) -> list[tuple[LeafLayout, 
     redo: set[int] = set()
     if per is not None and per.remat == "layer" and found is not None:
         for group in found.groups:  # leaf order: a GPT block's attention before its MLP
-            rows = [i for i in group if layout.flat()[i].model_spec[-2:][:1] == ("model",)]
+            rows = [i for i in group if placement.flat()[i].model_spec[-2:][:1] == ("model",)]
             redo.update(rows[:-1])
     out = []
-    for i, x in enumerate(layout.flat()):
+    for i, x in enumerate(placement.flat()):
         if i in stacked:  # (L, D) stacked vectors are no matrices
             if len(x.shape) == 3:
                 out.append((_unstacked(x), x.shape[0], i in redo))
@@ -290,10 +277,10 @@ def _uses(jaxpr: Any, var: Any) -> list[Any]:
     return [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
 
 
-def analyse(loss_fn: Callable, layout: Layout, params: Any, micro: Any) -> Found:
+def analyse(loss_fn: Callable, placement: Placement, params: Any, micro: Any) -> Found:
     """Trace ``loss_fn(params, micro)`` once (abstractly) to find hooked blocks or scans over stacked
     leaves. ``micro`` is everything else the loss reads (the step passes its state, batch and key)."""
-    flat_layout = layout.flat()
+    flat_layout = placement.flat()
     treedef = jax.tree.structure(params)
     ids: dict[int, int] = {}
     hooked: set[int] = set()
@@ -454,8 +441,8 @@ def _barrier_gather(gather: Callable, shards: list, tie: Any) -> tuple[list, Any
 def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
     """``f(leaves, micro)``: the loss with hooked leaves given as shards (gathered inside each block)."""
     found = per.found
-    flat = per.layout.flat()
-    n = per.layout.data_size
+    flat = per.placement.flat()
+    n = per.placement.data_size
     layer_set = set(found.layer_leaves) if per.gathers or per.barriers_only else set()
     policy = per.policy
 
@@ -492,8 +479,8 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
 def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> Callable:
     """``f(leaves, micro)``: the loss re-evaluated from its jaxpr, every scan over stacked leaves
     replaced by one that gathers its layer's slice inside the (rematerialized) body."""
-    flat = per.layout.flat()
-    n = per.layout.data_size
+    flat = per.placement.flat()
+    n = per.placement.data_size
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
     treedef = jax.tree.structure(params)
     closed, out_shape = jax.make_jaxpr(
@@ -585,18 +572,18 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
     Elsewhere ``params`` are whole and only the remat policy applies.
     """
     leaves, treedef = jax.tree.flatten(params)
-    flat = per.layout.flat()
+    flat = per.placement.flat()
     shapes = [leaf.shape if per.gathers else x.shape for leaf, x in zip(flat, leaves, strict=True)]
     full = jax.tree.unflatten(
         treedef, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves, strict=True)]
     )
     micro_avals = micro  # the tracers themselves: make_jaxpr keeps their full types (weak, varying)
     if per.found is None:  # one abstract trace, also read by the reports (layers, stacked leaves)
-        per.found = analyse(loss_fn, per.layout, full, micro_avals)
+        per.found = analyse(loss_fn, per.placement, full, micro_avals)
     if per.remat == "none" and not per.gathers:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
     if per.gathers:
-        leaves = buckets.all_gather(leaves, per.whole_step_leaves(), per.layout.data_size)
+        leaves = buckets.all_gather(leaves, per.whole_step_leaves(), per.placement.data_size)
     out, grads = jax.value_and_grad(layered_loss(loss_fn, per, full, micro_avals), has_aux=True)(
         leaves, micro
     )

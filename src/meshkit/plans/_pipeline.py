@@ -73,7 +73,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _schedule
-from meshkit.plans._layout import DATA, MODEL, STAGE, Layout, LeafLayout, PlanError
+from meshkit.plans._remat import remat_policy
+from meshkit.plans.placement import LeafPlacement, Placement
+from meshkit.spec import DATA, MODEL, STAGE, ParallelSpec, PlanError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,10 +128,6 @@ class Stages:
         return self.loss(self.head(top, self.run_blocks(blocks, self.embed(top, batch))), batch)
 
 
-PIPELINE_REMAT = ("none", "layer", "dots")
-"""The remat policies a pipeline takes (``_fsdp.REMAT``'s, less ``regather``)."""
-
-
 def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: str) -> None:
     """Raise PlanError naming the fix when layers, stages, micro-batches and schedule do not fit."""
     _schedule.check(schedule, p, m, v)
@@ -142,12 +140,12 @@ def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: s
         )
 
 
-def stage_layout(layout: Layout, stages: Stages) -> Layout:
-    """The layout with every stacked block leaf split on its layer dim over the stage axis."""
+def stage_placement(placement: Placement, stages: Stages) -> Placement:
+    """The placement with every stacked block leaf split on its layer dim over the stage axis."""
 
-    n = layout.data_size
+    n = placement.data_size
 
-    def split(leaf: LeafLayout) -> LeafLayout:
+    def split(leaf: LeafPlacement) -> LeafPlacement:
         if not leaf.path.startswith(stages.blocks + "/") and leaf.path != stages.blocks:
             return leaf
         spec = (STAGE, *leaf.model_spec[1:])
@@ -161,10 +159,10 @@ def stage_layout(layout: Layout, stages: Stages) -> Layout:
                 if dims
                 else (None, f"no dim of {leaf.shape} but the layer dim divides over data={n}")
             )
-        return LeafLayout(path=leaf.path, shape=leaf.shape, nbytes=leaf.nbytes, model_spec=spec,
+        return LeafPlacement(path=leaf.path, shape=leaf.shape, nbytes=leaf.nbytes, model_spec=spec,
                           data_dim=dim, why_replicated=why)  # fmt: skip
 
-    return Layout(plan=layout.plan, mesh=layout.mesh, leaves=layout.tree(split))
+    return Placement(plan=placement.plan, mesh=placement.mesh, leaves=placement.tree(split))
 
 
 def interleave_order(layers: int, p: int, v: int) -> np.ndarray:
@@ -229,18 +227,17 @@ def _perm(p: int, shift: int, ring: bool) -> list[tuple[int, int]]:
 
 
 def local_pipeline(
-    stages: Stages, sched: _schedule.Schedule, layout: Layout, remat: str = "none"
+    stages: Stages, sched: _schedule.Schedule, placement: Placement, remat: str = "none"
 ) -> Callable:
     """Per-device ``(params, batch) -> (loss, record, grads)`` inside the manual region.
 
     Over ``data``: gradients all-reduced (dp+pp), or under fsdp+pp (ZeRO-3) the parameter shards
     all-gathered once before the schedule and the gradients reduce-scattered once after it (both
     bucketed, ``_step``'s helpers): the stage's full parameters live through the step."""
-    from meshkit.plans._fsdp import REMAT
     from meshkit.plans._step import _finish, _gather
 
-    policy = REMAT[remat]
-    data_size, zero3 = layout.data_size, layout.plan.stage == "zero3"
+    policy = remat_policy(remat)
+    data_size, zero3 = placement.data_size, placement.plan.shards_params
     p, m, v, S = sched.p, sched.m, sched.v, sched.stages
     table = np.stack([sched.kind, sched.chunk, sched.mb, sched.x_read, sched.g_read, sched.x_write,
                       sched.g_write], axis=-1)  # fmt: skip
@@ -248,7 +245,7 @@ def local_pipeline(
 
     def run(params, batch):
         if zero3:
-            params = _gather(params, layout)
+            params = _gather(params, placement)
         top, blocks = stages.split(params)
         d = lax.axis_index(STAGE) if p > 1 else 0
         if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
@@ -346,7 +343,7 @@ def local_pipeline(
 
     def over_data(loss, grads):
         if zero3:
-            grads = _finish(grads, layout, scatter_now=True, scale=1.0 / data_size)
+            grads = _finish(grads, placement, scatter_now=True, scale=1.0 / data_size)
         elif data_size > 1:
             grads = jax.tree.map(lambda g: g / data_size, lax.psum(grads, DATA))
         if data_size > 1:
@@ -358,7 +355,7 @@ def local_pipeline(
         accumulation, run as a scan of ``jax.value_and_grad`` over the micro-batches (one call for
         m = 1): no tick loop, no permutes, no recomputing backward. The record is the table."""
         if zero3:
-            params = _gather(params, layout)
+            params = _gather(params, placement)
         micro = _micro(batch, m)
 
         grad = jax.value_and_grad(lambda pr, mb: _whole_loss(stages, pr, mb, policy) / m)
@@ -386,7 +383,7 @@ def _whole_loss(stages: Stages, params: Any, batch: Any, policy: Any) -> jax.Arr
 
 
 def pipeline_gradients(
-    stages: Stages, layout: Layout, sched: _schedule.Schedule, remat: str = "none"
+    stages: Stages, placement: Placement, sched: _schedule.Schedule, remat: str = "none"
 ) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, {"schedule": record}, state, grads)``:
     the gradient function ``build_step`` takes for a pipeline plan (state and key pass through).
@@ -394,23 +391,24 @@ def pipeline_gradients(
     One stage and one micro-batch without ZeRO-3 or a model axis is the plan without stages: the
     loss's gradient in the global view, XLA's partitioner all-reducing it over ``data`` as under
     dp (so ``stage=1`` costs what dp costs)."""
-    from meshkit.plans._fsdp import REMAT
 
-    mesh = layout.mesh
+    mesh = placement.mesh
     has_data = DATA in mesh.shape
-    zero3 = layout.plan.stage == "zero3"
-    if (sched.p, sched.v, sched.m) == (1, 1, 1) and not zero3 and layout.model_size == 1:
-        table, policy = jnp.asarray(sched.table()), REMAT[remat]
+    zero3 = placement.plan.shards_params
+    if (sched.p, sched.v, sched.m) == (1, 1, 1) and not zero3 and placement.model_size == 1:
+        table, policy = jnp.asarray(sched.table()), remat_policy(remat)
 
         def plain(params, state, batch, key):
             loss, grads = jax.value_and_grad(lambda pr: _whole_loss(stages, pr, batch, policy))(params)
             return loss, {"schedule": table}, state, grads
 
         return plain
-    specs = layout.tree(lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=zero3)]))
+    specs = placement.tree(
+        lambda leaf: P(*[a if a in (STAGE, DATA) else None for a in leaf.spec(data=zero3)])
+    )
     manual = {STAGE} | ({DATA} if has_data else set())
     body = jax.shard_map(
-        local_pipeline(stages, sched, layout, remat),
+        local_pipeline(stages, sched, placement, remat),
         mesh=mesh,
         in_specs=(specs, P(DATA) if has_data else P()),
         out_specs=(P(), P(None, STAGE), specs),
@@ -427,25 +425,23 @@ def pipeline_gradients(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Pipeline:
-    """A pipeline plan's pieces for the Trainer: the model, the schedule, the staged layout."""
+    """A pipeline plan's pieces for the Trainer: the model, the schedule, the staged placement."""
 
     stages: Stages
     schedule: _schedule.Schedule
-    layout: Layout
+    placement: Placement
     layers: int
     remat: str = "none"
     """Activation checkpointing per block inside a chunk's recomputing backward: 'none', 'layer', 'dots'."""
 
     @classmethod
-    def make(cls, loss_fn: Any, params: Any, layout: Layout, *, microbatches: int | None, schedule: str | None,
-             virtual_stages: int, extras: dict[str, bool], remat: str = "none") -> Pipeline:  # fmt: skip
-        """Check a pipeline plan's inputs (naming the fix) and build its schedule and layout.
+    def make(cls, loss_fn: Any, params: Any, placement: Placement, spec: ParallelSpec,
+             extras: dict[str, bool]) -> Pipeline:  # fmt: skip
+        """Check a pipeline plan's model and sizes (naming the fix) and build its schedule and placement.
 
         ``extras``: Trainer options the pipeline does not take yet (name -> whether given).
         """
-        from meshkit.plans._fsdp import check_remat
-
-        plan = layout.plan.name
+        plan = placement.plan.name
         if not isinstance(loss_fn, Stages):
             raise PlanError(
                 f"plan {plan} needs the model as meshkit.Stages(embed=, block=, head=, loss=) with stacked "
@@ -455,24 +451,19 @@ class Pipeline:
             raise PlanError(
                 f"plan {plan} does not take {', '.join(given)} yet: drop it, or use a plan without pp"
             )
-        if check_remat(remat) not in PIPELINE_REMAT:
-            raise PlanError(
-                f"plan {plan} takes remat {', '.join(map(repr, PIPELINE_REMAT))}: {remat!r} re-gathers ZeRO-3 shards "
-                f"per layer, and a pipeline gathers its stage once per step; use remat='layer'"
-            )
-        p = int(layout.mesh.shape[STAGE])
-        m = p if microbatches is None else microbatches
-        name = schedule or "1f1b"
-        check_sizes(loss_fn, params, p, m, virtual_stages, name)
-        return cls(stages=loss_fn, schedule=_schedule.build(name, p, m, virtual_stages),
-                   layout=stage_layout(layout, loss_fn), layers=loss_fn.layers(params), remat=remat)  # fmt: skip
+        p = int(placement.mesh.shape[STAGE])
+        m = p if spec.microbatches is None else spec.microbatches
+        v, name = spec.virtual_stages, spec.schedule_name
+        check_sizes(loss_fn, params, p, m, v, name)
+        return cls(stages=loss_fn, schedule=_schedule.build(name, p, m, v),
+                   placement=stage_placement(placement, loss_fn), layers=loss_fn.layers(params), remat=spec.remat)  # fmt: skip
 
     @property
     def microbatches(self) -> int:
         return self.schedule.m
 
     def gradients(self) -> Callable:
-        return pipeline_gradients(self.stages, self.layout, self.schedule, self.remat)
+        return pipeline_gradients(self.stages, self.placement, self.schedule, self.remat)
 
     def activation(self, params: Any, batch: Any, data_size: int) -> jax.ShapeDtypeStruct:
         """One micro-batch's activation on one device (what each permute moves and each slot holds)."""
@@ -494,16 +485,14 @@ class Pipeline:
         outputs of k layers, the rest recreated inside fusions."""
         from jax._src.ad_checkpoint import saved_residuals
 
-        from meshkit.plans._fsdp import REMAT
-
         remat = self.remat if remat is None else remat
         blocks = self.stages.split(params)[1]
         k = self.layers // (self.schedule.p * self.schedule.v)
         chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((k, *np.shape(a)[1:]), a.dtype), blocks)
-        act = self.activation(params, batch, self.layout.data_size)
+        act = self.activation(params, batch, self.placement.data_size)
 
         def saved(policy: str) -> float:
-            run = lambda cp, x: jnp.sum(self.stages.run_blocks(cp, x, REMAT[policy]))  # noqa: E731
+            run = lambda cp, x: jnp.sum(self.stages.run_blocks(cp, x, remat_policy(policy)))  # noqa: E731
             return float(
                 sum(_nbytes(a) for a, where in saved_residuals(run, chunk, act) if "argument" not in where)
             )
@@ -525,23 +514,23 @@ class Pipeline:
         without ticks: one forward and one backward per micro-batch.
         """
         from meshkit.analysis.cost import ring_traffic
-        from meshkit.plans._model import Expected, _merge, _spec_split
+        from meshkit.plans._expected import Expected, _merge
 
-        s, p, layout = self.schedule, self.schedule.p, self.layout
-        act = self.activation(params, batch, layout.data_size)
+        s, p, placement = self.schedule, self.schedule.p, self.placement
+        act = self.activation(params, batch, placement.data_size)
         item = act.dtype.itemsize  # XLA's CPU compiler moves sub-32-bit float collectives as f32
-        item = max(item, 4) if layout.mesh.devices.flat[0].platform == "cpu" else item
+        item = max(item, 4) if placement.mesh.devices.flat[0].platform == "cpu" else item
         act_bytes = int(np.prod(act.shape)) * item
-        blocks = [x for x in layout.flat() if x.path.startswith(self.stages.blocks + "/")]
+        blocks = [x for x in placement.flat() if x.path.startswith(self.stages.blocks + "/")]
         rows = []
         if p > 1:
-            top = sum(x.nbytes for x in layout.flat() if x not in blocks)
-            chunk = sum(x.nbytes // _spec_split(x, layout) for x in blocks) // s.v
+            top = sum(x.nbytes for x in placement.flat() if x not in blocks)
+            chunk = sum(x.nbytes // placement.split(x) for x in blocks) // s.v
             rows += [(STAGE, "collective-permute", 2 * s.ticks, act_bytes, 2, "an activation forward, a cotangent back, per tick"),
                      (STAGE, "collective-permute", 2 * relayout_count(p, s.v), chunk, 2, "interleaved: chunks to their devices and back"),
                      (STAGE, "all-reduce", 1, top, p, "embedding and head gradients, summed over the stages"),
                      (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
-        if layout.model_size > 1:
+        if placement.model_size > 1:
             tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
             row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]
             redone = row_parallel[:-1] if self.remat == "layer" else []  # see ``_fsdp.tp_matrices``
@@ -552,18 +541,18 @@ class Pipeline:
                 spec = x.model_spec
                 if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
                     times = (forwards + (x in redone)) * runs * k
-                    rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, layout.model_size,
+                    rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, placement.model_size,
                                  f"{x.path}: outputs"))  # fmt: skip
                 elif (
                     len(x.shape) == 3 and spec[2] == MODEL
                 ):  # column-parallel: input-gradient partial sums, B
-                    rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, layout.model_size, f"{x.path}: input gradients"))  # fmt: skip
+                    rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, placement.model_size, f"{x.path}: input gradients"))  # fmt: skip
         return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
                                 what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
 
     def report(self, record: Any, params: Any, batch: Any, temp_bytes: float) -> PipelineReport:
         s = self.schedule
-        act = self.activation(params, batch, int(self.layout.mesh.shape.get(DATA, 1)))
+        act = self.activation(params, batch, int(self.placement.mesh.shape.get(DATA, 1)))
         act_bytes = int(np.prod(act.shape)) * act.dtype.itemsize
         return PipelineReport(
             schedule=s.name, stages=s.p, microbatches=s.m, virtual_stages=s.v, ticks=s.ticks,
@@ -616,7 +605,7 @@ class PipelineReport:
     def table(self) -> Any:
         from rich.table import Table
 
-        from meshkit.cli._format import fmt_bytes
+        from meshkit.fmt import fmt_bytes
 
         t = Table(title=f"pipeline: {self.schedule}, stage={self.stages}, microbatches={self.microbatches}, "
                         f"virtual stages={self.virtual_stages}, {self.ticks} ticks", title_justify="left")  # fmt: skip

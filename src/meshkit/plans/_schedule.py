@@ -36,9 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from meshkit.plans._layout import PlanError
+from meshkit.spec import STEADY_SCHEDULES, PlanError, check_schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 IDLE, FWD, BWD = 0, 1, 2
 _LETTER = {IDLE: ".", FWD: "F", BWD: "B"}
 
@@ -123,15 +122,10 @@ def render(record: np.ndarray, v: int = 1) -> str:
 
 def check(name: str, p: int, m: int, v: int = 1) -> None:
     """Raise PlanError naming the fix when the schedule cannot run these sizes."""
-    if name not in SCHEDULES:
-        raise PlanError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    if p < 1 or m < 1 or v < 1:
-        raise PlanError(f"stages, microbatches and virtual stages must be at least 1 (got {p}, {m}, {v})")
-    if name != "interleaved" and v != 1:
-        raise PlanError(
-            f"schedule {name} runs one chunk per device: use virtual_stages=1, or schedule='interleaved'"
-        )
-    if name in ("1f1b", "interleaved") and m < p:
+    check_schedule(name, v)
+    if p < 1 or m < 1:
+        raise PlanError(f"stages and microbatches must be at least 1 (got {p}, {m})")
+    if name in STEADY_SCHEDULES and m < p:
         raise PlanError(
             f"schedule {name} needs microbatches >= stages: {m} < stage={p}; use microbatches={p} or more"
         )

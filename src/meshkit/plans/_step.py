@@ -43,8 +43,9 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
 from meshkit.plans import _fsdp, _rng
-from meshkit.plans._layout import DATA, Layout
 from meshkit.plans._manual import manual_data
+from meshkit.plans.placement import Placement
+from meshkit.spec import DATA
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -54,28 +55,28 @@ def _split_micro(batch: Any, m: int) -> Any:
     return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m, *a.shape[1:])), batch)
 
 
-def _tree_apply(fn, tree: Any, layout: Layout) -> Any:
+def _tree_apply(fn, tree: Any, placement: Placement) -> Any:
     """Apply a list function over the leaves of a parameter-shaped tree."""
     leaves = jax.tree.leaves(tree)
-    return jax.tree.unflatten(jax.tree.structure(tree), fn(leaves, layout.flat(), layout.data_size))
+    return jax.tree.unflatten(jax.tree.structure(tree), fn(leaves, placement.flat(), placement.data_size))
 
 
-def _gather(params: Any, layout: Layout) -> Any:
-    return _tree_apply(buckets.all_gather, params, layout)
+def _gather(params: Any, placement: Placement) -> Any:
+    return _tree_apply(buckets.all_gather, params, placement)
 
 
-def _scatter(grads: Any, layout: Layout) -> Any:
+def _scatter(grads: Any, placement: Placement) -> Any:
     """Reduce-scatter the data-sharded leaves (bucketed); replicated leaves stay local."""
-    return _tree_apply(buckets.reduce_scatter, grads, layout)
+    return _tree_apply(buckets.reduce_scatter, grads, placement)
 
 
-def _finish(acc: Any, layout: Layout, scatter_now: bool, scale: float) -> Any:
+def _finish(acc: Any, placement: Placement, scatter_now: bool, scale: float) -> Any:
     """Reduce what is still local (one all-reduce of every leaf kept whole: all of them under dp), scale."""
     if scatter_now:
-        acc = _scatter(acc, layout)
+        acc = _scatter(acc, placement)
     grads = jax.tree.leaves(acc)
-    whole = [i for i, leaf in enumerate(layout.flat()) if leaf.data_dim is None]
-    if whole and layout.data_size > 1:  # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1)
+    whole = [i for i, leaf in enumerate(placement.flat()) if leaf.data_dim is None]
+    if whole and placement.data_size > 1:  # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1)
         for i, g in zip(whole, lax.psum([grads[i] for i in whole], DATA), strict=True):
             grads[i] = g
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
@@ -132,7 +133,7 @@ def _cast(tree: Any, dtype: Any) -> Any:
 
 
 def local_gradients(
-    loss_fn: LossFn, layout: Layout, accumulate: int, per: _fsdp.PerLayer, compute_dtype: Any = None
+    loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer, compute_dtype: Any = None
 ) -> Callable:
     """The per-device gradient function (inside the manual data region).
 
@@ -140,9 +141,8 @@ def local_gradients(
     all-gathers and the gradients reduce-scattered in that dtype (half the bytes for bf16), then
     cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
     """
-    stage = layout.plan.stage
-    low = compute_dtype is not None and layout.plan.gathers_in_compute_dtype
-    scale = 1.0 / (layout.data_size * accumulate)
+    low = compute_dtype is not None and placement.plan.gathers_in_compute_dtype
+    scale = 1.0 / (placement.data_size * accumulate)
 
     def first_row(j, rows):
         return (lax.axis_index(DATA) * accumulate + j) * rows
@@ -155,16 +155,21 @@ def local_gradients(
 
     def scatter(g):  # per-layer leaves come back already reduce-scattered
         return _tree_apply(
-            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, layout
+            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, placement
         )
 
     def run(params, state, batch, key):
-        per_micro = scatter if stage in ("zero2", "zero3") else (lambda g: g)
+        per_micro = scatter if placement.plan.shards_gradients else (lambda g: g)
         if low:
             per_micro = lambda g: jax.tree.map(lambda s, p: s.astype(p.dtype), scatter(g), params)  # noqa: E731
         loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
-        grads = _finish(acc, layout, scatter_now=stage == "zero1", scale=scale)
-        if layout.data_size == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
+        grads = _finish(
+            acc,
+            placement,
+            scatter_now=placement.plan.shards_optimizer and not placement.plan.shards_gradients,
+            scale=scale,
+        )
+        if placement.data_size == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
             return loss, aux, state, grads
         return lax.pmean(loss, DATA), lax.pmean(aux, DATA), state, grads
 
@@ -177,7 +182,7 @@ def _first(tree: Any) -> Any:
 
 def gradient_fn(
     loss_fn: LossFn,
-    layout: Layout,
+    placement: Placement,
     accumulate: int,
     per: _fsdp.PerLayer | None = None,
     compute_dtype: Any = None,
@@ -188,8 +193,8 @@ def gradient_fn(
     partitioner, which emits the single gradient all-reduce the model predicts; everything else
     runs manual over the data axis. ``per`` carries the remat policy and records the layers found.
     """
-    per = _fsdp.PerLayer(layout=layout) if per is None else per
-    if not layout.has_data_axis or (layout.plan.stage == "dp" and accumulate == 1):
+    per = _fsdp.PerLayer(placement=placement) if per is None else per
+    if not placement.has_data_axis or (not placement.plan.shards_optimizer and accumulate == 1):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
         def plain(params, state, batch, key):
@@ -197,12 +202,17 @@ def gradient_fn(
             return loss, aux, state, jax.tree.map(lambda g: g / accumulate, acc)
 
         return plain
-    zero3 = layout.plan.stage == "zero3"
-    in_specs = (layout.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), P(DATA), P())
-    out_specs = (P(), P(), P(), layout.tree(lambda leaf: leaf.manual_spec(data=layout.plan.stage != "dp")))
+    zero3 = placement.plan.shards_params
+    in_specs = (placement.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), P(DATA), P())
+    out_specs = (
+        P(),
+        P(),
+        P(),
+        placement.tree(lambda leaf: leaf.manual_spec(data=placement.plan.shards_optimizer)),
+    )
     return jax.shard_map(
-        local_gradients(loss_fn, layout, accumulate, per, compute_dtype),
-        mesh=layout.mesh,
+        local_gradients(loss_fn, placement, accumulate, per, compute_dtype),
+        mesh=placement.mesh,
         in_specs=in_specs,
         out_specs=out_specs,
         axis_names={DATA},
@@ -222,11 +232,11 @@ class StepShardings:
     """The model's other state (replicated), structured like it."""
 
 
-def state_shardings(optimizer: optax.GradientTransformation, params: Any, layout: Layout) -> Any:
+def state_shardings(optimizer: optax.GradientTransformation, params: Any, placement: Placement) -> Any:
     """Optimizer-state shardings: parameter-shaped leaves follow the plan, the rest replicated."""
-    mesh = layout.mesh
+    mesh = placement.mesh
     shapes = jax.eval_shape(optimizer.init, params)
-    specs = layout.state_specs()
+    specs = placement.state_specs()
     return optax.tree_map_params(
         optimizer,
         lambda _, spec: NamedSharding(mesh, spec),
@@ -237,14 +247,16 @@ def state_shardings(optimizer: optax.GradientTransformation, params: Any, layout
     )
 
 
-def _param_gather(layout: Layout) -> Callable | None:
+def _param_gather(placement: Placement) -> Callable | None:
     """ZeRO-1/2: the all-gather of the updated parameter shards (bucketed), or None."""
-    if layout.plan.stage not in ("zero1", "zero2") or all(leaf.data_dim is None for leaf in layout.flat()):
+    if not (placement.plan.shards_optimizer and not placement.plan.shards_params) or all(
+        leaf.data_dim is None for leaf in placement.flat()
+    ):
         return None
     return jax.shard_map(
-        lambda p: _gather(p, layout),
-        mesh=layout.mesh,
-        in_specs=(layout.tree(lambda leaf: leaf.manual_spec(data=True)),),
+        lambda p: _gather(p, placement),
+        mesh=placement.mesh,
+        in_specs=(placement.tree(lambda leaf: leaf.manual_spec(data=True)),),
         out_specs=P(),
         axis_names={DATA},
         check_vma=False,
@@ -254,7 +266,7 @@ def _param_gather(layout: Layout) -> Callable | None:
 def build_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
-    layout: Layout,
+    placement: Placement,
     shardings: StepShardings,
     *,
     accumulate: int = 1,
@@ -272,10 +284,12 @@ def build_step(
     every gradient, which the compiler may fuse into the last collective). ``gradients`` replaces
     the plan's gradient function (a pipeline's, from ``_pipeline``), same signature as ``gradient_fn``'s.
     """
-    grads_of = gradients or gradient_fn(loss_fn, layout, accumulate, per_layer, compute_dtype)
-    gather = _param_gather(layout)
-    mesh = layout.mesh
-    grad_sh = layout.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=layout.plan.stage != "dp")))
+    grads_of = gradients or gradient_fn(loss_fn, placement, accumulate, per_layer, compute_dtype)
+    gather = _param_gather(placement)
+    mesh = placement.mesh
+    grad_sh = placement.tree(
+        lambda leaf: NamedSharding(mesh, leaf.spec(data=placement.plan.shards_optimizer))
+    )
     with_norm = grad_norm or clip_norm is not None
     if per_layer is not None:
         per_layer.global_norm = with_norm

@@ -10,12 +10,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshkit.train.trainer import PlanReport, Trainer
+    from meshkit.train.report import PlanReport
+    from meshkit.train.trainer import Trainer
 
+_WHERE = {"PlanReport": "meshkit.train.report", "Trainer": "meshkit.train.trainer"}
 __all__ = ["PlanReport", "Trainer"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("meshkit.train.trainer"), name)
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'meshkit.train' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshkit.plans import PlanError
+from meshkit.spec import PlanError
 
 
 def _path(keys) -> str:
@@ -113,3 +113,30 @@ def check_state(state: Any) -> None:
             )
         if not isinstance(x, jax.Array | np.ndarray | np.generic):
             raise PlanError(f"{where} is a {type(x).__name__}, not an array: state holds arrays only")
+
+
+def check_optimizer(optimizer: Any) -> None:
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        raise PlanError(
+            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), got {type(optimizer).__name__}"
+        )
+
+
+def base_key(rng: Any) -> jax.Array | None:
+    """``rng=``: None, an int seed, a typed key, or a raw uint32 key (``jax.random.PRNGKey``)."""
+    if rng is None:
+        return None
+    if isinstance(rng, int) and not isinstance(rng, bool):
+        return jax.random.key(rng)
+    if isinstance(rng, jax.Array | np.ndarray):
+        if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ():
+            if str(jax.random.key_impl(rng)) not in ("threefry2x32", "fry"):
+                raise PlanError(
+                    f"rng must be a threefry key (jax.random.key's default), got {jax.random.key_impl(rng)}"
+                )
+            return rng
+        if rng.dtype == np.uint32 and rng.shape == (2,):
+            return jax.random.wrap_key_data(jnp.asarray(rng))
+    raise PlanError(
+        f"rng must be an int seed or a single PRNG key (jax.random.key(0)), got {type(rng).__name__}"
+    )

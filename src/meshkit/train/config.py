@@ -1,13 +1,24 @@
-"""The training job's configuration: one frozen dataclass, and presets as plain functions."""
+"""The training job's configuration: one frozen dataclass holding the parallel spec, and presets as
+plain functions.
+
+Every option has one name, used as it is in Python and as ``--name-with-dashes`` on the command
+line: the job's own fields here, and the layout's (``plan``, ``mesh``, ``remat``, ``precision``,
+``accumulate``, ``microbatches``, ``pipeline_schedule``, ``virtual_stages``) in the
+``ParallelSpec`` it holds (``meshkit.spec``), which validates them. ``config.json`` in a run
+directory is this config as JSON, checked on ``--resume`` with the same rules and messages.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import math
+import typing
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshkit._errors import MeshkitError
+from meshkit.spec import ParallelSpec, PlanError
 
 if TYPE_CHECKING:  # optax is imported where it is used: the CLI reads this module to print its --help
     import optax
@@ -17,17 +28,18 @@ class ConfigError(MeshkitError):
     """A training option is out of range or inconsistent."""
 
 
+MAX_STEPS = 10**9
+"""More optimizer steps than any run takes (a bound, so that nonsense fails before anything is written)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """Everything ``meshkit train`` needs; ``config.json`` in the run directory is this, as JSON."""
 
-    plan: str = "fsdp"
-    """Parallel plan: dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp;
-    or auto (``meshkit train`` replaces it by the planner's choice before the run starts)."""
+    parallel: ParallelSpec = field(default_factory=lambda: ParallelSpec(plan="fsdp"))
+    """How the step is laid out over devices: plan, mesh, remat, precision, micro-batches."""
     plan_reason: str | None = None
     """Why ``--plan auto`` chose the plan (None: the plan was given)."""
-    mesh: str | None = None
-    """Mesh such as 'data=8' or 'data=4,model=2'; None picks the plan's default over all devices."""
     steps: int = 400
     """Optimizer steps in total (a resumed run continues up to this count)."""
     batch_size: int = 32
@@ -50,21 +62,8 @@ class TrainConfig:
     """AdamW weight decay."""
     momentum: float = 0.9
     """SGD momentum."""
-    accumulate: int = 1
-    """Micro-batches accumulated per optimizer step."""
-    microbatches: int | None = None
-    """Pipeline plans (+pp): micro-batches per step; None: one per stage."""
-    schedule: str | None = None
-    """Pipeline plans: 'gpipe', '1f1b' or 'interleaved'; None: 1f1b."""
-    virtual_stages: int = 1
-    """Interleaved schedule: chunks of layers per device."""
     clip: float | None = 1.0
     """Global-norm gradient clipping (None: off)."""
-    precision: str = "fp32"
-    """'fp32', or 'bf16' (bfloat16 compute, float32 master weights and optimizer state)."""
-    remat: str = "none"
-    """Activation checkpointing per block: 'none', 'layer', 'dots' or 'regather' (zero3/fsdp then
-    gathers each block's parameters again in the backward pass)."""
     scan_layers: bool = False
     """The GPT's scanned form: blocks stacked under lax.scan (compile time flat in depth)."""
     seed: int = 0
@@ -85,16 +84,107 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files (scalars of metrics.jsonl) into the run directory."""
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TrainConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+    def get(self, name: str) -> Any:
+        """An option by its one name: the job's own fields, or the parallel spec's."""
+        if name in PARALLEL:
+            return getattr(self.parallel, name)
+        return getattr(self, name)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with options changed by name (the parallel spec's among them, validated by it)."""
+        unknown = sorted(set(changes) - set(OPTIONS) - {"parallel"})
+        if unknown:
+            raise ConfigError(f"unknown option(s) {unknown}: the options are {', '.join(OPTIONS)}")
+        mine = {k: v for k, v in changes.items() if k not in PARALLEL}
+        layout = {k: v for k, v in changes.items() if k in PARALLEL}
+        if layout:
+            mine["parallel"] = _spec(mine.get("parallel", self.parallel), layout)
+        return dataclasses.replace(self, **mine)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in OWN}, "parallel": self.parallel.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "config.json") -> TrainConfig:
+        """The config a run saved, checked field by field (type, range) with the command line's rules.
+
+        Every option that fixes the run must be present (a missing one is not silently defaulted);
+        a config of a meshkit release before the parallel spec (its options at the top level) is read
+        too."""
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{where} is not a meshkit config (a JSON object of options): give a run's directory"
+            )
+        data = dict(data)
+        layout = data.pop("parallel", None)
+        if layout is None:  # the layout's options at the top level, as written before the parallel spec
+            layout = {
+                PARALLEL_OLD.get(k, k): data.pop(k) for k in list(data) if PARALLEL_OLD.get(k, k) in PARALLEL
+            }
+        if not isinstance(layout, dict):
+            raise ConfigError(f"{where}: 'parallel' must be an object of {', '.join(PARALLEL)}")
+        unknown = sorted((set(data) - set(OWN)) | (set(layout) - set(PARALLEL)))
+        if unknown:
+            raise ConfigError(
+                f"{where} has unknown option(s) {unknown}: it was not written by this meshkit, or was edited"
+            )
+        if missing := [k for k in FIXED_ON_RESUME if k not in data and k not in layout]:
+            raise ConfigError(
+                f"{where} lacks {', '.join(map(flag, missing))}, which the run fixed: restore the file"
+            )
+        for name, value in [*data.items(), *layout.items()]:
+            check_type(name, value, where)
+        try:
+            cfg = cls(parallel=ParallelSpec(**layout), **data)
+        except PlanError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        validate(cfg)
+        return cfg
+
+
+PARALLEL = ParallelSpec.fields()
+"""The options the parallel spec holds."""
+PARALLEL_OLD = {"schedule": "pipeline_schedule"}
+"""Names the parallel options had in configs written before the spec."""
+OWN = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel")
+OPTIONS = (*PARALLEL, *OWN)
+"""Every option of ``meshkit train``, by its one name."""
+
+
+def _spec(spec: ParallelSpec, changes: dict[str, Any]) -> ParallelSpec:
+    try:
+        return spec.replace(**changes)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _types() -> dict[str, Any]:
+    hints = typing.get_type_hints(TrainConfig) | typing.get_type_hints(ParallelSpec)
+    return {k: v for k, v in hints.items() if k != "parallel"}
+
+
+def check_type(name: str, value: Any, where: str = "config.json") -> None:
+    """``value`` has the type option ``name`` takes (an int is a float; a bool is no number)."""
+    want = _types()[name]
+    allowed = typing.get_args(want) or (want,)
+    ok = any(
+        (t is type(None) and value is None)
+        or (t is bool and isinstance(value, bool))
+        or (t is int and isinstance(value, int) and not isinstance(value, bool))
+        or (t is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (t is str and isinstance(value, str))
+        for t in allowed
+    )
+    if not ok:
+        kinds = {
+            int: "a whole number",
+            float: "a number",
+            str: "text",
+            bool: "true or false",
+            type(None): "null",
+        }
+        said = " or ".join(kinds[t] for t in allowed)
+        raise ConfigError(f"{where}: {flag(name)} must be {said}, got {value!r}")
 
 
 def default() -> TrainConfig:
@@ -146,12 +236,13 @@ FIXED_ON_RESUME = {
 #: What a resumed run may change: how the same computation is laid out over devices (the checkpoint is
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
-                        "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "schedule",
+                        "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
                         "virtual_stages")  # fmt: skip
+PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
 
 
-def _shown(cfg: TrainConfig, key: str) -> Any:
-    return warmup_steps(cfg) if key == "warmup" else getattr(cfg, key)
+def effective(cfg: TrainConfig, key: str) -> Any:
+    return warmup_steps(cfg) if key == "warmup" else cfg.get(key)
 
 
 def _text(value: Any) -> str:
@@ -165,7 +256,7 @@ def _text(value: Any) -> str:
 def check_same_run(saved: TrainConfig, cfg: TrainConfig, where: str) -> None:
     """Raise, naming the option, unless ``cfg`` keeps everything ``saved`` fixed."""
     for key, what in FIXED_ON_RESUME.items():
-        old, new = _shown(saved, key), _shown(cfg, key)
+        old, new = effective(saved, key), effective(cfg, key)
         if old != new:
             raise ConfigError(
                 f"--resume: {flag(key)} was {old!r} in '{where}' and fixes {what}, so it cannot become {new!r}; "
@@ -175,67 +266,74 @@ def check_same_run(saved: TrainConfig, cfg: TrainConfig, where: str) -> None:
 
 def resumed(saved: TrainConfig, given: dict[str, Any], where: str) -> tuple[TrainConfig, list[str]]:
     """The saved config with the options given again: those that only change the layout or the logging
-    are applied (each change is returned as one line), any change of what the run fixed is refused."""
+    are applied (each change is returned as one line), any change of what the run fixed is refused.
+    A plan without a pipeline drops the saved pipeline options (said in a line)."""
     changes = {k: v for k, v in given.items() if k != "run_dir"}
+    if "plan" in changes and not _is_pipeline(changes["plan"]):
+        defaults = ParallelSpec.defaults()
+        changes |= {k: defaults[k] for k in PIPELINE_OPTIONS if k not in given}
     cfg = saved.replace(**changes, run_dir=where)
     check_same_run(saved, cfg, where)
     # a --warmup equal to the one the saved run uses (a tenth of its steps) changes nothing
     cfg = cfg.replace(warmup=saved.warmup)
     lines = [
-        f"{flag(k)}: {_text(getattr(saved, k))} -> {_text(v)}"
+        f"{flag(k)}: {_text(saved.get(k))} -> {_text(v)}"
         for k, v in changes.items()
-        if k in CHANGEABLE_ON_RESUME and getattr(saved, k) != v
+        if k in CHANGEABLE_ON_RESUME and saved.get(k) != v
     ]
     validate(cfg)
     return cfg, lines
+
+
+def _is_pipeline(plan: str) -> bool:
+    from meshkit.spec import PLANS
+
+    return plan in PLANS and PLANS[plan].pipeline
 
 
 def validate(cfg: TrainConfig) -> None:
     """Range checks that need no data and no devices; each message names the option to change."""
     warmup = warmup_steps(cfg)
     checks = [
-        (cfg.steps >= 1, f"--steps must be at least 1, got {cfg.steps}"),
-        (cfg.batch_size >= 1, f"--batch-size must be at least 1, got {cfg.batch_size}"),
-        (cfg.seq_len >= 1, f"--seq-len must be at least 1, got {cfg.seq_len}"),
-        (cfg.layers >= 1, f"--layers must be at least 1, got {cfg.layers}"),
-        (cfg.width >= 1, f"--width must be at least 1, got {cfg.width}"),
-        (cfg.heads >= 1, f"--heads must be at least 1, got {cfg.heads}"),
-        (cfg.width % cfg.heads == 0, f"--heads {cfg.heads} must divide --width {cfg.width}"),
-        (cfg.optimizer in ("adamw", "sgd"), f"unknown --optimizer {cfg.optimizer!r}: use adamw or sgd"),
-        (cfg.lr > 0, f"--lr must be positive, got {cfg.lr}"),
-        (warmup >= 0, f"--warmup must be at least 0, got {warmup}"),
-        (
-            warmup < cfg.steps,
-            f"--warmup {warmup} must be below --steps {cfg.steps}: lower --warmup, or leave it out "
-            f"(default: a tenth of --steps)",
-        ),
-        (cfg.accumulate >= 1, f"--accumulate must be at least 1, got {cfg.accumulate}"),
-        (cfg.clip is None or cfg.clip > 0, f"--clip must be positive (0 turns it off), got {cfg.clip}"),
-        (cfg.precision in ("fp32", "bf16"), f"unknown --precision {cfg.precision!r}: use fp32 or bf16"),
-        (cfg.eval_every >= 0, f"--eval-every must be at least 0 (0: at the end only), got {cfg.eval_every}"),
-        (cfg.eval_batches >= 1, f"--eval-batches must be at least 1, got {cfg.eval_batches}"),
-        (
-            cfg.remat in ("none", "layer", "dots", "regather"),
-            f"unknown --remat {cfg.remat!r}: use none, layer, dots or regather",
-        ),
-        (cfg.checkpoint_every >= 1, f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
-        (cfg.sample_chars >= 0, f"--sample-chars must be at least 0, got {cfg.sample_chars}"),
-        (0 <= cfg.seed < 2**32, f"--seed must be in [0, 2**32), got {cfg.seed}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+        (lambda: 1 <= cfg.steps <= MAX_STEPS, lambda: f"--steps must be between 1 and {MAX_STEPS:,}, got {cfg.steps}"),
+        (lambda: cfg.batch_size >= 1, lambda: f"--batch-size must be at least 1, got {cfg.batch_size}"),
+        (lambda: cfg.seq_len >= 1, lambda: f"--seq-len must be at least 1, got {cfg.seq_len}"),
+        (lambda: cfg.layers >= 1, lambda: f"--layers must be at least 1, got {cfg.layers}"),
+        (lambda: cfg.width >= 1, lambda: f"--width must be at least 1, got {cfg.width}"),
+        (lambda: cfg.heads >= 1, lambda: f"--heads must be at least 1, got {cfg.heads}"),
+        (lambda: cfg.width % cfg.heads == 0, lambda: f"--heads {cfg.heads} must divide --width {cfg.width}"),
+        (lambda: cfg.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {cfg.optimizer!r}: use adamw or sgd"),
+        (lambda: math.isfinite(cfg.lr) and cfg.lr > 0, lambda: f"--lr must be a positive finite number, got {cfg.lr}"),
+        (lambda: math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
+         lambda: f"--weight-decay must be a finite number of at least 0, got {cfg.weight_decay}"),
+        (lambda: math.isfinite(cfg.momentum) and 0 <= cfg.momentum < 1,
+         lambda: f"--momentum must be in [0, 1), got {cfg.momentum}"),
+        (lambda: warmup >= 0, lambda: f"--warmup must be at least 0, got {warmup}"),
+        (lambda: warmup < cfg.steps, lambda: f"--warmup {warmup} must be below --steps {cfg.steps}: lower --warmup, "
+                                             f"or leave it out (default: a tenth of --steps)"),
+        (lambda: cfg.clip is None or (math.isfinite(cfg.clip) and cfg.clip > 0),
+         lambda: f"--clip must be a positive finite number (0 turns it off), got {cfg.clip}"),
+        (lambda: cfg.eval_every >= 0, lambda: f"--eval-every must be at least 0 (0: at the end only), got {cfg.eval_every}"),
+        (lambda: cfg.eval_batches >= 1, lambda: f"--eval-batches must be at least 1, got {cfg.eval_batches}"),
+        (lambda: cfg.checkpoint_every >= 1, lambda: f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
+        (lambda: cfg.sample_chars >= 0, lambda: f"--sample-chars must be at least 0, got {cfg.sample_chars}"),
+        (lambda: 0 <= cfg.seed < 2**32, lambda: f"--seed must be in [0, 2**32), got {cfg.seed}"),
+    ]  # fmt: skip
+    for ok, message in checks:  # in order: a later check may divide by what an earlier one bounds
+        if not ok():
+            raise ConfigError(message())
 
 
 def check_batch(cfg: TrainConfig, data_axis: int) -> None:
     """The global batch must split evenly over the data axis and then into ``accumulate`` micro-batches."""
-    unit = data_axis * cfg.accumulate
+    accumulate = cfg.parallel.accumulate
+    unit = data_axis * accumulate
     if cfg.batch_size % unit:
         fit = max(unit, cfg.batch_size // unit * unit)
         raise ConfigError(
             f"--batch-size {cfg.batch_size} does not divide over the data axis ({data_axis}) x --accumulate "
-            f"{cfg.accumulate}: use --batch-size {fit} (a multiple of {unit})"
-            + (" or a smaller --accumulate" if cfg.accumulate > 1 else "")
+            f"{accumulate}: use --batch-size {fit} (a multiple of {unit})"
+            + (" or a smaller --accumulate" if accumulate > 1 else "")
         )
 
 
@@ -246,7 +344,7 @@ def check_stop_after(stop_after: int | None, step: int) -> None:
         raise ConfigError(f"--stop-after {stop_after} must be after {where}: give a later step, or drop it")
 
 
-def schedule(cfg: TrainConfig) -> optax.Schedule:
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Linear warmup to ``lr`` (none with warmup 0), then cosine decay to lr/10 at the last step."""
     import optax
 
@@ -260,7 +358,7 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW or SGD with momentum, on the warmup + cosine schedule."""
     import optax
 
-    lr = schedule(cfg)
+    lr = lr_schedule(cfg)
     if cfg.optimizer == "adamw":
         return optax.adamw(lr, weight_decay=cfg.weight_decay)
     return optax.sgd(lr, momentum=cfg.momentum)

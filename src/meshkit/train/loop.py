@@ -28,15 +28,16 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from meshkit.devices import host
 from meshkit.models import gpt, num_params
-from meshkit.plans._layout import DATA, get_plan
+from meshkit.models.shape import ModelShape
+from meshkit.spec import DATA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
 from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
 from meshkit.train.lock import lock_run_dir
 from meshkit.train.metrics import MetricsLog
 from meshkit.train.trainer import Trainer
-from meshkit.verify import host
 
 
 @dataclass(kw_only=True)
@@ -82,19 +83,14 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
             f"data has {len(eval_tokens)}; use a shorter --seq-len or more --data"
         )
     batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
-    pipeline = get_plan(cfg.plan).pipeline  # the GPT as Stages: blocks stacked, split over the stages
-    model = gpt.GPTConfig(vocab_size=data.vocab_size, seq_len=cfg.seq_len, layers=cfg.layers, width=cfg.width,
-                          heads=cfg.heads, compute_dtype="bfloat16" if cfg.precision == "bf16" else None,
-                          scan_layers=cfg.scan_layers or pipeline)  # fmt: skip
+    spec = cfg.parallel
+    pipeline = spec.plan_info.pipeline  # the GPT as Stages: blocks stacked, split over the stages
+    model = gpt.GPTConfig.from_shape(model_shape(cfg, data.vocab_size), precision=spec.precision,
+                                     scan_layers=cfg.scan_layers or pipeline)  # fmt: skip
     params = gpt.init(jax.random.key(cfg.seed), model)
-    # A run resumed under a plan without stages keeps its pipeline options in its config (for a later
-    # resume under a pipeline plan) but does not pass them; a new run gets them refused by the Trainer.
-    stages = {} if resume and not pipeline else dict(microbatches=cfg.microbatches, schedule=cfg.schedule,
-                                                     virtual_stages=cfg.virtual_stages)  # fmt: skip
-    trainer = Trainer(gpt.stages(model) if pipeline else gpt.make_loss(model), params, C.optimizer(cfg),
-                      plan=cfg.plan, mesh=cfg.mesh, accumulate=cfg.accumulate, clip_norm=cfg.clip,
-                      logical_axes=gpt.logical_axes(params), tokens_per_example=cfg.seq_len, grad_norm=True,
-                      units={"heads": cfg.heads}, compute_dtype=model.compute_dtype, remat=cfg.remat, **stages)  # fmt: skip
+    trainer = Trainer(gpt.stages(model) if pipeline else gpt.make_loss(model), params, C.optimizer(cfg), spec=spec,
+                      clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params), tokens_per_example=cfg.seq_len,
+                      grad_norm=True, units={"heads": cfg.heads})  # fmt: skip
     C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
@@ -104,6 +100,13 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     return job
 
 
+def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
+    """The shape of the run's GPT (what ``--plan auto`` plans for and the model is built from)."""
+    return ModelShape(
+        name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len
+    )
+
+
 def saved_config(run_dir: Path) -> C.TrainConfig:
     """The config a run directory was started with; raises unless it holds a run to resume."""
     saved_path = run_dir / "config.json"
@@ -111,11 +114,10 @@ def saved_config(run_dir: Path) -> C.TrainConfig:
     if not saved_path.is_file() or not ckpt.is_dir() or _latest_step(ckpt) is None:
         raise C.ConfigError(f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume")
     try:
-        return C.TrainConfig.from_json(json.loads(saved_path.read_text()))
-    except (ValueError, TypeError) as e:
-        raise C.ConfigError(
-            f"--resume: '{saved_path}' is not a meshkit config ({e}): give the run's directory"
-        ) from None
+        data = json.loads(saved_path.read_text())
+    except ValueError as e:
+        raise C.ConfigError(f"--resume: '{saved_path}' is not JSON ({e}): give the run's directory") from None
+    return C.TrainConfig.from_json(data, where=f"--resume: '{saved_path}'")
 
 
 def _latest_step(directory: Path) -> int | None:
@@ -141,12 +143,27 @@ def _restore(job: Job) -> None:
             params, opt_state = jax.device_put(
                 (params, opt_state), (t.shardings.params, t.shardings.opt_state)
             )
+    _check_config_unedited(job, meta)
     t.params, t.opt_state = params, opt_state
     job.batches.restore(meta["data"])
     job.step = int(meta["step"])
     job.history = [h for h in _read_jsonl(job.run_dir / "metrics.jsonl") if h["step"] <= job.step]
     job.evals = [e for e in job.history if "eval_loss" in e]
     job.history = [h for h in job.history if "loss" in h]
+
+
+def _check_config_unedited(job: Job, meta: dict) -> None:
+    """The options that fixed the run are the checkpoint's: an edited config.json is refused."""
+    if "config" not in meta:
+        return
+    where = f"the checkpoint of step {meta['step']}"
+    at_save = C.TrainConfig.from_json(meta["config"], where=where)
+    for key, what in C.FIXED_ON_RESUME.items():
+        if C.effective(at_save, key) != C.effective(job.cfg, key):
+            raise C.ConfigError(
+                f"--resume: {C.flag(key)} is {C.effective(job.cfg, key)!r} in {job.run_dir / 'config.json'} but "
+                f"{C.effective(at_save, key)!r} in {where}, and it fixes {what}: restore config.json"
+            )
 
 
 def _other_form(t: Trainer, scan_layers: bool) -> tuple[Any, Any]:
@@ -200,7 +217,7 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
     """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by Ctrl-C."""
     cfg = job.cfg
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    lr = C.schedule(cfg)
+    lr = C.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
@@ -290,7 +307,7 @@ def results(job: Job) -> dict[str, Any]:
     tokens_per_s = float(np.median(steady)) if steady else 0.0
     flops = gpt.flops_per_token(job.model)
     return {
-        "plan": job.cfg.plan,
+        "plan": job.cfg.parallel.plan,
         "mesh": dict(t.mesh.shape),
         "devices": t.num_devices,
         "platform": jax.default_backend(),
@@ -314,7 +331,7 @@ def proof(job: Job) -> dict[str, Any]:
                          seed=job.cfg.seed, process_index=0, process_count=1))  # fmt: skip
     plan_report = job.trainer.report(probe)
     if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:
-        from meshkit.plans._schedule import plot
+        from meshkit.plans import plot_schedule as plot
 
         p = plan_report.pipeline
         plot(p.record, job.run_dir / "schedule.png", v=p.virtual_stages,
@@ -388,7 +405,7 @@ def run(
             _write_atomic(job.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in _read_jsonl(job.run_dir / "metrics.jsonl") if r["step"] <= job.step))  # fmt: skip
     n = job.trainer.num_devices
     console.print(
-        f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.plan}[/] on "
+        f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.parallel.plan}[/] on "
         f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
         f"({len(job.data.tokens):,} tokens, vocab {job.data.vocab_size})"
         + (f", resuming at step {job.step}" if resume else ""),

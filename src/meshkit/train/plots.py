@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from rich.console import Console
 
-from meshkit.cli._format import fmt_bytes, table
+from meshkit.fmt import fmt_bytes, table
 
 
 def loss_plot(history: list[dict], evals: list[dict], path: Path) -> None:

@@ -1,15 +1,15 @@
 """``Trainer``: a user's loss, parameters and optax optimizer, trained under any plan.
 
 The loss is a pure function of the parameters (and, as asked, the model's other state and a fresh
-random key per step); the Trainer brings it to the plan's one internal form (``plans._step``),
-checks every input before compiling, and saves and restores runs in the CLI's orbax format.
+random key per step); the Trainer checks every input before compiling, builds the step of its
+``ParallelSpec`` (``plans.assemble``: the same step the peak model and the planner compile), places
+the parameters and optimizer state, and saves and restores runs in the CLI's orbax format.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,197 +18,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from meshkit.analysis import CommLedger, MemoryLedger, communication, memory
-from meshkit.analysis.peak import peak_report
-from meshkit.mesh import as_auto, make_mesh
+from meshkit.analysis import communication, memory
+from meshkit.mesh import parse_mesh_spec
 from meshkit.plans import (
-    CommRow,
-    Layout,
     MemoryRow,
-    PlanError,
-    StepShardings,
-    build_step,
+    batch_fed,
     compare_communication,
     device_bytes,
     expected_collectives,
-    get_plan,
-    make_layout,
     memory_formula,
-    state_shardings,
 )
-from meshkit.plans._dataflow import batch_fed
-from meshkit.plans._fsdp import PerLayer
-from meshkit.plans._layout import DATA, Rules
-from meshkit.train._inputs import check_params, check_state
-
-_DEFAULT_MESH = {"dp": "data=-1", "zero1": "data=-1", "zero2": "data=-1", "zero3": "data=-1", "fsdp": "data=-1",
-                 "tp": "model=-1", "dp+tp": "data=-1,model=2", "fsdp+tp": "data=-1,model=2",
-                "pp": "stage=-1", "dp+pp": "stage=2,data=-1", "fsdp+pp": "stage=2,data=-1", "tp+pp": "stage=-1,model=2",
-                "dp+tp+pp": "stage=2,data=-1,model=2", "fsdp+tp+pp": "stage=2,data=-1,model=2"}  # fmt: skip
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanReport:
-    """Measured communication and memory of one compiled step beside the plan's model."""
-
-    plan: str
-    mesh: dict[str, int]
-    communication: list[CommRow]
-    memory: list[MemoryRow]
-    compiled_memory: MemoryLedger
-    replicated: list[tuple[str, str]]
-    ledger: CommLedger = field(repr=False)
-    peak: dict | None = None
-    """Measured peak (arguments + temporaries) beside ``meshkit.analysis.peak``'s model, and the
-    layers the plan found in the loss."""
-    pipeline: Any = None
-    """Pipeline plans: the executed schedule beside the model (``_pipeline.PipelineReport``)."""
-
-    @property
-    def ok(self) -> bool:
-        pipeline_ok = self.pipeline is None or self.pipeline.ok
-        return all(r.ok for r in self.communication) and all(r.ok for r in self.memory) and pipeline_ok
-
-    def to_json(self) -> dict:
-        return {
-            "plan": self.plan,
-            "mesh": self.mesh,
-            "ok": self.ok,
-            "communication": [r.to_json() for r in self.communication],
-            "memory": [r.to_json() for r in self.memory],
-            "compiled_memory": self.compiled_memory.to_json(),
-            "replicated_leaves": [{"path": p, "why": w} for p, w in self.replicated],
-            "peak": self.peak,
-            **({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}),
-        }
-
-    def tables(self) -> list:
-        """The report as rich tables: communication, then memory."""
-        from rich.table import Table
-
-        from meshkit.cli._format import fmt_bytes
-
-        comm = Table(title=f"plan {self.plan} on {_mesh_text(self.mesh)}: communication per step (ring model)",
-                     title_justify="left")  # fmt: skip
-        for c in ("op", "axes", "runs", "measured/device", "model", "ratio", ""):
-            comm.add_column(c, justify="left" if c in ("op", "axes") else "right")
-        for r in self.communication:
-            comm.add_row(r.op, r.axes, str(r.measured_runs), fmt_bytes(r.measured_traffic_bytes),
-                         fmt_bytes(r.model_traffic_bytes), "-" if r.ratio is None else f"{r.ratio:.4f}",
-                         "ok" if r.ok else "FAIL")  # fmt: skip
-        mem = Table(title="per-device memory", title_justify="left")
-        for c in ("component", "measured", "formula", "ratio", ""):
-            mem.add_column(c, justify="left" if c == "component" else "right")
-        for m in self.memory:
-            mem.add_row(m.component, fmt_bytes(m.measured_bytes), fmt_bytes(m.formula_bytes),
-                        "-" if m.ratio is None else f"{m.ratio:.4f}", "ok" if m.ok else "FAIL")  # fmt: skip
-        cm = self.compiled_memory
-        mem.add_row("compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", "")
-        mem.add_row("compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", "")
-        return [comm, mem] + ([] if self.pipeline is None else [self.pipeline.table()])
-
-    def __rich__(self):
-        from rich.console import Group
-        from rich.text import Text
-
-        verdict = Text("ok" if self.ok else "FAIL: measured differs from the model", style="bold")
-        return Group(*self.tables(), verdict)
-
-    def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=110, no_color=True, force_terminal=False, record=True, file=_Null())
-        console.print(self)
-        return console.export_text().rstrip() + "\n"
-
-
-class _Null:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
-
-
-def _mesh_text(mesh: Mapping[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in mesh.items())
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
-        raise PlanError(
-            f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), got {type(optimizer).__name__}"
-        )
-
-
-def _base_key(rng: Any) -> jax.Array | None:
-    """``rng=``: None, an int seed, a typed key, or a raw uint32 key (``jax.random.PRNGKey``)."""
-    if rng is None:
-        return None
-    if isinstance(rng, int) and not isinstance(rng, bool):
-        return jax.random.key(rng)
-    if isinstance(rng, jax.Array | np.ndarray):
-        if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ():
-            if str(jax.random.key_impl(rng)) not in ("threefry2x32", "fry"):
-                raise PlanError(
-                    f"rng must be a threefry key (jax.random.key's default), got {jax.random.key_impl(rng)}"
-                )
-            return rng
-        if rng.dtype == np.uint32 and rng.shape == (2,):
-            return jax.random.wrap_key_data(jnp.asarray(rng))
-    raise PlanError(
-        f"rng must be an int seed or a single PRNG key (jax.random.key(0)), got {type(rng).__name__}"
-    )
-
-
-def as_step_loss(loss_fn: Callable, *, stateful: bool, rng: bool, has_aux: bool) -> Callable:
-    """The user's loss in the plans' form ``(params, state, batch, key) -> (loss, (aux, state))``.
-
-    User forms: ``loss_fn(params, batch)``; with ``state=``, ``loss_fn(params, state, batch)``
-    returning ``(out, new_state)``; with ``rng=``, the step's key as a last argument; with
-    ``has_aux``, ``out`` is ``(loss, aux)``, ``aux`` a dict of metrics.
-    """
-    form = "loss_fn(params, " + ("state, " if stateful else "") + "batch" + (", key" if rng else "") + ")"
-
-    def inner(params, state, batch, key):
-        args = (params, state, batch) if stateful else (params, batch)
-        out = loss_fn(*args, *((key,) if rng else ()))
-        if stateful:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise PlanError(
-                    f"with state=, {form} must return (loss, new_state), got {type(out).__name__}"
-                )
-            out, new_state = out
-            if jax.tree.structure(new_state) != jax.tree.structure(state):
-                raise PlanError(
-                    f"{form} returned a new state structured unlike state=: return the updated state, "
-                    f"same leaves ({jax.tree.structure(state)} vs {jax.tree.structure(new_state)})"
-                )
-            new_state = jax.tree.map(lambda a, b: jnp.asarray(a, jnp.asarray(b).dtype), new_state, state)
-        else:
-            new_state = state
-        if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
-                raise PlanError(
-                    f"with has_aux=True, {form} must return (loss, aux) with aux a dict of metrics"
-                )
-            out, aux = out
-            if clash := {"loss", "grad_norm"} & set(aux):
-                raise PlanError(f"aux metric name(s) {sorted(clash)} are taken by the trainer: rename them")
-        else:
-            aux = {}
-            if isinstance(out, tuple):
-                raise PlanError(f"{form} returned a tuple: pass has_aux=True if it is (loss, aux)")
-        loss = jnp.asarray(out)
-        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-            raise PlanError(
-                f"{form} must return a float scalar loss, got shape {loss.shape} dtype {loss.dtype}"
-            )
-        return loss, (aux, new_state)
-
-    return inner
+from meshkit.plans.assemble import Assembled, assemble
+from meshkit.plans.peak import peak_report
+from meshkit.plans.placement import Placement, Rules
+from meshkit.spec import AUTO, DATA, PRECISIONS, ParallelSpec, Plan, PlanError
+from meshkit.train._inputs import base_key, check_optimizer, check_params, check_state
+from meshkit.train.report import PlanReport
 
 
 class Trainer:
@@ -254,134 +80,122 @@ class Trainer:
         params: Any,
         optimizer: optax.GradientTransformation,
         *,
-        plan: str = "dp",
+        spec: ParallelSpec | None = None,
+        plan: str | None = None,
         mesh: str | Mesh | None = None,
+        remat: str | None = None,
+        accumulate: int | None = None,
+        microbatches: int | None = None,
+        pipeline_schedule: str | None = None,
+        virtual_stages: int | None = None,
+        compute_dtype: Any = None,
         state: Any = None,
         rng: Any = None,
         has_aux: bool = False,
-        accumulate: int = 1,
         clip_norm: float | None = None,
         rules: Rules | None = None,
         logical_axes: Any = None,
         min_shard_size: int = 1,
         units: Mapping[str, int] | None = None,
-        compute_dtype: Any = None,
         tokens_per_example: int = 1,
         grad_norm: bool = False,
         donate: bool = True,
-        remat: str = "none",
-        microbatches: int | None = None,
-        schedule: str | None = None,
-        virtual_stages: int = 1,
     ) -> None:
         from meshkit.adapters import Adapted
 
         if not callable(loss_fn):
             raise PlanError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
         self.adapted = params if isinstance(params, Adapted) else None
+        stateful = state is not None
         if self.adapted is not None:
             if state is not None:
                 raise PlanError("state= is taken from the adapted model: drop state=")
             loss_fn = self.adapted.loss(loss_fn, has_aux=has_aux, rng=rng is not None)
-            params, state = self.adapted.params, self.adapted.state
+            params, state, stateful = self.adapted.params, self.adapted.state, True
             logical_axes = self.adapted.logical_axes if logical_axes is None else logical_axes
-            stateful = True
-        else:
-            stateful = state is not None
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         check_params(params)
         check_state(state)
+        given_mesh = mesh if isinstance(mesh, Mesh) else None
+        spec = ParallelSpec.of(spec, plan=plan, mesh=_mesh_text(mesh), remat=remat, accumulate=accumulate,
+                               microbatches=microbatches, pipeline_schedule=pipeline_schedule,
+                               virtual_stages=virtual_stages, precision=_precision(compute_dtype))  # fmt: skip
         self.plan_choice = None
         """With ``plan="auto"``: the plan chosen and why (``meshkit.planner.auto.Choice``)."""
-        if plan == "auto":
-            plan, mesh = self._auto(params, optimizer, mesh, logical_axes)
-        self.plan = get_plan(plan)
-        if accumulate < 1:
-            raise PlanError(f"accumulate must be at least 1, got {accumulate}")
-        if clip_norm is not None and clip_norm <= 0:
-            raise PlanError(f"clip_norm must be positive, got {clip_norm}")
-        self._key = _base_key(rng)
-        if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
-            raise PlanError(
-                f"compute_dtype must be a floating dtype such as 'bfloat16', got {compute_dtype!r}"
-            )
-        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-        spec = _DEFAULT_MESH[self.plan.name] if mesh is None else mesh
-        if isinstance(spec, Mesh):
-            self.mesh = as_auto(spec)
-        elif isinstance(spec, str | Mapping | list | tuple):
-            self.mesh = make_mesh(spec, axis_types="auto")
-        else:
-            raise PlanError(
-                f"mesh must be a spec such as 'data=4,model=2' or a jax.sharding.Mesh, got {type(spec).__name__}"
-            )
-        self.layout: Layout = make_layout(
-            params,
-            self.plan,
-            self.mesh,
-            rules=rules,
-            logical_axes=logical_axes,
-            min_shard_size=min_shard_size,
-            units=units,
-        )
-        self.pipeline = _pipeline_of(self.plan, loss_fn, params, self.layout, microbatches, schedule, virtual_stages,
-                                     {"state=": stateful, "rng=": rng is not None, "has_aux=True": has_aux,
-                                      "accumulate=": accumulate != 1}, remat)  # fmt: skip
-        if self.pipeline is not None:
-            self.layout = self.pipeline.layout
+        if spec.plan == AUTO:
+            spec = self._auto(spec, params, optimizer, given_mesh, logical_axes)
+        self._key = base_key(rng)
+        self.assembled: Assembled = assemble(
+            loss_fn, params, optimizer, spec, mesh=given_mesh, state=state, stateful=stateful, rng=rng is not None,
+            has_aux=has_aux, clip_norm=clip_norm, grad_norm=grad_norm, donate=donate, rules=rules,
+            logical_axes=logical_axes, min_shard_size=min_shard_size, units=units,
+        )  # fmt: skip
+        self.spec = spec
         self.optimizer = optimizer
-        self.accumulate = accumulate
         self.tokens_per_example = tokens_per_example
         self.steps_done = 0
         """Optimizer steps taken (the per-step key is ``fold_in(rng, steps_done)``)."""
         self._param_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), params)
-        param_sh = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s),
-            self.layout.param_specs(),
-            is_leaf=lambda x: isinstance(x, P),
-        )
-        replicated = NamedSharding(self.mesh, P())
-        self.shardings = StepShardings(
-            params=param_sh,
-            opt_state=state_shardings(optimizer, params, self.layout),
-            batch=NamedSharding(self.mesh, P(DATA) if DATA in self.mesh.shape else P()),
-            scalar=replicated,
-            state=jax.tree.map(lambda _: replicated, state),
-        )
+        sh = self.shardings
         # A fresh copy: steps donate their inputs, and device_put may hand back the caller's buffers.
-        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=(param_sh, self.shardings.state))
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=(sh.params, sh.state))
         self.params, self.state = copy(_to_host_if_other_mesh((params, state), self.mesh))
-        self.opt_state = jax.jit(optimizer.init, out_shardings=self.shardings.opt_state)(self.params)
-        self._loss = as_step_loss(loss_fn, stateful=stateful, rng=rng is not None, has_aux=has_aux)
-        self.per_layer = PerLayer(layout=self.layout, remat=remat)
-        self._step = build_step(
-            self._loss,
-            optimizer,
-            self.layout,
-            self.shardings,
-            accumulate=accumulate,
-            clip_norm=clip_norm,
-            grad_norm=grad_norm,
-            donate=donate,
-            compute_dtype=self.compute_dtype,
-            per_layer=self.per_layer,
-            gradients=None if self.pipeline is None else self.pipeline.gradients(),
-        )
+        self.opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(self.params)
+        self._step = self.assembled.step
         self.last_schedule: jax.Array | None = None
         """Pipeline plans: the schedule the last step executed, ``(ticks, stages, 3)`` (see ``_pipeline``)."""
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
-    def _auto(self, params: Any, optimizer: Any, mesh: Any, logical_axes: Any) -> tuple[str, str]:
+    # -- what was built ---------------------------------------------------------------------
+    @property
+    def mesh(self) -> Mesh:
+        return self.assembled.mesh
+
+    @property
+    def plan(self) -> Plan:
+        return self.spec.plan_info
+
+    @property
+    def placement(self) -> Placement:
+        return self.assembled.placement
+
+    @property
+    def pipeline(self) -> Any:
+        return self.assembled.pipeline
+
+    @property
+    def per_layer(self) -> Any:
+        return self.assembled.per_layer
+
+    @property
+    def shardings(self) -> Any:
+        return self.assembled.shardings
+
+    @property
+    def accumulate(self) -> int:
+        return self.spec.accumulate
+
+    @property
+    def compute_dtype(self) -> jnp.dtype | None:
+        return None if self.spec.compute_dtype is None else jnp.dtype(self.spec.compute_dtype)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.shape.values())
+
+    def _auto(
+        self, spec: ParallelSpec, params: Any, optimizer: Any, mesh: Any, logical_axes: Any
+    ) -> ParallelSpec:
         """``plan="auto"``: the ZeRO ladder by meshkit's cost model (``meshkit.planner.auto``), logged."""
         import logging
 
         from meshkit.planner.auto import choose_generic
 
-        if mesh is not None:
+        if mesh is not None or spec.mesh is not None:
             raise PlanError("plan='auto' chooses the mesh too: drop mesh=, or name a plan")
         self.plan_choice = choose_generic(params, optimizer, logical_axes=logical_axes)
         logging.getLogger("meshkit").info(self.plan_choice.line())
-        return self.plan_choice.plan, self.plan_choice.mesh
+        return spec.replace(plan=self.plan_choice.plan, mesh=self.plan_choice.mesh)
 
     # -- data -------------------------------------------------------------------------------
     def put_batch(self, batch: Any) -> Any:
@@ -400,16 +214,7 @@ class Trainer:
 
     def check_examples(self, n: int) -> None:
         """Raise unless a global batch of ``n`` examples divides over the data axis and micro-batches."""
-        data = int(self.mesh.shape.get(DATA, 1))
-        what, m = (
-            ("accumulate", self.accumulate)
-            if self.pipeline is None
-            else ("microbatches", self.pipeline.microbatches)
-        )
-        if n % (data * m):
-            raise PlanError(
-                f"batch of {n} examples does not divide over data={data} x {what}={m}; use a multiple of {data * m}"
-            )
+        self.assembled.check_examples(n)
 
     # -- steps ------------------------------------------------------------------------------
     def step(self, batch: Any) -> dict[str, jax.Array]:
@@ -520,19 +325,21 @@ class Trainer:
         n_examples = jax.tree.leaves(batch)[0].shape[0]
         tokens = n_examples // (int(self.mesh.shape.get(DATA, 1)) * self.accumulate) * self.tokens_per_example
         fed = frozenset()
-        if self.layout.model_size > 1:  # column-parallel matmuls on the batch itself need no input gradient
+        if (
+            self.placement.model_size > 1
+        ):  # column-parallel matmuls on the batch itself need no input gradient
             shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.params, self.state))
-            fed = batch_fed(self._loss, *shapes, self.put_batch(batch), self._step_key())
+            fed = batch_fed(self.assembled.loss, *shapes, self.put_batch(batch), self._step_key())
         low = None
         if self.compute_dtype is not None and self.plan.gathers_in_compute_dtype:
             # XLA's CPU compiler moves sub-32-bit floats as f32
             cpu = self.mesh.devices.flat[0].platform == "cpu"
             low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
-        expected = expected_collectives(self.layout, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
+        expected = expected_collectives(self.placement, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
                                         gather_itemsize=low, per_layer=self.per_layer)  # fmt: skip
         if self.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
             expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
-        formula = memory_formula(self.layout, self.optimizer, self._param_shapes)
+        formula = memory_formula(self.placement, self.optimizer, self._param_shapes)
         mem = [
             MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
             MemoryRow(component="optimizer", measured_bytes=device_bytes(self.opt_state), formula_bytes=formula["optimizer"]),
@@ -543,7 +350,7 @@ class Trainer:
             if self.pipeline is not None
             else peak_report(
                 compiled_memory,
-                self._loss,
+                self.assembled.loss,
                 self.per_layer,
                 self._param_shapes,
                 batch,
@@ -557,7 +364,7 @@ class Trainer:
             communication=compare_communication(ledger, expected),
             memory=mem,
             compiled_memory=compiled_memory,
-            replicated=self.layout.replicated(),
+            replicated=self.placement.replicated(),
             ledger=ledger,
             pipeline=None
             if self.pipeline is None
@@ -566,24 +373,37 @@ class Trainer:
             ),
         )
 
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.mesh.shape.values())
+
+def _mesh_text(mesh: Any) -> str | None:
+    """The spec's text of ``mesh=``: a spec such as 'data=4,model=2' (or a mapping or pairs), or a
+    ``jax.sharding.Mesh``'s axes."""
+    if mesh is None:
+        return None
+    if isinstance(mesh, Mesh):
+        return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+    if isinstance(mesh, str | Mapping | list | tuple):
+        return ",".join(f"{k}={v}" for k, v in parse_mesh_spec(mesh))
+    raise PlanError(
+        f"mesh must be a spec such as 'data=4,model=2' or a jax.sharding.Mesh, got {type(mesh).__name__}"
+    )
 
 
-def _pipeline_of(plan, loss_fn, params, layout, microbatches, schedule, virtual_stages, extras, remat="none"):
-    """A pipeline plan's ``Pipeline`` (checked), or None; other plans refuse the pipeline options."""
-    from meshkit.plans._pipeline import Pipeline
-
-    if plan.pipeline:
-        return Pipeline.make(loss_fn, params, layout, microbatches=microbatches, schedule=schedule,
-                             virtual_stages=virtual_stages, extras=extras, remat=remat)  # fmt: skip
-    if microbatches is not None or schedule is not None or virtual_stages != 1:
+def _precision(compute_dtype: Any) -> str | None:
+    """The spec's precision of ``compute_dtype=`` (None: the parameters' dtype)."""
+    if compute_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise PlanError(f"compute_dtype must be a floating dtype such as 'bfloat16', got {compute_dtype!r}")
+    names = {jnp.dtype(d or "float32"): name for name, d in PRECISIONS.items()}
+    if dtype not in names:
         raise PlanError(
-            f"microbatches=, schedule= and virtual_stages= are for pipeline plans (pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp), not {plan.name}; "
-            f"use accumulate= for micro-batches"
+            f"compute_dtype {dtype} is not one of {', '.join(map(str, names))}: pick one of those"
         )
-    return None
+    return names[dtype]
 
 
 def _is_key(x: Any) -> bool:

@@ -1,5 +1,5 @@
 """Peak per-device memory of a training step: the compiled step, compiled from abstract shapes
-(nothing allocated), beside a model from the layout and the loss's layers.
+(nothing allocated), beside a model from the placement and the loss's layers.
 
 Measured is ``memory_analysis()``'s arguments + temporaries (the outputs alias the donated
 parameters and optimizer state). The model (``predict_peak``) is analytic in what the plan adds
@@ -23,11 +23,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit.mesh import make_mesh
-from meshkit.plans import StepShardings, build_step, get_plan, make_layout, memory_formula, state_shardings
+from meshkit.plans._expected import memory_formula
 from meshkit.plans._fsdp import PerLayer, abstract, analyse, layered_loss
-from meshkit.plans._layout import DATA, MODEL
-from meshkit.plans._model import _spec_split
+from meshkit.plans.assemble import Assembled, assemble
+from meshkit.plans.placement import Placement
+from meshkit.spec import MODEL, ParallelSpec, get_plan
 
 
 def step_extra(state: Any, micro: Any, key: Any = None) -> tuple:
@@ -47,19 +47,18 @@ class AbstractStep:
     """A plan's step compiled from shapes, with what the model needs to predict its memory."""
 
     compiled: Any
-    per_layer: PerLayer
+    assembled: Assembled
     params: Any
     """Parameter shapes (jax.ShapeDtypeStruct)."""
     batch: Any
-    optimizer: Any
-    loss_fn: Callable
-    """The step's loss, ``(params, state, batch, key) -> (loss, (aux, state))``."""
-    accumulate: int = 1
+
+    @property
+    def per_layer(self) -> PerLayer:
+        return self.assembled.per_layer
 
     def predict(self) -> PeakModel:
-        return predict_peak(
-            self.loss_fn, self.per_layer, self.params, self.batch, self.optimizer, self.accumulate
-        )
+        a = self.assembled
+        return predict_peak(a.loss, a.per_layer, self.params, self.batch, a.optimizer, a.spec.accumulate)
 
     @property
     def measured_peak(self) -> int:
@@ -72,45 +71,22 @@ def abstract_step(
     params: Any,
     batch: Any,
     optimizer: optax.GradientTransformation,
+    spec: ParallelSpec | None = None,
     *,
-    plan: str,
-    mesh: str,
-    remat: str = "none",
     logical_axes: Any = None,
-    accumulate: int = 1,
     clip_norm: float | None = None,
     grad_norm: bool = False,
+    **options: Any,
 ) -> AbstractStep:
-    """Compile the plan's step ahead of time from parameter and batch shapes (ShapeDtypeStructs);
-    ``loss_fn(params, batch)`` returns the loss."""
-    from meshkit.train.trainer import as_step_loss  # the Trainer's own wrapping of a user loss
-
-    loss_fn = as_step_loss(loss_fn, stateful=False, rng=False, has_aux=False)
-    p = get_plan(plan)
-    m = make_mesh(mesh, axis_types="auto")
-    layout = make_layout(params, p, m, logical_axes=logical_axes)
-    param_sh = layout.tree(lambda leaf: NamedSharding(m, leaf.spec(data=p.stage == "zero3")))
-    sh = StepShardings(
-        params=param_sh,
-        opt_state=state_shardings(optimizer, params, layout),
-        batch=NamedSharding(m, P(DATA) if DATA in m.shape else P()),
-        scalar=NamedSharding(m, P()),
-        state=None,
+    """Compile the step of ``spec`` (or of the spec ``options`` make: ``plan=``, ``mesh=``, ``remat=``...)
+    ahead of time from parameter and batch shapes (ShapeDtypeStructs); ``loss_fn(params, batch)``
+    returns the loss."""
+    spec = ParallelSpec.of(spec, **options)
+    step = assemble(loss_fn, params, optimizer, spec, logical_axes=logical_axes, clip_norm=clip_norm,
+                    grad_norm=grad_norm)  # fmt: skip
+    return AbstractStep(
+        compiled=step.lower(params, batch).compile(), assembled=step, params=params, batch=batch
     )
-    per = PerLayer(layout=layout, remat=remat)
-    step = build_step(loss_fn, optimizer, layout, sh, accumulate=accumulate, per_layer=per, clip_norm=clip_norm,
-                      grad_norm=grad_norm)  # fmt: skip
-    opt = jax.eval_shape(optimizer.init, params)
-    attach = lambda tree, shard: jax.tree.map(  # noqa: E731
-        lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shard
-    )
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=sh.scalar)
-    compiled = step.lower(
-        attach(params, param_sh), attach(opt, sh.opt_state), None, jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh.batch), batch), key
-    ).compile()  # fmt: skip
-    return AbstractStep(compiled=compiled, per_layer=per, params=params, batch=batch, optimizer=optimizer,
-                        loss_fn=loss_fn, accumulate=accumulate)  # fmt: skip
 
 
 def nbytes(tree: Any) -> float:
@@ -187,12 +163,10 @@ def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: A
     saves, so none is fused away) missed one layer's backward working set inside the loop (its
     T x T gradients; recomputed values under remat): 1.16x measured/predicted on an attention-heavy
     GPT without remat, 3.35x with layer remat."""
-    from meshkit.plans import Layout
-
-    layout = Layout(plan=get_plan("dp"), mesh=per.layout.mesh, leaves=per.layout.leaves)
+    placement = Placement(plan=get_plan("dp"), mesh=per.placement.mesh, leaves=per.placement.leaves)
     scan = per.found is not None and per.found.mode == "scan"
     barriers = per.gathers and not scan and per.remat != "regather"
-    local = PerLayer(layout=layout, remat=per.remat, found=per.found, barriers_only=barriers)
+    local = PerLayer(placement=placement, remat=per.remat, found=per.found, barriers_only=barriers)
     f = layered_loss(loss_fn, local, params, extra)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
 
@@ -200,15 +174,15 @@ def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: A
         loss, grads = jax.value_and_grad(lambda xs: f(xs, e)[0])(xs)
         return loss, [jnp.sum(g) for g in grads]
 
-    m = per.layout.model_size
+    m = per.placement.model_size
     if m > 1:  # tensor parallel: the loss on one data shard's devices, split on the model axis as in
         # the step (the partitioner splits the activations of the heads and the MLP's hidden units)
         # (this process's own devices where it has m of them: a multi-host compile then needs no
         # other process)
-        devices = list(np.asarray(per.layout.mesh.devices).reshape(-1))
+        devices = list(np.asarray(per.placement.mesh.devices).reshape(-1))
         mine = [d for d in devices if d.process_index == jax.process_index()]
         sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= m else devices)[:m], (MODEL,))
-        specs = [NamedSharding(sub, leaf.spec(data=False)) for leaf in per.layout.flat()]
+        specs = [NamedSharding(sub, leaf.spec(data=False)) for leaf in per.placement.flat()]
         leaves = [
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h) for x, h in zip(leaves, specs, strict=True)
         ]
@@ -284,14 +258,12 @@ def predict_peak(
       layer. Counting every shard (with its update) was the loop form's 0.83-0.88 at 16-32 layers
       under ``layer`` remat, where this phase decided the peak.
     """
-    layout = per.layout
-    n, stage = layout.data_size, layout.plan.stage
-    flat = layout.flat()
+    placement = per.placement
+    n, stage = placement.data_size, placement.plan.zero
+    flat = placement.flat()
     # per device: a leaf split on the model axis by the tensor-parallel rules is 1/model of itself
     # everywhere in the step (gathered, gradient, update), like at rest
-    sizes = [
-        nbytes(x) / _spec_split(leaf, layout) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)
-    ]
+    sizes = [nbytes(x) / placement.split(leaf) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)]
     total = sum(sizes)
     micro = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct((s.shape[0] // (n * accumulate), *s.shape[1:]), s.dtype), batch
@@ -299,7 +271,7 @@ def predict_peak(
     extra = step_extra(state, micro, key)
     loss_fn = pair(loss_fn)
     if per.found is None:  # the step was not traced yet: trace the loss once for its layers
-        per.found = analyse(loss_fn, layout, params, extra)
+        per.found = analyse(loss_fn, placement, params, extra)
     found = per.found
     layer = set(found.layer_leaves) if found is not None and found.per_layer and per.gathers else set()
     zero3 = stage == "zero3" and n > 1
@@ -308,7 +280,7 @@ def predict_peak(
         return sizes[i] / n if sharded and flat[i].data_dim is not None else sizes[i]
 
     params_b = sum(at_rest(i, zero3) for i in range(len(sizes)))
-    opt_b = memory_formula(layout, optimizer, params)["optimizer"]
+    opt_b = memory_formula(placement, optimizer, params)["optimizer"]
     batch_b = nbytes(batch) / n
     persistent = params_b + opt_b + batch_b
 
@@ -337,7 +309,7 @@ def predict_peak(
     # each leaf's gradient into the carry as it is made, so the accumulator takes their place
     # (GPT width 128, 4 layers, data=8, accumulate=2, loop form: dp and zero1 0.89 / 0.84 measured /
     # predicted counting it beside them, 1.00 / 1.00 not; scanned 0.99 / 0.99 counting it)
-    sharded_acc = stage in ("zero2", "zero3") and n > 1
+    sharded_acc = placement.plan.shards_gradients and n > 1
     beside = accumulate > 1 and (scan or stage == "zero2")
     accumulator = sum(at_rest(i, sharded_acc) for i in range(len(sizes))) if beside else 0.0
     if zero3:

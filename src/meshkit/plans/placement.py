@@ -1,8 +1,8 @@
 """Where each parameter, gradient, optimizer-state leaf and batch lives under a plan.
 
 A plan is data: which ZeRO stage runs on the ``data`` axis and whether tensor-parallel rules
-shard leaves on the ``model`` axis. ``make_layout`` turns it, the parameter shapes and the mesh
-into per-leaf decisions (``LeafLayout``) and the PartitionSpecs the step pins on input and output.
+shard leaves on the ``model`` axis. ``place`` turns it, the parameter shapes and the mesh
+into per-leaf decisions (``LeafPlacement``) and the PartitionSpecs the step pins on input and output.
 """
 
 from __future__ import annotations
@@ -16,61 +16,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshkit._errors import MeshkitError
-
-DATA, MODEL = "data", "model"
-STAGE = "stage"
-"""The mesh axis pipeline plans split the layers over (``_pipeline``)."""
-STAGES = ("dp", "zero1", "zero2", "zero3")
-
-
-class PlanError(MeshkitError):
-    """A plan cannot be applied to this model, mesh or optimizer."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Plan:
-    """A parallel layout, as data."""
-
-    name: str
-    stage: str
-    """ZeRO stage on the data axis: 'dp' (replicate everything), 'zero1' (shard optimizer state),
-    'zero2' (also reduce-scatter gradients per micro-batch), 'zero3' (also shard parameters)."""
-    tensor: bool
-    """Whether tensor-parallel rules shard leaves on the model axis (Megatron column/row)."""
-    needs: tuple[str, ...]
-    """Mesh axes the plan requires."""
-    pipeline: bool = False
-    """Whether the stacked layers of a ``meshkit.Stages`` model are split over the stage axis."""
-
-    @property
-    def gathers_in_compute_dtype(self) -> bool:
-        """Whether, under mixed precision, ZeRO-3's data-axis gathers and reduce-scatters move the
-        parameters cast to the compute dtype (half the bytes for bf16). Not under tensor parallelism:
-        XLA:CPU (JAX 0.12) aborts compiling low-precision shards gathered on data while the model axis
-        is the partitioner's ("Invalid binary instruction opcode copy"), so fsdp+tp gathers in the
-        parameters' dtype and the model casts them; nor in pipelines, which gather in their own way."""
-        return self.stage == "zero3" and not self.tensor and not self.pipeline
-
-
-PLANS: dict[str, Plan] = {
-    "dp": Plan(name="dp", stage="dp", tensor=False, needs=(DATA,)),
-    "zero1": Plan(name="zero1", stage="zero1", tensor=False, needs=(DATA,)),
-    "zero2": Plan(name="zero2", stage="zero2", tensor=False, needs=(DATA,)),
-    "zero3": Plan(name="zero3", stage="zero3", tensor=False, needs=(DATA,)),
-    "fsdp": Plan(name="fsdp", stage="zero3", tensor=False, needs=(DATA,)),
-    "tp": Plan(name="tp", stage="dp", tensor=True, needs=(MODEL,)),
-    "dp+tp": Plan(name="dp+tp", stage="dp", tensor=True, needs=(DATA, MODEL)),
-    "fsdp+tp": Plan(name="fsdp+tp", stage="zero3", tensor=True, needs=(DATA, MODEL)),
-    "pp": Plan(name="pp", stage="dp", tensor=False, needs=(STAGE,), pipeline=True),
-    "dp+pp": Plan(name="dp+pp", stage="dp", tensor=False, needs=(DATA, STAGE), pipeline=True),
-    "fsdp+pp": Plan(name="fsdp+pp", stage="zero3", tensor=False, needs=(DATA, STAGE), pipeline=True),
-    "tp+pp": Plan(name="tp+pp", stage="dp", tensor=True, needs=(MODEL, STAGE), pipeline=True),
-    "dp+tp+pp": Plan(name="dp+tp+pp", stage="dp", tensor=True, needs=(DATA, MODEL, STAGE), pipeline=True),
-    "fsdp+tp+pp": Plan(
-        name="fsdp+tp+pp", stage="zero3", tensor=True, needs=(DATA, MODEL, STAGE), pipeline=True
-    ),
-}
+from meshkit.spec import DATA, MODEL, Plan, PlanError, check_axes
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out).
@@ -80,16 +26,8 @@ DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "mlp": MODEL, MODEL: MODEL}
 Rules = Mapping[str, str] | Sequence[tuple[str, Sequence[str | None]]]
 
 
-def get_plan(name: str | Plan) -> Plan:
-    if isinstance(name, Plan):
-        return name
-    if name not in PLANS:
-        raise PlanError(f"unknown plan {name!r}: choose one of {', '.join(PLANS)}")
-    return PLANS[name]
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LeafLayout:
+class LeafPlacement:
     """Decisions for one parameter leaf."""
 
     path: str
@@ -121,13 +59,13 @@ class LeafLayout:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Layout:
+class Placement:
     """Every leaf's decisions, in the parameter tree's structure, plus mesh sizes."""
 
     plan: Plan
     mesh: Mesh
     leaves: Any
-    """Pytree of LeafLayout, structured like the parameters."""
+    """Pytree of LeafPlacement, structured like the parameters."""
 
     @property
     def data_size(self) -> int:
@@ -141,25 +79,32 @@ class Layout:
     def has_data_axis(self) -> bool:
         return DATA in self.mesh.shape
 
-    def tree(self, fn) -> Any:
-        return jax.tree.map(fn, self.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))
+    def split(self, leaf: LeafPlacement) -> int:
+        """Devices the leaf's non-data spec splits it over (the model axis; a pipeline's stage axis)."""
+        n = 1
+        for axis in {a for a in leaf.model_spec if a is not None}:
+            n *= int(self.mesh.shape.get(axis, 1))
+        return n
 
-    def flat(self) -> list[LeafLayout]:
-        return jax.tree.leaves(self.leaves, is_leaf=lambda x: isinstance(x, LeafLayout))
+    def tree(self, fn) -> Any:
+        return jax.tree.map(fn, self.leaves, is_leaf=lambda x: isinstance(x, LeafPlacement))
+
+    def flat(self) -> list[LeafPlacement]:
+        return jax.tree.leaves(self.leaves, is_leaf=lambda x: isinstance(x, LeafPlacement))
 
     def param_specs(self) -> Any:
-        return self.tree(lambda leaf: leaf.spec(data=self.plan.stage == "zero3"))
+        return self.tree(lambda leaf: leaf.spec(data=self.plan.shards_params))
 
     def state_specs(self) -> Any:
         """Specs of parameter-shaped optimizer state (sharded on data from ZeRO-1 on)."""
-        return self.tree(lambda leaf: leaf.spec(data=self.plan.stage != "dp"))
+        return self.tree(lambda leaf: leaf.spec(data=self.plan.shards_optimizer))
 
     def grad_specs(self) -> Any:
         return self.state_specs()
 
     def replicated(self) -> list[tuple[str, str]]:
         """(path, reason) of leaves a ZeRO plan keeps whole on the data axis."""
-        if self.plan.stage == "dp":
+        if not self.plan.shards_optimizer:
             return []
         return [(leaf.path, leaf.why_replicated) for leaf in self.flat() if leaf.data_dim is None]
 
@@ -283,7 +228,7 @@ def _layer_dims(params: Any, logical_axes: Any) -> dict[str, frozenset[int]]:
     return {_path_str(p): frozenset(d for d, a in enumerate(axes) if a == "layers") for p, axes in names}
 
 
-def make_layout(
+def place(
     params: Any,
     plan: Plan,
     mesh: Mesh,
@@ -292,44 +237,28 @@ def make_layout(
     logical_axes: Any = None,
     min_shard_size: int = 1,
     units: Mapping[str, int] | None = None,
-) -> Layout:
+) -> Placement:
     """Decide, for every parameter leaf, its model-axis split and its data-axis ZeRO split.
 
     ``units``: logical axes made of whole units, e.g. ``{"heads": 4}``: the model axis must divide
-    the count (a head split across devices is a wrong layout, not only a slow one).
+    the count (a head split across devices is a wrong placement, not only a slow one).
     """
-    example = {1: "stage=8", 2: "stage=4," + "".join(a for a in plan.needs if a != STAGE) + "=2",
-               3: "stage=2,data=2,model=2"}[len(plan.needs)] if plan.pipeline else "data=4,model=2"  # fmt: skip
-    for axis in plan.needs:
-        if axis not in mesh.shape:
-            raise PlanError(
-                f"plan {plan.name} needs a mesh axis {axis!r}, but the mesh has "
-                f"{', '.join(f'{k}={v}' for k, v in mesh.shape.items())}; add it, e.g. --mesh {example}"
-            )
-    for axis, size in mesh.shape.items():
-        if axis not in plan.needs and size > 1:
-            hints = {
-                MODEL: "dp+tp or fsdp+tp",
-                STAGE: "a pipeline plan (pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp)",
-                DATA: "dp+pp or fsdp+pp" if plan.pipeline else "",
-            }
-            hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
-            raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
+    check_axes(plan, {str(k): int(v) for k, v in mesh.shape.items()})
     n = int(mesh.shape.get(DATA, 1))
     stacked = _layer_dims(params, logical_axes)
     model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {})
 
-    def leaf(path, x) -> LeafLayout:
+    def leaf(path, x) -> LeafPlacement:
         key = _path_str(path)
         shape = tuple(x.shape)
-        if plan.stage == "dp" or DATA not in mesh.shape:
+        if not plan.shards_optimizer or DATA not in mesh.shape:
             dim, why = None, "data-parallel plan"
         else:
-            dim, why = _data_dim(shape, model[key], n, min_shard_size, two_d=plan.tensor and plan.stage == "zero3",
+            dim, why = _data_dim(shape, model[key], n, min_shard_size, two_d=plan.tensor and plan.shards_params,
                                  skip=stacked.get(key, frozenset()))  # fmt: skip
         nbytes = int(x.size * x.dtype.itemsize) if hasattr(x, "dtype") else 0
-        return LeafLayout(
+        return LeafPlacement(
             path=key, shape=shape, nbytes=nbytes, model_spec=model[key], data_dim=dim, why_replicated=why
         )
 
-    return Layout(plan=plan, mesh=mesh, leaves=jax.tree_util.tree_map_with_path(leaf, params))
+    return Placement(plan=plan, mesh=mesh, leaves=jax.tree_util.tree_map_with_path(leaf, params))

@@ -1,6 +1,6 @@
 """What a plan should cost: the collectives per step under the ring model, and per-device memory.
 
-The model is built from the layout alone (leaf sizes and where each leaf lives), never from the
+The model is built from the placement alone (leaf sizes and where each leaf lives), never from the
 compiled program, so setting it beside the ledger is a real check. Per step, with N devices on
 the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on one model shard:
 
@@ -38,7 +38,8 @@ import optax
 from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
-from meshkit.plans._layout import DATA, MODEL, Layout, LeafLayout
+from meshkit.plans.placement import LeafPlacement, Placement
+from meshkit.spec import DATA, MODEL
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,27 +56,19 @@ class Expected:
     what: str
 
 
-def _itemsize(leaf: LeafLayout) -> int:
+def _itemsize(leaf: LeafPlacement) -> int:
     size = 1
     for s in leaf.shape:
         size *= s
     return max(leaf.nbytes // max(size, 1), 1)
 
 
-def _spec_split(leaf: LeafLayout, layout: Layout) -> int:
-    """Devices the leaf's non-data spec splits it over (the model axis; a pipeline's stage axis)."""
-    n = 1
-    for axis in {a for a in leaf.model_spec if a is not None}:
-        n *= int(layout.mesh.shape.get(axis, 1))
-    return n
-
-
-def _model_bytes(leaf: LeafLayout, layout: Layout) -> int:
-    return leaf.nbytes // _spec_split(leaf, layout)
+def _model_bytes(leaf: LeafPlacement, placement: Placement) -> int:
+    return leaf.nbytes // placement.split(leaf)
 
 
 def expected_collectives(
-    layout: Layout,
+    placement: Placement,
     accumulate: int,
     *,
     tokens_per_device: int,
@@ -86,7 +79,7 @@ def expected_collectives(
 ) -> list[Expected]:
     """The plan's collectives per step (see the module docstring). ``gather_itemsize``: bytes per
     element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16)."""
-    n, m_axis, stage = layout.data_size, layout.model_size, layout.plan.stage
+    n, m_axis, stage = placement.data_size, placement.model_size, placement.plan.zero
     out: list[Expected] = []
 
     def add(op, axes, count, size, n_group, what):
@@ -96,21 +89,21 @@ def expected_collectives(
                          traffic_bytes=count * ring_traffic(op, size, n_group), what=what)
             )  # fmt: skip
 
-    leaves = layout.flat()
+    leaves = placement.flat()
     if n > 1:
-        sharded = sum(_model_bytes(x, layout) for x in leaves if x.data_dim is not None)
+        sharded = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None)
         if gather_itemsize is not None and stage == "zero3":
             sharded = sum(
-                _model_bytes(x, layout) * gather_itemsize // _itemsize(x)
+                _model_bytes(x, placement) * gather_itemsize // _itemsize(x)
                 for x in leaves
                 if x.data_dim is not None
             )
-        whole = sum(_model_bytes(x, layout) for x in leaves if x.data_dim is None)
+        whole = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is None)
 
         def gathered(
-            x: LeafLayout,
+            x: LeafPlacement,
         ) -> int:  # bytes of one leaf's all-gather (the compute dtype's under zero3)
-            return _model_bytes(x, layout) * (gather_itemsize or _itemsize(x)) // _itemsize(x)
+            return _model_bytes(x, placement) * (gather_itemsize or _itemsize(x)) // _itemsize(x)
 
         add("all-reduce", DATA, 1, whole, n, "gradients of leaves kept whole on data")
         if stage == "zero1":
@@ -120,11 +113,13 @@ def expected_collectives(
             add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
             add("all-gather", DATA, 1, sharded, n, "updated parameters")
         elif stage == "zero3":
-            for count, size, what in gather_rows(per_layer or PerLayer(layout=layout), accumulate, gathered):
+            for count, size, what in gather_rows(
+                per_layer or PerLayer(placement=placement), accumulate, gathered
+            ):
                 add("all-gather", DATA, count, size, n, what)
             add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
     if m_axis > 1:
-        for x, uses, redone in tp_matrices(per_layer, layout):  # a scan's stacked leaf: one per layer
+        for x, uses, redone in tp_matrices(per_layer, placement):  # a scan's stacked leaf: one per layer
             if (
                 x.model_spec[0] == MODEL
             ):  # row-parallel: forward partial sums of the output (again under remat)
@@ -225,25 +220,27 @@ class MemoryRow:
         return {**asdict(self), "ratio": self.ratio, "ok": self.ok}
 
 
-def _divisor(leaf: LeafLayout, layout: Layout, sharded_on_data: bool) -> int:
-    d = _spec_split(leaf, layout)
+def _divisor(leaf: LeafPlacement, placement: Placement, sharded_on_data: bool) -> int:
+    d = placement.split(leaf)
     if sharded_on_data and leaf.data_dim is not None:
-        d *= layout.data_size
+        d *= placement.data_size
     return d
 
 
-def memory_formula(layout: Layout, optimizer: optax.GradientTransformation, params: Any) -> dict[str, float]:
+def memory_formula(
+    placement: Placement, optimizer: optax.GradientTransformation, params: Any
+) -> dict[str, float]:
     """Per-device persistent bytes by the ZeRO rules, leaf by leaf (params and optimizer state)."""
-    stage = layout.plan.stage
-    params_b = sum(x.nbytes / _divisor(x, layout, stage == "zero3") for x in layout.flat())
+    stage = placement.plan.zero
+    params_b = sum(x.nbytes / _divisor(x, placement, stage == "zero3") for x in placement.flat())
     shapes = jax.eval_shape(optimizer.init, params)
     per_leaf = optax.tree_map_params(
         optimizer,
-        lambda s, leaf: s.size * s.dtype.itemsize / _divisor(leaf, layout, stage != "dp"),
+        lambda s, leaf: s.size * s.dtype.itemsize / _divisor(leaf, placement, stage != "dp"),
         shapes,
-        layout.leaves,
+        placement.leaves,
         transform_non_params=lambda s: s.size * s.dtype.itemsize,
-        is_leaf=lambda x: isinstance(x, LeafLayout),
+        is_leaf=lambda x: isinstance(x, LeafPlacement),
     )
     return {"params": params_b, "optimizer": float(sum(jax.tree.leaves(per_leaf)))}
 

@@ -52,6 +52,8 @@ from meshkit._errors import MeshkitError
 from meshkit.analysis.cost import Convention, convention, ring_traffic, zero_memory
 from meshkit.planner.hardware import Hardware
 from meshkit.planner.layout import Layout, ModelShape
+from meshkit.spec import PRECISIONS as SPEC_PRECISIONS
+from meshkit.spec import STEADY_SCHEDULES, ZERO_STAGES
 
 EFFICIENCY = {"gpu-ampere": 0.626, "gpu-hopper": 0.682, "tpu": 0.811}
 """Fraction of peak FLOP/s a large matmul-bound transformer layer reaches, per hardware family
@@ -64,7 +66,7 @@ MEMORY_USABLE = 0.9
 DP_OVERLAP = 1.0
 """Fraction of the overlap window's compute time that hides data-parallel traffic."""
 RUNTIMES = ("standard", "meshkit")
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = tuple(SPEC_PRECISIONS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -302,7 +304,7 @@ def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str 
     if job.global_batch % per_replica:
         return f"global batch {job.global_batch} is not a multiple of dp*microbatch={per_replica}"
     m = job.global_batch // per_replica
-    if layout.pp > 1 and layout.schedule in ("1f1b", "interleaved") and m < layout.pp:
+    if layout.pp > 1 and layout.schedule in STEADY_SCHEDULES and m < layout.pp:
         return f"{layout.schedule} needs micro-batches >= pp: {m} < {layout.pp}"
     if layout.pp > 1 and layout.schedule == "interleaved" and m % layout.pp:
         return f"interleaved runs micro-batches in groups of pp={layout.pp}: {m} is not a multiple"
@@ -368,7 +370,7 @@ def predict(
         first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
         last = stage_layers + head_params(shape, tp)
         phi = max(first, last)  # parameters on the busiest device
-    stage = ("dp", "zero1", "zero2", "zero3")[layout.zero if dp > 1 else 0]
+    stage = ZERO_STAGES[layout.zero if dp > 1 else 0]
     state = zero_memory(phi, dp, stage, conv)
     full, dots, layer_in = layer_activation_bytes(shape, layout, job)
     held = in_flight(layout, shape.layers, m)

@@ -1,0 +1,48 @@
+"""A model by its shape: the one description of a decoder-only transformer that the reference
+models are built from and the planner predicts from (``meshkit plan --model``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshkit._errors import MeshkitError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """A decoder-only transformer by its sizes (meshkit's reference GPT when ``gated`` is False:
+    learned positions, untied unembedding, biases, LayerNorm)."""
+
+    name: str = "gpt"
+    layers: int
+    width: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int = 0
+    """MLP hidden size; 0 means 4 x width."""
+    gated: bool = False
+    """A SwiGLU MLP (three matrices, LLaMA-style) instead of two."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means ``heads`` (multi-head attention)."""
+    head_dim: int = 0
+    """Width of one head; 0 means width / heads (some models, e.g. PaLM, attend wider or narrower)."""
+
+    def __post_init__(self):
+        for name in ("layers", "width", "heads", "vocab", "seq"):
+            if getattr(self, name) < 1:
+                raise MeshkitError(f"model {name}={getattr(self, name)}: must be at least 1")
+        if self.head_dim == 0 and self.width % self.heads:
+            raise MeshkitError(
+                f"width {self.width} is not divisible by heads {self.heads}: pick heads dividing it"
+            )
+        if self.ffn == 0:
+            object.__setattr__(self, "ffn", 4 * self.width)
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.width // self.heads)
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.heads % self.kv_heads:
+            raise MeshkitError(
+                f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"
+            )

@@ -1,0 +1,31 @@
+"""The remat policies' meaning: each name of ``meshkit.spec.REMAT_POLICIES`` as a ``jax.checkpoint``
+policy (None: no checkpointing). What each keeps is described in ``meshkit.spec``; why ZeRO-3 needs
+``regather`` in ``_fsdp``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from meshkit.spec import REMAT_POLICIES
+
+
+def _all_but_gathers(prim, *_, **__) -> bool:
+    """Save every value but an all-gather's output (JAX 0.12's ``save_anything_except_these_names``
+    saves everything, and a name on the gathered value would still let its producer be saved)."""
+    return prim.name != "all_gather"
+
+
+_POLICIES: dict[str, Any] = {
+    "none": None,
+    "layer": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "regather": _all_but_gathers,
+}
+assert tuple(_POLICIES) == REMAT_POLICIES, "every remat policy of meshkit.spec needs its jax policy here"
+
+
+def remat_policy(name: str) -> Any:
+    """The ``jax.checkpoint`` policy of a remat policy name (None for 'none')."""
+    return _POLICIES[name]

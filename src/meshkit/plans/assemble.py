@@ -1,0 +1,148 @@
+"""The one step assembly: a loss, its parameters and an optimizer under a ``ParallelSpec``, as the
+jitted training step with its mesh, placement, shardings and per-layer settings.
+
+The Trainer trains with it, ``plans.peak.abstract_step`` measures it and the planner's compile
+check (``planner.compile``) compiles it ahead of time, so the step that is measured is the step
+that trains. In order: the mesh (from the spec, over the given or all devices, every axis
+``Auto``: the plans write the data axis out by hand and leave the model axis to XLA), where
+every leaf lives (``placement.place``: ZeRO on ``data``, tensor-parallel rules on ``model``), a
+pipeline's schedule and staged placement, the shardings pinned on the step's inputs and outputs,
+the per-layer settings (remat, ZeRO-3's per-layer gathers), and ``build_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshkit.mesh import as_auto, make_mesh
+from meshkit.plans._fsdp import PerLayer
+from meshkit.plans._loss import LossFn, step_loss
+from meshkit.plans._pipeline import Pipeline
+from meshkit.plans._step import StepShardings, build_step, state_shardings
+from meshkit.plans.placement import Placement, Rules, place
+from meshkit.spec import DATA, ParallelSpec, PlanError
+
+
+def spec_mesh(
+    spec: ParallelSpec, mesh: Mesh | None = None, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """The mesh a step runs on: ``mesh`` itself (its axes made ``Auto``) or the spec's mesh over
+    ``devices`` (default: all of them)."""
+    if mesh is not None:
+        return as_auto(mesh)
+    return make_mesh(spec.mesh_text, axis_types="auto", devices=devices)
+
+
+@dataclass(kw_only=True, slots=True)
+class Assembled:
+    """A plan's step and everything it was built from."""
+
+    spec: ParallelSpec
+    mesh: Mesh
+    placement: Placement
+    """Where every parameter leaf lives (a pipeline's staged placement under a pipeline plan)."""
+    pipeline: Pipeline | None
+    per_layer: PerLayer
+    """Remat policy and ZeRO-3's per-layer gathers; records the layers found when the loss is traced."""
+    shardings: StepShardings
+    loss: LossFn
+    """The loss in the plans' form ``(params, state, batch, key) -> (loss, (aux, state))``."""
+    optimizer: optax.GradientTransformation
+    step: Callable
+    """The jitted ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``."""
+
+    @property
+    def data_size(self) -> int:
+        return int(self.mesh.shape.get(DATA, 1))
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step: the pipeline's, or ``accumulate``."""
+        return self.spec.accumulate if self.pipeline is None else self.pipeline.microbatches
+
+    def check_examples(self, examples: int) -> None:
+        """Raise unless a global batch of ``examples`` divides over the data axis and micro-batches."""
+        self.spec.check_examples(examples, self.data_size, self.microbatches)
+
+    def abstract_args(self, params: Any, batch: Any, state: Any = None) -> tuple:
+        """The step's arguments as abstract values with their shardings, from parameter and batch
+        shapes (anything with ``.shape`` and ``.dtype``): nothing is allocated."""
+        sh = self.shardings
+        opt = jax.eval_shape(self.optimizer.init, params)
+        key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=sh.scalar)
+        return (
+            _attach(params, sh.params),
+            _attach(opt, sh.opt_state),
+            None if state is None else _attach(state, sh.state),
+            jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh.batch), batch),
+            key,
+        )
+
+    def lower(self, params: Any, batch: Any, state: Any = None) -> jax.stages.Lowered:
+        """The step lowered from shapes (``abstract_args``), for ahead-of-time compiles."""
+        return self.step.lower(*self.abstract_args(params, batch, state))
+
+
+def _attach(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shardings)
+
+
+def assemble(
+    loss_fn: Callable,
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    spec: ParallelSpec,
+    *,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    state: Any = None,
+    stateful: bool = False,
+    rng: bool = False,
+    has_aux: bool = False,
+    clip_norm: float | None = None,
+    grad_norm: bool = False,
+    donate: bool = True,
+    rules: Rules | None = None,
+    logical_axes: Any = None,
+    min_shard_size: int = 1,
+    units: Mapping[str, int] | None = None,
+) -> Assembled:
+    """Build the step of ``spec`` for ``loss_fn(params, batch)`` (the forms of ``_loss.step_loss``:
+    ``stateful``, ``rng`` and ``has_aux`` say which) and ``optimizer``; ``params`` and ``state``
+    may be arrays or abstract values. ``mesh`` overrides the spec's mesh (its devices and axes);
+    ``devices`` are those the spec's mesh is made over."""
+    if clip_norm is not None and clip_norm <= 0:
+        raise PlanError(f"clip_norm must be positive, got {clip_norm}")
+    plan = spec.plan_info
+    mesh = spec_mesh(spec, mesh, devices)
+    placement = place(params, plan, mesh, rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size,
+                      units=units)  # fmt: skip
+    pipeline = None
+    if plan.pipeline:
+        extras = {"state=": stateful, "rng=": rng, "has_aux=True": has_aux}
+        pipeline = Pipeline.make(loss_fn, params, placement, spec, extras)
+        placement = pipeline.placement
+    replicated = NamedSharding(mesh, P())
+    shardings = StepShardings(
+        params=jax.tree.map(lambda s: NamedSharding(mesh, s), placement.param_specs(), is_leaf=lambda x: isinstance(x, P)),
+        opt_state=state_shardings(optimizer, params, placement),
+        batch=NamedSharding(mesh, P(DATA) if DATA in mesh.shape else P()),
+        scalar=replicated,
+        state=jax.tree.map(lambda _: replicated, state),
+    )  # fmt: skip
+    loss = step_loss(loss_fn, stateful=stateful, rng=rng, has_aux=has_aux)
+    per_layer = PerLayer(placement=placement, remat=spec.remat)
+    compute = None if spec.compute_dtype is None else jnp.dtype(spec.compute_dtype)
+    step = build_step(loss, optimizer, placement, shardings, accumulate=spec.accumulate, clip_norm=clip_norm,
+                      grad_norm=grad_norm, donate=donate, compute_dtype=compute, per_layer=per_layer,
+                      gradients=None if pipeline is None else pipeline.gradients())  # fmt: skip
+    return Assembled(spec=spec, mesh=mesh, placement=placement, pipeline=pipeline, per_layer=per_layer,
+                     shardings=shardings, loss=loss, optimizer=optimizer, step=step)  # fmt: skip

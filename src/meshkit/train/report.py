@@ -1,0 +1,98 @@
+"""``PlanReport``: a compiled step's measured communication and memory beside the plan's model,
+as tables for people and JSON for machines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshkit.analysis import CommLedger, MemoryLedger
+from meshkit.plans import CommRow, MemoryRow
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanReport:
+    """Measured communication and memory of one compiled step beside the plan's model."""
+
+    plan: str
+    mesh: dict[str, int]
+    communication: list[CommRow]
+    memory: list[MemoryRow]
+    compiled_memory: MemoryLedger
+    replicated: list[tuple[str, str]]
+    ledger: CommLedger = field(repr=False)
+    peak: dict | None = None
+    """Measured peak (arguments + temporaries) beside ``meshkit.analysis.peak``'s model, and the
+    layers the plan found in the loss."""
+    pipeline: Any = None
+    """Pipeline plans: the executed schedule beside the model (``_pipeline.PipelineReport``)."""
+
+    @property
+    def ok(self) -> bool:
+        pipeline_ok = self.pipeline is None or self.pipeline.ok
+        return all(r.ok for r in self.communication) and all(r.ok for r in self.memory) and pipeline_ok
+
+    def to_json(self) -> dict:
+        return {
+            "plan": self.plan,
+            "mesh": self.mesh,
+            "ok": self.ok,
+            "communication": [r.to_json() for r in self.communication],
+            "memory": [r.to_json() for r in self.memory],
+            "compiled_memory": self.compiled_memory.to_json(),
+            "replicated_leaves": [{"path": p, "why": w} for p, w in self.replicated],
+            "peak": self.peak,
+            **({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}),
+        }
+
+    def tables(self) -> list:
+        """The report as rich tables: communication, then memory."""
+        from rich.table import Table
+
+        from meshkit.fmt import fmt_bytes
+
+        comm = Table(title=f"plan {self.plan} on {_mesh_text(self.mesh)}: communication per step (ring model)",
+                     title_justify="left")  # fmt: skip
+        for c in ("op", "axes", "runs", "measured/device", "model", "ratio", ""):
+            comm.add_column(c, justify="left" if c in ("op", "axes") else "right")
+        for r in self.communication:
+            comm.add_row(r.op, r.axes, str(r.measured_runs), fmt_bytes(r.measured_traffic_bytes),
+                         fmt_bytes(r.model_traffic_bytes), "-" if r.ratio is None else f"{r.ratio:.4f}",
+                         "ok" if r.ok else "FAIL")  # fmt: skip
+        mem = Table(title="per-device memory", title_justify="left")
+        for c in ("component", "measured", "formula", "ratio", ""):
+            mem.add_column(c, justify="left" if c == "component" else "right")
+        for m in self.memory:
+            mem.add_row(m.component, fmt_bytes(m.measured_bytes), fmt_bytes(m.formula_bytes),
+                        "-" if m.ratio is None else f"{m.ratio:.4f}", "ok" if m.ok else "FAIL")  # fmt: skip
+        cm = self.compiled_memory
+        mem.add_row("compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", "")
+        mem.add_row("compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", "")
+        return [comm, mem] + ([] if self.pipeline is None else [self.pipeline.table()])
+
+    def __rich__(self):
+        from rich.console import Group
+        from rich.text import Text
+
+        verdict = Text("ok" if self.ok else "FAIL: measured differs from the model", style="bold")
+        return Group(*self.tables(), verdict)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=110, no_color=True, force_terminal=False, record=True, file=_Null())
+        console.print(self)
+        return console.export_text().rstrip() + "\n"
+
+
+class _Null:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items())
