@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshkit.train.lock import RunDirError, file_kind, free_space
+from meshkit.train.lock import RunDirError, file_kind, free_space, make_run_dir
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -69,6 +69,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, first_step: int = 0) -> None:
         self.path = run_dir / METRICS_NAME
+        make_run_dir(run_dir)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             self._fd: int | None = os.open(self.path, flags, 0o644)
