@@ -22,7 +22,7 @@ import pytest
 
 from meshkit.cli import main
 from meshkit.train.checkpoint import _quiet_orbax_noise
-from meshkit.train.lock import new_run_dir
+from meshkit.train.lock import RunDirError, _umask, new_run_dir, write_atomic
 from meshkit.train.metrics import read_rows
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
@@ -306,6 +306,20 @@ def test_runs_latest_that_is_not_a_link_is_named_and_nothing_is_created(tmp_path
         "to the newest run: move it away (e.g. mv runs/latest runs/latest.old), or pass --run-dir"
     )
     assert [p.name for p in Path("runs").iterdir()] == ["latest"]  # no run directory was created
+
+
+def test_write_atomic_replaces_a_link_never_writes_through_it_and_leaves_no_temporary_file(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "config.json").symlink_to(victim)
+    write_atomic(tmp_path / "config.json", "{}\n")
+    assert victim.read_text() == "precious\n" and not (tmp_path / "config.json").is_symlink()
+    assert (tmp_path / "config.json").read_text() == "{}\n"
+    assert oct((tmp_path / "config.json").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    (tmp_path / "report.json").mkdir()
+    with pytest.raises(RunDirError, match=r"^cannot write '.*report.json': it is a directory; move it away"):
+        write_atomic(tmp_path / "report.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "report.json", "victim.txt"]
 
 
 def test_new_run_dirs_are_distinct_when_created_at_once(tmp_path):

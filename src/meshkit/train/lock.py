@@ -235,8 +235,8 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it private)
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it (mkstemp makes it private)
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
