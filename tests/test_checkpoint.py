@@ -1,5 +1,6 @@
 """Checkpoints: round trip, resharding onto another plan, retention, errors, Ctrl-C and SIGKILL mid-save."""
 
+import json
 import os
 import select
 import shutil
@@ -19,7 +20,14 @@ from jax.sharding import PartitionSpec as P
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
 from meshkit.train import Trainer
-from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract, abstract_with
+from meshkit.train.checkpoint import (
+    CHECKSUMS,
+    Checkpointer,
+    CheckpointError,
+    abstract,
+    abstract_with,
+    check_checksums,
+)
 
 META = {"step": 3, "data": {"epoch": 1, "position": 17}, "config_hash": "c0ffee", "metrics": {"loss": 1.25}}
 
@@ -143,9 +151,27 @@ def test_errors_are_one_line(tmp_path):
         Checkpointer(tmp_path / "ck", keep=0)
 
 
+def _flip(path, count=64):
+    """Invert ``count`` bytes in the middle of ``path``, keeping its size."""
+    data = bytearray(path.read_bytes())
+    middle = max(0, len(data) // 2 - count // 2)
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))
+
+
+def _largest_array_file(step_dir):
+    return max((step_dir / "params").rglob("d/*"), key=lambda f: f.stat().st_size)
+
+
 def _damage(step_dir, how):
     """Damage a saved step the ways disks and interrupted copies do."""
-    if how == "garbage in the array files":
+    if how == "bytes flipped, size kept":
+        _flip(_largest_array_file(step_dir))
+    elif how == "array file missing":
+        _largest_array_file(step_dir).unlink()
+    elif how == "checksums damaged":
+        _flip(step_dir / CHECKSUMS, count=8)
+    elif how == "garbage in the array files":
         for f in (step_dir / "params").rglob("d/*"):
             f.write_bytes(os.urandom(20))
     elif how == "truncated manifest":
@@ -163,6 +189,9 @@ def _damage(step_dir, how):
 @pytest.mark.parametrize(
     "how",
     [
+        "bytes flipped, size kept",
+        "array file missing",
+        "checksums damaged",
         "garbage in the array files",
         "truncated manifest",
         "meta missing",
@@ -214,6 +243,71 @@ def test_unreadable_steps_given_or_all_are_one_line_errors(tmp_path, capsys):
         "train again without --resume, or into a fresh --run-dir"
     )
     assert len(capsys.readouterr().err.splitlines()) == 2  # one warning per step
+
+
+def test_flipped_bytes_are_named_by_their_checksum(tmp_path):
+    """Bytes changed in place are caught by the checksums, naming the file; a step saved before
+    checksums existed (no checksum file) is read unchecked."""
+    params, opt_state = _state()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, params, opt_state, {"step": 1})
+        ck.save(2, params, opt_state, {"step": 2})
+    listed = json.loads((tmp_path / "1" / CHECKSUMS).read_text())["files"]
+    on_disk = {str(f.relative_to(tmp_path / "1")) for f in (tmp_path / "1").glob("*/**/*") if f.is_file()}
+    assert set(listed) == on_disk and any("/d/" in name for name in listed)  # every file of every item
+    (tmp_path / "1" / CHECKSUMS).unlink()
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(1, abstract(params), abstract(opt_state))[2] == {"step": 1}
+    victim = _largest_array_file(tmp_path / "2")
+    _flip(victim)
+    with Checkpointer(tmp_path) as ck, pytest.raises(CheckpointError) as e:
+        ck.restore(2, abstract(params), abstract(opt_state))
+    assert str(e.value) == (
+        f"step 2 in '{tmp_path}' cannot be read: {victim.relative_to(tmp_path / '2')} does not match its "
+        "sha256: changed on disk since the save"
+    )
+
+
+def test_each_process_checks_the_files_it_wrote(tmp_path):
+    """In a job of 2 processes, process 1 checks ``ocdbt.process_1/`` (and ``process_3/``, written by a
+    4-process job), process 0 the rest: a file corrupt in process 1's share fails process 1 only."""
+    step = tmp_path / "7"
+    for name in ("params/ocdbt.process_1/d/a", "params/ocdbt.process_3/d/b", "params/d/c", "meta/metadata"):
+        (step / name).parent.mkdir(parents=True, exist_ok=True)
+        (step / name).write_bytes(name.encode())
+    from meshkit.train.checkpoint import write_checksums
+
+    write_checksums(step)
+    _flip(step / "params/ocdbt.process_3/d/b", count=2)
+    check_checksums(step, process=0, processes=2)
+    with pytest.raises(Exception, match=r"^params/ocdbt.process_3/d/b does not match its sha256"):
+        check_checksums(step, process=1, processes=2)
+    with pytest.raises(Exception, match="process_3/d/b does not match"):
+        check_checksums(step)  # one process checks everything
+
+
+def test_opening_a_directory_to_read_deletes_nothing(tmp_path):
+    """A live run's save in flight (its temporary step directory) and its trash survive a reader:
+    listing and restoring never delete; the first save of a writer removes the unfinished step."""
+    params, opt_state = _state()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, params, opt_state, {"step": 1})
+    in_flight = tmp_path / "2.orbax-checkpoint-tmp"
+    (in_flight / "params").mkdir(parents=True)
+    (in_flight / "params" / "half-written").write_bytes(b"x" * 100)
+    (tmp_path / ".deleted" / "0").mkdir(parents=True)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.all_steps() == [1] and ck.latest_step() == 1
+        assert ck.restore(None, abstract(params), abstract(opt_state))[2] == {"step": 1}
+    assert (in_flight / "params" / "half-written").is_file() and (tmp_path / ".deleted" / "0").is_dir()
+    assert not (tmp_path / "never").exists()
+    with Checkpointer(tmp_path / "never") as ck:  # a reader creates nothing either
+        assert ck.all_steps() == []
+    assert not (tmp_path / "never").exists()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(3, params, opt_state, {"step": 3})
+        assert ck.all_steps() == [1, 3]
+    assert not in_flight.exists()  # the writer cleaned the unfinished step before saving
 
 
 def test_save_in_a_keyboard_interrupt_handler(tmp_path, monkeypatch):

@@ -2,16 +2,27 @@
 
 A step is written into ``<directory>/<step>.orbax-checkpoint-tmp`` and renamed to ``<directory>/<step>``
 only once every file is written, so a process killed mid-save (SIGKILL, preemption, a second Ctrl-C)
-leaves the previous steps as they were; the unfinished directory is removed when a ``Checkpointer``
-next opens the directory. Steps beyond ``keep`` are likewise renamed into ``<directory>/.deleted``
-before they are deleted, so no step is ever listed half-deleted either.
+leaves the previous steps as they were. Steps beyond ``keep`` are likewise renamed into
+``<directory>/.deleted`` before they are deleted, so no step is ever listed half-deleted either.
+
+Only a ``Checkpointer`` that saves changes the directory: it creates it and removes unfinished steps
+(left by a killed save) before its first save. One that only lists and restores never deletes
+anything, so opening a directory that a live run is writing cannot destroy that run's save in flight
+(``meshkit train`` also refuses a second run on a directory before it opens it: see ``lock``).
+
+Before the rename, the sha256 and size of every file of the step go into ``<step>/meshkit-checksums.json``;
+a restore checks them first, so a file changed on disk (flipped bytes that keep its size included)
+makes the step unreadable instead of training on garbage. Steps saved before checksums existed are
+read without the check.
 
 A save that fails (disk full, file-size limit, permission denied) raises one line naming the
 directory and its free space, and leaves the earlier steps as they were. Restoring the latest step
-skips a step that cannot be read (corrupt or partial files): it is named in one warning line, moved
-aside into ``<directory>/.unreadable/`` (kept, not deleted) and the newest intact step is restored.
-In a job of several processes each process reads its shards of a step on its own first and all
-agree on the result, so that they all restore the same step (at the cost of reading it twice).
+skips a step that cannot be read (corrupt or partial files, a checksum that does not match): it is
+named in one warning line, moved aside into ``<directory>/.unreadable/`` (kept, not deleted) and the
+newest intact step is restored. In a job of several processes each process checks its share of the
+checksums (the files its own index wrote; process 0 the shared ones) and reads its shards of a step
+on its own first, and all agree on the result, so that they all restore the same step (at the cost
+of reading it twice).
 
 Arrays are saved as global, sharded ``jax.Array``s and restored onto any layout: the targets'
 shardings (another mesh, another plan) decide where the shards land. Every process of a multi-host
@@ -21,6 +32,7 @@ job calls the same methods; orbax writes each shard once.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -41,11 +53,15 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
 from meshkit._errors import MeshkitError
+from meshkit.train.lock import free_space
 
 _ARRAY_ITEMS = ("params", "opt_state")
 _TRASH = ".deleted"
 #: Where unreadable steps are moved (kept for inspection), inside the checkpoint directory.
 UNREADABLE = ".unreadable"
+#: The step's checksums: ``{"algorithm": "sha256", "files": {"params/d/...": [size, hex digest], ...}}``.
+CHECKSUMS = "meshkit-checksums.json"
+_PROCESS_FILES = re.compile(r"(?:^|/)ocdbt\.process_(\d+)/")
 
 
 class CheckpointError(MeshkitError):
@@ -66,18 +82,6 @@ def _gist(e: BaseException, limit: int = 200) -> str:
     if status and ": " in status.group(2):
         line = f"{status.group(1)}: {status.group(2).rpartition(': ')[2]}"
     return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _free(path: Path) -> str:
-    """Free space on the disk holding ``path`` (or its nearest existing parent), for error lines."""
-    for p in (path, *path.absolute().parents):
-        with contextlib.suppress(OSError):
-            free = shutil.disk_usage(p).free
-            for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-                if free >= size:
-                    return f"{free / size:.1f} {unit} free"
-            return f"{free} bytes free"
-    return "free space unknown"
 
 
 def abstract(tree: Any) -> Any:
@@ -167,6 +171,63 @@ def _quiet_orbax_noise() -> None:
     sys.unraisablehook = hook
 
 
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(step_dir: Path) -> None:
+    """Record the size and sha256 of every file of the step's items (``params/``, ``opt_state/``,
+    ``meta/``) in ``step_dir/meshkit-checksums.json``. orbax's own step files at the top
+    (``_CHECKPOINT_METADATA``, ``commit_success.txt``) are left out: orbax rewrites them on commit."""
+    files = {
+        str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
+        for item in sorted(step_dir.iterdir())
+        if item.is_dir()
+        for f in sorted(item.rglob("*"))
+        if f.is_file()
+    }
+    # a new file ("x": O_EXCL, never through a link) in the step's temporary directory, renamed with it
+    with (step_dir / CHECKSUMS).open("x") as f:
+        json.dump({"algorithm": "sha256", "files": files}, f, indent=1)
+
+
+def _checker(name: str, processes: int) -> int:
+    """The process that checks a file: the one that wrote it (``ocdbt.process_<i>/``, folded onto the
+    processes present), process 0 for the files every process shares."""
+    wrote = _PROCESS_FILES.search(name)
+    return int(wrote.group(1)) % processes if wrote else 0
+
+
+def check_checksums(step_dir: Path, *, process: int = 0, processes: int = 1) -> None:
+    """Check the files of ``step_dir`` that ``process`` (of ``processes``) checks against the step's
+    checksums; raise :class:`_Unreadable` naming the first that differs. A step without checksums
+    (saved before meshkit wrote them) passes unchecked."""
+    try:
+        manifest = json.loads((step_dir / CHECKSUMS).read_text())
+        files = manifest["files"]
+        if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
+            raise ValueError(manifest.get("algorithm"))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _Unreadable(f"its {CHECKSUMS} is damaged ({_gist(e, 80)})") from None
+    for name, (size, digest) in sorted(files.items()):
+        if _checker(name, processes) != process:
+            continue
+        path = step_dir / name
+        try:
+            actual = path.stat().st_size
+            if actual != size:
+                raise _Unreadable(f"{name} is {actual} bytes, {size} when saved")
+            if _sha256(path) != digest:
+                raise _Unreadable(f"{name} does not match its sha256: changed on disk since the save")
+        except FileNotFoundError:
+            raise _Unreadable(f"{name} is missing") from None
+        except OSError as e:
+            raise _Unreadable(f"{name} cannot be read ({e.strerror or e})") from None
+
+
 def _warn(message: str) -> None:
     """One ``warning:`` line on stderr (process 0 only)."""
     if jax.process_index() == 0:
@@ -188,30 +249,50 @@ class Checkpointer:
             raise CheckpointError(f"keep must be at least 1 checkpoint, got {keep}")
         self.directory = Path(directory)
         self._last_saved: int | None = None
+        self._saving: int | None = None
         self._keep = keep
+        self._writer = False
+        self._manager = self._open(writer=False)
+
+    def _open(self, *, writer: bool) -> ocp.CheckpointManager:
+        """orbax's manager of the directory. Only a ``writer`` (opened by the first save) creates the
+        directory and removes unfinished steps: a reader never deletes anything."""
         try:
-            self._manager = self._open()
+            manager = ocp.CheckpointManager(
+                self.directory.absolute(),
+                options=ocp.CheckpointManagerOptions(
+                    preservation_policy=LatestN(n=self._keep),
+                    create=writer,
+                    cleanup_tmp_directories=writer,
+                    todelete_subdir=_TRASH,
+                    enable_async_checkpointing=True,
+                    async_options=ocp.AsyncOptions(post_finalization_callback=self._seal),
+                ),
+                handler_registry=_registry(),
+            )
             # orbax removes unfinished steps in a background task that only a save waits for: finish it
-            # now, so that it cannot race a later reader or writer of this directory
-            getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+            # now, so that it cannot race the save that follows
+            getattr(manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         except Exception as e:
             raise CheckpointError(
-                f"cannot open checkpoint directory '{self.directory}' ({_gist(e)}); {_free(self.directory)} there: "
+                f"cannot open checkpoint directory '{self.directory}' ({_gist(e)}); {free_space(self.directory)} there: "
                 "fix permissions or pick another --run-dir"
             ) from e
+        return manager
 
-    def _open(self) -> ocp.CheckpointManager:
-        return ocp.CheckpointManager(
-            self.directory.absolute(),
-            options=ocp.CheckpointManagerOptions(
-                preservation_policy=LatestN(n=self._keep),
-                create=True,
-                cleanup_tmp_directories=True,
-                todelete_subdir=_TRASH,
-                enable_async_checkpointing=True,
-            ),
-            handler_registry=_registry(),
-        )
+    def _become_writer(self) -> None:
+        """Before the first save: reopen as the directory's writer (create it, remove unfinished steps)."""
+        if not self._writer:
+            self._manager.close()
+            self._manager = self._open(writer=True)
+            self._writer = True
+
+    def _seal(self) -> None:
+        """orbax's post-finalization callback (process 0, every process's files written, before the
+        step's directory is renamed into place): the step's checksums go in with it."""
+        final = self.directory.absolute() / str(self._saving)
+        tmp = final.with_name(final.name + ocp.path.atomicity.TMP_DIR_SUFFIX)
+        write_checksums(tmp if tmp.is_dir() else final)
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict, *, wait: bool = True) -> None:
         """Save ``step``; with ``wait`` return only once it is on disk and restorable.
@@ -225,6 +306,7 @@ class Checkpointer:
         except TypeError as e:
             raise CheckpointError(f"meta must be JSON (convert arrays with float() or .tolist()): {e}") from e
         self.wait()
+        self._become_writer()
         if step in self._manager.all_steps():
             if step != self._last_saved:
                 raise CheckpointError(
@@ -238,6 +320,7 @@ class Checkpointer:
             }
             with _sigint_deferred(), self._failing_save(step):
                 self._probe_writable()
+                self._saving = step
                 self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
                 self._last_saved = step
         if wait:
@@ -262,7 +345,7 @@ class Checkpointer:
             kept = [s for s in self._manager.all_steps() if s != step]
             keep = f"steps {sorted(kept)} are intact" if kept else "no earlier step was saved"
             raise CheckpointError(
-                f"cannot save step {step} in '{self.directory}' ({_gist(e)}); {_free(self.directory)} there: "
+                f"cannot save step {step} in '{self.directory}' ({_gist(e)}); {free_space(self.directory)} there: "
                 f"free space, fix permissions or pick another --run-dir; {keep}"
             ) from e
 
@@ -360,7 +443,7 @@ class Checkpointer:
     def _restore_agreed(self, step: int, targets: dict[str, Any]) -> tuple[Any, Any, dict]:
         """Restore a step every process has read (one process failing now would split the job)."""
         try:
-            return self._restore(step, targets)
+            return self._restore(step, targets, check=jax.process_count() == 1)  # checked while agreeing
         except _Unreadable as e:
             if jax.process_count() == 1:
                 raise
@@ -368,8 +451,15 @@ class Checkpointer:
                 f"step {step} in '{self.directory}' could be read by every process, then not ({e}): restart the job"
             ) from None
 
-    def _restore(self, step: int, targets: dict[str, Any], reader: Any = None) -> tuple[Any, Any, dict]:
-        """Restore one step; :class:`_Unreadable` when its files cannot be read back."""
+    def _restore(
+        self, step: int, targets: dict[str, Any], reader: Any = None, *, check: bool = True
+    ) -> tuple[Any, Any, dict]:
+        """Restore one step (first checking this process's share of its checksums, when ``check``);
+        :class:`_Unreadable` when its files cannot be read back or differ from the save's."""
+        if check:
+            check_checksums(
+                self.directory / str(step), process=jax.process_index(), processes=jax.process_count()
+            )
         _quiet_orbax_noise()  # before reading: orbax closes its loop before the error reaches us
         try:
             saved = self._manager.item_metadata(step)
@@ -415,7 +505,7 @@ class Checkpointer:
         """Block until a save in flight is on disk and the steps beyond ``keep`` are deleted."""
         with self._failing_save(self._last_saved):
             self._manager.wait_until_finished()
-        if jax.process_index() == 0:
+        if self._writer and jax.process_index() == 0:
             shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
 
     def close(self) -> None:

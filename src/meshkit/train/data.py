@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from meshkit._errors import MeshkitError
+from meshkit.train.lock import file_kind
 
 _DEFAULT_SOURCE = "pydoc_data.topics (CPython reference docs)"
 _STATE_KEYS = ("seed", "seq_len", "global_batch", "num_tokens")
@@ -52,7 +53,10 @@ def _from_text(text: str, source: str) -> TextData:
 
 
 def _read_text(path: Path) -> str:
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file '{path}' ({e.strerror or e}): fix its permissions") from None
     if not data:
         raise DataError(f"data file '{path}' is empty: give a UTF-8 text file or a .npy of token ids")
     try:
@@ -91,7 +95,13 @@ def load_text(path: str | None = None) -> TextData:
         return _from_text(_default_text(), _DEFAULT_SOURCE)
     file = Path(path)
     if not file.is_file():
-        raise DataError(f"no data file '{path}': give a UTF-8 text file or a .npy of token ids")
+        kind = file_kind(file, follow=True)
+        if kind == "missing":
+            raise DataError(f"no data file '{path}': give a UTF-8 text file or a .npy of token ids")
+        hint = "name a file inside it" if kind == "a directory" else "copy what it streams into a file first"
+        raise DataError(
+            f"data '{path}' is {kind}, not a file: give a UTF-8 text file or a .npy of token ids ({hint})"
+        )
     if file.suffix == ".npy":
         return _read_ids(file)
     return _from_text(_read_text(file), str(path))

@@ -35,8 +35,16 @@ from meshkit.spec import DATA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
 from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
-from meshkit.train.lock import lock_run_dir
-from meshkit.train.metrics import MetricsLog
+from meshkit.train.lock import (
+    RunDirLock,
+    check_link,
+    lock_run_dir,
+    make_run_dir,
+    new_run_dir,
+    point_link,
+    write_atomic,
+)
+from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
 from meshkit.train.trainer import Trainer
 
 
@@ -71,10 +79,12 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     run_dir = Path(cfg.run_dir)
     if resume:
         C.check_same_run(saved_config(run_dir), cfg, str(run_dir))
-    elif (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
-        raise C.ConfigError(
-            f"run directory '{run_dir}' already holds checkpoints: pass --resume, or a new --run-dir"
-        )
+        if _latest_step(run_dir / "checkpoints") is None:
+            raise C.ConfigError(
+                f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume"
+            )
+    else:
+        _check_no_checkpoints(run_dir)
     data = load_text(cfg.data)
     train_tokens, eval_tokens = split(data.tokens)
     if cfg.seq_len + 1 > len(eval_tokens):
@@ -108,10 +118,10 @@ def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
 
 
 def saved_config(run_dir: Path) -> C.TrainConfig:
-    """The config a run directory was started with; raises unless it holds a run to resume."""
+    """The config a run directory was started with; raises unless it holds a run to resume. Reads
+    ``config.json`` only: the checkpoints are listed by ``prepare``, once the run holds the lock."""
     saved_path = run_dir / "config.json"
-    ckpt = run_dir / "checkpoints"
-    if not saved_path.is_file() or not ckpt.is_dir() or _latest_step(ckpt) is None:
+    if not saved_path.is_file() or not (run_dir / "checkpoints").is_dir():
         raise C.ConfigError(f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume")
     try:
         data = json.loads(saved_path.read_text())
@@ -121,8 +131,16 @@ def saved_config(run_dir: Path) -> C.TrainConfig:
 
 
 def _latest_step(directory: Path) -> int | None:
-    with Checkpointer(directory) as ckpt:
+    with Checkpointer(directory) as ckpt:  # only lists: deletes nothing
         return ckpt.latest_step()
+
+
+def _check_no_checkpoints(run_dir: Path) -> None:
+    """A new run must not train into a directory that holds another run's checkpoints."""
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise C.ConfigError(
+            f"run directory '{run_dir}' already holds checkpoints: pass --resume, or a new --run-dir"
+        )
 
 
 def _restore(job: Job) -> None:
@@ -147,7 +165,7 @@ def _restore(job: Job) -> None:
     t.params, t.opt_state = params, opt_state
     job.batches.restore(meta["data"])
     job.step = int(meta["step"])
-    job.history = [h for h in _read_jsonl(job.run_dir / "metrics.jsonl") if h["step"] <= job.step]
+    job.history = [h for h in read_rows(job.run_dir / METRICS_NAME, warn=job.writer) if h["step"] <= job.step]
     job.evals = [e for e in job.history if "eval_loss" in e]
     job.history = [h for h in job.history if "loss" in h]
 
@@ -173,16 +191,30 @@ def _other_form(t: Trainer, scan_layers: bool) -> tuple[Any, Any]:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), shapes)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _lock_first(cfg: C.TrainConfig, fresh: bool, latest_link: Path | None) -> RunDirLock | None:
+    """Process 0, before anything reads, lists or cleans the run directory: lock it if it exists
+    (a second run on a live one is refused here, having touched nothing). A new run's ``latest_link``
+    must be a link or absent; its directory is created later, once its inputs are known good."""
+    if jax.process_index() != 0:
+        return None
+    if fresh:
+        check_link(latest_link)
+        return None
+    run_dir = Path(cfg.run_dir)
+    return lock_run_dir(run_dir) if run_dir.is_dir() else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _take_new_dir(job: Job) -> None:
+    """Create the new run's own directory (process 0; another run started in the same second gets
+    another name) and give its name to every process."""
+    name = str(new_run_dir(job.run_dir)) if job.writer else ""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        buf = np.zeros(4096, np.uint8)
+        buf[: len(name.encode())] = np.frombuffer(name.encode(), np.uint8)
+        name = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).rstrip(b"\0").decode()
+    job.run_dir, job.cfg = Path(name), job.cfg.replace(run_dir=name)
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -369,7 +401,7 @@ def finish(job: Job, console: Console) -> dict[str, Any]:
     if problems:
         out["report_problems"] = list(problems)
     if job.writer:
-        _write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
+        write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
     if plots is not None:
         _attempt("the summary table", problems, plots.summary, out, job.run_dir, console)
     for line in problems:
@@ -387,22 +419,31 @@ def run(
     stop_after: int | None = None,
     latest_link: Path | None = None,
 ) -> int:
-    """The whole job; returns the exit code (0 done, 130 interrupted). ``latest_link`` is a symlink
-    pointed at the run directory once it is created."""
+    """The whole job; returns the exit code (0 done, 130 interrupted). ``latest_link``: the caller
+    named the run directory (``runs/<time>``) and keeps this symlink pointed at the newest run; a new
+    run then gets a directory of its own (``<time>-2``... when another run took the name)."""
     C.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
+    fresh = latest_link is not None and not resume
+    lock = _lock_first(cfg, fresh, latest_link)  # held until run() returns: one run per directory
     job = prepare(cfg, resume=resume)
     C.check_stop_after(stop_after, job.step)
+    if fresh:
+        _take_new_dir(job)
     if job.writer:
-        job.run_dir.mkdir(parents=True, exist_ok=True)
-        lock = lock_run_dir(job.run_dir)  # noqa: F841  held until run() returns: one run per directory
+        if lock is None:  # a directory that did not exist: created now that the inputs are known good
+            make_run_dir(job.run_dir)
+            lock = lock_run_dir(job.run_dir)
+            if not resume:
+                _check_no_checkpoints(job.run_dir)  # another run may have trained here meanwhile
         if latest_link is not None and latest_link.resolve() != job.run_dir.resolve():
-            tmp = latest_link.with_name(latest_link.name + ".tmp")
-            tmp.unlink(missing_ok=True)
-            tmp.symlink_to(job.run_dir.resolve())
-            os.replace(tmp, latest_link)
-        _write_atomic(job.run_dir / "config.json", C.dumps(job.cfg))
-        if resume:
-            _write_atomic(job.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in _read_jsonl(job.run_dir / "metrics.jsonl") if r["step"] <= job.step))  # fmt: skip
+            point_link(latest_link, job.run_dir.resolve())
+        write_atomic(job.run_dir / "config.json", C.dumps(job.cfg))
+        if resume:  # rows past the checkpoint (and lines cut short) are dropped before appending
+            rows = read_rows(job.run_dir / METRICS_NAME, warn=False)
+            write_atomic(
+                job.run_dir / METRICS_NAME,
+                "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= job.step),
+            )
     n = job.trainer.num_devices
     console.print(
         f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.parallel.plan}[/] on "

@@ -2,20 +2,86 @@
 
 One row is one JSON line (``{"step": 3, "loss": ...}``); with TensorBoard on, each number of the row
 is also a scalar of that name at that step, written with tensorboardX (imported only then).
+
+A row is never torn: it is appended with a single ``write`` to a file opened ``O_APPEND`` (and
+``O_NOFOLLOW``: a ``metrics.jsonl`` that is a link is refused, not written through); a write the
+disk refuses part-way (full disk, file-size limit) is cut back to the rows before it and reported in
+one line. A file torn some other way (a copy cut short, a crash of an older meshkit) is still read:
+:func:`read_rows` drops the lines that are not whole rows, with one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from meshkit.train.lock import RunDirError, file_kind, free_space, make_run_dir
+
+METRICS_NAME = "metrics.jsonl"
+
+
+class MetricsError(RunDirError):
+    """``metrics.jsonl`` cannot be written."""
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    """The row a line holds, or None when it is not a whole row (a JSON object with an integer step)."""
+    with contextlib.suppress(ValueError):
+        row = json.loads(line)
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            return row
+    return None
+
+
+def read_rows(path: Path, *, warn: bool = True) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (none if it is absent). Lines that are not whole rows (a last
+    line cut short by a full disk or a kill) are dropped, with one ``warning:`` line on stderr when
+    ``warn``."""
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    rows, torn = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if (row := _row(line)) is not None:
+            rows.append(row)
+        else:
+            torn.append(number)
+    if torn and warn:
+        which = f"line {torn[0]}" if len(torn) == 1 else f"lines {', '.join(map(str, torn[:5]))}"
+        last = " (the last: a write cut short)" if torn[-1] == len(lines) and len(torn) == 1 else ""
+        sys.stderr.write(
+            f"warning: {path}: {which} of {len(lines)} not a whole metrics row{last}: dropped; "
+            "the other rows are kept\n"
+        )
+        sys.stderr.flush()
+    return rows
+
 
 class MetricsLog:
-    """Append rows to ``run_dir/metrics.jsonl`` (flushed per row) and, optionally, TensorBoard events."""
+    """Append rows to ``run_dir/metrics.jsonl`` (one ``write`` per row, never torn) and, optionally,
+    TensorBoard events."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, first_step: int = 0) -> None:
-        self._file = (run_dir / "metrics.jsonl").open("a")
+        self.path = run_dir / METRICS_NAME
+        make_run_dir(run_dir)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            self._fd: int | None = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            kind = file_kind(self.path)
+            if kind not in ("missing", "a regular file"):
+                raise MetricsError(
+                    f"'{self.path}' is {kind}: meshkit never writes through it; remove it, or pass another --run-dir"
+                ) from None
+            raise MetricsError(
+                f"cannot open '{self.path}' ({e.strerror or e}): fix permissions, or pass another --run-dir"
+            ) from None
         self._events = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -24,15 +90,28 @@ class MetricsLog:
             self._events = SummaryWriter(logdir=str(run_dir), filename_suffix=f".from-step-{first_step}")
 
     def write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        data = (json.dumps(row) + "\n").encode()
+        assert self._fd is not None, "write after close"
+        size = os.fstat(self._fd).st_size
+        try:
+            if os.write(self._fd, data) != len(data):
+                raise OSError(0, "the disk took only part of the row")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)  # back to the whole rows before this one
+            raise MetricsError(
+                f"cannot write '{self.path}' ({e.strerror or e}); {free_space(self.path.parent)} there: free space, "
+                "then continue with --resume (the rows before this one and the checkpoints are intact)"
+            ) from None
         if self._events is not None:
             for name, value in row.items():
                 if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                     self._events.add_scalar(name, value, row["step"])
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         if self._events is not None:
             self._events.close()
 
