@@ -14,8 +14,9 @@ import meshkit
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
 from meshkit.plans import _schedule, place
-from meshkit.plans._pipeline import pipeline_gradients, relayout_moves, stage_placement
+from meshkit.plans._pipeline import pipeline_gradients
 from meshkit.plans._schedule import BWD, FWD, IDLE
+from meshkit.plans._stages import relayout_moves, stage_placement
 from meshkit.spec import ParallelSpec, PlanError, get_plan
 
 CASES = [
@@ -163,7 +164,7 @@ def test_remat_matches_one_device_in_float64_and_lowers_the_temporaries():
     (``dots``) inside the backward tick; the same loss and gradients, fewer temporaries, and the
     temporaries saved beside the model's (``Pipeline.working_bytes``: one chunk's residuals)."""
     from meshkit.analysis import memory
-    from meshkit.plans._pipeline import Pipeline
+    from meshkit.plans import Pipeline
 
     with jax.enable_x64(True):
         cfg, params, batch, ref_loss, ref = _float64_gpt()

@@ -376,7 +376,8 @@ def test_meshkit_runtime_agrees_with_the_plans_models(dp, tp, zero):
     from meshkit.mesh import make_mesh
     from meshkit.models import gpt
     from meshkit.plans import expected_collectives, memory_formula, place
-    from meshkit.plans._fsdp import PerLayer, analyse
+    from meshkit.plans._fsdp import PerLayer
+    from meshkit.plans._layers import analyse
     from meshkit.spec import get_plan
 
     shape = SMALL
