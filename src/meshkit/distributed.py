@@ -22,6 +22,7 @@ import atexit
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -509,19 +510,42 @@ def _start(
     watchdog.daemon = True
     watchdog.start()
     try:
-        if spec.source in _JAX_METHOD:  # JAX's own detection fills what the arguments left out
-            jax.distributed.initialize(*explicit, cluster_detection_method=_JAX_METHOD[spec.source], **kwargs)
-        else:
-            jax.distributed.initialize(
-                spec.coordinator, spec.process_count, spec.process_index,
-                cluster_detection_method="deactivate", **kwargs,
-            )  # fmt: skip
+        with _sigterm_kept():
+            _jax_initialize(spec, explicit, kwargs)
     except RuntimeError as e:
         raise DistributedError(
             f"cannot start process {spec.process_index} of the job: {_first_line(e)}"
         ) from e
     finally:
         watchdog.cancel()
+
+
+def _jax_initialize(spec: ProcessSpec, explicit: tuple, kwargs: dict) -> None:
+    if spec.source in _JAX_METHOD:  # JAX's own detection fills what the arguments left out
+        jax.distributed.initialize(*explicit, cluster_detection_method=_JAX_METHOD[spec.source], **kwargs)
+    else:
+        jax.distributed.initialize(
+            spec.coordinator, spec.process_count, spec.process_index,
+            cluster_detection_method="deactivate", **kwargs,
+        )  # fmt: skip
+
+
+@contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """Keep SIGTERM's handler across JAX's start-up. JAX's preemption service installs one in C++
+    that only records the signal for ``multihost_utils.reached_preemption_sync_point``, so a
+    process that does not poll it ignores SIGTERM: restored, SIGTERM ends the process as before,
+    and ``meshkit train`` handles it itself (:mod:`meshkit.train.stop`: a checkpoint at a step
+    every process agrees on)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: set outside Python, which cannot put it back
+            signal.signal(signal.SIGTERM, before)
 
 
 def _first_line(e: BaseException) -> str:
