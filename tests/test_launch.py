@@ -270,3 +270,14 @@ def test_cli_global_job_options_are_checked_before_anything_starts(capsys, monke
     assert main([*options, "launch", "-n", "2", "--", PY, "-c", "print('ran')"]) == 2
     out = capsys.readouterr()
     assert out.err.startswith(message) and out.err.count("\n") == 1 and "ran" not in out.out
+
+
+def test_no_place_for_the_jobs_certificates_is_one_line(monkeypatch):
+    def refused(**kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("meshkit.launch.tempfile.mkdtemp", refused)
+    with pytest.raises(
+        LaunchError, match=r"cannot make the job's certificates in .* \(Permission denied\): set TMPDIR"
+    ):
+        launch([PY, "-c", "pass"], 1, output=io.StringIO())

@@ -426,7 +426,13 @@ def _job_tls(given: MutualTLS | None) -> Iterator[MutualTLS]:
         yield given
         return
     _sweep_stale_tls()
-    directory = tempfile.mkdtemp(prefix=f"{_TLS_PREFIX}{os.getpid()}-")  # mode 0700
+    try:
+        directory = tempfile.mkdtemp(prefix=f"{_TLS_PREFIX}{os.getpid()}-")  # mode 0700
+    except OSError as e:
+        raise LaunchError(
+            f"cannot make the job's certificates in {tempfile.gettempdir()} ({e.strerror or e}): set TMPDIR to a "
+            "writable directory, or give your own with --mtls-cert/--mtls-key/--mtls-ca"
+        ) from None
     try:
         yield _make_tls(Path(directory))
     finally:
