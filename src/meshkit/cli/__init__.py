@@ -52,11 +52,11 @@ def _command():
     return command
 
 
-def _wants_json(argv: list[str]) -> bool:
+def _wants_json(argv: list[str], command) -> bool:
     """Whether the command line asks a command of its own for ``--json`` (not ``meshkit launch``,
     whose ``--json`` after the command belongs to the processes it starts)."""
     mine = argv[: argv.index("--")] if "--" in argv else argv
-    names = set(getattr(_command(), "commands", {}))
+    names = set(getattr(command, "commands", {}))
     command = next((a for a in mine if a in names), None)
     return "--json" in mine and command not in (None, "launch")
 
@@ -75,9 +75,10 @@ def _fail(message: str, code: int, as_json: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input prints one line (with ``--json``, a JSON object on stdout) and exits
     2; nothing else prints a traceback unless MESHKIT_DEBUG=1."""
-    as_json = _wants_json(list(sys.argv[1:] if argv is None else argv))
+    command = _command()
+    as_json = _wants_json(list(sys.argv[1:] if argv is None else argv), command)
     try:
-        result = _command().main(args=argv, prog_name="meshkit", standalone_mode=False)
+        result = command.main(args=argv, prog_name="meshkit", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except typer.Exit as e:
         return e.exit_code
