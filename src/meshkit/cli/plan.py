@@ -101,6 +101,10 @@ def plan(
     ] = 0,
 ) -> None:
     """Choose a parallel layout: predicted memory, communication, bubble, step time and MFU per layout."""
+    from meshkit.analysis._groups import MAX_DEVICES
+
+    if not 1 <= devices <= MAX_DEVICES:  # the search enumerates the divisors of the count: bound it first
+        raise MeshkitError(f"--devices {devices:,} is not a device count: give 1 to {MAX_DEVICES:,}")
     from meshkit.planner import Cluster, Job, Layout, ModelShape, predict, search
     from meshkit.planner.hardware import custom
     from meshkit.planner.hardware import hardware as get_hardware

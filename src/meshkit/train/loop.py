@@ -2,7 +2,8 @@
 
 ``run(cfg)`` prepares everything that can fail on bad input before it writes a byte (data,
 model, plan, mesh, resume checkpoint), then trains with a progress bar, evaluates on the held-out
-split, checkpoints with orbax (periodically, at the end and on Ctrl-C), and finishes with
+split, checkpoints with orbax (periodically, at the end, and on SIGINT or SIGTERM at a step every process
+agrees on: :mod:`meshkit.train.stop`), and finishes with
 ``report.json`` (loss, throughput, communication and memory measured beside the model, FLOPs),
 ``loss.png``, ``cost.png`` and a summary table. Only process 0 writes files.
 """
@@ -13,6 +14,7 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import time
 import traceback
 from collections.abc import Iterator
@@ -45,6 +47,8 @@ from meshkit.train.lock import (
     write_atomic,
 )
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
+from meshkit.train.stop import StopRequest
+from meshkit.train.stop import exit_code as stop_exit_code
 from meshkit.train.trainer import Trainer
 
 
@@ -67,6 +71,8 @@ class Job:
     """The jitted loss used for evaluation."""
     log: MetricsLog | None = None
     """Where rows go while the run is open (process 0 only)."""
+    stopped_by: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped training early, if one did."""
 
     @property
     def writer(self) -> bool:
@@ -246,17 +252,23 @@ def _metrics(job: Job) -> Iterator[None]:
 
 
 def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
-    """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by Ctrl-C."""
+    """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by a signal
+    (SIGINT, SIGTERM: see :mod:`meshkit.train.stop`), after a checkpoint, with ``job.stopped_by`` set."""
     cfg = job.cfg
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     lr = C.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
+    signum = None
     try:
-        with _metrics(job), Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        with (
+            _metrics(job),
+            Progress(*columns, console=console, disable=not console.is_terminal) as bar,
+            StopRequest() as stop,
+        ):
             task = bar.add_task("train", total=cfg.steps, completed=job.step, info="")
-            while job.step < last:
+            while (signum := stop.agreed()) is None and job.step < last:  # every process, every step
                 row = _one_step(job, float(lr(job.step)))
                 _log(job, row)
                 bar.update(
@@ -270,15 +282,27 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
                     _log(job, {"step": job.step, "eval_loss": evaluate(job)})
                 if ckpt is not None and (job.step % cfg.checkpoint_every == 0 or job.step == last):
                     _save(job, ckpt)
-    except KeyboardInterrupt:
-        if ckpt is not None:
-            _save(job, ckpt)
-        console.print(f"interrupted at step {job.step}: checkpoint saved; continue with --resume")
-        return False
+            if signum is not None:
+                _stopped(job, ckpt, console, signum)
+    except KeyboardInterrupt:  # raised by code (SIGINT itself is a StopRequest)
+        signum = signal.SIGINT
+        _stopped(job, ckpt, console, signum)
     finally:
         if ckpt is not None:
             ckpt.close()
-    return True
+    job.stopped_by = signum
+    return signum is None
+
+
+def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int) -> None:
+    """Save the step reached (a second signal meanwhile ends the process: see StopRequest) and say so."""
+    name = signal.Signals(signum).name
+    if job.step == 0:
+        console.print(f"stopped by {name} before the first step: nothing to save")
+        return
+    if ckpt is not None:
+        _save(job, ckpt)
+    console.print(f"stopped by {name} at step {job.step}: checkpoint saved; continue with --resume")
 
 
 def _one_step(job: Job, lr: float) -> dict[str, Any]:
@@ -419,9 +443,10 @@ def run(
     stop_after: int | None = None,
     latest_link: Path | None = None,
 ) -> int:
-    """The whole job; returns the exit code (0 done, 130 interrupted). ``latest_link``: the caller
-    named the run directory (``runs/<time>``) and keeps this symlink pointed at the newest run; a new
-    run then gets a directory of its own (``<time>-2``... when another run took the name)."""
+    """The whole job; returns the exit code (0 done; stopped by a signal after a checkpoint: 128 +
+    its number, 130 for SIGINT, 143 for SIGTERM). ``latest_link``: the caller named the run directory
+    (``runs/<time>``) and keeps this symlink pointed at the newest run; a new run then gets a
+    directory of its own (``<time>-2``... when another run took the name)."""
     C.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
     fresh = latest_link is not None and not resume
     lock = _lock_first(cfg, fresh, latest_link)  # held until run() returns: one run per directory
@@ -454,7 +479,7 @@ def run(
     )
     with _metrics(job):
         if not train(job, console, stop_after=stop_after):
-            return 130
+            return stop_exit_code(job.stopped_by or signal.SIGINT)
         if job.step < cfg.steps:
             console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
             return 0
