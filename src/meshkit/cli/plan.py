@@ -101,7 +101,7 @@ def plan(
     ] = 0,
 ) -> None:
     """Choose a parallel layout: predicted memory, communication, bubble, step time and MFU per layout."""
-    from meshkit.analysis._groups import MAX_DEVICES
+    from meshkit.analysis import MAX_DEVICES
 
     if not 1 <= devices <= MAX_DEVICES:  # the search enumerates the divisors of the count: bound it first
         raise MeshkitError(f"--devices {devices:,} is not a device count: give 1 to {MAX_DEVICES:,}")
