@@ -127,6 +127,26 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     assert proc.returncode != 0 and "no-such-page.md" in proc.stdout + proc.stderr
 
 
+def test_readme_links_resolve():
+    """The README is outside the site, so mkdocs does not check it: every relative link must name a
+    file that exists, and an anchor a heading of that file (slugged as the site slugs it)."""
+    from markdown.extensions.toc import slugify
+
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = ROOT / path
+        if not file.is_file():
+            bad.append(target)
+        elif anchor:
+            heads = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            if anchor not in {slugify(re.sub(r"[`*]", "", h), "-") for h in heads}:
+                bad.append(target)
+    assert not bad, f"README links to what does not exist: {bad}"
+
+
 # -- Python ---------------------------------------------------------------------------------------
 RUNNER = """
 import json, sys
