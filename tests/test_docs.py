@@ -16,8 +16,13 @@
 
   Any other language fails the test, so that no block is left unrun by accident.
 
-The only commands not run are the README's two, ``make run`` and ``make test``: CI runs ``make
-test`` (``.ci/run``), which includes this file, and ``make run`` trains for a minute.
+The only commands in code blocks not run are the README's two, ``make run`` and ``make test``: CI
+runs ``make test`` (``.ci/run``), which includes this file, and ``make run`` trains for a minute or
+more. The benchmarks that produced the tables of ``docs/measurements.md`` (minutes to hours each)
+are named in its text, not in code blocks, and are not run here.
+
+Cost: about 25 commands and 8 Python sessions, each a fresh process that starts JAX and compiles;
+the examples are tiny on purpose (``--preset tiny``, small models, few steps).
 """
 
 from __future__ import annotations
@@ -79,21 +84,23 @@ def blocks(page: Path) -> list[Block]:
 ALL = [b for page in PAGES for b in blocks(page)]
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ)
+def env(*, python: bool = False) -> dict[str, str]:
+    """The environment of a block: this checkout's meshkit first, CPU devices, no colours. Python
+    blocks get 8 simulated CPU devices; shell commands get what a user's shell has (each meshkit
+    command simulates its own, `--devices 8` by default)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_") and k != "XLA_FLAGS"}
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
         NO_COLOR="1",
         # Open MPI refuses root unless told (CI runs as root); 2 processes on a 1-core machine.
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1",
     )
-    for k in [k for k in e if k.startswith("MESHKIT_")]:
-        del e[k]
+    if python:
+        e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     return e
 
 
@@ -164,7 +171,7 @@ def test_python_blocks_run(page, tmp_path):
     (tmp_path / "blocks.json").write_text(json.dumps(code))
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json")], cwd=work, env=env(),
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json")], cwd=work, env=env(python=True),
                           capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
