@@ -157,7 +157,7 @@ def test_sigterm_to_meshkit_train_saves_at_the_next_step_and_a_second_stops_at_o
         again.kill()
     from meshkit.train import config as C
     from meshkit.train.checkpoint import Checkpointer
-    from meshkit.train.loop import prepare
+    from meshkit.train.job import prepare
 
     with Checkpointer(run / "checkpoints") as ckpt:  # opening it clears an unfinished save
         latest = ckpt.latest_step()

@@ -10,7 +10,8 @@ from rich.console import Console
 
 from meshkit.cli import main
 from meshkit.train import config as C
-from meshkit.train.loop import prepare, train
+from meshkit.train.job import prepare
+from meshkit.train.loop import train
 from meshkit.verify import bitwise_equal
 
 
