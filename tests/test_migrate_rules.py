@@ -219,6 +219,9 @@ def test_mk012_params_mapped_by_default_suggests_broadcast():
         "params = jax.device_put_replicated(p0, jax.devices())",
         "params = jax.tree.map(lambda x: jnp.broadcast_to(x, (8,) + x.shape), p0)",
         "params = jax.tree.map(lambda x: jnp.array([x] * 8), p0)",
+        "from train_utils import replicate_state\nparams = replicate_state(p0)",
+        "import big_vision.utils as u\nparams = u.replicate(p0)",
+        "from my_helpers import broadcast_tree\nparams = broadcast_tree(p0)",
     ],
 )
 def test_mk012_silent_where_params_were_replicated_first(replicate):
