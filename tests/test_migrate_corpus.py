@@ -7,7 +7,7 @@ The snippets (tests/corpus/snippets) are small runnable programs with those file
 run before and after ``--fix`` on 8 simulated devices, they give the same outputs.
 
 The differential corpus (tests/corpus/differential) is a second, separate set of pmap-era files
-(its SOURCES: 42 files of 13 other repositories, 2020-2023, with the lines of every pmap the tool
+(its SOURCES: 42 files of 16 other repositories, 2020-2023, with the lines of every pmap the tool
 rewrites or leaves); each rewritten pmap is reproduced by a snippet, whose outputs under JAX 0.12's
 pmap and after ``--fix`` must be bitwise equal.
 """
