@@ -286,6 +286,7 @@ def test_callback_without_vmap_method_runs_as_under_pmap():
 def test_rewritten_function_keeps_its_name_and_docstring():
     """Another module may read them (logging, registries): the helper copies them as pmap does."""
     before = src('''
+        import functools
         import jax
 
         def double(x):
@@ -293,10 +294,14 @@ def test_rewritten_function_keeps_its_name_and_docstring():
             return x * 2
 
         p_double = jax.pmap(double)
+        p_scaled = jax.pmap(functools.partial(functools.partial(double), x=1.0))
     ''')
-    pmapped, rewritten = run(before)["p_double"], run(fix_source(before))["p_double"]
-    assert (rewritten.__name__, rewritten.__qualname__, rewritten.__doc__) == ("double", "double", "Twice x.")
-    assert (pmapped.__name__, pmapped.__doc__) == (rewritten.__name__, rewritten.__doc__)
+    pmapped, rewritten = run(before), run(fix_source(before))
+    assert (rewritten["p_double"].__name__, rewritten["p_double"].__qualname__) == ("double", "double")
+    for name in ("p_double", "p_scaled"):
+        assert [getattr(pmapped[name], a) for a in ("__name__", "__qualname__", "__doc__")] == [
+            getattr(rewritten[name], a) for a in ("__name__", "__qualname__", "__doc__")
+        ]
 
 
 def test_pmap_bound_to_an_attribute_whose_lower_is_used_is_left_alone():

@@ -41,7 +41,8 @@ def {HELPER}(fun, axis_name=None, *, in_axes=0, donate_argnums=()):
     The same program as JAX 0.12's pmap: jax.jit of jax.shard_map, without the replication check,
     over a 1D mesh of the first n devices, n the mapped axis's length (built at the first call,
     not at import). The body sees each mapped argument without its mapped axis (keyword arguments
-    are mapped over axis 0) and each output comes back stacked on axis 0.
+    are mapped over axis 0) and each output comes back stacked on axis 0. Like pmap, it carries
+    the function's name and docstring (a partial is named after the function inside).
     """
     import functools
 
@@ -77,6 +78,11 @@ def {HELPER}(fun, axis_name=None, *, in_axes=0, donate_argnums=()):
             compiled[n, axes] = jax.jit(lambda *a, **k: sharded(a, k), donate_argnums=donate_argnums)
         return compiled[n, axes](*args, **kwargs)
 
+    inner = fun
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    mapped.__name__ = getattr(fun, "__name__", getattr(inner, "__name__", "<unnamed function>"))
+    mapped.__qualname__ = getattr(fun, "__qualname__", mapped.__name__)
     return mapped
 '''
 # sha256 of the helpers earlier meshkit versions added (text stripped): ``jax.vmap`` inside
