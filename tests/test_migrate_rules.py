@@ -542,3 +542,4 @@ def test_mk024_removed_array_members_are_reported_where_x_may_be_an_array():
 def test_mk022_removed_device_put_replicated_gets_the_drop_in_replacement():
     (found,) = lint_source("import jax\nx = jax.device_put_replicated(1.0, jax.devices())\n")
     assert found.rule == "MK022" and "NamedSharding(Mesh(np.array(devices), ('x',)), P('x'))" in found.fix
+    assert rules_in("import jax.numpy as jnp\nx = jnp.ones(3)[jnp.newaxis]\n") == []  # exists, and is None

@@ -50,13 +50,14 @@ def _import(module: str) -> object | None:
         return module
 
 
-_UNKNOWN = object()
+_UNKNOWN, _MISSING = object(), object()
 
 
 @functools.cache
-def _resolve(name: str) -> object | None:
-    """What dotted ``name`` (``jax.a.b``) is in the installed JAX: None when it does not exist,
-    ``_UNKNOWN`` when that cannot be told here (a module that fails to import)."""
+def _resolve(name: str) -> object:
+    """What dotted ``name`` (``jax.a.b``) is in the installed JAX: ``_MISSING`` when it does not
+    exist, ``_UNKNOWN`` when that cannot be told here (a module that fails to import). ``jnp.newaxis``
+    exists and is None."""
     parts = name.split(".")
     obj = _import("jax")
     for i in range(1, len(parts)):
@@ -69,7 +70,7 @@ def _resolve(name: str) -> object | None:
         except AttributeError:
             obj = _import(".".join(parts[: i + 1]))
             if obj is None:
-                return None
+                return _MISSING
         except Exception:
             return _UNKNOWN
     return _UNKNOWN if isinstance(obj, str) else obj
@@ -77,7 +78,7 @@ def _resolve(name: str) -> object | None:
 
 def missing(name: str) -> bool:
     """Whether dotted ``name`` (``jax.a.b``) does not resolve in the installed JAX."""
-    return _resolve(name) is None
+    return _resolve(name) is _MISSING
 
 
 def _jax_name(name: str | None) -> bool:
@@ -148,7 +149,7 @@ _MOVED = {"jax.scipy.linalg.solve": (2, "sym_pos", "lower")}
 @functools.cache
 def _signature(name: str) -> inspect.Signature | None:
     obj = _resolve(name)
-    if obj is None or obj is _UNKNOWN or not callable(obj):
+    if obj is _MISSING or obj is _UNKNOWN or not callable(obj):
         return None
     try:
         return inspect.signature(obj)
