@@ -227,18 +227,22 @@ def test_a_file_changed_since_it_was_read_is_not_overwritten(tmp_path: Path):
 
 
 def test_files_nested_too_deeply_for_the_parser_are_one_line_each_never_a_crash(tmp_path: Path):
-    """2,000 parentheses Python itself refuses; 5,000 ``and``s it reads, but libcst's parser overflows on them."""
+    """2,000 parentheses Python itself refuses; 50,000 ``and``s and 5,000 subscripts it reads, but libcst's
+    parser overflows the C stack on the first (segfault) and runs for minutes on the second."""
     (tmp_path / "parens.py").write_text("x = " + "(" * 2000 + "1" + ")" * 2000 + "\n")
     (tmp_path / "chain.py").write_text("x = " + " and ".join(["a"] * 50_000) + "\n")
+    (tmp_path / "subs.py").write_text("x = a" + "[0]" * 5000 + "\n")
     (tmp_path / "fine.py").write_text("import jax\nk = jax.random.PRNGKey(0)\n")
     done = meshkit_in_child(["migrate", "--fix", "."], tmp_path)
     assert done.returncode == 1, done.stderr[-2000:]
     found = [line for line in done.stdout.splitlines() if LINE.match(line)]
     assert found == [
         "chain.py:1:1 MK000 file too deeply nested for the parser (depth 50004 > 200): left unchanged "
-        "(fix: by hand: make the file valid Python, then run migrate again)",
+        "(fix: by hand: split the deepest expression (nesting depth at most 200), then run migrate again)",
         "parens.py:1:205 MK000 cannot parse: too many nested parentheses "
         "(fix: by hand: make the file valid Python, then run migrate again)",
+        "subs.py:1:1 MK000 file too deeply nested for the parser (depth 5004 > 200): left unchanged "
+        "(fix: by hand: split the deepest expression (nesting depth at most 200), then run migrate again)",
     ]
     assert "jax.random.key(0)" in (tmp_path / "fine.py").read_text()
 

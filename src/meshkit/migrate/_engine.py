@@ -245,18 +245,24 @@ def _unparsable(text: str, path: str) -> tuple[int, int, str] | None:
         return 1, 0, f"cannot parse: {str(e) or type(e).__name__}"
     depth = _depth(tree)
     if depth > MAX_DEPTH:
-        return 1, 0, f"file too deeply nested for the parser (depth {depth} > {MAX_DEPTH}): left unchanged"
+        return 1, 0, f"{_DEEP} (depth {depth} > {MAX_DEPTH}): left unchanged"
     return None
 
 
+_DEEP = "file too deeply nested for the parser"
+
+
 def _parse_error(path: str, line: int, col: int, message: str) -> Finding:
+    fix = "make the file valid Python, then run migrate again"
+    if message.startswith(_DEEP):
+        fix = f"split the deepest expression (nesting depth at most {MAX_DEPTH}), then run migrate again"
     return Finding(
         path=path,
         line=line,
         col=col + 1,
         rule=PARSE_ERROR.id,
         message=(message.strip().splitlines() or ["cannot parse: syntax error"])[0],
-        fix="by hand: make the file valid Python, then run migrate again",
+        fix=f"by hand: {fix}",
         fixable=False,
     )
 
@@ -283,6 +289,6 @@ def run(
         message = f"libcst cannot parse this file (Python can): {e.message}; left unchanged"
         return [_parse_error(path, e.raw_line, e.raw_column, message)], text
     except RecursionError:
-        message = "file too deeply nested for the parser: left unchanged"
+        message = f"{_DEEP}: left unchanged"
         return [_parse_error(path, 1, 0, message)], text
     return migrator.report(), tree.code if fix else text
