@@ -213,20 +213,23 @@ def _fix_imports(tree: cst.Module, migrator: _Migrator) -> cst.Module:
 # The deepest nesting handed to libcst: its native parser can overflow the C stack (a segfault) or
 # take minutes on deeper input, and its visitors recurse in Python. Real code stays far below.
 MAX_DEPTH = 200
+_DEEP = "file too deeply nested for the parser"
 
 
-def _depth(tree: ast.AST) -> int:
-    """How deeply ``tree`` nests as libcst sees it (``a and b and c`` nests there, not in ``ast``), without recursing."""
-    deepest, stack = 0, [(tree, 1)]
+def _depth(tree: ast.AST) -> tuple[int, int]:
+    """How deeply ``tree`` nests as libcst sees it (``a and b and c`` nests there, not in ``ast``),
+    and the line where it is deepest; without recursing."""
+    deepest, line, stack = 0, 1, [(tree, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, ast.BoolOp):
             depth += len(node.values) - 1
         elif isinstance(node, ast.alias | ast.ImportFrom):
             depth += (getattr(node, "name", None) or getattr(node, "module", None) or "").count(".")
-        deepest = max(deepest, depth)
+        if depth > deepest:
+            deepest, line = depth, getattr(node, "lineno", line)
         stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    return deepest
+    return deepest, line
 
 
 def _unparsable(text: str, path: str) -> tuple[int, int, str] | None:
@@ -243,13 +246,10 @@ def _unparsable(text: str, path: str) -> tuple[int, int, str] | None:
         return e.lineno or 1, max((e.offset or 1) - 1, 0), f"cannot parse: {e.msg}"
     except (RecursionError, MemoryError, ValueError) as e:
         return 1, 0, f"cannot parse: {str(e) or type(e).__name__}"
-    depth = _depth(tree)
+    depth, line = _depth(tree)
     if depth > MAX_DEPTH:
-        return 1, 0, f"{_DEEP} (depth {depth} > {MAX_DEPTH}): left unchanged"
+        return line, 0, f"{_DEEP} (depth {depth} > {MAX_DEPTH}): left unchanged"
     return None
-
-
-_DEEP = "file too deeply nested for the parser"
 
 
 def _parse_error(path: str, line: int, col: int, message: str) -> Finding:
