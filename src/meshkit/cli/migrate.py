@@ -75,8 +75,7 @@ def migrate(
 ) -> None:
     """Find legacy JAX (pmap-era) code and rewrite it into JAX 0.12 idioms: jax.shard_map over a mesh.
 
-    Exit status: 0 when done, 1 when a file could not be read, parsed or written (or, with --check,
-    when findings remain), 2 on bad input. Files are written atomically, keeping a BOM and CRLF.
+    Exit 1 if a file cannot be read, parsed or written (with --check: if findings remain); 2 on bad input.
     """
     from meshkit._errors import MeshkitError
     from meshkit.migrate import MigratePathError, counts
