@@ -77,20 +77,12 @@ def migrate(
 
     Exit 1 if a file cannot be read, parsed or written (with --check: if findings remain); 2 on bad input.
     """
-    from meshkit._errors import MeshkitError
     from meshkit.migrate import MigratePathError, counts
     from meshkit.migrate import migrate as run
 
-    try:
-        if not paths:
-            raise MigratePathError(
-                "no paths given: name Python files or directories, e.g. meshkit migrate src/"
-            )
-        results = run(paths, exclude or ())
-    except MeshkitError as e:
-        if json:  # a --json caller reads stdout: the error is a JSON object there too
-            print_json({"error": str(e)})
-        raise
+    if not paths:  # bad input, reported by meshkit.cli.main (with --json, as a JSON object on stdout)
+        raise MigratePathError("no paths given: name Python files or directories, e.g. meshkit migrate src/")
+    results = run(paths, exclude or ())
     write = fix and not diff
     written, error = _write(results) if write else (set(), None)
     for r in results:
