@@ -18,12 +18,7 @@ import pytest
 from meshkit.cli import main
 from meshkit.planner import Cluster, Job, Layout, ModelShape, hardware, predict, search
 from meshkit.planner.calibrate import load
-from meshkit.planner.predict import (
-    in_flight,
-    layer_activation_bytes,
-    model_flops_per_token,
-    param_count,
-)
+from meshkit.planner.sizes import in_flight, layer_activation_bytes, model_flops_per_token, param_count
 from meshkit.plans._schedule import build
 
 CORPUS = Path(__file__).parent / "corpus" / "published_runs.json"

@@ -18,15 +18,10 @@ from meshkit.cli import main
 from meshkit.planner import Cluster, Job, Layout, ModelShape, hardware, predict, search
 from meshkit.planner.calibrate import SPLITS, TAXES, fit, load, log_error
 from meshkit.planner.hardware import BASE_LATENCY_S, NET_HOP_S, NVLINK_HOP_S
-from meshkit.planner.predict import (
-    CALIBRATION,
-    STACKS,
-    Calibration,
-    collective_latency,
-    group_bandwidth,
-    layer_params,
-)
+from meshkit.planner.network import collective_latency, group_bandwidth
 from meshkit.planner.presets import preset
+from meshkit.planner.sizes import layer_params
+from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration
 
 CORPUS = Path(__file__).parent / "corpus" / "published_runs.json"
 CHECK_BOUND = (0.70, 1.40)

@@ -126,8 +126,8 @@ def plan(
     from meshkit.planner import Cluster, Job, Layout, ModelShape, predict, search
     from meshkit.planner.hardware import check_number, custom, override
     from meshkit.planner.hardware import hardware as get_hardware
-    from meshkit.planner.predict import stack_for
     from meshkit.planner.presets import preset
+    from meshkit.planner.stacks import stack_for
 
     figures = dict(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
                    inter_gbps=inter_gbps)  # fmt: skip
@@ -314,7 +314,7 @@ def _compile(shape, preds, cluster, job):
 
 def _stack(job, preds) -> dict:
     """The software stack the prediction assumes, and where its efficiency comes from."""
-    from meshkit.planner.predict import CALIBRATION, STACKS
+    from meshkit.planner.stacks import CALIBRATION, STACKS
 
     first = preds[0]
     return {"name": job.stack, "label": STACKS[job.stack].label, "efficiency_source": first.efficiency_source,
@@ -358,7 +358,8 @@ def _pct(x: float, total: float) -> str:
 
 
 def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
-    from meshkit.planner.predict import STACKS, param_count
+    from meshkit.planner.sizes import param_count
+    from meshkit.planner.stacks import STACKS
 
     hw = cluster.hardware
     console.print(

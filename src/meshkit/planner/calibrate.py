@@ -23,18 +23,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshkit._errors import MeshkitError
+from meshkit.planner.cluster import Cluster, Job
 from meshkit.planner.hardware import hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.predict import (
-    CALIBRATION,
-    Calibration,
-    Cluster,
-    Job,
-    Prediction,
-    layer_flops,
-    model_flops_per_token,
-    predict,
-)
+from meshkit.planner.predict import Prediction, predict
+from meshkit.planner.sizes import layer_flops, model_flops_per_token
+from meshkit.planner.stacks import CALIBRATION, Calibration
 
 SPLITS = ("calibrate", "check")
 

@@ -62,15 +62,27 @@ and the pipeline's two full-size permutes on every tick. The compile check compa
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
-from meshkit._errors import MeshkitError
-from meshkit.analysis.cost import Convention, convention, ring_traffic, zero_memory
-from meshkit.planner.hardware import BASE_LATENCY_S, FAMILIES, Hardware
+from meshkit.analysis.cost import ring_traffic, zero_memory
+from meshkit.planner.cluster import Cluster, Job
+from meshkit.planner.hardware import Hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.spec import PRECISIONS as SPEC_PRECISIONS
+from meshkit.planner.network import collective_latency, crosses_hosts, group_bandwidth
+from meshkit.planner.sizes import (
+    attention_widths,
+    elementwise_bytes,
+    embed_params,
+    head_flops,
+    head_params,
+    in_flight,
+    layer_activation_bytes,
+    layer_flops,
+    layer_params,
+    model_flops_per_token,
+)
+from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration, stack_for
 from meshkit.spec import STEADY_SCHEDULES, ZERO_STAGES
 
 N_HALF = 128
@@ -78,278 +90,6 @@ N_HALF = 128
 (chosen from the shape of bf16 GEMM efficiency curves, not fitted)."""
 MEMORY_USABLE = 0.9
 """Fraction of HBM a training step can use (the rest: allocator fragmentation, runtime, workspaces)."""
-RUNTIMES = ("standard", "meshkit")
-PRECISIONS = tuple(SPEC_PRECISIONS)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Cluster:
-    """``devices`` accelerators of one kind, ``devices_per_host`` to a host (default: the node's)."""
-
-    hardware: Hardware
-    devices: int
-    devices_per_host: int = 0
-
-    def __post_init__(self):
-        if self.devices_per_host == 0:
-            object.__setattr__(self, "devices_per_host", self.hardware.devices_per_host)
-        if self.devices < 1 or self.devices_per_host < 1:
-            raise MeshkitError(f"devices={self.devices}, devices per host={self.devices_per_host}: need >= 1")
-        if self.devices > self.devices_per_host and self.devices % self.devices_per_host:
-            raise MeshkitError(
-                f"{self.devices} devices is not a whole number of hosts of {self.devices_per_host}: "
-                f"use a multiple of {self.devices_per_host} or set --devices-per-host"
-            )
-
-    @property
-    def hosts(self) -> int:
-        return max(1, self.devices // self.devices_per_host)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Job:
-    """The training job: sequences per step, precision, optimizer state, and whose runtime to model."""
-
-    global_batch: int
-    precision: str = "bf16"
-    optimizer_bytes: float | None = None
-    """Optimizer state bytes per parameter (fp32 master + Adam moments: 12 in bf16; 8 in fp32)."""
-    flash_attention: bool = True
-    """Attention without a materialised S x S score matrix (no S^2 activation memory)."""
-    sequence_parallel: bool = True
-    """Under tensor parallelism, the activations between the tensor-parallel matmuls (norms,
-    residuals, dropout) split over the sequence across tp (Megatron-LM's sequence parallelism;
-    MaxText's and PaLM's sharded activations): replicated activations shrink by tp, the bytes
-    moved stay (all-reduce = reduce-scatter + all-gather). meshkit's plans keep them whole."""
-    tp_overlap: float = 0.0
-    """Fraction of the tensor-parallel all-reduces hidden behind the matmuls (0: on the critical
-    path, Megatron-LM's classic TP; 1: overlapped, Megatron-Core's --tp-comm-overlap, up to the
-    compute time)."""
-    dropout: bool = False
-    """Dropout masks stored for the backward pass (1 byte per element after attention and MLP)."""
-    runtime: str = "standard"
-    """``standard`` (Megatron-style implementation) or ``meshkit`` (meshkit's compiled programs)."""
-    stack: str = "maxtext-xla"
-    """The software whose efficiency to assume (``STACKS``); JAX/XLA, what meshkit runs, by default."""
-
-    def __post_init__(self):
-        if self.global_batch < 1:
-            raise MeshkitError(f"global batch {self.global_batch}: must be at least 1 sequence")
-        if self.precision not in PRECISIONS:
-            raise MeshkitError(f"unknown precision {self.precision!r}: choose bf16 or fp32")
-        if self.optimizer_bytes is not None and not 0 <= self.optimizer_bytes < math.inf:
-            raise MeshkitError(f"optimizer bytes per parameter {self.optimizer_bytes}: a finite number >= 0")
-        if not 0.0 <= self.tp_overlap <= 1.0:
-            raise MeshkitError(f"tp_overlap {self.tp_overlap}: a fraction between 0 and 1")
-        if self.runtime not in RUNTIMES:
-            raise MeshkitError(f"unknown runtime {self.runtime!r}: choose one of {', '.join(RUNTIMES)}")
-        if self.stack not in STACKS:
-            raise MeshkitError(f"unknown software stack {self.stack!r}: choose one of {', '.join(STACKS)}")
-
-    @property
-    def convention(self) -> Convention:
-        """Bytes per parameter: mixed-precision Adam in bf16 (2 + 2 + 12), fp32 Adam (4 + 4 + 8);
-        meshkit's programs keep float32 parameters and gradients in either precision."""
-        bf16 = self.precision == "bf16" and self.runtime != "meshkit"
-        base = convention("mixed-adam" if bf16 else "fp32-adam")
-        if self.optimizer_bytes is None:
-            return base
-        return convention(f"{base.param:g},{base.grad:g},{self.optimizer_bytes:g}")
-
-    @property
-    def act_bytes(self) -> int:
-        """Bytes per activation element (the compute dtype)."""
-        return 2 if self.precision == "bf16" else 4
-
-
-# -- software stacks and what was calibrated on them ---------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Stack:
-    """The software a job runs: its kernels set the matmul efficiency, its ZeRO-3 engine how many
-    collectives a layer costs."""
-
-    name: str
-    label: str
-    zero3_per_tensor: bool = False
-    """ZeRO-3 gathers and reduces each parameter tensor by itself (DeepSpeed's engine) rather than a
-    layer at a time (PyTorch FSDP's unit, XLA's combined collectives, Megatron's buckets)."""
-    tpu: bool = False
-    """Runs on TPUs (JAX/XLA only)."""
-
-
-STACKS: dict[str, Stack] = {
-    s.name: s
-    for s in (
-        Stack(name="maxtext-xla", label="JAX/XLA (MaxText, Pax, meshkit)", tpu=True),
-        Stack(name="megatron-te", label="Megatron-LM/NeMo (Megatron-Core, Transformer Engine)"),
-        Stack(name="torchtitan", label="PyTorch FSDP (torchtitan, fms-fsdp)"),
-        Stack(name="deepspeed", label="DeepSpeed (ZeRO, pipeline engine) on Megatron's kernels",
-              zero3_per_tensor=True),
-    )
-}  # fmt: skip
-"""The software stacks ``--stack`` names; the corpus rows of each calibrate its efficiency."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Calibration:
-    """What the published runs set (``planner.calibrate.fit`` finds them again)."""
-
-    efficiency: dict[str, float]
-    """Fraction of peak FLOP/s a large matmul-bound transformer layer reaches, by ``stack/family``."""
-    overlap_tax: float
-    """Fraction of its own time a collective hidden behind compute still costs."""
-    straggler: float
-    """Relative spread of one device's step time (stragglers: the step waits for the slowest)."""
-    comm_efficiency: dict[str, float] = field(default_factory=dict)
-    """Fraction of the ring model's bandwidth a stack's data-parallel collectives reach (1 where absent)."""
-
-    def efficiency_of(self, stack: str, family: str) -> tuple[float, str]:
-        """(efficiency, where it comes from): fitted on the stack's runs on that family, else carried
-        from a family it has runs on by another stack's ratio between the two families."""
-        own = self.efficiency.get(f"{stack}/{family}")
-        if own is not None:
-            return own, f"calibrated on {stack}'s published runs on {family}"
-        for there in FAMILIES:
-            mine = self.efficiency.get(f"{stack}/{there}")
-            for ref in STACKS if mine is not None else ():
-                a, b = self.efficiency.get(f"{ref}/{family}"), self.efficiency.get(f"{ref}/{there}")
-                if a is not None and b is not None and ref != stack:
-                    return (
-                        mine * a / b,
-                        f"estimated: {stack} has no published run on {family}; its {there} figure x {ref}'s {family}/{there}",
-                    )
-        raise MeshkitError(f"no calibration for the {stack} stack on {family}: choose another --stack")
-
-    def to_json(self) -> dict:
-        return {"efficiency": dict(self.efficiency), "overlap_tax": self.overlap_tax, "straggler": self.straggler,
-                "comm_efficiency": dict(self.comm_efficiency)}  # fmt: skip
-
-
-CALIBRATION = Calibration(
-    efficiency={"deepspeed/gpu-ampere": 0.743, "maxtext-xla/gpu-hopper": 0.672, "maxtext-xla/tpu": 0.843,
-                "megatron-te/gpu-ampere": 0.61, "megatron-te/gpu-hopper": 0.696, "torchtitan/gpu-ampere": 0.714,
-                "torchtitan/gpu-hopper": 0.519},
-    overlap_tax=0.5,
-    straggler=0.0,
-    comm_efficiency={"deepspeed": 0.125},
-)  # fmt: skip
-"""Fitted on the calibration rows of tests/corpus/published_runs.json (``planner.calibrate.fit_scale``;
-tests/test_planner_scale.py refits it): the straggler spread fits to 0 there (the latency and the
-overlap tax account for the growth with scale those rows show)."""
-
-
-def stack_for(job: Job, hardware: Hardware) -> Stack:
-    """The job's stack, refused in one line where it does not run on the hardware."""
-    stack = STACKS[job.stack]
-    if hardware.family == "tpu" and not stack.tpu:
-        raise MeshkitError(
-            f"the {stack.name} stack does not run on TPUs ({hardware.name}): use --stack maxtext-xla"
-        )
-    return stack
-
-
-# -- the model's sizes ------------------------------------------------------------------------------
-
-
-def _attention_widths(shape: ModelShape) -> tuple[int, int]:
-    """(query width, key/value width): heads x head_dim and kv_heads x head_dim."""
-    return shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-
-
-def layer_params(shape: ModelShape, tp: int = 1) -> float:
-    """Parameters of one layer on one tensor-parallel shard (matrices and their column-parallel
-    biases split over tp; row-parallel biases and norms replicated)."""
-    d, f, q, kv = shape.width, shape.ffn, *_attention_widths(shape)
-    if shape.gated:  # LLaMA: no biases, RMSNorm scales
-        return (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 2 * d
-    matrices = 2 * d * q + 2 * d * kv + 2 * d * f
-    return (matrices + q + kv + f) / tp + d + d + 4 * d  # bq bv b_in split; bo b_out, 2 LayerNorms whole
-
-
-def embed_params(shape: ModelShape, tp: int = 1) -> float:
-    """Token (and, ungated, position) embedding on the first stage; vocab split over tp."""
-    return shape.vocab * shape.width / tp + (0 if shape.gated else shape.seq * shape.width)
-
-
-def head_params(shape: ModelShape, tp: int = 1) -> float:
-    """Final norm and untied unembedding on the last stage; vocab split over tp."""
-    return shape.width * shape.vocab / tp + (1 if shape.gated else 2) * shape.width
-
-
-def param_count(shape: ModelShape) -> float:
-    return shape.layers * layer_params(shape) + embed_params(shape) + head_params(shape)
-
-
-def layer_flops(shape: ModelShape) -> float:
-    """Forward matmul FLOPs of one layer per token (the S^2 terms counted whole)."""
-    d, f, q, kv = shape.width, shape.ffn, *_attention_widths(shape)
-    return 2 * (2 * d * q + 2 * d * kv) + 4 * shape.seq * q + 2 * (3 if shape.gated else 2) * d * f
-
-
-def head_flops(shape: ModelShape) -> float:
-    """Forward FLOPs of the logits per token."""
-    return 2 * shape.width * shape.vocab
-
-
-def model_flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs per token without recompute (3 x forward): what MFU counts."""
-    return 3 * (shape.layers * layer_flops(shape) + head_flops(shape))
-
-
-def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple[float, float, float]:
-    """(all saved activations, those ``dots`` remat keeps, the layer's input) of one layer and one
-    micro-batch on one device, in bytes (Korthikanti et al. 2022: 16-bit activations, 1-byte
-    dropout masks where ``job.dropout``; what precedes a tensor-parallel matmul is whole unless
-    ``job.sequence_parallel`` splits it).
-    ``dots`` keeps the layer input and the matmul outputs (Q, K, V, attention output, the MLP's
-    first matmul(s)) and recomputes the elementwise rest (norms, activation function, masks, softmax)."""
-    t, e = layout.tp, job.act_bytes
-    sb = shape.seq * layout.microbatch_size
-    d, f, q, kv = shape.width, shape.ffn, *_attention_widths(shape)
-    split = t if job.sequence_parallel and job.runtime != "meshkit" else 1
-    mask = 1 if job.dropout else 0
-    replicated = sb * d * (4 * e + 2 * mask) / split  # QKV and MLP inputs, 2 norm inputs, dropout masks
-    attention = sb * (q + 2 * kv + q) * e / t  # Q, K, V and the output projection's input
-    mlp = sb * f * (3 if shape.gated else 2) * e / t  # GeLU: its input and output; SwiGLU: gate, up, product
-    scores = 0.0 if job.flash_attention else sb * shape.heads * shape.seq * (2 * e + mask) / t
-    full = replicated + attention + mlp + scores
-    dots = sb * d * e / split + attention + sb * f * (2 if shape.gated else 1) * e / t
-    return full, dots, sb * d * e / split
-
-
-def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
-    """HBM bytes the non-matmul ops of one layer's forward pass move for one micro-batch on one
-    device: two norms (read and write D), two residual adds (read 2 D, write D), the MLP's
-    activation function (read and write F; SwiGLU: read 2 F, write F). The backward pass moves
-    about twice as much, a recomputed forward as much again: ``ELEMENTWISE`` is this per pass."""
-    split = layout.tp if job.sequence_parallel and job.runtime != "meshkit" else 1
-    d, f = shape.width, shape.ffn
-    return (
-        layout.microbatch_size
-        * shape.seq
-        * job.act_bytes
-        * (10 * d / split + (3 if shape.gated else 2) * f / layout.tp)
-    )
-
-
-def in_flight(layout: Layout, layers: int, m: int) -> float:
-    """Layer-micro-batches whose activations the busiest device (the first stage) holds at once:
-    its stage's layers times the micro-batch chunks it stashes, as meshkit's schedule tables count
-    them (``plans._schedule``: GPipe m, 1F1B p, interleaved ``v p + p - 2`` chunks of ``L / (p v)``
-    layers; Korthikanti et al. count one chunk more)."""
-    p, v = layout.pp, layout.virtual_stages
-    if p == 1:
-        return float(layers)
-    per_stage = -(-layers // (p * v)) * v
-    if layout.schedule == "gpipe":
-        return float(per_stage * m)
-    if v == 1:
-        return float(per_stage * min(p, m))
-    return per_stage / v * min(v * p + p - 2, v * m)
-
-
 # -- the prediction ---------------------------------------------------------------------------------
 
 
@@ -440,55 +180,6 @@ def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job, shard_g
         if shard_group < 1 or layout.dp % shard_group:
             return f"shard group {shard_group} does not divide dp={layout.dp}"
     return None
-
-
-def crosses_hosts(stride: int, size: int, cluster: Cluster) -> bool:
-    """Whether groups of ``size`` devices ``stride`` apart (mesh order stage, data, model: model
-    innermost) span more than one host."""
-    return _crosses(stride, size, cluster.devices_per_host, cluster.devices)
-
-
-@functools.lru_cache(maxsize=4096)  # pure arithmetic the search asks again for every layout
-def _crosses(stride: int, size: int, dph: int, devices: int) -> bool:
-    if size <= 1:
-        return False
-    span = stride * size
-    if span <= dph and dph % span == 0:
-        return False
-    if stride >= dph or span % dph == 0:
-        return True
-    return any((r + stride * (size - 1)) // dph != r // dph for r in range(min(devices, span)))
-
-
-def group_bandwidth(cluster: Cluster, stride: int, size: int, *, one_nic: bool = False) -> float:
-    """Bytes/s per device of a ring over ``size`` devices ``stride`` apart: intra-host, or where the
-    group spans hosts, through the NICs of its k members on a host (``one_nic``: a point-to-point send)."""
-    h = cluster.hardware
-    if not crosses_hosts(stride, size, cluster):
-        return h.intra_host_bytes_per_s
-    k = 1 if one_nic else max(1, min(size, cluster.devices_per_host // stride))
-    return min(h.intra_host_bytes_per_s, k * h.inter_host_bytes_per_s)
-
-
-def collective_latency(cluster: Cluster, op: str, stride: int, size: int) -> float:
-    """Seconds one collective waits on its ring's steps (NCCL's model: ``hardware.BASE_LATENCY_S``
-    plus a hop per step, ``host_hop_s`` for those between hosts; an all-reduce takes NCCL's tree
-    where that is shorter; ``collective-permute``: one hop)."""
-    h = cluster.hardware
-    if size <= 1:
-        return 0.0
-    crosses = crosses_hosts(stride, size, cluster)
-    if op == "collective-permute":
-        return BASE_LATENCY_S + (h.host_hop_s if crosses else h.hop_s)
-    k = max(1, min(size, cluster.devices_per_host // stride)) if crosses else size
-    hosts = -(-size // k)
-    twice = 2 if op == "all-reduce" else 1
-    outer = twice * (hosts - 1)
-    ring = BASE_LATENCY_S + (twice * (size - 1) - outer) * h.hop_s + outer * h.host_hop_s
-    if op != "all-reduce":
-        return ring
-    tree = BASE_LATENCY_S + 2 * ((k - 1) * h.hop_s + math.ceil(math.log2(hosts)) * h.host_hop_s)
-    return min(ring, tree)
 
 
 def efficiency(
@@ -608,7 +299,7 @@ def _gathered(s: _Step) -> float:
     each tensor by itself (the fused QKV projection or an MLP matrix)."""
     if not STACKS[s.job.stack].zero3_per_tensor:
         return layer_params(s.shape, s.layout.tp)
-    q, kv = _attention_widths(s.shape)
+    q, kv = attention_widths(s.shape)
     return s.shape.width * max(s.shape.ffn, q + 2 * kv) / s.layout.tp
 
 

@@ -18,8 +18,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from meshkit.planner.cluster import Cluster, Job
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.predict import Cluster, Job, Prediction, crosses_hosts, predict
+from meshkit.planner.network import crosses_hosts
+from meshkit.planner.predict import Prediction, predict
 from meshkit.spec import PIPELINE_REMAT
 
 REMATS = PIPELINE_REMAT
