@@ -123,17 +123,11 @@ def plan(
 
     if not 1 <= devices <= MAX_DEVICES:  # the search enumerates the divisors of the count: bound it first
         raise MeshkitError(f"--devices {devices:,} is not a device count: give 1 to {MAX_DEVICES:,}")
-    from meshkit.planner import Cluster, Job, Layout, ModelShape, predict, search
-    from meshkit.planner.hardware import check_number, custom, override
-    from meshkit.planner.hardware import hardware as get_hardware
+    from meshkit.planner import Layout, ModelShape, predict
     from meshkit.planner.presets import preset
-    from meshkit.planner.stacks import stack_for
 
     figures = dict(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
                    inter_gbps=inter_gbps)  # fmt: skip
-    for flag, value in figures.items():
-        check_number(flag, value)
-    check_number("optimizer_bytes", optimizer_bytes, zero=True)
     if top < 1:
         raise MeshkitError(f"--top {top}: show at least 1 layout")
     if compile < 0:
@@ -141,14 +135,8 @@ def plan(
     shape = _shape(
         model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape
     )
-    if hardware.strip().lower() == "custom":
-        hw = custom(**figures, devices_per_host=devices_per_host or 8, family=family)
-    else:
-        hw = override(get_hardware(hardware), **figures)
-    cluster = Cluster(hardware=hw, devices=devices, devices_per_host=devices_per_host or 0)
-    job = Job(global_batch=global_batch, precision=precision, optimizer_bytes=optimizer_bytes,
-              flash_attention=flash_attention, runtime=runtime, stack=stack.strip().lower())  # fmt: skip
-    stack_for(job, hw)
+    cluster, job = _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision,
+                                    optimizer_bytes, flash_attention, runtime, stack)  # fmt: skip
     notes: list[str] = []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -166,19 +154,7 @@ def plan(
             raise MeshkitError(
                 "--shard-group prices one layout: give --layout too (the search tries hybrid sharding itself)"
             )
-        result = search(shape, cluster, job)
-        if result.best is None:
-            close = result.closest()
-            if close is None:
-                raise MeshkitError(
-                    f"no layout of {shape.name} runs on {devices} devices with global batch {global_batch}: "
-                    f"use a global batch that divides over the data-parallel degrees (e.g. a multiple of {devices})"
-                )
-            raise MeshkitError(
-                f"{shape.name} fits no layout on {devices} x {hw.name}: the best, {close.label()}, "
-                f"needs {close.peak_bytes / 1e9:.1f} GB per device of {close.limit_bytes / 1e9:.1f} GB usable "
-                f"({close.peak_bytes / close.limit_bytes:.2f}x too large): add devices, or use larger ones"
-            )
+        result = _search(shape, cluster, job)
         preds = result.ranked[:top]
     runnable = [p for p in (preds if result is None else result.ranked) if p.meshkit_plan()]
     measured = _compile(shape, runnable[:compile], cluster, job) if compile else None
@@ -195,6 +171,49 @@ def plan(
     _print(shape, cluster, job, preds, result, measured, single=layout is not None)
     if plot is not None:
         console.print(f"plot: {plot}")
+
+
+def _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision, optimizer_bytes,
+                     flash_attention, runtime, stack):  # fmt: skip
+    """The cluster (a named device, its figures overridden by the flags given, or a custom one) and the
+    job, every number checked (finite, positive) with a line naming its flag."""
+    from meshkit.planner import Cluster, Job
+    from meshkit.planner.hardware import check_number, custom, override
+    from meshkit.planner.hardware import hardware as get_hardware
+    from meshkit.planner.stacks import stack_for
+
+    for flag, value in figures.items():
+        check_number(flag, value)
+    check_number("optimizer_bytes", optimizer_bytes, zero=True)
+    if hardware.strip().lower() == "custom":
+        hw = custom(**figures, devices_per_host=devices_per_host or 8, family=family)
+    else:
+        hw = override(get_hardware(hardware), **figures)
+    cluster = Cluster(hardware=hw, devices=devices, devices_per_host=devices_per_host or 0)
+    job = Job(global_batch=global_batch, precision=precision, optimizer_bytes=optimizer_bytes,
+              flash_attention=flash_attention, runtime=runtime, stack=stack.strip().lower())  # fmt: skip
+    stack_for(job, hw)
+    return cluster, job
+
+
+def _search(shape, cluster, job):
+    """Every layout ranked; where none fits, one line saying by how much the closest misses."""
+    from meshkit.planner import search
+
+    result = search(shape, cluster, job)
+    if result.best is None:
+        close = result.closest()
+        if close is None:
+            raise MeshkitError(
+                f"no layout of {shape.name} runs on {cluster.devices} devices with global batch {job.global_batch}: "
+                f"use a global batch that divides over the data-parallel degrees (e.g. a multiple of {cluster.devices})"
+            )
+        raise MeshkitError(
+            f"{shape.name} fits no layout on {cluster.devices} x {cluster.hardware.name}: the best, {close.label()}, "
+            f"needs {close.peak_bytes / 1e9:.1f} GB per device of {close.limit_bytes / 1e9:.1f} GB usable "
+            f"({close.peak_bytes / close.limit_bytes:.2f}x too large): add devices, or use larger ones"
+        )
+    return result
 
 
 def _virtual(schedule: str, layers: int, layout: str, notes: list[str]) -> int:
