@@ -58,20 +58,48 @@ def _uses(jaxpr: Any, var: Any) -> list[Any]:
 def analyse(loss_fn: Callable, placement: Placement, params: Any, micro: Any) -> Found:
     """Trace ``loss_fn(params, micro)`` once (abstractly) to find hooked blocks or scans over stacked
     leaves. ``micro`` is everything else the loss reads (the step passes its state, batch and key)."""
-    flat_layout = placement.flat()
     treedef = jax.tree.structure(params)
-    ids: dict[int, int] = {}
-    hooked: set[int] = set()
-    calls = [0]
-    groups: list[tuple[int, ...]] = []
-    order: list[list[int | None]] = []
+    hook = _Hooks()
 
-    def handler(block_fn, block_params, inputs):
-        calls[0] += 1
-        order.append([ids.get(id(x)) for x in jax.tree.leaves(block_params)])
-        mine = tuple(i for i in order[-1] if i is not None)
-        hooked.update(mine)
-        groups.append(mine)
+    def traced(leaves, micro):
+        hook.ids.update({id(x): i for i, x in enumerate(leaves)})
+        with handling(hook):
+            return loss_fn(jax.tree.unflatten(treedef, leaves), micro)
+
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+    jaxpr = jax.make_jaxpr(traced)(avals, micro).jaxpr
+    pvars = jaxpr.invars[: len(avals)]
+    if hook.hooked:
+        return _hooked(jaxpr, pvars, hook)
+    found = _scanned(jaxpr, pvars, placement)
+    if found is not None:
+        return found
+    return Found(
+        mode="none",
+        layer_leaves=(),
+        layers=0,
+        note="no layer structure found: every parameter is gathered for the whole step; per-layer memory "
+        "needs the model to lax.scan over stacked layer parameters or to mark its blocks with meshkit.layer",
+    )
+
+
+class _Hooks:
+    """The ``meshkit.layer`` handler while the loss is traced: records each block's parameter leaves
+    (by flat index) and runs the block as a named ``jax.jit`` call, so the jaxpr shows its uses."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, int] = {}
+        self.hooked: set[int] = set()
+        self.calls = 0
+        self.groups: list[tuple[int, ...]] = []
+        self.order: list[list[int | None]] = []
+
+    def __call__(self, block_fn, block_params, inputs):
+        self.calls += 1
+        self.order.append([self.ids.get(id(x)) for x in jax.tree.leaves(block_params)])
+        mine = tuple(i for i in self.order[-1] if i is not None)
+        self.hooked.update(mine)
+        self.groups.append(mine)
 
         def marked(p, i):
             return block_fn(p, *i)
@@ -79,68 +107,60 @@ def analyse(loss_fn: Callable, placement: Placement, params: Any, micro: Any) ->
         marked.__name__ = MARK
         return jax.jit(marked)(block_params, inputs)
 
-    def traced(leaves, micro):
-        ids.update({id(x): i for i, x in enumerate(leaves)})
-        with handling(handler):
-            return loss_fn(jax.tree.unflatten(treedef, leaves), micro)
 
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
-    jaxpr = jax.make_jaxpr(traced)(avals, micro).jaxpr
-    pvars = jaxpr.invars[: len(avals)]
+def _hooked(jaxpr: Any, pvars: list, hook: _Hooks) -> Found:
+    """Blocks marked with ``meshkit.layer``: their leaves gathered per block unless also used outside one."""
     outside = {i for i, v in enumerate(pvars) if any(o is v for o in jaxpr.outvars)}
-    if hooked:
-        for i in sorted(hooked):
-            if any(e.params.get("name") != MARK for e in _uses(jaxpr, pvars[i])):
-                outside.add(i)
-        kept = tuple(sorted(hooked - outside))
-        note = (
-            f"{calls[0]} blocks marked with meshkit.layer; {len(kept)} parameter leaves gathered inside them"
-        )
-        if hooked & outside:
-            note += f"; {len(hooked & outside)} also used outside a block, gathered for the whole step"
-        groups = tuple(tuple(i for i in g if i in kept) for g in groups)
-        reads = set()
-        marked = [e for e in jaxpr.eqns if e.params.get("name") == MARK]
-        for eqn, idx in zip(marked, order, strict=False):
-            inner = eqn.params["jaxpr"].jaxpr
-            reads |= {
-                i for v, i in zip(inner.invars, idx, strict=False) if i is not None and _value_read(inner, v)
-            }
-        return Found(mode="hook", layer_leaves=kept, layers=calls[0], note=note, groups=groups,
-                     backward_reads=tuple(sorted(reads & set(kept))))  # fmt: skip
+    for i in sorted(hook.hooked):
+        if any(e.params.get("name") != MARK for e in _uses(jaxpr, pvars[i])):
+            outside.add(i)
+    kept = tuple(sorted(hook.hooked - outside))
+    note = f"{hook.calls} blocks marked with meshkit.layer; {len(kept)} parameter leaves gathered inside them"
+    if hook.hooked & outside:
+        note += f"; {len(hook.hooked & outside)} also used outside a block, gathered for the whole step"
+    groups = tuple(tuple(i for i in g if i in kept) for g in hook.groups)
+    reads = set()
+    marked = [e for e in jaxpr.eqns if e.params.get("name") == MARK]
+    for eqn, idx in zip(marked, hook.order, strict=False):
+        inner = eqn.params["jaxpr"].jaxpr
+        reads |= {
+            i for v, i in zip(inner.invars, idx, strict=False) if i is not None and _value_read(inner, v)
+        }
+    return Found(mode="hook", layer_leaves=kept, layers=hook.calls, note=note, groups=groups,
+                 backward_reads=tuple(sorted(reads & set(kept))))  # fmt: skip
+
+
+def _scanned(jaxpr: Any, pvars: list, placement: Placement) -> Found | None:
+    """Leaves used only as a ``lax.scan``'s sliced inputs (stacked layers), or None if there are none."""
+    flat = placement.flat()
     stacked: set[int] = set()
     lengths = []
     reads = set()
     for i, v in enumerate(pvars):
         uses = _uses(jaxpr, v)
         if (
-            uses
-            and all(e.primitive.name == "scan" and _is_xs(e, v) for e in uses)
-            and flat_layout[i].data_dim != 0
+            not uses
+            or flat[i].data_dim == 0
+            or not all(e.primitive.name == "scan" and _is_xs(e, v) for e in uses)
         ):
-            stacked.add(i)
-            lengths += [e.params["length"] for e in uses]
-            for e in uses:
-                body, start = e.params["jaxpr"], sum(scan_groups(e))
-                body = getattr(body, "jaxpr", body)
-                for k, u in enumerate(e.invars[start:]):
-                    if u is v and _value_read(body, body.invars[start + k]):
-                        reads.add(i)
-    if stacked:
-        return Found(
-            mode="scan",
-            layer_leaves=tuple(sorted(stacked)),
-            layers=max(lengths),
-            groups=(tuple(sorted(stacked)),),
-            backward_reads=tuple(sorted(reads)),
-            note=f"lax.scan over {len(stacked)} stacked parameter leaves, {max(lengths)} layers, gathered per layer",
-        )
+            continue
+        stacked.add(i)
+        lengths += [e.params["length"] for e in uses]
+        for e in uses:
+            body, start = e.params["jaxpr"], sum(scan_groups(e))
+            body = getattr(body, "jaxpr", body)
+            for k, u in enumerate(e.invars[start:]):
+                if u is v and _value_read(body, body.invars[start + k]):
+                    reads.add(i)
+    if not stacked:
+        return None
     return Found(
-        mode="none",
-        layer_leaves=(),
-        layers=0,
-        note="no layer structure found: every parameter is gathered for the whole step; per-layer memory "
-        "needs the model to lax.scan over stacked layer parameters or to mark its blocks with meshkit.layer",
+        mode="scan",
+        layer_leaves=tuple(sorted(stacked)),
+        layers=max(lengths),
+        groups=(tuple(sorted(stacked)),),
+        backward_reads=tuple(sorted(reads)),
+        note=f"lax.scan over {len(stacked)} stacked parameter leaves, {max(lengths)} layers, gathered per layer",
     )
 
 

@@ -115,108 +115,7 @@ def local_pipeline(
 
     policy = remat_policy(remat)
     data_size, zero3 = placement.data_size, placement.plan.shards_params
-    p, m, v, S = sched.p, sched.m, sched.v, sched.stages
-    table = np.stack([sched.kind, sched.chunk, sched.mb, sched.x_read, sched.g_read, sched.x_write,
-                      sched.g_write], axis=-1)  # fmt: skip
-    fwd_perm, bwd_perm = _perm(p, 1, v > 1), _perm(p, -1, v > 1)
-
-    def run(params, batch):
-        if zero3:
-            params = _gather(params, placement)
-        top, blocks = stages.split(params)
-        d = lax.axis_index(STAGE) if p > 1 else 0
-        if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
-            blocks = relayout(blocks, p, v, d, back=False)
-        micro = _micro(batch, m)
-        k = jax.tree.leaves(blocks)[0].shape[0] // v
-        x_like = jax.eval_shape(stages.embed, top, jax.tree.map(lambda a: a[0], micro))
-        zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
-        scale = 1.0 / m
-        loss_dtype = jnp.promote_types(x_like.dtype, jnp.float32)
-
-        def chunk(tree, c):
-            return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k), tree)
-
-        def forward(cp, tp, x_in, s, mbatch):
-            x = lax.cond(s == 0, lambda: stages.embed(tp, mbatch).astype(x_like.dtype), lambda: x_in)
-            return stages.run_blocks(cp, x, policy)
-
-        def with_loss(cp, tp, x_in, s, mbatch):
-            y = forward(cp, tp, x_in, s, mbatch)
-            loss = lax.cond(s == S - 1, lambda: jnp.asarray(stages.loss(stages.head(tp, y), mbatch), loss_dtype)
-                            * scale, lambda: jnp.zeros((), loss_dtype))  # fmt: skip
-            return y, loss
-
-        def decode(tag):
-            return tag // S, tag % S
-
-        def idle(ops):
-            zeros_c = jax.tree.map(jnp.zeros_like, chunk(blocks, 0))
-            return zeros_x, zeros_x, zeros_c, jax.tree.map(jnp.zeros_like, top), jnp.zeros((), loss_dtype), \
-                jnp.zeros((3,), jnp.int32)  # fmt: skip
-
-        def fwd(ops):
-            c, s, j, xbuf, xtag, xr = ops[:6]
-            mbatch = jax.tree.map(lambda a: a[j], micro)
-            y = forward(chunk(blocks, c), top, xbuf[xr], s, mbatch)
-            got_j, got_s = decode(xtag[xr])
-            got_j, got_s = jnp.where(s == 0, j, got_j), jnp.where(s == 0, 0, got_s)
-            out = idle(ops)
-            return y, zeros_x, out[2], out[3], out[4], jnp.stack([jnp.int32(_schedule.FWD), got_j, got_s])
-
-        def bwd(ops):
-            c, s, j, xbuf, xtag, xr, gbuf, gtag, gr = ops
-            mbatch = jax.tree.map(lambda a: a[j], micro)
-            (y, loss), vjp = jax.vjp(
-                lambda cp, tp, x: with_loss(cp, tp, x, s, mbatch), chunk(blocks, c), top, xbuf[xr]
-            )
-            last = s == S - 1
-            g = jnp.where(last, jnp.zeros_like(y), gbuf[gr].astype(y.dtype))
-            dc, dt, dx = vjp((g, jnp.where(last, 1.0, 0.0).astype(loss_dtype)))
-            tag = jnp.where(last, xtag[xr], gtag[gr])
-            got_j, got_s = decode(tag)
-            if S == 1:
-                got_j, got_s = j, jnp.int32(0)
-            return (
-                zeros_x,
-                dx.astype(x_like.dtype),
-                dc,
-                dt,
-                loss,
-                jnp.stack([jnp.int32(_schedule.BWD), got_j, got_s]),
-            )
-
-        def tick(carry, row):
-            xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc = carry
-            kind, c, j, xr, gr, xw, gw = (row[d, i] for i in range(7))
-            s = c * p + d
-            send_x, send_g, dc, dt, loss, rec = lax.switch(kind, [idle, fwd, bwd],
-                                                           (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr))  # fmt: skip
-            acc_c = jax.tree.map(lambda a, g: lax.dynamic_update_slice_in_dim(
-                a, lax.dynamic_slice_in_dim(a, c * k, k) + g, c * k, 0), acc_c, dc)  # fmt: skip
-            acc_t = jax.tree.map(jnp.add, acc_t, dt)
-            if p > 1 or v > 1:
-                tag_x = j * S + s + 1  # what the receiver consumes: micro-batch j at virtual stage s + 1
-                tag_g = j * S + s - 1
-                if p > 1:
-                    send_x, tag_x = lax.ppermute((send_x, tag_x), STAGE, fwd_perm)
-                    send_g, tag_g = lax.ppermute((send_g, tag_g), STAGE, bwd_perm)
-                xbuf, xtag = xbuf.at[xw].set(send_x), xtag.at[xw].set(tag_x)
-                gbuf, gtag = gbuf.at[gw].set(send_g), gtag.at[gw].set(tag_g)
-            return (xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc + loss), rec
-
-        buf = lambda n: jnp.zeros((n + 1, *x_like.shape), x_like.dtype)  # noqa: E731
-        carry = (buf(sched.x_slots), jnp.zeros((sched.x_slots + 1,), jnp.int32), buf(sched.g_slots),
-                 jnp.zeros((sched.g_slots + 1,), jnp.int32), jax.tree.map(jnp.zeros_like, blocks),
-                 jax.tree.map(jnp.zeros_like, top), jnp.zeros((), loss_dtype))  # fmt: skip
-        carry, record = lax.scan(tick, carry, jnp.asarray(table, jnp.int32))
-        acc_c, acc_t, loss = carry[4], carry[5], carry[6]
-        if v > 1 and p > 1:
-            acc_c = relayout(acc_c, p, v, d, back=True)
-        if p > 1:
-            acc_t, loss = lax.psum((acc_t, loss), STAGE)
-        loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
-        return loss, record[:, None, :], grads
+    p, m, v = sched.p, sched.m, sched.v
 
     def over_data(loss, grads):
         if zero3:
@@ -226,6 +125,21 @@ def local_pipeline(
         if data_size > 1:
             loss = lax.pmean(loss, DATA)
         return loss, grads
+
+    def run(params, batch):
+        if zero3:
+            params = _gather(params, placement)
+        top, blocks = stages.split(params)
+        d = lax.axis_index(STAGE) if p > 1 else 0
+        if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
+            blocks = relayout(blocks, p, v, d, back=False)
+        acc_c, acc_t, loss, record = _Ticks(stages, sched, policy, top, blocks, _micro(batch, m), d).run()
+        if v > 1 and p > 1:
+            acc_c = relayout(acc_c, p, v, d, back=True)
+        if p > 1:
+            acc_t, loss = lax.psum((acc_t, loss), STAGE)
+        loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
+        return loss, record[:, None, :], grads
 
     def single_stage(params, batch):
         """One stage (p = v = 1): nothing to send and no bubble; its schedule (F j then B j) is gradient
@@ -246,6 +160,109 @@ def local_pipeline(
         return loss, jnp.asarray(sched.table()), grads
 
     return single_stage if p == 1 and v == 1 else run
+
+
+class _Ticks:
+    """One device's run of the schedule table: a ``lax.scan`` over the clock ticks, each looking up
+    this device's action (idle, the forward or the backward of one micro-batch through one chunk)
+    and running it under ``lax.switch``, then the two permutes; its carry the activation and
+    cotangent buffers with their tags, the gradient accumulators and the loss."""
+
+    def __init__(self, stages: Stages, sched: _schedule.Schedule, policy: Any, top: Any, blocks: Any, micro: Any,
+                 d: Any) -> None:  # fmt: skip
+        self.stages, self.sched, self.policy = stages, sched, policy
+        self.top, self.blocks, self.micro, self.d = top, blocks, micro, d
+        self.p, self.v, self.S = sched.p, sched.v, sched.stages
+        self.k = jax.tree.leaves(blocks)[0].shape[0] // sched.v
+        self.x_like = jax.eval_shape(stages.embed, top, jax.tree.map(lambda a: a[0], micro))
+        self.zeros_x = jnp.zeros(self.x_like.shape, self.x_like.dtype)
+        self.scale = 1.0 / sched.m
+        self.loss_dtype = jnp.promote_types(self.x_like.dtype, jnp.float32)
+        self.fwd_perm, self.bwd_perm = _perm(self.p, 1, self.v > 1), _perm(self.p, -1, self.v > 1)
+
+    def run(self) -> tuple[Any, Any, jax.Array, jax.Array]:
+        """``(chunk gradients, top gradients, loss, record)`` after every tick."""
+        s = self.sched
+        table = np.stack([s.kind, s.chunk, s.mb, s.x_read, s.g_read, s.x_write, s.g_write], axis=-1)
+        buf = lambda n: jnp.zeros((n + 1, *self.x_like.shape), self.x_like.dtype)  # noqa: E731
+        carry = (buf(s.x_slots), jnp.zeros((s.x_slots + 1,), jnp.int32), buf(s.g_slots),
+                 jnp.zeros((s.g_slots + 1,), jnp.int32), jax.tree.map(jnp.zeros_like, self.blocks),
+                 jax.tree.map(jnp.zeros_like, self.top), jnp.zeros((), self.loss_dtype))  # fmt: skip
+        carry, record = lax.scan(self.tick, carry, jnp.asarray(table, jnp.int32))
+        return carry[4], carry[5], carry[6], record
+
+    def chunk(self, tree, c):
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * self.k, self.k), tree)
+
+    def forward(self, cp, tp, x_in, s, mbatch):
+        x = lax.cond(s == 0, lambda: self.stages.embed(tp, mbatch).astype(self.x_like.dtype), lambda: x_in)
+        return self.stages.run_blocks(cp, x, self.policy)
+
+    def with_loss(self, cp, tp, x_in, s, mbatch):
+        y = self.forward(cp, tp, x_in, s, mbatch)
+
+        def head():
+            return (
+                jnp.asarray(self.stages.loss(self.stages.head(tp, y), mbatch), self.loss_dtype) * self.scale
+            )
+
+        loss = lax.cond(s == self.S - 1, head, lambda: jnp.zeros((), self.loss_dtype))
+        return y, loss
+
+    def decode(self, tag):
+        return tag // self.S, tag % self.S
+
+    def idle(self, ops):
+        zeros_c = jax.tree.map(jnp.zeros_like, self.chunk(self.blocks, 0))
+        return self.zeros_x, self.zeros_x, zeros_c, jax.tree.map(jnp.zeros_like, self.top), \
+            jnp.zeros((), self.loss_dtype), jnp.zeros((3,), jnp.int32)  # fmt: skip
+
+    def fwd(self, ops):
+        c, s, j, xbuf, xtag, xr = ops[:6]
+        mbatch = jax.tree.map(lambda a: a[j], self.micro)
+        y = self.forward(self.chunk(self.blocks, c), self.top, xbuf[xr], s, mbatch)
+        got_j, got_s = self.decode(xtag[xr])
+        got_j, got_s = jnp.where(s == 0, j, got_j), jnp.where(s == 0, 0, got_s)
+        out = self.idle(ops)
+        return y, self.zeros_x, out[2], out[3], out[4], jnp.stack([jnp.int32(_schedule.FWD), got_j, got_s])
+
+    def bwd(self, ops):
+        c, s, j, xbuf, xtag, xr, gbuf, gtag, gr = ops
+        mbatch = jax.tree.map(lambda a: a[j], self.micro)
+        (y, loss), vjp = jax.vjp(
+            lambda cp, tp, x: self.with_loss(cp, tp, x, s, mbatch),
+            self.chunk(self.blocks, c),
+            self.top,
+            xbuf[xr],
+        )
+        last = s == self.S - 1
+        g = jnp.where(last, jnp.zeros_like(y), gbuf[gr].astype(y.dtype))
+        dc, dt, dx = vjp((g, jnp.where(last, 1.0, 0.0).astype(self.loss_dtype)))
+        got_j, got_s = self.decode(jnp.where(last, xtag[xr], gtag[gr]))
+        if self.S == 1:
+            got_j, got_s = j, jnp.int32(0)
+        record = jnp.stack([jnp.int32(_schedule.BWD), got_j, got_s])
+        return self.zeros_x, dx.astype(self.x_like.dtype), dc, dt, loss, record
+
+    def tick(self, carry, row):
+        xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc = carry
+        p, k, S, d = self.p, self.k, self.S, self.d
+        kind, c, j, xr, gr, xw, gw = (row[d, i] for i in range(7))
+        s = c * p + d
+        send_x, send_g, dc, dt, loss, rec = lax.switch(kind, [self.idle, self.fwd, self.bwd],
+                                                       (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr))  # fmt: skip
+        acc_c = jax.tree.map(lambda a, g: lax.dynamic_update_slice_in_dim(
+            a, lax.dynamic_slice_in_dim(a, c * k, k) + g, c * k, 0), acc_c, dc)  # fmt: skip
+        acc_t = jax.tree.map(jnp.add, acc_t, dt)
+        if p > 1 or self.v > 1:
+            tag_x = j * S + s + 1  # what the receiver consumes: micro-batch j at virtual stage s + 1
+            tag_g = j * S + s - 1
+            if p > 1:
+                send_x, tag_x = lax.ppermute((send_x, tag_x), STAGE, self.fwd_perm)
+                send_g, tag_g = lax.ppermute((send_g, tag_g), STAGE, self.bwd_perm)
+            xbuf, xtag = xbuf.at[xw].set(send_x), xtag.at[xw].set(tag_x)
+            gbuf, gtag = gbuf.at[gw].set(send_g), gtag.at[gw].set(tag_g)
+        return (xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc + loss), rec
 
 
 def pipeline_gradients(
