@@ -48,7 +48,10 @@ def test_step_compiles_as_recorded(name, plan, mesh, opts):
         assert got["bytes_accessed"] == want["bytes_accessed"]
     assert _same(got["model_rows"], want["model_rows"])
     assert _same(got["memory_rows"], want["memory_rows"])
-    assert got["peak_model"] == pytest.approx(want["peak_model"], rel=1e-9)
+    if want["peak_model"] is None:  # no peak model for this plan when recorded: still none
+        assert got["peak_model"] is None
+    else:
+        assert got["peak_model"] == pytest.approx(want["peak_model"], rel=1e-9)
 
 
 @pytest.mark.parametrize("case", record_steps.PLANNER, ids=lambda c: f"{c[0]}:{c[2]}")

@@ -60,9 +60,7 @@ class AbstractStep:
         return self.assembled.per_layer
 
     def predict(self) -> PeakModel:
-        a = self.assembled
-        return predict_peak(a.loss, a.per_layer, self.params, self.batch, a.optimizer, a.spec.accumulate,
-                            gather_ratio=gather_ratio(a.spec, self.params))  # fmt: skip
+        return predict_peak(self.assembled, self.params, self.batch)
 
     @property
     def measured_peak(self) -> int:
@@ -199,28 +197,22 @@ zero3's barriers in the loop form)."""
 
 
 def predict_peak(
-    loss_fn: Callable,
-    per: PerLayer,
-    params: Any,
-    batch: Any,
-    optimizer: Any,
-    accumulate: int = 1,
-    *,
-    state: Any = None,
-    key: Any = None,
-    gather_ratio: float = 1.0,
+    step: Assembled, params: Any, batch: Any, *, state: Any = None, key: Any = None
 ) -> PeakModel:
     """Per-device peak of the step: arguments + the larger of the backward and the update phases,
     by the rules of ``plans.memory`` (each with what was measured for it), the activations read from
     the loss's gradient compiled on one device (``compiled_activations``; in a scan less its own
-    stacked gradients and loop slices, which the plan's rules count). ``loss_fn`` is the step's loss
-    ``(params, state, batch, key) -> (loss, (aux, state))``.
+    stacked gradients and loop slices, which the plan's rules count). ``step`` is the assembled step
+    (its loss, per-layer settings, optimizer and spec); ``params`` and ``batch`` are shapes.
 
     Backward phase: dp/ZeRO-1/ZeRO-2 hold the whole local gradients (P), a scan's loop buffers and the
     accumulator where it is alive beside them; ZeRO-3 holds the leaves outside layers gathered for the
     step, the per-layer gradient shards (all of them, or one layer's), the layers' gathered leaves as
     remat keeps them, the loop buffers and the accumulator. Update phase: ``memory.update_phase``.
+    ZeRO-3's gathers count in the compute dtype where the plan gathers in it (``gather_ratio``).
     """
+    loss_fn, per, optimizer, accumulate = step.loss, step.per_layer, step.optimizer, step.spec.accumulate
+    ratio = gather_ratio(step.spec, params)
     placement = per.placement
     n, flat = placement.data_size, placement.flat()
     # per device: a leaf split on the model axis by the tensor-parallel rules is 1/model of itself
@@ -272,10 +264,10 @@ def predict_peak(
         bucketed=sum(s for s, leaf in top if leaf.data_dim is not None and not leaf.model_sharded),
         alone=sum(s for s, leaf in top if leaf.data_dim is not None and leaf.model_sharded),
         whole=sum(s for s, leaf in top if leaf.data_dim is None),
-        gather_ratio=gather_ratio,
+        gather_ratio=ratio,
     )
     backward = gathered + (layer_b if at_once else per_layer_b) / n + body + accumulator
-    backward += M.zero3_layers_held(gather_ratio * layer_b, per_layer_b, n, scan=scan, remat=per.remat)
+    backward += M.zero3_layers_held(ratio * layer_b, per_layer_b, n, scan=scan, remat=per.remat)
     shards = M.at_rest(total, sharded, n, True)
     update = M.update_phase(
         total, shards, zero=3, scan=scan, partial=0.0 if at_once else (layer_b - per_layer_b) / n
@@ -295,22 +287,12 @@ def _activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> f
 
 
 def peak_report(
-    measured: Any,
-    loss_fn: Callable,
-    per: PerLayer,
-    params: Any,
-    batch: Any,
-    optimizer: Any,
-    accumulate: int = 1,
-    *,
-    state: Any = None,
-    key: Any = None,
-    gather_ratio: float = 1.0,
+    measured: Any, step: Assembled, params: Any, batch: Any, *, state: Any = None, key: Any = None
 ) -> dict:
     """Measured peak (a MemoryLedger's arguments + temporaries) beside the model, explained past 10%."""
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
-    model = predict_peak(loss_fn, per, params, shapes, optimizer, accumulate, state=state, key=key,
-                         gather_ratio=gather_ratio)  # fmt: skip
+    model = predict_peak(step, params, shapes, state=state, key=key)
+    per = step.per_layer
     got = measured.argument_bytes + measured.temp_bytes
     ratio = got / model.total
     found = per.found

@@ -30,7 +30,7 @@ from meshkit.plans import (
     memory_formula,
 )
 from meshkit.plans.assemble import Assembled, assemble
-from meshkit.plans.peak import gather_ratio, peak_report
+from meshkit.plans.peak import peak_report
 from meshkit.plans.placement import Placement, Rules
 from meshkit.spec import AUTO, DATA, PRECISIONS, ParallelSpec, Plan, PlanError
 from meshkit.train._inputs import base_key, check_optimizer, check_params, check_state
@@ -350,15 +350,11 @@ class Trainer:
             if self.pipeline is not None
             else peak_report(
                 compiled_memory,
-                self.assembled.loss,
-                self.per_layer,
+                self.assembled,
                 self._param_shapes,
                 batch,
-                self.optimizer,
-                self.accumulate,
                 state=self.state,
                 key=self._step_key(),
-                gather_ratio=gather_ratio(self.spec, self._param_shapes),
             ),
             plan=self.plan.name,
             mesh={k: int(v) for k, v in self.mesh.shape.items()},
