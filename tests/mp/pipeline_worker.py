@@ -30,7 +30,7 @@ batch = (tokens[:, :-1], tokens[:, 1:])
 result = {"process": info.process_index, "processes": info.process_count, "meshes": {}}
 for mesh in ("stage=2,data=4", "stage=4,data=2"):
     trainer = meshkit.Trainer(gpt.stages(cfg), gpt.init(jax.random.key(0), cfg), optax.adam(1e-2), plan="dp+pp",
-                              mesh=mesh, microbatches=4, schedule="1f1b")  # fmt: skip
+                              mesh=mesh, microbatches=4, pipeline_schedule="1f1b")  # fmt: skip
     for _ in range(2):
         metrics = trainer.step(batch)
     record = np.asarray(trainer.last_schedule)
