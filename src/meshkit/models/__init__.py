@@ -4,7 +4,7 @@ from typing import Any
 
 import jax
 
-from meshkit.models import gpt, linear, mlp, reference_np
+from meshkit.models import gpt, linear, llama, mlp, reference_np
 
 
 def num_params(params: Any) -> int:
@@ -12,4 +12,4 @@ def num_params(params: Any) -> int:
     return sum(leaf.size for leaf in jax.tree.leaves(params))
 
 
-__all__ = ["gpt", "linear", "mlp", "num_params", "reference_np"]
+__all__ = ["gpt", "linear", "llama", "mlp", "num_params", "reference_np"]
