@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit import interop
 from meshkit.interop.hf import Checkpoint
 from meshkit.models import gpt, llama
+from meshkit.train.outputs import export_run, load_run
 
 pytestmark = pytest.mark.reference
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +79,11 @@ def reference(tmp_path_factory):
         jobs.append(
             {"dir": str(tmp / name), "tokens": str(tmp / "tokens.npy"), "out": str(tmp / f"{name}.npy")}
         )
+    run = _trained_run(tmp / "run")  # a meshkit train run, exported from its run directory
+    export_run(run, tmp / "run-hf")
+    jobs.append(
+        {"dir": str(tmp / "run-hf"), "tokens": str(tmp / "tokens.npy"), "out": str(tmp / "run-hf.npy")}
+    )
     for name, config in REFERENCE_MODELS.items():
         jobs.append({"make": config, "dir": str(tmp / name), "tokens": str(tmp / "tokens.npy"),
                      "out": str(tmp / f"{name}.npy")})  # fmt: skip
@@ -87,6 +93,32 @@ def reference(tmp_path_factory):
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, tokens, ours
+
+
+def _trained_run(run_dir):
+    """Two steps of a tiny Llama (GQA) under dp, its config and checkpoint in ``run_dir``."""
+    import io
+
+    from rich.console import Console
+
+    from meshkit.train import config as C
+    from meshkit.train.job import prepare
+    from meshkit.train.loop import train
+
+    cfg = C.tiny().replace(model="llama", kv_heads=2, plan="dp", steps=2, eval_every=0, run_dir=str(run_dir))
+    job = prepare(cfg)
+    assert train(job, Console(file=io.StringIO()))
+    (run_dir / "config.json").write_text(C.dumps(cfg))
+    return run_dir
+
+
+def test_exported_run_loads_in_transformers_with_the_same_logits(reference):
+    tmp, tokens, _ = reference
+    run = load_run(tmp / "run")
+    ids = tokens % run.model.vocab_size  # the run's vocabulary is the data's characters
+    theirs = np.load(tmp / "run-hf.npy")
+    mine = np.asarray(llama.apply(run.params, ids, run.model))
+    assert np.max(np.abs(mine[..., : theirs.shape[-1]] - theirs)) < TOL
 
 
 @pytest.mark.parametrize("name", list(MESHKIT_MODELS))
