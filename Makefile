@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup mpi run test lint bench clean
+.PHONY: setup mpi reference run test lint bench clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -17,8 +17,13 @@ mpi:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin >/dev/null; }
 
-test: setup mpi lint
+# The independent reference (transformers + torch on CPU, Python 3.11) for the Hugging Face checks.
+reference:
+	@bash scripts/reference_env.sh
+
+test: setup mpi lint reference
 	$(BIN)/python -m pytest -n 2 -q --durations=25
+	$(BIN)/python -m pytest -q -m reference
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
@@ -29,4 +34,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_plans.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-ref .pytest_cache

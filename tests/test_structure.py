@@ -20,7 +20,7 @@ LAYERS = [
     {"devices", "mesh", "spec", "distributed"},
     {"analysis", "launch"},
     {"plans"},
-    {"models", "adapters"},
+    {"models", "adapters", "interop"},
     {"planner"},
     {"train"},
     {"verify", "examples", "selftest"},

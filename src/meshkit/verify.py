@@ -30,7 +30,7 @@ import optax
 
 from meshkit._errors import MeshkitError
 from meshkit.devices import host
-from meshkit.models import gpt, linear, mlp, reference_np
+from meshkit.models import gpt, linear, llama, mlp, reference_np
 from meshkit.spec import STAGE, ParallelSpec
 from meshkit.train import PlanReport, Trainer
 
@@ -62,6 +62,8 @@ class Workload:
     NumPy reference exists."""
     units: Any = None
     """Logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
+    rules: Any = None
+    """Tensor-parallel rules (None: the defaults; the Llama's split the vocabulary too)."""
 
 
 #: Megatron pairs for the reference MLP: the first layer column-parallel, the second row-parallel.
@@ -105,7 +107,36 @@ def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stage
 
         return Workload(name=name, loss_fn=make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
                         tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads})  # fmt: skip
-    raise MeshkitError(f"unknown model {name!r}: choose linear, mlp, gpt or gpt-scan")
+    if name == "llama":  # grouped-query attention (half as many kv heads), the vocabulary split on model
+        return _llama(rng, key, heads=heads, layers=layers, stages=stages)
+    raise MeshkitError(f"unknown model {name!r}: choose linear, mlp, gpt, gpt-scan or llama")
+
+
+def _llama(rng: np.random.Generator, key: jax.Array, *, heads: int, layers: int, stages: bool) -> Workload:
+    """The Llama of width 32 with ``heads`` query heads and half as many key/value heads, in float32
+    and (``in_float64``) float64; as ``Stages`` (scanned) for pipeline plans."""
+    from meshkit.plans.placement import DEFAULT_TP_RULES, VOCAB_TP_RULES
+
+    cfg = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
+                            kv_heads=max(heads // 2, 1), ffn=64, scan_layers=stages)  # fmt: skip
+    make_loss = llama.stages if stages else llama.make_loss
+    tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
+    p = llama.init(key, cfg)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    rules = DEFAULT_TP_RULES if stages else VOCAB_TP_RULES  # pipelines keep the vocabulary whole on model
+
+    def one(dtype: str, params: Any) -> Workload:
+        c = dataclasses.replace(cfg, dtype=dtype)
+        return Workload(name="llama", loss_fn=make_loss(c), params=params, batch=batch,
+                        logical_axes=llama.logical_axes(params), tokens_per_example=cfg.seq_len,
+                        units=llama.units(cfg), rules=rules,
+                        in_float64=None if dtype == "float64" else lambda: one("float64", _to64(params)))  # fmt: skip
+
+    return one("float32", p)
+
+
+def _to64(params: Any) -> Any:
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), params)
 
 
 def relative_difference(a: Any, b: Any) -> float:
@@ -154,8 +185,8 @@ def _layers(spec: ParallelSpec, model: str) -> dict:
     """A pipeline plan verifies the GPT as ``Stages`` with one layer per virtual stage (at least 2)."""
     if not spec.plan_info.pipeline:
         return {}
-    if model not in ("gpt", "gpt-scan"):
-        raise MeshkitError(f"plan {spec.plan} verifies the GPT (a model of stacked blocks): use --model gpt")
+    if model not in ("gpt", "gpt-scan", "llama"):
+        raise MeshkitError(f"plan {spec.plan} verifies a model of stacked blocks: use --model gpt or llama")
     p = spec.degrees(jax.device_count())[STAGE]
     return {"layers": max(2, p * spec.virtual_stages), "stages": True}
 
@@ -258,7 +289,7 @@ def verify(
 
     def run(w: Workload, compiled: dict | None = None) -> tuple[Trainer, float]:
         t = Trainer(w.loss_fn, w.params, optimizer, spec=spec, logical_axes=w.logical_axes,
-                    tokens_per_example=w.tokens_per_example, units=w.units)  # fmt: skip
+                    tokens_per_example=w.tokens_per_example, units=w.units, rules=w.rules)  # fmt: skip
         if compiled is not None:
             t._compiled = compiled
         loss = jnp.nan

@@ -10,6 +10,8 @@ import typer
 from typer.exceptions import TyperException
 
 from meshkit._errors import MeshkitError
+from meshkit.cli import export as _export
+from meshkit.cli import generate as _generate
 from meshkit.cli import launch as _launch
 from meshkit.cli import ledger as _ledger
 from meshkit.cli import migrate as _migrate
@@ -33,6 +35,8 @@ _launch.register(app)
 _selftest.register(app)
 _verify.register(app)
 _plan.register(app)
+_export.register(app)
+_generate.register(app)
 
 
 def _command():

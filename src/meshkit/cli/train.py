@@ -52,6 +52,36 @@ def train(
     steps: Annotated[int | None, _opt("steps", "Optimizer steps in total.")] = None,
     batch_size: Annotated[int | None, _opt("batch_size", "Global batch in sequences.")] = None,
     seq_len: Annotated[int | None, _opt("seq_len", "Characters per sequence.")] = None,
+    model: Annotated[
+        str | None, _opt("model", "gpt, or llama (rotary, RMSNorm, SwiGLU, grouped-query attention).")
+    ] = None,
+    kv_heads: Annotated[
+        int | None, _opt("kv_heads", "Llama: key/value heads (must divide --heads).", "as many as --heads")
+    ] = None,
+    tie_embeddings: Annotated[
+        bool | None,
+        _opt(
+            "tie_embeddings",
+            "Llama: the output head is the token embedding.",
+            "off",
+            "--tie-embeddings/--no-tie-embeddings",
+        ),
+    ] = None,
+    init_from: Annotated[
+        str | None,
+        _opt(
+            "init_from", "Start from a Hugging Face checkpoint: hf:DIR (config.json + safetensors).", "random"
+        ),
+    ] = None,
+    export_hf: Annotated[
+        bool | None,
+        _opt(
+            "export_hf",
+            "At the end, write the model as a Hugging Face checkpoint into the run's hf/.",
+            "off",
+            "--export-hf/--no-export-hf",
+        ),
+    ] = None,
     layers: Annotated[int | None, _opt("layers", "Transformer blocks.")] = None,
     width: Annotated[int | None, _opt("width", "Model width.")] = None,
     heads: Annotated[int | None, _opt("heads", "Attention heads (must divide --width).")] = None,
@@ -129,7 +159,7 @@ def train(
     ] = None,
     devices: DevicesOpt = 8,
 ) -> None:
-    """Train a character-level GPT under a plan; write metrics, checkpoints, report and plots."""
+    """Train a character-level GPT or Llama under a plan; write metrics, checkpoints, report and plots."""
     from meshkit.cli.ledger import _simulate
 
     _simulate(devices)
@@ -148,7 +178,8 @@ def train(
                  microbatches=microbatches, pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
                  seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
-                 scan_layers=scan_layers)  # fmt: skip
+                 scan_layers=scan_layers, model=model, kv_heads=kv_heads, tie_embeddings=tie_embeddings,
+                 init_from=init_from, export_hf=export_hf)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
         given["clip"] = clip or None
@@ -185,6 +216,24 @@ def train(
         )
     if code:
         raise typer.Exit(code)
+    if cfg.export_hf and jax.process_index() == 0:
+        _export_at_end(run_dir, latest, console)
+
+
+def _export_at_end(run_dir: str | None, latest: Path, console) -> None:
+    """``--export-hf``: the finished run's model as a Hugging Face checkpoint in its ``hf/``."""
+    from meshkit.train.outputs import export_run
+
+    where = Path(run_dir) if run_dir is not None else latest.resolve()
+    out = where / "hf"
+    if out.exists():  # a resumed run exports its newer weights: the previous export is replaced
+        import shutil
+
+        shutil.rmtree(out)
+    run = export_run(where, out)
+    console.print(
+        f"exported step {run.step} as a Hugging Face checkpoint: {out}", soft_wrap=True, highlight=False
+    )
 
 
 AUTO_SETS = tuple(k for k in ParallelSpec.fields() if k not in ("plan", "precision"))

@@ -18,7 +18,8 @@ def verify(
         ),
     ] = "dp",
     model: Annotated[
-        str, typer.Option(help="linear, mlp, gpt, or gpt-scan (the GPT's blocks stacked under lax.scan).")
+        str,
+        typer.Option(help="linear, mlp, gpt, gpt-scan (the GPT's blocks stacked under lax.scan), or llama."),
     ] = "mlp",
     mesh: Annotated[
         str | None, typer.Option(help="Mesh such as data=8 or data=4,model=2 (default: per plan).")

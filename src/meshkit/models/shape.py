@@ -10,8 +10,9 @@ from meshkit._errors import MeshkitError
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelShape:
-    """A decoder-only transformer by its sizes (meshkit's reference GPT when ``gated`` is False:
-    learned positions, untied unembedding, biases, LayerNorm)."""
+    """A decoder-only transformer by its sizes: meshkit's reference GPT when ``gated`` is False
+    (learned positions, untied unembedding, biases, LayerNorm), its Llama when True (rotary
+    positions, RMSNorm, SwiGLU, no biases: ``meshkit.models.llama.LlamaConfig.from_shape``)."""
 
     name: str = "gpt"
     layers: int
@@ -27,6 +28,12 @@ class ModelShape:
     """Key/value heads (grouped-query attention); 0 means ``heads`` (multi-head attention)."""
     head_dim: int = 0
     """Width of one head; 0 means width / heads (some models, e.g. PaLM, attend wider or narrower)."""
+    rope_theta: float = 10000.0
+    """Gated (Llama) models: the base of the rotary embedding's frequencies."""
+    norm_eps: float = 1e-5
+    """Gated (Llama) models: the RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """The output head is the token embedding, transposed (one table instead of two)."""
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "vocab", "seq"):

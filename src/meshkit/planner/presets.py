@@ -17,19 +17,22 @@ PRESETS: dict[str, ModelShape] = {
     "gpt-6.7b": ModelShape(name="gpt-6.7b", layers=32, width=4096, heads=32, vocab=50257, seq=2048),
     # (13B: the table's d_model 5140 is not 40 heads x d_head 128; 5120 is)
     "gpt-13b": ModelShape(name="gpt-13b", layers=40, width=5120, heads=40, vocab=50257, seq=2048),
-    # LLaMA (Touvron et al. 2023, Table 2; SwiGLU MLP 2/3 * 4d rounded to 256): vocab 32000, context 2048.
+    # LLaMA (Touvron et al. 2023, Table 2; SwiGLU MLP 2/3 * 4d rounded to 256): vocab 32000, context 2048,
+    # RMSNorm epsilon 1e-6 (the released params.json). Each gated preset is meshkit's Llama:
+    # meshkit.models.llama.LlamaConfig.from_shape(PRESETS[name]).
     "llama-7b": ModelShape(name="llama-7b", layers=32, width=4096, heads=32, vocab=32000, seq=2048,
-                           ffn=11008, gated=True),
+                           ffn=11008, gated=True, norm_eps=1e-6),
     "llama-13b": ModelShape(name="llama-13b", layers=40, width=5120, heads=40, vocab=32000, seq=2048,
-                            ffn=13824, gated=True),
+                            ffn=13824, gated=True, norm_eps=1e-6),
     "llama-65b": ModelShape(name="llama-65b", layers=80, width=8192, heads=64, vocab=32000, seq=2048,
-                            ffn=22016, gated=True),
-    # Llama 2 70B (Touvron et al. 2023b; GQA with 8 key/value heads, context 4096).
+                            ffn=22016, gated=True, norm_eps=1e-6),
+    # Llama 2 70B (Touvron et al. 2023b; GQA with 8 key/value heads, context 4096, epsilon 1e-5).
     "llama2-70b": ModelShape(name="llama2-70b", layers=80, width=8192, heads=64, vocab=32000, seq=4096,
                              ffn=28672, gated=True, kv_heads=8),
-    # Llama 3 8B (meta-llama/llama3 model card; context 8192, vocab 128256, GQA 8).
+    # Llama 3 8B (meta-llama/llama3 model card and params.json; context 8192, vocab 128256, GQA 8,
+    # rotary base 500000).
     "llama3-8b": ModelShape(name="llama3-8b", layers=32, width=4096, heads=32, vocab=128256, seq=8192,
-                            ffn=14336, gated=True, kv_heads=8),
+                            ffn=14336, gated=True, kv_heads=8, rope_theta=500000.0),
 }  # fmt: skip
 
 

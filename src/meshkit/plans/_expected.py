@@ -19,7 +19,12 @@ the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on on
   backward pass (tokens x input width). A GPT layer has wo and w_out row-parallel, wq, wk, wv and
   w_in column-parallel: 2 forward and 4 backward all-reduces. A column-parallel matrix applied to
   the batch itself (an MLP's first layer) has no input gradient to reduce: XLA drops it, and so
-  does the model for the leaves in ``batch_fed`` (read from the loss's jaxpr, ``_dataflow``).
+  does the model for the leaves in ``batch_fed`` (read from the loss's jaxpr, ``_dataflow``);
+- the vocabulary on the model axis (``placement.VOCAB_TP_RULES``), per micro-batch: the embedding
+  lookup is row-parallel (each device adds the rows it holds: tokens x width forward), the output
+  head column-parallel (tokens x width backward; a tied head is the embedding's second use, both
+  rows), and the cross-entropy on the split logits three all-reduces of one number per token (the
+  max, the sum of exponentials, the target's logit), in the logits' dtype (at least float32).
 
 Data-axis reduce-scatters and all-gathers are bucketed (one per dtype), so the counts above are
 collectives per dtype; the bytes are the sum over leaves. Scalar collectives (the loss,
@@ -138,7 +143,31 @@ def expected_collectives(
                     m_axis,
                     f"{x.path}: backward input-gradient partial sums",
                 )
+        _vocab_rows(add, placement, accumulate, tokens_per_device, activation_bytes)
     return _merge(out)
+
+
+def _split_names(leaf: LeafPlacement) -> tuple:
+    """The leaf's logical names of the dims split on the model axis."""
+    names = (*leaf.names, *(None,) * (len(leaf.shape) - len(leaf.names)))
+    return tuple(n for n, a in zip(names, leaf.model_spec, strict=True) if a == MODEL)
+
+
+def _vocab_rows(add, placement: Placement, accumulate: int, tokens: int, activation_bytes: int) -> None:
+    """A tied head's backward all-reduce and the cross-entropy's all-reduces over split logits (the
+    lookup's and an untied head's rows are the row- and column-parallel rows of ``tp_matrices``)."""
+    vocab = [x for x in placement.flat() if "vocab" in _split_names(x) and len(x.shape) == 2]
+    heads = [x for x in vocab if x.names[-1:] == ("vocab",)]
+    tied = [x for x in vocab if x.names[:1] == ("vocab",)] if not heads else []
+    m = placement.model_size
+    for x in tied:
+        add("all-reduce", MODEL, accumulate, tokens * x.shape[1] * activation_bytes, m,
+            f"{x.path} (tied head): backward input-gradient partial sums")  # fmt: skip
+    if heads or tied:
+        logit = tokens * max(activation_bytes, 4)
+        add(
+            "all-reduce", MODEL, 3 * accumulate, logit, m, "cross-entropy over split logits: max, sum, target"
+        )
 
 
 def _merge(items: Iterable[Expected]) -> list[Expected]:

@@ -19,11 +19,32 @@ from jax.sharding import PartitionSpec as P
 from meshkit.spec import DATA, MODEL, Plan, PlanError, check_axes
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
-#: hidden dimension go to the model axis (column-parallel in, row-parallel out).
-DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "mlp": MODEL, MODEL: MODEL}
+#: hidden dimension go to the model axis (column-parallel in, row-parallel out); so do grouped-query
+#: attention's key/value heads and the vocabulary of the embedding and the output head, where
+#: they divide over it (``WHERE_DIVIDES``).
+DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "kv_heads": MODEL, "mlp": MODEL, MODEL: MODEL}
 """Default rules that match no axis of a model are ignored; rules a user passes must all match."""
+VOCAB_TP_RULES: dict[str, str] = {**DEFAULT_TP_RULES, "vocab": MODEL}
+"""The default rules plus the vocabulary of the embedding and the output head on the model axis, for
+a loss that keeps split logits split (``meshkit.models.llama.cross_entropy``): the lookup is then an
+all-reduce of ``[tokens, width]`` and each reduction over the vocabulary one of ``[tokens]``
+(``_expected``). Not under pipeline plans, whose model of the model axis has the blocks' rows only
+(``vocab_rules``)."""
+WHERE_DIVIDES: dict[str, str] = {
+    "kv_heads": "each device then computes every key/value head and the model axis all-reduces "
+    "their gradients",
+    "vocab": "each device then holds the whole table and computes every logit",
+}
+"""Logical axes the default rules split only where the dim divides over the model axis; otherwise
+the leaf stays whole on it, with the cost said (``LeafPlacement.why_whole_on_model``)."""
 
 Rules = Mapping[str, str] | Sequence[tuple[str, Sequence[str | None]]]
+
+
+def vocab_rules(plan: Plan) -> dict[str, str]:
+    """The rules of a model whose loss keeps split logits split: ``VOCAB_TP_RULES``, or under a
+    pipeline plan ``DEFAULT_TP_RULES`` (the embedding and head whole on the model axis)."""
+    return DEFAULT_TP_RULES if plan.pipeline else VOCAB_TP_RULES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +60,10 @@ class LeafPlacement:
     """The dim split on the data axis by ZeRO (None = replicated on data)."""
     why_replicated: str | None
     """Why a ZeRO plan keeps this leaf whole on the data axis."""
+    why_whole_on_model: str | None = None
+    """Why a default tensor-parallel rule left this leaf whole on the model axis (``WHERE_DIVIDES``)."""
+    names: tuple[str | None, ...] = ()
+    """The leaf's logical axis names, where the model gives them (``_expected`` reads the vocabulary's)."""
 
     @property
     def model_sharded(self) -> bool:
@@ -108,16 +133,23 @@ class Placement:
             return []
         return [(leaf.path, leaf.why_replicated) for leaf in self.flat() if leaf.data_dim is None]
 
+    def whole_on_model(self) -> list[tuple[str, str]]:
+        """(path, reason) of leaves a default tensor-parallel rule would split but that do not divide."""
+        return [(leaf.path, leaf.why_whole_on_model) for leaf in self.flat() if leaf.why_whole_on_model]
+
 
 def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def _check_units(units: Mapping[str, int], rules: Rules, model_size: int) -> None:
-    """Logical axes made of whole units (attention heads) must split into whole units per device."""
+def _check_units(units: Mapping[str, int], rules: Rules, model_size: int, defaults: bool) -> None:
+    """Logical axes made of whole units (attention heads) must split into whole units per device
+    (under the default rules, those of ``WHERE_DIVIDES`` stay whole instead)."""
     if not isinstance(rules, Mapping):
         return
     for name, count in units.items():
+        if defaults and name in WHERE_DIVIDES:
+            continue
         if rules.get(name) == MODEL and count % model_size:
             fits = [d for d in range(1, count + 1) if count % d == 0]
             raise PlanError(
@@ -127,16 +159,23 @@ def _check_units(units: Mapping[str, int], rules: Rules, model_size: int) -> Non
 
 
 def _model_specs(
-    params: Any, plan: Plan, rules: Rules | None, logical_axes: Any, model_size: int, units: Mapping[str, int]
+    params: Any,
+    plan: Plan,
+    rules: Rules | None,
+    logical_axes: Any,
+    model_size: int,
+    units: Mapping[str, int],
+    notes: dict[str, str],
 ) -> dict:
-    """Per-leaf TP spec by path; raises when a rule matches nothing or a split does not divide."""
+    """Per-leaf TP spec by path; raises when a rule matches nothing or a split does not divide
+    (a default rule of ``WHERE_DIVIDES`` that does not divide leaves the dim whole, noted in ``notes``)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     out = {_path_str(p): (None,) * len(leaf.shape) for p, leaf in flat}
     if not plan.tensor:
         return out
-    defaults = rules is None
-    rules = DEFAULT_TP_RULES if defaults else rules
-    _check_units(units, rules, model_size)
+    defaults = rules is None or rules in (DEFAULT_TP_RULES, VOCAB_TP_RULES)
+    rules = DEFAULT_TP_RULES if rules is None else rules
+    _check_units(units, rules, model_size, defaults)
     if isinstance(rules, Mapping):
         if logical_axes is None:
             raise PlanError(
@@ -160,9 +199,15 @@ def _model_specs(
                 *axes,
                 *(None,) * (len(shapes[key]) - len(axes)),
             )  # linen gives () for an unannotated bias
-            spec = tuple(rules.get(a) if isinstance(a, str) else None for a in axes)
+            spec = [rules.get(a) if isinstance(a, str) else None for a in axes]
+            for d, a in enumerate(axes):
+                count = units.get(a, shapes[key][d]) if isinstance(a, str) else 0
+                if defaults and a in WHERE_DIVIDES and spec[d] == MODEL and count % model_size:
+                    spec[d] = None
+                    notes[key] = (f"{count} {a} do not divide over model={model_size}: whole on the model "
+                                  f"axis; {WHERE_DIVIDES[a]}")  # fmt: skip
             used |= {a for a in axes if a in rules}
-            out[key] = spec
+            out[key] = tuple(spec)
         unused = sorted(set(rules) - used)
         if unused and not defaults:
             raise PlanError(
@@ -220,12 +265,20 @@ def _data_dim(
     return None, f"no dim of {shape}{excluded} divides over data={n}"
 
 
-def _layer_dims(params: Any, logical_axes: Any) -> dict[str, frozenset[int]]:
-    """Per leaf path, the dims the logical axes name ``"layers"`` (a scanned model's stacked axis)."""
+def _names(logical_axes: Any) -> dict[str, tuple]:
+    """Per leaf path, its logical axis names (none without ``logical_axes``)."""
     if logical_axes is None:
         return {}
     names = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0]
-    return {_path_str(p): frozenset(d for d, a in enumerate(axes) if a == "layers") for p, axes in names}
+    return {_path_str(p): tuple(axes) for p, axes in names}
+
+
+def _layer_dims(params: Any, logical_axes: Any) -> dict[str, frozenset[int]]:
+    """Per leaf path, the dims the logical axes name ``"layers"`` (a scanned model's stacked axis)."""
+    return {
+        k: frozenset(d for d, a in enumerate(axes) if a == "layers")
+        for k, axes in _names(logical_axes).items()
+    }
 
 
 def place(
@@ -246,7 +299,9 @@ def place(
     check_axes(plan, {str(k): int(v) for k, v in mesh.shape.items()})
     n = int(mesh.shape.get(DATA, 1))
     stacked = _layer_dims(params, logical_axes)
-    model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {})
+    names = _names(logical_axes)
+    notes: dict[str, str] = {}
+    model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {}, notes)
 
     def leaf(path, x) -> LeafPlacement:
         key = _path_str(path)
@@ -257,8 +312,8 @@ def place(
             dim, why = _data_dim(shape, model[key], n, min_shard_size, two_d=plan.tensor and plan.shards_params,
                                  skip=stacked.get(key, frozenset()))  # fmt: skip
         nbytes = int(x.size * x.dtype.itemsize) if hasattr(x, "dtype") else 0
-        return LeafPlacement(
-            path=key, shape=shape, nbytes=nbytes, model_spec=model[key], data_dim=dim, why_replicated=why
-        )
+        return LeafPlacement(path=key, shape=shape, nbytes=nbytes, model_spec=model[key], data_dim=dim,
+                             why_replicated=why, why_whole_on_model=notes.get(key),
+                             names=names.get(key, ()))  # fmt: skip
 
     return Placement(plan=plan, mesh=mesh, leaves=jax.tree_util.tree_map_with_path(leaf, params))

@@ -28,6 +28,13 @@ class ConfigError(MeshkitError):
     """A training option is out of range or inconsistent."""
 
 
+MODELS = ("gpt", "llama")
+"""The decoders ``meshkit train`` trains (``--model``)."""
+HF_PREFIX = "hf:"
+"""How ``--init-from`` names a Hugging Face checkpoint directory."""
+MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None}
+"""What a config written before these options trained: the GPT from random weights."""
+
 MAX_STEPS = 10**9
 """More optimizer steps than any run takes (a bound, so that nonsense fails before anything is written)."""
 
@@ -46,6 +53,18 @@ class TrainConfig:
     """Global batch, in sequences."""
     seq_len: int = 128
     """Characters (tokens) per sequence."""
+    model: str = "gpt"
+    """The decoder trained: 'gpt' (learned positions, LayerNorm, GELU) or 'llama' (rotary, RMSNorm,
+    SwiGLU, grouped-query attention; ``MODELS``)."""
+    kv_heads: int = 0
+    """Llama: key/value heads (grouped-query attention; must divide heads); 0: as many as heads."""
+    tie_embeddings: bool = False
+    """Llama: the output head is the token embedding, transposed."""
+    init_from: str | None = None
+    """Start from a Hugging Face checkpoint instead of random weights: 'hf:DIR' (config.json +
+    safetensors); its shape must be the run's."""
+    export_hf: bool = False
+    """At the end, write the trained model as a Hugging Face checkpoint into the run's hf/."""
     layers: int = 2
     """Transformer blocks."""
     width: int = 128
@@ -115,7 +134,7 @@ class TrainConfig:
             raise ConfigError(
                 f"{where} is not a meshkit config (a JSON object of options): give a run's directory"
             )
-        data = dict(data)
+        data = {**MODEL_DEFAULTS, **data}
         layout = data.pop("parallel", None)
         if layout is None:  # the layout's options at the top level, as written before the parallel spec
             layout = {
@@ -224,6 +243,10 @@ FIXED_ON_RESUME = {
     "weight_decay": "the optimizer",
     "momentum": "the optimizer",
     "clip": "the optimizer",
+    "model": "the model",
+    "kv_heads": "the model's shape",
+    "tie_embeddings": "the model's shape",
+    "init_from": "the initialisation",
     "layers": "the model's shape",
     "width": "the model's shape",
     "heads": "the model's shape",
@@ -237,7 +260,7 @@ FIXED_ON_RESUME = {
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
-                        "virtual_stages")  # fmt: skip
+                        "virtual_stages", "export_hf")  # fmt: skip
 PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
 
 
@@ -302,6 +325,16 @@ def validate(cfg: TrainConfig) -> None:
         (lambda: cfg.width >= 1, lambda: f"--width must be at least 1, got {cfg.width}"),
         (lambda: cfg.heads >= 1, lambda: f"--heads must be at least 1, got {cfg.heads}"),
         (lambda: cfg.width % cfg.heads == 0, lambda: f"--heads {cfg.heads} must divide --width {cfg.width}"),
+        (lambda: cfg.model in MODELS, lambda: f"unknown --model {cfg.model!r}: use {' or '.join(MODELS)}"),
+        (lambda: cfg.kv_heads >= 0, lambda: f"--kv-heads must be at least 0 (0: as many as --heads), got {cfg.kv_heads}"),
+        (lambda: cfg.model == "llama" or (cfg.kv_heads == 0 and not cfg.tie_embeddings),
+         lambda: "--kv-heads and --tie-embeddings are for --model llama: add --model llama, or drop them"),
+        (lambda: cfg.kv_heads == 0 or cfg.heads % cfg.kv_heads == 0,
+         lambda: f"--kv-heads {cfg.kv_heads} must divide --heads {cfg.heads}"),
+        (lambda: cfg.model != "llama" or (cfg.width // cfg.heads) % 2 == 0,
+         lambda: f"--model llama needs an even head width (--width / --heads = {cfg.width // cfg.heads}) for rotary embeddings"),
+        (lambda: cfg.init_from is None or (cfg.init_from.startswith(HF_PREFIX) and len(cfg.init_from) > len(HF_PREFIX)),
+         lambda: f"--init-from {cfg.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"),
         (lambda: cfg.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {cfg.optimizer!r}: use adamw or sgd"),
         (lambda: math.isfinite(cfg.lr) and cfg.lr > 0, lambda: f"--lr must be a positive finite number, got {cfg.lr}"),
         (lambda: math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,

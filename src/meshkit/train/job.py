@@ -15,8 +15,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit.models import gpt
+from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
+from meshkit.plans.placement import vocab_rules
 from meshkit.spec import DATA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
@@ -34,7 +35,7 @@ class Job:
     data: TextData
     train_tokens: np.ndarray
     eval_tokens: np.ndarray
-    model: gpt.GPTConfig
+    model: gpt.GPTConfig | llama.LlamaConfig
     trainer: Trainer
     batches: Batches
     run_dir: Path
@@ -67,13 +68,16 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         check_no_checkpoints(run_dir)
     data, train_tokens, eval_tokens = load_data(cfg)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
+    llama_run = isinstance(model, llama.LlamaConfig)
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
-                      tokens_per_example=cfg.seq_len, grad_norm=True, units={"heads": cfg.heads})  # fmt: skip
+                      tokens_per_example=cfg.seq_len, grad_norm=True,
+                      units=llama.units(model) if llama_run else {"heads": cfg.heads},
+                      rules=vocab_rules(cfg.parallel.plan_info) if llama_run else None)  # fmt: skip
     C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
     batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
     job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
-              batches=batches, run_dir=run_dir, eval_loss=jax.jit(gpt.make_loss(model)))  # fmt: skip
+              batches=batches, run_dir=run_dir, eval_loss=jax.jit(module_of(model).make_loss(model)))  # fmt: skip
     if resume:
         _restore(job)
     return job
@@ -91,20 +95,45 @@ def load_data(cfg: C.TrainConfig) -> tuple[TextData, np.ndarray, np.ndarray]:
     return data, train_tokens, eval_tokens
 
 
-def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig, Any, Any, Any]:
-    """``(model config, loss, initial parameters, logical axes)`` of the run's GPT; under a pipeline
-    plan the loss is the GPT as ``Stages`` (blocks stacked, split over the stages)."""
+def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig | llama.LlamaConfig, Any, Any, Any]:
+    """``(model config, loss, initial parameters, logical axes)`` of the run's GPT or Llama
+    (``--model``); under a pipeline plan the loss is the model as ``Stages`` (blocks stacked, split
+    over the stages). The parameters are random, or read from ``--init-from hf:DIR`` (host arrays:
+    the Trainer places each device's block)."""
+    model = model_config(cfg, vocab)
+    module = module_of(model)
+    if cfg.init_from is not None:
+        from meshkit.train.export import init_from
+
+        params = init_from(cfg, model)
+    else:
+        params = module.init(jax.random.key(cfg.seed), model)
+    pipeline = cfg.parallel.plan_info.pipeline
+    loss = module.stages(model) if pipeline else module.make_loss(model)
+    return model, loss, params, module.logical_axes(params)
+
+
+def model_config(cfg: C.TrainConfig, vocab: int) -> gpt.GPTConfig | llama.LlamaConfig:
+    """The run's model config: from its shape options, or from ``--init-from``'s checkpoint (checked
+    against them and the data's vocabulary); computing in its precision, scanned under a pipeline."""
     spec = cfg.parallel
-    pipeline = spec.plan_info.pipeline
-    model = gpt.GPTConfig.from_shape(model_shape(cfg, vocab), precision=spec.precision,
-                                     scan_layers=cfg.scan_layers or pipeline)  # fmt: skip
-    params = gpt.init(jax.random.key(cfg.seed), model)
-    loss = gpt.stages(model) if pipeline else gpt.make_loss(model)
-    return model, loss, params, gpt.logical_axes(params)
+    scan = cfg.scan_layers or spec.plan_info.pipeline
+    if cfg.init_from is not None:
+        from meshkit.train.export import checkpoint_config
+
+        return checkpoint_config(cfg, vocab, precision=spec.precision, scan_layers=scan)
+    shape = model_shape(cfg, vocab)
+    if cfg.model == "llama":
+        return llama.LlamaConfig.from_shape(shape, precision=spec.precision, scan_layers=scan)
+    return gpt.GPTConfig.from_shape(shape, precision=spec.precision, scan_layers=scan)
 
 
 def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
-    """The shape of the run's GPT (what ``--plan auto`` plans for and the model is built from)."""
+    """The shape of the run's model (what ``--plan auto`` plans for and the model is built from)."""
+    if cfg.model == "llama":
+        return ModelShape(name="llama", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
+                          seq=cfg.seq_len, gated=True, kv_heads=cfg.kv_heads,
+                          tie_embeddings=cfg.tie_embeddings)  # fmt: skip
     return ModelShape(
         name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len
     )

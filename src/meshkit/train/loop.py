@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshkit.devices import host
-from meshkit.models import gpt, num_params
+from meshkit.models import module_of, num_params
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.data import Batches, decode, global_batch
@@ -165,7 +165,7 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
 
     @jax.jit
     def next_token(p, window, key):
-        logits = gpt.apply(p, window[None], job.model)[0, -1].astype(jnp.float32)
+        logits = module_of(job.model).apply(p, window[None], job.model)[0, -1].astype(jnp.float32)
         return jax.random.categorical(key, logits / temperature)
 
     key, out = jax.random.key(job.cfg.seed), []
@@ -182,7 +182,7 @@ def results(job: Job) -> dict[str, Any]:
     t = job.trainer
     steady = [h["tokens_per_s"] for h in job.history[1:]] or [h["tokens_per_s"] for h in job.history]
     tokens_per_s = float(np.median(steady)) if steady else 0.0
-    flops = gpt.flops_per_token(job.model)
+    flops = module_of(job.model).flops_per_token(job.model)
     return {
         "plan": job.cfg.parallel.plan,
         "mesh": dict(t.mesh.shape),

@@ -1,0 +1,62 @@
+"""Generation: tokens per second with the key/value cache against running the whole window again for
+every token (``window_generate``, what ``meshkit train``'s end-of-run sample does), at 256 new tokens.
+
+A Llama of width 256, 4 layers, 8 heads (4 key/value heads), vocabulary 256, on one CPU device; a
+prompt of 32 tokens, greedy. Each way runs once to compile, then ``--repeats`` times; the median
+wall-clock time gives tokens/s. The two ways must produce the same tokens (checked).
+
+    .venv/bin/python benchmarks/bench_generate.py [--new 256] [--repeats 3] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import numpy as np
+
+from meshkit.models import generate as G
+from meshkit.models import llama
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together by the cache")
+    args = ap.parse_args()
+    cfg = llama.LlamaConfig(vocab_size=256, seq_len=args.prompt + args.new, layers=4, width=256, heads=8,
+                            kv_heads=4, ffn=768)  # fmt: skip
+    params = llama.init(jax.random.key(0), cfg)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt).tolist()
+    prompts = [prompt] * args.batch
+
+    def timed(fn):
+        first = fn()  # compile
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - start)
+        assert out == first
+        return out, statistics.median(times)
+
+    cached, t_cache = timed(lambda: G.generate(params, cfg, prompts, args.new))
+    window, t_window = timed(lambda: G.window_generate(params, cfg, prompt, args.new))
+    assert cached[0] == window, "the cache and the window disagree on the greedy tokens"
+    n = args.new * args.batch
+    print(f"llama width {cfg.width}, {cfg.layers} layers, {cfg.heads} heads ({cfg.kv_heads} kv), vocab {cfg.vocab_size}; "
+          f"prompt {args.prompt}, {args.new} new tokens, {jax.device_count()} {jax.default_backend()} device(s)")  # fmt: skip
+    print("| way | batch | seconds | tokens/s |\n|---|---|---|---|")
+    print(f"| key/value cache | {args.batch} | {t_cache:.3f} | {n / t_cache:,.0f} |")
+    print(f"| whole window per token | 1 | {t_window:.3f} | {args.new / t_window:,.0f} |")
+    print(f"speed-up of the cache: {(n / t_cache) / (args.new / t_window):.1f}x (same greedy tokens)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""``meshkit export``: a run directory's trained model as a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A meshkit train run directory (its newest checkpoint).")],
+    out: Annotated[Path, typer.Argument(help="A new directory for config.json and the safetensors files.")],
+    to: Annotated[str, typer.Option(help="The format: hf (Hugging Face config.json + safetensors).")] = "hf",
+    shard_mb: Annotated[
+        float, typer.Option(help="Largest safetensors file, in MiB (more: an index).")
+    ] = 2048,
+) -> None:
+    """Write a run's model as a Hugging Face checkpoint (Llama: LlamaForCausalLM; GPT: GPT2LMHeadModel)."""
+    from meshkit.cli.ledger import _simulate
+
+    _simulate(None)
+    from meshkit.cli._format import console
+    from meshkit.interop import InteropError
+    from meshkit.train.outputs import export_run
+
+    if to != "hf":
+        raise InteropError(f"unknown --to {to!r}: meshkit exports hf (Hugging Face)")
+    if shard_mb <= 0:
+        raise InteropError(f"--shard-mb must be positive, got {shard_mb}")
+    run = export_run(run_dir, out, max_shard_bytes=int(shard_mb * 2**20))
+    console.print(f"exported step {run.step} of {run_dir} ({type(run.model).__name__}) to {out}", soft_wrap=True,
+                  highlight=False)  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(export)

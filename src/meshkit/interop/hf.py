@@ -1,0 +1,401 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + safetensors (one file, or shards with
+``model.safetensors.index.json`` as the Hub writes them) for Llama-family and GPT-2 models.
+
+Weights move by name and transpose only (``meshkit.models.llama`` follows ``LlamaForCausalLM``'s
+conventions; GPT-2's ``Conv1D`` already stores ``(in, out)``). ``load`` builds each parameter as a
+global ``jax.Array`` under the sharding asked for with ``jax.make_array_from_callback``: every
+device's block is read from the safetensors file by ``safe_open(...).get_slice``, so neither a
+device nor the host holds a whole tensor it does not need (a layer of the scanned form is read
+layer by layer). ``save`` writes into a new directory beside the target and renames it into
+place at the end: a failure leaves nothing behind.
+
+GPT-2 to meshkit's GPT: the key bias of ``c_attn`` is dropped (softmax is invariant to adding
+``q . b_k`` to every score of a query, so it changes no output; meshkit's GPT has none), and a
+tied ``lm_head`` becomes the ``unembed`` leaf (``wte`` transposed). Exported, a GPT whose
+``unembed`` is exactly ``tok_embed.T`` is written tied, any other untied (``lm_head.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from meshkit._errors import MeshkitError
+from meshkit.models import gpt, llama
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+VOCAB = "meshkit_vocab.json"
+"""meshkit's character vocabulary (a JSON list), written beside the weights when the run has one."""
+
+ModelConfig = llama.LlamaConfig | gpt.GPTConfig
+
+
+class InteropError(MeshkitError):
+    """A checkpoint cannot be read or written as asked."""
+
+
+# -- config.json ------------------------------------------------------------------------------------
+def _need(cfg: dict, key: str, where: str) -> Any:
+    if key not in cfg:
+        raise InteropError(f"{where} lacks {key!r}: it is not a complete Hugging Face config")
+    return cfg[key]
+
+
+def config_from_hf(data: dict, where: str = CONFIG, *, scan_layers: bool = False) -> ModelConfig:
+    """meshkit's model config of a Hugging Face ``config.json`` (Llama family or GPT-2)."""
+    kind = data.get("model_type")
+    if kind in ("llama", "mistral") and data.get("sliding_window") is None:
+        for key, want in (
+            ("hidden_act", "silu"),
+            ("attention_bias", False),
+            ("mlp_bias", False),
+            ("rope_scaling", None),
+        ):
+            if data.get(key, want) != want:
+                raise InteropError(f"{where}: {key}={data[key]!r} is not what meshkit's Llama computes ({want!r})")  # fmt: skip
+        heads = _need(data, "num_attention_heads", where)
+        return llama.LlamaConfig(
+            vocab_size=_need(data, "vocab_size", where), seq_len=data.get("max_position_embeddings", 2048),
+            layers=_need(data, "num_hidden_layers", where), width=_need(data, "hidden_size", where), heads=heads,
+            kv_heads=data.get("num_key_value_heads") or heads, head_dim=data.get("head_dim") or 0,
+            ffn=_need(data, "intermediate_size", where), rope_theta=float(data.get("rope_theta", 10000.0)),
+            norm_eps=float(data.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            scan_layers=scan_layers,
+        )  # fmt: skip
+    if kind == "gpt2":
+        for key, want in (("activation_function", "gelu_new"), ("layer_norm_epsilon", 1e-5),
+                          ("scale_attn_by_inverse_layer_idx", False)):  # fmt: skip
+            if data.get(key, want) != want:
+                raise InteropError(
+                    f"{where}: {key}={data[key]!r} is not what meshkit's GPT computes ({want!r})"
+                )
+        width = _need(data, "n_embd", where)
+        ffn = data.get("n_inner") or 4 * width
+        if ffn % width:
+            raise InteropError(
+                f"{where}: n_inner {ffn} is no multiple of n_embd {width}, as meshkit's GPT needs"
+            )
+        return gpt.GPTConfig(vocab_size=_need(data, "vocab_size", where), seq_len=_need(data, "n_positions", where),
+                             layers=_need(data, "n_layer", where), width=width, heads=_need(data, "n_head", where),
+                             mlp_ratio=ffn // width, scan_layers=scan_layers)  # fmt: skip
+    arch = ", ".join(data.get("architectures") or []) or "none named"
+    raise InteropError(
+        f"{where}: model_type {kind!r} (architectures: {arch}) is not one meshkit reads: give a Llama-family "
+        f"(model_type llama) or GPT-2 (gpt2) checkpoint"
+    )
+
+
+def config_to_hf(cfg: ModelConfig, tied: bool = False) -> dict:
+    """The ``config.json`` of ``cfg`` (``tied``: GPT-2's head written as the embedding)."""
+    if isinstance(cfg, llama.LlamaConfig):
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.width, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
+                "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+                "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+                "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "torch_dtype": cfg.dtype}  # fmt: skip
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len, "n_embd": cfg.width, "n_layer": cfg.layers,
+            "n_head": cfg.heads, "n_inner": cfg.mlp_width, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": tied, "torch_dtype": cfg.dtype}  # fmt: skip
+
+
+def read_config(directory: str | Path, *, scan_layers: bool = False) -> ModelConfig:
+    path = Path(directory) / CONFIG
+    if not Path(directory).is_dir():
+        raise InteropError(
+            f"no checkpoint directory '{directory}': give a directory holding config.json and safetensors"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InteropError(
+            f"'{directory}' has no config.json: give a Hugging Face checkpoint directory"
+        ) from None
+    except ValueError as e:
+        raise InteropError(f"'{path}' is not JSON ({e}): restore the checkpoint's config.json") from None
+    if not isinstance(data, dict):
+        raise InteropError(f"'{path}' is not a JSON object: restore the checkpoint's config.json")
+    return config_from_hf(data, str(path), scan_layers=scan_layers)
+
+
+# -- names ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where one meshkit tensor (one layer's, for a stacked leaf) lives in the checkpoint."""
+
+    name: str
+    transpose: bool = False
+    columns: tuple[int, int] | None = None
+    """A column range of the stored tensor (after any transpose): GPT-2's fused ``c_attn``."""
+
+
+def _llama_names(cfg: llama.LlamaConfig) -> Iterator[tuple[tuple, Source]]:
+    """(meshkit path within one layer or at the top, source); layer paths start with ``"blocks"``."""
+    yield ("tok_embed",), Source("model.embed_tokens.weight")
+    yield ("norm_f", "scale"), Source("model.norm.weight")
+    if not cfg.tie_embeddings:
+        yield ("unembed",), Source("lm_head.weight", transpose=True)
+    layer = "model.layers.{i}."
+    for path, name in ((("attn_norm", "scale"), "input_layernorm.weight"), (("mlp_norm", "scale"), "post_attention_layernorm.weight")):  # fmt: skip
+        yield ("blocks", *path), Source(layer + name)
+    for leaf, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        yield ("blocks", "attn", leaf), Source(f"{layer}self_attn.{name}.weight", transpose=True)
+    for leaf, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
+
+
+def _gpt2_names(cfg: gpt.GPTConfig, tied: bool, prefix: str) -> Iterator[tuple[tuple, Source]]:
+    d = cfg.width
+    yield ("tok_embed",), Source(prefix + "wte.weight")
+    yield ("pos_embed",), Source(prefix + "wpe.weight")
+    yield ("ln_f", "scale"), Source(prefix + "ln_f.weight")
+    yield ("ln_f", "bias"), Source(prefix + "ln_f.bias")
+    yield ("unembed",), Source(prefix + "wte.weight" if tied else "lm_head.weight", transpose=True)
+    layer = prefix + "h.{i}."
+    for ln, name in (("ln1", "ln_1"), ("ln2", "ln_2")):
+        yield ("blocks", ln, "scale"), Source(f"{layer}{name}.weight")
+        yield ("blocks", ln, "bias"), Source(f"{layer}{name}.bias")
+    for leaf, at in (("wq", 0), ("wk", 1), ("wv", 2)):
+        yield ("blocks", "attn", leaf), Source(layer + "attn.c_attn.weight", columns=(at * d, (at + 1) * d))
+    for leaf, at in (("bq", 0), ("bv", 2)):
+        yield ("blocks", "attn", leaf), Source(layer + "attn.c_attn.bias", columns=(at * d, (at + 1) * d))
+    for path, name in ((("attn", "wo"), "attn.c_proj.weight"), (("attn", "bo"), "attn.c_proj.bias"),
+                       (("mlp", "w_in"), "mlp.c_fc.weight"), (("mlp", "b_in"), "mlp.c_fc.bias"),
+                       (("mlp", "w_out"), "mlp.c_proj.weight"), (("mlp", "b_out"), "mlp.c_proj.bias")):  # fmt: skip
+        yield ("blocks", *path), Source(layer + name)
+
+
+# -- reading ----------------------------------------------------------------------------------------
+class Checkpoint:
+    """A checkpoint directory's tensors by name, opened lazily (one ``safe_open`` per file)."""
+
+    def __init__(self, directory: str | Path):
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        index = self.directory / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise InteropError(f"'{index}' is not a safetensors index ({e}): restore it") from None
+        elif (self.directory / SINGLE).is_file():
+            weight_map = None
+        else:
+            raise InteropError(f"'{directory}' has no {SINGLE} and no {INDEX}: give a safetensors checkpoint")
+        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
+        missing = [f for f in files if not (self.directory / f).is_file()]
+        if missing:
+            raise InteropError(
+                f"'{directory}': {len(missing)} of {len(files)} shard(s) named by {INDEX} are missing "
+                f"({', '.join(missing[:3])}): copy the whole checkpoint"
+            )
+        self._open = {}
+        for f in files:
+            try:
+                self._open[f] = safe_open(str(self.directory / f), framework="numpy")
+            except Exception as e:  # safetensors raises its own error type for a damaged header
+                raise InteropError(
+                    f"'{self.directory / f}' is not a safetensors file ({e}): copy it again"
+                ) from None
+        self.weight_map = weight_map or {k: SINGLE for k in self._open[SINGLE].keys()}  # noqa: SIM118
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise InteropError(
+                f"'{self.directory}' has no tensor {name!r}: the checkpoint does not match its config.json"
+            )
+        return self._open[self.weight_map[name]].get_slice(name)
+
+    def read(self, source: Source, index: tuple[slice, ...]) -> np.ndarray:
+        """The block ``index`` of the tensor as meshkit lays it out (transposed, columns chosen)."""
+        index = list(index)
+        if source.columns is not None:
+            lo, hi = source.columns
+            start, stop, _ = index[-1].indices(hi - lo)
+            index[-1] = slice(lo + start, lo + stop)
+        if source.transpose:
+            return np.ascontiguousarray(self._slice(source.name)[tuple(reversed(index))].T)
+        return self._slice(source.name)[tuple(index)]
+
+
+def _stored_shape(source: Source, shape: tuple[int, ...], layer_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape the checkpoint must hold for a meshkit leaf of ``layer_shape``."""
+    if source.columns is not None:
+        return (*layer_shape[:-1], shape[-1])
+    return tuple(reversed(layer_shape)) if source.transpose else layer_shape
+
+
+def _plan(cfg: ModelConfig, ckpt: Checkpoint) -> dict[tuple, Source]:
+    if isinstance(cfg, llama.LlamaConfig):
+        return dict(_llama_names(cfg))
+    prefix = "transformer." if "transformer.wte.weight" in ckpt.names() else ""
+    tied = "lm_head.weight" not in ckpt.names()
+    return dict(_gpt2_names(cfg, tied, prefix))
+
+
+def _init_fn(cfg: ModelConfig) -> Callable:
+    return llama.init if isinstance(cfg, llama.LlamaConfig) else gpt.init
+
+
+def load(
+    directory: str | Path, cfg: ModelConfig | None = None, *, shardings: Any = None
+) -> tuple[Any, ModelConfig]:
+    """``(params, cfg)``: the checkpoint's weights as meshkit parameters of ``cfg`` (default: the
+    checkpoint's own, loop form), each a global array under ``shardings`` (a pytree like the
+    parameters; default: host NumPy arrays). Every shape is checked before anything is read."""
+    cfg = read_config(directory, scan_layers=False) if cfg is None else cfg
+    ckpt = Checkpoint(directory)
+    shapes = jax.eval_shape(lambda: _init_fn(cfg)(jax.random.key(0), cfg))
+    names = _plan(cfg, ckpt)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    sources = []
+    for path, leaf in flat:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        layer = None
+        if keys[0] == "blocks":
+            layer, keys = (keys[1], (keys[0], *keys[2:])) if isinstance(keys[1], int) else (None, keys)
+        source = names[keys]
+        stacked = keys[0] == "blocks" and layer is None
+        layer_shape = tuple(leaf.shape[1:]) if stacked else tuple(leaf.shape)
+        layers = range(cfg.layers) if stacked else [layer]
+        for i in layers:
+            name = source.name.format(i=i)
+            want = _stored_shape(source, ckpt.shape(name), layer_shape)
+            if ckpt.shape(name) != want or (source.columns and source.columns[1] > ckpt.shape(name)[-1]):
+                raise InteropError(
+                    f"'{directory}': tensor {name} has shape {ckpt.shape(name)} but the config makes it {want}: "
+                    f"the weights do not match config.json"
+                )
+        sources.append((source, layer, stacked, leaf))
+    flat_shardings = [None] * len(sources) if shardings is None else jax.tree.leaves(shardings)
+
+    def build(item, sharding):
+        source, layer, stacked, leaf = item
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            if stacked:
+                lo, hi, _ = index[0].indices(cfg.layers)
+                parts = [ckpt.read(Source(source.name.format(i=i), source.transpose, source.columns), index[1:])
+                         for i in range(lo, hi)]  # fmt: skip
+                return np.stack(parts).astype(leaf.dtype)
+            named = Source(source.name.format(i=layer), source.transpose, source.columns)
+            return ckpt.read(named, index).astype(leaf.dtype)
+
+        if sharding is None:
+            return block(tuple(slice(None) for _ in leaf.shape))
+        return jax.make_array_from_callback(leaf.shape, sharding, block)
+
+    leaves = [build(item, s) for item, s in zip(sources, flat_shardings, strict=True)]
+    return jax.tree.unflatten(treedef, leaves), cfg
+
+
+# -- writing ----------------------------------------------------------------------------------------
+def _tensors(params: Any, cfg: ModelConfig) -> tuple[dict[str, np.ndarray], bool]:
+    """The checkpoint's tensors from meshkit parameters (gathered to this host leaf by leaf)."""
+    params = gpt.to_form(params, False)
+    host = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
+    tied = False
+    if isinstance(cfg, gpt.GPTConfig):
+        tied = np.array_equal(host(params["unembed"]), host(params["tok_embed"]).T)
+        names = dict(_gpt2_names(cfg, tied, "transformer."))  # as GPT2LMHeadModel.save_pretrained writes
+    else:
+        names = dict(_llama_names(cfg))
+    out: dict[str, np.ndarray] = {}
+    fused: dict[str, list] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        layer = None
+        if keys[0] == "blocks":
+            layer, keys = keys[1], (keys[0], *keys[2:])
+        source = names[keys]
+        if tied and keys == ("unembed",):
+            continue
+        name, value = source.name.format(i=layer), host(leaf)
+        if source.columns is not None:
+            fused.setdefault(name, []).append((source.columns, value))
+            continue
+        out[name] = np.ascontiguousarray(value.T if source.transpose else value)
+    for name, parts in fused.items():  # GPT-2's c_attn: q | k (zeros: meshkit's GPT has no key bias) | v
+        d = cfg.width
+        first = parts[0][1]
+        whole = np.zeros((*first.shape[:-1], 3 * d), first.dtype)
+        for (lo, hi), value in parts:
+            whole[..., lo:hi] = value
+        out[name] = whole
+    return out, tied
+
+
+def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_bytes: int = 2 * 2**30,
+         vocab: tuple[str, ...] | None = None) -> Path:  # fmt: skip
+    """Write ``params`` as a Hugging Face checkpoint into ``directory`` (which must not exist or be
+    empty): ``config.json``, the weights in safetensors files of at most ``max_shard_bytes`` (with
+    an index when more than one), and ``meshkit_vocab.json`` when a character ``vocab`` is given."""
+    from safetensors.numpy import save_file
+
+    target = Path(directory)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise InteropError(
+            f"'{directory}' already exists and is not an empty directory: give a new directory"
+        )
+    tensors, tied = _tensors(params, cfg)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        shards: list[list[str]] = [[]]
+        size = 0
+        for name, value in tensors.items():
+            if shards[-1] and size + value.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += value.nbytes
+        files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]  # fmt: skip
+        for file, names in zip(files, shards, strict=True):
+            save_file({n: tensors[n] for n in names}, str(work / file), metadata={"format": "pt"})
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                     "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}  # fmt: skip
+            (work / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        (work / CONFIG).write_text(json.dumps(config_to_hf(cfg, tied), indent=2, sort_keys=True))
+        if vocab is not None:
+            (work / VOCAB).write_text(json.dumps(list(vocab)))
+        if target.exists():
+            target.rmdir()
+        os.replace(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return target
+
+
+def read_vocab(directory: str | Path) -> tuple[str, ...] | None:
+    """The character vocabulary written beside the weights, if any."""
+    path = Path(directory) / VOCAB
+    if not path.is_file():
+        return None
+    try:
+        vocab = json.loads(path.read_text())
+    except ValueError as e:
+        raise InteropError(f"'{path}' is not JSON ({e}): restore it") from None
+    if not isinstance(vocab, list) or not all(isinstance(c, str) for c in vocab):
+        raise InteropError(f"'{path}' is not a list of characters: restore it")
+    return tuple(vocab)

@@ -1,0 +1,191 @@
+"""Text generation from the Llama with a key/value cache: one prefill of the prompts, then one
+decode step per new token, all in one compiled program.
+
+Prompts of different lengths are left-padded to the longest: row ``b`` starts at cache slot
+``pad[b]``, its positions (for the rotary embedding) count from there, and its keys before that
+slot are masked. The cache holds every layer's keys and values, ``(layers, B, S, kv_heads,
+head_dim)`` with ``S`` = longest prompt + new tokens; given ``cache_sharding``, it is laid out
+under it (e.g. the key/value heads on the training mesh's ``model`` axis, beside parameters split
+by the same rules), else it lives where the parameters do. Sampling: greedy (``temperature=0``),
+or temperature with top-k and top-p (nucleus) filtering.
+
+``window_generate`` is the way without a cache (the whole window run again for every token, as
+``meshkit train``'s end-of-run sample does): the benchmark's baseline, and the check that both give
+the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from meshkit._errors import MeshkitError
+from meshkit.models import gpt, llama
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sampling:
+    """How the next token is drawn from the logits."""
+
+    temperature: float = 0.0
+    """0: greedy (argmax); else logits / temperature."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches p (1: all)."""
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise MeshkitError(f"--temperature must be a finite number of at least 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise MeshkitError(f"--top-k must be at least 0 (0: every token), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise MeshkitError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits_bv: jax.Array, key: jax.Array, how: Sampling) -> jax.Array:
+    """One token per row from ``(B, V)`` logits."""
+    logits = logits_bv.astype(jnp.float32)
+    if how.temperature == 0:
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+    logits = logits / how.temperature
+    if how.top_k:
+        kth = lax.top_k(logits, min(how.top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if how.top_p < 1:
+        order = jnp.argsort(-logits, -1)
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, -1), -1)
+        before = jnp.cumsum(probs, -1) - probs  # probability of the more likely tokens
+        keep_sorted = before < how.top_p  # the most likely token is always kept
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, -1).astype(jnp.int32)
+
+
+def _layers(params: llama.Params, cfg: llama.LlamaConfig) -> list:
+    if cfg.scan_layers:
+        return [jax.tree.map(lambda a, i=i: a[i], params["blocks"]) for i in range(cfg.layers)]
+    return list(params["blocks"])
+
+
+def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg: llama.LlamaConfig):
+    """Logits of ``tokens`` at positions ``pos``, their keys and values written into ``cache`` at
+    slots ``slot .. slot + T``, attending over the cache where ``mask`` allows."""
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    x = llama.embed(top, tokens_bt, cfg)
+    ks, vs = cache
+    for i, p in enumerate(_layers(params, cfg)):
+        p = llama.cast_block(p, cfg)
+        q, k, v = llama.project_qkv(p["attn"], llama.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos_bt, cfg)
+        ks = ks.at[i].set(lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks.dtype), slot, axis=1))
+        vs = vs.at[i].set(lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), slot, axis=1))
+        x = x + llama.attend(p["attn"], q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask_bts, cfg)
+        x = x + llama.mlp(p["mlp"], llama.rms_norm(p["mlp_norm"], x, cfg.norm_eps))
+    return llama.head(top, x, cfg), (ks, vs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "new", "how", "cache_sharding"))
+def _generate(params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, cache_sharding=None):
+    b, prompt = tokens_bp.shape
+    total = prompt + new
+    shape = (cfg.layers, b, total, cfg.kv_heads, cfg.head_dim)
+    cache = (jnp.zeros(shape, cfg.compute), jnp.zeros(shape, cfg.compute))
+    if cache_sharding is not None:
+        cache = jax.tree.map(lambda c: lax.with_sharding_constraint(c, cache_sharding), cache)
+    slots = jnp.arange(total)
+    # prefill: every prompt token, causal, a row's padding masked
+    pos = jnp.maximum(jnp.arange(prompt)[None] - pad_b[:, None], 0)
+    mask = (slots[None, None, :] <= jnp.arange(prompt)[None, :, None]) & (
+        slots[None, None, :] >= pad_b[:, None, None]
+    )
+    logits, cache = _forward(params, tokens_bp, pos, mask, cache, 0, cfg)
+    first = sample(logits[:, -1], jax.random.fold_in(key, 0), how)
+
+    def step(carry, j):
+        token, cache = carry
+        slot = prompt + j
+        mask = (slots[None, None, :] <= slot) & (slots[None, None, :] >= pad_b[:, None, None])
+        logits, cache = _forward(params, token[:, None], (slot - pad_b)[:, None], mask, cache, slot, cfg)
+        nxt = sample(logits[:, -1], jax.random.fold_in(key, j + 1), how)
+        return (nxt, cache), token
+
+    (last, _), out = lax.scan(step, (first, cache), jnp.arange(new - 1))
+    return jnp.concatenate([out.T, last[:, None]], 1) if new > 1 else first[:, None]
+
+
+def _padded(prompts: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise MeshkitError("every prompt needs at least one token: give non-empty prompts")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= int(t) < vocab]
+        if bad:
+            raise MeshkitError(f"prompt token {bad[0]} is outside the model's vocabulary of {vocab}")
+    longest = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), longest), np.int32)
+    pad = np.array([longest - len(p) for p in prompts], np.int32)
+    for row, (p, k) in enumerate(zip(prompts, pad, strict=True)):
+        tokens[row, k:] = p
+    return tokens, pad
+
+
+def generate(
+    params: Any, cfg: llama.LlamaConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+    sampling: Sampling | None = None, seed: int = 0, cache_sharding: Any = None,
+) -> list[list[int]]:  # fmt: skip
+    """``max_new_tokens`` new tokens for each prompt (lists of token ids), with a key/value cache."""
+    if not isinstance(cfg, llama.LlamaConfig):
+        raise MeshkitError("the key/value cache generates from the Llama; use window_generate for the GPT")
+    if max_new_tokens < 1:
+        raise MeshkitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    tokens, pad = _padded(prompts, cfg.vocab_size)
+    out = _generate(params, tokens, pad, jax.random.key(seed), cfg=cfg, new=max_new_tokens,
+                    how=sampling or Sampling(), cache_sharding=cache_sharding)  # fmt: skip
+    return np.asarray(out).tolist()
+
+
+def kv_sharding(mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig) -> jax.sharding.NamedSharding:
+    """The cache under a training mesh's tensor-parallel split: key/value heads on ``model`` where
+    they divide over it (as ``placement.WHERE_DIVIDES`` splits ``wk`` and ``wv``), else whole."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m = int(mesh.shape.get("model", 1))
+    heads = "model" if m > 1 and cfg.kv_heads % m == 0 else None
+    return NamedSharding(mesh, P(None, None, None, heads, None))
+
+
+def window_generate(
+    params: Any, cfg: llama.LlamaConfig | gpt.GPTConfig, prompt: Sequence[int], max_new_tokens: int, *,
+    sampling: Sampling | None = None, seed: int = 0,
+) -> list[int]:  # fmt: skip
+    """New tokens for one prompt without a cache: the last ``seq_len`` tokens run through the whole
+    model for every new token (the GPT's learned positions allow no more)."""
+    module = llama if isinstance(cfg, llama.LlamaConfig) else gpt
+    how = sampling or Sampling()
+    window = np.asarray(list(prompt)[-cfg.seq_len :], np.int32)
+
+    @jax.jit
+    def next_token(p, window, length, key):
+        logits = module.apply(p, window[None], cfg)[0]
+        return sample(logits[length - 1][None], key, how)[0]
+
+    width = cfg.seq_len
+    buf = np.zeros(width, np.int32)
+    n = len(window)
+    buf[:n] = window
+    key, out = jax.random.key(seed), []
+    for j in range(max_new_tokens):
+        tok = int(next_token(params, jnp.asarray(buf), n, jax.random.fold_in(key, j)))
+        out.append(tok)
+        if n < width:
+            buf[n], n = tok, n + 1
+        else:
+            buf = np.concatenate([buf[1:], [tok]]).astype(np.int32)
+    return out

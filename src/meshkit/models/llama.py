@@ -1,0 +1,381 @@
+"""A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no
+biases, optionally tied embeddings) as a plain pytree, in the reference GPT's two forms.
+
+Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads``, ``K = kv_heads``,
+``h = head_dim``, ``F = ffn``)::
+
+    {
+        "tok_embed": (V, D),
+        "blocks": [                                   # a Python list, one dict per layer
+            {
+                "attn_norm": {"scale": (D,)},
+                "attn": {"wq": (D, H h), "wk": (D, K h), "wv": (D, K h), "wo": (H h, D)},
+                "mlp_norm": {"scale": (D,)},
+                "mlp": {"w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)},
+            },
+            ...
+        ],
+        "norm_f": {"scale": (D,)},
+        "unembed": (D, V),                            # absent with tie_embeddings: tok_embed.T
+    }
+
+``LlamaConfig(scan_layers=True)`` stacks the blocks with a leading layer axis and ``lax.scan``s over
+them; ``gpt.to_scanned`` / ``to_layers`` / ``to_form`` / ``blocks_form`` convert any tree with a
+``"blocks"`` entry and work here unchanged. The loop form marks each block with ``meshkit.layer``.
+
+Weights follow Hugging Face's ``LlamaForCausalLM`` conventions up to a transpose (``x @ w``
+where torch computes ``x @ W.T``): rotary embedding on the two halves of each head
+(``rotate_half``), RMSNorm statistics in float32 with the scale applied in the input dtype,
+``silu(x w_gate) * (x w_up)``. So ``meshkit.interop`` moves weights in and out by transposing.
+
+Logical axes: ``"heads"`` (query heads x head_dim), ``"kv_heads"`` (key/value heads x head_dim),
+``"mlp"``, ``"vocab"``, ``"embed"``. The default tensor-parallel rules split heads and the MLP, the
+key/value heads where they divide over the model axis, and the vocabulary of the embedding and the
+head; ``cross_entropy`` is written so that the compiler keeps split logits split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshkit._errors import MeshkitError
+from meshkit.models.shape import ModelShape
+from meshkit.plans import layer
+from meshkit.spec import PRECISIONS
+
+Params = dict[str, Any]
+Axes = tuple[str | None, ...]
+
+_AXES: dict[str, Axes] = {
+    "tok_embed": ("vocab", "embed"),
+    "unembed": ("embed", "vocab"),
+    "scale": ("embed",),
+    "wq": ("embed", "heads"),
+    "wk": ("embed", "kv_heads"),
+    "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class LlamaConfig:
+    """Sizes and dtypes of a Llama decoder. Hashable (a static argument of ``jax.jit``)."""
+
+    vocab_size: int
+    """Number of token ids."""
+    seq_len: int
+    """Longest sequence trained on (rotary positions extend past it; generation may go further)."""
+    layers: int
+    """Number of transformer blocks."""
+    width: int
+    """Model width D (residual stream)."""
+    heads: int
+    """Query heads."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention; must divide ``heads``); 0 means ``heads``."""
+    head_dim: int = 0
+    """Width of one head; 0 means ``width // heads``."""
+    ffn: int = 0
+    """Hidden width of the SwiGLU MLP; 0 means 4 x width."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding's frequencies."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Use the token embedding (transposed) as the output head; no ``unembed`` leaf."""
+    dtype: str = "float32"
+    """Dtype of the parameters as stored and updated."""
+    compute_dtype: str | None = None
+    """Dtype of the forward pass; None means ``dtype``."""
+    scan_layers: bool = False
+    """Stack the blocks' parameters and ``lax.scan`` over them."""
+
+    def __post_init__(self):
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim == 0:
+            if self.width % self.heads:
+                raise MeshkitError(
+                    f"width {self.width} is not divisible by heads {self.heads}: give head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.width // self.heads)
+        if self.ffn == 0:
+            object.__setattr__(self, "ffn", 4 * self.width)
+        if self.heads % self.kv_heads:
+            raise MeshkitError(
+                f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"
+            )
+        if self.head_dim % 2:
+            raise MeshkitError(f"head_dim {self.head_dim} is odd: rotary embeddings need an even head width")
+
+    @classmethod
+    def from_shape(
+        cls, shape: ModelShape, *, precision: str = "fp32", scan_layers: bool = False
+    ) -> LlamaConfig:
+        """The Llama of ``shape`` (the planner's presets are these models): float32 parameters,
+        computing in ``precision``'s dtype. A shape without a gated MLP is refused."""
+        if not shape.gated:
+            raise MeshkitError(f"{shape.name}: a Llama has a gated (SwiGLU) MLP; this shape is a GPT")
+        return cls(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
+                   heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn,
+                   rope_theta=shape.rope_theta, norm_eps=shape.norm_eps, tie_embeddings=shape.tie_embeddings,
+                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)  # fmt: skip
+
+    def shape(self, name: str = "llama") -> ModelShape:
+        """This model's shape, as the planner describes models."""
+        return ModelShape(name=name, layers=self.layers, width=self.width, heads=self.heads, vocab=self.vocab_size,
+                          seq=self.seq_len, ffn=self.ffn, gated=True, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                          rope_theta=self.rope_theta, norm_eps=self.norm_eps,
+                          tie_embeddings=self.tie_embeddings)  # fmt: skip
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def compute(self) -> str:
+        return self.compute_dtype or self.dtype
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _init_block(key: jax.Array, cfg: LlamaConfig) -> Params:
+    d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
+    resid = 0.02 / math.sqrt(2 * cfg.layers)
+    kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
+    return {
+        "attn_norm": {"scale": jnp.ones((d,), dt)},
+        "attn": {"wq": _normal(kq, (d, q), 0.02, dt), "wk": _normal(kk, (d, kv), 0.02, dt),
+                 "wv": _normal(kv_, (d, kv), 0.02, dt), "wo": _normal(ko, (q, d), resid, dt)},
+        "mlp_norm": {"scale": jnp.ones((d,), dt)},
+        "mlp": {"w_gate": _normal(kg, (d, f), 0.02, dt), "w_up": _normal(ku, (d, f), 0.02, dt),
+                "w_down": _normal(kd, (f, d), resid, dt)},
+    }  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one program, independent of any mesh
+def init(key: jax.Array, cfg: LlamaConfig) -> Params:
+    """Weights ~ N(0, 0.02²), the residual projections (wo, w_down) scaled by 1/sqrt(2 layers),
+    RMSNorm scales ones."""
+    k_tok, k_un, k_blocks = jax.random.split(key, 3)
+    blocks = [_init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)]
+    out = {
+        "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
+        "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *blocks) if cfg.scan_layers else blocks,
+        "norm_f": {"scale": jnp.ones((cfg.width,), cfg.dtype)},
+    }
+    if not cfg.tie_embeddings:
+        out["unembed"] = _normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype)
+    return out
+
+
+def _wide(dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def rms_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm: statistics in at least float32, scaled in the input dtype (as Hugging Face's)."""
+    xw = x_btd.astype(_wide(x_btd.dtype))
+    y = xw * lax.rsqrt(jnp.mean(jnp.square(xw), -1, keepdims=True) + eps)
+    return p["scale"] * y.astype(x_btd.dtype)
+
+
+def rope_tables(pos_bt: jax.Array, cfg: LlamaConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of shape ``(B, T, 1, head_dim)`` for integer positions, computed in at least
+    float32 and cast to ``dtype``."""
+    wide = _wide(dtype)
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=wide) / cfg.head_dim))
+    angles = pos_bt.astype(wide)[..., None] * inv_freq[:half]
+    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x_bthk.shape[-1] // 2
+    rotated = jnp.concatenate([-x_bthk[..., half:], x_bthk[..., :half]], -1)
+    return x_bthk * cos + rotated * sin
+
+
+def project_qkv(
+    p: dict[str, jax.Array], x_btd: jax.Array, pos_bt: jax.Array, cfg: LlamaConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries ``(B, T, H, h)`` and keys, values ``(B, T, K, h)``, rotary positions applied."""
+    b, t, _ = x_btd.shape
+    q = (x_btd @ p["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    k = (x_btd @ p["wk"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    v = (x_btd @ p["wv"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    cos, sin = rope_tables(pos_bt, cfg, x_btd.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def attend(
+    p: dict[str, jax.Array],
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    mask_bts: jax.Array,
+    cfg: LlamaConfig,
+) -> jax.Array:
+    """Grouped-query attention of ``T`` queries over ``S`` keys where ``mask`` allows, then the
+    output projection; scores and softmax in at least float32."""
+    b, t = q_bthk.shape[:2]
+    wide = _wide(q_bthk.dtype)
+    # each key/value head serves ``groups`` query heads: repeated to one per query head, so that a
+    # query head's split over the model axis finds its key/value head on the same device
+    k = jnp.repeat(k_bskh, cfg.groups, axis=2)
+    v = jnp.repeat(v_bskh, cfg.groups, axis=2)
+    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k, preferred_element_type=wide) / math.sqrt(cfg.head_dim)
+    scores = jnp.where(mask_bts[:, None], scores, jnp.finfo(wide).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
+    out = jnp.einsum("bhts,bshk->bthk", probs, v).reshape(b, t, cfg.heads * cfg.head_dim)
+    return out @ p["wo"]
+
+
+def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
+    """SwiGLU: ``(silu(x w_gate) * x w_up) w_down``."""
+    return (jax.nn.silu(x_btd @ p["w_gate"]) * (x_btd @ p["w_up"])) @ p["w_down"]
+
+
+def cast_block(p: Params, cfg: LlamaConfig) -> Params:
+    return jax.tree.map(lambda a: a.astype(cfg.compute), p)
+
+
+def causal_mask(t: int) -> jax.Array:
+    return jnp.tril(jnp.ones((1, t, t), bool))
+
+
+def _block(p: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """One pre-norm block over a whole causal sequence (positions 0..T-1)."""
+    p = cast_block(p, cfg)
+    b, t, _ = x_btd.shape
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
+    x_btd = x_btd + attend(p["attn"], q, k, v, causal_mask(t), cfg)
+    return x_btd + mlp(p["mlp"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps))
+
+
+def embed(top: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """Token embeddings in the compute dtype (a lookup: split over the vocabulary, each device
+    contributes the rows it holds and the compiler sums them)."""
+    return top["tok_embed"].astype(cfg.compute)[tokens_bt]
+
+
+def head(top: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """Final RMSNorm and the output head: logits in at least float32."""
+    x_btd = rms_norm(jax.tree.map(lambda a: a.astype(cfg.compute), top["norm_f"]), x_btd, cfg.norm_eps)
+    w = top["tok_embed"].T if cfg.tie_embeddings else top["unembed"]
+    return jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=_wide(cfg.compute))
+
+
+def _check_form(params: Params, cfg: LlamaConfig) -> None:
+    scanned = not isinstance(params["blocks"], list | tuple)
+    if scanned != cfg.scan_layers:
+        form = "scanned" if scanned else "layers"
+        raise MeshkitError(
+            f"params hold the {form} form but cfg.scan_layers={cfg.scan_layers}: convert with gpt.to_form(params, "
+            f"{cfg.scan_layers})"
+        )
+    if cfg.tie_embeddings == ("unembed" in params):
+        raise MeshkitError(
+            f"params {'have' if 'unembed' in params else 'lack'} an unembed leaf but cfg.tie_embeddings="
+            f"{cfg.tie_embeddings}: build the config from the checkpoint's"
+        )
+
+
+def apply(params: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``."""
+    _check_form(params, cfg)
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    x_btd = embed(top, tokens_bt, cfg)
+
+    def block(p: Params, x: jax.Array) -> jax.Array:
+        return _block(p, x, cfg)
+
+    if cfg.scan_layers:
+        x_btd, _ = lax.scan(lambda x, p: (block(p, x), None), x_btd, params["blocks"])
+    else:
+        for p in params["blocks"]:
+            x_btd = layer(block)(p, x_btd)
+    return head(top, x_btd, cfg)
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy, written so that logits split over the vocabulary stay split:
+    every reduction over the vocabulary (the max, the sum of exponentials, the target's logit
+    picked by a comparison rather than a gather) is elementwise work plus a reduction, which the
+    compiler turns into an all-reduce of one number per token."""
+    wide = _wide(logits_btv.dtype)
+    logits = logits_btv.astype(wide)
+    peak = lax.stop_gradient(jnp.max(logits, -1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(logits - peak), -1)) + peak[..., 0]
+    vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    picked = jnp.sum(jnp.where(vocab == targets_bt[..., None], logits, 0.0), -1)
+    return jnp.mean(lse - picked)
+
+
+def make_loss(cfg: LlamaConfig) -> Callable[[Params, tuple[jax.Array, jax.Array]], jax.Array]:
+    """``loss(params, (tokens_bt, targets_bt))``: mean next-token cross-entropy."""
+
+    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return cross_entropy(apply(params, batch[0], cfg), batch[1])
+
+    return loss
+
+
+def stages(cfg: LlamaConfig) -> Any:
+    """The model as ``meshkit.Stages`` (embedding, stacked blocks, head, cross-entropy) for pipeline
+    plans and every other; its parameters are the scanned form."""
+    from meshkit.plans import Stages
+
+    return Stages(
+        embed=lambda top, batch: embed(top, batch[0], cfg),
+        block=lambda p, x_btd: _block(p, x_btd, cfg),
+        head=lambda top, x_btd: head(top, x_btd, cfg),
+        loss=lambda logits, batch: cross_entropy(logits, batch[1]),
+    )
+
+
+def logical_axes(params: Params) -> Any:
+    """The structure of ``params`` with a tuple of logical axis names per dimension (``"layers"``
+    first on the scanned form's stacked leaves)."""
+
+    def axes(path, _) -> Axes:
+        names = _AXES[path[-1].key]
+        stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
+        return ("layers", *names) if stacked else names
+
+    return jax.tree.map_with_path(axes, params)
+
+
+def units(cfg: LlamaConfig) -> dict[str, int]:
+    """Logical axes of whole units: the model axis must divide the query heads; key/value heads
+    that do not divide over it stay whole on it (``placement.WHERE_DIVIDES``)."""
+    return {"heads": cfg.heads, "kv_heads": cfg.kv_heads}
+
+
+def matmul_params(cfg: LlamaConfig) -> int:
+    """Parameters that multiply activations: every matrix but the embedding lookup (the tied head
+    counts once, as a matmul)."""
+    d, f, q, kv = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    block = 2 * d * q + 2 * d * kv + 3 * d * f + 2 * d
+    return cfg.layers * block + d + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: LlamaConfig) -> int:
+    """Training FLOPs per token at full context: ``6 N + 12 L T (H h)`` (PaLM, appendix B)."""
+    return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.seq_len * cfg.heads * cfg.head_dim

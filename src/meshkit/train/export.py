@@ -1,0 +1,86 @@
+"""``meshkit train --init-from hf:DIR``: a run that starts from a Hugging Face checkpoint. The
+checkpoint decides the model (the Llama for ``model_type llama``, the GPT for ``gpt2``); the run's
+own options must agree with it, and its vocabulary with the run's data, before anything is read
+or written."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from meshkit import interop
+from meshkit.models import gpt, llama
+from meshkit.spec import PRECISIONS
+from meshkit.train import config as C
+
+
+def _directory(cfg: C.TrainConfig) -> Path:
+    return Path(cfg.init_from[len(C.HF_PREFIX) :])
+
+
+def checkpoint_config(
+    cfg: C.TrainConfig, vocab: int, *, precision: str, scan_layers: bool
+) -> gpt.GPTConfig | llama.LlamaConfig:
+    """The checkpoint's model config (in ``precision``, the scanned form where asked), after checking
+    the run's shape options and its data's vocabulary against it; raises ``ConfigError`` naming the
+    option to give."""
+    where = _directory(cfg)
+    model = interop.read_config(where)
+    kind = "llama" if isinstance(model, llama.LlamaConfig) else "gpt"
+    if kind != cfg.model:
+        raise C.ConfigError(
+            f"--init-from: '{where}' holds a {'Llama' if kind == 'llama' else 'GPT-2'} checkpoint but --model is "
+            f"{cfg.model}: give --model {kind}"
+        )
+    theirs = {"layers": model.layers, "width": model.width, "heads": model.heads}
+    if kind == "llama":
+        theirs |= {"kv_heads": model.kv_heads if model.kv_heads != model.heads else 0,
+                   "tie_embeddings": model.tie_embeddings}  # fmt: skip
+    differ = {k: v for k, v in theirs.items() if cfg.get(k) != v}
+    if differ:
+        flags = " ".join(
+            C.flag(k) if v is True else f"{C.flag(k)} {v}" for k, v in differ.items() if v is not False
+        )
+        mine = ", ".join(f"{C.flag(k)} {cfg.get(k)}" for k in differ)
+        raise C.ConfigError(f"--init-from: the checkpoint's shape is not the run's ({mine}): give {flags or 'no --tie-embeddings'}")  # fmt: skip
+    if kind == "gpt" and cfg.seq_len > model.seq_len:
+        raise C.ConfigError(
+            f"--init-from: the checkpoint has {model.seq_len} positions, fewer than --seq-len {cfg.seq_len}: "
+            f"use --seq-len {model.seq_len} or less"
+        )
+    _check_vocabulary(cfg, vocab, model.vocab_size, where)
+    return dataclasses.replace(model, compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)
+
+
+def _check_vocabulary(cfg: C.TrainConfig, vocab: int, theirs: int, where: Path) -> None:
+    """Text data must come with the checkpoint's own character vocabulary (``meshkit_vocab.json``,
+    written by ``meshkit export``); token ids must lie inside the checkpoint's vocabulary."""
+    from meshkit.train.data import load_text
+
+    chars = interop.read_vocab(where)
+    data = load_text(cfg.data)
+    if data.vocab is None:
+        if vocab > theirs:
+            raise C.ConfigError(
+                f"--init-from: the data's token ids reach {vocab - 1} but the checkpoint's vocabulary has {theirs} "
+                f"tokens: give token ids of the checkpoint's tokenizer"
+            )
+        return
+    if chars is None:
+        raise C.ConfigError(
+            f"--init-from: '{where}' has no {interop.hf.VOCAB}, so its token ids do not match the run's character "
+            f"tokenizer: give --data as a .npy of the checkpoint tokenizer's ids"
+        )
+    if tuple(chars) != data.vocab:
+        raise C.ConfigError(
+            f"--init-from: the checkpoint's character vocabulary ({len(chars)} characters) is not the data's "
+            f"({len(data.vocab)}): train on the data it was trained on, or give its token ids as a .npy"
+        )
+
+
+def init_from(cfg: C.TrainConfig, model: gpt.GPTConfig | llama.LlamaConfig) -> Any:
+    """The checkpoint's weights in ``model``'s form, as host arrays (the Trainer then places each
+    device's block; ``interop.load(..., shardings=)`` builds sharded arrays straight from the files)."""
+    params, _ = interop.load(_directory(cfg), dataclasses.replace(model, compute_dtype=None))
+    return params
