@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 from meshkit import interop
 from meshkit.mesh import make_mesh
 from meshkit.models import llama, num_params
-from meshkit.planner.predict import param_count
 from meshkit.planner.presets import PRESETS
+from meshkit.planner.sizes import param_count
 from meshkit.plans.placement import VOCAB_TP_RULES, place
 from meshkit.spec import get_plan
 

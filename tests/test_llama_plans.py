@@ -147,7 +147,9 @@ def test_both_forms_and_tied_embeddings_compute_the_same_function():
     and a tied model's head is its embedding."""
     params = llama.init(jax.random.key(1), CFG)
     scanned = llama.init(jax.random.key(1), dataclasses.replace(CFG, scan_layers=True))
-    np.testing.assert_array_equal(jax.tree.leaves(gpt.to_scanned(params)), jax.tree.leaves(scanned))
+    assert jax.tree.structure(gpt.to_scanned(params)) == jax.tree.structure(scanned)
+    for x, y in zip(jax.tree.leaves(gpt.to_scanned(params)), jax.tree.leaves(scanned), strict=True):
+        np.testing.assert_array_equal(x, y)
     tokens = _batch()[0][:2]
     a = llama.apply(params, tokens, CFG)
     b = llama.apply(scanned, tokens, dataclasses.replace(CFG, scan_layers=True))

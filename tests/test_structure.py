@@ -53,7 +53,11 @@ def _modules():
 def _imports(path: Path):
     """(module imported, names taken) for every import statement in the file."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshkit"):
+        if isinstance(node, ast.ImportFrom) and node.module == "meshkit":  # from meshkit import plans
+            for a in node.names:
+                sub = SRC / a.name
+                yield (f"meshkit.{a.name}" if sub.is_dir() or sub.with_suffix(".py").exists() else "meshkit"), []
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshkit"):
             yield node.module, [a.name for a in node.names]
         elif isinstance(node, ast.Import):
             for a in node.names:
