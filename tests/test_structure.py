@@ -56,7 +56,10 @@ def _imports(path: Path):
         if isinstance(node, ast.ImportFrom) and node.module == "meshkit":  # from meshkit import plans
             for a in node.names:
                 sub = SRC / a.name
-                yield (f"meshkit.{a.name}" if sub.is_dir() or sub.with_suffix(".py").exists() else "meshkit"), []
+                yield (
+                    (f"meshkit.{a.name}" if sub.is_dir() or sub.with_suffix(".py").exists() else "meshkit"),
+                    [],
+                )
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshkit"):
             yield node.module, [a.name for a in node.names]
         elif isinstance(node, ast.Import):
