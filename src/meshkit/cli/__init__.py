@@ -10,6 +10,7 @@ import typer
 from typer.exceptions import TyperException
 
 from meshkit._errors import MeshkitError
+from meshkit.cli import data as _data
 from meshkit.cli import launch as _launch
 from meshkit.cli import ledger as _ledger
 from meshkit.cli import migrate as _migrate
@@ -33,6 +34,7 @@ _launch.register(app)
 _selftest.register(app)
 _verify.register(app)
 _plan.register(app)
+_data.register(app)
 
 
 def _command():

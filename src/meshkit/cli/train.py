@@ -193,8 +193,8 @@ AUTO_SETS = tuple(k for k in ParallelSpec.fields() if k not in ("plan", "precisi
 
 def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
     """``--plan auto``: the planner's choice for this GPT, its batch and precision on these devices."""
+    from meshkit.data import load
     from meshkit.planner.auto import choose_gpt
-    from meshkit.train.data import load_text
     from meshkit.train.job import model_shape
 
     if clash := [C.flag(k) for k in AUTO_SETS if k in given]:
@@ -202,7 +202,7 @@ def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
             f"--plan auto chooses {', '.join(clash)} itself: drop {', '.join(clash)}, or name a plan"
         )
     C.validate(cfg)
-    shape = model_shape(cfg, load_text(cfg.data).vocab_size)
+    shape = model_shape(cfg, load(cfg.data).vocab_size)
     choice = choose_gpt(shape, global_batch=cfg.batch_size, precision=cfg.parallel.precision)
     console.print(choice.line(), soft_wrap=True, highlight=False)
     return cfg.replace(parallel=choice.spec, plan_reason=choice.why)
