@@ -51,7 +51,7 @@ def train(
     ] = None,
     steps: Annotated[int | None, _opt("steps", "Optimizer steps in total.")] = None,
     batch_size: Annotated[int | None, _opt("batch_size", "Global batch in sequences.")] = None,
-    seq_len: Annotated[int | None, _opt("seq_len", "Characters per sequence.")] = None,
+    seq_len: Annotated[int | None, _opt("seq_len", "Tokens (characters, for text) per sequence.")] = None,
     layers: Annotated[int | None, _opt("layers", "Transformer blocks.")] = None,
     width: Annotated[int | None, _opt("width", "Model width.")] = None,
     heads: Annotated[int | None, _opt("heads", "Attention heads (must divide --width).")] = None,
@@ -93,7 +93,12 @@ def train(
     ] = None,
     data: Annotated[
         str | None,
-        _opt("data", "UTF-8 text file or .npy of token ids.", "Python's reference docs (pydoc_data)"),
+        _opt(
+            "data",
+            "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) "
+            "or a .npy of token ids.",
+            "Python's reference docs (pydoc_data), per character",
+        ),
     ] = None,
     run_dir: Annotated[
         str | None,
@@ -127,9 +132,26 @@ def train(
             help="Stop (with a checkpoint) after this step; --resume continues.", show_default="off"
         ),
     ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="A TOML file of options: top-level keys or [model], [optimizer], [data], [run], [parallel] "
+            "tables, and preset; --set and plain flags win over it.",
+            show_default="none",
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="section.key=value or key=value (e.g. optimizer.lr=1e-3), over --config; plain flags win.",
+            show_default="none",
+        ),
+    ] = None,
     devices: DevicesOpt = 8,
 ) -> None:
-    """Train a character-level GPT under a plan; write metrics, checkpoints, report and plots."""
+    """Train a GPT under a plan (on BPE token shards, text per character, or ids); write metrics,
+    checkpoints, report and plots."""
     from meshkit.cli.ledger import _simulate
 
     _simulate(devices)
@@ -151,7 +173,12 @@ def train(
                  scan_layers=scan_layers)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
-        given["clip"] = clip or None
+        given["clip"] = C.user_value("clip", clip)
+    written = {**(C.read_config_file(config) if config else {}), **C.parse_sets(set_ or [])}
+    preset = preset or written.pop("preset", None)
+    written.pop("preset", None)
+    run_dir = run_dir or written.pop("run_dir", None)
+    given = {**{k: v for k, v in written.items() if k != "run_dir"}, **given}
     latest = Path("runs") / "latest"
     if resume:
         where = run_dir or str(latest.resolve())
