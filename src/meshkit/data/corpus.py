@@ -67,9 +67,9 @@ class Corpus:
         return int(self.token_bytes[np.asarray(ids)].sum())
 
     @staticmethod
-    def bits_per_byte(nats: float, nbytes: int) -> float:
-        """Total loss in nats over the UTF-8 bytes it predicted, in bits per byte."""
-        return nats / (math.log(2) * nbytes) if nbytes else float("nan")
+    def bits_per_byte(nats: float, nbytes: int) -> float | None:
+        """Total loss in nats over the UTF-8 bytes it predicted, in bits per byte (None: no bytes)."""
+        return nats / (math.log(2) * nbytes) if nbytes else None
 
 
 def split_at(n: int) -> int:

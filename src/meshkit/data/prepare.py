@@ -95,25 +95,26 @@ def _chunks(doc: Document) -> Iterator[str]:
                 try:
                     text = decoder.decode(raw)
                 except UnicodeDecodeError as e:
-                    at = offset + e.start
-                    raise DataError(
-                        f"'{doc.name}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {at}): convert it "
-                        f"(e.g. iconv -f latin1 -t utf-8), or leave it out of the inputs"
-                    ) from None
+                    raise _not_utf8(doc, offset + e.start, raw[e.start]) from None
                 offset += len(raw)
                 *whole, carry = list(_cut(carry + text)) or [""]
                 yield from whole
-            decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        raise DataError(
-            f"'{doc.name}' ends inside a UTF-8 character: convert it to UTF-8, or leave it out"
-        ) from None
     except OSError as e:
         raise DataError(f"cannot read '{doc.name}' ({e.strerror or e}): fix its permissions") from None
+    pending = decoder.getstate()[0]
+    if pending:  # the file ends inside a character
+        raise _not_utf8(doc, offset - len(pending), pending[0])
     if offset == 0:
         raise DataError(f"'{doc.name}' is empty: leave it out of the inputs, or give it text")
     if carry:
         yield carry
+
+
+def _not_utf8(doc: Document, at: int, byte: int) -> DataError:
+    return DataError(
+        f"'{doc.name}' is not UTF-8 text (byte 0x{byte:02x} at offset {at}): convert it "
+        f"(e.g. iconv -f latin1 -t utf-8), or leave it out of the inputs"
+    )
 
 
 def _cut(text: str) -> Iterator[str]:

@@ -64,7 +64,8 @@ def evaluate(job: Job) -> dict[str, float]:
 
             nbytes = multihost_utils.process_allgather(nbytes)
         nats = sum(losses) * job.cfg.batch_size * job.cfg.seq_len
-        out["eval_bpb"] = job.data.bits_per_byte(nats, int(np.sum(nbytes)))
+        if (bpb := job.data.bits_per_byte(nats, int(np.sum(nbytes)))) is not None:
+            out["eval_bpb"] = bpb
     return out
 
 
