@@ -41,11 +41,18 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+# The same run as a config file, with one option from --set and one flag.
+TOML = 'preset = "tiny"\n[run]\nsteps = 100000\neval_every = 0\nsample_chars = 0\n[optimizer]\nwarmup = 0\n'
+
+
 def _kill_mid_run(data: Path, run: Path) -> None:
-    """Train in a process of its own and SIGKILL it once it has passed a checkpoint."""
+    """Train in a process of its own (options from a config file) and SIGKILL it once it has passed a
+    checkpoint."""
+    (run.parent / "run.toml").write_text(TOML)
+    cmd = [EXE, "train", "--config", str(run.parent / "run.toml"), "--set", "run.checkpoint_every=2", "--data",
+           str(data), "--run-dir", str(run)]  # fmt: skip
     log = (run.parent / "killed.log").open("w")
-    proc = subprocess.Popen([EXE, "train", *RUN, "--data", str(data), "--run-dir", str(run)], stdout=log,
-                            stderr=subprocess.STDOUT, env=ENV)  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
     deadline = time.monotonic() + 300  # compiling on a busy 2-core machine takes a while
     try:
         while time.monotonic() < deadline:
@@ -89,6 +96,10 @@ def test_sigkill_then_resume_gives_the_same_losses_also_on_two_processes(data, t
     straight = losses(tmp_path / "straight")
     assert sorted(straight) == list(range(1, stop + 1))
     assert losses(killed) == straight  # bitwise: the same batches, the same steps
+    configs = [json.loads((d / "config.json").read_text()) for d in (killed, tmp_path / "straight")]
+    assert [c | {"run_dir": ""} for c in configs[:1]] == [
+        configs[1] | {"run_dir": ""}
+    ]  # the file resolved as flags
 
     two = [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, "train", "--resume", "--run-dir",
            str(tmp_path / "killed2"), "--stop-after", str(stop)]  # fmt: skip

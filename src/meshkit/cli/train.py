@@ -174,7 +174,7 @@ def train(
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
         given["clip"] = C.user_value("clip", clip)
-    written = {**(C.read_config_file(config) if config else {}), **C.parse_sets(set_ or [])}
+    written = C.written_options(config, set_ or [])
     preset = preset or written.pop("preset", None)
     written.pop("preset", None)
     run_dir = run_dir or written.pop("run_dir", None)

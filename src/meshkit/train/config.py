@@ -436,9 +436,20 @@ def _raise(errors: list[str]) -> None:
         raise ConfigError("; ".join(errors))
 
 
-def read_config_file(path: str) -> dict[str, Any]:
+def written_options(config: str | None, sets: list[str]) -> dict[str, Any]:
+    """The options of ``--config`` overlaid by ``--set``'s; every unknown key and wrong type of both is
+    named, all in one line."""
+    errors: list[str] = []
+    out = read_config_file(config, errors) if config else {}
+    out |= parse_sets(sets, errors)
+    _raise(errors)
+    return out
+
+
+def read_config_file(path: str, errors: list[str]) -> dict[str, Any]:
     """Options from a TOML file (or a run's ``config.json``): top-level keys and ``[section]`` tables
-    (:data:`SECTIONS`), and ``preset``. Every unknown key and wrong type is named (all of them, in one line)."""
+    (:data:`SECTIONS`), and ``preset``. A key or value that is wrong goes into ``errors``; a file that
+    cannot be read raises."""
     import tomllib
     from pathlib import Path
 
@@ -455,18 +466,14 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config '{path}' is not valid {kind} ({first}): fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config '{path}' is not a table of options: give a TOML file of options")
-    errors: list[str] = []
-    out = _flatten(data, str(path), errors)
-    _raise(errors)
-    return out
+    return _flatten(data, str(path), errors)
 
 
-def parse_sets(items: list[str]) -> dict[str, Any]:
+def parse_sets(items: list[str], errors: list[str]) -> dict[str, Any]:
     """``--set section.key=value`` (or ``key=value``) options: the value read as TOML (``1e-3``, ``true``,
     ``"text"``), or as text where it is not TOML (``--set plan=fsdp``)."""
     import tomllib
 
-    errors: list[str] = []
     out: dict[str, Any] = {}
     for item in items:
         key, eq, text = item.partition("=")
@@ -478,5 +485,4 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             value = text.strip()
         _option(key.strip(), value, "--set", errors, out)
-    _raise(errors)
     return out
