@@ -144,5 +144,5 @@ def test_a_corpus_larger_than_the_process_may_map_trains(data, tmp_path):
     env = {**ENV, "MALLOC_ARENA_MAX": "2"}  # glibc reserves 64 MiB of address space per arena otherwise
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "(4,294,967,296 tokens, BPE vocab 300)" in proc.stdout
+    assert "(BPE token shards) (4,294,967,296 tokens, vocab 300)" in proc.stdout
     assert sorted(losses(run)) == [1, 2, 3]

@@ -106,6 +106,6 @@ def _from_shards(directory: Path) -> Corpus:
     cut = split_at(len(stream))
     return Corpus(
         train=stream.view(0, cut), held_out=stream.view(cut, len(stream)), vocab_size=tokenizer.vocab_size,
-        source=str(directory), packed=True, pad_id=tokenizer.eot_id, digest=shards.digest(manifest),
+        source=f"{directory} (BPE token shards)", packed=True, pad_id=tokenizer.eot_id, digest=shards.digest(manifest),
         decoder=tokenizer.decode, token_bytes=tokenizer.token_bytes, tokenizer="BPE",
     )  # fmt: skip

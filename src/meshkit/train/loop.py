@@ -309,7 +309,7 @@ def run(
     console.print(
         f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.parallel.plan}[/] on "
         f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
-        f"({job.data.num_tokens:,} tokens, {job.data.tokenizer} vocab {job.data.vocab_size})"
+        f"({job.data.num_tokens:,} tokens, vocab {job.data.vocab_size})"
         + (f", resuming at step {job.step}" if resume else ""),
         soft_wrap=True,
     )
