@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit.train.data import Batches, DataError, decode, encode, global_batch, load_text, split
+from meshkit.data import Batches, DataError, global_batch
+from meshkit.data.text import decode, encode, load_text, split
 
 
 @pytest.fixture(scope="module")

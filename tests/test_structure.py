@@ -22,6 +22,7 @@ LAYERS = [
     {"plans"},
     {"models", "adapters", "interop"},
     {"planner"},
+    {"data"},
     {"train"},
     {"verify", "examples", "selftest"},
     {"cli", "__init__"},

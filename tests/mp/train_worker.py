@@ -19,10 +19,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import meshkit  # noqa: E402
+from meshkit.data import global_batch  # noqa: E402
 from meshkit.devices import host  # noqa: E402
 from meshkit.models import mlp  # noqa: E402
 from meshkit.train.checkpoint import Checkpointer  # noqa: E402
-from meshkit.train.data import global_batch  # noqa: E402
 
 plan, ckpt_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 params = mlp.init(jax.random.key(0), [16, 64, 64, 8])

@@ -10,6 +10,7 @@ import typer
 from typer.exceptions import TyperException
 
 from meshkit._errors import MeshkitError
+from meshkit.cli import data as _data
 from meshkit.cli import export as _export
 from meshkit.cli import generate as _generate
 from meshkit.cli import launch as _launch
@@ -37,6 +38,7 @@ _verify.register(app)
 _plan.register(app)
 _export.register(app)
 _generate.register(app)
+_data.register(app)
 
 
 def _command():

@@ -51,7 +51,7 @@ def train(
     ] = None,
     steps: Annotated[int | None, _opt("steps", "Optimizer steps in total.")] = None,
     batch_size: Annotated[int | None, _opt("batch_size", "Global batch in sequences.")] = None,
-    seq_len: Annotated[int | None, _opt("seq_len", "Characters per sequence.")] = None,
+    seq_len: Annotated[int | None, _opt("seq_len", "Tokens (characters, for text) per sequence.")] = None,
     model: Annotated[
         str | None, _opt("model", "gpt, or llama (rotary, RMSNorm, SwiGLU, grouped-query attention).")
     ] = None,
@@ -123,7 +123,12 @@ def train(
     ] = None,
     data: Annotated[
         str | None,
-        _opt("data", "UTF-8 text file or .npy of token ids.", "Python's reference docs (pydoc_data)"),
+        _opt(
+            "data",
+            "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) "
+            "or a .npy of token ids.",
+            "Python's reference docs (pydoc_data), per character",
+        ),
     ] = None,
     run_dir: Annotated[
         str | None,
@@ -157,9 +162,26 @@ def train(
             help="Stop (with a checkpoint) after this step; --resume continues.", show_default="off"
         ),
     ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="A TOML file of options: top-level keys or [model], [optimizer], [data], [run], [parallel] "
+            "tables, and preset; --set and plain flags win over it.",
+            show_default="none",
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="section.key=value or key=value (e.g. optimizer.lr=1e-3), over --config; plain flags win.",
+            show_default="none",
+        ),
+    ] = None,
     devices: DevicesOpt = 8,
 ) -> None:
-    """Train a character-level GPT or Llama under a plan; write metrics, checkpoints, report and plots."""
+    """Train a GPT or a Llama under a plan (on BPE token shards, text per character, or ids); write
+    metrics, checkpoints, report and plots."""
     from meshkit.cli.ledger import _simulate
 
     _simulate(devices)
@@ -182,7 +204,12 @@ def train(
                  init_from=init_from, export_hf=export_hf)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
-        given["clip"] = clip or None
+        given["clip"] = C.user_value("clip", clip)
+    written = C.written_options(config, set_ or [])
+    preset = preset or written.pop("preset", None)
+    written.pop("preset", None)
+    run_dir = run_dir or written.pop("run_dir", None)
+    given = {**{k: v for k, v in written.items() if k != "run_dir"}, **given}
     latest = Path("runs") / "latest"
     if resume:
         where = run_dir or str(latest.resolve())
@@ -242,8 +269,8 @@ AUTO_SETS = tuple(k for k in ParallelSpec.fields() if k not in ("plan", "precisi
 
 def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
     """``--plan auto``: the planner's choice for this GPT, its batch and precision on these devices."""
+    from meshkit.data import load
     from meshkit.planner.auto import choose_gpt
-    from meshkit.train.data import load_text
     from meshkit.train.job import model_shape
 
     if clash := [C.flag(k) for k in AUTO_SETS if k in given]:
@@ -251,7 +278,7 @@ def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
             f"--plan auto chooses {', '.join(clash)} itself: drop {', '.join(clash)}, or name a plan"
         )
     C.validate(cfg)
-    shape = model_shape(cfg, load_text(cfg.data).vocab_size)
+    shape = model_shape(cfg, load(cfg.data).vocab_size)
     choice = choose_gpt(shape, global_batch=cfg.batch_size, precision=cfg.parallel.precision)
     console.print(choice.line(), soft_wrap=True, highlight=False)
     return cfg.replace(parallel=choice.spec, plan_reason=choice.why)

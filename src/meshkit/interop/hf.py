@@ -37,6 +37,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 VOCAB = "meshkit_vocab.json"
 """meshkit's character vocabulary (a JSON list), written beside the weights when the run has one."""
+TOKENIZER = "tokenizer.json"
+"""A BPE tokenizer, as Hugging Face tokenizers saves it (the Hub's name)."""
 
 ModelConfig = llama.LlamaConfig | gpt.GPTConfig
 
@@ -345,10 +347,11 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[dict[str, np.ndarray], bool
 
 
 def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_bytes: int = 2 * 2**30,
-         vocab: tuple[str, ...] | None = None) -> Path:  # fmt: skip
+         vocab: tuple[str, ...] | None = None, tokenizer_json: str | None = None) -> Path:  # fmt: skip
     """Write ``params`` as a Hugging Face checkpoint into ``directory`` (which must not exist or be
     empty): ``config.json``, the weights in safetensors files of at most ``max_shard_bytes`` (with
-    an index when more than one), and ``meshkit_vocab.json`` when a character ``vocab`` is given."""
+    an index when more than one), ``meshkit_vocab.json`` when a character ``vocab`` is given, and
+    ``tokenizer.json`` when a BPE tokenizer (``tokenizers``' JSON) is."""
     from safetensors.numpy import save_file
 
     target = Path(directory)
@@ -378,6 +381,8 @@ def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_byte
         (work / CONFIG).write_text(json.dumps(config_to_hf(cfg, tied), indent=2, sort_keys=True))
         if vocab is not None:
             (work / VOCAB).write_text(json.dumps(list(vocab)))
+        if tokenizer_json is not None:
+            (work / TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
         if target.exists():
             target.rmdir()
         os.replace(work, target)

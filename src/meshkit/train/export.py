@@ -54,28 +54,45 @@ def checkpoint_config(
 
 
 def _check_vocabulary(cfg: C.TrainConfig, vocab: int, theirs: int, where: Path) -> None:
-    """Text data must come with the checkpoint's own character vocabulary (``meshkit_vocab.json``,
-    written by ``meshkit export``); token ids must lie inside the checkpoint's vocabulary."""
-    from meshkit.train.data import load_text
+    """The data must read text as the checkpoint does: token shards with the checkpoint's own
+    ``tokenizer.json`` (the same ids for the same strings), text with its character vocabulary
+    (``meshkit_vocab.json``, written by ``meshkit export``); bare token ids must lie inside its vocabulary."""
+    from meshkit.data import load
 
-    chars = interop.read_vocab(where)
-    data = load_text(cfg.data)
-    if data.vocab is None:
+    data = load(cfg.data)
+    if data.bpe is not None:
+        _check_tokenizer(data.bpe, where)
+        return
+    if data.chars is None:
         if vocab > theirs:
             raise C.ConfigError(
                 f"--init-from: the data's token ids reach {vocab - 1} but the checkpoint's vocabulary has {theirs} "
                 f"tokens: give token ids of the checkpoint's tokenizer"
             )
         return
+    chars = interop.read_vocab(where)
     if chars is None:
         raise C.ConfigError(
             f"--init-from: '{where}' has no {interop.hf.VOCAB}, so its token ids do not match the run's character "
             f"tokenizer: give --data as a .npy of the checkpoint tokenizer's ids"
         )
-    if tuple(chars) != data.vocab:
+    if tuple(chars) != data.chars:
         raise C.ConfigError(
             f"--init-from: the checkpoint's character vocabulary ({len(chars)} characters) is not the data's "
-            f"({len(data.vocab)}): train on the data it was trained on, or give its token ids as a .npy"
+            f"({len(data.chars)}): train on the data it was trained on, or give its token ids as a .npy"
+        )
+
+
+def _check_tokenizer(bpe: Any, where: Path) -> None:
+    from meshkit.data.tokenizer import load_tokenizer
+
+    path = where / interop.hf.TOKENIZER
+    prepare = f"prepare the data with it: meshkit data prepare TEXT --tokenizer {path} --out DIR"
+    if not path.is_file():
+        raise C.ConfigError(f"--init-from: '{where}' has no {interop.hf.TOKENIZER} to check the data's BPE against: {prepare}")  # fmt: skip
+    if load_tokenizer(path).vocabulary() != bpe.vocabulary():
+        raise C.ConfigError(
+            f"--init-from: the data's BPE tokenizer is not the checkpoint's ({path}): {prepare}"
         )
 
 

@@ -15,13 +15,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit.data import Batches, Corpus, load
 from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import DATA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
-from meshkit.train.data import Batches, TextData, load_text, split
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
 from meshkit.train.trainer import Trainer
@@ -32,9 +32,7 @@ class Job:
     """Everything a run holds: config, data, model, trainer, data stream, and what it measured."""
 
     cfg: C.TrainConfig
-    data: TextData
-    train_tokens: np.ndarray
-    eval_tokens: np.ndarray
+    data: Corpus
     model: gpt.GPTConfig | llama.LlamaConfig
     trainer: Trainer
     batches: Batches
@@ -66,7 +64,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
             )
     else:
         check_no_checkpoints(run_dir)
-    data, train_tokens, eval_tokens = load_data(cfg)
+    data = load_data(cfg)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     llama_run = isinstance(model, llama.LlamaConfig)
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
@@ -75,24 +73,30 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
                       rules=vocab_rules(cfg.parallel.plan_info) if llama_run else None)  # fmt: skip
     C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
     trainer.check_examples(cfg.batch_size)
-    batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
-    job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
-              batches=batches, run_dir=run_dir, eval_loss=jax.jit(module_of(model).make_loss(model)))  # fmt: skip
+    batches = data.batches(
+        seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS
+    )
+    job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
+              eval_loss=jax.jit(module_of(model).make_loss(model)))  # fmt: skip
     if resume:
         _restore(job)
     return job
 
 
-def load_data(cfg: C.TrainConfig) -> tuple[TextData, np.ndarray, np.ndarray]:
-    """The run's data and its training and held-out token streams; raises where a sequence does not fit."""
-    data = load_text(cfg.data)
-    train_tokens, eval_tokens = split(data.tokens)
-    if cfg.seq_len + 1 > len(eval_tokens):
+PREFETCH_THREADS = 2
+"""Threads that read the training batches ahead of the step (grain's prefetch)."""
+
+
+def load_data(cfg: C.TrainConfig) -> Corpus:
+    """The run's data (text, ids, or token shards: :func:`meshkit.data.load`) with its training and
+    held-out token streams; raises where a sequence does not fit."""
+    data = load(cfg.data)
+    if cfg.seq_len + 1 > len(data.held_out):
         raise C.ConfigError(
             f"--seq-len {cfg.seq_len} needs {cfg.seq_len + 1} held-out tokens but the held-out tenth of the "
-            f"data has {len(eval_tokens)}; use a shorter --seq-len or more --data"
+            f"data has {len(data.held_out)}; use a shorter --seq-len or more --data"
         )
-    return data, train_tokens, eval_tokens
+    return data
 
 
 def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig | llama.LlamaConfig, Any, Any, Any]:

@@ -27,11 +27,11 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from meshkit.data import global_batch
 from meshkit.devices import host
 from meshkit.models import module_of, num_params
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.data import Batches, decode, global_batch
 from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
     lock_run_dir,
@@ -45,17 +45,28 @@ from meshkit.train.stop import exit_code as stop_exit_code
 
 
 # -- the loop ---------------------------------------------------------------------------------
-def evaluate(job: Job) -> float:
-    """Mean loss over ``eval_batches`` fixed held-out batches."""
+def evaluate(job: Job) -> dict[str, float]:
+    """Held-out loss over ``eval_batches`` fixed held-out batches: ``eval_loss`` in nats per token and,
+    where the ids stand for text, ``eval_bpb`` in bits per byte (comparable across tokenizers)."""
     t = job.trainer
-    stream = Batches(
-        job.eval_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size, seed=job.cfg.seed
-    )
-    losses = [
-        float(job.eval_loss(t.params, global_batch(t.shardings.batch, next(stream))))
-        for _ in range(job.cfg.eval_batches)
-    ]
-    return float(np.mean(losses))
+    stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size, seed=job.cfg.seed,
+                              held_out=True)  # fmt: skip
+    losses, targets = [], []
+    for _ in range(job.cfg.eval_batches):
+        local = next(stream)
+        losses.append(float(job.eval_loss(t.params, global_batch(t.shardings.batch, local))))
+        targets.append(local[1])
+    out = {"eval_loss": float(np.mean(losses))}
+    if job.data.token_bytes is not None:
+        nbytes = np.array([sum(job.data.target_bytes(t) for t in targets)], np.int64)
+        if jax.process_count() > 1:  # each process holds its slice of the held-out batches
+            from jax.experimental import multihost_utils
+
+            nbytes = multihost_utils.process_allgather(nbytes)
+        nats = sum(losses) * job.cfg.batch_size * job.cfg.seq_len
+        if (bpb := job.data.bits_per_byte(nats, int(np.sum(nbytes)))) is not None:
+            out["eval_bpb"] = bpb
+    return out
 
 
 @contextlib.contextmanager
@@ -100,7 +111,7 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
                         f"step {job.step}/{cfg.steps}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
                     )
                 if cfg.eval_every and job.step % cfg.eval_every == 0 and job.step != cfg.steps:
-                    _log(job, {"step": job.step, "eval_loss": evaluate(job)})
+                    _log(job, {"step": job.step, **evaluate(job)})
                 if ckpt is not None and (job.step % cfg.checkpoint_every == 0 or job.step == last):
                     _save(job, ckpt)
             if signum is not None:
@@ -109,6 +120,7 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
         signum = signal.SIGINT
         _stopped(job, ckpt, console, signum)
     finally:
+        job.batches.close()
         if ckpt is not None:
             ckpt.close()
     job.stopped_by = signum
@@ -157,11 +169,11 @@ def _save(job: Job, ckpt: Checkpointer) -> None:
 # -- the end ----------------------------------------------------------------------------------
 def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     """Text sampled from the trained model, primed with the start of the held-out split."""
-    if chars <= 0 or job.data.vocab is None:
+    if chars <= 0 or job.data.decoder is None:
         return ""
     params = jax.device_put(host(job.trainer.params), jax.local_devices()[0])  # every process, all shards
     t_len = job.cfg.seq_len
-    ctx = np.asarray(job.eval_tokens[:t_len], np.int32)
+    ctx = np.asarray(job.data.held_out.read(0, t_len), np.int32)
 
     @jax.jit
     def next_token(p, window, key):
@@ -169,12 +181,12 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
         return jax.random.categorical(key, logits / temperature)
 
     key, out = jax.random.key(job.cfg.seed), []
-    for _ in range(chars):
+    while len(out) < chars and (job.data.tokenizer == "characters" or len(job.data.decode(out)) < chars):
         key, sub = jax.random.split(key)
         tok = int(next_token(params, jnp.asarray(ctx), sub))
         out.append(tok)
         ctx = np.concatenate([ctx[1:], [tok]]).astype(np.int32)
-    return decode(np.asarray(out), job.data.vocab)
+    return job.data.decode(np.asarray(out, np.int32))
 
 
 def results(job: Job) -> dict[str, Any]:
@@ -195,6 +207,9 @@ def results(job: Job) -> dict[str, Any]:
         "initial_loss": job.history[0]["loss"] if job.history else None,
         "final_loss": job.history[-1]["loss"] if job.history else None,
         "eval_loss": job.evals[-1]["eval_loss"] if job.evals else None,
+        "eval_bpb": job.evals[-1].get("eval_bpb") if job.evals else None,
+        "tokenizer": job.data.tokenizer,
+        "vocab": job.data.vocab_size,
         "tokens_per_s": tokens_per_s,
         "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
         "model_flops_per_token": flops,
@@ -204,8 +219,8 @@ def results(job: Job) -> dict[str, Any]:
 
 def proof(job: Job) -> dict[str, Any]:
     """What the run cost: communication and memory measured from the compiled step beside the model."""
-    probe = next(Batches(job.train_tokens, seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size,
-                         seed=job.cfg.seed, process_index=0, process_count=1))  # fmt: skip
+    probe = next(job.data.batches(seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size, seed=job.cfg.seed,
+                                  process_index=0, process_count=1))  # fmt: skip
     plan_report = job.trainer.report(probe)
     if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:
         from meshkit.plans import plot_schedule as plot
@@ -234,7 +249,7 @@ def finish(job: Job, console: Console) -> dict[str, Any]:
     """Final evaluation, then what can be made of report.json, sample, plots and the summary table;
     anything but the evaluation that fails is one warning line, and the rest is still written."""
     with _metrics(job):
-        _log(job, {"step": job.step, "eval_loss": evaluate(job)})
+        _log(job, {"step": job.step, **evaluate(job)})
     out, problems = results(job), []
     out.update(_attempt("the communication/memory report", problems, proof, job) or {"checks_ok": None})
     out["sample"] = _attempt("sampling", problems, sample, job, job.cfg.sample_chars) or ""
@@ -294,7 +309,7 @@ def run(
     console.print(
         f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.parallel.plan}[/] on "
         f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
-        f"({len(job.data.tokens):,} tokens, vocab {job.data.vocab_size})"
+        f"({job.data.num_tokens:,} tokens, vocab {job.data.vocab_size})"
         + (f", resuming at step {job.step}" if resume else ""),
         soft_wrap=True,
     )
@@ -304,5 +319,8 @@ def run(
         if job.step < cfg.steps:
             console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
             return 0
-        finish(job, console)
+        out = finish(job, console)
+    if out.get("eval_bpb") is not None:
+        console.print(f"held-out: {out['eval_loss']:.4f} nats/token, {out['eval_bpb']:.4f} bits/byte "
+                      f"({job.data.tokenizer}, vocab {job.data.vocab_size})", highlight=False)  # fmt: skip
     return 0

@@ -12,11 +12,11 @@ from typing import Any
 import jax
 
 from meshkit import interop
+from meshkit.data import Corpus, DataError, load
 from meshkit.models import generate as G
 from meshkit.models import gpt, llama, module_of
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.data import decode, encode, load_text
 from meshkit.train.job import model_config, saved_config
 
 
@@ -28,14 +28,20 @@ class TrainedModel:
     model: gpt.GPTConfig | llama.LlamaConfig
     params: Any
     step: int
-    vocab: tuple[str, ...] | None
+    corpus: Corpus
+    """The run's data: how text becomes its ids and back."""
+
+    @property
+    def vocab(self) -> tuple[str, ...] | None:
+        """The character vocabulary (text data), or None (token shards, bare ids)."""
+        return self.corpus.chars
 
 
 def load_run(run_dir: str | Path) -> TrainedModel:
     """The newest readable checkpoint of ``run_dir`` on this process's first device."""
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir)
-    data = load_text(cfg.data)
+    data = load(cfg.data)
     model = model_config(cfg, data.vocab_size)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shapes = jax.eval_shape(lambda: module_of(model).init(jax.random.key(0), model))
@@ -43,7 +49,7 @@ def load_run(run_dir: str | Path) -> TrainedModel:
     like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), (shapes, opt))
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         params, _, meta = ckpt.restore(None, *like)
-    return TrainedModel(cfg=cfg, model=model, params=params, step=int(meta["step"]), vocab=data.vocab)
+    return TrainedModel(cfg=cfg, model=model, params=params, step=int(meta["step"]), corpus=data)
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> TrainedModel:
@@ -51,7 +57,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2
     the loop form in float32, with the run's character vocabulary (``meshkit_vocab.json``)."""
     run = load_run(run_dir)
     model = dataclasses.replace(run.model, compute_dtype=None, scan_layers=False)
-    interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab)
+    bpe = run.corpus.bpe
+    interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
+                 tokenizer_json=None if bpe is None else bpe.to_str())  # fmt: skip
     return run
 
 
@@ -60,17 +68,10 @@ def generate_text(
 ) -> list[str]:
     """The continuation of each prompt: the Llama batched with a key/value cache, the GPT one prompt at
     a time over its window (its learned positions end at ``seq_len``)."""
-    if run.vocab is None:
-        raise C.ConfigError(
-            "this run trained on token ids with no vocabulary: meshkit generate needs text data"
-        )
-    missing = sorted({c for p in prompts for c in p} - set(run.vocab))
-    if missing:
-        raise C.ConfigError(
-            f"--prompt has {len(missing)} character(s) outside the run's vocabulary (first {missing[0]!r}): "
-            f"use characters of its training data"
-        )
-    ids = [encode(p, run.vocab).tolist() for p in prompts]
+    try:
+        ids = [run.corpus.encode(p).tolist() for p in prompts]
+    except DataError as e:
+        raise C.ConfigError(f"--prompt: {e}") from None
     if isinstance(run.model, llama.LlamaConfig):
         out = G.generate(run.params, run.model, ids, max_new_tokens, sampling=sampling, seed=seed)
     else:
@@ -78,4 +79,4 @@ def generate_text(
             G.window_generate(run.params, run.model, p, max_new_tokens, sampling=sampling, seed=seed)
             for p in ids
         ]
-    return [decode(row, run.vocab) for row in out]
+    return [run.corpus.decode(row) for row in out]

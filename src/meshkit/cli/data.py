@@ -1,0 +1,74 @@
+"""``meshkit data prepare``: text in, a BPE tokenizer and token shards out, for ``meshkit train --data DIR``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+data_app = typer.Typer(
+    name="data", help="Prepare token data: a BPE tokenizer and token shards.", no_args_is_help=True
+)
+
+
+@data_app.command("prepare")
+def prepare(
+    out: Annotated[str, typer.Option(help="New directory to write (must not hold anything yet).")],
+    inputs: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="UTF-8 text files, or directories of them (each file one document); none: Python's "
+            "reference docs (pydoc_data.topics, one document per topic).",
+            show_default=False,
+        ),
+    ] = None,
+    vocab_size: Annotated[
+        int | None, typer.Option(help="Ids of the BPE trained here.", show_default="8192")
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="An existing tokenizer.json (Hugging Face tokenizers) with an <|endoftext|> token; none: "
+            "train a byte-level BPE.",
+            show_default="train one",
+        ),
+    ] = None,
+    shard_tokens: Annotated[int, typer.Option(help="Ids per shard file.")] = 1 << 28,
+) -> None:
+    """Train a byte-level BPE (or take --tokenizer) and write token shards with a manifest."""
+    import time
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from meshkit.cli._format import console
+    from meshkit.data.prepare import prepare as run
+
+    columns = [TextColumn("[bold]{task.description:<9}[/]"), BarColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn()]  # fmt: skip
+    with Progress(*columns, console=console, disable=not console.is_terminal, transient=True) as bar:
+        task = bar.add_task("check", total=1, info="")
+
+        def report(p, phase: str) -> None:
+            mb = p.bytes / 1e6
+            info = f"{mb:,.1f} MB  {mb / p.seconds:,.2f} MB/s"
+            if phase == "encode":
+                info += f"  {p.tokens:,} tokens  {p.tokens / p.seconds:,.0f} tokens/s"
+            bar.update(task, description=phase, total=max(p.total_bytes, 1), completed=p.bytes, info=info)
+
+        start = time.perf_counter()
+        manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, shard_tokens=shard_tokens,
+                       report=report)  # fmt: skip
+    seconds = time.perf_counter() - start
+    mb = manifest["text_bytes"] / 1e6
+    console.print(
+        f"prepared {out}: {manifest['documents']:,} documents, {mb:,.2f} MB of text -> {manifest['tokens']:,} tokens "
+        f"(vocab {manifest['vocab_size']:,}, {mb * 1e6 / max(manifest['tokens'], 1):.2f} bytes/token) in "
+        f"{len(manifest['shards'])} shard(s), {seconds:.1f} s ({mb / seconds:,.2f} MB/s, "
+        f"{manifest['tokens'] / seconds:,.0f} tokens/s); train on it with: meshkit train --data {out}",
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(data_app)

@@ -1,0 +1,133 @@
+"""A run's data, whatever it came from: its token stream split into training and held-out parts, its
+vocabulary, how its ids read as text, and the batch streams over it.
+
+``load(path)``: ``None`` is the embedded character-level default (Python's reference docs); a
+directory made by ``meshkit data prepare`` is token data (BPE ids in shards, packed windows); a
+``.npy`` is token ids; any other file is UTF-8 text tokenised per character.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshkit.data.pipeline import Batches
+from meshkit.data.source import ArraySource, DataError, TokenSource
+from meshkit.data.tokenizer import Tokenizer
+
+EVAL_FRACTION = 0.1
+"""The tail of the stream held out for evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Corpus:
+    """The training and held-out token streams of a run, and what reads them as text."""
+
+    train: TokenSource
+    held_out: TokenSource
+    vocab_size: int
+    source: str
+    """Where it came from, for the run's report."""
+    packed: bool
+    """Documents packed into windows (token shards), or a window at every start (text, ids)."""
+    pad_id: int = 0
+    digest: str | None = None
+    """Names the preparation (token shards); checked on resume."""
+    decoder: Callable[[Any], str] | None = None
+    """Ids to text; None for bare ids."""
+    token_bytes: np.ndarray | None = None
+    """UTF-8 bytes per id (bits per byte); None for bare ids."""
+    tokenizer: str = "characters"
+    """'BPE' (token shards), 'characters' or 'ids'."""
+    chars: tuple[str, ...] | None = None
+    """The character vocabulary (text data); None otherwise."""
+    bpe: Tokenizer | None = None
+    """The BPE tokenizer (token shards); None otherwise."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.train) + len(self.held_out)
+
+    def batches(
+        self, *, seq_len: int, global_batch: int, seed: int, held_out: bool = False, **kw: Any
+    ) -> Batches:
+        """The batch stream over the training (or held-out) tokens; ``kw`` as :class:`Batches` takes."""
+        return Batches(self.held_out if held_out else self.train, seq_len=seq_len, global_batch=global_batch,
+                       seed=seed, packed=self.packed, pad_id=self.pad_id, digest=self.digest, **kw)  # fmt: skip
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` as the run's token ids; raises ``DataError`` for bare ids or characters outside the
+        vocabulary."""
+        if self.bpe is not None:
+            return self.bpe.encode(text)
+        if self.chars is None:
+            raise DataError("this run trained on token ids with no tokenizer: give text data or token shards")
+        missing = sorted(set(text) - set(self.chars))
+        if missing:
+            raise DataError(
+                f"{len(missing)} character(s) outside the run's vocabulary (first {missing[0]!r}): "
+                "use characters of its training data"
+            )
+        from meshkit.data import text as T
+
+        return T.encode(text, self.chars)
+
+    def decode(self, ids: Any) -> str:
+        if self.decoder is None:
+            return " ".join(map(str, np.asarray(ids).reshape(-1).tolist()))
+        return self.decoder(ids)
+
+    def target_bytes(self, ids: np.ndarray) -> int:
+        """UTF-8 bytes of text that ``ids`` stand for (special tokens count none)."""
+        if self.token_bytes is None:
+            raise DataError("these token ids stand for no text: bits per byte needs text or token shards")
+        return int(self.token_bytes[np.asarray(ids)].sum())
+
+    @staticmethod
+    def bits_per_byte(nats: float, nbytes: int) -> float | None:
+        """Total loss in nats over the UTF-8 bytes it predicted, in bits per byte (None: no bytes)."""
+        return nats / (math.log(2) * nbytes) if nbytes else None
+
+
+def split_at(n: int) -> int:
+    """Where the held-out tail of ``n`` tokens starts."""
+    return n - round(n * EVAL_FRACTION)
+
+
+def load(path: str | None) -> Corpus:
+    """The corpus at ``path`` (see the module's docstring)."""
+    from meshkit.data import shards, text
+
+    if path is not None and Path(path).is_dir():
+        if not shards.is_prepared(Path(path)):
+            raise DataError(
+                f"data '{path}' is a directory without a {shards.MANIFEST}: prepare it with "
+                f"'meshkit data prepare {path} --out DIR' and give --data DIR, or name a text file"
+            )
+        return _from_shards(Path(path))
+    data = text.load_text(path)
+    train, held = text.split(data.tokens, EVAL_FRACTION)
+    vocab = data.vocab
+    return Corpus(
+        train=ArraySource(train), held_out=ArraySource(held), vocab_size=data.vocab_size, source=data.source,
+        packed=False, decoder=None if vocab is None else (lambda ids: text.decode(ids, vocab)),
+        token_bytes=None if vocab is None else np.array([len(c.encode()) for c in vocab], np.int64),
+        tokenizer="ids" if vocab is None else "characters", chars=vocab,
+    )  # fmt: skip
+
+
+def _from_shards(directory: Path) -> Corpus:
+    from meshkit.data import shards
+
+    manifest, stream, tokenizer = shards.open_shards(directory)
+    cut = split_at(len(stream))
+    return Corpus(
+        train=stream.view(0, cut), held_out=stream.view(cut, len(stream)), vocab_size=tokenizer.vocab_size,
+        source=f"{directory} (BPE token shards)", packed=True, pad_id=tokenizer.eot_id, digest=shards.digest(manifest),
+        decoder=tokenizer.decode, token_bytes=tokenizer.token_bytes, tokenizer="BPE", bpe=tokenizer,
+    )  # fmt: skip

@@ -1,0 +1,170 @@
+"""The batch stream of a run: a grain pipeline over a token source, and global arrays from it.
+
+Windows of ``seq_len + 1`` tokens (inputs and the targets shifted by one) are cut from the source:
+*packed* (token shards: documents, each followed by the end-of-text token, concatenated and split
+into consecutive windows that overlap by the one target token, so every token of every document is
+an input exactly once per epoch; the last window is padded with end-of-text) or at *every start*
+(character-level text and ``.npy`` ids, as before token data existed). Window ``i`` of the run is
+``grain.MapDataset.range(windows).shuffle(seed).repeat()[i]``: a global shuffle reseeded each epoch
+and a pure function of ``(seed, i)``. Global batch ``b`` is windows ``[b*G, (b+1)*G)``; process ``p`` of
+``P`` reads only rows ``[b*G + p*L, b*G + (p+1)*L)`` with ``L = G / P`` (its slice of the global batch,
+as ``grain.sharding.ShardByJaxProcess`` names it), read ahead on threads by grain's prefetch.
+
+So the stream's position is one number, the global batch count (grain's ``next_index``), whatever
+the number of processes: ``state`` saves it with what fixes the order, ``restore`` continues at the
+exact next batch, also with another process count or device count.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from meshkit.data.source import DataError, TokenSource
+
+_STATE_KEYS = ("seed", "seq_len", "global_batch", "num_tokens")
+_PACKED_KEYS = ("packed", "data")
+
+
+def _process() -> tuple[int, int]:
+    options = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+    return options.shard_index, options.shard_count
+
+
+class Batches:
+    """Deterministic, resumable, process-aware stream of ``(inputs, targets)`` int32 arrays of shape
+    ``(global_batch / process_count, seq_len)``: this process's slice of each global batch."""
+
+    def __init__(
+        self,
+        source: TokenSource,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int = 0,
+        packed: bool = False,
+        pad_id: int = 0,
+        digest: str | None = None,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        threads: int = 0,
+    ) -> None:
+        if isinstance(source, np.ndarray):
+            from meshkit.data.source import ArraySource
+
+            source = ArraySource(np.asarray(source, dtype=np.int32))
+        self.source, self.seq_len, self.global_batch, self.seed = source, seq_len, global_batch, seed
+        self.packed, self.pad_id, self.digest, self.threads = packed, pad_id, digest, threads
+        mine = (
+            _process() if process_index is None or process_count is None else (process_index, process_count)
+        )
+        self.process_index, self.process_count = mine
+        self._check()
+        self.local_batch = global_batch // self.process_count
+        self.windows = -(-(len(source) - 1) // seq_len) if packed else len(source) - seq_len
+        self._order = grain.MapDataset.range(self.windows).shuffle(seed=seed).repeat()
+        self._iter: Any = None
+        self._start = 0
+
+    def _check(self) -> None:
+        tokens = len(self.source)
+        if self.seq_len < 1 or self.global_batch < 1:
+            raise DataError(
+                f"sequence length and global batch must be positive, got {self.seq_len} and {self.global_batch}"
+            )
+        if self.seq_len + 1 > tokens:
+            raise DataError(
+                f"sequence length {self.seq_len} needs at least {self.seq_len + 1} tokens but the data has "
+                f"{tokens}; use a shorter --seq-len or more data"
+            )
+        if not 0 <= self.seed < 2**32:
+            raise DataError(f"data seed must be in [0, 2**32), got {self.seed}")
+        if not 0 <= self.process_index < self.process_count:
+            raise DataError(f"process index {self.process_index} is not in [0, {self.process_count})")
+        if self.global_batch % self.process_count:
+            raise DataError(
+                f"global batch {self.global_batch} does not divide over {self.process_count} processes; "
+                f"use a --batch-size that is a multiple of {self.process_count}"
+            )
+
+    # -- what one element is ----------------------------------------------------------------------
+    def window(self, i: int) -> np.ndarray:
+        """Window ``i`` of the run (``seq_len + 1`` ids)."""
+        w = int(self._order[i])
+        if not self.packed:
+            return np.asarray(self.source.read(w, w + self.seq_len + 1), np.int32)
+        ids = self.source.read(w * self.seq_len, (w + 1) * self.seq_len + 1)
+        if len(ids) <= self.seq_len:  # the last window of an epoch: padded with end-of-text
+            ids = np.concatenate([ids, np.full(self.seq_len + 1 - len(ids), self.pad_id, np.int32)])
+        return np.asarray(ids, np.int32)
+
+    def _row(self, k: int) -> int:
+        """This process's ``k``-th row of the run -> its window index in the run."""
+        batch, j = divmod(k, self.local_batch)
+        return batch * self.global_batch + self.process_index * self.local_batch + j
+
+    def dataset(self) -> grain.MapDataset:
+        """This process's local batches as a grain ``MapDataset`` (element ``b``: global batch ``b``'s slice)."""
+        rows = grain.MapDataset.range(sys.maxsize).map(self._row).map(self.window)
+        return rows.batch(self.local_batch, drop_remainder=True).map(lambda w: (w[:, :-1], w[:, 1:]))
+
+    def _iterator(self) -> Any:
+        if self._iter is None:
+            options = grain.ReadOptions(num_threads=self.threads, prefetch_buffer_size=2 * self.threads)
+            self._iter = self.dataset().to_iter_dataset(options).__iter__()
+            if self._start:
+                self._iter.set_state({"next_index": self._start})
+        return self._iter
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        return next(self._iterator())
+
+    next = __next__
+
+    def close(self) -> None:
+        """Stop the prefetch threads (the stream can go on: they start again on the next batch)."""
+        if self._iter is not None:
+            self._start = self.batch
+            self._iter.close()
+            self._iter = None
+
+    @property
+    def batch(self) -> int:
+        """Global batches drawn so far (grain's ``next_index``: the same on every process)."""
+        return self._start if self._iter is None else int(self._iter.get_state()["next_index"])
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """JSON-able position of the stream: the next global batch and what fixes the order."""
+        state: dict[str, Any] = {"batch": self.batch, "seed": self.seed, "seq_len": self.seq_len,
+                                 "global_batch": self.global_batch, "num_tokens": len(self.source)}  # fmt: skip
+        if self.packed:
+            state |= {"packed": True, "data": self.digest}
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (as given by ``state``) exactly where that stream left off."""
+        if not isinstance(state, dict) or not isinstance(state.get("batch"), int) or state["batch"] < 0:
+            raise DataError(f"data state {state!r} has no batch count: give the state saved with the run")
+        mine = self.state
+        for key in (*_STATE_KEYS, *_PACKED_KEYS):
+            if state.get(key) != mine.get(key):
+                raise DataError(
+                    f"data state was saved with {key}={state.get(key)} but this run has {key}={mine.get(key)}; "
+                    "resume with the same data (as prepared then), seed, sequence length and global batch"
+                )
+        self.close()
+        self._start = state["batch"]
+
+
+def global_batch(sharding: Sharding, local: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
+    """Global arrays from each process's slice of the batch, placed with ``sharding``."""
+    return tuple(jax.make_array_from_process_local_data(sharding, a) for a in local)

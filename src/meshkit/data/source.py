@@ -1,0 +1,108 @@
+"""Token streams a run reads: an array in memory, or token shards on disk.
+
+A source is a 1-D stream of token ids with random access by position (``read(start, stop)``) and a
+length; ``view(start, stop)`` is a part of it (the training and held-out splits). Shards are read
+with ``os.pread`` into a fresh buffer: nothing is mapped, so neither the address space nor the
+resident memory grows with the corpus (a corpus larger than the memory given to the process
+trains), and reads from several prefetch threads need no lock.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshkit._errors import MeshkitError
+
+
+class DataError(MeshkitError):
+    """The training data cannot be read, prepared or batched as asked."""
+
+
+def path_kind(path: Path) -> str:
+    """'missing', 'a directory', 'a regular file' or 'not a regular file' (for error lines)."""
+    if not path.exists():
+        return "missing"
+    if path.is_dir():
+        return "a directory"
+    return "a regular file" if path.is_file() else "not a regular file (a pipe, socket or device)"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArraySource:
+    """A stream held in memory (character-level text, a ``.npy`` of ids)."""
+
+    tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.tokens[start:stop]
+
+    def view(self, start: int, stop: int) -> ArraySource:
+        return ArraySource(self.tokens[start:stop])
+
+
+class ShardSource:
+    """Positions ``[start, stop)`` of the stream stored in ``files`` (raw little-endian ids of ``dtype``,
+    one after another); ``sizes`` are their lengths in tokens."""
+
+    def __init__(
+        self, files: list[Path], sizes: list[int], dtype: str, start: int = 0, stop: int | None = None
+    ):
+        self.files, self.sizes, self.dtype = list(files), list(sizes), np.dtype(dtype)
+        self._ends = np.cumsum(self.sizes, dtype=np.int64)
+        total = int(self._ends[-1]) if len(self._ends) else 0
+        self.start, self.stop = start, total if stop is None else stop
+        self._fds: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def view(self, start: int, stop: int) -> ShardSource:
+        return ShardSource(self.files, self.sizes, self.dtype.str, self.start + start, self.start + stop)
+
+    def _open(self) -> list[int]:
+        if self._fds is None:
+            try:
+                self._fds = [os.open(f, os.O_RDONLY) for f in self.files]
+            except OSError as e:
+                raise DataError(
+                    f"cannot open token shard '{e.filename}' ({e.strerror}): prepare the data again"
+                ) from None
+        return self._fds
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Ids at positions ``[start, stop)`` of this view, as int32 (one ``pread`` per shard touched)."""
+        start, stop = self.start + max(start, 0), self.start + min(stop, len(self))
+        fds, size = self._open(), self.dtype.itemsize
+        parts, pos = [], start
+        shard = int(np.searchsorted(self._ends, pos, side="right"))
+        while pos < stop:
+            first = int(self._ends[shard - 1]) if shard else 0
+            end = min(stop, int(self._ends[shard]))
+            raw = os.pread(fds[shard], (end - pos) * size, (pos - first) * size)
+            if len(raw) != (end - pos) * size:
+                raise DataError(
+                    f"token shard '{self.files[shard]}' is shorter than its manifest says: prepare the data again"
+                )
+            parts.append(np.frombuffer(raw, self.dtype))
+            pos, shard = end, shard + 1
+        if not parts:
+            return np.zeros(0, np.int32)
+        return np.concatenate(parts).astype(np.int32)
+
+    def close(self) -> None:
+        for fd in self._fds or ():
+            os.close(fd)
+        self._fds = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+TokenSource = ArraySource | ShardSource

@@ -1,0 +1,148 @@
+"""Token data end to end, with real processes (issue 25): prepare -> train -> SIGKILL mid-run -> --resume
+gives bitwise the losses of the uninterrupted run, and resumed by 2 processes the same to float32
+rounding; and a corpus larger
+than the memory the process may map trains."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshkit.cli import main
+from meshkit.data import shards as S
+from meshkit.data.prepare import prepare
+from meshkit.data.text import default_documents
+
+EXE = str(Path(sys.executable).parent / "meshkit")
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+# A run too long to finish (so the kill lands mid-run); the loss still moves (no warmup).
+RUN = ["--preset", "tiny", "--steps", "100000", "--warmup", "0", "--checkpoint-every", "2", "--eval-every", "0",
+       "--sample-chars", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokens")
+    for i, t in enumerate(default_documents()[:20]):
+        (root / "text" / f"{i:02d}.txt").parent.mkdir(exist_ok=True)
+        (root / "text" / f"{i:02d}.txt").write_text(t, encoding="utf-8")
+    prepare([str(root / "text")], root / "data", vocab_size=300)
+    return root / "data"
+
+
+def losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+# The same run as a config file, with one option from --set and one flag.
+TOML = 'preset = "tiny"\n[run]\nsteps = 100000\neval_every = 0\nsample_chars = 0\n[optimizer]\nwarmup = 0\n'
+
+
+def _kill_mid_run(data: Path, run: Path) -> None:
+    """Train in a process of its own (options from a config file) and SIGKILL it once it has passed a
+    checkpoint."""
+    (run.parent / "run.toml").write_text(TOML)
+    cmd = [EXE, "train", "--config", str(run.parent / "run.toml"), "--set", "run.checkpoint_every=2", "--data",
+           str(data), "--run-dir", str(run)]  # fmt: skip
+    log = (run.parent / "killed.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    deadline = time.monotonic() + 300  # compiling on a busy 2-core machine takes a while
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (run.parent / "killed.log").read_text()[-2000:]
+            if (run / "metrics.jsonl").is_file() and max(losses(run), default=0) >= 3:
+                break  # step 2's checkpoint is written before step 3 runs
+            time.sleep(0.02)
+        else:
+            pytest.fail("the run did not reach step 3 in 300 s")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_sigkill_then_resume_gives_the_same_losses_also_on_two_processes(data, tmp_path, capsys):
+    killed = tmp_path / "killed"
+    _kill_mid_run(data, killed)
+    saved = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(losses(killed)) < 100000  # killed mid-run, after a checkpoint
+    stop = saved[-1] + 3  # three steps past the checkpoint it resumes from
+    shutil.copytree(killed, tmp_path / "killed2", symlinks=True)
+
+    assert (
+        main(
+            [
+                "train",
+                *RUN,
+                "--data",
+                str(data),
+                "--run-dir",
+                str(tmp_path / "straight"),
+                "--stop-after",
+                str(stop),
+            ]
+        )
+        == 0
+    )
+    assert main(["train", "--resume", "--run-dir", str(killed), "--stop-after", str(stop)]) == 0
+    assert f"resuming at step {saved[-1]}" in capsys.readouterr().out
+    straight = losses(tmp_path / "straight")
+    assert sorted(straight) == list(range(1, stop + 1))
+    assert losses(killed) == straight  # bitwise: the same batches, the same steps
+    configs = [json.loads((d / "config.json").read_text()) for d in (killed, tmp_path / "straight")]
+    assert [c | {"run_dir": ""} for c in configs[:1]] == [
+        configs[1] | {"run_dir": ""}
+    ]  # the file resolved as flags
+
+    two = [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, "train", "--resume", "--run-dir",
+           str(tmp_path / "killed2"), "--stop-after", str(stop)]  # fmt: skip
+    proc = subprocess.run(two, capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resuming at step {saved[-1]}" in proc.stdout
+    # 1 process, then 2: the same batches (bitwise: test_data_tokens.py draws them through the state the
+    # checkpoint holds) and the same losses to float32 rounding (gloo sums the 2 processes in another
+    # order; a batch of other tokens moves the loss by 1e-2, not 1e-7)
+    two_losses = losses(tmp_path / "killed2")
+    assert sorted(two_losses) == sorted(straight)
+    assert all(two_losses[k] == straight[k] for k in straight if k <= saved[-1])
+    assert all(two_losses[k] == pytest.approx(straight[k], rel=1e-6, abs=0) for k in straight)
+
+
+def test_a_corpus_larger_than_the_process_may_map_trains(data, tmp_path):
+    """8 GiB of token shard (sparse on disk) under an address-space limit of 2 GiB: JAX itself maps
+    about 1.3 GiB, so any design that mapped or loaded the corpus could not start."""
+    big = tmp_path / "big"
+    big.mkdir()
+    shutil.copy(data / S.TOKENIZER, big / S.TOKENIZER)
+    manifest = json.loads((data / S.MANIFEST).read_text())
+    tokens = 4 << 30
+    with (big / "shard-00000.bin").open("wb") as f:
+        f.truncate(2 * tokens)  # uint16 ids: zeros, the end-of-text id
+        f.seek(0)
+        f.write((data / "shard-00000.bin").read_bytes())  # real text at the start
+    manifest |= {
+        "tokens": tokens,
+        "shards": [{"file": "shard-00000.bin", "tokens": tokens, "bytes": 2 * tokens}],
+    }
+    (big / S.MANIFEST).write_text(json.dumps(manifest))
+
+    limit = 2 << 30
+    assert (big / "shard-00000.bin").stat().st_size > 3 * limit
+
+    run = tmp_path / "run"
+    # the limit is set in the child, which then becomes meshkit (a preexec_fn would fork this JAX process)
+    capped = f"import os, resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); os.execv({EXE!r}, {[EXE]!r} + __import__('sys').argv[1:])"
+    cmd = [sys.executable, "-c", capped, "train", "--preset", "tiny", "--steps", "4", "--stop-after", "3",
+           "--data", str(big), "--run-dir", str(run)]  # fmt: skip
+    env = {**ENV, "MALLOC_ARENA_MAX": "2"}  # glibc reserves 64 MiB of address space per arena otherwise
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(BPE token shards) (4,294,967,296 tokens, vocab 300)" in proc.stdout
+    assert sorted(losses(run)) == [1, 2, 3]
