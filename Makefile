@@ -7,8 +7,12 @@ BIN := $(VENV)/bin
 setup:
 	@bash scripts/bootstrap.sh
 
+# The main job on tokens: a byte-level BPE of 1,024 ids prepared once from the embedded text (Python's
+# reference docs) into runs/data-bpe, then the Llama trained on those shards.
+BPE := runs/data-bpe
 run: setup
-	$(BIN)/meshkit train
+	@test -f $(BPE)/manifest.json || $(BIN)/meshkit data prepare --vocab-size 1024 --out $(BPE)
+	$(BIN)/meshkit train --model llama --data $(BPE)
 
 # The multi-process tests run the same training under Open MPI's mpirun: Debian's openmpi-bin.
 mpi:

@@ -45,7 +45,8 @@ def test_the_file_then_set_then_flags(tmp_path, capsys):
         ("[model]\nlayers = 1.5\n", ["run.tensorboard=3", "optimizer.lrr=1"],
          ["--layers must be a whole number, got 1.5", "--tensorboard must be true or false, got 3", "unknown option 'optimizer.lrr' (did you mean 'optimizer.lr'?)"]),
         ("preset = 'huge'\n", [], ["preset must be default or tiny, got 'huge'"]),
-        ("model = 3\n", [], ["'model' is a table of options: write [model]"]),
+        ("model = 3\n", [], ["--model must be text, got 3"]),  # the option, beside the [model] table
+        ("parallel = 3\n", [], ["'parallel' is a table of options: write [parallel]"]),
         ("steps = = 3\n", [], ["is not valid TOML"]),
         ("", ["seed"], ["--set 'seed' is not key=value"]),
     ],

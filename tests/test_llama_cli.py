@@ -56,7 +56,7 @@ def test_meshkit_export_and_generate_on_the_run(trained, tmp_path, capsys):
     assert len(lines) == 2 and all(len(line) == 7 for line in lines), lines
     # greedy: the same continuation as the full forward pass, token by token
     run = load_run(trained)
-    from meshkit.train.data import encode
+    from meshkit.data.text import encode
 
     ids = encode(prompts[1] + lines[1], run.vocab)
     logits = llama.apply(run.params, ids[None, :-1], run.model)[0]

@@ -406,11 +406,11 @@ def dumps(cfg: TrainConfig) -> str:
 #: The tables of a config file, each holding options by their one name (an option may also be given at
 #: the top level). Every option is in exactly one table.
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("layers", "width", "heads", "scan_layers"),
+    "model": ("model", "layers", "width", "heads", "kv_heads", "tie_embeddings", "scan_layers", "init_from"),
     "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
     "data": ("data", "seq_len", "batch_size", "seed"),
     "run": ("steps", "run_dir", "eval_every", "eval_batches", "checkpoint_every", "sample_chars", "tensorboard",
-            "plan_reason"),
+            "plan_reason", "export_hf"),
     "parallel": PARALLEL,
 }  # fmt: skip
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
