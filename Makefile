@@ -18,7 +18,7 @@ mpi:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin >/dev/null; }
 
 test: setup mpi lint
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 -q --durations=25
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

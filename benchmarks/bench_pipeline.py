@@ -45,8 +45,11 @@ from meshkit import Trainer  # noqa: E402
 from meshkit.analysis import communication, memory  # noqa: E402
 from meshkit.mesh import make_mesh  # noqa: E402
 from meshkit.models import gpt  # noqa: E402
-from meshkit.plans import compare_communication, place  # noqa: E402
-from meshkit.plans._pipeline import Pipeline  # noqa: E402
+from meshkit.plans import (  # noqa: E402
+    Pipeline,
+    compare_communication,
+    place,
+)
 from meshkit.spec import ParallelSpec, get_plan  # noqa: E402
 
 

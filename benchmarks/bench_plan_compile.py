@@ -29,10 +29,11 @@ import json
 import time
 
 from meshkit.planner.auto import runnable
+from meshkit.planner.cluster import Cluster, Job
 from meshkit.planner.compile import compile_layouts
 from meshkit.planner.hardware import hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.predict import Cluster, Job, predict
+from meshkit.planner.predict import predict
 from meshkit.planner.search import search
 
 SHAPE = ModelShape(name="gpt-1.3b", layers=24, width=2048, heads=16, vocab=32000, seq=1024)

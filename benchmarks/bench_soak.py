@@ -83,10 +83,11 @@ def child(plan: str, steps: int, every: int, run_dir: str, checkpoint_every: int
     simulate_devices(8)
     from meshkit.train import config as C
     from meshkit.train import loop
+    from meshkit.train.job import prepare
 
     cfg = C.tiny().replace(plan=plan, steps=steps, eval_every=250, checkpoint_every=checkpoint_every, sample_chars=0,
                            warmup=10, heads=8, run_dir=run_dir)  # fmt: skip
-    job = loop.prepare(cfg)
+    job = prepare(cfg)
     job.run_dir.mkdir(parents=True, exist_ok=True)
     samples = []
     one_step = loop._one_step

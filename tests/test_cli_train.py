@@ -1,7 +1,6 @@
 """`meshkit train` as a user meets it: defaults that scale, `--resume` from the run's config.json,
 defaults in --help, errors naming the option, a failed report that keeps the results, TensorBoard."""
 
-import dataclasses
 import json
 import struct
 
@@ -31,16 +30,21 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
 
 
 def test_resume_config_round_trips_and_applies_only_what_is_given(tmp_path):
-    fields = {f.name for f in dataclasses.fields(C.TrainConfig)} - {"run_dir"}
+    fields = set(C.OPTIONS) - {"run_dir"}
     assert fields == set(C.FIXED_ON_RESUME) | set(C.CHANGEABLE_ON_RESUME)  # every option is classified
     assert not set(C.FIXED_ON_RESUME) & set(C.CHANGEABLE_ON_RESUME)
     saved = C.tiny().replace(mesh="data=8", clip=None, tensorboard=True, run_dir="elsewhere")
     assert C.TrainConfig.from_json(json.loads(C.dumps(saved))) == saved
     same, lines = C.resumed(saved, {}, str(tmp_path))
     assert same == saved.replace(run_dir=str(tmp_path)) and lines == []
-    moved, lines = C.resumed(saved, {"mesh": "data=4,model=2", "accumulate": 2, "clip": None}, "d")
-    assert (moved.mesh, moved.accumulate, moved.clip) == ("data=4,model=2", 2, None)
-    assert lines == ["--mesh: data=8 -> data=4,model=2", "--accumulate: 1 -> 2"]
+    given = {"plan": "fsdp+tp", "mesh": "data=4,model=2", "accumulate": 2, "clip": None}
+    moved, lines = C.resumed(saved, given, "d")
+    assert (moved.get("mesh"), moved.get("accumulate"), moved.clip) == ("data=4,model=2", 2, None)
+    assert lines == ["--plan: fsdp -> fsdp+tp", "--mesh: data=8 -> data=4,model=2", "--accumulate: 1 -> 2"]
+    with pytest.raises(
+        C.ConfigError, match="plan fsdp does not use mesh axis model=2"
+    ):  # the spec's own check
+        C.resumed(saved, {"mesh": "data=4,model=2"}, "d")
 
 
 # -- 3. defaults in --help --------------------------------------------------------------------------
@@ -125,7 +129,12 @@ def test_resume_takes_the_runs_config_and_changes_only_what_is_safe(tmp_path, mo
     assert "resume: --plan: fsdp -> dp" in out and "resume: --eval-every: 0 -> 2" in out
     assert "--warmup" not in out  # the saved schedule's warmup, given again, is no change
     saved = json.loads((latest / "config.json").read_text())
-    assert (saved["plan"], saved["eval_every"], saved["steps"], saved["batch_size"]) == ("dp", 2, 6, 16)
+    assert (saved["parallel"]["plan"], saved["eval_every"], saved["steps"], saved["batch_size"]) == (
+        "dp",
+        2,
+        6,
+        16,
+    )
     assert [r["step"] for r in rows(latest) if "loss" in r] == list(range(1, 7))
     assert [r["step"] for r in rows(latest) if "eval_loss" in r] == [4, 6]
     assert json.loads((latest / "report.json").read_text())["steps"] == 6

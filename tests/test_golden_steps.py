@@ -5,6 +5,12 @@ before issue 21 moved the parallel configuration, the step assembly and the memo
 into one place. The same step must compile to the same collectives (kind, axes, executions,
 bytes), the same ``memory_analysis()`` and the same bytes accessed, and the models (communication,
 memory formula, peak, the planner's memory) must predict the same numbers.
+
+Re-recorded on purpose since: the peak model's prediction (``peak_model``) of the seven ZeRO-3 cases,
+after the memory model's one rule for ZeRO-3's gathered leaves outside layers (2x in the parameters'
+dtype, 3x of the compute dtype where the gather casts; ``plans/memory.py``): measured/model went
+0.89-0.92 -> 0.93-0.99 in five, bf16 0.71 -> 0.83, and regather with two micro-batches 1.10 -> 1.17
+(that one was under-predicted already); every other field is 481eb44's.
 """
 
 import json
@@ -42,7 +48,10 @@ def test_step_compiles_as_recorded(name, plan, mesh, opts):
         assert got["bytes_accessed"] == want["bytes_accessed"]
     assert _same(got["model_rows"], want["model_rows"])
     assert _same(got["memory_rows"], want["memory_rows"])
-    assert got["peak_model"] == pytest.approx(want["peak_model"], rel=1e-9)
+    if want["peak_model"] is None:  # no peak model for this plan when recorded: still none
+        assert got["peak_model"] is None
+    else:
+        assert got["peak_model"] == pytest.approx(want["peak_model"], rel=1e-9)
 
 
 @pytest.mark.parametrize("case", record_steps.PLANNER, ids=lambda c: f"{c[0]}:{c[2]}")

@@ -1,16 +1,20 @@
 """meshkit migrate on files and through the CLI: output format, --diff, --fix, --check, --json, excludes."""
 
+import codecs
 import io
 import json
 import re
 import shutil
+import stat
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
 import pytest
 
 from meshkit.cli import main
-from meshkit.migrate import MigratePathError, fix_source, lint
+from meshkit.migrate import MigratePathError, MigrateWriteError, fix_source, lint, migrate_file, write
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
 LINE = re.compile(r"^\S+:\d+:\d+ MK\d{3} .+ \(fix: .+\)$")
@@ -31,7 +35,7 @@ key = jax.random.PRNGKey(0)  # seed
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     """A copy of the fixtures plus a file that does not parse and one under an excluded directory."""
-    shutil.copytree(FIXTURES, tmp_path / "proj")
+    shutil.copytree(FIXTURES, tmp_path / "proj", ignore=shutil.ignore_patterns("earlier"))
     (tmp_path / "proj" / "broken.py").write_text("def f(:\n    pass\n")
     (tmp_path / "proj" / "vendor").mkdir()
     (tmp_path / "proj" / "vendor" / "old.py").write_text("import jax\nk = jax.random.PRNGKey(1)\n")
@@ -53,8 +57,8 @@ def test_fix_keeps_every_comment_and_is_idempotent():
     assert fix_source(fix_source(fixture)) == fix_source(fixture)
 
 
-def test_directory_with_a_syntax_error_reports_it_and_goes_on(project: Path, capsys):
-    assert main(["migrate", str(project)]) == 0
+def test_directory_with_a_syntax_error_reports_it_goes_on_and_exits_1(project: Path, capsys):
+    assert main(["migrate", str(project)]) == 1  # a file migrate could not read is never a silent pass
     out = capsys.readouterr().out
     broken = [line for line in out.splitlines() if "broken.py" in line]
     assert len(broken) == 1 and re.match(r"^\S+broken\.py:1:7 MK000 cannot parse: ", broken[0])
@@ -158,3 +162,98 @@ def test_json_reports_an_immediately_called_pmap_once(tmp_path: Path, capsys):
         '_pmap_via_shard_map(lambda x: jax.lax.psum(x, "i"), axis_name="i")(jax.numpy.ones(8))'
         in path.read_text()
     )
+
+
+def meshkit_in_child(args: list[str], cwd: Path, prelude: str = "") -> subprocess.CompletedProcess:
+    """``meshkit ARGS`` in a fresh process (a crash there cannot take pytest down), after ``prelude``."""
+    code = f"import sys\n{prelude}\nfrom meshkit.cli import main\nsys.exit(main({args!r}))\n"
+    # 120 s: the child imports meshkit and libcst (a few seconds) beside other CPU-heavy jobs.
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_fix_keeps_crlf_line_endings_and_the_byte_order_mark(tmp_path: Path, capsys):
+    path = tmp_path / "win.py"
+    legacy = "import jax\r\nf = jax.pmap(lambda x: x * 2)  # doubled\r\nk = jax.random.PRNGKey(0)\r\n"
+    path.write_bytes(codecs.BOM_UTF8 + legacy.encode())
+    assert main(["migrate", str(path), "--fix", "--check"]) == 0
+    data = path.read_bytes()
+    assert data.startswith(codecs.BOM_UTF8) and data.count(b"\n") == data.count(b"\r\n") > 20
+    text = data.decode("utf-8-sig").replace("\r\n", "\n")
+    assert "jax.random.key(0)" in text and text == fix_source(legacy.replace("\r\n", "\n"))
+    assert main(["migrate", str(path), "--fix"]) == 0 and path.read_bytes() == data
+
+
+def test_fix_writes_through_a_link_and_keeps_the_mode(tmp_path: Path, capsys):
+    real = tmp_path / "real.py"
+    real.write_text("import jax\nk = jax.random.PRNGKey(1)\n")
+    real.chmod(0o751)
+    (tmp_path / "link.py").symlink_to(real)
+    assert main(["migrate", str(tmp_path / "link.py"), "--fix"]) == 0
+    assert (tmp_path / "link.py").is_symlink() and "jax.random.key(1)" in real.read_text()
+    assert stat.S_IMODE(real.stat().st_mode) == 0o751 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "link.py",
+        "real.py",
+    ]
+
+
+def test_a_full_disk_leaves_the_file_whole_with_one_line_and_exit_1(tmp_path: Path):
+    """The file-size limit makes every write past 8 KiB fail as a full disk would (EFBIG for ENOSPC)."""
+    lines = [
+        f"k{i} = jax.random.PRNGKey({i})  # one key per line, to make the file long\n" for i in range(200)
+    ]
+    original = ("import jax\nf = jax.pmap(lambda x: x * 2)\n" + "".join(lines)).encode()
+    assert len(original) > 8192
+    (tmp_path / "big.py").write_bytes(original)
+    limit = "import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    limit += "resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))"
+    done = meshkit_in_child(["migrate", "--fix", "big.py"], tmp_path, prelude=limit)
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line == "error: cannot write big.py: File too large; the file is left unchanged"
+    assert (tmp_path / "big.py").read_bytes() == original
+    assert [p.name for p in tmp_path.iterdir()] == ["big.py"]  # no temporary file left behind
+
+
+def test_a_file_changed_since_it_was_read_is_not_overwritten(tmp_path: Path):
+    path = tmp_path / "old.py"
+    path.write_text("import jax\nk = jax.random.PRNGKey(1)\n")
+    result = migrate_file(path)
+    path.write_text("import jax\nk = jax.random.PRNGKey(2)  # edited meanwhile\n")
+    with pytest.raises(MigrateWriteError, match="changed since it was read"):
+        write(result)
+    assert path.read_text() == "import jax\nk = jax.random.PRNGKey(2)  # edited meanwhile\n"
+
+
+def test_files_nested_too_deeply_for_the_parser_are_one_line_each_never_a_crash(tmp_path: Path):
+    """2,000 parentheses Python itself refuses; 50,000 ``and``s and 5,000 subscripts it reads, but libcst's
+    parser overflows the C stack on the first (segfault) and runs for minutes on the second."""
+    (tmp_path / "parens.py").write_text("x = " + "(" * 2000 + "1" + ")" * 2000 + "\n")
+    (tmp_path / "chain.py").write_text("x = " + " and ".join(["a"] * 50_000) + "\n")
+    (tmp_path / "subs.py").write_text("x = a" + "[0]" * 5000 + "\n")
+    (tmp_path / "fine.py").write_text("import jax\nk = jax.random.PRNGKey(0)\n")
+    done = meshkit_in_child(["migrate", "--fix", "."], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    found = [line for line in done.stdout.splitlines() if LINE.match(line)]
+    assert found == [
+        "chain.py:1:1 MK000 file too deeply nested for the parser (depth 50004 > 200): left unchanged "
+        "(fix: by hand: split the deepest expression (nesting depth at most 200), then run migrate again)",
+        "parens.py:1:205 MK000 cannot parse: too many nested parentheses "
+        "(fix: by hand: make the file valid Python, then run migrate again)",
+        "subs.py:1:1 MK000 file too deeply nested for the parser (depth 5004 > 200): left unchanged "
+        "(fix: by hand: split the deepest expression (nesting depth at most 200), then run migrate again)",
+    ]
+    assert "jax.random.key(0)" in (tmp_path / "fine.py").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [(["nope.py"], "no such file or directory"), ([], "no paths given"), (["--bogus"], "No such option")],
+)
+def test_json_on_bad_input_is_one_json_object_and_exit_2(tmp_path: Path, capsys, args, error):
+    args = [a if a.startswith("-") else str(tmp_path / a) for a in args]
+    assert main(["migrate", "--json", *args]) == 2
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # one JSON document: a second object would not parse
+    assert list(report) == ["error"] and error in report["error"] and captured.err == ""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshkit.migrate import fix_source, lint_source
-from meshkit.migrate.rules_pmap import HELPER
+from meshkit.migrate.rules_pmap import HELPER, PMAP_HELPER
 
 FIXTURE = Path(__file__).parent / "fixtures" / "migrate" / "legacy_train.py"
 
@@ -97,7 +97,7 @@ def test_module_level_pmap_builds_no_mesh_at_import(tmp_path: Path):
         double = jax.pmap(lambda x: 2 * jax.lax.psum(x, "d"), axis_name="d")
     """)
     fixed = fix_source(legacy)
-    assert "make_mesh" in fixed and f"double = {HELPER}(lambda x" in fixed
+    assert "jax.sharding.Mesh(" in fixed and f"double = {HELPER}(lambda x" in fixed
     (tmp_path / "legacy_mod.py").write_text(fixed)
     main = src("""
         import os
@@ -242,3 +242,115 @@ def test_not_provable_is_reported_with_a_recipe(call, reason):
     (finding,) = mk015(before)
     assert reason in finding.message and not finding.fixable and finding.fix.startswith("by hand: ")
     assert fix_source(before) == before
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        "jax.lax.fori_loop(0, 3, lambda i, c: c + x, jnp.zeros(()))",
+        "jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + x), (0, jnp.zeros(())))[1]",
+        "jax.lax.scan(lambda c, _: (c + x, None), jnp.zeros(()), None, length=3)[0]",
+    ],
+    ids=["fori_loop", "while_loop", "scan"],
+)
+def test_loop_carry_that_starts_constant_and_becomes_per_device(loop):
+    """pmap checks no replication: a carry typed as replicated that turns per-device is fine there."""
+    before = src(f"""
+        import jax
+        import jax.numpy as jnp
+
+        def body(x):
+            return {loop} + jax.lax.psum(x, "i")
+
+        out = jax.pmap(body, axis_name="i")(jnp.arange(8.0))
+    """)
+    rewrite_matches_pmap(before)
+
+
+def test_callback_without_vmap_method_runs_as_under_pmap():
+    """pmap does not vmap the body, so a pure_callback needs no vmap_method."""
+    before = src("""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        def body(x):
+            y = jax.pure_callback(lambda a: np.sin(np.asarray(a)), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+            return jax.lax.pmean(y, "i"), y
+
+        out = jax.pmap(body, axis_name="i")(jnp.arange(16.0).reshape(8, 2))
+    """)
+    rewrite_matches_pmap(before)
+
+
+def test_rewritten_function_keeps_its_name_and_docstring():
+    """Another module may read them (logging, registries): the helper copies them as pmap does."""
+    before = src('''
+        import functools
+        import jax
+
+        def double(x):
+            """Twice x."""
+            return x * 2
+
+        p_double = jax.pmap(double)
+        p_scaled = jax.pmap(functools.partial(functools.partial(double), x=1.0))
+    ''')
+    pmapped, rewritten = run(before), run(fix_source(before))
+    assert (rewritten["p_double"].__name__, rewritten["p_double"].__qualname__) == ("double", "double")
+    for name in ("p_double", "p_scaled"):
+        assert [getattr(pmapped[name], a) for a in ("__name__", "__qualname__", "__doc__")] == [
+            getattr(rewritten[name], a) for a in ("__name__", "__qualname__", "__doc__")
+        ]
+
+
+def test_pmap_bound_to_an_attribute_whose_lower_is_used_is_left_alone():
+    before = src("""
+        import jax
+
+        class Trainer:
+            def __init__(self):
+                self.step = jax.pmap(lambda x: x * 2, axis_name="i")
+
+            def hlo(self, x):
+                return self.step.lower(x).as_text()
+    """)
+    (finding,) = mk015(before)
+    assert "attributes are used (.lower)" in finding.message and not finding.fixable
+    assert fix_source(before) == before
+    assert run(before)["Trainer"]().hlo(np.arange(8.0)).startswith("module")  # which the helper lacks
+    names_only = before.replace("self.step.lower(x).as_text()", "self.step.__name__")
+    assert mk015(names_only)[0].fixable  # the helper copies __name__: reading it blocks nothing
+
+
+@pytest.mark.parametrize(
+    "mapped",
+    [
+        '@partial(jax.pmap, axis_name="i")\n@partial(jax.pmap, axis_name="j")\ndef f(x):\n    return x\n',
+        'g = jax.pmap(lambda x: x, axis_name="j")\nf = jax.pmap(g, axis_name="i")\n',
+        'f = jax.pmap(jax.pmap(lambda x: x, axis_name="j"), axis_name="i")\n',
+        '@jax.pmap\ndef g(x):\n    return x\n\n\nf = jax.pmap(g, axis_name="i")\n',
+    ],
+    ids=["stacked_decorators", "pmap_of_a_pmapped_name", "pmap_of_pmap", "pmap_of_a_pmapped_def"],
+)
+def test_pmap_of_a_pmapped_function_is_nested_and_left_with_a_recipe(mapped):
+    before = "from functools import partial\n\nimport jax\n\n" + mapped
+    found = lint_source(before)
+    (nested,) = [f for f in found if f.rule == "MK014"]
+    assert "nested pmap" in nested.message and "2D mesh" in nested.fix
+    assert [f.fixable for f in found if f.rule == "MK015"] == [False, False]
+    assert fix_source(before) == before
+    with pytest.raises(ValueError, match="should match the mesh"):  # JAX 0.12's pmap refuses it too
+        run(before + "out = f(jax.numpy.ones((2, 4)))\n")
+
+
+def test_a_helper_from_an_earlier_meshkit_is_replaced_by_the_current_one():
+    earlier = (FIXTURE.parent / "earlier" / "helper_40ff648.py").read_text()
+    with pytest.raises(TypeError, match="carry"):
+        run(earlier)
+    (finding,) = mk015(earlier)
+    assert "earlier meshkit helper" in finding.message and finding.fixable
+    after = fix_source(earlier)
+    assert after.count(f"def {HELPER}(") == 1 and PMAP_HELPER.strip() in after and fix_source(after) == after
+    x = np.arange(8.0)
+    np.testing.assert_allclose(run(after)["out"], 3 * x + x.sum())  # three loop steps, plus the psum

@@ -26,7 +26,7 @@ def run(text: str) -> dict:
 
 
 def test_registry_has_ids_titles_and_checks():
-    assert [r for r in RULES if r != "MK000"] == [f"MK{i:03d}" for i in range(1, 23)]
+    assert [r for r in RULES if r != "MK000"] == [f"MK{i:03d}" for i in range(1, 25)]
     assert all(r.title and (r.nodes or r.id == "MK000") for r in RULES.values())
 
 
@@ -219,6 +219,9 @@ def test_mk012_params_mapped_by_default_suggests_broadcast():
         "params = jax.device_put_replicated(p0, jax.devices())",
         "params = jax.tree.map(lambda x: jnp.broadcast_to(x, (8,) + x.shape), p0)",
         "params = jax.tree.map(lambda x: jnp.array([x] * 8), p0)",
+        "from train_utils import replicate_state\nparams = replicate_state(p0)",
+        "import big_vision.utils as u\nparams = u.replicate(p0)",
+        "from my_helpers import broadcast_tree\nparams = broadcast_tree(p0)",
     ],
 )
 def test_mk012_silent_where_params_were_replicated_first(replicate):
@@ -438,3 +441,105 @@ def test_mk014_nested_pmap_is_reported_and_not_rewritten():
     assert [(f.rule, f.line) for f in found] == [("MK015", 2), ("MK015", 4), ("MK014", 6)]
     assert "2D mesh" in found[2].fix
     assert fix_source(before) == before
+
+
+@pytest.mark.parametrize(
+    ("call", "fixed"),
+    [
+        ("jnp.clip(a, a_min=0.5, a_max=1.5)", "jnp.clip(a, min=0.5, max=1.5)"),
+        ("jnp.reshape(a, newshape=(9,))", "jnp.reshape(a, shape=(9,))"),
+        ('jnp.percentile(a, 40, interpolation="nearest")', 'jnp.percentile(a, 40, method="nearest")'),
+        ('jnp.argsort((8 - jnp.arange(9)) // 3, kind="quicksort")', "jnp.argsort((8 - jnp.arange(9)) // 3)"),
+        ("jsl.solve(a, b, sym_pos=True)", 'jsl.solve(a, b, assume_a="pos")'),
+        (
+            "jax.pure_callback(np.sin, jax.ShapeDtypeStruct((3, 3), a.dtype), a, vectorized=True)",
+            'jax.pure_callback(np.sin, jax.ShapeDtypeStruct((3, 3), a.dtype), a, vmap_method="legacy_vectorized")',
+        ),
+    ],
+)
+def test_mk023_renamed_keyword_arguments_are_fixed_to_what_they_meant(call, fixed):
+    before = src(f"""
+        import jax
+        import jax.numpy as jnp
+        import jax.scipy.linalg as jsl
+        import numpy as np
+        m = jnp.arange(9.0).reshape(3, 3) / 9
+        a = m @ m.T + jnp.eye(3) * 2  # symmetric positive definite, as sym_pos=True promised
+        b = jnp.ones((3, 2))
+        out = {call}
+    """)
+    (found,) = lint_source(before)
+    assert found.rule == "MK023" and found.fixable and "refuses this call in JAX 0.12" in found.message
+    with pytest.raises((TypeError, jax.errors.JaxRuntimeError)):  # the callback's own TypeError, wrapped
+        run(before)  # JAX 0.12 refuses the legacy call
+    after = fix_source(before)
+    assert f"out = {fixed}\n" in after and lint_source(after) == []
+    old = {  # what the legacy call computed: NumPy's reading of the same arguments
+        "clip": np.clip(np.asarray(run(after)["a"]), 0.5, 1.5),
+        "reshape": np.asarray(run(after)["a"]).reshape(9),
+        "percentile": np.percentile(np.asarray(run(after)["a"]), 40, method="nearest"),
+        "argsort": np.argsort((8 - np.arange(9)) // 3, kind="stable"),  # JAX's sort was stable for any kind
+        "solve": np.linalg.solve(np.asarray(run(after)["a"]), np.ones((3, 2))),
+        "pure_callback": np.sin(np.asarray(run(after)["a"])),
+    }
+    key = next(k for k in old if k in call)
+    np.testing.assert_allclose(np.asarray(run(after)["out"]), old[key], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "jax.nn.softmax(a, initial=0.0)",
+        "jax.ShapeDtypeStruct((3,), jnp.float32, named_shape={})",
+        "jax.jit(jnp.sin, (0,))",
+        "jnp.where(condition=a > 0, x=a, y=-a)",
+        "jsl.solve(a, a, True)",
+    ],
+)
+def test_mk023_other_refused_arguments_get_a_recipe(call):
+    before = f"import jax\nimport jax.numpy as jnp\nimport jax.scipy.linalg as jsl\na = jnp.ones((3, 3))\nout = {call}\n"
+    (found,) = lint_source(before)
+    assert found.rule == "MK023" and not found.fixable and fix_source(before) == before
+    if "True)" not in call:  # solve(a, a, True) runs, with True meaning lower= now: silently different
+        with pytest.raises(TypeError):
+            run(before)
+
+
+def test_mk023_silent_on_calls_jax_0_12_takes():
+    fine = src("""
+        import jax
+        import jax.numpy as jnp
+        a = jnp.clip(jnp.ones(3), 0, 1) + jnp.sum(jnp.ones(3), axis=0, where=None)
+        b = jax.random.normal(jax.random.key(0), (2,)), jax.jit(jnp.sin, static_argnums=())
+        c = jnp.linalg.pinv(jnp.eye(2), rcond=1e-3), jax.lax.psum
+        d = jnp.sort(jnp.ones(3), stable=True), jax.pure_callback(jnp.sin, 1.0, 1.0, vmap_method="sequential")
+    """)
+    assert rules_in(fine) == []
+
+
+def test_mk024_removed_array_members_are_reported_where_x_may_be_an_array():
+    before = src("""
+        import jax
+        import jax.numpy as jnp
+        import torch
+        a = jnp.ones((3, 3))
+        b = a.device_buffers, a.device_buffer, a.to_py(), a.block_host_until_ready()
+        c = a.clip(a_min=0), a.broadcast((2,)), jax.random.key(0).unsafe_raw_array()
+        fine = torch.distributed.broadcast(a), "a b".split(), a.clip(0, 1), jnp.broadcast_to(a, (2, 3, 3))
+    """)
+    found = lint_source(before)
+    assert [(f.rule, f.line, f.fixable) for f in found] == [("MK024", 5, False)] * 4 + [
+        ("MK024", 6, False)
+    ] * 3
+    assert "[s.data for s in x.addressable_shards] if x is a jax.Array" in found[0].fix
+    assert "x.clip(min=)" in found[4].fix and fix_source(before) == before
+    for member in ("device_buffers", "device_buffer", "to_py", "block_host_until_ready"):
+        with pytest.raises(AttributeError):
+            getattr(jax.numpy.ones(3), member)
+    assert rules_in("import numpy as np\nb = np.ones(3).to_py()\n") == []  # no jax in the module
+
+
+def test_mk022_removed_device_put_replicated_gets_the_drop_in_replacement():
+    (found,) = lint_source("import jax\nx = jax.device_put_replicated(1.0, jax.devices())\n")
+    assert found.rule == "MK022" and "NamedSharding(Mesh(np.array(devices), ('x',)), P('x'))" in found.fix
+    assert rules_in("import jax.numpy as jnp\nx = jnp.ones(3)[jnp.newaxis]\n") == []  # exists, and is None

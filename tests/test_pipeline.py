@@ -14,8 +14,9 @@ import meshkit
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
 from meshkit.plans import _schedule, place
-from meshkit.plans._pipeline import pipeline_gradients, relayout_moves, stage_placement
+from meshkit.plans._pipeline import pipeline_gradients
 from meshkit.plans._schedule import BWD, FWD, IDLE
+from meshkit.plans._stages import relayout_moves, stage_placement
 from meshkit.spec import ParallelSpec, PlanError, get_plan
 
 CASES = [
@@ -163,7 +164,7 @@ def test_remat_matches_one_device_in_float64_and_lowers_the_temporaries():
     (``dots``) inside the backward tick; the same loss and gradients, fewer temporaries, and the
     temporaries saved beside the model's (``Pipeline.working_bytes``: one chunk's residuals)."""
     from meshkit.analysis import memory
-    from meshkit.plans._pipeline import Pipeline
+    from meshkit.plans import Pipeline
 
     with jax.enable_x64(True):
         cfg, params, batch, ref_loss, ref = _float64_gpt()
@@ -351,7 +352,8 @@ def test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_
     saved ones, bit for bit; the finished run writes the executed schedule and its proof. The bf16
     permutes move bf16 activations, as f32 on XLA's CPU compiler (the model says so)."""
     from meshkit.cli import main
-    from meshkit.train import loop
+    from meshkit.train import config as C
+    from meshkit.train import job
 
     run = tmp_path / "run"
     pp = ["--plan", "dp+pp", "--mesh", "stage=4,data=2"]
@@ -361,8 +363,8 @@ def test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_
                  "--run-dir", str(run), *pp, "--stop-after", "2"]) == 0, capsys.readouterr().err  # fmt: skip
 
     def restored(plan, mesh):
-        cfg = dataclasses.replace(loop.saved_config(run), plan=plan, mesh=mesh)
-        t = loop.prepare(cfg, resume=True).trainer
+        cfg, _ = C.resumed(job.saved_config(run), {"plan": plan, "mesh": mesh}, str(run))  # as --resume does
+        t = job.prepare(cfg, resume=True).trainer
         return gpt.to_form((t.params, t.opt_state), True), t  # (the stacked form, to compare; the trainer)
 
     saved, _ = restored("dp+pp", "stage=4,data=2")
@@ -372,9 +374,11 @@ def test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_
     saved, _ = restored("fsdp", "data=8")
     back, t = restored("dp+pp", "stage=4,data=2")
     assert t.params["blocks"]["mlp"]["w_in"].sharding.spec[0] == "stage" and _bitwise(back, saved)
-    assert main(["train", "--resume", "--run-dir", str(run), *pp]) == 0
+    # fsdp dropped the pipeline options (said in a line): back on a pipeline, they are given again
+    assert main(["train", "--resume", "--run-dir", str(run), *pp, "--microbatches", "8", "--schedule", "1f1b"]) == 0
     out = capsys.readouterr().out
     assert "resume: --plan: dp+pp -> fsdp" in out and "resume: --plan: fsdp -> dp+pp" in out
+    assert "resume: --microbatches: 8 -> " in out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     report = json.loads((run / "report.json").read_text())

@@ -141,8 +141,9 @@ def _checked(layout: Layout):
 
 @pytest.mark.parametrize("layout", [_checked(lay) for lay in CHECKED])
 def test_predicted_peak_and_bytes_match_the_compiled_step(layout):
+    from meshkit.planner.cluster import Cluster, Job
     from meshkit.planner.hardware import hardware
-    from meshkit.planner.predict import Cluster, Job, predict
+    from meshkit.planner.predict import predict
 
     job = Job(
         global_batch=JOB.global_batch, precision=JOB.precision, runtime="meshkit", flash_attention=False

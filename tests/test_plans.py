@@ -134,7 +134,7 @@ def test_global_jax_array_batch_equals_host_batch():
             lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="tp", mesh="model=8", logical_axes=jax.tree.map(lambda a: ("embed",) * a.ndim, p)),
             "shard no parameter",
         ),
-        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", accumulate=0), "accumulate must be at least 1"),
+        (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", accumulate=0), "accumulate must be a whole number of at least 1"),
         (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp").step(_batch(60)), "batch of 60 examples does not divide over data=8"),
         (
             lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", accumulate=3).step(_batch(64)),

@@ -89,7 +89,7 @@ def test_no_import_cycle_between_files():
 
     def visit(n):
         if n in stack:
-            cycles.append(stack[stack.index(n) :] + [n])
+            cycles.append([*stack[stack.index(n) :], n])
             return
         if n in seen:
             return

@@ -10,7 +10,8 @@ from rich.console import Console
 
 from meshkit.cli import main
 from meshkit.train import config as C
-from meshkit.train.loop import prepare, train
+from meshkit.train.job import prepare
+from meshkit.train.loop import train
 from meshkit.verify import bitwise_equal
 
 
@@ -51,7 +52,7 @@ def test_tiny_run_writes_every_output(tmp_path, capsys):
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG" and (run / "cost.png").read_bytes()[
         :4
     ] == b"\x89PNG"
-    assert json.loads((run / "config.json").read_text())["plan"] == "fsdp"
+    assert json.loads((run / "config.json").read_text())["parallel"]["plan"] == "fsdp"
 
 
 def test_exact_resume_is_bitwise(tmp_path):

@@ -13,11 +13,13 @@ key-value store, and a judge thread ends the process with one ``error:`` line wh
 - this process itself was stopped for longer than ``timeout_s`` (after SIGCONT: the job went on
   without it, so it leaves instead of waiting).
 
-JAX's own heartbeat timeout is set a few seconds later (see :mod:`meshkit.distributed`), so this
-line comes first. One race is left: a process resumed (SIGCONT) after the job ended wakes this
-judge and JAX's C++ error-poll thread at once, and the poll thread, finding the coordinator's
-connection closed, may print JAX's "Terminating process" before the judge's line (CI saw it once). A process that finishes writes ``done``, so peers do not mistake an orderly
-exit for a stall.
+JAX's own heartbeat timeout is set to twice this one and 10 s more (JAX beats every half of its
+timeout, so its abort can come half a timeout after a stall: see
+:func:`meshkit.distributed.jax_heartbeat_timeout`), so this line comes first. One race is left: a
+process resumed (SIGCONT) after the job ended wakes this judge and JAX's C++ error-poll thread at
+once, and the poll thread, finding the coordinator's connection closed, may print JAX's
+"Terminating process" before the judge's line (CI saw it once). A process that finishes writes
+``done``, so peers do not mistake an orderly exit for a stall.
 """
 
 from __future__ import annotations

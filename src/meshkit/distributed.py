@@ -7,8 +7,8 @@ with failure detection tuned for fast, clear failures, and returns a :class:`Pro
 
 When a process of a running job dies or stalls (SIGSTOP, swapping, stuck in I/O), meshkit's peer
 watch (:mod:`meshkit._heartbeat`) notices its missing heartbeats after ``heartbeat_timeout_s`` and
-ends every survivor with one line naming it (JAX's coordination service, set a few seconds later,
-would abort them from C++); a collective that fails first (e.g. gloo's "Connection reset by peer")
+ends every survivor with one line naming it (JAX's coordination service, set to twice that and 10 s
+more, would abort them from C++); a collective that fails first (e.g. gloo's "Connection reset by peer")
 raises in Python, where :func:`fail_fast` turns it into one line naming the lost process.
 
 Who may join: the coordination service binds where ``coordinator_bind_address`` says (``meshkit
@@ -22,6 +22,7 @@ import atexit
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -71,8 +72,19 @@ _PEER_FAILURE = re.compile(
 )
 #: Extra seconds JAX waits beyond ``timeout_s``, so that meshkit's clear message comes first.
 _JAX_TIMEOUT_MARGIN_S = 5
-#: Extra seconds of JAX's heartbeat timeout beyond meshkit's peer watch, for the same reason.
-_JAX_HEARTBEAT_MARGIN_S = 5
+#: Extra seconds of JAX's heartbeat timeout beyond twice meshkit's (see :func:`jax_heartbeat_timeout`).
+_JAX_HEARTBEAT_MARGIN_S = 10
+
+
+def jax_heartbeat_timeout(heartbeat_timeout_s: float) -> int:
+    """JAX's heartbeat timeout for a job whose peer watch waits ``heartbeat_timeout_s``: late enough
+    that meshkit's one line always comes first. A JAX process beats every half of JAX's timeout, so
+    a stalled peer's last beat may already be half a timeout old when it stalls, and JAX's service
+    aborts the job half a timeout later; a client whose beat to a stalled coordinator goes
+    unanswered likewise gives up after half a timeout. Hence twice meshkit's, plus a margin for the
+    watch's own polling (measured with meshkit's default of 30 s and JAX's then 35 s: JAX's abort
+    came first in 2 of 4 stalls of ``meshkit train``, 20 s after the stall)."""
+    return 2 * math.ceil(heartbeat_timeout_s) + _JAX_HEARTBEAT_MARGIN_S
 
 
 class DistributedError(MeshkitError):
@@ -488,7 +500,7 @@ def _start(
     kwargs = dict(
         local_device_ids=list(local_device_ids) if local_device_ids is not None else None,
         initialization_timeout=math.ceil(timeout) + _JAX_TIMEOUT_MARGIN_S,
-        heartbeat_timeout_seconds=math.ceil(heartbeat) + _JAX_HEARTBEAT_MARGIN_S,
+        heartbeat_timeout_seconds=jax_heartbeat_timeout(heartbeat),
         shutdown_timeout_seconds=math.ceil(shutdown),
         **security,
     )
@@ -498,19 +510,42 @@ def _start(
     watchdog.daemon = True
     watchdog.start()
     try:
-        if spec.source in _JAX_METHOD:  # JAX's own detection fills what the arguments left out
-            jax.distributed.initialize(*explicit, cluster_detection_method=_JAX_METHOD[spec.source], **kwargs)
-        else:
-            jax.distributed.initialize(
-                spec.coordinator, spec.process_count, spec.process_index,
-                cluster_detection_method="deactivate", **kwargs,
-            )  # fmt: skip
+        with _sigterm_kept():
+            _jax_initialize(spec, explicit, kwargs)
     except RuntimeError as e:
         raise DistributedError(
             f"cannot start process {spec.process_index} of the job: {_first_line(e)}"
         ) from e
     finally:
         watchdog.cancel()
+
+
+def _jax_initialize(spec: ProcessSpec, explicit: tuple, kwargs: dict) -> None:
+    if spec.source in _JAX_METHOD:  # JAX's own detection fills what the arguments left out
+        jax.distributed.initialize(*explicit, cluster_detection_method=_JAX_METHOD[spec.source], **kwargs)
+    else:
+        jax.distributed.initialize(
+            spec.coordinator, spec.process_count, spec.process_index,
+            cluster_detection_method="deactivate", **kwargs,
+        )  # fmt: skip
+
+
+@contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """Keep SIGTERM's handler across JAX's start-up. JAX's preemption service installs one in C++
+    that only records the signal for ``multihost_utils.reached_preemption_sync_point``, so a
+    process that does not poll it ignores SIGTERM: restored, SIGTERM ends the process as before,
+    and ``meshkit train`` handles it itself (:mod:`meshkit.train.stop`: a checkpoint at a step
+    every process agrees on)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: set outside Python, which cannot put it back
+            signal.signal(signal.SIGTERM, before)
 
 
 def _first_line(e: BaseException) -> str:

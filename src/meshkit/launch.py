@@ -4,25 +4,38 @@ Each process runs the same command with ``MESHKIT_*`` variables naming its place
 by :func:`meshkit.distributed.initialize`). Their output comes back line by line, prefixed with the
 rank, and all of it (to the last line of a process stopped because another failed) is copied before
 the launcher returns. When one fails, the others are stopped (SIGTERM, then SIGKILL after a grace
-period) and its exit status is returned; SIGINT or SIGTERM to the launcher is passed on to every
-process group, so that nothing outlives the launcher.
+period) and its exit status is returned. SIGINT or SIGTERM to the launcher is passed on to every
+process group and the processes get ``signal_grace_s`` to save and exit (``meshkit train`` saves a
+checkpoint at a step they all agree on and exits with 128 + the signal) before SIGKILL; a process
+that exits so is not a failure, and the others are waited for. Nothing outlives the launcher: on
+Linux each process is SIGKILLed by the kernel when the launcher dies, even by SIGKILL.
 
-The job is local, so its coordination service listens on loopback only (JAX's default is every
-interface): no other host can join or talk to it. Mutual TLS, if given, is passed on to every process.
+Who may join: the job is local, so its coordination service listens on loopback only (JAX's default
+is every interface), and unless mutual TLS is given, the launcher makes it for this job alone: a
+throwaway CA whose key is never written, and one certificate signed by it, in a private temporary
+directory removed when the launcher ends. Another local process that knows the port and claims a
+rank is refused (it has no certificate) and the job goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import datetime
+import ipaddress
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TextIO
 
 from meshkit._errors import MeshkitError
@@ -38,8 +51,13 @@ from meshkit.distributed import (
     bind_address,
 )
 
-#: Seconds the other processes get to exit after SIGTERM (or a forwarded SIGINT) before SIGKILL.
+#: Seconds the other processes get to exit after SIGTERM, once one failed, before SIGKILL.
 DEFAULT_GRACE_S = 5.0
+#: Seconds the processes get to save and exit after a SIGINT or SIGTERM passed on, before SIGKILL.
+DEFAULT_SIGNAL_GRACE_S = 30.0
+#: Exit statuses of a process that stopped in order on a signal (``meshkit train``: 128 + SIGINT or
+#: SIGTERM, after its checkpoint): not a failure, the others are stopping at the same step.
+ORDERLY_STOP = frozenset(128 + s for s in (signal.SIGINT, signal.SIGTERM))
 #: Seconds to wait, once every process has ended, for the rest of their output.
 DRAIN_S = 30.0
 _POLL_S = 0.05
@@ -153,12 +171,35 @@ def _pump(stream: IO[bytes], prefix: str, sink: TextIO, lock: threading.Lock) ->
                 sink.flush()
 
 
+def _die_with_launcher() -> Callable[[], None] | None:
+    """Linux: what a child runs between fork and exec so that the kernel SIGKILLs it when the
+    launcher dies (``PR_SET_PDEATHSIG``), even by SIGKILL; elsewhere None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    launcher = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:  # the launcher died before the line above
+            os._exit(128 + signal.SIGKILL)
+
+    return arm
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def _spawn(rank: int, command: Sequence[str], env: dict, out: TextIO, err: TextIO, lock) -> _Child:
     try:
-        proc = subprocess.Popen(
-            list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, process_group=0,
-        )  # fmt: skip
+        with warnings.catch_warnings():
+            # JAX, if it runs in this process, warns at every fork(); the child only arms
+            # PR_SET_PDEATHSIG and execs the command, touching nothing that JAX's threads hold
+            warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+            proc = subprocess.Popen(
+                list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, process_group=0, preexec_fn=_die_with_launcher(),
+            )  # fmt: skip
     except OSError as e:
         raise LaunchError(f"cannot start {command[0]!r}: {e.strerror or e}") from None
     pumps = tuple(
@@ -248,21 +289,32 @@ class _Signals:
 
 
 def _supervise(
-    children: Sequence[_Child], say: Callable[[str], None], grace_s: float, signals: _Signals
+    children: Sequence[_Child],
+    say: Callable[[str], None],
+    grace_s: float,
+    signal_grace_s: float,
+    signals: _Signals,
 ) -> int:
     """Wait for every child; on the first failure stop the others and return its status; on a
-    signal to the launcher pass it on to all and return 128+signal."""
+    signal to the launcher pass it on to all, give them ``signal_grace_s`` to save and exit, and
+    return 128+signal. A child that stopped in order (:data:`ORDERLY_STOP`) is not a failure: the
+    others, stopping at the same step, get ``signal_grace_s`` to follow, and its status is returned."""
+    orderly: tuple[float, int] | None = None  # (when, status) of the first orderly stop
     while True:
         if signals.received is not None:
             name = signal.Signals(signals.received).name
-            say(f"got {name}; stopping all {len(children)} process(es)")
-            _stop(children, signals.received, grace_s, signals.hurry)
+            say(
+                f"got {name}; passing it on to all {len(children)} process(es), {signal_grace_s:g} s to save and exit"
+            )
+            _stop(children, signals.received, signal_grace_s, signals.hurry)
             return 128 + signals.received
         running = False
         for c in children:
             rc = c.proc.poll()
             if rc is None:
                 running = True
+            elif rc in ORDERLY_STOP:
+                orderly = orderly or (time.monotonic(), rc)
             elif rc != 0:
                 alive = any(o.proc.poll() is None for o in children if o is not c)
                 say(
@@ -272,7 +324,15 @@ def _supervise(
                 _stop(children, signal.SIGTERM, grace_s, signals.hurry)
                 return _shell_status(rc)
         if not running:
-            return 0
+            return orderly[1] if orderly else 0
+        if orderly and time.monotonic() - orderly[0] > signal_grace_s:
+            late = [c.rank for c in children if c.proc.poll() is None]
+            say(
+                f"process(es) {', '.join(map(str, late))} still running {signal_grace_s:g} s after another stopped "
+                "on a signal; stopping them"
+            )
+            _stop(children, signal.SIGTERM, grace_s, signals.hurry)
+            return orderly[1]
         time.sleep(_POLL_S)
 
 
@@ -290,32 +350,36 @@ def launch(
     output: TextIO | None = None,
     error_output: TextIO | None = None,
     grace_s: float = DEFAULT_GRACE_S,
+    signal_grace_s: float = DEFAULT_SIGNAL_GRACE_S,
     drain_s: float = DRAIN_S,
 ) -> int:
     """Run ``command`` as processes 0..N-1 of one job on this machine; return the job's exit status.
 
     The coordinator is ``localhost`` on ``port`` (default: a free one); its coordination service
     listens on ``coordinator_bind_address`` (default ``MESHKIT_COORDINATOR_BIND_ADDRESS``, else
-    loopback: 127.0.0.1). ``mtls`` (default: ``MESHKIT_MTLS_*`` of the launcher's environment)
-    makes every process authenticate with its certificate. ``devices_per_process`` simulates that
-    many CPU devices in each; ``timeout_s`` is how long they wait for each other at start-up;
-    ``heartbeat_timeout_s`` how long a silent (dead or stalled) process is waited for before the
-    job stops. Children's stdout goes to ``output`` (default ``sys.stdout``) and their stderr to
-    ``error_output`` (default: ``output``), each line prefixed ``[rank] ``; the launcher's own
-    messages go to ``error_output``. Returns 0 when all succeed, else the status of the first
-    process to fail (128+N for signal N), after stopping the rest; on SIGINT/SIGTERM, passes the
-    signal to every process group, SIGKILLs what remains after ``grace_s`` and returns 128+signal.
-    Every line written is copied before it returns (waiting up to ``drain_s`` for pipes that
-    something outside the process groups holds open).
+    loopback: 127.0.0.1). ``mtls`` (default: ``MESHKIT_MTLS_*`` of the launcher's environment, else
+    a CA and certificate made for this job alone) makes every process authenticate with its
+    certificate. ``devices_per_process`` simulates that many CPU devices in each; ``timeout_s`` is
+    how long they wait for each other at start-up; ``heartbeat_timeout_s`` how long a silent (dead
+    or stalled) process is waited for before the job stops. Children's stdout goes to ``output``
+    (default ``sys.stdout``) and their stderr to ``error_output`` (default: ``output``), each line
+    prefixed ``[rank] ``; the launcher's own messages go to ``error_output``. Returns 0 when all
+    succeed, else the status of the first process to fail (128+N for signal N), after stopping the
+    rest (SIGTERM, SIGKILL after ``grace_s``); on SIGINT/SIGTERM, passes the signal to every
+    process group, SIGKILLs what remains after ``signal_grace_s`` and returns 128+signal. Every
+    line written is copied before it returns (waiting up to ``drain_s`` for pipes that something
+    outside the process groups holds open).
     """
     _check(command, num_processes, devices_per_process, port)
     mtls = MutualTLS.from_env() if mtls is None else mtls
     if mtls is not None:
         mtls.check()
-    if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
-        raise LaunchError(
-            f"--heartbeat-timeout must be a positive number of seconds, got {heartbeat_timeout_s:g}"
-        )
+    for name, value in (
+        ("--heartbeat-timeout", heartbeat_timeout_s),
+        ("--grace", signal_grace_s),
+    ):
+        if value is not None and not value > 0:
+            raise LaunchError(f"{name} must be a positive number of seconds, got {value:g}")
     port = free_port() if port is None else port
     bind = bind_address(
         coordinator_bind_address or os.environ.get(MESHKIT_COORDINATOR_BIND_ADDRESS) or LOOPBACK,
@@ -332,17 +396,122 @@ def launch(
 
     children: list[_Child] = []
     coordinator = f"localhost:{port}"
-    with _Signals() as signals:
+    with _Signals() as signals, _job_tls(mtls) as tls:
         try:
             for rank in range(num_processes):
                 if signals.received is not None:
                     break
                 child = child_env(rank, num_processes, coordinator, devices_per_process=devices_per_process,
                                   timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                                  coordinator_bind_address=bind, mtls=mtls, env=env)  # fmt: skip
+                                  coordinator_bind_address=bind, mtls=tls, env=env)  # fmt: skip
                 children.append(_spawn(rank, command, child, out, err, lock))
-            status = _supervise(children, say, grace_s, signals)
+            status = _supervise(children, say, grace_s, signal_grace_s, signals)
         finally:
             _stop(children, signal.SIGKILL, 0, signals.hurry)
             _drain(children, say, drain_s)
     return status
+
+
+# --- the job's own certificates ---------------------------------------------------------------------
+
+#: Prefix of the private directory holding a job's certificates (followed by the launcher's pid).
+_TLS_PREFIX = "meshkit-launch-"
+
+
+@contextlib.contextmanager
+def _job_tls(given: MutualTLS | None) -> Iterator[MutualTLS]:
+    """``given``, or a CA and certificate made for this job, in a directory only this user can read,
+    removed on leaving (one left by a launcher that was SIGKILLed is removed by the next)."""
+    if given is not None:
+        yield given
+        return
+    _sweep_stale_tls()
+    try:
+        directory = tempfile.mkdtemp(prefix=f"{_TLS_PREFIX}{os.getpid()}-")  # mode 0700
+    except OSError as e:
+        raise LaunchError(
+            f"cannot make the job's certificates in {tempfile.gettempdir()} ({e.strerror or e}): set TMPDIR to a "
+            "writable directory, or give your own with --mtls-cert/--mtls-key/--mtls-ca"
+        ) from None
+    try:
+        yield _make_tls(Path(directory))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _make_tls(directory: Path) -> MutualTLS:
+    """A CA whose key is never written and one certificate it signed, for every process of the job:
+    server (process 0's coordination service, checked against the coordinator address's host,
+    ``localhost``) and client (every process)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"meshkit launch {os.getpid()} job CA")])
+
+    def signed(subject: x509.Name, public_key, extensions) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_name)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=3650))  # the job's length: the CA dies with it
+        )
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(ca_key, hashes.SHA256())
+
+    usage = dict.fromkeys(("content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
+                           "encipher_only", "decipher_only"), False)  # fmt: skip
+    ca = signed(ca_name, ca_key.public_key(), [
+        (x509.BasicConstraints(ca=True, path_length=0), True),
+        (x509.KeyUsage(digital_signature=False, key_cert_sign=True, crl_sign=True, **usage), True),
+    ])  # fmt: skip
+    host = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+             x509.IPAddress(ipaddress.ip_address("::1"))]  # fmt: skip
+    cert = signed(host, key.public_key(), [
+        (x509.BasicConstraints(ca=False, path_length=None), True),
+        (x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False, **usage), True),
+        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), False),
+        (x509.SubjectAlternativeName(names), False),
+    ])  # fmt: skip
+    pem = serialization.Encoding.PEM
+    files = {
+        "ca.pem": ca.public_bytes(pem),
+        "job.pem": cert.public_bytes(pem),
+        "job.key": key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    }
+    for name, data in files.items():
+        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    return MutualTLS(
+        cert=str(directory / "job.pem"), key=str(directory / "job.key"), ca=str(directory / "ca.pem")
+    )
+
+
+def _sweep_stale_tls() -> None:
+    """Remove this user's job certificate directories whose launcher is gone (SIGKILLed)."""
+    root = Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for d in root.glob(f"{_TLS_PREFIX}*-*"):
+            pid = d.name[len(_TLS_PREFIX) :].partition("-")[0]
+            with contextlib.suppress(OSError, ValueError):
+                if d.stat().st_uid == os.getuid() and not _pid_alive(int(pid)):
+                    shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

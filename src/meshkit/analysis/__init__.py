@@ -3,6 +3,7 @@
 Independent of the rest of meshkit: point it at any jitted function's ``lower(...).compile()``.
 """
 
+from meshkit.analysis._groups import MAX_DEVICES
 from meshkit.analysis.communication import MODELLED, OTHER, Collective, CommLedger, Total, communication
 from meshkit.analysis.cost import (
     CONVENTIONS,
@@ -19,6 +20,7 @@ from meshkit.analysis.memory import MemoryLedger, memory
 
 __all__ = [
     "CONVENTIONS",
+    "MAX_DEVICES",
     "MODELLED",
     "OTHER",
     "Collective",

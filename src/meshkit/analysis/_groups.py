@@ -18,12 +18,27 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from itertools import combinations, pairwise, product
+from itertools import combinations, pairwise
 
 from meshkit._errors import HloParseError
 
 MeshShape = tuple[tuple[str, int], ...]
 Groups = tuple[tuple[int, ...], ...]
+
+#: The most devices meshkit reads a program for (2^20, beyond any machine built so far): replica
+#: groups, meshes and device counts past it are refused in one line instead of expanded (an iota
+#: such as ``[100000000,2]<=[200000000]``, a few bytes of text, would take gigabytes).
+MAX_DEVICES = 1 << 20
+
+
+def check_devices(count: int, what: str) -> int:
+    """``count``, or :class:`HloParseError` naming ``what`` when it is beyond :data:`MAX_DEVICES`."""
+    if count > MAX_DEVICES:
+        raise HloParseError(
+            f"{what}: {count:,} devices, more than the {MAX_DEVICES:,} meshkit reads (is the text corrupt?)"
+        )
+    return count
+
 
 _IOTA = re.compile(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
 _MESH = re.compile(
@@ -69,9 +84,10 @@ def _transposed(values: list[int], shape: list[int], order: list[int]) -> list[i
     """``values`` laid out row-major in ``shape``, read back row-major after moving axes into
     ``order`` (numpy's ``reshape(shape).transpose(order).ravel()``, without importing numpy)."""
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    moved = [strides[d] for d in order]
-    return [values[sum(i * st for i, st in zip(idx, moved, strict=True))]
-            for idx in product(*(range(shape[d]) for d in order))]  # fmt: skip
+    offsets = [0]
+    for d in order:  # the flat index of each element, one axis at a time (major to minor)
+        offsets = [o + i * strides[d] for o in offsets for i in range(shape[d])]
+    return [values[o] for o in offsets]
 
 
 def _rows(flat: list[int], size: int) -> Groups:
@@ -84,7 +100,7 @@ def mesh_groups(
     """Groups of devices that vary only along ``axes`` (name, sub-axis pre-size, sub-axis size)."""
     names = [n for n, _ in mesh]
     sizes = [s for _, s in mesh]
-    total = math.prod(sizes)
+    total = check_devices(math.prod(sizes), f"mesh {list(mesh)}")
     ids = list(range(total)) if device_ids is None else list(device_ids)
     if len(ids) != total:
         raise HloParseError(f"mesh {mesh} lists {len(ids)} device ids, expected {total}")
@@ -152,7 +168,7 @@ def expand_groups(text: str) -> ReplicaGroups:
         perm = _ints(m.group(3)) if m.group(3) else list(range(len(dims)))
         if math.prod(shape) != math.prod(dims) or sorted(perm) != list(range(len(dims))):
             raise HloParseError(f"replica_groups={text}: the iota shapes or transpose do not agree")
-        total = math.prod(dims)
+        total = check_devices(math.prod(dims), f"replica_groups={text}")
         flat = _transposed(list(range(total)), dims, perm)
         return ReplicaGroups(text, _rows(flat, total // shape[0] if len(shape) > 1 else total))
     if m := _MESH.fullmatch(text):
@@ -211,6 +227,7 @@ def group_mode(op: str, attrs: str) -> str:
 def device_groups(groups: Groups, mode: str, replicas: int, partitions: int) -> Groups | None:
     """Device groups (device = replica * partitions + partition) of groups printed in ``mode``'s
     ids; ``groups == ()`` is ``replica_groups={}``. None when an id is out of range for the mode."""
+    check_devices(replicas * partitions, f"replica_count={replicas} x num_partitions={partitions}")
     if not groups:
         if mode == CROSS_PARTITION:
             groups = (tuple(range(partitions)),)

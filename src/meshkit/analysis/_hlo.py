@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from meshkit._errors import HloParseError
+from meshkit.analysis._groups import check_devices
 
 # Bits per element of XLA primitive types (sub-byte types round up per array).
 _BITS = {
@@ -379,9 +380,12 @@ def parse_module(text: str) -> Module:
             header = st.text
             module_name = header.split(None, 1)[1].split(",")[0].strip() if len(header.split()) > 1 else ""
             if m := _NUM_PARTITIONS.search(header):
-                num_partitions = int(m.group(1))
+                num_partitions = check_devices(int(m.group(1)), "the module's num_partitions")
             if m := _REPLICA_COUNT.search(header):
-                replica_count = int(m.group(1))
+                replica_count = check_devices(int(m.group(1)), "the module's replica_count")
+            check_devices(
+                (num_partitions or 1) * (replica_count or 1), "the module's replica_count x num_partitions"
+            )
             continue
         if bare.startswith("}"):
             current = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -51,39 +52,56 @@ def _command():
     return command
 
 
+def _wants_json(argv: list[str], command) -> bool:
+    """Whether the command line asks a command of its own for ``--json`` (not ``meshkit launch``,
+    whose ``--json`` after the command belongs to the processes it starts)."""
+    mine = argv[: argv.index("--")] if "--" in argv else argv
+    names = set(getattr(command, "commands", {}))
+    command = next((a for a in mine if a in names), None)
+    return "--json" in mine and command not in (None, "launch")
+
+
+def _fail(message: str, code: int, as_json: bool) -> int:
+    """One ``error:`` line on stderr, or with ``--json`` one JSON object ``{"error": ...}`` on stdout
+    (where a program reading the output looks), and the exit status."""
+    if as_json:
+        sys.stdout.write(json.dumps({"error": message}) + "\n")
+        sys.stdout.flush()
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: bad input prints one line and exits 2; nothing else prints a traceback
-    unless MESHKIT_DEBUG=1."""
+    """Entry point: bad input prints one line (with ``--json``, a JSON object on stdout) and exits
+    2; nothing else prints a traceback unless MESHKIT_DEBUG=1."""
+    command = _command()
+    as_json = _wants_json(list(sys.argv[1:] if argv is None else argv), command)
     try:
-        result = _command().main(args=argv, prog_name="meshkit", standalone_mode=False)
+        result = command.main(args=argv, prog_name="meshkit", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except typer.Exit as e:
         return e.exit_code
     except typer.Abort:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _fail("interrupted", 130, as_json)
     except TyperException as e:  # usage errors: one line, naming where the help is
         ctx = getattr(e, "ctx", None)
         if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
             print(ctx.get_help())
             return 0
         where = f"{ctx.command_path} --help" if ctx is not None else "meshkit --help"
-        print(f"error: {e.format_message()} (see {where})", file=sys.stderr)
-        return e.exit_code
+        return _fail(f"{e.format_message()} (see {where})", e.exit_code, as_json)
     except SystemExit as e:
         return int(e.code or 0) if not isinstance(e.code, str) else 1
     except MeshkitError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e), 2, as_json)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _fail("interrupted", 130, as_json)
     except Exception as e:
         if os.environ.get("MESHKIT_DEBUG"):
             raise
         first = (str(e).strip().splitlines() or [""])[0]
-        print(f"error: {type(e).__name__}: {first} (set MESHKIT_DEBUG=1 for the traceback)", file=sys.stderr)
-        return 1
+        return _fail(f"{type(e).__name__}: {first} (set MESHKIT_DEBUG=1 for the traceback)", 1, as_json)
     return 0
 
 

@@ -32,6 +32,15 @@ def launch(
             "--timeout", help="Seconds the processes wait for each other at start-up (default 300)."
         ),
     ] = None,
+    grace: Annotated[
+        float | None,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            help="After a SIGINT or SIGTERM passed on to the processes: seconds they get to save a "
+            "checkpoint and exit before SIGKILL (default 30).",
+        ),
+    ] = None,
 ) -> None:
     """Start N processes of one job, prefix each output line with its rank, stop all when one fails."""
     if num_processes is None:
@@ -44,7 +53,7 @@ def launch(
 
     status = run(
         command or [], num_processes, devices_per_process=devices_per_process, port=port, timeout_s=timeout,
-        output=sys.stdout, error_output=sys.stderr,
+        output=sys.stdout, error_output=sys.stderr, **({} if grace is None else {"signal_grace_s": grace}),
     )  # fmt: skip
     raise typer.Exit(status)
 

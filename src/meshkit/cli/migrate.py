@@ -36,8 +36,29 @@ def _summary(findings, fixed: int, files: int) -> None:
     console.print(f"{len(findings)} finding(s) in {files} file(s){tail}")
 
 
+def _write(results) -> tuple[set[str], str | None]:
+    """Write every changed file, atomically; stop at the first that cannot be written.
+
+    Returns the paths written and the error line, if any (that file and the rest are left as they were).
+    """
+    from meshkit.migrate import MigrateWriteError, write
+
+    written: set[str] = set()
+    changed = [r for r in results if r.changed]
+    for i, r in enumerate(changed):
+        try:
+            write(r)
+        except MigrateWriteError as e:
+            rest = len(changed) - i - 1
+            return written, f"{e}" + (f" ({rest} more file(s) not written)" if rest else "")
+        written.add(r.path)
+    return written, None
+
+
 def migrate(
-    paths: Annotated[list[Path], typer.Argument(help="Python files or directories (recursing into *.py).")],
+    paths: Annotated[
+        list[Path] | None, typer.Argument(help="Python files or directories (recursing into *.py).")
+    ] = None,
     fix: Annotated[bool, typer.Option("--fix", help="Rewrite files in place where the fix is safe.")] = False,
     diff: Annotated[
         bool, typer.Option("--diff", help="Show the unified diff of the fixes; write nothing.")
@@ -52,28 +73,36 @@ def migrate(
         typer.Option("--exclude", help="Skip files matching GLOB under directories (repeatable)."),
     ] = None,
 ) -> None:
-    """Find legacy JAX (pmap-era) code and rewrite it into JAX 0.12 idioms: jax.shard_map over a mesh."""
-    from meshkit.migrate import counts
+    """Find legacy JAX (pmap-era) code and rewrite it into JAX 0.12 idioms: jax.shard_map over a mesh.
+
+    Exit 1 if a file cannot be read, parsed or written (with --check: if findings remain); 2 on bad input.
+    """
+    from meshkit.migrate import MigratePathError, counts
     from meshkit.migrate import migrate as run
 
+    if not paths:  # bad input, reported by meshkit.cli.main (with --json, as a JSON object on stdout)
+        raise MigratePathError("no paths given: name Python files or directories, e.g. meshkit migrate src/")
     results = run(paths, exclude or ())
     write = fix and not diff
+    written, error = _write(results) if write else (set(), None)
     for r in results:
-        if write and r.changed:
-            Path(r.path).write_text(r.fixed, encoding="utf-8")
         if r.changed and not r.stable:
             print(f"warning: {r.path}: a second --fix would change it again; check the diff", file=sys.stderr)
-    findings = [f for r in results for f in (r.remaining if write else r.findings)]
-    fixed = sum(len(r.findings) - len(r.remaining) for r in results if r.changed) if write else 0
+    findings = [f for r in results for f in (r.remaining if r.path in written else r.findings)]
+    fixed = sum(len(r.findings) - len(r.remaining) for r in results if r.path in written)
     diffs = {r.path: _diff(r) for r in results if diff and r.changed}
     if json:
         report = {"findings": [f.to_json() for f in findings], "counts": counts(findings)}
-        print_json({**report, "files": len(results), "fixed": fixed} | ({"diffs": diffs} if diff else {}))
+        extra = ({"diffs": diffs} if diff else {}) | ({"error": error} if error else {})
+        print_json({**report, "files": len(results), "fixed": fixed} | extra)
     else:
         sys.stdout.write("".join(diffs.values()))
         sys.stdout.write("".join(f"{f}\n" for f in findings))
         _summary(findings, fixed, len(results))
-    if check and findings:
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+    unread = any(f.rule == "MK000" for f in findings)
+    if error or unread or (check and findings):
         raise typer.Exit(1)
 
 

@@ -53,14 +53,16 @@ def plan(
     hardware: Annotated[
         str, _opt(_C, "a100-40gb, a100-80gb, h100, h200, tpu-v4, tpu-v5e, tpu-v5p, or custom.")
     ] = "h100",
-    peak_tflops: Annotated[float | None, _opt(_C, "custom: dense bf16 TFLOP/s per device.")] = None,
-    memory_gb: Annotated[float | None, _opt(_C, "custom: HBM GB per device.")] = None,
-    hbm_gbps: Annotated[float | None, _opt(_C, "custom: HBM GB/s.")] = None,
+    peak_tflops: Annotated[
+        float | None, _opt(_C, "Dense bf16 TFLOP/s per device (custom; overrides a named device's).")
+    ] = None,
+    memory_gb: Annotated[float | None, _opt(_C, "HBM GB per device (custom; overrides).")] = None,
+    hbm_gbps: Annotated[float | None, _opt(_C, "HBM GB/s (custom; overrides).")] = None,
     intra_gbps: Annotated[
-        float | None, _opt(_C, "custom: GB/s per device per direction inside a host.")
+        float | None, _opt(_C, "GB/s per device per direction inside a host (custom; overrides).")
     ] = None,
     inter_gbps: Annotated[
-        float | None, _opt(_C, "custom: GB/s per device per direction between hosts.")
+        float | None, _opt(_C, "GB/s per device per direction between hosts (custom; overrides).")
     ] = None,
     family: Annotated[
         str, _opt(_C, "custom: calibrated efficiency of gpu-ampere, gpu-hopper or tpu.")
@@ -79,6 +81,14 @@ def plan(
     runtime: Annotated[
         str, _opt(_J, "standard (Megatron-style) or meshkit (meshkit's compiled programs).")
     ] = "standard",
+    stack: Annotated[
+        str,
+        _opt(
+            _J,
+            "Software whose efficiency to assume: maxtext-xla (JAX/XLA, what meshkit runs), megatron-te, "
+            "torchtitan or deepspeed, each calibrated on its published runs.",
+        ),
+    ] = "maxtext-xla",
     layout: Annotated[str | None, _opt(_L, "Evaluate one layout, e.g. dp=24,tp=8,pp=8.")] = None,
     microbatch_size: Annotated[int, _opt(_L, "Sequences per micro-batch per replica.")] = 1,
     schedule: Annotated[str, _opt(_L, "gpipe, 1f1b or interleaved.")] = "1f1b",
@@ -92,6 +102,14 @@ def plan(
     ] = 0,
     remat: Annotated[str, _opt(_L, "none, layer (= full), dots (= selective) or regather.")] = "none",
     zero: Annotated[int, _opt(_L, "ZeRO stage over the data axis: 0, 1, 2, 3.")] = 0,
+    shard_group: Annotated[
+        int,
+        _opt(
+            _L,
+            "ZeRO-3 over groups of N data-parallel devices, replicated across the groups (hybrid sharding).",
+            show_default="all of dp",
+        ),
+    ] = 0,
     top: Annotated[int, _opt(_O, "Ranked layouts to show.")] = 10,
     json: Annotated[bool, _opt(_O, "Print JSON instead of tables.")] = False,
     plot: Annotated[Path | None, _opt(_O, "Write the step time vs peak memory plot to FILE (.png).")] = None,
@@ -101,53 +119,46 @@ def plan(
     ] = 0,
 ) -> None:
     """Choose a parallel layout: predicted memory, communication, bubble, step time and MFU per layout."""
-    from meshkit.planner import Cluster, Job, Layout, ModelShape, predict, search
-    from meshkit.planner.hardware import custom
-    from meshkit.planner.hardware import hardware as get_hardware
+    from meshkit.analysis import MAX_DEVICES
+
+    if not 1 <= devices <= MAX_DEVICES:  # the search enumerates the divisors of the count: bound it first
+        raise MeshkitError(f"--devices {devices:,} is not a device count: give 1 to {MAX_DEVICES:,}")
+    from meshkit.planner import Layout, ModelShape, predict
     from meshkit.planner.presets import preset
 
+    figures = dict(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
+                   inter_gbps=inter_gbps)  # fmt: skip
+    if top < 1:
+        raise MeshkitError(f"--top {top}: show at least 1 layout")
+    if compile < 0:
+        raise MeshkitError(f"--compile {compile}: compile 0 or more layouts")
     shape = _shape(
         model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape
     )
-    if hardware.strip().lower() == "custom":
-        hw = custom(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
-                    inter_gbps=inter_gbps, devices_per_host=devices_per_host or 8, family=family)  # fmt: skip
-    else:
-        hw = get_hardware(hardware)
-    cluster = Cluster(hardware=hw, devices=devices, devices_per_host=devices_per_host or 0)
-    job = Job(global_batch=global_batch, precision=precision, optimizer_bytes=optimizer_bytes,
-              flash_attention=flash_attention, runtime=runtime)  # fmt: skip
-    if top < 1 or compile < 0:
-        raise MeshkitError(f"--top {top} / --compile {compile}: need --top >= 1 and --compile >= 0")
+    cluster, job = _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision,
+                                    optimizer_bytes, flash_attention, runtime, stack)  # fmt: skip
+    notes: list[str] = []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         plot = plot or out / "plan.png"
     if layout is not None:
-        v = virtual_stages or _virtual(schedule, shape.layers, layout)
+        v = virtual_stages or _virtual(schedule, shape.layers, layout, notes)
         one = Layout.parse(layout, microbatch_size=microbatch_size, schedule=schedule, virtual_stages=v,
                            remat=remat, zero=zero)  # fmt: skip
-        pred = predict(shape, one, cluster, job)
+        pred = predict(shape, one, cluster, job, shard_group=shard_group)
         if not pred.valid:
             raise MeshkitError(f"layout {one.label()} cannot run: {pred.why}")
         preds, result = [pred], None
     else:
-        result = search(shape, cluster, job)
-        if result.best is None:
-            close = result.closest()
-            if close is None:
-                raise MeshkitError(
-                    f"no layout of {shape.name} runs on {devices} devices with global batch {global_batch}: "
-                    f"use a global batch that divides over the data-parallel degrees (e.g. a multiple of {devices})"
-                )
+        if shard_group:
             raise MeshkitError(
-                f"{shape.name} fits no layout on {devices} x {hw.name}: the best, {close.layout.label()}, "
-                f"needs {close.peak_bytes / 1e9:.1f} GB per device of {close.limit_bytes / 1e9:.1f} GB usable "
-                f"({close.peak_bytes / close.limit_bytes:.2f}x too large): add devices, or use larger ones"
+                "--shard-group prices one layout: give --layout too (the search tries hybrid sharding itself)"
             )
+        result = _search(shape, cluster, job)
         preds = result.ranked[:top]
-    runnable = [p for p in (preds if result is None else result.ranked) if p.layout.meshkit_plan()]
+    runnable = [p for p in (preds if result is None else result.ranked) if p.meshkit_plan()]
     measured = _compile(shape, runnable[:compile], cluster, job) if compile else None
-    payload = _payload(shape, cluster, job, preds, result, measured)
+    payload = _payload(shape, cluster, job, preds, result, measured, notes)
     if out is not None:
         (out / "plan.json").write_text(__import__("json").dumps(payload, indent=2, default=str) + "\n")
     if plot is not None:
@@ -155,20 +166,76 @@ def plan(
     if json:
         print_json(payload)
         return
+    for note in notes:
+        console.print(f"note: {note}", highlight=False, style="dim")
     _print(shape, cluster, job, preds, result, measured, single=layout is not None)
     if plot is not None:
         console.print(f"plot: {plot}")
 
 
-def _virtual(schedule: str, layers: int, layout: str) -> int:
-    """Interleaved without --virtual-stages: 2 chunks per device where they divide its layers
-    (1 without a pipeline, where the schedule means nothing)."""
+def _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision, optimizer_bytes,
+                     flash_attention, runtime, stack):  # fmt: skip
+    """The cluster (a named device, its figures overridden by the flags given, or a custom one) and the
+    job, every number checked (finite, positive) with a line naming its flag."""
+    from meshkit.planner import Cluster, Job
+    from meshkit.planner.hardware import check_number, custom, override
+    from meshkit.planner.hardware import hardware as get_hardware
+    from meshkit.planner.stacks import stack_for
+
+    for flag, value in figures.items():
+        check_number(flag, value)
+    check_number("optimizer_bytes", optimizer_bytes, zero=True)
+    if hardware.strip().lower() == "custom":
+        hw = custom(**figures, devices_per_host=devices_per_host or 8, family=family)
+    else:
+        hw = override(get_hardware(hardware), **figures)
+    cluster = Cluster(hardware=hw, devices=devices, devices_per_host=devices_per_host or 0)
+    job = Job(global_batch=global_batch, precision=precision, optimizer_bytes=optimizer_bytes,
+              flash_attention=flash_attention, runtime=runtime, stack=stack.strip().lower())  # fmt: skip
+    stack_for(job, hw)
+    return cluster, job
+
+
+def _search(shape, cluster, job):
+    """Every layout ranked; where none fits, one line saying by how much the closest misses."""
+    from meshkit.planner import search
+
+    result = search(shape, cluster, job)
+    if result.best is None:
+        close = result.closest()
+        if close is None:
+            raise MeshkitError(
+                f"no layout of {shape.name} runs on {cluster.devices} devices with global batch {job.global_batch}: "
+                f"use a global batch that divides over the data-parallel degrees (e.g. a multiple of {cluster.devices})"
+            )
+        raise MeshkitError(
+            f"{shape.name} fits no layout on {cluster.devices} x {cluster.hardware.name}: the best, {close.label()}, "
+            f"needs {close.peak_bytes / 1e9:.1f} GB per device of {close.limit_bytes / 1e9:.1f} GB usable "
+            f"({close.peak_bytes / close.limit_bytes:.2f}x too large): add devices, or use larger ones"
+        )
+    return result
+
+
+def _virtual(schedule: str, layers: int, layout: str, notes: list[str]) -> int:
+    """Interleaved without --virtual-stages: 2 chunks per device where they divide its layers, else 1
+    (and without a pipeline, where the schedule means nothing), said in ``notes``."""
     if schedule != "interleaved":
         return 1
     pp = dict(p.split("=", 1) for p in layout.replace(" ", "").split(",") if "=" in p).get("pp", "1")
-    if not pp.isdigit() or int(pp) <= 1 or layers % int(pp):
+    if not pp.isdigit() or int(pp) <= 1:
+        notes.append("--schedule interleaved without a pipeline (pp=1): no schedule applies")
         return 1
-    return 2 if (layers // int(pp)) % 2 == 0 else 1
+    p = int(pp)
+    if layers % p or (layers // p) % 2:
+        why = (
+            f"pp={p} does not divide the {layers} layers"
+            if layers % p
+            else f"the {layers // p} layers per stage are odd"
+        )
+        notes.append(f"interleaved with 1 virtual stage (plain 1F1B order): {why}, so 2 chunks per device do not "
+                     "fit; give --virtual-stages to choose")  # fmt: skip
+        return 1
+    return 2
 
 
 def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape):
@@ -254,7 +321,16 @@ def _compile(shape, preds, cluster, job):
     return [(m, predict(shape, p.layout, cluster, mk)) for p, m in zip(preds, got, strict=True)]
 
 
-def _payload(shape, cluster, job, preds, result, measured) -> dict:
+def _stack(job, preds) -> dict:
+    """The software stack the prediction assumes, and where its efficiency comes from."""
+    from meshkit.planner.stacks import CALIBRATION, STACKS
+
+    first = preds[0]
+    return {"name": job.stack, "label": STACKS[job.stack].label, "efficiency_source": first.efficiency_source,
+            "calibration": CALIBRATION.to_json()}  # fmt: skip
+
+
+def _payload(shape, cluster, job, preds, result, measured, notes) -> dict:
     import dataclasses
 
     out = {
@@ -262,6 +338,8 @@ def _payload(shape, cluster, job, preds, result, measured) -> dict:
         "cluster": {"hardware": cluster.hardware.to_json(), "devices": cluster.devices,
                     "devices_per_host": cluster.devices_per_host},
         "job": dataclasses.asdict(job),
+        "stack": _stack(job, preds),
+        "notes": notes,
         "layouts": [p.to_json() for p in preds],
     }  # fmt: skip
     if result is not None:
@@ -289,13 +367,19 @@ def _pct(x: float, total: float) -> str:
 
 
 def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
-    from meshkit.planner.predict import param_count
+    from meshkit.planner.sizes import param_count
+    from meshkit.planner.stacks import STACKS
 
     hw = cluster.hardware
     console.print(
         f"[bold]{shape.name}[/]: {_count(param_count(shape))} parameters, {shape.layers} layers, width "
         f"{shape.width}, {shape.heads} heads, seq {shape.seq}, vocab {shape.vocab} | {cluster.devices} x "
         f"{hw.name} ({cluster.devices_per_host} per host) | global batch {job.global_batch}, {job.precision}",
+        highlight=False,
+    )
+    console.print(
+        f"stack {job.stack} ({STACKS[job.stack].label}): matmul efficiency {preds[0].efficiency:.2f} of peak, "
+        f"{preds[0].efficiency_source}; --stack to assume another",
         highlight=False,
     )
     cols = ["#", "layout", "meshkit plan", "peak/device", "step", "tokens/s", "MFU", "TFLOP/s",
@@ -306,14 +390,14 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         split = "/".join(
             _pct(pa[k], s) for k in ("compute", "comm_model", "comm_data", "comm_stage", "bubble")
         )
-        rows.append([i, p.layout.label(), p.layout.meshkit_plan() or "-",
+        rows.append([i, p.label(), p.meshkit_plan() or "-",
                      fmt_bytes(p.peak_bytes, decimal=True) + ("" if p.fits else " (no fit)"),
                      _seconds(s), f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%",
                      f"{p.hardware_tflops_per_device:.0f}", split])  # fmt: skip
     title = (
-        "Predicted"
+        f"Predicted ({job.stack})"
         if single
-        else f"Layouts that fit, fastest first (top {len(preds)} of {len(result.ranked)})"
+        else f"Layouts that fit, fastest first (top {len(preds)} of {len(result.ranked)}; {job.stack})"
     )
     t = table(title, cols, rows, justify_right=3)
     t.columns[1].no_wrap = True
@@ -344,7 +428,7 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         considered = len(result.ranked) + len(result.rejected)
         console.print(f"rejected {len(result.rejected)} of {considered} layouts" + (f": {summary}" if summary else ""),
                       highlight=False)  # fmt: skip
-        console.print(f"choice: [bold]{preds[0].layout.label()}[/]", highlight=False)
+        console.print(f"choice: [bold]{preds[0].label()}[/]", highlight=False)
     if measured:
         rows = []
         for m, p in measured:
@@ -384,7 +468,7 @@ def _plot(preds, choice, path: Path) -> None:
     limit = choice.limit_bytes / 1e9
     ax.axvline(limit, color="tab:red", ls="--", lw=1, label=f"usable memory {limit:.0f} GB")
     ax.scatter([choice.peak_bytes / 1e9], [choice.step_time_s], s=120, marker="*", c="tab:orange", zorder=5,
-               label=f"choice: {choice.layout.label()}")  # fmt: skip
+               label=f"choice: {choice.label()}")  # fmt: skip
     ax.set(xlabel="predicted peak memory per device (GB)", ylabel="predicted step time (s)",
            title="meshkit plan: layouts")  # fmt: skip
     ax.set_yscale("log")

@@ -140,7 +140,8 @@ def train(
 
     if jax.process_index() != 0:  # one voice per job: the others train quietly (errors still print)
         console = Console(file=io.StringIO())
-    from meshkit.train.loop import run, saved_config
+    from meshkit.train.job import saved_config
+    from meshkit.train.loop import run
 
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
                  heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
@@ -194,7 +195,7 @@ def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
     """``--plan auto``: the planner's choice for this GPT, its batch and precision on these devices."""
     from meshkit.planner.auto import choose_gpt
     from meshkit.train.data import load_text
-    from meshkit.train.loop import model_shape
+    from meshkit.train.job import model_shape
 
     if clash := [C.flag(k) for k in AUTO_SETS if k in given]:
         raise C.ConfigError(

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshkit.migrate import rules_api, rules_misuse, rules_pmap, rules_removed
 from meshkit.migrate._engine import run
-from meshkit.migrate._files import MigratePathError, python_files
+from meshkit.migrate._files import (
+    Encoding,
+    MigratePathError,
+    MigrateWriteError,
+    encoding_of,
+    python_files,
+    write_atomic,
+)
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Rule
 
 RULES: dict[str, Rule] = {PARSE_ERROR.id: PARSE_ERROR, **dict(sorted(REGISTRY.items()))}
@@ -26,7 +33,8 @@ RULES: dict[str, Rule] = {PARSE_ERROR.id: PARSE_ERROR, **dict(sorted(REGISTRY.it
 class FileResult:
     """One file: its findings, its text before and after every safe fix, and what the fixes leave.
 
-    ``stable`` says a second ``--fix`` changes nothing (the fixes are idempotent on this file).
+    ``stable`` says a second ``--fix`` changes nothing (the fixes are idempotent on this file);
+    ``encoding`` is how the file stores its text (a BOM, CRLF line endings), kept on writing.
     """
 
     path: str
@@ -35,6 +43,7 @@ class FileResult:
     findings: tuple[Finding, ...]
     remaining: tuple[Finding, ...]
     stable: bool = True
+    encoding: Encoding = field(default_factory=Encoding)
 
     @property
     def changed(self) -> bool:
@@ -51,17 +60,25 @@ def fix_source(text: str, select: Iterable[str] | None = None) -> str:
     return run(text, fix=True, select=select)[1]
 
 
+def _unreadable(path: str, why: str, fix: str) -> FileResult:
+    finding = Finding(
+        path=path, line=1, col=1, rule=PARSE_ERROR.id, message=why, fix=f"by hand: {fix}", fixable=False
+    )
+    return FileResult(path=path, source="", fixed="", findings=(finding,), remaining=(finding,))
+
+
 def migrate_file(path: str | Path) -> FileResult:
-    """Lint and fix one file in memory; nothing is written."""
+    """Lint and fix one file in memory; nothing is written (``write`` does that)."""
     name = str(path)
     try:
-        source = Path(path).read_text(encoding="utf-8")
+        data = Path(path).read_bytes()
+    except OSError as e:
+        return _unreadable(name, f"cannot read: {e.strerror or e}", "make the file readable")
+    encoding = encoding_of(data)
+    try:
+        source = encoding.decode(data)
     except UnicodeDecodeError as e:
-        finding = Finding(
-            path=name, line=1, col=1, rule=PARSE_ERROR.id, message=f"cannot read as UTF-8: {e.reason}",
-            fix="by hand: save the file as UTF-8", fixable=False,
-        )  # fmt: skip
-        return FileResult(path=name, source="", fixed="", findings=(finding,), remaining=(finding,))
+        return _unreadable(name, f"cannot read as UTF-8: {e.reason}", "save the file as UTF-8")
     findings, fixed = run(source, name, fix=True)
     remaining, again = (findings, fixed) if fixed == source else run(fixed, name, fix=True)
     return FileResult(
@@ -71,7 +88,18 @@ def migrate_file(path: str | Path) -> FileResult:
         findings=tuple(findings),
         remaining=tuple(remaining),
         stable=again == fixed,
+        encoding=encoding,
     )
+
+
+def write(result: FileResult) -> None:
+    """Write ``result.fixed`` over its file in the file's own conventions (BOM, CRLF), atomically.
+
+    Raises MigrateWriteError, the file left as it was, when it cannot be written or has changed
+    since it was read.
+    """
+    enc = result.encoding
+    write_atomic(result.path, enc.encode(result.fixed), expected=enc.encode(result.source))
 
 
 def migrate(paths: Iterable[str | Path], exclude: Iterable[str] = ()) -> list[FileResult]:
@@ -94,6 +122,7 @@ __all__ = [
     "FileResult",
     "Finding",
     "MigratePathError",
+    "MigrateWriteError",
     "Rule",
     "counts",
     "fix_source",
@@ -105,4 +134,5 @@ __all__ = [
     "rules_misuse",
     "rules_pmap",
     "rules_removed",
+    "write",
 ]

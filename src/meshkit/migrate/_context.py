@@ -20,16 +20,12 @@ PMAP_NAMES = frozenset({"jax.pmap", "jax.api.pmap", "jax._src.api.pmap"})
 _MULTIHOST = frozenset(
     f"jax.{n}" for n in ("process_index", "process_count", "host_id", "host_count", "distributed.initialize")
 )
-# Ways legacy code gives arrays a device axis before pmap: replicate helpers and broadcasts.
-_REPLICATE = frozenset(
-    {
-        "flax.jax_utils.replicate",
-        "jax.device_put_replicated",
-        "jax.api.device_put_replicated",
-        "numpy.broadcast_to",
-        "jax.numpy.broadcast_to",
-    }
-)
+# Ways legacy code gives arrays a device axis before pmap: besides these, any function whose name
+# says it replicates or broadcasts (flax's ``jax_utils.replicate``, a project's own ``replicate_state``).
+_REPLICATE = frozenset({"jax.device_put_sharded", "jax.api.device_put_sharded"})
+_REPLICATE_WORDS = ("replicat", "broadcast")
+# What a pmapped function's attributes may be read for and still be rewritten: the helper copies them.
+WRAPPED = frozenset({"__name__", "__qualname__", "__doc__", "__module__", "__wrapped__", "__dict__"})
 _EMPTY = cst.Module(body=[])
 
 
@@ -74,7 +70,7 @@ class PmapSite:
 
     ``anchor`` is the Call or Decorator node; ``call`` carries pmap's arguments (None for a bare
     ``@jax.pmap``) from ``offset`` on; ``fn`` is the mapped function where this module defines it;
-    ``name`` is the name the pmapped function is bound to.
+    ``name`` is the name the pmapped function is bound to (``step`` for ``obj.step = jax.pmap(...)``).
     """
 
     anchor: cst.CSTNode
@@ -96,18 +92,24 @@ class Context:
     sites: dict[cst.CSTNode, PmapSite] = field(default_factory=dict)
     nested: dict[cst.Call, PmapSite] = field(default_factory=dict)
     nested_sites: set[int] = field(default_factory=set)
+    # pmap applied to what is pmapped already (stacked decorators, ``jax.pmap(jax.pmap(f))``):
+    # the outer site's anchor and what it maps.
+    stacked: dict[cst.CSTNode, str] = field(default_factory=dict)
     # pmap named but not applied where this module can follow it (``p = jax.pmap``, ``g(jax.pmap)``).
     pmap_refs: set[cst.CSTNode] = field(default_factory=set)
-    # Names and call results whose attributes the module reads (``step.lower(...)``): a pmapped
-    # function's own methods have no counterpart on the rewritten one.
-    attribute_bases: set[str] = field(default_factory=set)
-    attribute_calls: set[int] = field(default_factory=set)
+    # The attributes the module reads on each name (``step.lower`` and ``self.step.lower`` both
+    # under ``step``) and on each call's result: a pmapped function's own methods (``.lower``)
+    # have no counterpart on the rewritten one.
+    attribute_reads: dict[str, set[str]] = field(default_factory=dict)
+    attribute_calls: dict[int, set[str]] = field(default_factory=dict)
     # The first call that makes the module multi-host, as (dotted name, line), if any.
     multihost: tuple[str, int] | None = None
     # Names bound at module level (imports, assignments, defs), for helpers and imports a fix adds.
     module_names: dict[str, cst.CSTNode] = field(default_factory=dict)
-    # Whether the module binds ``jax`` to the jax package at top level (``import jax``).
+    # Whether the module binds ``jax`` to the jax package at top level (``import jax``), and
+    # whether it imports anything from jax at top level (``import jax.numpy as jnp`` too).
     imports_jax: bool = False
+    uses_jax: bool = False
     # Whether the module replicates arrays over devices first (the standard pmap idiom for params).
     replicates: bool = False
     # PRNGKey: every call of it, those safe to make typed keys (see _keys), and whether all uses are.
@@ -143,6 +145,11 @@ class Context:
     def is_nested(self, site: PmapSite) -> bool:
         return id(site) in self.nested_sites
 
+    def attributes_read(self, site: PmapSite) -> set[str]:
+        """The attributes the module reads on the function ``site`` makes, beyond those the helper copies."""
+        read = self.attribute_reads.get(site.name, set()) if site.name else set()
+        return (read | self.attribute_calls.get(id(site.anchor), set())) - WRAPPED
+
 
 def _canonical(name: str | None) -> str | None:
     """``jax.pmap`` for every name pmap goes by; other names unchanged."""
@@ -171,6 +178,7 @@ class _SiteFinder(cst.CSTVisitor):
         self.applied: set[int] = set()
         self.refs: list[cst.CSTNode] = []
         self.key_refs: list[cst.CSTNode] = []
+        self.pmapped_defs: set[str] = set()
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -183,10 +191,12 @@ class _SiteFinder(cst.CSTVisitor):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         self._reference(node)
-        if isinstance(node.value, cst.Name):
-            self.ctx.attribute_bases.add(node.value.value)
-        elif isinstance(node.value, cst.Call):
-            self.ctx.attribute_calls.add(id(node.value))
+        base = node.value
+        if isinstance(base, cst.Name | cst.Attribute):
+            name = base.value if isinstance(base, cst.Name) else base.attr.value
+            self.ctx.attribute_reads.setdefault(name, set()).add(node.attr.value)
+        elif isinstance(base, cst.Call):
+            self.ctx.attribute_calls.setdefault(id(base), set()).add(node.attr.value)
 
     def _reference(self, node: cst.Name | cst.Attribute) -> None:
         name = self.ctx.qname(node)
@@ -196,28 +206,39 @@ class _SiteFinder(cst.CSTVisitor):
             if self.ctx.multihost is None:
                 line = self.ctx.get_metadata(PositionProvider, node).start.line
                 self.ctx.multihost = (name, line)
-        elif name in _REPLICATE or (name or "").endswith("_utils.replicate"):
+        elif name in _REPLICATE or any(
+            w in (name or "").rsplit(".", 1)[-1].lower() for w in _REPLICATE_WORDS
+        ):
             self.ctx.replicates = True
         elif name == "jax.random.PRNGKey":
             self.key_refs.append(node)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.defs[node.name.value] = node
+        pmapped = []
         for d in node.decorators:
             self.decorators.add(id(d.decorator))
             expr = d.decorator
             if _canonical(self.ctx.qname(expr)) == "jax.pmap":
                 self.applied.add(id(expr))
+                pmapped.append(d)
                 self._add(d, None, 0, node, node.name.value, True)
             elif isinstance(expr, cst.Call) and self.ctx.callee(expr) == ("jax.pmap", 1):
                 self.applied.add(id(expr.args[0].value))
+                pmapped.append(d)
                 self._add(d, expr, 1, node, node.name.value, True)
+        if pmapped:
+            self.pmapped_defs.add(node.name.value)
+        for outer in pmapped[:-1]:  # stacked: each decorator maps what the one below it pmapped
+            self.ctx.stacked[outer] = f"{node.name.value}, pmapped by the decorator below"
 
     def visit_Assign(self, node: cst.Assign) -> None:
         if isinstance(node.value, cst.Call) and len(node.targets) == 1:
             target = node.targets[0].target
             if isinstance(target, cst.Name):
                 self.assigned[node.value] = target.value
+            elif isinstance(target, cst.Attribute):  # ``self.step = jax.pmap(...)``: followed by its name
+                self.assigned[node.value] = target.attr.value
 
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
         # ``[x] * n_devices``: the docs' way to stack one copy per device.
@@ -270,12 +291,14 @@ def build_context(module: cst.Module, get_metadata: Callable) -> Context:
     module.visit(finder)
     ctx.pmap_refs = {r for r in finder.refs if id(r) not in finder.applied}
     ctx.module_names, ctx.imports_jax = _module_names(module)
+    ctx.uses_jax = any(_from_jax(n) for n in ctx.module_names.values())
     if ctx.key_calls:
         ctx.safe_keys = safe_prng_keys(module, ctx.key_calls, get_metadata, ctx.qname)
     safe_funcs = {id(c.func) for c in ctx.safe_keys}
     ctx.all_keys_safe = all(id(r) in safe_funcs for r in finder.key_refs)
     ctx.sites = {anchor: finder.resolve(s) for anchor, s in ctx.sites.items()}
     by_name = {s.name: s for s in ctx.sites.values() if s.name is not None}
+    _find_stacked(ctx, finder.pmapped_defs, by_name)
     for outer in ctx.sites.values():
         if outer.fn is None:
             continue
@@ -285,6 +308,46 @@ def build_context(module: cst.Module, get_metadata: Callable) -> Context:
                 ctx.nested[call] = outer
                 ctx.nested_sites.update((id(outer), id(inner)))
     return ctx
+
+
+def _find_stacked(ctx: Context, pmapped_defs: set[str], by_name: dict[str, PmapSite]) -> None:
+    """Mark pmaps applied to what is pmapped already as nested (JAX 0.12 raises ValueError on them).
+
+    That is stacked decorators, ``jax.pmap(jax.pmap(f))``, and ``jax.pmap(g)`` for a pmapped ``g``.
+    """
+    by_anchor = {id(a): s for a, s in ctx.sites.items()}
+    by_def: dict[int, list[PmapSite]] = {}
+    for anchor, site in ctx.sites.items():
+        if site.decorator:
+            by_def.setdefault(id(site.fn), []).append(site)
+            continue
+        fun = (site.arguments() or {}).get("fun")
+        value = None if fun is None else fun.value
+        if isinstance(value, cst.Call) and id(value) in by_anchor:
+            ctx.stacked[anchor] = f"{code(value.func)}(...), a pmap"
+            ctx.nested_sites.update((id(site), id(by_anchor[id(value)])))
+        elif isinstance(value, cst.Name):
+            inner = by_name.get(value.value)
+            inner = None if inner is site else inner  # ``step = jax.pmap(step)`` maps a plain def
+            if inner is None and value.value not in pmapped_defs:
+                continue
+            ctx.stacked[anchor] = f"{value.value}, pmapped already"
+            ctx.nested_sites.update([id(site)] + ([id(inner)] if inner is not None else []))
+    for sites in by_def.values():
+        if len(sites) > 1:
+            ctx.nested_sites.update(id(s) for s in sites)
+
+
+def _from_jax(node: cst.CSTNode) -> bool:
+    """Whether ``node`` is an import from the jax package."""
+    if isinstance(node, cst.Import):
+        return any(code(a.name).split(".")[0] == "jax" for a in node.names)
+    return (
+        isinstance(node, cst.ImportFrom)
+        and not node.relative
+        and node.module is not None
+        and code(node.module).split(".")[0] == "jax"
+    )
 
 
 def _bound(target: cst.BaseExpression) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 
@@ -209,13 +210,61 @@ def _fix_imports(tree: cst.Module, migrator: _Migrator) -> cst.Module:
     return RemoveImportsVisitor(context).transform_module(tree) if unused else tree
 
 
-def _syntax_error(text: str, path: str) -> tuple[int, int, str] | None:
-    """Python's own line, 0-based column and message for a syntax error (clearer than the CST parser's)."""
+# The deepest nesting handed to libcst: its native parser can overflow the C stack (a segfault) or
+# take minutes on deeper input, and its visitors recurse in Python. Real code stays far below.
+MAX_DEPTH = 200
+_DEEP = "file too deeply nested for the parser"
+
+
+def _depth(tree: ast.AST) -> tuple[int, int]:
+    """How deeply ``tree`` nests as libcst sees it (``a and b and c`` nests there, not in ``ast``),
+    and the line where it is deepest; without recursing."""
+    deepest, line, stack = 0, 1, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, ast.BoolOp):
+            depth += len(node.values) - 1
+        elif isinstance(node, ast.alias | ast.ImportFrom):
+            depth += (getattr(node, "name", None) or getattr(node, "module", None) or "").count(".")
+        if depth > deepest:
+            deepest, line = depth, getattr(node, "lineno", line)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest, line
+
+
+def _unparsable(text: str, path: str) -> tuple[int, int, str] | None:
+    """Why the file cannot be handed to libcst, as (line, 0-based column, message); None when it can.
+
+    Python's own parser goes first: its message is clearer than libcst's, and it refuses input
+    nested too deeply for itself (2,000 parentheses) with an error, where libcst would crash.
+    """
     try:
-        compile(text, path, "exec", flags=ast.PyCF_ONLY_AST)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escapes and the like: the file's business, not ours
+            tree = compile(text, path, "exec", flags=ast.PyCF_ONLY_AST)
     except SyntaxError as e:
-        return e.lineno or 1, max((e.offset or 1) - 1, 0), e.msg
+        return e.lineno or 1, max((e.offset or 1) - 1, 0), f"cannot parse: {e.msg}"
+    except (RecursionError, MemoryError, ValueError) as e:
+        return 1, 0, f"cannot parse: {str(e) or type(e).__name__}"
+    depth, line = _depth(tree)
+    if depth > MAX_DEPTH:
+        return line, 0, f"{_DEEP} (depth {depth} > {MAX_DEPTH}): left unchanged"
     return None
+
+
+def _parse_error(path: str, line: int, col: int, message: str) -> Finding:
+    fix = "make the file valid Python, then run migrate again"
+    if message.startswith(_DEEP):
+        fix = f"split the deepest expression (nesting depth at most {MAX_DEPTH}), then run migrate again"
+    return Finding(
+        path=path,
+        line=line,
+        col=col + 1,
+        rule=PARSE_ERROR.id,
+        message=(message.strip().splitlines() or ["cannot parse: syntax error"])[0],
+        fix=f"by hand: {fix}",
+        fixable=False,
+    )
 
 
 def run(
@@ -223,25 +272,23 @@ def run(
 ) -> tuple[list[Finding], str]:
     """Findings in ``text`` and, with ``fix``, the text with every safe fix applied.
 
-    A file that does not parse gives one MK000 finding and comes back unchanged.
+    A file that does not parse, or nests too deeply to parse safely, gives one MK000 finding and
+    comes back unchanged.
     """
     rules = [REGISTRY[i] for i in sorted(REGISTRY) if select is None or i in set(select)]
+    refused = _unparsable(text, path)
+    if refused is not None:
+        return [_parse_error(path, *refused)], text
     try:
         wrapper = MetadataWrapper(cst.parse_module(text))
-    except cst.ParserSyntaxError as e:
-        line, col, why = _syntax_error(text, path) or (e.raw_line, e.raw_column, str(e.message))
-        finding = Finding(
-            path=path,
-            line=line,
-            col=col + 1,
-            rule=PARSE_ERROR.id,
-            message=f"cannot parse: {(why.strip().splitlines() or ['syntax error'])[0]}",
-            fix="by hand: make the file valid Python, then run migrate again",
-            fixable=False,
-        )
-        return [finding], text
-    migrator = _Migrator(path, rules, fix)
-    tree = wrapper.visit(migrator)
-    if fix:
-        tree = _fix_imports(tree, migrator)
+        migrator = _Migrator(path, rules, fix)
+        tree = wrapper.visit(migrator)
+        if fix:
+            tree = _fix_imports(tree, migrator)
+    except cst.ParserSyntaxError as e:  # Python reads the file, libcst does not: say so, change nothing
+        message = f"libcst cannot parse this file (Python can): {e.message}; left unchanged"
+        return [_parse_error(path, e.raw_line, e.raw_column, message)], text
+    except RecursionError:
+        message = f"{_DEEP}: left unchanged"
+        return [_parse_error(path, 1, 0, message)], text
     return migrator.report(), tree.code if fix else text

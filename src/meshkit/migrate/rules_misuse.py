@@ -159,13 +159,18 @@ def pmap_replicate(node: cst.Call | cst.Decorator, ctx: Context) -> Hit | None:
     )
 
 
-@rule("MK014", "nested pmap", cst.Call)
-def nested_pmap(node: cst.Call, ctx: Context) -> Hit | None:
-    """A pmapped function called inside another pmapped function raises ValueError."""
-    outer = ctx.nested.get(node)
+@rule("MK014", "nested pmap", cst.Call, cst.Decorator)
+def nested_pmap(node: cst.Call | cst.Decorator, ctx: Context) -> Hit | None:
+    """A pmap inside a pmap raises ValueError in JAX 0.12: a pmapped function called inside
+    another pmapped function, or pmap applied to what is pmapped already (stacked decorators)."""
+    fix = "one 2D mesh, jax.make_mesh((a, b), ('x', 'y')), and one jax.shard_map over both axes"
+    mapped = ctx.stacked.get(node)
+    if mapped is not None:
+        return Hit(message=f"pmap applied to {mapped} (nested pmap: ValueError)", fix=fix)
+    outer = ctx.nested.get(node) if isinstance(node, cst.Call) else None
     if outer is None:
         return None
     return Hit(
         message=f"pmapped {code(node.func)} called inside pmapped {outer.name or 'function'} (ValueError)",
-        fix="one 2D mesh, jax.make_mesh((a, b), ('x', 'y')), and one jax.shard_map over both axes",
+        fix=fix,
     )

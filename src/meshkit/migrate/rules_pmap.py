@@ -1,11 +1,14 @@
 """MK015: rewrite ``jax.pmap`` into ``jax.shard_map`` where that provably keeps pmap's results.
 
 A pmap is rewritten into ``_pmap_via_shard_map``, a helper the fix adds to the module once
-(``PMAP_HELPER``): ``jax.jit(jax.shard_map(jax.vmap(f), ...))`` over a 1D mesh named after
-pmap's axis. Under pmap each device sees ``x[i]`` (the leading axis removed); under shard_map it
-sees a block of one that keeps its rank, and ``jax.vmap`` with pmap's own ``in_axes`` maps the
-body over that block, so the body sees exactly what pmap showed it, collectives over the mesh
-axis reduce the same values, and outputs come back stacked on axis 0 as pmap stacked them.
+(``PMAP_HELPER``). It is the program JAX 0.12's own pmap runs (``jax/_src/pmap.py``):
+``jax.jit(jax.shard_map(body, check_vma=False))`` over a 1D mesh named after pmap's axis, where
+``body`` removes each argument's mapped axis (``lax.squeeze``), calls the function, and puts
+the axis back on each output (``lax.expand_dims``). So the body sees exactly what pmap showed
+it, collectives reduce the same values, outputs come back stacked on axis 0, and what pmap
+allows the helper allows: no replication check (a loop carry that starts as a constant and
+becomes per-device), no ``vmap`` (a ``pure_callback`` without ``vmap_method``), the function's
+``__name__`` and docstring.
 
 What pmap decided at call time the helper decides at call time too, which an inline rewrite
 cannot: the mesh spans the first ``n`` devices, ``n`` the mapped axis's length (pmap allowed
@@ -13,11 +16,15 @@ fewer than the device count); it is built at the first call, never at import (a 
 pmap rewritten inline would start the backend before the program configures devices or calls
 ``jax.distributed.initialize()``); keyword arguments at call sites are mapped over axis 0, as
 pmap mapped them (shard_map itself takes none). Everything else is left as is with a recipe:
-multi-host modules (pmap's leading axes are host-local there), pmap named but not applied where
-the module can follow it, and arguments the helper does not reproduce.
+multi-host modules (pmap's leading axes are host-local there), nested pmaps, pmap named but not
+applied where the module can follow it, pmapped functions whose attributes (``.lower``) are
+read, and arguments the helper does not reproduce. A module fixed by an earlier meshkit, whose
+helper used ``vmap`` and the replication check, gets the current helper instead.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import libcst as cst
 
@@ -29,44 +36,70 @@ HELPER = "_pmap_via_shard_map"
 PMAP_HELPER = f'''
 
 def {HELPER}(fun, axis_name=None, *, in_axes=0, donate_argnums=()):
-    """What pmap(fun, axis_name, in_axes=...) did, written with jax.shard_map (added by meshkit migrate).
+    """pmap(fun, axis_name, in_axes=..., donate_argnums=...) as JAX 0.12 runs it (added by meshkit migrate).
 
-    As under pmap, the body sees one entry of each mapped argument (keyword arguments are
-    mapped over axis 0) and the outputs come back stacked on axis 0. The 1D mesh spans the
-    first n devices, n the mapped axis's length (pmap allowed fewer than the device count);
-    it is built at the first call, not at import, and one compiled function is kept per n.
+    The same program as JAX 0.12's pmap: jax.jit of jax.shard_map, without the replication check,
+    over a 1D mesh of the first n devices, n the mapped axis's length (built at the first call,
+    not at import). The body sees each mapped argument without its mapped axis (keyword arguments
+    are mapped over axis 0) and each output comes back stacked on axis 0. Like pmap, it carries
+    the function's name and docstring (a partial is named after the function inside).
     """
+    import functools
+
     axis = "_pmap" if axis_name is None else axis_name
     compiled = {{}}
 
     def spec(a):
         return jax.sharding.PartitionSpec() if a is None else jax.sharding.PartitionSpec(*[None] * a, axis)
 
+    def unmapped(x, a):
+        return x if a is None else jax.tree.map(lambda v: jax.lax.squeeze(v, [a]), x)
+
+    def body(axes, args, kwargs):
+        out = fun(*map(unmapped, args, axes), **unmapped(kwargs, 0))
+        return jax.tree.map(lambda v: jax.lax.expand_dims(v, [0]), out)
+
+    @functools.wraps(fun)
     def mapped(*args, **kwargs):
         axes = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        if len(axes) != len(args):
+            raise ValueError(f"pmapped function: in_axes has {{len(axes)}} entries for {{len(args)}} arguments")
         sizes = {{jax.numpy.shape(leaf)[a] for x, a in zip(args, axes) if a is not None for leaf in jax.tree.leaves(x)}}
         sizes |= {{jax.numpy.shape(leaf)[0] for leaf in jax.tree.leaves(kwargs)}}
         if len(sizes) != 1:
             raise ValueError(f"pmapped function: mapped axes have lengths {{sorted(sizes)}}; they need one length")
         n = sizes.pop()
         if (n, axes) not in compiled:
-            types = (jax.sharding.AxisType.Auto,)
-            mesh = jax.make_mesh((n,), (axis,), axis_types=types, devices=jax.devices()[:n])
-            body = jax.vmap(lambda a, k: fun(*a, **k), in_axes=(axes, 0))
+            mesh = jax.sharding.Mesh(jax.devices()[:n], (axis,))
             specs = (tuple(spec(a) for a in axes), spec(0))
-            sharded = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec(0))
+            sharded = jax.shard_map(
+                functools.partial(body, axes), mesh=mesh, in_specs=specs, out_specs=spec(0), check_vma=False
+            )
             compiled[n, axes] = jax.jit(lambda *a, **k: sharded(a, k), donate_argnums=donate_argnums)
         return compiled[n, axes](*args, **kwargs)
 
+    inner = fun
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    mapped.__name__ = getattr(fun, "__name__", getattr(inner, "__name__", "<unnamed function>"))
+    mapped.__qualname__ = getattr(fun, "__qualname__", mapped.__name__)
     return mapped
 '''
+# sha256 of the helpers earlier meshkit versions added (text stripped): ``jax.vmap`` inside
+# ``jax.shard_map`` with the replication check on, wrong where JAX 0.12's pmap is right.
+_EARLIER_HELPERS = frozenset(
+    {
+        "f1fcfdd99afdd43ec1d66c520efe3818a7f0204c7d02c0c7533fcaa3d00e0b12",
+        "25d54047da1208940e4c97079b98db36cb4c7c53ca779bd11fa00e68c69cef1f",
+    }
+)
 _HANDLED = frozenset({"fun", "axis_name", "in_axes", "out_axes", "jit", "donate_argnums"})
 _DROPPED = ("jit", "out_axes")
 _UNUSED = (("jax", "pmap"), ("jax.api", "pmap"))
 _MESSAGE = "pmap is the old way of doing parallel map; use jax.shard_map"
 _FIX = (
-    f"{HELPER}(f, ...), added to the module: jax.jit(jax.shard_map(jax.vmap(f))) over a 1D mesh of "
-    "the mapped axis's length, built at the first call"
+    f"{HELPER}(f, ...), added to the module: what JAX 0.12's pmap runs, jax.jit(jax.shard_map(f)) over a "
+    "1D mesh of the mapped axis's length, built at the first call"
 )
 
 
@@ -81,10 +114,17 @@ def _literal_axes(in_axes: cst.BaseExpression) -> bool:
     return isinstance(in_axes, cst.Name) and in_axes.value == "None"
 
 
+def _earlier_helper(node: cst.CSTNode) -> bool:
+    """Whether ``node`` is the helper as an earlier meshkit wrote it."""
+    if not isinstance(node, cst.FunctionDef) or node.name.value != HELPER:
+        return False
+    return hashlib.sha256(code(node).strip().encode()).hexdigest() in _EARLIER_HELPERS
+
+
 def _helper_taken(ctx: Context) -> bool:
-    """Whether the module binds the helper's name to something other than the helper."""
+    """Whether the module binds the helper's name to something other than the helper (now or earlier)."""
     bound = ctx.module_names.get(HELPER)
-    if bound is None:
+    if bound is None or _earlier_helper(bound):
         return False
     return not (isinstance(bound, cst.FunctionDef) and code(bound).strip() == PMAP_HELPER.strip())
 
@@ -129,9 +169,10 @@ def _blocker(site: PmapSite, args: dict[str, cst.Arg], ctx: Context) -> tuple[st
             "in_axes not a literal of non-negative ints and Nones",
             "in_specs=P(axis) per mapped input, P() per broadcast one",
         )
-    if site.name in ctx.attribute_bases or id(site.anchor) in ctx.attribute_calls:
+    read = ctx.attributes_read(site)
+    if read:
         return (
-            "the pmapped function's attributes are used (.lower, ...)",
+            f"the pmapped function's attributes are used (.{sorted(read)[0]})",
             "rewrite by hand with jax.jit(jax.shard_map(...)), whose .lower/.trace you can then use",
         )
     if _helper_taken(ctx):
@@ -163,9 +204,24 @@ def _rewrite(updated: cst.Call | cst.Decorator, offset: int) -> cst.CSTNode:
     return updated.with_changes(decorator=cst.Name(HELPER))
 
 
-@rule("MK015", "pmap -> jax.shard_map", cst.Call, cst.Decorator, cst.Name, cst.Attribute)
+def _upgrade(node: cst.FunctionDef) -> Hit:
+    def rewrite(updated: cst.FunctionDef) -> cst.FunctionDef:
+        (current,) = cst.parse_module(PMAP_HELPER.strip() + "\n").body
+        return current.with_changes(leading_lines=updated.leading_lines)
+
+    return Hit(
+        message=f"{HELPER} is an earlier meshkit helper: jax.vmap inside jax.shard_map with the "
+        "replication check, which breaks loops with per-device carries and callbacks",
+        fix=f"the current {HELPER}, the program JAX 0.12's pmap runs",
+        rewrite=rewrite,
+    )
+
+
+@rule("MK015", "pmap -> jax.shard_map", cst.Call, cst.Decorator, cst.Name, cst.Attribute, cst.FunctionDef)
 def pmap_to_shard_map(node: cst.CSTNode, ctx: Context) -> Hit | None:
     """Every pmap the helper provably reproduces is rewritten into it; the rest get a recipe."""
+    if isinstance(node, cst.FunctionDef):
+        return _upgrade(node) if _earlier_helper(node) and ctx.module_names.get(HELPER) is node else None
     if node in ctx.pmap_refs:
         return Hit(
             message=f"{_MESSAGE}; not rewritten: pmap is named here but not applied, so its uses "

@@ -92,7 +92,7 @@ def choose_gpt(shape: ModelShape, *, global_batch: int, precision: str, devices:
     import jax
 
     from meshkit.fmt import fmt_bytes
-    from meshkit.planner.predict import Cluster, Job
+    from meshkit.planner.cluster import Cluster, Job
     from meshkit.planner.search import search
 
     devices = devices or jax.device_count()

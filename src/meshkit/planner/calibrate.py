@@ -1,12 +1,18 @@
 """The planner beside published training runs: each run's layout predicted, its throughput compared,
-and the one efficiency per hardware family fitted to them.
+and the calibration (``predict.Calibration``) fitted to them.
 
-A run is a row of ``tests/corpus/published_runs.json`` (model shape, cluster, layout, measured
-throughput, its source). Its ``planner`` entry says how the row maps onto the planner (fields the
-source left out and what was assumed for them) or why it is left out (FP8 runs, context parallelism,
-a batch that does not divide). Published throughput becomes tokens/s: given directly, from the step
-time, or from a published MFU or TFLOP/s per device through the planner's own FLOP count (model
-FLOPs for MFU; with recompute where the source counts recompute).
+A run is a row of ``tests/corpus/published_runs.json`` (model shape, cluster, layout, software stack,
+measured throughput, its source). Its ``planner`` entry says how the row maps onto the planner
+(fields the source left out and what was assumed for them) or why it is left out (FP8 runs, context
+parallelism, a batch that does not divide). Published throughput becomes tokens/s: given directly,
+from the step time, or from a published MFU or TFLOP/s per device through the planner's own FLOP
+count (model FLOPs for MFU; with recompute where the source counts recompute).
+
+Every used row is in one of two disjoint sets (``split``): ``calibrate`` rows set the calibration
+(``fit``: one efficiency per stack and hardware family, at which the geometric mean of predicted /
+published over that cell's rows is 1; ``fit_scale``: the overlap tax and the straggler spread, the
+grid point with the least squared log error over all calibration rows); ``check`` rows are only
+predicted, and their errors are what the planner claims for the cost of scale.
 """
 
 from __future__ import annotations
@@ -17,17 +23,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshkit._errors import MeshkitError
+from meshkit.planner.cluster import Cluster, Job
 from meshkit.planner.hardware import hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.predict import (
-    EFFICIENCY,
-    Cluster,
-    Job,
-    Prediction,
-    layer_flops,
-    model_flops_per_token,
-    predict,
-)
+from meshkit.planner.predict import Prediction, predict
+from meshkit.planner.sizes import layer_flops, model_flops_per_token
+from meshkit.planner.stacks import CALIBRATION, Calibration
+
+SPLITS = ("calibrate", "check")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,17 +46,27 @@ class Run:
     published_tokens_per_s: float
     basis: str
     """How the published tokens/s were obtained (tokens/s, step time, MFU, TFLOP/s)."""
+    split: str
+    """``calibrate`` (sets the calibration) or ``check`` (only predicted)."""
+    shard_group: int = 0
+    """ZeRO-3's shard group where the run shards within groups and replicates across (hybrid)."""
 
     @property
     def family(self) -> str:
         return self.cluster.hardware.family
 
-    def predict(self, efficiencies: dict[str, float] | None = None) -> Prediction:
-        return predict(self.shape, self.layout, self.cluster, self.job, efficiencies=efficiencies)
+    @property
+    def cell(self) -> str:
+        """``stack/family``: the runs that share one calibrated efficiency."""
+        return f"{self.job.stack}/{self.family}"
 
-    def ratio(self, efficiencies: dict[str, float] | None = None) -> float:
+    def predict(self, calibration: Calibration | None = None) -> Prediction:
+        return predict(self.shape, self.layout, self.cluster, self.job, calibration=calibration,
+                       shard_group=self.shard_group)  # fmt: skip
+
+    def ratio(self, calibration: Calibration | None = None) -> float:
         """Predicted over published tokens/s."""
-        return self.predict(efficiencies).tokens_per_s / self.published_tokens_per_s
+        return self.predict(calibration).tokens_per_s / self.published_tokens_per_s
 
 
 def _schedule(text: str | None, pp: int) -> str:
@@ -92,7 +105,12 @@ def run(row: dict) -> Run | None:
         hw = replace(hw, inter_host_bytes_per_s=plan["inter_host_gbps"] * 1e9)
     cluster = Cluster(hardware=hw, devices=get("devices"), devices_per_host=get("devices_per_host") or 0)
     job = Job(global_batch=get("global_batch"), precision="bf16", flash_attention=bool(plan.get("flash", True)),
-              dropout=bool(plan.get("dropout", False)), tp_overlap=float(plan.get("tp_overlap", 0.0)))  # fmt: skip
+              dropout=bool(plan.get("dropout", False)), tp_overlap=float(plan.get("tp_overlap", 0.0)),
+              stack=get("stack"))  # fmt: skip
+    if row.get("split") not in SPLITS:
+        raise MeshkitError(
+            f"published run {row['name']!r}: split {row.get('split')!r}, choose one of {SPLITS}"
+        )
     tokens = job.global_batch * shape.seq
     if row.get("tokens_per_s"):
         published, basis = row["tokens_per_s"], "tokens/s"
@@ -111,7 +129,8 @@ def run(row: dict) -> Run | None:
     else:
         raise MeshkitError(f"published run {row['name']!r} has no throughput")
     return Run(name=row["name"], source=row["source"], shape=shape, layout=layout, cluster=cluster, job=job,
-               published_tokens_per_s=float(published), basis=basis)  # fmt: skip
+               published_tokens_per_s=float(published), basis=basis, split=row["split"],
+               shard_group=plan.get("shard_group", 0))  # fmt: skip
 
 
 def load(path: str | Path) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -127,20 +146,72 @@ def load(path: str | Path) -> tuple[list[Run], list[tuple[str, str]]]:
     return runs, skipped
 
 
-def fit(runs: list[Run]) -> dict[str, float]:
-    """Per hardware family, the efficiency at which the geometric mean of predicted / published
-    tokens/s over that family's runs is 1 (bisection: predicted throughput grows with efficiency)."""
-    out = dict(EFFICIENCY)
-    for family in sorted({r.family for r in runs}):
-        mine = [r for r in runs if r.family == family]
+def log_error(runs: list[Run], calibration: Calibration | None = None) -> float:
+    """Mean squared log of predicted / published over ``runs``."""
+    return sum(math.log(r.ratio(calibration)) ** 2 for r in runs) / len(runs)
 
-        def log_mean(eff: float, mine=mine, family=family) -> float:
-            effs = {**out, family: eff}
-            return sum(math.log(r.ratio(effs)) for r in mine) / len(mine)
+
+def _fit_cells(rows: list[Run], fixed: dict, tax: float, spread: float, comm: dict) -> dict[str, float]:
+    """Efficiency per cell of ``rows`` at which each cell's geometric mean ratio is 1 (bisection:
+    predicted throughput grows with efficiency)."""
+    out: dict[str, float] = {}
+    for cell in sorted({r.cell for r in rows}):
+        mine = [r for r in rows if r.cell == cell]
+
+        def log_mean(eff: float, mine=mine, cell=cell) -> float:
+            cal = Calibration(efficiency={**fixed, **out, cell: eff}, overlap_tax=tax, straggler=spread,
+                              comm_efficiency=comm)  # fmt: skip
+            return sum(math.log(r.ratio(cal)) for r in mine) / len(mine)
 
         lo, hi = 0.05, 1.0
-        for _ in range(40):
+        for _ in range(30):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if log_mean(mid) < 0 else (lo, mid)
-        out[family] = round((lo + hi) / 2, 3)
+        out[cell] = round((lo + hi) / 2, 3)
     return out
+
+
+COMM_EFFICIENCIES = (1.0, 0.5, 0.25, 0.125, 0.0625)
+"""The fractions of ring bandwidth ``fit`` tries for a stack's data-parallel collectives."""
+COMM_GAIN = 0.01
+"""A stack keeps the full ring bandwidth unless a lower fraction cuts its calibration runs' mean
+squared log error by this much (a 10% rms error: runs whose communication shows, not noise)."""
+
+
+def fit(runs: list[Run], *, overlap_tax: float | None = None, straggler: float | None = None) -> Calibration:
+    """At the given overlap tax and straggler spread (default: the stated ones), per stack: the
+    fraction of ring bandwidth its data-parallel collectives reach (``COMM_EFFICIENCIES``) and the
+    efficiency of each hardware family it has calibration runs on, which make the geometric mean of
+    predicted / published tokens/s 1 over each family's runs."""
+    tax = CALIBRATION.overlap_tax if overlap_tax is None else overlap_tax
+    spread = CALIBRATION.straggler if straggler is None else straggler
+    mine = [r for r in runs if r.split == "calibrate"]
+    efficiency: dict[str, float] = {}
+    comm: dict[str, float] = {}
+    for stack in sorted({r.job.stack for r in mine}):
+        rows = [r for r in mine if r.job.stack == stack]
+        best = None
+        for c in COMM_EFFICIENCIES:
+            cells = _fit_cells(rows, efficiency, tax, spread, {stack: c})
+            err = log_error(rows, Calibration(efficiency=cells, overlap_tax=tax, straggler=spread,
+                                              comm_efficiency={stack: c}))  # fmt: skip
+            if best is None or err < best[0] - COMM_GAIN:
+                best = (err, c, cells)
+        efficiency.update(best[2])
+        if best[1] != 1.0:
+            comm[stack] = best[1]
+    return Calibration(efficiency=efficiency, overlap_tax=tax, straggler=spread, comm_efficiency=comm)
+
+
+TAXES = tuple(round(0.05 * i, 2) for i in range(15))
+"""Overlap taxes ``fit_scale`` tries (0 to 0.7)."""
+STRAGGLERS = tuple(round(0.005 * i, 3) for i in range(5))
+"""Straggler spreads ``fit_scale`` tries (0 to 2% of a step per device)."""
+
+
+def fit_scale(runs: list[Run], taxes=TAXES, stragglers=STRAGGLERS) -> Calibration:
+    """``fit`` at every (overlap tax, straggler spread) of the grid; the one with the least squared log
+    error over the calibration runs."""
+    mine = [r for r in runs if r.split == "calibrate"]
+    fits = [fit(runs, overlap_tax=t, straggler=s) for t in taxes for s in stragglers]
+    return min(fits, key=lambda cal: log_error(mine, cal))

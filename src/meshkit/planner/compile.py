@@ -229,7 +229,7 @@ def compile_in_subprocess(
 ) -> Measured:
     """``compile_layout`` in a fresh Python simulating ``layout.devices`` CPU devices."""
     try:  # no process to start for a layout meshkit cannot run
-        layout.check_runnable()
+        layout.to_spec(job.global_batch, job.precision)
     except MeshkitError as e:
         return failed(layout, str(e))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -6,16 +6,29 @@ one device sends at while it receives as much (what a ring collective sees). Int
 the NIC bandwidth per device of the vendor's reference node (DGX: one InfiniBand port per GPU);
 TPU slices connect chips by ICI inside and across hosts, so their inter-host figure is the ICI one
 (a job spanning slices over the data-center network is slower than the table says). ``custom``
-builds one from flags. The calibrated compute efficiency per family lives in ``planner.predict``.
+builds one from flags, ``override`` replaces a named device's figures with the user's. The
+calibrated compute efficiency per family and software stack lives in ``planner.predict``.
+
+Latency per ring step (``hop_s``, ``host_hop_s``) is NCCL's own tuning model for its ring with the
+Simple protocol (NVIDIA/nccl ``src/graph/tuning.cc`` @ 01afd20a77b5804e0ecf1042509dd9d20ebf9e93:
+``baseLat`` 8.4 us, ``hwLat`` NVLink 3.4 us, network 9.6 us per step); ``planner.predict`` counts
+the steps. TPU ICI has no published per-hop figure that we found: NVLink's is assumed for it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 
 from meshkit._errors import MeshkitError
 
 GIB = 2**30
+FAMILIES = ("gpu-hopper", "gpu-ampere", "tpu")
+"""Device families, each with its own calibrated efficiency (the order: the first one an estimate borrows from)."""
+BASE_LATENCY_S = 8.4e-6
+"""Fixed cost of one collective (NCCL ``baseLat``, ring, Simple protocol)."""
+NVLINK_HOP_S = 3.4e-6
+NET_HOP_S = 9.6e-6
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,7 +37,7 @@ class Hardware:
 
     name: str
     family: str
-    """``gpu-ampere``, ``gpu-hopper``, ``tpu``: devices sharing one calibrated matmul efficiency."""
+    """One of ``FAMILIES``: devices sharing one calibrated matmul efficiency per software stack."""
     peak_flops: float
     """Dense bf16 matmul FLOP/s per device."""
     fp32_flops: float
@@ -37,6 +50,10 @@ class Hardware:
     inter_host_bytes_per_s: float
     """Per device, per direction, between hosts (InfiniBand NIC per GPU / ICI inside a TPU slice)."""
     devices_per_host: int
+    hop_s: float = NVLINK_HOP_S
+    """Latency of one ring step between devices of a host (NCCL: NVLink)."""
+    host_hop_s: float = NET_HOP_S
+    """Latency of one ring step between hosts (NCCL: network; TPU: ICI, assumed as NVLink)."""
     source: str = ""
 
     def to_json(self) -> dict:
@@ -89,7 +106,7 @@ HARDWARE: dict[str, Hardware] = {
     "tpu-v4": Hardware(
         name="tpu-v4", family="tpu", peak_flops=275e12, fp32_flops=275e12 / 3,
         memory_bytes=32 * GIB, hbm_bytes_per_s=1200e9, intra_host_bytes_per_s=300e9,
-        inter_host_bytes_per_s=300e9, devices_per_host=4,
+        inter_host_bytes_per_s=300e9, devices_per_host=4, host_hop_s=NVLINK_HOP_S,
         source="cloud.google.com/tpu/docs/v4",
     ),
     # v5e (docs.cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 400 GB/s
@@ -97,7 +114,7 @@ HARDWARE: dict[str, Hardware] = {
     "tpu-v5e": Hardware(
         name="tpu-v5e", family="tpu", peak_flops=197e12, fp32_flops=197e12 / 3,
         memory_bytes=16e9, hbm_bytes_per_s=819e9, intra_host_bytes_per_s=200e9,
-        inter_host_bytes_per_s=200e9, devices_per_host=8,
+        inter_host_bytes_per_s=200e9, devices_per_host=8, host_hop_s=NVLINK_HOP_S,
         source="docs.cloud.google.com/tpu/docs/v5e",
     ),
     # v5p (docs.cloud.google.com/tpu/docs/v5p-training): 459 TFLOP/s bf16, 95 GiB HBM at 2,765 GB/s,
@@ -105,7 +122,7 @@ HARDWARE: dict[str, Hardware] = {
     "tpu-v5p": Hardware(
         name="tpu-v5p", family="tpu", peak_flops=459e12, fp32_flops=459e12 / 3,
         memory_bytes=95 * GIB, hbm_bytes_per_s=2765e9, intra_host_bytes_per_s=600e9,
-        inter_host_bytes_per_s=600e9, devices_per_host=4,
+        inter_host_bytes_per_s=600e9, devices_per_host=4, host_hop_s=NVLINK_HOP_S,
         source="docs.cloud.google.com/tpu/docs/v5p-training",
     ),
 }  # fmt: skip
@@ -123,6 +140,44 @@ def hardware(name: str) -> Hardware:
     return HARDWARE[key]
 
 
+FIGURES = {
+    "peak_tflops": ("peak_flops", 1e12),
+    "memory_gb": ("memory_bytes", 1e9),
+    "hbm_gbps": ("hbm_bytes_per_s", 1e9),
+    "intra_gbps": ("intra_host_bytes_per_s", 1e9),
+    "inter_gbps": ("inter_host_bytes_per_s", 1e9),
+}
+"""The user's figures (``--peak-tflops`` ...): the ``Hardware`` field each sets, and its unit."""
+
+
+def check_number(flag: str, value: float | None, *, zero: bool = False) -> None:
+    """A figure the user gave: finite and > 0 (``zero``: >= 0), else one line naming the flag."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise MeshkitError(f"--{flag.replace('_', '-')} {value}: give a finite number {bound}")
+
+
+def override(hw: Hardware, **figures: float | None) -> Hardware:
+    """``hw`` with the figures the user gave (``peak_tflops=``, ``memory_gb=``, ``hbm_gbps=``,
+    ``intra_gbps=``, ``inter_gbps=``; None keeps the table's). A new peak scales the fp32 rate with it."""
+    changes: dict[str, float] = {}
+    for flag, value in figures.items():
+        if flag not in FIGURES:
+            raise MeshkitError(f"unknown hardware figure {flag!r}: choose one of {', '.join(FIGURES)}")
+        check_number(flag, value)
+        if value is not None:
+            field, unit = FIGURES[flag]
+            changes[field] = value * unit
+    if not changes:
+        return hw
+    if "peak_flops" in changes:
+        changes["fp32_flops"] = hw.fp32_flops * changes["peak_flops"] / hw.peak_flops
+    given = ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in figures.items() if v is not None)
+    return replace(hw, **changes, source=f"{hw.source}; overridden by {given}")
+
+
 def custom(
     *,
     peak_tflops: float,
@@ -138,11 +193,11 @@ def custom(
     figures = dict(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
                    inter_gbps=inter_gbps)  # fmt: skip
     for k, v in figures.items():
-        if v is None or v <= 0:
+        if v is None:
             raise MeshkitError(f"custom hardware needs --{k.replace('_', '-')} > 0")
-    families = sorted({h.family for h in HARDWARE.values()})
-    if family not in families:
-        raise MeshkitError(f"unknown hardware family {family!r}: choose one of {', '.join(families)}")
+        check_number(k, v)
+    if family not in FAMILIES:
+        raise MeshkitError(f"unknown hardware family {family!r}: choose one of {', '.join(FAMILIES)}")
     return Hardware(
         name="custom", family=family, peak_flops=peak_tflops * 1e12, fp32_flops=peak_tflops * 1e12 / 2,
         memory_bytes=memory_gb * 1e9, hbm_bytes_per_s=hbm_gbps * 1e9, intra_host_bytes_per_s=intra_gbps * 1e9,

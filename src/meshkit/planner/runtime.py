@@ -21,11 +21,13 @@ remat its recomputed residuals), and fsdp+tp's float32 bucket of the top gradien
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
 from meshkit.planner.layout import Layout, ModelShape
+from meshkit.plans import memory as M
 
 
 def _config(shape: ModelShape, precision: str, layers: int = 1):
@@ -154,141 +156,154 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
            layers_here: int, microbatches: int) -> dict[str, float]:  # fmt: skip
     """Per-device bytes at the step's peak by component (they sum to the peak)."""
     n, zero3 = layout.dp, layout.zero == 3 and layout.dp > 1
-    layer_b = layers_here * params_per_layer * 4
-    top_b = top_params * 4
-    total = layer_b + top_b
-    params = total / n if zero3 else total
-    optimizer = 2 * (total / n if layout.zero >= 1 and n > 1 else total)  # AdamW's two float32 moments
-    batch = 2 * 4 * job.global_batch * shape.seq / n
-    # a pipeline's stage runs its chunk's forward and backward inside the tick's conditional
-    # branches: counted with every residual the vjp saves (under the layout's remat policy)
-    pipe = layout.pp > 1
-    saved, weights, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision,
-                                               layout.remat, kept=not pipe)  # fmt: skip
-    one_layer = layer_b / max(layers_here, 1)
-    if layout.pp > 1:  # the stash of stage inputs and cotangents, one chunk recomputed, the head
-        p, m, v = layout.pp, microbatches, layout.virtual_stages
-        # the schedule table's slots (plans._schedule: stash x_slots, cotangents g_slots, 2 scratch)
-        x_slots = m if layout.schedule == "gpipe" else min(p, m) if v == 1 else min(v * p + p - 2, v * m)
-        g_slots = 1 if v == 1 else 2
-        chunk = layers_here // v
-        activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
-        working = body = 2 * one_layer if chunk > 1 else 0.0  # a chunk's loop: a layer's slices, its gradient
-        if layout.remat != "none":
-            # the backward tick recomputes one layer of its chunk at a time: that layer holds every
-            # residual the block makes, its saved ones among them (so under dots a chunk of one
-            # layer compiles to the step without remat; counted twice, 8 devices: 1.12-1.16); under
-            # layer remat a chunk's scan stacks each block's input (see ``stash`` below). As
-            # without a pipeline (``working`` below), the recomputed layer sits beside its
-            # parameters' slices, its gradient written matrix by matrix as the recomputed values die
-            mb, t = layout.microbatch_size, layout.tp
-            redo = residuals(shape, mb, t, job.precision, "none", kept=False)[0] - saved
-            activations += chunk * layer_in if chunk > 1 and layout.remat == "layer" else 0.0
-            working = max(body, body / 2 + redo)
-        # the last stage's backward tick runs the head's backward before its chunk's: the head's
-        # residuals and the logits' float32 cotangent die before the chunk's loop runs (dp+tp+pp,
-        # 8 devices: 1.06 -> 1.04). That cotangent (1.3 B GPT, fsdp+tp+pp at 64 devices, the peak:
-        # the head's backward, two float32 [tokens, vocab] buffers beside the chunk's residuals and
-        # the float32 unembedding and its gradient) is counted once: 1.05 -> 1.02 compiled / predicted
-        cotangent = 4.0 * layout.microbatch_size * shape.seq * shape.vocab
-        activations += max(head + cotangent, working)
-        # fsdp+pp gathers the stage's parameters once for the step, in their own dtype (float32: the
-        # pipeline's ``_gather`` casts nothing; 1.3 B at 64 devices, bf16, fsdp+tp+pp: 1.40 -> 1.23
-        # compiled / predicted); interleaved keeps its layers permuted into schedule order beside them
-        gathered = total if zero3 else 0.0
-        relayout = layer_b if v > 1 else 0.0
-        # the tick's branch returns the gradients of the leaves outside the layers (``dt`` out of
-        # ``lax.switch``, every stage: embeddings, unembedding, final norm) beside the accumulator
-        # they are added into; and a chunk of several layers (a loop) writes its gradient layer by
-        # layer into its own stacked buffer (a dynamic-update-slice, 0.2 GB per matrix at the peak of
-        # the 1.3 B GPT's fsdp+tp+pp step) before the tick adds it: one chunk's gradient more (a
-        # chunk of one layer has no loop). 1.3 B at 64 devices, fsdp+tp+pp with pp=2 and pp=4:
-        # 1.23-1.40 -> within 10% compiled / predicted
-        tick = top_b + (layer_b / v if chunk > 1 else 0.0)
-        backward = total + activations + gathered + relayout + tick
-        return _parts(params, optimizer, batch, backward, 2 * total, total, activations, gathered)
-    # Without a pipeline the step is a scan over micro-batches around the layers' forward scan, the
-    # head, and the layers' backward scan. What is live together (XLA's live ranges at the peak,
-    # ``--xla_dump_to``, 8 devices, GPT 4 layers width 64, and 64 devices at 1.3 B):
-    # - the gradient accumulator (m > 1): whole under dp and zero1 (reduced once at the end), a shard
-    #   under zero2 and zero3 (reduce-scattered per micro-batch). Into a whole accumulator the head's
-    #   gradient is added as soon as it is computed; otherwise the leaves outside layers keep their
-    #   whole gradient through the micro-batch (the step's output, or the input of zero2/zero3's
-    #   reduce-scatter);
-    # - the layers' stacked gradient: the backward scan's output, a buffer zero-initialised before the
-    #   forward loop, whole (zero3: each layer's gradient reduce-scattered into a stack of shards);
-    # - the stash: each layer's kept residuals; under layer remat, which saves nothing of the block,
-    #   its input: the checkpoint's argument (``kept_residuals`` drops arguments), stacked by the scan
-    #   for the backward pass to recompute the block from (8 devices: a [layers, batch, seq, width]
-    #   buffer through the backward loop); under dots the saved matmul outputs stand without it
-    #   (1.3 B, fsdp+tp: 33.5 MB per layer compiled, 38.8 MB kept residuals);
-    # - then either the head's backward (its residuals) or one layer's backward inside the loop, not
-    #   both: the head runs before the loop and its residuals die there (1.3 B GPT, 64 devices, zero3
-    #   with layer remat: predicted / compiled 1.22 -> 1.05, with dots 1.09 -> 1.02). One layer's
-    #   backward holds its parameters (sliced from the stack: a copy) and its gradient before it is
-    #   written into the stack; under remat, while the block is recomputed and differentiated, its
-    #   parameters and the recomputed residuals (the gradient is written matrix by matrix as the
-    #   recomputed values die), whichever moment is larger. Summing the head, the recomputed layer and
-    #   two layers' buffers predicted 1.11-1.18x the compiled peak at 8 devices under remat. The
-    #   head's backward computes the gradient of the leaves outside layers: with a whole accumulator
-    #   it is added as it comes (8 devices, dp+tp: the unembedding's gradient beside the accumulator
-    #   it is added into; 1.3 B in bf16 also their compute-dtype copies, cast once for the step),
-    #   counted as those leaves' size in that phase only.
-    remat = layout.remat != "none"
-    whole_accumulator = microbatches > 1 and not (layout.zero >= 2 and n > 1)
-    accumulator = 0.0 if microbatches == 1 else total if whole_accumulator else total / n
-    stacked = layer_b / n if zero3 else layer_b
+    b = _Bytes(layer=layers_here * params_per_layer * 4, top=top_params * 4, layers=layers_here)
+    at_rest = {
+        "params": M.at_rest(b.total, b.total, n, zero3),  # every leaf of the GPT splits over data
+        "optimizer": 2 * M.at_rest(b.total, b.total, n, layout.zero >= 1),  # AdamW's two float32 moments
+        "batch": 2 * 4 * job.global_batch * shape.seq / n,
+    }
+    if layout.pp > 1:
+        return _pipeline(shape, layout, job, b, microbatches, zero3, at_rest)
+    return _step(shape, layout, job, b, microbatches, zero3, at_rest)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Bytes:
+    """Float32 parameter bytes per device: the layers here, the leaves outside them, a layer."""
+
+    layer: float
+    top: float
+    layers: int
+
+    @property
+    def total(self) -> float:
+        return self.layer + self.top
+
+    @property
+    def one_layer(self) -> float:
+        return self.layer / max(self.layers, 1)
+
+
+def _pipeline(
+    shape, layout, job, b: _Bytes, microbatches: int, zero3: bool, at_rest: dict
+) -> dict[str, float]:
+    """A pipeline's stage: the stash of stage inputs and cotangents, one chunk recomputed, the head.
+    A stage runs its chunk's forward and backward inside the tick's conditional branches: counted
+    with every residual the vjp saves (under the layout's remat policy)."""
+    saved, _, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision, layout.remat,
+                                         kept=False)  # fmt: skip
+    p, m, v = layout.pp, microbatches, layout.virtual_stages
+    # the schedule table's slots (plans._schedule: stash x_slots, cotangents g_slots, 2 scratch)
+    x_slots = m if layout.schedule == "gpipe" else min(p, m) if v == 1 else min(v * p + p - 2, v * m)
+    g_slots = 1 if v == 1 else 2
+    chunk = b.layers // v
+    activations = (x_slots + g_slots + 2) * layer_in + chunk * saved
+    working = body = 2 * b.one_layer if chunk > 1 else 0.0  # a chunk's loop: a layer's slices, its gradient
+    if layout.remat != "none":
+        # the backward tick recomputes one layer of its chunk at a time: that layer holds every
+        # residual the block makes, its saved ones among them (so under dots a chunk of one
+        # layer compiles to the step without remat; counted twice, 8 devices: 1.12-1.16); under
+        # layer remat a chunk's scan stacks each block's input. As without a pipeline, the
+        # recomputed layer sits beside its parameters' slices, its gradient written matrix by matrix
+        # as the recomputed values die
+        redo = (
+            residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none", kept=False)[0] - saved
+        )
+        activations += chunk * layer_in if chunk > 1 and layout.remat == "layer" else 0.0
+        working = max(body, body / 2 + redo)
+    # the last stage's backward tick runs the head's backward before its chunk's: the head's
+    # residuals and the logits' float32 cotangent die before the chunk's loop runs (dp+tp+pp,
+    # 8 devices: 1.06 -> 1.04). That cotangent (1.3 B GPT, fsdp+tp+pp at 64 devices, the peak:
+    # the head's backward, two float32 [tokens, vocab] buffers beside the chunk's residuals and
+    # the float32 unembedding and its gradient) is counted once
+    cotangent = 4.0 * layout.microbatch_size * shape.seq * shape.vocab
+    activations += max(head + cotangent, working)
+    # fsdp+pp gathers the stage's parameters once for the step, in their own dtype (the pipeline's
+    # ``_gather`` casts nothing); interleaved keeps its layers permuted into schedule order beside them
+    gathered = b.total if zero3 else 0.0
+    relayout = b.layer if v > 1 else 0.0
+    # the tick's branch returns the gradients of the leaves outside the layers (``dt`` out of
+    # ``lax.switch``, every stage) beside the accumulator they are added into; and a chunk of several
+    # layers (a loop) writes its gradient layer by layer into its own stacked buffer before the tick
+    # adds it: one chunk's gradient more (a chunk of one layer has no loop)
+    tick = b.top + (b.layer / v if chunk > 1 else 0.0)
+    backward = b.total + activations + gathered + relayout + tick
+    return _parts(at_rest, backward, 2 * b.total, b.total, activations, gathered)
+
+
+def _step(shape, layout, job, b: _Bytes, microbatches: int, zero3: bool, at_rest: dict) -> dict[str, float]:
+    """Without a pipeline: a scan over micro-batches around the layers' forward scan, the head, and
+    the layers' backward scan. The plan's terms are ``plans.memory``'s rules (the same the peak report
+    uses); the activations are counted from the block's residuals.
+
+    What is live together (XLA's live ranges at the peak, ``--xla_dump_to``, 8 devices, GPT 4 layers
+    width 64, and 64 devices at 1.3 B): the accumulator (``memory.accumulator``); the layers' stacked
+    gradient (the backward scan's output, whole; zero3: a stack of shards); the stash: each layer's
+    kept residuals, and under layer remat its input (the checkpoint's argument, stacked by the scan for
+    the backward pass to recompute the block from); then either the head's backward (its residuals) or
+    one layer's backward inside the loop, not both: the head runs before the loop and its residuals
+    die there (1.3 B GPT, 64 devices, zero3 with layer remat: predicted / compiled 1.22 -> 1.05 when
+    counted apart). One layer's backward holds its parameters (sliced from the stack: a copy) and its
+    gradient before it is written into the stack; under remat, while the block is recomputed and
+    differentiated, its parameters and the recomputed residuals (the gradient is written matrix by
+    matrix as the recomputed values die), whichever moment is larger. The head's backward computes the
+    gradient of the leaves outside layers: with a whole accumulator it is added as it comes."""
+    n, remat, m = layout.dp, layout.remat != "none", microbatches
+    saved, weights, layer_in, head = residuals(
+        shape, layout.microbatch_size, layout.tp, job.precision, layout.remat
+    )
+    accumulator = M.accumulator(b.total, b.total, n, microbatches=m, shards_gradients=layout.zero >= 2)
+    stacked = b.layer / n if zero3 else b.layer
     if zero3:  # a layer's weights are its gathered parameters, counted with them
         saved -= weights
-    stash = layers_here * (saved + (layer_in if layout.remat == "layer" else 0.0))
+    stash = b.layers * (saved + (layer_in if layout.remat == "layer" else 0.0))
     recomputed = (
         residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none")[0] if remat else 0.0
     )
+    one = b.one_layer
     if not zero3:
-        top_grads = 0.0 if whole_accumulator else top_b
-        working = max(2 * one_layer, one_layer + recomputed)
+        whole_accumulator = m > 1 and not (layout.zero >= 2 and n > 1)
+        top_grads = 0.0 if whole_accumulator else b.top
+        working = max(2 * one, one + recomputed)
         grads = stacked + top_grads + accumulator
-        backward = grads + stash + max(head + top_b - top_grads, working)
+        backward = grads + stash + max(head + b.top - top_grads, working)
         activations = stash + max(head, recomputed)
-        update = total if layout.zero == 0 else 2 * total
-        return _parts(params, optimizer, batch, backward, update, grads, activations, 0.0)
-    g = (2 if job.precision == "bf16" else 4) / 4  # gathered in the compute dtype (bf16 gathers under bf16)
-    # the leaves outside layers, gathered for the step: bucket, slices and whole gradient in the
-    # compute dtype; in float32 nothing is cast and the slices are views of the bucket (8 devices
-    # fp32, zero3 and fsdp+tp: 1.04 and 1.06 -> 1.00 and 1.01 predicted / compiled). fsdp+tp
-    # reduce-scatters in float32 (``Plan.gathers_in_compute_dtype``): that whole gradient is float32
-    # (1.3 B GPT, tp=4, layer remat, the peak: the float32 embedding and unembedding gradients beside
-    # their compute-dtype copies, cast once for the step, and the float32 unembedding its backward reads)
-    top = 2 * top_b if g == 1 else 3 * g * top_b if layout.tp == 1 else 2 * g * top_b + top_b
-    layer = g * one_layer
+        update = M.update_phase(b.total, 0.0, zero=layout.zero, scan=True)
+        return _parts(at_rest, backward, update, grads, activations, 0.0)
+    # ZeRO-3 gathers in the compute dtype (bf16 under bf16) except under tensor parallelism
+    # (``Plan.gathers_in_compute_dtype``); a layer's leaves are held in the compute dtype either way
+    # (fsdp+tp's model casts the float32 leaves it gathers)
+    compute = (2 if job.precision == "bf16" else 4) / 4
+    top = M.gathered_top(b.top, 0.0, 0.0, gather_ratio=compute if layout.tp == 1 else 1.0)
+    layer = compute * one
     if not remat:  # every layer's gathered parameters are residuals of the forward pass
-        gathered, working = top + g * layer_b, 2 * layer
+        gathered = top + M.zero3_layers_held(compute * b.layer, one, n, scan=True, remat="none")
+        working = 2 * layer
     else:
         # each layer leaf is gathered and reduce-scattered by itself (``plans._fsdp._gather_vjp``):
         # a leaf's gathered value dies at its last use, its gradient at its reduce-scatter, so one
-        # layer's parameters at a time beside the recomputed residuals (when a layer was one bucket:
-        # the bucket, the layer's gradients and their concatenated bucket, three layers, at its end)
+        # layer's parameters at a time beside the recomputed residuals
         gathered, working = top + layer, max(layer, recomputed)
     concat = 0.0
-    if layout.tp > 1 and microbatches > 1:
+    if layout.tp > 1 and m > 1:
         # fsdp+tp reduce-scatters in float32 (``Plan.gathers_in_compute_dtype``); inside the
         # micro-batch loop the gradient of the leaves outside layers is concatenated into a
         # float32 reduce-scatter bucket beside the leaves' gradients (live ranges at the peak of
         # the 1.3 B GPT, tp=4, layer remat: a 0.53 GB concatenate beside the float32 embedding and
-        # unembedding gradients): bf16 1.31 -> 0.98 compiled / predicted; with one micro-batch
-        # XLA fuses it into the reduce-scatter. It is made after the layers' backward loop, whose
-        # residuals and working set are dead by then (8 devices, dots: 1.10 -> 1.02 predicted / compiled)
-        concat = top_b
+        # unembedding gradients); with one micro-batch XLA fuses it into the reduce-scatter. It is
+        # made after the layers' backward loop, whose residuals and working set are dead by then
+        concat = b.top
     grads = stacked + accumulator
     loop = stash + max(head, working)
     backward = gathered + grads + max(loop, concat)
     activations = stash + max(head, recomputed) if loop >= concat else 0.0  # the rest: "other"
-    update = 2 * total / n
-    return _parts(params, optimizer, batch, backward, update, grads, activations, gathered)
+    update = M.update_phase(b.total, b.total / n, zero=3, scan=True)
+    return _parts(at_rest, backward, update, grads, activations, gathered)
 
 
-def _parts(params, optimizer, batch, backward, update, grads, activations, gathered) -> dict[str, float]:
-    out = {"parameters": params, "optimizer": optimizer, "batch": batch}
+def _parts(at_rest: dict, backward: float, update: float, grads: float, activations: float,
+           gathered: float) -> dict[str, float]:  # fmt: skip
+    out = {"parameters": at_rest["params"], "optimizer": at_rest["optimizer"], "batch": at_rest["batch"]}
     if backward >= update:
         out.update(gradients=grads, activations=activations, gathered_parameters=gathered)
         out["other"] = backward - grads - activations - gathered

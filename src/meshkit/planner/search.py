@@ -1,12 +1,15 @@
 """Every layout of a model on a cluster, predicted and ranked.
 
-Enumerated: dp * tp * pp = devices with tp inside a host and dividing the heads, pp up to the
+Enumerated: dp * tp * pp = devices with tp dividing the heads and inside a host (on a TPU slice,
+whose ICI joins hosts at the bandwidth it joins chips, anywhere), pp up to the
 layers (where pp does not divide them the busiest stage holds the rounded-up share; meshkit's own
 pipeline plans need it to divide); ZeRO stage 0-3 (1-3 only with dp > 1); micro-batch sizes dividing the per-replica batch
 (up to ``MAX_MICROBATCH``);
-pipeline schedules (1F1B, GPipe, interleaved with 2 or more virtual stages dividing the layers per
-stage); remat none, dots, layer. Layouts that fit are ranked by predicted step time; every other
-one keeps the one line that says why it was rejected.
+pipeline schedules (1F1B, GPipe, interleaved with 2, 4 or 8 virtual stages, the busiest stage again
+holding the rounded-up share where they do not divide its layers); remat none, dots, layer; and where ZeRO-3's data-parallel group spans hosts with more than
+one of its devices on each, also hybrid sharding within a host (``predict(shard_group=...)``).
+Layouts that fit are ranked by predicted step time; every other one keeps the one line that says
+why it was rejected.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from meshkit.planner.cluster import Cluster, Job
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.predict import Cluster, Job, Prediction, predict
+from meshkit.planner.network import crosses_hosts
+from meshkit.planner.predict import Prediction, predict
 from meshkit.spec import PIPELINE_REMAT
 
 REMATS = PIPELINE_REMAT
@@ -32,9 +37,10 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
     """The candidate layouts (see the module docstring)."""
-    n = cluster.devices
+    n, hw = cluster.devices, cluster.hardware
+    one_fabric = hw.inter_host_bytes_per_s >= hw.intra_host_bytes_per_s
     for tp in _divisors(n):
-        if tp > cluster.devices_per_host or shape.heads % tp:
+        if (tp > cluster.devices_per_host and not one_fabric) or shape.heads % tp:
             continue
         for pp in _divisors(n // tp):
             if pp > shape.layers:
@@ -45,7 +51,7 @@ def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
             per_replica = job.global_batch // dp
             schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)]
             if pp > 1:
-                schedules += [("interleaved", v) for v in VIRTUAL_STAGES if (shape.layers // pp) % v == 0]
+                schedules += [("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.layers]
             for b in _divisors(per_replica):
                 if b > MAX_MICROBATCH:
                     break
@@ -57,6 +63,15 @@ def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
                         for remat in REMATS:
                             yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, microbatch_size=b,
                                          schedule=schedule, virtual_stages=v, remat=remat)  # fmt: skip
+
+
+def shard_groups(layout: Layout, cluster: Cluster, job: Job) -> list[int]:
+    """ZeRO-3's shard groups worth pricing: all of dp (0), and where dp spans hosts with k > 1 of its
+    devices on each, the k within a host (hybrid sharding)."""
+    if layout.zero != 3 or job.runtime == "meshkit" or not crosses_hosts(layout.tp, layout.dp, cluster):
+        return [0]
+    k = cluster.devices_per_host // layout.tp
+    return [0, k] if 1 < k < layout.dp and layout.dp % k == 0 else [0]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,12 +109,17 @@ def _kind(p: Prediction) -> str:
 def _rank(p: Prediction) -> tuple:
     """Fastest first; among equals the least memory, then the simpler layout (less remat, lower ZeRO)."""
     lay = p.layout
-    return (round(p.step_time_s, 9), round(p.peak_bytes), REMATS.index(lay.remat), lay.zero, lay.pp, lay.tp)
+    return (round(p.step_time_s, 9), round(p.peak_bytes), REMATS.index(lay.remat), lay.zero, p.hybrid, lay.pp,
+            lay.tp)  # fmt: skip
 
 
 def search(shape: ModelShape, cluster: Cluster, job: Job) -> Search:
     """Predict every candidate layout; rank those that fit by step time."""
-    preds = [predict(shape, lay, cluster, job) for lay in layouts(shape, cluster, job)]
+    preds = [
+        predict(shape, lay, cluster, job, shard_group=g)
+        for lay in layouts(shape, cluster, job)
+        for g in shard_groups(lay, cluster, job)
+    ]
     ranked = sorted((p for p in preds if p.fits), key=_rank)
     rejected = sorted(
         (p for p in preds if not p.fits), key=lambda p: (not p.valid, p.peak_bytes / max(p.limit_bytes, 1))

@@ -22,11 +22,12 @@ from meshkit.plans._expected import (
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis
-from meshkit.plans._pipeline import Pipeline, Stages
+from meshkit.plans._pipeline import Pipeline
 from meshkit.plans._remat import remat_policy
 from meshkit.plans._schedule import Schedule, bubble_model
 from meshkit.plans._schedule import build as build_schedule
 from meshkit.plans._schedule import plot as plot_schedule
+from meshkit.plans._stages import Stages
 from meshkit.plans._step import StepShardings, build_step, state_shardings
 from meshkit.plans.assemble import Assembled, assemble, spec_mesh
 from meshkit.plans.placement import DEFAULT_TP_RULES, LeafPlacement, Placement, Rules, place

@@ -50,38 +50,14 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
-import jax.numpy as jnp
 from jax import lax
 
 from meshkit.plans import _buckets as buckets
 from meshkit.plans._hook import handling
+from meshkit.plans._layers import Found, analyse, scan_body, scan_groups
 from meshkit.plans._remat import remat_policy
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import DATA
-
-_MARK = "meshkit_layer"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Found:
-    """How the traced loss is structured into layers."""
-
-    mode: str
-    """'hook' (blocks marked with meshkit.layer), 'scan' (lax.scan over stacked leaves) or 'none'."""
-    layer_leaves: tuple[int, ...]
-    """Flat indices of the parameter leaves gathered per layer."""
-    layers: int
-    """Number of layer applications per forward pass (hook calls, or scan iterations)."""
-    note: str
-    groups: tuple[tuple[int, ...], ...] = ()
-    """The per-layer leaves of each layer (one group of stacked leaves for a scan)."""
-    backward_reads: tuple[int, ...] = ()
-    """Per-layer leaves whose value a layer's backward pass reads (all but biases, which only add):
-    what the ``regather`` policy gathers again."""
-
-    @property
-    def per_layer(self) -> bool:
-        return self.mode != "none"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,163 +236,6 @@ def tp_matrices(per: PerLayer | None, placement: Placement) -> list[tuple[LeafPl
     return out
 
 
-# -- finding the layers ---------------------------------------------------------------------------
-
-
-def abstract(a: Any) -> jax.ShapeDtypeStruct:
-    """An array's (or tracer's) abstract value, weak type included (a state's Python-int counter
-    traced as weakly typed must stay so, or a framework's state check rejects the new value)."""
-    if isinstance(a, jax.ShapeDtypeStruct):
-        return a
-    return jax.ShapeDtypeStruct(
-        jnp.shape(a), jnp.result_type(a), weak_type=getattr(jax.typeof(a), "weak_type", False)
-    )
-
-
-def _uses(jaxpr: Any, var: Any) -> list[Any]:
-    return [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
-
-
-def analyse(loss_fn: Callable, placement: Placement, params: Any, micro: Any) -> Found:
-    """Trace ``loss_fn(params, micro)`` once (abstractly) to find hooked blocks or scans over stacked
-    leaves. ``micro`` is everything else the loss reads (the step passes its state, batch and key)."""
-    flat_layout = placement.flat()
-    treedef = jax.tree.structure(params)
-    ids: dict[int, int] = {}
-    hooked: set[int] = set()
-    calls = [0]
-    groups: list[tuple[int, ...]] = []
-    order: list[list[int | None]] = []
-
-    def handler(block_fn, block_params, inputs):
-        calls[0] += 1
-        order.append([ids.get(id(x)) for x in jax.tree.leaves(block_params)])
-        mine = tuple(i for i in order[-1] if i is not None)
-        hooked.update(mine)
-        groups.append(mine)
-
-        def marked(p, i):
-            return block_fn(p, *i)
-
-        marked.__name__ = _MARK
-        return jax.jit(marked)(block_params, inputs)
-
-    def traced(leaves, micro):
-        ids.update({id(x): i for i, x in enumerate(leaves)})
-        with handling(handler):
-            return loss_fn(jax.tree.unflatten(treedef, leaves), micro)
-
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
-    jaxpr = jax.make_jaxpr(traced)(avals, micro).jaxpr
-    pvars = jaxpr.invars[: len(avals)]
-    outside = {i for i, v in enumerate(pvars) if any(o is v for o in jaxpr.outvars)}
-    if hooked:
-        for i in sorted(hooked):
-            if any(e.params.get("name") != _MARK for e in _uses(jaxpr, pvars[i])):
-                outside.add(i)
-        kept = tuple(sorted(hooked - outside))
-        note = (
-            f"{calls[0]} blocks marked with meshkit.layer; {len(kept)} parameter leaves gathered inside them"
-        )
-        if hooked & outside:
-            note += f"; {len(hooked & outside)} also used outside a block, gathered for the whole step"
-        groups = tuple(tuple(i for i in g if i in kept) for g in groups)
-        reads = set()
-        marked = [e for e in jaxpr.eqns if e.params.get("name") == _MARK]
-        for eqn, idx in zip(marked, order, strict=False):
-            inner = eqn.params["jaxpr"].jaxpr
-            reads |= {
-                i for v, i in zip(inner.invars, idx, strict=False) if i is not None and _value_read(inner, v)
-            }
-        return Found(mode="hook", layer_leaves=kept, layers=calls[0], note=note, groups=groups,
-                     backward_reads=tuple(sorted(reads & set(kept))))  # fmt: skip
-    stacked: set[int] = set()
-    lengths = []
-    reads = set()
-    for i, v in enumerate(pvars):
-        uses = _uses(jaxpr, v)
-        if (
-            uses
-            and all(e.primitive.name == "scan" and _is_xs(e, v) for e in uses)
-            and flat_layout[i].data_dim != 0
-        ):
-            stacked.add(i)
-            lengths += [e.params["length"] for e in uses]
-            for e in uses:
-                body, start = e.params["jaxpr"], sum(_scan_groups(e))
-                body = getattr(body, "jaxpr", body)
-                for k, u in enumerate(e.invars[start:]):
-                    if u is v and _value_read(body, body.invars[start + k]):
-                        reads.add(i)
-    if stacked:
-        return Found(
-            mode="scan",
-            layer_leaves=tuple(sorted(stacked)),
-            layers=max(lengths),
-            groups=(tuple(sorted(stacked)),),
-            backward_reads=tuple(sorted(reads)),
-            note=f"lax.scan over {len(stacked)} stacked parameter leaves, {max(lengths)} layers, gathered per layer",
-        )
-    return Found(
-        mode="none",
-        layer_leaves=(),
-        layers=0,
-        note="no layer structure found: every parameter is gathered for the whole step; per-layer memory "
-        "needs the model to lax.scan over stacked layer parameters or to mark its blocks with meshkit.layer",
-    )
-
-
-_PASS = {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims"}
-
-
-def _value_read(jaxpr: Any, var: Any) -> bool:
-    """Whether differentiating ``jaxpr`` reads ``var``'s value: False where it only enters sums
-    (through broadcasts, casts, reshapes), as a bias does; True for anything else (conservative)."""
-    for eqn in _uses(jaxpr, var):
-        if eqn.primitive.name in ("add", "sub", "add_any"):
-            continue
-        if eqn.primitive.name in _PASS:
-            if any(_value_read(jaxpr, o) for o in eqn.outvars):
-                return True
-            continue
-        return True
-    return False
-
-
-def _scan_groups(eqn: Any) -> tuple[int, int] | None:
-    """(consts, carry) counts of a scan equation, or None where its form is not the plain one
-    (the scan's internal parameters changed across JAX versions: ``ft_in`` groups in 0.12)."""
-    p = eqn.params
-    if "num_consts" in p:
-        return p["num_consts"], p["num_carry"]
-    groups = getattr(p.get("ft_in"), "elts", None)  # a FlatTree of (consts, carry, xs) groups
-    body = p.get("jaxpr")
-    if (
-        groups is None
-        or len(groups) != 3
-        or getattr(body, "constvars", ())
-        or len(eqn.invars) != sum(map(len, groups))
-    ):
-        return None
-    if len(body.outvars) != len(eqn.outvars):
-        return None
-    return len(groups[0]), len(groups[1])
-
-
-def _body(eqn: Any) -> Callable:
-    body = eqn.params["jaxpr"]
-    closed = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, [])
-    return jcore.jaxpr_as_fun(closed)
-
-
-def _is_xs(eqn: Any, var: Any) -> bool:
-    groups = _scan_groups(eqn)
-    if groups is None:
-        return False
-    start = sum(groups)
-    return any(v is var for v in eqn.invars[start:]) and not any(v is var for v in eqn.invars[:start])
-
-
 # -- running the loss per layer -------------------------------------------------------------------
 
 
@@ -494,7 +313,7 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
 
     def run_scan(eqn, invals):
         p = eqn.params
-        nc, nk = _scan_groups(eqn)
+        nc, nk = scan_groups(eqn)
         consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
         which = [index.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars[nc + nk :]]
         mine = [k for k, i in enumerate(which) if i in layer_set]
@@ -505,7 +324,7 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
                 [_unstacked(flat[which[k]]) for k in mine], n, own_output=per.remat == "regather"
             )
         )
-        body = _body(eqn)
+        body = scan_body(eqn)
 
         def layer(carry, x):
             x = list(x)

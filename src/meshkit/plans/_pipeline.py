@@ -73,142 +73,19 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _schedule
+from meshkit.plans._pipeline_report import PipelineReport
 from meshkit.plans._remat import remat_policy
-from meshkit.plans.placement import LeafPlacement, Placement
+from meshkit.plans._stages import (
+    Stages,
+    check_sizes,
+    relayout,
+    relayout_count,
+    stage_placement,
+    stages_join,
+    whole_loss,
+)
+from meshkit.plans.placement import Placement
 from meshkit.spec import DATA, MODEL, STAGE, ParallelSpec, PlanError
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Stages:
-    """A model as embedding -> L identical blocks -> head -> loss, the shape a pipeline splits.
-
-    ``params`` is a dict; ``params[blocks]`` holds the blocks' parameters stacked with a leading
-    layer axis (every leaf ``(L, ...)``), the other entries (the "top") belong to the embedding and
-    the head. Calling a ``Stages`` is its loss on a batch, so it is a ``loss_fn`` for every plan.
-    """
-
-    embed: Callable[[Any, Any], jax.Array]
-    """``(top, batch) -> x``: the first block's input, one array (e.g. ``(B, T, D)``)."""
-    block: Callable[[Any, jax.Array], jax.Array]
-    """``(layer_params, x) -> x`` for one layer (its slice of the stacked parameters)."""
-    head: Callable[[Any, jax.Array], Any]
-    """``(top, x) -> outputs`` (e.g. logits)."""
-    loss: Callable[[Any, Any], jax.Array]
-    """``(outputs, batch) -> scalar``: the mean over the batch's examples."""
-    blocks: str = "blocks"
-    """The key of ``params`` holding the stacked blocks."""
-
-    def split(self, params: Any) -> tuple[dict, Any]:
-        if not isinstance(params, dict) or self.blocks not in params:
-            raise PlanError(f"Stages parameters must be a dict with the stacked blocks under {self.blocks!r}")
-        return {k: v for k, v in params.items() if k != self.blocks}, params[self.blocks]
-
-    def layers(self, params: Any) -> int:
-        blocks = self.split(params)[1]
-        if isinstance(blocks, list | tuple):
-            raise PlanError(
-                f"params[{self.blocks!r}] is a list of layers: stack them with a leading layer axis "
-                f"(for the GPT: gpt.to_scanned(params), or GPTConfig(scan_layers=True))"
-            )
-        shapes = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(blocks)}
-        if len(shapes) != 1 or None in shapes:
-            raise PlanError(
-                f"every leaf of params[{self.blocks!r}] needs the same leading layer dim, got {sorted(map(str, shapes))}"
-            )
-        return int(shapes.pop())
-
-    def run_blocks(self, blocks: Any, x: jax.Array, policy: Any = None) -> jax.Array:
-        """The blocks in order, a ``lax.scan`` over the layer axis; with ``policy`` (a
-        ``jax.checkpoint`` policy) each block rematerialized under it."""
-        block = self.block if policy is None else jax.checkpoint(self.block, policy=policy, prevent_cse=False)
-        return lax.scan(lambda h, p: (block(p, h), None), x, blocks)[0]
-
-    def __call__(self, params: Any, batch: Any) -> jax.Array:
-        top, blocks = self.split(params)
-        return self.loss(self.head(top, self.run_blocks(blocks, self.embed(top, batch))), batch)
-
-
-def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: str) -> None:
-    """Raise PlanError naming the fix when layers, stages, micro-batches and schedule do not fit."""
-    _schedule.check(schedule, p, m, v)
-    layers = stages.layers(params)
-    if layers % (p * v):
-        fits = [d for d in range(1, layers + 1) if layers % (d * v) == 0]
-        raise PlanError(
-            f"{layers} layers do not divide over stage={p} x virtual_stages={v}: each stage needs whole "
-            f"layers; use a stage axis of {', '.join(map(str, fits))}, or a layer count divisible by {p * v}"
-        )
-
-
-def stage_placement(placement: Placement, stages: Stages) -> Placement:
-    """The placement with every stacked block leaf split on its layer dim over the stage axis."""
-
-    n = placement.data_size
-
-    def split(leaf: LeafPlacement) -> LeafPlacement:
-        if not leaf.path.startswith(stages.blocks + "/") and leaf.path != stages.blocks:
-            return leaf
-        spec = (STAGE, *leaf.model_spec[1:])
-        dim, why = leaf.data_dim, leaf.why_replicated
-        if dim == 0:  # ZeRO-3 picked the layer dim, which the stages split: another dim, or whole
-            dims = sorted(
-                (d for d in range(1, len(leaf.shape)) if leaf.shape[d] % n == 0), key=lambda d: -leaf.shape[d]
-            )
-            dim, why = (
-                (dims[0], None)
-                if dims
-                else (None, f"no dim of {leaf.shape} but the layer dim divides over data={n}")
-            )
-        return LeafPlacement(path=leaf.path, shape=leaf.shape, nbytes=leaf.nbytes, model_spec=spec,
-                          data_dim=dim, why_replicated=why)  # fmt: skip
-
-    return Placement(plan=placement.plan, mesh=placement.mesh, leaves=placement.tree(split))
-
-
-def interleave_order(layers: int, p: int, v: int) -> np.ndarray:
-    """Layer order that puts virtual stage ``c p + d`` as chunk c of device d (identity for v = 1)."""
-    k = layers // (p * v)
-    return np.arange(layers).reshape(v, p, k).transpose(1, 0, 2).reshape(-1)
-
-
-def relayout_moves(p: int, v: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """Interleaved: the stored order gives device e virtual stages ``e v .. e v + v - 1`` (its slice of
-    the layer axis), the schedule wants ``c p + d`` as chunk c of device d. Per (stored chunk i,
-    wanted chunk c), the (source, destination) device pairs: a partial permutation (one ppermute),
-    with pairs whose source is the destination kept local."""
-    out = []
-    for c in range(v):
-        for i in range(v):
-            pairs = [(e, d) for e in range(p) for d in range(p) if e * v + i == c * p + d]
-            if pairs:
-                out.append((i, c, pairs))
-    return out
-
-
-def _relayout(tree: Any, p: int, v: int, d: jax.Array, back: bool) -> Any:
-    """Chunks from the stored order to the schedule's (or ``back``), by ppermutes over the stage axis;
-    each chunk that changes device costs one collective-permute of its bytes."""
-    k = jax.tree.leaves(tree)[0].shape[0] // v
-    get = lambda a, i: lax.slice_in_dim(a, i * k, (i + 1) * k)  # noqa: E731
-    parts = [jax.tree.map(lambda a: jnp.zeros_like(get(a, 0)), tree) for _ in range(v)]
-    for i, c, pairs in relayout_moves(p, v):
-        src_i, dst_c = (c, i) if back else (i, c)
-        pairs = [(b, a) for a, b in pairs] if back else pairs
-        moving = [(a, b) for a, b in pairs if a != b]
-        here = np.zeros(p, bool)
-        here[[a for a, b in pairs if a == b]] = True
-        src = jax.tree.map(lambda a, i=src_i: get(a, i), tree)
-        keep = jnp.asarray(here)[d]
-        add = jax.tree.map(lambda x, keep=keep: jnp.where(keep, x, jnp.zeros_like(x)), src)
-        if moving:
-            add = jax.tree.map(jnp.add, add, lax.ppermute(src, STAGE, moving))
-        parts[dst_c] = jax.tree.map(jnp.add, parts[dst_c], add)
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-
-
-def relayout_count(p: int, v: int) -> int:
-    """Collective-permutes of one chunk per relayout (one way)."""
-    return sum(any(a != b for a, b in pairs) for _, _, pairs in relayout_moves(p, v))
 
 
 def _nbytes(a: Any) -> int:
@@ -238,108 +115,7 @@ def local_pipeline(
 
     policy = remat_policy(remat)
     data_size, zero3 = placement.data_size, placement.plan.shards_params
-    p, m, v, S = sched.p, sched.m, sched.v, sched.stages
-    table = np.stack([sched.kind, sched.chunk, sched.mb, sched.x_read, sched.g_read, sched.x_write,
-                      sched.g_write], axis=-1)  # fmt: skip
-    fwd_perm, bwd_perm = _perm(p, 1, v > 1), _perm(p, -1, v > 1)
-
-    def run(params, batch):
-        if zero3:
-            params = _gather(params, placement)
-        top, blocks = stages.split(params)
-        d = lax.axis_index(STAGE) if p > 1 else 0
-        if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
-            blocks = _relayout(blocks, p, v, d, back=False)
-        micro = _micro(batch, m)
-        k = jax.tree.leaves(blocks)[0].shape[0] // v
-        x_like = jax.eval_shape(stages.embed, top, jax.tree.map(lambda a: a[0], micro))
-        zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
-        scale = 1.0 / m
-        loss_dtype = jnp.promote_types(x_like.dtype, jnp.float32)
-
-        def chunk(tree, c):
-            return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * k, k), tree)
-
-        def forward(cp, tp, x_in, s, mbatch):
-            x = lax.cond(s == 0, lambda: stages.embed(tp, mbatch).astype(x_like.dtype), lambda: x_in)
-            return stages.run_blocks(cp, x, policy)
-
-        def with_loss(cp, tp, x_in, s, mbatch):
-            y = forward(cp, tp, x_in, s, mbatch)
-            loss = lax.cond(s == S - 1, lambda: jnp.asarray(stages.loss(stages.head(tp, y), mbatch), loss_dtype)
-                            * scale, lambda: jnp.zeros((), loss_dtype))  # fmt: skip
-            return y, loss
-
-        def decode(tag):
-            return tag // S, tag % S
-
-        def idle(ops):
-            zeros_c = jax.tree.map(jnp.zeros_like, chunk(blocks, 0))
-            return zeros_x, zeros_x, zeros_c, jax.tree.map(jnp.zeros_like, top), jnp.zeros((), loss_dtype), \
-                jnp.zeros((3,), jnp.int32)  # fmt: skip
-
-        def fwd(ops):
-            c, s, j, xbuf, xtag, xr = ops[:6]
-            mbatch = jax.tree.map(lambda a: a[j], micro)
-            y = forward(chunk(blocks, c), top, xbuf[xr], s, mbatch)
-            got_j, got_s = decode(xtag[xr])
-            got_j, got_s = jnp.where(s == 0, j, got_j), jnp.where(s == 0, 0, got_s)
-            out = idle(ops)
-            return y, zeros_x, out[2], out[3], out[4], jnp.stack([jnp.int32(_schedule.FWD), got_j, got_s])
-
-        def bwd(ops):
-            c, s, j, xbuf, xtag, xr, gbuf, gtag, gr = ops
-            mbatch = jax.tree.map(lambda a: a[j], micro)
-            (y, loss), vjp = jax.vjp(
-                lambda cp, tp, x: with_loss(cp, tp, x, s, mbatch), chunk(blocks, c), top, xbuf[xr]
-            )
-            last = s == S - 1
-            g = jnp.where(last, jnp.zeros_like(y), gbuf[gr].astype(y.dtype))
-            dc, dt, dx = vjp((g, jnp.where(last, 1.0, 0.0).astype(loss_dtype)))
-            tag = jnp.where(last, xtag[xr], gtag[gr])
-            got_j, got_s = decode(tag)
-            if S == 1:
-                got_j, got_s = j, jnp.int32(0)
-            return (
-                zeros_x,
-                dx.astype(x_like.dtype),
-                dc,
-                dt,
-                loss,
-                jnp.stack([jnp.int32(_schedule.BWD), got_j, got_s]),
-            )
-
-        def tick(carry, row):
-            xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc = carry
-            kind, c, j, xr, gr, xw, gw = (row[d, i] for i in range(7))
-            s = c * p + d
-            send_x, send_g, dc, dt, loss, rec = lax.switch(kind, [idle, fwd, bwd],
-                                                           (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr))  # fmt: skip
-            acc_c = jax.tree.map(lambda a, g: lax.dynamic_update_slice_in_dim(
-                a, lax.dynamic_slice_in_dim(a, c * k, k) + g, c * k, 0), acc_c, dc)  # fmt: skip
-            acc_t = jax.tree.map(jnp.add, acc_t, dt)
-            if p > 1 or v > 1:
-                tag_x = j * S + s + 1  # what the receiver consumes: micro-batch j at virtual stage s + 1
-                tag_g = j * S + s - 1
-                if p > 1:
-                    send_x, tag_x = lax.ppermute((send_x, tag_x), STAGE, fwd_perm)
-                    send_g, tag_g = lax.ppermute((send_g, tag_g), STAGE, bwd_perm)
-                xbuf, xtag = xbuf.at[xw].set(send_x), xtag.at[xw].set(tag_x)
-                gbuf, gtag = gbuf.at[gw].set(send_g), gtag.at[gw].set(tag_g)
-            return (xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc + loss), rec
-
-        buf = lambda n: jnp.zeros((n + 1, *x_like.shape), x_like.dtype)  # noqa: E731
-        carry = (buf(sched.x_slots), jnp.zeros((sched.x_slots + 1,), jnp.int32), buf(sched.g_slots),
-                 jnp.zeros((sched.g_slots + 1,), jnp.int32), jax.tree.map(jnp.zeros_like, blocks),
-                 jax.tree.map(jnp.zeros_like, top), jnp.zeros((), loss_dtype))  # fmt: skip
-        carry, record = lax.scan(tick, carry, jnp.asarray(table, jnp.int32))
-        acc_c, acc_t, loss = carry[4], carry[5], carry[6]
-        if v > 1 and p > 1:
-            acc_c = _relayout(acc_c, p, v, d, back=True)
-        if p > 1:
-            acc_t, loss = lax.psum((acc_t, loss), STAGE)
-        loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
-        return loss, record[:, None, :], grads
+    p, m, v = sched.p, sched.m, sched.v
 
     def over_data(loss, grads):
         if zero3:
@@ -350,6 +126,21 @@ def local_pipeline(
             loss = lax.pmean(loss, DATA)
         return loss, grads
 
+    def run(params, batch):
+        if zero3:
+            params = _gather(params, placement)
+        top, blocks = stages.split(params)
+        d = lax.axis_index(STAGE) if p > 1 else 0
+        if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
+            blocks = relayout(blocks, p, v, d, back=False)
+        acc_c, acc_t, loss, record = _Ticks(stages, sched, policy, top, blocks, _micro(batch, m), d).run()
+        if v > 1 and p > 1:
+            acc_c = relayout(acc_c, p, v, d, back=True)
+        if p > 1:
+            acc_t, loss = lax.psum((acc_t, loss), STAGE)
+        loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
+        return loss, record[:, None, :], grads
+
     def single_stage(params, batch):
         """One stage (p = v = 1): nothing to send and no bubble; its schedule (F j then B j) is gradient
         accumulation, run as a scan of ``jax.value_and_grad`` over the micro-batches (one call for
@@ -358,7 +149,7 @@ def local_pipeline(
             params = _gather(params, placement)
         micro = _micro(batch, m)
 
-        grad = jax.value_and_grad(lambda pr, mb: _whole_loss(stages, pr, mb, policy) / m)
+        grad = jax.value_and_grad(lambda pr, mb: whole_loss(stages, pr, mb, policy) / m)
         if m == 1:
             loss, grads = grad(params, jax.tree.map(lambda a: a[0], micro))
         else:
@@ -371,15 +162,107 @@ def local_pipeline(
     return single_stage if p == 1 and v == 1 else run
 
 
-def stages_join(stages: Stages, top: dict, blocks: Any) -> dict:
-    return {**top, stages.blocks: blocks}
+class _Ticks:
+    """One device's run of the schedule table: a ``lax.scan`` over the clock ticks, each looking up
+    this device's action (idle, the forward or the backward of one micro-batch through one chunk)
+    and running it under ``lax.switch``, then the two permutes; its carry the activation and
+    cotangent buffers with their tags, the gradient accumulators and the loss."""
 
+    def __init__(self, stages: Stages, sched: _schedule.Schedule, policy: Any, top: Any, blocks: Any, micro: Any,
+                 d: Any) -> None:  # fmt: skip
+        self.stages, self.sched, self.policy = stages, sched, policy
+        self.top, self.blocks, self.micro, self.d = top, blocks, micro, d
+        self.p, self.v, self.S = sched.p, sched.v, sched.stages
+        self.k = jax.tree.leaves(blocks)[0].shape[0] // sched.v
+        self.x_like = jax.eval_shape(stages.embed, top, jax.tree.map(lambda a: a[0], micro))
+        self.zeros_x = jnp.zeros(self.x_like.shape, self.x_like.dtype)
+        self.scale = 1.0 / sched.m
+        self.loss_dtype = jnp.promote_types(self.x_like.dtype, jnp.float32)
+        self.fwd_perm, self.bwd_perm = _perm(self.p, 1, self.v > 1), _perm(self.p, -1, self.v > 1)
 
-def _whole_loss(stages: Stages, params: Any, batch: Any, policy: Any) -> jax.Array:
-    """The loss of ``stages`` on a batch, its blocks under the remat ``policy``, at least float32."""
-    top, blocks = stages.split(params)
-    x = stages.run_blocks(blocks, stages.embed(top, batch), policy)
-    return jnp.asarray(stages.loss(stages.head(top, x), batch), jnp.promote_types(x.dtype, jnp.float32))
+    def run(self) -> tuple[Any, Any, jax.Array, jax.Array]:
+        """``(chunk gradients, top gradients, loss, record)`` after every tick."""
+        s = self.sched
+        table = np.stack([s.kind, s.chunk, s.mb, s.x_read, s.g_read, s.x_write, s.g_write], axis=-1)
+        buf = lambda n: jnp.zeros((n + 1, *self.x_like.shape), self.x_like.dtype)  # noqa: E731
+        carry = (buf(s.x_slots), jnp.zeros((s.x_slots + 1,), jnp.int32), buf(s.g_slots),
+                 jnp.zeros((s.g_slots + 1,), jnp.int32), jax.tree.map(jnp.zeros_like, self.blocks),
+                 jax.tree.map(jnp.zeros_like, self.top), jnp.zeros((), self.loss_dtype))  # fmt: skip
+        carry, record = lax.scan(self.tick, carry, jnp.asarray(table, jnp.int32))
+        return carry[4], carry[5], carry[6], record
+
+    def chunk(self, tree, c):
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * self.k, self.k), tree)
+
+    def forward(self, cp, tp, x_in, s, mbatch):
+        x = lax.cond(s == 0, lambda: self.stages.embed(tp, mbatch).astype(self.x_like.dtype), lambda: x_in)
+        return self.stages.run_blocks(cp, x, self.policy)
+
+    def with_loss(self, cp, tp, x_in, s, mbatch):
+        y = self.forward(cp, tp, x_in, s, mbatch)
+
+        def head():
+            return (
+                jnp.asarray(self.stages.loss(self.stages.head(tp, y), mbatch), self.loss_dtype) * self.scale
+            )
+
+        loss = lax.cond(s == self.S - 1, head, lambda: jnp.zeros((), self.loss_dtype))
+        return y, loss
+
+    def decode(self, tag):
+        return tag // self.S, tag % self.S
+
+    def idle(self, ops):
+        zeros_c = jax.tree.map(jnp.zeros_like, self.chunk(self.blocks, 0))
+        return self.zeros_x, self.zeros_x, zeros_c, jax.tree.map(jnp.zeros_like, self.top), \
+            jnp.zeros((), self.loss_dtype), jnp.zeros((3,), jnp.int32)  # fmt: skip
+
+    def fwd(self, ops):
+        c, s, j, xbuf, xtag, xr = ops[:6]
+        mbatch = jax.tree.map(lambda a: a[j], self.micro)
+        y = self.forward(self.chunk(self.blocks, c), self.top, xbuf[xr], s, mbatch)
+        got_j, got_s = self.decode(xtag[xr])
+        got_j, got_s = jnp.where(s == 0, j, got_j), jnp.where(s == 0, 0, got_s)
+        out = self.idle(ops)
+        return y, self.zeros_x, out[2], out[3], out[4], jnp.stack([jnp.int32(_schedule.FWD), got_j, got_s])
+
+    def bwd(self, ops):
+        c, s, j, xbuf, xtag, xr, gbuf, gtag, gr = ops
+        mbatch = jax.tree.map(lambda a: a[j], self.micro)
+        (y, loss), vjp = jax.vjp(
+            lambda cp, tp, x: self.with_loss(cp, tp, x, s, mbatch),
+            self.chunk(self.blocks, c),
+            self.top,
+            xbuf[xr],
+        )
+        last = s == self.S - 1
+        g = jnp.where(last, jnp.zeros_like(y), gbuf[gr].astype(y.dtype))
+        dc, dt, dx = vjp((g, jnp.where(last, 1.0, 0.0).astype(self.loss_dtype)))
+        got_j, got_s = self.decode(jnp.where(last, xtag[xr], gtag[gr]))
+        if self.S == 1:
+            got_j, got_s = j, jnp.int32(0)
+        record = jnp.stack([jnp.int32(_schedule.BWD), got_j, got_s])
+        return self.zeros_x, dx.astype(self.x_like.dtype), dc, dt, loss, record
+
+    def tick(self, carry, row):
+        xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc = carry
+        p, k, S, d = self.p, self.k, self.S, self.d
+        kind, c, j, xr, gr, xw, gw = (row[d, i] for i in range(7))
+        s = c * p + d
+        send_x, send_g, dc, dt, loss, rec = lax.switch(kind, [self.idle, self.fwd, self.bwd],
+                                                       (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr))  # fmt: skip
+        acc_c = jax.tree.map(lambda a, g: lax.dynamic_update_slice_in_dim(
+            a, lax.dynamic_slice_in_dim(a, c * k, k) + g, c * k, 0), acc_c, dc)  # fmt: skip
+        acc_t = jax.tree.map(jnp.add, acc_t, dt)
+        if p > 1 or self.v > 1:
+            tag_x = j * S + s + 1  # what the receiver consumes: micro-batch j at virtual stage s + 1
+            tag_g = j * S + s - 1
+            if p > 1:
+                send_x, tag_x = lax.ppermute((send_x, tag_x), STAGE, self.fwd_perm)
+                send_g, tag_g = lax.ppermute((send_g, tag_g), STAGE, self.bwd_perm)
+            xbuf, xtag = xbuf.at[xw].set(send_x), xtag.at[xw].set(tag_x)
+            gbuf, gtag = gbuf.at[gw].set(send_g), gtag.at[gw].set(tag_g)
+        return (xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc + loss), rec
 
 
 def pipeline_gradients(
@@ -399,7 +282,7 @@ def pipeline_gradients(
         table, policy = jnp.asarray(sched.table()), remat_policy(remat)
 
         def plain(params, state, batch, key):
-            loss, grads = jax.value_and_grad(lambda pr: _whole_loss(stages, pr, batch, policy))(params)
+            loss, grads = jax.value_and_grad(lambda pr: whole_loss(stages, pr, batch, policy))(params)
             return loss, {"schedule": table}, state, grads
 
         return plain
@@ -564,61 +447,3 @@ class Pipeline:
             remat=self.remat, working_model_bytes=self.working_bytes(params, batch),
             record=None if record is None else np.asarray(record),
         )  # fmt: skip
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineReport:
-    """The executed schedule beside the model: bubble, and activation memory beside the compiler's temporaries."""
-
-    schedule: str
-    stages: int
-    microbatches: int
-    virtual_stages: int
-    ticks: int
-    bubble_model: float
-    """``(p - 1) / (v m + p - 1)``: idle ticks over all ticks of the step (see ``_schedule``)."""
-    bubble_measured: float | None
-    """Idle ticks over all ticks in the record the last step returned (None before a step)."""
-    executed_as_planned: bool | None
-    stash_slots: int
-    cotangent_slots: int
-    activation_bytes: int
-    """One micro-batch's activation on one device."""
-    activation_model_bytes: float
-    """Activation memory of the schedule: (stash slots + cotangent slots + 2 scratch) x activation."""
-    temp_bytes: float
-    """The compiled step's temporaries (memory_analysis), which hold the stash among other buffers."""
-    remat: str = "none"
-    working_model_bytes: float = 0.0
-    """One backward tick's residuals through its chunk under ``remat`` (``Pipeline.working_bytes``)."""
-    record: Any = None
-
-    @property
-    def ok(self) -> bool:
-        return self.bubble_measured is not None and abs(self.bubble_measured - self.bubble_model) < 1e-12 \
-            and bool(self.executed_as_planned)  # fmt: skip
-
-    def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "record"}
-        return {**out, "ok": self.ok, "record": None if self.record is None else self.record.tolist()}
-
-    def table(self) -> Any:
-        from rich.table import Table
-
-        from meshkit.fmt import fmt_bytes
-
-        t = Table(title=f"pipeline: {self.schedule}, stage={self.stages}, microbatches={self.microbatches}, "
-                        f"virtual stages={self.virtual_stages}, {self.ticks} ticks", title_justify="left")  # fmt: skip
-        for c in ("quantity", "measured", "model", ""):
-            t.add_column(c, justify="left" if c == "quantity" else "right")
-        measured = "-" if self.bubble_measured is None else f"{self.bubble_measured:.4f}"
-        t.add_row(
-            "bubble (idle ticks / ticks)", measured, f"{self.bubble_model:.4f}", "ok" if self.ok else "FAIL"
-        )
-        t.add_row("executed record = schedule table", str(self.executed_as_planned), "True", "")
-        t.add_row(f"activations in flight ({self.stash_slots} stash + {self.cotangent_slots} cotangent slots)",
-                  fmt_bytes(self.temp_bytes) + " temps", fmt_bytes(self.activation_model_bytes), "")  # fmt: skip
-        t.add_row(
-            f"backward tick's residuals (remat {self.remat})", "", fmt_bytes(self.working_model_bytes), ""
-        )
-        return t

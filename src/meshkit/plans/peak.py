@@ -13,7 +13,7 @@ fusion decision, not a property of the jaxpr. Each term and the measurement behi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -23,9 +23,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit.plans import memory as M
 from meshkit.plans._expected import memory_formula
-from meshkit.plans._fsdp import PerLayer, abstract, analyse, layered_loss
+from meshkit.plans._fsdp import PerLayer, layered_loss
+from meshkit.plans._layers import abstract, analyse
 from meshkit.plans.assemble import Assembled, assemble
+from meshkit.plans.memory import PeakModel
 from meshkit.plans.placement import Placement
 from meshkit.spec import MODEL, ParallelSpec, get_plan
 
@@ -57,8 +60,7 @@ class AbstractStep:
         return self.assembled.per_layer
 
     def predict(self) -> PeakModel:
-        a = self.assembled
-        return predict_peak(a.loss, a.per_layer, self.params, self.batch, a.optimizer, a.spec.accumulate)
+        return predict_peak(self.assembled, self.params, self.batch)
 
     @property
     def measured_peak(self) -> int:
@@ -89,32 +91,19 @@ def abstract_step(
     )
 
 
+def gather_ratio(spec: ParallelSpec, params: Any) -> float:
+    """ZeRO-3's gathered bytes per parameter byte: the compute dtype's size over the parameters' where
+    the plan gathers in the compute dtype (``Plan.gathers_in_compute_dtype``), else 1."""
+    if spec.compute_dtype is None or not spec.plan_info.gathers_in_compute_dtype:
+        return 1.0
+    widest = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    return min(1.0, jnp.dtype(spec.compute_dtype).itemsize / widest)
+
+
 def nbytes(tree: Any) -> float:
     return float(
         sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
     )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PeakModel:
-    """Predicted per-device bytes at the step's peak (see ``predict_peak``)."""
-
-    persistent: float
-    """Parameters and optimizer state as the plan keeps them at rest, and the batch (the arguments)."""
-    backward: float
-    """Temporaries of the gradient phase: gradients in flight, gathered parameters, activations."""
-    update: float
-    """Temporaries of the update phase: gradients with the update tree, and ZeRO-1/2's gathered new
-    parameters."""
-    activations: float
-    """The part of ``backward`` that is activations."""
-
-    @property
-    def total(self) -> float:
-        return self.persistent + max(self.backward, self.update)
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "total": self.total}
 
 
 def compiled_activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> float:
@@ -208,63 +197,29 @@ zero3's barriers in the loop form)."""
 
 
 def predict_peak(
-    loss_fn: Callable,
-    per: PerLayer,
-    params: Any,
-    batch: Any,
-    optimizer: Any,
-    accumulate: int = 1,
-    *,
-    state: Any = None,
-    key: Any = None,
+    step: Assembled, params: Any, batch: Any, *, state: Any = None, key: Any = None
 ) -> PeakModel:
-    """Per-device peak of the step: arguments + the larger of the backward and the update phases.
+    """Per-device peak of the step: arguments + the larger of the backward and the update phases,
+    by the rules of ``plans.memory`` (each with what was measured for it), the activations read from
+    the loss's gradient compiled on one device (``compiled_activations``; in a scan less its own
+    stacked gradients and loop slices, which the plan's rules count). ``step`` is the assembled step
+    (its loss, per-layer settings, optimizer and spec); ``params`` and ``batch`` are shapes.
 
-    ``loss_fn`` is the step's loss ``(params, state, batch, key) -> (loss, (aux, state))``. The
-    terms, and why (P = parameter bytes per device: a leaf split on ``model`` counts 1/model of
-    itself, P_top = leaves used outside layers, P_layers = per-layer
-    leaves, P_1 = one layer's, N = data-axis size; measured on the issue-14 GPT, data=8, by reading
-    XLA's buffer live ranges at the peak, ``--xla_dump_to``):
-
-    - persistent (the arguments): parameters and optimizer state as the plan keeps them, the batch;
-    - activations (``compiled_activations``; in a scan less its stacked gradients and loop slices):
-      what the backward pass keeps, with its working set; with remat, the layer being recomputed;
-    - backward phase, dp/zero1/zero2: the whole local gradients (P) + the activations; a scan's
-      loop also keeps one layer's parameter and gradient slices in its buffers (+2 P_1);
-    - with ``accumulate`` > 1: the accumulator the micro-batch loop carries, whole under dp and
-      zero1 (P: they reduce once, after the loop), a shard under zero2 and zero3 (P / N:
-      reduce-scattered per micro-batch), counted beside a micro-batch's gradients where those are
-      complete at once (a scan's stacked gradients; zero2's bucket); in the loop form each leaf's
-      gradient is added into it as it is made, so it takes the gradients' place;
-    - backward phase, zero3: leaves used outside layers gathered for the step: bucket, slices and
-      whole gradient (3 P_top); per-layer leaves (gathered leaf by leaf, no bucket) without remat:
-      every layer's gathered leaves held for the backward pass (P_layers, both forms); with remat
-      one layer at a time: in the loop form nothing on top (its gathered leaves and whole gradient
-      share memory with the recomputed values the activation term already holds), in a scan its
-      whole gradient (P_1, plus the loop's slice P_1; under ``regather`` 2 P_1 and every layer's
-      barrier output shards, P_layers / N, which the policy lets the scan save as a stacked
-      residual for the re-gather to read). Gradient shards: all of them (P_layers / N) where the step takes the
-      global norm (clipping or the grad_norm metric) or writes them as one stacked
-      scan output, or under ``regather`` (its per-leaf reduce-scatters are scheduled at the end of
-      the step), or with ``accumulate`` > 1 (the shards are summed into the micro-batch loop's
-      accumulator, alive through the loop and updated after it: the loop form under ``layer``
-      remat, 4 layers, was 1.12 counting one layer's, 1.02 counting all); otherwise one layer's (P_1 / N): XLA schedules each layer's optimizer update
-      right after its reduce-scatter, into the donated parameter and state buffers, and the shard
-      dies there (its live range spans ~17 of ~1300 instructions at 4 layers);
-    - update phase: the gradients with the optimizer's update tree (2x the gradients; a scanned
-      dp step updates in the gradients' buffers); zero1/zero2's bucketed all-gather of the new
-      parameters (bucket + slices, 2x the parameters); zero3: 2x the gradient shards, of every
-      leaf where they are all alive at once (above), else of the leaves outside layers and one
-      layer. Counting every shard (with its update) was the loop form's 0.83-0.88 at 16-32 layers
-      under ``layer`` remat, where this phase decided the peak.
+    Backward phase: dp/ZeRO-1/ZeRO-2 hold the whole local gradients (P), a scan's loop buffers and the
+    accumulator where it is alive beside them; ZeRO-3 holds the leaves outside layers gathered for the
+    step, the per-layer gradient shards (all of them, or one layer's), the layers' gathered leaves as
+    remat keeps them, the loop buffers and the accumulator. Update phase: ``memory.update_phase``.
+    ZeRO-3's gathers count in the compute dtype where the plan gathers in it (``gather_ratio``).
     """
+    loss_fn, per, optimizer, accumulate = step.loss, step.per_layer, step.optimizer, step.spec.accumulate
+    ratio = gather_ratio(step.spec, params)
     placement = per.placement
-    n, stage = placement.data_size, placement.plan.zero
-    flat = placement.flat()
+    n, flat = placement.data_size, placement.flat()
     # per device: a leaf split on the model axis by the tensor-parallel rules is 1/model of itself
     # everywhere in the step (gathered, gradient, update), like at rest
     sizes = [nbytes(x) / placement.split(leaf) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)]
     total = sum(sizes)
+    sharded = sum(size for size, leaf in zip(sizes, flat, strict=True) if leaf.data_dim is not None)
     micro = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct((s.shape[0] // (n * accumulate), *s.shape[1:]), s.dtype), batch
     )
@@ -272,107 +227,72 @@ def predict_peak(
     loss_fn = pair(loss_fn)
     if per.found is None:  # the step was not traced yet: trace the loss once for its layers
         per.found = analyse(loss_fn, placement, params, extra)
-    found = per.found
-    layer = set(found.layer_leaves) if found is not None and found.per_layer and per.gathers else set()
-    zero3 = stage == "zero3" and n > 1
-
-    def at_rest(i: int, sharded: bool) -> float:
-        return sizes[i] / n if sharded and flat[i].data_dim is not None else sizes[i]
-
-    params_b = sum(at_rest(i, zero3) for i in range(len(sizes)))
-    opt_b = memory_formula(placement, optimizer, params)["optimizer"]
-    batch_b = nbytes(batch) / n
-    persistent = params_b + opt_b + batch_b
-
-    layer_b = sum(sizes[i] for i in layer)
-    scan = found is not None and found.mode == "scan"
-    # one compile per loss, remat and shapes (a Trainer reports the same step repeatedly)
-    memo = (per.remat, str(jax.tree.map(lambda a: (a.shape, a.dtype), (params, extra))))
-    if memo not in per.measured:
-        per.measured[memo] = compiled_activations(loss_fn, per, params, extra)
-    activations = per.measured[memo]
-    stacked_b = sum(sizes[i] for i in found.layer_leaves) if found is not None and found.per_layer else 0.0
+    found, plan = per.found, placement.plan
+    zero3 = plan.shards_params and n > 1
+    zero = plan.level
+    layer = set(found.layer_leaves) if found.per_layer and per.gathers else set()
+    persistent = (
+        M.at_rest(total, sharded, n, zero3)
+        + memory_formula(placement, optimizer, params)["optimizer"]
+        + nbytes(batch) / n
+    )
+    activations = _activations(loss_fn, per, params, extra)
+    scan = found.mode == "scan"
+    stacked_b = sum(sizes[i] for i in found.layer_leaves) if found.per_layer else 0.0
     one_layer = stacked_b / found.layers if stacked_b else 0.0
     if scan:  # the one-device compile's own stacked gradients and loop slices (the plan's are below)
         activations -= stacked_b + 2 * one_layer
         if per.remat == "regather" and zero3:  # its copy of the layer's weights, which zero3 gathers instead
             activations -= one_layer
-    # A scan's loop keeps one layer's slice of the stacked parameters and of their gradient in loop
-    # buffers besides the stacked arrays (measured: +2 layers; +1 under zero3 with remat, where the
-    # body's slice is a shard and only the gathered layer's buffer stays)
-    body = (1 if zero3 and per.remat != "none" else 2) * one_layer if scan else 0.0
-    # gradient accumulation (m > 1 micro-batches): the scan over micro-batches carries the summed
-    # gradients, whole under dp and zero1 (reduced once, after the loop), a shard under zero2 and
-    # zero3 (reduce-scattered per micro-batch). It is alive beside a micro-batch's own gradients
-    # where those are complete at once before they are added: a scan's stacked gradients (one
-    # output of the backward loop), zero2's bucketed reduce-scatter. In the loop form XLA adds
-    # each leaf's gradient into the carry as it is made, so the accumulator takes their place
-    # (GPT width 128, 4 layers, data=8, accumulate=2, loop form: dp and zero1 0.89 / 0.84 measured /
-    # predicted counting it beside them, 1.00 / 1.00 not; scanned 0.99 / 0.99 counting it)
-    sharded_acc = placement.plan.shards_gradients and n > 1
-    beside = accumulate > 1 and (scan or stage == "zero2")
-    accumulator = sum(at_rest(i, sharded_acc) for i in range(len(sizes))) if beside else 0.0
-    if zero3:
-        lay = found.layers if layer else 1
-        per_layer_b = layer_b / lay if layer else 0.0
-        # gathered for the step (bucket + slices) with their whole gradients; the per-layer gradient
-        # shards: all of them where the step takes their global norm before updating; else XLA
-        # updates each layer's shards (into the donated parameters and Adam state) as they arrive,
-        # and one layer's shard is alive at a time (a scan writes them all as one stacked array)
-        # (regather's per-leaf reduce-scatters are scheduled at the step's end: all shards alive;
-        # with micro-batches they are summed into the accumulator, updated after the loop)
-        at_once = per.global_norm or scan or per.remat == "regather" or accumulate > 1
-        # the leaves outside layers, by how they are gathered: a data-sharded leaf in the dtype's
-        # bucket (bucket, slice, whole gradient: 3x), a leaf also split on model by itself (its
-        # gathered value and whole gradient: 2x), a leaf kept whole on data (its gradient: 1x)
-        top = sum(sizes[i] * (1 if flat[i].data_dim is None else 2 if flat[i].model_sharded else 3)
-                  for i in range(len(sizes)) if i not in layer)  # fmt: skip
-        backward = top + (layer_b if at_once else per_layer_b) / n + body + accumulator
-        # (a layer's leaves are gathered one by one, no bucket: ``_fsdp._gather_vjp``; with the
-        # bucket and its slices both alive the terms below were 2 P_layers without remat and one
-        # P_1 more with remat; bench_memory, 8 layers, loop form, none 86.1 -> 61.9 MiB measured)
-        if per.remat == "none":  # every layer's gathered leaves held, gradients whole until scattered
-            # (a scan saves each layer's gathered leaves as stacked residuals)
-            backward += layer_b
-        elif scan:  # one layer at a time: its whole gradient (its gathered leaves share memory with
-            # the recomputed values); under regather its gathered leaves too, and the barrier's
-            # output shards, which the re-gather reads and the policy may save, are saved as a
-            # stacked residual (a copy: measured slope +P_1/N per layer)
-            backward += per_layer_b + (per_layer_b + layer_b / n if per.remat == "regather" else 0.0)
-        # (loop form with remat: the layer re-gathered in the backward pass; the one-device compile
-        # already holds that layer's recomputed values, which share memory with its gathered leaves.
-        # regather's one-device compile, under its policy, holds weight-sized buffers of the layer in
-        # its backward pass where the step holds the gathered leaves: measured 4 and 8 layers
-        # 0.83 / 0.90 with 2 P_1 on top, 1.01 / 1.01 without)
-        shards = sum(at_rest(i, True) for i in range(len(sizes)))
-        # the update: gradient shards and the update tree, of every leaf at once, or (updated layer
-        # by layer as the shards arrive) of the leaves outside layers and one layer
-        update = 2 * (shards if at_once else shards - (layer_b - per_layer_b) / n)
-    else:
+    body = M.scan_loop_buffers(one_layer, zero3=zero3, remat=per.remat) if scan else 0.0
+    beside = M.accumulator_beside_gradients(scan=scan, zero=zero, microbatches=accumulate)
+    acc = M.accumulator(total, sharded, n, microbatches=accumulate, shards_gradients=plan.shards_gradients)
+    accumulator = acc if beside else 0.0
+    if not zero3:
         backward = total + body + accumulator  # whole local gradients (and the accumulator)
-        # the loop form materializes the update tree beside the gradients; in the scanned form XLA
-        # updates in the gradients' buffers; zero1/2 gather the new parameters (bucket + slices)
-        update = (total if scan else 2 * total) if stage == "dp" else 2 * total
+        update = M.update_phase(total, 0.0, zero=zero, scan=scan)
+        return PeakModel(
+            persistent=persistent, backward=backward + activations, update=update, activations=activations
+        )
+    layer_b = sum(sizes[i] for i in layer)
+    per_layer_b = layer_b / found.layers if layer else 0.0
+    at_once = M.zero3_all_shards_alive(
+        global_norm=per.global_norm, scan=scan, remat=per.remat, microbatches=accumulate
+    )
+    top = [(sizes[i], flat[i]) for i in range(len(sizes)) if i not in layer]
+    gathered = M.gathered_top(
+        bucketed=sum(s for s, leaf in top if leaf.data_dim is not None and not leaf.model_sharded),
+        alone=sum(s for s, leaf in top if leaf.data_dim is not None and leaf.model_sharded),
+        whole=sum(s for s, leaf in top if leaf.data_dim is None),
+        gather_ratio=ratio,
+    )
+    backward = gathered + (layer_b if at_once else per_layer_b) / n + body + accumulator
+    backward += M.zero3_layers_held(ratio * layer_b, per_layer_b, n, scan=scan, remat=per.remat)
+    shards = M.at_rest(total, sharded, n, True)
+    update = M.update_phase(
+        total, shards, zero=3, scan=scan, partial=0.0 if at_once else (layer_b - per_layer_b) / n
+    )
     return PeakModel(
         persistent=persistent, backward=backward + activations, update=update, activations=activations
     )
 
 
+def _activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> float:
+    """``compiled_activations``, compiled once per loss, remat and shapes (a Trainer reports the same
+    step repeatedly)."""
+    memo = (per.remat, str(jax.tree.map(lambda a: (a.shape, a.dtype), (params, extra))))
+    if memo not in per.measured:
+        per.measured[memo] = compiled_activations(loss_fn, per, params, extra)
+    return per.measured[memo]
+
+
 def peak_report(
-    measured: Any,
-    loss_fn: Callable,
-    per: PerLayer,
-    params: Any,
-    batch: Any,
-    optimizer: Any,
-    accumulate: int = 1,
-    *,
-    state: Any = None,
-    key: Any = None,
+    measured: Any, step: Assembled, params: Any, batch: Any, *, state: Any = None, key: Any = None
 ) -> dict:
     """Measured peak (a MemoryLedger's arguments + temporaries) beside the model, explained past 10%."""
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
-    model = predict_peak(loss_fn, per, params, shapes, optimizer, accumulate, state=state, key=key)
+    model = predict_peak(step, params, shapes, state=state, key=key)
+    per = step.per_layer
     got = measured.argument_bytes + measured.temp_bytes
     ratio = got / model.total
     found = per.found

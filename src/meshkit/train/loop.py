@@ -2,7 +2,8 @@
 
 ``run(cfg)`` prepares everything that can fail on bad input before it writes a byte (data,
 model, plan, mesh, resume checkpoint), then trains with a progress bar, evaluates on the held-out
-split, checkpoints with orbax (periodically, at the end and on Ctrl-C), and finishes with
+split, checkpoints with orbax (periodically, at the end, and on SIGINT or SIGTERM at a step every process
+agrees on: :mod:`meshkit.train.stop`), and finishes with
 ``report.json`` (loss, throughput, communication and memory measured beside the model, FLOPs),
 ``loss.png``, ``cost.png`` and a summary table. Only process 0 writes files.
 """
@@ -13,208 +14,34 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshkit.devices import host
 from meshkit.models import gpt, num_params
-from meshkit.models.shape import ModelShape
-from meshkit.spec import DATA
 from meshkit.train import config as C
-from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
-from meshkit.train.data import Batches, TextData, decode, global_batch, load_text, split
+from meshkit.train.checkpoint import Checkpointer
+from meshkit.train.data import Batches, decode, global_batch
+from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
-    RunDirLock,
-    check_link,
     lock_run_dir,
     make_run_dir,
-    new_run_dir,
     point_link,
     write_atomic,
 )
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
-from meshkit.train.trainer import Trainer
-
-
-@dataclass(kw_only=True)
-class Job:
-    """Everything a run holds: config, data, model, trainer, data stream, and what it measured."""
-
-    cfg: C.TrainConfig
-    data: TextData
-    train_tokens: np.ndarray
-    eval_tokens: np.ndarray
-    model: gpt.GPTConfig
-    trainer: Trainer
-    batches: Batches
-    run_dir: Path
-    step: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    eval_loss: Any = None
-    """The jitted loss used for evaluation."""
-    log: MetricsLog | None = None
-    """Where rows go while the run is open (process 0 only)."""
-
-    @property
-    def writer(self) -> bool:
-        return jax.process_index() == 0
-
-
-def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
-    """Build data, model and trainer, and check the resume checkpoint; writes nothing."""
-    C.validate(cfg)
-    run_dir = Path(cfg.run_dir)
-    if resume:
-        C.check_same_run(saved_config(run_dir), cfg, str(run_dir))
-        if _latest_step(run_dir / "checkpoints") is None:
-            raise C.ConfigError(
-                f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume"
-            )
-    else:
-        _check_no_checkpoints(run_dir)
-    data = load_text(cfg.data)
-    train_tokens, eval_tokens = split(data.tokens)
-    if cfg.seq_len + 1 > len(eval_tokens):
-        raise C.ConfigError(
-            f"--seq-len {cfg.seq_len} needs {cfg.seq_len + 1} held-out tokens but the held-out tenth of the "
-            f"data has {len(eval_tokens)}; use a shorter --seq-len or more --data"
-        )
-    batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
-    spec = cfg.parallel
-    pipeline = spec.plan_info.pipeline  # the GPT as Stages: blocks stacked, split over the stages
-    model = gpt.GPTConfig.from_shape(model_shape(cfg, data.vocab_size), precision=spec.precision,
-                                     scan_layers=cfg.scan_layers or pipeline)  # fmt: skip
-    params = gpt.init(jax.random.key(cfg.seed), model)
-    trainer = Trainer(gpt.stages(model) if pipeline else gpt.make_loss(model), params, C.optimizer(cfg), spec=spec,
-                      clip_norm=cfg.clip, logical_axes=gpt.logical_axes(params), tokens_per_example=cfg.seq_len,
-                      grad_norm=True, units={"heads": cfg.heads})  # fmt: skip
-    C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
-    trainer.check_examples(cfg.batch_size)
-    job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
-              batches=batches, run_dir=run_dir, eval_loss=jax.jit(gpt.make_loss(model)))  # fmt: skip
-    if resume:
-        _restore(job)
-    return job
-
-
-def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
-    """The shape of the run's GPT (what ``--plan auto`` plans for and the model is built from)."""
-    return ModelShape(
-        name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len
-    )
-
-
-def saved_config(run_dir: Path) -> C.TrainConfig:
-    """The config a run directory was started with; raises unless it holds a run to resume. Reads
-    ``config.json`` only: the checkpoints are listed by ``prepare``, once the run holds the lock."""
-    saved_path = run_dir / "config.json"
-    if not saved_path.is_file() or not (run_dir / "checkpoints").is_dir():
-        raise C.ConfigError(f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume")
-    try:
-        data = json.loads(saved_path.read_text())
-    except ValueError as e:
-        raise C.ConfigError(f"--resume: '{saved_path}' is not JSON ({e}): give the run's directory") from None
-    return C.TrainConfig.from_json(data, where=f"--resume: '{saved_path}'")
-
-
-def _latest_step(directory: Path) -> int | None:
-    with Checkpointer(directory) as ckpt:  # only lists: deletes nothing
-        return ckpt.latest_step()
-
-
-def _check_no_checkpoints(run_dir: Path) -> None:
-    """A new run must not train into a directory that holds another run's checkpoints."""
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-        raise C.ConfigError(
-            f"run directory '{run_dir}' already holds checkpoints: pass --resume, or a new --run-dir"
-        )
-
-
-def _restore(job: Job) -> None:
-    """Restore the newest readable step onto the trainer's layout. A checkpoint of the GPT's other
-    form (``--scan-layers`` changed on resume) is read replicated in its own form and converted."""
-    t = job.trainer
-    with Checkpointer(job.run_dir / "checkpoints") as ckpt:
-        try:
-            params, opt_state, meta = ckpt.restore(
-                None, abstract_with(t.params, t.shardings.params), abstract_with(t.opt_state, t.shardings.opt_state)
-            )  # fmt: skip
-        except CheckpointError as first:
-            try:
-                params, opt_state, meta = ckpt.restore(None, *_other_form(t, job.model.scan_layers))
-            except CheckpointError:
-                raise first from None  # neither form: the first error names the mismatch
-            params, opt_state = gpt.to_form((params, opt_state), job.model.scan_layers)
-            params, opt_state = jax.device_put(
-                (params, opt_state), (t.shardings.params, t.shardings.opt_state)
-            )
-    _check_config_unedited(job, meta)
-    t.params, t.opt_state = params, opt_state
-    job.batches.restore(meta["data"])
-    job.step = int(meta["step"])
-    job.history = [h for h in read_rows(job.run_dir / METRICS_NAME, warn=job.writer) if h["step"] <= job.step]
-    job.evals = [e for e in job.history if "eval_loss" in e]
-    job.history = [h for h in job.history if "loss" in h]
-
-
-def _check_config_unedited(job: Job, meta: dict) -> None:
-    """The options that fixed the run are the checkpoint's: an edited config.json is refused."""
-    if "config" not in meta:
-        return
-    where = f"the checkpoint of step {meta['step']}"
-    at_save = C.TrainConfig.from_json(meta["config"], where=where)
-    for key, what in C.FIXED_ON_RESUME.items():
-        if C.effective(at_save, key) != C.effective(job.cfg, key):
-            raise C.ConfigError(
-                f"--resume: {C.flag(key)} is {C.effective(job.cfg, key)!r} in {job.run_dir / 'config.json'} but "
-                f"{C.effective(at_save, key)!r} in {where}, and it fixes {what}: restore config.json"
-            )
-
-
-def _other_form(t: Trainer, scan_layers: bool) -> tuple[Any, Any]:
-    """Restore targets for a checkpoint of the GPT's other form, replicated over the trainer's mesh."""
-    replicated = NamedSharding(t.mesh, P())
-    shapes = jax.eval_shape(lambda tree: gpt.to_form(tree, not scan_layers), (t.params, t.opt_state))
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), shapes)
-
-
-def _lock_first(cfg: C.TrainConfig, fresh: bool, latest_link: Path | None) -> RunDirLock | None:
-    """Process 0, before anything reads, lists or cleans the run directory: lock it if it exists
-    (a second run on a live one is refused here, having touched nothing). A new run's ``latest_link``
-    must be a link or absent; its directory is created later, once its inputs are known good."""
-    if jax.process_index() != 0:
-        return None
-    if fresh:
-        check_link(latest_link)
-        return None
-    run_dir = Path(cfg.run_dir)
-    return lock_run_dir(run_dir) if run_dir.is_dir() else None
-
-
-def _take_new_dir(job: Job) -> None:
-    """Create the new run's own directory (process 0; another run started in the same second gets
-    another name) and give its name to every process."""
-    name = str(new_run_dir(job.run_dir)) if job.writer else ""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        buf = np.zeros(4096, np.uint8)
-        buf[: len(name.encode())] = np.frombuffer(name.encode(), np.uint8)
-        name = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).rstrip(b"\0").decode()
-    job.run_dir, job.cfg = Path(name), job.cfg.replace(run_dir=name)
+from meshkit.train.stop import StopRequest
+from meshkit.train.stop import exit_code as stop_exit_code
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -246,17 +73,23 @@ def _metrics(job: Job) -> Iterator[None]:
 
 
 def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
-    """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by Ctrl-C."""
+    """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by a signal
+    (SIGINT, SIGTERM: see :mod:`meshkit.train.stop`), after a checkpoint, with ``job.stopped_by`` set."""
     cfg = job.cfg
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     lr = C.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
+    signum = None
     try:
-        with _metrics(job), Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        with (
+            _metrics(job),
+            Progress(*columns, console=console, disable=not console.is_terminal) as bar,
+            StopRequest() as stop,
+        ):
             task = bar.add_task("train", total=cfg.steps, completed=job.step, info="")
-            while job.step < last:
+            while (signum := stop.agreed()) is None and job.step < last:  # every process, every step
                 row = _one_step(job, float(lr(job.step)))
                 _log(job, row)
                 bar.update(
@@ -270,15 +103,27 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
                     _log(job, {"step": job.step, "eval_loss": evaluate(job)})
                 if ckpt is not None and (job.step % cfg.checkpoint_every == 0 or job.step == last):
                     _save(job, ckpt)
-    except KeyboardInterrupt:
-        if ckpt is not None:
-            _save(job, ckpt)
-        console.print(f"interrupted at step {job.step}: checkpoint saved; continue with --resume")
-        return False
+            if signum is not None:
+                _stopped(job, ckpt, console, signum)
+    except KeyboardInterrupt:  # raised by code (SIGINT itself is a StopRequest)
+        signum = signal.SIGINT
+        _stopped(job, ckpt, console, signum)
     finally:
         if ckpt is not None:
             ckpt.close()
-    return True
+    job.stopped_by = signum
+    return signum is None
+
+
+def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int) -> None:
+    """Save the step reached (a second signal meanwhile ends the process: see StopRequest) and say so."""
+    name = signal.Signals(signum).name
+    if job.step == 0:
+        console.print(f"stopped by {name} before the first step: nothing to save")
+        return
+    if ckpt is not None:
+        _save(job, ckpt)
+    console.print(f"stopped by {name} at step {job.step}: checkpoint saved; continue with --resume")
 
 
 def _one_step(job: Job, lr: float) -> dict[str, Any]:
@@ -419,22 +264,23 @@ def run(
     stop_after: int | None = None,
     latest_link: Path | None = None,
 ) -> int:
-    """The whole job; returns the exit code (0 done, 130 interrupted). ``latest_link``: the caller
-    named the run directory (``runs/<time>``) and keeps this symlink pointed at the newest run; a new
-    run then gets a directory of its own (``<time>-2``... when another run took the name)."""
+    """The whole job; returns the exit code (0 done; stopped by a signal after a checkpoint: 128 +
+    its number, 130 for SIGINT, 143 for SIGTERM). ``latest_link``: the caller named the run directory
+    (``runs/<time>``) and keeps this symlink pointed at the newest run; a new run then gets a
+    directory of its own (``<time>-2``... when another run took the name)."""
     C.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
     fresh = latest_link is not None and not resume
-    lock = _lock_first(cfg, fresh, latest_link)  # held until run() returns: one run per directory
+    lock = lock_first(cfg, fresh, latest_link)  # held until run() returns: one run per directory
     job = prepare(cfg, resume=resume)
     C.check_stop_after(stop_after, job.step)
     if fresh:
-        _take_new_dir(job)
+        take_new_dir(job)
     if job.writer:
         if lock is None:  # a directory that did not exist: created now that the inputs are known good
             make_run_dir(job.run_dir)
             lock = lock_run_dir(job.run_dir)
             if not resume:
-                _check_no_checkpoints(job.run_dir)  # another run may have trained here meanwhile
+                check_no_checkpoints(job.run_dir)  # another run may have trained here meanwhile
         if latest_link is not None and latest_link.resolve() != job.run_dir.resolve():
             point_link(latest_link, job.run_dir.resolve())
         write_atomic(job.run_dir / "config.json", C.dumps(job.cfg))
@@ -454,7 +300,7 @@ def run(
     )
     with _metrics(job):
         if not train(job, console, stop_after=stop_after):
-            return 130
+            return stop_exit_code(job.stopped_by or signal.SIGINT)
         if job.step < cfg.steps:
             console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
             return 0

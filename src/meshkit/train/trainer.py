@@ -350,12 +350,9 @@ class Trainer:
             if self.pipeline is not None
             else peak_report(
                 compiled_memory,
-                self.assembled.loss,
-                self.per_layer,
+                self.assembled,
                 self._param_shapes,
                 batch,
-                self.optimizer,
-                self.accumulate,
                 state=self.state,
                 key=self._step_key(),
             ),

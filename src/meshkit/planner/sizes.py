@@ -1,0 +1,105 @@
+"""A model's sizes as the planner counts them: parameters per layer and outside layers (split over
+tensor parallelism), matmul FLOPs per token, activation and elementwise bytes per layer, and the
+layer-micro-batches a pipeline stage holds (the conventions are stated in ``planner.predict``)."""
+
+from __future__ import annotations
+
+from meshkit.planner.cluster import Job
+from meshkit.planner.layout import Layout, ModelShape
+
+
+def attention_widths(shape: ModelShape) -> tuple[int, int]:
+    """(query width, key/value width): heads x head_dim and kv_heads x head_dim."""
+    return shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+
+
+def layer_params(shape: ModelShape, tp: int = 1) -> float:
+    """Parameters of one layer on one tensor-parallel shard (matrices and their column-parallel
+    biases split over tp; row-parallel biases and norms replicated)."""
+    d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
+    if shape.gated:  # LLaMA: no biases, RMSNorm scales
+        return (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 2 * d
+    matrices = 2 * d * q + 2 * d * kv + 2 * d * f
+    return (matrices + q + kv + f) / tp + d + d + 4 * d  # bq bv b_in split; bo b_out, 2 LayerNorms whole
+
+
+def embed_params(shape: ModelShape, tp: int = 1) -> float:
+    """Token (and, ungated, position) embedding on the first stage; vocab split over tp."""
+    return shape.vocab * shape.width / tp + (0 if shape.gated else shape.seq * shape.width)
+
+
+def head_params(shape: ModelShape, tp: int = 1) -> float:
+    """Final norm and untied unembedding on the last stage; vocab split over tp."""
+    return shape.width * shape.vocab / tp + (1 if shape.gated else 2) * shape.width
+
+
+def param_count(shape: ModelShape) -> float:
+    return shape.layers * layer_params(shape) + embed_params(shape) + head_params(shape)
+
+
+def layer_flops(shape: ModelShape) -> float:
+    """Forward matmul FLOPs of one layer per token (the S^2 terms counted whole)."""
+    d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
+    return 2 * (2 * d * q + 2 * d * kv) + 4 * shape.seq * q + 2 * (3 if shape.gated else 2) * d * f
+
+
+def head_flops(shape: ModelShape) -> float:
+    """Forward FLOPs of the logits per token."""
+    return 2 * shape.width * shape.vocab
+
+
+def model_flops_per_token(shape: ModelShape) -> float:
+    """Training FLOPs per token without recompute (3 x forward): what MFU counts."""
+    return 3 * (shape.layers * layer_flops(shape) + head_flops(shape))
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple[float, float, float]:
+    """(all saved activations, those ``dots`` remat keeps, the layer's input) of one layer and one
+    micro-batch on one device, in bytes (Korthikanti et al. 2022: 16-bit activations, 1-byte
+    dropout masks where ``job.dropout``; what precedes a tensor-parallel matmul is whole unless
+    ``job.sequence_parallel`` splits it).
+    ``dots`` keeps the layer input and the matmul outputs (Q, K, V, attention output, the MLP's
+    first matmul(s)) and recomputes the elementwise rest (norms, activation function, masks, softmax)."""
+    t, e = layout.tp, job.act_bytes
+    sb = shape.seq * layout.microbatch_size
+    d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
+    split = t if job.sequence_parallel and job.runtime != "meshkit" else 1
+    mask = 1 if job.dropout else 0
+    replicated = sb * d * (4 * e + 2 * mask) / split  # QKV and MLP inputs, 2 norm inputs, dropout masks
+    attention = sb * (q + 2 * kv + q) * e / t  # Q, K, V and the output projection's input
+    mlp = sb * f * (3 if shape.gated else 2) * e / t  # GeLU: its input and output; SwiGLU: gate, up, product
+    scores = 0.0 if job.flash_attention else sb * shape.heads * shape.seq * (2 * e + mask) / t
+    full = replicated + attention + mlp + scores
+    dots = sb * d * e / split + attention + sb * f * (2 if shape.gated else 1) * e / t
+    return full, dots, sb * d * e / split
+
+
+def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
+    """HBM bytes the non-matmul ops of one layer's forward pass move for one micro-batch on one
+    device: two norms (read and write D), two residual adds (read 2 D, write D), the MLP's
+    activation function (read and write F; SwiGLU: read 2 F, write F). The backward pass moves
+    about twice as much, a recomputed forward as much again: ``ELEMENTWISE`` is this per pass."""
+    split = layout.tp if job.sequence_parallel and job.runtime != "meshkit" else 1
+    d, f = shape.width, shape.ffn
+    return (
+        layout.microbatch_size
+        * shape.seq
+        * job.act_bytes
+        * (10 * d / split + (3 if shape.gated else 2) * f / layout.tp)
+    )
+
+
+def in_flight(layout: Layout, layers: int, m: int) -> float:
+    """Layer-micro-batches whose activations the busiest device (the first stage) holds at once:
+    its stage's layers times the micro-batch chunks it stashes, as meshkit's schedule tables count
+    them (``plans._schedule``: GPipe m, 1F1B p, interleaved ``v p + p - 2`` chunks of ``L / (p v)``
+    layers; Korthikanti et al. count one chunk more)."""
+    p, v = layout.pp, layout.virtual_stages
+    if p == 1:
+        return float(layers)
+    per_stage = -(-layers // (p * v)) * v
+    if layout.schedule == "gpipe":
+        return float(per_stage * m)
+    if v == 1:
+        return float(per_stage * min(p, m))
+    return per_stage / v * min(v * p + p - 2, v * m)

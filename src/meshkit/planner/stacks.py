@@ -1,0 +1,95 @@
+"""The software stacks a job can run (their kernels set the matmul efficiency, their ZeRO-3 engine
+how many collectives a layer costs), and what the published runs calibrated for each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshkit._errors import MeshkitError
+from meshkit.planner.hardware import FAMILIES, Hardware
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stack:
+    """The software a job runs: its kernels set the matmul efficiency, its ZeRO-3 engine how many
+    collectives a layer costs."""
+
+    name: str
+    label: str
+    zero3_per_tensor: bool = False
+    """ZeRO-3 gathers and reduces each parameter tensor by itself (DeepSpeed's engine) rather than a
+    layer at a time (PyTorch FSDP's unit, XLA's combined collectives, Megatron's buckets)."""
+    tpu: bool = False
+    """Runs on TPUs (JAX/XLA only)."""
+
+
+STACKS: dict[str, Stack] = {
+    s.name: s
+    for s in (
+        Stack(name="maxtext-xla", label="JAX/XLA (MaxText, Pax, meshkit)", tpu=True),
+        Stack(name="megatron-te", label="Megatron-LM/NeMo (Megatron-Core, Transformer Engine)"),
+        Stack(name="torchtitan", label="PyTorch FSDP (torchtitan, fms-fsdp)"),
+        Stack(name="deepspeed", label="DeepSpeed (ZeRO, pipeline engine) on Megatron's kernels",
+              zero3_per_tensor=True),
+    )
+}  # fmt: skip
+"""The software stacks ``--stack`` names; the corpus rows of each calibrate its efficiency."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """What the published runs set (``planner.calibrate.fit`` finds them again)."""
+
+    efficiency: dict[str, float]
+    """Fraction of peak FLOP/s a large matmul-bound transformer layer reaches, by ``stack/family``."""
+    overlap_tax: float
+    """Fraction of its own time a collective hidden behind compute still costs."""
+    straggler: float
+    """Relative spread of one device's step time (stragglers: the step waits for the slowest)."""
+    comm_efficiency: dict[str, float] = field(default_factory=dict)
+    """Fraction of the ring model's bandwidth a stack's data-parallel collectives reach (1 where absent)."""
+
+    def efficiency_of(self, stack: str, family: str) -> tuple[float, str]:
+        """(efficiency, where it comes from): fitted on the stack's runs on that family, else carried
+        from a family it has runs on by another stack's ratio between the two families."""
+        own = self.efficiency.get(f"{stack}/{family}")
+        if own is not None:
+            return own, f"calibrated on {stack}'s published runs on {family}"
+        for there in FAMILIES:
+            mine = self.efficiency.get(f"{stack}/{there}")
+            for ref in STACKS if mine is not None else ():
+                a, b = self.efficiency.get(f"{ref}/{family}"), self.efficiency.get(f"{ref}/{there}")
+                if a is not None and b is not None and ref != stack:
+                    return (
+                        mine * a / b,
+                        f"estimated: {stack} has no published run on {family}; its {there} figure x {ref}'s {family}/{there}",
+                    )
+        raise MeshkitError(f"no calibration for the {stack} stack on {family}: choose another --stack")
+
+    def to_json(self) -> dict:
+        return {"efficiency": dict(self.efficiency), "overlap_tax": self.overlap_tax, "straggler": self.straggler,
+                "comm_efficiency": dict(self.comm_efficiency)}  # fmt: skip
+
+
+CALIBRATION = Calibration(
+    efficiency={"deepspeed/gpu-ampere": 0.743, "maxtext-xla/gpu-hopper": 0.672, "maxtext-xla/tpu": 0.843,
+                "megatron-te/gpu-ampere": 0.61, "megatron-te/gpu-hopper": 0.696, "torchtitan/gpu-ampere": 0.714,
+                "torchtitan/gpu-hopper": 0.519},
+    overlap_tax=0.5,
+    straggler=0.0,
+    comm_efficiency={"deepspeed": 0.125},
+)  # fmt: skip
+"""Fitted on the calibration rows of tests/corpus/published_runs.json (``planner.calibrate.fit_scale``;
+tests/test_planner_scale.py refits it): the straggler spread fits to 0 there (the latency and the
+overlap tax account for the growth with scale those rows show)."""
+
+
+def stack_for(job: Any, hardware: Hardware) -> Stack:
+    """The job's stack, refused in one line where it does not run on the hardware."""
+    stack = STACKS[job.stack]
+    if hardware.family == "tpu" and not stack.tpu:
+        raise MeshkitError(
+            f"the {stack.name} stack does not run on TPUs ({hardware.name}): use --stack maxtext-xla"
+        )
+    return stack

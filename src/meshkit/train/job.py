@@ -1,0 +1,210 @@
+"""A training run's pieces before it trains: the data, the model, the Trainer under the run's
+parallel spec, and the run directory (locked before anything reads it; a resumed run's checkpoint
+restored onto the trainer's layout). ``prepare`` builds them all and writes nothing, so that every
+bad input fails before a byte is written."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshkit.models import gpt
+from meshkit.models.shape import ModelShape
+from meshkit.spec import DATA
+from meshkit.train import config as C
+from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
+from meshkit.train.data import Batches, TextData, load_text, split
+from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
+from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
+from meshkit.train.trainer import Trainer
+
+
+@dataclass(kw_only=True)
+class Job:
+    """Everything a run holds: config, data, model, trainer, data stream, and what it measured."""
+
+    cfg: C.TrainConfig
+    data: TextData
+    train_tokens: np.ndarray
+    eval_tokens: np.ndarray
+    model: gpt.GPTConfig
+    trainer: Trainer
+    batches: Batches
+    run_dir: Path
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    eval_loss: Any = None
+    """The jitted loss used for evaluation."""
+    log: MetricsLog | None = None
+    """Where rows go while the run is open (process 0 only)."""
+    stopped_by: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped training early, if one did."""
+
+    @property
+    def writer(self) -> bool:
+        return jax.process_index() == 0
+
+
+def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
+    """Build data, model and trainer, and check the resume checkpoint; writes nothing."""
+    C.validate(cfg)
+    run_dir = Path(cfg.run_dir)
+    if resume:
+        C.check_same_run(saved_config(run_dir), cfg, str(run_dir))
+        if _latest_step(run_dir / "checkpoints") is None:
+            raise C.ConfigError(
+                f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume"
+            )
+    else:
+        check_no_checkpoints(run_dir)
+    data, train_tokens, eval_tokens = load_data(cfg)
+    model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
+    trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
+                      tokens_per_example=cfg.seq_len, grad_norm=True, units={"heads": cfg.heads})  # fmt: skip
+    C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
+    trainer.check_examples(cfg.batch_size)
+    batches = Batches(train_tokens, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
+    job = Job(cfg=cfg, data=data, train_tokens=train_tokens, eval_tokens=eval_tokens, model=model, trainer=trainer,
+              batches=batches, run_dir=run_dir, eval_loss=jax.jit(gpt.make_loss(model)))  # fmt: skip
+    if resume:
+        _restore(job)
+    return job
+
+
+def load_data(cfg: C.TrainConfig) -> tuple[TextData, np.ndarray, np.ndarray]:
+    """The run's data and its training and held-out token streams; raises where a sequence does not fit."""
+    data = load_text(cfg.data)
+    train_tokens, eval_tokens = split(data.tokens)
+    if cfg.seq_len + 1 > len(eval_tokens):
+        raise C.ConfigError(
+            f"--seq-len {cfg.seq_len} needs {cfg.seq_len + 1} held-out tokens but the held-out tenth of the "
+            f"data has {len(eval_tokens)}; use a shorter --seq-len or more --data"
+        )
+    return data, train_tokens, eval_tokens
+
+
+def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig, Any, Any, Any]:
+    """``(model config, loss, initial parameters, logical axes)`` of the run's GPT; under a pipeline
+    plan the loss is the GPT as ``Stages`` (blocks stacked, split over the stages)."""
+    spec = cfg.parallel
+    pipeline = spec.plan_info.pipeline
+    model = gpt.GPTConfig.from_shape(model_shape(cfg, vocab), precision=spec.precision,
+                                     scan_layers=cfg.scan_layers or pipeline)  # fmt: skip
+    params = gpt.init(jax.random.key(cfg.seed), model)
+    loss = gpt.stages(model) if pipeline else gpt.make_loss(model)
+    return model, loss, params, gpt.logical_axes(params)
+
+
+def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
+    """The shape of the run's GPT (what ``--plan auto`` plans for and the model is built from)."""
+    return ModelShape(
+        name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len
+    )
+
+
+def saved_config(run_dir: Path) -> C.TrainConfig:
+    """The config a run directory was started with; raises unless it holds a run to resume. Reads
+    ``config.json`` only: the checkpoints are listed by ``prepare``, once the run holds the lock."""
+    saved_path = run_dir / "config.json"
+    if not saved_path.is_file() or not (run_dir / "checkpoints").is_dir():
+        raise C.ConfigError(f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume")
+    try:
+        data = json.loads(saved_path.read_text())
+    except ValueError as e:
+        raise C.ConfigError(f"--resume: '{saved_path}' is not JSON ({e}): give the run's directory") from None
+    return C.TrainConfig.from_json(data, where=f"--resume: '{saved_path}'")
+
+
+def _latest_step(directory: Path) -> int | None:
+    with Checkpointer(directory) as ckpt:  # only lists: deletes nothing
+        return ckpt.latest_step()
+
+
+def check_no_checkpoints(run_dir: Path) -> None:
+    """A new run must not train into a directory that holds another run's checkpoints."""
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise C.ConfigError(
+            f"run directory '{run_dir}' already holds checkpoints: pass --resume, or a new --run-dir"
+        )
+
+
+def _restore(job: Job) -> None:
+    """Restore the newest readable step onto the trainer's layout. A checkpoint of the GPT's other
+    form (``--scan-layers`` changed on resume) is read replicated in its own form and converted."""
+    t = job.trainer
+    with Checkpointer(job.run_dir / "checkpoints") as ckpt:
+        try:
+            params, opt_state, meta = ckpt.restore(
+                None, abstract_with(t.params, t.shardings.params), abstract_with(t.opt_state, t.shardings.opt_state)
+            )  # fmt: skip
+        except CheckpointError as first:
+            try:
+                params, opt_state, meta = ckpt.restore(None, *_other_form(t, job.model.scan_layers))
+            except CheckpointError:
+                raise first from None  # neither form: the first error names the mismatch
+            params, opt_state = gpt.to_form((params, opt_state), job.model.scan_layers)
+            params, opt_state = jax.device_put(
+                (params, opt_state), (t.shardings.params, t.shardings.opt_state)
+            )
+    _check_config_unedited(job, meta)
+    t.params, t.opt_state = params, opt_state
+    job.batches.restore(meta["data"])
+    job.step = int(meta["step"])
+    job.history = [h for h in read_rows(job.run_dir / METRICS_NAME, warn=job.writer) if h["step"] <= job.step]
+    job.evals = [e for e in job.history if "eval_loss" in e]
+    job.history = [h for h in job.history if "loss" in h]
+
+
+def _check_config_unedited(job: Job, meta: dict) -> None:
+    """The options that fixed the run are the checkpoint's: an edited config.json is refused."""
+    if "config" not in meta:
+        return
+    where = f"the checkpoint of step {meta['step']}"
+    at_save = C.TrainConfig.from_json(meta["config"], where=where)
+    for key, what in C.FIXED_ON_RESUME.items():
+        if C.effective(at_save, key) != C.effective(job.cfg, key):
+            raise C.ConfigError(
+                f"--resume: {C.flag(key)} is {C.effective(job.cfg, key)!r} in {job.run_dir / 'config.json'} but "
+                f"{C.effective(at_save, key)!r} in {where}, and it fixes {what}: restore config.json"
+            )
+
+
+def _other_form(t: Trainer, scan_layers: bool) -> tuple[Any, Any]:
+    """Restore targets for a checkpoint of the GPT's other form, replicated over the trainer's mesh."""
+    replicated = NamedSharding(t.mesh, P())
+    shapes = jax.eval_shape(lambda tree: gpt.to_form(tree, not scan_layers), (t.params, t.opt_state))
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), shapes)
+
+
+def lock_first(cfg: C.TrainConfig, fresh: bool, latest_link: Path | None) -> RunDirLock | None:
+    """Process 0, before anything reads, lists or cleans the run directory: lock it if it exists
+    (a second run on a live one is refused here, having touched nothing). A new run's ``latest_link``
+    must be a link or absent; its directory is created later, once its inputs are known good."""
+    if jax.process_index() != 0:
+        return None
+    if fresh:
+        check_link(latest_link)
+        return None
+    run_dir = Path(cfg.run_dir)
+    return lock_run_dir(run_dir) if run_dir.is_dir() else None
+
+
+def take_new_dir(job: Job) -> None:
+    """Create the new run's own directory (process 0; another run started in the same second gets
+    another name) and give its name to every process."""
+    name = str(new_run_dir(job.run_dir)) if job.writer else ""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        buf = np.zeros(4096, np.uint8)
+        buf[: len(name.encode())] = np.frombuffer(name.encode(), np.uint8)
+        name = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).rstrip(b"\0").decode()
+    job.run_dir, job.cfg = Path(name), job.cfg.replace(run_dir=name)

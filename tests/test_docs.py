@@ -1,0 +1,273 @@
+"""The documentation builds, and every code block in it runs.
+
+- ``mkdocs build --strict`` builds ``docs/`` into a temporary folder: a broken link, a link to a
+  missing page or anchor, or a page left out of the navigation fails the test.
+- Every fenced block of ``README.md`` and ``docs/*.md`` is run, by its language:
+
+  * ``python``: a page's Python blocks run in order in one fresh interpreter (the reader's one
+    session), in a temporary folder, with 8 simulated CPU devices. Tracebacks name the page and
+    its line.
+  * ``bash``: the block runs as one bash script in a fresh temporary folder (so ``cd`` carries
+    from line to line), with this environment's ``meshkit`` first on ``PATH``. Each command must
+    exit 0, or the status its line's comment names (``# exit 2``).
+  * ``console``: as ``bash`` for the ``$ `` lines; every other line is output shown in the docs,
+    and must appear, in order, in what the commands print (digits may differ; ``...`` skips).
+  * ``text``: output or a picture of a layout, not run.
+
+  Any other language fails the test, so that no block is left unrun by accident.
+
+The only commands in code blocks not run are the README's two, ``make run`` and ``make test``: CI
+runs ``make test`` (``.ci/run``), which includes this file, and ``make run`` trains for a minute or
+more. The benchmarks that produced the tables of ``docs/measurements.md`` (minutes to hours each)
+are named in its text, not in code blocks, and are not run here.
+
+Cost: about 25 commands and 8 Python sessions, each a fresh process that starts JAX and compiles;
+the examples are tiny on purpose (``--preset tiny``, small models, few steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LANGUAGES = ("python", "bash", "console", "text")
+NOT_RUN = ("make run", "make test")  # the README's two commands; see the module docstring
+
+# A block's commands each take a few seconds (the slowest, a tiny training run, about 25 s on 2
+# busy cores); a whole block is given ample room so that a loaded machine does not fail it.
+BLOCK_TIMEOUT_S = 600
+
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+)(?P<info>[^`\n]*)$")
+EXIT = re.compile(r"#\s*exit (\d+)\b")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the block's first line of code
+    lang: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced code blocks of a Markdown page, with the line each starts on."""
+    out, lines, i = [], page.read_text().splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and lines[i].strip() != m["fence"]:
+            body.append(lines[i][len(m["indent"]) :])
+            i += 1
+        assert i < len(lines), f"{page.name}:{start}: unclosed code block"
+        out.append(Block(page, start + 1, m["info"].strip(), "\n".join(body) + "\n"))
+        i += 1
+    return out
+
+
+ALL = [b for page in PAGES for b in blocks(page)]
+
+
+def env(*, python: bool = False) -> dict[str, str]:
+    """The environment of a block: this checkout's meshkit first, CPU devices, no colours. Python
+    blocks get 8 simulated CPU devices; shell commands get what a user's shell has (each meshkit
+    command simulates its own, `--devices 8` by default)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_") and k != "XLA_FLAGS"}
+    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e.update(
+        JAX_PLATFORMS="cpu",
+        NO_COLOR="1",
+        # Open MPI refuses root unless told (CI runs as root); 2 processes on a 1-core machine.
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+    )
+    if python:
+        e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    return e
+
+
+def test_every_block_has_a_known_language():
+    bad = [f"{b.id}: ```{b.lang}" for b in ALL if b.lang not in LANGUAGES]
+    assert not bad, f"code blocks must be one of {LANGUAGES} (so that the test runs them): {bad}"
+    assert sum(b.lang == "python" for b in ALL) >= 5 and sum(b.lang in ("bash", "console") for b in ALL) >= 10
+
+
+def test_site_builds_strict(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_strict_build_fails_on_a_broken_link(tmp_path):
+    """The check above can fail: the same build over a copy with one broken link does."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    (copy / "docs" / "index.md").write_text(
+        (copy / "docs" / "index.md").read_text() + "\n[x](no-such-page.md)\n"
+    )
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "s")],
+                          cwd=copy, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "no-such-page.md" in proc.stdout + proc.stderr
+
+
+def test_readme_links_resolve():
+    """The README is outside the site, so mkdocs does not check it: every relative link must name a
+    file that exists, and an anchor a heading of that file (slugged as the site slugs it)."""
+    from markdown.extensions.toc import slugify
+
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = ROOT / path
+        if not file.is_file():
+            bad.append(target)
+        elif anchor:
+            heads = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            if anchor not in {slugify(re.sub(r"[`*]", "", h), "-") for h in heads}:
+                bad.append(target)
+    assert not bad, f"README links to what does not exist: {bad}"
+
+
+# -- Python ---------------------------------------------------------------------------------------
+RUNNER = """
+import json, sys
+ns = {"__name__": "__main__"}
+for page, line, code in json.load(open(sys.argv[1])):
+    exec(compile("\\n" * (line - 1) + code, page, "exec"), ns)
+"""
+
+PY_PAGES = sorted({b.page for b in ALL if b.lang == "python"})
+
+
+@pytest.mark.parametrize("page", PY_PAGES, ids=[str(p.relative_to(ROOT)) for p in PY_PAGES])
+def test_python_blocks_run(page, tmp_path):
+    code = [(str(b.page), b.line, b.code) for b in ALL if b.page == page and b.lang == "python"]
+    (tmp_path / "blocks.json").write_text(json.dumps(code))
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json")], cwd=work, env=env(python=True),
+                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+# -- Shell ----------------------------------------------------------------------------------------
+def commands(block: Block) -> list[tuple[int, str, list[str]]]:
+    """(line, command, output lines shown under it) for each command of a bash/console block;
+    continuation lines (ending in a backslash) are joined."""
+    out: list[tuple[int, str, list[str]]] = []
+    lines = block.code.splitlines()
+    i = 0
+    while i < len(lines):
+        raw, n = lines[i], block.line + i
+        if block.lang == "console":
+            if not raw.startswith("$ "):
+                if out:
+                    out[-1][2].append(raw)
+                i += 1
+                continue
+            raw = raw[2:]
+        cmd = raw
+        while cmd.rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
+        i += 1
+        if cmd.strip() and not cmd.strip().startswith("#"):
+            out.append((n, cmd, []))
+    return out
+
+
+def script(block: Block) -> str:
+    """The block as one bash script that checks each command's exit status."""
+    lines = ["set -u"]
+    for n, cmd, _ in commands(block):
+        if cmd.split("#")[0].strip() in NOT_RUN:
+            continue
+        m = EXIT.search(cmd)
+        want = int(m[1]) if m else 0
+        lines.append(f"echo '>>> {block.page.relative_to(ROOT)}:{n}' >&2")
+        lines.append(cmd)
+        lines.append(f'rc=$?; [ "$rc" = {want} ] || {{ echo "{block.page.name}:{n}: exit $rc, the docs say {want}: '
+                     f'{cmd.replace(chr(34), chr(39))[:80]}" >&2; exit 99; }}')  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+SHELL = [b for b in ALL if b.lang in ("bash", "console")]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def normal(line: str) -> str:
+    """A line of output with what varies from run to run taken out: digits, widths, colours."""
+    line = ANSI.sub("", line)
+    line = re.sub(r"\d[\d,.]*", "0", line)
+    line = re.sub(r"([━─═ ])\1+", r"\1", line)
+    return " ".join(line.split())
+
+
+def shown_in_order(shown: list[str], printed: str) -> str | None:
+    """None if every shown line (normalised) appears in the printed output in order, else the first
+    shown line that does not."""
+    got = [normal(x) for x in printed.splitlines()]
+    k = 0
+    for s in shown:
+        if s.strip() in ("...", ""):
+            continue
+        want = normal(s)
+        while k < len(got) and want not in got[k]:
+            k += 1
+        if k == len(got):
+            return s
+        k += 1
+    return None
+
+
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_shell_block_runs(block, tmp_path):
+    body = script(block)
+    if body.count("\n") == 1:  # only the README's two commands
+        assert {c.split("#")[0].strip() for _, c, _ in commands(block)} <= set(NOT_RUN)
+        return
+    proc = subprocess.run(["bash", "-c", body], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=BLOCK_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    shown = [line for _, _, out in commands(block) for line in out]
+    missing = shown_in_order(shown, proc.stdout + proc.stderr)
+    assert missing is None, f"{block.id}: shown output not printed: {missing!r}\n{proc.stdout[-4000:]}"
+
+
+def test_output_check_can_fail():
+    """The output check above is not vacuous: changed words or a changed order fail it."""
+    printed = "Layouts that fit, fastest first (top 5 of 2240)\n 1 | dp=32 zero3 | 28.03 GB\nchoice: dp=32\n"
+    assert (
+        shown_in_order(["Layouts that fit, fastest first (top 3 of 11)", "...", "choice: dp=8"], printed)
+        is None
+    )
+    assert shown_in_order(["Layouts that do not fit"], printed) == "Layouts that do not fit"
+    assert (
+        shown_in_order(["choice: dp=8", "Layouts that fit, fastest first (top 3 of 11)"], printed) is not None
+    )
