@@ -375,7 +375,10 @@ def test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_
     back, t = restored("dp+pp", "stage=4,data=2")
     assert t.params["blocks"]["mlp"]["w_in"].sharding.spec[0] == "stage" and _bitwise(back, saved)
     # fsdp dropped the pipeline options (said in a line): back on a pipeline, they are given again
-    assert main(["train", "--resume", "--run-dir", str(run), *pp, "--microbatches", "8", "--schedule", "1f1b"]) == 0
+    assert (
+        main(["train", "--resume", "--run-dir", str(run), *pp, "--microbatches", "8", "--schedule", "1f1b"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "resume: --plan: dp+pp -> fsdp" in out and "resume: --plan: fsdp -> dp+pp" in out
     assert "resume: --microbatches: 8 -> " in out
