@@ -38,11 +38,7 @@ def test_certificate_per_layer(plan, model, mesh, remat, accumulate):
     assert cert.reproducible
     for row in cert.report.communication:
         assert row.ok, row  # the per-layer gathers (twice under remat) are what the model says
-    # float32 against one device: within 2x the float32 noise floor (one device's own float32 drift
-    # from float64). At 4 Adam steps some runs land just above 1x (fsdp gpt-scan regather 1.15x,
-    # zero2 gpt-scan dots 1.002x), while the float64 run above is the same function to 1e-12.
-    assert cert.vs_single_device <= 2 * max(V.TOL_SINGLE, cert.float32_noise)
-    assert all(ok for name, ok in cert.checks.items() if name != "matches single device"), cert.checks
+    assert cert.ok, cert.checks  # float32: the first step within rounding (meshkit.verify)
 
 
 def _trainer(model, plan="zero3", remat="layer", **kw):

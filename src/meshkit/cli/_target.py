@@ -1,4 +1,6 @@
-"""Load a ``module:function`` target into a compiled program for the ledgers."""
+"""Load a user's ``module:function`` target: a compiled program for the ledgers, a model shape for
+the planner, a model for ``meshkit verify``. ``resolve`` and ``call`` are the one place a target is
+found and run; their errors are one line."""
 
 from __future__ import annotations
 
@@ -48,17 +50,33 @@ def _cwd_importable() -> None:
     importlib.invalidate_caches()
 
 
+def resolve(target: str, *, what: str = "target", example: str = "meshkit.examples:dp_mlp_adam") -> Any:
+    """The object ``module:name`` names (``module`` may be ``path/to/file.py``)."""
+    module, sep, attr = target.rpartition(":")
+    if not sep or not module or not attr:
+        raise TargetError(f"bad {what} {target!r}: write module:function, e.g. {example}")
+    fn = getattr(_import(module), attr, None)
+    if fn is None:
+        raise TargetError(f"module {module!r} has no attribute {attr!r}: check the function name")
+    return fn
+
+
+def call(target: str, fn: Any) -> Any:
+    """``fn()``, where a failure in the user's code is one line naming the target."""
+    try:
+        return fn()
+    except Exception as e:  # the user's code: say where it failed, in one line
+        raise TargetError(
+            f"{target}() raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+
+
 def load_target(target: str) -> jax.stages.Compiled:
     """Resolve ``module:function``; the function returns ``(jitted, args)``, ``(jitted, args, kwargs)``,
     a ``Lowered`` or a ``Compiled``; the result is compiled."""
-    module, sep, attr = target.rpartition(":")
-    if not sep or not module or not attr:
-        raise TargetError(f"bad target {target!r}: write module:function, e.g. meshkit.examples:dp_mlp_adam")
-    mod = _import(module)
-    fn = getattr(mod, attr, None)
-    if fn is None:
-        raise TargetError(f"module {module!r} has no attribute {attr!r}: check the function name")
-    made: Any = fn() if callable(fn) and not isinstance(fn, jax.stages.Compiled | jax.stages.Lowered) else fn
+    fn = resolve(target)
+    compiled = isinstance(fn, jax.stages.Compiled | jax.stages.Lowered)
+    made: Any = call(target, fn) if callable(fn) and not compiled else fn
     if isinstance(made, jax.stages.Compiled):
         return made
     if isinstance(made, jax.stages.Lowered):

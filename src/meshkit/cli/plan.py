@@ -272,20 +272,10 @@ def _user_shape(target: str, heads, seq, ModelShape):
     form, whose sizes give layers, width, MLP width, vocabulary and positions (``--heads`` gives the
     heads, which no parameter shape records; ``--seq`` a sequence shorter than the positions)."""
     from meshkit._errors import TargetError
-    from meshkit.cli._target import _import
+    from meshkit.cli._target import call, resolve
 
-    module, sep, attr = target.rpartition(":")
-    if not sep or not module or not attr:
-        raise TargetError(f"bad model target {target!r}: write module:function, e.g. mymodel:shape")
-    fn = getattr(_import(module), attr, None)
-    if fn is None:
-        raise TargetError(f"module {module!r} has no attribute {attr!r}: check the function name")
-    try:
-        made = fn() if callable(fn) else fn
-    except Exception as e:  # the user's code: say where it failed, in one line
-        raise TargetError(
-            f"{target}() raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from None
+    fn = resolve(target, what="model target", example="mymodel:shape")
+    made = call(target, fn) if callable(fn) else fn
     if isinstance(made, ModelShape):
         return made
     if isinstance(made, dict) and {"tok_embed", "pos_embed", "blocks", "unembed"} <= set(made):

@@ -243,7 +243,10 @@ class MemoryRow:
 
     @property
     def ok(self) -> bool:
-        return self.ratio is not None and abs(self.ratio - 1) <= 1e-9
+        """Measured = formula (to 1e-9), nothing = nothing included (a stateless optimizer, SGD)."""
+        if not self.formula_bytes:
+            return not self.measured_bytes
+        return abs(self.ratio - 1) <= 1e-9
 
     def to_json(self) -> dict:
         return {**asdict(self), "ratio": self.ratio, "ok": self.ok}
