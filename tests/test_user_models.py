@@ -11,6 +11,8 @@ losses equal a one-device loop's (bf16 rounding: relative 2e-2).
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ import optax
 import pytest
 
 import meshkit
+from meshkit.spec import PlanError
 
 BF16 = jnp.bfloat16
 AXES = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
@@ -66,3 +69,59 @@ def test_bf16_sums_beside_a_model_axis_compile_and_match_one_device(plan, mesh, 
     want = _one_device_losses(params, batch, 3)
     assert got[-1] < got[0]
     np.testing.assert_allclose(got, want, rtol=2e-2)
+
+
+# -- rules: the user's logical rules update the defaults; path rules are searched for ---------------
+ATTN_AXES = {"wq": ("embed", "kv"), "w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
+
+
+def _attn_params():
+    return {"wq": jnp.ones((8, 16)), "w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 8))}
+
+
+def _specs(**kwargs):
+    t = meshkit.Trainer(lambda p, b: jnp.sum(p["w1"]), _attn_params(), optax.sgd(0.1), plan="tp",
+                        mesh="model=8", **kwargs)  # fmt: skip
+    return {k: tuple(v.sharding.spec) for k, v in t.params.items()}
+
+
+def test_a_users_logical_rule_adds_to_the_defaults_and_none_removes_one():
+    # before: rules={'kv': 'model'} replaced the defaults and silently dropped the MLP split
+    specs = _specs(logical_axes=ATTN_AXES, rules={"kv": "model"})
+    assert specs == {"wq": (None, "model"), "w1": (None, "model"), "w2": ("model", None)}
+    specs = _specs(logical_axes=ATTN_AXES, rules={"kv": "model", "mlp": None})
+    assert specs == {"wq": (None, "model"), "w1": (None, None), "w2": (None, None)}
+    with pytest.raises(
+        PlanError, match=r"rule\(s\) for \['experts'\] match no parameter: .*\['embed', 'kv', 'mlp'\]"
+    ):
+        _specs(logical_axes=ATTN_AXES, rules={"experts": "model"})
+    with pytest.raises(PlanError, match="names mesh axis 'data'"):
+        _specs(logical_axes=ATTN_AXES, rules={"kv": "data"})
+
+
+def test_a_default_rule_that_matches_nothing_beside_unmapped_axes_warns():
+    axes = {"wq": ("embed", "heads"), "w1": ("embed", "ffn"), "w2": ("ffn", "embed")}
+    with pytest.warns(
+        UserWarning, match=r"\['mlp'\] -> model match no logical axis.*rules=\{'ffn': 'model'\}"
+    ):
+        specs = _specs(logical_axes=axes)
+    assert specs["w1"] == (None, None)  # kept whole, as the warning says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rule named: no warning
+        assert _specs(logical_axes=axes, rules={"ffn": "model"})["w1"] == (None, "model")
+
+
+def test_path_rules_are_searched_for_and_the_first_match_decides():
+    params = {"layers": [{"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 8))}]}
+    t = meshkit.Trainer(lambda p, b: jnp.sum(p["layers"][0]["w1"]), params, optax.sgd(0.1), plan="tp",
+                        mesh="model=8", rules=[(r"w1$", (None, "model")), (r"w", ("model", None))])  # fmt: skip
+    layer = t.params["layers"][0]
+    assert tuple(layer["w1"].sharding.spec) == (
+        None,
+        "model",
+    )  # the first rule, searched (not anchored at the start)
+    assert tuple(layer["w2"].sharding.spec) == ("model", None)
+    with pytest.raises(PlanError, match=r"rule '\[' is not a regular expression"):
+        meshkit.Trainer(
+            lambda p, b: 0.0, params, optax.sgd(0.1), plan="tp", mesh="model=8", rules=[("[", ("model",))]
+        )
