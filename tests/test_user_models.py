@@ -125,3 +125,24 @@ def test_path_rules_are_searched_for_and_the_first_match_decides():
         meshkit.Trainer(
             lambda p, b: 0.0, params, optax.sgd(0.1), plan="tp", mesh="model=8", rules=[("[", ("model",))]
         )
+
+
+# -- tokens per example: derived from the loss, so tensor-parallel reports of token models hold ----
+def _token_loss(p, batch):
+    tokens, targets = batch
+    h = jax.nn.gelu(p["emb"][tokens] @ p["w1"]) @ p["w2"]  # (examples, sequence, width)
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["emb"].T, targets).mean()
+
+
+def test_a_tensor_parallel_report_derives_tokens_per_example():
+    # before: model-axis traffic was expected for 1 token per example, off by the sequence length (8)
+    ks = jax.random.split(jax.random.key(0), 3)
+    params = {"emb": jax.random.normal(ks[0], (16, 8)), "w1": jax.random.normal(ks[1], (8, 16)) * 0.3,
+              "w2": jax.random.normal(ks[2], (16, 8)) * 0.3}  # fmt: skip
+    tokens = np.random.default_rng(1).integers(0, 16, size=(8, 9)).astype(np.int32)
+    batch = tokens[:, :-1], tokens[:, 1:]
+    t = meshkit.Trainer(_token_loss, params, optax.sgd(0.1), plan="dp+tp", mesh="data=4,model=2",
+                        logical_axes={"emb": (None, None), **AXES})  # fmt: skip
+    r = t.report(batch)
+    model_rows = [c for c in r.communication if c.axes == "model"]
+    assert model_rows and all(c.ratio == 1.0 for c in model_rows), str(r)
