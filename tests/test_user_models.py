@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,3 +147,56 @@ def test_a_tensor_parallel_report_derives_tokens_per_example():
     r = t.report(batch)
     model_rows = [c for c in r.communication if c.axes == "model"]
     assert model_rows and all(c.ratio == 1.0 for c in model_rows), str(r)
+
+
+# -- a BatchNorm that names its axis (Flax's ResNet: axis_name='batch', for pmap) -----------------
+class _NamedBN(nn.Module):
+    axis_name: str | None = "batch"
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.Dense(
+            16, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        )(x)
+        h = nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(h)
+        return nn.Dense(
+            4, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+        )(nn.relu(h))
+
+
+def _bn_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x, train=True) - y) ** 2)
+
+
+def _bn_reference(variables, batch, steps):
+    """One device, the one-device meaning of the statistics: BatchNorm over the whole batch."""
+    module, tx = _NamedBN(axis_name=None), optax.sgd(0.1)
+    params, stats = variables["params"], variables["batch_stats"]
+    opt = tx.init(params)
+    for _ in range(steps):
+
+        def loss(p, stats=stats):
+            out, upd = module.apply({"params": p, "batch_stats": stats}, batch[0], mutable=["batch_stats"])
+            return jnp.mean((out - batch[1]) ** 2), upd
+
+        (_, upd), g = jax.value_and_grad(loss, has_aux=True)(params)
+        u, opt = tx.update(g, opt, params)
+        params, stats = optax.apply_updates(params, u), upd["batch_stats"]
+    return params, stats
+
+
+@pytest.mark.parametrize(("plan", "mesh"), [("zero3", "data=8"), ("tp", "model=8")])
+def test_a_batchnorm_that_names_its_axis_has_the_one_device_meaning(plan, mesh):
+    # before: 'unbound axis name: batch' (and binding it by hand gave per-device statistics)
+    x, y = _batch()
+    module = _NamedBN()
+    variables = nn.meta.unbox(module.init(jax.random.key(0), x[:2], train=False))
+    t = meshkit.Trainer(_bn_loss, meshkit.from_linen(module, module.init(jax.random.key(0), x[:2], train=False)),
+                        optax.sgd(0.1), plan=plan, mesh=mesh)  # fmt: skip
+    for _ in range(3):
+        t.step((x, y))
+    params, stats = _bn_reference(variables, (x, y), 3)
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)  # noqa: E731
+    jax.tree.map(close, t.params, params)
+    jax.tree.map(close, t.state["batch_stats"], stats)
