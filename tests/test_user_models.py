@@ -200,3 +200,13 @@ def test_a_batchnorm_that_names_its_axis_has_the_one_device_meaning(plan, mesh):
     close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)  # noqa: E731
     jax.tree.map(close, t.params, params)
     jax.tree.map(close, t.state["batch_stats"], stats)
+
+
+def test_remat_on_a_loss_without_layers_is_refused_before_compiling():
+    # before: accepted silently (only the report said no layers were found)
+    t = meshkit.Trainer(_bf16_loss, _params(), optax.sgd(0.1), plan="dp", mesh="data=8", remat="layer")
+    with pytest.raises(
+        meshkit.PlanError,
+        match=r"remat='layer' checkpoints per layer, but the loss has no layers .*meshkit.layer",
+    ):
+        t.step(_batch())
