@@ -210,3 +210,15 @@ def test_remat_on_a_loss_without_layers_is_refused_before_compiling():
         match=r"remat='layer' checkpoints per layer, but the loss has no layers .*meshkit.layer",
     ):
         t.step(_batch())
+
+
+def test_rng_and_the_losss_key_argument_must_agree_in_one_line():
+    with pytest.raises(
+        meshkit.PlanError,
+        match=r"rng= passes a key .* loss_fn\(params, batch\) takes none: write loss_fn\(params, batch, key\)",
+    ):
+        meshkit.Trainer(_bf16_loss, _params(), optax.sgd(0.1), plan="dp", rng=0)
+    with pytest.raises(
+        meshkit.PlanError, match=r"loss_fn takes a key after params, batch but no rng= is given"
+    ):
+        meshkit.Trainer(lambda p, batch, key: _bf16_loss(p, batch), _params(), optax.sgd(0.1), plan="dp")

@@ -8,6 +8,7 @@ the parameters and optimizer state, and saves and restores runs in the CLI's orb
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -110,6 +111,7 @@ class Trainer:
         if not callable(loss_fn):
             raise PlanError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
         self.adapted = params if isinstance(params, Adapted) else None
+        _check_key_argument(loss_fn, self.adapted, state is not None, rng is not None)
         stateful = state is not None
         if self.adapted is not None:
             if state is not None:
@@ -434,3 +436,38 @@ def _tokens_per_example(rows: Mapping[str, int], placement: Placement, n_example
     column-parallel matmul is rows x width. 1 where no split leaf meets a matmul."""
     split = [rows[x.path] for x in placement.flat() if MODEL in x.model_spec and x.path in rows]
     return max(1, max(split, default=n_examples) // n_examples)
+
+
+def _check_key_argument(loss_fn: Callable, adapted: Any, stateful: bool, rng: bool) -> None:
+    """``rng=`` passes a key as the loss's last argument: a loss that takes none (or one that needs
+    a key while no ``rng=`` is given) is one line here, not a TypeError from inside the trace."""
+    from meshkit.plans import Stages
+
+    if isinstance(loss_fn, Stages):
+        return  # a pipeline's model: its own check names what it takes
+    if adapted is not None:
+        stateful = adapted.framework == "equinox" and bool(jax.tree.leaves(adapted.state))
+    names = ["model" if adapted is not None else "params", *(["state"] if stateful else []), "batch"]
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # not inspectable (a builtin, a Stages model): the step says what it gets
+
+    def binds(n: int) -> bool:
+        try:
+            sig.bind(*range(n))
+            return True
+        except TypeError:
+            return False
+
+    n = len(names)
+    form = f"loss_fn({', '.join(names)})"
+    if rng and binds(n) and not binds(n + 1):
+        raise PlanError(
+            f"rng= passes a key as the loss's last argument but {form} takes none: write "
+            f"loss_fn({', '.join(names)}, key), or drop rng="
+        )
+    if not rng and binds(n + 1) and not binds(n):
+        raise PlanError(
+            f"loss_fn takes a key after {', '.join(names)} but no rng= is given: pass rng=0 (a seed or key)"
+        )
