@@ -108,7 +108,6 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig, Any, Any
 #: Bytes per parameter that bound a step's state from above (fp32 parameters, gradients, two Adam
 #: moments, and as much again for the gathered and temporary copies) for ``check_fits``'s gate.
 _STATE_BOUND = 32
-_ZERO = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
 def check_fits(cfg: C.TrainConfig, data: TextData) -> None:
@@ -151,7 +150,7 @@ def check_fits(cfg: C.TrainConfig, data: TextData) -> None:
         steps = (spec.microbatches or sizes.get("stage", 1)) if pipe else spec.accumulate
         if cfg.batch_size % (dp * steps):
             return  # the batch check says so, in its own words
-        layout = Layout(dp=dp, tp=sizes.get("model", 1), pp=sizes.get("stage", 1), zero=_ZERO[spec.plan_info.zero],
+        layout = Layout(dp=dp, tp=sizes.get("model", 1), pp=sizes.get("stage", 1), zero=spec.plan_info.level,
                         microbatch_size=cfg.batch_size // (dp * steps), schedule=spec.schedule_name,
                         virtual_stages=spec.virtual_stages, remat=spec.remat)  # fmt: skip
         hw, _ = hardware_of(jax.devices()[0].device_kind)
