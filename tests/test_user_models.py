@@ -222,3 +222,17 @@ def test_rng_and_the_losss_key_argument_must_agree_in_one_line():
         meshkit.PlanError, match=r"loss_fn takes a key after params, batch but no rng= is given"
     ):
         meshkit.Trainer(lambda p, batch, key: _bf16_loss(p, batch), _params(), optax.sgd(0.1), plan="dp")
+
+
+def test_a_raw_equinox_models_int_leaf_points_to_the_adapter():
+    import equinox as eqx
+
+    class Model(eqx.Module):
+        w: jax.Array
+        n: int
+
+    with pytest.raises(
+        meshkit.PlanError,
+        match=r"params leaf n is a Python int \(3\) of an Equinox module: use meshkit.from_equinox\(model\)",
+    ):
+        meshkit.Trainer(lambda m, b: jnp.sum(m.w), Model(jnp.ones(3), 3), optax.sgd(0.1), plan="dp")

@@ -111,7 +111,7 @@ class Trainer:
         if not callable(loss_fn):
             raise PlanError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
         self.adapted = params if isinstance(params, Adapted) else None
-        _check_key_argument(loss_fn, self.adapted, state is not None, rng is not None)
+        user_loss, given_state = loss_fn, state is not None
         stateful = state is not None
         if self.adapted is not None:
             if state is not None:
@@ -131,6 +131,7 @@ class Trainer:
         if spec.plan == AUTO:
             spec = self._auto(spec, params, optimizer, given_mesh, logical_axes)
         self._key = base_key(rng)
+        _check_key_argument(user_loss, self.adapted, given_state, rng is not None)
         self.assembled: Assembled = assemble(
             loss_fn, params, optimizer, spec, mesh=given_mesh, state=state, stateful=stateful, rng=rng is not None,
             has_aux=has_aux, clip_norm=clip_norm, grad_norm=grad_norm, donate=donate, rules=rules,
