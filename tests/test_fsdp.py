@@ -60,7 +60,7 @@ def test_what_the_plan_finds_in_the_loss():
     read = {jax.tree_util.keystr(paths[i]) for i in scan.backward_reads}
     assert "['blocks']['attn']['wq']" in read and "['blocks']['ln1']['scale']" in read
     assert "['blocks']['attn']['bq']" not in read and "['blocks']['mlp']['b_in']" not in read
-    none = _trainer("mlp").per_layer.found
+    none = _trainer("mlp", remat="none").per_layer.found  # remat="layer" is refused there (no layers)
     assert none.mode == "none" and "needs the model to lax.scan over stacked layer parameters" in none.note
 
 

@@ -50,3 +50,20 @@ def to_axes(spec: Any, ndim: int) -> tuple:
     """
     names = tuple(spec) if spec is not None else ()
     return names + (None,) * (ndim - len(names))
+
+
+def batch_norm_axis(own: Any, axis: str | None) -> Any:
+    """The axis a Flax BatchNorm averages its statistics over in a plan's step, with the meaning it
+    has on one device (a mean over the whole batch): its own ``axis_name`` where the loss binds it
+    (the user's ``vmap``), else the manual data axis ``axis`` (each device holds some rows), or
+    None where the plan has no data axis (each device holds the whole batch). A name the loss does
+    not bind (Flax's ResNet: ``axis_name='batch'``, for ``pmap``) thus means the global batch."""
+    from jax import lax
+
+    if own is not None:
+        try:
+            lax.axis_size(own)
+            return own
+        except NameError:  # unbound: it names the devices' split of the batch
+            pass
+    return axis

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meshkit.adapters._common import Adapted, require, to_axes
+from meshkit.adapters._common import Adapted, batch_norm_axis, require, to_axes
 from meshkit.plans import manual_data_axis
 
 
@@ -83,13 +83,13 @@ def from_linen(module: Any, variables: dict, *, rng_streams: Sequence[str] = ("d
 
 
 def _sync_batch_norm(nn: Any, axis: str | None) -> Callable:
-    """A method interceptor that, inside the manual data region, has BatchNorm average its batch
-    statistics over ``axis`` (the global batch, as on one device)."""
+    """A method interceptor that has BatchNorm average its batch statistics over the global batch,
+    as on one device (``batch_norm_axis``: over ``axis`` inside the manual data region)."""
 
     def intercept(next_fun, args, kwargs, context):
         m = context.module
-        if axis is not None and isinstance(m, nn.BatchNorm) and m.axis_name is None:
-            object.__setattr__(m, "axis_name", axis)
+        if isinstance(m, nn.BatchNorm):
+            object.__setattr__(m, "axis_name", batch_norm_axis(m.axis_name, axis))
         return next_fun(*args, **kwargs)
 
     return intercept

@@ -5,17 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from meshkit.adapters._common import Adapted, require, to_axes
+from meshkit.adapters._common import Adapted, batch_norm_axis, require, to_axes
 from meshkit.plans import manual_data_axis
 
 
 def _sync_batch_norm(nnx: Any, model: Any, axis: str | None) -> None:
-    """Inside the manual data region, BatchNorm statistics span the global batch (a mean over ``axis``)."""
-    if axis is None:
-        return
+    """BatchNorm statistics span the global batch, as on one device (``batch_norm_axis``: a mean
+    over ``axis`` inside the manual data region)."""
     for _, m in nnx.iter_modules(model):
-        if isinstance(m, nnx.BatchNorm) and m.axis_name is None:
-            m.axis_name = axis
+        if isinstance(m, nnx.BatchNorm):
+            m.axis_name = batch_norm_axis(m.axis_name, axis)
 
 
 def from_nnx(model: Any) -> Adapted:

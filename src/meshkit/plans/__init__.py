@@ -9,7 +9,7 @@ collectives), ``_pipeline`` and ``_schedule`` (pipelines); tensor parallelism is
 rules, partitioned by XLA.
 """
 
-from meshkit.plans._dataflow import batch_fed
+from meshkit.plans._dataflow import batch_fed, matmul_rows
 from meshkit.plans._expected import (
     CommRow,
     Expected,
@@ -56,6 +56,7 @@ __all__ = [
     "expected_collectives",
     "layer",
     "manual_data_axis",
+    "matmul_rows",
     "memory_formula",
     "place",
     "plot_schedule",

@@ -15,6 +15,14 @@ gathered value), XLA first all-gathers the leaf over ``model`` and then moves wh
 
 Forward and backward: the transpose of the bucketed all-gather is the bucketed reduce-scatter, so
 ZeRO-3's gradient reduce-scatter comes out bucketed too. Bytes moved are unchanged.
+
+A bfloat16 sum over a manual axis (reduce-scatter, all-reduce) runs manual over every mesh axis
+(``manual_sum``): XLA:CPU (jaxlib 0.12.0.1) aborts the process compiling a bf16 all-reduce or
+reduce-scatter lowered where another mesh axis is left to the partitioner (fsdp+tp, dp+tp with
+micro-batches, pipelines with tp), "Invalid binary instruction opcode copy": JAX annotates the root of the reduction's
+computation as replicated there, the partitioner turns that annotation into a ``copy``, and the
+CPU compiler's AllReducePromotion (bf16 sums done in f32) rebuilds the reduction from the root's
+opcode. float16 and float32 sums are not promoted and keep their form.
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType, get_abstract_mesh
 from jax.sharding import PartitionSpec as P
-from jax.sharding import get_abstract_mesh
 
 from meshkit.plans.placement import LeafPlacement
 from meshkit.spec import DATA, MODEL
@@ -47,11 +55,29 @@ def _alone(idx: list[int], leaves: Sequence[LeafPlacement]) -> int | None:
 
 def _on_model_shard(fn, x: jax.Array, leaf: LeafPlacement) -> jax.Array:
     """``fn`` on this device's model shard of ``x`` (manual over ``model`` as well as ``data``)."""
-    spec = P(
-        *[a if a == MODEL else None for a in leaf.model_spec]
-    )  # (a pipeline's stage axis is manual already)
+    spec = model_spec(leaf)
     return jax.shard_map(fn, mesh=get_abstract_mesh(), in_specs=spec, out_specs=spec, axis_names={MODEL},
                          check_vma=False)(x)  # fmt: skip
+
+
+def manual_sum(fn, x, specs=None):
+    """``fn(x)``, a sum over manual axes (an all-reduce or a reduce-scatter); a bfloat16 one runs
+    inside a region manual over the axes still automatic too, ``x`` laid over them by ``specs`` (a
+    prefix of ``x``'s structure; default replicated). See the module docstring: XLA:CPU aborts
+    compiling such a sum otherwise."""
+    mesh = get_abstract_mesh()
+    auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != AxisType.Manual}
+    if not auto or not any(jnp.dtype(a.dtype) == jnp.bfloat16 for a in jax.tree.leaves(x)):
+        return fn(x)
+    specs = P() if specs is None else specs
+    return jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=specs, axis_names=auto, check_vma=False)(
+        x
+    )
+
+
+def model_spec(leaf: LeafPlacement) -> P:
+    """The leaf's split over the model axis alone (a pipeline's stage axis is manual already)."""
+    return P(*[a if a == MODEL else None for a in leaf.model_spec])
 
 
 def reduce_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafPlacement], n: int) -> list[jax.Array]:
@@ -71,7 +97,10 @@ def reduce_scatter(grads: Sequence[jax.Array], leaves: Sequence[LeafPlacement], 
             )
             continue
         rows = [jnp.moveaxis(grads[i], leaves[i].data_dim, 0).reshape(n, -1) for i in idx]
-        mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), DATA, scatter_dimension=0, tiled=True)[0]
+        mine = manual_sum(
+            lambda b: lax.psum_scatter(b, DATA, scatter_dimension=0, tiled=True)[0],
+            jnp.concatenate(rows, axis=1),
+        )
         offset = 0
         for i, r in zip(idx, rows, strict=True):
             moved = jnp.moveaxis(grads[i], leaves[i].data_dim, 0).shape

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 _SAME_VALUE = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
@@ -35,7 +36,7 @@ def _var(v) -> Any:
     return None if isinstance(v, jcore.Literal) else v
 
 
-def _walk(jaxpr, origin: dict, tainted: set, found: set) -> None:
+def _walk(jaxpr, origin: dict, tainted: set, found: set, rows: dict | None = None) -> None:
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         dirty = any(v in tainted for v in ins)
@@ -44,7 +45,7 @@ def _walk(jaxpr, origin: dict, tainted: set, found: set) -> None:
             pairs = [(iv, _var(ov)) for iv, ov in zip(sub.invars, eqn.invars, strict=True)]
             inner_origin = {iv: origin[ov] for iv, ov in pairs if ov in origin}
             inner_taint = {iv for iv, ov in pairs if ov in tainted}
-            _walk(sub, inner_origin, inner_taint, found)
+            _walk(sub, inner_origin, inner_taint, found, rows)
             for ov, iv in zip(eqn.outvars, map(_var, sub.outvars), strict=True):
                 if iv in inner_taint:
                     tainted.add(ov)
@@ -53,9 +54,14 @@ def _walk(jaxpr, origin: dict, tainted: set, found: set) -> None:
             continue
         if eqn.primitive.name == "dot_general" and len(ins) == 2:
             a, b = ins
-            for w, x in ((a, b), (b, a)):
+            (contract, batch) = eqn.params["dimension_numbers"]
+            for side, (w, x) in enumerate(((a, b), (b, a))):
                 if w in origin and x not in tainted:
                     found.add(origin[w])
+                if w in origin and rows is not None:  # the other operand's free dims: the rows it multiplies
+                    skip = {*contract[1 - side], *batch[1 - side]}
+                    n = int(np.prod([d for i, d in enumerate(x.aval.shape) if i not in skip]))
+                    rows[origin[w]] = max(rows.get(origin[w], 0), n)
         if eqn.primitive.name in _SAME_VALUE and ins and ins[0] in origin:
             origin[eqn.outvars[0]] = origin[ins[0]]
         if dirty:
@@ -74,3 +80,17 @@ def batch_fed(loss_fn: Callable, params: Any, *rest: Any) -> frozenset[str]:
     found: set = set()
     _walk(closed.jaxpr, origin, set(invars), found)
     return frozenset(found)
+
+
+def matmul_rows(loss_fn: Callable, params: Any, *rest: Any) -> dict[str, int]:
+    """Per parameter leaf path (``a/b/c``) the most rows a matmul multiplies it with: the other
+    operand's dims that are neither contracted nor batched (a token model's ``examples x sequence``
+    for each projection). ``loss_fn(params, *rest)``, as for ``batch_fed``."""
+    from meshkit.plans.placement import _path_str
+
+    closed = jax.make_jaxpr(loss_fn)(params, *rest)
+    paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    invars = closed.jaxpr.invars[: len(paths)]
+    rows: dict[str, int] = {}
+    _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), rows)
+    return rows

@@ -57,7 +57,7 @@ from meshkit.plans._hook import handling
 from meshkit.plans._layers import Found, analyse, scan_body, scan_groups
 from meshkit.plans._remat import remat_policy
 from meshkit.plans.placement import LeafPlacement, Placement
-from meshkit.spec import DATA
+from meshkit.spec import DATA, PlanError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -399,6 +399,11 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
     micro_avals = micro  # the tracers themselves: make_jaxpr keeps their full types (weak, varying)
     if per.found is None:  # one abstract trace, also read by the reports (layers, stacked leaves)
         per.found = analyse(loss_fn, per.placement, full, micro_avals)
+    if per.remat != "none" and not per.found.per_layer:  # the policy applies per layer: there is none
+        raise PlanError(
+            f"remat={per.remat!r} checkpoints per layer, but the loss has no layers meshkit can find: mark each "
+            f"block with meshkit.layer, lax.scan over stacked layer parameters, or use remat='none'"
+        )
     if per.remat == "none" and not per.gathers:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
     if per.gathers:

@@ -72,6 +72,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshkit.plans import _buckets as buckets
 from meshkit.plans import _schedule
 from meshkit.plans._pipeline_report import PipelineReport
 from meshkit.plans._remat import remat_policy
@@ -121,9 +122,11 @@ def local_pipeline(
         if zero3:
             grads = _finish(grads, placement, scatter_now=True, scale=1.0 / data_size)
         elif data_size > 1:
-            grads = jax.tree.map(lambda g: g / data_size, lax.psum(grads, DATA))
+            grads = jax.tree.map(
+                lambda g: g / data_size, buckets.manual_sum(lambda t: lax.psum(t, DATA), grads)
+            )
         if data_size > 1:
-            loss = lax.pmean(loss, DATA)
+            loss = buckets.manual_sum(lambda t: lax.pmean(t, DATA), loss)
         return loss, grads
 
     def run(params, batch):
@@ -137,7 +140,7 @@ def local_pipeline(
         if v > 1 and p > 1:
             acc_c = relayout(acc_c, p, v, d, back=True)
         if p > 1:
-            acc_t, loss = lax.psum((acc_t, loss), STAGE)
+            acc_t, loss = buckets.manual_sum(lambda t: lax.psum(t, STAGE), (acc_t, loss))
         loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
         return loss, record[:, None, :], grads
 

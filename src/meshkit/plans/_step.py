@@ -77,7 +77,9 @@ def _finish(acc: Any, placement: Placement, scatter_now: bool, scale: float) -> 
     grads = jax.tree.leaves(acc)
     whole = [i for i, leaf in enumerate(placement.flat()) if leaf.data_dim is None]
     if whole and placement.data_size > 1:  # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1)
-        for i, g in zip(whole, lax.psum([grads[i] for i in whole], DATA), strict=True):
+        specs = [buckets.model_spec(placement.flat()[i]) for i in whole]
+        summed = buckets.manual_sum(lambda t: lax.psum(t, DATA), [grads[i] for i in whole], specs)
+        for i, g in zip(whole, summed, strict=True):
             grads[i] = g
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
 
@@ -171,7 +173,8 @@ def local_gradients(
         )
         if placement.data_size == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
             return loss, aux, state, grads
-        return lax.pmean(loss, DATA), lax.pmean(aux, DATA), state, grads
+        mean = lambda t: buckets.manual_sum(lambda v: lax.pmean(v, DATA), t)  # noqa: E731
+        return mean(loss), mean(aux), state, grads
 
     return run
 

@@ -67,6 +67,10 @@ def check_params(params: Any) -> None:
         where = f"params leaf {_path(keys)}"
         if (kind := _framework(x)) is not None:
             raise PlanError(f"{where} is a {kind} {type(x).__name__}: use {_ADAPTER[kind]}")
+        if isinstance(x, bool | int | float | complex) and _framework(params) == "equinox":
+            raise PlanError(
+                f"{where} is a Python {type(x).__name__} ({x!r}) of an Equinox module: use {_ADAPTER['equinox']}"
+            )
         if isinstance(x, bool | int | float | complex):
             raise PlanError(
                 f"{where} is a Python {type(x).__name__} ({x!r}): train arrays, e.g. jnp.asarray({x!r}, jnp.float32), "

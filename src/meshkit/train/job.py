@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load
 from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
@@ -65,6 +66,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     else:
         check_no_checkpoints(run_dir)
     data = load_data(cfg)
+    check_fits(cfg, data)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     llama_run = isinstance(model, llama.LlamaConfig)
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
@@ -130,6 +132,98 @@ def model_config(cfg: C.TrainConfig, vocab: int) -> gpt.GPTConfig | llama.LlamaC
     if cfg.model == "llama":
         return llama.LlamaConfig.from_shape(shape, precision=spec.precision, scan_layers=scan)
     return gpt.GPTConfig.from_shape(shape, precision=spec.precision, scan_layers=scan)
+
+
+#: Bytes per parameter that bound a step's state from above (fp32 parameters, gradients, two Adam
+#: moments, and as much again for the gathered and temporary copies) for ``check_fits``'s gate.
+_STATE_BOUND = 32
+
+
+def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
+    """Refuse, before anything is allocated or compiled, token ids that make a vocabulary larger than
+    the data holds tokens (most embedding rows would never train: renumber them), then a run whose step the planner's model of
+    meshkit's own step (``Job(runtime="meshkit")``) predicts to need more memory per device than a
+    device has: ``memory_stats()['bytes_limit']`` where the device reports it, else the host's
+    available memory (``/proc/meminfo``) shared by this process's devices. A model far below that
+    (a generous bound on parameters, state and activations under an eighth of it) is not predicted."""
+    from meshkit.planner.sizes import param_count
+
+    if data.tokenizer == "ids" and data.vocab_size > data.num_tokens:
+        tokens = np.concatenate(
+            [data.train.read(0, len(data.train)), data.held_out.read(0, len(data.held_out))]
+        )
+        used = len(np.unique(tokens))
+        raise C.ConfigError(
+            f"token ids in '{data.source}' reach {data.vocab_size - 1:,}: a vocabulary of {data.vocab_size:,} "
+            f"({data.vocab_size * cfg.width:,} embedding parameters at --width {cfg.width}) for {data.num_tokens:,} "
+            f"tokens using {used:,} distinct ids: renumber the ids from 0 (np.unique(ids, return_inverse=True)) "
+            f"or give more data"
+        )
+    spec, shape = cfg.parallel, model_shape(cfg, data.vocab_size)
+    devices = jax.device_count()
+    available = device_memory()
+    if available is None:
+        return
+    activations = (
+        4 * cfg.batch_size * cfg.layers * (64 * cfg.seq_len * cfg.width + 8 * cfg.heads * cfg.seq_len**2)
+    )
+    if _STATE_BOUND * param_count(shape) + activations < available / 8:
+        return
+    from meshkit.fmt import fmt_bytes
+    from meshkit.planner.auto import hardware_of
+    from meshkit.planner.cluster import Cluster
+    from meshkit.planner.cluster import Job as PlannerJob
+    from meshkit.planner.layout import Layout
+    from meshkit.planner.predict import predict
+
+    try:
+        sizes = spec.degrees(devices)
+        dp, pipe = sizes.get(DATA, 1), spec.plan_info.pipeline
+        steps = (spec.microbatches or sizes.get("stage", 1)) if pipe else spec.accumulate
+        if cfg.batch_size % (dp * steps):
+            return  # the batch check says so, in its own words
+        layout = Layout(dp=dp, tp=sizes.get("model", 1), pp=sizes.get("stage", 1), zero=spec.plan_info.level,
+                        microbatch_size=cfg.batch_size // (dp * steps), schedule=spec.schedule_name,
+                        virtual_stages=spec.virtual_stages, remat=spec.remat)  # fmt: skip
+        hw, _ = hardware_of(jax.devices()[0].device_kind)
+        n = layout.devices
+        job = PlannerJob(
+            global_batch=cfg.batch_size, precision=spec.precision, runtime="meshkit", flash_attention=False
+        )
+        pred = predict(shape, layout, Cluster(hardware=hw, devices=n, devices_per_host=n), job)
+    except (MeshkitError, ValueError, KeyError):
+        return  # a layout the planner cannot describe: the Trainer's own checks speak for it
+    if not pred.valid or pred.peak_bytes <= available:
+        return
+    parts = ", ".join(
+        f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in pred.memory.items() if v >= 0.01 * pred.peak_bytes
+    )
+    raise C.ConfigError(
+        f"this run needs about {fmt_bytes(pred.peak_bytes)} per device ({parts}; the planner's model of the step) "
+        f"but a device has {fmt_bytes(available)}: use a smaller --width, --layers, --seq-len or --batch-size, "
+        f"a plan that shards more (--plan fsdp), --remat layer, or more devices"
+    )
+
+
+def device_memory() -> float | None:
+    """Bytes one device of this process can use: its ``bytes_limit`` where reported, else the host's
+    ``MemAvailable`` over this process's devices (simulated CPU devices share the host)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    host = host_available()
+    return None if host is None else host / jax.local_device_count()
+
+
+def host_available() -> float | None:
+    """The host's ``MemAvailable`` in bytes (``/proc/meminfo``), None where it is not reported."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:

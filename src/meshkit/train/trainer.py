@@ -8,6 +8,7 @@ the parameters and optimizer state, and saves and restores runs in the CLI's orb
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,12 +28,13 @@ from meshkit.plans import (
     compare_communication,
     device_bytes,
     expected_collectives,
+    matmul_rows,
     memory_formula,
 )
 from meshkit.plans.assemble import Assembled, assemble
 from meshkit.plans.peak import peak_report
 from meshkit.plans.placement import Placement, Rules
-from meshkit.spec import AUTO, DATA, PRECISIONS, ParallelSpec, Plan, PlanError
+from meshkit.spec import AUTO, DATA, MODEL, PRECISIONS, ParallelSpec, Plan, PlanError
 from meshkit.train._inputs import base_key, check_optimizer, check_params, check_state
 from meshkit.train.report import PlanReport
 
@@ -48,7 +50,10 @@ class Trainer:
     of metrics, returned from ``step`` beside the loss. ``compute_dtype="bfloat16"`` (mixed
     precision, the loss casting to it anyway) has zero3/fsdp gather parameters and reduce-scatter
     gradients in that dtype: half the bytes; the optimizer still updates float32. ``units={"heads": n}`` makes a model axis
-    that does not divide the head count an error before compiling. A model from ``meshkit.from_nnx``,
+    that does not divide the head count an error before compiling. ``report`` reads a
+    tensor-parallel model's tokens per example (the rows its split matmuls multiply per example: a
+    token model's sequence length) from the loss; ``tokens_per_example=`` overrides it. A model
+    from ``meshkit.from_nnx``,
     ``from_linen`` or ``from_equinox`` may be passed as ``params``: its state and logical axes
     are then taken from it and ``loss_fn`` is written against the framework's model.
 
@@ -97,7 +102,7 @@ class Trainer:
         logical_axes: Any = None,
         min_shard_size: int = 1,
         units: Mapping[str, int] | None = None,
-        tokens_per_example: int = 1,
+        tokens_per_example: int | None = None,
         grad_norm: bool = False,
         donate: bool = True,
     ) -> None:
@@ -106,6 +111,7 @@ class Trainer:
         if not callable(loss_fn):
             raise PlanError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
         self.adapted = params if isinstance(params, Adapted) else None
+        user_loss, given_state = loss_fn, state is not None
         stateful = state is not None
         if self.adapted is not None:
             if state is not None:
@@ -125,6 +131,7 @@ class Trainer:
         if spec.plan == AUTO:
             spec = self._auto(spec, params, optimizer, given_mesh, logical_axes)
         self._key = base_key(rng)
+        _check_key_argument(user_loss, self.adapted, given_state, rng is not None)
         self.assembled: Assembled = assemble(
             loss_fn, params, optimizer, spec, mesh=given_mesh, state=state, stateful=stateful, rng=rng is not None,
             has_aux=has_aux, clip_norm=clip_norm, grad_norm=grad_norm, donate=donate, rules=rules,
@@ -323,13 +330,17 @@ class Trainer:
         compiled = self.compiled(batch)
         ledger = communication(compiled, mesh=self.mesh)
         n_examples = jax.tree.leaves(batch)[0].shape[0]
-        tokens = n_examples // (int(self.mesh.shape.get(DATA, 1)) * self.accumulate) * self.tokens_per_example
+        per_example = self.tokens_per_example or 1
         fed = frozenset()
         if (
             self.placement.model_size > 1
         ):  # column-parallel matmuls on the batch itself need no input gradient
             shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.params, self.state))
-            fed = batch_fed(self.assembled.loss, *shapes, self.put_batch(batch), self._step_key())
+            args = (self.assembled.loss, *shapes, self.put_batch(batch), self._step_key())
+            fed = batch_fed(*args)
+            if self.tokens_per_example is None:
+                per_example = _tokens_per_example(matmul_rows(*args), self.placement, n_examples)
+        tokens = n_examples // (int(self.mesh.shape.get(DATA, 1)) * self.accumulate) * per_example
         low = None
         if self.compute_dtype is not None and self.plan.gathers_in_compute_dtype:
             # XLA's CPU compiler moves sub-32-bit floats as f32
@@ -418,3 +429,46 @@ def _host_if_other_mesh(a: Any, mesh: Mesh) -> Any:
 
 def _to_host_if_other_mesh(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda a: _host_if_other_mesh(a, mesh), tree)
+
+
+def _tokens_per_example(rows: Mapping[str, int], placement: Placement, n_examples: int) -> int:
+    """Rows per example the tensor-parallel matmuls multiply (a token model's sequence length), read
+    from the loss's jaxpr traced on the whole batch: the model-axis traffic of a row- or
+    column-parallel matmul is rows x width. 1 where no split leaf meets a matmul."""
+    split = [rows[x.path] for x in placement.flat() if MODEL in x.model_spec and x.path in rows]
+    return max(1, max(split, default=n_examples) // n_examples)
+
+
+def _check_key_argument(loss_fn: Callable, adapted: Any, stateful: bool, rng: bool) -> None:
+    """``rng=`` passes a key as the loss's last argument: a loss that takes none (or one that needs
+    a key while no ``rng=`` is given) is one line here, not a TypeError from inside the trace."""
+    from meshkit.plans import Stages
+
+    if isinstance(loss_fn, Stages):
+        return  # a pipeline's model: its own check names what it takes
+    if adapted is not None:
+        stateful = adapted.framework == "equinox" and bool(jax.tree.leaves(adapted.state))
+    names = ["model" if adapted is not None else "params", *(["state"] if stateful else []), "batch"]
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # not inspectable (a builtin, a Stages model): the step says what it gets
+
+    def binds(n: int) -> bool:
+        try:
+            sig.bind(*range(n))
+            return True
+        except TypeError:
+            return False
+
+    n = len(names)
+    form = f"loss_fn({', '.join(names)})"
+    if rng and binds(n) and not binds(n + 1):
+        raise PlanError(
+            f"rng= passes a key as the loss's last argument but {form} takes none: write "
+            f"loss_fn({', '.join(names)}, key), or drop rng="
+        )
+    if not rng and binds(n + 1) and not binds(n):
+        raise PlanError(
+            f"loss_fn takes a key after {', '.join(names)} but no rng= is given: pass rng=0 (a seed or key)"
+        )
