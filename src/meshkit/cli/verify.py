@@ -145,7 +145,7 @@ def _print(cert) -> None:
     cols = ["op", "axes", "instr. runs", "measured traffic/device", "model", "ratio", ""]
     console.print(table("Communication per step (ring model, scalars aside)", cols, rows))
     rows = [
-        [m.component, fmt_bytes(m.measured_bytes), fmt_bytes(m.formula_bytes), f"{m.ratio:.4f}", "ok" if m.ok else "FAIL"]
+        [m.component, fmt_bytes(m.measured_bytes), fmt_bytes(m.formula_bytes), "-" if m.ratio is None else f"{m.ratio:.4f}", "ok" if m.ok else "FAIL"]
         for m in r.memory
     ]  # fmt: skip
     cm = r.compiled_memory

@@ -58,6 +58,11 @@ def _bars(ax, labels, measured, model, model_label, title) -> None:
     ax.legend(fontsize=8, loc="upper right")
 
 
+def _x(ratio: float | None) -> str:
+    """A measured/model ratio, or '-' where there is none (0 bytes of 0)."""
+    return "-" if ratio is None else f"{ratio:.3f}"
+
+
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -72,13 +77,15 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
         ["devices", f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"],
     ]  # fmt: skip
     for c in report.get("communication", []):
-        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
         rows.append(
-            [f"comm {c['op']} over {c['axes']}", f"{fmt_bytes(c['measured_traffic_bytes'])} (model x{ratio})"]
+            [
+                f"comm {c['op']} over {c['axes']}",
+                f"{fmt_bytes(c['measured_traffic_bytes'])} (model x{_x(c['ratio'])})",
+            ]
         )
     for m in report.get("memory", []):
         rows.append(
-            [f"memory: {m['component']}", f"{fmt_bytes(m['measured_bytes'])} (formula x{m['ratio']:.3f})"]
+            [f"memory: {m['component']}", f"{fmt_bytes(m['measured_bytes'])} (formula x{_x(m['ratio'])})"]
         )
     if peak := report.get("peak"):
         rows.append(
