@@ -257,7 +257,7 @@ def _plans_loss(w: Workload) -> tuple[Callable, Any, Any]:
     """``w``'s loss in the plans' form ``(params, state, batch, key) -> (loss, (aux, state))``, with
     its parameters and state (an adapted model's taken out of it), as the Trainer makes them."""
     from meshkit.adapters import Adapted
-    from meshkit.plans._loss import step_loss
+    from meshkit.plans import step_loss
 
     rng = w.rng is not None
     if isinstance(w.params, Adapted):
@@ -269,7 +269,7 @@ def _plans_loss(w: Workload) -> tuple[Callable, Any, Any]:
 
 def _step_key(rng: Any, step: int) -> jax.Array:
     """The key the Trainer passes at ``step``: ``fold_in(rng, step)``, or ``key(0)`` without ``rng``."""
-    from meshkit.train._inputs import base_key
+    from meshkit.train import base_key
 
     key = base_key(rng)
     return jax.random.key(0) if key is None else jax.random.fold_in(key, step)

@@ -10,11 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from meshkit.train._inputs import base_key
     from meshkit.train.report import PlanReport
     from meshkit.train.trainer import Trainer
 
-_WHERE = {"PlanReport": "meshkit.train.report", "Trainer": "meshkit.train.trainer"}
-__all__ = ["PlanReport", "Trainer"]
+_WHERE = {
+    "PlanReport": "meshkit.train.report",
+    "Trainer": "meshkit.train.trainer",
+    "base_key": "meshkit.train._inputs",
+}
+__all__ = ["PlanReport", "Trainer", "base_key"]
 
 
 def __getattr__(name: str) -> Any:
