@@ -301,15 +301,20 @@ def apply(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
     top = {k: v for k, v in params.items() if k != "blocks"}
     x_btd = _embed(top, tokens_bt, cfg)
 
-    def block(p: Params, x_btd: jax.Array) -> jax.Array:
-        return _block(p, x_btd, cfg)
-
-    if cfg.scan_layers:
-        x_btd, _ = lax.scan(lambda x, p: (block(p, x), None), x_btd, params["blocks"])
-    else:
-        for p in params["blocks"]:
-            x_btd = layer(block)(p, x_btd)
+    x_btd = run_blocks(lambda p, x: _block(p, x, cfg), x_btd, params["blocks"], cfg.scan_layers)
     return _head(top, x_btd, cfg)
+
+
+def run_blocks(
+    block: Callable[[Params, jax.Array], jax.Array], x: jax.Array, blocks: Any, scanned: bool
+) -> jax.Array:
+    """``block`` over the blocks in order: ``lax.scan`` over stacked blocks, or a Python loop with each
+    block marked ``meshkit.layer`` (per-layer gathers and remat find it). The GPT's and the Llama's."""
+    if scanned:
+        return lax.scan(lambda h, p: (block(p, h), None), x, blocks)[0]
+    for p in blocks:
+        x = layer(block)(p, x)
+    return x
 
 
 def stages(cfg: GPTConfig) -> Any:

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshkit._errors import MeshkitError
+from meshkit.models import gpt
 from meshkit.models.shape import ModelShape
-from meshkit.plans import layer
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -303,14 +303,7 @@ def apply(params: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
     top = {k: v for k, v in params.items() if k != "blocks"}
     x_btd = embed(top, tokens_bt, cfg)
 
-    def block(p: Params, x: jax.Array) -> jax.Array:
-        return _block(p, x, cfg)
-
-    if cfg.scan_layers:
-        x_btd, _ = lax.scan(lambda x, p: (block(p, x), None), x_btd, params["blocks"])
-    else:
-        for p in params["blocks"]:
-            x_btd = layer(block)(p, x_btd)
+    x_btd = gpt.run_blocks(lambda p, x: _block(p, x, cfg), x_btd, params["blocks"], cfg.scan_layers)
     return head(top, x_btd, cfg)
 
 
