@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup mpi reference run test lint bench clean
+.PHONY: setup mpi reference run test golden lint bench clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -29,6 +29,10 @@ reference:
 test: setup mpi lint reference
 	$(BIN)/python -m pytest -n 2 -q --durations=25
 	$(BIN)/python -m pytest -q -m reference
+
+# Every recorded step of tests/golden (the suite compiles 20 of the 32; see tests/test_golden_steps.py).
+golden: setup
+	MESHKIT_GOLDEN=all $(BIN)/python -m pytest -n 2 -q tests/test_golden_steps.py
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

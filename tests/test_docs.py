@@ -48,6 +48,7 @@ BLOCK_TIMEOUT_S = 600
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+)(?P<info>[^`\n]*)$")
 EXIT = re.compile(r"#\s*exit (\d+)\b")
+HEREDOC = re.compile(r"<<-?\s*'?\"?(\w+)'?\"?")
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,12 @@ def commands(block: Block) -> list[tuple[int, str, list[str]]]:
             i += 1
             cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
         i += 1
+        if (here := HEREDOC.search(cmd)) is not None:  # a here-document is part of its command
+            while i < len(lines) and lines[i] != here[1]:
+                cmd += "\n" + lines[i]
+                i += 1
+            cmd += "\n" + here[1]
+            i += 1
         if cmd.strip() and not cmd.strip().startswith("#"):
             out.append((n, cmd, []))
     return out

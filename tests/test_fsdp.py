@@ -14,19 +14,17 @@ from meshkit.plans import device_bytes
 from meshkit.spec import PlanError
 from meshkit.train import Trainer
 
-#: (zero3 on the loop-form GPT without remat is test_plans.py's certificate, 20 steps with accumulation.)
+#: (zero3 on the loop-form GPT without remat is test_plans.py's certificate, 20 steps with accumulation.
+#: Each certificate compiles 7 steps, about 20 s of CPU: one case per remat policy and form of each
+#: plan family; the compiled collectives of the others are in tests/golden.)
 CERTS = [
     ("zero3", "gpt", None, "layer", 2),
-    ("zero3", "gpt", None, "dots", 1),
     ("zero3", "gpt", None, "regather", 1),
     ("zero3", "gpt-scan", None, "none", 2),
-    ("zero3", "gpt-scan", None, "layer", 1),
     ("fsdp", "gpt-scan", None, "regather", 1),
-    ("dp", "gpt-scan", None, "layer", 1),
     ("zero1", "gpt", None, "layer", 1),
     ("zero2", "gpt-scan", None, "dots", 2),
     ("fsdp+tp", "gpt", "data=4,model=2", "layer", 1),
-    ("fsdp+tp", "gpt-scan", "data=4,model=2", "none", 1),
     ("tp", "gpt-scan", "model=8", "layer", 1),
 ]
 

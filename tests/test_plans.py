@@ -21,7 +21,6 @@ CASES = [
     ("zero3", "mlp", None, 2),
     ("fsdp", "mlp", None, 1),
     ("dp", "gpt", None, 1),
-    ("zero2", "gpt", None, 1),
     ("zero3", "gpt", None, 2),
     ("tp", "gpt", "model=8", 1),
     ("dp+tp", "gpt", "data=4,model=2", 2),

@@ -345,8 +345,14 @@ def test_data_that_is_not_a_file_is_named(tmp_path, capsys, kind):
     run = tmp_path / "run"
     assert main([*TINY, "--data", str(data), "--run-dir", str(run)]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    hint = "name a file inside it" if kind == "a directory" else "copy what it streams into a file first"
-    assert line == (
-        f"error: data '{data}' is {kind}, not a file: give a UTF-8 text file or a .npy of token ids ({hint})"
-    )
+    if kind == "a directory":  # a directory is token data (issue 25) when prepared
+        assert line == (
+            f"error: data '{data}' is a directory without a manifest.json: prepare it with 'meshkit data "
+            f"prepare {data} --out DIR' and give --data DIR, or name a text file"
+        )
+    else:
+        assert line == (
+            f"error: data '{data}' is {kind}, not a file: give a UTF-8 text file or a .npy of token ids "
+            "(copy what it streams into a file first)"
+        )
     assert not run.exists()

@@ -23,12 +23,15 @@ class DataError(MeshkitError):
 
 
 def path_kind(path: Path) -> str:
-    """'missing', 'a directory', 'a regular file' or 'not a regular file' (for error lines)."""
+    """'missing', 'a directory', 'a regular file', 'a FIFO (named pipe)', 'a socket' or 'a device'
+    (for error lines)."""
     if not path.exists():
         return "missing"
     if path.is_dir():
         return "a directory"
-    return "a regular file" if path.is_file() else "not a regular file (a pipe, socket or device)"
+    if path.is_file():
+        return "a regular file"
+    return "a FIFO (named pipe)" if path.is_fifo() else "a socket" if path.is_socket() else "a device"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
