@@ -5,7 +5,10 @@ The backend is started here, so no test can change the device count for the test
 """
 
 import os
+import sys
 import tempfile
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, fresh each run: the controller makes it before
@@ -22,3 +25,16 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """A user's folder as the current one (for ``module:function`` targets); sys.path and the
+    modules the test imported from it (named ``mk_user_*`` or ``mk_pkg*``) as they were afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    names = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - names:
+        if name.startswith(("mk_user_", "mk_pkg")):
+            del sys.modules[name]

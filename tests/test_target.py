@@ -3,23 +3,9 @@
 import json
 import sys
 
-import pytest
-
 from meshkit.cli import main
 
 STEP = "import jax, jax.numpy as jnp\ndef make():\n    return jax.jit(lambda x: jnp.sum(x * 2)), (jnp.ones(8),)\n"
-
-
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
-    """The user's folder as the current one; sys.path and sys.modules as they were afterwards."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    names = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - names:
-        if name.startswith(("mk_user_", "mk_pkg")):
-            del sys.modules[name]
 
 
 def test_module_in_the_current_folder_imports(folder, capsys):

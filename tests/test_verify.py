@@ -8,7 +8,6 @@ Equinox's own MLP; bad targets are one line and exit 2.
 
 import itertools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -147,18 +146,6 @@ def lacks():
 def broken():
     raise ValueError("no data here")
 """
-
-
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
-    """The user's folder as the current one; sys.path and sys.modules as they were afterwards."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    names = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - names:
-        if name.startswith("mk_user_"):
-            del sys.modules[name]
 
 
 def test_meshkit_verify_takes_an_equinox_model_as_module_function(folder, capsys):
