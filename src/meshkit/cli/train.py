@@ -148,6 +148,14 @@ def train(
             "--tensorboard/--no-tensorboard",
         ),
     ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Trace these steps with jax.profiler (e.g. 5 or 5-7) into the run's profile/ (TensorBoard, "
+            "Perfetto) and report where their time went: compute, each collective, exposed communication.",
+            show_default="off",
+        ),
+    ] = None,
     resume: Annotated[
         bool,
         typer.Option(
@@ -183,7 +191,9 @@ def train(
     """Train a GPT or a Llama under a plan (on BPE token shards, text per character, or ids); write
     metrics, checkpoints, report and plots."""
     from meshkit.cli.ledger import _simulate
+    from meshkit.train.profile import parse_steps
 
+    steps_profiled = None if profile is None else parse_steps(profile)
     _check_devices(devices)
     _simulate(devices)
     import jax
@@ -241,6 +251,7 @@ def train(
             resume=resume,
             stop_after=stop_after,
             latest_link=latest if run_dir is None else None,
+            profile=steps_profiled,
         )
     if code:
         raise typer.Exit(code)
