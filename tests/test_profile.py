@@ -26,15 +26,22 @@ def test_fixture_trace_names_the_ledgers_collectives_with_their_times_and_bandwi
     assert s.missing == () and {"all-gather", "reduce-scatter"} <= set(s.kinds())
     assert all(c.time_s > 0 and c.runs_per_step == 1 for c in s.collectives)
     for step in s.steps:  # exposed is collective time outside compute: at most all of it, within the wall
-        assert 0 < step.compute_s < step.wall_s and 0 < step.exposed_s <= sum(step.collective_s.values()) + 1e-12
+        assert (
+            0 < step.compute_s < step.wall_s and 0 < step.exposed_s <= sum(step.collective_s.values()) + 1e-12
+        )
         assert sum(step.collective_s.values()) + step.compute_s <= step.wall_s * (1 + 1e-9)
     for kind, k in s.kinds().items():
         bytes_ = sum(r.total_traffic_bytes for r in ledger.records if r.op == kind)
-        assert k["traffic_bytes"] == bytes_ and k["achieved_gbps"] == pytest.approx(bytes_ / k["time_s"] / 1e9)
+        assert k["traffic_bytes"] == bytes_ and k["achieved_gbps"] == pytest.approx(
+            bytes_ / k["time_s"] / 1e9
+        )
     # without a ledger the kinds come from the names and, for XLA:CPU's psum.N, its rendezvous
     bare = summarize(TRACE)
     assert {c.name: c.kind for c in bare.collectives} == {c.name: c.kind for c in s.collectives}
-    assert bare.exposed_s == pytest.approx(s.exposed_s) and bare.to_json()["kinds"]["all-gather"]["traffic_bytes"] is None
+    assert (
+        bare.exposed_s == pytest.approx(s.exposed_s)
+        and bare.to_json()["kinds"]["all-gather"]["traffic_bytes"] is None
+    )
 
 
 def _event(name, ts, dur, tid=1, **args):
@@ -60,7 +67,9 @@ def test_exposed_is_collective_time_not_overlapped_by_compute_on_the_same_device
     (step,) = summary.steps
     assert summary.partial == 1 and step.run == "7"
     assert step.devices == 2 and step.wall_s == pytest.approx(100e-6)
-    assert step.collective_s == pytest.approx({"all-reduce": (10 + 40) / 2 * 1e-6, "collective-permute": 15e-6})
+    assert step.collective_s == pytest.approx(
+        {"all-reduce": (10 + 40) / 2 * 1e-6, "collective-permute": 15e-6}
+    )
     assert step.compute_s == pytest.approx((30 + 60) / 2 * 1e-6)
     assert step.exposed_s == pytest.approx((5 + 20 + 40) / 2 * 1e-6)
 
@@ -107,12 +116,27 @@ def test_bad_profile_is_one_line_and_writes_nothing(tmp_path, capsys, value, mes
     assert not run.exists()
 
 
-def test_train_profile_writes_a_tensorboard_trace_whose_summary_names_the_ledgers_collectives(tmp_path, capsys):
+def test_train_profile_writes_a_tensorboard_trace_whose_summary_names_the_ledgers_collectives(
+    tmp_path, capsys
+):
     run = tmp_path / "run"
-    args = ["--steps", "3", "--eval-every", "0", "--sample-chars", "0", "--profile", "2-3", "--run-dir", str(run)]
+    args = [
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--sample-chars",
+        "0",
+        "--profile",
+        "2-3",
+        "--run-dir",
+        str(run),
+    ]
     assert main(["train", "--preset", "tiny", *args]) == 0
     out = capsys.readouterr().out
-    (trace,) = (run / "profile").glob("plugins/profile/*/*.trace.json.gz")  # TensorBoard's profile plugin layout
+    (trace,) = (run / "profile").glob(
+        "plugins/profile/*/*.trace.json.gz"
+    )  # TensorBoard's profile plugin layout
     assert list(trace.parent.glob("*.xplane.pb")) and (trace.parent / "perfetto_trace.json.gz").is_file()
     report = json.loads((run / "report.json").read_text())
     profile = report["profile"]

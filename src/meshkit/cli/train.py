@@ -148,6 +148,14 @@ def train(
             "--tensorboard/--no-tensorboard",
         ),
     ] = None,
+    tracker: Annotated[
+        str | None,
+        _opt(
+            "tracker",
+            "Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless WANDB_MODE "
+            "says otherwise; pip install 'meshkit[wandb]').",
+        ),
+    ] = None,
     profile: Annotated[
         str | None,
         typer.Option(
@@ -212,7 +220,7 @@ def train(
                  seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
                  scan_layers=scan_layers, model=model, kv_heads=kv_heads, tie_embeddings=tie_embeddings,
-                 init_from=init_from, export_hf=export_hf)  # fmt: skip
+                 init_from=init_from, export_hf=export_hf, tracker=tracker)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
         given["clip"] = C.user_value("clip", clip)

@@ -77,7 +77,9 @@ def _metrics(job: Job) -> Iterator[None]:
     if job.log is not None or not job.writer:
         yield
         return
-    job.log = MetricsLog(job.run_dir, tensorboard=job.cfg.tensorboard, first_step=job.step)
+    job.log = MetricsLog(
+        job.run_dir, trackers=C.trackers(job.cfg), first_step=job.step, config=job.cfg.to_json()
+    )
     try:
         yield
     finally:
