@@ -152,3 +152,28 @@ def test_train_profile_writes_a_tensorboard_trace_whose_summary_names_the_ledger
     per_leaf = [c for c in profile["collectives"] if c["kind"] == "reduce-scatter"]
     assert len(per_leaf) > 1 and all(c["time_s"] > 0 for c in per_leaf)
     assert "profile: 2 step(s) of jit_step" in out and "exposed communication" in out
+
+
+def test_trainer_profile_traces_its_steps_beside_the_ledger_of_their_executable(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import meshkit
+
+    def loss_fn(p, b):
+        return jnp.mean((jnp.tanh(b @ p["w"]) - 1.0) ** 2)
+
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 32))}
+    batch = jax.random.normal(jax.random.key(1), (32, 16))
+    trainer = meshkit.Trainer(loss_fn, params, optax.sgd(0.1), plan="dp", mesh="data=8")
+    trainer.step(batch)  # an untraced step still running as tracing starts is waited for, not half-traced
+    profile = trainer.profile([batch, batch, batch], tmp_path / "p")
+    assert profile.trace.parent.parent == tmp_path / "p" / "plugins" / "profile" and len(profile.metrics) == 3
+    s, ledger = profile.summary, communication(trainer.last_compiled)
+    assert trainer.steps_done == 4 and len(s.steps) == 3 and s.partial == 0 and s.missing == ()
+    assert {c.name for c in s.collectives} == {r.name for r in ledger.records} and set(s.kinds()) == {
+        "all-reduce"
+    }
+    with pytest.raises(meshkit.PlanError, match="at least one batch"):
+        trainer.profile([], tmp_path / "q")
