@@ -49,13 +49,20 @@ def _event(name, ts, dur, tid=1, **args):
             "args": {"hlo_op": name, "hlo_module": "m", "run_id": "7", **args}}  # fmt: skip
 
 
+def _rendezvous(what, ts, tid):
+    key = f"{what} RendezvousKey{{run_id=RunId: 7, global_devices=[0, 1]}}"
+    return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": 1, "name": "Rendezvous", "args": {"name": key}}
+
+
 def test_exposed_is_collective_time_not_overlapped_by_compute_on_the_same_device(tmp_path):
     events = [
         _event("while.1", 0, 100, device_ordinal="0"),  # a container: its body counts, not it
         _event("fusion.1", 0, 10, device_ordinal="0"),
         _event("all-reduce-start.2", 5, 10, tid=2, device_ordinal="0"),  # 5 us under fusion.1, 5 exposed
         _event("fusion.2", 40, 20, device_ordinal="0"),
-        _event("ppermute.3", 50, 30, tid=2, device_ordinal="0"),  # 10 under fusion.2, 20 exposed
+        _event("cp.3", 50, 30, tid=2, device_ordinal="0"),  # 10 under fusion.2, 20 exposed
+        _rendezvous("collective permute", 55, tid=2),  # what says cp.3 is a collective
+        _rendezvous("all reduce", 20, tid=1),  # in while.1, outside its leaves: says nothing of while.1
         _event("fusion.1", 0, 60, device_ordinal="1"),
         _event("all-reduce-start.2", 60, 40, device_ordinal="1"),  # all exposed
         _event("fusion.2", 200, 5, device_ordinal="0", run_id="8"),  # an execution cut by the trace's end

@@ -13,7 +13,7 @@ meshkit did not write). What it reads:
 - **collectives**: an op event is a collective when the ledger names its instruction (its kind is
   the ledger's); without a ledger, when its name reads as one (``all-gather``, ``all_gather.3``,
   ``psum``, ``ppermute``, async ``-start``/``-done`` halves), or when a ``Rendezvous`` event inside
-  it names one (XLA:CPU: ``all gather RendezvousKey{...}``).
+  it names one (XLA:CPU: ``all gather RendezvousKey{...}``) and it holds no other op event.
 
 Per step and device (then averaged over devices; ``TraceSummary`` averages the steps):
 
@@ -328,8 +328,9 @@ def summarize(
         if (op.module, op.name) not in kinds:
             rec = named.get(op.name) if op.module == module else None
             kinds[op.module, op.name] = rec.op if rec is not None else kind_of(op.name)
+    leaves = set(_leaves(ops))  # a loop's event holds its body's rendezvous: only a leaf's are its own
     for op in ops:  # a name that does not say it is a collective: the rendezvous inside it may
-        if kinds[op.module, op.name] is None and (k := _rendezvous_kind(op, rendezvous)):
+        if kinds[op.module, op.name] is None and op in leaves and (k := _rendezvous_kind(op, rendezvous)):
             kinds[op.module, op.name] = k
     modules = sorted({op.module for op in ops})
     if module is None:
