@@ -121,7 +121,12 @@ class WandbTracker:
         self._run.log(scalars(row), step=row["step"])
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # finish() may return before wandb's service has written the run's file (seen offline: 1 in 6);
+        # teardown waits for it, so the run is whole on disk when the job ends
+        wandb.teardown()
 
 
 class MetricsLog:
