@@ -148,6 +148,22 @@ def train(
             "--tensorboard/--no-tensorboard",
         ),
     ] = None,
+    tracker: Annotated[
+        str | None,
+        _opt(
+            "tracker",
+            "Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless WANDB_MODE "
+            "says otherwise; pip install 'meshkit[wandb]').",
+        ),
+    ] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Trace these steps with jax.profiler (e.g. 5 or 5-7) into the run's profile/ (TensorBoard, "
+            "Perfetto) and report where their time went: compute, each collective, exposed communication.",
+            show_default="off",
+        ),
+    ] = None,
     resume: Annotated[
         bool,
         typer.Option(
@@ -183,7 +199,9 @@ def train(
     """Train a GPT or a Llama under a plan (on BPE token shards, text per character, or ids); write
     metrics, checkpoints, report and plots."""
     from meshkit.cli.ledger import _simulate
+    from meshkit.train.profile import parse_steps
 
+    steps_profiled = None if profile is None else parse_steps(profile)
     _check_devices(devices)
     _simulate(devices)
     import jax
@@ -202,7 +220,7 @@ def train(
                  seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
                  scan_layers=scan_layers, model=model, kv_heads=kv_heads, tie_embeddings=tie_embeddings,
-                 init_from=init_from, export_hf=export_hf)  # fmt: skip
+                 init_from=init_from, export_hf=export_hf, tracker=tracker)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
         given["clip"] = C.user_value("clip", clip)
@@ -241,6 +259,7 @@ def train(
             resume=resume,
             stop_after=stop_after,
             latest_link=latest if run_dir is None else None,
+            profile=steps_profiled,
         )
     if code:
         raise typer.Exit(code)

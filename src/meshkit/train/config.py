@@ -32,6 +32,8 @@ MODELS = ("gpt", "llama")
 """The decoders ``meshkit train`` trains (``--model``)."""
 HF_PREFIX = "hf:"
 """How ``--init-from`` names a Hugging Face checkpoint directory."""
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+"""Where ``--tracker`` sends the metrics (``meshkit.train.metrics``); jsonl (metrics.jsonl) is always on."""
 MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None}
 """What a config written before these options trained: the GPT from random weights."""
 
@@ -103,6 +105,9 @@ class TrainConfig:
     """Characters of text sampled from the model at the end (0: none)."""
     tensorboard: bool = False
     """Also write TensorBoard event files (scalars of metrics.jsonl) into the run directory."""
+    tracker: str = "jsonl"
+    """Where the metrics go, comma-separated (``TRACKERS``): jsonl (always), tensorboard, wandb (a Weights &
+    Biases run in the run's wandb/, offline unless WANDB_MODE says otherwise)."""
 
     def get(self, name: str) -> Any:
         """An option by its one name: the job's own fields, or the parallel spec's."""
@@ -261,7 +266,7 @@ FIXED_ON_RESUME = {
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
-                        "virtual_stages", "export_hf")  # fmt: skip
+                        "virtual_stages", "export_hf", "tracker")  # fmt: skip
 PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
 
 
@@ -356,6 +361,25 @@ def validate(cfg: TrainConfig) -> None:
     for ok, message in checks:  # in order: a later check may divide by what an earlier one bounds
         if not ok():
             raise ConfigError(message())
+    if "wandb" in trackers(cfg):
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "--tracker wandb needs the wandb package: pip install 'meshkit[wandb]' (or drop wandb from --tracker)"
+            )
+
+
+def trackers(cfg: TrainConfig) -> tuple[str, ...]:
+    """The trackers a run writes to (``--tracker``, comma-separated, with ``--tensorboard``), in ``TRACKERS``
+    order; jsonl is always one."""
+    names = [n.strip() for n in cfg.tracker.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in TRACKERS]:
+        raise ConfigError(
+            f"unknown --tracker {unknown[0]!r}: use a comma-separated list of {', '.join(TRACKERS)}"
+        )
+    chosen = {"jsonl", *names, *(["tensorboard"] if cfg.tensorboard else [])}
+    return tuple(n for n in TRACKERS if n in chosen)
 
 
 def check_batch(cfg: TrainConfig, data_axis: int) -> None:
@@ -410,7 +434,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
     "data": ("data", "seq_len", "batch_size", "seed"),
     "run": ("steps", "run_dir", "eval_every", "eval_batches", "checkpoint_every", "sample_chars", "tensorboard",
-            "plan_reason", "export_hf"),
+            "plan_reason", "export_hf", "tracker"),
     "parallel": PARALLEL,
 }  # fmt: skip
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}

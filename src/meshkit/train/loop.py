@@ -40,6 +40,8 @@ from meshkit.train.lock import (
     write_atomic,
 )
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
+from meshkit.train.profile import PROFILE_DIR, StepProfiler, summary_table
+from meshkit.train.profile import check_steps as check_profile
 from meshkit.train.stop import StopRequest
 from meshkit.train.stop import exit_code as stop_exit_code
 
@@ -75,7 +77,9 @@ def _metrics(job: Job) -> Iterator[None]:
     if job.log is not None or not job.writer:
         yield
         return
-    job.log = MetricsLog(job.run_dir, tensorboard=job.cfg.tensorboard, first_step=job.step)
+    job.log = MetricsLog(
+        job.run_dir, trackers=C.trackers(job.cfg), first_step=job.step, config=job.cfg.to_json()
+    )
     try:
         yield
     finally:
@@ -83,10 +87,14 @@ def _metrics(job: Job) -> Iterator[None]:
         job.log = None
 
 
-def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
+def train(
+    job: Job, console: Console, *, stop_after: int | None = None, profiler: StepProfiler | None = None
+) -> bool:
     """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by a signal
-    (SIGINT, SIGTERM: see :mod:`meshkit.train.stop`), after a checkpoint, with ``job.stopped_by`` set."""
+    (SIGINT, SIGTERM: see :mod:`meshkit.train.stop`), after a checkpoint, with ``job.stopped_by`` set.
+    ``profiler`` traces the steps it names (``--profile``)."""
     cfg = job.cfg
+    profiler = profiler or StepProfiler(job.trainer, None, job.run_dir, console)
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     lr = C.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
@@ -101,7 +109,9 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
         ):
             task = bar.add_task("train", total=cfg.steps, completed=job.step, info="")
             while (signum := stop.agreed()) is None and job.step < last:  # every process, every step
+                profiler.before(job.step + 1, job.step)
                 row = _one_step(job, float(lr(job.step)))
+                profiler.after(job.step)
                 _log(job, row)
                 bar.update(
                     task, completed=job.step, info=f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
@@ -120,6 +130,7 @@ def train(job: Job, console: Console, *, stop_after: int | None = None) -> bool:
         signum = signal.SIGINT
         _stopped(job, ckpt, console, signum)
     finally:
+        profiler.close()
         job.batches.close()
         if ckpt is not None:
             ckpt.close()
@@ -245,12 +256,15 @@ def _attempt(what: str, problems: list[str], fn, *args) -> Any:
         return None
 
 
-def finish(job: Job, console: Console) -> dict[str, Any]:
+def finish(job: Job, console: Console, profile: dict[str, Any] | None = None) -> dict[str, Any]:
     """Final evaluation, then what can be made of report.json, sample, plots and the summary table;
-    anything but the evaluation that fails is one warning line, and the rest is still written."""
+    anything but the evaluation that fails is one warning line, and the rest is still written.
+    ``profile``: the summary of the profiled steps (``--profile``), into the report and a table."""
     with _metrics(job):
         _log(job, {"step": job.step, **evaluate(job)})
     out, problems = results(job), []
+    if profile is not None:
+        out["profile"] = profile
     out.update(_attempt("the communication/memory report", problems, proof, job) or {"checks_ok": None})
     out["sample"] = _attempt("sampling", problems, sample, job, job.cfg.sample_chars) or ""
     plots = _attempt("loading matplotlib", problems, importlib.import_module, "meshkit.train.plots")
@@ -264,6 +278,8 @@ def finish(job: Job, console: Console) -> dict[str, Any]:
         write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
     if plots is not None:
         _attempt("the summary table", problems, plots.summary, out, job.run_dir, console)
+    if profile is not None and "error" not in profile:
+        console.print(summary_table(profile))
     for line in problems:
         console.print(
             f"[yellow]warning:[/] {line}; the training results are in {job.run_dir}", soft_wrap=True
@@ -278,16 +294,22 @@ def run(
     resume: bool = False,
     stop_after: int | None = None,
     latest_link: Path | None = None,
+    profile: tuple[int, int] | None = None,
 ) -> int:
     """The whole job; returns the exit code (0 done; stopped by a signal after a checkpoint: 128 +
-    its number, 130 for SIGINT, 143 for SIGTERM). ``latest_link``: the caller named the run directory
+    its number, 130 for SIGINT, 143 for SIGTERM). ``profile``: the steps (first, last) to trace into
+    ``<run_dir>/profile`` (:mod:`meshkit.train.profile`). ``latest_link``: the caller named the run directory
     (``runs/<time>``) and keeps this symlink pointed at the newest run; a new run then gets a
     directory of its own (``<time>-2``... when another run took the name)."""
     C.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
+    if profile is not None:
+        check_profile(profile, cfg.steps)
     fresh = latest_link is not None and not resume
     lock = lock_first(cfg, fresh, latest_link)  # held until run() returns: one run per directory
     job = prepare(cfg, resume=resume)
     C.check_stop_after(stop_after, job.step)
+    if profile is not None:
+        check_profile(profile, cfg.steps, job.step)
     if fresh:
         take_new_dir(job)
     if job.writer:
@@ -313,13 +335,14 @@ def run(
         + (f", resuming at step {job.step}" if resume else ""),
         soft_wrap=True,
     )
+    profiler = StepProfiler(job.trainer, profile if job.writer else None, job.run_dir / PROFILE_DIR, console)
     with _metrics(job):
-        if not train(job, console, stop_after=stop_after):
+        if not train(job, console, stop_after=stop_after, profiler=profiler):
             return stop_exit_code(job.stopped_by or signal.SIGINT)
         if job.step < cfg.steps:
             console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
             return 0
-        out = finish(job, console)
+        out = finish(job, console, profiler.summary)
     if out.get("eval_bpb") is not None:
         console.print(f"held-out: {out['eval_loss']:.4f} nats/token, {out['eval_bpb']:.4f} bits/byte "
                       f"({job.data.tokenizer}, vocab {job.data.vocab_size})", highlight=False)  # fmt: skip

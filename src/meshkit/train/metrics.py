@@ -1,7 +1,10 @@
-"""Where a run's metrics go: ``metrics.jsonl`` always, TensorBoard event files beside it when asked.
+"""Where a run's metrics go: one writer interface (``Tracker``: ``write(row)``, ``close()``) and its
+trackers, ``metrics.jsonl`` always, TensorBoard event files and a Weights & Biases run when asked.
 
-One row is one JSON line (``{"step": 3, "loss": ...}``); with TensorBoard on, each number of the row
-is also a scalar of that name at that step, written with tensorboardX (imported only then).
+One row is one JSON line (``{"step": 3, "loss": ...}``); each tracker beside it records every number
+of the row as a scalar of that name at that step: TensorBoard with tensorboardX, Weights & Biases
+with ``wandb`` (an optional dependency, imported only then; ``WANDB_MODE`` unset means offline, so a
+run never waits on a network: ``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later).
 
 A row is never torn: it is appended with a single ``write`` to a file opened ``O_APPEND`` (and
 ``O_NOFOLLOW``: a ``metrics.jsonl`` that is a link is refused, not written through); a write the
@@ -17,11 +20,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from meshkit.train.config import ConfigError
 from meshkit.train.lock import RunDirError, file_kind, free_space, make_run_dir
 
 METRICS_NAME = "metrics.jsonl"
+WANDB_PROJECT = "meshkit"
+"""The Weights & Biases project of a run (``WANDB_PROJECT`` overrides it, as wandb reads it)."""
 
 
 class MetricsError(RunDirError):
@@ -63,12 +69,83 @@ def read_rows(path: Path, *, warn: bool = True) -> list[dict[str, Any]]:
     return rows
 
 
-class MetricsLog:
-    """Append rows to ``run_dir/metrics.jsonl`` (one ``write`` per row, never torn) and, optionally,
-    TensorBoard events."""
+class Tracker(Protocol):
+    """Where rows go besides ``metrics.jsonl``: every number of a row, as a scalar at the row's step."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = False, first_step: int = 0) -> None:
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a row but its step (what the trackers record)."""
+    return {
+        k: v for k, v in row.items() if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class TensorBoardTracker:
+    """TensorBoard event files in the run directory, through tensorboardX."""
+
+    def __init__(self, run_dir: Path, first_step: int) -> None:
+        from tensorboardX import SummaryWriter
+
+        # one event file per writer, named by its first step: a resumed run adds a file, never truncates one
+        self._events = SummaryWriter(logdir=str(run_dir), filename_suffix=f".from-step-{first_step}")
+
+    def write(self, row: dict[str, Any]) -> None:
+        for name, value in scalars(row).items():
+            self._events.add_scalar(name, value, row["step"])
+
+    def close(self) -> None:
+        self._events.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run under ``run_dir/wandb``; offline unless ``WANDB_MODE`` says otherwise."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any] | None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError(
+                "--tracker wandb needs the wandb package: pip install 'meshkit[wandb]' (or drop wandb from --tracker)"
+            ) from None
+        mode = os.environ.get("WANDB_MODE") or "offline"
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT, dir=str(run_dir), name=run_dir.resolve().name,
+            config=config, mode=mode, settings=wandb.Settings(console="off", silent=True),
+        )  # fmt: skip
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._run.log(scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        import wandb
+
+        self._run.finish()
+        # finish() may return before wandb's service has written the run's file (seen offline: 1 in 6);
+        # teardown waits for it, so the run is whole on disk when the job ends
+        wandb.teardown()
+
+
+class MetricsLog:
+    """Append rows to ``run_dir/metrics.jsonl`` (one ``write`` per row, never torn) and to the other
+    trackers named (``TRACKERS``: tensorboard, wandb)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = False,
+        first_step: int = 0,
+        trackers: tuple[str, ...] = ("jsonl",),
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """``trackers``: names from ``meshkit.train.config.TRACKERS`` (``tensorboard=True`` adds tensorboard);
+        ``config``: the run's options, for the Weights & Biases run."""
         self.path = run_dir / METRICS_NAME
+        names = {*trackers, *(["tensorboard"] if tensorboard else [])}
         make_run_dir(run_dir)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
@@ -82,12 +159,15 @@ class MetricsLog:
             raise MetricsError(
                 f"cannot open '{self.path}' ({e.strerror or e}): fix permissions, or pass another --run-dir"
             ) from None
-        self._events = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # one event file per writer, named by its first step: a resumed run adds a file, never truncates one
-            self._events = SummaryWriter(logdir=str(run_dir), filename_suffix=f".from-step-{first_step}")
+        self.trackers: list[Tracker] = []
+        try:
+            if "tensorboard" in names:
+                self.trackers.append(TensorBoardTracker(run_dir, first_step))
+            if "wandb" in names:
+                self.trackers.append(WandbTracker(run_dir, config))
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, row: dict[str, Any]) -> None:
         data = (json.dumps(row) + "\n").encode()
@@ -103,17 +183,16 @@ class MetricsLog:
                 f"cannot write '{self.path}' ({e.strerror or e}); {free_space(self.path.parent)} there: free space, "
                 "then continue with --resume (the rows before this one and the checkpoints are intact)"
             ) from None
-        if self._events is not None:
-            for name, value in row.items():
-                if name != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._events.add_scalar(name, value, row["step"])
+        for tracker in self.trackers:
+            tracker.write(row)
 
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
-        if self._events is not None:
-            self._events.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def __enter__(self) -> MetricsLog:
         return self

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from meshkit.plans.peak import peak_report
 from meshkit.plans.placement import Placement, Rules
 from meshkit.spec import AUTO, DATA, MODEL, PRECISIONS, ParallelSpec, Plan, PlanError
 from meshkit.train._inputs import base_key, check_optimizer, check_params, check_state
+from meshkit.train.profile import Profile, Tracing, summary_of
 from meshkit.train.report import PlanReport
 
 
@@ -152,6 +153,8 @@ class Trainer:
         self.last_schedule: jax.Array | None = None
         """Pipeline plans: the schedule the last step executed, ``(ticks, stages, 3)`` (see ``_pipeline``)."""
         self._compiled: dict[Any, jax.stages.Compiled] = {}
+        self.last_compiled: jax.stages.Compiled | None = None
+        """The executable the last step ran (its ledger is the profile's)."""
 
     # -- what was built ---------------------------------------------------------------------
     @property
@@ -229,7 +232,8 @@ class Trainer:
         computed, 'grad_norm'."""
         batch = self.put_batch(batch)
         key = self._step_key()
-        self.params, self.opt_state, self.state, metrics = self._executable(batch)(
+        self.last_compiled = self._executable(batch)
+        self.params, self.opt_state, self.state, metrics = self.last_compiled(
             self.params, self.opt_state, self.state, batch, key
         )
         self.last_schedule = metrics.pop("schedule", None)
@@ -250,6 +254,26 @@ class Trainer:
 
             self._keygen = jax.jit(keygen, out_shardings=self.shardings.scalar)
         return self._keygen(np.uint32(self.steps_done))
+
+    def profile(self, batches: Iterable[Any], directory: str | Path) -> Profile:
+        """One step on each batch under ``jax.profiler``, the trace written into ``directory`` in
+        TensorBoard's layout (``plugins/profile/<time>/``), and where the steps' time went
+        (``meshkit.analysis.trace.summarize``, beside the ledger of the executable they ran). The steps
+        train as ``step`` does; they are compiled before the trace starts."""
+        placed = [self.put_batch(b) for b in batches]
+        if not placed:
+            raise PlanError("profile: give at least one batch")
+        for b in placed:
+            self._executable(b)
+        jax.block_until_ready((self.params, self.opt_state, self.state))  # earlier steps end before the trace
+        tracing = Tracing(Path(directory))
+        tracing.start()
+        try:
+            metrics = [self.step(b) for b in placed]
+            jax.block_until_ready(metrics)
+        finally:
+            trace = tracing.stop()
+        return Profile(trace=trace, summary=summary_of(self, trace), metrics=metrics)
 
     def compiled(self, batch: Any) -> jax.stages.Compiled:
         """The compiled step for a batch of this shape: the very executable ``step`` runs."""
