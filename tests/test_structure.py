@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "meshkit"
 #: The layers, lowest first: a module imports from its own layer or below. (``cli`` is the top.)
 LAYERS = [
     {"_errors", "fmt", "_heartbeat", "migrate"},
-    {"devices", "mesh", "spec", "distributed"},
+    {"devices", "mesh", "spec", "distributed", "compile_cache"},
     {"analysis", "launch"},
     {"plans"},
     {"models", "adapters", "interop"},

@@ -9,6 +9,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
+from meshkit import compile_cache
 from meshkit._errors import MeshkitError
 from meshkit.cli import data as _data
 from meshkit.cli import export as _export
@@ -80,10 +81,12 @@ def _fail(message: str, code: int, as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input prints one line (with ``--json``, a JSON object on stdout) and exits
-    2; nothing else prints a traceback unless MESHKIT_DEBUG=1."""
+    2; nothing else prints a traceback unless MESHKIT_DEBUG=1. JAX's persistent compilation cache
+    is set up first (:mod:`meshkit.compile_cache`)."""
     command = _command()
     as_json = _wants_json(list(sys.argv[1:] if argv is None else argv), command)
     try:
+        compile_cache.configure()  # before anything compiles; train's --compile-cache may change it
         result = command.main(args=argv, prog_name="meshkit", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except typer.Exit as e:

@@ -195,6 +195,13 @@ def train(
         ),
     ] = None,
     devices: DevicesOpt = 8,
+    compile_cache: Annotated[
+        str | None,
+        typer.Option(
+            help="JAX's persistent compilation cache: a directory, or off (also MESHKIT_COMPILE_CACHE).",
+            show_default="JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/meshkit/jax (~/.cache/meshkit/jax)",
+        ),
+    ] = None,
 ) -> None:
     """Train a GPT or a Llama under a plan (on BPE token shards, text per character, or ids); write
     metrics, checkpoints, report and plots."""
@@ -202,6 +209,10 @@ def train(
     from meshkit.train.profile import parse_steps
 
     steps_profiled = None if profile is None else parse_steps(profile)
+    if compile_cache is not None:
+        from meshkit import compile_cache as cache
+
+        cache.configure(compile_cache)
     _check_devices(devices)
     _simulate(devices)
     import jax

@@ -5,6 +5,13 @@ only once every file is written, so a process killed mid-save (SIGKILL, preempti
 leaves the previous steps as they were. Steps beyond ``keep`` are likewise renamed into
 ``<directory>/.deleted`` before they are deleted, so no step is ever listed half-deleted either.
 
+Saves run in the background (orbax's asynchronous checkpointing): ``save(..., wait=False)`` returns
+once the arrays are copied off the devices and orbax has started the write; the files are written,
+checksummed and renamed into place by orbax's threads while the caller goes on. The next ``save``
+(or ``wait``, ``restore``, ``close``) waits for the one in flight. Until a ``wait`` has confirmed it,
+a step in flight is not listed (``all_steps``, ``latest_step``), and on disk it is only a temporary
+directory, which no reader lists: a process killed mid-save leaves it invisible, never half-visible.
+
 Only a ``Checkpointer`` that saves changes the directory: it creates it and removes unfinished steps
 (left by a killed save) before its first save. One that only lists and restores never deletes
 anything, so opening a directory that a live run is writing cannot destroy that run's save in flight
@@ -250,6 +257,7 @@ class Checkpointer:
         self.directory = Path(directory)
         self._last_saved: int | None = None
         self._saving: int | None = None
+        self._pending: int | None = None  # saved asynchronously, not yet confirmed by a wait()
         self._keep = keep
         self._writer = False
         self._manager = self._open(writer=False)
@@ -322,7 +330,7 @@ class Checkpointer:
                 self._probe_writable()
                 self._saving = step
                 self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
-                self._last_saved = step
+                self._last_saved = self._pending = step
         if wait:
             self.wait()
 
@@ -350,12 +358,19 @@ class Checkpointer:
             ) from e
 
     def latest_step(self) -> int | None:
-        """The newest saved step (an asynchronous save counts from its start), or None."""
-        return self._manager.latest_step()
+        """The newest saved step, or None. A step saved asynchronously counts once a ``wait`` (or the
+        next ``save``) has confirmed it is on disk: never while it may be unfinished."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Saved steps, oldest first."""
-        return sorted(self._manager.all_steps())
+        """Saved steps, oldest first (without a step in flight: see ``latest_step``). Every process of
+        a job gets the same list: a step in flight is confirmed at the same calls everywhere."""
+        return sorted(s for s in self._manager.all_steps() if s != self._pending)
+
+    def in_flight(self) -> int | None:
+        """The step saved asynchronously that no ``wait`` has confirmed yet, or None."""
+        return self._pending
 
     def restore(self, step: int | None, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, dict]:
         """``(params, opt_state, meta)`` of ``step`` (None: the newest readable step), laid out as the
@@ -504,7 +519,12 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until a save in flight is on disk and the steps beyond ``keep`` are deleted."""
         with self._failing_save(self._last_saved):
-            self._manager.wait_until_finished()
+            try:
+                self._manager.wait_until_finished()
+            except Exception:  # failed: orbax no longer lists the step (a Ctrl-C leaves it in flight)
+                self._pending = None
+                raise
+            self._pending = None
         if self._writer and jax.process_index() == 0:
             shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
 

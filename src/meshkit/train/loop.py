@@ -2,8 +2,9 @@
 
 ``run(cfg)`` prepares everything that can fail on bad input before it writes a byte (data,
 model, plan, mesh, resume checkpoint), then trains with a progress bar, evaluates on the held-out
-split, checkpoints with orbax (periodically, at the end, and on SIGINT or SIGTERM at a step every process
-agrees on: :mod:`meshkit.train.stop`), and finishes with
+split, checkpoints with orbax (periodically and at the end in the background, the step loop going on
+while the files are written; on SIGINT or SIGTERM at a step every process agrees on, waiting for it:
+:mod:`meshkit.train.stop`), and finishes with
 ``report.json`` (loss, throughput, communication and memory measured beside the model, FLOPs),
 ``loss.png``, ``cost.png`` and a summary table. Only process 0 writes files.
 """
@@ -15,6 +16,7 @@ import importlib
 import json
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -133,7 +135,7 @@ def train(
         profiler.close()
         job.batches.close()
         if ckpt is not None:
-            ckpt.close()
+            _close(ckpt, failing=sys.exc_info()[0] is not None)
     job.stopped_by = signum
     return signum is None
 
@@ -145,7 +147,7 @@ def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int)
         console.print(f"stopped by {name} before the first step: nothing to save")
         return
     if ckpt is not None:
-        _save(job, ckpt)
+        _save(job, ckpt, wait=True)
     console.print(f"stopped by {name} at step {job.step}: checkpoint saved; continue with --resume")
 
 
@@ -170,11 +172,25 @@ def _log(job: Job, row: dict[str, Any]) -> None:
         job.log.write(row)
 
 
-def _save(job: Job, ckpt: Checkpointer) -> None:
-    if job.step in ckpt.all_steps():
+def _save(job: Job, ckpt: Checkpointer, *, wait: bool = False) -> None:
+    """Checkpoint the step reached. In the background unless ``wait``: the loop goes on once the
+    arrays are copied off the devices, and waits only if the previous save is still being written."""
+    if job.step in ckpt.all_steps() or job.step == ckpt.in_flight():
+        if wait:
+            ckpt.wait()
         return
     meta = {"step": job.step, "data": job.batches.state, "config": job.cfg.to_json()}
-    ckpt.save(job.step, job.trainer.params, job.trainer.opt_state, meta, wait=True)
+    ckpt.save(job.step, job.trainer.params, job.trainer.opt_state, meta, wait=wait)
+
+
+def _close(ckpt: Checkpointer, *, failing: bool) -> None:
+    """Finish the save in flight (a run that stops, ends or fails keeps its last checkpoint). When the
+    run is already failing, its own error is the one reported: a failed save then adds nothing."""
+    if not failing:
+        ckpt.close()
+        return
+    with contextlib.suppress(Exception):
+        ckpt.close()
 
 
 # -- the end ----------------------------------------------------------------------------------
