@@ -48,6 +48,11 @@ MESHKIT_TIMEOUT_S = "MESHKIT_TIMEOUT_S"
 MESHKIT_COORDINATOR_BIND_ADDRESS = "MESHKIT_COORDINATOR_BIND_ADDRESS"
 #: Seconds without a heartbeat after which a process is declared lost and the job stops.
 MESHKIT_HEARTBEAT_TIMEOUT_S = "MESHKIT_HEARTBEAT_TIMEOUT_S"
+#: Set by ``meshkit launch --max-restarts`` in every process: 0 for the first start of the job, k for
+#: its k-th restart (``meshkit train --run-dir`` resumes from the run's checkpoint when k > 0).
+MESHKIT_RESTART_ATTEMPT = "MESHKIT_RESTART_ATTEMPT"
+#: Set by SLURM in a job that was requeued (``sbatch --requeue``, ``scontrol requeue``): how many times.
+SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
 #: Mutual TLS: this process's PEM certificate chain, its private key, and the CA bundle of the job.
 MESHKIT_MTLS_CERT = "MESHKIT_MTLS_CERT"
 MESHKIT_MTLS_KEY = "MESHKIT_MTLS_KEY"
@@ -335,6 +340,12 @@ def is_multiprocess_env() -> bool:
         return detect().multiprocess
     except MeshkitError:
         return True  # a job was meant; initialize() will say what is wrong
+
+
+def restart_attempt() -> int:
+    """0 for a job's first start; k when ``meshkit launch --max-restarts`` restarted it for the k-th
+    time (``MESHKIT_RESTART_ATTEMPT``) or SLURM requeued it k times (``SLURM_RESTART_COUNT``)."""
+    return max(_env_int(MESHKIT_RESTART_ATTEMPT) or 0, _env_int(SLURM_RESTART_COUNT) or 0)
 
 
 def _env_float(name: str, default: float) -> float:

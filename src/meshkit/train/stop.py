@@ -22,6 +22,8 @@ import threading
 import jax
 import numpy as np
 
+from meshkit.launch import report_progress
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -66,6 +68,7 @@ class StopRequest:
         """The signal the run stops for, or None to go on: this process's request, or in a job of
         several processes the largest any of them asked for (every process must call it at the
         same step boundaries)."""
+        report_progress()  # a step boundary: meshkit launch --stall-timeout watches for these
         asked = self.signum or 0
         if jax.process_count() > 1:
             asked = _largest_over_processes(asked)
