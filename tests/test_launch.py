@@ -313,7 +313,9 @@ def test_a_killed_process_is_restarted_and_a_preempted_job_resumes_both_ending_a
     resumes from step 2's checkpoint; in that second start process 1 gets SIGTERM as it starts step 5:
     every process saves step 5 and the job exits 143, not restarted; `train --resume` ends it. Losses
     and final parameters equal bitwise those of an uninterrupted run (gloo's sum of two processes is
-    deterministic on CPU). Was: --max-restarts did not exist; a killed process ended the job."""
+    deterministic on CPU). The stall watch (--stall-timeout) sees steps and never mistakes start-up,
+    compilation or the final report for a stall. Was: --max-restarts did not exist; a killed process
+    ended the job."""
     from meshkit.train.outputs import load_run
     from meshkit.verify import bitwise_equal
 
@@ -322,7 +324,15 @@ def test_a_killed_process_is_restarted_and_a_preempted_job_resumes_both_ending_a
     assert done.returncode == 0, done.stderr[-3000:]
 
     worker = [PY, str(WORKERS / "restart_worker.py"), *TRAIN6, "--run-dir", str(run)]
-    first = _job("--max-restarts", "1", "--", *worker, env={"FAULTS": "0:1:3:KILL,1:1:5:TERM"})
+    first = _job(
+        "--max-restarts",
+        "1",
+        "--stall-timeout",
+        "300",
+        "--",
+        *worker,
+        env={"FAULTS": "0:1:3:KILL,1:1:5:TERM"},
+    )
     assert first.returncode == 143, first.stdout[-2000:] + first.stderr[-3000:]
     said = [x for x in first.stderr.splitlines() if x.startswith("meshkit launch:")]
     assert said == [

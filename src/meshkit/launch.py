@@ -512,18 +512,24 @@ _PROGRESS_PREFIX = "progress-"
 _STALL_CHECK_S = 1.0
 
 
-def report_progress() -> None:
+def report_progress(*, done: bool = False) -> None:
     """Tell ``meshkit launch --stall-timeout`` that this process reached a step boundary: one
-    ``utime`` of the file ``MESHKIT_PROGRESS_FILE`` names (nothing when unset). ``meshkit train``
-    calls it at every step boundary; a program of your own may call it in its loop."""
+    ``utime`` of the file ``MESHKIT_PROGRESS_FILE`` names (nothing when unset); ``done``: it left
+    its steps (what follows, e.g. a final evaluation, is not judged), the file is removed.
+    ``meshkit train`` calls it at every step boundary after the first step; a program of your own
+    may call it in its loop."""
     path = os.environ.get(MESHKIT_PROGRESS_FILE)
     if not path:
         return
     try:
-        os.utime(path)
+        if done:
+            os.unlink(path)
+        else:
+            os.utime(path)
     except FileNotFoundError:
-        with contextlib.suppress(OSError):
-            open(path, "a").close()
+        if not done:
+            with contextlib.suppress(OSError):
+                open(path, "a").close()
     except OSError:
         pass  # the launcher is gone, or its directory: nothing to tell
 
