@@ -10,6 +10,11 @@ checkpoint at a step they all agree on and exits with 128 + the signal) before S
 that exits so is not a failure, and the others are waited for. Nothing outlives the launcher: on
 Linux each process is SIGKILLed by the kernel when the launcher dies, even by SIGKILL.
 
+Restarts (``--max-restarts N``): a failed process, or with ``--stall-timeout`` one that reached no
+step boundary for that long (each process touches its own file in a private directory at every
+boundary: :func:`report_progress`), stops the job, which starts again, up to N times, with
+``MESHKIT_RESTART_ATTEMPT`` telling ``meshkit train --run-dir`` to resume from its latest checkpoint.
+
 Who may join: the job is local, so its coordination service listens on loopback only (JAX's default
 is every interface), and unless mutual TLS is given, the launcher makes it for this job alone: a
 throwaway CA whose key is never written, and one certificate signed by it, in a private temporary
