@@ -100,29 +100,38 @@ def test_meshkit_launch_environment(clean_env):
 
 
 def test_slurm_detected_as_jax_does(clean_env):
+    """The index and count from SLURM's variables; the coordinator is left to JAX (which derives it
+    from the step's first node and the job id: see test_a_slurm_job_forms_through_jax_s_own_detection)."""
     _slurm(clean_env)
     spec = detect()
-    port = 12345 % 2**12 + 65535 - 2**12 + 1
-    assert (spec.source, spec.process_index, spec.process_count) == ("slurm", 1, 2)
-    assert spec.coordinator == f"localhost:{port}"
+    assert (spec.source, spec.process_index, spec.process_count, spec.coordinator) == ("slurm", 1, 2, None)
     assert is_multiprocess_env()
-    from jax._src.clusters import ClusterEnv
-
-    assert ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, "slurm", 10) == (
-        f"localhost:{port}", 2, 1, [1],
-    )  # fmt: skip
     _slurm(clean_env, ntasks=1, procid=0)
     assert detect().source == "single" and not is_multiprocess_env()
+    _slurm(clean_env, ntasks=2, procid=0)
+    clean_env.delenv("SLURM_STEP_NODELIST")  # a batch script's shell outside srun: no job step, as in JAX
+    assert detect().source == "single"
 
 
 def test_openmpi_detected_as_jax_does(clean_env):
     _ompi(clean_env)
     spec = detect()
-    assert (spec.source, spec.process_index, spec.process_count) == ("openmpi", 1, 2)
-    assert spec.coordinator == f"10.96.0.1:{_OMPI_PORT}"
+    assert (spec.source, spec.process_index, spec.process_count, spec.coordinator) == ("openmpi", 1, 2, None)
     assert is_multiprocess_env()
     _slurm(clean_env, procid=0)  # mpirun inside a SLURM allocation: Open MPI's per-process values win
     assert (detect().source, detect().process_index) == ("openmpi", 1)
+    clean_env.delenv("OMPI_MCA_orte_hnp_uri")  # Open MPI 5 (PRRTE): no ORTE URI, the per-process three
+    assert (detect().source, detect().process_index) == ("openmpi", 1)
+
+
+def test_a_kubernetes_indexed_job_gives_the_process_index(clean_env):
+    for name, value in {"MESHKIT_NUM_PROCESSES": "4", "MESHKIT_COORDINATOR_ADDRESS": "train-0.train:1234",
+                        "JOB_COMPLETION_INDEX": "2"}.items():  # fmt: skip
+        clean_env.setenv(name, value)
+    spec = detect()
+    assert (spec.source, spec.process_index, spec.process_count) == ("meshkit-launch", 2, 4)
+    clean_env.setenv("MESHKIT_PROCESS_ID", "3")  # given: it wins
+    assert detect().process_index == 3
 
 
 @pytest.mark.parametrize(("setup", "method"), [(_slurm, "slurm"), (_ompi, "ompi")])
@@ -388,6 +397,40 @@ def test_mpirun_job_is_detected_as_openmpi(tmp_path):
         assert (r["info"]["local_device_count"], r["info"]["device_count"]) == (4, 8)
         assert r["shard_map_psum"] == r["jit_sum"] == 36.0
         assert r["pmap_leading_axis"] == 4 and r["pmap_psum"] == [36.0] * 4
+
+
+@pytest.mark.slow
+def test_a_slurm_job_forms_through_jax_s_own_detection(tmp_path):
+    """Two processes with the variables srun sets: meshkit reads index and count, JAX's public
+    ``jax.distributed.initialize(cluster_detection_method="slurm")`` finds the coordinator (the
+    step's first node; the port from JAX_COORDINATOR_PORT, else from the job id)."""
+    port = _free_port()
+    base = dict(SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_STEP_NODELIST="localhost", SLURM_NODELIST="localhost",
+                SLURM_STEP_NUM_NODES="1", JAX_COORDINATOR_PORT=str(port))  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "psum_worker.py"), "2", str(tmp_path)],
+            env=_env(**base, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]  # start-up on two loaded cores: a minute
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for rank in range(2):
+        r = json.loads((tmp_path / f"result_{rank}.json").read_text())
+        assert (r["info"]["source"], r["info"]["process_index"], r["info"]["process_count"]) == (
+            "slurm",
+            rank,
+            2,
+        )
+        assert r["info"]["coordinator"] == f"localhost:{port}" and r["shard_map_psum"] == 10.0  # 1+2+3+4
 
 
 # --- stalled processes (SIGSTOP) --------------------------------------------------------------------

@@ -353,3 +353,26 @@ def test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest(tm
     loss = lambda rows: [(r["step"], r["loss"]) for r in rows if "loss" in r]  # noqa: E731
     assert loss(resumed)[:8] == loss(straight) and [s for s, _ in loss(resumed)] == list(range(1, 13))
     assert [p.name[:2] for p in (run / "checkpoints" / ".unreadable").iterdir()] == ["8-"]
+
+
+def test_a_restart_resumes_a_named_run_directory_only_when_it_holds_a_checkpoint(tmp_path, monkeypatch):
+    """``meshkit train --run-dir`` on a restart (``meshkit launch --max-restarts`` or a SLURM requeue)
+    resumes; a first start, a run without a checkpoint yet, or an unnamed run directory trains anew."""
+    from meshkit.train.job import resume_on_restart
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    for name in ("MESHKIT_RESTART_ATTEMPT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not resume_on_restart(str(run))
+    monkeypatch.setenv("MESHKIT_RESTART_ATTEMPT", "1")
+    assert not resume_on_restart(str(run))  # killed before its first checkpoint
+    small = jax.device_put(np.arange(4, dtype=np.float32))
+    with Checkpointer(run / "checkpoints") as ck:
+        ck.save(2, {"w": small}, {"mu": small}, {"step": 2})
+    assert resume_on_restart(str(run)) and not resume_on_restart(None)
+    monkeypatch.setenv("MESHKIT_RESTART_ATTEMPT", "0")
+    assert not resume_on_restart(str(run))  # the first start trains as asked (and refuses a used directory)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # sbatch --requeue
+    assert resume_on_restart(str(run))

@@ -244,6 +244,8 @@ def test_cli_launch_runs_the_command_in_every_process():
         (["launch", "--", "true"], "error: give the number of processes with -n N"),
         (["launch", "-n", "2", "--timeout", "0", "--", "true"], "error: --timeout must be a positive number"),
         (["launch", "-n", "2", "--devices-per-process", "0", "--", "true"], "error: --devices-per-process must be at least 1"),
+        (["launch", "-n", "2", "--max-restarts", "-1", "--", "true"], "error: --max-restarts must be 0 or more, got -1"),
+        (["launch", "-n", "2", "--stall-timeout", "0", "--", "true"], "error: --stall-timeout must be a positive number"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, message):
@@ -281,3 +283,137 @@ def test_no_place_for_the_jobs_certificates_is_one_line(monkeypatch):
         LaunchError, match=r"cannot make the job's certificates in .* \(Permission denied\): set TMPDIR"
     ):
         launch([PY, "-c", "pass"], 1, output=io.StringIO())
+
+
+# --- restarts ---------------------------------------------------------------------------------------
+
+EXE = str(Path(sys.executable).parent / "meshkit")
+#: A tiny run of 6 steps with a checkpoint every 2, on 2 processes of one device each.
+TRAIN6 = ["train", "--preset", "tiny", "--steps", "6", "--checkpoint-every", "2", "--eval-every", "0",
+          "--sample-chars", "0", "--devices", "2"]  # fmt: skip
+#: A job's start-up and a few steps take 20-60 s on two loaded cores; a restart twice that.
+JOB_S = 600
+
+
+def _job(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([EXE, "launch", "-n", "2", "--devices-per-process", "1", *args],
+                          capture_output=True, text=True, timeout=JOB_S, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_a_killed_process_is_restarted_and_a_preempted_job_resumes_both_ending_as_an_uninterrupted_run(
+    tmp_path,
+):
+    """Process 1 SIGKILLed as it starts step 3: the launcher (--max-restarts 1) restarts the job, which
+    resumes from step 2's checkpoint; in that second start process 1 gets SIGTERM as it starts step 5:
+    every process saves step 5 and the job exits 143, not restarted; `train --resume` ends it. Losses
+    and final parameters equal bitwise those of an uninterrupted run (gloo's sum of two processes is
+    deterministic on CPU). The stall watch (--stall-timeout) sees steps and never mistakes start-up,
+    compilation or the final report for a stall. Was: --max-restarts did not exist; a killed process
+    ended the job."""
+    from meshkit.train.outputs import load_run
+    from meshkit.verify import bitwise_equal
+
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    done = _job("--", EXE, *TRAIN6, "--run-dir", str(straight))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    worker = [PY, str(WORKERS / "restart_worker.py"), *TRAIN6, "--run-dir", str(run)]
+    first = _job(
+        "--max-restarts",
+        "1",
+        "--stall-timeout",
+        "300",
+        "--",
+        *worker,
+        env={"FAULTS": "0:1:3:KILL,1:1:5:TERM"},
+    )
+    assert first.returncode == 143, first.stdout[-2000:] + first.stderr[-3000:]
+    said = [x for x in first.stderr.splitlines() if x.startswith("meshkit launch:")]
+    assert said == [
+        "meshkit launch: process 1 exited with signal SIGKILL; restarting the job from its latest checkpoint "
+        "(restart 1 of 1)"
+    ], first.stderr[-3000:]  # the orderly stop (143) of the second start is not restarted
+    assert "[0] restart: resuming" in first.stdout and ", resuming at step 2" in first.stdout
+    assert "[0] stopped by SIGTERM at step 5: checkpoint saved; continue with --resume" in first.stdout
+    assert "Traceback" not in first.stdout + first.stderr
+
+    resumed = _job("--", EXE, "train", "--resume", "--run-dir", str(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ", resuming at step 5" in resumed.stdout
+    assert _losses(run) == _losses(straight) and sorted(_losses(run)) == list(range(1, 7))
+    ours, want = load_run(run), load_run(straight)
+    assert ours.step == want.step == 6 and bitwise_equal(ours.params, want.params)
+
+
+def _attempts(text: str) -> list[str]:
+    return sorted(x for x in text.splitlines() if "attempt " in x)
+
+
+def test_restarts_are_reported_and_when_exhausted_end_with_the_failing_status():
+    script = (
+        "import os, sys; print('attempt', os.environ['MESHKIT_RESTART_ATTEMPT'], flush=True); sys.exit(3)"
+    )
+    out, err = io.StringIO(), io.StringIO()
+    assert launch([PY, "-c", script], 1, output=out, error_output=err, max_restarts=2) == 3
+    assert _attempts(out.getvalue()) == ["[0] attempt 0", "[0] attempt 1", "[0] attempt 2"]
+    restart = (
+        "meshkit launch: process 0 exited with exit code 3; restarting the job from its latest checkpoint"
+    )
+    assert err.getvalue().splitlines() == [
+        f"{restart} (restart 1 of 2)", f"{restart} (restart 2 of 2)",
+        "meshkit launch: process 0 exited with exit code 3 (no restarts left: 2 used)",
+    ]  # fmt: skip
+    out = io.StringIO()
+    assert (
+        launch([PY, "-c", "import os; assert 'MESHKIT_RESTART_ATTEMPT' not in os.environ"], 1, output=out)
+        == 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [(2, "process 0 exited with exit code 2; not restarting: exit code 2 means bad input, which a restart repeats"),
+     (143, None), (130, None)],
+)  # fmt: skip
+def test_bad_input_and_orderly_stops_are_never_restarted(code, said):
+    script = f"import os, sys; print('attempt', os.environ['MESHKIT_RESTART_ATTEMPT'], flush=True); sys.exit({code})"
+    out = io.StringIO()
+    assert launch([PY, "-c", script], 1, output=out, max_restarts=3) == code
+    assert _attempts(out.getvalue()) == ["[0] attempt 0"]
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("meshkit launch:")]
+    assert lines == ([f"meshkit launch: {said}"] if said else []), out.getvalue()
+
+
+_STALLS = textwrap.dedent("""
+    import os, time
+    from meshkit.launch import report_progress
+    attempt, rank = os.environ.get("MESHKIT_RESTART_ATTEMPT", "0"), os.environ["MESHKIT_PROCESS_ID"]
+    print("attempt", attempt, flush=True)
+    for step in range(3 if attempt == "1" else 600):  # the first start goes on until stopped...
+        report_progress()
+        time.sleep(0.1)
+        while attempt == "0" and rank == "1" and step == 2:  # ...process 1 hangs after its third step
+            time.sleep(1)
+""")
+
+
+def test_a_process_that_stops_making_progress_is_restarted():
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    assert launch([PY, "-c", _STALLS], 2, output=out, error_output=err, max_restarts=1, stall_timeout_s=5,
+                  grace_s=2) == 0  # fmt: skip
+    assert time.monotonic() - start < 120  # the stall is noticed within seconds, not at 60 s
+    assert _attempts(out.getvalue()) == [f"[{r}] attempt {a}" for r in (0, 1) for a in (0, 1)]
+    assert err.getvalue().splitlines() == [
+        "meshkit launch: process 1 made no progress (no step) for 5 s (--stall-timeout); restarting the job from "
+        "its latest checkpoint (restart 1 of 1)"
+    ]
+    out, err = io.StringIO(), io.StringIO()  # no restarts left: the stalled job ends with 75
+    code = launch([PY, "-c", _STALLS], 2, output=out, error_output=err, stall_timeout_s=5, grace_s=2)
+    assert code == 75 and "for 5 s (--stall-timeout); stopping the others" in err.getvalue()

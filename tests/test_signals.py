@@ -328,3 +328,21 @@ def test_sigkill_of_the_launcher_ends_its_processes_at_once():
     next_job = subprocess.run([EXE, "launch", "-n", "1", "--", sys.executable, "-c", "pass"], timeout=120)
     assert next_job.returncode == 0
     assert not left[0].exists()
+
+
+def test_step_boundaries_tell_the_stall_watch_from_the_second_on_and_leaving_the_steps_disarms_it(
+    tmp_path, monkeypatch
+):
+    """What ``meshkit launch --stall-timeout`` watches: no file before the first step ends (start-up and
+    compilation are not judged), a newer time at each boundary after it, none once the steps are left
+    (the final evaluation and report are not judged either)."""
+    from meshkit.train.stop import StopRequest
+
+    progress = tmp_path / "progress-0"
+    monkeypatch.setenv("MESHKIT_PROGRESS_FILE", str(progress))
+    with StopRequest() as stop:
+        assert stop.agreed() is None and not progress.exists()  # before step 1
+        assert stop.agreed() is None and progress.exists()  # after step 1
+        os.utime(progress, (0, 0))
+        assert stop.agreed() is None and progress.stat().st_mtime > 0  # after step 2
+    assert not progress.exists()

@@ -163,3 +163,26 @@ def test_allowed_values_are_declared_once(allowed):
             if len(values & allowed) >= 2:
                 found.append(f"{path.relative_to(SRC.parent)}:{line}: {sorted(values & allowed)}")
     assert not found, found
+
+
+def test_no_private_jax_cluster_detection():
+    """Schedulers are read from their documented variables and JAX's public ``jax.distributed.initialize
+    (cluster_detection_method=...)`` finds the rest: nothing imports ``jax._src.clusters``, whose classes
+    are no API and change between releases."""
+    found = []
+    tests = SRC.parent.parent / "tests"
+    for path in [
+        *SRC.rglob("*.py"),
+        *tests.glob("*.py"),
+        *tests.glob("workers/*.py"),
+        *tests.glob("mp/*.py"),
+    ]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.startswith("jax._src.clusters") for n in names):
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found

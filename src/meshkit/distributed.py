@@ -48,6 +48,11 @@ MESHKIT_TIMEOUT_S = "MESHKIT_TIMEOUT_S"
 MESHKIT_COORDINATOR_BIND_ADDRESS = "MESHKIT_COORDINATOR_BIND_ADDRESS"
 #: Seconds without a heartbeat after which a process is declared lost and the job stops.
 MESHKIT_HEARTBEAT_TIMEOUT_S = "MESHKIT_HEARTBEAT_TIMEOUT_S"
+#: Set by ``meshkit launch --max-restarts`` in every process: 0 for the first start of the job, k for
+#: its k-th restart (``meshkit train --run-dir`` resumes from the run's checkpoint when k > 0).
+MESHKIT_RESTART_ATTEMPT = "MESHKIT_RESTART_ATTEMPT"
+#: Set by SLURM in a job that was requeued (``sbatch --requeue``, ``scontrol requeue``): how many times.
+SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
 #: Mutual TLS: this process's PEM certificate chain, its private key, and the CA bundle of the job.
 MESHKIT_MTLS_CERT = "MESHKIT_MTLS_CERT"
 MESHKIT_MTLS_KEY = "MESHKIT_MTLS_KEY"
@@ -194,41 +199,34 @@ def _env_int(name: str) -> int | None:
         raise DistributedError(f"{name}={raw!r} is not a whole number: fix or unset it") from None
 
 
-def _cluster(source: str):
-    from jax._src import clusters
-
-    return {"openmpi": clusters.OmpiCluster, "slurm": clusters.SlurmCluster}[source]
+#: The schedulers meshkit recognises, Open MPI first as in JAX (``mpirun`` inside a SLURM allocation
+#: leaves the batch step's SLURM variables behind, while Open MPI's are per process): for each, the
+#: variables that show it (any one of the first group, or all of the second), and those holding this
+#: process's index and the process count. The coordinator's address is left to JAX's own detection
+#: (``jax.distributed.initialize(cluster_detection_method=...)``), which reads the same variables.
+_SCHEDULERS = {
+    "openmpi": (("OMPI_MCA_orte_hnp_uri",), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_LOCAL_RANK"), "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    "slurm": ((), ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+              "SLURM_PROCID", "SLURM_NTASKS"),
+}  # fmt: skip
+#: Set by Kubernetes in each pod of an Indexed Job (and of a JobSet): its index, used as the process
+#: index when ``MESHKIT_NUM_PROCESSES`` is set and ``MESHKIT_PROCESS_ID`` is not.
+JOB_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
 
 
 def _cluster_source() -> str | None:
-    """The scheduler environment present, Open MPI first as in JAX: ``mpirun`` inside a SLURM
-    allocation leaves the batch step's SLURM variables behind, while Open MPI's are per process."""
-    for source in ("openmpi", "slurm"):
-        if _cluster(source).is_env_present():
+    """The scheduler whose environment is present (see :data:`_SCHEDULERS`), or None."""
+    for source, (any_of, all_of, _, _) in _SCHEDULERS.items():
+        if any(v in os.environ for v in any_of) or all(v in os.environ for v in all_of):
             return source
     return None
 
 
-def _cluster_coordinator(source: str) -> str | None:
-    cls = _cluster(source)
-    if source == "openmpi" and cls._is_ompi_5():
-        return None  # found at start-up by JAX through mpi4py (a collective)
-    try:
-        return cls.get_coordinator_address(
-            timeout_secs=None, override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT")
-        )
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise DistributedError(
-            f"cannot read the coordinator address from the {source} environment ({e}): "
-            f"pass coordinator_address='host:port' to meshkit.distributed.initialize()"
-        ) from None
-
-
 def _from_cluster(source: str) -> tuple[int, int]:
     """(process_index, process_count) from a scheduler's environment."""
-    if source == "slurm":
-        return _env_int("SLURM_PROCID") or 0, _env_int("SLURM_NTASKS") or 1
-    return _env_int("OMPI_COMM_WORLD_RANK") or 0, _env_int("OMPI_COMM_WORLD_SIZE") or 1
+    _, _, index, count = _SCHEDULERS[source]
+    return _env_int(index) or 0, _env_int(count) or 1
 
 
 def _pick_source(explicit: tuple) -> str:
@@ -259,7 +257,10 @@ def detect(
     """Find this process's place in its job without starting anything.
 
     Each value comes from, in order: the arguments; the ``MESHKIT_*`` environment of ``meshkit
-    launch``; Open MPI's ``mpirun``; SLURM. With none of them the job is a single process.
+    launch`` (or set by hand, e.g. in a Kubernetes Indexed Job, whose ``JOB_COMPLETION_INDEX`` is the
+    index when ``MESHKIT_PROCESS_ID`` is unset); Open MPI's ``mpirun``; SLURM (read from their
+    variables as JAX reads them; the coordinator's address of these two is left to JAX, which finds
+    it at start-up). With none of them the job is a single process.
     Raises :class:`DistributedError` on inconsistent values.
     """
     explicit = (coordinator_address, num_processes, process_id)
@@ -270,16 +271,19 @@ def detect(
     if source == "meshkit-launch":
         coordinator = coordinator or os.environ.get(MESHKIT_COORDINATOR_ADDRESS)
         count = _env_int(MESHKIT_NUM_PROCESSES) if count is None else count
-        index = _env_int(MESHKIT_PROCESS_ID) if index is None else index
+        if index is None:
+            index = _env_int(MESHKIT_PROCESS_ID)
+            index = _env_int(JOB_COMPLETION_INDEX) if index is None else index
         if index is None and count not in (None, 1):
             raise DistributedError(
-                f"{MESHKIT_PROCESS_ID} is not set: start the processes with `meshkit launch`"
+                f"{MESHKIT_PROCESS_ID} is not set: start the processes with `meshkit launch`, or set it to "
+                f"each process's index (Kubernetes Indexed Jobs set {JOB_COMPLETION_INDEX}, which is used)"
             )
     elif source in _JAX_METHOD:
         env_index, env_count = _from_cluster(source)
         count = env_count if count is None else count
         index = env_index if index is None else index
-        coordinator = coordinator or (_cluster_coordinator(source) if count > 1 else None)
+
     elif source == "single":
         count, index = 1, 0
     spec = ProcessSpec(
@@ -335,6 +339,12 @@ def is_multiprocess_env() -> bool:
         return detect().multiprocess
     except MeshkitError:
         return True  # a job was meant; initialize() will say what is wrong
+
+
+def restart_attempt() -> int:
+    """0 for a job's first start; k when ``meshkit launch --max-restarts`` restarted it for the k-th
+    time (``MESHKIT_RESTART_ATTEMPT``) or SLURM requeued it k times (``SLURM_RESTART_COUNT``)."""
+    return max(_env_int(MESHKIT_RESTART_ATTEMPT) or 0, _env_int(SLURM_RESTART_COUNT) or 0)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -572,7 +582,13 @@ def _startup_timed_out(spec: ProcessSpec, timeout: float, tls: bool) -> None:
     """Runs on a timer thread while JAX waits in C++: say why in one line and exit (JAX would
     abort the process a few seconds later with a stack trace)."""
     me = f"process {spec.process_index} of {spec.process_count}"
-    if spec.process_index != 0 and not _reachable(spec.coordinator):
+    if spec.coordinator is None:  # JAX derived it from the scheduler's environment
+        msg = (
+            f"the job did not form within {timeout:g} s ({me}; coordinator found by JAX in the {spec.source} "
+            f"environment): check that all {spec.process_count} processes started, that process 0's host is "
+            f"reachable on the port (set JAX_COORDINATOR_PORT to choose it, or JAX_COORDINATOR_ADDRESS), or raise the timeout"
+        )
+    elif spec.process_index != 0 and not _reachable(spec.coordinator):
         msg = (
             f"could not reach the coordinator at {spec.coordinator} within {timeout:g} s ({me}): check that "
             f"process 0 started and listens there, or raise the timeout (timeout_s / meshkit launch --timeout)"

@@ -10,6 +10,11 @@ checkpoint at a step they all agree on and exits with 128 + the signal) before S
 that exits so is not a failure, and the others are waited for. Nothing outlives the launcher: on
 Linux each process is SIGKILLed by the kernel when the launcher dies, even by SIGKILL.
 
+Restarts (``--max-restarts N``): a failed process, or with ``--stall-timeout`` one that reached no
+step boundary for that long (each process touches its own file in a private directory at every
+boundary: :func:`report_progress`), stops the job, which starts again, up to N times, with
+``MESHKIT_RESTART_ATTEMPT`` telling ``meshkit train --run-dir`` to resume from its latest checkpoint.
+
 Who may join: the job is local, so its coordination service listens on loopback only (JAX's default
 is every interface), and unless mutual TLS is given, the launcher makes it for this job alone: a
 throwaway CA whose key is never written, and one certificate signed by it, in a private temporary
@@ -46,7 +51,9 @@ from meshkit.distributed import (
     MESHKIT_HEARTBEAT_TIMEOUT_S,
     MESHKIT_NUM_PROCESSES,
     MESHKIT_PROCESS_ID,
+    MESHKIT_RESTART_ATTEMPT,
     MESHKIT_TIMEOUT_S,
+    PEER_LOST_EXIT_CODE,
     MutualTLS,
     bind_address,
 )
@@ -58,6 +65,11 @@ DEFAULT_SIGNAL_GRACE_S = 30.0
 #: Exit statuses of a process that stopped in order on a signal (``meshkit train``: 128 + SIGINT or
 #: SIGTERM, after its checkpoint): not a failure, the others are stopping at the same step.
 ORDERLY_STOP = frozenset(128 + s for s in (signal.SIGINT, signal.SIGTERM))
+#: Exit status of a process that rejected its input; the launcher never restarts it (it would again).
+BAD_INPUT_EXIT_CODE = 2
+#: Exit status of a job stopped because a process made no progress for ``--stall-timeout`` seconds
+#: (EX_TEMPFAIL, as for a lost peer: a restart may succeed).
+STALLED_EXIT_CODE = PEER_LOST_EXIT_CODE
 #: Seconds to wait, once every process has ended, for the rest of their output.
 DRAIN_S = 30.0
 _POLL_S = 0.05
@@ -288,18 +300,47 @@ class _Signals:
             signal.signal(s, handler)
 
 
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """How one start of the job ended: its exit status and, for a failure that a restart may
+    cure, which process and why (None: success, an orderly stop or a signal to the launcher)."""
+
+    status: int
+    rank: int | None = None
+    why: str = ""
+
+
+def _stalled(children: Sequence[_Child], progress: Path | None, stall_timeout_s: float | None) -> int | None:
+    """The first running process whose last step boundary (its progress file's time, see
+    :func:`report_progress`) is more than ``stall_timeout_s`` old; a process that has not reached
+    its first step yet (start-up, compilation) is never stalled."""
+    if progress is None or stall_timeout_s is None:
+        return None
+    now = time.time()
+    for c in children:
+        if c.proc.poll() is not None:  # ended: done (or judged as it exited), not stalled
+            continue
+        with contextlib.suppress(OSError):
+            if now - (progress / f"{_PROGRESS_PREFIX}{c.rank}").stat().st_mtime > stall_timeout_s:
+                return c.rank
+    return None
+
+
 def _supervise(
     children: Sequence[_Child],
     say: Callable[[str], None],
     grace_s: float,
     signal_grace_s: float,
     signals: _Signals,
-) -> int:
-    """Wait for every child; on the first failure stop the others and return its status; on a
-    signal to the launcher pass it on to all, give them ``signal_grace_s`` to save and exit, and
-    return 128+signal. A child that stopped in order (:data:`ORDERLY_STOP`) is not a failure: the
-    others, stopping at the same step, get ``signal_grace_s`` to follow, and its status is returned."""
+    stall: tuple[Path | None, float | None] = (None, None),
+) -> _Ended:
+    """Wait for every child. On the first failure (or a process making no progress for the stall
+    timeout) return it, the others still running; on a signal to the launcher pass it on to all,
+    give them ``signal_grace_s`` to save and exit, and return 128+signal. A child that stopped in
+    order (:data:`ORDERLY_STOP`) is not a failure: the others, stopping at the same step, get
+    ``signal_grace_s`` to follow, and its status is returned."""
     orderly: tuple[float, int] | None = None  # (when, status) of the first orderly stop
+    checked = time.monotonic()
     while True:
         if signals.received is not None:
             name = signal.Signals(signals.received).name
@@ -307,7 +348,7 @@ def _supervise(
                 f"got {name}; passing it on to all {len(children)} process(es), {signal_grace_s:g} s to save and exit"
             )
             _stop(children, signals.received, signal_grace_s, signals.hurry)
-            return 128 + signals.received
+            return _Ended(128 + signals.received)
         running = False
         for c in children:
             rc = c.proc.poll()
@@ -316,15 +357,9 @@ def _supervise(
             elif rc in ORDERLY_STOP:
                 orderly = orderly or (time.monotonic(), rc)
             elif rc != 0:
-                alive = any(o.proc.poll() is None for o in children if o is not c)
-                say(
-                    f"process {c.rank} exited with {describe_status(rc)}"
-                    + ("; stopping the others" if alive else "")
-                )
-                _stop(children, signal.SIGTERM, grace_s, signals.hurry)
-                return _shell_status(rc)
+                return _Ended(_shell_status(rc), c.rank, f"exited with {describe_status(rc)}")
         if not running:
-            return orderly[1] if orderly else 0
+            return _Ended(orderly[1] if orderly else 0)
         if orderly and time.monotonic() - orderly[0] > signal_grace_s:
             late = [c.rank for c in children if c.proc.poll() is None]
             say(
@@ -332,8 +367,28 @@ def _supervise(
                 "on a signal; stopping them"
             )
             _stop(children, signal.SIGTERM, grace_s, signals.hurry)
-            return orderly[1]
+            return _Ended(orderly[1])
+        if not orderly and time.monotonic() - checked >= _STALL_CHECK_S:
+            checked = time.monotonic()
+            if (rank := _stalled(children, *stall)) is not None:
+                why = f"made no progress (no step) for {stall[1]:g} s (--stall-timeout)"
+                return _Ended(STALLED_EXIT_CODE, rank, why)
         time.sleep(_POLL_S)
+
+
+def _ended_line(ended: _Ended, alive: bool, attempt: int, max_restarts: int) -> str:
+    """The launcher's one line about a failed start: which process, why, and what happens next."""
+    line = f"process {ended.rank} {ended.why}"
+    if ended.status == BAD_INPUT_EXIT_CODE and max_restarts:
+        return line + "; not restarting: exit code 2 means bad input, which a restart repeats"
+    if attempt < max_restarts:
+        return (
+            line
+            + f"; restarting the job from its latest checkpoint (restart {attempt + 1} of {max_restarts})"
+        )
+    if max_restarts:
+        return line + ("; stopping the others" if alive else "") + f" (no restarts left: {max_restarts} used)"
+    return line + ("; stopping the others" if alive else "")
 
 
 def launch(
@@ -352,6 +407,8 @@ def launch(
     grace_s: float = DEFAULT_GRACE_S,
     signal_grace_s: float = DEFAULT_SIGNAL_GRACE_S,
     drain_s: float = DRAIN_S,
+    max_restarts: int = 0,
+    stall_timeout_s: float | None = None,
 ) -> int:
     """Run ``command`` as processes 0..N-1 of one job on this machine; return the job's exit status.
 
@@ -369,8 +426,16 @@ def launch(
     process group, SIGKILLs what remains after ``signal_grace_s`` and returns 128+signal. Every
     line written is copied before it returns (waiting up to ``drain_s`` for pipes that something
     outside the process groups holds open).
+
+    Restarts: with ``max_restarts`` N > 0, a failed start (a process exiting non-zero other than
+    with 2, bad input, or :data:`ORDERLY_STOP`; or, with ``stall_timeout_s``, a process that reached
+    no step boundary for that long, see :func:`report_progress`) stops the rest and starts the whole
+    job again, up to N times, with ``MESHKIT_RESTART_ATTEMPT`` set to the attempt (``meshkit train
+    --run-dir`` then resumes from the run's latest checkpoint). An orderly stop or a signal to the
+    launcher is never restarted.
     """
     _check(command, num_processes, devices_per_process, port)
+    _check_restarts(max_restarts, stall_timeout_s)
     mtls = MutualTLS.from_env() if mtls is None else mtls
     if mtls is not None:
         mtls.check()
@@ -380,11 +445,6 @@ def launch(
     ):
         if value is not None and not value > 0:
             raise LaunchError(f"{name} must be a positive number of seconds, got {value:g}")
-    port = free_port() if port is None else port
-    bind = bind_address(
-        coordinator_bind_address or os.environ.get(MESHKIT_COORDINATOR_BIND_ADDRESS) or LOOPBACK,
-        f"localhost:{port}",
-    )
     out = output if output is not None else sys.stdout
     err = error_output if error_output is not None else out
     lock = threading.Lock()
@@ -394,22 +454,109 @@ def launch(
             err.write(f"meshkit launch: {message}\n")
             err.flush()
 
-    children: list[_Child] = []
-    coordinator = f"localhost:{port}"
-    with _Signals() as signals, _job_tls(mtls) as tls:
-        try:
-            for rank in range(num_processes):
-                if signals.received is not None:
-                    break
-                child = child_env(rank, num_processes, coordinator, devices_per_process=devices_per_process,
-                                  timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                                  coordinator_bind_address=bind, mtls=tls, env=env)  # fmt: skip
-                children.append(_spawn(rank, command, child, out, err, lock))
-            status = _supervise(children, say, grace_s, signal_grace_s, signals)
-        finally:
-            _stop(children, signal.SIGKILL, 0, signals.hurry)
-            _drain(children, say, drain_s)
-    return status
+    with _Signals() as signals, _job_tls(mtls) as tls, _progress_dir(stall_timeout_s) as progress:
+        attempt = 0
+        while True:
+            at = port if port is not None else free_port()  # a new one per start: the last may linger
+            bind = bind_address(
+                coordinator_bind_address or os.environ.get(MESHKIT_COORDINATOR_BIND_ADDRESS) or LOOPBACK,
+                f"localhost:{at}",
+            )
+            extra = dict(env or {})
+            if max_restarts:
+                extra[MESHKIT_RESTART_ATTEMPT] = str(attempt)
+            children: list[_Child] = []
+            try:
+                for rank in range(num_processes):
+                    if signals.received is not None:
+                        break
+                    if progress is not None:
+                        extra[MESHKIT_PROGRESS_FILE] = str(progress / f"{_PROGRESS_PREFIX}{rank}")
+                    child = child_env(rank, num_processes, f"localhost:{at}", devices_per_process=devices_per_process,
+                                      timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                                      coordinator_bind_address=bind, mtls=tls, env=extra)  # fmt: skip
+                    children.append(_spawn(rank, command, child, out, err, lock))
+                ended = _supervise(
+                    children, say, grace_s, signal_grace_s, signals, (progress, stall_timeout_s)
+                )
+                if ended.rank is not None:
+                    alive = any(c.proc.poll() is None for c in children if c.rank != ended.rank)
+                    say(_ended_line(ended, alive, attempt, max_restarts))
+                    _stop(children, signal.SIGTERM, grace_s, signals.hurry)
+            finally:
+                _stop(children, signal.SIGKILL, 0, signals.hurry)
+                _drain(children, say, drain_s)
+            restart = (
+                ended.rank is not None
+                and ended.status != BAD_INPUT_EXIT_CODE
+                and attempt < max_restarts
+                and signals.received is None
+            )
+            if not restart:
+                return ended.status
+            attempt += 1
+            if progress is not None:
+                for f in progress.iterdir():  # the next start's first step arms the stall watch again
+                    f.unlink(missing_ok=True)
+
+
+def _check_restarts(max_restarts: int, stall_timeout_s: float | None) -> None:
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be 0 or more, got {max_restarts!r}")
+    if stall_timeout_s is not None and not (isinstance(stall_timeout_s, int | float) and stall_timeout_s > 0):
+        raise LaunchError(f"--stall-timeout must be a positive number of seconds, got {stall_timeout_s!r}")
+
+
+# --- progress: a step boundary reached -----------------------------------------------------------------
+
+#: Set by ``meshkit launch --stall-timeout`` for each process: the file whose time says when it last
+#: reached a step boundary (see :func:`report_progress`).
+MESHKIT_PROGRESS_FILE = "MESHKIT_PROGRESS_FILE"
+_PROGRESS_PREFIX = "progress-"
+#: How often the launcher looks at the progress files.
+_STALL_CHECK_S = 1.0
+
+
+def report_progress(*, done: bool = False) -> None:
+    """Tell ``meshkit launch --stall-timeout`` that this process reached a step boundary: one
+    ``utime`` of the file ``MESHKIT_PROGRESS_FILE`` names (nothing when unset); ``done``: it left
+    its steps (what follows, e.g. a final evaluation, is not judged), the file is removed.
+    ``meshkit train`` calls it at every step boundary after the first step; a program of your own
+    may call it in its loop."""
+    path = os.environ.get(MESHKIT_PROGRESS_FILE)
+    if not path:
+        return
+    try:
+        if done:
+            os.unlink(path)
+        else:
+            os.utime(path)
+    except FileNotFoundError:
+        if not done:
+            with contextlib.suppress(OSError):
+                open(path, "a").close()
+    except OSError:
+        pass  # the launcher is gone, or its directory: nothing to tell
+
+
+@contextlib.contextmanager
+def _progress_dir(stall_timeout_s: float | None) -> Iterator[Path | None]:
+    """A private directory for the processes' progress files while the job runs (None without a
+    stall timeout); swept like the certificates' if the launcher is SIGKILLed."""
+    if stall_timeout_s is None:
+        yield None
+        return
+    try:
+        directory = tempfile.mkdtemp(prefix=f"{_TLS_PREFIX}{os.getpid()}-progress-")
+    except OSError as e:
+        raise LaunchError(
+            f"cannot make the job's progress directory in {tempfile.gettempdir()} ({e.strerror or e}): set TMPDIR "
+            "to a writable directory, or leave out --stall-timeout"
+        ) from None
+    try:
+        yield Path(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # --- the job's own certificates ---------------------------------------------------------------------

@@ -41,8 +41,29 @@ def launch(
             "checkpoint and exit before SIGKILL (default 30).",
         ),
     ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            "--max-restarts",
+            metavar="N",
+            help="When a process fails (or stalls, with --stall-timeout), stop the rest and start the job "
+            "again, up to N times; meshkit train --run-dir resumes from its latest checkpoint. Never "
+            "after exit code 2 (bad input), an orderly stop or a signal to the launcher.",
+        ),
+    ] = 0,
+    stall_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--stall-timeout",
+            metavar="SECONDS",
+            help="A process that reached no step boundary for this long, once it reached its first, "
+            "counts as failed (exit 75). Longer than the slowest step, evaluation and save.",
+            show_default="off",
+        ),
+    ] = None,
 ) -> None:
-    """Start N processes of one job, prefix each output line with its rank, stop all when one fails."""
+    """Start N processes of one job, prefix each output line with its rank, stop all when one fails
+    (or restart them all, with --max-restarts)."""
     if num_processes is None:
         raise MeshkitError(
             "give the number of processes with -n N, e.g. meshkit launch -n 2 -- python train.py"
@@ -54,6 +75,7 @@ def launch(
     status = run(
         command or [], num_processes, devices_per_process=devices_per_process, port=port, timeout_s=timeout,
         output=sys.stdout, error_output=sys.stderr, **({} if grace is None else {"signal_grace_s": grace}),
+        max_restarts=max_restarts, stall_timeout_s=stall_timeout,
     )  # fmt: skip
     raise typer.Exit(status)
 

@@ -222,7 +222,7 @@ def train(
 
     if jax.process_index() != 0:  # one voice per job: the others train quietly (errors still print)
         console = Console(file=io.StringIO())
-    from meshkit.train.job import saved_config
+    from meshkit.train.job import resume_on_restart, saved_config
     from meshkit.train.loop import run
 
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
@@ -241,6 +241,11 @@ def train(
     run_dir = run_dir or written.pop("run_dir", None)
     given = {**{k: v for k, v in written.items() if k != "run_dir"}, **given}
     latest = Path("runs") / "latest"
+    if not resume and resume_on_restart(run_dir):  # meshkit launch --max-restarts, SLURM --requeue
+        console.print(
+            f"restart: resuming {run_dir} from its latest checkpoint", soft_wrap=True, highlight=False
+        )
+        resume = True
     if resume:
         where = run_dir or str(latest.resolve())
         cfg, changed = C.resumed(saved_config(Path(where)), given, where)

@@ -250,6 +250,22 @@ def saved_config(run_dir: Path) -> C.TrainConfig:
     return C.TrainConfig.from_json(data, where=f"--resume: '{saved_path}'")
 
 
+def resume_on_restart(run_dir: str | None) -> bool:
+    """Whether this start of a job is a restart (``meshkit launch --max-restarts``, a SLURM requeue:
+    :func:`meshkit.distributed.restart_attempt`) of a run in ``run_dir`` that holds a checkpoint,
+    which it then continues. A first start, or a run directory not named, trains as asked."""
+    from meshkit.distributed import restart_attempt
+
+    if not run_dir or restart_attempt() == 0:
+        return False
+    checkpoints = Path(run_dir) / "checkpoints"
+    return (
+        (Path(run_dir) / "config.json").is_file()
+        and checkpoints.is_dir()
+        and _latest_step(checkpoints) is not None
+    )
+
+
 def _latest_step(directory: Path) -> int | None:
     with Checkpointer(directory) as ckpt:  # only lists: deletes nothing
         return ckpt.latest_step()

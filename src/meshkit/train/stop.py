@@ -22,6 +22,8 @@ import threading
 import jax
 import numpy as np
 
+from meshkit.launch import report_progress
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -38,6 +40,7 @@ class StopRequest:
         self.signum: int | None = None
         """The first signal received, if any (this process's own request)."""
         self._saved: dict[int, object] = {}
+        self._boundaries = 0
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -46,6 +49,7 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
+        report_progress(done=True)  # what follows the steps (evaluation, report) is not judged
         for s, handler in self._saved.items():
             if handler is not None:  # None: installed outside Python, which cannot put it back
                 signal.signal(s, handler)
@@ -66,6 +70,9 @@ class StopRequest:
         """The signal the run stops for, or None to go on: this process's request, or in a job of
         several processes the largest any of them asked for (every process must call it at the
         same step boundaries)."""
+        if self._boundaries:  # after the first step (start-up and compilation are not judged)
+            report_progress()  # meshkit launch --stall-timeout watches these
+        self._boundaries += 1
         asked = self.signum or 0
         if jax.process_count() > 1:
             asked = _largest_over_processes(asked)
