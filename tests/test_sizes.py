@@ -37,3 +37,34 @@ def test_a_size_the_machine_cannot_hold_is_one_line_before_anything_runs(tmp_pat
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
     assert not run.exists()
+
+
+def test_a_tokenizer_vocabulary_larger_than_the_data_is_one_line_before_anything_runs(tmp_path, capsys):
+    # before: a prepared directory whose tokenizer.json has 200,000 ids (a published tokenizer on a
+    # small text) trained a 200k-row embedding of which 9 rows ever see a token; the .npy check
+    # only looked at token ids
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from meshkit.data.prepare import prepare
+
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    vocab.update({f"w{i}": len(vocab) + i for i in range(200_000 - len(vocab))})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text(" ".join(words[i % 8] for i in range(3000)))
+    prepare([str(tmp_path / "text")], tmp_path / "data", tokenizer=str(tmp_path / "tokenizer.json"))
+    run = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--run-dir", str(run), "--data", str(tmp_path / "data")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(
+        r"the tokenizer of .*data \(BPE token shards\) has a vocabulary of 200,000 \(.* embedding parameters at "
+        r"--width \d+\) for 3,001 tokens using 9 distinct ids: .*meshkit data prepare without --tokenizer",
+        err,
+    ), err
+    assert not run.exists()

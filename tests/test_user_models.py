@@ -236,3 +236,89 @@ def test_a_raw_equinox_models_int_leaf_points_to_the_adapter():
         match=r"params leaf n is a Python int \(3\) of an Equinox module: use meshkit.from_equinox\(model\)",
     ):
         meshkit.Trainer(lambda m, b: jnp.sum(m.w), Model(jnp.ones(3), 3), optax.sgd(0.1), plan="dp")
+
+
+# -- relative_difference: one scale per tree, leaves paired by path -----------------------------------
+class _Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.MultiHeadDotProductAttention(num_heads=2)(x))
+
+
+def test_relative_difference_of_linen_trees_equal_to_float_noise_is_float_noise():
+    # before: 0.90 for trees equal to 6e-8, the attention's key bias (exactly 0 in exact arithmetic:
+    # softmax ignores it, its gradient is rounding, ~4e-10) divided by its own size
+    from meshkit.verify import relative_difference
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6, 8)).astype(np.float32), rng.normal(size=(16, 6, 4)).astype(np.float32)
+    module = _Attention()
+    variables = module.init(jax.random.key(0), x[:1])
+    tx = optax.sgd(0.1)
+    t = meshkit.Trainer(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), meshkit.from_linen(module, variables), tx,
+                        plan="dp", mesh="data=8")  # fmt: skip
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(lambda p: jnp.mean((module.apply({"params": p}, x) - y) ** 2))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    params, opt = variables["params"], tx.init(variables["params"])
+    for _ in range(3):
+        t.step((x, y))
+        params, opt = step(params, opt)
+    key_bias = np.abs(params["MultiHeadDotProductAttention_0"]["key"]["bias"]).max()
+    assert key_bias < 1e-6  # the leaf that is noise
+    largest = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+                  zip(jax.tree.leaves(t.params), jax.tree.leaves(params), strict=True))  # fmt: skip
+    assert largest < 1e-6
+    assert relative_difference(t.params, params) < 1e-6
+    # a real difference in any leaf still shows, on the tree's scale
+    moved = jax.tree.map(lambda a: a, params)
+    moved["Dense_0"]["kernel"] = moved["Dense_0"]["kernel"] * 1.01
+    assert relative_difference(t.params, moved) > 1e-3
+
+
+def test_relative_difference_pairs_leaves_by_path_and_compares_other_leaves_exactly():
+    from meshkit.verify import relative_difference
+
+    a = {"w": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}
+    with pytest.raises(ValueError, match=r"differ in structure: \[\"\['c'\]\", \"\['w'\]\"\]"):
+        relative_difference(a, {"c": np.ones(3), "b": np.zeros(2)})  # was paired by position: 0
+    assert relative_difference({**a, "n": 3}, {**a, "n": 3}) == 0
+    assert relative_difference({**a, "n": 3}, {**a, "n": 4}) == float("inf")
+    keys = {"k": jax.random.key(0)}
+    assert relative_difference({**a, **keys}, {**a, **keys}) == 0
+
+
+# -- a model that sets its own sharding, under a plan that runs the loss manual over data -----------
+def _own_sharding_loss(kind):
+    from jax.sharding import PartitionSpec as P
+
+    def loss(p, batch):
+        x, y = batch
+        h = jnp.tanh(x @ p["w1"])
+        if kind == "constraint":  # the user's mesh, as a model written for jit alone names it
+            mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+            h = jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(mesh, P("data", None)))
+        else:  # what nnx.Embed(..., out_sharding=) does
+            h = jax.sharding.auto_axes(jnp.tanh, out_sharding=P("data", None))(h)
+        return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["constraint", "auto_axes"])
+def test_a_loss_that_sets_its_own_sharding_under_a_manual_plan_fails_in_one_line(kind):
+    # before: "Going from `Manual` AxisType to `Auto` ... Please file a bug" / "pspec ... contains a
+    # manual axes" from deep inside JAX's lowering
+    t = meshkit.Trainer(_own_sharding_loss(kind), _params(), optax.sgd(0.1), plan="zero3", mesh="data=8")
+    with pytest.raises(PlanError) as e:
+        t.step(_batch())
+    line = str(e.value)
+    assert "\n" not in line
+    assert "test_user_models.py:" in line and "in loss" in line  # where the annotation is
+    assert "plan zero3 runs it in jax.shard_map" in line and "use plan dp or tp without accumulate=" in line
+    ok = meshkit.Trainer(_own_sharding_loss(kind), _params(), optax.sgd(0.1), plan="dp", mesh="data=8")
+    assert np.isfinite(float(ok.step(_batch())["loss"]))  # the plan the line names trains it

@@ -54,7 +54,7 @@ from jax import lax
 
 from meshkit.plans import _buckets as buckets
 from meshkit.plans._hook import handling
-from meshkit.plans._layers import Found, analyse, scan_body, scan_groups
+from meshkit.plans._layers import Found, analyse, arrays_only, scan_body, scan_groups
 from meshkit.plans._remat import remat_policy
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import DATA, PlanError
@@ -269,7 +269,9 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
         ids = {id(x): i for i, x in enumerate(leaves)}
 
         def handler(block_fn, block_params, inputs):
-            bl, bdef = jax.tree.flatten(block_params)
+            # arrays only: other leaves (an Equinox block's activation function) stay static
+            bl, params_back = arrays_only(block_params)
+            ins, inputs_back = arrays_only(inputs)
             mine = [k for k, x in enumerate(bl) if ids.get(id(x)) in layer_set]
             gather = (
                 list
@@ -277,17 +279,17 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
                 else _gather_vjp([flat[ids[id(bl[k])]] for k in mine], n, own_output=per.remat == "regather")
             )
 
-            def run(bl, inputs):
+            def run(bl, ins):
                 bl = list(bl)
                 if mine:
-                    gathered, inputs = _barrier_gather(gather, [bl[k] for k in mine], inputs)
+                    gathered, ins = _barrier_gather(gather, [bl[k] for k in mine], ins)
                     for k, x in zip(mine, gathered, strict=True):
                         bl[k] = x
-                return block_fn(jax.tree.unflatten(bdef, bl), *inputs)
+                return block_fn(params_back(bl), *inputs_back(ins))
 
             if policy is not None:
                 run = jax.checkpoint(run, policy=policy)
-            return run(bl, inputs)
+            return run(bl, ins)
 
         with handling(handler):
             return loss_fn(jax.tree.unflatten(treedef, leaves), micro)

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
+import numpy as np
 
 from meshkit.plans._hook import handling
 from meshkit.plans.placement import Placement
@@ -96,16 +97,35 @@ class _Hooks:
 
     def __call__(self, block_fn, block_params, inputs):
         self.calls += 1
-        self.order.append([self.ids.get(id(x)) for x in jax.tree.leaves(block_params)])
+        arrays, put_back = arrays_only((block_params, inputs))
+        self.order.append([self.ids.get(id(x)) for x in arrays])
         mine = tuple(i for i in self.order[-1] if i is not None)
         self.hooked.update(mine)
         self.groups.append(mine)
 
-        def marked(p, i):
+        def marked(arrays):
+            p, i = put_back(arrays)
             return block_fn(p, *i)
 
         marked.__name__ = MARK
-        return jax.jit(marked)(block_params, inputs)
+        return jax.jit(marked)(arrays)
+
+
+def arrays_only(tree: Any) -> tuple[list, Callable[[list], Any]]:
+    """The array leaves of ``tree`` and ``put_back(arrays) -> tree``, which keeps every other leaf
+    as the Python value it is. ``jax.jit`` and ``jax.checkpoint`` trace only arrays, as
+    ``eqx.filter_jit`` does: an Equinox block carries its activation function and Dropout's
+    ``inference`` flag as leaves, which traced raised a TypeError or TracerBoolConversionError."""
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+
+    def put_back(arrays: list) -> Any:
+        out = list(leaves)
+        for k, a in zip(where, arrays, strict=True):
+            out[k] = a
+        return jax.tree.unflatten(treedef, out)
+
+    return [leaves[k] for k in where], put_back
 
 
 def _hooked(jaxpr: Any, pvars: list, hook: _Hooks) -> Found:

@@ -30,6 +30,8 @@ in one bucket. Clipping by global norm is computed over the sharded gradients (s
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +47,7 @@ from meshkit.plans import _buckets as buckets
 from meshkit.plans import _fsdp, _rng
 from meshkit.plans._manual import manual_data
 from meshkit.plans.placement import Placement
-from meshkit.spec import DATA
+from meshkit.spec import DATA, PlanError
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -312,7 +314,7 @@ def build_step(
             params = gather(lax.with_sharding_constraint(params, grad_sh))
         return params, opt_state, state, metrics
 
-    return jax.jit(
+    return _OwnShardingLine(jax.jit(
         step,
         in_shardings=(
             shardings.params,
@@ -323,4 +325,44 @@ def build_step(
         ),
         out_shardings=(shardings.params, shardings.opt_state, shardings.state, shardings.scalar),
         donate_argnums=(0, 1, 2) if donate else (),
-    )
+    ), placement.plan.name)  # fmt: skip
+
+
+#: JAX's refusals of a sharding annotation inside a region manual over that axis.
+_OWN_SHARDING = ("Going from `Manual` AxisType", "can only refer to Auto axes", "contains a manual axes")
+
+
+class _OwnShardingLine:
+    """The jitted step, whose ``lower`` says in one line that the loss sets its own sharding where
+    the plan runs it manual over ``data`` (``with_sharding_constraint``, ``reshard``, ``auto_axes``,
+    a layer's ``out_sharding=``), instead of JAX's error from deep inside the trace."""
+
+    def __init__(self, jitted: Any, plan: str) -> None:
+        self.jitted, self.plan = jitted, plan
+
+    def lower(self, *args: Any) -> Any:
+        try:
+            return self.jitted.lower(*args)
+        except (NotImplementedError, ValueError) as e:
+            if not any(m in str(e) for m in _OWN_SHARDING):
+                raise
+            raise PlanError(
+                f"the loss sets its own sharding ({_where(e)}) and plan {self.plan} runs it in jax.shard_map, "
+                "manual over the data axis, where JAX refuses that: remove the annotation (the plan places parameters and "
+                "batch itself) or use plan dp or tp without accumulate="
+            ) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jitted, name)
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame outside JAX and meshkit in ``e``'s traceback (or its cause's: where the
+    annotation was traced), as ``file:line in function``."""
+    found = "where is not known"
+    for err in (e, e.__cause__):
+        for frame in traceback.extract_tb(err.__traceback__) if err is not None else ():
+            parts = frame.filename.split(os.sep)
+            if "jax" not in parts and "meshkit" not in parts and "contextlib.py" not in parts:
+                found = f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return found

@@ -140,24 +140,33 @@ _STATE_BOUND = 32
 
 
 def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
-    """Refuse, before anything is allocated or compiled, token ids that make a vocabulary larger than
-    the data holds tokens (most embedding rows would never train: renumber them), then a run whose step the planner's model of
+    """Refuse, before anything is allocated or compiled, a vocabulary larger than the data holds
+    tokens (a ``.npy``'s ids or a prepared directory's tokenizer: most embedding rows would never
+    train), then a run whose step the planner's model of
     meshkit's own step (``Job(runtime="meshkit")``) predicts to need more memory per device than a
     device has: ``memory_stats()['bytes_limit']`` where the device reports it, else the host's
     available memory (``/proc/meminfo``) shared by this process's devices. A model far below that
     (a generous bound on parameters, state and activations under an eighth of it) is not predicted."""
     from meshkit.planner.sizes import param_count
 
-    if data.tokenizer == "ids" and data.vocab_size > data.num_tokens:
+    if data.vocab_size > data.num_tokens:
         tokens = np.concatenate(
             [data.train.read(0, len(data.train)), data.held_out.read(0, len(data.held_out))]
         )
         used = len(np.unique(tokens))
+        size = (
+            f"a vocabulary of {data.vocab_size:,} ({data.vocab_size * cfg.width:,} embedding parameters at "
+            f"--width {cfg.width}) for {data.num_tokens:,} tokens using {used:,} distinct ids"
+        )
+        if data.tokenizer == "ids":
+            raise C.ConfigError(
+                f"token ids in '{data.source}' reach {data.vocab_size - 1:,}: {size}: renumber the ids from 0 "
+                "(np.unique(ids, return_inverse=True)) or give more data"
+            )
         raise C.ConfigError(
-            f"token ids in '{data.source}' reach {data.vocab_size - 1:,}: a vocabulary of {data.vocab_size:,} "
-            f"({data.vocab_size * cfg.width:,} embedding parameters at --width {cfg.width}) for {data.num_tokens:,} "
-            f"tokens using {used:,} distinct ids: renumber the ids from 0 (np.unique(ids, return_inverse=True)) "
-            f"or give more data"
+            f"the tokenizer of {data.source} has {size}: most embedding rows would never train: prepare the "
+            f"text with a smaller tokenizer (meshkit data prepare without --tokenizer trains one of "
+            f"--vocab-size ids) or give more data"
         )
     spec, shape = cfg.parallel, model_shape(cfg, data.vocab_size)
     devices = jax.device_count()
