@@ -21,6 +21,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# The tests' programs are tiny and run a few steps: compiling them is most of the suite's CPU time, and
+# XLA's backend optimisations (LLVM's passes) are most of a compile, so the suite turns them off, as
+# JAX's own test suite does (JAX_DISABLE_MOST_OPTIMIZATIONS: backend optimisation level 0, no
+# expensive LLVM passes; the HLO passes, hence sharding, collectives and buffer assignment, are
+# unchanged). Inherited by every process a test starts; the docs blocks run as a user runs them.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)

@@ -89,7 +89,9 @@ def env(*, python: bool = False) -> dict[str, str]:
     """The environment of a block: this checkout's meshkit first, CPU devices, no colours. Python
     blocks get 8 simulated CPU devices; shell commands get what a user's shell has (each meshkit
     command simulates its own, `--devices 8` by default)."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_") and k != "XLA_FLAGS"}
+    # (the suite's JAX_DISABLE_MOST_OPTIMIZATIONS too, see conftest: a page's figures are a user's)
+    drop = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_") and k not in drop}
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(
@@ -103,6 +105,13 @@ def env(*, python: bool = False) -> dict[str, str]:
     if python:
         e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     return e
+
+
+def test_blocks_compile_as_a_user_does():
+    """The suite's own compile setting (conftest) stays out of the pages' commands."""
+    assert os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
+    for e in (env(), env(python=True)):
+        assert "JAX_DISABLE_MOST_OPTIMIZATIONS" not in e
 
 
 def test_every_block_has_a_known_language():

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
@@ -81,3 +82,11 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(
         x[:-1] == y[:-1] and x[-1] == pytest.approx(y[-1], rel=1e-9) for x, y in zip(a, b, strict=True)
     )
+
+
+def test_the_suite_compiles_without_backend_optimisations_and_the_records_hold():
+    """conftest turns XLA's backend (LLVM) optimisations off for the whole run and every process it
+    starts (a quarter of the CPU of a certificate). The HLO passes still run, so the cases above, recorded
+    with them on, must compile to the same collectives, memory and bytes accessed under it."""
+    assert os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+    assert jax.config.read("jax_disable_most_optimizations")

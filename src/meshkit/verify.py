@@ -337,7 +337,7 @@ class _OneDevice:
         init, step = self._programs(optimizer)
         put = functools.partial(jax.device_put, device=self.dev)
         p, st, b = put(self.params), put(self.state), put(batch)
-        s = init(p)
+        s = put(init(p))  # committed, as the step's outputs are: one compiled step, not two
         first: list[np.ndarray] = []
         for i in range(steps):
             p, s, st = step(p, s, st, b, put(_step_key(self.rng, i)))
