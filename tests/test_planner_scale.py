@@ -192,13 +192,14 @@ def test_hybrid_sharding_shards_within_a_host_and_replicates_across():
     lay = Layout(dp=128, zero=3, microbatch_size=2)
     full, hsdp = predict(shape, lay, cluster, job), predict(shape, lay, cluster, job, shard_group=8)
     assert not full.hybrid and full.shard_group == 128 and hsdp.hybrid and hsdp.label().endswith("hsdp=8")
-    assert hsdp.meshkit_plan() is None and full.meshkit_plan() == "fsdp"
+    assert hsdp.meshkit_plan() == "hsdp" and full.meshkit_plan() == "fsdp"
     phi = full.memory["parameters"] * 128 / 2  # bf16 parameters, sharded 128 ways
     state = zero_memory(phi, 8, "zero3", job.convention)
     assert hsdp.memory["optimizer"] == pytest.approx(state.optimizer)
     gathers = (7 / 8) * 3 * 2 * phi  # bf16: two gathers and a reduce-scatter over 8
-    assert hsdp.comm_bytes["data"] == pytest.approx(gathers + ring_traffic("all-reduce", 2 * phi / 8, 16))
-    assert hsdp.crosses_hosts["data"]
+    assert hsdp.comm_bytes["data"] == pytest.approx(gathers)  # within a host
+    assert hsdp.comm_bytes["replica"] == pytest.approx(ring_traffic("all-reduce", 2 * phi / 8, 16))
+    assert hsdp.crosses_hosts["replica"] and not hsdp.crosses_hosts["data"]
     # on slow links between hosts, replicating across them is the faster choice
     slow = Cluster(
         hardware=dataclasses.replace(hardware("a100-80gb"), inter_host_bytes_per_s=3e9), devices=128
@@ -226,7 +227,7 @@ def test_plan_shard_group_through_the_command(capsys):
     code, out, _ = run(capsys, *base, "--shard-group", "8")
     assert code == 0
     (p,) = json.loads(out)["layouts"]
-    assert p["shard_group"] == 8 and p["label"].endswith("hsdp=8") and p["meshkit_plan"] is None
+    assert p["shard_group"] == 8 and p["label"].endswith("hsdp=8") and p["meshkit_plan"] == "hsdp"
     code, out, err = run(capsys, *base[:-1], "--shard-group", "3")
     assert code == 2 and "does not divide dp=128" in err and len(err.strip().splitlines()) == 1
     code, out, err = run(capsys, "plan", "--model", "gpt2-124m", "--shard-group", "8")

@@ -20,9 +20,11 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 
-DATA, MODEL, STAGE = "data", "model", "stage"
-"""The mesh axes plans use: ZeRO/data parallelism, tensor parallelism, pipeline stages."""
-AXES = (STAGE, DATA, MODEL)
+DATA, MODEL, STAGE, REPLICA = "data", "model", "stage", "replica"
+"""The mesh axes plans use: ZeRO/data parallelism, tensor parallelism, pipeline stages, and the
+replicas of hybrid sharding (HSDP: the batch split over ``replica`` x ``data``, ZeRO-3 within
+``data``, replicated across ``replica``)."""
+AXES = (STAGE, REPLICA, DATA, MODEL)
 """Every axis a plan may use, in the order meshes are written (outermost first)."""
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
@@ -62,14 +64,24 @@ class Plan:
     """Whether tensor-parallel rules shard leaves on the model axis (Megatron column/row)."""
     pipeline: bool = False
     """Whether the stacked layers of a ``meshkit.Stages`` model are split over the stage axis."""
+    hybrid: bool = False
+    """Whether the batch is split over a ``replica`` axis too, across which the data axis's shards
+    are replicated (HSDP): gradients reduce-scattered over ``data``, then their shards all-reduced
+    over ``replica``."""
     default_mesh: str
     """The mesh when none is given (``-1``: every device left)."""
 
     @property
     def needs(self) -> tuple[str, ...]:
         """Mesh axes the plan requires."""
-        used = ((DATA, self.data), (MODEL, self.tensor), (STAGE, self.pipeline))
+        used = ((REPLICA, self.hybrid), (DATA, self.data), (MODEL, self.tensor), (STAGE, self.pipeline))
         return tuple(axis for axis, on in used if on)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (outermost first): the data axis, and under hybrid
+        sharding the replica axis before it."""
+        return tuple(axis for axis in (REPLICA, DATA) if axis in self.needs)
 
     @property
     def level(self) -> int:
@@ -116,10 +128,13 @@ def _plans() -> dict[str, Plan]:
         ("dp+tp+pp", True, "dp", True, True, "stage=2,data=-1,model=2"),
         ("fsdp+tp+pp", True, "zero3", True, True, "stage=2,data=-1,model=2"),
     ]
-    return {
+    plans = {
         name: Plan(name=name, data=d, zero=z, tensor=t, pipeline=p, default_mesh=m)
         for name, d, z, t, p, m in rows
     }
+    # hybrid sharded data parallel: ZeRO-3 within a group (data), replicated across groups (replica)
+    plans["hsdp"] = Plan(name="hsdp", data=True, zero="zero3", hybrid=True, default_mesh="replica=2,data=-1")
+    return plans
 
 
 PLANS: dict[str, Plan] = _plans()
@@ -137,9 +152,12 @@ def get_plan(name: str | Plan) -> Plan:
     return PLANS[name]
 
 
-def plan_for(zero: int, *, data: bool, tensor: bool, pipeline: bool) -> str | None:
+def plan_for(zero: int, *, data: bool, tensor: bool, pipeline: bool, hybrid: bool = False) -> str | None:
     """The plan of a ZeRO stage (0-3) combined with tensor and pipeline parallelism, or None where
-    meshkit has none (ZeRO-1/2 combine with neither; ZeRO over a data axis of one device)."""
+    meshkit has none (ZeRO-1/2 combine with neither; ZeRO over a data axis of one device). ``hybrid``:
+    ZeRO-3 within groups of the data-parallel devices, replicated across them (hsdp, alone)."""
+    if hybrid:
+        return "hsdp" if zero == 3 and data and not tensor and not pipeline else None
     if not data and zero:
         return None
     parts = [{0: "dp", 1: "zero1", 2: "zero2", 3: "fsdp"}[zero]] if data else []
@@ -160,7 +178,7 @@ def check_axes(plan: Plan, sizes: dict[str, int]) -> None:
     for axis, size in sizes.items():
         if axis not in plan.needs and size != 1:
             hints = {MODEL: "dp+tp or fsdp+tp", STAGE: f"a pipeline plan ({', '.join(PIPELINE_PLANS)})",
-                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else ""}  # fmt: skip
+                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "", REPLICA: "plan hsdp"}  # fmt: skip
             hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
 
@@ -300,11 +318,13 @@ class ParallelSpec:
         return {axis: int(sizes.get(axis, 1)) for axis in AXES}
 
     def check_examples(self, examples: int, data: int, microbatches: int) -> None:
-        """A global batch of ``examples`` must split over the data axis, then into micro-batches."""
+        """A global batch of ``examples`` must split over the data axis (``data``: the devices the batch
+        is split over, replica x data under hybrid sharding), then into micro-batches."""
         what = "microbatches" if self.plan_info.pipeline else "accumulate"
+        axes = " x ".join(self.plan_info.batch_axes) or DATA
         if examples % (data * microbatches):
             raise PlanError(
-                f"batch of {examples} examples does not divide over data={data} x {what}={microbatches}; "
+                f"batch of {examples} examples does not divide over {axes}={data} x {what}={microbatches}; "
                 f"use a multiple of {data * microbatches}"
             )
 

@@ -411,8 +411,9 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         mem.append([f"usable ({hw.name})", fmt_bytes(p.limit_bytes, decimal=True)])
         console.print(table("Memory per device", ["component", "bytes"], mem))
         comm = [[axis, fmt_bytes(p.comm_bytes[axis], decimal=True), "yes" if p.crosses_hosts[axis] else "no",
-                 f"{p.parts['comm_' + name]:.3f} s"]
-                for axis, name in (("model", "model"), ("data", "data"), ("stage", "stage"))]  # fmt: skip
+                 f"{p.parts['comm_' + name]:.3f} s" if axis == name else f"(with {name})"]
+                for axis, name in (("model", "model"), ("data", "data"), ("replica", "data"), ("stage", "stage"))
+                if axis in p.comm_bytes]  # fmt: skip
         console.print(
             table("Communication per device per step", ["axis", "bytes", "crosses hosts", "exposed"], comm)
         )

@@ -42,7 +42,7 @@ def train(
         str | None,
         _opt(
             "plan",
-            "dp, zero1, zero2, zero3/fsdp, tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; "
+            "dp, zero1, zero2, zero3/fsdp, hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; "
             "auto: the planner's fastest predicted layout for this GPT on the devices present.",
         ),
     ] = None,

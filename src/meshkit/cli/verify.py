@@ -16,7 +16,7 @@ def verify(
     plan: Annotated[
         str,
         typer.Option(
-            help="dp, zero1, zero2, zero3 (fsdp), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."
+            help="dp, zero1, zero2, zero3 (fsdp), hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."
         ),
     ] = "dp",
     model: Annotated[

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
-from meshkit.spec import DATA, MODEL, STAGE, ParallelSpec, check_remat, check_schedule, plan_for
+from meshkit.spec import DATA, MODEL, REPLICA, STAGE, ParallelSpec, check_remat, check_schedule, plan_for
 
 __all__ = ["Layout", "ModelShape"]
 
@@ -37,15 +37,25 @@ class Layout:
     virtual_stages: int = 1
     remat: str = "none"
     """Activation checkpointing (``meshkit.spec.REMAT_POLICIES``, or an alias other tools use)."""
+    shard_group: int = 0
+    """ZeRO-3 over groups of this many data-parallel devices, replicated across the dp / shard_group
+    groups (hybrid sharding: meshkit's plan hsdp on mesh ``replica=dp/g,data=g``); 0: all of dp."""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise MeshkitError(f"layout {name}={getattr(self, name)}: must be at least 1")
+        if self.shard_group < 0:
+            raise MeshkitError(f"layout shard_group={self.shard_group}: give 0 (all of dp) or a group size")
         if self.zero not in (0, 1, 2, 3):
             raise MeshkitError(f"layout zero={self.zero}: choose 0, 1, 2 or 3")
         object.__setattr__(self, "remat", check_remat(self.remat))  # the spec's checks and messages
         check_schedule(self.schedule, self.virtual_stages)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO-3 shards over groups smaller than dp (and replicates across them)."""
+        return self.zero == 3 and 0 < self.shard_group < self.dp
 
     @property
     def devices(self) -> int:
@@ -70,11 +80,14 @@ class Layout:
 
     def meshkit_plan(self) -> str | None:
         """The meshkit plan that executes this layout, or None where meshkit has none."""
-        return plan_for(self.zero, data=self.dp > 1, tensor=self.tp > 1, pipeline=self.pp > 1)
+        return plan_for(
+            self.zero, data=self.dp > 1, tensor=self.tp > 1, pipeline=self.pp > 1, hybrid=self.hybrid
+        )
 
     def mesh_spec(self) -> str:
         """meshkit's mesh string for this layout, axes named as the plans name them."""
-        axes = [(STAGE, self.pp), (DATA, self.dp), (MODEL, self.tp)]
+        g = self.shard_group if self.hybrid else self.dp
+        axes = [(STAGE, self.pp), (REPLICA, self.dp // g), (DATA, g), (MODEL, self.tp)]
         kept = [f"{k}={v}" for k, v in axes if v > 1] or ["data=1"]
         return ",".join(kept)
 
@@ -94,7 +107,8 @@ class Layout:
         plan = self.meshkit_plan()
         if plan is None:
             raise MeshkitError(
-                f"meshkit has no plan for {self.label()} (ZeRO-1/2 combine with neither tp nor pp)"
+                f"meshkit has no plan for {self.label()} (ZeRO-1/2 combine with neither tp nor pp; hybrid "
+                f"sharding runs ZeRO-3 alone)"
             )
         m = self.microbatches(global_batch)
         pipe = self.pp > 1
@@ -112,6 +126,8 @@ class Layout:
             text += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         if self.remat != "none":
             text += f" remat={self.remat}"
+        if self.hybrid:
+            text += f" hsdp={self.shard_group}"
         return text
 
     def to_json(self) -> dict:

@@ -108,7 +108,8 @@ class Prediction:
     limit_bytes: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)
     comm_bytes: dict[str, float] = field(default_factory=dict)
-    """Ring-model bytes each device sends per step, by mesh axis (data, model, stage)."""
+    """Ring-model bytes each device sends per step, by mesh axis (data, model, stage; under hybrid
+    sharding data within the shard group and replica across the groups)."""
     crosses_hosts: dict[str, bool] = field(default_factory=dict)
     bubble: float = 0.0
     microbatches: int = 0
@@ -134,12 +135,12 @@ class Prediction:
         return 0 < self.shard_group < self.layout.dp
 
     def label(self) -> str:
-        """The layout's label, with ``hsdp=g`` where ZeRO-3 shards over groups of g replicas."""
-        return self.layout.label() + (f" hsdp={self.shard_group}" if self.hybrid else "")
+        """The layout's label (``hsdp=g`` where ZeRO-3 shards over groups of g replicas)."""
+        return self.layout.label()
 
     def meshkit_plan(self) -> str | None:
-        """The meshkit plan that runs it (none for hybrid sharding yet)."""
-        return None if self.hybrid else self.layout.meshkit_plan()
+        """The meshkit plan that runs it (hsdp for hybrid sharding), or None where meshkit has none."""
+        return self.layout.meshkit_plan()
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -152,7 +153,7 @@ class Prediction:
         return out
 
 
-def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job, shard_group: int = 0) -> str | None:
+def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str | None:
     """Why the layout cannot run this model on this cluster, or None."""
     if layout.devices != cluster.devices:
         return f"dp*tp*pp = {layout.devices}, not the {cluster.devices} devices"
@@ -174,11 +175,14 @@ def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job, shard_g
         return "virtual stages need pp > 1"
     if layout.zero and layout.dp == 1:
         return f"zero{layout.zero} over a data axis of one device shards nothing: use zero=0"
-    if shard_group and shard_group != layout.dp:
-        if layout.zero != 3 or job.runtime == "meshkit":
-            return f"hybrid sharding (shard group {shard_group}) shards ZeRO-3 in the standard runtime only"
-        if shard_group < 1 or layout.dp % shard_group:
-            return f"shard group {shard_group} does not divide dp={layout.dp}"
+    g = layout.shard_group
+    if g and g != layout.dp:
+        if layout.zero != 3:
+            return f"hybrid sharding (shard group {g}) shards ZeRO-3: use zero=3"
+        if layout.dp % g:
+            return f"shard group {g} does not divide dp={layout.dp}"
+        if job.runtime == "meshkit" and (layout.tp > 1 or layout.pp > 1):
+            return f"meshkit's hybrid sharding (plan hsdp, shard group {g}) runs without tp or pp"
     return None
 
 
@@ -231,7 +235,7 @@ class _Step:
         return (2 + self.recompute) * self.per_stage * self.layer_fwd / (self.peak_flops * self.eff)
 
 
-def _setup(shape, layout, cluster, job, calibration, shard_group) -> _Step:
+def _setup(shape, layout, cluster, job, calibration) -> _Step:
     hw, lay = cluster.hardware, layout
     stack_for(job, hw)
     tp, pp, v = lay.tp, lay.pp, lay.virtual_stages
@@ -257,7 +261,7 @@ def _setup(shape, layout, cluster, job, calibration, shard_group) -> _Step:
     if lay.remat == "dots":  # the elementwise ops recomputed: their activations written and read again
         t_mb += per_stage * 2 * (acts[0] - acts[1]) / hw.hbm_bytes_per_s
     return _Step(shape=shape, layout=lay, cluster=cluster, job=job, m=m, per_stage=per_stage, tokens_mb=tokens_mb,
-                 phi=phi, top_params=top_params, stage_layers=stage_layers, shard=shard_group or lay.dp,
+                 phi=phi, top_params=top_params, stage_layers=stage_layers, shard=lay.shard_group or lay.dp,
                  recompute=recompute, layer_fwd=layer_fwd, peak_flops=peak_flops, eff=eff, eff_source=source,
                  t_mb=t_mb, activations=acts)  # fmt: skip
 
@@ -289,7 +293,7 @@ def _memory(s: _Step):
         from meshkit.planner import runtime
 
         memory = runtime.memory(
-            s.shape, lay, job, layer_params(s.shape, lay.tp), s.top_params, s.per_stage, s.m
+            s.shape, lay, job, layer_params(s.shape, lay.tp), s.top_params, s.per_stage, s.m, shard=s.shard
         )
     return memory, state
 
@@ -355,6 +359,8 @@ class _Flow:
     size: int
     window: float
     edge: float
+    axis: str = "data"
+    """The mesh axis it runs over: data, or hybrid sharding's replica (across the shard groups)."""
 
 
 def _data_flows(s: _Step) -> list[_Flow]:
@@ -365,8 +371,8 @@ def _data_flows(s: _Step) -> list[_Flow]:
         return []
     stage = ZERO_STAGES[lay.zero]
     grad_b, param_b, f = conv.grad * s.phi, conv.param * s.phi, (dp - 1) / dp
-    flow = lambda nbytes, count, window, edge, op="all-gather", stride=tp, size=dp: _Flow(  # noqa: E731
-        nbytes=nbytes, count=count, op=op, stride=stride, size=size, window=window, edge=edge
+    flow = lambda nbytes, count, window, edge, op="all-gather", stride=tp, size=dp, axis="data": _Flow(  # noqa: E731
+        nbytes=nbytes, count=count, op=op, stride=stride, size=size, window=window, edge=edge, axis=axis
     )
     if stage == "dp":
         return [flow(2 * f * grad_b, L, s.window, 1 / L, op="all-reduce")]
@@ -384,9 +390,16 @@ def _data_flows(s: _Step) -> list[_Flow]:
         # parameters' dtype; compiled bf16 1.3 B at 64 devices, data axis 2.00 -> 1.00)
         gathers = 1 if lay.remat == "none" else 2
         e = 4 if tp > 1 else s.job.act_bytes
-        nbytes = f * (s.top_params * e + m * gathers * (s.phi - s.top_params) * e + m * s.phi * e)
+        fg = (g - 1) / g  # hsdp: within the shard group
+        nbytes = fg * (s.top_params * e + m * gathers * (s.phi - s.top_params) * e + m * s.phi * e)
         count = 1 + m * (gathers + 1) * L
-        return [flow(nbytes, count, hidden, 2 / count)]
+        flows = [flow(nbytes, count, hidden, 2 / count, size=g)]
+        if g < dp:  # hsdp: the float32 gradient shards all-reduced across the dp / g groups once, after
+            # the micro-batch loop (one all-reduce, XLA combines them): nothing hides it
+            r = dp // g
+            flows.append(flow(ring_traffic("all-reduce", 4 * s.phi / g, r), 1, hidden, 1.0, op="all-reduce",
+                              stride=tp * g, size=r, axis="replica"))  # fmt: skip
+        return flows
     units = (9 if s.shape.gated else 12) if STACKS[s.job.stack].zero3_per_tensor else 1  # tensors a layer has
     count = 3 * m * L * units  # gathered for the forward, again for the backward, gradients reduce-scattered
     fg = (g - 1) / g
@@ -394,7 +407,7 @@ def _data_flows(s: _Step) -> list[_Flow]:
     if g < dp:  # hybrid: each shard's gradient all-reduced across the dp / g groups
         r = dp // g
         flows.append(flow(ring_traffic("all-reduce", grad_b / g, r), L, s.window, 1 / L, op="all-reduce",
-                          stride=tp * g, size=r))  # fmt: skip
+                          stride=tp * g, size=r, axis="replica"))  # fmt: skip
     return flows
 
 
@@ -406,6 +419,12 @@ def _exposed(s: _Step, flow: _Flow, cal: Calibration) -> tuple[float, bool]:
     hideable = t * (1 - flow.edge)
     exposed = t * flow.edge + max(0.0, hideable - flow.window) + tax * min(hideable, flow.window)
     return exposed, crosses_hosts(flow.stride, flow.size, c)
+
+
+def _by_axis(flows: list[_Flow], values: list, combine) -> dict:
+    """``combine`` of each data-parallel axis's values: data always, replica under hybrid sharding."""
+    axes = ["data"] + (["replica"] if any(fl.axis == "replica" for fl in flows) else [])
+    return {a: combine(v for fl, v in zip(flows, values, strict=True) if fl.axis == a) for a in axes}
 
 
 def predict(
@@ -420,11 +439,13 @@ def predict(
     """The cost of ``layout`` for ``shape`` on ``cluster`` running ``job`` (see the module docstring);
     ``calibration`` replaces ``CALIBRATION`` (calibration); ``shard_group`` shards ZeRO-3 over groups of
     that many data-parallel replicas and replicates across them (hybrid sharding; 0: all of dp)."""
-    why = check(shape, layout, cluster, job, shard_group)
+    if shard_group:
+        layout = layout.replace(shard_group=shard_group)
+    why = check(shape, layout, cluster, job)
     if why is not None:
         return Prediction(layout=layout, valid=False, fits=False, why=why)
     cal = calibration or CALIBRATION
-    s = _setup(shape, layout, cluster, job, cal, shard_group)
+    s = _setup(shape, layout, cluster, job, cal)
     memory, state = _memory(s)
     tp_bytes, t_tp_mb = _model_axis(s)
     pp_bytes, t_pp = _stage_axis(s)
@@ -461,8 +482,9 @@ def predict(
     return Prediction(
         layout=layout, valid=True, fits=why is None, why=why, shard_group=s.shard if lay.zero == 3 else 0,
         peak_bytes=peak, limit_bytes=limit, memory=memory,
-        comm_bytes={"data": sum(fl.nbytes for fl in flows), "model": s.m * tp_bytes, "stage": pp_bytes},
-        crosses_hosts={"data": any(x for _, x in exposed), "model": crosses_hosts(1, lay.tp, cluster),
+        comm_bytes={**_by_axis(flows, [fl.nbytes for fl in flows], sum),
+                    "model": s.m * tp_bytes, "stage": pp_bytes},
+        crosses_hosts={**_by_axis(flows, [x for _, x in exposed], any), "model": crosses_hosts(1, lay.tp, cluster),
                        "stage": crosses_hosts(lay.tp * lay.dp, lay.pp, cluster)},
         bubble=bub, microbatches=s.m, step_time_s=step, parts=parts, tokens_per_s=tokens / step,
         mfu=model_flops / per_device / s.peak_flops, hfu=hw_flops / per_device / s.peak_flops,

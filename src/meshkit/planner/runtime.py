@@ -153,18 +153,20 @@ def _depends(jaxpr, inputs: list[bool]) -> list[bool]:
 
 
 def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_params: float,
-           layers_here: int, microbatches: int) -> dict[str, float]:  # fmt: skip
-    """Per-device bytes at the step's peak by component (they sum to the peak)."""
-    n, zero3 = layout.dp, layout.zero == 3 and layout.dp > 1
+           layers_here: int, microbatches: int, shard: int = 0) -> dict[str, float]:  # fmt: skip
+    """Per-device bytes at the step's peak by component (they sum to the peak); ``shard``: the devices
+    ZeRO shards over (hybrid sharding's group; 0: all of dp)."""
+    n = shard or layout.dp
+    zero3 = layout.zero == 3 and n > 1
     b = _Bytes(layer=layers_here * params_per_layer * 4, top=top_params * 4, layers=layers_here)
     at_rest = {
         "params": M.at_rest(b.total, b.total, n, zero3),  # every leaf of the GPT splits over data
         "optimizer": 2 * M.at_rest(b.total, b.total, n, layout.zero >= 1),  # AdamW's two float32 moments
-        "batch": 2 * 4 * job.global_batch * shape.seq / n,
+        "batch": 2 * 4 * job.global_batch * shape.seq / layout.dp,
     }
     if layout.pp > 1:
         return _pipeline(shape, layout, job, b, microbatches, zero3, at_rest)
-    return _step(shape, layout, job, b, microbatches, zero3, at_rest)
+    return _step(shape, layout, job, b, microbatches, zero3, at_rest, n)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -231,7 +233,9 @@ def _pipeline(
     return _parts(at_rest, backward, 2 * b.total, b.total, activations, gathered)
 
 
-def _step(shape, layout, job, b: _Bytes, microbatches: int, zero3: bool, at_rest: dict) -> dict[str, float]:
+def _step(
+    shape, layout, job, b: _Bytes, microbatches: int, zero3: bool, at_rest: dict, n: int
+) -> dict[str, float]:
     """Without a pipeline: a scan over micro-batches around the layers' forward scan, the head, and
     the layers' backward scan. The plan's terms are ``plans.memory``'s rules (the same the peak report
     uses); the activations are counted from the block's residuals.
@@ -248,7 +252,7 @@ def _step(shape, layout, job, b: _Bytes, microbatches: int, zero3: bool, at_rest
     differentiated, its parameters and the recomputed residuals (the gradient is written matrix by
     matrix as the recomputed values die), whichever moment is larger. The head's backward computes the
     gradient of the leaves outside layers: with a whole accumulator it is added as it comes."""
-    n, remat, m = layout.dp, layout.remat != "none", microbatches
+    remat, m = layout.remat != "none", microbatches  # n: the devices ZeRO shards over
     saved, weights, layer_in, head = residuals(
         shape, layout.microbatch_size, layout.tp, job.precision, layout.remat
     )

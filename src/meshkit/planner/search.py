@@ -68,7 +68,8 @@ def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
 def shard_groups(layout: Layout, cluster: Cluster, job: Job) -> list[int]:
     """ZeRO-3's shard groups worth pricing: all of dp (0), and where dp spans hosts with k > 1 of its
     devices on each, the k within a host (hybrid sharding)."""
-    if layout.zero != 3 or job.runtime == "meshkit" or not crosses_hosts(layout.tp, layout.dp, cluster):
+    meshkit_2d = job.runtime == "meshkit" and (layout.tp > 1 or layout.pp > 1)  # hsdp runs alone
+    if layout.zero != 3 or meshkit_2d or not crosses_hosts(layout.tp, layout.dp, cluster):
         return [0]
     k = cluster.devices_per_host // layout.tp
     return [0, k] if 1 < k < layout.dp and layout.dp % k == 0 else [0]

@@ -12,7 +12,10 @@ the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on on
   parameters then live through the accumulation, which the memory report shows as temporaries);
   where the loss has layers (``_fsdp``), the layers' parameters are instead gathered per layer and
   micro-batch, and once more in the backward pass under remat;
-- leaves a ZeRO plan keeps whole: one all-reduce over data;
+- leaves a ZeRO plan keeps whole: one all-reduce over data (over replica x data under hsdp);
+- hsdp (``replica`` x ``data``): zero3's collectives over data, within each group of the replica
+  axis, and once per step an all-reduce over replica of the gradient shards (P / N bytes, the
+  parameters' dtype: the shards are summed after the micro-batch loop);
 - tensor parallel, per micro-batch: every row-parallel matrix (model axis on its rows) all-reduces
   its output partial sums in the forward pass (tokens x output width), and every column-parallel
   matrix (model axis on its columns) all-reduces the partial sums of its input gradient in the
@@ -44,7 +47,7 @@ from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
 from meshkit.plans.placement import LeafPlacement, Placement
-from meshkit.spec import DATA, MODEL
+from meshkit.spec import DATA, MODEL, REPLICA
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +98,21 @@ def expected_collectives(
             )  # fmt: skip
 
     leaves = placement.flat()
+    replicas = placement.replica_size
+    if replicas > 1:  # hsdp: each data shard's gradient (the parameters' dtype), once per step
+        shard = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None) / n
+        add("all-reduce", REPLICA, 1, shard, replicas, "gradient shards, across the replicas")
+    if n > 1 or replicas > 1:
+        whole_axes = "+".join(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
+        whole = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is None)
+        add(
+            "all-reduce",
+            whole_axes,
+            1,
+            whole,
+            placement.batch_devices,
+            "gradients of leaves kept whole on data",
+        )
     if n > 1:
         sharded = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None)
         if gather_itemsize is not None and stage == "zero3":
@@ -103,14 +121,12 @@ def expected_collectives(
                 for x in leaves
                 if x.data_dim is not None
             )
-        whole = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is None)
 
         def gathered(
             x: LeafPlacement,
         ) -> int:  # bytes of one leaf's all-gather (the compute dtype's under zero3)
             return _model_bytes(x, placement) * (gather_itemsize or _itemsize(x)) // _itemsize(x)
 
-        add("all-reduce", DATA, 1, whole, n, "gradients of leaves kept whole on data")
         if stage == "zero1":
             add("reduce-scatter", DATA, 1, sharded, n, "gradients, once after accumulation")
             add("all-gather", DATA, 1, sharded, n, "updated parameters")

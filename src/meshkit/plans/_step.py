@@ -9,6 +9,9 @@ data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
          emits that same single all-reduce);
 - zero1: local sum, then one reduce-scatter (every device holds full local gradients, as ZeRO-1);
 - zero2: one reduce-scatter per micro-batch into a sharded accumulator;
+- hsdp:  zero3 within each group of the ``data`` axis, the batch split over ``replica`` x ``data``
+         (the region manual over both); after the micro-batch loop each gradient shard is
+         all-reduced over ``replica`` (P / N bytes, one all-reduce once XLA combines them);
 - zero3: where the loss has layers (a ``lax.scan`` over stacked leaves, or blocks marked with
   ``meshkit.layer``), each layer gathers its parameters inside and reduce-scatters their gradients
   in its backward pass (``_fsdp``); every other leaf is all-gathered before each micro-batch's
@@ -47,7 +50,7 @@ from meshkit.plans import _buckets as buckets
 from meshkit.plans import _fsdp, _rng
 from meshkit.plans._manual import manual_data
 from meshkit.plans.placement import Placement
-from meshkit.spec import DATA, PlanError
+from meshkit.spec import DATA, REPLICA, PlanError
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -78,10 +81,16 @@ def _finish(acc: Any, placement: Placement, scatter_now: bool, scale: float) -> 
         acc = _scatter(acc, placement)
     grads = jax.tree.leaves(acc)
     whole = [i for i, leaf in enumerate(placement.flat()) if leaf.data_dim is None]
-    if whole and placement.data_size > 1:  # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1)
+    # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1); hsdp: whole leaves over replica x data
+    axes = tuple(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
+    if whole and axes:
         specs = [buckets.model_spec(placement.flat()[i]) for i in whole]
-        summed = buckets.manual_sum(lambda t: lax.psum(t, DATA), [grads[i] for i in whole], specs)
+        summed = buckets.manual_sum(lambda t: lax.psum(t, axes), [grads[i] for i in whole], specs)
         for i, g in zip(whole, summed, strict=True):
+            grads[i] = g
+    if placement.replica_size > 1:  # hsdp: the data axis's shards, each all-reduced across the replicas
+        shards = [i for i, leaf in enumerate(placement.flat()) if leaf.data_dim is not None]
+        for i, g in zip(shards, lax.psum([grads[i] for i in shards], REPLICA), strict=True):
             grads[i] = g
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
 
@@ -146,15 +155,17 @@ def local_gradients(
     cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
     """
     low = compute_dtype is not None and placement.plan.gathers_in_compute_dtype
-    scale = 1.0 / (placement.data_size * accumulate)
+    scale = 1.0 / (placement.batch_devices * accumulate)
+    axes = placement.batch_axes  # (replica, data) under hsdp: the chunk's index is row-major over both
+    axis = axes if len(axes) > 1 else DATA
 
     def first_row(j, rows):
-        return (lax.axis_index(DATA) * accumulate + j) * rows
+        return (lax.axis_index(axis) * accumulate + j) * rows
 
     chunk = _chunk_grad(loss_fn, per, first_row)  # zero3: gathers per layer where the loss has layers
 
     def grad_fn(params, state, micro, key, j):
-        with manual_data(DATA):
+        with manual_data(axis):
             return chunk(_cast(params, compute_dtype) if low else params, state, micro, key, j)
 
     def scatter(g):  # per-layer leaves come back already reduce-scattered
@@ -173,9 +184,9 @@ def local_gradients(
             scatter_now=placement.plan.shards_optimizer and not placement.plan.shards_gradients,
             scale=scale,
         )
-        if placement.data_size == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
+        if placement.batch_devices == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
             return loss, aux, state, grads
-        mean = lambda t: buckets.manual_sum(lambda v: lax.pmean(v, DATA), t)  # noqa: E731
+        mean = lambda t: buckets.manual_sum(lambda v: lax.pmean(v, axis), t)  # noqa: E731
         return mean(loss), mean(aux), state, grads
 
     return run
@@ -208,7 +219,7 @@ def gradient_fn(
 
         return plain
     zero3 = placement.plan.shards_params
-    in_specs = (placement.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), P(DATA), P())
+    in_specs = (placement.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), placement.batch_spec(), P())
     out_specs = (
         P(),
         P(),
@@ -220,7 +231,7 @@ def gradient_fn(
         mesh=placement.mesh,
         in_specs=in_specs,
         out_specs=out_specs,
-        axis_names={DATA},
+        axis_names=set(placement.batch_axes),
         check_vma=False,  # collectives are written out explicitly; no implicit psum on transpose
     )
 

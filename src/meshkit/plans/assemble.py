@@ -70,7 +70,7 @@ class Assembled:
 
     def check_examples(self, examples: int) -> None:
         """Raise unless a global batch of ``examples`` divides over the data axis and micro-batches."""
-        self.spec.check_examples(examples, self.data_size, self.microbatches)
+        self.spec.check_examples(examples, self.placement.batch_devices, self.microbatches)
 
     def abstract_args(self, params: Any, batch: Any, state: Any = None) -> tuple:
         """The step's arguments as abstract values with their shardings, from parameter and batch
@@ -134,7 +134,7 @@ def assemble(
     shardings = StepShardings(
         params=jax.tree.map(lambda s: NamedSharding(mesh, s), placement.param_specs(), is_leaf=lambda x: isinstance(x, P)),
         opt_state=state_shardings(optimizer, params, placement),
-        batch=NamedSharding(mesh, P(DATA) if DATA in mesh.shape else P()),
+        batch=NamedSharding(mesh, placement.batch_spec()),
         scalar=replicated,
         state=jax.tree.map(lambda _: replicated, state),
     )  # fmt: skip

@@ -91,14 +91,17 @@ def gathered_top(bucketed: float, alone: float, whole: float, *, gather_ratio: f
     return per_leaf * bucketed + 2 * gather_ratio * alone + whole
 
 
-def zero3_all_shards_alive(*, global_norm: bool, scan: bool, remat: str, microbatches: int) -> bool:
+def zero3_all_shards_alive(
+    *, global_norm: bool, scan: bool, remat: str, microbatches: int, hybrid: bool = False
+) -> bool:
     """Whether every layer's gradient shard is alive at once under ZeRO-3: where the step takes their
     global norm before updating, a scan writes them as one stacked output, ``regather``'s per-leaf
-    reduce-scatters are scheduled at the step's end, or they are summed into the micro-batch loop's
-    accumulator. Otherwise XLA updates each layer's shards into the donated parameter and optimizer
+    reduce-scatters are scheduled at the step's end, they are summed into the micro-batch loop's
+    accumulator, or (``hybrid``, hsdp) all-reduced across the replicas after the backward pass, which
+    XLA combines into one all-reduce of every shard. Otherwise XLA updates each layer's shards into the donated parameter and optimizer
     buffers as they arrive, and one layer's shard is alive at a time (its live range spans ~17 of
     ~1300 instructions at 4 layers)."""
-    return global_norm or scan or remat == "regather" or microbatches > 1
+    return global_norm or scan or remat == "regather" or microbatches > 1 or hybrid
 
 
 def zero3_layers_held(layers_b: float, one_layer: float, n: int, *, scan: bool, remat: str) -> float:

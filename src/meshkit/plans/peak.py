@@ -220,9 +220,8 @@ def predict_peak(
     sizes = [nbytes(x) / placement.split(leaf) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)]
     total = sum(sizes)
     sharded = sum(size for size, leaf in zip(sizes, flat, strict=True) if leaf.data_dim is not None)
-    micro = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct((s.shape[0] // (n * accumulate), *s.shape[1:]), s.dtype), batch
-    )
+    rows = placement.batch_devices * accumulate  # (hsdp: the batch is split over replica x data)
+    micro = jax.tree.map(lambda s: jax.ShapeDtypeStruct((s.shape[0] // rows, *s.shape[1:]), s.dtype), batch)
     extra = step_extra(state, micro, key)
     loss_fn = pair(loss_fn)
     if per.found is None:  # the step was not traced yet: trace the loss once for its layers
@@ -234,7 +233,7 @@ def predict_peak(
     persistent = (
         M.at_rest(total, sharded, n, zero3)
         + memory_formula(placement, optimizer, params)["optimizer"]
-        + nbytes(batch) / n
+        + nbytes(batch) / placement.batch_devices
     )
     activations = _activations(loss_fn, per, params, extra)
     scan = found.mode == "scan"
@@ -257,7 +256,11 @@ def predict_peak(
     layer_b = sum(sizes[i] for i in layer)
     per_layer_b = layer_b / found.layers if layer else 0.0
     at_once = M.zero3_all_shards_alive(
-        global_norm=per.global_norm, scan=scan, remat=per.remat, microbatches=accumulate
+        global_norm=per.global_norm,
+        scan=scan,
+        remat=per.remat,
+        microbatches=accumulate,
+        hybrid=placement.replica_size > 1,
     )
     top = [(sizes[i], flat[i]) for i in range(len(sizes)) if i not in layer]
     gathered = M.gathered_top(

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshkit.spec import DATA, MODEL, Plan, PlanError, check_axes
+from meshkit.spec import DATA, MODEL, REPLICA, Plan, PlanError, check_axes
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out); so do grouped-query
@@ -108,6 +108,28 @@ class Placement:
     @property
     def has_data_axis(self) -> bool:
         return DATA in self.mesh.shape
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (``Plan.batch_axes``, those the mesh has)."""
+        return tuple(a for a in self.plan.batch_axes if a in self.mesh.shape) or (
+            (DATA,) if self.has_data_axis else ()
+        )
+
+    @property
+    def replica_size(self) -> int:
+        """Hybrid sharding's replicas (the ``replica`` axis): groups holding the same shards."""
+        return int(self.mesh.shape.get(REPLICA, 1))
+
+    @property
+    def batch_devices(self) -> int:
+        """Devices the batch is split over: the data axis, times the replicas under hybrid sharding."""
+        return self.data_size * self.replica_size
+
+    def batch_spec(self) -> P:
+        """The batch's PartitionSpec: its rows over the batch axes."""
+        axes = self.batch_axes
+        return P(axes if len(axes) > 1 else axes[0]) if axes else P()
 
     def split(self, leaf: LeafPlacement) -> int:
         """Devices the leaf's non-data spec splits it over (the model axis; a pipeline's stage axis)."""

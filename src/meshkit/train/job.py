@@ -20,7 +20,7 @@ from meshkit.data import Batches, Corpus, load
 from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
 from meshkit.plans.placement import vocab_rules
-from meshkit.spec import DATA
+from meshkit.spec import DATA, REPLICA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
@@ -187,13 +187,15 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
 
     try:
         sizes = spec.degrees(devices)
-        dp, pipe = sizes.get(DATA, 1), spec.plan_info.pipeline
+        group, replicas = sizes.get(DATA, 1), sizes.get(REPLICA, 1)  # hsdp: the batch over replica x data
+        dp, pipe = group * replicas, spec.plan_info.pipeline
         steps = (spec.microbatches or sizes.get("stage", 1)) if pipe else spec.accumulate
         if cfg.batch_size % (dp * steps):
             return  # the batch check says so, in its own words
         layout = Layout(dp=dp, tp=sizes.get("model", 1), pp=sizes.get("stage", 1), zero=spec.plan_info.level,
                         microbatch_size=cfg.batch_size // (dp * steps), schedule=spec.schedule_name,
-                        virtual_stages=spec.virtual_stages, remat=spec.remat)  # fmt: skip
+                        virtual_stages=spec.virtual_stages, remat=spec.remat,
+                        shard_group=group if replicas > 1 else 0)  # fmt: skip
         hw, _ = hardware_of(jax.devices()[0].device_kind)
         n = layout.devices
         job = PlannerJob(
