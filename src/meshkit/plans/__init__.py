@@ -9,6 +9,8 @@ collectives), ``_pipeline`` and ``_schedule`` (pipelines); tensor parallelism is
 rules, partitioned by XLA.
 """
 
+from meshkit.plans._context import causal_attention, position_rows
+from meshkit.plans._context import positions as sequence_positions
 from meshkit.plans._dataflow import batch_fed, matmul_rows
 from meshkit.plans._expected import (
     CommRow,
@@ -51,6 +53,7 @@ __all__ = [
     "bubble_model",
     "build_schedule",
     "build_step",
+    "causal_attention",
     "compare_communication",
     "device_bytes",
     "expected_collectives",
@@ -60,7 +63,9 @@ __all__ = [
     "memory_formula",
     "place",
     "plot_schedule",
+    "position_rows",
     "remat_policy",
+    "sequence_positions",
     "spec_mesh",
     "state_shardings",
     "step_loss",
