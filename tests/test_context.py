@@ -5,9 +5,9 @@ input is one line with exit 2 through ``meshkit train``."""
 
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -109,7 +109,44 @@ def test_bad_inputs_are_refused_with_the_fix():
         ParallelSpec(plan="cp", mesh="data=8")
 
 
-def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "meshkit.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--context-attention", "all-to-all"], "all-to-all attention needs heads divisible by context=8, but the model has 4 heads"),
+        (["--seq-len", "24"], "sequence of 24 tokens does not split into 2 x context=8 equal chunks"),
+    ],
+    ids=["heads", "sequence"],
+)  # fmt: skip
+def test_meshkit_train_refuses_bad_context_input_in_one_line(tmp_path, options, message):
+    exe = str(Path(sys.executable).parent / "meshkit")
+    cmd = [exe, "train", "--preset", "tiny", "--plan", "cp", "--mesh", "context=8", "--steps", "1",
+           "--eval-every", "0", "--sample-chars", "0", "--run-dir", str(tmp_path / "run"), *options]  # fmt: skip
+    try:  # compiling on a busy 2-core machine takes a while; a hang fails the test instead of holding the suite
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"meshkit train {' '.join(options)} still ran after 300 s")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: " + message), proc.stderr
+
+
+def test_a_long_sequence_that_does_not_fit_a_budget_under_dp_fits_under_context_8():
+    """Per-device temporaries from ``memory_analysis`` of the compiled step (GPT, 2 layers, width 64,
+    8 heads, T = 512), each plan at its smallest batch: dp holds one whole sequence per device (8 in
+    all), context=8 an eighth of one sequence per device. A budget of 24 MiB: dp's step is over it,
+    cp's (ring and all-to-all) is under it, at about 1/8 of dp's."""
+    from meshkit.analysis import memory
+
+    t_len, budget = 512, 24 * 2**20
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=t_len, layers=2, width=64, heads=8)
+    params = gpt.init(jax.random.key(0), cfg)
+
+    def temp(plan, mesh, examples, form="ring"):
+        tokens = np.zeros((examples, t_len), np.int32)
+        spec = ParallelSpec(plan=plan, mesh=mesh, context_attention=form)
+        t = Trainer(gpt.make_loss(cfg), params, optax.sgd(1e-3), spec=spec)
+        return memory(t.compiled((tokens, tokens))).temp_bytes
+
+    dp = temp("dp", "data=8", 8)
+    ring, a2a = temp("cp", "context=8", 1), temp("cp", "context=8", 1, "all-to-all")
+    assert dp > budget > max(ring, a2a), (dp, ring, a2a)
+    assert ring < dp / 4 and a2a < dp / 4, (dp, ring, a2a)
