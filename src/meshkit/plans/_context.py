@@ -134,7 +134,9 @@ def _wide(dtype) -> jnp.dtype:
 
 
 def _repeat(x_bskh: jax.Array, heads: int) -> jax.Array:
-    return jnp.repeat(x_bskh, heads // x_bskh.shape[2], axis=2)
+    """Grouped key/value heads repeated to one per query head (as they are when there is one each)."""
+    groups = heads // x_bskh.shape[2]
+    return x_bskh if groups == 1 else jnp.repeat(x_bskh, groups, axis=2)
 
 
 def _dense(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_ts: jax.Array) -> jax.Array:
