@@ -30,7 +30,7 @@ from meshkit.plans._layers import abstract, analyse
 from meshkit.plans.assemble import Assembled, assemble
 from meshkit.plans.memory import PeakModel
 from meshkit.plans.placement import Placement
-from meshkit.spec import MODEL, ParallelSpec, get_plan
+from meshkit.spec import CONTEXT, MODEL, ParallelSpec, get_plan
 
 
 def step_extra(state: Any, micro: Any, key: Any = None) -> tuple:
@@ -220,9 +220,8 @@ def predict_peak(
     sizes = [nbytes(x) / placement.split(leaf) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)]
     total = sum(sizes)
     sharded = sum(size for size, leaf in zip(sizes, flat, strict=True) if leaf.data_dim is not None)
-    micro = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct((s.shape[0] // (n * accumulate), *s.shape[1:]), s.dtype), batch
-    )
+    c = int(placement.mesh.shape.get(CONTEXT, 1)) if placement.plan.context else 1
+    micro = jax.tree.map(lambda s: _device_rows(s, n * accumulate, c), batch)
     extra = step_extra(state, micro, key)
     loss_fn = pair(loss_fn)
     if per.found is None:  # the step was not traced yet: trace the loss once for its layers
@@ -234,7 +233,7 @@ def predict_peak(
     persistent = (
         M.at_rest(total, sharded, n, zero3)
         + memory_formula(placement, optimizer, params)["optimizer"]
-        + nbytes(batch) / n
+        + nbytes(batch) / (n * c)
     )
     activations = _activations(loss_fn, per, params, extra)
     scan = found.mode == "scan"
@@ -275,6 +274,15 @@ def predict_peak(
     return PeakModel(
         persistent=persistent, backward=backward + activations, update=update, activations=activations
     )
+
+
+def _device_rows(s: Any, rows: int, context: int) -> jax.ShapeDtypeStruct:
+    """One device's micro-batch of a batch leaf: 1/``rows`` of its examples and, under a context plan,
+    1/``context`` of each sequence (dim 1)."""
+    shape = (s.shape[0] // rows, *s.shape[1:])
+    if context > 1:
+        shape = (shape[0], shape[1] // context, *shape[2:])
+    return jax.ShapeDtypeStruct(shape, s.dtype)
 
 
 def _activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> float:

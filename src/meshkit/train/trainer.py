@@ -355,6 +355,8 @@ class Trainer:
         ledger = communication(compiled, mesh=self.mesh)
         n_examples = jax.tree.leaves(batch)[0].shape[0]
         per_example = self.tokens_per_example or 1
+        if self.tokens_per_example is None and self.plan.context:  # the sequence the context axis splits
+            per_example = jax.tree.leaves(batch)[0].shape[1]
         fed = frozenset()
         if (
             self.placement.model_size > 1
