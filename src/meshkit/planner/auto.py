@@ -27,7 +27,9 @@ from meshkit.planner.layout import Layout, ModelShape
 from meshkit.spec import PLANS, ParallelSpec, get_plan
 
 LADDER = tuple(
-    name for name, p in PLANS.items() if p.data and not (p.tensor or p.pipeline) and name != "zero3"
+    name
+    for name, p in PLANS.items()
+    if p.data and not (p.tensor or p.pipeline or p.context) and name != "zero3"
 )
 """The plans ``auto`` climbs for a loss without layers: dp, zero1, zero2, fsdp."""
 STATE_SHARE = 0.5
