@@ -1,12 +1,14 @@
-"""Parallel plans: data parallel, ZeRO-1/2/3 (FSDP), tensor parallel, pipelines, and their combinations.
+"""Parallel plans: data parallel, ZeRO-1/2/3 (FSDP), tensor parallel, pipelines, context parallel, and their
+combinations.
 
 What a plan is, and every allowed value, is ``meshkit.spec``'s. Here: ``place`` decides where every
 leaf lives, ``assemble`` builds a spec's jitted step (the one assembly the Trainer, the peak model
 and the planner's compile check share), ``expected_collectives`` and ``memory_formula`` say what it
 should cost and ``peak`` what it should hold at its peak. One module per technique: ``_step`` (the
 data axis, ZeRO stages), ``_fsdp`` (per-layer gathers and remat), ``_buckets`` (bucketed data-axis
-collectives), ``_pipeline`` and ``_schedule`` (pipelines); tensor parallelism is the placement's
-rules, partitioned by XLA.
+collectives), ``_pipeline`` and ``_schedule`` (pipelines), ``_context`` (context parallelism: the
+sequence split, and the causal attention the reference models call, ring or all-to-all); tensor
+parallelism is the placement's rules, partitioned by XLA.
 """
 
 from meshkit.plans._context import causal_attention, position_rows
