@@ -20,11 +20,11 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 
-DATA, MODEL, STAGE, REPLICA = "data", "model", "stage", "replica"
-"""The mesh axes plans use: ZeRO/data parallelism, tensor parallelism, pipeline stages, and the
+DATA, MODEL, STAGE, REPLICA, CONTEXT = "data", "model", "stage", "replica", "context"
+"""The mesh axes plans use: ZeRO/data parallelism, tensor parallelism, pipeline stages, the
 replicas of hybrid sharding (HSDP: the batch split over ``replica`` x ``data``, ZeRO-3 within
-``data``, replicated across ``replica``)."""
-AXES = (STAGE, REPLICA, DATA, MODEL)
+``data``, replicated across ``replica``), and the sequence split of context parallelism."""
+AXES = (STAGE, REPLICA, DATA, CONTEXT, MODEL)
 """Every axis a plan may use, in the order meshes are written (outermost first)."""
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
@@ -41,6 +41,9 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STEADY_SCHEDULES = PIPELINE_SCHEDULES[1:]
 """The schedules with a one-forward-one-backward steady state: at most p micro-batches in flight, so
 they need at least p micro-batches (GPipe runs every forward first)."""
+CONTEXT_ATTENTION = ("ring", "all-to-all")
+"""Context plans' attention: K/V blocks passed round the ring by ppermute (online softmax), or
+Ulysses' all_to_all from a sequence split to a head split and back (heads must divide)."""
 PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
 """Compute precision -> the compute dtype (None: the parameters' own); parameters and optimizer
 state stay in their dtype (float32 master weights)."""
@@ -68,13 +71,21 @@ class Plan:
     """Whether the batch is split over a ``replica`` axis too, across which the data axis's shards
     are replicated (HSDP): gradients reduce-scattered over ``data``, then their shards all-reduced
     over ``replica``."""
+    context: bool = False
+    """Whether every sequence is split over the context axis (context parallelism, ``plans._context``)."""
     default_mesh: str
     """The mesh when none is given (``-1``: every device left)."""
 
     @property
     def needs(self) -> tuple[str, ...]:
         """Mesh axes the plan requires."""
-        used = ((REPLICA, self.hybrid), (DATA, self.data), (MODEL, self.tensor), (STAGE, self.pipeline))
+        used = (
+            (REPLICA, self.hybrid),
+            (DATA, self.data),
+            (MODEL, self.tensor),
+            (STAGE, self.pipeline),
+            (CONTEXT, self.context),
+        )
         return tuple(axis for axis, on in used if on)
 
     @property
@@ -134,6 +145,9 @@ def _plans() -> dict[str, Plan]:
     }
     # hybrid sharded data parallel: ZeRO-3 within a group (data), replicated across groups (replica)
     plans["hsdp"] = Plan(name="hsdp", data=True, zero="zero3", hybrid=True, default_mesh="replica=2,data=-1")
+    # context parallelism: the sequence over the context axis, alone or with a data axis
+    plans["cp"] = Plan(name="cp", data=False, zero="dp", context=True, default_mesh="context=-1")
+    plans["dp+cp"] = Plan(name="dp+cp", data=True, zero="dp", context=True, default_mesh="data=-1,context=2")
     return plans
 
 
@@ -178,7 +192,8 @@ def check_axes(plan: Plan, sizes: dict[str, int]) -> None:
     for axis, size in sizes.items():
         if axis not in plan.needs and size != 1:
             hints = {MODEL: "dp+tp or fsdp+tp", STAGE: f"a pipeline plan ({', '.join(PIPELINE_PLANS)})",
-                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "", REPLICA: "plan hsdp"}  # fmt: skip
+                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp" if plan.context else "",
+                     REPLICA: "plan hsdp", CONTEXT: "cp or dp+cp"}  # fmt: skip
             hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
 
@@ -238,6 +253,8 @@ class ParallelSpec:
     """Pipeline plans: one of ``PIPELINE_SCHEDULES``; None: 1f1b."""
     virtual_stages: int = 1
     """Interleaved schedule: chunks of layers per device."""
+    context_attention: str = "ring"
+    """Context plans: one of ``CONTEXT_ATTENTION``."""
 
     def __post_init__(self) -> None:
         plan = None if self.plan == AUTO else get_plan(self.plan)
@@ -247,6 +264,7 @@ class ParallelSpec:
         _positive("microbatches", self.microbatches, none_ok=True)
         _positive("virtual_stages", self.virtual_stages)
         check_schedule(self.schedule_name, self.virtual_stages)
+        _one_of("context_attention", self.context_attention, CONTEXT_ATTENTION)
         if self.mesh is not None:
             from meshkit.mesh import parse_mesh_spec
 

@@ -633,6 +633,7 @@ def verify(
     microbatches: int | None = None,
     pipeline_schedule: str | None = None,
     virtual_stages: int = 1,
+    context_attention: str = "ring",
 ) -> Certificate:
     """Train the built-in ``model`` for ``steps`` Adam steps under ``plan`` and certify the result.
 
@@ -640,7 +641,8 @@ def verify(
     as ``Stages`` with one layer per virtual stage (so the layers divide over the stages)."""
     _check_steps(steps)
     spec = ParallelSpec(plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
-                        pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages)  # fmt: skip
+                        pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
+                        context_attention=context_attention)  # fmt: skip
     shape = _layers(spec, model)
     w = workload(model, seed, **shape)
     key = (model, seed, tuple(sorted(shape.items())), steps, lr)
@@ -664,6 +666,7 @@ def verify_model(
     microbatches: int | None = None,
     pipeline_schedule: str | None = None,
     virtual_stages: int | None = None,
+    context_attention: str | None = None,
     logical_axes: Any = None,
     rules: Any = None,
     units: Any = None,
@@ -680,7 +683,8 @@ def verify_model(
     float64 twin. ``batch`` is the global batch (leading dim = examples)."""
     optimizer = optax.adam(1e-2) if optimizer is None else optimizer
     spec = ParallelSpec.of(spec, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
-                 pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages)  # fmt: skip
+                 pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
+                 context_attention=context_attention)  # fmt: skip
     _check_steps(steps)
     w = Workload(name=name, loss_fn=loss_fn, params=params, batch=batch, logical_axes=logical_axes, rules=rules,
                  units=units, state=state, rng=rng, has_aux=has_aux, tokens_per_example=tokens_per_example)  # fmt: skip

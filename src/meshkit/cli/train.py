@@ -43,6 +43,7 @@ def train(
         _opt(
             "plan",
             "dp, zero1, zero2, zero3/fsdp, hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; "
+            "context parallelism (the sequence split over a context axis): cp, dp+cp; "
             "auto: the planner's fastest predicted layout for this GPT on the devices present.",
         ),
     ] = None,
@@ -108,6 +109,13 @@ def train(
     ] = None,
     virtual_stages: Annotated[
         int | None, _opt("virtual_stages", "Interleaved: chunks of layers per device.")
+    ] = None,
+    context_attention: Annotated[
+        str | None,
+        _opt(
+            "context_attention",
+            "Context plans: ring (K/V by ppermute) or all-to-all (Ulysses; heads divide).",
+        ),
     ] = None,
     clip: Annotated[float | None, _opt("clip", "Global-norm clipping (0 turns it off).")] = None,
     precision: Annotated[
@@ -228,7 +236,7 @@ def train(
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
                  heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
                  microbatches=microbatches, pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                 seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
+                 context_attention=context_attention, seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
                  scan_layers=scan_layers, model=model, kv_heads=kv_heads, tie_embeddings=tie_embeddings,
                  init_from=init_from, export_hf=export_hf, tracker=tracker)  # fmt: skip

@@ -16,7 +16,8 @@ def verify(
     plan: Annotated[
         str,
         typer.Option(
-            help="dp, zero1, zero2, zero3 (fsdp), hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp."
+            help="dp, zero1, zero2, zero3 (fsdp), hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, "
+            "fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; context parallelism (the sequence split) cp, dp+cp."
         ),
     ] = "dp",
     model: Annotated[
@@ -49,6 +50,12 @@ def verify(
     virtual_stages: Annotated[
         int, typer.Option(help="Interleaved schedule: chunks of layers per device.")
     ] = 1,
+    context_attention: Annotated[
+        str,
+        typer.Option(
+            help="Context plans: ring (K/V passed by ppermute) or all-to-all (Ulysses; heads divide)."
+        ),
+    ] = "ring",
     devices: DevicesOpt = 8,
     json: JsonOpt = False,
 ) -> None:
@@ -60,7 +67,8 @@ def verify(
     from meshkit import verify as V
 
     options = dict(mesh=mesh, steps=steps, accumulate=accumulate, remat=remat, microbatches=microbatches,
-                   pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages)  # fmt: skip
+                   pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
+                   context_attention=context_attention)  # fmt: skip
     if ":" in model:
         cert = V.verify_model(**_user_model(model), plan=plan, **options)
     else:

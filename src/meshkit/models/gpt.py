@@ -46,7 +46,7 @@ from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
-from meshkit.plans import layer
+from meshkit.plans import causal_attention, layer, position_rows
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -249,13 +249,7 @@ def _attention(p: dict[str, jax.Array], x_btd: jax.Array, cfg: GPTConfig) -> jax
     q_bthk = (x_btd @ p["wq"] + p["bq"]).reshape(b, t, cfg.heads, cfg.head_dim)
     k_bthk = (x_btd @ p["wk"]).reshape(b, t, cfg.heads, cfg.head_dim)
     v_bthk = (x_btd @ p["wv"] + p["bv"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    wide = _wide(x_btd.dtype)
-    scores_bhts = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bthk, preferred_element_type=wide)
-    scores_bhts = scores_bhts / math.sqrt(cfg.head_dim)
-    causal_ts = jnp.tril(jnp.ones((t, t), bool))
-    scores_bhts = jnp.where(causal_ts, scores_bhts, jnp.finfo(wide).min)
-    probs_bhts = jax.nn.softmax(scores_bhts, axis=-1).astype(x_btd.dtype)
-    out_bthk = jnp.einsum("bhts,bshk->bthk", probs_bhts, v_bthk)
+    out_bthk = causal_attention(q_bthk, k_bthk, v_bthk)  # context plans: over the sequence split
     return out_bthk.reshape(b, t, cfg.width) @ p["wo"] + p["bo"]
 
 
@@ -269,7 +263,8 @@ def _embed(top: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
     if t > cfg.seq_len:
         raise ValueError(f"sequence length {t} exceeds seq_len {cfg.seq_len}")
     compute = cfg.compute_dtype or cfg.dtype
-    return top["tok_embed"].astype(compute)[tokens_bt] + top["pos_embed"].astype(compute)[:t]
+    pos_td = position_rows(top["pos_embed"].astype(compute), t)  # context plans: this device's positions
+    return top["tok_embed"].astype(compute)[tokens_bt] + pos_td
 
 
 def _block(p: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:

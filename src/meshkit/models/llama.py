@@ -49,6 +49,7 @@ from jax import lax
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt
 from meshkit.models.shape import ModelShape
+from meshkit.plans import causal_attention, sequence_positions
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -263,9 +264,9 @@ def _block(p: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """One pre-norm block over a whole causal sequence (positions 0..T-1)."""
     p = cast_block(p, cfg)
     b, t, _ = x_btd.shape
-    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    pos = jnp.broadcast_to(sequence_positions(t), (b, t))  # context plans: this device's positions
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
-    x_btd = x_btd + attend(p["attn"], q, k, v, causal_mask(t), cfg)
+    x_btd = x_btd + causal_attention(q, k, v).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
     return x_btd + mlp(p["mlp"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps))
 
 

@@ -1,14 +1,18 @@
-"""Parallel plans: data parallel, ZeRO-1/2/3 (FSDP), tensor parallel, pipelines, and their combinations.
+"""Parallel plans: data parallel, ZeRO-1/2/3 (FSDP), tensor parallel, pipelines, context parallel, and their
+combinations.
 
 What a plan is, and every allowed value, is ``meshkit.spec``'s. Here: ``place`` decides where every
 leaf lives, ``assemble`` builds a spec's jitted step (the one assembly the Trainer, the peak model
 and the planner's compile check share), ``expected_collectives`` and ``memory_formula`` say what it
 should cost and ``peak`` what it should hold at its peak. One module per technique: ``_step`` (the
 data axis, ZeRO stages), ``_fsdp`` (per-layer gathers and remat), ``_buckets`` (bucketed data-axis
-collectives), ``_pipeline`` and ``_schedule`` (pipelines); tensor parallelism is the placement's
-rules, partitioned by XLA.
+collectives), ``_pipeline`` and ``_schedule`` (pipelines), ``_context`` (context parallelism: the
+sequence split, and the causal attention the reference models call, ring or all-to-all); tensor
+parallelism is the placement's rules, partitioned by XLA.
 """
 
+from meshkit.plans._context import causal_attention, position_rows
+from meshkit.plans._context import positions as sequence_positions
 from meshkit.plans._dataflow import batch_fed, matmul_rows
 from meshkit.plans._expected import (
     CommRow,
@@ -51,6 +55,7 @@ __all__ = [
     "bubble_model",
     "build_schedule",
     "build_step",
+    "causal_attention",
     "compare_communication",
     "device_bytes",
     "expected_collectives",
@@ -60,7 +65,9 @@ __all__ = [
     "memory_formula",
     "place",
     "plot_schedule",
+    "position_rows",
     "remat_policy",
+    "sequence_positions",
     "spec_mesh",
     "state_shardings",
     "step_loss",

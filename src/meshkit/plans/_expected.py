@@ -47,7 +47,7 @@ from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
 from meshkit.plans.placement import LeafPlacement, Placement
-from meshkit.spec import DATA, MODEL, REPLICA
+from meshkit.spec import CONTEXT, DATA, MODEL, REPLICA
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,11 +84,15 @@ def expected_collectives(
     batch_fed: frozenset[str] = frozenset(),
     gather_itemsize: int | None = None,
     per_layer: PerLayer | None = None,
+    form: str = "ring",
 ) -> list[Expected]:
     """The plan's collectives per step (see the module docstring). ``gather_itemsize``: bytes per
-    element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16)."""
+    element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16); ``form``: a
+    context plan's attention (``meshkit.spec.CONTEXT_ATTENTION``)."""
     n, m_axis, stage = placement.data_size, placement.model_size, placement.plan.zero
     out: list[Expected] = []
+    if placement.plan.context:
+        return _context_rows(placement, accumulate, tokens_per_device, activation_bytes, per_layer, form)
 
     def add(op, axes, count, size, n_group, what):
         if count and size:
@@ -160,6 +164,52 @@ def expected_collectives(
                     f"{x.path}: backward input-gradient partial sums",
                 )
         _vocab_rows(add, placement, accumulate, tokens_per_device, activation_bytes)
+    return _merge(out)
+
+
+def _attention_widths(placement: Placement) -> list[tuple[int, int, int]]:
+    """(layers, query width, key/value width) per attention projection pair of the reference models
+    (leaves ``.../wq`` and ``.../wk``; a scanned model's stacked leaf counts its layers)."""
+    leaves = {x.path: x for x in placement.flat()}
+    out = []
+    for path, wq in leaves.items():
+        if path.endswith("wq") and (wk := leaves.get(path[:-2] + "wk")) is not None:
+            layers = wq.shape[0] if "layers" in wq.names else 1
+            out.append((layers, wq.shape[-1], wk.shape[-1]))
+    return out
+
+
+def _context_rows(placement: Placement, accumulate: int, tokens: int, activation_bytes: int,
+                  per_layer: PerLayer | None, form: str) -> list[Expected]:  # fmt: skip
+    """Context plans (``_context``), per step with C devices on the context axis, D on data, and
+    ``tokens`` per data shard (``T/C`` of each sequence on a device): one all-reduce over data and
+    context of every gradient; per layer and micro-batch, ring: ``2 (C-1)`` K/V ppermutes forward
+    (again under remat) and as many of their gradients backward, each ``tokens/C x kv width``; or
+    all-to-all: 4 forward (q, k, v, out) and 4 backward, each ``tokens/C x heads x head_dim``."""
+    c, d = int(placement.mesh.shape[CONTEXT]), placement.data_size
+    axes = "+".join(
+        a for a in placement.mesh.axis_names if a in (DATA, CONTEXT) and a in placement.mesh.shape
+    )
+    whole = sum(x.nbytes for x in placement.flat())
+    out = [Expected(op="all-reduce", axes=axes, count=1, size_bytes=whole,
+                    traffic_bytes=ring_traffic("all-reduce", whole, c * d), what="gradients")]  # fmt: skip
+    if c == 1:
+        return out
+    local = tokens // c * activation_bytes
+    forward = 2 if per_layer is not None and per_layer.remat != "none" else 1
+    for layers, q_width, kv_width in _attention_widths(placement):
+        if form == "ring":
+            op, count, size = (
+                "collective-permute",
+                accumulate * layers * 2 * (c - 1) * (forward + 1),
+                local * kv_width,
+            )
+            what = "K/V blocks round the ring (forward) and their gradients back (backward)"
+        else:
+            op, count, size = "all-to-all", accumulate * layers * 4 * (forward + 1), local * q_width
+            what = "q, k, v to a head split and the output back; the same backward"
+        out.append(Expected(op=op, axes=CONTEXT, count=count, size_bytes=count * size,
+                            traffic_bytes=count * ring_traffic(op, size, c), what=what))  # fmt: skip
     return _merge(out)
 
 

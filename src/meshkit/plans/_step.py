@@ -47,10 +47,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
-from meshkit.plans import _fsdp, _rng
+from meshkit.plans import _context, _fsdp, _rng
 from meshkit.plans._manual import manual_data
 from meshkit.plans.placement import Placement
-from meshkit.spec import DATA, REPLICA, PlanError
+from meshkit.spec import CONTEXT, DATA, REPLICA, PlanError
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -192,6 +192,41 @@ def local_gradients(
     return run
 
 
+def context_gradients(
+    loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer, form: str
+) -> Callable:
+    """Context plans: the batch's sequences in ``_context.balanced_order``, split over the context axis
+    (and its rows over data), the loss traced with the split in force (attention in ``form``), then one
+    all-reduce of the gradients over data and context. Every device holds as many tokens, so the mean
+    of the devices' mean losses is the global mean."""
+    mesh = placement.mesh
+    n = int(mesh.shape[CONTEXT])
+    axes = tuple(a for a in (DATA, CONTEXT) if a in mesh.shape)
+    data = DATA in mesh.shape
+    scale = 1.0 / (n * placement.data_size * accumulate)
+
+    def first_row(j, rows):
+        return ((lax.axis_index(DATA) if data else 0) * accumulate + j) * rows
+
+    chunk = _chunk_grad(loss_fn, per, first_row)
+
+    def run(params, state, batch, key):
+        with _context.split_sequence(n, form):
+            loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+        grads = jax.tree.map(lambda g: lax.psum(g, axes) * scale, acc)
+        mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
+        return mean(loss), mean(aux), state, grads
+
+    rows = P(DATA if data else None, CONTEXT)
+    region = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), rows, P()), out_specs=(P(), P(), P(), P()),
+                           axis_names=set(axes), check_vma=False)  # fmt: skip
+
+    def grads(params, state, batch, key):
+        return region(params, state, _context.to_balanced(batch, n), key)
+
+    return grads
+
+
 def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
@@ -202,6 +237,7 @@ def gradient_fn(
     accumulate: int,
     per: _fsdp.PerLayer | None = None,
     compute_dtype: Any = None,
+    form: str = "ring",
 ) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, aux, state, grads)`` with the plan's collectives.
 
@@ -210,6 +246,8 @@ def gradient_fn(
     runs manual over the data axis. ``per`` carries the remat policy and records the layers found.
     """
     per = _fsdp.PerLayer(placement=placement) if per is None else per
+    if placement.plan.context:
+        return context_gradients(loss_fn, placement, accumulate, per, form)
     if not placement.has_data_axis or (not placement.plan.shards_optimizer and accumulate == 1):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
@@ -292,6 +330,7 @@ def build_step(
     compute_dtype: Any = None,
     per_layer: _fsdp.PerLayer | None = None,
     gradients: Callable | None = None,
+    context_attention: str = "ring",
 ) -> Callable:
     """The jitted step ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``.
 
@@ -300,7 +339,9 @@ def build_step(
     every gradient, which the compiler may fuse into the last collective). ``gradients`` replaces
     the plan's gradient function (a pipeline's, from ``_pipeline``), same signature as ``gradient_fn``'s.
     """
-    grads_of = gradients or gradient_fn(loss_fn, placement, accumulate, per_layer, compute_dtype)
+    grads_of = gradients or gradient_fn(
+        loss_fn, placement, accumulate, per_layer, compute_dtype, context_attention
+    )
     gather = _param_gather(placement)
     mesh = placement.mesh
     grad_sh = placement.tree(

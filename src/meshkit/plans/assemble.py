@@ -143,6 +143,7 @@ def assemble(
     compute = None if spec.compute_dtype is None else jnp.dtype(spec.compute_dtype)
     step = build_step(loss, optimizer, placement, shardings, accumulate=spec.accumulate, clip_norm=clip_norm,
                       grad_norm=grad_norm, donate=donate, compute_dtype=compute, per_layer=per_layer,
-                      gradients=None if pipeline is None else pipeline.gradients())  # fmt: skip
+                      gradients=None if pipeline is None else pipeline.gradients(),
+                      context_attention=spec.context_attention)  # fmt: skip
     return Assembled(spec=spec, mesh=mesh, placement=placement, pipeline=pipeline, per_layer=per_layer,
                      shardings=shardings, loss=loss, optimizer=optimizer, step=step)  # fmt: skip

@@ -30,7 +30,7 @@ from meshkit.plans._layers import abstract, analyse
 from meshkit.plans.assemble import Assembled, assemble
 from meshkit.plans.memory import PeakModel
 from meshkit.plans.placement import Placement
-from meshkit.spec import MODEL, ParallelSpec, get_plan
+from meshkit.spec import CONTEXT, MODEL, ParallelSpec, get_plan
 
 
 def step_extra(state: Any, micro: Any, key: Any = None) -> tuple:
@@ -221,7 +221,8 @@ def predict_peak(
     total = sum(sizes)
     sharded = sum(size for size, leaf in zip(sizes, flat, strict=True) if leaf.data_dim is not None)
     rows = placement.batch_devices * accumulate  # (hsdp: the batch is split over replica x data)
-    micro = jax.tree.map(lambda s: jax.ShapeDtypeStruct((s.shape[0] // rows, *s.shape[1:]), s.dtype), batch)
+    c = int(placement.mesh.shape.get(CONTEXT, 1)) if placement.plan.context else 1
+    micro = jax.tree.map(lambda s: _device_rows(s, rows, c), batch)
     extra = step_extra(state, micro, key)
     loss_fn = pair(loss_fn)
     if per.found is None:  # the step was not traced yet: trace the loss once for its layers
@@ -233,7 +234,7 @@ def predict_peak(
     persistent = (
         M.at_rest(total, sharded, n, zero3)
         + memory_formula(placement, optimizer, params)["optimizer"]
-        + nbytes(batch) / placement.batch_devices
+        + nbytes(batch) / (placement.batch_devices * c)
     )
     activations = _activations(loss_fn, per, params, extra)
     scan = found.mode == "scan"
@@ -278,6 +279,15 @@ def predict_peak(
     return PeakModel(
         persistent=persistent, backward=backward + activations, update=update, activations=activations
     )
+
+
+def _device_rows(s: Any, rows: int, context: int) -> jax.ShapeDtypeStruct:
+    """One device's micro-batch of a batch leaf: 1/``rows`` of its examples and, under a context plan,
+    1/``context`` of each sequence (dim 1)."""
+    shape = (s.shape[0] // rows, *s.shape[1:])
+    if context > 1:
+        shape = (shape[0], shape[1] // context, *shape[2:])
+    return jax.ShapeDtypeStruct(shape, s.dtype)
 
 
 def _activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any) -> float:

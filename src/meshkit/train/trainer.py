@@ -355,6 +355,8 @@ class Trainer:
         ledger = communication(compiled, mesh=self.mesh)
         n_examples = jax.tree.leaves(batch)[0].shape[0]
         per_example = self.tokens_per_example or 1
+        if self.tokens_per_example is None and self.plan.context:  # the sequence the context axis splits
+            per_example = jax.tree.leaves(batch)[0].shape[1]
         fed = frozenset()
         if (
             self.placement.model_size > 1
@@ -371,7 +373,8 @@ class Trainer:
             cpu = self.mesh.devices.flat[0].platform == "cpu"
             low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
         expected = expected_collectives(self.placement, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
-                                        gather_itemsize=low, per_layer=self.per_layer)  # fmt: skip
+                                        gather_itemsize=low, per_layer=self.per_layer,
+                                        form=self.spec.context_attention)  # fmt: skip
         if self.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
             expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
         formula = memory_formula(self.placement, self.optimizer, self._param_shapes)

@@ -1,0 +1,228 @@
+"""Context parallelism: the sequence split over the ``context`` mesh axis, and causal attention over it.
+
+The one owner of causal attention for the reference models (the GPT and the Llama call
+``causal_attention`` and ``positions``): with no split in force it is the plain dense attention;
+while a context plan traces the loss (``split_sequence``) each device holds ``T / N`` tokens of
+every sequence and the attention runs in one of two forms (``meshkit.spec.CONTEXT_ATTENTION``):
+
+- **ring**: the queries stay; the key/value block travels round the ring by ``ppermute``, N - 1
+  passes per layer forward, and N - 1 passes of its gradient backward (a ppermute's transpose is
+  the ppermute the other way), each one device's K and V: ``2 x b x T/N x kv_heads x head_dim``
+  elements. An online softmax (running max and sum, in at least float32) folds in each block.
+- **all-to-all** (Ulysses): ``all_to_all`` trades the sequence split for a head split, each
+  device attends over the whole sequence for ``heads / N`` heads, and one more ``all_to_all`` trades
+  back: 4 per layer forward (q, k, v, out) and 4 backward, each ``(N-1)/N x S`` per device with
+  ``S = b x T/N x heads x head_dim`` elements (grouped key/value heads repeated to ``heads`` first).
+
+Causal load balancing: the sequence is cut into 2N chunks and device i holds chunks i and 2N-1-i
+(``balanced_order``), so every device has the same number of unmasked query-key pairs. In the ring,
+after the first (diagonal) block, a device's visiting block is either wholly before both its
+chunks (all its queries see the visitor's first chunk) or between them (its second chunk sees the
+whole visitor): half a block of work either way, chosen by ``lax.cond``, and no device idles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from meshkit.spec import CONTEXT, PlanError
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """The sequence split in force while a context plan traces the loss."""
+
+    axis: str
+    size: int
+    form: str
+
+
+_SPLIT: contextvars.ContextVar[Split | None] = contextvars.ContextVar("meshkit_context_split", default=None)
+
+
+@contextlib.contextmanager
+def split_sequence(size: int, form: str, axis: str = CONTEXT) -> Iterator[None]:
+    """Trace the loss with its sequences split over ``axis`` (``size`` devices) in ``form``."""
+    token = _SPLIT.set(Split(axis, size, form))
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
+def check_sequence(t: int, n: int) -> None:
+    """A sequence of ``t`` tokens must cut into 2 x context chunks (causal load balancing)."""
+    if t % (2 * n):
+        raise PlanError(
+            f"sequence of {t} tokens does not split into 2 x context={n} equal chunks (causal load "
+            f"balancing): use a sequence length that is a multiple of {2 * n}"
+        )
+
+
+def check_heads(heads: int, n: int, form: str) -> None:
+    """All-to-all attention gives each device ``heads / n`` whole heads."""
+    if form == "all-to-all" and heads % n:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise PlanError(
+            f"all-to-all attention needs heads divisible by context={n}, but the model has {heads} heads: "
+            f"use context_attention='ring', or a context axis of {', '.join(map(str, fits))}"
+        )
+
+
+def balanced_order(t: int, n: int) -> np.ndarray:
+    """Indices of the ``t`` positions in the order the devices hold them: chunks i and 2n-1-i on device i."""
+    check_sequence(t, n)
+    c = t // (2 * n)
+    chunks = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def to_balanced(batch: Any, n: int) -> Any:
+    """Every leaf of ``batch`` (``(B, T, ...)``) with its sequence dim in ``balanced_order``."""
+    for a in jax.tree.leaves(batch):
+        if a.ndim < 2:
+            raise PlanError(
+                f"context plans split dim 1 of every batch leaf (the sequence); got a leaf of shape {a.shape}"
+            )
+        check_sequence(a.shape[1], n)
+    return jax.tree.map(lambda a: a[:, balanced_order(a.shape[1], n)], batch)
+
+
+def positions(t: int) -> jax.Array:
+    """Global positions of the ``t`` tokens this device holds: ``0..t-1`` with no split."""
+    split = _SPLIT.get()
+    if split is None:
+        return jnp.arange(t)
+    return _device_positions(t, lax.axis_index(split.axis), split.size)
+
+
+def position_rows(table: jax.Array, t: int) -> jax.Array:
+    """The rows of a learned position table for this device's ``t`` tokens (``table[:t]`` with no split)."""
+    return table[:t] if _SPLIT.get() is None else table[positions(t)]
+
+
+def _device_positions(t: int, i: jax.Array | int, n: int) -> jax.Array:
+    c = t // 2
+    return jnp.concatenate([i * c + jnp.arange(c), (2 * n - 1 - i) * c + jnp.arange(c)])
+
+
+def causal_attention(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array) -> jax.Array:
+    """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
+    key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype."""
+    split = _SPLIT.get()
+    if split is None or split.size == 1:
+        t = q_bthk.shape[1]
+        return _dense(q_bthk, k_bskh, v_bskh, jnp.tril(jnp.ones((t, t), bool)))
+    check_heads(q_bthk.shape[2], split.size, split.form)
+    if split.form == "ring":
+        return _ring(q_bthk, k_bskh, v_bskh, split)
+    return _all_to_all(q_bthk, k_bskh, v_bskh, split)
+
+
+def _wide(dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _repeat(x_bskh: jax.Array, heads: int) -> jax.Array:
+    """Grouped key/value heads repeated to one per query head (as they are when there is one each)."""
+    groups = heads // x_bskh.shape[2]
+    return x_bskh if groups == 1 else jnp.repeat(x_bskh, groups, axis=2)
+
+
+def _dense(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_ts: jax.Array) -> jax.Array:
+    heads = q_bthk.shape[2]
+    k, v = _repeat(k_bskh, heads), _repeat(v_bskh, heads)
+    wide = _wide(q_bthk.dtype)
+    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k, preferred_element_type=wide) / math.sqrt(
+        q_bthk.shape[-1]
+    )
+    scores = jnp.where(mask_ts, scores, jnp.finfo(wide).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
+    return jnp.einsum("bhts,bshk->bthk", probs, v)
+
+
+def _all_to_all(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split) -> jax.Array:
+    """Ulysses: sequence split -> head split, dense attention over the whole (balanced-order) sequence,
+    and back. Grouped key/value heads are repeated to one per query head first (so any kv head count
+    works; it moves H rather than K heads of keys and values)."""
+    n, heads = split.size, q_bthk.shape[2]
+    k_bskh, v_bskh = _repeat(k_bskh, heads), _repeat(v_bskh, heads)
+
+    def to_heads(x):  # (b, T/n, H, h) -> (b, T, H/n, h)
+        return lax.all_to_all(x, split.axis, 2, 1, tiled=True)
+
+    q, k, v = to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh)
+    pos = jnp.asarray(balanced_order(q.shape[1], n))
+    out = _dense(q, k, v, pos[:, None] >= pos[None, :])
+    return lax.all_to_all(out, split.axis, 1, 2, tiled=True)
+
+
+def _block(q_bthk, k_bshk, v_bshk, mask_ts=None):
+    """Unnormalized attention of one block: ``(o, m, l)``, o ``(b, t, H, h)``, m and l ``(b, H, t)``."""
+    wide = _wide(q_bthk.dtype)
+    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=wide)
+    scores = scores / math.sqrt(q_bthk.shape[-1])
+    if mask_ts is not None:
+        scores = jnp.where(mask_ts, scores, jnp.finfo(wide).min)
+    m = scores.max(-1)
+    p = jnp.exp(scores - m[..., None])
+    o = jnp.einsum("bhts,bshk->bthk", p, v_bshk.astype(wide))
+    return o, m, p.sum(-1)
+
+
+def _merge(acc, blk):
+    """Fold a block's ``(o, m, l)`` into the running ones (online softmax)."""
+    o, m, total = acc
+    ob, mb, total_b = blk
+    new = jnp.maximum(m, mb)
+    a, b = jnp.exp(m - new), jnp.exp(mb - new)
+    return o * _heads_last(a) + ob * _heads_last(b), new, total * a + total_b * b
+
+
+def _ring(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split) -> jax.Array:
+    """Ring attention with causal load balancing (see the module docstring)."""
+    n, heads = split.size, q_bthk.shape[2]
+    t = q_bthk.shape[1]
+    c = t // 2
+    i = lax.axis_index(split.axis)
+    perm = [(d, (d + 1) % n) for d in range(n)]
+    # step 0: the device's own block; its chunk layout is the same on every device, so is the mask
+    local = np.concatenate([np.arange(c), (2 * n - 1) * c + np.arange(c)])
+    kv = (k_bskh, v_bskh)
+    acc = _block(q_bthk, _repeat(k_bskh, heads), _repeat(v_bskh, heads), local[:, None] >= local[None, :])
+    first, second = _halves(acc, c)
+    for s in range(1, n):
+        kv = tuple(lax.ppermute(x, split.axis, perm) for x in kv)  # now the block of device i - s
+        k, v = _repeat(kv[0], heads), _repeat(kv[1], heads)
+
+        def before(first, second, k=k, v=v):  # visitor's chunks j < i: every query sees its first chunk
+            both = _halves(_block(q_bthk, k[:, :c], v[:, :c]), c)
+            return _merge(first, both[0]), _merge(second, both[1])
+
+        def between(first, second, k=k, v=v):  # j > i: the second chunk sees the whole visitor
+            return first, _merge(second, _block(q_bthk[:, c:], k, v))
+
+        first, second = lax.cond(i >= s, before, between, first, second)
+    out = jnp.concatenate([first[0] / _heads_last(first[2]), second[0] / _heads_last(second[2])], axis=1)
+    return out.astype(q_bthk.dtype)
+
+
+def _halves(acc, c):
+    return tuple(x[:, :c] for x in acc[:1]) + tuple(x[..., :c] for x in acc[1:]), tuple(
+        x[:, c:] for x in acc[:1]
+    ) + tuple(x[..., c:] for x in acc[1:])
+
+
+def _heads_last(x_bht: jax.Array) -> jax.Array:
+    """``(b, H, t)`` -> ``(b, t, H, 1)``, to scale an output ``(b, t, H, h)``."""
+    return jnp.swapaxes(x_bht, 1, 2)[..., None]
