@@ -18,6 +18,7 @@ from meshkit.cli import main
 from meshkit.data import shards as S
 from meshkit.data.prepare import prepare
 from meshkit.data.text import default_documents
+from meshkit.train.checkpoint import held
 
 EXE = str(Path(sys.executable).parent / "meshkit")
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -57,8 +58,12 @@ def _kill_mid_run(data: Path, run: Path) -> None:
     try:
         while time.monotonic() < deadline:
             assert proc.poll() is None, (run.parent / "killed.log").read_text()[-2000:]
-            if (run / "metrics.jsonl").is_file() and max(losses(run), default=0) >= 3:
-                break  # step 2's checkpoint is written before step 3 runs
+            if (
+                (run / "metrics.jsonl").is_file()
+                and max(losses(run), default=0) >= 3
+                and held(run / "checkpoints")
+            ):
+                break  # past step 3, and a checkpoint complete (saves run in the background)
             time.sleep(0.02)
         else:
             pytest.fail("the run did not reach step 3 in 300 s")

@@ -358,7 +358,8 @@ def test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest(tm
 def test_a_restart_resumes_a_named_run_directory_only_when_it_holds_a_checkpoint(tmp_path, monkeypatch):
     """``meshkit train --run-dir`` on a restart (``meshkit launch --max-restarts`` or a SLURM requeue)
     resumes; a first start, a run without a checkpoint yet, or an unnamed run directory trains anew."""
-    from meshkit.train.job import resume_on_restart
+    from meshkit.train.config import ConfigError
+    from meshkit.train.job import check_no_checkpoints, resume_on_restart
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -368,10 +369,17 @@ def test_a_restart_resumes_a_named_run_directory_only_when_it_holds_a_checkpoint
     assert not resume_on_restart(str(run))
     monkeypatch.setenv("MESHKIT_RESTART_ATTEMPT", "1")
     assert not resume_on_restart(str(run))  # killed before its first checkpoint
+    # ... or during its first (background) save: only the save's temporary directory is there, and the
+    # restart trains again from the start in the same directory (was: "already holds checkpoints", exit 2)
+    (run / "checkpoints" / "2.orbax-checkpoint-tmp-1234").mkdir()
+    assert not resume_on_restart(str(run))
+    check_no_checkpoints(run)
     small = jax.device_put(np.arange(4, dtype=np.float32))
     with Checkpointer(run / "checkpoints") as ck:
         ck.save(2, {"w": small}, {"mu": small}, {"step": 2})
     assert resume_on_restart(str(run)) and not resume_on_restart(None)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        check_no_checkpoints(run)
     monkeypatch.setenv("MESHKIT_RESTART_ATTEMPT", "0")
     assert not resume_on_restart(str(run))  # the first start trains as asked (and refuses a used directory)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # sbatch --requeue

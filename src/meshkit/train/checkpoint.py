@@ -71,6 +71,15 @@ CHECKSUMS = "meshkit-checksums.json"
 _PROCESS_FILES = re.compile(r"(?:^|/)ocdbt\.process_(\d+)/")
 
 
+def held(directory: Path) -> list[str]:
+    """What a checkpoint directory holds besides an interrupted save's leftovers (a step directory
+    still named ``<step>.orbax-checkpoint-tmp...``, never listed or restored): an empty list means no
+    run's checkpoints are there."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if ocp.path.atomicity.TMP_DIR_SUFFIX not in p.name)
+
+
 class CheckpointError(MeshkitError):
     """A checkpoint cannot be saved or restored as asked."""
 

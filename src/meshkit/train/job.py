@@ -22,7 +22,7 @@ from meshkit.models.shape import ModelShape
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import DATA, REPLICA
 from meshkit.train import config as C
-from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with
+from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
 from meshkit.train.trainer import Trainer
@@ -283,8 +283,10 @@ def _latest_step(directory: Path) -> int | None:
 
 
 def check_no_checkpoints(run_dir: Path) -> None:
-    """A new run must not train into a directory that holds another run's checkpoints."""
-    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+    """A new run must not train into a directory that holds another run's checkpoints. A restart whose
+    run was stopped before its first checkpoint was complete (only a save's temporary directory is
+    there) trains again from the start in the same directory."""
+    if held(run_dir / "checkpoints"):  # an interrupted first save's leftovers are not a run's checkpoints
         raise C.ConfigError(
             f"run directory '{run_dir}' already holds checkpoints: pass --resume, or a new --run-dir"
         )
