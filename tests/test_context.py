@@ -107,6 +107,19 @@ def test_bad_inputs_are_refused_with_the_fix():
         ParallelSpec(plan="cp", context_attention="ulysses")
     with pytest.raises(PlanError, match="needs a mesh axis 'context'"):
         ParallelSpec(plan="cp", mesh="data=8")
+    # a loss with its own attention would see only each device's chunks: refused, not trained wrong
+    own = lambda p, b: jax.numpy.mean((jax.numpy.tanh(b[0] @ p["w"]) - b[1]) ** 2)  # noqa: E731
+    x = np.ones((8, 16, 4), np.float32)
+    t = Trainer(
+        own,
+        {"w": np.ones((4, 4), np.float32)},
+        optax.sgd(0.1),
+        spec=ParallelSpec(plan="cp", mesh="context=8"),
+    )
+    with pytest.raises(
+        PlanError, match=r"need the loss's attention through meshkit\.plans\.causal_attention"
+    ):
+        t.step((x, x))
 
 
 @pytest.mark.parametrize(

@@ -356,3 +356,17 @@ def test_data_that_is_not_a_file_is_named(tmp_path, capsys, kind):
             "(copy what it streams into a file first)"
         )
     assert not run.exists()
+
+
+def test_a_run_that_trains_again_from_the_start_in_its_directory_keeps_none_of_the_earlier_rows(tmp_path):
+    """A restart before any complete checkpoint (or the same command run again) trains from step 1
+    in the same directory: metrics.jsonl then holds this run's rows only (was: appended after the
+    earlier attempt's, so steps 1..k appeared twice and a later --resume read both)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "2.orbax-checkpoint-tmp-99").mkdir(parents=True)  # an interrupted first save
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3))
+    )
+    assert main([*TINY, "--steps", "2", "--run-dir", str(run)]) == 0
+    rows = [r for r in read_rows(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] != 9.0 for r in rows)

@@ -22,6 +22,7 @@ import pytest
 
 import meshkit
 from meshkit.spec import PlanError
+from meshkit.verify import bitwise_equal
 
 BF16 = jnp.bfloat16
 AXES = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
@@ -322,3 +323,14 @@ def test_a_loss_that_sets_its_own_sharding_under_a_manual_plan_fails_in_one_line
     assert "plan zero3 runs it in jax.shard_map" in line and "use plan dp or tp without accumulate=" in line
     ok = meshkit.Trainer(_own_sharding_loss(kind), _params(), optax.sgd(0.1), plan="dp", mesh="data=8")
     assert np.isfinite(float(ok.step(_batch())["loss"]))  # the plan the line names trains it
+
+
+def test_the_assembled_step_is_callable_as_the_jitted_step_it_wraps():
+    # before: the wrapper that turns a loss's own sharding into one line defined lower() only, so
+    # build_step(...)(...) and Trainer.assembled.step(...) raised "object is not callable"
+    loss = lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w1"]) @ p["w2"] - b[1]) ** 2)  # noqa: E731
+    t = meshkit.Trainer(loss, _params(), optax.sgd(0.1), plan="zero3", mesh="data=8")
+    batch, key = t.put_batch(_batch()), t._step_key()
+    fresh = lambda: jax.tree.map(jnp.copy, (t.params, t.opt_state, t.state))  # noqa: E731 (the step donates them)
+    called = t.assembled.step(*fresh(), batch, key)
+    assert bitwise_equal(called[0], t.compiled(_batch())(*fresh(), batch, key)[0])

@@ -11,7 +11,7 @@ sequence split, and the causal attention the reference models call, ring or all-
 parallelism is the placement's rules, partitioned by XLA.
 """
 
-from meshkit.plans._context import causal_attention, position_rows
+from meshkit.plans._context import causal_attention, check_context, position_rows
 from meshkit.plans._context import positions as sequence_positions
 from meshkit.plans._dataflow import batch_fed, matmul_rows
 from meshkit.plans._expected import (
@@ -56,6 +56,7 @@ __all__ = [
     "build_schedule",
     "build_step",
     "causal_attention",
+    "check_context",
     "compare_communication",
     "device_bytes",
     "expected_collectives",

@@ -27,7 +27,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -45,19 +45,36 @@ class Split:
     axis: str
     size: int
     form: str
+    attended: list = field(default_factory=list)
+    """One entry per ``causal_attention`` traced under this split: a loss that never calls it attends
+    within each device's own chunks only, and the plan refuses it (``check_attended``)."""
 
 
 _SPLIT: contextvars.ContextVar[Split | None] = contextvars.ContextVar("meshkit_context_split", default=None)
 
 
 @contextlib.contextmanager
-def split_sequence(size: int, form: str, axis: str = CONTEXT) -> Iterator[None]:
+def split_sequence(size: int, form: str, axis: str = CONTEXT) -> Iterator[Split]:
     """Trace the loss with its sequences split over ``axis`` (``size`` devices) in ``form``."""
-    token = _SPLIT.set(Split(axis, size, form))
+    split = Split(axis, size, form)
+    token = _SPLIT.set(split)
     try:
-        yield
+        yield split
     finally:
         _SPLIT.reset(token)
+
+
+def check_attended(split: Split) -> None:
+    """A loss traced under a context plan must attend through ``causal_attention`` (and take its
+    positions from ``positions``/``position_rows``): any other attention would see only the device's
+    own chunks of each sequence, a silently wrong result. (Positions cannot be checked: a loss
+    that attends here but numbers its tokens itself is the user's to get right; the docs say so.)"""
+    if not split.attended:
+        raise PlanError(
+            "context plans (cp, dp+cp) need the loss's attention through meshkit.plans.causal_attention "
+            "and its positions through meshkit.plans.sequence_positions or position_rows (as the GPT and the Llama "
+            "do); this loss never called it: use another plan"
+        )
 
 
 def check_sequence(t: int, n: int) -> None:
@@ -77,6 +94,13 @@ def check_heads(heads: int, n: int, form: str) -> None:
             f"all-to-all attention needs heads divisible by context={n}, but the model has {heads} heads: "
             f"use context_attention='ring', or a context axis of {', '.join(map(str, fits))}"
         )
+
+
+def check_context(seq_len: int, heads: int, n: int, form: str) -> None:
+    """Both checks of a context split, before anything is traced (``meshkit train`` asks this)."""
+    if n > 1:
+        check_sequence(seq_len, n)
+        check_heads(heads, n, form)
 
 
 def balanced_order(t: int, n: int) -> np.ndarray:
@@ -120,6 +144,8 @@ def causal_attention(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array) ->
     """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
     key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype."""
     split = _SPLIT.get()
+    if split is not None:
+        split.attended.append(split.form)
     if split is None or split.size == 1:
         t = q_bthk.shape[1]
         return _dense(q_bthk, k_bskh, v_bskh, jnp.tril(jnp.ones((t, t), bool)))

@@ -211,8 +211,9 @@ def context_gradients(
     chunk = _chunk_grad(loss_fn, per, first_row)
 
     def run(params, state, batch, key):
-        with _context.split_sequence(n, form):
+        with _context.split_sequence(n, form) as split:
             loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+        _context.check_attended(split)
         grads = jax.tree.map(lambda g: lax.psum(g, axes) * scale, acc)
         mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
         return mean(loss), mean(aux), state, grads
@@ -377,7 +378,7 @@ def build_step(
         ),
         out_shardings=(shardings.params, shardings.opt_state, shardings.state, shardings.scalar),
         donate_argnums=(0, 1, 2) if donate else (),
-    ), placement.plan.name)  # fmt: skip
+    ), placement.plan.name, placement.batch_axes + ((CONTEXT,) if placement.plan.context else ()))  # fmt: skip
 
 
 #: JAX's refusals of a sharding annotation inside a region manual over that axis.
@@ -385,24 +386,32 @@ _OWN_SHARDING = ("Going from `Manual` AxisType", "can only refer to Auto axes", 
 
 
 class _OwnShardingLine:
-    """The jitted step, whose ``lower`` says in one line that the loss sets its own sharding where
-    the plan runs it manual over ``data`` (``with_sharding_constraint``, ``reshard``, ``auto_axes``,
-    a layer's ``out_sharding=``), instead of JAX's error from deep inside the trace."""
+    """The jitted step, whose ``lower`` (and call) says in one line that the loss sets its own
+    sharding where the plan runs it manual over its batch axes (``with_sharding_constraint``,
+    ``reshard``, ``auto_axes``, a layer's ``out_sharding=``), instead of JAX's error from deep inside
+    the trace."""
 
-    def __init__(self, jitted: Any, plan: str) -> None:
-        self.jitted, self.plan = jitted, plan
+    def __init__(self, jitted: Any, plan: str, axes: tuple[str, ...] = (DATA,)) -> None:
+        self.jitted, self.plan, self.axes = jitted, plan, axes
 
-    def lower(self, *args: Any) -> Any:
+    def _translated(self, call: Callable[..., Any], *args: Any) -> Any:
         try:
-            return self.jitted.lower(*args)
+            return call(*args)
         except (NotImplementedError, ValueError) as e:
             if not any(m in str(e) for m in _OWN_SHARDING):
                 raise
+            axes = " and ".join(self.axes) or "its mesh axes"
             raise PlanError(
                 f"the loss sets its own sharding ({_where(e)}) and plan {self.plan} runs it in jax.shard_map, "
-                "manual over the data axis, where JAX refuses that: remove the annotation (the plan places parameters and "
+                f"manual over {axes}, where JAX refuses that: remove the annotation (the plan places parameters and "
                 "batch itself) or use plan dp or tp without accumulate="
             ) from None
+
+    def lower(self, *args: Any) -> Any:
+        return self._translated(self.jitted.lower, *args)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._translated(self.jitted, *args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.jitted, name)

@@ -234,7 +234,7 @@ def predict_peak(
     persistent = (
         M.at_rest(total, sharded, n, zero3)
         + memory_formula(placement, optimizer, params)["optimizer"]
-        + nbytes(batch) / (placement.batch_devices * c)
+        + nbytes(batch) / placement.batch_devices  # context plans: whole sequences, split inside the step
     )
     activations = _activations(loss_fn, per, params, extra)
     scan = found.mode == "scan"

@@ -266,7 +266,7 @@ FIXED_ON_RESUME = {
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
-                        "virtual_stages", "export_hf", "tracker")  # fmt: skip
+                        "virtual_stages", "context_attention", "export_hf", "tracker")  # fmt: skip
 PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
 
 
@@ -382,14 +382,15 @@ def trackers(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(n for n in TRACKERS if n in chosen)
 
 
-def check_batch(cfg: TrainConfig, data_axis: int) -> None:
-    """The global batch must split evenly over the data axis and then into ``accumulate`` micro-batches."""
+def check_batch(cfg: TrainConfig, data_axis: int, axes: str = "the data axis") -> None:
+    """The global batch must split evenly over the data axis (``axes``: the devices it is split over,
+    replica x data under hsdp) and then into ``accumulate`` micro-batches."""
     accumulate = cfg.parallel.accumulate
     unit = data_axis * accumulate
     if cfg.batch_size % unit:
         fit = max(unit, cfg.batch_size // unit * unit)
         raise ConfigError(
-            f"--batch-size {cfg.batch_size} does not divide over the data axis ({data_axis}) x --accumulate "
+            f"--batch-size {cfg.batch_size} does not divide over {axes} ({data_axis}) x --accumulate "
             f"{accumulate}: use --batch-size {fit} (a multiple of {unit})"
             + (" or a smaller --accumulate" if accumulate > 1 else "")
         )

@@ -19,8 +19,9 @@ from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load
 from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
+from meshkit.plans import check_context
 from meshkit.plans.placement import vocab_rules
-from meshkit.spec import DATA, REPLICA
+from meshkit.spec import CONTEXT, DATA, REPLICA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
@@ -73,8 +74,14 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
                       tokens_per_example=cfg.seq_len, grad_norm=True,
                       units=llama.units(model) if llama_run else {"heads": cfg.heads},
                       rules=vocab_rules(cfg.parallel.plan_info) if llama_run else None)  # fmt: skip
-    C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
+    axes = trainer.placement.batch_axes
+    C.check_batch(
+        cfg, trainer.placement.batch_devices, " x ".join(axes) if len(axes) > 1 else "the data axis"
+    )
     trainer.check_examples(cfg.batch_size)
+    if cfg.parallel.plan_info.context:  # before the run directory is written, not at the first compile
+        heads = model.heads if llama_run else cfg.heads
+        check_context(cfg.seq_len, heads, int(trainer.mesh.shape[CONTEXT]), cfg.parallel.context_attention)
     batches = data.batches(
         seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS
     )
@@ -185,6 +192,8 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
     from meshkit.planner.layout import Layout
     from meshkit.planner.predict import predict
 
+    if spec.plan_info.context:
+        return  # the planner has no context axis yet: it would price the whole sequence on one device
     try:
         sizes = spec.degrees(devices)
         group, replicas = sizes.get(DATA, 1), sizes.get(REPLICA, 1)  # hsdp: the batch over replica x data

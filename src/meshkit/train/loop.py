@@ -337,7 +337,10 @@ def run(
         if latest_link is not None and latest_link.resolve() != job.run_dir.resolve():
             point_link(latest_link, job.run_dir.resolve())
         write_atomic(job.run_dir / "config.json", C.dumps(job.cfg))
-        if resume:  # rows past the checkpoint (and lines cut short) are dropped before appending
+        if resume or (job.run_dir / METRICS_NAME).exists():
+            # rows past the checkpoint (and lines cut short) are dropped before appending; a run that
+            # trains again from the start in its directory (a restart before any complete checkpoint)
+            # keeps none of the earlier attempt's rows
             rows = read_rows(job.run_dir / METRICS_NAME, warn=False)
             write_atomic(
                 job.run_dir / METRICS_NAME,
