@@ -16,7 +16,7 @@ from meshkit.planner.compile import compile_layout
 from meshkit.planner.hardware import hardware
 from meshkit.planner.layout import Layout, ModelShape
 from meshkit.planner.predict import predict
-from meshkit.spec import ParallelSpec, PlanError
+from meshkit.spec import AXES, ParallelSpec, PlanError
 
 
 def run(capsys, *argv):
@@ -93,7 +93,7 @@ def test_meshkit_verify_refuses_a_mesh_without_replicas_in_one_line(capsys):
 def test_the_spec_declares_hsdp_once():
     spec = ParallelSpec(plan="hsdp", mesh="replica=2,data=4")
     assert spec.plan_info.batch_axes == ("replica", "data") and spec.plan_info.shards_params
-    assert spec.degrees(8) == {"stage": 1, "replica": 2, "data": 4, "model": 1}
+    assert spec.degrees(8) == {**dict.fromkeys(AXES, 1), "replica": 2, "data": 4}  # every axis the spec knows
     with pytest.raises(PlanError, match="does not use mesh axis model=2"):
         ParallelSpec(plan="hsdp", mesh="replica=2,data=2,model=2")
 
