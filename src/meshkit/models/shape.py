@@ -34,6 +34,14 @@ class ModelShape:
     """Gated (Llama) models: the RMSNorm epsilon."""
     tie_embeddings: bool = False
     """The output head is the token embedding, transposed (one table instead of two)."""
+    experts: int = 0
+    """Mixture of experts: every layer's MLP is this many MLPs of width ``ffn`` and a router; 0 means a
+    dense MLP (Mixtral-8x7B: 8)."""
+    experts_per_token: int = 2
+    """Mixture of experts: the experts each token is routed to (top-k; Mixtral: 2)."""
+    capacity_factor: float = 1.25
+    """Mixture of experts: an expert takes at most ``capacity_factor x tokens x experts_per_token /
+    experts`` tokens of a batch; the rest are dropped (they pass through the residual), counted, reported."""
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "vocab", "seq"):
@@ -49,6 +57,15 @@ class ModelShape:
             object.__setattr__(self, "head_dim", self.width // self.heads)
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
+        if self.experts:
+            if self.experts < 2:
+                raise MeshkitError(f"experts={self.experts}: give 0 (a dense MLP) or at least 2")
+            if not 1 <= self.experts_per_token <= self.experts:
+                raise MeshkitError(
+                    f"experts_per_token={self.experts_per_token}: must be between 1 and experts={self.experts}"
+                )
+            if self.capacity_factor <= 0:
+                raise MeshkitError(f"capacity_factor={self.capacity_factor}: must be above 0 (1.25 is usual)")
         if self.heads % self.kv_heads:
             raise MeshkitError(
                 f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"
