@@ -88,6 +88,18 @@ def test_a_cache_directory_that_cannot_be_used_is_one_line(tmp_path):
                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr == (
-        f"error: compilation cache '{bad}' cannot be used (Not a directory): give a directory you can write, or off\n"
+        f"error: compilation cache '{bad}' cannot be used ({tmp_path / 'a-file'} is not a directory): "
+        "give a directory you can write, or off\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_help_leaves_no_cache_directory_behind(tmp_path):
+    # the default directory is JAX's to create at its first compile: a command that compiles nothing
+    # (here --help) leaves the user's cache home as it was
+    proc = subprocess.run(
+        [MESHKIT, "--help"], env=_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train" in proc.stdout
+    assert not (tmp_path / "xdg").exists()

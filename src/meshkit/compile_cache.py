@@ -85,9 +85,17 @@ def _user_dir() -> str | None:
 
 
 def _unusable(where: Path) -> str | None:
-    """Why ``where`` cannot hold the cache (created if missing), or None."""
+    """Why ``where`` cannot hold the cache, or None. A missing directory is not created here (JAX
+    creates it at its first compile, so ``meshkit --help`` leaves no trace): its nearest existing
+    ancestor must be a directory we may write."""
+    if not where.exists():
+        ancestor = next(p for p in where.absolute().parents if p.exists())
+        if not ancestor.is_dir():
+            return f"cannot be used ({ancestor} is not a directory)"
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            return f"cannot be used ({ancestor} is not writable)"
+        return None
     try:
-        where.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
