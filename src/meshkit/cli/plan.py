@@ -29,8 +29,8 @@ def plan(
         str | None,
         _opt(
             _M,
-            "A preset (gpt2-124m ... gpt-13b, llama-7b ... llama3-8b), or module:function returning a "
-            "ModelShape or meshkit GPT parameters (with --heads).",
+            "A preset (gpt2-124m ... gpt-13b, llama-7b ... llama3-8b, mixtral-8x7b, mixtral-8x22b), or "
+            "module:function returning a ModelShape or meshkit GPT parameters (with --heads).",
         ),
     ] = None,
     layers: Annotated[int | None, _opt(_M, "Transformer blocks.")] = None,
@@ -89,7 +89,13 @@ def plan(
             "torchtitan or deepspeed, each calibrated on its published runs.",
         ),
     ] = "maxtext-xla",
-    layout: Annotated[str | None, _opt(_L, "Evaluate one layout, e.g. dp=24,tp=8,pp=8.")] = None,
+    layout: Annotated[
+        str | None,
+        _opt(
+            _L,
+            "Evaluate one layout, e.g. dp=24,tp=8,pp=8, or with context / expert degrees dp=4,tp=8,pp=16,cp=16.",
+        ),
+    ] = None,
     microbatch_size: Annotated[int, _opt(_L, "Sequences per micro-batch per replica.")] = 1,
     schedule: Annotated[str, _opt(_L, "gpipe, 1f1b or interleaved.")] = "1f1b",
     virtual_stages: Annotated[
@@ -156,6 +162,9 @@ def plan(
             )
         result = _search(shape, cluster, job)
         preds = result.ranked[:top]
+    if job.runtime == "meshkit" and any(p.layout.cp > 1 or p.layout.ep > 1 for p in preds):
+        notes.append("--runtime meshkit prices layouts with context (cp) or expert (ep) axes with the analytic "
+                     "model: meshkit's traced layer does not price them yet")  # fmt: skip
     runnable = [p for p in (preds if result is None else result.ranked) if p.meshkit_plan()]
     measured = _compile(shape, runnable[:compile], cluster, job) if compile else None
     payload = _payload(shape, cluster, job, preds, result, measured, notes)
@@ -367,12 +376,17 @@ def _pct(x: float, total: float) -> str:
 
 
 def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
-    from meshkit.planner.sizes import param_count
+    from meshkit.planner.sizes import active_param_count, param_count
     from meshkit.planner.stacks import STACKS
 
     hw = cluster.hardware
+    moe = (
+        f" ({_count(active_param_count(shape))} active: {shape.experts} experts, {shape.experts_per_token} a token)"
+        if shape.experts
+        else ""
+    )
     console.print(
-        f"[bold]{shape.name}[/]: {_count(param_count(shape))} parameters, {shape.layers} layers, width "
+        f"[bold]{shape.name}[/]: {_count(param_count(shape))} parameters{moe}, {shape.layers} layers, width "
         f"{shape.width}, {shape.heads} heads, seq {shape.seq}, vocab {shape.vocab} | {cluster.devices} x "
         f"{hw.name} ({cluster.devices_per_host} per host) | global batch {job.global_batch}, {job.precision}",
         highlight=False,
@@ -382,15 +396,24 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         f"{preds[0].efficiency_source}; --stack to assume another",
         highlight=False,
     )
-    cols = ["#", "layout", "meshkit plan", "peak/device", "step", "tokens/s", "MFU", "TFLOP/s",
-            "% compute/tp/dp/pp/bubble"]  # fmt: skip
+    cols = ["#", "layout", "cp", "ep", "meshkit plan", "peak/device", "step", "tokens/s", "MFU", "TFLOP/s",
+            "% compute/tp/dp/pp/cp/ep/bubble"]  # fmt: skip
     rows = []
     for i, p in enumerate(preds, 1):
         s, pa = p.step_time_s, p.parts
         split = "/".join(
-            _pct(pa[k], s) for k in ("compute", "comm_model", "comm_data", "comm_stage", "bubble")
+            _pct(pa[k], s)
+            for k in (
+                "compute",
+                "comm_model",
+                "comm_data",
+                "comm_stage",
+                "comm_context",
+                "comm_expert",
+                "bubble",
+            )
         )
-        rows.append([i, p.label(), p.meshkit_plan() or "-",
+        rows.append([i, p.label(), p.layout.cp, p.layout.ep, p.meshkit_plan() or "-",
                      fmt_bytes(p.peak_bytes, decimal=True) + ("" if p.fits else " (no fit)"),
                      _seconds(s), f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%",
                      f"{p.hardware_tflops_per_device:.0f}", split])  # fmt: skip
@@ -399,7 +422,7 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         if single
         else f"Layouts that fit, fastest first (top {len(preds)} of {len(result.ranked)}; {job.stack})"
     )
-    t = table(title, cols, rows, justify_right=3)
+    t = table(title, cols, rows, justify_right=5)
     t.columns[1].no_wrap = True
     console.print(t)
     console.print("MFU: model FLOPs (no recompute) / peak; TFLOP/s: hardware FLOPs per device (with recompute)",
@@ -412,7 +435,8 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         console.print(table("Memory per device", ["component", "bytes"], mem))
         comm = [[axis, fmt_bytes(p.comm_bytes[axis], decimal=True), "yes" if p.crosses_hosts[axis] else "no",
                  f"{p.parts['comm_' + name]:.3f} s" if axis == name else f"(with {name})"]
-                for axis, name in (("model", "model"), ("data", "data"), ("replica", "data"), ("stage", "stage"))
+                for axis, name in (("model", "model"), ("data", "data"), ("replica", "data"), ("stage", "stage"),
+                                   ("context", "context"), ("expert", "expert"))
                 if axis in p.comm_bytes]  # fmt: skip
         console.print(
             table("Communication per device per step", ["axis", "bytes", "crosses hosts", "exposed"], comm)

@@ -223,8 +223,8 @@ def efficiency(
     base, source = (calibration or CALIBRATION).efficiency_of(job.stack, hardware.family)
     tokens = layout.microbatch_size * shape.seq / layout.cp
     n = min(shape.width / layout.tp, tokens)
-    if shape.experts:  # the tokens one expert's matmuls take (from every device of the ep group)
-        n = min(n, tokens * shape.experts_per_token * layout.ep / shape.experts)
+    if shape.experts:  # an expert's matmuls: its width, and the tokens it takes from the whole ep group
+        n = min(n, shape.ffn / layout.tp, tokens * shape.experts_per_token * layout.ep / shape.experts)
     return base * n / (n + N_HALF), source
 
 
@@ -398,7 +398,7 @@ def _context_axis(s: _Step, cal: Calibration) -> tuple[float, float]:
     """(bytes, exposed seconds) of one micro-batch's context-parallel traffic on one device.
 
     Ring: every layer passes its K/V block ``cp - 1`` times forward (``collective-permute``, S each)
-    and K/V with their gradients backward (twice), again per recomputed forward; each pass hides
+    and K/V with their gradients dK/dV backward (twice S), again per recomputed forward; each pass hides
     behind the attention it feeds (``attention_core_flops``), less the overlap tax. All-to-all: Q, K
     and V to a head split, the output back, ``(cp - 1) / cp`` of each, forward and twice backward."""
     lay, cp, e = s.layout, s.layout.cp, s.job.act_bytes
@@ -417,8 +417,7 @@ def _context_axis(s: _Step, cal: Calibration) -> tuple[float, float]:
         return nbytes, t
     block = s.tokens_mb * 2 * kv_local * e  # K and V of this device's chunk
     nbytes = passes * (cp - 1) * ring_traffic("collective-permute", block, cp)
-    nbytes += s.per_stage * (cp - 1) * block  # the backward also passes dK, dV: K/V's size again
-    steps = (passes + s.per_stage) * (cp - 1)
+    steps = passes * (cp - 1)
     t = nbytes / group_bandwidth(c, stride, cp, one_nic=True) + steps * collective_latency(
         c, "collective-permute", stride, cp
     )

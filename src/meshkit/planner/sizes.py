@@ -124,7 +124,8 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
     device: two norms (read and write D), two residual adds (read 2 D, write D), the MLP's
     activation function (read and write F; SwiGLU: read 2 F, write F). The backward pass moves
     about twice as much, a recomputed forward as much again: ``ELEMENTWISE`` is this per pass
-    (``seq / cp`` tokens a sequence under context parallelism; k MLPs a token for a mixture of experts)."""
+    (``seq / cp`` tokens a sequence under context parallelism; a mixture of experts: k MLPs a token, and
+    the permutations that gather each expert's tokens and scatter them back, read and write k D twice)."""
     split = layout.tp if job.sequence_parallel and job.runtime != "meshkit" else 1
     d, f = shape.width, shape.ffn
     return (
@@ -132,7 +133,10 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
         * shape.seq
         / layout.cp
         * job.act_bytes
-        * (10 * d / split + routed(shape) * (3 if shape.gated else 2) * f / layout.tp)
+        * (
+            (10 + (4 * shape.experts_per_token if shape.experts else 0)) * d / split
+            + routed(shape) * (3 if shape.gated else 2) * f / layout.tp
+        )
     )
 
 
