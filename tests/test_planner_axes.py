@@ -228,3 +228,13 @@ def test_plan_one_context_layout_and_the_meshkit_runtime_note(capsys):
     assert any(line.split("│")[1].strip() == "context" for line in out.splitlines() if line.count("│") > 3)
     code, _, err = run(capsys, "plan", "--model", "llama3-8b", "--layout", "dp=2,ep=4", "--devices", "8")
     assert code == 2 and "has no experts" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_auto_keeps_to_layouts_meshkits_runtime_prices():
+    """``--plan auto`` chooses among the layouts meshkit's runtime model prices: a context layout,
+    which meshkit runs (plan dp+cp) but prices only analytically, is not one of them yet."""
+    from meshkit.planner.auto import runnable
+
+    shape = dataclasses.replace(preset("gpt2-124m"), seq=16384)
+    assert Layout(dp=2, cp=4).meshkit_plan() == "dp+cp" and not runnable(Layout(dp=2, cp=4), shape)
+    assert runnable(Layout(dp=8), shape)
