@@ -238,3 +238,22 @@ def test_plan_auto_keeps_to_layouts_meshkits_runtime_prices():
     shape = dataclasses.replace(preset("gpt2-124m"), seq=16384)
     assert Layout(dp=2, cp=4).meshkit_plan() == "dp+cp" and not runnable(Layout(dp=2, cp=4), shape)
     assert runnable(Layout(dp=8), shape)
+
+
+def test_plan_takes_a_custom_moe_shape_and_context_attention(capsys):
+    """--experts / --experts-per-token make any shape a mixture of experts; --context-attention
+    all-to-all prices Ulysses' form; bad values are one line and exit 2."""
+    base = ["plan", "--layers", "8", "--width", "1024", "--heads", "16", "--vocab", "32000", "--seq", "8192",
+            "--gated", "--ffn", "2048", "--devices", "8", "--global-batch", "8"]  # fmt: skip
+    code, out, _ = run(
+        capsys, *base, "--experts", "8", "--experts-per-token", "2", "--layout", "ep=8", "--json"
+    )
+    assert code == 0
+    (one,) = json.loads(out)["layouts"]
+    assert one["layout"]["ep"] == 8 and one["comm_bytes"]["expert"] > 0
+    code, out, _ = run(capsys, *base, "--layout", "dp=4,cp=2", "--context-attention", "all-to-all", "--json")
+    assert code == 0 and json.loads(out)["job"]["context_attention"] == "all-to-all"
+    for extra, words in ((["--experts", "1"], "experts=1"), (["--context-attention", "ulysses"], "ulysses"),
+                         (["--experts", "8", "--capacity-factor", "-1"], "--capacity-factor")):  # fmt: skip
+        code, _, err = run(capsys, *base, *extra)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err

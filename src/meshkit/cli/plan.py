@@ -46,6 +46,15 @@ def plan(
         int | None, _opt(_M, "Key/value heads (grouped-query attention; default heads).")
     ] = None,
     head_dim: Annotated[int | None, _opt(_M, "Width of one head (default width / heads).")] = None,
+    experts: Annotated[
+        int | None, _opt(_M, "Mixture of experts: MLPs of width --ffn per layer (0: a dense MLP).")
+    ] = None,
+    experts_per_token: Annotated[
+        int | None, _opt(_M, "Mixture of experts: experts a token is routed to.")
+    ] = None,
+    capacity_factor: Annotated[
+        float | None, _opt(_M, "Mixture of experts: expert buffers' slots per routed token (1.25 usual).")
+    ] = None,
     devices: Annotated[int, _opt(_C, "Devices in the cluster.")] = 8,
     devices_per_host: Annotated[
         int | None, _opt(_C, "Devices per host (default: the hardware's node).")
@@ -89,6 +98,9 @@ def plan(
             "torchtitan or deepspeed, each calibrated on its published runs.",
         ),
     ] = "maxtext-xla",
+    context_attention: Annotated[
+        str, _opt(_J, "Context parallelism's attention: ring (K/V blocks round a ring) or all-to-all.")
+    ] = "ring",
     layout: Annotated[
         str | None,
         _opt(
@@ -138,11 +150,12 @@ def plan(
         raise MeshkitError(f"--top {top}: show at least 1 layout")
     if compile < 0:
         raise MeshkitError(f"--compile {compile}: compile 0 or more layouts")
+    moe = {"experts": experts, "experts_per_token": experts_per_token, "capacity_factor": capacity_factor}
     shape = _shape(
-        model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape
+        model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape, moe
     )
     cluster, job = _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision,
-                                    optimizer_bytes, flash_attention, runtime, stack)  # fmt: skip
+                                    optimizer_bytes, flash_attention, runtime, stack, context_attention)  # fmt: skip
     notes: list[str] = []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +196,7 @@ def plan(
 
 
 def _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision, optimizer_bytes,
-                     flash_attention, runtime, stack):  # fmt: skip
+                     flash_attention, runtime, stack, context_attention="ring"):  # fmt: skip
     """The cluster (a named device, its figures overridden by the flags given, or a custom one) and the
     job, every number checked (finite, positive) with a line naming its flag."""
     from meshkit.planner import Cluster, Job
@@ -200,7 +213,8 @@ def _cluster_and_job(figures, hardware, devices, devices_per_host, family, globa
         hw = override(get_hardware(hardware), **figures)
     cluster = Cluster(hardware=hw, devices=devices, devices_per_host=devices_per_host or 0)
     job = Job(global_batch=global_batch, precision=precision, optimizer_bytes=optimizer_bytes,
-              flash_attention=flash_attention, runtime=runtime, stack=stack.strip().lower())  # fmt: skip
+              flash_attention=flash_attention, runtime=runtime, stack=stack.strip().lower(),
+              context_attention=context_attention.strip().lower())  # fmt: skip
     stack_for(job, hw)
     return cluster, job
 
@@ -247,10 +261,15 @@ def _virtual(schedule: str, layers: int, layout: str, notes: list[str]) -> int:
     return 2
 
 
-def _shape(model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape):
+def _shape(
+    model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape, moe=None
+):
     sizes = {"layers": layers, "width": width, "heads": heads, "vocab": vocab, "seq": seq, "ffn": ffn,
-             "gated": gated, "kv_heads": kv_heads, "head_dim": head_dim}  # fmt: skip
+             "gated": gated, "kv_heads": kv_heads, "head_dim": head_dim, **(moe or {})}  # fmt: skip
     given = {k: v for k, v in sizes.items() if v is not None}
+    from meshkit.planner.hardware import check_number
+
+    check_number("capacity_factor", given.get("capacity_factor"))
     if model is not None and ":" in model:
         return _user_shape(model, heads, seq, ModelShape)
     if model is not None:
