@@ -415,24 +415,21 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         f"{preds[0].efficiency_source}; --stack to assume another",
         highlight=False,
     )
-    cols = ["#", "layout", "cp", "ep", "meshkit plan", "peak/device", "step", "tokens/s", "MFU", "TFLOP/s",
-            "% compute/tp/dp/pp/cp/ep/bubble"]  # fmt: skip
+    # the context and expert columns where a layout shown has those axes, or the model has experts
+    axes = shape.experts > 0 or any(p.layout.cp > 1 or p.layout.ep > 1 for p in preds)
+    names = ["compute", "tp", "dp", "pp"] + ["cp", "ep"] * axes + ["bubble"]
+    cols = ["#", "layout", *["cp", "ep"] * axes, "meshkit plan", "peak/device", "step", "tokens/s", "MFU", "TFLOP/s",
+            "% " + "/".join(names)]  # fmt: skip
+    keys = (
+        ["compute", "comm_model", "comm_data", "comm_stage"]
+        + ["comm_context", "comm_expert"] * axes
+        + ["bubble"]
+    )
     rows = []
     for i, p in enumerate(preds, 1):
         s, pa = p.step_time_s, p.parts
-        split = "/".join(
-            _pct(pa[k], s)
-            for k in (
-                "compute",
-                "comm_model",
-                "comm_data",
-                "comm_stage",
-                "comm_context",
-                "comm_expert",
-                "bubble",
-            )
-        )
-        rows.append([i, p.label(), p.layout.cp, p.layout.ep, p.meshkit_plan() or "-",
+        split = "/".join(_pct(pa[k], s) for k in keys)
+        rows.append([i, p.label(), *[p.layout.cp, p.layout.ep] * axes, p.meshkit_plan() or "-",
                      fmt_bytes(p.peak_bytes, decimal=True) + ("" if p.fits else " (no fit)"),
                      _seconds(s), f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%",
                      f"{p.hardware_tflops_per_device:.0f}", split])  # fmt: skip
@@ -441,7 +438,7 @@ def _print(shape, cluster, job, preds, result, measured, single: bool) -> None:
         if single
         else f"Layouts that fit, fastest first (top {len(preds)} of {len(result.ranked)}; {job.stack})"
     )
-    t = table(title, cols, rows, justify_right=5)
+    t = table(title, cols, rows, justify_right=5 if axes else 3)
     t.columns[1].no_wrap = True
     console.print(t)
     console.print("MFU: model FLOPs (no recompute) / peak; TFLOP/s: hardware FLOPs per device (with recompute)",
