@@ -51,7 +51,9 @@ def test_calibrate_and_check_are_disjoint_named_sets(runs):
     assert all(r["split"] in SPLITS and r["stack"] in STACKS for r in rows if r["name"] in used)
     calibrate = {r.name for r in runs if r.split == "calibrate"}
     check = {r.name for r in runs if r.split == "check"}
-    assert calibrate and check and not calibrate & check and calibrate | check == used
+    extrapolate = {r.name for r in runs if r.split == "extrapolate"}
+    assert calibrate and check and not calibrate & check and not (calibrate | check) & extrapolate
+    assert calibrate | check | extrapolate == used
     # every check run's stack and family has calibration runs of its own: nothing checked is estimated
     assert {r.cell for r in runs if r.split == "check"} <= {r.cell for r in runs if r.split == "calibrate"}
 

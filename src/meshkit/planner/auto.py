@@ -80,8 +80,9 @@ def _seconds(s: float) -> str:
 
 
 def runnable(layout: Layout, shape: ModelShape) -> bool:
-    """Whether meshkit's Trainer executes ``layout`` for the GPT of ``shape``."""
-    if layout.meshkit_plan() is None:
+    """Whether meshkit's Trainer executes ``layout`` for the GPT of ``shape`` and meshkit's runtime model
+    prices it (context and expert layouts are priced by the analytic model only: not chosen yet)."""
+    if layout.meshkit_plan() is None or layout.cp > 1 or layout.ep > 1:
         return False
     if layout.pp > 1:
         return shape.layers % (layout.pp * layout.virtual_stages) == 0

@@ -30,7 +30,11 @@ from meshkit.planner.predict import Prediction, predict
 from meshkit.planner.sizes import layer_flops, model_flops_per_token
 from meshkit.planner.stacks import CALIBRATION, Calibration
 
-SPLITS = ("calibrate", "check")
+SPLITS = ("calibrate", "check", "extrapolate")
+"""What a published run is for: setting the calibration, checking the model where the calibration
+covers it (a stack and hardware family with calibration runs of its own, the dense matmuls those
+runs measure), or extrapolating where nothing calibrates it (mixtures of experts: grouped expert
+matmuls, token permutations and load imbalance no calibration run shows), held to its own band."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +51,7 @@ class Run:
     basis: str
     """How the published tokens/s were obtained (tokens/s, step time, MFU, TFLOP/s)."""
     split: str
-    """``calibrate`` (sets the calibration) or ``check`` (only predicted)."""
+    """``calibrate`` (sets the calibration), ``check`` or ``extrapolate`` (only predicted; ``SPLITS``)."""
     shard_group: int = 0
     """ZeRO-3's shard group where the run shards within groups and replicates across (hybrid)."""
 
@@ -95,9 +99,11 @@ def run(row: dict) -> Run | None:
     get = lambda k: plan.get(k, row.get(k))  # noqa: E731  (the planner entry overrides the row)
     shape = ModelShape(name=row["name"], layers=get("layers"), width=get("width"), heads=get("heads"),
                        vocab=get("vocab"), seq=get("seq"), ffn=get("ffn") or 0, gated=bool(get("gated")),
-                       kv_heads=get("kv_heads") or 0, head_dim=get("head_dim") or 0)  # fmt: skip
+                       kv_heads=get("kv_heads") or 0, head_dim=get("head_dim") or 0, experts=get("experts") or 0,
+                       experts_per_token=get("experts_per_token") or 2,
+                       capacity_factor=get("capacity_factor") or 1.0)  # fmt: skip
     pp = get("pp")
-    layout = Layout(dp=get("dp"), tp=get("tp"), pp=pp, zero=get("zero") or 0,
+    layout = Layout(dp=get("dp"), tp=get("tp"), pp=pp, cp=get("cp") or 1, ep=get("ep") or 1, zero=get("zero") or 0,
                     microbatch_size=get("microbatch_size") or 1, schedule=_schedule(get("schedule"), pp),
                     virtual_stages=get("virtual_stages") or 1, remat=_remat(get("remat")))  # fmt: skip
     hw = hardware(get("device_type"))

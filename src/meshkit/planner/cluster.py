@@ -10,6 +10,7 @@ from meshkit._errors import MeshkitError
 from meshkit.analysis.cost import Convention, convention
 from meshkit.planner.hardware import Hardware
 from meshkit.planner.stacks import STACKS
+from meshkit.spec import CONTEXT_ATTENTION
 from meshkit.spec import PRECISIONS as SPEC_PRECISIONS
 
 RUNTIMES = ("standard", "meshkit")
@@ -65,6 +66,10 @@ class Job:
     """``standard`` (Megatron-style implementation) or ``meshkit`` (meshkit's compiled programs)."""
     stack: str = "maxtext-xla"
     """The software whose efficiency to assume (``STACKS``); JAX/XLA, what meshkit runs, by default."""
+    context_attention: str = "ring"
+    """Context parallelism's attention (``meshkit.spec.CONTEXT_ATTENTION``): K/V blocks passed round
+    the ring (hidden behind the attention they feed), or all-to-all from a sequence split to a head
+    split and back (exposed)."""
 
     def __post_init__(self):
         if self.global_batch < 1:
@@ -77,6 +82,10 @@ class Job:
             raise MeshkitError(f"tp_overlap {self.tp_overlap}: a fraction between 0 and 1")
         if self.runtime not in RUNTIMES:
             raise MeshkitError(f"unknown runtime {self.runtime!r}: choose one of {', '.join(RUNTIMES)}")
+        if self.context_attention not in CONTEXT_ATTENTION:
+            raise MeshkitError(
+                f"unknown context attention {self.context_attention!r}: choose one of {', '.join(CONTEXT_ATTENTION)}"
+            )
         if self.stack not in STACKS:
             raise MeshkitError(f"unknown software stack {self.stack!r}: choose one of {', '.join(STACKS)}")
 

@@ -1,11 +1,19 @@
 """The planner's vocabulary: a parallel layout by its degrees, and the ``ParallelSpec`` that runs it.
 
 A ``Layout`` is what the planner enumerates and prices on a cluster far larger than this machine:
-degrees of data (dp), tensor (tp) and pipeline (pp) parallelism, the ZeRO stage over the data axis,
+degrees of data (dp), tensor (tp), pipeline (pp), context (cp) and expert (ep) parallelism, the ZeRO
+stage over the data axis,
 the micro-batch size, and the spec's pipeline schedule and remat policy (their allowed values are
 ``meshkit.spec``'s). ``to_spec`` is the one conversion into the ``ParallelSpec`` meshkit trains
 and compiles with; a layout meshkit has no plan for (ZeRO-1 combined with tensor parallelism) can
 still be predicted, and converting it is refused in one line.
+
+The device count is ``dp x tp x pp x cp x ep``: the expert axis doubles as a data axis for the
+layers that are not experts (the batch splits over ``dp x ep``, as MaxText's and torchtitan's expert
+axis and meshkit's plans ``ep`` / ``dp+ep`` split it), and holds ``experts / ep`` of each layer's
+experts; the context axis splits every sequence (the batch splits over dp and ep only). Mesh order,
+outermost first: stage, data, expert, context, model (Megatron's: tensor innermost, then context,
+expert, data, pipeline).
 """
 
 from __future__ import annotations
@@ -15,19 +23,40 @@ from dataclasses import dataclass
 
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
-from meshkit.spec import DATA, MODEL, REPLICA, STAGE, ParallelSpec, check_remat, check_schedule, plan_for
+from meshkit.spec import (
+    CONTEXT,
+    DATA,
+    MODEL,
+    PLANS,
+    REPLICA,
+    STAGE,
+    ParallelSpec,
+    check_remat,
+    check_schedule,
+    plan_for,
+)
+
+EXPERT = "expert"
+"""The mesh axis of expert parallelism, as meshkit's plans ``ep`` and ``dp+ep`` name it."""
+DEGREES = ("dp", "tp", "pp", "cp", "ep")
+"""The degrees ``--layout`` names."""
 
 __all__ = ["Layout", "ModelShape"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
-    """One parallel layout: degrees of data (dp), tensor (tp) and pipeline (pp) parallelism, the ZeRO
-    stage over the data axis, micro-batch size and pipeline schedule, and activation checkpointing."""
+    """One parallel layout: degrees of data (dp), tensor (tp), pipeline (pp), context (cp) and expert
+    (ep) parallelism, the ZeRO stage over the data axis, micro-batch size and pipeline schedule, and
+    activation checkpointing."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context parallelism: every sequence split over cp devices (ring attention passes K/V blocks)."""
+    ep: int = 1
+    """Expert parallelism: each layer's experts split over ep devices, which also split the batch."""
     zero: int = 0
     """0 (replicated, plain data parallel), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, FSDP)."""
     microbatch_size: int = 1
@@ -42,7 +71,7 @@ class Layout:
     groups (hybrid sharding: meshkit's plan hsdp on mesh ``replica=dp/g,data=g``); 0: all of dp."""
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "microbatch_size", "virtual_stages"):
+        for name in (*DEGREES, "microbatch_size", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise MeshkitError(f"layout {name}={getattr(self, name)}: must be at least 1")
         if self.shard_group < 0:
@@ -59,17 +88,25 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp * self.ep
+
+    @property
+    def batch_ways(self) -> int:
+        """Devices the batch splits over: dp x ep (the expert axis is a data axis outside the experts)."""
+        return self.dp * self.ep
 
     @classmethod
     def parse(cls, text: str, **options) -> Layout:
-        """``"dp=24,tp=8,pp=8"`` (any order; a missing degree is 1), plus keyword ``options``."""
+        """``"dp=24,tp=8,pp=8"`` or ``"dp=4,tp=8,pp=16,cp=16"`` (any order; a missing degree is 1),
+        plus keyword ``options``."""
         degrees: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or key not in ("dp", "tp", "pp") or not value.strip().isdigit():
-                raise MeshkitError(f"bad layout part {part!r}: write e.g. dp=24,tp=8,pp=8")
+            if not sep or key not in DEGREES or not value.strip().isdigit():
+                raise MeshkitError(
+                    f"bad layout part {part!r}: write e.g. dp=24,tp=8,pp=8 (degrees {', '.join(DEGREES)})"
+                )
             if key in degrees:
                 raise MeshkitError(f"layout {text!r} gives {key} twice")
             degrees[key] = int(value)
@@ -78,8 +115,24 @@ class Layout:
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
 
+    def plan_name(self) -> str:
+        """The name meshkit's plan for this layout has or would have (``dp+cp``, ``fsdp+cp``, ``ep``,
+        ``dp+ep``...: the data part, then tp, pp, cp, ep), whether or not ``meshkit.spec.PLANS`` has it."""
+        if self.cp == 1 and self.ep == 1:
+            return self.meshkit_plan() or f"{self.label()} (no plan)"
+        data = [plan_for(self.zero, data=True, tensor=False, pipeline=False)] if self.dp > 1 else []
+        if self.zero and self.dp == 1:
+            data = [f"zero{self.zero}"]
+        parts = (
+            ["tp"] * (self.tp > 1) + ["pp"] * (self.pp > 1) + ["cp"] * (self.cp > 1) + ["ep"] * (self.ep > 1)
+        )
+        return "+".join([*data, *parts])
+
     def meshkit_plan(self) -> str | None:
         """The meshkit plan that executes this layout, or None where meshkit has none."""
+        if self.cp > 1 or self.ep > 1:
+            name = self.plan_name()
+            return name if name in PLANS and not self.hybrid else None
         return plan_for(
             self.zero, data=self.dp > 1, tensor=self.tp > 1, pipeline=self.pp > 1, hybrid=self.hybrid
         )
@@ -87,17 +140,19 @@ class Layout:
     def mesh_spec(self) -> str:
         """meshkit's mesh string for this layout, axes named as the plans name them."""
         g = self.shard_group if self.hybrid else self.dp
-        axes = [(STAGE, self.pp), (REPLICA, self.dp // g), (DATA, g), (MODEL, self.tp)]
+        axes = [(STAGE, self.pp), (REPLICA, self.dp // g), (DATA, g), (EXPERT, self.ep), (CONTEXT, self.cp),
+                (MODEL, self.tp)]  # fmt: skip
         kept = [f"{k}={v}" for k, v in axes if v > 1] or ["data=1"]
         return ",".join(kept)
 
     def microbatches(self, global_batch: int) -> int:
-        """Micro-batches per step: ``global_batch / (dp x microbatch_size)`` (pipeline micro-batches,
-        or gradient accumulation without a pipeline); raises where it does not divide."""
-        unit = self.dp * self.microbatch_size
+        """Micro-batches per step: ``global_batch / (dp x ep x microbatch_size)`` (pipeline
+        micro-batches, or gradient accumulation without a pipeline); raises where it does not divide."""
+        unit = self.batch_ways * self.microbatch_size
         if global_batch % unit:
+            ep = f" x ep={self.ep}" if self.ep > 1 else ""
             raise MeshkitError(
-                f"global batch {global_batch} does not divide over dp={self.dp} x microbatch size "
+                f"global batch {global_batch} does not divide over dp={self.dp}{ep} x microbatch size "
                 f"{self.microbatch_size}: use a multiple of {unit}"
             )
         return global_batch // unit
@@ -105,6 +160,12 @@ class Layout:
     def to_spec(self, global_batch: int, precision: str = "fp32") -> ParallelSpec:
         """The ``ParallelSpec`` that runs this layout for a global batch of ``global_batch`` sequences."""
         plan = self.meshkit_plan()
+        if plan is None and (self.cp > 1 or self.ep > 1):
+            have = ", ".join(p for p in PLANS if "cp" in p or "ep" in p) or "none"
+            raise MeshkitError(
+                f"meshkit has no plan {self.plan_name()} for {self.label()} (its context and expert plans: "
+                f"{have}): price it with meshkit plan, run a layout one of them covers"
+            )
         if plan is None:
             raise MeshkitError(
                 f"meshkit has no plan for {self.label()} (ZeRO-1/2 combine with neither tp nor pp; hybrid "
@@ -119,6 +180,7 @@ class Layout:
 
     def label(self) -> str:
         text = f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        text += "".join(f",{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
         if self.zero:
             text += f" zero{self.zero}"
         text += f" mb={self.microbatch_size}"

@@ -40,6 +40,20 @@ Conventions (stated so the numbers can be checked):
 - Hybrid sharding (``predict(shard_group=g)``): ZeRO-3 over groups of g data-parallel replicas,
   the gradients all-reduced across the dp / g groups (PyTorch's HSDP, MaxText's FSDP within a slice
   and data parallelism across); state sharded g ways.
+- Context parallelism (cp): every sequence split over cp devices (``seq / cp`` tokens each: compute,
+  activations and logits per device / cp), gradients reduced and ZeRO state sharded over dp x cp
+  (x ep). Ring form (``Job.context_attention``): each layer passes its K/V block ``cp - 1`` times in
+  the forward pass and K/V with their gradients in the backward (``collective-permute``, S each,
+  through one NIC where the ring crosses hosts), hidden behind the attention (``4 S D_q`` per token)
+  that consumes it, less the overlap tax; all-to-all form: Q, K, V to a head split and the output
+  back, ``(cp - 1) / cp`` of each, forward and twice backward, exposed.
+- Expert parallelism (ep, mixtures of experts only): the expert axis splits the batch as data does
+  (outside the experts) and holds ``experts / ep`` experts of each layer; each MoE layer dispatches
+  and combines its tokens by ``all-to-all`` (``(ep - 1) / ep`` of ``k x capacity_factor`` copies of
+  each token's activation, forward, and again for their gradients backward), exposed, on the
+  network the ep group spans. Expert weights, their gradients and optimizer state / ep; ZeRO shards
+  the dense parameters over dp x cp x ep and the experts over dp x cp. FLOPs count the active
+  parameters (k experts and the router per token).
 - Bubble: ``(p - 1) / (v m + p - 1)`` (``plans.bubble_model``), applied to the stage's time per step.
 - Memory: parameters, gradients and optimizer state by ZeRO stage (``analysis.cost.zero_memory``,
   mixed-precision Adam 2 + 2 + 12 bytes per parameter in bf16, 4 + 4 + 8 in fp32) of the largest
@@ -65,15 +79,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshkit.analysis.cost import ring_traffic, zero_memory
+from meshkit.analysis.cost import MemoryModel, ring_traffic, zero_memory
 from meshkit.planner.cluster import Cluster, Job
 from meshkit.planner.hardware import Hardware
 from meshkit.planner.layout import Layout, ModelShape
 from meshkit.planner.network import collective_latency, crosses_hosts, group_bandwidth
 from meshkit.planner.sizes import (
+    attention_core_flops,
     attention_widths,
     elementwise_bytes,
     embed_params,
+    expert_params,
     head_flops,
     head_params,
     in_flight,
@@ -81,6 +97,7 @@ from meshkit.planner.sizes import (
     layer_flops,
     layer_params,
     model_flops_per_token,
+    routed,
 )
 from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration, stack_for
 from meshkit.spec import STEADY_SCHEDULES, ZERO_STAGES
@@ -115,8 +132,8 @@ class Prediction:
     microbatches: int = 0
     step_time_s: float = math.inf
     parts: dict[str, float] = field(default_factory=dict)
-    """Seconds per step: compute, exposed comm per axis (comm_model, comm_data, comm_stage),
-    bubble, optimizer, straggler."""
+    """Seconds per step: compute, exposed comm per axis (comm_model, comm_data, comm_stage,
+    comm_context, comm_expert), bubble, optimizer, straggler."""
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     """Model FLOPs (no recompute) per second per device over peak."""
@@ -156,16 +173,26 @@ class Prediction:
 def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str | None:
     """Why the layout cannot run this model on this cluster, or None."""
     if layout.devices != cluster.devices:
-        return f"dp*tp*pp = {layout.devices}, not the {cluster.devices} devices"
+        return f"dp*tp*pp*cp*ep = {layout.devices}, not the {cluster.devices} devices"
+    if layout.cp > 1 and shape.seq % (2 * layout.cp):
+        return f"cp={layout.cp}: seq {shape.seq} does not split into 2*cp balanced chunks"
+    if layout.cp > 1 and job.context_attention == "all-to-all" and shape.heads % (layout.cp * layout.tp):
+        return (
+            f"cp={layout.cp} all-to-all: heads={shape.heads} do not divide over cp*tp={layout.cp * layout.tp}"
+        )
+    if layout.ep > 1 and not shape.experts:
+        return f"ep={layout.ep}: {shape.name} has no experts (a dense MLP)"
+    if layout.ep > 1 and shape.experts % layout.ep:
+        return f"ep={layout.ep} does not divide experts={shape.experts}"
     if shape.heads % layout.tp:
         return f"tp={layout.tp} does not divide heads={shape.heads}"
     if shape.kv_heads % layout.tp and layout.tp % shape.kv_heads:
         return f"tp={layout.tp} neither divides nor is a multiple of kv_heads={shape.kv_heads}"
     if shape.layers < layout.pp * layout.virtual_stages:
         return f"pp*virtual_stages={layout.pp * layout.virtual_stages} exceeds layers={shape.layers}"
-    per_replica = layout.dp * layout.microbatch_size
+    per_replica = layout.batch_ways * layout.microbatch_size
     if job.global_batch % per_replica:
-        return f"global batch {job.global_batch} is not a multiple of dp*microbatch={per_replica}"
+        return f"global batch {job.global_batch} is not a multiple of dp*ep*microbatch={per_replica}"
     m = job.global_batch // per_replica
     if layout.pp > 1 and layout.schedule in STEADY_SCHEDULES and m < layout.pp:
         return f"{layout.schedule} needs micro-batches >= pp: {m} < {layout.pp}"
@@ -177,6 +204,8 @@ def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str 
         return f"zero{layout.zero} over a data axis of one device shards nothing: use zero=0"
     g = layout.shard_group
     if g and g != layout.dp:
+        if layout.cp > 1 or layout.ep > 1:
+            return f"hybrid sharding (shard group {g}) is priced without cp or ep"
         if layout.zero != 3:
             return f"hybrid sharding (shard group {g}) shards ZeRO-3: use zero=3"
         if layout.dp % g:
@@ -192,7 +221,10 @@ def efficiency(
     """(the stack's calibrated matmul efficiency on this family, scaled down for narrow per-device
     matmuls; where that efficiency comes from)."""
     base, source = (calibration or CALIBRATION).efficiency_of(job.stack, hardware.family)
-    n = min(shape.width / layout.tp, layout.microbatch_size * shape.seq)
+    tokens = layout.microbatch_size * shape.seq / layout.cp
+    n = min(shape.width / layout.tp, tokens)
+    if shape.experts:  # an expert's matmuls: its width, and the tokens it takes from the whole ep group
+        n = min(n, shape.ffn / layout.tp, tokens * shape.experts_per_token * layout.ep / shape.experts)
     return base * n / (n + N_HALF), source
 
 
@@ -210,6 +242,8 @@ class _Step:
     tokens_mb: int
     phi: float
     """Parameters on the busiest device (one tensor-parallel shard)."""
+    experts_phi: float
+    """Of ``phi``, the expert weights (``experts / ep`` of each layer's; 0 for a dense model)."""
     top_params: float
     stage_layers: float
     shard: int
@@ -227,7 +261,13 @@ class _Step:
 
     @property
     def meshkit(self) -> bool:
-        return self.job.runtime == "meshkit"
+        """meshkit's own programs (``runtime``), which price no context or expert axis yet."""
+        return self.job.runtime == "meshkit" and self.layout.cp == 1 and self.layout.ep == 1
+
+    @property
+    def batch_group(self) -> int:
+        """Devices holding the same dense parameters: dp x cp x ep (their gradients are reduced over all)."""
+        return self.layout.dp * self.layout.cp * self.layout.ep
 
     @property
     def window(self) -> float:
@@ -239,11 +279,13 @@ def _setup(shape, layout, cluster, job, calibration) -> _Step:
     hw, lay = cluster.hardware, layout
     stack_for(job, hw)
     tp, pp, v = lay.tp, lay.pp, lay.virtual_stages
-    m = job.global_batch // (lay.dp * lay.microbatch_size)
+    m = job.global_batch // (lay.batch_ways * lay.microbatch_size)
     per_stage = -(-shape.layers // (pp * v)) * v
-    tokens_mb = lay.microbatch_size * shape.seq
-    stage_layers = per_stage * layer_params(shape, tp)
-    if job.runtime == "meshkit":  # embeddings and unembedding whole on every device (every stage)
+    tokens_mb = lay.microbatch_size * shape.seq // lay.cp
+    stage_layers = per_stage * layer_params(shape, tp, lay.ep)
+    if (
+        job.runtime == "meshkit" and lay.cp == 1 and lay.ep == 1
+    ):  # embeddings and unembedding whole on every device (every stage)
         top_params = embed_params(shape) + head_params(shape)
         phi = stage_layers + top_params
     else:
@@ -261,7 +303,7 @@ def _setup(shape, layout, cluster, job, calibration) -> _Step:
     if lay.remat == "dots":  # the elementwise ops recomputed: their activations written and read again
         t_mb += per_stage * 2 * (acts[0] - acts[1]) / hw.hbm_bytes_per_s
     return _Step(shape=shape, layout=lay, cluster=cluster, job=job, m=m, per_stage=per_stage, tokens_mb=tokens_mb,
-                 phi=phi, top_params=top_params, stage_layers=stage_layers, shard=lay.shard_group or lay.dp,
+                 phi=phi, experts_phi=per_stage * expert_params(shape) / (tp * lay.ep), top_params=top_params, stage_layers=stage_layers, shard=lay.shard_group or lay.dp,
                  recompute=recompute, layer_fwd=layer_fwd, peak_flops=peak_flops, eff=eff, eff_source=source,
                  t_mb=t_mb, activations=acts)  # fmt: skip
 
@@ -270,7 +312,12 @@ def _memory(s: _Step):
     """(memory by component, the ZeRO state) on the busiest device."""
     lay, job, conv = s.layout, s.job, s.job.convention
     stage = ZERO_STAGES[lay.zero if lay.dp > 1 else 0]
-    state = zero_memory(s.phi, s.shard if stage == "zero3" else lay.dp, stage, conv)
+    shard = (s.shard if stage == "zero3" else lay.dp) * lay.cp  # ZeRO over dp x cp (x ep outside the experts)
+    state = zero_memory(s.phi - s.experts_phi, shard * lay.ep, stage, conv)
+    if s.experts_phi:  # the experts: over dp x cp only
+        experts = zero_memory(s.experts_phi, shard, stage, conv)
+        state = MemoryModel(stage=stage, params=state.params + experts.params, grads=state.grads + experts.grads,
+                            optimizer=state.optimizer + experts.optimizer)  # fmt: skip
     full, dots, layer_in = s.activations
     held = in_flight(lay, s.shape.layers, s.m)
     if lay.remat == "layer":
@@ -302,7 +349,7 @@ def _gathered(s: _Step) -> float:
     """Parameters ZeRO-3 holds gathered at once: a layer, or its largest matrix where the stack gathers
     each tensor by itself (the fused QKV projection or an MLP matrix)."""
     if not STACKS[s.job.stack].zero3_per_tensor:
-        return layer_params(s.shape, s.layout.tp)
+        return layer_params(s.shape, s.layout.tp, s.layout.ep)
     q, kv = attention_widths(s.shape)
     return s.shape.width * max(s.shape.ffn, q + 2 * kv) / s.layout.tp
 
@@ -342,9 +389,59 @@ def _stage_axis(s: _Step) -> tuple[float, float]:
             nbytes += s.stage_layers * (conv.param + conv.grad)
     else:  # each activation and its gradient sent once per chunk
         nbytes, sends = 2 * v * m * act / lay.tp, 2 * v * m
-    stride = lay.tp * lay.dp
+    stride = lay.tp * s.batch_group
     seconds = nbytes / group_bandwidth(s.cluster, stride, pp, one_nic=True)
     return nbytes, seconds + sends * collective_latency(s.cluster, "collective-permute", stride, pp)
+
+
+def _context_axis(s: _Step, cal: Calibration) -> tuple[float, float]:
+    """(bytes, exposed seconds) of one micro-batch's context-parallel traffic on one device.
+
+    Ring: every layer passes its K/V block ``cp - 1`` times forward (``collective-permute``, S each)
+    and K/V with their gradients dK/dV backward (twice S), again per recomputed forward; each pass hides
+    behind the attention it feeds (``attention_core_flops``), less the overlap tax. All-to-all: Q, K
+    and V to a head split, the output back, ``(cp - 1) / cp`` of each, forward and twice backward."""
+    lay, cp, e = s.layout, s.layout.cp, s.job.act_bytes
+    if cp == 1:
+        return 0.0, 0.0
+    q, kv = attention_widths(s.shape)
+    kv_local = max(kv / lay.tp, s.shape.head_dim)  # kv heads split over tp (whole heads: repeated below one)
+    passes = (3 + s.recompute) * s.per_stage
+    stride, c = lay.tp, s.cluster
+    if s.job.context_attention == "all-to-all":
+        size = s.tokens_mb * (2 * q / lay.tp + 2 * kv_local) * e
+        nbytes = passes * ring_traffic("all-to-all", size, cp)
+        t = nbytes / group_bandwidth(c, stride, cp) + 4 * passes * collective_latency(
+            c, "all-to-all", stride, cp
+        )
+        return nbytes, t
+    block = s.tokens_mb * 2 * kv_local * e  # K and V of this device's chunk
+    nbytes = passes * (cp - 1) * ring_traffic("collective-permute", block, cp)
+    steps = passes * (cp - 1)
+    t = nbytes / group_bandwidth(c, stride, cp, one_nic=True) + steps * collective_latency(
+        c, "collective-permute", stride, cp
+    )
+    attention = passes * attention_core_flops(s.shape) * s.tokens_mb / lay.tp / (s.peak_flops * s.eff)
+    return nbytes, max(0.0, t - attention) + cal.overlap_tax * min(t, attention)
+
+
+def _expert_axis(s: _Step) -> tuple[float, float]:
+    """(bytes, seconds) of one micro-batch's expert-parallel all-to-alls on one device (exposed):
+    per MoE layer, the tokens dispatched to their experts and combined back (``k x capacity_factor``
+    copies of each token's activation, ``(ep - 1) / ep`` of them leaving the device), forward, their
+    gradients backward, again per recomputed forward."""
+    lay, ep = s.layout, s.layout.ep
+    if ep == 1:
+        return 0.0, 0.0
+    split = lay.tp if s.job.sequence_parallel else 1  # the tokens a tensor-parallel rank dispatches
+    size = s.tokens_mb * routed(s.shape) * s.shape.capacity_factor * s.shape.width * s.job.act_bytes / split
+    count = 2 * (2 + s.recompute) * s.per_stage  # dispatch and combine: forward, backward, recomputed forward
+    nbytes = count * ring_traffic("all-to-all", size, ep)
+    stride = lay.tp * lay.cp
+    t = nbytes / group_bandwidth(s.cluster, stride, ep) + count * collective_latency(
+        s.cluster, "all-to-all", stride, ep
+    )
+    return nbytes, t
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -366,7 +463,9 @@ class _Flow:
 def _data_flows(s: _Step) -> list[_Flow]:
     """The data-parallel traffic of one step (the bytes as ``analysis.cost`` and ``plans`` count them)."""
     lay, conv, m, L = s.layout, s.job.convention, s.m, s.per_stage
-    dp, tp, g = lay.dp, lay.tp, s.shard
+    # the gradients of the dense parameters reduce over dp x cp x ep, the experts' over dp x cp: one
+    # group of dp x cp x ep carries both (the experts' (n - 1) / n read at the larger n)
+    dp, tp, g = s.batch_group, lay.tp, s.shard * lay.cp * lay.ep
     if dp == 1:
         return []
     stage = ZERO_STAGES[lay.zero]
@@ -427,6 +526,11 @@ def _by_axis(flows: list[_Flow], values: list, combine) -> dict:
     return {a: combine(v for fl, v in zip(flows, values, strict=True) if fl.axis == a) for a in axes}
 
 
+def _new_axes(lay: Layout, context, expert) -> dict:
+    """The context and expert axes' entries, where the layout has them (dense layouts keep their keys)."""
+    return {k: v for k, v, n in (("context", context, lay.cp), ("expert", expert, lay.ep)) if n > 1}
+
+
 def predict(
     shape: ModelShape,
     layout: Layout,
@@ -449,6 +553,8 @@ def predict(
     memory, state = _memory(s)
     tp_bytes, t_tp_mb = _model_axis(s)
     pp_bytes, t_pp = _stage_axis(s)
+    cp_bytes, t_cp_mb = _context_axis(s, cal)
+    ep_bytes, t_ep_mb = _expert_axis(s)
     flows = _data_flows(s)
     exposed = [_exposed(s, fl, cal) for fl in flows]
     lay, hw = layout, cluster.hardware
@@ -457,12 +563,14 @@ def predict(
     bub = bubble_model(lay.pp, s.m, lay.virtual_stages) if lay.pp > 1 else 0.0
     compute = s.m * s.t_mb
     exposed_tp = s.m * max(t_tp_mb * (1 - job.tp_overlap), t_tp_mb - s.t_mb)
-    useful = compute + exposed_tp + t_pp
+    useful = compute + exposed_tp + t_pp + s.m * (t_cp_mb + t_ep_mb)
     parts = {
         "compute": compute,
         "comm_model": exposed_tp,
         "comm_data": sum(t for t, _ in exposed),
         "comm_stage": t_pp,
+        "comm_context": s.m * t_cp_mb,
+        "comm_expert": s.m * t_ep_mb,
         "bubble": useful * bub / (1 - bub),
         "optimizer": 2 * (state.params + state.grads + state.optimizer) / hw.hbm_bytes_per_s,  # read + write
     }
@@ -483,9 +591,11 @@ def predict(
         layout=layout, valid=True, fits=why is None, why=why, shard_group=s.shard if lay.zero == 3 else 0,
         peak_bytes=peak, limit_bytes=limit, memory=memory,
         comm_bytes={**_by_axis(flows, [fl.nbytes for fl in flows], sum),
-                    "model": s.m * tp_bytes, "stage": pp_bytes},
+                    "model": s.m * tp_bytes, "stage": pp_bytes, **_new_axes(lay, s.m * cp_bytes, s.m * ep_bytes)},
         crosses_hosts={**_by_axis(flows, [x for _, x in exposed], any), "model": crosses_hosts(1, lay.tp, cluster),
-                       "stage": crosses_hosts(lay.tp * lay.dp, lay.pp, cluster)},
+                       "stage": crosses_hosts(lay.tp * s.batch_group, lay.pp, cluster),
+                       **_new_axes(lay, crosses_hosts(lay.tp, lay.cp, cluster),
+                                   crosses_hosts(lay.tp * lay.cp, lay.ep, cluster))},
         bubble=bub, microbatches=s.m, step_time_s=step, parts=parts, tokens_per_s=tokens / step,
         mfu=model_flops / per_device / s.peak_flops, hfu=hw_flops / per_device / s.peak_flops,
         model_tflops_per_device=model_flops / per_device / 1e12,

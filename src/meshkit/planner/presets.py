@@ -33,6 +33,19 @@ PRESETS: dict[str, ModelShape] = {
     # rotary base 500000).
     "llama3-8b": ModelShape(name="llama3-8b", layers=32, width=4096, heads=32, vocab=128256, seq=8192,
                             ffn=14336, gated=True, kv_heads=8, rope_theta=500000.0),
+    # Mixtral-8x7B (Jiang et al. 2024, "Mixtral of Experts", arXiv 2401.04088, Table 1, and
+    # mistralai/Mixtral-8x7B-v0.1 config.json): every layer's MLP 8 SwiGLU experts of width 14336,
+    # each token routed to 2; GQA 8, vocab 32000, context 32768, rope_theta 1e6. 46.7 B parameters,
+    # 12.9 B active per token (the paper's figures; tests/test_planner_axes.py counts them).
+    "mixtral-8x7b": ModelShape(name="mixtral-8x7b", layers=32, width=4096, heads=32, vocab=32000, seq=32768,
+                               ffn=14336, gated=True, kv_heads=8, rope_theta=1e6, experts=8,
+                               experts_per_token=2),
+    # Mixtral-8x22B (mistralai/Mixtral-8x22B-v0.1 config.json; Mistral AI's announcement "Cheaper,
+    # Better, Faster, Stronger", 2024: 141 B parameters, 39 B active): 56 layers, width 6144, 48 heads,
+    # GQA 8, ffn 16384, vocab 32768, context 65536, 8 experts top-2.
+    "mixtral-8x22b": ModelShape(name="mixtral-8x22b", layers=56, width=6144, heads=48, vocab=32768, seq=65536,
+                                ffn=16384, gated=True, kv_heads=8, rope_theta=1e6, experts=8,
+                                experts_per_token=2),
 }  # fmt: skip
 
 

@@ -1,13 +1,16 @@
 """Every layout of a model on a cluster, predicted and ranked.
 
-Enumerated: dp * tp * pp = devices with tp dividing the heads and inside a host (on a TPU slice,
+Enumerated: dp * tp * pp * cp * ep = devices with tp dividing the heads and inside a host (on a TPU slice,
 whose ICI joins hosts at the bandwidth it joins chips, anywhere), pp up to the
 layers (where pp does not divide them the busiest stage holds the rounded-up share; meshkit's own
 pipeline plans need it to divide); ZeRO stage 0-3 (1-3 only with dp > 1); micro-batch sizes dividing the per-replica batch
 (up to ``MAX_MICROBATCH``);
 pipeline schedules (1F1B, GPipe, interleaved with 2, 4 or 8 virtual stages, the busiest stage again
 holding the rounded-up share where they do not divide its layers); remat none, dots, layer; and where ZeRO-3's data-parallel group spans hosts with more than
-one of its devices on each, also hybrid sharding within a host (``predict(shard_group=...)``).
+one of its devices on each, also hybrid sharding within a host (``predict(shard_group=...)``);
+context parallelism cp where ``2 cp`` divides the sequence into chunks of at least
+``CONTEXT_MIN_TOKENS`` tokens per device; expert parallelism ep, for mixtures of experts, where ep
+divides the experts (the batch then splits over dp x ep).
 Layouts that fit are ranked by predicted step time; every other one keeps the one line that says
 why it was rejected.
 """
@@ -29,6 +32,10 @@ REMATS = PIPELINE_REMAT
 MAX_MICROBATCH = 64
 """Largest micro-batch size tried (every divisor of the per-replica batch up to it)."""
 VIRTUAL_STAGES = (2, 4, 8)
+CONTEXT_MIN_TOKENS = 4096
+"""Shortest sequence chunk per device the search splits a sequence into (Llama 3's 131k-token phase
+ran 8192 a device): below it the ring's K/V passes outgrow the attention that hides them (both
+grow with the chunk, the attention with its square) and sequences that short fit without cp."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -42,34 +49,52 @@ def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
     for tp in _divisors(n):
         if (tp > cluster.devices_per_host and not one_fabric) or shape.heads % tp:
             continue
-        for pp in _divisors(n // tp):
-            if pp > shape.layers:
+        for cp, ep in _context_and_expert(shape, n // tp):
+            yield from _layouts(shape, job, tp, cp, ep, n // tp // cp // ep)
+
+
+def _context_and_expert(shape: ModelShape, n: int) -> Iterator[tuple[int, int]]:
+    """The (cp, ep) degrees tried on n devices (see the module docstring)."""
+    for cp in _divisors(n):
+        if cp > 1 and (shape.seq % (2 * cp) or shape.seq // cp < CONTEXT_MIN_TOKENS):
+            continue
+        for ep in _divisors(n // cp):
+            if ep == 1 or (shape.experts and shape.experts % ep == 0):
+                yield cp, ep
+
+
+def _layouts(shape: ModelShape, job: Job, tp: int, cp: int, ep: int, n: int) -> Iterator[Layout]:
+    """The layouts with these tp, cp and ep over the other n devices (pp x dp)."""
+    for pp in _divisors(n):
+        if pp > shape.layers:
+            break
+        dp = n // pp
+        if job.global_batch % (dp * ep):
+            continue
+        per_replica = job.global_batch // (dp * ep)
+        schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)]
+        if pp > 1:
+            schedules += [("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.layers]
+        for b in _divisors(per_replica):
+            if b > MAX_MICROBATCH:
                 break
-            dp = n // tp // pp
-            if job.global_batch % dp:
+            m = per_replica // b
+            if pp > 1 and m < pp:
                 continue
-            per_replica = job.global_batch // dp
-            schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)]
-            if pp > 1:
-                schedules += [("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.layers]
-            for b in _divisors(per_replica):
-                if b > MAX_MICROBATCH:
-                    break
-                m = per_replica // b
-                if pp > 1 and m < pp:
-                    continue
-                for zero in range(4) if dp > 1 else (0,):
-                    for schedule, v in schedules:
-                        for remat in REMATS:
-                            yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, microbatch_size=b,
-                                         schedule=schedule, virtual_stages=v, remat=remat)  # fmt: skip
+            for zero in range(4) if dp > 1 else (0,):
+                for schedule, v in schedules:
+                    for remat in REMATS:
+                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, microbatch_size=b,
+                                     schedule=schedule, virtual_stages=v, remat=remat)  # fmt: skip
 
 
 def shard_groups(layout: Layout, cluster: Cluster, job: Job) -> list[int]:
     """ZeRO-3's shard groups worth pricing: all of dp (0), and where dp spans hosts with k > 1 of its
     devices on each, the k within a host (hybrid sharding)."""
     meshkit_2d = job.runtime == "meshkit" and (layout.tp > 1 or layout.pp > 1)  # hsdp runs alone
-    if layout.zero != 3 or meshkit_2d or not crosses_hosts(layout.tp, layout.dp, cluster):
+    if layout.zero != 3 or meshkit_2d or layout.cp > 1 or layout.ep > 1:
+        return [0]
+    if not crosses_hosts(layout.tp, layout.dp, cluster):
         return [0]
     k = cluster.devices_per_host // layout.tp
     return [0, k] if 1 < k < layout.dp and layout.dp % k == 0 else [0]
@@ -111,7 +136,7 @@ def _rank(p: Prediction) -> tuple:
     """Fastest first; among equals the least memory, then the simpler layout (less remat, lower ZeRO)."""
     lay = p.layout
     return (round(p.step_time_s, 9), round(p.peak_bytes), REMATS.index(lay.remat), lay.zero, p.hybrid, lay.pp,
-            lay.tp)  # fmt: skip
+            lay.tp, lay.cp, lay.ep)  # fmt: skip
 
 
 def search(shape: ModelShape, cluster: Cluster, job: Job) -> Search:

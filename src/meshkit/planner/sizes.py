@@ -13,14 +13,30 @@ def attention_widths(shape: ModelShape) -> tuple[int, int]:
     return shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
 
-def layer_params(shape: ModelShape, tp: int = 1) -> float:
+def mlp_params(shape: ModelShape) -> float:
+    """Parameters of one MLP of width ``ffn`` (three matrices gated, else two and their biases)."""
+    d, f = shape.width, shape.ffn
+    return 3 * d * f if shape.gated else 2 * d * f + f + d
+
+
+def expert_params(shape: ModelShape) -> float:
+    """Parameters of one layer's experts (all of them; 0 for a dense MLP)."""
+    return shape.experts * mlp_params(shape)
+
+
+def layer_params(shape: ModelShape, tp: int = 1, ep: int = 1) -> float:
     """Parameters of one layer on one tensor-parallel shard (matrices and their column-parallel
-    biases split over tp; row-parallel biases and norms replicated)."""
+    biases split over tp; row-parallel biases and norms replicated). A mixture of experts holds
+    ``experts / ep`` of its experts (each split over tp as a dense MLP is) and the whole router."""
     d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
     if shape.gated:  # LLaMA: no biases, RMSNorm scales
-        return (2 * d * q + 2 * d * kv + 3 * d * f) / tp + 2 * d
-    matrices = 2 * d * q + 2 * d * kv + 2 * d * f
-    return (matrices + q + kv + f) / tp + d + d + 4 * d  # bq bv b_in split; bo b_out, 2 LayerNorms whole
+        attention, mlp, mlp_whole, whole = 2 * d * q + 2 * d * kv, 3 * d * f, 0, 2 * d
+    else:  # bq bv b_in split; bo, b_out and 2 LayerNorms whole
+        attention, mlp, mlp_whole, whole = 2 * d * q + 2 * d * kv + q + kv, 2 * d * f + f, d, d + 4 * d
+    if not shape.experts:
+        return (attention + mlp) / tp + mlp_whole + whole
+    per_device = shape.experts / ep
+    return (attention + mlp * per_device) / tp + mlp_whole * per_device + whole + d * shape.experts
 
 
 def embed_params(shape: ModelShape, tp: int = 1) -> float:
@@ -34,13 +50,34 @@ def head_params(shape: ModelShape, tp: int = 1) -> float:
 
 
 def param_count(shape: ModelShape) -> float:
+    """Every parameter (a mixture of experts: all its experts and routers)."""
     return shape.layers * layer_params(shape) + embed_params(shape) + head_params(shape)
 
 
+def active_param_count(shape: ModelShape) -> float:
+    """Parameters one token passes through: a mixture of experts counts ``experts_per_token`` of its
+    experts (Mixtral-8x7B: 12.9 B of 46.7 B); a dense model all of them."""
+    unused = (shape.experts - shape.experts_per_token) * mlp_params(shape) if shape.experts else 0
+    return param_count(shape) - shape.layers * unused
+
+
+def routed(shape: ModelShape) -> int:
+    """MLPs each token passes through: ``experts_per_token`` for a mixture of experts, else 1."""
+    return shape.experts_per_token if shape.experts else 1
+
+
 def layer_flops(shape: ModelShape) -> float:
-    """Forward matmul FLOPs of one layer per token (the S^2 terms counted whole)."""
+    """Forward matmul FLOPs of one layer per token (the S^2 terms counted whole; a mixture of experts:
+    the router and the ``experts_per_token`` experts the token is sent to)."""
     d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
-    return 2 * (2 * d * q + 2 * d * kv) + 4 * shape.seq * q + 2 * (3 if shape.gated else 2) * d * f
+    mlp = 2 * (3 if shape.gated else 2) * d * f * routed(shape) + 2 * d * shape.experts
+    return 2 * (2 * d * q + 2 * d * kv) + 4 * shape.seq * q + mlp
+
+
+def attention_core_flops(shape: ModelShape) -> float:
+    """Forward FLOPs per token of scores and values (``4 S D_q``): what a context-parallel ring's
+    K/V passes hide behind."""
+    return 4 * shape.seq * shape.heads * shape.head_dim
 
 
 def head_flops(shape: ModelShape) -> float:
@@ -49,7 +86,8 @@ def head_flops(shape: ModelShape) -> float:
 
 
 def model_flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs per token without recompute (3 x forward): what MFU counts."""
+    """Training FLOPs per token without recompute (3 x forward): what MFU counts (a mixture of
+    experts: its active parameters)."""
     return 3 * (shape.layers * layer_flops(shape) + head_flops(shape))
 
 
@@ -59,18 +97,25 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple
     dropout masks where ``job.dropout``; what precedes a tensor-parallel matmul is whole unless
     ``job.sequence_parallel`` splits it).
     ``dots`` keeps the layer input and the matmul outputs (Q, K, V, attention output, the MLP's
-    first matmul(s)) and recomputes the elementwise rest (norms, activation function, masks, softmax)."""
-    t, e = layout.tp, job.act_bytes
-    sb = shape.seq * layout.microbatch_size
+    first matmul(s)) and recomputes the elementwise rest (norms, activation function, masks, softmax).
+    Context parallelism holds ``seq / cp`` tokens of each sequence (its scores span the whole
+    sequence's keys); a mixture of experts holds each token's ``experts_per_token`` MLP activations
+    and the dispatched copies of its input."""
+    t, e, k = layout.tp, job.act_bytes, routed(shape)
+    sb = shape.seq * layout.microbatch_size / layout.cp
     d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
     split = t if job.sequence_parallel and job.runtime != "meshkit" else 1
     mask = 1 if job.dropout else 0
     replicated = sb * d * (4 * e + 2 * mask) / split  # QKV and MLP inputs, 2 norm inputs, dropout masks
     attention = sb * (q + 2 * kv + q) * e / t  # Q, K, V and the output projection's input
-    mlp = sb * f * (3 if shape.gated else 2) * e / t  # GeLU: its input and output; SwiGLU: gate, up, product
+    mlp = (
+        k * sb * f * (3 if shape.gated else 2) * e / t
+    )  # GeLU: its input and output; SwiGLU: gate, up, product
+    if shape.experts:  # the tokens dispatched to the experts (k copies of the MLP input)
+        mlp += k * sb * d * e / split
     scores = 0.0 if job.flash_attention else sb * shape.heads * shape.seq * (2 * e + mask) / t
     full = replicated + attention + mlp + scores
-    dots = sb * d * e / split + attention + sb * f * (2 if shape.gated else 1) * e / t
+    dots = sb * d * e / split + attention + k * sb * f * (2 if shape.gated else 1) * e / t
     return full, dots, sb * d * e / split
 
 
@@ -78,14 +123,20 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
     """HBM bytes the non-matmul ops of one layer's forward pass move for one micro-batch on one
     device: two norms (read and write D), two residual adds (read 2 D, write D), the MLP's
     activation function (read and write F; SwiGLU: read 2 F, write F). The backward pass moves
-    about twice as much, a recomputed forward as much again: ``ELEMENTWISE`` is this per pass."""
+    about twice as much, a recomputed forward as much again: ``ELEMENTWISE`` is this per pass
+    (``seq / cp`` tokens a sequence under context parallelism; a mixture of experts: k MLPs a token, and
+    the permutations that gather each expert's tokens and scatter them back, read and write k D twice)."""
     split = layout.tp if job.sequence_parallel and job.runtime != "meshkit" else 1
     d, f = shape.width, shape.ffn
     return (
         layout.microbatch_size
         * shape.seq
+        / layout.cp
         * job.act_bytes
-        * (10 * d / split + (3 if shape.gated else 2) * f / layout.tp)
+        * (
+            (10 + (4 * shape.experts_per_token if shape.experts else 0)) * d / split
+            + routed(shape) * (3 if shape.gated else 2) * f / layout.tp
+        )
     )
 
 
