@@ -24,7 +24,10 @@ DATA, MODEL, STAGE, REPLICA, CONTEXT = "data", "model", "stage", "replica", "con
 """The mesh axes plans use: ZeRO/data parallelism, tensor parallelism, pipeline stages, the
 replicas of hybrid sharding (HSDP: the batch split over ``replica`` x ``data``, ZeRO-3 within
 ``data``, replicated across ``replica``), and the sequence split of context parallelism."""
-AXES = (STAGE, REPLICA, DATA, CONTEXT, MODEL)
+EXPERT = "expert"
+"""Expert parallelism's axis: a mixture of experts' experts split over it, the batch split over it as
+well (``data`` x ``expert``), its tokens sent to their experts' devices by ``all_to_all`` (``plans._experts``)."""
+AXES = (STAGE, REPLICA, DATA, EXPERT, CONTEXT, MODEL)
 """Every axis a plan may use, in the order meshes are written (outermost first)."""
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")

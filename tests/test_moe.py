@@ -1,0 +1,100 @@
+"""Mixture of experts (``plans._experts``) in the GPT and the Llama: the MoE MLP equals a NumPy float64
+implementation written from the formulas (top-k by probability, ties to the lower expert, capacity
+``ceil(cf T k / E)`` per sequence, slots in priority order, dropped slots counted, the Switch
+load-balancing loss), both block forms agree, and the step reports the dropped slots."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshkit.models import gpt, llama
+from meshkit.plans import _experts
+
+GPT = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, mlp_ratio=2, experts=4)
+LLAMA = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=48, experts=4)
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _np_moe(x, router, expert, k, cf):
+    """The MoE MLP from the formulas, one sequence and one slot at a time: ``(y, aux, dropped)``."""
+    b, t, _ = x.shape
+    e = router.shape[1]
+    cap = math.ceil(cf * t * k / e)
+    y, aux, dropped = np.zeros_like(x), 0.0, 0
+    for s in range(b):
+        logits = x[s] @ router
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        choices = [sorted(range(e), key=lambda j, i=i: (-probs[i, j], j))[:k] for i in range(t)]
+        fill, counts = [0] * e, np.zeros(e)
+        for r in range(k):  # every first choice in token order, then every second, ...
+            for i in range(t):
+                j = choices[i][r]
+                counts[j] += 1
+                if fill[j] < cap:
+                    fill[j] += 1
+                    y[s, i] += probs[i, j] * expert(j, x[s, i])
+                else:
+                    dropped += 1
+        aux += e * np.sum(counts / (t * k) * probs.mean(0))
+    return y, aux / b, dropped
+
+
+def _gpt_expert(p):
+    return lambda j, v: _gelu(v @ p["w_in"][j] + p["b_in"][j]) @ p["w_out"][j] + p["b_out"][j]
+
+
+@pytest.mark.parametrize(("k", "cf"), [(2, 1.25), (1, 0.5), (3, 2.0)], ids=["top2", "top1-drops", "top3-roomy"])
+def test_moe_mlp_equals_numpy_float64(k, cf):
+    rng = np.random.default_rng(k)
+    e, d, f = 4, 8, 16
+    p = {"w_in": rng.normal(size=(e, d, f)), "b_in": rng.normal(size=(e, f)),
+         "w_out": rng.normal(size=(e, f, d)), "b_out": rng.normal(size=(e, d))}  # fmt: skip
+    x, router = rng.normal(size=(3, 10, d)), rng.normal(size=(d, e))
+    router[:, 3] = router[:, 2]  # experts 2 and 3 tie for every token: the lower index wins
+    want = _np_moe(x, router, _gpt_expert(p), k, cf)
+    with jax.enable_x64(True):
+        y, aux, dropped = _experts.moe(gpt._experts, p, router, x, k=k, capacity_factor=cf)
+        y, aux, dropped = np.asarray(y), float(aux), int(dropped)
+    np.testing.assert_allclose(y, want[0], rtol=1e-12, atol=1e-12)
+    assert aux == pytest.approx(want[1], rel=1e-12)
+    assert dropped == want[2]
+    if cf < 1:
+        assert dropped > 0  # the case that drops: 10 first choices into 4 x ceil(0.5 x 10 / 4) = 12 slots
+
+
+def _tokens(b=4, t=16):
+    tokens = np.random.default_rng(1).integers(0, 64, size=(b, t + 1)).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_moe_model_loss_metrics_and_forms(name):
+    """Loss = cross-entropy + weight x load-balancing loss; the dropped share is the layers' dropped
+    slots over ``B T k L``; the scanned form computes the same (value and gradients) as the loop."""
+    module, cfg = (gpt, GPT) if name == "gpt" else (llama, LLAMA)
+    cfg = dataclasses.replace(cfg, capacity_factor=0.5)  # drops slots
+    params = module.init(jax.random.key(0), cfg)
+    batch = _tokens()
+    (loss, metrics), grads = jax.value_and_grad(module.make_loss(cfg, with_aux=True), has_aux=True)(params, batch)
+    logits, stats = module.forward(params, batch[0], cfg)
+    ce = float(module.make_loss(dataclasses.replace(cfg, router_aux_weight=0.0))(params, batch))
+    assert float(loss) == pytest.approx(ce + 0.01 * float(metrics["router_aux"]), rel=1e-6)
+    assert float(metrics["dropped_fraction"]) * 4 * 16 * 2 * 2 == pytest.approx(float(stats[1]))
+    assert 0 < float(metrics["dropped_fraction"]) < 1
+    assert float(metrics["router_aux"]) >= 1.0 - 1e-6  # E sum f P >= 1, equality at perfect balance
+    scanned = dataclasses.replace(cfg, scan_layers=True)
+    (loss_s, _), grads_s = jax.value_and_grad(module.make_loss(scanned, with_aux=True), has_aux=True)(
+        gpt.to_scanned(params), batch
+    )
+    assert float(loss_s) == pytest.approx(float(loss), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(gpt.to_scanned(grads)), jax.tree.leaves(grads_s), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    assert jnp.isfinite(logits).all()
