@@ -4,18 +4,24 @@ implementation written from the formulas (top-k by probability, ties to the lowe
 load-balancing loss), both block forms agree, and the step reports the dropped slots."""
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
+from meshkit.spec import ParallelSpec
+from meshkit.train import Trainer
 
 GPT = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, mlp_ratio=2, experts=4)
-LLAMA = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=48, experts=4)
+LLAMA = llama.LlamaConfig(
+    vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=48, experts=4
+)
 
 
 def _gelu(x):
@@ -51,7 +57,9 @@ def _gpt_expert(p):
     return lambda j, v: _gelu(v @ p["w_in"][j] + p["b_in"][j]) @ p["w_out"][j] + p["b_out"][j]
 
 
-@pytest.mark.parametrize(("k", "cf"), [(2, 1.25), (1, 0.5), (3, 2.0)], ids=["top2", "top1-drops", "top3-roomy"])
+@pytest.mark.parametrize(
+    ("k", "cf"), [(2, 1.25), (1, 0.5), (3, 2.0)], ids=["top2", "top1-drops", "top3-roomy"]
+)
 def test_moe_mlp_equals_numpy_float64(k, cf):
     rng = np.random.default_rng(k)
     e, d, f = 4, 8, 16
@@ -83,7 +91,9 @@ def test_moe_model_loss_metrics_and_forms(name):
     cfg = dataclasses.replace(cfg, capacity_factor=0.5)  # drops slots
     params = module.init(jax.random.key(0), cfg)
     batch = _tokens()
-    (loss, metrics), grads = jax.value_and_grad(module.make_loss(cfg, with_aux=True), has_aux=True)(params, batch)
+    (loss, metrics), grads = jax.value_and_grad(module.make_loss(cfg, with_aux=True), has_aux=True)(
+        params, batch
+    )
     logits, stats = module.forward(params, batch[0], cfg)
     ce = float(module.make_loss(dataclasses.replace(cfg, router_aux_weight=0.0))(params, batch))
     assert float(loss) == pytest.approx(ce + 0.01 * float(metrics["router_aux"]), rel=1e-6)
@@ -98,3 +108,71 @@ def test_moe_model_loss_metrics_and_forms(name):
     for a, b in zip(jax.tree.leaves(gpt.to_scanned(grads)), jax.tree.leaves(grads_s), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
     assert jnp.isfinite(logits).all()
+
+
+# -- expert parallelism ------------------------------------------------------------------------
+MODELS = {"gpt": (gpt, GPT), "llama": (llama, LLAMA)}
+EP_CASES = [
+    ("gpt", "ep", "expert=8"),
+    ("llama", "dp+ep", "data=2,expert=4"),
+    ("gpt", "dp+ep", "data=4,expert=2"),
+]
+
+
+def _ep_model(name, dtype="float32", experts=8):
+    module, cfg = MODELS[name]
+    cfg = dataclasses.replace(cfg, dtype=dtype, experts=experts, capacity_factor=0.75)  # drops slots
+    return module.make_loss(cfg, with_aux=True), module.init(jax.random.key(0), cfg)
+
+
+@functools.cache
+def _one_device(name, steps):
+    """Parameters after ``steps`` Adam steps on one device in float64, and each step's dropped share."""
+    loss, params = _ep_model(name, "float64")
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(p, s, batch):
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(p, batch)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, metrics["dropped_fraction"]
+
+    state, dropped = opt.init(params), []
+    for _ in range(steps):
+        params, state, d = step(params, state, _tokens(8))
+        dropped.append(float(d))
+    return jax.tree.map(np.asarray, params), dropped
+
+
+def _ep_trainer(name, plan, mesh, dtype="float32"):
+    loss, params = _ep_model(name, dtype)
+    spec = ParallelSpec(plan=plan, mesh=mesh)
+    logical = MODELS[name][0].logical_axes(params)
+    return Trainer(
+        loss, params, optax.adam(1e-2), spec=spec, has_aux=True, logical_axes=logical, tokens_per_example=16
+    )
+
+
+def _max_rel(a, b) -> float:
+    out = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        out = max(out, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) or 1.0)))
+    return out
+
+
+@pytest.mark.parametrize(("name", "plan", "mesh"), EP_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES])
+def test_expert_plan_matches_one_device_in_float64(name, plan, mesh):
+    """Same parameters after 2 Adam steps (float64) and the same dropped slots per step as one device;
+    the expert leaves live split over the expert axis."""
+    with jax.enable_x64(True):
+        t = _ep_trainer(name, plan, mesh, "float64")
+        dropped = [float(t.step(_tokens(8))["dropped_fraction"]) for _ in range(2)]
+        want, want_dropped = _one_device(name, 2)
+        assert _max_rel(t.params, want) < 1e-10
+        assert [round(d * 8 * 16 * 2 * 2) for d in dropped] == [
+            round(d * 8 * 16 * 2 * 2) for d in want_dropped
+        ]
+        assert want_dropped[0] > 0
+        w = t.params["blocks"][0]["moe"]["w_in"] if name == "gpt" else t.params["blocks"][0]["moe"]["w_gate"]
+        assert w.sharding.spec[0] == "expert"

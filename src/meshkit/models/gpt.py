@@ -52,7 +52,7 @@ from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
-from meshkit.plans import causal_attention, layer, moe, position_rows
+from meshkit.plans import EXPERT_DIM, causal_attention, layer, moe, position_rows
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -78,9 +78,6 @@ _AXES: dict[str, Axes] = {
     "b_out": ("embed",),
     "router": ("embed", None),
 }
-EXPERT_AXIS = "expert"
-"""The logical axis of the experts' leading dim (leaves under a block's ``"moe"``), which
-expert-parallel plans split over the ``expert`` mesh axis."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -432,7 +429,7 @@ def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
     names = table[path[-1].key]
     keys = [getattr(k, "key", None) for k in path]
     if "moe" in keys and path[-1].key != "router":
-        names = (EXPERT_AXIS, *names)
+        names = (EXPERT_DIM, *names)
     stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
     return ("layers", *names) if stacked else names
 

@@ -25,7 +25,7 @@ from meshkit.plans._expected import (
     expected_collectives,
     memory_formula,
 )
-from meshkit.plans._experts import moe
+from meshkit.plans._experts import EXPERT_DIM, moe
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis
@@ -41,6 +41,7 @@ from meshkit.plans.placement import DEFAULT_TP_RULES, LeafPlacement, Placement, 
 
 __all__ = [
     "DEFAULT_TP_RULES",
+    "EXPERT_DIM",
     "Assembled",
     "CommRow",
     "Expected",

@@ -39,6 +39,10 @@ from jax import lax
 
 from meshkit.spec import EXPERT, PlanError
 
+EXPERT_DIM = "expert"
+"""The logical axis name of a leaf's expert dim (the reference models' leaves under ``"moe"``), which
+expert-parallel plans split over the ``expert`` mesh axis."""
+
 ExpertFn = Callable[[Any, jax.Array], jax.Array]
 """``expert_fn(params, x_ncd) -> y_ncd``: ``n`` experts (params with a leading expert dim) on their rows."""
 
@@ -155,9 +159,3 @@ def _run_experts(
     if split is not None and split.size > 1:  # combine: back to the rows' devices
         out_becd = lax.all_to_all(out_becd, split.axis, 0, 1, tiled=True)
     return out_becd
-
-
-def dropped_per_step(fraction: float, slots: int) -> int:
-    """The dropped slots of a step from the averaged fraction the step reports (``slots``: tokens x
-    k x layers of the global batch)."""
-    return round(fraction * slots)

@@ -71,7 +71,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     llama_run = isinstance(model, llama.LlamaConfig)
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
-                      tokens_per_example=cfg.seq_len, grad_norm=True,
+                      tokens_per_example=cfg.seq_len, grad_norm=True, has_aux=moe_run(model, cfg),
                       units=llama.units(model) if llama_run else {"heads": cfg.heads},
                       rules=vocab_rules(cfg.parallel.plan_info) if llama_run else None)  # fmt: skip
     axes = trainer.placement.batch_axes
@@ -122,8 +122,13 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig | llama.L
     else:
         params = module.init(jax.random.key(cfg.seed), model)
     pipeline = cfg.parallel.plan_info.pipeline
-    loss = module.stages(model) if pipeline else module.make_loss(model)
+    loss = module.stages(model) if pipeline else module.make_loss(model, with_aux=moe_run(model, cfg))
     return model, loss, params, module.logical_axes(params)
+
+
+def moe_run(model: gpt.GPTConfig | llama.LlamaConfig, cfg: C.TrainConfig) -> bool:
+    """A mixture of experts outside a pipeline: its loss returns the dropped slots as metrics."""
+    return bool(model.experts) and not cfg.parallel.plan_info.pipeline
 
 
 def model_config(cfg: C.TrainConfig, vocab: int) -> gpt.GPTConfig | llama.LlamaConfig:
@@ -248,13 +253,17 @@ def host_available() -> float | None:
 
 def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
     """The shape of the run's model (what ``--plan auto`` plans for and the model is built from)."""
+    moe = {
+        "experts": cfg.experts,
+        "experts_per_token": cfg.experts_per_token,
+        "capacity_factor": cfg.capacity_factor,
+    }
     if cfg.model == "llama":
         return ModelShape(name="llama", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
                           seq=cfg.seq_len, gated=True, kv_heads=cfg.kv_heads,
-                          tie_embeddings=cfg.tie_embeddings)  # fmt: skip
-    return ModelShape(
-        name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len
-    )
+                          tie_embeddings=cfg.tie_embeddings, **moe)  # fmt: skip
+    return ModelShape(name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len,
+                      **moe)  # fmt: skip
 
 
 def saved_config(run_dir: Path) -> C.TrainConfig:
