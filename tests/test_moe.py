@@ -176,3 +176,18 @@ def test_expert_plan_matches_one_device_in_float64(name, plan, mesh):
         assert want_dropped[0] > 0
         w = t.params["blocks"][0]["moe"]["w_in"] if name == "gpt" else t.params["blocks"][0]["moe"]["w_gate"]
         assert w.sharding.spec[0] == "expert"
+
+
+@pytest.mark.parametrize(
+    ("name", "plan", "mesh"), EP_CASES[1:], ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES[1:]]
+)
+def test_expert_plan_ledger_equals_the_model(name, plan, mesh):
+    """all_to_all bytes over the expert axis = 4 per MoE layer x (E-1)/E x S, S = B_local E C D x 4 bytes."""
+    r = _ep_trainer(name, plan, mesh).report(_tokens(8))
+    assert r.ok, str(r)
+    rows = {(c.op, c.axes): c for c in r.communication}
+    a2a = rows["all-to-all", "expert"]
+    e = int(mesh.split("expert=")[1])
+    s = 1 * 8 * math.ceil(0.75 * 16 * 2 / 8) * 32 * 4  # one row per device, 8 experts, capacity 3, width 32
+    assert a2a.model_traffic_bytes == pytest.approx(4 * 2 * (e - 1) / e * s)
+    assert a2a.ratio == pytest.approx(1.0, abs=1e-9) and a2a.measured_runs == a2a.model_runs

@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -53,6 +53,9 @@ class ExpertSplit:
 
     axis: str
     size: int
+    rows: list = field(default_factory=list)
+    """Bytes per device of each MoE layer's dispatched rows ``(B, E, C, D)`` traced under this split
+    (the ledger's all_to_all size, ``_expected``)."""
 
 
 _SPLIT: contextvars.ContextVar[ExpertSplit | None] = contextvars.ContextVar(
@@ -140,7 +143,10 @@ def moe(
     under an expert split)."""
     r = route(x_btd, router_de, k, capacity_factor)
     rows_becd = jnp.einsum("btec,btd->becd", r.dispatch, x_btd)
-    out_becd = _run_experts(expert_fn, experts, rows_becd, _SPLIT.get())
+    split = _SPLIT.get()
+    if split is not None:
+        split.rows.append(rows_becd.size * rows_becd.dtype.itemsize)
+    out_becd = _run_experts(expert_fn, experts, rows_becd, split)
     y_btd = jnp.einsum("btec,becd->btd", r.combine, out_becd)
     return y_btd, r.aux, r.dropped
 

@@ -249,8 +249,9 @@ def expert_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
         return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in out])
 
     def run(params, state, batch, key):
-        with _experts.split_experts(placement.expert_size):
+        with _experts.split_experts(placement.expert_size) as split:
             loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+        per.experts = tuple(split.rows[-1:])  # the ledger's all_to_all size
         mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
         return mean(loss), mean(aux), state, reduce(acc)
 
