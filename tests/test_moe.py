@@ -5,7 +5,11 @@ load-balancing loss), both block forms agree, and the step reports the dropped s
 
 import dataclasses
 import functools
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +19,7 @@ import pytest
 
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
-from meshkit.spec import ParallelSpec
+from meshkit.spec import ParallelSpec, PlanError
 from meshkit.train import Trainer
 
 GPT = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, mlp_ratio=2, experts=4)
@@ -162,32 +166,63 @@ def _max_rel(a, b) -> float:
 
 
 @pytest.mark.parametrize(("name", "plan", "mesh"), EP_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES])
-def test_expert_plan_matches_one_device_in_float64(name, plan, mesh):
-    """Same parameters after 2 Adam steps (float64) and the same dropped slots per step as one device;
-    the expert leaves live split over the expert axis."""
+def test_expert_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh):
+    """Same parameters after 2 Adam steps (float64) and the same dropped slots per step as one device,
+    the expert leaves split over the expert axis; all_to_all bytes over it = 4 per MoE layer x
+    (E-1)/E x S with S = B_local x E x C x D x 8 bytes, every collective = the model."""
+    slots = 8 * 16 * 2 * 2  # tokens x k x layers
     with jax.enable_x64(True):
         t = _ep_trainer(name, plan, mesh, "float64")
-        dropped = [float(t.step(_tokens(8))["dropped_fraction"]) for _ in range(2)]
+        dropped = [round(float(t.step(_tokens(8))["dropped_fraction"]) * slots) for _ in range(2)]
         want, want_dropped = _one_device(name, 2)
         assert _max_rel(t.params, want) < 1e-10
-        assert [round(d * 8 * 16 * 2 * 2) for d in dropped] == [
-            round(d * 8 * 16 * 2 * 2) for d in want_dropped
-        ]
-        assert want_dropped[0] > 0
-        w = t.params["blocks"][0]["moe"]["w_in"] if name == "gpt" else t.params["blocks"][0]["moe"]["w_gate"]
+        assert dropped == [round(d * slots) for d in want_dropped] and dropped[0] > 0
+        w = t.params["blocks"][0]["moe"]["w_in" if name == "gpt" else "w_gate"]
         assert w.sharding.spec[0] == "expert"
+        r = t.report(_tokens(8))
+    assert r.ok, str(r)
+    a2a = {(c.op, c.axes): c for c in r.communication}["all-to-all", "expert"]
+    e = int(mesh.split("expert=")[1])
+    s = 1 * 8 * math.ceil(0.75 * 16 * 2 / 8) * 32 * 8  # a row per device, 8 experts, capacity 3, width 32
+    assert a2a.model_traffic_bytes == pytest.approx(4 * 2 * (e - 1) / e * s)
+    assert a2a.ratio == pytest.approx(1.0, abs=1e-9) and a2a.measured_runs == a2a.model_runs
+
+
+def _meshkit(tmp_path, *options):
+    exe = str(Path(sys.executable).parent / "meshkit")
+    cmd = [exe, "train", "--preset", "tiny", "--steps", "2", "--eval-every", "0", "--sample-chars", "0",
+           "--run-dir", str(tmp_path / "run"), *options]  # fmt: skip
+    try:  # compiling on a busy 2-core machine takes a while; a hang fails the test instead of holding the suite
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"meshkit train {' '.join(options)} still ran after 300 s")
+
+
+def test_meshkit_train_ep_reports_dropped_tokens(tmp_path):
+    proc = _meshkit(tmp_path, "--plan", "ep", "--experts", "8", "--capacity-factor", "0.5")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "dropped_tokens" in r]
+    assert len(rows) == 2 and all(r["dropped_tokens"] > 0 for r in rows)
+    assert all(r["dropped_tokens"] == round(r["dropped_fraction"] * 16 * 32 * 2 * 1) for r in rows)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["dropped_tokens"] == sum(r["dropped_tokens"] for r in rows)
+    assert report["checks_ok"] is True
+    assert "MoE dropped token-slots" in proc.stdout
 
 
 @pytest.mark.parametrize(
-    ("name", "plan", "mesh"), EP_CASES[1:], ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES[1:]]
-)
-def test_expert_plan_ledger_equals_the_model(name, plan, mesh):
-    """all_to_all bytes over the expert axis = 4 per MoE layer x (E-1)/E x S, S = B_local E C D x 4 bytes."""
-    r = _ep_trainer(name, plan, mesh).report(_tokens(8))
-    assert r.ok, str(r)
-    rows = {(c.op, c.axes): c for c in r.communication}
-    a2a = rows["all-to-all", "expert"]
-    e = int(mesh.split("expert=")[1])
-    s = 1 * 8 * math.ceil(0.75 * 16 * 2 / 8) * 32 * 4  # one row per device, 8 experts, capacity 3, width 32
-    assert a2a.model_traffic_bytes == pytest.approx(4 * 2 * (e - 1) / e * s)
-    assert a2a.ratio == pytest.approx(1.0, abs=1e-9) and a2a.measured_runs == a2a.model_runs
+    ("options", "message"),
+    [(["--experts", "6"], "6 experts do not divide over expert=8: use an expert axis of 1, 2, 3, 6"),
+     ([], "expert-parallel plans (ep, dp+ep) need a mixture-of-experts model: set experts")],
+    ids=["indivisible", "dense"],
+)  # fmt: skip
+def test_meshkit_train_refuses_bad_expert_input_in_one_line(tmp_path, options, message):
+    proc = _meshkit(tmp_path, "--plan", "ep", *options)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: " + message), proc.stderr
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(
+        PlanError, match="fsdp\\+ep is not built yet: expert parallelism runs as ep and dp\\+ep"
+    ):
+        ParallelSpec(plan="fsdp+ep")
