@@ -181,6 +181,7 @@ def test_expert_plan_matches_one_device_in_float64_and_its_ledger_the_model(name
         assert w.sharding.spec[0] == "expert"
         r = t.report(_tokens(8))
     assert r.ok, str(r)
+    assert 0.9 <= r.peak["ratio"] <= 1.1, r.peak  # the peak model (plans.peak) of the step's memory
     a2a = {(c.op, c.axes): c for c in r.communication}["all-to-all", "expert"]
     e = int(mesh.split("expert=")[1])
     s = 1 * 8 * math.ceil(0.75 * 16 * 2 / 8) * 32 * 8  # a row per device, 8 experts, capacity 3, width 32
