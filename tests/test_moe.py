@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from meshkit._errors import MeshkitError
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
 from meshkit.spec import ParallelSpec, PlanError
@@ -227,3 +228,15 @@ def test_meshkit_train_refuses_bad_expert_input_in_one_line(tmp_path, options, m
         PlanError, match="fsdp\\+ep is not built yet: expert parallelism runs as ep and dp\\+ep"
     ):
         ParallelSpec(plan="fsdp+ep")
+
+
+def test_moe_is_refused_where_routing_would_differ_from_one_device():
+    """Context plans split sequences (capacity is per whole sequence); pipelines have no MoE stages yet."""
+    loss, params = _ep_model("gpt")
+    t = Trainer(loss, params, optax.adam(1e-2), spec=ParallelSpec(plan="cp", mesh="context=8"), has_aux=True)
+    with pytest.raises(
+        PlanError, match=r"routes whole sequences and context plans \(cp, dp\+cp\) split them"
+    ):
+        t.step(_tokens(8))
+    with pytest.raises(MeshkitError, match="pipeline plans do not run mixture-of-experts models yet"):
+        gpt.stages(GPT)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshkit.plans import _context
 from meshkit.spec import EXPERT, PlanError
 
 EXPERT_DIM = "expert"
@@ -141,6 +142,11 @@ def moe(
     """The MoE MLP of ``x_btd``: ``(y_btd, aux, dropped)`` (aux: the load-balancing loss of this layer,
     dropped: the slots past capacity). ``experts``: the experts' parameters, leading dim E (E / N
     under an expert split)."""
+    sequence = _context._SPLIT.get()
+    if sequence is not None and sequence.size > 1:  # capacity is per whole sequence
+        raise PlanError(
+            "a mixture of experts routes whole sequences and context plans (cp, dp+cp) split them: use ep or dp+ep"
+        )
     r = route(x_btd, router_de, k, capacity_factor)
     rows_becd = jnp.einsum("btec,btd->becd", r.dispatch, x_btd)
     split = _SPLIT.get()
