@@ -113,6 +113,11 @@ def test_moe_model_loss_metrics_and_forms(name):
     for a, b in zip(jax.tree.leaves(gpt.to_scanned(grads)), jax.tree.leaves(grads_s), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
     assert jnp.isfinite(logits).all()
+    # model FLOPs count what a token multiplies: k expert MLPs and the router (D x E) per layer
+    dense = dataclasses.replace(cfg, experts=0)
+    extra = module.matmul_params(cfg) - module.matmul_params(dense)
+    one_mlp = 2 * 32 * 64 + 64 + 32 if name == "gpt" else 3 * 32 * 48
+    assert extra == cfg.layers * ((cfg.experts_per_token - 1) * one_mlp + 32 * cfg.experts)
 
 
 # -- expert parallelism ------------------------------------------------------------------------

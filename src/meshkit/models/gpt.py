@@ -437,10 +437,13 @@ def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
 def matmul_params(cfg: GPTConfig) -> int:
     """Parameter count without the token and position tables, which are lookups rather than matmuls.
 
-    Biases and LayerNorm parameters are included (as nanoGPT does); they are a negligible share.
+    Biases and LayerNorm parameters are included (as nanoGPT does); they are a negligible share. A
+    mixture of experts counts the parameters a token multiplies: ``experts_per_token`` MLPs and the router.
     """
     d, f = cfg.width, cfg.mlp_width
-    block = 4 * d * d + 3 * d + (d * f + f) + (f * d + d) + 2 * 2 * d  # q, k, v, o; no key bias
+    mlp = (d * f + f) + (f * d + d)
+    mlp = cfg.experts_per_token * mlp + d * cfg.experts if cfg.experts else mlp
+    block = 4 * d * d + 3 * d + mlp + 2 * 2 * d  # q, k, v, o; no key bias
     return cfg.layers * block + 2 * d + d * cfg.vocab_size
 
 

@@ -419,9 +419,11 @@ def units(cfg: LlamaConfig) -> dict[str, int]:
 
 def matmul_params(cfg: LlamaConfig) -> int:
     """Parameters that multiply activations: every matrix but the embedding lookup (the tied head
-    counts once, as a matmul)."""
+    counts once, as a matmul); a mixture of experts those a token multiplies (``experts_per_token``
+    MLPs and the router)."""
     d, f, q, kv = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    block = 2 * d * q + 2 * d * kv + 3 * d * f + 2 * d
+    mlp = cfg.experts_per_token * 3 * d * f + d * cfg.experts if cfg.experts else 3 * d * f
+    block = 2 * d * q + 2 * d * kv + mlp + 2 * d
     return cfg.layers * block + d + d * cfg.vocab_size
 
 

@@ -5,6 +5,7 @@ bad input fails before a byte is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +87,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS
     )
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
-              eval_loss=jax.jit(module_of(model).make_loss(model)))  # fmt: skip
+              eval_loss=jax.jit(module_of(model).make_loss(dataclasses.replace(model, router_aux_weight=0.0))))  # fmt: skip
     if resume:
         _restore(job)
     return job
