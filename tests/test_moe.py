@@ -220,12 +220,13 @@ def test_meshkit_train_ep_reports_dropped_tokens(tmp_path):
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [(["--experts", "6"], "6 experts do not divide over expert=8: use an expert axis of 1, 2, 3, 6"),
-     ([], "expert-parallel plans (ep, dp+ep) need a mixture-of-experts model: set experts")],
-    ids=["indivisible", "dense"],
+    [(["--plan", "ep", "--experts", "6"], "6 experts do not divide over expert=8: use an expert axis of 1, 2, 3, 6"),
+     (["--plan", "ep"], "expert-parallel plans (ep, dp+ep) need a mixture-of-experts model: set experts"),
+     (["--plan", "cp", "--experts", "8"], "a mixture of experts routes whole sequences and context plans")],
+    ids=["indivisible", "dense", "context"],
 )  # fmt: skip
 def test_meshkit_train_refuses_bad_expert_input_in_one_line(tmp_path, options, message):
-    proc = _meshkit(tmp_path, "--plan", "ep", *options)
+    proc = _meshkit(tmp_path, *options)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: " + message), proc.stderr
     assert not (tmp_path / "run").exists()

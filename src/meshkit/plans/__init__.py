@@ -25,7 +25,7 @@ from meshkit.plans._expected import (
     expected_collectives,
     memory_formula,
 )
-from meshkit.plans._experts import EXPERT_DIM, moe
+from meshkit.plans._experts import EXPERT_DIM, check_whole_sequences, moe
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis
@@ -61,6 +61,7 @@ __all__ = [
     "build_step",
     "causal_attention",
     "check_context",
+    "check_whole_sequences",
     "compare_communication",
     "device_bytes",
     "expected_collectives",

@@ -94,6 +94,14 @@ def check_experts(experts: int, n: int) -> None:
         )
 
 
+def check_whole_sequences(context: int) -> None:
+    """Routing's capacity is per whole sequence: a context split of more than one device is refused."""
+    if context > 1:
+        raise PlanError(
+            "a mixture of experts routes whole sequences and context plans (cp, dp+cp) split them: use ep or dp+ep"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Routing:
     """One layer's routing of a batch ``(B, T)``: dispatch and combine ``(B, T, E, C)``, the
@@ -143,10 +151,7 @@ def moe(
     dropped: the slots past capacity). ``experts``: the experts' parameters, leading dim E (E / N
     under an expert split)."""
     sequence = _context._SPLIT.get()
-    if sequence is not None and sequence.size > 1:  # capacity is per whole sequence
-        raise PlanError(
-            "a mixture of experts routes whole sequences and context plans (cp, dp+cp) split them: use ep or dp+ep"
-        )
+    check_whole_sequences(sequence.size if sequence is not None else 1)
     r = route(x_btd, router_de, k, capacity_factor)
     rows_becd = jnp.einsum("btec,btd->becd", r.dispatch, x_btd)
     split = _SPLIT.get()

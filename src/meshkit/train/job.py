@@ -20,7 +20,7 @@ from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load
 from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
-from meshkit.plans import check_context
+from meshkit.plans import check_context, check_whole_sequences
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import CONTEXT, DATA, REPLICA
 from meshkit.train import config as C
@@ -83,6 +83,8 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     if cfg.parallel.plan_info.context:  # before the run directory is written, not at the first compile
         heads = model.heads if llama_run else cfg.heads
         check_context(cfg.seq_len, heads, int(trainer.mesh.shape[CONTEXT]), cfg.parallel.context_attention)
+        if model.experts:
+            check_whole_sequences(int(trainer.mesh.shape[CONTEXT]))
     batches = data.batches(
         seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS
     )
