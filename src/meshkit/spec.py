@@ -24,7 +24,10 @@ DATA, MODEL, STAGE, REPLICA, CONTEXT = "data", "model", "stage", "replica", "con
 """The mesh axes plans use: ZeRO/data parallelism, tensor parallelism, pipeline stages, the
 replicas of hybrid sharding (HSDP: the batch split over ``replica`` x ``data``, ZeRO-3 within
 ``data``, replicated across ``replica``), and the sequence split of context parallelism."""
-AXES = (STAGE, REPLICA, DATA, CONTEXT, MODEL)
+EXPERT = "expert"
+"""Expert parallelism's axis: a mixture of experts' experts split over it, the batch split over it as
+well (``data`` x ``expert``), its tokens sent to their experts' devices by ``all_to_all`` (``plans._experts``)."""
+AXES = (STAGE, REPLICA, DATA, EXPERT, CONTEXT, MODEL)
 """Every axis a plan may use, in the order meshes are written (outermost first)."""
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
@@ -73,6 +76,10 @@ class Plan:
     over ``replica``."""
     context: bool = False
     """Whether every sequence is split over the context axis (context parallelism, ``plans._context``)."""
+    expert: bool = False
+    """Whether a mixture of experts' experts are split over the expert axis, the batch over it as well
+    (expert parallelism, ``plans._experts``): expert leaves' gradients reduced over ``data`` only, the
+    others' over ``data`` x ``expert``."""
     default_mesh: str
     """The mesh when none is given (``-1``: every device left)."""
 
@@ -85,14 +92,15 @@ class Plan:
             (MODEL, self.tensor),
             (STAGE, self.pipeline),
             (CONTEXT, self.context),
+            (EXPERT, self.expert),
         )
         return tuple(axis for axis, on in used if on)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split over (outermost first): the data axis, and under hybrid
-        sharding the replica axis before it."""
-        return tuple(axis for axis in (REPLICA, DATA) if axis in self.needs)
+        sharding the replica axis before it; under expert parallelism the expert axis after it."""
+        return tuple(axis for axis in (REPLICA, DATA, EXPERT) if axis in self.needs)
 
     @property
     def level(self) -> int:
@@ -148,6 +156,9 @@ def _plans() -> dict[str, Plan]:
     # context parallelism: the sequence over the context axis, alone or with a data axis
     plans["cp"] = Plan(name="cp", data=False, zero="dp", context=True, default_mesh="context=-1")
     plans["dp+cp"] = Plan(name="dp+cp", data=True, zero="dp", context=True, default_mesh="data=-1,context=2")
+    # expert parallelism: a mixture of experts' experts over the expert axis, the batch over data x expert
+    plans["ep"] = Plan(name="ep", data=False, zero="dp", expert=True, default_mesh="expert=-1")
+    plans["dp+ep"] = Plan(name="dp+ep", data=True, zero="dp", expert=True, default_mesh="data=2,expert=-1")
     return plans
 
 
@@ -161,6 +172,8 @@ AUTO = "auto"
 def get_plan(name: str | Plan) -> Plan:
     if isinstance(name, Plan):
         return name
+    if name == "fsdp+ep":
+        raise PlanError("plan fsdp+ep is not built yet: expert parallelism runs as ep and dp+ep; use dp+ep")
     if name not in PLANS:
         raise PlanError(f"unknown plan {name!r}: choose one of {', '.join(PLANS)}")
     return PLANS[name]
@@ -192,8 +205,8 @@ def check_axes(plan: Plan, sizes: dict[str, int]) -> None:
     for axis, size in sizes.items():
         if axis not in plan.needs and size != 1:
             hints = {MODEL: "dp+tp or fsdp+tp", STAGE: f"a pipeline plan ({', '.join(PIPELINE_PLANS)})",
-                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp" if plan.context else "",
-                     REPLICA: "plan hsdp", CONTEXT: "cp or dp+cp"}  # fmt: skip
+                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp" if plan.context else "dp+ep" if plan.expert else "",
+                     REPLICA: "plan hsdp", CONTEXT: "cp or dp+cp", EXPERT: "ep or dp+ep"}  # fmt: skip
             hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
 

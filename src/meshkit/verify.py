@@ -121,7 +121,9 @@ MLP_AXES = [{"w": ("embed", "mlp"), "b": ("mlp",)}, {"w": ("mlp", "embed"), "b":
 
 
 @functools.cache  # one per process: its parameters are made by jitted code, and nothing changes them
-def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stages: bool = False) -> Workload:
+def workload(
+    name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stages: bool = False, experts: int = 0
+) -> Workload:
     """The reference workloads: 'linear', 'mlp' (the chapter's [16, 64, 64, 8]) and 'gpt' (width 32,
     ``heads`` heads, ``layers`` blocks; with ``stages`` the scanned GPT as ``meshkit.Stages``, the form
     pipeline plans take)."""
@@ -141,8 +143,8 @@ def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stage
                         float64=reference_np.mlp_grad)  # fmt: skip
     if name in ("gpt", "gpt-scan"):  # gpt-scan: the same model, blocks stacked under lax.scan
         cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
-                            scan_layers=stages or name == "gpt-scan")  # fmt: skip
-        make_loss = gpt.stages if stages else gpt.make_loss
+                            scan_layers=stages or name == "gpt-scan", experts=experts)  # fmt: skip
+        make_loss = gpt.stages if stages else functools.partial(gpt.make_loss, with_aux=bool(experts))
         tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
         p = gpt.init(key, cfg)
         batch = (tokens[:, :-1], tokens[:, 1:])
@@ -152,23 +154,26 @@ def workload(name: str, seed: int = 0, *, heads: int = 8, layers: int = 2, stage
             return dataclasses.replace(w, loss_fn=make_loss(cfg64), params=_to_float64(p), in_float64=None)
 
         w = Workload(name=name, loss_fn=make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
-                     tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads})  # fmt: skip
+                     tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads},
+                     has_aux=bool(experts))  # fmt: skip
         return w
     if name == "llama":  # grouped-query attention (half as many kv heads), the vocabulary split on model
-        return _llama(rng, key, heads=heads, layers=layers, stages=stages)
+        return _llama(rng, key, heads=heads, layers=layers, stages=stages, experts=experts)
     raise MeshkitError(
         f"unknown model {name!r}: choose linear, mlp, gpt, gpt-scan or llama, or give module:function"
     )
 
 
-def _llama(rng: np.random.Generator, key: jax.Array, *, heads: int, layers: int, stages: bool) -> Workload:
+def _llama(
+    rng: np.random.Generator, key: jax.Array, *, heads: int, layers: int, stages: bool, experts: int = 0
+) -> Workload:
     """The Llama of width 32 with ``heads`` query heads and half as many key/value heads, in float32
     and (``in_float64``) float64; as ``Stages`` (scanned) for pipeline plans."""
     from meshkit.plans.placement import DEFAULT_TP_RULES, VOCAB_TP_RULES
 
     cfg = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
-                            kv_heads=max(heads // 2, 1), ffn=64, scan_layers=stages)  # fmt: skip
-    make_loss = llama.stages if stages else llama.make_loss
+                            kv_heads=max(heads // 2, 1), ffn=64, scan_layers=stages, experts=experts)  # fmt: skip
+    make_loss = llama.stages if stages else functools.partial(llama.make_loss, with_aux=bool(experts))
     tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
     p = llama.init(key, cfg)
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -178,7 +183,7 @@ def _llama(rng: np.random.Generator, key: jax.Array, *, heads: int, layers: int,
         c = dataclasses.replace(cfg, dtype=dtype)
         return Workload(name="llama", loss_fn=make_loss(c), params=params, batch=batch,
                         logical_axes=llama.logical_axes(params), tokens_per_example=cfg.seq_len,
-                        units=llama.units(cfg), rules=rules,
+                        units=llama.units(cfg), rules=rules, has_aux=bool(experts),
                         in_float64=None if dtype == "float64" else lambda: one("float64", _to_float64(params)))  # fmt: skip
 
     return one("float32", p)
@@ -611,7 +616,12 @@ def _check_steps(steps: int) -> None:
 
 
 def _layers(spec: ParallelSpec, model: str) -> dict:
-    """A pipeline plan verifies the GPT as ``Stages`` with one layer per virtual stage (at least 2)."""
+    """A pipeline plan verifies the GPT as ``Stages`` with one layer per virtual stage (at least 2);
+    an expert plan the GPT or the Llama with a mixture of 8 experts per layer."""
+    if spec.plan_info.expert:
+        if model not in ("gpt", "gpt-scan", "llama"):
+            raise MeshkitError(f"plan {spec.plan} verifies a mixture of experts: use --model gpt or llama")
+        return {"experts": 8}
     if not spec.plan_info.pipeline:
         return {}
     if model not in ("gpt", "gpt-scan", "llama"):

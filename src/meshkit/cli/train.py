@@ -44,6 +44,7 @@ def train(
             "plan",
             "dp, zero1, zero2, zero3/fsdp, hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; "
             "context parallelism (the sequence split over a context axis): cp, dp+cp; "
+            "expert parallelism (a mixture of experts, --experts, split over an expert axis): ep, dp+ep; "
             "auto: the planner's fastest predicted layout for this GPT on the devices present.",
         ),
     ] = None,
@@ -58,6 +59,21 @@ def train(
     ] = None,
     kv_heads: Annotated[
         int | None, _opt("kv_heads", "Llama: key/value heads (must divide --heads).", "as many as --heads")
+    ] = None,
+    experts: Annotated[
+        int | None,
+        _opt("experts", "Mixture of experts: MLPs per layer (plans ep, dp+ep split them).", "0: a dense MLP"),
+    ] = None,
+    experts_per_token: Annotated[
+        int | None, _opt("experts_per_token", "Mixture of experts: experts per token (top-k).", "2")
+    ] = None,
+    capacity_factor: Annotated[
+        float | None,
+        _opt(
+            "capacity_factor",
+            "Mixture of experts: slots per expert = ceil(factor x T x k / experts).",
+            "1.25",
+        ),
     ] = None,
     tie_embeddings: Annotated[
         bool | None,
@@ -239,6 +255,7 @@ def train(
                  context_attention=context_attention, seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
                  scan_layers=scan_layers, model=model, kv_heads=kv_heads, tie_embeddings=tie_embeddings,
+                 experts=experts, experts_per_token=experts_per_token, capacity_factor=capacity_factor,
                  init_from=init_from, export_hf=export_hf, tracker=tracker)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:

@@ -17,7 +17,8 @@ def verify(
         str,
         typer.Option(
             help="dp, zero1, zero2, zero3 (fsdp), hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, "
-            "fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; context parallelism (the sequence split) cp, dp+cp."
+            "fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; context parallelism (the sequence split) cp, dp+cp; expert "
+            "parallelism ep, dp+ep (--model gpt or llama with 8 experts per layer)."
         ),
     ] = "dp",
     model: Annotated[

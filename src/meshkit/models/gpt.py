@@ -27,6 +27,12 @@ same initial values; ``to_scanned`` and ``to_layers`` convert parameters (or opt
 like them) between the forms, and ``blocks_form`` tells which one a tree holds. The Python-loop form
 marks each block with ``meshkit.layer`` (the hook a plan uses to gather and rematerialize per block).
 
+With ``experts = E > 0`` (a mixture of experts, ``meshkit.plans.moe``) each block's ``"mlp"`` is
+replaced by ``"moe": {"router": (D, E), "w_in": (E, D, F), "b_in": (E, F), "w_out": (E, F, D),
+"b_out": (E, D)}``: E MLPs of the dense one's shape (logical axis ``"expert"`` first) and a router;
+the loss adds ``router_aux_weight`` x the load-balancing loss (``make_loss(cfg, with_aux=True)`` also
+returns it and the share of dropped token-slots as metrics).
+
 The columns of wq, wk, wv (and the rows of wo) are ``heads * head_dim = D`` wide, head-major, so sharding
 the ``"heads"`` logical axis splits whole heads when the device count divides ``heads``.
 """
@@ -46,7 +52,7 @@ from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
-from meshkit.plans import causal_attention, layer, position_rows
+from meshkit.plans import EXPERT_DIM, causal_attention, layer, moe, position_rows
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -70,6 +76,7 @@ _AXES: dict[str, Axes] = {
     "b_in": ("mlp",),
     "w_out": ("mlp", "embed"),
     "b_out": ("embed",),
+    "router": ("embed", None),
 }
 
 
@@ -95,10 +102,20 @@ class GPTConfig:
     """Dtype of the forward pass (params are cast to it inside ``apply``); ``None`` means ``dtype``."""
     scan_layers: bool = False
     """Stack the blocks' parameters with a leading layer axis and ``lax.scan`` over them."""
+    experts: int = 0
+    """Mixture of experts: MLPs per layer, a token routed to ``experts_per_token`` of them; 0: a dense MLP."""
+    experts_per_token: int = 2
+    """Mixture of experts: top-k."""
+    capacity_factor: float = 1.25
+    """Mixture of experts: an expert takes ``ceil(capacity_factor x T x k / experts)`` slots of a sequence."""
+    router_aux_weight: float = 0.01
+    """Mixture of experts: weight of the load-balancing loss added to the cross-entropy."""
 
     def __post_init__(self):
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.experts:
+            self.shape()  # ModelShape checks the mixture-of-experts fields (one owner)
 
     @classmethod
     def from_shape(
@@ -123,12 +140,14 @@ class GPTConfig:
             )
         return cls(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
                    heads=shape.heads, mlp_ratio=max(shape.ffn // shape.width, 1),
-                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)  # fmt: skip
+                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers, experts=shape.experts,
+                   experts_per_token=shape.experts_per_token, capacity_factor=shape.capacity_factor)  # fmt: skip
 
     def shape(self, name: str = "gpt") -> ModelShape:
         """This GPT's shape, as the planner describes models."""
         return ModelShape(name=name, layers=self.layers, width=self.width, heads=self.heads, vocab=self.vocab_size,
-                          seq=self.seq_len, ffn=self.mlp_width)  # fmt: skip
+                          seq=self.seq_len, ffn=self.mlp_width, experts=self.experts,
+                          experts_per_token=self.experts_per_token, capacity_factor=self.capacity_factor)  # fmt: skip
 
     @property
     def head_dim(self) -> int:
@@ -162,13 +181,18 @@ def _init_block(key: jax.Array, cfg: GPTConfig) -> Params:
         "wo": _normal(ko, (d, d), resid_std, dt),
         "bo": jnp.zeros((d,), dt),
     }
+    e = (cfg.experts,) if cfg.experts else ()
     mlp = {
-        "w_in": _normal(kin, (d, f), 0.02, dt),
-        "b_in": jnp.zeros((f,), dt),
-        "w_out": _normal(kout, (f, d), resid_std, dt),
-        "b_out": jnp.zeros((d,), dt),
+        "w_in": _normal(kin, (*e, d, f), 0.02, dt),
+        "b_in": jnp.zeros((*e, f), dt),
+        "w_out": _normal(kout, (*e, f, d), resid_std, dt),
+        "b_out": jnp.zeros((*e, d), dt),
     }
-    return {"ln1": _layer_norm_params(cfg), "attn": attn, "ln2": _layer_norm_params(cfg), "mlp": mlp}
+    if not cfg.experts:
+        return {"ln1": _layer_norm_params(cfg), "attn": attn, "ln2": _layer_norm_params(cfg), "mlp": mlp}
+    router = _normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt)
+    return {"ln1": _layer_norm_params(cfg), "attn": attn, "ln2": _layer_norm_params(cfg),
+            "moe": {"router": router, **mlp}}  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=1)  # one compiled program, not one per weight drawn
@@ -257,6 +281,12 @@ def _mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     return jax.nn.gelu(x_btd @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
 
 
+def _experts(p: dict[str, jax.Array], x_ncd: jax.Array) -> jax.Array:
+    """``n`` expert MLPs (leading dim of every leaf) on their rows ``(n, c, D)``."""
+    h_ncf = jax.nn.gelu(jnp.einsum("ncd,ndf->ncf", x_ncd, p["w_in"]) + p["b_in"][:, None])
+    return jnp.einsum("ncf,nfd->ncd", h_ncf, p["w_out"]) + p["b_out"][:, None]
+
+
 def _embed(top: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Token plus position embeddings, in the compute dtype (``top``: the non-block parameters)."""
     t = tokens_bt.shape[1]
@@ -274,6 +304,35 @@ def _block(p: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
     return x_btd + _mlp(p["mlp"], _layer_norm(p["ln2"], x_btd))
 
 
+def _moe_block(p: Params, carry: tuple[jax.Array, jax.Array], cfg: GPTConfig) -> tuple[jax.Array, jax.Array]:
+    """One block whose MLP is a mixture of experts; ``carry``: the residual and the running
+    ``[load-balancing loss, dropped slots]`` summed over the blocks so far."""
+    x_btd, stats = carry
+    p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype or cfg.dtype), p)
+    x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg)
+    experts = {k: v for k, v in p["moe"].items() if k != "router"}
+    y_btd, aux, dropped = moe(_experts, experts, p["moe"]["router"], _layer_norm(p["ln2"], x_btd),
+                              k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor)  # fmt: skip
+    return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
+
+
+def run_layers(block: Callable, moe_block: Callable, x_btd: jax.Array, blocks: Any, scanned: bool,
+               experts: int) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """The blocks over ``x_btd``: the residual and ``[load-balancing loss, dropped slots]`` summed
+    over the layers (zeros for a dense model). The GPT's and the Llama's."""
+    stats = jnp.zeros((2,), _wide(x_btd.dtype))
+    if not experts:
+        return run_blocks(block, x_btd, blocks, scanned), stats
+    return run_blocks(moe_block, (x_btd, stats), blocks, scanned)
+
+
+def moe_metrics(stats: jax.Array, tokens: int, layers: int, k: int) -> dict[str, jax.Array]:
+    """The loss's MoE metrics from the summed ``stats`` of ``tokens`` tokens: the load-balancing loss
+    (mean over layers) and the dropped share of the ``tokens x k x layers`` slots (averaged over a
+    batch split like the loss, so the step's value is the global batch's)."""
+    return {"router_aux": stats[0] / layers, "dropped_fraction": stats[1] / (tokens * k * layers)}
+
+
 def _head(top: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Final LayerNorm and unembedding: logits in at least float32."""
     compute = cfg.compute_dtype or cfg.dtype
@@ -287,6 +346,12 @@ def apply(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
     Parameters are cast to ``cfg.compute_dtype`` first; LayerNorm statistics, attention softmax and the
     returned logits are float32 (float64 when computing in float64).
     """
+    return forward(params, tokens_bt, cfg)[0]
+
+
+def forward(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, jax.Array]:
+    """``(logits, stats)``: ``apply``'s logits and the MoE ``[load-balancing loss, dropped slots]``
+    summed over the layers (zeros for a dense model)."""
     form = blocks_form(params)
     if (form == "scanned") != cfg.scan_layers:
         fix = "gpt.to_scanned(params)" if cfg.scan_layers else "gpt.to_layers(params)"
@@ -296,8 +361,9 @@ def apply(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
     top = {k: v for k, v in params.items() if k != "blocks"}
     x_btd = _embed(top, tokens_bt, cfg)
 
-    x_btd = run_blocks(lambda p, x: _block(p, x, cfg), x_btd, params["blocks"], cfg.scan_layers)
-    return _head(top, x_btd, cfg)
+    x_btd, stats = run_layers(lambda p, x: _block(p, x, cfg), lambda p, c: _moe_block(p, c, cfg), x_btd,
+                              params["blocks"], cfg.scan_layers, cfg.experts)  # fmt: skip
+    return _head(top, x_btd, cfg), stats
 
 
 def run_blocks(
@@ -318,6 +384,8 @@ def stages(cfg: GPTConfig) -> Any:
     or ``to_scanned(params)``). The batch is ``(tokens_bt, targets_bt)``."""
     from meshkit.plans import Stages
 
+    if cfg.experts:
+        raise MeshkitError("pipeline plans do not run mixture-of-experts models yet: use ep or dp+ep")
     return Stages(
         embed=lambda top, batch: _embed(top, batch[0], cfg),
         block=lambda p, x_btd: _block(p, x_btd, cfg),
@@ -328,13 +396,19 @@ def stages(cfg: GPTConfig) -> Any:
     )
 
 
-def make_loss(cfg: GPTConfig) -> Callable[[Params, tuple[jax.Array, jax.Array]], jax.Array]:
-    """``loss(params, (tokens_bt, targets_bt))``: mean token cross-entropy of the next-token logits."""
+def make_loss(cfg: GPTConfig, *, with_aux: bool = False) -> Callable:
+    """``loss(params, (tokens_bt, targets_bt))``: mean token cross-entropy of the next-token logits,
+    plus ``router_aux_weight`` x the load-balancing loss for a mixture of experts. ``with_aux``:
+    ``(loss, metrics)`` with ``moe_metrics`` (empty for a dense model): a Trainer's ``has_aux=True``."""
 
-    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> Any:
         tokens_bt, targets_bt = batch
-        logits_btv = apply(params, tokens_bt, cfg)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt).mean()
+        logits_btv, stats = forward(params, tokens_bt, cfg)
+        value = optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt).mean()
+        metrics = moe_metrics(stats, tokens_bt.size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
+        if cfg.experts:
+            value = value + cfg.router_aux_weight * metrics["router_aux"]
+        return (value, metrics) if with_aux else value
 
     return loss
 
@@ -346,21 +420,30 @@ def logical_axes(params: Params) -> Any:
     MLP dimension), ``"seq"`` (position table rows), ``"layers"`` (the scanned form's stacked axis). Works on arrays or ``jax.ShapeDtypeStruct`` leaves.
     """
 
-    def axes(path, _) -> Axes:
-        names = _AXES[path[-1].key]
-        stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
-        return ("layers", *names) if stacked else names
+    return jax.tree.map_with_path(lambda path, _: leaf_axes(path, _AXES), params)
 
-    return jax.tree.map_with_path(axes, params)
+
+def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
+    """A block leaf's logical axes from ``table`` by its key: ``"expert"`` first for an expert's leaf
+    (under ``"moe"``, the router aside), ``"layers"`` first in the scanned form. The GPT's and the Llama's."""
+    names = table[path[-1].key]
+    keys = [getattr(k, "key", None) for k in path]
+    if "moe" in keys and path[-1].key != "router":
+        names = (EXPERT_DIM, *names)
+    stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
+    return ("layers", *names) if stacked else names
 
 
 def matmul_params(cfg: GPTConfig) -> int:
     """Parameter count without the token and position tables, which are lookups rather than matmuls.
 
-    Biases and LayerNorm parameters are included (as nanoGPT does); they are a negligible share.
+    Biases and LayerNorm parameters are included (as nanoGPT does); they are a negligible share. A
+    mixture of experts counts the parameters a token multiplies: ``experts_per_token`` MLPs and the router.
     """
     d, f = cfg.width, cfg.mlp_width
-    block = 4 * d * d + 3 * d + (d * f + f) + (f * d + d) + 2 * 2 * d  # q, k, v, o; no key bias
+    mlp = (d * f + f) + (f * d + d)
+    mlp = cfg.experts_per_token * mlp + d * cfg.experts if cfg.experts else mlp
+    block = 4 * d * d + 3 * d + mlp + 2 * 2 * d  # q, k, v, o; no key bias
     return cfg.layers * block + 2 * d + d * cfg.vocab_size
 
 

@@ -19,6 +19,9 @@ Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads
         "unembed": (D, V),                            # absent with tie_embeddings: tok_embed.T
     }
 
+With ``experts = E > 0`` each block's ``"mlp"`` is ``"moe": {"router": (D, E), "w_gate": (E, D, F),
+"w_up": (E, D, F), "w_down": (E, F, D)}``: E SwiGLU experts and a router (as the GPT's, ``gpt.py``).
+
 ``LlamaConfig(scan_layers=True)`` stacks the blocks with a leading layer axis and ``lax.scan``s over
 them; ``gpt.to_scanned`` / ``to_layers`` / ``to_form`` / ``blocks_form`` convert any tree with a
 ``"blocks"`` entry and work here unchanged. The loop form marks each block with ``meshkit.layer``.
@@ -49,7 +52,7 @@ from jax import lax
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt
 from meshkit.models.shape import ModelShape
-from meshkit.plans import causal_attention, sequence_positions
+from meshkit.plans import causal_attention, moe, sequence_positions
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -66,6 +69,7 @@ _AXES: dict[str, Axes] = {
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
+    "router": ("embed", None),
 }
 
 
@@ -101,6 +105,14 @@ class LlamaConfig:
     """Dtype of the forward pass; None means ``dtype``."""
     scan_layers: bool = False
     """Stack the blocks' parameters and ``lax.scan`` over them."""
+    experts: int = 0
+    """Mixture of experts: SwiGLU MLPs per layer, a token routed to ``experts_per_token``; 0: dense."""
+    experts_per_token: int = 2
+    """Mixture of experts: top-k."""
+    capacity_factor: float = 1.25
+    """Mixture of experts: an expert takes ``ceil(capacity_factor x T x k / experts)`` slots of a sequence."""
+    router_aux_weight: float = 0.01
+    """Mixture of experts: weight of the load-balancing loss added to the cross-entropy."""
 
     def __post_init__(self):
         if self.kv_heads == 0:
@@ -119,6 +131,8 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise MeshkitError(f"head_dim {self.head_dim} is odd: rotary embeddings need an even head width")
+        if self.experts:
+            self.shape()  # ModelShape checks the mixture-of-experts fields (one owner)
 
     @classmethod
     def from_shape(
@@ -131,14 +145,16 @@ class LlamaConfig:
         return cls(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
                    heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn,
                    rope_theta=shape.rope_theta, norm_eps=shape.norm_eps, tie_embeddings=shape.tie_embeddings,
-                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)  # fmt: skip
+                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers, experts=shape.experts,
+                   experts_per_token=shape.experts_per_token, capacity_factor=shape.capacity_factor)  # fmt: skip
 
     def shape(self, name: str = "llama") -> ModelShape:
         """This model's shape, as the planner describes models."""
         return ModelShape(name=name, layers=self.layers, width=self.width, heads=self.heads, vocab=self.vocab_size,
                           seq=self.seq_len, ffn=self.ffn, gated=True, kv_heads=self.kv_heads, head_dim=self.head_dim,
                           rope_theta=self.rope_theta, norm_eps=self.norm_eps,
-                          tie_embeddings=self.tie_embeddings)  # fmt: skip
+                          tie_embeddings=self.tie_embeddings, experts=self.experts,
+                          experts_per_token=self.experts_per_token, capacity_factor=self.capacity_factor)  # fmt: skip
 
     @property
     def groups(self) -> int:
@@ -158,13 +174,17 @@ def _init_block(key: jax.Array, cfg: LlamaConfig) -> Params:
     d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
     resid = 0.02 / math.sqrt(2 * cfg.layers)
     kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
+    e = (cfg.experts,) if cfg.experts else ()
+    mlp = {"w_gate": _normal(kg, (*e, d, f), 0.02, dt), "w_up": _normal(ku, (*e, d, f), 0.02, dt),
+           "w_down": _normal(kd, (*e, f, d), resid, dt)}  # fmt: skip
+    if cfg.experts:
+        mlp = {"router": _normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
     return {
         "attn_norm": {"scale": jnp.ones((d,), dt)},
         "attn": {"wq": _normal(kq, (d, q), 0.02, dt), "wk": _normal(kk, (d, kv), 0.02, dt),
                  "wv": _normal(kv_, (d, kv), 0.02, dt), "wo": _normal(ko, (q, d), resid, dt)},
         "mlp_norm": {"scale": jnp.ones((d,), dt)},
-        "mlp": {"w_gate": _normal(kg, (d, f), 0.02, dt), "w_up": _normal(ku, (d, f), 0.02, dt),
-                "w_down": _normal(kd, (f, d), resid, dt)},
+        "moe" if cfg.experts else "mlp": mlp,
     }  # fmt: skip
 
 
@@ -252,6 +272,13 @@ def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     return (jax.nn.silu(x_btd @ p["w_gate"]) * (x_btd @ p["w_up"])) @ p["w_down"]
 
 
+def experts_mlp(p: dict[str, jax.Array], x_ncd: jax.Array) -> jax.Array:
+    """``n`` SwiGLU experts (leading dim of every leaf) on their rows ``(n, c, D)``."""
+    gate = jnp.einsum("ncd,ndf->ncf", x_ncd, p["w_gate"])
+    up = jnp.einsum("ncd,ndf->ncf", x_ncd, p["w_up"])
+    return jnp.einsum("ncf,nfd->ncd", jax.nn.silu(gate) * up, p["w_down"])
+
+
 def cast_block(p: Params, cfg: LlamaConfig) -> Params:
     return jax.tree.map(lambda a: a.astype(cfg.compute), p)
 
@@ -268,6 +295,22 @@ def _block(p: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
     x_btd = x_btd + causal_attention(q, k, v).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
     return x_btd + mlp(p["mlp"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps))
+
+
+def _moe_block(
+    p: Params, carry: tuple[jax.Array, jax.Array], cfg: LlamaConfig
+) -> tuple[jax.Array, jax.Array]:
+    """``_block`` with a mixture of experts for its MLP (``gpt._moe_block``'s carry)."""
+    x_btd, stats = carry
+    p = cast_block(p, cfg)
+    b, t, _ = x_btd.shape
+    pos = jnp.broadcast_to(sequence_positions(t), (b, t))
+    q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
+    x_btd = x_btd + causal_attention(q, k, v).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
+    experts = {name: w for name, w in p["moe"].items() if name != "router"}
+    y_btd, aux, dropped = moe(experts_mlp, experts, p["moe"]["router"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps),
+                              k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor)  # fmt: skip
+    return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
 
 
 def embed(top: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
@@ -300,12 +343,19 @@ def _check_form(params: Params, cfg: LlamaConfig) -> None:
 
 def apply(params: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``."""
+    return forward(params, tokens_bt, cfg)[0]
+
+
+def forward(params: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
+    """``(logits, stats)``: the logits and the MoE ``[load-balancing loss, dropped slots]`` summed
+    over the layers (zeros for a dense model)."""
     _check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
     x_btd = embed(top, tokens_bt, cfg)
 
-    x_btd = gpt.run_blocks(lambda p, x: _block(p, x, cfg), x_btd, params["blocks"], cfg.scan_layers)
-    return head(top, x_btd, cfg)
+    x_btd, stats = gpt.run_layers(lambda p, x: _block(p, x, cfg), lambda p, c: _moe_block(p, c, cfg), x_btd,
+                                  params["blocks"], cfg.scan_layers, cfg.experts)  # fmt: skip
+    return head(top, x_btd, cfg), stats
 
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
@@ -322,11 +372,19 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     return jnp.mean(lse - picked)
 
 
-def make_loss(cfg: LlamaConfig) -> Callable[[Params, tuple[jax.Array, jax.Array]], jax.Array]:
-    """``loss(params, (tokens_bt, targets_bt))``: mean next-token cross-entropy."""
+def make_loss(cfg: LlamaConfig, *, with_aux: bool = False) -> Callable:
+    """``loss(params, (tokens_bt, targets_bt))``: mean next-token cross-entropy, plus the weighted
+    load-balancing loss for a mixture of experts; ``with_aux``: ``(loss, metrics)`` (``gpt.make_loss``)."""
 
-    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-        return cross_entropy(apply(params, batch[0], cfg), batch[1])
+    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> Any:
+        logits, stats = forward(params, batch[0], cfg)
+        value = cross_entropy(logits, batch[1])
+        metrics = (
+            gpt.moe_metrics(stats, batch[0].size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
+        )
+        if cfg.experts:
+            value = value + cfg.router_aux_weight * metrics["router_aux"]
+        return (value, metrics) if with_aux else value
 
     return loss
 
@@ -336,6 +394,8 @@ def stages(cfg: LlamaConfig) -> Any:
     plans and every other; its parameters are the scanned form."""
     from meshkit.plans import Stages
 
+    if cfg.experts:
+        raise MeshkitError("pipeline plans do not run mixture-of-experts models yet: use ep or dp+ep")
     return Stages(
         embed=lambda top, batch: embed(top, batch[0], cfg),
         block=lambda p, x_btd: _block(p, x_btd, cfg),
@@ -348,12 +408,7 @@ def logical_axes(params: Params) -> Any:
     """The structure of ``params`` with a tuple of logical axis names per dimension (``"layers"``
     first on the scanned form's stacked leaves)."""
 
-    def axes(path, _) -> Axes:
-        names = _AXES[path[-1].key]
-        stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
-        return ("layers", *names) if stacked else names
-
-    return jax.tree.map_with_path(axes, params)
+    return jax.tree.map_with_path(lambda path, _: gpt.leaf_axes(path, _AXES), params)
 
 
 def units(cfg: LlamaConfig) -> dict[str, int]:
@@ -364,9 +419,11 @@ def units(cfg: LlamaConfig) -> dict[str, int]:
 
 def matmul_params(cfg: LlamaConfig) -> int:
     """Parameters that multiply activations: every matrix but the embedding lookup (the tied head
-    counts once, as a matmul)."""
+    counts once, as a matmul); a mixture of experts those a token multiplies (``experts_per_token``
+    MLPs and the router)."""
     d, f, q, kv = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    block = 2 * d * q + 2 * d * kv + 3 * d * f + 2 * d
+    mlp = cfg.experts_per_token * 3 * d * f + d * cfg.experts if cfg.experts else 3 * d * f
+    block = 2 * d * q + 2 * d * kv + mlp + 2 * d
     return cfg.layers * block + d + d * cfg.vocab_size
 
 

@@ -7,7 +7,9 @@ and the planner's compile check share), ``expected_collectives`` and ``memory_fo
 should cost and ``peak`` what it should hold at its peak. One module per technique: ``_step`` (the
 data axis, ZeRO stages), ``_fsdp`` (per-layer gathers and remat), ``_buckets`` (bucketed data-axis
 collectives), ``_pipeline`` and ``_schedule`` (pipelines), ``_context`` (context parallelism: the
-sequence split, and the causal attention the reference models call, ring or all-to-all); tensor
+sequence split, and the causal attention the reference models call, ring or all-to-all), ``_experts``
+(mixture of experts: routing, capacity, and the MoE MLP the reference models call, its tokens sent to
+their experts by all_to_all under an expert split); tensor
 parallelism is the placement's rules, partitioned by XLA.
 """
 
@@ -23,6 +25,7 @@ from meshkit.plans._expected import (
     expected_collectives,
     memory_formula,
 )
+from meshkit.plans._experts import EXPERT_DIM, check_whole_sequences, moe
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis
@@ -38,6 +41,7 @@ from meshkit.plans.placement import DEFAULT_TP_RULES, LeafPlacement, Placement, 
 
 __all__ = [
     "DEFAULT_TP_RULES",
+    "EXPERT_DIM",
     "Assembled",
     "CommRow",
     "Expected",
@@ -57,6 +61,7 @@ __all__ = [
     "build_step",
     "causal_attention",
     "check_context",
+    "check_whole_sequences",
     "compare_communication",
     "device_bytes",
     "expected_collectives",
@@ -64,6 +69,7 @@ __all__ = [
     "manual_data_axis",
     "matmul_rows",
     "memory_formula",
+    "moe",
     "place",
     "plot_schedule",
     "position_rows",

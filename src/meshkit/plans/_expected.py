@@ -47,7 +47,7 @@ from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
 from meshkit.plans.placement import LeafPlacement, Placement
-from meshkit.spec import CONTEXT, DATA, MODEL, REPLICA
+from meshkit.spec import CONTEXT, DATA, EXPERT, MODEL, REPLICA
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,6 +93,8 @@ def expected_collectives(
     out: list[Expected] = []
     if placement.plan.context:
         return _context_rows(placement, accumulate, tokens_per_device, activation_bytes, per_layer, form)
+    if placement.plan.expert:
+        return _expert_rows(placement, accumulate, per_layer)
 
     def add(op, axes, count, size, n_group, what):
         if count and size:
@@ -165,6 +167,43 @@ def expected_collectives(
                 )
         _vocab_rows(add, placement, accumulate, tokens_per_device, activation_bytes)
     return _merge(out)
+
+
+def _expert_rows(placement: Placement, accumulate: int, per_layer: PerLayer | None) -> list[Expected]:
+    """Expert plans (``_experts``), per step with E devices on the expert axis and D on data: one
+    all-reduce of the dense gradients over data x expert, one of the expert gradients (``1/E`` of
+    each expert leaf per device) over data; per MoE layer and micro-batch, 2 all_to_alls forward
+    (dispatch, combine) and their 2 transposes backward (the forward's again under remat), each
+    ``(E-1)/E x S`` per device with ``S = B_local x experts x capacity x width`` elements (the
+    chapter's rearranging collectives)."""
+    e, d = placement.expert_size, placement.data_size
+    leaves = placement.flat()
+    out: list[Expected] = []
+
+    def add(op, axes, count, size, n_group, what):
+        if count and size and n_group > 1:
+            out.append(Expected(op=op, axes=axes, count=count, size_bytes=count * size,
+                                traffic_bytes=count * ring_traffic(op, size, n_group), what=what))  # fmt: skip
+
+    dense_axes = "+".join(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
+    dense = sum(x.nbytes for x in leaves if EXPERT not in x.model_spec)
+    add(
+        "all-reduce",
+        dense_axes,
+        1,
+        dense,
+        placement.batch_devices,
+        "gradients of the leaves every device holds",
+    )
+    experts = sum(_model_bytes(x, placement) for x in leaves if EXPERT in x.model_spec)
+    add("all-reduce", DATA, 1, experts, d, "expert gradients, across the data axis")
+    if per_layer is not None and per_layer.experts:
+        found = per_layer.found
+        layers = found.layers if found is not None and found.per_layer else 1
+        passes = 4 if per_layer.remat == "none" else 6
+        add("all-to-all", EXPERT, passes * layers * accumulate, per_layer.experts[0], e,
+            "MoE rows to their experts and back (forward and backward)")  # fmt: skip
+    return out
 
 
 def _attention_widths(placement: Placement) -> list[tuple[int, int, int]]:

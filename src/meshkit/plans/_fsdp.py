@@ -72,6 +72,8 @@ class PerLayer:
     every gradient shard is alive until the norm is known (set by ``build_step``)."""
     measured: dict = field(default_factory=dict)
     """What the peak model compiled for this loss, by input shapes (``meshkit.analysis.peak``)."""
+    experts: tuple = ()
+    """Expert plans: ``(bytes,)`` of one MoE layer's dispatched rows per device, as traced (``_experts``)."""
     barriers_only: bool = False
     """Place zero3's per-layer optimization barriers but gather nothing (parameters whole): the
     single-device compile ``meshkit.analysis.peak`` reads the compiler's activation bytes from."""

@@ -47,10 +47,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
-from meshkit.plans import _context, _fsdp, _rng
+from meshkit.plans import _context, _experts, _fsdp, _rng
 from meshkit.plans._manual import manual_data
 from meshkit.plans.placement import Placement
-from meshkit.spec import CONTEXT, DATA, REPLICA, PlanError
+from meshkit.spec import CONTEXT, DATA, EXPERT, REPLICA, PlanError
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -228,6 +228,38 @@ def context_gradients(
     return grads
 
 
+def expert_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer) -> Callable:
+    """Expert plans: the batch's rows over data x expert, each device holding ``E / N`` experts' weights
+    (leaves with an ``expert`` dim) and every other leaf whole; the loss traced with the expert split
+    in force (its MoE rows travel to their experts by all_to_all and back, ``_experts``). Then one
+    all-reduce of the dense gradients over data x expert and one of the expert gradients over data
+    (each device's expert gradient already sums every expert-group device's tokens, through the
+    all_to_all's transpose)."""
+    axes = placement.batch_axes
+    dense_axes = tuple(a for a in axes if placement.mesh.shape[a] > 1)
+    expert_axes = tuple(a for a in dense_axes if a != EXPERT)
+    scale = 1.0 / (placement.batch_devices * accumulate)
+    chunk = _chunk_grad(loss_fn, per, lambda j, rows: (lax.axis_index(axes) * accumulate + j) * rows)
+    split = [EXPERT in leaf.model_spec for leaf in placement.flat()]
+
+    def reduce(acc):
+        leaves = jax.tree.leaves(acc)
+        out = [lax.psum(g, expert_axes if e else dense_axes) if (expert_axes if e else dense_axes) else g
+               for g, e in zip(leaves, split, strict=True)]  # fmt: skip
+        return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in out])
+
+    def run(params, state, batch, key):
+        with _experts.split_experts(placement.expert_size) as split:
+            loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+        per.experts = tuple(split.rows[-1:])  # the ledger's all_to_all size
+        mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
+        return mean(loss), mean(aux), state, reduce(acc)
+
+    specs = placement.tree(lambda leaf: leaf.spec(data=False))
+    return jax.shard_map(run, mesh=placement.mesh, in_specs=(specs, P(), placement.batch_spec(), P()),
+                         out_specs=(P(), P(), P(), specs), axis_names=set(axes), check_vma=False)  # fmt: skip
+
+
 def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
@@ -249,6 +281,8 @@ def gradient_fn(
     per = _fsdp.PerLayer(placement=placement) if per is None else per
     if placement.plan.context:
         return context_gradients(loss_fn, placement, accumulate, per, form)
+    if placement.plan.expert:
+        return expert_gradients(loss_fn, placement, accumulate, per)
     if not placement.has_data_axis or (not placement.plan.shards_optimizer and accumulate == 1):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 

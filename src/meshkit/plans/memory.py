@@ -129,3 +129,12 @@ def update_phase(total: float, shards: float, *, zero: int, scan: bool, partial:
     if zero == 0 and scan:
         return total
     return 2 * total
+
+
+def experts_beyond_device(one_layer_experts: float, expert_devices: int) -> float:
+    """Expert plans: what the one-device compile of the loss (``peak.compiled_activations``) holds
+    beyond a device of the plan: one MoE layer's expert gradients are alive at once there, for all
+    ``E`` experts, where the plan's device makes ``E / N`` of them (the rest of its gradients the
+    backward phase counts). Measured: the GPT of 2 layers, width 32, 8 experts under ep expert=8
+    held 137 KB more than the model without it, one layer's experts being 134 KB."""
+    return one_layer_experts * (1 - 1 / expert_devices)

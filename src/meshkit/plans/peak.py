@@ -30,7 +30,7 @@ from meshkit.plans._layers import abstract, analyse
 from meshkit.plans.assemble import Assembled, assemble
 from meshkit.plans.memory import PeakModel
 from meshkit.plans.placement import Placement
-from meshkit.spec import CONTEXT, MODEL, ParallelSpec, get_plan
+from meshkit.spec import CONTEXT, EXPERT, MODEL, ParallelSpec, get_plan
 
 
 def step_extra(state: Any, micro: Any, key: Any = None) -> tuple:
@@ -237,6 +237,10 @@ def predict_peak(
         + nbytes(batch) / placement.batch_devices  # context plans: whole sequences, split inside the step
     )
     activations = _activations(loss_fn, per, params, extra)
+    if plan.expert and found.per_layer:
+        experts = sum(nbytes(x) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)
+                      if EXPERT in leaf.model_spec)  # fmt: skip
+        activations -= M.experts_beyond_device(experts / found.layers, placement.expert_size)
     scan = found.mode == "scan"
     stacked_b = sum(sizes[i] for i in found.layer_leaves) if found.per_layer else 0.0
     one_layer = stacked_b / found.layers if stacked_b else 0.0

@@ -17,7 +17,8 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshkit.spec import DATA, MODEL, REPLICA, Plan, PlanError, check_axes
+from meshkit.plans._experts import EXPERT_DIM, check_experts
+from meshkit.spec import DATA, EXPERT, MODEL, REPLICA, Plan, PlanError, check_axes
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out); so do grouped-query
@@ -122,9 +123,15 @@ class Placement:
         return int(self.mesh.shape.get(REPLICA, 1))
 
     @property
+    def expert_size(self) -> int:
+        """Expert parallelism's devices (the ``expert`` axis): the experts and the batch split over them."""
+        return int(self.mesh.shape.get(EXPERT, 1)) if self.plan.expert else 1
+
+    @property
     def batch_devices(self) -> int:
-        """Devices the batch is split over: the data axis, times the replicas under hybrid sharding."""
-        return self.data_size * self.replica_size
+        """Devices the batch is split over: the data axis, times the replicas under hybrid sharding,
+        times the expert axis under expert parallelism."""
+        return self.data_size * self.replica_size * self.expert_size
 
     def batch_spec(self) -> P:
         """The batch's PartitionSpec: its rows over the batch axes."""
@@ -389,6 +396,20 @@ def _layer_dims(params: Any, logical_axes: Any) -> dict[str, frozenset[int]]:
     }
 
 
+def _expert_specs(model: dict[str, tuple], params: Any, names: dict[str, tuple], n: int) -> dict[str, tuple]:
+    """Expert parallelism: every leaf's dim named ``"expert"`` split over the expert axis; refused
+    where the model has none, or where the experts do not divide over the axis."""
+    shapes = {_path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    out, counts = dict(model), set()
+    for key, axes in names.items():
+        for d in (d for d, a in enumerate(axes) if a == EXPERT_DIM):
+            out[key] = tuple(EXPERT if i == d else a for i, a in enumerate(out[key]))
+            counts.add(shapes[key][d])
+    for count in sorted(counts) or [0]:
+        check_experts(count, n)
+    return out
+
+
 def place(
     params: Any,
     plan: Plan,
@@ -410,6 +431,8 @@ def place(
     names = _names(logical_axes)
     notes: dict[str, str] = {}
     model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {}, notes)
+    if plan.expert:
+        model = _expert_specs(model, params, names, int(mesh.shape.get(EXPERT, 1)))
 
     def leaf(path, x) -> LeafPlacement:
         key = _path_str(path)

@@ -34,7 +34,8 @@ HF_PREFIX = "hf:"
 """How ``--init-from`` names a Hugging Face checkpoint directory."""
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 """Where ``--tracker`` sends the metrics (``meshkit.train.metrics``); jsonl (metrics.jsonl) is always on."""
-MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None}
+MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None, "experts": 0,
+                  "experts_per_token": 2, "capacity_factor": 1.25}  # fmt: skip
 """What a config written before these options trained: the GPT from random weights."""
 
 MAX_STEPS = 10**9
@@ -62,6 +63,12 @@ class TrainConfig:
     """Llama: key/value heads (grouped-query attention; must divide heads); 0: as many as heads."""
     tie_embeddings: bool = False
     """Llama: the output head is the token embedding, transposed."""
+    experts: int = 0
+    """Mixture of experts: MLPs per layer (0: a dense MLP; ``ModelShape.experts``)."""
+    experts_per_token: int = 2
+    """Mixture of experts: the experts each token is routed to (top-k)."""
+    capacity_factor: float = 1.25
+    """Mixture of experts: an expert takes at most ceil(capacity_factor x T x k / experts) slots of a sequence."""
     init_from: str | None = None
     """Start from a Hugging Face checkpoint instead of random weights: 'hf:DIR' (config.json +
     safetensors); its shape must be the run's."""
@@ -252,6 +259,9 @@ FIXED_ON_RESUME = {
     "model": "the model",
     "kv_heads": "the model's shape",
     "tie_embeddings": "the model's shape",
+    "experts": "the model's shape",
+    "experts_per_token": "the model's routing",
+    "capacity_factor": "the model's routing",
     "init_from": "the initialisation",
     "layers": "the model's shape",
     "width": "the model's shape",
@@ -431,7 +441,8 @@ def dumps(cfg: TrainConfig) -> str:
 #: The tables of a config file, each holding options by their one name (an option may also be given at
 #: the top level). Every option is in exactly one table.
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "layers", "width", "heads", "kv_heads", "tie_embeddings", "scan_layers", "init_from"),
+    "model": ("model", "layers", "width", "heads", "kv_heads", "tie_embeddings", "scan_layers", "init_from", "experts",
+              "experts_per_token", "capacity_factor"),
     "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
     "data": ("data", "seq_len", "batch_size", "seed"),
     "run": ("steps", "run_dir", "eval_every", "eval_batches", "checkpoint_every", "sample_chars", "tensorboard",

@@ -5,6 +5,7 @@ bad input fails before a byte is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load
 from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
-from meshkit.plans import check_context
+from meshkit.plans import check_context, check_whole_sequences
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import CONTEXT, DATA, REPLICA
 from meshkit.train import config as C
@@ -71,7 +72,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     llama_run = isinstance(model, llama.LlamaConfig)
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
-                      tokens_per_example=cfg.seq_len, grad_norm=True,
+                      tokens_per_example=cfg.seq_len, grad_norm=True, has_aux=moe_run(model, cfg),
                       units=llama.units(model) if llama_run else {"heads": cfg.heads},
                       rules=vocab_rules(cfg.parallel.plan_info) if llama_run else None)  # fmt: skip
     axes = trainer.placement.batch_axes
@@ -82,11 +83,13 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     if cfg.parallel.plan_info.context:  # before the run directory is written, not at the first compile
         heads = model.heads if llama_run else cfg.heads
         check_context(cfg.seq_len, heads, int(trainer.mesh.shape[CONTEXT]), cfg.parallel.context_attention)
+        if model.experts:
+            check_whole_sequences(int(trainer.mesh.shape[CONTEXT]))
     batches = data.batches(
         seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS
     )
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
-              eval_loss=jax.jit(module_of(model).make_loss(model)))  # fmt: skip
+              eval_loss=jax.jit(module_of(model).make_loss(dataclasses.replace(model, router_aux_weight=0.0))))  # fmt: skip
     if resume:
         _restore(job)
     return job
@@ -122,8 +125,13 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig | llama.L
     else:
         params = module.init(jax.random.key(cfg.seed), model)
     pipeline = cfg.parallel.plan_info.pipeline
-    loss = module.stages(model) if pipeline else module.make_loss(model)
+    loss = module.stages(model) if pipeline else module.make_loss(model, with_aux=moe_run(model, cfg))
     return model, loss, params, module.logical_axes(params)
+
+
+def moe_run(model: gpt.GPTConfig | llama.LlamaConfig, cfg: C.TrainConfig) -> bool:
+    """A mixture of experts outside a pipeline: its loss returns the dropped slots as metrics."""
+    return bool(model.experts) and not cfg.parallel.plan_info.pipeline
 
 
 def model_config(cfg: C.TrainConfig, vocab: int) -> gpt.GPTConfig | llama.LlamaConfig:
@@ -248,13 +256,17 @@ def host_available() -> float | None:
 
 def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
     """The shape of the run's model (what ``--plan auto`` plans for and the model is built from)."""
+    moe = {
+        "experts": cfg.experts,
+        "experts_per_token": cfg.experts_per_token,
+        "capacity_factor": cfg.capacity_factor,
+    }
     if cfg.model == "llama":
         return ModelShape(name="llama", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
                           seq=cfg.seq_len, gated=True, kv_heads=cfg.kv_heads,
-                          tie_embeddings=cfg.tie_embeddings)  # fmt: skip
-    return ModelShape(
-        name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len
-    )
+                          tie_embeddings=cfg.tie_embeddings, **moe)  # fmt: skip
+    return ModelShape(name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len,
+                      **moe)  # fmt: skip
 
 
 def saved_config(run_dir: Path) -> C.TrainConfig:

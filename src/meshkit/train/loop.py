@@ -161,8 +161,18 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     job.step += 1
     row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.batch_size * job.cfg.seq_len / elapsed,
            "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"])}  # fmt: skip
+    if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
+        row["dropped_fraction"] = fraction = float(metrics["dropped_fraction"])
+        row["dropped_tokens"] = round(fraction * _moe_slots(job))
+        row["router_aux"] = float(metrics["router_aux"])
     job.history.append(row)
     return row
+
+
+def _moe_slots(job: Job) -> int:
+    """Token-slots a step routes: tokens x experts per token x layers of the global batch."""
+    m = job.model
+    return job.cfg.batch_size * job.cfg.seq_len * m.experts_per_token * m.layers
 
 
 def _log(job: Job, row: dict[str, Any]) -> None:
@@ -241,7 +251,17 @@ def results(job: Job) -> dict[str, Any]:
         "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
         "model_flops_per_token": flops,
         "achieved_flops_per_s": tokens_per_s * flops,
+        **_dropped(job),
     }
+
+
+def _dropped(job: Job) -> dict[str, Any]:
+    """A mixture of experts: the token-slots dropped over the run (past an expert's capacity), and
+    their share of every slot routed."""
+    counts = [h["dropped_tokens"] for h in job.history if "dropped_tokens" in h]
+    if not counts:
+        return {}
+    return {"dropped_tokens": sum(counts), "dropped_fraction": sum(counts) / (len(counts) * _moe_slots(job))}
 
 
 def proof(job: Job) -> dict[str, Any]:

@@ -76,6 +76,8 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
         ["model FLOPs", f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"],
         ["devices", f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"],
     ]  # fmt: skip
+    if "dropped_tokens" in report:
+        rows.append(["MoE dropped token-slots", f"{report['dropped_tokens']:,} ({report['dropped_fraction']:.2%} of all routed)"])  # fmt: skip
     for c in report.get("communication", []):
         rows.append(
             [
