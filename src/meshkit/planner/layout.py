@@ -26,6 +26,7 @@ from meshkit.models.shape import ModelShape
 from meshkit.spec import (
     CONTEXT,
     DATA,
+    EXPERT,
     MODEL,
     PLANS,
     REPLICA,
@@ -36,8 +37,6 @@ from meshkit.spec import (
     plan_for,
 )
 
-EXPERT = "expert"
-"""The mesh axis of expert parallelism, as meshkit's plans ``ep`` and ``dp+ep`` name it."""
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 """The degrees ``--layout`` names."""
 
