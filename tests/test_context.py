@@ -42,9 +42,9 @@ def _batch():
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _model(name: str, dtype: str = "float32"):
+def _model(name: str, dtype: str = "float32", compute_dtype: str | None = None):
     module, cfg = MODELS[name]
-    cfg = dataclasses.replace(cfg, dtype=dtype)
+    cfg = dataclasses.replace(cfg, dtype=dtype, compute_dtype=compute_dtype)
     return module.make_loss(cfg), module.init(jax.random.key(0), cfg)
 
 
@@ -54,9 +54,9 @@ def _one_device_float64(name: str, steps: int):
     return one_device(loss, params, _batch(), steps, optax.adam(1e-2))
 
 
-def _trainer(name, plan, mesh, form, dtype="float32"):
-    loss, params = _model(name, dtype)
-    spec = ParallelSpec(plan=plan, mesh=mesh, context_attention=form)
+def _trainer(name, plan, mesh, form, dtype="float32", compute_dtype=None, **options):
+    loss, params = _model(name, dtype, compute_dtype)
+    spec = ParallelSpec(plan=plan, mesh=mesh, context_attention=form, **options)
     return Trainer(loss, params, optax.adam(1e-2), spec=spec, tokens_per_example=16)
 
 
@@ -76,6 +76,50 @@ def test_context_plan_matches_one_device_in_float64_and_its_ledger_the_model(nam
     assert rows[op, "context"].ratio == pytest.approx(1.0, abs=1e-9)
     assert rows[op, "context"].measured_runs == rows[op, "context"].model_runs
     assert rows["all-reduce", "+".join(a for a in ("data", "context") if a in mesh)].ok
+
+
+#: remat (both policies) and micro-batches under context plans, each beside one device in float64
+UNDER = [
+    ("gpt", "cp", "context=8", "ring", {"remat": "layer"}),
+    ("llama", "dp+cp", "data=2,context=4", "all-to-all", {"remat": "dots"}),
+    ("gpt", "dp+cp", "data=2,context=4", "ring", {"accumulate": 2}),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "plan", "mesh", "form", "options"),
+    UNDER,
+    ids=["gpt-cp-ring-layer", "llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"],
+)
+def test_remat_and_accumulate_under_context_match_one_device_in_float64(name, plan, mesh, form, options):
+    """Remat recomputes the ring's passes (or the all-to-alls) in the backward pass, and micro-batches
+    split each device's rows: the result is still one device's, and under remat the ledger (the
+    forward's permutes or all-to-alls twice) still the model."""
+    with jax.enable_x64(True):
+        t = _trainer(name, plan, mesh, form, "float64", **options)
+        for _ in range(2):
+            t.step(_batch())
+        assert t.per_layer.remat == options.get("remat", "none")
+        assert max_rel(t.params, _one_device_float64(name, 2)) < 1e-10
+    if "remat" not in options:
+        return
+    r = _trainer(name, plan, mesh, form, **options).report(_batch())
+    op = "collective-permute" if form == "ring" else "all-to-all"
+    row = {(c.op, c.axes): c for c in r.communication}[op, "context"]
+    assert row.measured_runs == row.model_runs and row.ratio == pytest.approx(1.0, abs=1e-9), str(r)
+
+
+def test_bf16_under_context_is_as_close_to_float32_as_one_device_in_bf16():
+    """bf16 compute (float32 parameters) under cp: its distance from one device's float32 run is within
+    2x that of one device in bf16 (bf16's own rounding is the noise the split may not exceed), and
+    above nothing (bf16 really ran)."""
+    f32 = one_device(*_model("gpt"), _batch(), 2, optax.adam(1e-2))
+    bf16 = one_device(*_model("gpt", compute_dtype="bfloat16"), _batch(), 2, optax.adam(1e-2))
+    noise = max_rel(bf16, f32)
+    t = _trainer("gpt", "cp", "context=8", "ring", compute_dtype="bfloat16")
+    for _ in range(2):
+        t.step(_batch())
+    assert 0 < max_rel(t.params, f32) <= 2 * noise, (max_rel(t.params, f32), noise)
 
 
 def test_bad_inputs_are_refused_with_the_fix():
