@@ -34,6 +34,7 @@ CASES = [
     ("llama", "dp+cp", "data=2,context=4", "ring"),
     ("gpt", "dp+cp", "data=2,context=4", "all-to-all"),
     ("llama", "dp+cp", "data=2,context=4", "all-to-all"),
+    ("llama", "dp+cp", "data=4,context=2", "all-to-all"),  # kv heads 2 divide over context=2: not repeated
 ]
 
 
@@ -57,11 +58,12 @@ def _one_device_float64(name: str, steps: int):
 def _trainer(name, plan, mesh, form, dtype="float32", compute_dtype=None, **options):
     loss, params = _model(name, dtype, compute_dtype)
     spec = ParallelSpec(plan=plan, mesh=mesh, context_attention=form, **options)
-    return Trainer(loss, params, optax.adam(1e-2), spec=spec, tokens_per_example=16)
+    units = llama.units(MODELS[name][1]) if name == "llama" else None  # heads, kv heads: the ledger's
+    return Trainer(loss, params, optax.adam(1e-2), spec=spec, tokens_per_example=16, units=units)
 
 
 @pytest.mark.parametrize(
-    ("name", "plan", "mesh", "form"), CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES]
+    ("name", "plan", "mesh", "form"), CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES]
 )
 def test_context_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh, form):
     with jax.enable_x64(True):
@@ -76,6 +78,13 @@ def test_context_plan_matches_one_device_in_float64_and_its_ledger_the_model(nam
     assert rows[op, "context"].ratio == pytest.approx(1.0, abs=1e-9)
     assert rows[op, "context"].measured_runs == rows[op, "context"].model_runs
     assert rows["all-reduce", "+".join(a for a in ("data", "context") if a in mesh)].ok
+    if form == "all-to-all":  # per layer 4 all-to-alls of q, k, v, out forward, 4 backward, each (C-1)/C
+        cfg, c = MODELS[name][1], int(mesh.split("context=")[1])
+        local = 8 * 16 // (8 // c) // c * 4  # bytes per unit of width: this device's tokens of its rows
+        kv = cfg.kv_heads if name == "llama" and cfg.kv_heads % c == 0 else cfg.heads
+        head_dim = cfg.width // cfg.heads
+        moved = cfg.layers * 4 * local * (cfg.heads + kv) * head_dim * (c - 1) // c
+        assert rows[op, "context"].measured_traffic_bytes == moved
 
 
 #: remat (both policies) and micro-batches under context plans, each beside one device in float64
