@@ -191,8 +191,9 @@ def compiled_activations(
         )
     c = int(per.placement.mesh.shape.get(CONTEXT, 1)) if per.placement.plan.context else 1
     if c > 1:  # the loss on the context axis's devices, each its T/C tokens, the split in force
-        devices = np.asarray(per.placement.mesh.devices).reshape(-1)[:c]
-        sub = jax.sharding.Mesh(devices, (CONTEXT,))
+        devices = list(np.asarray(per.placement.mesh.devices).reshape(-1))
+        mine = [d for d in devices if d.process_index == jax.process_index()]  # (as tp's, above)
+        sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= c else devices)[:c], (CONTEXT,))
         step = jax.shard_map(
             step, mesh=sub, in_specs=P(), out_specs=P(), axis_names={CONTEXT}, check_vma=False
         )
