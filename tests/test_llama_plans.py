@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from _reference import max_rel, one_device
 from meshkit.models import gpt, llama
 from meshkit.plans.placement import VOCAB_TP_RULES, vocab_rules
 from meshkit.spec import get_plan
@@ -50,27 +51,9 @@ def _trainer(plan, mesh, opts, dtype="float32"):
 def _one_device_float64(scan: bool, steps: int):
     """``steps`` Adam steps on one device in float64 (the loop or the scanned form)."""
     cfg = dataclasses.replace(CFG, dtype="float64", scan_layers=scan)
-    params = llama.init(jax.random.key(0), cfg)
-    opt = optax.adam(1e-2)
-    loss = llama.make_loss(cfg)
-
-    @jax.jit
-    def step(p, s, batch):
-        updates, s = opt.update(jax.grad(loss)(p, batch), s, p)
-        return optax.apply_updates(p, updates), s
-
-    state = opt.init(params)
-    for _ in range(steps):
-        params, state = step(params, state, _batch())
-    return jax.tree.map(np.asarray, params)
-
-
-def _max_rel(a, b) -> float:
-    out = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        out = max(out, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) or 1.0)))
-    return out
+    return one_device(
+        llama.make_loss(cfg), llama.init(jax.random.key(0), cfg), _batch(), steps, optax.adam(1e-2)
+    )
 
 
 @pytest.mark.parametrize(("plan", "mesh", "opts"), CASES, ids=[c[0] for c in CASES])
@@ -80,7 +63,7 @@ def test_llama_plan_matches_one_device_in_float64_and_its_cost_model(plan, mesh,
         for _ in range(2):
             t.step(_batch())
         ref = _one_device_float64(get_plan(plan).pipeline, 2)
-        assert _max_rel(t.params, ref) < 1e-10  # the same function, summed in another order
+        assert max_rel(t.params, ref) < 1e-10  # the same function, summed in another order
     t = _trainer(plan, mesh, opts)  # float32: the ledger (a pipeline's executed schedule after a step)
     if get_plan(plan).pipeline:
         t.step(_batch())

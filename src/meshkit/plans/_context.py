@@ -12,7 +12,9 @@ every sequence and the attention runs in one of two forms (``meshkit.spec.CONTEX
 - **all-to-all** (Ulysses): ``all_to_all`` trades the sequence split for a head split, each
   device attends over the whole sequence for ``heads / N`` heads, and one more ``all_to_all`` trades
   back: 4 per layer forward (q, k, v, out) and 4 backward, each ``(N-1)/N x S`` per device with
-  ``S = b x T/N x heads x head_dim`` elements (grouped key/value heads repeated to ``heads`` first).
+  ``S = b x T/N x heads x head_dim`` elements for q and the output; keys and values move their own
+  ``kv_heads`` where those divide over N (each device takes the kv heads of its query heads), else
+  they are repeated to ``heads`` first (``exchanged_kv_heads``).
 
 Causal load balancing: the sequence is cut into 2N chunks and device i holds chunks i and 2N-1-i
 (``balanced_order``), so every device has the same number of unmasked query-key pairs. In the ring,
@@ -160,7 +162,7 @@ def _wide(dtype) -> jnp.dtype:
 
 
 def _repeat(x_bskh: jax.Array, heads: int) -> jax.Array:
-    """Grouped key/value heads repeated to one per query head (as they are when there is one each)."""
+    """Grouped key/value heads repeated to ``heads`` (kv head j serves query heads ``j g .. j g + g - 1``)."""
     groups = heads // x_bskh.shape[2]
     return x_bskh if groups == 1 else jnp.repeat(x_bskh, groups, axis=2)
 
@@ -177,12 +179,20 @@ def _dense(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_ts: jax
     return jnp.einsum("bhts,bshk->bthk", probs, v)
 
 
+def exchanged_kv_heads(heads: int, kv_heads: int, n: int) -> int:
+    """The key/value heads all-to-all attention moves over a context axis of ``n``: their own where they
+    divide over it (device d's query heads ``d H/n ..`` read exactly its kv heads ``d K/n ..``, as
+    ``_repeat`` pairs them), else one per query head (``heads``, which divide)."""
+    return kv_heads if kv_heads % n == 0 else heads
+
+
 def _all_to_all(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split) -> jax.Array:
     """Ulysses: sequence split -> head split, dense attention over the whole (balanced-order) sequence,
-    and back. Grouped key/value heads are repeated to one per query head first (so any kv head count
-    works; it moves H rather than K heads of keys and values)."""
+    and back. Grouped key/value heads go as they are where they divide over the axis (each device then
+    repeats its own for its query heads), else repeated to one per query head first."""
     n, heads = split.size, q_bthk.shape[2]
-    k_bskh, v_bskh = _repeat(k_bskh, heads), _repeat(v_bskh, heads)
+    kv = exchanged_kv_heads(heads, k_bskh.shape[2], n)
+    k_bskh, v_bskh = _repeat(k_bskh, kv), _repeat(v_bskh, kv)
 
     def to_heads(x):  # (b, T/n, H, h) -> (b, T, H/n, h)
         return lax.all_to_all(x, split.axis, 2, 1, tiled=True)

@@ -45,6 +45,7 @@ import optax
 
 from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
+from meshkit.plans._context import exchanged_kv_heads
 from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import CONTEXT, DATA, EXPERT, MODEL, REPLICA
@@ -218,13 +219,23 @@ def _attention_widths(placement: Placement) -> list[tuple[int, int, int]]:
     return out
 
 
+def _exchanged_kv_width(placement: Placement, q_width: int, kv_width: int, c: int) -> int:
+    """Key/value width all-to-all attention moves (``_context.exchanged_kv_heads``): their own where the
+    placement knows the heads (``units``) and the kv heads divide over context, else the query width."""
+    heads, kv_heads = placement.units.get("heads"), placement.units.get("kv_heads")
+    if heads is None or kv_heads is None or kv_width * heads != q_width * kv_heads:
+        return q_width
+    return kv_width * exchanged_kv_heads(heads, kv_heads, c) // kv_heads
+
+
 def _context_rows(placement: Placement, accumulate: int, tokens: int, activation_bytes: int,
                   per_layer: PerLayer | None, form: str) -> list[Expected]:  # fmt: skip
     """Context plans (``_context``), per step with C devices on the context axis, D on data, and
     ``tokens`` per data shard (``T/C`` of each sequence on a device): one all-reduce over data and
     context of every gradient; per layer and micro-batch, ring: ``2 (C-1)`` K/V ppermutes forward
     (again under remat) and as many of their gradients backward, each ``tokens/C x kv width``; or
-    all-to-all: 4 forward (q, k, v, out) and 4 backward, each ``tokens/C x heads x head_dim``."""
+    all-to-all: 4 forward (q, k, v, out) and 4 backward, each ``tokens/C x heads x head_dim`` (k and v
+    ``tokens/C x kv width`` where the kv heads divide over C, ``_exchanged_kv_width``)."""
     c, d = int(placement.mesh.shape[CONTEXT]), placement.data_size
     axes = "+".join(
         a for a in placement.mesh.axis_names if a in (DATA, CONTEXT) and a in placement.mesh.shape
@@ -245,7 +256,10 @@ def _context_rows(placement: Placement, accumulate: int, tokens: int, activation
             )
             what = "K/V blocks round the ring (forward) and their gradients back (backward)"
         else:
-            op, count, size = "all-to-all", accumulate * layers * 4 * (forward + 1), local * q_width
+            op, count = "all-to-all", accumulate * layers * 4 * (forward + 1)
+            size = (
+                local * (q_width + _exchanged_kv_width(placement, q_width, kv_width, c)) // 2
+            )  # mean of q, k, v, out
             what = "q, k, v to a head split and the output back; the same backward"
         out.append(Expected(op=op, axes=CONTEXT, count=count, size_bytes=count * size,
                             traffic_bytes=count * ring_traffic(op, size, c), what=what))  # fmt: skip

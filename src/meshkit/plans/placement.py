@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -97,6 +97,8 @@ class Placement:
     mesh: Mesh
     leaves: Any
     """Pytree of LeafPlacement, structured like the parameters."""
+    units: Mapping[str, int] = field(default_factory=dict)
+    """Logical axes made of whole units (``{"heads": 8, "kv_heads": 2}``), where the caller named them."""
 
     @property
     def data_size(self) -> int:
@@ -447,4 +449,6 @@ def place(
                              why_replicated=why, why_whole_on_model=notes.get(key),
                              names=names.get(key, ()))  # fmt: skip
 
-    return Placement(plan=plan, mesh=mesh, leaves=jax.tree_util.tree_map_with_path(leaf, params))
+    return Placement(
+        plan=plan, mesh=mesh, leaves=jax.tree_util.tree_map_with_path(leaf, params), units=dict(units or {})
+    )
