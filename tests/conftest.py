@@ -55,6 +55,7 @@ def folder(tmp_path, monkeypatch):
 # within about the shortest tests' length of each other). Their seconds are those of the last full
 # run's `--durations=60` (2 loaded cores); a test not listed keeps its place after them, and a renamed
 # one only loses its head start. Record again with `make test` (its --durations) when they change.
+# xdist must then hand tests out one at a time (pytest_configure below).
 RECORDED_SECONDS = """
    83 tests/test_fuzz.py::test_every_configuration_trains_right_or_is_refused_in_one_line[data]
    76 tests/test_fuzz.py::test_every_configuration_trains_right_or_is_refused_in_one_line[sharded]
@@ -129,6 +130,15 @@ def longest_first(items: list, seconds: dict[str, float]) -> list:
     """The recorded tests, longest first, then every other one in its collected order (a stable sort:
     the same order on every xdist worker, which xdist requires)."""
     return sorted(items, key=lambda item: -seconds.get(item.nodeid, 0.0))
+
+
+def pytest_configure(config):
+    """xdist's `--dist load` first hands each worker a quarter of its share of tests as one consecutive
+    chunk (xdist/scheduler/load.py): in longest-first order one worker would get every long test. With
+    chunks of one (`--maxschedchunk 1`, unless given) each worker is kept two tests ahead, the next
+    longest going to whichever frees up first."""
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("maxschedchunk") is None:
+        config.option.maxschedchunk = 1
 
 
 def pytest_collection_modifyitems(config, items):

@@ -35,3 +35,10 @@ def test_every_recorded_test_still_exists():
         if not file.is_file() or f"def {function}(" not in file.read_text():
             stale.append(nodeid)
     assert not stale, f"tests/conftest.py RECORDED_SECONDS names tests that no longer exist: {stale}"
+
+
+def test_xdist_hands_out_one_test_at_a_time(request):
+    """In longest-first order, xdist's default first chunk (a quarter of a worker's share, consecutive)
+    would give one worker every long test."""
+    if request.config.pluginmanager.hasplugin("xdist"):
+        assert request.config.getoption("maxschedchunk") == 1
