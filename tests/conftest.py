@@ -48,14 +48,19 @@ def folder(tmp_path, monkeypatch):
 
 
 # -- scheduling ---------------------------------------------------------------------------------------
-# pytest-xdist (`-n 2`, its default `--dist load`) hands tests to its workers in collection order, the
-# first quarter round-robin and the rest as workers free up. In file order the longest tests land
-# anywhere, and one that starts last on one worker while the other has nothing left makes the run's
-# tail. The longest tests therefore run first (longest processing time first: both workers then end
-# within about the shortest tests' length of each other). Their seconds are those of the last full
-# run's `--durations=60` (2 loaded cores); a test not listed keeps its place after them, and a renamed
-# one only loses its head start. Record again with `make test` (its --durations) when they change.
-# xdist must then hand tests out one at a time (pytest_configure below).
+# pytest-xdist's default `--dist load` hands each worker a consecutive chunk of the collection (a quarter
+# of its share), then more chunks as it frees up: a file's tests are split over both workers (each
+# builds the file's module fixtures and in-process caches: verify's references, compiled trainers), and
+# a long file or test that starts late makes the run's tail. The suite instead hands out whole files
+# (`--dist loadfile`), the longest first, in that order (`--no-loadscope-reorder`; xdist's own reorder
+# is by number of tests): longest processing time first, so the two workers end within about a short
+# file's length of each other, and every file's fixtures and caches are built once.
+#
+# A file's length: its recorded tests' seconds, from the last full run's `--durations=60` (2 loaded
+# cores), plus UNRECORDED_S for each other test (that run's mean of the unlisted ones). A renamed test
+# only loses its weight (tests/test_suite_order.py names a stale entry); record again with `make test`
+# (its --durations) when the list changes much.
+UNRECORDED_S = 1.8
 RECORDED_SECONDS = """
    83 tests/test_fuzz.py::test_every_configuration_trains_right_or_is_refused_in_one_line[data]
    76 tests/test_fuzz.py::test_every_configuration_trains_right_or_is_refused_in_one_line[sharded]
@@ -126,20 +131,24 @@ def recorded_seconds() -> dict[str, float]:
     return {nodeid: float(seconds) for seconds, nodeid in rows}
 
 
-def longest_first(items: list, seconds: dict[str, float]) -> list:
-    """The recorded tests, longest first, then every other one in its collected order (a stable sort:
-    the same order on every xdist worker, which xdist requires)."""
-    return sorted(items, key=lambda item: -seconds.get(item.nodeid, 0.0))
+def longest_files_first(items: list, seconds: dict[str, float]) -> list:
+    """The items grouped by file, the files in order of their estimated length, longest first (ties
+    and each file's tests in collected order: the same order on every xdist worker, which xdist
+    requires)."""
+    length: dict[str, float] = {}
+    for item in items:
+        file = item.nodeid.partition("::")[0]
+        length[file] = length.get(file, 0.0) + seconds.get(item.nodeid, UNRECORDED_S)
+    return sorted(items, key=lambda item: -length[item.nodeid.partition("::")[0]])
 
 
 def pytest_configure(config):
-    """xdist's `--dist load` first hands each worker a quarter of its share of tests as one consecutive
-    chunk (xdist/scheduler/load.py): in longest-first order one worker would get every long test. With
-    chunks of one (`--maxschedchunk 1`, unless given) each worker is kept two tests ahead, the next
-    longest going to whichever frees up first."""
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("maxschedchunk") is None:
-        config.option.maxschedchunk = 1
+    """Under xdist, whole files in the collected order (see above), unless another --dist was asked."""
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist") == "load":
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m deselect: the lengths are those of the tests that run
 def pytest_collection_modifyitems(config, items):
-    items[:] = longest_first(items, recorded_seconds())
+    items[:] = longest_files_first(items, recorded_seconds())
