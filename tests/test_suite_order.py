@@ -28,6 +28,20 @@ def test_files_run_whole_and_longest_first_each_in_its_collected_order():
     ]
 
 
+def test_durations_are_read_from_pytests_own_lines():
+    text = """
+============================= slowest durations =============================
+12.50s call     tests/test_a.py::test_one[x y-2]
+0.50s setup    tests/test_a.py::test_one[x y-2]
+3.00s teardown tests/test_b.py::test_two
+(12 durations < 1s hidden.  Use -vv to show these durations.)
+"""
+    assert conftest.recorded_seconds(text) == {
+        "tests/test_a.py::test_one[x y-2]": 13.0,
+        "tests/test_b.py::test_two": 3.0,
+    }
+
+
 def test_this_session_is_ordered_by_file_longest_first(request):
     seconds = conftest.recorded_seconds()
     files = [item.nodeid.partition("::")[0] for item in request.session.items]
