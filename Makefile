@@ -27,7 +27,7 @@ reference:
 	@bash scripts/reference_env.sh
 
 test: setup mpi lint reference
-	$(BIN)/python -m pytest -n 2 -q --durations=25
+	$(BIN)/python -m pytest -n 2 -q --durations=60
 	$(BIN)/python -m pytest -q -m reference
 
 # Every recorded step of tests/golden (the suite compiles 20 of the 32; see tests/test_golden_steps.py).

@@ -5,8 +5,10 @@ The backend is started here, so no test can change the device count for the test
 """
 
 import os
+import re
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,56 @@ def folder(tmp_path, monkeypatch):
     for name in set(sys.modules) - names:
         if name.startswith(("mk_user_", "mk_pkg")):
             del sys.modules[name]
+
+
+# -- scheduling ---------------------------------------------------------------------------------------
+# pytest-xdist's default `--dist load` hands each worker a consecutive chunk of the collection (a quarter
+# of its share), then more chunks as it frees up: a file's tests are split over both workers (each
+# builds the file's module fixtures and in-process caches: verify's references, compiled trainers), and
+# a long file or test that starts late makes the run's tail. The suite instead hands out whole files
+# (`--dist loadfile`), the longest first, in that order (`--no-loadscope-reorder`; xdist's own reorder
+# is by number of tests): longest processing time first, so the two workers end within about a short
+# file's length of each other, and every file's fixtures and caches are built once.
+#
+# A file's length: its tests' recorded seconds, in tests/durations.txt (pytest's own `--durations` lines,
+# call, setup and teardown summed per test; now the last full run's slowest 60, on 2 loaded cores), plus
+# UNRECORDED_S for each test not listed (that run's mean of the unlisted ones). A renamed test only
+# loses its weight (tests/test_suite_order.py names a stale entry). To record again (every test that
+# took a second or more):
+#   pytest -n 2 -q --durations=0 --durations-min=1 | grep -E '^[0-9.]+s (call|setup|teardown) ' > tests/durations.txt
+DURATIONS = Path(__file__).parent / "durations.txt"
+UNRECORDED_S = 1.8
+
+
+def recorded_seconds(text: str | None = None) -> dict[str, float]:
+    """Node id -> seconds (its call, setup and teardown), from pytest's ``--durations`` lines
+    (``12.34s call     tests/test_x.py::test_y``): ``text``, or tests/durations.txt."""
+    text = DURATIONS.read_text() if text is None else text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := re.fullmatch(r"([0-9.]+)s (?:call|setup|teardown) +(\S.*)", line.strip()):
+            out[m[2]] = out.get(m[2], 0.0) + float(m[1])
+    return out
+
+
+def longest_files_first(items: list, seconds: dict[str, float]) -> list:
+    """The items grouped by file, the files in order of their estimated length, longest first (ties
+    and each file's tests in collected order: the same order on every xdist worker, which xdist
+    requires)."""
+    length: dict[str, float] = {}
+    for item in items:
+        file = item.nodeid.partition("::")[0]
+        length[file] = length.get(file, 0.0) + seconds.get(item.nodeid, UNRECORDED_S)
+    return sorted(items, key=lambda item: -length[item.nodeid.partition("::")[0]])
+
+
+def pytest_configure(config):
+    """Under xdist, whole files in the collected order (see above), unless another --dist was asked."""
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist") == "load":
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m deselect: the lengths are those of the tests that run
+def pytest_collection_modifyitems(config, items):
+    items[:] = longest_files_first(items, recorded_seconds())
