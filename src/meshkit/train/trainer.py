@@ -106,6 +106,7 @@ class Trainer:
         tokens_per_example: int | None = None,
         grad_norm: bool = False,
         donate: bool = True,
+        deterministic: bool | int | None = None,
     ) -> None:
         from meshkit.adapters import Adapted
 
@@ -126,7 +127,8 @@ class Trainer:
         given_mesh = mesh if isinstance(mesh, Mesh) else None
         spec = ParallelSpec.of(spec, plan=plan, mesh=_mesh_text(mesh), remat=remat, accumulate=accumulate,
                                microbatches=microbatches, pipeline_schedule=pipeline_schedule,
-                               virtual_stages=virtual_stages, precision=_precision(compute_dtype))  # fmt: skip
+                               virtual_stages=virtual_stages, precision=_precision(compute_dtype),
+                               deterministic=deterministic or None)  # fmt: skip
         self.plan_choice = None
         """With ``plan="auto"``: the plan chosen and why (``meshkit.planner.auto.Choice``)."""
         if spec.plan == AUTO:
@@ -349,6 +351,25 @@ class Trainer:
         return t
 
     # -- proof ------------------------------------------------------------------------------
+    def _deterministic_price(self) -> tuple[list, dict]:
+        """Deterministic mode's collectives (the model the measured ledger is set beside) and its price
+        in bytes into each device per step beside the plan's normal collectives (ring model)."""
+        from meshkit.plans._deterministic import expected, price
+
+        nbytes = sum(
+            int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(self._param_shapes)
+        )
+        bytes_ = price(self.placement, nbytes, nbytes)
+        ratio = bytes_["deterministic"] / bytes_["normal"] if bytes_["normal"] else None
+        det = {
+            "shards": self.spec.deterministic,
+            "shards_per_device": self.spec.deterministic // self.placement.data_size,
+            "bytes_per_step": bytes_["deterministic"],
+            "normal_bytes_per_step": bytes_["normal"],
+            "bytes_ratio": ratio,
+        }
+        return expected(self.placement, nbytes), det  # fmt: skip
+
     def report(self, batch: Any) -> PlanReport:
         """Measured communication per step and per-device memory beside the plan's model."""
         compiled = self.compiled(batch)
@@ -375,6 +396,9 @@ class Trainer:
         expected = expected_collectives(self.placement, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
                                         gather_itemsize=low, per_layer=self.per_layer,
                                         form=self.spec.context_attention)  # fmt: skip
+        det = None
+        if self.spec.deterministic is not None and self.pipeline is None:
+            expected, det = self._deterministic_price()
         if self.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
             expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
         formula = memory_formula(self.placement, self.optimizer, self._param_shapes)
@@ -401,6 +425,7 @@ class Trainer:
             compiled_memory=compiled_memory,
             replicated=self.placement.replicated(),
             ledger=ledger,
+            deterministic=det,
             pipeline=None
             if self.pipeline is None
             else self.pipeline.report(
