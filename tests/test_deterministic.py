@@ -21,12 +21,12 @@ from meshkit.plans._deterministic import tree_sum
 from meshkit.spec import PlanError
 from meshkit.train.outputs import load_run
 
-CFG = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=2, width=32, heads=4)
+CFG = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=1, width=16, heads=2)
 
 
 def batches(n=5, rows=16):
     rng = np.random.default_rng(0)
-    return [(t[:, :-1], t[:, 1:]) for t in (rng.integers(0, 32, (rows, 9)) for _ in range(n))]
+    return [(t[:, :-1], t[:, 1:]) for t in (rng.integers(0, 32, (rows, 9), dtype=np.int32) for _ in range(n))]
 
 
 def trained(plan, devices, **kw):
