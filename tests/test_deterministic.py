@@ -122,3 +122,11 @@ def test_meshkit_train_refuses_a_plan_it_cannot_fix(tmp_path, capsys):
     lines = [line for line in (err.out + err.err).splitlines() if "deterministic" in line]
     assert len(lines) == 1 and "model axis" in lines[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column(capsys):
+    assert main(["verify", "--plan", "zero3", "--model", "mlp", "--steps", "3", "--deterministic", "--json"]) == 0
+    cert = json.loads(capsys.readouterr().out)
+    assert cert["bitwise_across_meshes"] == {"data=1": True, "data=2": True, "data=4": True, "data=8": True}
+    assert cert["checks"]["bitwise across meshes"] is True and cert["ok"] is True
+    assert cert["report"]["deterministic"]["shards"] == 8
