@@ -89,14 +89,13 @@ def _slice_shard(g: jax.Array, dim: int | None, n: int) -> jax.Array:
 
 
 def deterministic_gradients(
-    loss_fn: Callable, placement: Placement, shards: int, per: _fsdp.PerLayer
+    loss_fn: Callable, placement: Placement, shards: int, per: _fsdp.PerLayer, chunk_grad: Callable
 ) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, aux, state, grads, norm)``: the step's
     gradients (and their global norm) with the same bits on every power-of-two data axis up to
     ``shards``. ``state`` is threaded through a device's shards in order and comes back as the last
-    device's; deterministic mode refuses stateful losses before it gets here."""
-    from meshkit.plans._step import _chunk_grad
-
+    device's; deterministic mode refuses stateful losses before it gets here. ``chunk_grad`` is the
+    step's per-chunk gradient (``_step._chunk_grad``: random keys offset to the chunk's first row)."""
     plan = placement.plan
     n = placement.data_size
     if placement.batch_axes not in ((), (DATA,)):
@@ -109,7 +108,7 @@ def deterministic_gradients(
     def first_row(j, rows):
         return ((lax.axis_index(DATA) if n > 1 else 0) * local + j) * rows
 
-    chunk = _chunk_grad(loss_fn, whole, first_row)
+    chunk = chunk_grad(loss_fn, whole, first_row)
 
     def run(params, state, batch, key):
         if plan.shards_params and n > 1:

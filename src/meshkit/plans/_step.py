@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
 from meshkit.plans import _context, _experts, _fsdp, _rng
+from meshkit.plans._deterministic import deterministic_gradients
 from meshkit.plans._manual import manual_data
 from meshkit.plans.placement import Placement
 from meshkit.spec import CONTEXT, DATA, EXPERT, REPLICA, PlanError
@@ -433,9 +434,9 @@ def _deterministic_grads(
 ) -> tuple[Callable, Callable]:
     """Deterministic mode's gradient function and its gradients' norm (taken from the whole summed
     gradient inside the region, not from the shards: a sum over shards is ordered by the mesh)."""
-    from meshkit.plans._deterministic import deterministic_gradients
-
-    region = deterministic_gradients(loss_fn, placement, shards, per or _fsdp.PerLayer(placement=placement))
+    region = deterministic_gradients(
+        loss_fn, placement, shards, per or _fsdp.PerLayer(placement=placement), _chunk_grad
+    )
     last: dict[str, jax.Array] = {}
 
     def grads_of(params, state, batch, key):

@@ -77,6 +77,19 @@ class Assembled:
             check_batch(examples, self.spec.deterministic, self.placement.batch_devices)
         self.spec.check_examples(examples, self.placement.batch_devices, self.microbatches)
 
+    def deterministic_price(self, param_bytes: int) -> tuple[list, dict]:
+        """Deterministic mode's collectives per step (the model the measured ledger is set beside) and
+        its price: bytes into each device per step beside the plan's normal collectives (ring model)."""
+        from meshkit.plans._deterministic import expected, price
+
+        shards = self.spec.deterministic
+        bytes_ = price(self.placement, param_bytes, param_bytes)
+        ratio = bytes_["deterministic"] / bytes_["normal"] if bytes_["normal"] else None
+        det = {"shards": shards, "shards_per_device": shards // self.placement.data_size,
+               "bytes_per_step": bytes_["deterministic"], "normal_bytes_per_step": bytes_["normal"],
+               "bytes_ratio": ratio}  # fmt: skip
+        return expected(self.placement, param_bytes), det
+
     def abstract_args(self, params: Any, batch: Any, state: Any = None) -> tuple:
         """The step's arguments as abstract values with their shardings, from parameter and batch
         shapes (anything with ``.shape`` and ``.dtype``): nothing is allocated."""

@@ -351,25 +351,6 @@ class Trainer:
         return t
 
     # -- proof ------------------------------------------------------------------------------
-    def _deterministic_price(self) -> tuple[list, dict]:
-        """Deterministic mode's collectives (the model the measured ledger is set beside) and its price
-        in bytes into each device per step beside the plan's normal collectives (ring model)."""
-        from meshkit.plans._deterministic import expected, price
-
-        nbytes = sum(
-            int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(self._param_shapes)
-        )
-        bytes_ = price(self.placement, nbytes, nbytes)
-        ratio = bytes_["deterministic"] / bytes_["normal"] if bytes_["normal"] else None
-        det = {
-            "shards": self.spec.deterministic,
-            "shards_per_device": self.spec.deterministic // self.placement.data_size,
-            "bytes_per_step": bytes_["deterministic"],
-            "normal_bytes_per_step": bytes_["normal"],
-            "bytes_ratio": ratio,
-        }
-        return expected(self.placement, nbytes), det  # fmt: skip
-
     def report(self, batch: Any) -> PlanReport:
         """Measured communication per step and per-device memory beside the plan's model."""
         compiled = self.compiled(batch)
@@ -398,7 +379,9 @@ class Trainer:
                                         form=self.spec.context_attention)  # fmt: skip
         det = None
         if self.spec.deterministic is not None and self.pipeline is None:
-            expected, det = self._deterministic_price()
+            leaves = jax.tree.leaves(self._param_shapes)
+            nbytes = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in leaves)
+            expected, det = self.assembled.deterministic_price(nbytes)
         if self.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
             expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
         formula = memory_formula(self.placement, self.optimizer, self._param_shapes)
