@@ -1,4 +1,4 @@
-"""Deterministic mode: a GPT trained 5 steps has the same bits on 1, 2, 4 and 8 devices (dp, zero3),
+"""Deterministic mode: a GPT (dp, zero3) and a Llama (zero3) trained 5 steps have the same bits on 1, 2, 4 and 8 devices,
 through the Trainer and through `meshkit train --deterministic`; plans it cannot make bitwise are
 refused in one line."""
 
@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from meshkit import ParallelSpec, Trainer
 from meshkit.cli import main
-from meshkit.models import gpt
+from meshkit.models import gpt, llama
 from meshkit.plans._deterministic import tree_sum
 from meshkit.spec import PlanError
 from meshkit.train.outputs import load_run
@@ -29,19 +29,24 @@ def batches(n=5, rows=16):
     return [(t[:, :-1], t[:, 1:]) for t in (rng.integers(0, 32, (rows, 9), dtype=np.int32) for _ in range(n))]
 
 
-def trained(plan, devices, **kw):
+LLAMA = llama.LlamaConfig(vocab_size=32, seq_len=8, layers=1, width=16, heads=4, kv_heads=2)
+MODELS = {"gpt": (gpt, CFG), "llama": (llama, LLAMA)}
+
+
+def trained(plan, devices, model="gpt", **kw):
+    module, cfg = MODELS[model]
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
-    t = Trainer(gpt.make_loss(CFG), gpt.init(jax.random.key(0), CFG), optax.adamw(1e-2), plan=plan, mesh=mesh,
-                deterministic=True, clip_norm=1.0, **kw)  # fmt: skip
+    t = Trainer(module.make_loss(cfg), module.init(jax.random.key(0), cfg), optax.adamw(1e-2), plan=plan,
+                mesh=mesh, deterministic=True, clip_norm=1.0, **kw)  # fmt: skip
     losses = [float(t.step(b)["loss"]) for b in batches()]
     return t, losses, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
 
 
-@pytest.mark.parametrize("plan", ["dp", "zero3"])
-def test_gpt_bitwise_on_1_2_4_and_8_devices(plan):
-    _, losses, want = trained(plan, 1)
+@pytest.mark.parametrize("model, plan", [("gpt", "dp"), ("gpt", "zero3"), ("llama", "zero3")])
+def test_5_steps_bitwise_on_1_2_4_and_8_devices(model, plan):
+    _, losses, want = trained(plan, 1, model)
     for n in (2, 4, 8):
-        _, got_losses, got = trained(plan, n)
+        _, got_losses, got = trained(plan, n, model)
         assert got_losses == losses, n
         assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True)), f"{plan} on {n} devices"
 
@@ -125,7 +130,10 @@ def test_meshkit_train_refuses_a_plan_it_cannot_fix(tmp_path, capsys):
 
 
 def test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column(capsys):
-    assert main(["verify", "--plan", "zero3", "--model", "mlp", "--steps", "3", "--deterministic", "--json"]) == 0
+    assert (
+        main(["verify", "--plan", "zero3", "--model", "mlp", "--steps", "3", "--deterministic", "--json"])
+        == 0
+    )
     cert = json.loads(capsys.readouterr().out)
     assert cert["bitwise_across_meshes"] == {"data=1": True, "data=2": True, "data=4": True, "data=8": True}
     assert cert["checks"]["bitwise across meshes"] is True and cert["ok"] is True
