@@ -270,7 +270,10 @@ def check_deterministic_plan(plan: Plan, accumulate: int) -> None:
                 f"{', '.join(DETERMINISTIC_PLANS)}"
             )
     if plan.name not in DETERMINISTIC_PLANS:
-        raise PlanError(f"deterministic mode covers plans {', '.join(DETERMINISTIC_PLANS)}, not {plan.name}")
+        raise PlanError(
+            f"deterministic mode does not cover plan {plan.name} yet (its gradient sums are still the plan's own "
+            f"collectives): use one of {', '.join(DETERMINISTIC_PLANS)}"
+        )
     if accumulate != 1:
         raise PlanError(
             "deterministic mode cuts the batch into its own micro-shards (deterministic=N): drop accumulate"
