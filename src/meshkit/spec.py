@@ -233,6 +233,53 @@ def check_schedule(name: str, virtual_stages: int = 1) -> None:
         )
 
 
+DETERMINISTIC_SHARDS = 8
+"""Micro-shards per step of ``deterministic=True``: a run replays bit for bit on any mesh of up to
+this many batch devices (1, 2, 4 or 8)."""
+DETERMINISTIC_PLANS = ("dp", "zero1", "zero2", "zero3", "fsdp")
+"""The plans deterministic mode covers; the others split a sum over an axis whose size changes its
+order (``check_deterministic_plan`` says which)."""
+
+
+def check_deterministic(shards: Any) -> int | None:
+    """Deterministic mode's micro-shard count (True: ``DETERMINISTIC_SHARDS``; None or False: off)."""
+    if shards is None or shards is False:
+        return None
+    if shards is True:
+        return DETERMINISTIC_SHARDS
+    _positive("deterministic", shards)
+    if shards & (shards - 1):
+        raise PlanError(
+            f"deterministic cuts the batch into a power-of-two number of micro-shards (summed as one binary "
+            f"tree), got {shards}: use {1 << (shards.bit_length() - 1)} or {1 << shards.bit_length()}"
+        )
+    return shards
+
+
+def check_deterministic_plan(plan: Plan, accumulate: int) -> None:
+    """Refuse, in one line naming why, a plan whose bits deterministic mode cannot fix across meshes."""
+    why = {
+        "tensor": "splits matmuls over the model axis, whose partial sums XLA orders by that axis's size",
+        "hybrid": "all-reduces gradient shards over the replica axis in an order set by its size",
+        "context": "sums attention and gradients over the context axis in an order set by its size",
+    }
+    for attr, reason in why.items():
+        if getattr(plan, attr):
+            raise PlanError(
+                f"deterministic mode cannot fix plan {plan.name}'s bits across meshes: it {reason}; use one of "
+                f"{', '.join(DETERMINISTIC_PLANS)}"
+            )
+    if plan.name not in DETERMINISTIC_PLANS:
+        raise PlanError(
+            f"deterministic mode does not cover plan {plan.name} yet (its gradient sums are still the plan's own "
+            f"collectives): use one of {', '.join(DETERMINISTIC_PLANS)}"
+        )
+    if accumulate != 1:
+        raise PlanError(
+            "deterministic mode cuts the batch into its own micro-shards (deterministic=N): drop accumulate"
+        )
+
+
 def _one_of(what: str, value: Any, allowed) -> None:
     if value not in allowed:
         raise PlanError(f"unknown {what} {value!r}: choose one of {', '.join(map(str, allowed))}")
@@ -268,6 +315,11 @@ class ParallelSpec:
     """Interleaved schedule: chunks of layers per device."""
     context_attention: str = "ring"
     """Context plans: one of ``CONTEXT_ATTENTION``."""
+    deterministic: bool | int | None = None
+    """Deterministic mode (``plans._deterministic``): the global batch cut into this many micro-shards
+    (a power of two, at least the batch devices), their gradients summed in one fixed tree whatever the
+    mesh, so that the step's bits do not depend on the device count; True means ``DETERMINISTIC_SHARDS``;
+    None (or False): off."""
 
     def __post_init__(self) -> None:
         plan = None if self.plan == AUTO else get_plan(self.plan)
@@ -278,6 +330,7 @@ class ParallelSpec:
         _positive("virtual_stages", self.virtual_stages)
         check_schedule(self.schedule_name, self.virtual_stages)
         _one_of("context_attention", self.context_attention, CONTEXT_ATTENTION)
+        object.__setattr__(self, "deterministic", check_deterministic(self.deterministic))
         if self.mesh is not None:
             from meshkit.mesh import parse_mesh_spec
 
@@ -302,6 +355,8 @@ class ParallelSpec:
             from meshkit.mesh import parse_mesh_spec
 
             check_axes(plan, dict(parse_mesh_spec(self.mesh)))
+        if self.deterministic is not None:
+            check_deterministic_plan(plan, self.accumulate)
 
     @classmethod
     def of(cls, spec: ParallelSpec | None = None, **options: Any) -> ParallelSpec:

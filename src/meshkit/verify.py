@@ -73,7 +73,7 @@ import optax
 from meshkit._errors import MeshkitError
 from meshkit.devices import host
 from meshkit.models import gpt, linear, llama, mlp, reference_np
-from meshkit.spec import STAGE, ParallelSpec
+from meshkit.spec import DATA, STAGE, ParallelSpec
 from meshkit.train import PlanReport, Trainer
 
 #: Plan vs one device when both run in float64 (the same function, its sums in another order).
@@ -517,6 +517,9 @@ class Certificate:
     reproducible: bool
     final_loss: float
     report: PlanReport
+    bitwise_across_meshes: dict[str, bool] | None = None
+    """Deterministic mode: each data axis that divides the devices (``data=N`` on the first N) -> whether
+    its K steps have the plan's bits (``bitwise_meshes``); None otherwise."""
 
     @property
     def checks(self) -> dict[str, bool]:
@@ -528,6 +531,8 @@ class Certificate:
         if self.vs_float64 is not None:
             out["float32: matches NumPy float64"] = self.vs_float64 <= TOL_FLOAT64
         out["bitwise reproducible"] = self.reproducible
+        if self.bitwise_across_meshes is not None:
+            out["bitwise across meshes"] = all(self.bitwise_across_meshes.values())
         out["communication = model"] = all(r.ok for r in self.report.communication)
         out["memory = formula"] = all(r.ok for r in self.report.memory)
         if self.report.pipeline is not None:
@@ -554,8 +559,10 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
     """Train ``w`` under ``spec`` (float32, again from the same start, float64) beside ``ref``."""
     probe = _probe(optimizer, w.params)
 
-    def trainer(w: Workload, opt: optax.GradientTransformation = optimizer) -> Trainer:
-        return Trainer(w.loss_fn, w.params, opt, spec=spec, logical_axes=w.logical_axes, rules=w.rules,
+    def trainer(w: Workload, opt: optax.GradientTransformation = optimizer, mesh: Any = None) -> Trainer:
+        layout = {"spec": spec} if mesh is None else {"plan": spec.plan, "mesh": mesh, "remat": spec.remat,
+                  "compute_dtype": spec.compute_dtype, "deterministic": spec.deterministic}  # fmt: skip
+        return Trainer(w.loss_fn, w.params, opt, **layout, logical_axes=w.logical_axes, rules=w.rules,
                        units=w.units, state=w.state, rng=w.rng, has_aux=w.has_aux,
                        tokens_per_example=w.tokens_per_example)  # fmt: skip
 
@@ -582,7 +589,16 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
                 t64.step(ref.twin.batch)
             exact = relative_difference(t64.params, ref.run64.params)
     single, *others = ref.runs
-    partial_sums = first32.num_devices * first32.assembled.microbatches
+    partial_sums = spec.deterministic or first32.num_devices * first32.assembled.microbatches
+    across = None
+    if spec.deterministic is not None:
+
+        def on(mesh: Any) -> Any:
+            t = trainer(w, mesh=mesh)
+            train(t, steps)
+            return t.params
+
+        across = bitwise_meshes(first32.params, on, spec)
     examples = int(jax.tree.leaves(w.batch)[0].shape[0])
     spread = [relative_difference(r.params, single.params) for r in others]
     return Certificate(
@@ -607,7 +623,24 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
         reproducible=bitwise_equal(first32.params, again.params),
         final_loss=loss,
         report=first32.report(w.batch),
+        bitwise_across_meshes=across,
     )
+
+
+def bitwise_meshes(params: Any, train_on: Callable[[Any], Any], spec: ParallelSpec) -> dict[str, bool]:
+    """Deterministic mode: ``train_on(mesh)`` (the parameters after the same K steps) on every data axis of
+    the first N devices, N a power of two dividing the device count and the micro-shards, each compared
+    bit for bit with ``params`` (the plan's run)."""
+    from jax.sharding import Mesh
+
+    out = {}
+    n = 1
+    while n <= min(jax.device_count(), spec.deterministic):
+        if jax.device_count() % n == 0:
+            mesh = Mesh(np.array(jax.devices()[:n]), (DATA,))
+            out[f"data={n}"] = bitwise_equal(train_on(mesh), params)
+        n *= 2
+    return out
 
 
 def _check_steps(steps: int) -> None:
@@ -644,6 +677,7 @@ def verify(
     pipeline_schedule: str | None = None,
     virtual_stages: int = 1,
     context_attention: str = "ring",
+    deterministic: bool | int | None = None,
 ) -> Certificate:
     """Train the built-in ``model`` for ``steps`` Adam steps under ``plan`` and certify the result.
 
@@ -652,7 +686,7 @@ def verify(
     _check_steps(steps)
     spec = ParallelSpec(plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
                         pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                        context_attention=context_attention)  # fmt: skip
+                        context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
     shape = _layers(spec, model)
     w = workload(model, seed, **shape)
     key = (model, seed, tuple(sorted(shape.items())), steps, lr)
@@ -677,6 +711,7 @@ def verify_model(
     pipeline_schedule: str | None = None,
     virtual_stages: int | None = None,
     context_attention: str | None = None,
+    deterministic: bool | int | None = None,
     logical_axes: Any = None,
     rules: Any = None,
     units: Any = None,
@@ -694,7 +729,7 @@ def verify_model(
     optimizer = optax.adam(1e-2) if optimizer is None else optimizer
     spec = ParallelSpec.of(spec, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
                  pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                 context_attention=context_attention)  # fmt: skip
+                 context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
     _check_steps(steps)
     w = Workload(name=name, loss_fn=loss_fn, params=params, batch=batch, logical_axes=logical_axes, rules=rules,
                  units=units, state=state, rng=rng, has_aux=has_aux, tokens_per_example=tokens_per_example)  # fmt: skip

@@ -110,6 +110,16 @@ def train(
     accumulate: Annotated[
         int | None, _opt("accumulate", "Micro-batches per step (must divide the batch per data shard).")
     ] = None,
+    deterministic: Annotated[
+        bool | None,
+        typer.Option(
+            "--deterministic",
+            help="The same bits on 1, 2, 4 or 8 devices: the batch cut into 8 micro-shards (--set "
+            "deterministic=N for N, a power of two) whose gradients are summed in one fixed tree; plans "
+            "dp, zero1, zero2, zero3/fsdp. Its price in bytes is in the report.",
+            show_default="off",
+        ),
+    ] = None,
     microbatches: Annotated[
         int | None, _opt("microbatches", "Pipeline plans: micro-batches per step.", "one per stage")
     ] = None,
@@ -250,7 +260,7 @@ def train(
     from meshkit.train.loop import run
 
     given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
-                 heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision,
+                 heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision, deterministic=deterministic,
                  microbatches=microbatches, pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
                  context_attention=context_attention, seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,

@@ -57,6 +57,14 @@ def verify(
             help="Context plans: ring (K/V passed by ppermute) or all-to-all (Ulysses; heads divide)."
         ),
     ] = "ring",
+    deterministic: Annotated[
+        bool,
+        typer.Option(
+            "--deterministic",
+            help="Deterministic mode (8 micro-shards in one fixed sum tree): also train on every data axis "
+            "that divides the devices and check the bits are the plan's (the 'bitwise across meshes' check).",
+        ),
+    ] = False,
     devices: DevicesOpt = 8,
     json: JsonOpt = False,
 ) -> None:
@@ -69,7 +77,7 @@ def verify(
 
     options = dict(mesh=mesh, steps=steps, accumulate=accumulate, remat=remat, microbatches=microbatches,
                    pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                   context_attention=context_attention)  # fmt: skip
+                   context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
     if ":" in model:
         cert = V.verify_model(**_user_model(model), plan=plan, **options)
     else:
@@ -141,6 +149,9 @@ def _print(cert) -> None:
         ["  one device vs float64", _num(cert.float32_noise), "(informational)"],
         ["bitwise reproducible run to run", cert.reproducible, "True"],
     ]  # fmt: skip
+    if cert.bitwise_across_meshes is not None:
+        rows.append(["bitwise across meshes (deterministic)",
+                     ", ".join(f"{m}: {same}" for m, same in cert.bitwise_across_meshes.items()), "all True"])  # fmt: skip
     console.print(table("Equivalence", ["check", "measured", "required"], rows))
     if cert.float64_twin is not None:
         console.print(f"no float64 twin: {cert.float64_twin}", soft_wrap=True, highlight=False)

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
 from meshkit.plans import _context, _experts, _fsdp, _rng
+from meshkit.plans._deterministic import deterministic_gradients
 from meshkit.plans._manual import manual_data
 from meshkit.plans.placement import Placement
 from meshkit.spec import CONTEXT, DATA, EXPERT, REPLICA, PlanError
@@ -366,6 +367,7 @@ def build_step(
     per_layer: _fsdp.PerLayer | None = None,
     gradients: Callable | None = None,
     context_attention: str = "ring",
+    deterministic: int | None = None,
 ) -> Callable:
     """The jitted step ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``.
 
@@ -373,10 +375,14 @@ def build_step(
     the global gradient norm when clipping or ``grad_norm`` asks for it (it costs a reduction over
     every gradient, which the compiler may fuse into the last collective). ``gradients`` replaces
     the plan's gradient function (a pipeline's, from ``_pipeline``), same signature as ``gradient_fn``'s.
+    ``deterministic``: that many micro-shards summed in one fixed tree (``_deterministic``).
     """
     grads_of = gradients or gradient_fn(
         loss_fn, placement, accumulate, per_layer, compute_dtype, context_attention
     )
+    norm_of = optax.tree.norm
+    if deterministic is not None and gradients is None:
+        grads_of, norm_of = _deterministic_grads(loss_fn, placement, deterministic, per_layer)
     gather = _param_gather(placement)
     mesh = placement.mesh
     grad_sh = placement.tree(
@@ -391,7 +397,7 @@ def build_step(
         grads = lax.with_sharding_constraint(grads, grad_sh)
         metrics = {**(aux_out or {}), "loss": loss}
         if with_norm:
-            metrics["grad_norm"] = norm = optax.tree.norm(grads)
+            metrics["grad_norm"] = norm = norm_of(grads)
             if clip_norm is not None:
                 factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
                 grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
@@ -412,7 +418,32 @@ def build_step(
         ),
         out_shardings=(shardings.params, shardings.opt_state, shardings.state, shardings.scalar),
         donate_argnums=(0, 1, 2) if donate else (),
+        compiler_options=None if deterministic is None else DETERMINISTIC_COMPILER_OPTIONS,
     ), placement.plan.name, placement.batch_axes + ((CONTEXT,) if placement.plan.context else ()))  # fmt: skip
+
+
+DETERMINISTIC_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "algsimp,while-loop-simplifier"}
+"""Deterministic mode's compile: XLA's algebraic simplifier rewrites by context (one partition turns
+softmax's ``x / broadcast(s)`` into ``x * broadcast(1 / s)``, a program of several partitions keeps the
+divide: one ulp apart), so the same loss would differ between 1 device and 2; without it the per-shard
+gradients are the same bits on every mesh."""
+
+
+def _deterministic_grads(
+    loss_fn: LossFn, placement: Placement, shards: int, per: Any
+) -> tuple[Callable, Callable]:
+    """Deterministic mode's gradient function and its gradients' norm (taken from the whole summed
+    gradient inside the region, not from the shards: a sum over shards is ordered by the mesh)."""
+    region = deterministic_gradients(
+        loss_fn, placement, shards, per or _fsdp.PerLayer(placement=placement), _chunk_grad
+    )
+    last: dict[str, jax.Array] = {}
+
+    def grads_of(params, state, batch, key):
+        loss, aux, state, grads, last["norm"] = region(params, state, batch, key)
+        return loss, aux, state, grads
+
+    return grads_of, lambda _: last["norm"]
 
 
 #: JAX's refusals of a sharding annotation inside a region manual over that axis.

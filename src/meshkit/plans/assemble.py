@@ -69,8 +69,26 @@ class Assembled:
         return self.spec.accumulate if self.pipeline is None else self.pipeline.microbatches
 
     def check_examples(self, examples: int) -> None:
-        """Raise unless a global batch of ``examples`` divides over the data axis and micro-batches."""
+        """Raise unless a global batch of ``examples`` divides over the data axis and micro-batches
+        (deterministic mode: into its micro-shards, shared out over the batch devices)."""
+        if self.spec.deterministic is not None and self.pipeline is None:
+            from meshkit.plans._deterministic import check_batch
+
+            check_batch(examples, self.spec.deterministic, self.placement.batch_devices)
         self.spec.check_examples(examples, self.placement.batch_devices, self.microbatches)
+
+    def deterministic_price(self, param_bytes: int) -> tuple[list, dict]:
+        """Deterministic mode's collectives per step (the model the measured ledger is set beside) and
+        its price: bytes into each device per step beside the plan's normal collectives (ring model)."""
+        from meshkit.plans._deterministic import expected, price
+
+        shards = self.spec.deterministic
+        bytes_ = price(self.placement, param_bytes, param_bytes)
+        ratio = bytes_["deterministic"] / bytes_["normal"] if bytes_["normal"] else None
+        det = {"shards": shards, "shards_per_device": shards // self.placement.data_size,
+               "bytes_per_step": bytes_["deterministic"], "normal_bytes_per_step": bytes_["normal"],
+               "bytes_ratio": ratio}  # fmt: skip
+        return expected(self.placement, param_bytes), det
 
     def abstract_args(self, params: Any, batch: Any, state: Any = None) -> tuple:
         """The step's arguments as abstract values with their shardings, from parameter and batch
@@ -122,6 +140,11 @@ def assemble(
     if clip_norm is not None and clip_norm <= 0:
         raise PlanError(f"clip_norm must be positive, got {clip_norm}")
     plan = spec.plan_info
+    if spec.deterministic is not None and stateful:
+        raise PlanError(
+            "deterministic mode covers losses without state: the state threads through the "
+            "micro-shards in an order the mesh sets; drop state= or deterministic"
+        )
     mesh = spec_mesh(spec, mesh, devices)
     placement = place(params, plan, mesh, rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size,
                       units=units)  # fmt: skip
@@ -144,6 +167,6 @@ def assemble(
     step = build_step(loss, optimizer, placement, shardings, accumulate=spec.accumulate, clip_norm=clip_norm,
                       grad_norm=grad_norm, donate=donate, compute_dtype=compute, per_layer=per_layer,
                       gradients=None if pipeline is None else pipeline.gradients(),
-                      context_attention=spec.context_attention)  # fmt: skip
+                      context_attention=spec.context_attention, deterministic=spec.deterministic)  # fmt: skip
     return Assembled(spec=spec, mesh=mesh, placement=placement, pipeline=pipeline, per_layer=per_layer,
                      shardings=shardings, loss=loss, optimizer=optimizer, step=step)  # fmt: skip

@@ -271,6 +271,7 @@ FIXED_ON_RESUME = {
     "seed": "the initialisation and the data order",
     "data": "the data",
     "precision": "the arithmetic",
+    "deterministic": "the order the gradients are summed in",
 }
 #: What a resumed run may change: how the same computation is laid out over devices (the checkpoint is
 #: resharded; the results agree to rounding), and what is measured and written around it.

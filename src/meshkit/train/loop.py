@@ -275,7 +275,15 @@ def proof(job: Job) -> dict[str, Any]:
         p = plan_report.pipeline
         plot(p.record, job.run_dir / "schedule.png", v=p.virtual_stages,
              title=f"{p.schedule}, stage={p.stages}, microbatches={p.microbatches}")  # fmt: skip
-    keep = ("communication", "memory", "compiled_memory", "replicated_leaves", "peak", "pipeline")
+    keep = (
+        "communication",
+        "memory",
+        "compiled_memory",
+        "replicated_leaves",
+        "peak",
+        "pipeline",
+        "deterministic",
+    )
     return {"mesh": plan_report.mesh, "checks_ok": plan_report.ok,
             **{k: v for k, v in plan_report.to_json().items() if k in keep}}  # fmt: skip
 
@@ -316,6 +324,10 @@ def finish(job: Job, console: Console, profile: dict[str, Any] | None = None) ->
         _attempt("the summary table", problems, plots.summary, out, job.run_dir, console)
     if profile is not None and "error" not in profile:
         console.print(summary_table(profile))
+    if out.get("deterministic"):
+        from meshkit.train.report import deterministic_line
+
+        console.print(deterministic_line(out["deterministic"]), soft_wrap=True, highlight=False)
     for line in problems:
         console.print(
             f"[yellow]warning:[/] {line}; the training results are in {job.run_dir}", soft_wrap=True

@@ -27,6 +27,9 @@ class PlanReport:
     layers the plan found in the loss."""
     pipeline: Any = None
     """Pipeline plans: the executed schedule beside the model (``_pipeline.PipelineReport``)."""
+    deterministic: dict | None = None
+    """Deterministic mode: its micro-shards and its price, bytes into each device per step beside the
+    plan's normal collectives (``plans._deterministic.price``)."""
 
     @property
     def ok(self) -> bool:
@@ -44,6 +47,7 @@ class PlanReport:
             "replicated_leaves": [{"path": p, "why": w} for p, w in self.replicated],
             "peak": self.peak,
             **({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}),
+            **({} if self.deterministic is None else {"deterministic": self.deterministic}),
         }
 
     def tables(self) -> list:
@@ -76,7 +80,8 @@ class PlanReport:
         from rich.text import Text
 
         verdict = Text("ok" if self.ok else "FAIL: measured differs from the model", style="bold")
-        return Group(*self.tables(), verdict)
+        extra = [] if self.deterministic is None else [Text(deterministic_line(self.deterministic))]
+        return Group(*self.tables(), *extra, verdict)
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -84,6 +89,20 @@ class PlanReport:
         console = Console(width=110, no_color=True, force_terminal=False, record=True, file=_Null())
         console.print(self)
         return console.export_text().rstrip() + "\n"
+
+
+def deterministic_line(det: Mapping[str, Any]) -> str:
+    """One line: a deterministic run's micro-shards and its price in bytes beside the normal plan's."""
+    from meshkit.fmt import fmt_bytes
+
+    ratio = det.get("bytes_ratio")
+    price = (
+        ""
+        if ratio is None
+        else f" ({ratio:.2f}x the plan's normal {fmt_bytes(det['normal_bytes_per_step'])})"
+    )
+    return (f"deterministic: {det['shards']} micro-shards ({det['shards_per_device']} per device) summed in one "
+            f"fixed tree; {fmt_bytes(det['bytes_per_step'])} per device per step{price}")  # fmt: skip
 
 
 class _Null:

@@ -106,6 +106,7 @@ class Trainer:
         tokens_per_example: int | None = None,
         grad_norm: bool = False,
         donate: bool = True,
+        deterministic: bool | int | None = None,
     ) -> None:
         from meshkit.adapters import Adapted
 
@@ -126,7 +127,8 @@ class Trainer:
         given_mesh = mesh if isinstance(mesh, Mesh) else None
         spec = ParallelSpec.of(spec, plan=plan, mesh=_mesh_text(mesh), remat=remat, accumulate=accumulate,
                                microbatches=microbatches, pipeline_schedule=pipeline_schedule,
-                               virtual_stages=virtual_stages, precision=_precision(compute_dtype))  # fmt: skip
+                               virtual_stages=virtual_stages, precision=_precision(compute_dtype),
+                               deterministic=deterministic or None)  # fmt: skip
         self.plan_choice = None
         """With ``plan="auto"``: the plan chosen and why (``meshkit.planner.auto.Choice``)."""
         if spec.plan == AUTO:
@@ -375,6 +377,11 @@ class Trainer:
         expected = expected_collectives(self.placement, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
                                         gather_itemsize=low, per_layer=self.per_layer,
                                         form=self.spec.context_attention)  # fmt: skip
+        det = None
+        if self.spec.deterministic is not None and self.pipeline is None:
+            leaves = jax.tree.leaves(self._param_shapes)
+            nbytes = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in leaves)
+            expected, det = self.assembled.deterministic_price(nbytes)
         if self.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
             expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
         formula = memory_formula(self.placement, self.optimizer, self._param_shapes)
@@ -401,6 +408,7 @@ class Trainer:
             compiled_memory=compiled_memory,
             replicated=self.placement.replicated(),
             ledger=ledger,
+            deterministic=det,
             pipeline=None
             if self.pipeline is None
             else self.pipeline.report(

@@ -1,0 +1,201 @@
+"""Deterministic mode: the same bits on 1, 2, 4 or 8 devices.
+
+A step's bits depend on the mesh in two places: the reduction inside a device over its share of the
+batch (XLA orders a sum by the shape it sums, and the share shrinks as devices are added), and the
+sum across devices (a ring all-reduce or reduce-scatter adds in an order set by the device count).
+Deterministic mode fixes both:
+
+- the global batch is cut into ``S`` micro-shards of ``M = batch / S`` rows, ``S`` fixed by the spec
+  (``ParallelSpec.deterministic``), whatever the mesh: each device runs the same per-shard gradient
+  (a ``lax.map`` over its ``S / N`` shards, every shard's rows at the same offset of the global
+  batch, so random keys draw as on one device) and keeps every shard's gradient;
+- the ``S`` gradients are added as ONE binary tree, pairs ``(0, 1), (2, 3), ...`` level by level:
+  each device holds a contiguous power-of-two block of shards and adds its block as a subtree, then
+  an ``all_gather`` brings every device's block sum and the upper levels of the same tree are added
+  locally in index order. Elementwise adds in a fixed order are exact bit for bit, so the sum is the
+  same on any power-of-two data axis up to ``S``.
+
+The loss and the loss's aux metrics are added in the same tree; the gradients' global norm (clipping)
+is taken from the whole gradient, the same on every device. ZeRO-1/2/3 then keep the shard of the
+summed gradient that the device updates (the optimizer's update is elementwise: a shard's bits are the
+whole update's); ZeRO-3 gathers its parameter shards once at the start of the step (the per-shard
+gradients need whole parameters).
+
+The price, in bytes: the all-gather of block sums moves ``(N-1) x |grad|`` into each device, where a
+ring all-reduce moves ``2 (N-1) / N x |grad|`` (``N/2`` times as many; zero1-3's reduce-scatter moves
+``(N-1) / N x |grad|``), plus ZeRO-3's whole-parameter gather; in memory, ``S / N`` gradients per device
+held until they are added (``lax.map`` stacks them) and ZeRO-3's whole parameters during the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from meshkit.plans import _fsdp
+from meshkit.plans._expected import Expected
+from meshkit.plans._manual import manual_data
+from meshkit.plans.placement import Placement
+from meshkit.spec import DATA, PLANS, PlanError
+
+
+def tree_sum(stacked: Any) -> Any:
+    """The sum over the leading dim (a power of two) of every leaf, as a binary tree: pairs
+    ``(0, 1), (2, 3), ...`` first, then pairs of those sums, and so on."""
+
+    def one(x: jax.Array) -> jax.Array:
+        while x.shape[0] > 1:
+            x = x.reshape((x.shape[0] // 2, 2, *x.shape[1:]))
+            x = x[:, 0] + x[:, 1]
+        return x[0]
+
+    return jax.tree.map(one, stacked)
+
+
+def check_batch(examples: int, shards: int, batch_devices: int) -> None:
+    """A global batch of ``examples`` must cut into ``shards`` micro-shards of equal size, and the
+    shards share out evenly over the batch devices."""
+    if shards % batch_devices:
+        raise PlanError(
+            f"deterministic={shards} micro-shards do not share out over {batch_devices} batch devices: use "
+            f"deterministic={batch_devices} or more (a power of two), or fewer devices"
+        )
+    if examples % shards:
+        raise PlanError(
+            f"deterministic mode cuts the batch into {shards} micro-shards: a batch of {examples} examples "
+            f"does not divide; use a multiple of {shards}"
+        )
+
+
+def _per_shard_layer(per: _fsdp.PerLayer, placement: Placement) -> _fsdp.PerLayer:
+    """The per-layer settings over whole parameters (ZeRO-3's shards are gathered once beforehand)."""
+    import dataclasses
+
+    whole = dataclasses.replace(placement, plan=PLANS["dp"])
+    return _fsdp.PerLayer(placement=whole, remat=per.remat)
+
+
+def _slice_shard(g: jax.Array, dim: int | None, n: int) -> jax.Array:
+    """This device's rows of the whole gradient ``g`` on ``dim`` (the data axis's split)."""
+    if dim is None or n == 1:
+        return g
+    size = g.shape[dim] // n
+    return lax.dynamic_slice_in_dim(g, lax.axis_index(DATA) * size, size, axis=dim)
+
+
+def deterministic_gradients(
+    loss_fn: Callable, placement: Placement, shards: int, per: _fsdp.PerLayer, chunk_grad: Callable
+) -> Callable:
+    """Global-view ``(params, state, batch, key) -> (loss, aux, state, grads, norm)``: the step's
+    gradients (and their global norm) with the same bits on every power-of-two data axis up to
+    ``shards``. ``state`` is threaded through a device's shards in order and comes back as the last
+    device's; deterministic mode refuses stateful losses before it gets here. ``chunk_grad`` is the
+    step's per-chunk gradient (``_step._chunk_grad``: random keys offset to the chunk's first row)."""
+    plan = placement.plan
+    n = placement.data_size
+    if placement.batch_axes not in ((), (DATA,)):
+        raise PlanError(
+            f"deterministic mode runs over the data axis alone, not {' x '.join(placement.batch_axes)}"
+        )
+    local = shards // n
+    whole = _per_shard_layer(per, placement)
+
+    def first_row(j, rows):
+        return ((lax.axis_index(DATA) if n > 1 else 0) * local + j) * rows
+
+    chunk = chunk_grad(loss_fn, whole, first_row)
+
+    def run(params, state, batch, key):
+        if plan.shards_params and n > 1:
+            params = jax.tree.unflatten(
+                jax.tree.structure(params),
+                [x if leaf.data_dim is None else lax.all_gather(x, DATA, axis=leaf.data_dim, tiled=True)
+                 for x, leaf in zip(jax.tree.leaves(params), placement.flat(), strict=True)],
+            )  # fmt: skip
+        micros = jax.tree.map(lambda a: a.reshape((local, a.shape[0] // local, *a.shape[1:])), batch)
+        # what comes before (ZeRO-3's gather, the batch's split) is not fused into the shards' gradients
+        params, micros = lax.optimization_barrier((params, micros))
+
+        def shard(state, j):
+            micro = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), micros)
+            with manual_data(DATA):
+                (loss, (aux, state)), grads = chunk(params, state, micro, key, j)
+            return state, (loss, aux, grads)
+
+        out = jax.eval_shape(shard, state, 0)[1]
+        stacked = jax.tree.map(lambda s: jnp.zeros((local, *s.shape), s.dtype), out)
+
+        def body(j, carry):
+            state, stacked = carry
+            state, out = shard(state, j)
+            put = lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, j, 0)  # noqa: E731
+            return state, jax.tree.map(put, stacked, out)
+
+        # a loop whose trip count the compiler cannot read, so that it is a loop on every mesh (one of a
+        # single trip would be inlined and fused with its neighbours, changing the bits)
+        trips = lax.optimization_barrier(jnp.int32(local))
+        state, stacked = lax.fori_loop(0, trips, body, (state, stacked))
+        block = tree_sum(stacked)  # this device's subtree: its `local` shards
+        if n > 1:  # the upper levels of the same tree, over every device's block sum in index order
+            block = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, DATA), block))
+        loss, aux, grads = jax.tree.map(lambda x: x * (1.0 / shards), block)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        if plan.shards_optimizer:
+            dims = [leaf.data_dim for leaf in placement.flat()]
+            flat = [_slice_shard(g, d, n) for g, d in zip(jax.tree.leaves(grads), dims, strict=True)]
+            grads = jax.tree.unflatten(jax.tree.structure(grads), flat)
+        return loss, aux, state, grads, norm
+
+    if n == 1 and not placement.has_data_axis:
+        raise PlanError("deterministic mode needs a data axis in the mesh (data=1 on one device)")
+    in_specs = (
+        placement.tree(lambda leaf: leaf.manual_spec(data=plan.shards_params)),
+        P(),
+        placement.batch_spec(),
+        P(),
+    )
+    grad_specs = placement.tree(lambda leaf: leaf.manual_spec(data=plan.shards_optimizer))
+    return jax.shard_map(run, mesh=placement.mesh, in_specs=in_specs, out_specs=(P(), P(), P(), grad_specs, P()),
+                         axis_names={DATA}, check_vma=False)  # fmt: skip
+
+
+def expected(placement: Placement, param_bytes: int, scalars: int = 1) -> list[Expected]:
+    """The collectives deterministic mode runs per step (ring model): the all-gather of every device's
+    block sum (the gradients, which are parameter-sized, and ``scalars`` float32 metrics: the loss and
+    its aux), ZeRO-3's gather of the parameters and ZeRO-1/2's gather of the updated shards."""
+    n = placement.data_size
+    if n == 1:
+        return []
+    traffic = (n - 1) * (param_bytes + 4 * scalars)
+    what = "deterministic: every device's block sum of the micro-shards' gradients"
+    if placement.plan.shards_optimizer:
+        traffic += (n - 1) / n * param_bytes
+        what += ", and the parameters' " + ("shards" if placement.plan.shards_params else "updated shards")
+    return [Expected(op="all-gather", axes=DATA, count=1, size_bytes=n * param_bytes, traffic_bytes=traffic,
+                     what=what)]  # fmt: skip
+
+
+def price(placement: Placement, grad_bytes: int, param_bytes: int) -> dict[str, float]:
+    """Bytes into each device per step, deterministic mode beside the plan's normal collectives (ring
+    model): ``deterministic`` (the block sums' all-gather, plus ZeRO-3's parameter gather and, for
+    ZeRO-1/2, the updated shards' gather) and ``normal``."""
+    n = placement.data_size
+    plan = placement.plan
+    if n == 1:
+        return {"deterministic": 0.0, "normal": 0.0}
+    gather = (n - 1) / n
+    det = (n - 1) * grad_bytes + (gather * param_bytes if plan.shards_optimizer else 0.0)
+    if plan.shards_params:
+        normal = (
+            2 * gather * param_bytes + gather * grad_bytes
+        )  # gathers forward and backward + reduce-scatter
+    elif plan.shards_optimizer:
+        normal = gather * grad_bytes + gather * param_bytes  # reduce-scatter + the updated shards' gather
+    else:
+        normal = 2 * gather * grad_bytes  # ring all-reduce
+    return {"deterministic": float(det), "normal": float(normal)}
