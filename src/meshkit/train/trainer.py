@@ -34,7 +34,7 @@ from meshkit.plans import (
 from meshkit.plans.assemble import Assembled, assemble
 from meshkit.plans.peak import peak_report
 from meshkit.plans.placement import Placement, Rules
-from meshkit.spec import AUTO, DATA, MODEL, PRECISIONS, ParallelSpec, Plan, PlanError
+from meshkit.spec import AUTO, MODEL, PRECISIONS, ParallelSpec, Plan, PlanError
 from meshkit.train._inputs import base_key, check_optimizer, check_params, check_state
 from meshkit.train.profile import Profile, Tracing, summary_of
 from meshkit.train.report import PlanReport
@@ -368,7 +368,7 @@ class Trainer:
             fed = batch_fed(*args)
             if self.tokens_per_example is None:
                 per_example = _tokens_per_example(matmul_rows(*args), self.placement, n_examples)
-        tokens = n_examples // (int(self.mesh.shape.get(DATA, 1)) * self.accumulate) * per_example
+        tokens = n_examples // (self.placement.batch_devices * self.accumulate) * per_example
         low = None
         if self.compute_dtype is not None and self.plan.gathers_in_compute_dtype:
             # XLA's CPU compiler moves sub-32-bit floats as f32
