@@ -13,6 +13,7 @@ from _reference import max_rel
 from meshkit.cli import main
 from meshkit.spec import ParallelSpec, PlanError
 from test_context import _batch, _one_device_float64, _trainer
+from test_moe import _ep_trainer, _max_rel, _one_device, _tokens
 
 #: (model, mesh, attention form, options): the GPT's hooked blocks round the ring with two micro-batches,
 #: the Llama's scanned layers by all-to-all under layer remat (the backward pass gathers again)
@@ -94,3 +95,63 @@ def test_the_spec_declares_fsdp_cp_once():
     assert ParallelSpec(plan="fsdp+cp").mesh_sizes(8) == {"data": 4, "context": 2}
     with pytest.raises(PlanError, match="does not use mesh axis model=2"):
         ParallelSpec(plan="fsdp+cp", mesh="data=2,context=2,model=2")
+
+
+# -- fsdp+ep ------------------------------------------------------------------------------------------
+EP = [("gpt", "data=2,expert=4"), ("llama", "data=4,expert=2")]
+
+
+@pytest.mark.parametrize(("name", "mesh"), EP, ids=[c[0] for c in EP])
+def test_fsdp_ep_matches_one_device_in_float64_and_its_ledger_the_model(name, mesh):
+    """Dense leaves ZeRO-3 over data, expert leaves over expert: after 2 Adam steps (float64) the
+    parameters and each step's dropped slots are one device's; zero3's rows over data, the dense shards'
+    all-reduce over expert, the expert gradients' over data and the all_to_alls all equal the model."""
+    slots = 8 * 16 * 2 * 2  # tokens x k x layers
+    with jax.enable_x64(True):
+        t = _ep_trainer(name, "fsdp+ep", mesh, "float64")
+        dropped = [round(float(t.step(_tokens(8))["dropped_fraction"]) * slots) for _ in range(2)]
+        want, want_dropped = _one_device(name, 2)
+        assert _max_rel(t.params, want) < 1e-10
+        assert dropped == [round(d * slots) for d in want_dropped] and dropped[0] > 0
+        moe = t.params["blocks"][0]["moe"]["w_in" if name == "gpt" else "w_gate"]
+        assert moe.sharding.spec[0] == "expert" and "data" not in moe.sharding.spec
+        assert "data" in t.params["blocks"][0]["attn"]["wq"].sharding.spec  # a dense leaf: ZeRO-3
+        r = t.report(_tokens(8))
+    assert r.ok, str(r)
+    rows = {(c.op, c.axes): c for c in r.communication}
+    assert {("all-gather", "data"), ("reduce-scatter", "data"), ("all-reduce", "expert"),
+            ("all-reduce", "data"), ("all-to-all", "expert")} <= set(rows)  # fmt: skip
+    assert all(row.ok for row in rows.values()), str(r)
+    for key in (("all-reduce", "expert"), ("all-to-all", "expert")):
+        assert rows[key].measured_runs == rows[key].model_runs and rows[key].ratio == pytest.approx(1.0), str(
+            r
+        )
+    assert 0.9 <= r.peak["ratio"] <= 1.1, r.peak  # the peak model composes (GPT 1.03, Llama 1.00 in float32)
+
+
+def test_meshkit_train_runs_fsdp_ep_with_dropped_tokens_and_its_report_checks_out(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, err = _train(capsys, "--plan", "fsdp+ep", "--mesh", "data=2,expert=4", "--experts", "8",
+                       "--capacity-factor", "0.5", "--run-dir", str(run_dir))  # fmt: skip
+    assert code == 0, err
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["plan"] == "fsdp+ep" and report["checks_ok"] is True and report["dropped_tokens"] > 0
+    ops = {(r["op"], r["axes"]) for r in report["communication"]}
+    assert {("all-gather", "data"), ("all-reduce", "expert"), ("all-to-all", "expert")} <= ops
+
+
+BAD_EP = [
+    (["--plan", "fsdp+ep", "--mesh", "data=8", "--experts", "8"], "plan fsdp+ep needs a mesh axis 'expert'"),
+    (["--plan", "fsdp+ep", "--mesh", "data=2,expert=4"], "need a mixture-of-experts model: set experts"),
+    (
+        ["--plan", "fsdp+ep", "--mesh", "data=2,expert=4", "--experts", "6"],
+        "6 experts do not divide over expert=4",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), BAD_EP, ids=["no-expert-axis", "dense", "indivisible"])
+def test_bad_fsdp_ep_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
+    code, err = _train(capsys, *args, "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run" / "report.json").exists()

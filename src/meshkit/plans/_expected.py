@@ -195,7 +195,18 @@ def _expert_rows(placement: Placement, accumulate: int, per_layer: PerLayer | No
                                 traffic_bytes=count * ring_traffic(op, size, n_group), what=what))  # fmt: skip
 
     dense_axes = "+".join(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
-    dense = sum(x.nbytes for x in leaves if EXPERT not in x.model_spec)
+    zero3 = placement.plan.shards_params and d > 1  # fsdp+ep: the dense leaves ZeRO-3 over data
+    if zero3:
+        sharded = sum(x.nbytes for x in leaves if x.data_dim is not None)
+        for count, size, what in gather_rows(
+            per_layer or PerLayer(placement=placement), accumulate, lambda x: _model_bytes(x, placement)
+        ):
+            add("all-gather", DATA, count, size, d, what)
+        add("reduce-scatter", DATA, accumulate, sharded, d, "dense gradients, per micro-batch")
+        add("all-reduce", EXPERT, 1, sharded / d, e, "dense gradient shards, across expert")
+    dense = sum(
+        x.nbytes for x in leaves if EXPERT not in x.model_spec and not (zero3 and x.data_dim is not None)
+    )
     add(
         "all-reduce",
         dense_axes,
@@ -212,7 +223,7 @@ def _expert_rows(placement: Placement, accumulate: int, per_layer: PerLayer | No
         passes = 4 if per_layer.remat == "none" else 6
         add("all-to-all", EXPERT, passes * layers * accumulate, per_layer.experts[0], e,
             "MoE rows to their experts and back (forward and backward)")  # fmt: skip
-    return out
+    return _merge(out)
 
 
 def _attention_widths(placement: Placement) -> list[tuple[int, int, int]]:

@@ -266,28 +266,45 @@ def expert_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
     in force (its MoE rows travel to their experts by all_to_all and back, ``_experts``). Then one
     all-reduce of the dense gradients over data x expert and one of the expert gradients over data
     (each device's expert gradient already sums every expert-group device's tokens, through the
-    all_to_all's transpose)."""
+    all_to_all's transpose).
+
+    fsdp+ep: the dense leaves zero3 over data within the region (gathered per layer, gradients
+    reduce-scattered over data per micro-batch, ``_fsdp``), their gradient shards then all-reduced over
+    expert (as hsdp's over replica); expert leaves whole on data, as above."""
     axes = placement.batch_axes
     dense_axes = tuple(a for a in axes if placement.mesh.shape[a] > 1)
     expert_axes = tuple(a for a in dense_axes if a != EXPERT)
     scale = 1.0 / (placement.batch_devices * accumulate)
     chunk = _chunk_grad(loss_fn, per, lambda j, rows: (lax.axis_index(axes) * accumulate + j) * rows)
-    split = [EXPERT in leaf.model_spec for leaf in placement.flat()]
+    zero3 = placement.plan.shards_params and per.gathers
+    # per leaf, the axes its gradient is summed over after the micro-batch loop
+    sums = [
+        expert_axes if EXPERT in leaf.model_spec
+        else tuple(a for a in dense_axes if a != DATA) if zero3 and leaf.data_dim is not None
+        else dense_axes
+        for leaf in placement.flat()
+    ]  # fmt: skip
+
+    def scatter(g):  # zero3: per-layer leaves come back reduce-scattered already
+        return _tree_apply(
+            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, placement
+        )
 
     def reduce(acc):
         leaves = jax.tree.leaves(acc)
-        out = [lax.psum(g, expert_axes if e else dense_axes) if (expert_axes if e else dense_axes) else g
-               for g, e in zip(leaves, split, strict=True)]  # fmt: skip
+        out = [lax.psum(g, a) if a else g for g, a in zip(leaves, sums, strict=True)]
         return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in out])
 
     def run(params, state, batch, key):
         with _experts.split_experts(placement.expert_size) as split:
-            loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+            loss, aux, state, acc = _accumulate(
+                chunk, params, state, batch, key, accumulate, scatter if zero3 else (lambda g: g)
+            )
         per.experts = tuple(split.rows[-1:])  # the ledger's all_to_all size
         mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
         return mean(loss), mean(aux), state, reduce(acc)
 
-    specs = placement.tree(lambda leaf: leaf.spec(data=False))
+    specs = placement.tree(lambda leaf: leaf.spec(data=zero3))
     return jax.shard_map(run, mesh=placement.mesh, in_specs=(specs, P(), placement.batch_spec(), P()),
                          out_specs=(P(), P(), P(), specs), axis_names=set(axes), check_vma=False)  # fmt: skip
 
