@@ -156,9 +156,17 @@ def _plans() -> dict[str, Plan]:
     # context parallelism: the sequence over the context axis, alone or with a data axis
     plans["cp"] = Plan(name="cp", data=False, zero="dp", context=True, default_mesh="context=-1")
     plans["dp+cp"] = Plan(name="dp+cp", data=True, zero="dp", context=True, default_mesh="data=-1,context=2")
+    # ZeRO-3 over data, replicated over context (each device T/C of every sequence)
+    plans["fsdp+cp"] = Plan(
+        name="fsdp+cp", data=True, zero="zero3", context=True, default_mesh="data=-1,context=2"
+    )
     # expert parallelism: a mixture of experts' experts over the expert axis, the batch over data x expert
     plans["ep"] = Plan(name="ep", data=False, zero="dp", expert=True, default_mesh="expert=-1")
     plans["dp+ep"] = Plan(name="dp+ep", data=True, zero="dp", expert=True, default_mesh="data=2,expert=-1")
+    # dense leaves ZeRO-3 over data (replicated over expert), expert leaves over expert (whole on data)
+    plans["fsdp+ep"] = Plan(
+        name="fsdp+ep", data=True, zero="zero3", expert=True, default_mesh="data=2,expert=-1"
+    )
     return plans
 
 
@@ -172,8 +180,6 @@ AUTO = "auto"
 def get_plan(name: str | Plan) -> Plan:
     if isinstance(name, Plan):
         return name
-    if name == "fsdp+ep":
-        raise PlanError("plan fsdp+ep is not built yet: expert parallelism runs as ep and dp+ep; use dp+ep")
     if name not in PLANS:
         raise PlanError(f"unknown plan {name!r}: choose one of {', '.join(PLANS)}")
     return PLANS[name]
@@ -205,8 +211,8 @@ def check_axes(plan: Plan, sizes: dict[str, int]) -> None:
     for axis, size in sizes.items():
         if axis not in plan.needs and size != 1:
             hints = {MODEL: "dp+tp or fsdp+tp", STAGE: f"a pipeline plan ({', '.join(PIPELINE_PLANS)})",
-                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp" if plan.context else "dp+ep" if plan.expert else "",
-                     REPLICA: "plan hsdp", CONTEXT: "cp or dp+cp", EXPERT: "ep or dp+ep"}  # fmt: skip
+                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp or fsdp+cp" if plan.context else "dp+ep" if plan.expert else "",
+                     REPLICA: "plan hsdp", CONTEXT: "cp, dp+cp or fsdp+cp", EXPERT: "ep, dp+ep or fsdp+ep"}  # fmt: skip
             hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
 

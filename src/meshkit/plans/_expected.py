@@ -16,6 +16,8 @@ the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on on
 - hsdp (``replica`` x ``data``): zero3's collectives over data, within each group of the replica
   axis, and once per step an all-reduce over replica of the gradient shards (P / N bytes, the
   parameters' dtype: the shards are summed after the micro-batch loop);
+- fsdp+cp (``data`` x ``context``): the same, the context axis in the replicas' place (each gradient
+  shard all-reduced over context once per step), beside the context plans' attention rows;
 - tensor parallel, per micro-batch: every row-parallel matrix (model axis on its rows) all-reduces
   its output partial sums in the forward pass (tokens x output width), and every column-parallel
   matrix (model axis on its columns) all-reduces the partial sums of its input gradient in the
@@ -92,7 +94,8 @@ def expected_collectives(
     context plan's attention (``meshkit.spec.CONTEXT_ATTENTION``)."""
     n, m_axis, stage = placement.data_size, placement.model_size, placement.plan.zero
     out: list[Expected] = []
-    if placement.plan.context:
+    context = int(placement.mesh.shape[CONTEXT]) if placement.plan.context else 1
+    if placement.plan.context and not (placement.plan.shards_params and n > 1):
         return _context_rows(placement, accumulate, tokens_per_device, activation_bytes, per_layer, form)
     if placement.plan.expert:
         return _expert_rows(placement, accumulate, per_layer)
@@ -105,19 +108,22 @@ def expected_collectives(
             )  # fmt: skip
 
     leaves = placement.flat()
-    replicas = placement.replica_size
-    if replicas > 1:  # hsdp: each data shard's gradient (the parameters' dtype), once per step
+    # hsdp: the data shards replicated over replica; fsdp+cp: over context (each device T/C tokens)
+    across, replicas = (CONTEXT, context) if context > 1 else (REPLICA, placement.replica_size)
+    if replicas > 1:  # each data shard's gradient (the parameters' dtype), once per step
         shard = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None) / n
-        add("all-reduce", REPLICA, 1, shard, replicas, "gradient shards, across the replicas")
+        add("all-reduce", across, 1, shard, replicas, f"gradient shards, across {across}")
     if n > 1 or replicas > 1:
-        whole_axes = "+".join(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
+        whole_axes = "+".join(
+            a for a in (*placement.batch_axes, *(CONTEXT,) * (context > 1)) if placement.mesh.shape[a] > 1
+        )
         whole = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is None)
         add(
             "all-reduce",
             whole_axes,
             1,
             whole,
-            placement.batch_devices,
+            placement.batch_devices * context,
             "gradients of leaves kept whole on data",
         )
     if n > 1:
@@ -167,6 +173,8 @@ def expected_collectives(
                     f"{x.path}: backward input-gradient partial sums",
                 )
         _vocab_rows(add, placement, accumulate, tokens_per_device, activation_bytes)
+    if context > 1:  # fsdp+cp: the attention's rows over context beside zero3's
+        out += _attention_rows(placement, accumulate, tokens_per_device, activation_bytes, per_layer, form)
     return _merge(out)
 
 
@@ -187,7 +195,18 @@ def _expert_rows(placement: Placement, accumulate: int, per_layer: PerLayer | No
                                 traffic_bytes=count * ring_traffic(op, size, n_group), what=what))  # fmt: skip
 
     dense_axes = "+".join(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
-    dense = sum(x.nbytes for x in leaves if EXPERT not in x.model_spec)
+    zero3 = placement.plan.shards_params and d > 1  # fsdp+ep: the dense leaves ZeRO-3 over data
+    if zero3:
+        sharded = sum(x.nbytes for x in leaves if x.data_dim is not None)
+        for count, size, what in gather_rows(
+            per_layer or PerLayer(placement=placement), accumulate, lambda x: _model_bytes(x, placement)
+        ):
+            add("all-gather", DATA, count, size, d, what)
+        add("reduce-scatter", DATA, accumulate, sharded, d, "dense gradients, per micro-batch")
+        add("all-reduce", EXPERT, 1, sharded / d, e, "dense gradient shards, across expert")
+    dense = sum(
+        x.nbytes for x in leaves if EXPERT not in x.model_spec and not (zero3 and x.data_dim is not None)
+    )
     add(
         "all-reduce",
         dense_axes,
@@ -204,7 +223,7 @@ def _expert_rows(placement: Placement, accumulate: int, per_layer: PerLayer | No
         passes = 4 if per_layer.remat == "none" else 6
         add("all-to-all", EXPERT, passes * layers * accumulate, per_layer.experts[0], e,
             "MoE rows to their experts and back (forward and backward)")  # fmt: skip
-    return out
+    return _merge(out)
 
 
 def _attention_widths(placement: Placement) -> list[tuple[int, int, int]]:
@@ -243,6 +262,14 @@ def _context_rows(placement: Placement, accumulate: int, tokens: int, activation
     whole = sum(x.nbytes for x in placement.flat())
     out = [Expected(op="all-reduce", axes=axes, count=1, size_bytes=whole,
                     traffic_bytes=ring_traffic("all-reduce", whole, c * d), what="gradients")]  # fmt: skip
+    return _merge(out + _attention_rows(placement, accumulate, tokens, activation_bytes, per_layer, form))
+
+
+def _attention_rows(placement: Placement, accumulate: int, tokens: int, activation_bytes: int,
+                    per_layer: PerLayer | None, form: str) -> list[Expected]:  # fmt: skip
+    """The context axis's rows of a context plan's attention (``_context_rows``)."""
+    c = int(placement.mesh.shape[CONTEXT])
+    out: list[Expected] = []
     if c == 1:
         return out
     local = tokens // c * activation_bytes
@@ -263,7 +290,7 @@ def _context_rows(placement: Placement, accumulate: int, tokens: int, activation
             what = "q, k, v to a head split and the output back; the same backward"
         out.append(Expected(op=op, axes=CONTEXT, count=count, size_bytes=count * size,
                             traffic_bytes=count * ring_traffic(op, size, c), what=what))  # fmt: skip
-    return _merge(out)
+    return out
 
 
 def _split_names(leaf: LeafPlacement) -> tuple:

@@ -396,7 +396,11 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
     """
     leaves, treedef = jax.tree.flatten(params)
     flat = per.placement.flat()
-    shapes = [leaf.shape if per.gathers else x.shape for leaf, x in zip(flat, leaves, strict=True)]
+    # a leaf kept whole on data has its local shape (fsdp+ep: an expert leaf's E/N experts)
+    shapes = [
+        leaf.shape if per.gathers and leaf.data_dim is not None else x.shape
+        for leaf, x in zip(flat, leaves, strict=True)
+    ]
     full = jax.tree.unflatten(
         treedef, [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shapes, leaves, strict=True)]
     )

@@ -194,33 +194,65 @@ def local_gradients(
 
 
 def context_gradients(
-    loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer, form: str
+    loss_fn: LossFn,
+    placement: Placement,
+    accumulate: int,
+    per: _fsdp.PerLayer,
+    form: str,
+    compute_dtype: Any = None,
 ) -> Callable:
     """Context plans: the batch's sequences in ``_context.balanced_order``, split over the context axis
     (and its rows over data), the loss traced with the split in force (attention in ``form``), then one
     all-reduce of the gradients over data and context. Every device holds as many tokens, so the mean
-    of the devices' mean losses is the global mean."""
+    of the devices' mean losses is the global mean.
+
+    fsdp+cp: zero3 over data within the region (parameters arrive as data shards, gathered per layer,
+    gradients reduce-scattered over data per micro-batch, ``_fsdp``), replicated over context: after the
+    micro-batch loop each gradient shard is all-reduced over context (as hsdp's over replica), and a
+    leaf kept whole on data over data and context."""
     mesh = placement.mesh
     n = int(mesh.shape[CONTEXT])
     axes = tuple(a for a in (DATA, CONTEXT) if a in mesh.shape)
     data = DATA in mesh.shape
     scale = 1.0 / (n * placement.data_size * accumulate)
+    zero3 = placement.plan.shards_params and per.gathers
+    low = zero3 and compute_dtype is not None and placement.plan.gathers_in_compute_dtype
 
     def first_row(j, rows):
         return ((lax.axis_index(DATA) if data else 0) * accumulate + j) * rows
 
     chunk = _chunk_grad(loss_fn, per, first_row)
 
+    def grad_fn(params, state, micro, key, j):
+        return chunk(_cast(params, compute_dtype) if low else params, state, micro, key, j)
+
+    def scatter(g, params):  # zero3: per-layer leaves come back reduce-scattered already
+        g = _tree_apply(
+            lambda leaves, _, k: buckets.reduce_scatter(leaves, per.whole_step_leaves(), k), g, placement
+        )
+        return jax.tree.map(lambda s, p: s.astype(p.dtype), g, params) if low else g
+
+    def reduce(acc):
+        if not zero3:
+            return jax.tree.map(lambda g: lax.psum(g, axes) * scale, acc)
+        split = [leaf.data_dim is not None for leaf in placement.flat()]
+        out = [
+            lax.psum(g, CONTEXT if s else axes) * scale
+            for g, s in zip(jax.tree.leaves(acc), split, strict=True)
+        ]
+        return jax.tree.unflatten(jax.tree.structure(acc), out)
+
     def run(params, state, batch, key):
+        per_micro = (lambda g: scatter(g, params)) if zero3 else (lambda g: g)
         with _context.split_sequence(n, form) as split:
-            loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+            loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
         _context.check_attended(split)
-        grads = jax.tree.map(lambda g: lax.psum(g, axes) * scale, acc)
         mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
-        return mean(loss), mean(aux), state, grads
+        return mean(loss), mean(aux), state, reduce(acc)
 
     rows = P(DATA if data else None, CONTEXT)
-    region = jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), rows, P()), out_specs=(P(), P(), P(), P()),
+    specs = placement.tree(lambda leaf: leaf.manual_spec(data=zero3))
+    region = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(), rows, P()), out_specs=(P(), P(), P(), specs),
                            axis_names=set(axes), check_vma=False)  # fmt: skip
 
     def grads(params, state, batch, key):
@@ -235,28 +267,45 @@ def expert_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
     in force (its MoE rows travel to their experts by all_to_all and back, ``_experts``). Then one
     all-reduce of the dense gradients over data x expert and one of the expert gradients over data
     (each device's expert gradient already sums every expert-group device's tokens, through the
-    all_to_all's transpose)."""
+    all_to_all's transpose).
+
+    fsdp+ep: the dense leaves zero3 over data within the region (gathered per layer, gradients
+    reduce-scattered over data per micro-batch, ``_fsdp``), their gradient shards then all-reduced over
+    expert (as hsdp's over replica); expert leaves whole on data, as above."""
     axes = placement.batch_axes
     dense_axes = tuple(a for a in axes if placement.mesh.shape[a] > 1)
     expert_axes = tuple(a for a in dense_axes if a != EXPERT)
     scale = 1.0 / (placement.batch_devices * accumulate)
     chunk = _chunk_grad(loss_fn, per, lambda j, rows: (lax.axis_index(axes) * accumulate + j) * rows)
-    split = [EXPERT in leaf.model_spec for leaf in placement.flat()]
+    zero3 = placement.plan.shards_params and per.gathers
+    # per leaf, the axes its gradient is summed over after the micro-batch loop
+    sums = [
+        expert_axes if EXPERT in leaf.model_spec
+        else tuple(a for a in dense_axes if a != DATA) if zero3 and leaf.data_dim is not None
+        else dense_axes
+        for leaf in placement.flat()
+    ]  # fmt: skip
+
+    def scatter(g):  # zero3: per-layer leaves come back reduce-scattered already
+        return _tree_apply(
+            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, placement
+        )
 
     def reduce(acc):
         leaves = jax.tree.leaves(acc)
-        out = [lax.psum(g, expert_axes if e else dense_axes) if (expert_axes if e else dense_axes) else g
-               for g, e in zip(leaves, split, strict=True)]  # fmt: skip
+        out = [lax.psum(g, a) if a else g for g, a in zip(leaves, sums, strict=True)]
         return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in out])
 
     def run(params, state, batch, key):
         with _experts.split_experts(placement.expert_size) as split:
-            loss, aux, state, acc = _accumulate(chunk, params, state, batch, key, accumulate)
+            loss, aux, state, acc = _accumulate(
+                chunk, params, state, batch, key, accumulate, scatter if zero3 else (lambda g: g)
+            )
         per.experts = tuple(split.rows[-1:])  # the ledger's all_to_all size
         mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
         return mean(loss), mean(aux), state, reduce(acc)
 
-    specs = placement.tree(lambda leaf: leaf.spec(data=False))
+    specs = placement.tree(lambda leaf: leaf.spec(data=zero3))
     return jax.shard_map(run, mesh=placement.mesh, in_specs=(specs, P(), placement.batch_spec(), P()),
                          out_specs=(P(), P(), P(), specs), axis_names=set(axes), check_vma=False)  # fmt: skip
 
@@ -281,7 +330,7 @@ def gradient_fn(
     """
     per = _fsdp.PerLayer(placement=placement) if per is None else per
     if placement.plan.context:
-        return context_gradients(loss_fn, placement, accumulate, per, form)
+        return context_gradients(loss_fn, placement, accumulate, per, form, compute_dtype)
     if placement.plan.expert:
         return expert_gradients(loss_fn, placement, accumulate, per)
     if not placement.has_data_axis or (not placement.plan.shards_optimizer and accumulate == 1):

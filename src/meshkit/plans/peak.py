@@ -251,7 +251,12 @@ def predict_peak(
     found, plan = per.found, placement.plan
     zero3 = plan.shards_params and n > 1
     zero = plan.level
-    layer = set(found.layer_leaves) if found.per_layer and per.gathers else set()
+    # a layer's leaves zero3 gathers; fsdp+ep's expert leaves, whole on data, count as whole leaves
+    layer = (
+        {i for i in found.layer_leaves if EXPERT not in flat[i].model_spec}
+        if found.per_layer and per.gathers
+        else set()
+    )
     persistent = (
         M.at_rest(total, sharded, n, zero3)
         + memory_formula(placement, optimizer, params)["optimizer"]
@@ -261,7 +266,9 @@ def predict_peak(
     if plan.expert and found.per_layer:
         experts = sum(nbytes(x) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)
                       if EXPERT in leaf.model_spec)  # fmt: skip
-        activations -= M.experts_beyond_device(experts / found.layers, placement.expert_size)
+        # zero3's per-layer barriers keep every layer's expert gradients alive in the one-device compile
+        held = found.layers if plan.shards_params and n > 1 else 1
+        activations -= held * M.experts_beyond_device(experts / found.layers, placement.expert_size)
     scan = found.mode == "scan"
     stacked_b = sum(sizes[i] for i in found.layer_leaves) if found.per_layer else 0.0
     one_layer = stacked_b / found.layers if stacked_b else 0.0
