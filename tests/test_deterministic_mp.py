@@ -5,6 +5,7 @@ The three runs compile at XLA's default optimisation (the suite turns most of it
 user's run does: the bits must not depend on how the backend fuses the step on each mesh."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,22 +30,16 @@ def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
         "1x8": [EXE, *RUN, "--plan", "zero3", "--devices", "8"],
         "1x1": [EXE, *RUN, "--plan", "dp", "--devices", "1"],
     }
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     procs = {
-        name: subprocess.Popen(
-            [*cmd, "--run-dir", str(tmp_path / name)],
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        for name, cmd in runs.items()
+        n: subprocess.Popen([*cmd, "--run-dir", str(tmp_path / n)], env=env, **out) for n, cmd in runs.items()
     }
     try:
         outs = {name: p.communicate(timeout=TIMEOUT_S)[0] for name, p in procs.items()}
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+            if p.poll() is None:  # a timeout: the launcher and the ranks it started, not just the launcher
+                os.killpg(p.pid, signal.SIGKILL)
     for name, p in procs.items():
         assert p.returncode == 0, (name, outs[name][-3000:])
     assert "8 cpu in 2 process(es)" in outs["2x4"]
