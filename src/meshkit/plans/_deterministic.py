@@ -143,6 +143,9 @@ def deterministic_gradients(
         block = tree_sum(stacked)  # this device's subtree: its `local` shards
         if n > 1:  # the upper levels of the same tree, over every device's block sum in index order
             block = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, DATA), block))
+        # the sum's last adds are not fused into what reads it (the norm's reductions would otherwise be
+        # compiled beside the all-gather on some meshes and beside the local tree on others)
+        block = lax.optimization_barrier(block)
         loss, aux, grads = jax.tree.map(lambda x: x * (1.0 / shards), block)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
         if plan.shards_optimizer:

@@ -1,0 +1,50 @@
+"""Deterministic mode across processes: `meshkit train --deterministic` on 2 processes x 4 devices (under
+`meshkit launch`, gloo on localhost) has the same bits as on 1 process x 8 devices and on 1 device.
+
+The three runs compile at XLA's default optimisation (the suite turns most of it off for speed), as a
+user's run does: the bits must not depend on how the backend fuses the step on each mesh."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from meshkit.train.outputs import load_run
+
+EXE = str(Path(sys.executable).parent / "meshkit")
+RUN = ["train", "--preset", "tiny", "--deterministic", "--steps", "5", "--batch-size", "8", "--eval-every", "0",
+       "--sample-chars", "0", "--checkpoint-every", "5"]  # fmt: skip
+# three cold compiles (four processes) side by side on a busy 2-core machine: about 40 s each alone
+TIMEOUT_S = 600
+
+
+def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    runs = {
+        "2x4": [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, *RUN, "--plan", "zero3"],
+        "1x8": [EXE, *RUN, "--plan", "zero3", "--devices", "8"],
+        "1x1": [EXE, *RUN, "--plan", "dp", "--devices", "1"],
+    }
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    procs = {
+        n: subprocess.Popen([*cmd, "--run-dir", str(tmp_path / n)], env=env, **out) for n, cmd in runs.items()
+    }
+    try:
+        outs = {name: p.communicate(timeout=TIMEOUT_S)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:  # a timeout: the launcher and the ranks it started, not just the launcher
+                os.killpg(p.pid, signal.SIGKILL)
+    for name, p in procs.items():
+        assert p.returncode == 0, (name, outs[name][-3000:])
+    assert "8 cpu in 2 process(es)" in outs["2x4"]
+    want = [np.asarray(x) for x in jax.tree.leaves(load_run(tmp_path / "1x1").params)]
+    for name in ("2x4", "1x8"):
+        got = [np.asarray(x) for x in jax.tree.leaves(load_run(tmp_path / name).params)]
+        same = [a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True)]
+        assert all(same), f"{name}: {same.count(False)} of {len(same)} leaves differ from 1 device"
