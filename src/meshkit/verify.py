@@ -627,12 +627,25 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
     )
 
 
+def check_one_process(processes: int | None = None) -> None:
+    """The 'bitwise across meshes' check trains on meshes of the first N devices, which on several
+    processes are not all addressable: refused there in one line (the same bits across processes are
+    shown by ``meshkit train --deterministic`` under ``meshkit launch``)."""
+    processes = jax.process_count() if processes is None else processes
+    if processes > 1:
+        raise MeshkitError(
+            f"meshkit verify --deterministic checks the meshes of one process, not {processes}: run it without "
+            "meshkit launch (compare `meshkit train --deterministic` runs across processes instead)"
+        )
+
+
 def bitwise_meshes(params: Any, train_on: Callable[[Any], Any], spec: ParallelSpec) -> dict[str, bool]:
     """Deterministic mode: ``train_on(mesh)`` (the parameters after the same K steps) on every data axis of
     the first N devices, N a power of two dividing the device count and the micro-shards, each compared
     bit for bit with ``params`` (the plan's run)."""
     from jax.sharding import Mesh
 
+    check_one_process()
     out = {}
     n = 1
     while n <= min(jax.device_count(), spec.deterministic):

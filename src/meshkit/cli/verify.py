@@ -78,6 +78,8 @@ def verify(
     options = dict(mesh=mesh, steps=steps, accumulate=accumulate, remat=remat, microbatches=microbatches,
                    pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
                    context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
+    if deterministic:
+        V.check_one_process()  # before any training: its meshes are one process's devices
     if ":" in model:
         cert = V.verify_model(**_user_model(model), plan=plan, **options)
     else:
