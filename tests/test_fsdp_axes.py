@@ -155,3 +155,16 @@ def test_bad_fsdp_ep_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
     code, err = _train(capsys, *args, "--run-dir", str(tmp_path / "run"))
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run" / "report.json").exists()
+
+
+def test_a_leaf_kept_whole_on_data_names_the_axis_it_is_split_on():
+    # fsdp+ep keeps expert leaves whole on data; the report's reason said "the model axis" for them
+    from meshkit.plans.placement import _data_dim
+
+    assert _data_dim((8, 4, 4), ("expert", None, None), 2, 1, two_d=False) == (
+        None,
+        "split on the expert axis (a leaf is not split on both axes)",
+    )
+    assert _data_dim((8, 4), (None, "model"), 2, 1, two_d=False)[1] == (
+        "split on the model axis (a leaf is not split on both axes)"
+    )

@@ -368,7 +368,8 @@ def _data_dim(
     model axis (``two_d``: fsdp+tp splits such a leaf on both axes, else it stays whole on data)
     or a ``skip``ped one (a scanned model's stacked layer axis, which its scan slices)."""
     if any(a is not None for a in model_spec) and not two_d:
-        return None, "split on the model axis (a leaf is not split on both axes)"
+        axis = next(a for a in model_spec if a is not None)  # the model axis, or the expert axis (fsdp+ep)
+        return None, f"split on the {axis} axis (a leaf is not split on both axes)"
     size = 1
     for s in shape:
         size *= s
