@@ -29,7 +29,7 @@ from meshkit.spec import PLANS, ParallelSpec, get_plan
 LADDER = tuple(
     name
     for name, p in PLANS.items()
-    if p.data and not (p.tensor or p.pipeline or p.hybrid or p.context) and name != "zero3"
+    if p.data and not (p.tensor or p.pipeline or p.hybrid or p.context or p.expert) and name != "zero3"
 )
 """The plans ``auto`` climbs for a loss without layers, on one data axis: dp, zero1, zero2, fsdp."""
 STATE_SHARE = 0.5
