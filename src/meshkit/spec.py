@@ -211,7 +211,7 @@ def check_axes(plan: Plan, sizes: dict[str, int]) -> None:
     for axis, size in sizes.items():
         if axis not in plan.needs and size != 1:
             hints = {MODEL: "dp+tp or fsdp+tp", STAGE: f"a pipeline plan ({', '.join(PIPELINE_PLANS)})",
-                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp or fsdp+cp" if plan.context else "dp+ep" if plan.expert else "",
+                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp or fsdp+cp" if plan.context else "dp+ep or fsdp+ep" if plan.expert else "",
                      REPLICA: "plan hsdp", CONTEXT: "cp, dp+cp or fsdp+cp", EXPERT: "ep, dp+ep or fsdp+ep"}  # fmt: skip
             hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
             raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
