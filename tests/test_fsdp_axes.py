@@ -13,7 +13,7 @@ from _reference import max_rel
 from meshkit.cli import main
 from meshkit.spec import ParallelSpec, PlanError
 from test_context import _batch, _one_device_float64, _trainer
-from test_moe import _ep_trainer, _max_rel, _one_device, _tokens
+from test_moe import _ep_trainer, _one_device, _tokens
 
 #: (model, mesh, attention form, options): the GPT's hooked blocks round the ring with two micro-batches,
 #: the Llama's scanned layers by all-to-all under layer remat (the backward pass gathers again)
@@ -111,7 +111,7 @@ def test_fsdp_ep_matches_one_device_in_float64_and_its_ledger_the_model(name, me
         t = _ep_trainer(name, "fsdp+ep", mesh, "float64")
         dropped = [round(float(t.step(_tokens(8))["dropped_fraction"]) * slots) for _ in range(2)]
         want, want_dropped = _one_device(name, 2)
-        assert _max_rel(t.params, want) < 1e-10
+        assert max_rel(t.params, want) < 1e-10
         assert dropped == [round(d * slots) for d in want_dropped] and dropped[0] > 0
         moe = t.params["blocks"][0]["moe"]["w_in" if name == "gpt" else "w_gate"]
         assert moe.sharding.spec[0] == "expert" and "data" not in moe.sharding.spec

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from _reference import max_rel
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
@@ -163,14 +164,6 @@ def _ep_trainer(name, plan, mesh, dtype="float32"):
     )
 
 
-def _max_rel(a, b) -> float:
-    out = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        out = max(out, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) or 1.0)))
-    return out
-
-
 @pytest.mark.parametrize(("name", "plan", "mesh"), EP_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES])
 def test_expert_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh):
     """Same parameters after 2 Adam steps (float64) and the same dropped slots per step as one device,
@@ -181,7 +174,7 @@ def test_expert_plan_matches_one_device_in_float64_and_its_ledger_the_model(name
         t = _ep_trainer(name, plan, mesh, "float64")
         dropped = [round(float(t.step(_tokens(8))["dropped_fraction"]) * slots) for _ in range(2)]
         want, want_dropped = _one_device(name, 2)
-        assert _max_rel(t.params, want) < 1e-10
+        assert max_rel(t.params, want) < 1e-10
         assert dropped == [round(d * slots) for d in want_dropped] and dropped[0] > 0
         w = t.params["blocks"][0]["moe"]["w_in" if name == "gpt" else "w_gate"]
         assert w.sharding.spec[0] == "expert"
