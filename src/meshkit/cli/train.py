@@ -62,7 +62,11 @@ def train(
     ] = None,
     experts: Annotated[
         int | None,
-        _opt("experts", "Mixture of experts: MLPs per layer (plans ep, dp+ep split them).", "0: a dense MLP"),
+        _opt(
+            "experts",
+            "Mixture of experts: MLPs per layer (plans ep, dp+ep, fsdp+ep split them).",
+            "0: a dense MLP",
+        ),
     ] = None,
     experts_per_token: Annotated[
         int | None, _opt("experts_per_token", "Mixture of experts: experts per token (top-k).", "2")
