@@ -32,6 +32,11 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax
 
+from meshkit.devices import prepare_deterministic
+
+# Deterministic mode needs XLA's fused multiply-adds off before the backend starts, and the backend
+# starts here for every test (processes the tests start inherit the flag with XLA_FLAGS).
+prepare_deterministic()
 jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8
 

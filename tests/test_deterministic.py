@@ -15,10 +15,10 @@ import pytest
 from jax.sharding import Mesh
 
 from meshkit import ParallelSpec, Trainer
-from meshkit._errors import MeshkitError
+from meshkit._errors import DeviceSetupError, MeshkitError
 from meshkit.cli import main
 from meshkit.models import gpt, llama
-from meshkit.plans._deterministic import tree_sum
+from meshkit.plans._deterministic import TreeAdder, tree_sum
 from meshkit.spec import PlanError
 from meshkit.train.outputs import load_run
 
@@ -34,16 +34,18 @@ LLAMA = llama.LlamaConfig(vocab_size=32, seq_len=8, layers=1, width=16, heads=4,
 MODELS = {"gpt": (gpt, CFG), "llama": (llama, LLAMA)}
 
 
-def trained(plan, devices, model="gpt", **kw):
+def trained(plan, devices, model="gpt", steps=5, **kw):
     module, cfg = MODELS[model]
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
     t = Trainer(module.make_loss(cfg), module.init(jax.random.key(0), cfg), optax.adamw(1e-2), plan=plan,
                 mesh=mesh, deterministic=True, clip_norm=1.0, **kw)  # fmt: skip
-    losses = [float(t.step(b)["loss"]) for b in batches()]
+    losses = [float(t.step(b)["loss"]) for b in batches(steps)]
     return t, losses, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
 
 
-@pytest.mark.parametrize("model, plan", [("gpt", "dp"), ("gpt", "zero3"), ("llama", "zero3")])
+@pytest.mark.parametrize(
+    "model, plan", [("gpt", "dp"), ("gpt", "zero3"), ("llama", "dp"), ("llama", "zero3")]
+)
 def test_5_steps_bitwise_on_1_2_4_and_8_devices(model, plan):
     _, losses, want = trained(plan, 1, model)
     for n in (2, 4, 8):
@@ -151,3 +153,113 @@ def test_verify_deterministic_on_several_processes_is_one_line():
         MeshkitError, match=r"checks the meshes of one process, not 2: run it without meshkit launch"
     ):
         check_one_process(2)
+
+
+# -- pipelines: the same bits on any data axis for the same stages ---------------------------------------
+
+SCAN = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=2, scan_layers=True)
+
+
+def trained_pipeline(plan, data, schedule="1f1b", virtual_stages=1, steps=5, optimizer=None):
+    mesh = Mesh(np.array(jax.devices()[: 2 * data]).reshape(2, data), ("stage", "data"))
+    t = Trainer(gpt.stages(SCAN), gpt.init(jax.random.key(0), SCAN), optimizer or optax.adamw(1e-2), plan=plan,
+                mesh=mesh, deterministic=True, clip_norm=1.0, pipeline_schedule=schedule,
+                virtual_stages=virtual_stages)  # fmt: skip
+    losses = [float(t.step(b)["loss"]) for b in batches(steps)]
+    return t, losses, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
+
+
+@pytest.mark.parametrize(
+    "plan, schedule, virtual_stages",
+    [("dp+pp", "1f1b", 1), ("fsdp+pp", "gpipe", 1), ("dp+pp", "interleaved", 2)],
+)
+def test_a_pipeline_trained_5_steps_has_the_same_bits_on_data_1_2_and_4(plan, schedule, virtual_stages):
+    """2 stages x data 1, 2, 4 (2, 4 and 8 devices): 8, 4 and 2 micro-batches per data replica, each a
+    micro-shard, their gradients added in one tree."""
+    t, losses, want = trained_pipeline(plan, 1, schedule, virtual_stages)
+    assert t.assembled.pipeline.microbatches == 8
+    for data in (2, 4):
+        t, got_losses, got = trained_pipeline(plan, data, schedule, virtual_stages)
+        assert t.assembled.pipeline.microbatches == 8 // data
+        assert got_losses == losses, data
+        same = [a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True)]
+        assert all(same), f"{plan} on data={data}: {same.count(False)} of {len(same)} leaves differ"
+
+
+def test_a_deterministic_pipeline_s_ledger_is_its_model_and_its_report_prices_it():
+    """fsdp+pp on stage=2 x data=2: the block sums' gather over data, the ends' gradients, the loss and the
+    blocks' squares gathered over the stages, the permutes: measured = model on every row."""
+    t, _, _ = trained_pipeline("fsdp+pp", 2, steps=1)
+    report = t.report(batches(1)[0])
+    assert report.ok, [r.to_json() for r in report.communication]
+    rows = {(r.op, r.axes) for r in report.communication}
+    assert {("all-gather", "data"), ("all-gather", "stage"), ("collective-permute", "stage")} <= rows
+    assert ("all-reduce", "stage") not in rows and ("reduce-scatter", "data") not in rows
+    det = report.to_json()["deterministic"]
+    assert (det["shards"], det["shards_per_device"]) == (8, 4)
+
+
+def test_deterministic_mode_is_bitwise_at_xla_s_default_optimisation_too():
+    """The suite compiles with most optimisations off; a user's run does not. ZeRO-3 (Adam's moments on
+    shards of every shape) and fsdp+pp, at XLA's default level: 1 device beside 8, 2 beside 8."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        _, losses, want = trained("zero3", 1, steps=3)
+        _, got_losses, got = trained("zero3", 8, steps=3)
+        assert got_losses == losses
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True))
+        _, losses, want = trained_pipeline("fsdp+pp", 1, steps=3)
+        _, got_losses, got = trained_pipeline("fsdp+pp", 4, steps=3)
+        assert got_losses == losses
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True))
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+
+
+def test_after_the_backend_started_with_fused_multiply_adds_on_a_cpu_it_is_one_line(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    with pytest.raises(DeviceSetupError, match="fused multiply-adds off") as e:
+        Trainer(
+            gpt.make_loss(CFG),
+            gpt.init(jax.random.key(0), CFG),
+            optax.adam(1e-2),
+            plan="dp",
+            deterministic=True,
+        )
+    assert "\n" not in str(e.value) and "XLA_FLAGS=--xla_cpu_max_isa=AVX" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            dict(microbatches=4),
+            "one micro-batch per micro-shard, 8 / data=4 = 2 per data replica, not microbatches=4",
+        ),
+        (
+            dict(mesh="stage=1,data=8", pipeline_schedule="interleaved", virtual_stages=2),
+            "over 2 or more stages",
+        ),
+        (dict(mesh="stage=2,data=4", deterministic=2), "do not share out over data=4"),
+    ],
+)
+def test_pipeline_settings_deterministic_mode_cannot_keep_are_refused_in_one_line(options, message):
+    kw = dict(plan="dp+pp", mesh="stage=2,data=4", deterministic=True) | options
+    with pytest.raises(PlanError, match=message) as e:
+        Trainer(gpt.stages(SCAN), gpt.init(jax.random.key(0), SCAN), optax.adam(1e-2), **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_tree_adder_adds_in_arrival_order_as_tree_sum_does():
+    """Values arriving one at a time, kept as log2(m) + 1 partial sums, give tree_sum's bits; skipped
+    arrivals (``when`` false) change nothing."""
+    rng = np.random.default_rng(1)
+    for m in (1, 2, 8):
+        x = (rng.standard_normal((m, 5)) * 10.0 ** rng.integers(-4, 5, (m, 1))).astype(np.float32)
+        adder = TreeAdder(m)
+        sums = adder.zeros(x[0])
+        for j in range(m):
+            sums = adder.add(sums, np.int32(j), x[j] * 3, when=False)
+            sums = adder.add(sums, np.int32(j), x[j])
+        assert np.asarray(adder.total(sums)).tobytes() == np.asarray(tree_sum(x)).tobytes()
+    assert len(TreeAdder(8).zeros(x[0])) == 4

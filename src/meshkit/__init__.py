@@ -23,6 +23,7 @@ _LAZY = {
     "DeviceReport": "meshkit.devices",
     "describe_devices": "meshkit.devices",
     "simulate_devices": "meshkit.devices",
+    "prepare_deterministic": "meshkit.devices",
     "make_mesh": "meshkit.mesh",
     "parse_mesh_spec": "meshkit.mesh",
     "resolve_mesh_shape": "meshkit.mesh",
@@ -38,7 +39,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from meshkit import analysis
     from meshkit.adapters import Adapted, from_equinox, from_linen, from_nnx
-    from meshkit.devices import DeviceReport, describe_devices, simulate_devices
+    from meshkit.devices import DeviceReport, describe_devices, prepare_deterministic, simulate_devices
     from meshkit.mesh import make_mesh, parse_mesh_spec, resolve_mesh_shape
     from meshkit.plans import Stages, layer
     from meshkit.spec import PLANS, ParallelSpec, PlanError
@@ -81,6 +82,7 @@ __all__ = [
     "layer",
     "make_mesh",
     "parse_mesh_spec",
+    "prepare_deterministic",
     "resolve_mesh_shape",
     "simulate_devices",
 ]

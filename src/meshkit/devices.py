@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,6 +38,34 @@ def simulate_devices(n: int) -> None:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python"
         )
     jax.config.update("jax_num_cpu_devices", n)
+
+
+NO_FMA_FLAG = "--xla_cpu_max_isa=AVX"
+"""XLA's CPU code generation without fused multiply-adds (AVX2 brought them): deterministic mode's."""
+
+
+def _fma_off() -> bool:
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return any(f in flags for f in (NO_FMA_FLAG, "--xla_cpu_max_isa=SSE4_2"))
+
+
+def prepare_deterministic() -> None:
+    """Deterministic mode on a CPU: XLA's code for AVX2 and later contracts a multiply and an add into one
+    fused multiply-add in some loops and not others, by the operands' shapes, so Adam's moments on a ZeRO
+    shard differ in the last bit from the whole leaf's. Before JAX starts its backend this turns fused
+    multiply-adds off for the process (``NO_FMA_FLAG`` in ``XLA_FLAGS``; other backends ignore it); after,
+    it raises ``DeviceSetupError`` unless they are off or the backend is not a CPU."""
+    if _fma_off():
+        return
+    if not backend_started():
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_FMA_FLAG}".strip()
+        return
+    if jax.default_backend() == "cpu":
+        raise DeviceSetupError(
+            "deterministic mode on a CPU needs XLA's fused multiply-adds off from the start (their use follows "
+            "the shard shapes): call meshkit.prepare_deterministic() right after `import jax`, or set "
+            f"XLA_FLAGS={NO_FMA_FLAG} before starting Python"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -242,7 +242,7 @@ def check_schedule(name: str, virtual_stages: int = 1) -> None:
 DETERMINISTIC_SHARDS = 8
 """Micro-shards per step of ``deterministic=True``: a run replays bit for bit on any mesh of up to
 this many batch devices (1, 2, 4 or 8)."""
-DETERMINISTIC_PLANS = ("dp", "zero1", "zero2", "zero3", "fsdp")
+DETERMINISTIC_PLANS = ("dp", "zero1", "zero2", "zero3", "fsdp", "pp", "dp+pp", "fsdp+pp")
 """The plans deterministic mode covers; the others split a sum over an axis whose size changes its
 order (``check_deterministic_plan`` says which)."""
 

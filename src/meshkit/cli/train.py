@@ -11,7 +11,7 @@ import contextlib
 import io
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -253,6 +253,10 @@ def train(
         cache.configure(compile_cache)
     _check_devices(devices)
     _simulate(devices)
+    if _deterministic_run(deterministic, config, set_ or [], resume, run_dir):
+        from meshkit.devices import prepare_deterministic
+
+        prepare_deterministic()  # before the backend starts (jax.process_index below)
     import jax
     from rich.console import Console
 
@@ -341,6 +345,21 @@ def _export_at_end(run_dir: str | None, latest: Path, console) -> None:
 #: Host memory one simulated CPU device holds while a run starts and trains (measured: 4096
 #: devices take 1.4 GiB before anything trains; a training step adds its buffers per device).
 DEVICE_HOST_BYTES = 4 * 2**20
+
+
+def _deterministic_run(given: Any, config: Any, set_: list, resume: bool, run_dir: str | None) -> bool:
+    """Whether this run trains in deterministic mode: asked on the command line or in its config, or the
+    run it resumes did."""
+    from meshkit.train.job import resume_on_restart, saved_config
+
+    if given or C.written_options(config, set_).get("deterministic"):
+        return True
+    if resume or resume_on_restart(run_dir):
+        try:
+            return saved_config(Path(run_dir or Path("runs") / "latest")).parallel.deterministic is not None
+        except C.ConfigError:
+            return False  # said again, in one line, where the run is resumed
+    return False
 
 
 def _check_devices(n: int | None) -> None:

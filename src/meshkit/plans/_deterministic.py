@@ -45,16 +45,55 @@ from meshkit.spec import DATA, PLANS, PlanError
 
 
 def tree_sum(stacked: Any) -> Any:
-    """The sum over the leading dim (a power of two) of every leaf, as a binary tree: pairs
-    ``(0, 1), (2, 3), ...`` first, then pairs of those sums, and so on."""
+    """The sum over the leading dim of every leaf, as a binary tree: pairs ``(0, 1), (2, 3), ...``
+    first, then pairs of those sums, and so on (an odd last term waits for the next level)."""
 
     def one(x: jax.Array) -> jax.Array:
         while x.shape[0] > 1:
-            x = x.reshape((x.shape[0] // 2, 2, *x.shape[1:]))
-            x = x[:, 0] + x[:, 1]
+            odd = x[-1:] if x.shape[0] % 2 else None
+            even = x[: x.shape[0] // 2 * 2]
+            even = even.reshape((even.shape[0] // 2, 2, *even.shape[1:]))
+            x = even[:, 0] + even[:, 1]
+            if odd is not None:
+                x = jnp.concatenate([x, odd])
         return x[0]
 
     return jax.tree.map(one, stacked)
+
+
+class TreeAdder:
+    """Adds ``m`` (a power of two) values that arrive one at a time in index order ``0 .. m-1`` into
+    the same binary tree as ``tree_sum``, holding ``log2(m) + 1`` partial sums instead of ``m``
+    values: a binary counter. Value ``j`` is added to the partial sum of each level whose bit of
+    ``j`` is set (the left neighbour's subtree) and rests at the first level whose bit is clear; the
+    last value (every bit set) leaves the whole sum at the top level. ``j`` may be traced: the
+    levels are selected elementwise, so the adds are the same in a loop whose order is data."""
+
+    def __init__(self, m: int) -> None:
+        if m < 1 or m & (m - 1):
+            raise ValueError(f"TreeAdder sums a power of two of values, not {m}")
+        self.levels = m.bit_length()
+
+    def zeros(self, like: Any) -> tuple:
+        return tuple(jax.tree.map(jnp.zeros_like, like) for _ in range(self.levels))
+
+    def add(self, sums: tuple, j: Any, value: Any, when: Any = True) -> tuple:
+        """``sums`` after value ``j`` arrives (unchanged where ``when`` is false)."""
+        done = jnp.logical_not(when)
+        out = []
+        for level, partial in enumerate(sums):
+            top = level == self.levels - 1
+            bit = jnp.bool_(False) if top else (j >> level) & 1 == 1
+            rest = jnp.logical_and(jnp.logical_not(done), jnp.logical_not(bit))
+            out.append(jax.tree.map(lambda p, v, r=rest: jnp.where(r, v, p), partial, value))
+            if not top:
+                merge = jnp.logical_and(jnp.logical_not(done), bit)
+                value = jax.tree.map(lambda p, v, m=merge: jnp.where(m, p + v, v), partial, value)
+            done = jnp.logical_or(done, rest)
+        return tuple(out)
+
+    def total(self, sums: tuple) -> Any:
+        return sums[-1]
 
 
 def check_batch(examples: int, shards: int, batch_devices: int) -> None:
@@ -80,7 +119,7 @@ def _per_shard_layer(per: _fsdp.PerLayer, placement: Placement) -> _fsdp.PerLaye
     return _fsdp.PerLayer(placement=whole, remat=per.remat)
 
 
-def _slice_shard(g: jax.Array, dim: int | None, n: int) -> jax.Array:
+def slice_shard(g: jax.Array, dim: int | None, n: int) -> jax.Array:
     """This device's rows of the whole gradient ``g`` on ``dim`` (the data axis's split)."""
     if dim is None or n == 1:
         return g
@@ -150,7 +189,7 @@ def deterministic_gradients(
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
         if plan.shards_optimizer:
             dims = [leaf.data_dim for leaf in placement.flat()]
-            flat = [_slice_shard(g, d, n) for g, d in zip(jax.tree.leaves(grads), dims, strict=True)]
+            flat = [slice_shard(g, d, n) for g, d in zip(jax.tree.leaves(grads), dims, strict=True)]
             grads = jax.tree.unflatten(jax.tree.structure(grads), flat)
         return loss, aux, state, grads, norm
 
@@ -193,7 +232,9 @@ def price(placement: Placement, grad_bytes: int, param_bytes: int) -> dict[str, 
         return {"deterministic": 0.0, "normal": 0.0}
     gather = (n - 1) / n
     det = (n - 1) * grad_bytes + (gather * param_bytes if plan.shards_optimizer else 0.0)
-    if plan.shards_params:
+    if plan.shards_params and plan.pipeline:  # fsdp+pp: one gather and one reduce-scatter per step
+        normal = gather * param_bytes + gather * grad_bytes
+    elif plan.shards_params:
         normal = (
             2 * gather * param_bytes + gather * grad_bytes
         )  # gathers forward and backward + reduce-scatter

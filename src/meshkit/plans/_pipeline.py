@@ -74,6 +74,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
 from meshkit.plans import _schedule
+from meshkit.plans._deterministic import TreeAdder, slice_shard, tree_sum
 from meshkit.plans._pipeline_report import PipelineReport
 from meshkit.plans._remat import remat_policy
 from meshkit.plans._stages import (
@@ -105,18 +106,46 @@ def _perm(p: int, shift: int, ring: bool) -> list[tuple[int, int]]:
 
 
 def local_pipeline(
-    stages: Stages, sched: _schedule.Schedule, placement: Placement, remat: str = "none"
-) -> Callable:
-    """Per-device ``(params, batch) -> (loss, record, grads)`` inside the manual region.
+    stages: Stages, sched: _schedule.Schedule, placement: Placement, remat: str = "none",
+    shards: int | None = None,
+) -> Callable:  # fmt: skip
+    """Per-device ``(params, batch) -> (loss, record, grads, norm)`` inside the manual region.
 
     Over ``data``: gradients all-reduced (dp+pp), or under fsdp+pp (ZeRO-3) the parameter shards
     all-gathered once before the schedule and the gradients reduce-scattered once after it (both
-    bucketed, ``_step``'s helpers): the stage's full parameters live through the step."""
+    bucketed, ``_step``'s helpers): the stage's full parameters live through the step.
+
+    Deterministic mode (``shards``: the step's micro-shards, m per data replica): every micro-batch's
+    loss and gradients are added in ``tree_sum``'s binary tree (``TreeAdder`` over a device's micro-batches
+    as their backwards end, then the block sums of every data replica, all-gathered, in index order);
+    the embedding and head gradients are added over the stages in stage order, and the gradients' norm
+    is taken from the whole sum, so the bits are the same on any data axis for the same stages.
+    ``norm`` is None outside deterministic mode."""
     from meshkit.plans._step import _finish, _gather
 
     policy = remat_policy(remat)
     data_size, zero3 = placement.data_size, placement.plan.shards_params
     p, m, v = sched.p, sched.m, sched.v
+    blocks_of = [leaf.model_spec[:1] == (STAGE,) for leaf in placement.flat()]
+
+    def in_tree_order(loss, grads):
+        """Deterministic mode's sums over the stages' ends and the data replicas, then the norm and
+        (fsdp+pp) this device's shard of the whole gradient."""
+        if data_size > 1:
+            loss, grads = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, DATA), (loss, grads)))
+        loss, grads = lax.optimization_barrier((loss, grads))  # the last adds are not fused into the norm
+        loss, grads = jax.tree.map(lambda x: x * (1.0 / shards), (loss, grads))
+        flat = jax.tree.leaves(grads)
+        squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in flat]
+        if p > 1:  # a stage holds its blocks' slice: their squares added over the stages in stage order
+            split = jnp.stack([sq for sq, b in zip(squares, blocks_of, strict=True) if b])
+            split = iter(tree_sum(lax.all_gather(split, STAGE)))
+            squares = [next(split) if b else sq for sq, b in zip(squares, blocks_of, strict=True)]
+        norm = jnp.sqrt(sum(squares))
+        if zero3:
+            dims = [leaf.data_dim for leaf in placement.flat()]
+            flat = [slice_shard(g, d, data_size) for g, d in zip(flat, dims, strict=True)]
+        return loss, jax.tree.unflatten(jax.tree.structure(grads), flat), norm
 
     def over_data(loss, grads):
         if zero3:
@@ -129,29 +158,51 @@ def local_pipeline(
             loss = buckets.manual_sum(lambda t: lax.pmean(t, DATA), loss)
         return loss, grads
 
-    def run(params, batch):
+    def gathered(params, batch):
+        """ZeRO-3's stage parameters, gathered; deterministic mode keeps the gather (and the batch's
+        split) from being fused into the micro-batches' gradients, whose bits would then follow the mesh."""
         if zero3:
             params = _gather(params, placement)
+        return (params, batch) if shards is None else lax.optimization_barrier((params, batch))
+
+    def run(params, batch):
+        params, batch = gathered(params, batch)
         top, blocks = stages.split(params)
         d = lax.axis_index(STAGE) if p > 1 else 0
         if v > 1 and p > 1:  # interleaved: this device's chunks c p + d, from its stored slice
             blocks = relayout(blocks, p, v, d, back=False)
-        acc_c, acc_t, loss, record = _Ticks(stages, sched, policy, top, blocks, _micro(batch, m), d).run()
+        ticks = _Ticks(stages, sched, policy, top, blocks, _micro(batch, m), d, tree=shards is not None)
+        acc_c, acc_t, loss, record = ticks.run()
         if v > 1 and p > 1:
             acc_c = relayout(acc_c, p, v, d, back=True)
+        if shards is not None:
+            if p > 1:  # only the first and the last stage hold embedding and head gradients
+                acc_t, loss = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, STAGE), (acc_t, loss)))
+            loss, grads, norm = in_tree_order(loss, stages_join(stages, acc_t, acc_c))
+            return loss, record[:, None, :], grads, norm
         if p > 1:
             acc_t, loss = buckets.manual_sum(lambda t: lax.psum(t, STAGE), (acc_t, loss))
         loss, grads = over_data(loss, stages_join(stages, acc_t, acc_c))
-        return loss, record[:, None, :], grads
+        return loss, record[:, None, :], grads, None
 
     def single_stage(params, batch):
         """One stage (p = v = 1): nothing to send and no bubble; its schedule (F j then B j) is gradient
         accumulation, run as a scan of ``jax.value_and_grad`` over the micro-batches (one call for
         m = 1): no tick loop, no permutes, no recomputing backward. The record is the table."""
-        if zero3:
-            params = _gather(params, placement)
+        params, batch = gathered(params, batch)
         micro = _micro(batch, m)
+        if shards is not None:  # each micro-batch's loss and gradients kept apart, added in the tree
+            grad = jax.value_and_grad(lambda pr, mb: whole_loss(stages, pr, mb, policy))
+            adder = TreeAdder(m)
 
+            def add(sums, j):
+                return adder.add(sums, j, grad(params, jax.tree.map(lambda a: a[j], micro))), None
+
+            zero = jax.eval_shape(grad, params, jax.tree.map(lambda a: a[0], micro))
+            sums = adder.zeros(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero))
+            loss, grads = adder.total(lax.scan(add, sums, jnp.arange(m, dtype=jnp.int32))[0])
+            loss, grads, norm = in_tree_order(loss, grads)
+            return loss, jnp.asarray(sched.table()), grads, norm
         grad = jax.value_and_grad(lambda pr, mb: whole_loss(stages, pr, mb, policy) / m)
         if m == 1:
             loss, grads = grad(params, jax.tree.map(lambda a: a[0], micro))
@@ -160,7 +211,7 @@ def local_pipeline(
             step = lambda acc, mb: (jax.tree.map(jnp.add, acc, grad(params, mb)), None)  # noqa: E731
             loss, grads = lax.scan(step, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero), micro)[0]
         loss, grads = over_data(loss, grads)
-        return loss, jnp.asarray(sched.table()), grads
+        return loss, jnp.asarray(sched.table()), grads, None
 
     return single_stage if p == 1 and v == 1 else run
 
@@ -172,14 +223,17 @@ class _Ticks:
     cotangent buffers with their tags, the gradient accumulators and the loss."""
 
     def __init__(self, stages: Stages, sched: _schedule.Schedule, policy: Any, top: Any, blocks: Any, micro: Any,
-                 d: Any) -> None:  # fmt: skip
+                 d: Any, tree: bool = False) -> None:  # fmt: skip
         self.stages, self.sched, self.policy = stages, sched, policy
         self.top, self.blocks, self.micro, self.d = top, blocks, micro, d
         self.p, self.v, self.S = sched.p, sched.v, sched.stages
         self.k = jax.tree.leaves(blocks)[0].shape[0] // sched.v
         self.x_like = jax.eval_shape(stages.embed, top, jax.tree.map(lambda a: a[0], micro))
         self.zeros_x = jnp.zeros(self.x_like.shape, self.x_like.dtype)
-        self.scale = 1.0 / sched.m
+        # deterministic mode (``tree``): every micro-batch's loss and gradients summed unscaled in the
+        # binary tree, in micro-batch order (each chunk's backwards run in that order), scaled at the end
+        self.tree = TreeAdder(sched.m) if tree else None
+        self.scale = 1.0 if tree else 1.0 / sched.m
         self.loss_dtype = jnp.promote_types(self.x_like.dtype, jnp.float32)
         self.fwd_perm, self.bwd_perm = _perm(self.p, 1, self.v > 1), _perm(self.p, -1, self.v > 1)
 
@@ -188,11 +242,13 @@ class _Ticks:
         s = self.sched
         table = np.stack([s.kind, s.chunk, s.mb, s.x_read, s.g_read, s.x_write, s.g_write], axis=-1)
         buf = lambda n: jnp.zeros((n + 1, *self.x_like.shape), self.x_like.dtype)  # noqa: E731
+        sums = (self.blocks, self.top, jnp.zeros((), self.loss_dtype))
+        sums = jax.tree.map(jnp.zeros_like, sums) if self.tree is None else self.tree.zeros(sums)
         carry = (buf(s.x_slots), jnp.zeros((s.x_slots + 1,), jnp.int32), buf(s.g_slots),
-                 jnp.zeros((s.g_slots + 1,), jnp.int32), jax.tree.map(jnp.zeros_like, self.blocks),
-                 jax.tree.map(jnp.zeros_like, self.top), jnp.zeros((), self.loss_dtype))  # fmt: skip
+                 jnp.zeros((s.g_slots + 1,), jnp.int32), sums)  # fmt: skip
         carry, record = lax.scan(self.tick, carry, jnp.asarray(table, jnp.int32))
-        return carry[4], carry[5], carry[6], record
+        sums = carry[4] if self.tree is None else self.tree.total(carry[4])
+        return (*sums, record)
 
     def chunk(self, tree, c):
         return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, c * self.k, self.k), tree)
@@ -247,16 +303,33 @@ class _Ticks:
         record = jnp.stack([jnp.int32(_schedule.BWD), got_j, got_s])
         return self.zeros_x, dx.astype(self.x_like.dtype), dc, dt, loss, record
 
+    def accumulate(self, sums, kind, c, s, j, dc, dt, loss):
+        """Add one tick's gradients and loss: in order (the normal mode: idle and forward ticks add
+        zeros), or, deterministic, into the binary tree of a backward tick's micro-batch ``j``: the
+        chunk's layers, the embedding and head where this virtual stage uses them, the loss where it
+        is computed (the last virtual stage)."""
+        k = self.k
+        at = lambda a: lax.dynamic_slice_in_dim(a, c * k, k)  # noqa: E731
+        put = lambda a, g: lax.dynamic_update_slice_in_dim(a, g, c * k, 0)  # noqa: E731
+        if self.tree is None:
+            acc_c, acc_t, loss_acc = sums
+            acc_c = jax.tree.map(lambda a, g: put(a, at(a) + g), acc_c, dc)
+            return acc_c, jax.tree.map(jnp.add, acc_t, dt), loss_acc + loss
+        bwd, last = kind == _schedule.BWD, s == self.S - 1
+        chunk = self.tree.add(tuple(jax.tree.map(at, level[0]) for level in sums), j, dc, bwd)
+        top = self.tree.add(tuple(level[1] for level in sums), j, dt, bwd & ((s == 0) | last))
+        losses = self.tree.add(tuple(level[2] for level in sums), j, loss, bwd & last)
+        return tuple((jax.tree.map(put, level[0], new), t, lo)
+                     for level, new, t, lo in zip(sums, chunk, top, losses, strict=True))  # fmt: skip
+
     def tick(self, carry, row):
-        xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc = carry
-        p, k, S, d = self.p, self.k, self.S, self.d
+        xbuf, xtag, gbuf, gtag, sums = carry
+        p, S, d = self.p, self.S, self.d
         kind, c, j, xr, gr, xw, gw = (row[d, i] for i in range(7))
         s = c * p + d
         send_x, send_g, dc, dt, loss, rec = lax.switch(kind, [self.idle, self.fwd, self.bwd],
                                                        (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr))  # fmt: skip
-        acc_c = jax.tree.map(lambda a, g: lax.dynamic_update_slice_in_dim(
-            a, lax.dynamic_slice_in_dim(a, c * k, k) + g, c * k, 0), acc_c, dc)  # fmt: skip
-        acc_t = jax.tree.map(jnp.add, acc_t, dt)
+        sums = self.accumulate(sums, kind, c, s, j, dc, dt, loss)
         if p > 1 or self.v > 1:
             tag_x = j * S + s + 1  # what the receiver consumes: micro-batch j at virtual stage s + 1
             tag_g = j * S + s - 1
@@ -265,14 +338,17 @@ class _Ticks:
                 send_g, tag_g = lax.ppermute((send_g, tag_g), STAGE, self.bwd_perm)
             xbuf, xtag = xbuf.at[xw].set(send_x), xtag.at[xw].set(tag_x)
             gbuf, gtag = gbuf.at[gw].set(send_g), gtag.at[gw].set(tag_g)
-        return (xbuf, xtag, gbuf, gtag, acc_c, acc_t, loss_acc + loss), rec
+        return (xbuf, xtag, gbuf, gtag, sums), rec
 
 
 def pipeline_gradients(
-    stages: Stages, placement: Placement, sched: _schedule.Schedule, remat: str = "none"
-) -> Callable:
+    stages: Stages, placement: Placement, sched: _schedule.Schedule, remat: str = "none",
+    shards: int | None = None,
+) -> Callable:  # fmt: skip
     """Global-view ``(params, state, batch, key) -> (loss, {"schedule": record}, state, grads)``:
     the gradient function ``build_step`` takes for a pipeline plan (state and key pass through).
+    Deterministic mode (``shards``): the function's ``norm()`` is the last call's gradient norm, taken
+    in the region from the whole sum (``local_pipeline``).
 
     One stage and one micro-batch without ZeRO-3 or a model axis is the plan without stages: the
     loss's gradient in the global view, XLA's partitioner all-reducing it over ``data`` as under
@@ -281,7 +357,8 @@ def pipeline_gradients(
     mesh = placement.mesh
     has_data = DATA in mesh.shape
     zero3 = placement.plan.shards_params
-    if (sched.p, sched.v, sched.m) == (1, 1, 1) and not zero3 and placement.model_size == 1:
+    one = (sched.p, sched.v, sched.m) == (1, 1, 1)
+    if one and not zero3 and placement.model_size == 1 and shards is None:
         table, policy = jnp.asarray(sched.table()), remat_policy(remat)
 
         def plain(params, state, batch, key):
@@ -294,19 +371,57 @@ def pipeline_gradients(
     )
     manual = {STAGE} | ({DATA} if has_data else set())
     body = jax.shard_map(
-        local_pipeline(stages, sched, placement, remat),
+        local_pipeline(stages, sched, placement, remat, shards),
         mesh=mesh,
         in_specs=(specs, P(DATA) if has_data else P()),
-        out_specs=(P(), P(None, STAGE), specs),
+        out_specs=(P(), P(None, STAGE), specs, None if shards is None else P()),
         axis_names=manual,
         check_vma=False,  # the collectives are written out; no implicit psum on transpose
     )
+    last: dict[str, Any] = {}
 
     def grads_of(params, state, batch, key):
-        loss, record, grads = body(params, batch)
+        loss, record, grads, last["norm"] = body(params, batch)
         return loss, {"schedule": record}, state, grads
 
+    grads_of.norm = lambda: last["norm"]  # type: ignore[attr-defined]
     return grads_of
+
+
+def _deterministic_microbatches(spec: ParallelSpec, p: int, v: int, data: int) -> int:
+    """Deterministic mode's micro-batches per data replica: its micro-shards shared out over the data
+    axis (a micro-batch is one micro-shard, the same rows on every mesh)."""
+    shards = spec.deterministic
+    if shards % data:
+        raise PlanError(
+            f"deterministic={shards} micro-shards do not share out over data={data}: use deterministic={data} "
+            "or more (a power of two), or a smaller data axis"
+        )
+    m = shards // data
+    if spec.microbatches is not None and spec.microbatches != m:
+        raise PlanError(
+            f"deterministic mode runs one micro-batch per micro-shard, {shards} / data={data} = {m} per data "
+            f"replica, not microbatches={spec.microbatches}: drop microbatches"
+        )
+    if p == 1 and v > 1:
+        raise PlanError(
+            "deterministic mode runs an interleaved schedule over 2 or more stages (one device holding both "
+            "ends of the model adds their gradients in another order): use virtual_stages=1"
+        )
+    return m
+
+
+def _check_backward_order(sched: _schedule.Schedule) -> None:
+    """Deterministic mode adds a chunk's micro-batch gradients as their backwards end
+    (``TreeAdder``), which needs every chunk's backwards in micro-batch order."""
+    for d in range(sched.p):
+        for c in range(sched.v):
+            order = sched.mb[(sched.kind[:, d] == _schedule.BWD) & (sched.chunk[:, d] == c), d]
+            if not np.array_equal(order, np.arange(sched.m)):
+                raise PlanError(
+                    f"deterministic mode needs each chunk's backwards in micro-batch order; schedule "
+                    f"{sched.name} runs device {d}'s chunk {c} in the order {order.tolist()}: use gpipe or 1f1b"
+                )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -319,13 +434,18 @@ class Pipeline:
     layers: int
     remat: str = "none"
     """Activation checkpointing per block inside a chunk's recomputing backward: 'none', 'layer', 'dots'."""
+    shards: int | None = None
+    """Deterministic mode's micro-shards per step (``ParallelSpec.deterministic``): m per data replica."""
+    norm: bool = False
+    """Whether the step takes the gradients' norm (deterministic mode gathers its blocks' squares)."""
 
     @classmethod
     def make(cls, loss_fn: Any, params: Any, placement: Placement, spec: ParallelSpec,
-             extras: dict[str, bool]) -> Pipeline:  # fmt: skip
+             extras: dict[str, bool], norm: bool = False) -> Pipeline:  # fmt: skip
         """Check a pipeline plan's model and sizes (naming the fix) and build its schedule and placement.
 
-        ``extras``: Trainer options the pipeline does not take yet (name -> whether given).
+        ``extras``: Trainer options the pipeline does not take yet (name -> whether given); ``norm``:
+        whether the step takes the gradients' norm.
         """
         plan = placement.plan.name
         if not isinstance(loss_fn, Stages):
@@ -340,16 +460,30 @@ class Pipeline:
         p = int(placement.mesh.shape[STAGE])
         m = p if spec.microbatches is None else spec.microbatches
         v, name = spec.virtual_stages, spec.schedule_name
+        if spec.deterministic is not None:
+            m = _deterministic_microbatches(spec, p, v, placement.data_size)
         check_sizes(loss_fn, params, p, m, v, name)
-        return cls(stages=loss_fn, schedule=_schedule.build(name, p, m, v),
-                   placement=stage_placement(placement, loss_fn), layers=loss_fn.layers(params), remat=spec.remat)  # fmt: skip
+        sched = _schedule.build(name, p, m, v)
+        if spec.deterministic is not None:
+            _check_backward_order(sched)
+        return cls(stages=loss_fn, schedule=sched, placement=stage_placement(placement, loss_fn),
+                   layers=loss_fn.layers(params), remat=spec.remat, shards=spec.deterministic, norm=norm)  # fmt: skip
 
     @property
     def microbatches(self) -> int:
         return self.schedule.m
 
+    def stage_bytes(self) -> int:
+        """Parameter bytes of one stage, whole over data: its slice of the blocks and the embedding and
+        head (what deterministic mode's block sums move)."""
+        p = self.schedule.p
+        return sum(x.nbytes // p if self._is_block(x) else x.nbytes for x in self.placement.flat())
+
+    def _is_block(self, leaf: Any) -> bool:
+        return leaf.path.startswith(self.stages.blocks + "/")
+
     def gradients(self) -> Callable:
-        return pipeline_gradients(self.stages, self.placement, self.schedule, self.remat)
+        return pipeline_gradients(self.stages, self.placement, self.schedule, self.remat, self.shards)
 
     def activation(self, params: Any, batch: Any, data_size: int) -> jax.ShapeDtypeStruct:
         """One micro-batch's activation on one device (what each permute moves and each slot holds)."""
@@ -407,15 +541,31 @@ class Pipeline:
         item = act.dtype.itemsize  # XLA's CPU compiler moves sub-32-bit float collectives as f32
         item = max(item, 4) if placement.mesh.devices.flat[0].platform == "cpu" else item
         act_bytes = int(np.prod(act.shape)) * item
-        blocks = [x for x in placement.flat() if x.path.startswith(self.stages.blocks + "/")]
+        blocks = [x for x in placement.flat() if self._is_block(x)]
         rows = []
         if p > 1:
             top = sum(x.nbytes for x in placement.flat() if x not in blocks)
             chunk = sum(x.nbytes // placement.split(x) for x in blocks) // s.v
             rows += [(STAGE, "collective-permute", 2 * s.ticks, act_bytes, 2, "an activation forward, a cotangent back, per tick"),
                      (STAGE, "collective-permute", 2 * relayout_count(p, s.v), chunk, 2, "interleaved: chunks to their devices and back"),
-                     (STAGE, "all-reduce", 1, top, p, "embedding and head gradients, summed over the stages"),
                      (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
+            if self.shards is None:
+                rows.append(
+                    (STAGE, "all-reduce", 1, top, p, "embedding and head gradients, summed over the stages")
+                )
+            else:  # deterministic: gathered and added in stage order, with the loss (and the blocks' squares)
+                rows.append(
+                    (
+                        STAGE,
+                        "all-gather",
+                        1,
+                        p * (top + 4),
+                        p,
+                        "deterministic: embedding and head gradients and the loss of every stage",
+                    )
+                )
+                if self.norm:
+                    rows.append((STAGE, "all-gather", 1, p * 4 * len(blocks), p, "deterministic: each block leaf's sum of squares"))  # fmt: skip
         if placement.model_size > 1:
             tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
             row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]

@@ -432,6 +432,8 @@ def build_step(
     norm_of = optax.tree.norm
     if deterministic is not None and gradients is None:
         grads_of, norm_of = _deterministic_grads(loss_fn, placement, deterministic, per_layer)
+    elif deterministic is not None:  # a pipeline's: its norm taken in its region, from the whole sum
+        norm_of = lambda _: gradients.norm()  # noqa: E731
     gather = _param_gather(placement)
     mesh = placement.mesh
     grad_sh = placement.tree(
@@ -475,7 +477,8 @@ DETERMINISTIC_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "algsimp,while-loop-
 """Deterministic mode's compile: XLA's algebraic simplifier rewrites by context (one partition turns
 softmax's ``x / broadcast(s)`` into ``x * broadcast(1 / s)``, a program of several partitions keeps the
 divide: one ulp apart), so the same loss would differ between 1 device and 2; without it the per-shard
-gradients are the same bits on every mesh."""
+gradients are the same bits on every mesh. (Fused multiply-adds, which XLA's CPU code uses by
+the operands' shapes, are turned off for the process: ``meshkit.devices.prepare_deterministic``.)"""
 
 
 def _deterministic_grads(

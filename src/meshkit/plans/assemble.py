@@ -83,6 +83,8 @@ class Assembled:
         from meshkit.plans._deterministic import expected, price
 
         shards = self.spec.deterministic
+        if self.pipeline is not None:  # a stage's slice of the blocks and the embedding and head
+            param_bytes = self.pipeline.stage_bytes()
         bytes_ = price(self.placement, param_bytes, param_bytes)
         ratio = bytes_["deterministic"] / bytes_["normal"] if bytes_["normal"] else None
         det = {"shards": shards, "shards_per_device": shards // self.placement.data_size,
@@ -151,7 +153,9 @@ def assemble(
     pipeline = None
     if plan.pipeline:
         extras = {"state=": stateful, "rng=": rng, "has_aux=True": has_aux}
-        pipeline = Pipeline.make(loss_fn, params, placement, spec, extras)
+        pipeline = Pipeline.make(
+            loss_fn, params, placement, spec, extras, norm=grad_norm or clip_norm is not None
+        )
         placement = pipeline.placement
     replicated = NamedSharding(mesh, P())
     shardings = StepShardings(

@@ -129,6 +129,10 @@ class Trainer:
                                microbatches=microbatches, pipeline_schedule=pipeline_schedule,
                                virtual_stages=virtual_stages, precision=_precision(compute_dtype),
                                deterministic=deterministic or None)  # fmt: skip
+        if spec.deterministic is not None:  # on a CPU: fused multiply-adds off (meshkit.devices)
+            from meshkit.devices import prepare_deterministic
+
+            prepare_deterministic()
         self.plan_choice = None
         """With ``plan="auto"``: the plan chosen and why (``meshkit.planner.auto.Choice``)."""
         if spec.plan == AUTO:
@@ -378,7 +382,7 @@ class Trainer:
                                         gather_itemsize=low, per_layer=self.per_layer,
                                         form=self.spec.context_attention)  # fmt: skip
         det = None
-        if self.spec.deterministic is not None and self.pipeline is None:
+        if self.spec.deterministic is not None:  # its collectives over data (a pipeline's stage rows below)
             leaves = jax.tree.leaves(self._param_shapes)
             nbytes = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in leaves)
             expected, det = self.assembled.deterministic_price(nbytes)
