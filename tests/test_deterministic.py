@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh
 
 from meshkit import ParallelSpec, Trainer
-from meshkit._errors import DeviceSetupError, MeshkitError
+from meshkit._errors import DeviceSetupError
 from meshkit.cli import main
 from meshkit.models import gpt, llama
 from meshkit.plans._deterministic import TreeAdder, tree_sum
@@ -141,18 +141,6 @@ def test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column(capsy
     assert cert["bitwise_across_meshes"] == {"data=1": True, "data=2": True, "data=4": True, "data=8": True}
     assert cert["checks"]["bitwise across meshes"] is True and cert["ok"] is True
     assert cert["report"]["deterministic"]["shards"] == 8
-
-
-def test_verify_deterministic_on_several_processes_is_one_line():
-    # its meshes are the first N devices, not all addressable on several processes (a traceback from
-    # "FullyReplicatedShard: Array has no addressable shards" before)
-    from meshkit.verify import check_one_process
-
-    check_one_process(1)
-    with pytest.raises(
-        MeshkitError, match=r"checks the meshes of one process, not 2: run it without meshkit launch"
-    ):
-        check_one_process(2)
 
 
 # -- pipelines: the same bits on any data axis for the same stages ---------------------------------------

@@ -60,8 +60,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -518,8 +519,10 @@ class Certificate:
     final_loss: float
     report: PlanReport
     bitwise_across_meshes: dict[str, bool] | None = None
-    """Deterministic mode: each data axis that divides the devices (``data=N`` on the first N) -> whether
-    its K steps have the plan's bits (``bitwise_meshes``); None otherwise."""
+    """Deterministic mode: each mesh of ``comparison_meshes`` (``data=N`` on the first N devices, of each
+    process's own under ``meshkit launch``) -> whether its K steps have the plan's bits, and on several
+    processes ``2 processes x 4`` -> whether every process gathered the same bits of the plan's run
+    (``bitwise_meshes``); None otherwise."""
 
     @property
     def checks(self) -> dict[str, bool]:
@@ -561,7 +564,9 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
 
     def trainer(w: Workload, opt: optax.GradientTransformation = optimizer, mesh: Any = None) -> Trainer:
         layout = {"spec": spec} if mesh is None else {"plan": spec.plan, "mesh": mesh, "remat": spec.remat,
-                  "compute_dtype": spec.compute_dtype, "deterministic": spec.deterministic}  # fmt: skip
+                  "compute_dtype": spec.compute_dtype, "deterministic": spec.deterministic,
+                  "microbatches": spec.microbatches, "pipeline_schedule": spec.pipeline_schedule,
+                  "virtual_stages": spec.virtual_stages}  # fmt: skip
         return Trainer(w.loss_fn, w.params, opt, **layout, logical_axes=w.logical_axes, rules=w.rules,
                        units=w.units, state=w.state, rng=w.rng, has_aux=w.has_aux,
                        tokens_per_example=w.tokens_per_example)  # fmt: skip
@@ -627,33 +632,83 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
     )
 
 
-def check_one_process(processes: int | None = None) -> None:
-    """The 'bitwise across meshes' check trains on meshes of the first N devices, which on several
-    processes are not all addressable: refused there in one line (the same bits across processes are
-    shown by ``meshkit train --deterministic`` under ``meshkit launch``)."""
-    processes = jax.process_count() if processes is None else processes
-    if processes > 1:
+def comparison_meshes(spec: ParallelSpec, devices: Sequence[Any]) -> dict[str, Any]:
+    """The meshes deterministic mode compares for ``spec``, on the first of ``devices``, by label: a data
+    axis of N = 1, 2, 4... devices, N dividing the devices and at most the micro-shards. A plan with a stage
+    axis holds its stage degree S and varies the data axis: ``(stage, data)`` meshes of S x N devices
+    (not reached today: ParallelSpec refuses pipelines in deterministic mode)."""
+    from jax.sharding import Mesh
+
+    stages = spec.degrees(jax.device_count())[STAGE] if spec.plan_info.pipeline else None
+    per = stages or 1
+    out, n = {}, 1
+    while n <= spec.deterministic and n * per <= len(devices):
+        if len(devices) % (n * per) == 0:
+            chosen = np.array(devices[: n * per])
+            if stages is None:
+                out[f"{DATA}={n}"] = Mesh(chosen, (DATA,))
+            else:
+                out[f"{STAGE}={stages},{DATA}={n}"] = Mesh(chosen.reshape(stages, n), (STAGE, DATA))
+        n *= 2
+    return out
+
+
+def check_meshes(spec: ParallelSpec) -> None:
+    """Refuse, in one line and before any training, a deterministic spec whose 'bitwise across meshes'
+    check has no mesh to run on: on several processes each compares meshes of its own devices, so those
+    must be as many in every process and hold the plan's stage degree."""
+    if spec.deterministic is None:
+        return
+    processes, local = jax.process_count(), jax.local_device_count()
+    if processes > 1 and jax.device_count() != processes * local:
         raise MeshkitError(
-            f"meshkit verify --deterministic checks the meshes of one process, not {processes}: run it without "
-            "meshkit launch (compare `meshkit train --deterministic` runs across processes instead)"
+            f"meshkit verify --deterministic on {processes} processes compares meshes of each process's own "
+            f"devices: give every process as many (--devices-per-process), not {jax.device_count()} over "
+            f"{processes}"
+        )
+    if not comparison_meshes(spec, jax.local_devices() if processes > 1 else jax.devices()):
+        stages = spec.degrees(jax.device_count())[STAGE]
+        raise MeshkitError(
+            f"meshkit verify --deterministic compares meshes of one process's {local} devices, too few for "
+            f"plan {spec.plan}'s {stages} stages: give each process at least {stages} (--devices-per-process)"
         )
 
 
 def bitwise_meshes(params: Any, train_on: Callable[[Any], Any], spec: ParallelSpec) -> dict[str, bool]:
-    """Deterministic mode: ``train_on(mesh)`` (the parameters after the same K steps) on every data axis of
-    the first N devices, N a power of two dividing the device count and the micro-shards, each compared
-    bit for bit with ``params`` (the plan's run)."""
-    from jax.sharding import Mesh
+    """Deterministic mode: ``train_on(mesh)`` (the parameters after the same K steps) on each of
+    ``comparison_meshes``, compared bit for bit with ``params`` (the plan's run).
 
-    check_one_process()
-    out = {}
-    n = 1
-    while n <= min(jax.device_count(), spec.deterministic):
-        if jax.device_count() % n == 0:
-            mesh = Mesh(np.array(jax.devices()[:n]), (DATA,))
-            out[f"data={n}"] = bitwise_equal(train_on(mesh), params)
-        n *= 2
+    On one process the meshes are of the first devices. On several (``meshkit launch``) the plan ran on
+    every process's devices; each process trains on meshes of its own devices (no collective across
+    processes) and compares with the plan's parameters gathered to it, and the processes exchange
+    digests of those bits, so that every process returns the same verdict: ``data=N`` holds where every
+    process's run equals the plan's bits, and the row of the plan's own mesh (``2 processes x 4``) where
+    every process gathered the same bits of it."""
+    if jax.process_count() == 1:
+        return {
+            label: bitwise_equal(train_on(mesh), params)
+            for label, mesh in comparison_meshes(spec, jax.devices()).items()
+        }
+    from jax.experimental import multihost_utils
+
+    meshes = comparison_meshes(spec, jax.local_devices())
+    mine = np.stack([_digest(params)] + [_digest(train_on(mesh)) for mesh in meshes.values()])
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, 1 + meshes, digest)
+    out = {label: bool((every[:, i + 1] == every[0, 0]).all()) for i, label in enumerate(meshes)}
+    out[f"{jax.process_count()} processes x {jax.local_device_count()}"] = bool(
+        (every[:, 0] == every[0, 0]).all()
+    )
     return out
+
+
+def _digest(tree: Any) -> np.ndarray:
+    """SHA-256 of ``tree``'s bits on this host (shards of other processes gathered), as 32 bytes."""
+    h = hashlib.sha256()
+    for a in jax.tree.leaves(host(tree)):
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return np.frombuffer(h.digest(), np.uint8)
 
 
 def _check_steps(steps: int) -> None:
@@ -700,6 +755,7 @@ def verify(
     spec = ParallelSpec(plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
                         pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
                         context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
+    check_meshes(spec)
     shape = _layers(spec, model)
     w = workload(model, seed, **shape)
     key = (model, seed, tuple(sorted(shape.items())), steps, lr)
@@ -744,6 +800,7 @@ def verify_model(
                  pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
                  context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
     _check_steps(steps)
+    check_meshes(spec)
     w = Workload(name=name, loss_fn=loss_fn, params=params, batch=batch, logical_axes=logical_axes, rules=rules,
                  units=units, state=state, rng=rng, has_aux=has_aux, tokens_per_example=tokens_per_example)  # fmt: skip
     return _certify(w, optimizer, spec, steps, _reference(w, optimizer, steps, numpy_lr=None))

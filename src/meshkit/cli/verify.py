@@ -62,7 +62,8 @@ def verify(
         typer.Option(
             "--deterministic",
             help="Deterministic mode (8 micro-shards in one fixed sum tree): also train on every data axis "
-            "that divides the devices and check the bits are the plan's (the 'bitwise across meshes' check).",
+            "that divides the devices and check the bits are the plan's (the 'bitwise across meshes' check); "
+            "under meshkit launch on each process's own devices, beside the plan's run on all processes.",
         ),
     ] = False,
     devices: DevicesOpt = 8,
@@ -73,13 +74,15 @@ def verify(
     from meshkit.cli.ledger import _simulate
 
     _simulate(devices)
+    if deterministic:
+        from meshkit.devices import prepare_deterministic
+
+        prepare_deterministic()  # before the backend starts
     from meshkit import verify as V
 
     options = dict(mesh=mesh, steps=steps, accumulate=accumulate, remat=remat, microbatches=microbatches,
                    pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
                    context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
-    if deterministic:
-        V.check_one_process()  # before any training: its meshes are one process's devices
     if ":" in model:
         cert = V.verify_model(**_user_model(model), plan=plan, **options)
     else:
