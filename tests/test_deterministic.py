@@ -251,3 +251,17 @@ def test_tree_adder_adds_in_arrival_order_as_tree_sum_does():
             sums = adder.add(sums, np.int32(j), x[j])
         assert np.asarray(adder.total(sums)).tobytes() == np.asarray(tree_sum(x)).tobytes()
     assert len(TreeAdder(8).zeros(x[0])) == 4
+
+
+def test_meshkit_verify_deterministic_compares_a_pipeline_on_every_data_axis_of_its_stages(capsys):
+    assert (
+        main(["verify", "--plan", "dp+pp", "--model", "gpt", "--steps", "2", "--deterministic", "--json"])
+        == 0
+    )
+    cert = json.loads(capsys.readouterr().out)
+    assert cert["bitwise_across_meshes"] == {
+        "stage=2,data=1": True,
+        "stage=2,data=2": True,
+        "stage=2,data=4": True,
+    }
+    assert cert["ok"] is True and cert["report"]["deterministic"]["shards"] == 8

@@ -22,14 +22,11 @@ RUN = ["train", "--preset", "tiny", "--deterministic", "--steps", "5", "--batch-
 TIMEOUT_S = 600
 
 
-def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
+def _run_all(tmp_path, runs):
+    """Every command side by side (each writes its run directory ``tmp_path / name``); their outputs."""
+    # a user's run: XLA's default optimisation, and fused multiply-adds as meshkit train sets them
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_DISABLE_MOST_OPTIMIZATIONS", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    runs = {
-        "2x4": [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, *RUN, "--plan", "zero3"],
-        "1x8": [EXE, *RUN, "--plan", "zero3", "--devices", "8"],
-        "1x1": [EXE, *RUN, "--plan", "dp", "--devices", "1"],
-    }
     out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     procs = {
         n: subprocess.Popen([*cmd, "--run-dir", str(tmp_path / n)], env=env, **out) for n, cmd in runs.items()
@@ -42,9 +39,34 @@ def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
                 os.killpg(p.pid, signal.SIGKILL)
     for name, p in procs.items():
         assert p.returncode == 0, (name, outs[name][-3000:])
-    assert "8 cpu in 2 process(es)" in outs["2x4"]
-    want = [np.asarray(x) for x in jax.tree.leaves(load_run(tmp_path / "1x1").params)]
-    for name in ("2x4", "1x8"):
+    return outs
+
+
+def _same_bits(tmp_path, reference, others):
+    want = [np.asarray(x) for x in jax.tree.leaves(load_run(tmp_path / reference).params)]
+    for name in others:
         got = [np.asarray(x) for x in jax.tree.leaves(load_run(tmp_path / name).params)]
         same = [a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True)]
-        assert all(same), f"{name}: {same.count(False)} of {len(same)} leaves differ from 1 device"
+        assert all(same), f"{name}: {same.count(False)} of {len(same)} leaves differ from {reference}"
+
+
+def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
+    outs = _run_all(tmp_path, {
+        "2x4": [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, *RUN, "--plan", "zero3"],
+        "1x8": [EXE, *RUN, "--plan", "zero3", "--devices", "8"],
+        "1x1": [EXE, *RUN, "--plan", "dp", "--devices", "1"],
+    })  # fmt: skip
+    assert "8 cpu in 2 process(es)" in outs["2x4"]
+    _same_bits(tmp_path, "1x1", ("2x4", "1x8"))
+
+
+def test_a_pipeline_on_2_processes_x_4_devices_has_the_bits_of_its_2_stages_alone(tmp_path):
+    """dp+pp on stage=2 x data=4 over 2 processes (2 micro-batches per replica) beside stage=2 x data=1 in
+    one process (8 micro-batches): the same 8 micro-shards added in the same tree."""
+    pp = [*RUN, "--plan", "dp+pp", "--layers", "2"]
+    outs = _run_all(tmp_path, {
+        "2x4": [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, *pp],
+        "1x2": [EXE, *pp, "--devices", "2"],
+    })  # fmt: skip
+    assert "8 cpu in 2 process(es)" in outs["2x4"] and "stage=2,data=4" in outs["2x4"]
+    _same_bits(tmp_path, "1x2", ("2x4",))

@@ -252,11 +252,11 @@ def train(
 
         cache.configure(compile_cache)
     _check_devices(devices)
-    _simulate(devices)
     if _deterministic_run(deterministic, config, set_ or [], resume, run_dir):
         from meshkit.devices import prepare_deterministic
 
-        prepare_deterministic()  # before the backend starts (jax.process_index below)
+        prepare_deterministic()  # before the backend starts (a launched rank's join starts it)
+    _simulate(devices)
     import jax
     from rich.console import Console
 

@@ -73,11 +73,11 @@ def verify(
     measured cost vs model. Exit 1 if a check fails."""
     from meshkit.cli.ledger import _simulate
 
-    _simulate(devices)
     if deterministic:
         from meshkit.devices import prepare_deterministic
 
-        prepare_deterministic()  # before the backend starts
+        prepare_deterministic()  # before the backend starts (a launched rank's join starts it)
+    _simulate(devices)
     from meshkit import verify as V
 
     options = dict(mesh=mesh, steps=steps, accumulate=accumulate, remat=remat, microbatches=microbatches,

@@ -9,7 +9,7 @@ Modules: ``corpus`` (a run's data: ``load``), ``pipeline`` (``Batches``, ``globa
 """
 
 from meshkit.data.corpus import Corpus, load
-from meshkit.data.pipeline import Batches, global_batch
+from meshkit.data.pipeline import Batches, global_batch, process_rows
 from meshkit.data.source import DataError
 
-__all__ = ["Batches", "Corpus", "DataError", "global_batch", "load"]
+__all__ = ["Batches", "Corpus", "DataError", "global_batch", "load", "process_rows"]

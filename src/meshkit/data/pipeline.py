@@ -17,6 +17,7 @@ exact next batch, also with another process count or device count.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any
 
@@ -37,8 +38,10 @@ def _process() -> tuple[int, int]:
 
 
 class Batches:
-    """Deterministic, resumable, process-aware stream of ``(inputs, targets)`` int32 arrays of shape
-    ``(global_batch / process_count, seq_len)``: this process's slice of each global batch."""
+    """Deterministic, resumable, process-aware stream of ``(inputs, targets)`` int32 arrays: this process's
+    rows of each global batch, ``(global_batch / process_count, seq_len)`` by default, or ``rows``
+    (``process_rows``: the rows the process's devices hold, all of them where the batch axis lies
+    within each process, as when a pipeline's stages span the processes)."""
 
     def __init__(
         self,
@@ -53,6 +56,7 @@ class Batches:
         process_index: int | None = None,
         process_count: int | None = None,
         threads: int = 0,
+        rows: tuple[int, int] | None = None,
     ) -> None:
         if isinstance(source, np.ndarray):
             from meshkit.data.source import ArraySource
@@ -66,6 +70,9 @@ class Batches:
         self.process_index, self.process_count = mine
         self._check()
         self.local_batch = global_batch // self.process_count
+        self.first_row = self.process_index * self.local_batch
+        if rows is not None:
+            self.first_row, self.local_batch = rows[0], rows[1] - rows[0]
         self.windows = -(-(len(source) - 1) // seq_len) if packed else len(source) - seq_len
         self._order = grain.MapDataset.range(self.windows).shuffle(seed=seed).repeat()
         self._iter: Any = None
@@ -106,7 +113,7 @@ class Batches:
     def _row(self, k: int) -> int:
         """This process's ``k``-th row of the run -> its window index in the run."""
         batch, j = divmod(k, self.local_batch)
-        return batch * self.global_batch + self.process_index * self.local_batch + j
+        return batch * self.global_batch + self.first_row + j
 
     def dataset(self) -> grain.MapDataset:
         """This process's local batches as a grain ``MapDataset`` (element ``b``: global batch ``b``'s slice)."""
@@ -165,6 +172,32 @@ class Batches:
         self._start = state["batch"]
 
 
-def global_batch(sharding: Sharding, local: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
-    """Global arrays from each process's slice of the batch, placed with ``sharding``."""
-    return tuple(jax.make_array_from_process_local_data(sharding, a) for a in local)
+def global_batch(
+    sharding: Sharding, local: tuple[np.ndarray, ...], examples: int | None = None
+) -> tuple[jax.Array, ...]:
+    """Global arrays of ``examples`` rows (default: inferred) from each process's rows of the batch
+    (``process_rows``), placed with ``sharding``."""
+    return tuple(
+        jax.make_array_from_process_local_data(
+            sharding, a, None if examples is None else (examples, *np.shape(a)[1:])
+        )
+        for a in local
+    )
+
+
+def process_rows(sharding: Sharding, examples: int) -> tuple[int, int]:
+    """The rows ``[first, stop)`` of a global batch of ``examples`` that this process's devices hold under
+    ``sharding``: its share of the data axis, or every row where that axis lies within each process
+    (the processes then hold the same rows, and each reads them)."""
+    spans = {
+        (s.start or 0, examples if s.stop is None else s.stop)
+        for s in (index[0] for index in sharding.addressable_devices_indices_map((examples, 1)).values())
+    }
+    first, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    covered = sorted(spans)
+    if any(b[0] > a[1] for a, b in itertools.pairwise(covered)):
+        raise DataError(
+            f"this process's devices hold rows {covered} of the batch, not one range: order the mesh's devices "
+            "by process along its batch axis"
+        )
+    return first, stop

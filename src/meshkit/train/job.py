@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit._errors import MeshkitError
-from meshkit.data import Batches, Corpus, load
+from meshkit.data import Batches, Corpus, load, process_rows
 from meshkit.models import gpt, llama, module_of
 from meshkit.models.shape import ModelShape
 from meshkit.plans import check_context, check_whole_sequences
@@ -85,9 +85,8 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         check_context(cfg.seq_len, heads, int(trainer.mesh.shape[CONTEXT]), cfg.parallel.context_attention)
         if model.experts:
             check_whole_sequences(int(trainer.mesh.shape[CONTEXT]))
-    batches = data.batches(
-        seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS
-    )
+    batches = data.batches(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS,
+                           rows=process_rows(trainer.shardings.batch, cfg.batch_size))  # fmt: skip
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
               eval_loss=jax.jit(module_of(model).make_loss(dataclasses.replace(model, router_aux_weight=0.0))))  # fmt: skip
     if resume:

@@ -29,7 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from meshkit.data import global_batch
+from meshkit.data import global_batch, process_rows
 from meshkit.devices import host
 from meshkit.models import module_of, num_params
 from meshkit.train import config as C
@@ -53,17 +53,21 @@ def evaluate(job: Job) -> dict[str, float]:
     """Held-out loss over ``eval_batches`` fixed held-out batches: ``eval_loss`` in nats per token and,
     where the ids stand for text, ``eval_bpb`` in bits per byte (comparable across tokenizers)."""
     t = job.trainer
-    stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size, seed=job.cfg.seed,
-                              held_out=True)  # fmt: skip
+    examples = job.cfg.batch_size
+    stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=examples, seed=job.cfg.seed, held_out=True,
+                              rows=process_rows(t.shardings.batch, examples))  # fmt: skip
     losses, targets = [], []
     for _ in range(job.cfg.eval_batches):
         local = next(stream)
-        losses.append(float(job.eval_loss(t.params, global_batch(t.shardings.batch, local))))
+        losses.append(float(job.eval_loss(t.params, global_batch(t.shardings.batch, local, examples))))
         targets.append(local[1])
     out = {"eval_loss": float(np.mean(losses))}
     if job.data.token_bytes is not None:
-        nbytes = np.array([sum(job.data.target_bytes(t) for t in targets)], np.int64)
-        if jax.process_count() > 1:  # each process holds its slice of the held-out batches
+        # each process holds its rows of the held-out batches: every row counted once, also where the
+        # processes hold the same rows (a batch axis within each process)
+        copies = jax.process_count() * stream.local_batch / examples
+        nbytes = np.array([sum(job.data.target_bytes(t) for t in targets) / copies], np.float64)
+        if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             nbytes = multihost_utils.process_allgather(nbytes)
@@ -153,7 +157,7 @@ def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int)
 
 def _one_step(job: Job, lr: float) -> dict[str, Any]:
     t = job.trainer
-    batch = global_batch(t.shardings.batch, next(job.batches))
+    batch = global_batch(t.shardings.batch, next(job.batches), job.cfg.batch_size)
     start = time.perf_counter()
     metrics = t.step(batch)
     loss = float(metrics["loss"])  # waits for the step
