@@ -97,19 +97,20 @@ def test_moe_model_loss_metrics_and_forms(name):
     cfg = dataclasses.replace(cfg, capacity_factor=0.5)  # drops slots
     params = module.init(jax.random.key(0), cfg)
     batch = _tokens()
-    (loss, metrics), grads = jax.value_and_grad(module.make_loss(cfg, with_aux=True), has_aux=True)(
+    # each computation jitted (one program each): eagerly, every operation compiles on its own
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(module.make_loss(cfg, with_aux=True), has_aux=True))(
         params, batch
     )
-    logits, stats = module.forward(params, batch[0], cfg)
-    ce = float(module.make_loss(dataclasses.replace(cfg, router_aux_weight=0.0))(params, batch))
+    logits, stats = jax.jit(lambda p, x: module.forward(p, x, cfg))(params, batch[0])
+    ce = float(jax.jit(module.make_loss(dataclasses.replace(cfg, router_aux_weight=0.0)))(params, batch))
     assert float(loss) == pytest.approx(ce + 0.01 * float(metrics["router_aux"]), rel=1e-6)
     assert float(metrics["dropped_fraction"]) * 4 * 16 * 2 * 2 == pytest.approx(float(stats[1]))
     assert 0 < float(metrics["dropped_fraction"]) < 1
     assert float(metrics["router_aux"]) >= 1.0 - 1e-6  # E sum f P >= 1, equality at perfect balance
     scanned = dataclasses.replace(cfg, scan_layers=True)
-    (loss_s, _), grads_s = jax.value_and_grad(module.make_loss(scanned, with_aux=True), has_aux=True)(
-        gpt.to_scanned(params), batch
-    )
+    (loss_s, _), grads_s = jax.jit(
+        jax.value_and_grad(module.make_loss(scanned, with_aux=True), has_aux=True)
+    )(gpt.to_scanned(params), batch)
     assert float(loss_s) == pytest.approx(float(loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(gpt.to_scanned(grads)), jax.tree.leaves(grads_s), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)

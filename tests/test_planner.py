@@ -382,3 +382,25 @@ def test_kept_residuals_leave_out_the_dead_scores_and_the_causal_mask():
         assert 0 < kept[3] <= every[3]  # the head and loss
         # under layer remat a block keeps nothing but its input (an argument, not counted)
         assert residuals(shape, 2, 1, precision, "layer")[0] == 0.0
+
+
+def test_residuals_trace_a_block_once_whatever_the_tp_split_and_kept(monkeypatch):
+    """The planner's runtime model asks for a block's residuals at every tp of its search (162 times
+    for the 1.3 B GPT on 64 devices): one shape, batch, precision and remat is traced once (the block
+    and the head: a forward and a backward jaxpr each), and the tp split is applied to what it found."""
+    from meshkit.planner.runtime import residuals
+
+    traced = []
+    make_jaxpr = jax.make_jaxpr
+    monkeypatch.setattr(jax, "make_jaxpr", lambda *a, **k: traced.append(1) or make_jaxpr(*a, **k))
+    shape = ModelShape(name="traced once", layers=2, width=32, heads=4, vocab=64, seq=16)
+    got = {
+        (tp, kept): residuals(shape, 2, tp, "bf16", "none", kept)
+        for tp in (1, 2, 4)
+        for kept in (True, False)
+    }
+    assert len(traced) == 4, f"{len(traced)} jaxprs traced for one shape, batch, precision and remat"
+    for (tp, kept), (_, weights, layer_input, _) in got.items():
+        assert weights == got[1, kept][1] / tp > 0  # the matrices' bf16 copies, split over tp
+        assert layer_input == got[1, kept][2]  # the block's input is not split
+    assert got[1, True][0] < got[1, False][0]  # kept: the dead scores and the mask left out

@@ -45,6 +45,33 @@ def residuals(
     """Per device, for ``batch`` sequences: (bytes one block saves under ``remat``, one block's
     matmul outputs, the block's input, what the head and loss save). ``kept``: only what a
     compiled scan keeps (``kept_residuals``); else every residual ``jax.vjp`` saves."""
+    block, head, layer_input = _traced(shape, batch, precision, remat)
+    d, f = shape.width, shape.ffn
+
+    def size(dims: tuple[int, ...], itemsize: int) -> float:
+        n = float(np.prod(dims)) * itemsize
+        split = len(dims) == 4 or (f != d and dims[-1:] == (f,)) or len(dims) == 2
+        return n / tp if split else n  # heads (b,t,h,k) / (b,h,t,s), MLP width, weight copies
+
+    def saved(found, weights_only=False) -> float:
+        return sum(
+            (
+                size(dims, itemsize)
+                for dims, itemsize, keeps in found
+                if (keeps or not kept) and not (weights_only and len(dims) != 2)
+            ),
+            0.0,
+        )
+
+    # weights: the compute-dtype copies of the matrices
+    return saved(block), saved(block, weights_only=True), layer_input, saved(head)
+
+
+@lru_cache(maxsize=64)
+def _traced(shape: ModelShape, batch: int, precision: str, remat: str):
+    """The residuals of one block under ``remat`` and of the head and loss, for ``batch`` sequences, as
+    (dims, itemsize, whether a compiled scan keeps it) each, and the block input's bytes: traced once
+    per shape, batch, precision and remat (abstract values only), whatever the tp and ``kept``."""
     import jax
     import jax.numpy as jnp
 
@@ -55,22 +82,12 @@ def residuals(
     compute = jnp.dtype(cfg.compute_dtype or cfg.dtype)
     x = jax.ShapeDtypeStruct((batch, shape.seq, shape.width), compute)
     block = jax.eval_shape(lambda: gpt._init_block(jax.random.key(0), cfg))
-    d, f = shape.width, shape.ffn
-
-    def size(aval) -> float:
-        n = float(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-        split = len(aval.shape) == 4 or (f != d and aval.shape[-1:] == (f,)) or len(aval.shape) == 2
-        return n / tp if split else n  # heads (b,t,h,k) / (b,h,t,s), MLP width, weight copies
-
-    def saved(fn, args, weights_only=False) -> float:
-        total = 0.0
-        for aval in kept_residuals(fn, args, everything=not kept):
-            if weights_only and len(aval.shape) != 2:
-                continue
-            total += size(aval)
-        return total
-
     policy = remat_policy(remat)
+
+    def found(fn, args) -> tuple:
+        return tuple(
+            (tuple(aval.shape), np.dtype(aval.dtype).itemsize, keeps) for aval, keeps in _residuals(fn, args)
+        )
 
     def run(p, x):
         fn = (
@@ -80,8 +97,6 @@ def residuals(
         )
         return fn(p, x).astype(jnp.float32).sum()
 
-    layer = saved(run, (block, x))
-    weights = saved(run, (block, x), weights_only=True)  # compute-dtype copies of the matrices
     layer_input = float(np.prod(x.shape)) * compute.itemsize
     top = jax.eval_shape(lambda: gpt.init(jax.random.key(0), _config(shape, precision)))
     top = {k: v for k, v in top.items() if k != "blocks"}
@@ -91,8 +106,7 @@ def residuals(
         logits = gpt._head(top, x, cfg)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
-    head_b = saved(head, (top, x))
-    return layer, weights, layer_input, head_b
+    return found(run, (block, x)), found(head, (top, x)), layer_input
 
 
 def kept_residuals(fn, args: tuple, everything: bool = False) -> list:
@@ -103,6 +117,12 @@ def kept_residuals(fn, args: tuple, everything: bool = False) -> list:
     abstract values (measured at 24 layers, width 2048, seq 1024, bf16: 0.35 GB per layer kept of
     the 0.44 GB ``saved_residuals`` lists, which made the fsdp peak 1.20x the compiled one).
     ``everything``: every residual but the arguments."""
+    return [aval for aval, keeps in _residuals(fn, args) if everything or keeps]
+
+
+def _residuals(fn, args: tuple) -> list:
+    """Every residual ``jax.vjp`` of ``fn`` saves but the arguments, as (abstract value, whether a
+    compiled step keeps it: see ``kept_residuals``)."""
     import jax
     import jax.numpy as jnp
     from jax._src import core
@@ -124,9 +144,9 @@ def kept_residuals(fn, args: tuple, everything: bool = False) -> list:
     depends = _depends(fwd, [True] * len(fwd.invars))
     inputs = set(fwd.invars)
     return [
-        aval
+        (aval, used and dep)
         for var, aval, used, dep in zip(fwd.outvars, avals, read, depends, strict=True)
-        if (everything or (used and dep)) and not isinstance(var, core.Literal) and var not in inputs
+        if not isinstance(var, core.Literal) and var not in inputs
     ]
 
 
