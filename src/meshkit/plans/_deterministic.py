@@ -10,7 +10,8 @@ Deterministic mode fixes both:
   (a ``lax.map`` over its ``S / N`` shards, every shard's rows at the same offset of the global
   batch, so random keys draw as on one device) and keeps every shard's gradient;
 - the ``S`` gradients are added as ONE binary tree, pairs ``(0, 1), (2, 3), ...`` level by level:
-  each device holds a contiguous power-of-two block of shards and adds its block as a subtree, then
+  each device holds a contiguous power-of-two block of shards and adds its block as a subtree (as its
+  shards are done: ``TreeAdder``, ``log2(S / N) + 1`` partial sums rather than ``S / N`` gradients), then
   an ``all_gather`` brings every device's block sum and the upper levels of the same tree are added
   locally in index order. Elementwise adds in a fixed order are exact bit for bit, so the sum is the
   same on any power-of-two data axis up to ``S``.
@@ -23,8 +24,8 @@ gradients need whole parameters).
 
 The price, in bytes: the all-gather of block sums moves ``(N-1) x |grad|`` into each device, where a
 ring all-reduce moves ``2 (N-1) / N x |grad|`` (``N/2`` times as many; zero1-3's reduce-scatter moves
-``(N-1) / N x |grad|``), plus ZeRO-3's whole-parameter gather; in memory, ``S / N`` gradients per device
-held until they are added (``lax.map`` stacks them) and ZeRO-3's whole parameters during the step.
+``(N-1) / N x |grad|``), plus ZeRO-3's whole-parameter gather; in memory, per device, ``log2(S / N) + 1`` partial sums of the
+gradients (``TreeAdder``) and ZeRO-3's whole parameters during the step.
 """
 
 from __future__ import annotations
@@ -167,19 +168,19 @@ def deterministic_gradients(
             return state, (loss, aux, grads)
 
         out = jax.eval_shape(shard, state, 0)[1]
-        stacked = jax.tree.map(lambda s: jnp.zeros((local, *s.shape), s.dtype), out)
+        adder = TreeAdder(local)  # this device's subtree of its `local` shards, added as they are done
+        sums = adder.zeros(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out))
 
         def body(j, carry):
-            state, stacked = carry
+            state, sums = carry
             state, out = shard(state, j)
-            put = lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, j, 0)  # noqa: E731
-            return state, jax.tree.map(put, stacked, out)
+            return state, adder.add(sums, j, out)
 
         # a loop whose trip count the compiler cannot read, so that it is a loop on every mesh (one of a
         # single trip would be inlined and fused with its neighbours, changing the bits)
         trips = lax.optimization_barrier(jnp.int32(local))
-        state, stacked = lax.fori_loop(0, trips, body, (state, stacked))
-        block = tree_sum(stacked)  # this device's subtree: its `local` shards
+        state, sums = lax.fori_loop(0, trips, body, (state, sums))
+        block = adder.total(sums)
         if n > 1:  # the upper levels of the same tree, over every device's block sum in index order
             block = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, DATA), block))
         # the sum's last adds are not fused into what reads it (the norm's reductions would otherwise be
