@@ -68,5 +68,5 @@ def test_a_pipeline_on_2_processes_x_4_devices_has_the_bits_of_its_2_stages_alon
         "2x4": [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, *pp],
         "1x2": [EXE, *pp, "--devices", "2"],
     })  # fmt: skip
-    assert "8 cpu in 2 process(es)" in outs["2x4"] and "stage=2,data=4" in outs["2x4"]
+    assert "8 cpu in 2 process(es)" in outs["2x4"] and "{'stage': 2, 'data': 4}" in outs["2x4"]
     _same_bits(tmp_path, "1x2", ("2x4",))
