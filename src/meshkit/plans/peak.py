@@ -242,6 +242,9 @@ def predict_peak(
     total = sum(sizes)
     sharded = sum(size for size, leaf in zip(sizes, flat, strict=True) if leaf.data_dim is not None)
     rows = placement.batch_devices * accumulate  # (hsdp: the batch is split over replica x data)
+    shards = step.spec.deterministic
+    if shards is not None:  # deterministic mode: one micro-shard's rows at a time, on every device
+        rows = shards
     c = int(placement.mesh.shape.get(CONTEXT, 1)) if placement.plan.context else 1
     micro = jax.tree.map(lambda s: _device_rows(s, rows, c), batch)
     extra = step_extra(state, micro, key)
@@ -269,6 +272,13 @@ def predict_peak(
         # zero3's per-layer barriers keep every layer's expert gradients alive in the one-device compile
         held = found.layers if plan.shards_params and n > 1 else 1
         activations -= held * M.experts_beyond_device(experts / found.layers, placement.expert_size)
+    if shards is not None:
+        backward = M.deterministic_phases(total, activations, shards_per_device=shards // placement.batch_devices,
+                                          devices=placement.batch_devices, zero3=zero3)  # fmt: skip
+        update = M.update_phase(
+            total, M.at_rest(total, sharded, n, True), zero=3 if zero3 else zero, scan=False
+        )
+        return PeakModel(persistent=persistent, backward=backward, update=update, activations=activations)
     scan = found.mode == "scan"
     stacked_b = sum(sizes[i] for i in found.layer_leaves) if found.per_layer else 0.0
     one_layer = stacked_b / found.layers if stacked_b else 0.0
