@@ -148,8 +148,8 @@ def test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column(capsy
 SCAN = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=2, scan_layers=True)
 
 
-def trained_pipeline(plan, data, schedule="1f1b", virtual_stages=1, steps=5, optimizer=None):
-    mesh = Mesh(np.array(jax.devices()[: 2 * data]).reshape(2, data), ("stage", "data"))
+def trained_pipeline(plan, data, schedule="1f1b", virtual_stages=1, steps=5, optimizer=None, stages=2):
+    mesh = Mesh(np.array(jax.devices()[: stages * data]).reshape(stages, data), ("stage", "data"))
     t = Trainer(gpt.stages(SCAN), gpt.init(jax.random.key(0), SCAN), optimizer or optax.adamw(1e-2), plan=plan,
                 mesh=mesh, deterministic=True, clip_norm=1.0, pipeline_schedule=schedule,
                 virtual_stages=virtual_stages)  # fmt: skip
@@ -172,6 +172,24 @@ def test_a_pipeline_trained_5_steps_has_the_same_bits_on_data_1_2_and_4(plan, sc
         assert got_losses == losses, data
         same = [a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True)]
         assert all(same), f"{plan} on data={data}: {same.count(False)} of {len(same)} leaves differ"
+
+
+def test_a_pipeline_has_the_bits_of_dp_on_one_device_on_1_2_and_4_stages():
+    """Embedding and head untied (the GPT's): every leaf's gradient is one tree over the micro-shards
+    whatever the stages, so dp+pp on stage=1 (1 device), stage=2 x data=4 and stage=4 x data=2 (8
+    devices) ends with the bits of plan dp on one device."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    t = Trainer(gpt.stages(SCAN), gpt.init(jax.random.key(0), SCAN), optax.adamw(1e-2), plan="dp", mesh=mesh,
+                deterministic=True, clip_norm=1.0)  # fmt: skip
+    losses = [float(t.step(b)["loss"]) for b in batches()]
+    want = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
+    for stages, data in ((1, 1), (2, 4), (4, 2)):
+        _, got_losses, got = trained_pipeline("dp+pp", data, stages=stages)
+        assert got_losses == losses, (stages, data)
+        same = [a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True)]
+        assert all(same), (
+            f"stage={stages},data={data}: {same.count(False)} of {len(same)} leaves differ from dp"
+        )
 
 
 def test_a_deterministic_pipeline_s_ledger_is_its_model_and_its_report_prices_it():
