@@ -297,3 +297,16 @@ def test_the_peak_model_knows_the_micro_shards_the_partial_sums_and_the_gather(p
                     mesh=Mesh(np.array(jax.devices()[:n]), ("data",)), deterministic=True, clip_norm=1.0)  # fmt: skip
         peak = t.report((tokens[:, :-1], tokens[:, 1:])).to_json()["peak"]
         assert 0.9 <= peak["ratio"] <= 1.1, (plan, n, peak)
+
+
+def test_plan_auto_with_deterministic_mode_climbs_only_plans_it_covers():
+    """plan='auto' chooses from its ladder, which deterministic mode covers whole (a plan added to the
+    ladder that it does not cover fails here, not as a refusal of a plan the user never named)."""
+    from meshkit.planner.auto import LADDER
+    from meshkit.spec import DETERMINISTIC_PLANS
+
+    assert set(LADDER) <= set(DETERMINISTIC_PLANS)
+    t = Trainer(gpt.make_loss(CFG), gpt.init(jax.random.key(0), CFG), optax.adamw(1e-2), plan="auto",
+                deterministic=True)  # fmt: skip
+    assert t.plan.name in LADDER and t.spec.deterministic == 8
+    assert np.isfinite(float(t.step(batches(1)[0])["loss"]))
