@@ -310,3 +310,27 @@ def test_plan_auto_with_deterministic_mode_climbs_only_plans_it_covers():
                 deterministic=True)  # fmt: skip
     assert t.plan.name in LADDER and t.spec.deterministic == 8
     assert np.isfinite(float(t.step(batches(1)[0])["loss"]))
+
+
+def test_a_tied_embedding_has_the_same_bits_on_every_data_axis_of_its_stage_count():
+    """The Llama with tie_embeddings: the lookup's and the head's gradients of the shared leaf are each
+    summed over every micro-shard before they are added (over the stages, or once on one stage), so that
+    the data axis never splits the pair: data=1 and 2 on one stage agree, and stage=2 x data 1 and 4 and
+    stage=4 x data=2 agree. (One stage and several differ in the head's gradient, a transposed product
+    the compiler lays out per program: a replay keeps one stage or several.)"""
+    cfg = llama.LlamaConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=4, kv_heads=2, scan_layers=True,
+                            tie_embeddings=True)  # fmt: skip
+
+    def run(stages, data):
+        mesh = Mesh(np.array(jax.devices()[: stages * data]).reshape(stages, data), ("stage", "data"))
+        t = Trainer(llama.stages(cfg), llama.init(jax.random.key(0), cfg), optax.adamw(1e-2), plan="dp+pp",
+                    mesh=mesh, deterministic=True, clip_norm=1.0)  # fmt: skip
+        losses = [float(t.step(b)["loss"]) for b in batches(3)]
+        return losses, [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(t.params))]
+
+    for group in (((1, 1), (1, 2)), ((2, 1), (2, 4), (4, 2))):
+        first, *others = (run(*layout) for layout in group)
+        for layout, other in zip(group[1:], others, strict=True):
+            assert other == first, (
+                f"tied embedding on stage={layout[0]},data={layout[1]} differs from {group[0]}"
+            )

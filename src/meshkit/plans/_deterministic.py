@@ -207,19 +207,23 @@ def deterministic_gradients(
                          axis_names={DATA}, check_vma=False)  # fmt: skip
 
 
-def expected(placement: Placement, param_bytes: int, scalars: int = 1) -> list[Expected]:
+def expected(
+    placement: Placement, param_bytes: int, scalars: int = 1, summed: int | None = None
+) -> list[Expected]:
     """The collectives deterministic mode runs per step (ring model): the all-gather of every device's
-    block sum (the gradients, which are parameter-sized, and ``scalars`` float32 metrics: the loss and
-    its aux), ZeRO-3's gather of the parameters and ZeRO-1/2's gather of the updated shards."""
+    block sum (``summed`` bytes, default the gradients, which are parameter-sized, and ``scalars``
+    float32 metrics: the loss and its aux), ZeRO-3's gather of the parameters and ZeRO-1/2's gather of
+    the updated shards."""
     n = placement.data_size
     if n == 1:
         return []
-    traffic = (n - 1) * (param_bytes + 4 * scalars)
+    summed = param_bytes if summed is None else summed
+    traffic = (n - 1) * (summed + 4 * scalars)
     what = "deterministic: every device's block sum of the micro-shards' gradients"
     if placement.plan.shards_optimizer:
         traffic += (n - 1) / n * param_bytes
         what += ", and the parameters' " + ("shards" if placement.plan.shards_params else "updated shards")
-    return [Expected(op="all-gather", axes=DATA, count=1, size_bytes=n * param_bytes, traffic_bytes=traffic,
+    return [Expected(op="all-gather", axes=DATA, count=1, size_bytes=n * summed, traffic_bytes=traffic,
                      what=what)]  # fmt: skip
 
 

@@ -128,11 +128,13 @@ def local_pipeline(
     p, m, v = sched.p, sched.m, sched.v
     blocks_of = [leaf.model_spec[:1] == (STAGE,) for leaf in placement.flat()]
 
+    def over_replicas(tree):
+        """Deterministic mode: every data replica's block sums, gathered, added in index order."""
+        return tree_sum(jax.tree.map(lambda x: lax.all_gather(x, DATA), tree)) if data_size > 1 else tree
+
     def in_tree_order(loss, grads):
-        """Deterministic mode's sums over the stages' ends and the data replicas, then the norm and
-        (fsdp+pp) this device's shard of the whole gradient."""
-        if data_size > 1:
-            loss, grads = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, DATA), (loss, grads)))
+        """Deterministic mode, after the sums: the norm and (fsdp+pp) this device's shard of the whole
+        gradient."""
         loss, grads = lax.optimization_barrier((loss, grads))  # the last adds are not fused into the norm
         loss, grads = jax.tree.map(lambda x: x * (1.0 / shards), (loss, grads))
         flat = jax.tree.leaves(grads)
@@ -176,7 +178,11 @@ def local_pipeline(
         if v > 1 and p > 1:
             acc_c = relayout(acc_c, p, v, d, back=True)
         if shards is not None:
-            if p > 1:  # only the first and the last stage hold embedding and head gradients
+            acc_c, acc_t, loss = over_replicas((acc_c, acc_t, loss))
+            # then over the stages: only the first holds the embedding's gradients and the last the head's
+            # and the loss, each summed over every micro-shard already (a tied embedding adds its two
+            # halves once, after all the micro-shards, as one stage does: ``_split_loss``)
+            if p > 1:
                 acc_t, loss = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, STAGE), (acc_t, loss)))
             loss, grads, norm = in_tree_order(loss, stages_join(stages, acc_t, acc_c))
             return loss, record[:, None, :], grads, norm
@@ -192,16 +198,22 @@ def local_pipeline(
         params, batch = gathered(params, batch)
         micro = _micro(batch, m)
         if shards is not None:  # each micro-batch's loss and gradients kept apart, added in the tree
-            grad = jax.value_and_grad(lambda pr, mb: whole_loss(stages, pr, mb, policy))
+            top, blocks = stages.split(params)
+            grad = jax.value_and_grad(_split_loss(stages, policy), argnums=(0, 1, 2))
             adder = TreeAdder(m)
 
             def add(sums, j):
-                return adder.add(sums, j, grad(params, jax.tree.map(lambda a: a[j], micro))), None
+                return adder.add(sums, j, grad(top, top, blocks, jax.tree.map(lambda a: a[j], micro))), None
 
-            zero = jax.eval_shape(grad, params, jax.tree.map(lambda a: a[0], micro))
+            zero = jax.eval_shape(grad, top, top, blocks, jax.tree.map(lambda a: a[0], micro))
             sums = adder.zeros(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero))
-            loss, grads = adder.total(lax.scan(add, sums, jnp.arange(m, dtype=jnp.int32))[0])
-            loss, grads, norm = in_tree_order(loss, grads)
+            loss, (at_embed, at_head, blocks) = over_replicas(
+                adder.total(lax.scan(add, sums, jnp.arange(m, dtype=jnp.int32))[0])
+            )
+            # the embedding's and the head's gradients summed apart over every micro-shard, then added, as
+            # over two stages (a tied embedding has both: adding them per micro-batch changes the bits)
+            top = jax.tree.map(jnp.add, at_embed, at_head)
+            loss, grads, norm = in_tree_order(loss, stages_join(stages, top, blocks))
             return loss, jnp.asarray(sched.table()), grads, norm
         grad = jax.value_and_grad(lambda pr, mb: whole_loss(stages, pr, mb, policy) / m)
         if m == 1:
@@ -214,6 +226,19 @@ def local_pipeline(
         return loss, jnp.asarray(sched.table()), grads, None
 
     return single_stage if p == 1 and v == 1 else run
+
+
+def _split_loss(stages: Stages, policy: Any) -> Callable:
+    """``whole_loss`` with the embedding's and the head's parameters as two arguments ``(embed_top,
+    head_top, blocks, batch)``, so that their gradients come apart (deterministic mode, one stage)."""
+
+    def loss(embed_top: Any, head_top: Any, blocks: Any, batch: Any) -> jax.Array:
+        x = stages.run_blocks(blocks, stages.embed(embed_top, batch), policy)
+        return jnp.asarray(
+            stages.loss(stages.head(head_top, x), batch), jnp.promote_types(x.dtype, jnp.float32)
+        )
+
+    return loss
 
 
 class _Ticks:
@@ -478,6 +503,12 @@ class Pipeline:
         head (what deterministic mode's block sums move)."""
         p = self.schedule.p
         return sum(x.nbytes // p if self._is_block(x) else x.nbytes for x in self.placement.flat())
+
+    def summed_bytes(self) -> int:
+        """Bytes of a device's block sums in deterministic mode: ``stage_bytes``, and on one stage the
+        embedding and head's gradients twice (the lookup's and the head's halves, summed apart)."""
+        top = sum(x.nbytes for x in self.placement.flat() if not self._is_block(x))
+        return self.stage_bytes() + (top if (self.schedule.p, self.schedule.v) == (1, 1) else 0)
 
     def _is_block(self, leaf: Any) -> bool:
         return leaf.path.startswith(self.stages.blocks + "/")

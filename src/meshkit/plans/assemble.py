@@ -83,14 +83,15 @@ class Assembled:
         from meshkit.plans._deterministic import expected, price
 
         shards = self.spec.deterministic
+        summed = param_bytes
         if self.pipeline is not None:  # a stage's slice of the blocks and the embedding and head
-            param_bytes = self.pipeline.stage_bytes()
-        bytes_ = price(self.placement, param_bytes, param_bytes)
+            param_bytes, summed = self.pipeline.stage_bytes(), self.pipeline.summed_bytes()
+        bytes_ = price(self.placement, summed, param_bytes)
         ratio = bytes_["deterministic"] / bytes_["normal"] if bytes_["normal"] else None
         det = {"shards": shards, "shards_per_device": shards // self.placement.data_size,
                "bytes_per_step": bytes_["deterministic"], "normal_bytes_per_step": bytes_["normal"],
                "bytes_ratio": ratio}  # fmt: skip
-        return expected(self.placement, param_bytes), det
+        return expected(self.placement, param_bytes, summed=summed), det
 
     def abstract_args(self, params: Any, batch: Any, state: Any = None) -> tuple:
         """The step's arguments as abstract values with their shardings, from parameter and batch
