@@ -635,8 +635,9 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
 def comparison_meshes(spec: ParallelSpec, devices: Sequence[Any]) -> dict[str, Any]:
     """The meshes deterministic mode compares for ``spec``, on the first of ``devices``, by label: a data
     axis of N = 1, 2, 4... devices, N dividing the devices and at most the micro-shards. A plan with a stage
-    axis holds its stage degree S and varies the data axis: ``(stage, data)`` meshes of S x N devices
-    (not reached today: ParallelSpec refuses pipelines in deterministic mode)."""
+    axis holds its stage degree S and varies the data axis: ``(stage, data)`` meshes of S x N devices (a
+    tied embedding keeps its bits across data axes, not between one stage and several:
+    docs/deterministic.md)."""
     from jax.sharding import Mesh
 
     stages = spec.degrees(jax.device_count())[STAGE] if spec.plan_info.pipeline else None
