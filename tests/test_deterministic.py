@@ -334,3 +334,19 @@ def test_a_tied_embedding_has_the_same_bits_on_every_data_axis_of_its_stage_coun
             assert other == first, (
                 f"tied embedding on stage={layout[0]},data={layout[1]} differs from {group[0]}"
             )
+
+
+def test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts(tmp_path):
+    """`meshkit train --resume` of a deterministic run reads the mode from its config.json (as text: a
+    restarted rank must not start JAX's backend before it joins its job) and sets XLA's flag first; a
+    process without the flag would otherwise be refused at the Trainer."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    exe = str(Path(sys.executable).parent / "meshkit")
+    run = [exe, "train", "--preset", "tiny", "--eval-every", "0", "--sample-chars", "0", "--batch-size", "8",
+           "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "1"]  # fmt: skip
+    for extra in (["--deterministic", "--steps", "2", "--stop-after", "1", "--devices", "2"], ["--resume"]):
+        done = subprocess.run(
+            [*run, *extra], capture_output=True, text=True, timeout=600, env=env
+        )  # cold compiles
+        assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
+    assert "deterministic: 8 micro-shards" in done.stdout  # the resumed run's summary: still deterministic

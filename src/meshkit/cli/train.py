@@ -349,15 +349,19 @@ DEVICE_HOST_BYTES = 4 * 2**20
 
 def _deterministic_run(given: Any, config: Any, set_: list, resume: bool, run_dir: str | None) -> bool:
     """Whether this run trains in deterministic mode: asked on the command line or in its config, or the
-    run it resumes did."""
-    from meshkit.train.job import resume_on_restart, saved_config
+    run it resumes did (read from its config.json as text: building the config would start JAX's
+    backend, which a restarted rank must not before it joins its job)."""
+    import json
+
+    from meshkit.distributed import restart_attempt
 
     if given or C.written_options(config, set_).get("deterministic"):
         return True
-    if resume or resume_on_restart(run_dir):
+    if resume or (run_dir and restart_attempt() > 0):  # (listing its checkpoints would start the backend)
+        saved = Path(run_dir or Path("runs") / "latest") / "config.json"
         try:
-            return saved_config(Path(run_dir or Path("runs") / "latest")).parallel.deterministic is not None
-        except C.ConfigError:
+            return json.loads(saved.read_text()).get("parallel", {}).get("deterministic") is not None
+        except (OSError, ValueError, AttributeError):
             return False  # said again, in one line, where the run is resumed
     return False
 
