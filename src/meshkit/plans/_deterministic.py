@@ -24,8 +24,8 @@ gradients need whole parameters).
 
 The price, in bytes: the all-gather of block sums moves ``(N-1) x |grad|`` into each device, where a
 ring all-reduce moves ``2 (N-1) / N x |grad|`` (``N/2`` times as many; zero1-3's reduce-scatter moves
-``(N-1) / N x |grad|``), plus ZeRO-3's whole-parameter gather; in memory, per device, ``log2(S / N) + 1`` partial sums of the
-gradients (``TreeAdder``) and ZeRO-3's whole parameters during the step.
+``(N-1) / N x |grad|``), plus ZeRO-3's whole-parameter gather; in memory, per device, ``log2(S / N) + 1``
+partial sums of the gradients (``TreeAdder``) and ZeRO-3's whole parameters during the step.
 """
 
 from __future__ import annotations

@@ -82,6 +82,7 @@ from meshkit.plans._stages import (
     check_sizes,
     relayout,
     relayout_count,
+    split_loss,
     stage_placement,
     stages_join,
     whole_loss,
@@ -181,7 +182,7 @@ def local_pipeline(
             acc_c, acc_t, loss = over_replicas((acc_c, acc_t, loss))
             # then over the stages: only the first holds the embedding's gradients and the last the head's
             # and the loss, each summed over every micro-shard already (a tied embedding adds its two
-            # halves once, after all the micro-shards, as one stage does: ``_split_loss``)
+            # halves once, after all the micro-shards, as one stage does: ``split_loss``)
             if p > 1:
                 acc_t, loss = tree_sum(jax.tree.map(lambda x: lax.all_gather(x, STAGE), (acc_t, loss)))
             loss, grads, norm = in_tree_order(loss, stages_join(stages, acc_t, acc_c))
@@ -199,7 +200,8 @@ def local_pipeline(
         micro = _micro(batch, m)
         if shards is not None:  # each micro-batch's loss and gradients kept apart, added in the tree
             top, blocks = stages.split(params)
-            grad = jax.value_and_grad(_split_loss(stages, policy), argnums=(0, 1, 2))
+            grad = jax.value_and_grad(lambda te, th, bl, mb: split_loss(stages, te, th, bl, mb, policy),
+                                      argnums=(0, 1, 2))  # fmt: skip
             adder = TreeAdder(m)
 
             def add(sums, j):
@@ -226,19 +228,6 @@ def local_pipeline(
         return loss, jnp.asarray(sched.table()), grads, None
 
     return single_stage if p == 1 and v == 1 else run
-
-
-def _split_loss(stages: Stages, policy: Any) -> Callable:
-    """``whole_loss`` with the embedding's and the head's parameters as two arguments ``(embed_top,
-    head_top, blocks, batch)``, so that their gradients come apart (deterministic mode, one stage)."""
-
-    def loss(embed_top: Any, head_top: Any, blocks: Any, batch: Any) -> jax.Array:
-        x = stages.run_blocks(blocks, stages.embed(embed_top, batch), policy)
-        return jnp.asarray(
-            stages.loss(stages.head(head_top, x), batch), jnp.promote_types(x.dtype, jnp.float32)
-        )
-
-    return loss
 
 
 class _Ticks:

@@ -158,5 +158,13 @@ def stages_join(stages: Stages, top: dict, blocks: Any) -> dict:
 def whole_loss(stages: Stages, params: Any, batch: Any, policy: Any) -> jax.Array:
     """The loss of ``stages`` on a batch, its blocks under the remat ``policy``, at least float32."""
     top, blocks = stages.split(params)
-    x = stages.run_blocks(blocks, stages.embed(top, batch), policy)
-    return jnp.asarray(stages.loss(stages.head(top, x), batch), jnp.promote_types(x.dtype, jnp.float32))
+    return split_loss(stages, top, top, blocks, batch, policy)
+
+
+def split_loss(
+    stages: Stages, embed_top: Any, head_top: Any, blocks: Any, batch: Any, policy: Any
+) -> jax.Array:
+    """``whole_loss`` with the embedding's and the head's parameters as two arguments, so that their
+    gradients come apart (deterministic mode on one stage: a tied embedding's two halves)."""
+    x = stages.run_blocks(blocks, stages.embed(embed_top, batch), policy)
+    return jnp.asarray(stages.loss(stages.head(head_top, x), batch), jnp.promote_types(x.dtype, jnp.float32))
