@@ -69,7 +69,7 @@ def test_meshkit_train_runs_hsdp_and_its_report_checks_out(tmp_path, capsys):
 
 BAD = [
     (["--plan", "hsdp", "--mesh", "data=8"], "plan hsdp needs a mesh axis 'replica'"),
-    (["--plan", "zero3", "--mesh", "replica=2,data=4"], "use plan hsdp"),
+    (["--plan", "zero3", "--mesh", "replica=2,data=4"], "use hsdp"),
     (["--plan", "hsdp", "--mesh", "replica=3,data=4"], "12 devices, but 8 are available"),
     (
         ["--plan", "hsdp", "--mesh", "replica=2,data=4", "--batch-size", "12"],

@@ -215,7 +215,7 @@ def test_meshkit_train_ep_reports_dropped_tokens(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [(["--plan", "ep", "--experts", "6"], "6 experts do not divide over expert=8: use an expert axis of 1, 2, 3, 6"),
-     (["--plan", "ep"], "expert-parallel plans (ep, dp+ep) need a mixture-of-experts model: set experts"),
+     (["--plan", "ep"], "expert-parallel plans (ep, dp+ep, fsdp+ep) need a mixture-of-experts model: set experts"),
      (["--plan", "cp", "--experts", "8"], "a mixture of experts routes whole sequences and context plans")],
     ids=["indivisible", "dense", "context"],
 )  # fmt: skip
@@ -232,7 +232,7 @@ def test_moe_is_refused_where_routing_would_differ_from_one_device():
     loss, params = _ep_model("gpt")
     t = Trainer(loss, params, optax.adam(1e-2), spec=ParallelSpec(plan="cp", mesh="context=8"), has_aux=True)
     with pytest.raises(
-        PlanError, match=r"routes whole sequences and context plans \(cp, dp\+cp\) split them"
+        PlanError, match=r"routes whole sequences and context plans \(cp, dp\+cp, fsdp\+cp\) split them"
     ):
         t.step(_tokens(8))
     with pytest.raises(MeshkitError, match="pipeline plans do not run mixture-of-experts models yet"):

@@ -6,6 +6,8 @@ breaks the structure fails here, not in a review.
 """
 
 import ast
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "meshkit"
 
 #: The layers, lowest first: a module imports from its own layer or below. (``cli`` is the top.)
 LAYERS = [
-    {"_errors", "fmt", "_heartbeat", "migrate"},
+    {"_errors", "fmt", "migrate"},
     {"devices", "mesh", "spec", "distributed", "compile_cache"},
     {"analysis", "launch"},
     {"plans"},
@@ -51,27 +53,52 @@ def _modules():
         yield name, path
 
 
-def _imports(path: Path):
-    """(module imported, names taken) for every import statement in the file."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "meshkit":  # from meshkit import plans
-            for a in node.names:
-                sub = SRC / a.name
-                yield (
-                    (f"meshkit.{a.name}" if sub.is_dir() or sub.with_suffix(".py").exists() else "meshkit"),
-                    [],
-                )
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshkit"):
-            yield node.module, [a.name for a in node.names]
+def _module_names() -> set[str]:
+    return {n for n, _ in _modules()}
+
+
+def _absolute(node: ast.ImportFrom, path: Path) -> str | None:
+    """The module an ``from X import ...`` names, relative imports (``from .x``, ``from .. import``)
+    resolved against the file's own package."""
+    if not node.level:
+        return node.module
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    package = list(rel.parts[:-1])  # a module's package; a package's __init__ is its own package
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imports(path: Path, names: set[str]):
+    """(module imported, names taken) for every import in the file: ``import`` statements (also
+    relative ones and those inside functions) and ``importlib.import_module`` of a module named by a
+    string, and every string that names a meshkit module whole in a file that imports importlib
+    (the lazy name maps of ``meshkit/__init__.py`` and ``train/__init__.py``)."""
+    tree = ast.parse(path.read_text())
+    lazy = any(
+        (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "importlib" for a in n.names))
+        or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "importlib")
+        for n in ast.walk(tree)
+    )
+    for node in ast.walk(tree):
+        module = _absolute(node, path) if isinstance(node, ast.ImportFrom) else None
+        if module == "meshkit" or (module and module in names and _is_package(module)):
+            for a in node.names:  # from meshkit import plans / from meshkit.plans import _fsdp
+                sub = f"{module}.{a.name}"
+                yield (sub, []) if sub in names else (module, [a.name])
+        elif module and module.startswith("meshkit"):
+            yield module, [a.name for a in node.names]
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("meshkit"):
                     yield a.name, []
+        elif lazy and isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            yield node.value, []
 
 
 def _edges():
+    modules = _module_names()
     for name, path in _modules():
-        for target, names in _imports(path):
+        for target, names in _imports(path, modules):
             yield name, target, names
 
 
@@ -104,15 +131,12 @@ def test_no_import_cycle_between_files():
         seen.add(n)
         stack.append(n)
         for m in sorted(graph.get(n, ())):
-            if not m.endswith("__init__") and m != n.rsplit(".", 1)[0]:
-                visit(m)
+            visit(m)
         stack.pop()
 
     for n in sorted(graph):
         visit(n)
-    # a package's __init__ re-exporting its modules is no cycle of files
-    real = [c for c in cycles if not any(_is_package(x) for x in c)]
-    assert not real, real
+    assert not cycles, cycles
 
 
 def _is_package(module: str) -> bool:
@@ -124,7 +148,8 @@ def test_no_package_imports_another_packages_private_names():
     for src, dst, names in _edges():
         if _unit(src) == _unit(dst):
             continue
-        private_module = any(part.startswith("_") for part in dst.split(".")[2:])
+        # a private module of another package, or a private module at the root (``meshkit._x``)
+        private_module = any(part.startswith("_") for part in dst.split(".")[1:])
         private_names = [n for n in names if n.startswith("_")]
         if dst == "meshkit._errors":  # the root's error types, which every package raises
             continue
@@ -186,3 +211,121 @@ def test_no_private_jax_cluster_detection():
             if any(n.startswith("jax._src.clusters") for n in names):
                 found.append(f"{path.name}:{node.lineno}")
     assert not found, found
+
+
+#: The plan names that are also the planner's degree names (``dp=4,tp=2``): a pair of these alone is
+#: not a list of plans.
+DEGREES = {"dp", "tp", "pp", "cp", "ep"}
+ALLOWED = {
+    "plans": set(spec.PLANS),
+    "zero": set(spec.ZERO_STAGES),
+    "remat": set(spec.REMAT_POLICIES),
+    "schedules": set(spec.PIPELINE_SCHEDULES),
+    "precisions": set(spec.PRECISIONS),
+    "attention": set(spec.CONTEXT_ATTENTION),
+}
+
+
+def _texts(tree: ast.AST):
+    """(line, text) of every string a user may read (help texts, error lines): the string constants
+    and f-string parts that are not docstrings."""
+    docs = {
+        id(n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node.lineno, node.value
+
+
+def _written_lists(path: Path) -> list[str]:
+    """Places where a user-facing text writes two or more allowed values of one set as a list
+    (``dp, zero1 or zero2``), which goes stale when the set changes: texts format them from spec."""
+    found = []
+    for line, text in _texts(ast.parse(path.read_text())):
+        for what, names in ALLOWED.items():
+            alt = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+            pat = (
+                rf"(?<![\w+\-/])({alt})(?![\w+\-])(?:\s*\([^)]*\))?\s*(?:,|/| or | and )\s*({alt})(?![\w+\-])"
+            )
+            for m in re.finditer(pat, text):
+                if what == "plans" and {m[1], m[2]} <= DEGREES:
+                    continue
+                found.append(f"{path.relative_to(SRC.parent)}:{line}: {what}: {m[0]!r}")
+    return found
+
+
+def test_no_allowed_values_written_in_help_texts_or_errors():
+    """Help texts and error lines list plans, ZeRO stages, remat policies, schedules, precisions and
+    context attentions from ``meshkit.spec`` (``describe_plans``, ``one_of``, ``plans_of``), never by
+    hand (``meshkit train --help`` once omitted fsdp+cp and fsdp+ep, and --deterministic 4 of 8 plans)."""
+    found = [f for name, path in _modules() if name != "meshkit.spec" for f in _written_lists(path)]
+    assert not found, found
+
+
+def test_help_texts_name_every_plan():
+    """``meshkit train --help`` and ``meshkit verify --help`` name every plan, and --deterministic
+    every plan deterministic mode covers (read from the rendered commands)."""
+    import typer.main
+
+    from meshkit.cli import app
+
+    command = typer.main.get_command(app)
+    for sub in ("train", "verify"):
+        helps = {p.name: p.help or "" for p in command.commands[sub].params}
+        listed = set(re.findall(r"[\w+]+", helps["plan"]))
+        assert set(spec.PLANS) <= listed, (sub, set(spec.PLANS) - listed)
+    det = set(
+        re.findall(r"[\w+]+", {p.name: p.help for p in command.commands["train"].params}["deterministic"])
+    )
+    assert set(spec.DETERMINISTIC_PLANS) <= det
+
+
+MUTATIONS = {
+    # blind spot -> (file to change, text appended, the check that must catch it)
+    "relative import up a layer": ("analysis/cost.py", "from ..train import trainer\n", "layers"),
+    "importlib import up a layer": (
+        "analysis/cost.py",
+        "import importlib\n_T = importlib.import_module('meshkit.train.trainer')\n",
+        "layers",
+    ),
+    "cycle through a package __init__": (
+        "models/gpt.py",
+        "from meshkit.models import num_params\n",
+        "cycles",
+    ),
+    "root-level private module": ("launch.py", "from meshkit._helper import x\n", "private"),
+    "plans written in a help text": ("cli/verify.py", '_H = "plans dp, zero1 or zero2"\n', "texts"),
+    "plans written in an error line": (
+        "plans/_context.py",
+        'def _f():\n    raise ValueError("a mixture of experts: use ep or dp+ep")\n',
+        "texts",
+    ),
+    "schedules written in a help text": ("cli/plan.py", '_H = "gpipe or 1f1b"\n', "texts"),
+}
+CHECKS = {
+    "layers": test_every_module_is_in_a_layer_and_imports_go_down,
+    "cycles": test_no_import_cycle_between_files,
+    "private": test_no_package_imports_another_packages_private_names,
+    "texts": test_no_allowed_values_written_in_help_texts_or_errors,
+}
+
+
+@pytest.mark.parametrize("blind_spot", list(MUTATIONS))
+def test_each_check_catches_its_mutation(blind_spot, tmp_path, monkeypatch):
+    """Each check, run on a copy of the sources with one violation written in, fails (and passes on
+    the copy as it is: the violation, not the copy, is what it catches)."""
+    import shutil
+
+    copy = tmp_path / "meshkit"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(sys.modules[__name__], "SRC", copy)
+    rel, text, check = MUTATIONS[blind_spot]
+    if check == "private":
+        (copy / "_helper.py").write_text("x = 1\n")
+    CHECKS[check]()
+    with (copy / rel).open("a") as f:
+        f.write("\n" + text)
+    with pytest.raises(AssertionError):
+        CHECKS[check]()

@@ -44,7 +44,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STEADY_SCHEDULES = PIPELINE_SCHEDULES[1:]
 """The schedules with a one-forward-one-backward steady state: at most p micro-batches in flight, so
 they need at least p micro-batches (GPipe runs every forward first)."""
-CONTEXT_ATTENTION = ("ring", "all-to-all")
+CONTEXT_ATTENTION = {"ring": "K/V passed round the ring by ppermute", "all-to-all": "Ulysses; heads divide"}
 """Context plans' attention: K/V blocks passed round the ring by ppermute (online softmax), or
 Ulysses' all_to_all from a sequence split to a head split and back (heads must divide)."""
 PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
@@ -173,6 +173,49 @@ def _plans() -> dict[str, Plan]:
 PLANS: dict[str, Plan] = _plans()
 """Every plan meshkit runs, by name (``fsdp`` is ``zero3``)."""
 PIPELINE_PLANS = tuple(name for name, p in PLANS.items() if p.pipeline)
+
+FAMILIES = {
+    "data": "",
+    "hybrid": "hybrid sharding (mesh replica=R,data=G)",
+    "tensor": "tensor parallelism",
+    "pipeline": "pipelines",
+    "context": "context parallelism (the sequence split over a context axis)",
+    "expert": "expert parallelism (a mixture of experts, --experts, split over an expert axis)",
+}
+"""The plans' families, by the axis beyond ``data`` that sets each apart, with the words help texts
+use for them (``data``: the plain data-axis plans, dp and the ZeRO stages)."""
+
+
+def family(plan: Plan) -> str:
+    """The family of ``FAMILIES`` a plan belongs to (a pipeline with tp is a pipeline)."""
+    for name in ("pipeline", "context", "expert", "tensor", "hybrid"):
+        if getattr(plan, name):
+            return name
+    return "data"
+
+
+def plans_of(name: str) -> tuple[str, ...]:
+    """The plans of one family of ``FAMILIES``, in ``PLANS``'s order."""
+    return tuple(n for n, p in PLANS.items() if family(p) == name)
+
+
+def one_of(values, last: str = "or", notes: dict[str, str] | None = None) -> str:
+    """``a, b or c``: a list of allowed values for a help text or an error line; ``notes`` (or
+    ``values`` itself, a dict) adds a few words in brackets after a value."""
+    notes = values if isinstance(values, dict) and notes is None else notes or {}
+    values = [f"{v} ({notes[v]})" if notes.get(v) else v for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} {last} {values[-1]}"
+
+
+def describe_plans() -> str:
+    """Every plan, by family, for help texts (``meshkit train --plan``, ``meshkit verify --plan``)."""
+    parts = []
+    for name, words in FAMILIES.items():
+        names = ", ".join(plans_of(name)).replace("zero3, fsdp", "zero3 (= fsdp)")
+        parts.append(f"{words}: {names}" if words else names)
+    return "; ".join(parts)
+
+
 AUTO = "auto"
 """A plan name that asks the planner to choose (resolved before a step is assembled)."""
 
@@ -210,11 +253,10 @@ def check_axes(plan: Plan, sizes: dict[str, int]) -> None:
             )
     for axis, size in sizes.items():
         if axis not in plan.needs and size != 1:
-            hints = {MODEL: "dp+tp or fsdp+tp", STAGE: f"a pipeline plan ({', '.join(PIPELINE_PLANS)})",
-                     DATA: "dp+pp or fsdp+pp" if plan.pipeline else "dp+cp or fsdp+cp" if plan.context else "dp+ep or fsdp+ep" if plan.expert else "",
-                     REPLICA: "plan hsdp", CONTEXT: "cp, dp+cp or fsdp+cp", EXPERT: "ep, dp+ep or fsdp+ep"}  # fmt: skip
-            hint = hints.get(axis) or "a mesh with only " + " and ".join(plan.needs)
-            raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {hint}")
+            # the plans with this plan's axes and that one, else any plan with that axis
+            wider = [n for n, p in PLANS.items() if set(p.needs) == {*plan.needs, axis}]
+            wider = wider or [n for n, p in PLANS.items() if axis in p.needs]
+            raise PlanError(f"plan {plan.name} does not use mesh axis {axis}={size}; use {one_of(wider)}")
 
 
 def check_remat(remat: str, plan: Plan | None = None) -> str:
@@ -242,9 +284,12 @@ def check_schedule(name: str, virtual_stages: int = 1) -> None:
 DETERMINISTIC_SHARDS = 8
 """Micro-shards per step of ``deterministic=True``: a run replays bit for bit on any mesh of up to
 this many batch devices (1, 2, 4 or 8)."""
-DETERMINISTIC_PLANS = ("dp", "zero1", "zero2", "zero3", "fsdp", "pp", "dp+pp", "fsdp+pp")
-"""The plans deterministic mode covers; the others split a sum over an axis whose size changes its
-order (``check_deterministic_plan`` says which)."""
+DETERMINISTIC_AXES = (DATA, STAGE)
+"""The axes deterministic mode fixes the bits across (its micro-shards over ``data``, the stages'
+fixed order over ``stage``); the others split a sum whose order XLA sets by the axis's size."""
+DETERMINISTIC_PLANS = tuple(name for name, p in PLANS.items() if set(p.needs) <= set(DETERMINISTIC_AXES))
+"""The plans deterministic mode covers: those on its axes alone (``check_deterministic_plan`` says why
+the others are refused)."""
 
 
 def check_deterministic(shards: Any) -> int | None:

@@ -12,6 +12,14 @@ import typer
 
 from meshkit._errors import MeshkitError
 from meshkit.cli._format import console, fmt_bytes, print_json, table
+from meshkit.spec import (
+    CONTEXT_ATTENTION,
+    PIPELINE_SCHEDULES,
+    PRECISIONS,
+    REMAT_ALIASES,
+    REMAT_POLICIES,
+    one_of,
+)
 
 _M = "Model"
 _C = "Cluster"
@@ -78,7 +86,8 @@ def plan(
     ] = "gpu-hopper",
     global_batch: Annotated[int, _opt(_J, "Sequences per optimizer step.")] = 512,
     precision: Annotated[
-        str, _opt(_J, "bf16 (mixed precision Adam, 2+2+12 B/param) or fp32 (4+4+8).")
+        str,
+        _opt(_J, f"{one_of(PRECISIONS)}; bytes per parameter: mixed-precision Adam 2+2+12, fp32 Adam 4+4+8."),
     ] = "bf16",
     optimizer_bytes: Annotated[
         float | None, _opt(_J, "Optimizer state bytes per parameter (default 12 bf16, 8 fp32).")
@@ -99,7 +108,7 @@ def plan(
         ),
     ] = "maxtext-xla",
     context_attention: Annotated[
-        str, _opt(_J, "Context parallelism's attention: ring (K/V blocks round a ring) or all-to-all.")
+        str, _opt(_J, f"Context parallelism's attention: {one_of(CONTEXT_ATTENTION)}.")
     ] = "ring",
     layout: Annotated[
         str | None,
@@ -109,7 +118,7 @@ def plan(
         ),
     ] = None,
     microbatch_size: Annotated[int, _opt(_L, "Sequences per micro-batch per replica.")] = 1,
-    schedule: Annotated[str, _opt(_L, "gpipe, 1f1b or interleaved.")] = "1f1b",
+    schedule: Annotated[str, _opt(_L, f"{one_of(PIPELINE_SCHEDULES)}.")] = "1f1b",
     virtual_stages: Annotated[
         int,
         _opt(
@@ -118,7 +127,9 @@ def plan(
             show_default="interleaved: 2 where it divides the layers per stage, else 1",
         ),
     ] = 0,
-    remat: Annotated[str, _opt(_L, "none, layer (= full), dots (= selective) or regather.")] = "none",
+    remat: Annotated[
+        str, _opt(_L, one_of(REMAT_POLICIES, notes={v: f"= {k}" for k, v in REMAT_ALIASES.items()}) + ".")
+    ] = "none",
     zero: Annotated[int, _opt(_L, "ZeRO stage over the data axis: 0, 1, 2, 3.")] = 0,
     shard_group: Annotated[
         int,

@@ -16,7 +16,18 @@ from typing import Annotated, Any
 import typer
 
 from meshkit.cli.ledger import DevicesOpt
-from meshkit.spec import AUTO, ParallelSpec
+from meshkit.spec import (
+    AUTO,
+    CONTEXT_ATTENTION,
+    DETERMINISTIC_PLANS,
+    PIPELINE_SCHEDULES,
+    PRECISIONS,
+    REMAT_POLICIES,
+    ParallelSpec,
+    describe_plans,
+    one_of,
+    plans_of,
+)
 from meshkit.train import config as C
 
 
@@ -42,10 +53,7 @@ def train(
         str | None,
         _opt(
             "plan",
-            "dp, zero1, zero2, zero3/fsdp, hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines: pp, dp+pp, fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; "
-            "context parallelism (the sequence split over a context axis): cp, dp+cp; "
-            "expert parallelism (a mixture of experts, --experts, split over an expert axis): ep, dp+ep; "
-            "auto: the planner's fastest predicted layout for this GPT on the devices present.",
+            f"{describe_plans()}; auto: the planner's fastest predicted layout for this GPT on the devices present.",
         ),
     ] = None,
     mesh: Annotated[
@@ -64,7 +72,7 @@ def train(
         int | None,
         _opt(
             "experts",
-            "Mixture of experts: MLPs per layer (plans ep, dp+ep, fsdp+ep split them).",
+            f"Mixture of experts: MLPs per layer (plans {one_of(plans_of('expert'), 'and')} split them).",
             "0: a dense MLP",
         ),
     ] = None,
@@ -120,7 +128,7 @@ def train(
             "--deterministic",
             help="The same bits on 1, 2, 4 or 8 devices: the batch cut into 8 micro-shards (--set "
             "deterministic=N for N, a power of two) whose gradients are summed in one fixed tree; plans "
-            "dp, zero1, zero2, zero3/fsdp. Its price in bytes is in the report.",
+            f"{one_of(DETERMINISTIC_PLANS, 'and')}. Its price in bytes is in the report.",
             show_default="off",
         ),
     ] = None,
@@ -131,7 +139,7 @@ def train(
         str | None,
         _opt(
             "pipeline_schedule",
-            "Pipeline plans: gpipe, 1f1b or interleaved.",
+            f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)}.",
             "1f1b",
             "--pipeline-schedule",
             "--schedule",
@@ -144,16 +152,17 @@ def train(
         str | None,
         _opt(
             "context_attention",
-            "Context plans: ring (K/V by ppermute) or all-to-all (Ulysses; heads divide).",
+            f"Context plans: {one_of(CONTEXT_ATTENTION)}.",
         ),
     ] = None,
     clip: Annotated[float | None, _opt("clip", "Global-norm clipping (0 turns it off).")] = None,
     precision: Annotated[
-        str | None, _opt("precision", "fp32, or bf16 (bf16 compute, fp32 master weights).")
+        str | None,
+        _opt("precision", one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + "."),
     ] = None,
     seed: Annotated[int | None, _opt("seed", "Seed of initialisation and data order.")] = None,
     remat: Annotated[
-        str | None, _opt("remat", "Activation checkpointing per block: none, layer, dots or regather.")
+        str | None, _opt("remat", f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}.")
     ] = None,
     scan_layers: Annotated[
         bool | None,

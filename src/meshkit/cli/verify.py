@@ -10,15 +10,14 @@ import typer
 
 from meshkit.cli._format import console, fmt_bytes, print_json, table
 from meshkit.cli.ledger import DevicesOpt, JsonOpt
+from meshkit.spec import CONTEXT_ATTENTION, PIPELINE_SCHEDULES, REMAT_POLICIES, describe_plans, one_of
 
 
 def verify(
     plan: Annotated[
         str,
         typer.Option(
-            help="dp, zero1, zero2, zero3 (fsdp), hsdp (mesh replica=R,data=G), tp, dp+tp, fsdp+tp; pipelines pp, dp+pp, "
-            "fsdp+pp, tp+pp, dp+tp+pp, fsdp+tp+pp; context parallelism (the sequence split) cp, dp+cp; expert "
-            "parallelism ep, dp+ep (--model gpt or llama with 8 experts per layer)."
+            help=f"{describe_plans()} (expert plans: --model gpt or llama with 8 experts per layer)."
         ),
     ] = "dp",
     model: Annotated[
@@ -35,14 +34,14 @@ def verify(
     steps: Annotated[int, typer.Option(help="Optimizer steps to compare.")] = 20,
     accumulate: Annotated[int, typer.Option(help="Micro-batches accumulated per step.")] = 1,
     remat: Annotated[
-        str, typer.Option(help="Activation checkpointing per layer: none, layer, dots or regather.")
+        str, typer.Option(help=f"Activation checkpointing per layer: {one_of(REMAT_POLICIES)}.")
     ] = "none",
     pipeline_schedule: Annotated[
         str | None,
         typer.Option(
             "--pipeline-schedule",
             "--schedule",
-            help="Pipeline plans: gpipe, 1f1b or interleaved (default 1f1b).",
+            help=f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)} (default 1f1b).",
         ),
     ] = None,
     microbatches: Annotated[
@@ -53,9 +52,7 @@ def verify(
     ] = 1,
     context_attention: Annotated[
         str,
-        typer.Option(
-            help="Context plans: ring (K/V passed by ppermute) or all-to-all (Ulysses; heads divide)."
-        ),
+        typer.Option(help=f"Context plans: {one_of(CONTEXT_ATTENTION)}."),
     ] = "ring",
     deterministic: Annotated[
         bool,

@@ -383,9 +383,12 @@ def stages(cfg: GPTConfig) -> Any:
     plans and every other plan alike; its parameters are the scanned form (``GPTConfig(scan_layers=True)``,
     or ``to_scanned(params)``). The batch is ``(tokens_bt, targets_bt)``."""
     from meshkit.plans import Stages
+    from meshkit.spec import one_of, plans_of
 
     if cfg.experts:
-        raise MeshkitError("pipeline plans do not run mixture-of-experts models yet: use ep or dp+ep")
+        raise MeshkitError(
+            f"pipeline plans do not run mixture-of-experts models yet: use {one_of(plans_of('expert'))}"
+        )
     return Stages(
         embed=lambda top, batch: _embed(top, batch[0], cfg),
         block=lambda p, x_btd: _block(p, x_btd, cfg),

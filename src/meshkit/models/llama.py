@@ -393,9 +393,12 @@ def stages(cfg: LlamaConfig) -> Any:
     """The model as ``meshkit.Stages`` (embedding, stacked blocks, head, cross-entropy) for pipeline
     plans and every other; its parameters are the scanned form."""
     from meshkit.plans import Stages
+    from meshkit.spec import one_of, plans_of
 
     if cfg.experts:
-        raise MeshkitError("pipeline plans do not run mixture-of-experts models yet: use ep or dp+ep")
+        raise MeshkitError(
+            f"pipeline plans do not run mixture-of-experts models yet: use {one_of(plans_of('expert'))}"
+        )
     return Stages(
         embed=lambda top, batch: embed(top, batch[0], cfg),
         block=lambda p, x_btd: _block(p, x_btd, cfg),

@@ -10,7 +10,7 @@ from meshkit._errors import MeshkitError
 from meshkit.analysis.cost import Convention, convention
 from meshkit.planner.hardware import Hardware
 from meshkit.planner.stacks import STACKS
-from meshkit.spec import CONTEXT_ATTENTION
+from meshkit.spec import CONTEXT_ATTENTION, one_of
 from meshkit.spec import PRECISIONS as SPEC_PRECISIONS
 
 RUNTIMES = ("standard", "meshkit")
@@ -75,7 +75,7 @@ class Job:
         if self.global_batch < 1:
             raise MeshkitError(f"global batch {self.global_batch}: must be at least 1 sequence")
         if self.precision not in PRECISIONS:
-            raise MeshkitError(f"unknown precision {self.precision!r}: choose bf16 or fp32")
+            raise MeshkitError(f"unknown precision {self.precision!r}: choose {one_of(PRECISIONS)}")
         if self.optimizer_bytes is not None and not 0 <= self.optimizer_bytes < math.inf:
             raise MeshkitError(f"optimizer bytes per parameter {self.optimizer_bytes}: a finite number >= 0")
         if not 0.0 <= self.tp_overlap <= 1.0:

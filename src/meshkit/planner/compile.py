@@ -32,7 +32,7 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.spec import PRECISIONS
+from meshkit.spec import PRECISIONS, one_of
 
 TIMEOUT_S = 900.0
 """Default limit per compile (a 1.3 B GPT over 64 simulated devices compiles in minutes)."""
@@ -118,7 +118,7 @@ def _job_fields(job: Any) -> tuple[int, str]:
     """(global batch in sequences, precision) of the planner's job (any object with those attributes)."""
     batch, precision = int(job.global_batch), str(getattr(job, "precision", "fp32"))
     if precision not in PRECISIONS:
-        raise MeshkitError(f"unknown precision {precision!r}: use {' or '.join(PRECISIONS)}")
+        raise MeshkitError(f"unknown precision {precision!r}: use {one_of(PRECISIONS)}")
     return batch, precision
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshkit.spec import CONTEXT, PlanError
+from meshkit.spec import CONTEXT, PlanError, plans_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ def check_attended(split: Split) -> None:
     that attends here but numbers its tokens itself is the user's to get right; the docs say so.)"""
     if not split.attended:
         raise PlanError(
-            "context plans (cp, dp+cp) need the loss's attention through meshkit.plans.causal_attention "
+            f"context plans ({', '.join(plans_of('context'))}) need the loss's attention through meshkit.plans.causal_attention "
             "and its positions through meshkit.plans.sequence_positions or position_rows (as the GPT and the Llama "
             "do); this loss never called it: use another plan"
         )

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshkit.plans import _context
-from meshkit.spec import EXPERT, PlanError
+from meshkit.spec import EXPERT, PlanError, one_of, plans_of
 
 EXPERT_DIM = "expert"
 """The logical axis name of a leaf's expert dim (the reference models' leaves under ``"moe"``), which
@@ -84,7 +84,8 @@ def check_experts(experts: int, n: int) -> None:
     """The expert axis must split the experts evenly."""
     if experts == 0:
         raise PlanError(
-            "expert-parallel plans (ep, dp+ep) need a mixture-of-experts model: set experts (e.g. --experts 8)"
+            f"expert-parallel plans ({', '.join(plans_of('expert'))}) need a mixture-of-experts model: set experts "
+            "(e.g. --experts 8)"
         )
     if experts % n:
         fits = [d for d in range(1, experts + 1) if experts % d == 0]
@@ -98,7 +99,8 @@ def check_whole_sequences(context: int) -> None:
     """Routing's capacity is per whole sequence: a context split of more than one device is refused."""
     if context > 1:
         raise PlanError(
-            "a mixture of experts routes whole sequences and context plans (cp, dp+cp) split them: use ep or dp+ep"
+            f"a mixture of experts routes whole sequences and context plans ({', '.join(plans_of('context'))}) "
+            f"split them: use {one_of(plans_of('expert'))}"
         )
 
 

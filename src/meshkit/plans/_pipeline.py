@@ -88,7 +88,7 @@ from meshkit.plans._stages import (
     whole_loss,
 )
 from meshkit.plans.placement import Placement
-from meshkit.spec import DATA, MODEL, STAGE, ParallelSpec, PlanError
+from meshkit.spec import DATA, MODEL, PIPELINE_SCHEDULES, STAGE, ParallelSpec, PlanError, one_of
 
 
 def _nbytes(a: Any) -> int:
@@ -434,7 +434,7 @@ def _check_backward_order(sched: _schedule.Schedule) -> None:
             if not np.array_equal(order, np.arange(sched.m)):
                 raise PlanError(
                     f"deterministic mode needs each chunk's backwards in micro-batch order; schedule "
-                    f"{sched.name} runs device {d}'s chunk {c} in the order {order.tolist()}: use gpipe or 1f1b"
+                    f"{sched.name} runs device {d}'s chunk {c} in the order {order.tolist()}: use {one_of(PIPELINE_SCHEDULES[:2])}"  # one chunk per device
                 )
 
 
