@@ -43,6 +43,18 @@ REFERENCE_MODELS = {
                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
                       "max_position_embeddings": 16, "tie_word_embeddings": True, "rms_norm_eps": 1e-5},
     "hf-gpt2": {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 16},
+    # issue 39: heads whose width is not hidden/heads, the default rotary written out, a Mistral whose
+    # window is as long as its positions (so it never binds)
+    "hf-llama-head-dim": {"model_type": "llama", "vocab_size": 64, "hidden_size": 40, "intermediate_size": 48,
+                          "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+                          "head_dim": 8, "max_position_embeddings": 16},
+    "hf-llama-rope-default": {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "max_position_embeddings": 16, "rope_theta": 500000.0,
+                              "rope_scaling": {"rope_type": "default"}},
+    "hf-mistral-window": {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "max_position_embeddings": 16, "sliding_window": 16},
 }  # fmt: skip
 
 

@@ -34,8 +34,8 @@ from typing import NoReturn
 import jax
 
 from meshkit._errors import MeshkitError
-from meshkit.distributed._heartbeat import PeerWatch
 from meshkit.devices import backend_started, simulate_devices
+from meshkit.distributed._heartbeat import PeerWatch
 
 #: Environment set by ``meshkit launch`` for each process it starts.
 MESHKIT_COORDINATOR_ADDRESS = "MESHKIT_COORDINATOR_ADDRESS"
@@ -445,7 +445,9 @@ def initialize(
         security = {"coordinator_bind_address": bind, **(mtls.jax_kwargs() if mtls else {})}
         _start(spec, explicit, local_device_ids, timeout, heartbeat_timeout_s, shutdown_timeout_s, security)
     info = _describe(spec)
-    if spec.multiprocess and (client := _client()) is not None:  # the peer watch (see meshkit.distributed._heartbeat)
+    if (
+        spec.multiprocess and (client := _client()) is not None
+    ):  # the peer watch (see meshkit.distributed._heartbeat)
         watch = PeerWatch(
             client, process_index=info.process_index, process_count=info.process_count,
             timeout_s=heartbeat_timeout_s, coordinator=info.coordinator, fail=_peer_stalled,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -54,10 +55,30 @@ def _need(cfg: dict, key: str, where: str) -> Any:
     return cfg[key]
 
 
+def _check_window(data: dict, where: str) -> None:
+    """A sliding window shorter than the model's positions changes attention: meshkit's Llama attends
+    to every earlier position, so it is refused by name (a window as long as the positions never binds)."""
+    window, positions = data.get("sliding_window"), data.get("max_position_embeddings", 2048)
+    if window is not None and data.get("use_sliding_window", True) and window < positions:
+        raise InteropError(
+            f"{where}: sliding_window={window} (of {positions} positions) is not what meshkit's Llama computes: it "
+            f"attends to every earlier position; give a checkpoint whose sliding_window is null"
+        )
+
+
+def _rope_scaling(rope: Any) -> Any:
+    """``rope_scaling`` with the default rotary (``{"rope_type": "default"}``, as transformers writes
+    it) read as None, which it equals; anything else is returned as it is, to be checked."""
+    default = isinstance(rope, dict) and rope and set(rope) <= {"rope_type", "type"}
+    return None if default and all(v == "default" for v in rope.values()) else rope
+
+
 def config_from_hf(data: dict, where: str = CONFIG, *, scan_layers: bool = False) -> ModelConfig:
     """meshkit's model config of a Hugging Face ``config.json`` (Llama family or GPT-2)."""
     kind = data.get("model_type")
-    if kind in ("llama", "mistral") and data.get("sliding_window") is None:
+    if kind in ("llama", "mistral"):
+        _check_window(data, where)
+        data = {**data, "rope_scaling": _rope_scaling(data.get("rope_scaling"))}
         for key, want in (
             ("hidden_act", "silu"),
             ("attention_bias", False),
@@ -254,6 +275,26 @@ def _plan(cfg: ModelConfig, ckpt: Checkpoint) -> dict[tuple, Source]:
     return dict(_gpt2_names(cfg, tied, prefix))
 
 
+_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+"""Tensors older checkpoints carry that are no weights (GPT-2's causal mask, a rotary frequency
+table): transformers skips them on load, and so does meshkit."""
+
+
+def _check_undeclared(ckpt: Checkpoint, used: set[str], cfg: ModelConfig, directory: str | Path) -> None:
+    """Refuse a checkpoint with weights its config does not declare (biases of another family, extra
+    layers, ...): meshkit would drop them without a word and compute another model."""
+    tied = isinstance(cfg, llama.LlamaConfig) and cfg.tie_embeddings
+    extra = sorted(
+        n for n in ckpt.names() - used if not _BUFFERS.search(n) and not (tied and n == "lm_head.weight")
+    )
+    if extra:
+        raise InteropError(
+            f"'{directory}' holds {len(extra)} tensor(s) its config.json does not declare ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}): meshkit's model would drop them and compute another model; "
+            f"give the checkpoint's own config.json"
+        )
+
+
 def _init_fn(cfg: ModelConfig) -> Callable:
     return llama.init if isinstance(cfg, llama.LlamaConfig) else gpt.init
 
@@ -269,7 +310,7 @@ def load(
     shapes = jax.eval_shape(lambda: _init_fn(cfg)(jax.random.key(0), cfg))
     names = _plan(cfg, ckpt)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    sources = []
+    sources, used = [], set()
     for path, leaf in flat:
         keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
         layer = None
@@ -281,6 +322,7 @@ def load(
         layers = range(cfg.layers) if stacked else [layer]
         for i in layers:
             name = source.name.format(i=i)
+            used.add(name)
             want = _stored_shape(source, ckpt.shape(name), layer_shape)
             if ckpt.shape(name) != want or (source.columns and source.columns[1] > ckpt.shape(name)[-1]):
                 raise InteropError(
@@ -288,6 +330,7 @@ def load(
                     f"the weights do not match config.json"
                 )
         sources.append((source, layer, stacked, leaf))
+    _check_undeclared(ckpt, used, cfg, directory)
     flat_shardings = [None] * len(sources) if shardings is None else jax.tree.leaves(shardings)
 
     def build(item, sharding):

@@ -450,11 +450,13 @@ def matmul_params(cfg: GPTConfig) -> int:
     return cfg.layers * block + 2 * d + d * cfg.vocab_size
 
 
-def flops_per_token(cfg: GPTConfig) -> int:
-    """Training FLOPs per token at full context: ``6 N + 12 L T D`` (PaLM, appendix B).
+def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token at a context of ``seq_len`` tokens (the run's sequence; default the
+    config's ``seq_len``, a checkpoint's n_positions): ``6 N + 12 L T D`` (PaLM, appendix B).
 
     ``N = matmul_params(cfg)`` (embedding lookups are not matmuls); ``6 N`` is forward (2 N) plus backward
     (4 N) for the weight matmuls, and ``12 L T D`` the attention score and value matmuls (``Q K^T`` and
     ``P V``, 2 x 2 T D forward per layer, x3 with backward), with no discount for the causal mask.
     """
-    return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.seq_len * cfg.width
+    t = cfg.seq_len if seq_len is None else seq_len
+    return 6 * matmul_params(cfg) + 12 * cfg.layers * t * cfg.width

@@ -430,6 +430,9 @@ def matmul_params(cfg: LlamaConfig) -> int:
     return cfg.layers * block + d + d * cfg.vocab_size
 
 
-def flops_per_token(cfg: LlamaConfig) -> int:
-    """Training FLOPs per token at full context: ``6 N + 12 L T (H h)`` (PaLM, appendix B)."""
-    return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.seq_len * cfg.heads * cfg.head_dim
+def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token at a context of ``seq_len`` tokens (the run's sequence; default the
+    config's ``seq_len``, which is a checkpoint's max_position_embeddings): ``6 N + 12 L T (H h)``
+    (PaLM, appendix B)."""
+    t = cfg.seq_len if seq_len is None else seq_len
+    return 6 * matmul_params(cfg) + 12 * cfg.layers * t * cfg.heads * cfg.head_dim

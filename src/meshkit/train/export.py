@@ -49,6 +49,8 @@ def checkpoint_config(
             f"--init-from: the checkpoint has {model.seq_len} positions, fewer than --seq-len {cfg.seq_len}: "
             f"use --seq-len {model.seq_len} or less"
         )
+    if kind == "llama" and model.head_dim % 2:
+        raise C.ConfigError(f"--init-from: the checkpoint's head_dim {model.head_dim} is odd: rotary embeddings need an even one")  # fmt: skip
     _check_vocabulary(cfg, vocab, model.vocab_size, where)
     return dataclasses.replace(model, compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)
 

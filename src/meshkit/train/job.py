@@ -261,9 +261,15 @@ def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
         "capacity_factor": cfg.capacity_factor,
     }
     if cfg.model == "llama":
+        own = {}  # from a checkpoint: its heads' width and MLP width, which the run's options do not set
+        if cfg.init_from is not None:
+            from meshkit import interop
+
+            ckpt = interop.read_config(cfg.init_from[len(C.HF_PREFIX) :])
+            own = {"head_dim": ckpt.head_dim, "ffn": ckpt.ffn} if isinstance(ckpt, llama.LlamaConfig) else {}
         return ModelShape(name="llama", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
                           seq=cfg.seq_len, gated=True, kv_heads=cfg.kv_heads,
-                          tie_embeddings=cfg.tie_embeddings, **moe)  # fmt: skip
+                          tie_embeddings=cfg.tie_embeddings, **own, **moe)  # fmt: skip
     return ModelShape(name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len,
                       **moe)  # fmt: skip
 

@@ -235,7 +235,7 @@ def results(job: Job) -> dict[str, Any]:
     t = job.trainer
     steady = [h["tokens_per_s"] for h in job.history[1:]] or [h["tokens_per_s"] for h in job.history]
     tokens_per_s = float(np.median(steady)) if steady else 0.0
-    flops = module_of(job.model).flops_per_token(job.model)
+    flops = module_of(job.model).flops_per_token(job.model, job.cfg.seq_len)  # the run's sequence
     return {
         "plan": job.cfg.parallel.plan,
         "mesh": dict(t.mesh.shape),
