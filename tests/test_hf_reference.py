@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit import interop
+from meshkit.data import load as load_data
 from meshkit.interop.hf import Checkpoint
 from meshkit.models import gpt, llama
 from meshkit.train.outputs import export_run, load_run
@@ -96,6 +97,15 @@ def reference(tmp_path_factory):
     jobs.append(
         {"dir": str(tmp / "run-hf"), "tokens": str(tmp / "tokens.npy"), "out": str(tmp / "run-hf.npy")}
     )
+    bpe_dir, text = _bpe_export(tmp)
+    jobs.append(
+        {
+            "dir": str(bpe_dir),
+            "tokens": str(tmp / "bpe-tokens.npy"),
+            "out": str(tmp / "bpe.npy"),
+            "text": text,
+        }
+    )
     for name, config in REFERENCE_MODELS.items():
         jobs.append({"make": config, "dir": str(tmp / name), "tokens": str(tmp / "tokens.npy"),
                      "out": str(tmp / f"{name}.npy")})  # fmt: skip
@@ -105,6 +115,45 @@ def reference(tmp_path_factory):
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, tokens, ours
+
+
+def _bpe_export(tmp):
+    """A Llama on a BPE tokenizer of 300 ids, exported with its tokenizer and end-of-text token."""
+    from meshkit.data.prepare import prepare as prepare_data
+    from meshkit.data.text import default_documents
+    from meshkit.data.tokenizer import EOT
+    from meshkit.interop.hf import Special
+
+    docs = tmp / "bpe-docs"
+    docs.mkdir()
+    for i, doc in enumerate(default_documents()[:6]):
+        (docs / f"{i}.txt").write_text(doc)
+    prepare_data([str(docs)], tmp / "bpe-data", vocab_size=300, shard_tokens=4000)
+    bpe = load_data(str(tmp / "bpe-data")).bpe
+    cfg = llama.LlamaConfig(
+        vocab_size=bpe.vocab_size, seq_len=16, layers=1, width=32, heads=4, kv_heads=2, ffn=48
+    )
+    interop.save(_perturbed(cfg, 7), cfg, tmp / "bpe-hf", tokenizer_json=bpe.to_str(),
+                 special=Special(eos=(EOT, bpe.eot_id)))  # fmt: skip
+    text = "def f(x):\n    return x"
+    np.save(tmp / "bpe-tokens.npy", bpe.encode(text)[None, :])
+    return tmp / "bpe-hf", text
+
+
+def test_an_export_with_a_tokenizer_loads_in_autotokenizer_with_meshkits_ids_and_its_end(reference):
+    """AutoTokenizer on the export encodes as meshkit does (no ``<s>`` prepended as a new id), and
+    transformers' generation stops at the tokenizer's end of text (issue 39: eos was transformers'
+    default 2 and the tokenizer a LlamaTokenizerFast)."""
+    tmp, _, _ = reference
+    meta = json.loads((tmp / "bpe.npy.json").read_text())
+    bpe = load_data(str(tmp / "bpe-data")).bpe
+    assert meta["class"] == "PreTrainedTokenizerFast"
+    assert meta["ids"] == bpe.encode("def f(x):\n    return x").tolist()
+    assert meta["eos"] == meta["model_eos"] == bpe.eot_id and meta["bos"] is None
+    cfg = interop.read_config(tmp / "bpe-hf")
+    params, _ = interop.load(tmp / "bpe-hf")
+    mine = np.asarray(llama.apply(params, np.load(tmp / "bpe-tokens.npy"), cfg))
+    assert np.max(np.abs(mine - np.load(tmp / "bpe.npy"))) < TOL
 
 
 def _trained_run(run_dir):

@@ -33,6 +33,25 @@ def main(path: str) -> None:
         with torch.no_grad():
             logits = model(tokens).logits.numpy()
         np.save(job["out"], logits)
+        if "text" in job:  # the export's tokenizer and generation settings, as transformers reads them
+            from transformers import AutoTokenizer, GenerationConfig
+
+            tok = AutoTokenizer.from_pretrained(job["dir"])
+            gen = GenerationConfig.from_pretrained(job["dir"])
+            ids = tok(job["text"])["input_ids"]
+            with torch.no_grad():
+                model(torch.tensor([ids], dtype=torch.long))  # every id inside the embedding
+                out = model.generate(torch.tensor([ids], dtype=torch.long), max_new_tokens=4, do_sample=False)
+            meta = {
+                "ids": ids,
+                "class": type(tok).__name__,
+                "eos": gen.eos_token_id,
+                "bos": gen.bos_token_id,
+                "model_eos": model.generation_config.eos_token_id,
+                "generated": out[0].tolist(),
+            }
+            with open(job["out"] + ".json", "w") as f:
+                json.dump(meta, f)
         print(f"{job['dir']}: {type(model).__name__}, logits {logits.shape}", flush=True)
 
 

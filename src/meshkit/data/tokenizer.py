@@ -57,6 +57,11 @@ class Tokenizer:
     def to_str(self) -> str:
         return self._tok.to_str()
 
+    def special(self, i: int) -> str | None:
+        """The string of id ``i`` if it is one of the tokenizer's special tokens, else None."""
+        token = self._tok.get_added_tokens_decoder().get(i)
+        return token.content if token is not None and token.special else None
+
     @functools.cached_property
     def token_bytes(self) -> np.ndarray:
         """UTF-8 bytes each id stands for (0 for special tokens), as int64 of length ``vocab_size``."""

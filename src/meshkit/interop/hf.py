@@ -36,6 +36,7 @@ from meshkit.models import gpt, llama
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+GENERATION = "generation_config.json"
 VOCAB = "meshkit_vocab.json"
 """meshkit's character vocabulary (a JSON list), written beside the weights when the run has one."""
 TOKENIZER = "tokenizer.json"
@@ -389,12 +390,56 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[dict[str, np.ndarray], bool
     return out, tied
 
 
+@dataclass(frozen=True, slots=True)
+class Special:
+    """The tokens a model's generation and tokenizer name: end of text (where ``generate`` stops) and,
+    where the model has one, beginning of text; each as its string and its id."""
+
+    eos: tuple[str, int]
+    bos: tuple[str, int] | None = None
+
+    def config(self) -> dict[str, int]:
+        """``bos_token_id``/``eos_token_id`` as config.json and generation_config.json write them."""
+        return {"eos_token_id": self.eos[1]} | ({"bos_token_id": self.bos[1]} if self.bos else {})
+
+    def tokenizer_config(self, max_length: int) -> dict[str, Any]:
+        """tokenizer_config.json for a ``tokenizer.json`` loaded as it is: ``AutoTokenizer`` then gives
+        meshkit's ids (without it transformers builds the model type's tokenizer, which for a Llama
+        prepends a ``<s>`` the vocabulary may not have)."""
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos[0],
+                "bos_token": self.bos[0] if self.bos else None, "add_bos_token": False, "add_eos_token": False,
+                "clean_up_tokenization_spaces": False, "model_max_length": max_length}  # fmt: skip
+
+
+def read_special(directory: str | Path) -> dict[str, int]:
+    """The bos/eos ids a checkpoint's generation_config.json (else config.json) names; {} if none."""
+    out: dict[str, int] = {}
+    for name in (CONFIG, GENERATION):
+        try:
+            data = json.loads((Path(directory) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("bos_token_id", "eos_token_id"):
+            value = data.get(key) if isinstance(data, dict) else None
+            if (
+                isinstance(value, list) and value
+            ):  # Llama 3 names several end ids: the first is the text's end
+                value = value[0]
+            if isinstance(value, int):
+                out[key] = value
+    return out
+
+
 def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_bytes: int = 2 * 2**30,
-         vocab: tuple[str, ...] | None = None, tokenizer_json: str | None = None) -> Path:  # fmt: skip
+         vocab: tuple[str, ...] | None = None, tokenizer_json: str | None = None,
+         special: Special | None = None) -> Path:  # fmt: skip
     """Write ``params`` as a Hugging Face checkpoint into ``directory`` (which must not exist or be
     empty): ``config.json``, the weights in safetensors files of at most ``max_shard_bytes`` (with
     an index when more than one), ``meshkit_vocab.json`` when a character ``vocab`` is given, and
-    ``tokenizer.json`` when a BPE tokenizer (``tokenizers``' JSON) is."""
+    ``tokenizer.json`` when a BPE tokenizer (``tokenizers``' JSON) is; with ``special`` tokens, their
+    ids in config.json and generation_config.json and, beside a tokenizer, tokenizer_config.json and
+    special_tokens_map.json (so that transformers' ``generate`` stops where meshkit's does and
+    ``AutoTokenizer`` gives meshkit's ids)."""
     from safetensors.numpy import save_file
 
     target = Path(directory)
@@ -421,11 +466,19 @@ def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_byte
             index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                      "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}  # fmt: skip
             (work / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-        (work / CONFIG).write_text(json.dumps(config_to_hf(cfg, tied), indent=2, sort_keys=True))
+        ids = special.config() if special else {}
+        (work / CONFIG).write_text(json.dumps(config_to_hf(cfg, tied) | ids, indent=2, sort_keys=True))
+        if ids:
+            (work / GENERATION).write_text(json.dumps(ids, indent=2, sort_keys=True))
         if vocab is not None:
             (work / VOCAB).write_text(json.dumps(list(vocab)))
         if tokenizer_json is not None:
             (work / TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
+            if special is not None:
+                tok_cfg = special.tokenizer_config(cfg.seq_len)
+                (work / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+                tokens = {k: tok_cfg[k] for k in ("bos_token", "eos_token") if tok_cfg[k] is not None}
+                (work / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2))
         if target.exists():
             target.rmdir()
         os.replace(work, target)

@@ -59,8 +59,27 @@ def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2
     model = dataclasses.replace(run.model, compute_dtype=None, scan_layers=False)
     bpe = run.corpus.bpe
     interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
-                 tokenizer_json=None if bpe is None else bpe.to_str())  # fmt: skip
+                 tokenizer_json=None if bpe is None else bpe.to_str(), special=special_tokens(run))  # fmt: skip
     return run
+
+
+def special_tokens(run: TrainedModel) -> interop.hf.Special | None:
+    """The run's end (and beginning) of text: those of the checkpoint it started from (``--init-from``:
+    its generation_config.json or config.json), else its tokenizer's end-of-text token; None for
+    character data, which has none."""
+    bpe = run.corpus.bpe
+    if bpe is None:
+        return None
+    ids = {"eos_token_id": bpe.eot_id}
+    if run.cfg.init_from is not None:
+        ids |= interop.hf.read_special(run.cfg.init_from[len(C.HF_PREFIX) :])
+    eos, bos = ids["eos_token_id"], ids.get("bos_token_id")
+    if bpe.special(eos) is None:  # not a special token of the tokenizer: the text's end is its own
+        eos = bpe.eot_id
+    bos_token = None if bos is None else bpe.special(bos)
+    return interop.hf.Special(
+        eos=(bpe.special(eos), eos), bos=None if bos_token is None else (bos_token, bos)
+    )
 
 
 def generate_text(
