@@ -5,6 +5,10 @@ A Llama of width 256, 4 layers, 8 heads (4 key/value heads), vocabulary 256, on 
 prompt of 32 tokens, greedy. Each way runs once to compile, then ``--repeats`` times; the median
 wall-clock time gives tokens/s. The two ways must produce the same tokens (checked).
 
+Then the time to the first token (one new token) for a prompt of a length seen before and for one of
+a length not seen (27 and 29 tokens after 32: the same bucket of compiled lengths), side by side:
+the ratio unseen / seen is the price of a new length (issue 39's goal: within 2x).
+
     .venv/bin/python benchmarks/bench_generate.py [--new 256] [--repeats 3] [--batch 1]
 """
 
@@ -56,6 +60,25 @@ def main() -> None:
     print(f"| key/value cache | {args.batch} | {t_cache:.3f} | {n / t_cache:,.0f} |")
     print(f"| whole window per token | 1 | {t_window:.3f} | {args.new / t_window:,.0f} |")
     print(f"speed-up of the cache: {(n / t_cache) / (args.new / t_window):.1f}x (same greedy tokens)")
+    first_token(params, cfg, prompt)
+
+
+def first_token(params, cfg, prompt) -> None:
+    """Seconds to one new token for a seen prompt length and for two unseen ones."""
+
+    def once(p):
+        start = time.perf_counter()
+        G.generate(params, cfg, [p], 1)
+        return time.perf_counter() - start
+
+    once(prompt)  # the seen length, compiled
+    seen = statistics.median(once(prompt) for _ in range(3))
+    unseen = [once(prompt[: len(prompt) - k]) for k in (5, 3)]  # lengths never generated from before
+    print("| prompt | first token (s) |\n|---|---|")
+    print(f"| seen length {len(prompt)} | {seen:.4f} |")
+    for k, t in zip((5, 3), unseen, strict=True):
+        print(f"| unseen length {len(prompt) - k} | {t:.4f} |")
+    print(f"time to first token, unseen / seen length: {max(unseen) / seen:.2f}x (goal <= 2x)")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ under it (e.g. the key/value heads on the training mesh's ``model`` axis, beside
 by the same rules), else it lives where the parameters do. Sampling: greedy (``temperature=0``),
 or temperature with top-k and top-p (nucleus) filtering.
 
+Compiled shapes come in buckets (``bucket``): the prompts are left-padded to a power of two of at
+least ``BUCKET_MIN`` tokens and the new tokens rounded up to a power of two (the extra ones dropped), so a prompt
+of a length not seen before, or another ``max_new_tokens``, reuses the program of its bucket instead
+of compiling one (at most twice the work of the exact shape).
+
 ``window_generate`` is the way without a cache (the whole window run again for every token, as
 ``meshkit train``'s end-of-run sample does): the benchmark's baseline, and the check that both give
 the same greedy tokens.
@@ -120,6 +125,15 @@ def _generate(params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, ca
     return jnp.concatenate([out.T, last[:, None]], 1) if new > 1 else first[:, None]
 
 
+BUCKET_MIN = 16
+"""The shortest compiled prompt and new-token length."""
+
+
+def bucket(n: int, least: int = BUCKET_MIN) -> int:
+    """The compiled length for ``n`` tokens: the next power of two, at least ``least``."""
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
 def _padded(prompts: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise MeshkitError("every prompt needs at least one token: give non-empty prompts")
@@ -127,7 +141,7 @@ def _padded(prompts: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, n
         bad = [t for t in p if not 0 <= int(t) < vocab]
         if bad:
             raise MeshkitError(f"prompt token {bad[0]} is outside the model's vocabulary of {vocab}")
-    longest = max(len(p) for p in prompts)
+    longest = bucket(max(len(p) for p in prompts))
     tokens = np.zeros((len(prompts), longest), np.int32)
     pad = np.array([longest - len(p) for p in prompts], np.int32)
     for row, (p, k) in enumerate(zip(prompts, pad, strict=True)):
@@ -145,9 +159,9 @@ def generate(
     if max_new_tokens < 1:
         raise MeshkitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     tokens, pad = _padded(prompts, cfg.vocab_size)
-    out = _generate(params, tokens, pad, jax.random.key(seed), cfg=cfg, new=max_new_tokens,
+    out = _generate(params, tokens, pad, jax.random.key(seed), cfg=cfg, new=bucket(max_new_tokens, 1),
                     how=sampling or Sampling(), cache_sharding=cache_sharding)  # fmt: skip
-    return np.asarray(out).tolist()
+    return np.asarray(out)[:, :max_new_tokens].tolist()
 
 
 def kv_sharding(mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig) -> jax.sharding.NamedSharding:
@@ -161,28 +175,29 @@ def kv_sharding(mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig) -> jax.sharding
     return NamedSharding(mesh, P(None, None, None, heads, None))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "how"))
+def _next_token(params, window_t, length, key, *, cfg, how: Sampling):
+    """The token after the first ``length`` of the window (one program per model and sampling)."""
+    module = llama if isinstance(cfg, llama.LlamaConfig) else gpt
+    logits = module.apply(params, window_t[None], cfg)[0]
+    return sample(logits[length - 1][None], key, how)[0]
+
+
 def window_generate(
     params: Any, cfg: llama.LlamaConfig | gpt.GPTConfig, prompt: Sequence[int], max_new_tokens: int, *,
     sampling: Sampling | None = None, seed: int = 0,
 ) -> list[int]:  # fmt: skip
     """New tokens for one prompt without a cache: the last ``seq_len`` tokens run through the whole
     model for every new token (the GPT's learned positions allow no more)."""
-    module = llama if isinstance(cfg, llama.LlamaConfig) else gpt
     how = sampling or Sampling()
     window = np.asarray(list(prompt)[-cfg.seq_len :], np.int32)
-
-    @jax.jit
-    def next_token(p, window, length, key):
-        logits = module.apply(p, window[None], cfg)[0]
-        return sample(logits[length - 1][None], key, how)[0]
-
     width = cfg.seq_len
     buf = np.zeros(width, np.int32)
     n = len(window)
     buf[:n] = window
     key, out = jax.random.key(seed), []
     for j in range(max_new_tokens):
-        tok = int(next_token(params, jnp.asarray(buf), n, jax.random.fold_in(key, j)))
+        tok = int(_next_token(params, jnp.asarray(buf), n, jax.random.fold_in(key, j), cfg=cfg, how=how))
         out.append(tok)
         if n < width:
             buf[n], n = tok, n + 1
