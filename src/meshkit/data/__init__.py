@@ -6,10 +6,33 @@ character-level text and ``.npy`` ids too.
 Modules: ``corpus`` (a run's data: ``load``), ``pipeline`` (``Batches``, ``global_batch``),
 ``shards`` (the on-disk format), ``prepare`` (text to shards), ``tokenizer``, ``text``
 (character-level), ``source`` (token streams in memory or on disk).
+
+Names are imported on first use, so that ``meshkit data prepare`` (the tokenizer and the shards)
+starts without JAX and grain, which only the pipeline needs.
 """
 
-from meshkit.data.corpus import Corpus, load
-from meshkit.data.pipeline import Batches, global_batch, process_rows
-from meshkit.data.source import DataError
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshkit.data.corpus import Corpus, load
+    from meshkit.data.pipeline import Batches, global_batch, process_rows
+    from meshkit.data.source import DataError
+
+_WHERE = {
+    "Corpus": "meshkit.data.corpus",
+    "load": "meshkit.data.corpus",
+    "Batches": "meshkit.data.pipeline",
+    "global_batch": "meshkit.data.pipeline",
+    "process_rows": "meshkit.data.pipeline",
+    "DataError": "meshkit.data.source",
+}
 __all__ = ["Batches", "Corpus", "DataError", "global_batch", "load", "process_rows"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'meshkit.data' has no attribute {name!r}")
