@@ -30,6 +30,7 @@ import jax
 LOW = 19  #: the nice value of a background save's threads
 _POOL = b"ts_pool"  # tensorstore's shared pool: "ts_pool_overseer" (15 characters kept), "ts_pool_worker"
 _LINUX = sys.platform.startswith("linux")
+_SAVES: set[int] = set()  # every thread a save started: lowered again by the next save (see Writers)
 
 
 def nice(tid: int) -> int | None:
@@ -55,7 +56,11 @@ def pool_threads() -> set[int]:
     return found
 
 
-def _python_threads() -> set[int]:
+def _threads() -> set[int]:
+    """Native ids of this process's threads: every one on Linux (tensorstore's and XLA's too), the
+    Python ones elsewhere."""
+    if _LINUX:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
     return {t.native_id for t in threading.enumerate() if t.native_id is not None}
 
 
@@ -82,9 +87,17 @@ class Writers:
         self.ids: set[int] = set()
 
     def started(self, before: set[int]) -> None:
-        """The save has started: its threads are those started since ``before`` (:func:`snapshot`)
-        and tensorstore's pool; lower them (the threads they start from now on start low)."""
-        self.ids = (_python_threads() - before) | pool_threads()
+        """The save has started: its threads are those started since ``before`` (:func:`snapshot`:
+        orbax's, and tensorstore's overseer if it was not running, whose name is too long for Linux
+        to keep) and tensorstore's pool workers; lower them (the threads they start from now on
+        start low). An overseer started outside a save (a restore less than its 20 s idle timeout
+        before) keeps its priority, and so do the workers it starts during this save, until the
+        next save lowers them by name. The threads an earlier save started that still run (raised
+        back while the loop waited for it) are lowered again."""
+        alive = _threads()
+        _SAVES.update(alive - before)
+        _SAVES.intersection_update(alive)
+        self.ids = _SAVES | pool_threads()
         set_nice(self.ids, LOW)
 
     def raise_back(self) -> None:
@@ -117,8 +130,8 @@ def _on_cpu(x: jax.Array) -> bool:
 
 
 def snapshot() -> set[int]:
-    """The Python threads running now (see :meth:`Writers.started`)."""
-    return _python_threads()
+    """The threads running now (see :meth:`Writers.started`)."""
+    return _threads()
 
 
 class Reaper:
