@@ -229,11 +229,14 @@ class Checkpointer:
         return manager
 
     def _become_writer(self) -> None:
-        """Before the first save: reopen as the directory's writer (create it, remove unfinished steps)."""
+        """Before the first save: reopen as the directory's writer (create it, remove unfinished steps
+        and, in the background, the trash a killed run left)."""
         if not self._writer:
             self._manager.close()
             self._manager = self._open(writer=True)
             self._writer = True
+            if jax.process_index() == 0:  # an earlier run's trash: gone before orbax moves steps there
+                self._reaper.start(self.directory / _TRASH)
 
     def _seal(self) -> None:
         """orbax's post-finalization callback (process 0, every process's files written, before the
