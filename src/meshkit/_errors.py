@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class MeshkitError(Exception):
     """Base of every error meshkit raises for bad input.
@@ -28,3 +30,15 @@ class HloParseError(MeshkitError):
 
 class TargetError(MeshkitError):
     """A ``module:function`` target for the CLI could not be loaded or used."""
+
+
+def gist(e: BaseException, limit: int = 200) -> str:
+    """The first line of an error, shortened: tensorstore's run to kilobytes, status first and the
+    cause last ("OUT_OF_RANGE: Error writing ... file 4: File too large"), so keep those two."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    line = line.split(" [tensorstore_spec=")[0].split(" See full TensorStore details")[0]
+    line = re.sub(r"\s*\[os_error_code='?\d+'?\]", "", line)
+    status = re.match(r"([A-Z][A-Z_]+): (.+)", line)
+    if status and ": " in status.group(2):
+        line = f"{status.group(1)}: {status.group(2).rpartition(': ')[2]}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."

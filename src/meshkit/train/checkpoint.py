@@ -3,11 +3,15 @@
 A step is written into ``<directory>/<step>.orbax-checkpoint-tmp`` and renamed to ``<directory>/<step>``
 only once every file is written, so a process killed mid-save (SIGKILL, preemption, a second Ctrl-C)
 leaves the previous steps as they were. Steps beyond ``keep`` are likewise renamed into
-``<directory>/.deleted`` before they are deleted, so no step is ever listed half-deleted either.
+``<directory>/.deleted`` (by orbax, once the newer step is renamed into place) before they are
+deleted, so no step is ever listed half-deleted either; the deleting is done by a thread of its own
+(see :mod:`meshkit.train.background`), never by the training loop, and the next save's writer waits
+for it before orbax renames more steps there.
 
 Saves run in the background (orbax's asynchronous checkpointing): ``save(..., wait=False)`` returns
 once the arrays are copied off the devices and orbax has started the write; the files are written,
-checksummed and renamed into place by orbax's threads while the caller goes on. The next ``save``
+checksummed and renamed into place by orbax's threads while the caller goes on, at low priority
+(:mod:`meshkit.train.background`), so that the steps taken meanwhile keep the cores. The next ``save``
 (or ``wait``, ``restore``, ``close``) waits for the one in flight. Until a ``wait`` has confirmed it,
 a step in flight is not listed (``all_steps``, ``latest_step``), and on disk it is only a temporary
 directory, which no reader lists: a process killed mid-save leaves it invisible, never half-visible.
@@ -39,12 +43,9 @@ job calls the same methods; orbax writes each shard once.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -59,16 +60,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
-from meshkit._errors import MeshkitError
+from meshkit._errors import MeshkitError, gist
+from meshkit.train import background
+from meshkit.train.checksums import CHECKSUMS as CHECKSUMS  # where the digests are: named here for callers
+from meshkit.train.checksums import Unreadable as _Unreadable
+from meshkit.train.checksums import check_checksums, write_checksums
 from meshkit.train.lock import free_space
 
 _ARRAY_ITEMS = ("params", "opt_state")
 _TRASH = ".deleted"
 #: Where unreadable steps are moved (kept for inspection), inside the checkpoint directory.
 UNREADABLE = ".unreadable"
-#: The step's checksums: ``{"algorithm": "sha256", "files": {"params/d/...": [size, hex digest], ...}}``.
-CHECKSUMS = "meshkit-checksums.json"
-_PROCESS_FILES = re.compile(r"(?:^|/)ocdbt\.process_(\d+)/")
 
 
 def held(directory: Path) -> list[str]:
@@ -82,22 +84,6 @@ def held(directory: Path) -> list[str]:
 
 class CheckpointError(MeshkitError):
     """A checkpoint cannot be saved or restored as asked."""
-
-
-class _Unreadable(Exception):
-    """A step's files cannot be read back (corrupt, partial): the reason, in one line."""
-
-
-def _gist(e: BaseException, limit: int = 200) -> str:
-    """The first line of an error, shortened: tensorstore's run to kilobytes, status first and the
-    cause last ("OUT_OF_RANGE: Error writing ... file 4: File too large"), so keep those two."""
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    line = line.split(" [tensorstore_spec=")[0].split(" See full TensorStore details")[0]
-    line = re.sub(r"\s*\[os_error_code='?\d+'?\]", "", line)
-    status = re.match(r"([A-Z][A-Z_]+): (.+)", line)
-    if status and ": " in status.group(2):
-        line = f"{status.group(1)}: {status.group(2).rpartition(': ')[2]}"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def abstract(tree: Any) -> Any:
@@ -187,63 +173,6 @@ def _quiet_orbax_noise() -> None:
     sys.unraisablehook = hook
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def write_checksums(step_dir: Path) -> None:
-    """Record the size and sha256 of every file of the step's items (``params/``, ``opt_state/``,
-    ``meta/``) in ``step_dir/meshkit-checksums.json``. orbax's own step files at the top
-    (``_CHECKPOINT_METADATA``, ``commit_success.txt``) are left out: orbax rewrites them on commit."""
-    files = {
-        str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
-        for item in sorted(step_dir.iterdir())
-        if item.is_dir()
-        for f in sorted(item.rglob("*"))
-        if f.is_file()
-    }
-    # a new file ("x": O_EXCL, never through a link) in the step's temporary directory, renamed with it
-    with (step_dir / CHECKSUMS).open("x") as f:
-        json.dump({"algorithm": "sha256", "files": files}, f, indent=1)
-
-
-def _checker(name: str, processes: int) -> int:
-    """The process that checks a file: the one that wrote it (``ocdbt.process_<i>/``, folded onto the
-    processes present), process 0 for the files every process shares."""
-    wrote = _PROCESS_FILES.search(name)
-    return int(wrote.group(1)) % processes if wrote else 0
-
-
-def check_checksums(step_dir: Path, *, process: int = 0, processes: int = 1) -> None:
-    """Check the files of ``step_dir`` that ``process`` (of ``processes``) checks against the step's
-    checksums; raise :class:`_Unreadable` naming the first that differs. A step without checksums
-    (saved before meshkit wrote them) passes unchecked."""
-    try:
-        manifest = json.loads((step_dir / CHECKSUMS).read_text())
-        files = manifest["files"]
-        if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
-            raise ValueError(manifest.get("algorithm"))
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _Unreadable(f"its {CHECKSUMS} is damaged ({_gist(e, 80)})") from None
-    for name, (size, digest) in sorted(files.items()):
-        if _checker(name, processes) != process:
-            continue
-        path = step_dir / name
-        try:
-            actual = path.stat().st_size
-            if actual != size:
-                raise _Unreadable(f"{name} is {actual} bytes, {size} when saved")
-            if _sha256(path) != digest:
-                raise _Unreadable(f"{name} does not match its sha256: changed on disk since the save")
-        except FileNotFoundError:
-            raise _Unreadable(f"{name} is missing") from None
-        except OSError as e:
-            raise _Unreadable(f"{name} cannot be read ({e.strerror or e})") from None
-
-
 def _warn(message: str) -> None:
     """One ``warning:`` line on stderr (process 0 only)."""
     if jax.process_index() == 0:
@@ -269,6 +198,8 @@ class Checkpointer:
         self._pending: int | None = None  # saved asynchronously, not yet confirmed by a wait()
         self._keep = keep
         self._writer = False
+        self._writers = background.Writers()  # the threads of the save in flight
+        self._reaper = background.Reaper()  # deletes the trash: the steps past keep
         self._manager = self._open(writer=False)
 
     def _open(self, *, writer: bool) -> ocp.CheckpointManager:
@@ -292,21 +223,28 @@ class Checkpointer:
             getattr(manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         except Exception as e:
             raise CheckpointError(
-                f"cannot open checkpoint directory '{self.directory}' ({_gist(e)}); {free_space(self.directory)} there: "
+                f"cannot open checkpoint directory '{self.directory}' ({gist(e)}); {free_space(self.directory)} there: "
                 "fix permissions or pick another --run-dir"
             ) from e
         return manager
 
     def _become_writer(self) -> None:
-        """Before the first save: reopen as the directory's writer (create it, remove unfinished steps)."""
+        """Before the first save: reopen as the directory's writer (create it, remove unfinished steps
+        and, in the background, the trash a killed run left)."""
         if not self._writer:
             self._manager.close()
             self._manager = self._open(writer=True)
             self._writer = True
+            if jax.process_index() == 0:  # an earlier run's trash: gone before orbax moves steps there
+                self._reaper.start(self.directory / _TRASH)
 
     def _seal(self) -> None:
         """orbax's post-finalization callback (process 0, every process's files written, before the
-        step's directory is renamed into place): the step's checksums go in with it."""
+        step's directory is renamed into place): the step's checksums go in with it. Runs at low
+        priority, and waits for the trash of the previous save to be gone: orbax moves the steps past
+        ``keep`` there next."""
+        background.lower_this_thread()
+        self._reaper.join()
         final = self.directory.absolute() / str(self._saving)
         tmp = final.with_name(final.name + ocp.path.atomicity.TMP_DIR_SUFFIX)
         write_checksums(tmp if tmp.is_dir() else final)
@@ -331,14 +269,16 @@ class Checkpointer:
                     "or save into a fresh directory"
                 )
         else:
-            items = {"params": params, "opt_state": opt_state}
+            items = background.own_copy({"params": params, "opt_state": opt_state})
             args = {
                 name: ocp.args.StandardSave(tree) for name, tree in items.items() if jax.tree.leaves(tree)
             }
             with _sigint_deferred(), self._failing_save(step):
                 self._probe_writable()
                 self._saving = step
+                before = background.snapshot()
                 self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
+                self._writers.started(before)
                 self._last_saved = self._pending = step
         if wait:
             self.wait()
@@ -362,7 +302,7 @@ class Checkpointer:
             kept = [s for s in self._manager.all_steps() if s != step]
             keep = f"steps {sorted(kept)} are intact" if kept else "no earlier step was saved"
             raise CheckpointError(
-                f"cannot save step {step} in '{self.directory}' ({_gist(e)}); {free_space(self.directory)} there: "
+                f"cannot save step {step} in '{self.directory}' ({gist(e)}); {free_space(self.directory)} there: "
                 f"free space, fix permissions or pick another --run-dir; {keep}"
             ) from e
 
@@ -488,7 +428,7 @@ class Checkpointer:
         try:
             saved = self._manager.item_metadata(step)
         except Exception as e:
-            raise _Unreadable(_gist(e)) from None
+            raise _Unreadable(gist(e)) from None
         for name, like in targets.items():
             if jax.tree.leaves(like) and not jax.tree.leaves(saved.get(name) if saved else None):
                 raise _Unreadable(f"its {name} are missing")
@@ -505,7 +445,7 @@ class Checkpointer:
             got = reader(composite) if reader else self._manager.restore(step, args=composite)
             meta = got["meta"]
         except Exception as e:
-            raise _Unreadable(_gist(e)) from None
+            raise _Unreadable(gist(e)) from None
         if not isinstance(meta, dict):
             raise _Unreadable("its meta is not a JSON object")
         params, opt_state = (got[name] if name in args else like for name, like in targets.items())
@@ -526,20 +466,24 @@ class Checkpointer:
         return f"; moved to {target.relative_to(self.directory)}"
 
     def wait(self) -> None:
-        """Block until a save in flight is on disk and the steps beyond ``keep`` are deleted."""
+        """Block until a save in flight is on disk (and the steps beyond ``keep`` are out of the
+        listing; a thread of their own deletes them meanwhile: :meth:`close` waits for it)."""
         with self._failing_save(self._last_saved):
             try:
+                if self._pending is not None:
+                    self._writers.raise_back()  # the loop waits for them now
                 self._manager.wait_until_finished()
             except Exception:  # failed: orbax no longer lists the step (a Ctrl-C leaves it in flight)
                 self._pending = None
                 raise
             self._pending = None
         if self._writer and jax.process_index() == 0:
-            shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
+            self._reaper.start(self.directory / _TRASH)
 
     def close(self) -> None:
-        """Finish a save in flight and release orbax's threads."""
+        """Finish a save in flight and the deleting of old steps, and release orbax's threads."""
         self.wait()
+        self._reaper.join()
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:
