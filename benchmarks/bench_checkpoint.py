@@ -137,7 +137,9 @@ def blocking_per_save(step: Callable[[], float], trainer: Trainer, tmp: str, arg
         for saver in ways.values():
             saver.close()
     base = statistics.median(normal)
-    print("| way | loop blocked per save past keep (s) | first step after the save | x a step |\n|---|---|---|---|")
+    print(
+        "| way | loop blocked per save past keep (s) | first step after the save | x a step |\n|---|---|---|---|"
+    )
     for way in ways:
         b, f = statistics.median(blocked[way]), statistics.median(first[way])
         print(f"| {way} | {b:.3f} | {f * 1e3:.1f} ms | {f / base:.2f}x |")
