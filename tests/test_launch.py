@@ -322,7 +322,9 @@ def test_a_killed_process_is_restarted_and_a_preempted_job_resumes_both_ending_a
     from meshkit.verify import bitwise_equal
 
     straight, run = tmp_path / "straight", tmp_path / "run"
-    done = subprocess.run([EXE, *TRAIN6, "--run-dir", str(straight)], capture_output=True, text=True, timeout=JOB_S)
+    done = subprocess.run(
+        [EXE, *TRAIN6, "--run-dir", str(straight)], capture_output=True, text=True, timeout=JOB_S
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     worker = [PY, str(WORKERS / "restart_worker.py"), *TRAIN6, "--run-dir", str(run)]
