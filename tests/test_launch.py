@@ -313,14 +313,18 @@ def test_a_killed_process_is_restarted_and_a_preempted_job_resumes_both_ending_a
     resumes from step 2's checkpoint; in that second start process 1 gets SIGTERM as it starts step 5:
     every process saves step 5 and the job exits 143, not restarted; `train --resume` ends it. Losses
     and final parameters equal bitwise those of an uninterrupted run (gloo's sum of two processes is
-    deterministic on CPU). The stall watch (--stall-timeout) sees steps and never mistakes start-up,
+    deterministic on CPU). The uninterrupted run is one process of 2 devices: a sum of 2 terms has
+    one rounding whoever adds them, so its bits are those of gloo's 2 processes (checked: equal losses
+    and parameters), at a third of a launched job's CPU time. The stall watch (--stall-timeout) sees steps and never mistakes start-up,
     compilation or the final report for a stall. Was: --max-restarts did not exist; a killed process
     ended the job."""
     from meshkit.train.outputs import load_run
     from meshkit.verify import bitwise_equal
 
     straight, run = tmp_path / "straight", tmp_path / "run"
-    done = _job("--", EXE, *TRAIN6, "--run-dir", str(straight))
+    done = subprocess.run(
+        [EXE, *TRAIN6, "--run-dir", str(straight)], capture_output=True, text=True, timeout=JOB_S
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     worker = [PY, str(WORKERS / "restart_worker.py"), *TRAIN6, "--run-dir", str(run)]
