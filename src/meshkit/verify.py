@@ -74,6 +74,7 @@ import optax
 from meshkit._errors import MeshkitError
 from meshkit.devices import host
 from meshkit.models import gpt, linear, llama, mlp, reference_np
+from meshkit.plans.placement import vocab_rules
 from meshkit.spec import DATA, STAGE, ParallelSpec
 from meshkit.train import PlanReport, Trainer
 
@@ -156,7 +157,7 @@ def workload(
 
         w = Workload(name=name, loss_fn=make_loss(cfg), params=p, batch=batch, logical_axes=gpt.logical_axes(p),
                      tokens_per_example=cfg.seq_len, in_float64=in_float64, units={"heads": cfg.heads},
-                     has_aux=bool(experts))  # fmt: skip
+                     rules=vocab_rules(stages), has_aux=bool(experts))  # fmt: skip
         return w
     if name == "llama":  # grouped-query attention (half as many kv heads), the vocabulary split on model
         return _llama(rng, key, heads=heads, layers=layers, stages=stages, experts=experts)
@@ -170,21 +171,18 @@ def _llama(
 ) -> Workload:
     """The Llama of width 32 with ``heads`` query heads and half as many key/value heads, in float32
     and (``in_float64``) float64; as ``Stages`` (scanned) for pipeline plans."""
-    from meshkit.plans.placement import DEFAULT_TP_RULES, VOCAB_TP_RULES
-
     cfg = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
                             kv_heads=max(heads // 2, 1), ffn=64, scan_layers=stages, experts=experts)  # fmt: skip
     make_loss = llama.stages if stages else functools.partial(llama.make_loss, with_aux=bool(experts))
     tokens = rng.integers(0, cfg.vocab_size, size=(16, cfg.seq_len + 1)).astype(np.int32)
     p = llama.init(key, cfg)
     batch = (tokens[:, :-1], tokens[:, 1:])
-    rules = DEFAULT_TP_RULES if stages else VOCAB_TP_RULES  # pipelines keep the vocabulary whole on model
 
     def one(dtype: str, params: Any) -> Workload:
         c = dataclasses.replace(cfg, dtype=dtype)
         return Workload(name="llama", loss_fn=make_loss(c), params=params, batch=batch,
                         logical_axes=llama.logical_axes(params), tokens_per_example=cfg.seq_len,
-                        units=llama.units(cfg), rules=rules, has_aux=bool(experts),
+                        units=llama.units(cfg), rules=vocab_rules(stages), has_aux=bool(experts),
                         in_float64=None if dtype == "float64" else lambda: one("float64", _to_float64(params)))  # fmt: skip
 
     return one("float32", p)

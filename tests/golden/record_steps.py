@@ -90,6 +90,7 @@ def record_case(plan: str, mesh: str, opts: dict) -> dict:
 
     from meshkit.analysis import communication, memory
     from meshkit.models import gpt
+    from meshkit.plans.placement import vocab_rules
     from meshkit.train import Trainer
 
     pipeline = "pp" in plan
@@ -102,7 +103,7 @@ def record_case(plan: str, mesh: str, opts: dict) -> dict:
     trainer = Trainer(loss, params, optax.adamw(1e-3, weight_decay=0.01), plan=plan, mesh=mesh,
                       logical_axes=gpt.logical_axes(params), units={"heads": cfg.heads}, clip_norm=1.0,
                       grad_norm=True, tokens_per_example=cfg.seq_len, compute_dtype=cfg.compute_dtype,
-                      **kwargs)  # fmt: skip
+                      rules=vocab_rules(pipeline), **kwargs)  # fmt: skip
     compiled = trainer.compiled(batch)
     ledger = communication(compiled, mesh=trainer.mesh)
     mem = memory(compiled)

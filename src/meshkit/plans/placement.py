@@ -29,9 +29,9 @@ DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "kv_heads": MODEL, "mlp": MO
 that match no axis of a model are ignored, rules a user passes must each match some axis."""
 VOCAB_TP_RULES: dict[str, str] = {**DEFAULT_TP_RULES, "vocab": MODEL}
 """The default rules plus the vocabulary of the embedding and the output head on the model axis, for
-a loss that keeps split logits split (``meshkit.models.llama.cross_entropy``): the lookup is then an
-all-reduce of ``[tokens, width]`` and each reduction over the vocabulary one of ``[tokens]``
-(``_expected``). Not under pipeline plans, whose model of the model axis has the blocks' rows only
+a loss that keeps split logits split (``meshkit.models.llama.cross_entropy``; optax's integer-label
+cross-entropy, the GPT's loss, compiles to the same rows): the lookup is then an all-reduce of
+``[tokens, width]`` and each reduction over the vocabulary one of ``[tokens]`` (``_expected``). Not under pipeline plans, whose model of the model axis has the blocks' rows only
 (``vocab_rules``)."""
 WHERE_DIVIDES: dict[str, str] = {
     "kv_heads": "each device then computes every key/value head and the model axis all-reduces "
@@ -47,10 +47,12 @@ rules ``[(regex, spec)]``: searched for in each leaf's path (``a/b/c``), the fir
 leaf, over what the default logical rules gave."""
 
 
-def vocab_rules(plan: Plan) -> dict[str, str]:
-    """The rules of a model whose loss keeps split logits split: ``VOCAB_TP_RULES``, or under a
-    pipeline plan ``DEFAULT_TP_RULES`` (the embedding and head whole on the model axis)."""
-    return DEFAULT_TP_RULES if plan.pipeline else VOCAB_TP_RULES
+def vocab_rules(plan: Plan | bool) -> dict[str, str]:
+    """The rules of a model whose loss keeps split logits split (the GPT, the Llama):
+    ``VOCAB_TP_RULES``, or under a pipeline plan (``plan``, or True: pipeline) ``DEFAULT_TP_RULES``
+    (the embedding and head whole on the model axis)."""
+    pipeline = plan if isinstance(plan, bool) else plan.pipeline
+    return DEFAULT_TP_RULES if pipeline else VOCAB_TP_RULES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -74,7 +74,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
                       tokens_per_example=cfg.seq_len, grad_norm=True, has_aux=moe_run(model, cfg),
                       units=llama.units(model) if llama_run else {"heads": cfg.heads},
-                      rules=vocab_rules(cfg.parallel.plan_info) if llama_run else None)  # fmt: skip
+                      rules=vocab_rules(cfg.parallel.plan_info))  # fmt: skip
     axes = trainer.placement.batch_axes
     C.check_batch(
         cfg, trainer.placement.batch_devices, " x ".join(axes) if len(axes) > 1 else "the data axis"
