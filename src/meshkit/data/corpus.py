@@ -50,6 +50,12 @@ class Corpus:
     """The BPE tokenizer (token shards); None otherwise."""
 
     @property
+    def loss_unit(self) -> str:
+        """The unit of the run's cross-entropy: nats per character for text read per character, per
+        token for BPE shards and bare ids (the one owner: the plot, the log and the summary ask it)."""
+        return "nats/char" if self.tokenizer == "characters" else "nats/token"
+
+    @property
     def num_tokens(self) -> int:
         return len(self.train) + len(self.held_out)
 

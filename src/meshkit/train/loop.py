@@ -317,7 +317,8 @@ def finish(job: Job, console: Console, profile: dict[str, Any] | None = None) ->
     out["sample"] = _attempt("sampling", problems, sample, job, job.cfg.sample_chars) or ""
     plots = _attempt("loading matplotlib", problems, importlib.import_module, "meshkit.train.plots")
     if job.writer and plots is not None:
-        _attempt("loss.png", problems, plots.loss_plot, job.history, job.evals, job.run_dir / "loss.png")
+        loss_png = job.run_dir / "loss.png"
+        _attempt("loss.png", problems, plots.loss_plot, job.history, job.evals, loss_png, job.data.loss_unit)
         if "communication" in out:
             _attempt("cost.png", problems, plots.cost_plot, out, job.run_dir / "cost.png")
     if problems:
@@ -399,6 +400,6 @@ def run(
             return 0
         out = finish(job, console, profiler.summary)
     if out.get("eval_bpb") is not None:
-        console.print(f"held-out: {out['eval_loss']:.4f} nats/token, {out['eval_bpb']:.4f} bits/byte "
+        console.print(f"held-out: {out['eval_loss']:.4f} {job.data.loss_unit}, {out['eval_bpb']:.4f} bits/byte "
                       f"({job.data.tokenizer}, vocab {job.data.vocab_size})", highlight=False)  # fmt: skip
     return 0

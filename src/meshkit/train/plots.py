@@ -14,13 +14,14 @@ from rich.console import Console
 from meshkit.fmt import fmt_bytes, table
 
 
-def loss_plot(history: list[dict], evals: list[dict], path: Path) -> None:
-    """Train loss per step and held-out loss per evaluation."""
+def loss_plot(history: list[dict], evals: list[dict], path: Path, unit: str) -> None:
+    """Train loss per step and held-out loss per evaluation, in ``unit`` (the data's
+    :attr:`~meshkit.data.corpus.Corpus.loss_unit`)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1, label="train")
     if evals:
         ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o-", label="held-out")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title="meshkit train: loss")
+    ax.set(xlabel="step", ylabel=f"cross-entropy ({unit})", title="meshkit train: loss")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
