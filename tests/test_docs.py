@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -267,18 +268,33 @@ def shown_in_order(shown: list[str], printed: str) -> str | None:
     return None
 
 
+def run_block(block: Block, body: str, cwd: Path, timeout_s: float) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a block's script; past ``timeout_s`` the test fails naming the
+    command that was running, and every process the block started is killed (none is left burning CPU
+    beside the tests after it)."""
+    proc = subprocess.Popen(["bash", "-c", body], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        running = [x for x in err.splitlines() if x.startswith(">>> ")][-1:] or ["before its first command"]
+        pytest.fail(f"{block.id}: still running after {timeout_s:g} s at {running[0]}\n{err[-2000:]}")
+    return proc.returncode, out, err
+
+
 @pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
 def test_shell_block_runs(block, tmp_path):
     body = script(block)
     if body.count("\n") == 1:  # only the README's two commands
         assert {c.split("#")[0].strip() for _, c, _ in commands(block)} <= set(NOT_RUN)
         return
-    proc = subprocess.run(["bash", "-c", body], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=BLOCK_TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    shown = [line for _, _, out in commands(block) for line in out]
-    missing = shown_in_order(shown, proc.stdout + proc.stderr)
-    assert missing is None, f"{block.id}: shown output not printed: {missing!r}\n{proc.stdout[-4000:]}"
+    rc, out, err = run_block(block, body, tmp_path, BLOCK_TIMEOUT_S)
+    assert rc == 0, out[-4000:] + err[-4000:]
+    shown = [line for _, _, printed in commands(block) for line in printed]
+    missing = shown_in_order(shown, out + err)
+    assert missing is None, f"{block.id}: shown output not printed: {missing!r}\n{out[-4000:]}"
 
 
 def test_output_check_can_fail():
@@ -292,3 +308,16 @@ def test_output_check_can_fail():
     assert (
         shown_in_order(["choice: dp=8", "Layouts that fit, fastest first (top 3 of 11)"], printed) is not None
     )
+
+
+def test_a_block_past_its_timeout_fails_naming_its_command_and_leaves_no_process(tmp_path):
+    """A timed-out block's commands (here one in the background, as a meshkit command's children) are
+    killed with it: bash alone killed left them running, a CPU burner beside the rest of the suite."""
+    block = Block(ROOT / "README.md", 1, "bash", "true\nsleep 300 &\necho $! > pid; wait\n")
+    with pytest.raises(
+        pytest.fail.Exception, match=r"README.md:1: still running after 1 s at >>> README.md:3"
+    ):
+        run_block(block, script(block), tmp_path, 1)
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
