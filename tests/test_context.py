@@ -89,7 +89,7 @@ def test_context_plan_matches_one_device_in_float64_and_its_ledger_the_model(nam
 
 #: remat (both policies) and micro-batches under context plans, each beside one device in float64
 UNDER = [
-    ("gpt", "cp", "context=8", "ring", {"remat": "layer"}),
+    ("gpt", "dp+cp", "data=2,context=4", "ring", {"remat": "layer"}),  # 4 passes: half context=8's step
     ("llama", "dp+cp", "data=2,context=4", "all-to-all", {"remat": "dots"}),
     ("gpt", "dp+cp", "data=2,context=4", "ring", {"accumulate": 2}),
 ]
@@ -98,7 +98,7 @@ UNDER = [
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "form", "options"),
     UNDER,
-    ids=["gpt-cp-ring-layer", "llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"],
+    ids=["gpt-dp+cp-ring-layer", "llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"],
 )
 def test_remat_and_accumulate_under_context_match_one_device_in_float64(name, plan, mesh, form, options):
     """Remat recomputes the ring's passes (or the all-to-alls) in the backward pass, and micro-batches

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -89,9 +90,11 @@ def env(*, python: bool = False) -> dict[str, str]:
     """The environment of a block: this checkout's meshkit first, CPU devices, no colours. Python
     blocks get 8 simulated CPU devices; shell commands get what a user's shell has (each meshkit
     command simulates its own, `--devices 8` by default)."""
-    # (the suite's JAX_DISABLE_MOST_OPTIMIZATIONS too, see conftest: a page's figures are a user's)
-    drop = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")
-    e = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_") and k not in drop}
+    # The suite's JAX_DISABLE_MOST_OPTIMIZATIONS (conftest) is kept: it turns off XLA's backend (LLVM)
+    # passes only, so the HLO, collectives, memory and every figure a page prints (digits are not
+    # compared) are a user's, and the blocks share the suite's compilation cache. That a user's command
+    # runs at XLA's default level is test_deterministic_mp's point (meshkit train and launch, bit for bit).
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MESHKIT_") and k != "XLA_FLAGS"}
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(
@@ -107,11 +110,14 @@ def env(*, python: bool = False) -> dict[str, str]:
     return e
 
 
-def test_blocks_compile_as_a_user_does():
-    """The suite's own compile setting (conftest) stays out of the pages' commands."""
+def test_blocks_compile_as_the_suite_does():
+    """The pages' commands inherit the suite's compile setting (conftest), hence its compilation cache;
+    a user's default optimisation level is run by tests/test_deterministic_mp.py, which must keep it."""
     assert os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
     for e in (env(), env(python=True)):
-        assert "JAX_DISABLE_MOST_OPTIMIZATIONS" not in e
+        assert e["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1" and e["JAX_COMPILATION_CACHE_DIR"]
+    mp = (ROOT / "tests" / "test_deterministic_mp.py").read_text()
+    assert 'k not in ("JAX_DISABLE_MOST_OPTIMIZATIONS", "XLA_FLAGS")' in mp
 
 
 def test_every_block_has_a_known_language():
@@ -262,18 +268,33 @@ def shown_in_order(shown: list[str], printed: str) -> str | None:
     return None
 
 
+def run_block(block: Block, body: str, cwd: Path, timeout_s: float) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a block's script; past ``timeout_s`` the test fails naming the
+    command that was running, and every process the block started is killed (none is left burning CPU
+    beside the tests after it)."""
+    proc = subprocess.Popen(["bash", "-c", body], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        running = [x for x in err.splitlines() if x.startswith(">>> ")][-1:] or ["before its first command"]
+        pytest.fail(f"{block.id}: still running after {timeout_s:g} s at {running[0]}\n{err[-2000:]}")
+    return proc.returncode, out, err
+
+
 @pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
 def test_shell_block_runs(block, tmp_path):
     body = script(block)
     if body.count("\n") == 1:  # only the README's two commands
         assert {c.split("#")[0].strip() for _, c, _ in commands(block)} <= set(NOT_RUN)
         return
-    proc = subprocess.run(["bash", "-c", body], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=BLOCK_TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    shown = [line for _, _, out in commands(block) for line in out]
-    missing = shown_in_order(shown, proc.stdout + proc.stderr)
-    assert missing is None, f"{block.id}: shown output not printed: {missing!r}\n{proc.stdout[-4000:]}"
+    rc, out, err = run_block(block, body, tmp_path, BLOCK_TIMEOUT_S)
+    assert rc == 0, out[-4000:] + err[-4000:]
+    shown = [line for _, _, printed in commands(block) for line in printed]
+    missing = shown_in_order(shown, out + err)
+    assert missing is None, f"{block.id}: shown output not printed: {missing!r}\n{out[-4000:]}"
 
 
 def test_output_check_can_fail():
@@ -287,3 +308,16 @@ def test_output_check_can_fail():
     assert (
         shown_in_order(["choice: dp=8", "Layouts that fit, fastest first (top 3 of 11)"], printed) is not None
     )
+
+
+def test_a_block_past_its_timeout_fails_naming_its_command_and_leaves_no_process(tmp_path):
+    """A timed-out block's commands (here one in the background, as a meshkit command's children) are
+    killed with it: bash alone killed left them running, a CPU burner beside the rest of the suite."""
+    block = Block(ROOT / "README.md", 1, "bash", "true\nsleep 300 & echo $! > pid; wait\n")
+    with pytest.raises(
+        pytest.fail.Exception, match=r"README.md:1: still running after 5 s at >>> README.md:2"
+    ):
+        run_block(block, script(block), tmp_path, 5)  # room for bash to start on busy cores
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
