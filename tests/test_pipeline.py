@@ -430,8 +430,12 @@ def test_dp_pp_over_two_processes_one_stage_each_and_spanning_matches_one_device
 
     worker = str(Path(__file__).parent / "mp" / "pipeline_worker.py")
     out = io.StringIO()
+    # Measured (2 cores): 42 s CPU for the whole test, 62 s wall at load 6, 261 s wall beside two
+    # `while 1: pass` burners. The job's waits are sized to that loaded run with 2x headroom, not to
+    # the defaults (30 s heartbeat, 300 s start-up), which a starved process can outlast.
+    loaded_wall_s = 261
     code = launch([sys.executable, worker, str(tmp_path)], 2, devices_per_process=4, env={"JAX_PLATFORMS": "cpu"},
-                  output=out)  # fmt: skip
+                  output=out, timeout_s=2 * loaded_wall_s, heartbeat_timeout_s=2 * loaded_wall_s)  # fmt: skip
     assert code == 0, out.getvalue()[-3000:]
     res = {r["process"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("result-*.json"))}
     assert sorted(res) == [0, 1] and res[0]["meshes"] == res[1]["meshes"]
