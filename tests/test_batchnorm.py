@@ -124,3 +124,13 @@ def test_resnet_batchnorm_equals_one_device(plan, vmap):
     assert _max_diff(t.state, want_stats) <= TOL
     # the statistics moved (the comparison above is not of two initial states)
     assert _max_diff(t.state, {"batch_stats": VARIABLES["batch_stats"]}) > 1e-3
+
+
+@pytest.mark.parametrize("plan", ["dp", "zero3"])
+def test_accumulation_with_batch_statistics_is_refused(plan):
+    """Micro-batches each have their own BatchNorm mean (one device has one): refused in one line."""
+    t = meshkit.Trainer(_loss(True), meshkit.from_linen(MODEL, VARIABLES), optax.adam(LR), plan=plan,
+                        mesh="data=8", accumulate=2)  # fmt: skip
+    with pytest.raises(meshkit.PlanError, match="accumulate=2") as e:
+        t.step(BATCH)
+    assert "\n" not in str(e.value)
