@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import meshkit
+from meshkit.verify import verify_model
 
 STEPS, LR, TOL = 4, 1e-2, 2e-5
 
@@ -134,3 +135,32 @@ def test_accumulation_with_batch_statistics_is_refused(plan):
     with pytest.raises(meshkit.PlanError, match="accumulate=2") as e:
         t.step(BATCH)
     assert "\n" not in str(e.value)
+
+
+class ShardStats(nn.Module):
+    """A deliberately wrong statistic: a running mean of the rows the call sees, with no axis name
+    (no BatchNorm for meshkit to join to the data axis), so under a manual data region it is each
+    device's own. It does not feed the output: only a comparison of the state can catch it."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        mean = self.variable("batch_stats", "mean", jnp.zeros, x.shape[-1:])
+        if train and not self.is_initializing():
+            mean.value = 0.9 * mean.value + 0.1 * jnp.mean(x, axis=(0, 1, 2))
+        return ResNet(axis_name=None)(x, train)
+
+
+def _certificate(module, plan):
+    variables = module.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)), train=False)
+    return verify_model(_loss(False), meshkit.from_linen(module, variables), BATCH, optax.adam(LR),
+                                plan=plan, mesh="data=8", steps=2)  # fmt: skip
+
+
+def test_certificate_compares_batch_statistics():
+    right = _certificate(ResNet(axis_name=None), "zero3")
+    assert right.state_exact_vs_single_device is not None
+    assert right.checks["float64: state = one device"], right.state_exact_vs_single_device
+    wrong = _certificate(ShardStats(), "zero3")
+    assert wrong.checks["float64: plan = one device"]  # the parameters cannot see it
+    assert not wrong.checks["float64: state = one device"], wrong.state_exact_vs_single_device
+    assert not wrong.ok
