@@ -314,6 +314,8 @@ class _Run:
     """After K steps, on this host."""
     first: list[np.ndarray]
     """The probe optimizer's floating state after the first step."""
+    state: Any = None
+    """The model's mutated collections (batch statistics, ...) after K steps, on this host."""
 
 
 class _OneDevice:
@@ -347,7 +349,7 @@ class _OneDevice:
             p, s, st = step(p, s, st, b, put(_step_key(self.rng, i)))
             if i == 0:
                 first = _float_leaves(s)
-        return _Run(params=host(p), first=first)
+        return _Run(params=host(p), first=first, state=host(st))
 
 
 def _below_float64(jaxpr: Any) -> str | None:
@@ -487,6 +489,9 @@ class Certificate:
     accumulate: int
     exact_vs_single_device: float | None
     """Plan vs one device after K steps, both in float64 (None without a float64 twin)."""
+    state_exact_vs_single_device: float | None = None
+    """The same for the model's state (mutated collections: batch statistics); None without state
+    or without a float64 twin."""
     first_step: float
     """The plan's float32 first step (its optimizer state after one step) vs ``first_step_vs``."""
     first_step_vs: str
@@ -527,6 +532,8 @@ class Certificate:
         out = {}
         if self.exact_vs_single_device is not None:
             out["float64: plan = one device"] = self.exact_vs_single_device <= TOL_EXACT
+        if self.state_exact_vs_single_device is not None:
+            out["float64: state = one device"] = self.state_exact_vs_single_device <= TOL_EXACT
         if self.first_step_bound is not None:
             out["float32: first step within rounding"] = self.first_step <= self.first_step_bound
         if self.vs_float64 is not None:
@@ -584,13 +591,15 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
     again = trainer(w)  # the same compiled program from the same start
     again._compiled = first32._compiled
     train(again, steps)
-    exact = None
+    exact = exact_state = None
     if ref.twin is not None:
         with jax.enable_x64(True):
             t64 = trainer(ref.twin)
             for _ in range(steps):
                 t64.step(ref.twin.batch)
             exact = relative_difference(t64.params, ref.run64.params)
+            if _float_leaves(ref.run64.state):
+                exact_state = relative_difference(_float_leaves(t64.state), _float_leaves(ref.run64.state))
     single, *others = ref.runs
     partial_sums = spec.deterministic or first32.num_devices * first32.assembled.microbatches
     across = None
@@ -610,6 +619,7 @@ def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: Paralle
         steps=steps,
         accumulate=spec.accumulate,
         exact_vs_single_device=exact,
+        state_exact_vs_single_device=exact_state,
         first_step=relative_difference(first, ref.first),
         first_step_vs=ref.first_vs,
         first_step_noise=ref.noise,

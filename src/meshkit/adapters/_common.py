@@ -52,18 +52,37 @@ def to_axes(spec: Any, ndim: int) -> tuple:
     return names + (None,) * (ndim - len(names))
 
 
-def batch_norm_axis(own: Any, axis: str | None) -> Any:
+def batch_norm_axis(own: Any, axis: Any, *, running: bool = False) -> Any:
     """The axis a Flax BatchNorm averages its statistics over in a plan's step, with the meaning it
-    has on one device (a mean over the whole batch): its own ``axis_name`` where the loss binds it
-    (the user's ``vmap``), else the manual data axis ``axis`` (each device holds some rows), or
-    None where the plan has no data axis (each device holds the whole batch). A name the loss does
-    not bind (Flax's ResNet: ``axis_name='batch'``, for ``pmap``) thus means the global batch."""
+    has on one device (a mean over the whole batch): the manual data axis ``axis`` where the plan
+    splits the batch over devices (each device holds some rows), joined with the BatchNorm's own
+    ``axis_name`` where the loss binds it (the user's ``vmap`` over the device's rows: on one device
+    that vmap spans the whole batch, so its mean must also span the devices), or None where the plan
+    has no data axis (each device holds the whole batch). A name the loss does not bind (Flax's
+    ResNet: ``axis_name='batch'``, for ``pmap``) thus means the global batch. Under gradient
+    accumulation batch statistics (not ``running`` averages) are refused: no micro-batch is the batch."""
     from jax import lax
 
-    if own is not None:
+    from meshkit.plans import micro_batches
+
+    if micro_batches() > 1 and not running:  # running averages: no batch statistics
+        from meshkit.spec import PlanError
+
+        raise PlanError(
+            f"BatchNorm's batch statistics cannot span the batch with accumulate={micro_batches()} (each "
+            "micro-batch has its own mean, unlike one device): use accumulate=1 or a norm without batch "
+            "statistics (LayerNorm, GroupNorm)"
+        )
+    split = () if axis is None else tuple(axis) if isinstance(axis, tuple | list) else (axis,)
+    bound = ()
+    for name in own if isinstance(own, tuple | list) else () if own is None else (own,):
         try:
-            lax.axis_size(own)
-            return own
+            lax.axis_size(name)
         except NameError:  # unbound: it names the devices' split of the batch
-            pass
-    return axis
+            continue
+        if name not in split:
+            bound += (name,)
+    names = bound + split
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else names

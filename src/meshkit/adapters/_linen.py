@@ -89,7 +89,8 @@ def _sync_batch_norm(nn: Any, axis: str | None) -> Callable:
     def intercept(next_fun, args, kwargs, context):
         m = context.module
         if isinstance(m, nn.BatchNorm):
-            object.__setattr__(m, "axis_name", batch_norm_axis(m.axis_name, axis))
+            running = bool(kwargs.get("use_running_average", m.use_running_average))
+            object.__setattr__(m, "axis_name", batch_norm_axis(m.axis_name, axis, running=running))
         return next_fun(*args, **kwargs)
 
     return intercept

@@ -14,7 +14,7 @@ def _sync_batch_norm(nnx: Any, model: Any, axis: str | None) -> None:
     over ``axis`` inside the manual data region)."""
     for _, m in nnx.iter_modules(model):
         if isinstance(m, nnx.BatchNorm):
-            m.axis_name = batch_norm_axis(m.axis_name, axis)
+            m.axis_name = batch_norm_axis(m.axis_name, axis, running=bool(m.use_running_average))
 
 
 def from_nnx(model: Any) -> Adapted:

@@ -141,6 +141,8 @@ def _print(cert) -> None:
     checked = cert.first_step_bound is not None
     rows = [
         ["float64: plan vs one device after K steps", _num(cert.exact_vs_single_device), f"<= {TOL_EXACT:g}"],
+        ["float64: state (batch statistics, ...) vs one device", _num(cert.state_exact_vs_single_device),
+         f"<= {TOL_EXACT:g}" if cert.state_exact_vs_single_device is not None else "(no state)"],
         [f"float32: first step vs {cert.first_step_vs if checked else 'one device'}", _num(cert.first_step),
          f"<= {_num(cert.first_step_bound)}" if checked else "(not checked: see below)"],
         ["  one device's own (largest of its batch orders)", _num(cert.first_step_noise),

@@ -28,7 +28,7 @@ from meshkit.plans._expected import (
 from meshkit.plans._experts import EXPERT_DIM, check_whole_sequences, moe
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
-from meshkit.plans._manual import manual_data_axis
+from meshkit.plans._manual import manual_data_axis, micro_batches
 from meshkit.plans._pipeline import Pipeline
 from meshkit.plans._remat import remat_policy
 from meshkit.plans._schedule import Schedule, bubble_model
@@ -69,6 +69,7 @@ __all__ = [
     "manual_data_axis",
     "matmul_rows",
     "memory_formula",
+    "micro_batches",
     "moe",
     "place",
     "plot_schedule",

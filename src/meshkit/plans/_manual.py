@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 
 _AXIS: ContextVar[str | None] = ContextVar("meshkit_manual_data_axis", default=None)
+_MICRO: ContextVar[int] = ContextVar("meshkit_micro_batches", default=1)
 
 
 def manual_data_axis() -> str | None:
@@ -25,3 +26,18 @@ def manual_data(axis: str) -> Iterator[None]:
         yield
     finally:
         _AXIS.reset(token)
+
+
+def micro_batches() -> int:
+    """How many micro-batches the step splits each device's rows into (gradient accumulation):
+    above 1 the loss sees only a part of the batch per call, so batch statistics cannot span it."""
+    return _MICRO.get()
+
+
+@contextlib.contextmanager
+def accumulating(m: int) -> Iterator[None]:
+    token = _MICRO.set(m)
+    try:
+        yield
+    finally:
+        _MICRO.reset(token)

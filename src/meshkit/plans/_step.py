@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit.plans import _buckets as buckets
 from meshkit.plans import _context, _experts, _fsdp, _rng
 from meshkit.plans._deterministic import deterministic_gradients
-from meshkit.plans._manual import manual_data
+from meshkit.plans._manual import accumulating, manual_data
 from meshkit.plans.placement import Placement
 from meshkit.spec import CONTEXT, DATA, EXPERT, REPLICA, PlanError
 
@@ -126,7 +126,8 @@ def _accumulate(grad_fn: Callable, params: Any, state: Any, batch: Any, key: jax
     micros = _split_micro(batch, m)
 
     def one(state, micro, j):
-        (loss, (aux, state)), grads = grad_fn(params, state, micro, key, j)
+        with accumulating(m):
+            (loss, (aux, state)), grads = grad_fn(params, state, micro, key, j)
         return loss, aux, state, per_micro(grads)
 
     def body(carry, xs):
