@@ -83,6 +83,11 @@ class Array:
 Shape = Array | tuple  # a tuple holds Shapes
 
 
+class UnboundedDimension(HloParseError):
+    """A dimension of unbounded dynamic size (``f32[?,8]``, as XLA prints one): the array cannot be
+    sized. The ledger leaves such a collective out of its totals and says so."""
+
+
 def _dims(dtype: str, text: str) -> tuple[int, ...]:
     out = []
     for d in text.split(","):
@@ -90,6 +95,8 @@ def _dims(dtype: str, text: str) -> tuple[int, ...]:
         if not d:
             continue
         d = d.removeprefix("<=").strip()  # bounded dynamic dimension: its bound
+        if d == "?":
+            raise UnboundedDimension(f"dimension '?' of {dtype}[{text}] has no bound: its size is unknown")
         if not d.isdigit():
             raise HloParseError(f"dimension {d!r} of {dtype}[{text}] is not a number")
         out.append(int(d))

@@ -26,7 +26,16 @@ from meshkit.analysis._groups import (
     match_axes,
     pair_axes,
 )
-from meshkit.analysis._hlo import Array, Instruction, Module, frequencies, leaves, parse_module, parse_shape
+from meshkit.analysis._hlo import (
+    Array,
+    Instruction,
+    Module,
+    UnboundedDimension,
+    frequencies,
+    leaves,
+    parse_module,
+    parse_shape,
+)
 from meshkit.analysis.cost import ring_traffic
 
 #: Collectives the ring model covers, by the name XLA prints for the synchronous form.
@@ -128,6 +137,8 @@ class CommLedger:
     mesh: MeshShape | None
     records: tuple[Collective, ...]
     warnings: tuple[str, ...] = field(default=())
+    unsized: int = 0
+    """Collectives left out of ``records`` because they move arrays of unbounded dynamic size."""
 
     def kinds(self) -> list[str]:
         """Sorted distinct collective ops (like the chapter's ``collectives()`` helper)."""
@@ -182,6 +193,7 @@ class CommLedger:
             "traffic_bytes": self.traffic_bytes,
             "size_bytes": self.size_bytes,
             "warnings": list(self.warnings),
+            "unsized": self.unsized,
         }
 
 
@@ -272,7 +284,7 @@ def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLed
         for _, s in mesh:
             n_dev *= s
     ctx = _Context(module=module, mesh=tuple(mesh) if mesh else None, n_dev=n_dev, counts=counts)
-    records, warnings, dead = [], [], []
+    records, warnings, dead, unsized = [], [], [], []
     for inst in module.instructions:
         op, start = inst.opcode, False
         if op in _ASYNC:
@@ -285,6 +297,9 @@ def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLed
             continue
         try:
             rec, warning = _record(ctx, inst, op, start, f)
+        except UnboundedDimension as e:
+            unsized.append((inst, e))  # its bytes are unknown: said below, not counted as 0
+            continue
         except HloParseError as e:
             raise HloParseError(f"{inst.label}: {e}") from None
         if warning and warning not in ctx.warned:
@@ -295,13 +310,24 @@ def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLed
                 f"{rec.op} {rec.name} runs inside a loop whose trip count the compiler does not state; counted once"
             )
         records.append(rec)
+    if unsized:
+        inst, e = unsized[0]
+        warnings.append(
+            f"{len(unsized)} collective(s) move arrays of unbounded dynamic size and are not counted: their "
+            f"bytes are unknown (first: %{inst.name} in %{inst.computation}, line {inst.line}: {e})"
+        )
     if dead:
         warnings.append(
             f"{len(dead)} collective(s) sit in computations the entry never calls and are not counted "
             f"(first: %{dead[0].name} in %{dead[0].computation}, line {dead[0].line})"
         )
     return CommLedger(
-        module=module.name, num_devices=n_dev, mesh=ctx.mesh, records=tuple(records), warnings=tuple(warnings)
+        module=module.name,
+        num_devices=n_dev,
+        mesh=ctx.mesh,
+        records=tuple(records),
+        warnings=tuple(warnings),
+        unsized=len(unsized),
     )
 
 

@@ -71,7 +71,7 @@ def print_comm(ledger, every: bool = False) -> None:
     mesh = ", ".join(f"{n}={s}" for n, s in ledger.mesh) if ledger.mesh else "unknown"
     n = len(ledger.records)
     console.print(
-        f"module [bold]{ledger.module}[/] | {ledger.num_devices} device(s) | mesh {mesh} | "
+        f"module [bold]{ledger.module}[/] | {ledger.num_devices or 'unknown number of'} device(s) | mesh {mesh} | "
         f"{n:,} collective instruction(s), {ledger.count():,} run(s) per step"
     )
     for title, totals in (("By op", ledger.by_op()), ("By mesh axes", ledger.by_axes())):
@@ -97,7 +97,10 @@ def print_comm(ledger, every: bool = False) -> None:
             " (--all lists every one)" if n > _TOP else ""
         )
         console.print(table(title, _COLUMNS, [_collective_row(r) for r in largest[:_TOP]], justify_right=3))
-    console.print(f"total ring-model traffic per device per step: [bold]{fmt_bytes(ledger.traffic_bytes)}[/]")
+    besides = f" (not counting {ledger.unsized} collective(s) of unknown size)" if ledger.unsized else ""
+    console.print(
+        f"total ring-model traffic per device per step: [bold]{fmt_bytes(ledger.traffic_bytes)}[/]{besides}"
+    )
     for w in ledger.warnings[:_WARNINGS]:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     if len(ledger.warnings) > _WARNINGS:
