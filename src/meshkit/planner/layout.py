@@ -129,12 +129,8 @@ class Layout:
 
     def meshkit_plan(self) -> str | None:
         """The meshkit plan that executes this layout, or None where meshkit has none."""
-        if self.cp > 1 or self.ep > 1:
-            name = self.plan_name()
-            return name if name in PLANS and not self.hybrid else None
-        return plan_for(
-            self.zero, data=self.dp > 1, tensor=self.tp > 1, pipeline=self.pp > 1, hybrid=self.hybrid
-        )
+        return plan_for(self.zero, data=self.dp > 1, hybrid=self.hybrid, tensor=self.tp > 1, pipeline=self.pp > 1,
+                        context=self.cp > 1, expert=self.ep > 1)  # fmt: skip
 
     def mesh_spec(self) -> str:
         """meshkit's mesh string for this layout, axes named as the plans name them."""
