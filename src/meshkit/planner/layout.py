@@ -121,9 +121,10 @@ class Layout:
         if plan is not None:
             return plan
         data = "hsdp" if self.hybrid else {0: "dp", 1: "zero1", 2: "zero2", 3: "fsdp"}[self.zero]
-        parts = [data] * (self.dp > 1 or self.zero > 0) + [
-            r.token for r in AXIS_RULES if getattr(self, r.token) > 1
-        ]
+        if self.zero and self.dp == 1:  # the stage asked for, over no data axis
+            data = f"zero{self.zero}"
+        axes = [r.token for r in AXIS_RULES if getattr(self, r.token) > 1]
+        parts = [data] * (self.dp > 1 or self.zero > 0) + axes
         return "+".join(parts or ["dp"])
 
     def meshkit_plan(self) -> str | None:
