@@ -203,6 +203,14 @@ def train(
             "says otherwise; pip install 'meshkit[wandb]').",
         ),
     ] = None,
+    peak_tflops: Annotated[
+        float | None,
+        _opt(
+            "peak_tflops",
+            "One device's peak TFLOP/s, for MFU in the summary, report.json and metrics.jsonl (default: the "
+            "table's figure for the GPU or TPU at the run's precision; none on a CPU).",
+        ),
+    ] = None,
     profile: Annotated[
         str | None,
         typer.Option(
@@ -283,7 +291,7 @@ def train(
                  sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
                  scan_layers=scan_layers, model=model, kv_heads=kv_heads, tie_embeddings=tie_embeddings,
                  experts=experts, experts_per_token=experts_per_token, capacity_factor=capacity_factor,
-                 init_from=init_from, export_hf=export_hf, tracker=tracker)  # fmt: skip
+                 init_from=init_from, export_hf=export_hf, tracker=tracker, peak_tflops=peak_tflops)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     if clip is not None:
         given["clip"] = C.user_value("clip", clip)
