@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -164,3 +165,46 @@ def test_certificate_compares_batch_statistics():
     assert wrong.checks["float64: plan = one device"]  # the parameters cannot see it
     assert not wrong.checks["float64: state = one device"], wrong.state_exact_vs_single_device
     assert not wrong.ok
+
+
+class EqxNet(eqx.Module):
+    """An Equinox MLP with a batch-mode BatchNorm whose ``axis_name`` the loss's vmap binds (as
+    ``examples/equinox_mlp.py``)."""
+
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.linear = eqx.nn.Linear(4, 8, key=k1)
+        self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="batch")
+        self.head = eqx.nn.Linear(8, 2, key=k2)
+
+    def __call__(self, x, state):
+        x, state = self.norm(self.linear(x), state)
+        return self.head(jax.nn.relu(x)), state
+
+
+def _eqx_loss(model, state, batch):
+    x, y = batch
+    out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+    return jnp.mean((out - y) ** 2), state
+
+
+EQX_BATCH = (jax.random.normal(jax.random.key(2), (32, 4)), jax.random.normal(jax.random.key(3), (32, 2)))
+
+
+@pytest.mark.parametrize("plan", ["dp", "zero3"])
+def test_equinox_accumulation_with_batch_statistics_is_refused(plan):
+    """As for Flax: an eqx.nn.BatchNorm's batch mean under accumulate=2 would be each micro-batch's own
+    (unlike one device), refused in one line; in inference mode (its running statistics) it trains."""
+    model, state = eqx.nn.make_with_state(EqxNet)(jax.random.key(0))
+    t = meshkit.Trainer(_eqx_loss, meshkit.from_equinox(model, state), optax.adam(LR), plan=plan,
+                        mesh="data=8", accumulate=2)  # fmt: skip
+    with pytest.raises(meshkit.PlanError, match="accumulate=2") as e:
+        t.step(EQX_BATCH)
+    assert "\n" not in str(e.value)
+    t = meshkit.Trainer(_eqx_loss, meshkit.from_equinox(eqx.nn.inference_mode(model), state), optax.adam(LR),
+                        plan=plan, mesh="data=8", accumulate=2)  # fmt: skip
+    assert jnp.isfinite(t.step(EQX_BATCH)["loss"])

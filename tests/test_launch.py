@@ -278,7 +278,7 @@ def test_no_place_for_the_jobs_certificates_is_one_line(monkeypatch):
     def refused(**kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("meshkit.launch.tempfile.mkdtemp", refused)
+    monkeypatch.setattr("meshkit.launch._tls.tempfile.mkdtemp", refused)
     with pytest.raises(
         LaunchError, match=r"cannot make the job's certificates in .* \(Permission denied\): set TMPDIR"
     ):

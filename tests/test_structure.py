@@ -300,7 +300,7 @@ MUTATIONS = {
         "from meshkit.models import num_params\n",
         "cycles",
     ),
-    "root-level private module": ("launch.py", "from meshkit._helper import x\n", "private"),
+    "root-level private module": ("launch/__init__.py", "from meshkit._helper import x\n", "private"),
     "plans written in a help text": ("cli/verify.py", '_H = "plans dp, zero1 or zero2"\n', "texts"),
     "plans written in an error line": (
         "plans/_context.py",

@@ -63,16 +63,7 @@ def batch_norm_axis(own: Any, axis: Any, *, running: bool = False) -> Any:
     accumulation batch statistics (not ``running`` averages) are refused: no micro-batch is the batch."""
     from jax import lax
 
-    from meshkit.plans import micro_batches
-
-    if micro_batches() > 1 and not running:  # running averages: no batch statistics
-        from meshkit.spec import PlanError
-
-        raise PlanError(
-            f"BatchNorm's batch statistics cannot span the batch with accumulate={micro_batches()} (each "
-            "micro-batch has its own mean, unlike one device): use accumulate=1 or a norm without batch "
-            "statistics (LayerNorm, GroupNorm)"
-        )
+    refuse_accumulated_batch_statistics(running=running)
     split = () if axis is None else tuple(axis) if isinstance(axis, tuple | list) else (axis,)
     bound = ()
     for name in own if isinstance(own, tuple | list) else () if own is None else (own,):
@@ -86,3 +77,20 @@ def batch_norm_axis(own: Any, axis: Any, *, running: bool = False) -> Any:
     if not names:
         return None
     return names[0] if len(names) == 1 else names
+
+
+def refuse_accumulated_batch_statistics(*, running: bool = False) -> None:
+    """Under gradient accumulation the loss sees one micro-batch per call, so a BatchNorm's batch
+    statistics would be each micro-batch's own (one device has one mean over the whole batch): one
+    line, for every framework's BatchNorm. ``running``: it normalises with its running averages
+    (no batch statistics), which accumulation does not change."""
+    from meshkit.plans import micro_batches
+
+    if micro_batches() > 1 and not running:
+        from meshkit.spec import PlanError
+
+        raise PlanError(
+            f"BatchNorm's batch statistics cannot span the batch with accumulate={micro_batches()} (each "
+            "micro-batch has its own mean, unlike one device): use accumulate=1 or a norm without batch "
+            "statistics (LayerNorm, GroupNorm)"
+        )

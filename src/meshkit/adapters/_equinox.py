@@ -5,16 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from meshkit.adapters._common import Adapted, require
+from meshkit.adapters._common import Adapted, refuse_accumulated_batch_statistics, require
 from meshkit.plans import manual_data_axis
 
 
 def _sync_batch_norm(eqx: Any, model: Any, axis: str | None) -> Any:
-    """Inside the manual data region, BatchNorm's mean runs over its batch axis and ``axis`` too."""
-    if axis is None:
-        return model
+    """Inside the manual data region, BatchNorm's mean runs over its batch axis and ``axis`` too.
+    Under gradient accumulation a BatchNorm that takes batch statistics (not in inference mode) is
+    refused, as Flax's are (``refuse_accumulated_batch_statistics``); its mode is read from the
+    module (``inference=``, ``eqx.nn.inference_mode``), not from a call's own ``inference=``."""
     norms = _norms(eqx, model)
     if not norms:
+        return model
+    refuse_accumulated_batch_statistics(running=all(getattr(bn, "inference", False) for bn in norms))
+    if axis is None:
         return model
     if any(getattr(bn, "mode", "batch") == "ema" for bn in norms):
         from meshkit.spec import PlanError

@@ -4,11 +4,13 @@ The loss is a pure function of the parameters (and, as asked, the model's other 
 random key per step); the Trainer checks every input before compiling, builds the step of its
 ``ParallelSpec`` (``plans.assemble``: the same step the peak model and the planner compile), places
 the parameters and optimizer state, and saves and restores runs in the CLI's orbax format.
+
+Beside it: ``_arguments`` (how its keyword arguments are read), ``_inputs`` (what it is given,
+checked), ``_plan_report`` (its ``report``: measured beside the plan's model).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -20,22 +22,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshkit.analysis import communication, memory
-from meshkit.mesh import parse_mesh_spec
-from meshkit.plans import (
-    MemoryRow,
-    batch_fed,
-    compare_communication,
-    device_bytes,
-    expected_collectives,
-    matmul_rows,
-    memory_formula,
-)
 from meshkit.plans.assemble import Assembled, assemble
-from meshkit.plans.peak import peak_report
 from meshkit.plans.placement import Placement, Rules
-from meshkit.spec import AUTO, MODEL, PRECISIONS, ParallelSpec, Plan, PlanError
+from meshkit.spec import AUTO, ParallelSpec, Plan, PlanError
+from meshkit.train._arguments import _check_key_argument, _mesh_text, _precision
 from meshkit.train._inputs import base_key, check_optimizer, check_params, check_state
+from meshkit.train._plan_report import plan_report
 from meshkit.train.profile import Profile, Tracing, summary_of
 from meshkit.train.report import PlanReport
 
@@ -150,17 +142,21 @@ class Trainer:
         self.steps_done = 0
         """Optimizer steps taken (the per-step key is ``fold_in(rng, steps_done)``)."""
         self._param_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), params)
-        sh = self.shardings
-        # A fresh copy: steps donate their inputs, and device_put may hand back the caller's buffers.
-        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=(sh.params, sh.state))
-        self.params, self.state = copy(_to_host_if_other_mesh((params, state), self.mesh))
-        self.opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(self.params)
+        self._place(params, state, optimizer)
         self._step = self.assembled.step
         self.last_schedule: jax.Array | None = None
         """Pipeline plans: the schedule the last step executed, ``(ticks, stages, 3)`` (see ``_pipeline``)."""
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self.last_compiled: jax.stages.Compiled | None = None
         """The executable the last step ran (its ledger is the profile's)."""
+
+    def _place(self, params: Any, state: Any, optimizer: optax.GradientTransformation) -> None:
+        """The parameters and state on the plan's shardings, and the optimizer state made there."""
+        sh = self.shardings
+        # A fresh copy: steps donate their inputs, and device_put may hand back the caller's buffers.
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=(sh.params, sh.state))
+        self.params, self.state = copy(_to_host_if_other_mesh((params, state), self.mesh))
+        self.opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(self.params)
 
     # -- what was built ---------------------------------------------------------------------
     @property
@@ -356,101 +352,9 @@ class Trainer:
 
     # -- proof ------------------------------------------------------------------------------
     def report(self, batch: Any) -> PlanReport:
-        """Measured communication per step and per-device memory beside the plan's model."""
-        compiled = self.compiled(batch)
-        ledger = communication(compiled, mesh=self.mesh)
-        n_examples = jax.tree.leaves(batch)[0].shape[0]
-        per_example = self.tokens_per_example or 1
-        if self.tokens_per_example is None and self.plan.context:  # the sequence the context axis splits
-            per_example = jax.tree.leaves(batch)[0].shape[1]
-        fed = frozenset()
-        if (
-            self.placement.model_size > 1
-        ):  # column-parallel matmuls on the batch itself need no input gradient
-            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (self.params, self.state))
-            args = (self.assembled.loss, *shapes, self.put_batch(batch), self._step_key())
-            fed = batch_fed(*args)
-            if self.tokens_per_example is None:
-                per_example = _tokens_per_example(matmul_rows(*args), self.placement, n_examples)
-        tokens = n_examples // (self.placement.batch_devices * self.accumulate) * per_example
-        low = None
-        if self.compute_dtype is not None and self.plan.gathers_in_compute_dtype:
-            # XLA's CPU compiler moves sub-32-bit floats as f32
-            cpu = self.mesh.devices.flat[0].platform == "cpu"
-            low = max(self.compute_dtype.itemsize, 4) if cpu else self.compute_dtype.itemsize
-        expected = expected_collectives(self.placement, self.accumulate, tokens_per_device=tokens, batch_fed=fed,
-                                        gather_itemsize=low, per_layer=self.per_layer,
-                                        form=self.spec.context_attention)  # fmt: skip
-        det = None
-        if self.spec.deterministic is not None:  # its collectives over data (a pipeline's stage rows below)
-            leaves = jax.tree.leaves(self._param_shapes)
-            nbytes = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in leaves)
-            expected, det = self.assembled.deterministic_price(nbytes)
-        if self.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
-            expected = [*expected, *self.pipeline.expected(self._param_shapes, batch)]
-        formula = memory_formula(self.placement, self.optimizer, self._param_shapes)
-        mem = [
-            MemoryRow(component="params", measured_bytes=device_bytes(self.params), formula_bytes=formula["params"]),
-            MemoryRow(component="optimizer", measured_bytes=device_bytes(self.opt_state), formula_bytes=formula["optimizer"]),
-        ]  # fmt: skip
-        compiled_memory = memory(compiled)
-        return PlanReport(
-            peak=None  # the peak model describes the non-pipeline step; a pipeline reports its stash
-            if self.pipeline is not None
-            else peak_report(
-                compiled_memory,
-                self.assembled,
-                self._param_shapes,
-                batch,
-                state=self.state,
-                key=self._step_key(),
-            ),
-            plan=self.plan.name,
-            mesh={k: int(v) for k, v in self.mesh.shape.items()},
-            communication=compare_communication(ledger, expected),
-            memory=mem,
-            compiled_memory=compiled_memory,
-            replicated=self.placement.replicated(),
-            ledger=ledger,
-            deterministic=det,
-            pipeline=None
-            if self.pipeline is None
-            else self.pipeline.report(
-                self.last_schedule, self._param_shapes, batch, compiled_memory.temp_bytes
-            ),
-        )
-
-
-def _mesh_text(mesh: Any) -> str | None:
-    """The spec's text of ``mesh=``: a spec such as 'data=4,model=2' (or a mapping or pairs), or a
-    ``jax.sharding.Mesh``'s axes."""
-    if mesh is None:
-        return None
-    if isinstance(mesh, Mesh):
-        return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
-    if isinstance(mesh, str | Mapping | list | tuple):
-        return ",".join(f"{k}={v}" for k, v in parse_mesh_spec(mesh))
-    raise PlanError(
-        f"mesh must be a spec such as 'data=4,model=2' or a jax.sharding.Mesh, got {type(mesh).__name__}"
-    )
-
-
-def _precision(compute_dtype: Any) -> str | None:
-    """The spec's precision of ``compute_dtype=`` (None: the parameters' dtype)."""
-    if compute_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(compute_dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise PlanError(f"compute_dtype must be a floating dtype such as 'bfloat16', got {compute_dtype!r}")
-    names = {jnp.dtype(d or "float32"): name for name, d in PRECISIONS.items()}
-    if dtype not in names:
-        raise PlanError(
-            f"compute_dtype {dtype} is not one of {', '.join(map(str, names))}: pick one of those"
-        )
-    return names[dtype]
+        """Measured communication per step and per-device memory beside the plan's model
+        (``meshkit.train._plan_report``)."""
+        return plan_report(self, batch)
 
 
 def _is_key(x: Any) -> bool:
@@ -468,46 +372,3 @@ def _host_if_other_mesh(a: Any, mesh: Mesh) -> Any:
 
 def _to_host_if_other_mesh(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda a: _host_if_other_mesh(a, mesh), tree)
-
-
-def _tokens_per_example(rows: Mapping[str, int], placement: Placement, n_examples: int) -> int:
-    """Rows per example the tensor-parallel matmuls multiply (a token model's sequence length), read
-    from the loss's jaxpr traced on the whole batch: the model-axis traffic of a row- or
-    column-parallel matmul is rows x width. 1 where no split leaf meets a matmul."""
-    split = [rows[x.path] for x in placement.flat() if MODEL in x.model_spec and x.path in rows]
-    return max(1, max(split, default=n_examples) // n_examples)
-
-
-def _check_key_argument(loss_fn: Callable, adapted: Any, stateful: bool, rng: bool) -> None:
-    """``rng=`` passes a key as the loss's last argument: a loss that takes none (or one that needs
-    a key while no ``rng=`` is given) is one line here, not a TypeError from inside the trace."""
-    from meshkit.plans import Stages
-
-    if isinstance(loss_fn, Stages):
-        return  # a pipeline's model: its own check names what it takes
-    if adapted is not None:
-        stateful = adapted.framework == "equinox" and bool(jax.tree.leaves(adapted.state))
-    names = ["model" if adapted is not None else "params", *(["state"] if stateful else []), "batch"]
-    try:
-        sig = inspect.signature(loss_fn)
-    except (TypeError, ValueError):
-        return  # not inspectable (a builtin, a Stages model): the step says what it gets
-
-    def binds(n: int) -> bool:
-        try:
-            sig.bind(*range(n))
-            return True
-        except TypeError:
-            return False
-
-    n = len(names)
-    form = f"loss_fn({', '.join(names)})"
-    if rng and binds(n) and not binds(n + 1):
-        raise PlanError(
-            f"rng= passes a key as the loss's last argument but {form} takes none: write "
-            f"loss_fn({', '.join(names)}, key), or drop rng="
-        )
-    if not rng and binds(n + 1) and not binds(n):
-        raise PlanError(
-            f"loss_fn takes a key after {', '.join(names)} but no rng= is given: pass rng=0 (a seed or key)"
-        )
