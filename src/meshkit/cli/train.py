@@ -212,6 +212,9 @@ def train(**options: Any) -> None:
     metrics, checkpoints, report and plots."""
     o = {k: options.get(k, default) for k, (_, _, default) in {**BEFORE, **AFTER}.items()}
     run_dir, resume = options.get("run_dir"), o["resume"]
+    from meshkit.train.profile import parse_steps
+
+    profiled = None if o["profile"] is None else parse_steps(o["profile"])
     console = _start(options, o)
     from meshkit.train.job import resume_on_restart
     from meshkit.train.loop import run
@@ -238,7 +241,7 @@ def train(**options: Any) -> None:
     guard = distributed.fail_fast() if jax.process_count() > 1 else contextlib.nullcontext()
     with guard:  # a lost peer ends every survivor at once, with one line naming it
         code = run(cfg, console, resume=resume, stop_after=o["stop_after"],
-                   latest_link=latest if run_dir is None else None, profile=o["profile"])  # fmt: skip
+                   latest_link=latest if run_dir is None else None, profile=profiled)  # fmt: skip
     if code:
         raise typer.Exit(code)
     if cfg.export_hf and jax.process_index() == 0:
@@ -250,12 +253,9 @@ train.__signature__ = _signature()
 
 def _start(options: dict[str, Any], o: dict[str, Any]) -> Any:
     """Before JAX's backend starts: the compile cache, the devices simulated, deterministic mode; then
-    the console of this process (one voice per job: the others train quietly, errors still print).
-    ``o["profile"]`` becomes the steps profiled."""
+    the console of this process (one voice per job: the others train quietly, errors still print)."""
     from meshkit.cli.ledger import _simulate
-    from meshkit.train.profile import parse_steps
 
-    o["profile"] = None if o["profile"] is None else parse_steps(o["profile"])
     if o["compile_cache"] is not None:
         from meshkit import compile_cache as cache
 
