@@ -233,7 +233,7 @@ def test_plan_one_layout_json_megatron_style(capsys):
     [
         (["--model", "llama-65b", "--devices", "8", "--hardware", "a100-40gb", "--global-batch", "64"],
          "x too large"),
-        (["--model", "gpt2-124m", "--hardware", "b200"], "unknown hardware 'b200'"),
+        (["--model", "gpt2-124m", "--hardware", "mi300x"], "unknown hardware 'mi300x'"),
         (["--model", "gpt2-124m", "--devices", "12", "--devices-per-host", "8"], "not a whole number of hosts"),
         (["--model", "gpt2-124m", "--devices", "8", "--layout", "dp=3,tp=3"], "cannot run"),
         (["--model", "gpt2-124m", "--devices", "8", "--layout", "dp=2,tp=5"], "cannot run"),

@@ -133,6 +133,11 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
         "tracker",
         "Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless WANDB_MODE says otherwise; pip install 'meshkit[wandb]').",
     ),
+    "peak_tflops": _opt(
+        "peak_tflops",
+        "One device's peak TFLOP/s, for MFU in the summary, report.json and metrics.jsonl (default: the "
+        "table's figure for the GPU or TPU at the run's precision; none on a CPU).",
+    ),
 }
 #: The options that are no config field: how the command runs (before and after the fields in --help).
 BEFORE = {

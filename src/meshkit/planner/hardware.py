@@ -98,6 +98,17 @@ HARDWARE: dict[str, Hardware] = {
         inter_host_bytes_per_s=50e9, devices_per_host=8,
         source="NVIDIA H200 datasheet (SXM); DGX H200: 8 x ConnectX-7 400 Gb/s",
     ),
+    # B200 (HGX, 1,000 W; glennklockwood.com/garden/processors/B200 quoting NVIDIA's HGX figures): bf16
+    # 2,250 TFLOP/s dense (4,500 with sparsity), TF32 1,100; 180 GB HBM3e at 8 TB/s (HGX B200 as cloud
+    # providers list it: 179 GB, 8.0 TB/s); NVLink 5 1,800 GB/s bidirectional. Inter-host: DGX B200,
+    # eight ConnectX-7 400 Gb/s. No run on Blackwell has calibrated its own efficiency: it borrows
+    # Hopper's (family gpu-hopper), so a prediction for it is an estimate.
+    "b200": Hardware(
+        name="b200", family="gpu-hopper", peak_flops=2250e12, fp32_flops=1100e12,
+        memory_bytes=180e9, hbm_bytes_per_s=8000e9, intra_host_bytes_per_s=900e9,
+        inter_host_bytes_per_s=50e9, devices_per_host=8,
+        source="NVIDIA HGX B200 figures; DGX B200: 8 x ConnectX-7 400 Gb/s; efficiency borrowed from Hopper",
+    ),
     # Cloud TPU system architecture pages. ICI joins every chip of a slice, across hosts: both link
     # figures are ICI per chip per direction (a job spanning slices over the data-center network,
     # v5e 25 Gb/s and v5p 50 Gb/s per chip, is far slower than this table says).
@@ -124,6 +135,14 @@ HARDWARE: dict[str, Hardware] = {
         memory_bytes=95 * GIB, hbm_bytes_per_s=2765e9, intra_host_bytes_per_s=600e9,
         inter_host_bytes_per_s=600e9, devices_per_host=4, host_hop_s=NVLINK_HOP_S,
         source="docs.cloud.google.com/tpu/docs/v5p-training",
+    ),
+    # v6e, Trillium (docs.cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GB HBM at 1,638 GB/s,
+    # ICI 800 GB/s bidirectional per chip, 2D torus, 8 chips per host.
+    "tpu-v6e": Hardware(
+        name="tpu-v6e", family="tpu", peak_flops=918e12, fp32_flops=918e12 / 3,
+        memory_bytes=32e9, hbm_bytes_per_s=1638e9, intra_host_bytes_per_s=400e9,
+        inter_host_bytes_per_s=400e9, devices_per_host=8, host_hop_s=NVLINK_HOP_S,
+        source="docs.cloud.google.com/tpu/docs/v6e",
     ),
 }  # fmt: skip
 """The known accelerators by name (``--hardware``); TPU fp32 matmuls as XLA's HIGH precision (3 bf16 passes)."""
@@ -203,3 +222,48 @@ def custom(
         memory_bytes=memory_gb * 1e9, hbm_bytes_per_s=hbm_gbps * 1e9, intra_host_bytes_per_s=intra_gbps * 1e9,
         inter_host_bytes_per_s=inter_gbps * 1e9, devices_per_host=devices_per_host, source="user flags",
     )  # fmt: skip
+
+
+DEVICE_KINDS: tuple[tuple[str, str | None], ...] = (
+    ("h100 pcie", None),  # lower clocks and power than the SXM part the table holds
+    ("h100 nvl", None),
+    ("h200 nvl", None),
+    ("tpu v4 lite", None),  # v4i, an inference chip
+    ("h200", "h200"),
+    ("h100", "h100"),
+    ("b200", "b200"),
+    ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100", "a100-80gb"),
+    ("tpu v4", "tpu-v4"),
+    ("tpu v5 lite", "tpu-v5e"),
+    ("tpu v5e", "tpu-v5e"),
+    ("tpu v5", "tpu-v5p"),
+    ("tpu v6 lite", "tpu-v6e"),
+    ("tpu v6e", "tpu-v6e"),
+)
+"""A JAX ``device_kind`` (lower-cased) -> the table's accelerator: the first entry the kind contains
+(``NVIDIA H100 80GB HBM3``: h100; ``TPU v5 lite``: v5e; ``TPU v5``: v5p, as JAX and libtpu name them);
+None for variants whose figures differ from the table's (their peak is the user's to give)."""
+
+
+def for_device(kind: str) -> Hardware | None:
+    """The accelerator of ``HARDWARE`` a JAX device kind names, or None (a CPU, a device not in the table)."""
+    low = kind.lower()
+    name = next((name for part, name in DEVICE_KINDS if part in low), None)
+    return None if name is None else HARDWARE[name]
+
+
+def peak_flops(
+    device_kind: str, precision: str, peak_tflops: float | None = None
+) -> tuple[float | None, str]:
+    """A run's peak FLOP/s per device and where the figure comes from: ``peak_tflops`` (``--peak-tflops``)
+    where given, else the table's figure for ``device_kind`` at the precision the step computes in
+    (``bf16``: the dense bf16 peak; ``fp32``: fp32 matmuls as XLA runs them, TF32 on NVIDIA GPUs), else
+    None (a CPU, or a device the table does not hold: MFU is then not reported)."""
+    check_number("peak_tflops", peak_tflops)
+    if peak_tflops is not None:
+        return peak_tflops * 1e12, f"--peak-tflops {peak_tflops:g}"
+    hw = for_device(device_kind)
+    if hw is None:
+        return None, f"no peak known for {device_kind!r}: give --peak-tflops"
+    return (hw.fp32_flops, f"{hw.name} fp32") if precision == "fp32" else (hw.peak_flops, f"{hw.name} bf16")

@@ -24,21 +24,20 @@ from dataclasses import dataclass
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
 from meshkit.spec import (
-    CONTEXT,
+    AXES,
+    AXIS_RULES,
     DATA,
-    EXPERT,
-    MODEL,
-    PLANS,
     REPLICA,
-    STAGE,
     ParallelSpec,
     check_remat,
     check_schedule,
     plan_for,
+    refusal,
 )
 
-DEGREES = ("dp", "tp", "pp", "cp", "ep")
-"""The degrees ``--layout`` names."""
+DEGREES = ("dp", *(rule.token for rule in AXIS_RULES))
+"""The degrees ``--layout`` names: data parallelism's and one per axis of ``meshkit.spec.AXIS_RULES``
+(each a field of ``Layout`` named by the axis's token)."""
 
 __all__ = ["Layout", "ModelShape"]
 
@@ -116,32 +115,28 @@ class Layout:
 
     def plan_name(self) -> str:
         """The name meshkit's plan for this layout has or would have (``dp+cp``, ``fsdp+cp``, ``ep``,
-        ``dp+ep``...: the data part, then tp, pp, cp, ep), whether or not ``meshkit.spec.PLANS`` has it."""
-        if self.cp == 1 and self.ep == 1:
-            return self.meshkit_plan() or f"{self.label()} (no plan)"
-        data = [plan_for(self.zero, data=True, tensor=False, pipeline=False)] if self.dp > 1 else []
-        if self.zero and self.dp == 1:
-            data = [f"zero{self.zero}"]
-        parts = (
-            ["tp"] * (self.tp > 1) + ["pp"] * (self.pp > 1) + ["cp"] * (self.cp > 1) + ["ep"] * (self.ep > 1)
-        )
-        return "+".join([*data, *parts])
+        ``dp+ep``...: the data part, then the axes in ``AXIS_RULES``'s order), whether or not
+        ``meshkit.spec.PLANS`` has it."""
+        plan = self.meshkit_plan()
+        if plan is not None:
+            return plan
+        data = "hsdp" if self.hybrid else {0: "dp", 1: "zero1", 2: "zero2", 3: "fsdp"}[self.zero]
+        if self.zero and self.dp == 1:  # the stage asked for, over no data axis
+            data = f"zero{self.zero}"
+        axes = [r.token for r in AXIS_RULES if getattr(self, r.token) > 1]
+        parts = [data] * (self.dp > 1 or self.zero > 0) + axes
+        return "+".join(parts or ["dp"])
 
     def meshkit_plan(self) -> str | None:
         """The meshkit plan that executes this layout, or None where meshkit has none."""
-        if self.cp > 1 or self.ep > 1:
-            name = self.plan_name()
-            return name if name in PLANS and not self.hybrid else None
-        return plan_for(
-            self.zero, data=self.dp > 1, tensor=self.tp > 1, pipeline=self.pp > 1, hybrid=self.hybrid
-        )
+        return plan_for(self.zero, data=self.dp > 1, hybrid=self.hybrid, tensor=self.tp > 1, pipeline=self.pp > 1,
+                        context=self.cp > 1, expert=self.ep > 1)  # fmt: skip
 
     def mesh_spec(self) -> str:
         """meshkit's mesh string for this layout, axes named as the plans name them."""
         g = self.shard_group if self.hybrid else self.dp
-        axes = [(STAGE, self.pp), (REPLICA, self.dp // g), (DATA, g), (EXPERT, self.ep), (CONTEXT, self.cp),
-                (MODEL, self.tp)]  # fmt: skip
-        kept = [f"{k}={v}" for k, v in axes if v > 1] or ["data=1"]
+        sizes = {REPLICA: self.dp // g, DATA: g, **{r.axis: getattr(self, r.token) for r in AXIS_RULES}}
+        kept = [f"{axis}={sizes[axis]}" for axis in AXES if sizes.get(axis, 1) > 1] or ["data=1"]
         return ",".join(kept)
 
     def microbatches(self, global_batch: int) -> int:
@@ -159,16 +154,17 @@ class Layout:
     def to_spec(self, global_batch: int, precision: str = "fp32") -> ParallelSpec:
         """The ``ParallelSpec`` that runs this layout for a global batch of ``global_batch`` sequences."""
         plan = self.meshkit_plan()
-        if plan is None and (self.cp > 1 or self.ep > 1):
-            have = ", ".join(p for p in PLANS if "cp" in p or "ep" in p) or "none"
-            raise MeshkitError(
-                f"meshkit has no plan {self.plan_name()} for {self.label()} (its context and expert plans: "
-                f"{have}): price it with meshkit plan, run a layout one of them covers"
-            )
         if plan is None:
+            name = self.plan_name()
+            one = self.zero and self.dp == 1
+            why = (
+                f"zero{self.zero} over a data axis of one device shards nothing (use zero=0)"
+                if one
+                else refusal(name)
+            )
             raise MeshkitError(
-                f"meshkit has no plan for {self.label()} (ZeRO-1/2 combine with neither tp nor pp; hybrid "
-                f"sharding runs ZeRO-3 alone)"
+                f"meshkit has no plan {name} for {self.label()}: {why or 'no such plan'}; price it with meshkit "
+                f"plan, run a layout one of meshkit's plans covers"
             )
         m = self.microbatches(global_batch)
         pipe = self.pp > 1

@@ -111,6 +111,9 @@ class TrainConfig:
     """Characters of text sampled from the model at the end (0: none)."""
     tensorboard: bool = False
     """Also write TensorBoard event files (scalars of metrics.jsonl) into the run directory."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device, for MFU; None: the table's figure for the device kind at the run's
+    precision (``planner.hardware``: H100, H200, B200, A100, TPU v4/v5e/v5p/v6e), none on a CPU."""
     tracker: str = "jsonl"
     """Where the metrics go, comma-separated (``TRACKERS``): jsonl (always), tensorboard, wandb (a Weights &
     Biases run in the run's wandb/, offline unless WANDB_MODE says otherwise)."""
@@ -277,7 +280,7 @@ FIXED_ON_RESUME = {
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
-                        "virtual_stages", "context_attention", "export_hf", "tracker")  # fmt: skip
+                        "virtual_stages", "context_attention", "export_hf", "tracker", "peak_tflops")  # fmt: skip
 PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
 
 
@@ -369,6 +372,8 @@ def validate(cfg: TrainConfig) -> None:
         (lambda: cfg.checkpoint_every >= 1, lambda: f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
         (lambda: cfg.sample_chars >= 0, lambda: f"--sample-chars must be at least 0, got {cfg.sample_chars}"),
         (lambda: 0 <= cfg.seed < 2**32, lambda: f"--seed must be in [0, 2**32), got {cfg.seed}"),
+        (lambda: cfg.peak_tflops is None or (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0),
+         lambda: f"--peak-tflops must be a positive finite number (one device's peak), got {cfg.peak_tflops}"),
     ]  # fmt: skip
     for ok, message in checks:  # in order: a later check may divide by what an earlier one bounds
         if not ok():

@@ -17,7 +17,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
     "data": ("data", "seq_len", "batch_size", "seed"),
     "run": ("steps", "run_dir", "eval_every", "eval_batches", "checkpoint_every", "sample_chars", "tensorboard",
-            "plan_reason", "export_hf", "tracker"),
+            "plan_reason", "export_hf", "tracker", "peak_tflops"),
     "parallel": PARALLEL,
 }  # fmt: skip
 _SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}

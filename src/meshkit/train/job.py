@@ -49,6 +49,8 @@ class Job:
     """Where rows go while the run is open (process 0 only)."""
     stopped_by: int | None = None
     """The signal (SIGINT, SIGTERM) that stopped training early, if one did."""
+    utilisation: tuple[int, float | None, str] | None = None
+    """Model FLOPs per token, peak FLOP/s per device and its source (``loop._utilisation``, once per run)."""
 
     @property
     def writer(self) -> bool:

@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from meshkit.data import global_batch, process_rows
 from meshkit.devices import host
 from meshkit.models import module_of, num_params
+from meshkit.planner.hardware import peak_flops
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
@@ -165,12 +166,30 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     job.step += 1
     row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.batch_size * job.cfg.seq_len / elapsed,
            "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"])}  # fmt: skip
+    if (mfu := _mfu(job, row["tokens_per_s"])) is not None:
+        row["mfu"] = mfu
     if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
         row["dropped_fraction"] = fraction = float(metrics["dropped_fraction"])
         row["dropped_tokens"] = round(fraction * _moe_slots(job))
         row["router_aux"] = float(metrics["router_aux"])
     job.history.append(row)
     return row
+
+
+def _utilisation(job: Job) -> tuple[int, float | None, str]:
+    """The model's training FLOPs per token at the run's sequence length (attention included), the
+    devices' peak FLOP/s each, and where that peak comes from (``planner.hardware.peak_flops``)."""
+    if job.utilisation is None:
+        flops = module_of(job.model).flops_per_token(job.model, job.cfg.seq_len)
+        kind = jax.devices()[0].device_kind
+        job.utilisation = (flops, *peak_flops(kind, job.cfg.parallel.precision, job.cfg.peak_tflops))
+    return job.utilisation
+
+
+def _mfu(job: Job, tokens_per_s: float) -> float | None:
+    """Model FLOPs utilisation: the model's FLOP/s over every device's peak (None where no peak is known)."""
+    flops, peak, _ = _utilisation(job)
+    return None if peak is None else tokens_per_s * flops / (job.trainer.num_devices * peak)
 
 
 def _moe_slots(job: Job) -> int:
@@ -231,11 +250,11 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
 
 
 def results(job: Job) -> dict[str, Any]:
-    """What the run achieved: loss, throughput, FLOPs; needs nothing but the history."""
+    """What the run achieved: loss, throughput, FLOPs and MFU; needs nothing but the history."""
     t = job.trainer
     steady = [h["tokens_per_s"] for h in job.history[1:]] or [h["tokens_per_s"] for h in job.history]
     tokens_per_s = float(np.median(steady)) if steady else 0.0
-    flops = module_of(job.model).flops_per_token(job.model, job.cfg.seq_len)  # the run's sequence
+    flops, peak, peak_source = _utilisation(job)
     return {
         "plan": job.cfg.parallel.plan,
         "mesh": dict(t.mesh.shape),
@@ -255,6 +274,9 @@ def results(job: Job) -> dict[str, Any]:
         "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
         "model_flops_per_token": flops,
         "achieved_flops_per_s": tokens_per_s * flops,
+        "peak_flops_per_device": peak,
+        "peak_source": peak_source,
+        "mfu": _mfu(job, tokens_per_s),
         **_dropped(job),
     }
 

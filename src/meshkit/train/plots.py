@@ -68,6 +68,14 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def _mfu(report: dict[str, Any]) -> str:
+    """MFU and the peak it is measured against, or why there is none (a CPU: give --peak-tflops)."""
+    if report.get("mfu") is None:
+        return f"- ({report.get('peak_source') or 'no peak known'})"
+    peak = report["peak_flops_per_device"] / 1e12
+    return f"{report['mfu']:.1%} of {report['devices']} x {peak:,.1f} TFLOP/s ({report['peak_source']})"
+
+
 def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
     """The end-of-run table."""
     rows = [
@@ -75,6 +83,7 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
         ["held-out loss", _num(report["eval_loss"])],
         ["throughput", f"{report['tokens_per_s']:,.0f} tokens/s ({report['step_time_s'] * 1000:.1f} ms/step)"],
         ["model FLOPs", f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"],
+        ["MFU", _mfu(report)],
         ["devices", f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"],
     ]  # fmt: skip
     if "dropped_tokens" in report:
