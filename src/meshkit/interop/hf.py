@@ -1,11 +1,12 @@
 """Hugging Face checkpoints in and out: ``config.json`` + safetensors (one file, or shards with
-``model.safetensors.index.json`` as the Hub writes them) for Llama-family and GPT-2 models.
+``model.safetensors.index.json`` as the Hub writes them) for every model family that has a format
+(Llama-family and GPT-2 models).
 
-Weights move by name, transpose and column range (GPT-2's fused ``c_attn``) only. ``load`` builds each parameter as a
-global ``jax.Array`` under the sharding asked for with ``jax.make_array_from_callback``: every
-device's block is read from the safetensors file by ``safe_open(...).get_slice``, so neither a
-device nor the host holds a whole tensor it does not need (a layer of the scanned form is read
-layer by layer). ``save`` writes into a new directory beside the target and renames it into
+Weights move by name, transpose and column range (GPT-2's fused ``c_attn``) only. ``load`` builds
+each parameter as a global ``jax.Array`` under the sharding asked for with
+``jax.make_array_from_callback``: every device's block is read from the safetensors file by
+``safe_open(...).get_slice``, so neither a device nor the host holds a whole tensor it does not
+need (a layer of the scanned form is read layer by layer). ``save`` writes into a new directory beside the target and renames it into
 place at the end: a failure leaves nothing behind.
 
 Each family's format (its ``config.json`` both ways, its weights' names) is its registry row's

@@ -88,7 +88,7 @@ class Family:
     name: str
     """``--model``'s value, ``ModelShape.name``."""
     about: str = ""
-    """What ``--model``'s help says of it beside its name ('' : nothing)."""
+    """What ``--model``'s help says of it beside its name ('': nothing)."""
     module_name: str
     """The model module: ``init``, ``apply``, ``make_loss``, ``stages``, ``logical_axes``, ``flops_per_token``."""
     config_name: str
