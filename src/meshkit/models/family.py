@@ -107,6 +107,9 @@ class Family:
     """Config -> logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
     rules: Callable[[bool], dict[str, str]] = _vocab_rules
     """Pipeline or not -> tensor-parallel rules (logical axis -> mesh axis)."""
+    kv_cache: bool = False
+    """Generation keeps a key/value cache (``meshkit.models.generate.generate``); else each new token runs
+    the window of the last ``seq_len`` tokens again (``window_generate``)."""
     small: Callable[..., Any]
     """``(layers=, heads=, experts=, scan_layers=)`` -> the small config ``meshkit verify`` certifies plans on."""
     hf: HFFormat | None = None

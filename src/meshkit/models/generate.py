@@ -203,3 +203,14 @@ def window_generate(
         else:
             buf = np.concatenate([buf[1:], [tok]]).astype(np.int32)
     return out
+
+
+def continue_prompts(
+    params: Any, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+    sampling: Sampling | None = None, seed: int = 0,
+) -> list[list[int]]:  # fmt: skip
+    """New tokens for each prompt as the model's family generates (``Family.kv_cache``): batched with a
+    key/value cache, or one prompt at a time over its window."""
+    if registry.family_of(cfg).kv_cache:
+        return generate(params, cfg, prompts, max_new_tokens, sampling=sampling, seed=seed)
+    return [window_generate(params, cfg, p, max_new_tokens, sampling=sampling, seed=seed) for p in prompts]

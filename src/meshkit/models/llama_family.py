@@ -118,6 +118,7 @@ FAMILY = Family(
     options_of=options_of,
     check=check,
     units=units,
+    kv_cache=True,
     small=small,
     hf=HFFormat(
         label="Llama", model_types=("llama", "mistral"), read=read, write=write, names=names, unread=unread
