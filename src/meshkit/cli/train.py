@@ -51,10 +51,13 @@ def _opt(name: str, help: str, text: str | None = None, *decls: str) -> typer.mo
 
 def _kind(name: str) -> type:
     """The type a config field takes on the command line: its type's, None aside (a bool where one is)."""
-    kinds = [
-        t for t in typing.get_args(C.option_types()[name]) or (C.option_types()[name],) if t is not type(None)
-    ]
+    want = _TYPES[name]
+    kinds = [t for t in typing.get_args(want) or (want,) if t is not type(None)]
     return bool if bool in kinds else kinds[0]
+
+
+_TYPES = C.option_types()
+"""Every config field's type (read once: the fields' types are the same for every option)."""
 
 
 #: ``meshkit train``'s options that are config fields, in --help's order, each with the help text it
