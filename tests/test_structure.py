@@ -287,6 +287,42 @@ def test_help_texts_name_every_plan():
     assert set(spec.DETERMINISTIC_PLANS) <= det
 
 
+def _names_a_family(node: ast.AST, families: set[str]) -> bool:
+    """A string that is a registered family's name or its scanned form (``gpt-scan``: ``meshkit verify``'s
+    workloads), or a tuple, list or set holding one."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.removesuffix("-scan") in families
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_names_a_family(e, families) for e in node.elts)
+    return False
+
+
+def test_no_module_outside_models_compares_a_family_name():
+    """Model families are the unit of extension (``meshkit.models.registry``): outside ``meshkit/models/``
+    no module compares a value with a family's name (``== "llama"``, ``in ("gpt", "gpt-scan")``, a
+    ``case "gpt":``) or dispatches on it by a dict keyed by one; it asks the family's row instead, so
+    that a new family touches no module above the models."""
+    from meshkit.models import registry
+
+    families = set(registry.names())
+    found = []
+    for name, path in _modules():
+        if name == "meshkit.models" or name.startswith("meshkit.models."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                hit = any(_names_a_family(n, families) for n in [node.left, *node.comparators])
+            elif isinstance(node, ast.MatchValue):
+                hit = _names_a_family(node.value, families)
+            elif isinstance(node, ast.Dict):
+                hit = any(k is not None and _names_a_family(k, families) for k in node.keys)
+            else:
+                continue
+            if hit:
+                found.append(f"{path.relative_to(SRC.parent)}:{node.lineno}")
+    assert not found, found
+
+
 MUTATIONS = {
     # blind spot -> (file to change, text appended, the check that must catch it)
     "relative import up a layer": ("analysis/cost.py", "from ..train import trainer\n", "layers"),
@@ -308,12 +344,24 @@ MUTATIONS = {
         "texts",
     ),
     "schedules written in a help text": ("cli/plan.py", '_H = "gpipe or 1f1b"\n', "texts"),
+    "a family's name compared": (
+        "train/job.py",
+        'def _f(cfg):\n    return cfg.model == "llama"\n',
+        "families",
+    ),
+    "a family's name in a tuple": (
+        "verify/__init__.py",
+        'def _f(m):\n    return m in ("gpt-scan", "mlp")\n',
+        "families",
+    ),
+    "a dispatch on a family's name": ("interop/hf.py", '_BY = {"gpt": 1, "other": 2}\n', "families"),
 }
 CHECKS = {
     "layers": test_every_module_is_in_a_layer_and_imports_go_down,
     "cycles": test_no_import_cycle_between_files,
     "private": test_no_package_imports_another_packages_private_names,
     "texts": test_no_allowed_values_written_in_help_texts_or_errors,
+    "families": test_no_module_outside_models_compares_a_family_name,
 }
 
 

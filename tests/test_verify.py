@@ -18,6 +18,7 @@ import pytest
 from meshkit import verify as V
 from meshkit.cli import main
 from meshkit.plans import _step
+from meshkit.verify import reference as R
 
 # -- a certificate catches a broken step ---------------------------------------------------------
 
@@ -181,8 +182,8 @@ def test_below_float64_finds_a_narrow_float_inside_a_scan():
 
     with jax.enable_x64(True):
         jaxpr = jax.make_jaxpr(loss)(np.ones((3, 2)))
-        assert V._below_float64(jaxpr.jaxpr) == "float32 (scan)"
-        assert V._below_float64(jax.make_jaxpr(lambda p: jnp.sum(p * 2.0))(np.ones(3)).jaxpr) is None
+        assert R._below_float64(jaxpr.jaxpr) == "float32 (scan)"
+        assert R._below_float64(jax.make_jaxpr(lambda p: jnp.sum(p * 2.0))(np.ones(3)).jaxpr) is None
 
 
 def test_the_one_device_reference_compiles_its_step_once_per_optimizer():
@@ -191,12 +192,12 @@ def test_the_one_device_reference_compiles_its_step_once_per_optimizer():
     and in float64 (an uncommitted first state compiled the step a second time)."""
     w = V.workload("linear")
     opt = optax.adam(1e-2)
-    one = V._OneDevice(w)
-    for order in V._orders(w.batch, 2):
-        one.run(V._reorder(w.batch, order), 3, opt)
+    one = R._OneDevice(w)
+    for order in R._orders(w.batch, 2):
+        one.run(R._reorder(w.batch, order), 3, opt)
     assert one._jitted[id(opt)][2]._cache_size() == 1
     with jax.enable_x64(True):
-        twin, _ = V._float64_twin(w)
-        one64 = V._OneDevice(twin)
+        twin, _ = R._float64_twin(w)
+        one64 = R._OneDevice(twin)
         one64.run(twin.batch, 3, opt)
         assert one64._jitted[id(opt)][2]._cache_size() == 1

@@ -8,14 +8,17 @@ decides what may change). The defaults ``--help`` shows are read from the preset
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import time
+import typing
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from meshkit.cli.ledger import DevicesOpt
+from meshkit.models import registry
 from meshkit.spec import (
     AUTO,
     CONTEXT_ATTENTION,
@@ -29,6 +32,7 @@ from meshkit.spec import (
     plans_of,
 )
 from meshkit.train import config as C
+from meshkit.train import config_file
 
 
 def _default(name: str, text: str | None = None) -> str:
@@ -39,264 +43,195 @@ def _default(name: str, text: str | None = None) -> str:
 
 
 def _opt(name: str, help: str, text: str | None = None, *decls: str) -> typer.models.OptionInfo:
+    """A config field's option; a yes/no field as ``--name/--no-name``."""
+    if not decls and _kind(name) is bool:
+        decls = (f"{C.flag(name)}/--no-{C.flag(name)[2:]}",)
     return typer.Option(*decls, help=help, show_default=_default(name, text))
 
 
-def train(
-    preset: Annotated[
+def _kind(name: str) -> type:
+    """The type a config field takes on the command line: its type's, None aside (a bool where one is)."""
+    want = _TYPES[name]
+    kinds = [t for t in typing.get_args(want) or (want,) if t is not type(None)]
+    return bool if bool in kinds else kinds[0]
+
+
+_TYPES = C.option_types()
+"""Every config field's type (read once: the fields' types are the same for every option)."""
+
+
+#: ``meshkit train``'s options that are config fields, in --help's order, each with the help text it
+#: shows (the field's docstring says why it exists; this, what to type).
+FIELDS: dict[str, typer.models.OptionInfo] = {
+    "plan": _opt(
+        "plan",
+        f"{describe_plans()}; auto: the planner's fastest predicted layout for this GPT on the devices present.",
+    ),
+    "mesh": _opt("mesh", "e.g. data=8 or data=4,model=2.", "the plan's, over all devices"),
+    "steps": _opt("steps", "Optimizer steps in total."),
+    "batch_size": _opt("batch_size", "Global batch in sequences."),
+    "seq_len": _opt("seq_len", "Tokens (characters, for text) per sequence."),
+    "model": _opt("model", f"{registry.summary()}."),
+    "kv_heads": _opt("kv_heads", "Llama: key/value heads (must divide --heads).", "as many as --heads"),
+    "experts": _opt(
+        "experts",
+        f"Mixture of experts: MLPs per layer (plans {one_of(plans_of('expert'), 'and')} split them).",
+        "0: a dense MLP",
+    ),
+    "experts_per_token": _opt("experts_per_token", "Mixture of experts: experts per token (top-k).", "2"),
+    "capacity_factor": _opt(
+        "capacity_factor", "Mixture of experts: slots per expert = ceil(factor x T x k / experts).", "1.25"
+    ),
+    "tie_embeddings": _opt("tie_embeddings", "Llama: the output head is the token embedding.", "off"),
+    "init_from": _opt(
+        "init_from", "Start from a Hugging Face checkpoint: hf:DIR (config.json + safetensors).", "random"
+    ),
+    "export_hf": _opt(
+        "export_hf", "At the end, write the model as a Hugging Face checkpoint into the run's hf/.", "off"
+    ),
+    "layers": _opt("layers", "Transformer blocks."),
+    "width": _opt("width", "Model width."),
+    "heads": _opt("heads", "Attention heads (must divide --width)."),
+    "optimizer": _opt("optimizer", "adamw or sgd (momentum)."),
+    "lr": _opt("lr", "Peak learning rate (warmup + cosine)."),
+    "warmup": _opt("warmup", "Linear warmup steps (below --steps).", "a tenth of --steps, rounded down"),
+    "accumulate": _opt("accumulate", "Micro-batches per step (must divide the batch per data shard)."),
+    "deterministic": typer.Option(
+        "--deterministic",
+        help="The same bits on 1, 2, 4 or 8 devices: the batch cut into 8 micro-shards (--set deterministic=N for N, "
+        f"a power of two) whose gradients are summed in one fixed tree; plans {one_of(DETERMINISTIC_PLANS, 'and')}. "
+        "Its price in bytes is in the report.",
+        show_default="off",
+    ),
+    "microbatches": _opt("microbatches", "Pipeline plans: micro-batches per step.", "one per stage"),
+    "pipeline_schedule": _opt(
+        "pipeline_schedule",
+        f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)}.",
+        "1f1b",
+        "--pipeline-schedule",
+        "--schedule",
+    ),
+    "virtual_stages": _opt("virtual_stages", "Interleaved: chunks of layers per device."),
+    "context_attention": _opt("context_attention", f"Context plans: {one_of(CONTEXT_ATTENTION)}."),
+    "clip": _opt("clip", "Global-norm clipping (0 turns it off)."),
+    "precision": _opt(
+        "precision", one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + "."
+    ),
+    "seed": _opt("seed", "Seed of initialisation and data order."),
+    "remat": _opt("remat", f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}."),
+    "scan_layers": _opt("scan_layers", "Stack the blocks under lax.scan.", None),
+    "data": _opt(
+        "data",
+        "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) or a .npy of token ids.",
+        "Python's reference docs (pydoc_data), per character",
+    ),
+    "run_dir": typer.Option(
+        help="Output directory.", show_default="a new runs/<time>; with --resume, runs/latest"
+    ),
+    "eval_every": _opt("eval_every", "Evaluate every k steps (0: at the end only)."),
+    "checkpoint_every": _opt("checkpoint_every", "Checkpoint every k steps."),
+    "sample_chars": _opt("sample_chars", "Characters to sample at the end."),
+    "tensorboard": _opt("tensorboard", "Also write TensorBoard event files beside metrics.jsonl.", "off"),
+    "tracker": _opt(
+        "tracker",
+        "Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless WANDB_MODE says otherwise; pip install 'meshkit[wandb]').",
+    ),
+    "peak_tflops": _opt(
+        "peak_tflops",
+        "One device's peak TFLOP/s, for MFU in the summary, report.json and metrics.jsonl (default: the "
+        "table's figure for the GPU or TPU at the run's precision; none on a CPU).",
+    ),
+}
+#: The options that are no config field: how the command runs (before and after the fields in --help).
+BEFORE = {
+    "preset": (
         str | None,
         typer.Option(
             help="Starting point: default or tiny; options below override it.", show_default="default"
         ),
-    ] = None,
-    plan: Annotated[
-        str | None,
-        _opt(
-            "plan",
-            f"{describe_plans()}; auto: the planner's fastest predicted layout for this GPT on the devices present.",
-        ),
-    ] = None,
-    mesh: Annotated[
-        str | None, _opt("mesh", "e.g. data=8 or data=4,model=2.", "the plan's, over all devices")
-    ] = None,
-    steps: Annotated[int | None, _opt("steps", "Optimizer steps in total.")] = None,
-    batch_size: Annotated[int | None, _opt("batch_size", "Global batch in sequences.")] = None,
-    seq_len: Annotated[int | None, _opt("seq_len", "Tokens (characters, for text) per sequence.")] = None,
-    model: Annotated[
-        str | None, _opt("model", "gpt, or llama (rotary, RMSNorm, SwiGLU, grouped-query attention).")
-    ] = None,
-    kv_heads: Annotated[
-        int | None, _opt("kv_heads", "Llama: key/value heads (must divide --heads).", "as many as --heads")
-    ] = None,
-    experts: Annotated[
-        int | None,
-        _opt(
-            "experts",
-            f"Mixture of experts: MLPs per layer (plans {one_of(plans_of('expert'), 'and')} split them).",
-            "0: a dense MLP",
-        ),
-    ] = None,
-    experts_per_token: Annotated[
-        int | None, _opt("experts_per_token", "Mixture of experts: experts per token (top-k).", "2")
-    ] = None,
-    capacity_factor: Annotated[
-        float | None,
-        _opt(
-            "capacity_factor",
-            "Mixture of experts: slots per expert = ceil(factor x T x k / experts).",
-            "1.25",
-        ),
-    ] = None,
-    tie_embeddings: Annotated[
-        bool | None,
-        _opt(
-            "tie_embeddings",
-            "Llama: the output head is the token embedding.",
-            "off",
-            "--tie-embeddings/--no-tie-embeddings",
-        ),
-    ] = None,
-    init_from: Annotated[
-        str | None,
-        _opt(
-            "init_from", "Start from a Hugging Face checkpoint: hf:DIR (config.json + safetensors).", "random"
-        ),
-    ] = None,
-    export_hf: Annotated[
-        bool | None,
-        _opt(
-            "export_hf",
-            "At the end, write the model as a Hugging Face checkpoint into the run's hf/.",
-            "off",
-            "--export-hf/--no-export-hf",
-        ),
-    ] = None,
-    layers: Annotated[int | None, _opt("layers", "Transformer blocks.")] = None,
-    width: Annotated[int | None, _opt("width", "Model width.")] = None,
-    heads: Annotated[int | None, _opt("heads", "Attention heads (must divide --width).")] = None,
-    optimizer: Annotated[str | None, _opt("optimizer", "adamw or sgd (momentum).")] = None,
-    lr: Annotated[float | None, _opt("lr", "Peak learning rate (warmup + cosine).")] = None,
-    warmup: Annotated[
-        int | None, _opt("warmup", "Linear warmup steps (below --steps).", "a tenth of --steps, rounded down")
-    ] = None,
-    accumulate: Annotated[
-        int | None, _opt("accumulate", "Micro-batches per step (must divide the batch per data shard).")
-    ] = None,
-    deterministic: Annotated[
-        bool | None,
-        typer.Option(
-            "--deterministic",
-            help="The same bits on 1, 2, 4 or 8 devices: the batch cut into 8 micro-shards (--set "
-            "deterministic=N for N, a power of two) whose gradients are summed in one fixed tree; plans "
-            f"{one_of(DETERMINISTIC_PLANS, 'and')}. Its price in bytes is in the report.",
-            show_default="off",
-        ),
-    ] = None,
-    microbatches: Annotated[
-        int | None, _opt("microbatches", "Pipeline plans: micro-batches per step.", "one per stage")
-    ] = None,
-    pipeline_schedule: Annotated[
-        str | None,
-        _opt(
-            "pipeline_schedule",
-            f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)}.",
-            "1f1b",
-            "--pipeline-schedule",
-            "--schedule",
-        ),
-    ] = None,
-    virtual_stages: Annotated[
-        int | None, _opt("virtual_stages", "Interleaved: chunks of layers per device.")
-    ] = None,
-    context_attention: Annotated[
-        str | None,
-        _opt(
-            "context_attention",
-            f"Context plans: {one_of(CONTEXT_ATTENTION)}.",
-        ),
-    ] = None,
-    clip: Annotated[float | None, _opt("clip", "Global-norm clipping (0 turns it off).")] = None,
-    precision: Annotated[
-        str | None,
-        _opt("precision", one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + "."),
-    ] = None,
-    seed: Annotated[int | None, _opt("seed", "Seed of initialisation and data order.")] = None,
-    remat: Annotated[
-        str | None, _opt("remat", f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}.")
-    ] = None,
-    scan_layers: Annotated[
-        bool | None,
-        _opt("scan_layers", "Stack the blocks under lax.scan.", None, "--scan-layers/--no-scan-layers"),
-    ] = None,
-    data: Annotated[
-        str | None,
-        _opt(
-            "data",
-            "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) "
-            "or a .npy of token ids.",
-            "Python's reference docs (pydoc_data), per character",
-        ),
-    ] = None,
-    run_dir: Annotated[
-        str | None,
-        typer.Option(help="Output directory.", show_default="a new runs/<time>; with --resume, runs/latest"),
-    ] = None,
-    eval_every: Annotated[
-        int | None, _opt("eval_every", "Evaluate every k steps (0: at the end only).")
-    ] = None,
-    checkpoint_every: Annotated[int | None, _opt("checkpoint_every", "Checkpoint every k steps.")] = None,
-    sample_chars: Annotated[int | None, _opt("sample_chars", "Characters to sample at the end.")] = None,
-    tensorboard: Annotated[
-        bool | None,
-        _opt(
-            "tensorboard",
-            "Also write TensorBoard event files beside metrics.jsonl.",
-            "off",
-            "--tensorboard/--no-tensorboard",
-        ),
-    ] = None,
-    tracker: Annotated[
-        str | None,
-        _opt(
-            "tracker",
-            "Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless WANDB_MODE "
-            "says otherwise; pip install 'meshkit[wandb]').",
-        ),
-    ] = None,
-    peak_tflops: Annotated[
-        float | None,
-        _opt(
-            "peak_tflops",
-            "One device's peak TFLOP/s, for MFU in the summary, report.json and metrics.jsonl (default: the "
-            "table's figure for the GPU or TPU at the run's precision; none on a CPU).",
-        ),
-    ] = None,
-    profile: Annotated[
+        None,
+    )
+}
+AFTER = {
+    "profile": (
         str | None,
         typer.Option(
-            help="Trace these steps with jax.profiler (e.g. 5 or 5-7) into the run's profile/ (TensorBoard, "
-            "Perfetto) and report where their time went: compute, each collective, exposed communication.",
+            help="Trace these steps with jax.profiler (e.g. 5 or 5-7) into the run's profile/ (TensorBoard, Perfetto) and report where their time went: compute, each collective, exposed communication.",
             show_default="off",
         ),
-    ] = None,
-    resume: Annotated[
+        None,
+    ),
+    "resume": (
         bool,
         typer.Option(
             "--resume",
-            help="Continue the run in --run-dir from its latest checkpoint, with its config.json; options "
-            "given again may change the plan, mesh, accumulation, evaluation, checkpoints and logging only.",
+            help="Continue the run in --run-dir from its latest checkpoint, with its config.json; options given again may change the plan, mesh, accumulation, evaluation, checkpoints and logging only.",
         ),
-    ] = False,
-    stop_after: Annotated[
+        False,
+    ),
+    "stop_after": (
         int | None,
         typer.Option(
             help="Stop (with a checkpoint) after this step; --resume continues.", show_default="off"
         ),
-    ] = None,
-    config: Annotated[
+        None,
+    ),
+    "config": (
         str | None,
         typer.Option(
-            help="A TOML file of options: top-level keys or [model], [optimizer], [data], [run], [parallel] "
-            "tables, and preset; --set and plain flags win over it.",
+            help="A TOML file of options: top-level keys or [model], [optimizer], [data], [run], [parallel] tables, and preset; --set and plain flags win over it.",
             show_default="none",
         ),
-    ] = None,
-    set_: Annotated[
+        None,
+    ),
+    "set_": (
         list[str] | None,
         typer.Option(
             "--set",
             help="section.key=value or key=value (e.g. optimizer.lr=1e-3), over --config; plain flags win.",
             show_default="none",
         ),
-    ] = None,
-    devices: DevicesOpt = 8,
-    compile_cache: Annotated[
+        None,
+    ),
+    "devices": (DevicesOpt, None, 8),
+    "compile_cache": (
         str | None,
         typer.Option(
             help="JAX's persistent compilation cache: a directory, or off (also MESHKIT_COMPILE_CACHE).",
             show_default="JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/meshkit/jax (~/.cache/meshkit/jax)",
         ),
-    ] = None,
-) -> None:
+        None,
+    ),
+}
+
+
+def _signature() -> inspect.Signature:
+    """The command's parameters, as typer reads them: the fields' typed from the config."""
+    rows = [*BEFORE.items(), *((k, (_kind(k) | None, o, None)) for k, o in FIELDS.items()), *AFTER.items()]
+    return inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                           annotation=kind if option is None else Annotated[kind, option])
+         for name, (kind, option, default) in rows]
+    )  # fmt: skip
+
+
+def train(**options: Any) -> None:
     """Train a GPT or a Llama under a plan (on BPE token shards, text per character, or ids); write
     metrics, checkpoints, report and plots."""
-    from meshkit.cli.ledger import _simulate
+    o = {k: options.get(k, default) for k, (_, _, default) in {**BEFORE, **AFTER}.items()}
+    run_dir, resume = options.get("run_dir"), o["resume"]
     from meshkit.train.profile import parse_steps
 
-    steps_profiled = None if profile is None else parse_steps(profile)
-    if compile_cache is not None:
-        from meshkit import compile_cache as cache
-
-        cache.configure(compile_cache)
-    _check_devices(devices)
-    if _deterministic_run(deterministic, config, set_ or [], resume, run_dir):
-        from meshkit.devices import prepare_deterministic
-
-        prepare_deterministic()  # before the backend starts (a launched rank's join starts it)
-    _simulate(devices)
-    import jax
-    from rich.console import Console
-
-    from meshkit.cli._format import console
-
-    if jax.process_index() != 0:  # one voice per job: the others train quietly (errors still print)
-        console = Console(file=io.StringIO())
-    from meshkit.train.job import resume_on_restart, saved_config
+    profiled = None if o["profile"] is None else parse_steps(o["profile"])
+    console = _start(options, o)
+    from meshkit.train.job import resume_on_restart
     from meshkit.train.loop import run
 
-    given = dict(plan=plan, mesh=mesh, steps=steps, batch_size=batch_size, seq_len=seq_len, layers=layers, width=width,
-                 heads=heads, optimizer=optimizer, lr=lr, warmup=warmup, accumulate=accumulate, precision=precision, deterministic=deterministic,
-                 microbatches=microbatches, pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                 context_attention=context_attention, seed=seed, data=data, eval_every=eval_every, checkpoint_every=checkpoint_every,
-                 sample_chars=sample_chars, tensorboard=tensorboard, remat=remat,
-                 scan_layers=scan_layers, model=model, kv_heads=kv_heads, tie_embeddings=tie_embeddings,
-                 experts=experts, experts_per_token=experts_per_token, capacity_factor=capacity_factor,
-                 init_from=init_from, export_hf=export_hf, tracker=tracker, peak_tflops=peak_tflops)  # fmt: skip
-    given = {k: v for k, v in given.items() if v is not None}
-    if clip is not None:
-        given["clip"] = C.user_value("clip", clip)
-    written = C.written_options(config, set_ or [])
-    preset = preset or written.pop("preset", None)
+    given = {k: v for k in FIELDS if k != "run_dir" and (v := options.get(k)) is not None}
+    if "clip" in given:
+        given["clip"] = config_file.user_value("clip", given["clip"])
+    written = config_file.written_options(o["config"], o["set_"] or [])
+    preset = o["preset"] or written.pop("preset", None)
     written.pop("preset", None)
     run_dir = run_dir or written.pop("run_dir", None)
     given = {**{k: v for k, v in written.items() if k != "run_dir"}, **given}
@@ -306,6 +241,54 @@ def train(
             f"restart: resuming {run_dir} from its latest checkpoint", soft_wrap=True, highlight=False
         )
         resume = True
+    cfg = _config(given, preset, run_dir, resume, latest, console)
+    import jax
+
+    from meshkit import distributed
+
+    guard = distributed.fail_fast() if jax.process_count() > 1 else contextlib.nullcontext()
+    with guard:  # a lost peer ends every survivor at once, with one line naming it
+        code = run(cfg, console, resume=resume, stop_after=o["stop_after"],
+                   latest_link=latest if run_dir is None else None, profile=profiled)  # fmt: skip
+    if code:
+        raise typer.Exit(code)
+    if cfg.export_hf and jax.process_index() == 0:
+        _export_at_end(run_dir, latest, console)
+
+
+train.__signature__ = _signature()
+
+
+def _start(options: dict[str, Any], o: dict[str, Any]) -> Any:
+    """Before JAX's backend starts: the compile cache, the devices simulated, deterministic mode; then
+    the console of this process (one voice per job: the others train quietly, errors still print)."""
+    from meshkit.cli.ledger import _simulate
+
+    if o["compile_cache"] is not None:
+        from meshkit import compile_cache as cache
+
+        cache.configure(o["compile_cache"])
+    _check_devices(o["devices"])
+    if _deterministic_run(options.get("deterministic"), o["config"], o["set_"] or [], o["resume"], options.get("run_dir")):  # fmt: skip
+        from meshkit.devices import prepare_deterministic
+
+        prepare_deterministic()  # before the backend starts (a launched rank's join starts it)
+    _simulate(o["devices"])
+    import jax
+    from rich.console import Console
+
+    from meshkit.cli._format import console
+
+    return Console(file=io.StringIO()) if jax.process_index() != 0 else console
+
+
+def _config(
+    given: dict, preset: str | None, run_dir: str | None, resume: bool, latest: Path, console
+) -> C.TrainConfig:
+    """The run's config: the resumed run's with what may change, or the preset's with the options given;
+    ``--plan auto`` resolved."""
+    from meshkit.train.job import saved_config
+
     if resume:
         where = run_dir or str(latest.resolve())
         cfg, changed = C.resumed(saved_config(Path(where)), given, where)
@@ -322,25 +305,10 @@ def train(
         new_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         cfg = C.PRESETS[preset]().replace(**given, run_dir=new_dir)
     if cfg.parallel.plan == AUTO:
-        cfg = _auto(cfg, given, console)
-    elif "plan" in given:  # a plan named again on resume: the reason auto gave no longer applies
-        cfg = cfg.replace(plan_reason=None)
-    from meshkit import distributed
-
-    guard = distributed.fail_fast() if jax.process_count() > 1 else contextlib.nullcontext()
-    with guard:  # a lost peer ends every survivor at once, with one line naming it
-        code = run(
-            cfg,
-            console,
-            resume=resume,
-            stop_after=stop_after,
-            latest_link=latest if run_dir is None else None,
-            profile=steps_profiled,
-        )
-    if code:
-        raise typer.Exit(code)
-    if cfg.export_hf and jax.process_index() == 0:
-        _export_at_end(run_dir, latest, console)
+        return _auto(cfg, given, console)
+    if "plan" in given:  # a plan named again on resume: the reason auto gave no longer applies
+        return cfg.replace(plan_reason=None)
+    return cfg
 
 
 def _export_at_end(run_dir: str | None, latest: Path, console) -> None:
@@ -372,7 +340,7 @@ def _deterministic_run(given: Any, config: Any, set_: list, resume: bool, run_di
 
     from meshkit.distributed import restart_attempt
 
-    if given or C.written_options(config, set_).get("deterministic"):
+    if given or config_file.written_options(config, set_).get("deterministic"):
         return True
     if resume or (run_dir and restart_attempt() > 0):  # (listing its checkpoints would start the backend)
         saved = Path(run_dir or Path("runs") / "latest") / "config.json"

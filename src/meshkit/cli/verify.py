@@ -10,6 +10,7 @@ import typer
 
 from meshkit.cli._format import console, fmt_bytes, print_json, table
 from meshkit.cli.ledger import DevicesOpt, JsonOpt
+from meshkit.models import registry
 from meshkit.spec import CONTEXT_ATTENTION, PIPELINE_SCHEDULES, REMAT_POLICIES, describe_plans, one_of
 
 
@@ -17,14 +18,14 @@ def verify(
     plan: Annotated[
         str,
         typer.Option(
-            help=f"{describe_plans()} (expert plans: --model gpt or llama with 8 experts per layer)."
+            help=f"{describe_plans()} (expert plans: --model {' or '.join(registry.names())} with 8 experts per layer)."
         ),
     ] = "dp",
     model: Annotated[
         str,
         typer.Option(
-            help="linear, mlp, gpt, gpt-scan (the GPT's blocks stacked under lax.scan), llama, or your own as "
-            "module:function (or path/to/file.py:function) returning a dict with loss, params and batch "
+            help=f"linear, mlp, {', '.join(registry.names())} (each also as NAME-scan: its blocks stacked under "
+            "lax.scan), or your own as module:function (or path/to/file.py:function) returning a dict with loss, params and batch "
             "(optionally optimizer, logical_axes, rules, units, state, rng, has_aux, tokens_per_example)."
         ),
     ] = "mlp",

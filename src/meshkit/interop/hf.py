@@ -1,18 +1,16 @@
 """Hugging Face checkpoints in and out: ``config.json`` + safetensors (one file, or shards with
-``model.safetensors.index.json`` as the Hub writes them) for Llama-family and GPT-2 models.
+``model.safetensors.index.json`` as the Hub writes them) for every model family that has a format
+(Llama-family and GPT-2 models).
 
-Weights move by name and transpose only (``meshkit.models.llama`` follows ``LlamaForCausalLM``'s
-conventions; GPT-2's ``Conv1D`` already stores ``(in, out)``). ``load`` builds each parameter as a
-global ``jax.Array`` under the sharding asked for with ``jax.make_array_from_callback``: every
-device's block is read from the safetensors file by ``safe_open(...).get_slice``, so neither a
-device nor the host holds a whole tensor it does not need (a layer of the scanned form is read
-layer by layer). ``save`` writes into a new directory beside the target and renames it into
+Weights move by name, transpose and column range (GPT-2's fused ``c_attn``) only. ``load`` builds
+each parameter as a global ``jax.Array`` under the sharding asked for with
+``jax.make_array_from_callback``: every device's block is read from the safetensors file by
+``safe_open(...).get_slice``, so neither a device nor the host holds a whole tensor it does not
+need (a layer of the scanned form is read layer by layer). ``save`` writes into a new directory beside the target and renames it into
 place at the end: a failure leaves nothing behind.
 
-GPT-2 to meshkit's GPT: the key bias of ``c_attn`` is dropped (softmax is invariant to adding
-``q . b_k`` to every score of a query, so it changes no output; meshkit's GPT has none), and a
-tied ``lm_head`` becomes the ``unembed`` leaf (``wte`` transposed). Exported, a GPT whose
-``unembed`` is exactly ``tok_embed.T`` is written tied, any other untied (``lm_head.weight``).
+Each family's format (its ``config.json`` both ways, its weights' names) is its registry row's
+(``meshkit.models.registry.HFFormat``); this module reads and writes any of them.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshkit._errors import MeshkitError
-from meshkit.models import gpt, llama
+from meshkit.models import gpt, registry
+from meshkit.models.family import HFFormat, InteropError, Source
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -42,97 +39,40 @@ VOCAB = "meshkit_vocab.json"
 TOKENIZER = "tokenizer.json"
 """A BPE tokenizer, as Hugging Face tokenizers saves it (the Hub's name)."""
 
-ModelConfig = llama.LlamaConfig | gpt.GPTConfig
+ModelConfig = Any
+"""A registered model family's config (``meshkit.models.registry``)."""
 
-
-class InteropError(MeshkitError):
-    """A checkpoint cannot be read or written as asked."""
+__all__ = ["Checkpoint", "InteropError", "Source", "Special", "config_from_hf", "config_to_hf", "load", "read_config",
+           "read_special", "read_vocab", "save"]  # fmt: skip
 
 
 # -- config.json ------------------------------------------------------------------------------------
-def _need(cfg: dict, key: str, where: str) -> Any:
-    if key not in cfg:
-        raise InteropError(f"{where} lacks {key!r}: it is not a complete Hugging Face config")
-    return cfg[key]
-
-
-def _check_window(data: dict, where: str) -> None:
-    """A sliding window shorter than the model's positions changes attention: meshkit's Llama attends
-    to every earlier position, so it is refused by name (a window as long as the positions never binds)."""
-    window, positions = data.get("sliding_window"), data.get("max_position_embeddings", 2048)
-    if window is not None and data.get("use_sliding_window", True) and window < positions:
-        raise InteropError(
-            f"{where}: sliding_window={window} (of {positions} positions) is not what meshkit's Llama computes: it "
-            f"attends to every earlier position; give a checkpoint whose sliding_window is null"
-        )
-
-
-def _rope_scaling(rope: Any) -> Any:
-    """``rope_scaling`` with the default rotary (``{"rope_type": "default"}``, as transformers writes
-    it) read as None, which it equals; anything else is returned as it is, to be checked."""
-    default = isinstance(rope, dict) and rope and set(rope) <= {"rope_type", "type"}
-    return None if default and all(v == "default" for v in rope.values()) else rope
-
-
 def config_from_hf(data: dict, where: str = CONFIG, *, scan_layers: bool = False) -> ModelConfig:
-    """meshkit's model config of a Hugging Face ``config.json`` (Llama family or GPT-2)."""
+    """meshkit's model config of a Hugging Face ``config.json``: the family whose format reads its
+    ``model_type`` builds it."""
     kind = data.get("model_type")
-    if kind in ("llama", "mistral"):
-        _check_window(data, where)
-        data = {**data, "rope_scaling": _rope_scaling(data.get("rope_scaling"))}
-        for key, want in (
-            ("hidden_act", "silu"),
-            ("attention_bias", False),
-            ("mlp_bias", False),
-            ("rope_scaling", None),
-        ):
-            if data.get(key, want) != want:
-                raise InteropError(f"{where}: {key}={data[key]!r} is not what meshkit's Llama computes ({want!r})")  # fmt: skip
-        heads = _need(data, "num_attention_heads", where)
-        return llama.LlamaConfig(
-            vocab_size=_need(data, "vocab_size", where), seq_len=data.get("max_position_embeddings", 2048),
-            layers=_need(data, "num_hidden_layers", where), width=_need(data, "hidden_size", where), heads=heads,
-            kv_heads=data.get("num_key_value_heads") or heads, head_dim=data.get("head_dim") or 0,
-            ffn=_need(data, "intermediate_size", where), rope_theta=float(data.get("rope_theta", 10000.0)),
-            norm_eps=float(data.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-            scan_layers=scan_layers,
-        )  # fmt: skip
-    if kind == "gpt2":
-        for key, want in (("activation_function", "gelu_new"), ("layer_norm_epsilon", 1e-5),
-                          ("scale_attn_by_inverse_layer_idx", False)):  # fmt: skip
-            if data.get(key, want) != want:
-                raise InteropError(
-                    f"{where}: {key}={data[key]!r} is not what meshkit's GPT computes ({want!r})"
-                )
-        width = _need(data, "n_embd", where)
-        ffn = data.get("n_inner") or 4 * width
-        if ffn % width:
-            raise InteropError(
-                f"{where}: n_inner {ffn} is no multiple of n_embd {width}, as meshkit's GPT needs"
-            )
-        return gpt.GPTConfig(vocab_size=_need(data, "vocab_size", where), seq_len=_need(data, "n_positions", where),
-                             layers=_need(data, "n_layer", where), width=width, heads=_need(data, "n_head", where),
-                             mlp_ratio=ffn // width, scan_layers=scan_layers)  # fmt: skip
-    arch = ", ".join(data.get("architectures") or []) or "none named"
-    raise InteropError(
-        f"{where}: model_type {kind!r} (architectures: {arch}) is not one meshkit reads: give a Llama-family "
-        f"(model_type llama) or GPT-2 (gpt2) checkpoint"
-    )
+    family = registry.hf_family(kind)
+    if family is None:
+        arch = ", ".join(data.get("architectures") or []) or "none named"
+        raise InteropError(
+            f"{where}: model_type {kind!r} (architectures: {arch}) is not one meshkit reads: give a "
+            f"{registry.hf_readable()} checkpoint"
+        )
+    return family.hf.read(data, where, scan_layers)
+
+
+def _format(cfg: ModelConfig) -> HFFormat:
+    family = registry.family_of(cfg)
+    if family.hf is None:
+        raise InteropError(
+            f"model family {family.name} has no Hugging Face format: meshkit cannot write or read it"
+        )
+    return family.hf
 
 
 def config_to_hf(cfg: ModelConfig, tied: bool = False) -> dict:
-    """The ``config.json`` of ``cfg`` (``tied``: GPT-2's head written as the embedding)."""
-    if isinstance(cfg, llama.LlamaConfig):
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.width, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
-                "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-                "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-                "attention_bias": False, "mlp_bias": False, "torch_dtype": cfg.dtype}  # fmt: skip
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len, "n_embd": cfg.width, "n_layer": cfg.layers,
-            "n_head": cfg.heads, "n_inner": cfg.mlp_width, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": tied, "torch_dtype": cfg.dtype}  # fmt: skip
+    """The ``config.json`` of ``cfg`` (``tied``: the head written as the embedding)."""
+    return _format(cfg).write(cfg, tied)
 
 
 def read_config(directory: str | Path, *, scan_layers: bool = False) -> ModelConfig:
@@ -152,53 +92,6 @@ def read_config(directory: str | Path, *, scan_layers: bool = False) -> ModelCon
     if not isinstance(data, dict):
         raise InteropError(f"'{path}' is not a JSON object: restore the checkpoint's config.json")
     return config_from_hf(data, str(path), scan_layers=scan_layers)
-
-
-# -- names ------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where one meshkit tensor (one layer's, for a stacked leaf) lives in the checkpoint."""
-
-    name: str
-    transpose: bool = False
-    columns: tuple[int, int] | None = None
-    """A column range of the stored tensor (after any transpose): GPT-2's fused ``c_attn``."""
-
-
-def _llama_names(cfg: llama.LlamaConfig) -> Iterator[tuple[tuple, Source]]:
-    """(meshkit path within one layer or at the top, source); layer paths start with ``"blocks"``."""
-    yield ("tok_embed",), Source("model.embed_tokens.weight")
-    yield ("norm_f", "scale"), Source("model.norm.weight")
-    if not cfg.tie_embeddings:
-        yield ("unembed",), Source("lm_head.weight", transpose=True)
-    layer = "model.layers.{i}."
-    for path, name in ((("attn_norm", "scale"), "input_layernorm.weight"), (("mlp_norm", "scale"), "post_attention_layernorm.weight")):  # fmt: skip
-        yield ("blocks", *path), Source(layer + name)
-    for leaf, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-        yield ("blocks", "attn", leaf), Source(f"{layer}self_attn.{name}.weight", transpose=True)
-    for leaf, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-        yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
-
-
-def _gpt2_names(cfg: gpt.GPTConfig, tied: bool, prefix: str) -> Iterator[tuple[tuple, Source]]:
-    d = cfg.width
-    yield ("tok_embed",), Source(prefix + "wte.weight")
-    yield ("pos_embed",), Source(prefix + "wpe.weight")
-    yield ("ln_f", "scale"), Source(prefix + "ln_f.weight")
-    yield ("ln_f", "bias"), Source(prefix + "ln_f.bias")
-    yield ("unembed",), Source(prefix + "wte.weight" if tied else "lm_head.weight", transpose=True)
-    layer = prefix + "h.{i}."
-    for ln, name in (("ln1", "ln_1"), ("ln2", "ln_2")):
-        yield ("blocks", ln, "scale"), Source(f"{layer}{name}.weight")
-        yield ("blocks", ln, "bias"), Source(f"{layer}{name}.bias")
-    for leaf, at in (("wq", 0), ("wk", 1), ("wv", 2)):
-        yield ("blocks", "attn", leaf), Source(layer + "attn.c_attn.weight", columns=(at * d, (at + 1) * d))
-    for leaf, at in (("bq", 0), ("bv", 2)):
-        yield ("blocks", "attn", leaf), Source(layer + "attn.c_attn.bias", columns=(at * d, (at + 1) * d))
-    for path, name in ((("attn", "wo"), "attn.c_proj.weight"), (("attn", "bo"), "attn.c_proj.bias"),
-                       (("mlp", "w_in"), "mlp.c_fc.weight"), (("mlp", "b_in"), "mlp.c_fc.bias"),
-                       (("mlp", "w_out"), "mlp.c_proj.weight"), (("mlp", "b_out"), "mlp.c_proj.bias")):  # fmt: skip
-        yield ("blocks", *path), Source(layer + name)
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -269,11 +162,7 @@ def _stored_shape(source: Source, shape: tuple[int, ...], layer_shape: tuple[int
 
 
 def _plan(cfg: ModelConfig, ckpt: Checkpoint) -> dict[tuple, Source]:
-    if isinstance(cfg, llama.LlamaConfig):
-        return dict(_llama_names(cfg))
-    prefix = "transformer." if "transformer.wte.weight" in ckpt.names() else ""
-    tied = "lm_head.weight" not in ckpt.names()
-    return dict(_gpt2_names(cfg, tied, prefix))
+    return dict(_format(cfg).names(cfg, frozenset(ckpt.names()), False))
 
 
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -284,20 +173,14 @@ table): transformers skips them on load, and so does meshkit."""
 def _check_undeclared(ckpt: Checkpoint, used: set[str], cfg: ModelConfig, directory: str | Path) -> None:
     """Refuse a checkpoint with weights its config does not declare (biases of another family, extra
     layers, ...): meshkit would drop them without a word and compute another model."""
-    tied = isinstance(cfg, llama.LlamaConfig) and cfg.tie_embeddings
-    extra = sorted(
-        n for n in ckpt.names() - used if not _BUFFERS.search(n) and not (tied and n == "lm_head.weight")
-    )
+    unread = _format(cfg).unread(cfg)
+    extra = sorted(n for n in ckpt.names() - used if not _BUFFERS.search(n) and n not in unread)
     if extra:
         raise InteropError(
             f"'{directory}' holds {len(extra)} tensor(s) its config.json does not declare ({', '.join(extra[:3])}"
             f"{', ...' if len(extra) > 3 else ''}): meshkit's model would drop them and compute another model; "
             f"give the checkpoint's own config.json"
         )
-
-
-def _init_fn(cfg: ModelConfig) -> Callable:
-    return llama.init if isinstance(cfg, llama.LlamaConfig) else gpt.init
 
 
 def load(
@@ -308,7 +191,7 @@ def load(
     parameters; default: host NumPy arrays). Every shape is checked before anything is read."""
     cfg = read_config(directory, scan_layers=False) if cfg is None else cfg
     ckpt = Checkpoint(directory)
-    shapes = jax.eval_shape(lambda: _init_fn(cfg)(jax.random.key(0), cfg))
+    shapes = jax.eval_shape(lambda: registry.family_of(cfg).module.init(jax.random.key(0), cfg))
     names = _plan(cfg, ckpt)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     sources, used = [], set()
@@ -359,12 +242,9 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[dict[str, np.ndarray], bool
     """The checkpoint's tensors from meshkit parameters (gathered to this host leaf by leaf)."""
     params = gpt.to_form(params, False)
     host = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
-    tied = False
-    if isinstance(cfg, gpt.GPTConfig):
-        tied = np.array_equal(host(params["unembed"]), host(params["tok_embed"]).T)
-        names = dict(_gpt2_names(cfg, tied, "transformer."))  # as GPT2LMHeadModel.save_pretrained writes
-    else:
-        names = dict(_llama_names(cfg))
+    hf = _format(cfg)
+    tied = hf.tied(params)
+    names = dict(hf.names(cfg, None, tied))
     out: dict[str, np.ndarray] = {}
     fused: dict[str, list] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -380,10 +260,9 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[dict[str, np.ndarray], bool
             fused.setdefault(name, []).append((source.columns, value))
             continue
         out[name] = np.ascontiguousarray(value.T if source.transpose else value)
-    for name, parts in fused.items():  # GPT-2's c_attn: q | k (zeros: meshkit's GPT has no key bias) | v
-        d = cfg.width
+    for name, parts in fused.items():  # columns no leaf fills are zeros (GPT-2's key bias: the GPT has none)
         first = parts[0][1]
-        whole = np.zeros((*first.shape[:-1], 3 * d), first.dtype)
+        whole = np.zeros((*first.shape[:-1], max(hi for (_, hi), _ in parts)), first.dtype)
         for (lo, hi), value in parts:
             whole[..., lo:hi] = value
         out[name] = whole

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from meshkit._errors import MeshkitError
-from meshkit.models import gpt, llama
+from meshkit.models import gpt, llama, registry
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,8 +178,7 @@ def kv_sharding(mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig) -> jax.sharding
 @functools.partial(jax.jit, static_argnames=("cfg", "how"))
 def _next_token(params, window_t, length, key, *, cfg, how: Sampling):
     """The token after the first ``length`` of the window (one program per model and sampling)."""
-    module = llama if isinstance(cfg, llama.LlamaConfig) else gpt
-    logits = module.apply(params, window_t[None], cfg)[0]
+    logits = registry.family_of(cfg).module.apply(params, window_t[None], cfg)[0]
     return sample(logits[length - 1][None], key, how)[0]
 
 
@@ -204,3 +203,14 @@ def window_generate(
         else:
             buf = np.concatenate([buf[1:], [tok]]).astype(np.int32)
     return out
+
+
+def continue_prompts(
+    params: Any, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+    sampling: Sampling | None = None, seed: int = 0,
+) -> list[list[int]]:  # fmt: skip
+    """New tokens for each prompt as the model's family generates (``Family.kv_cache``): batched with a
+    key/value cache, or one prompt at a time over its window."""
+    if registry.family_of(cfg).kv_cache:
+        return generate(params, cfg, prompts, max_new_tokens, sampling=sampling, seed=seed)
+    return [window_generate(params, cfg, p, max_new_tokens, sampling=sampling, seed=seed) for p in prompts]

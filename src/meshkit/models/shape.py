@@ -10,11 +10,14 @@ from meshkit._errors import MeshkitError
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelShape:
-    """A decoder-only transformer by its sizes: meshkit's reference GPT when ``gated`` is False
-    (learned positions, untied unembedding, biases, LayerNorm), its Llama when True (rotary
-    positions, RMSNorm, SwiGLU, no biases: ``meshkit.models.llama.LlamaConfig.from_shape``)."""
+    """A decoder-only transformer by its sizes: what the planner predicts from, and what a model
+    family's config is built from (``from_shape``) and describes itself as (``shape()``); the family is
+    its registry row's (``meshkit.models.registry``). ``gated`` chooses the MLP the formulas count: two
+    matrices (meshkit's reference GPT: learned positions, untied unembedding, biases, LayerNorm) or a
+    SwiGLU's three (its Llama: rotary positions, RMSNorm, no biases)."""
 
     name: str = "gpt"
+    """A family's name (a run's ``--model``) or a preset's (``llama-7b``): a label, never dispatched on."""
     layers: int
     width: int
     heads: int

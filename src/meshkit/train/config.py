@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshkit._errors import MeshkitError
+from meshkit.models import registry
 from meshkit.spec import ParallelSpec, PlanError
 
 if TYPE_CHECKING:  # optax is imported where it is used: the CLI reads this module to print its --help
@@ -28,8 +29,6 @@ class ConfigError(MeshkitError):
     """A training option is out of range or inconsistent."""
 
 
-MODELS = ("gpt", "llama")
-"""The decoders ``meshkit train`` trains (``--model``)."""
 HF_PREFIX = "hf:"
 """How ``--init-from`` names a Hugging Face checkpoint directory."""
 TRACKERS = ("jsonl", "tensorboard", "wandb")
@@ -58,7 +57,7 @@ class TrainConfig:
     """Characters (tokens) per sequence."""
     model: str = "gpt"
     """The decoder trained: 'gpt' (learned positions, LayerNorm, GELU) or 'llama' (rotary, RMSNorm,
-    SwiGLU, grouped-query attention; ``MODELS``)."""
+    SwiGLU, grouped-query attention): a family of ``meshkit.models.registry``."""
     kv_heads: int = 0
     """Llama: key/value heads (grouped-query attention; must divide heads); 0: as many as heads."""
     tie_embeddings: bool = False
@@ -193,14 +192,15 @@ def _spec(spec: ParallelSpec, changes: dict[str, Any]) -> ParallelSpec:
         raise ConfigError(str(e)) from None
 
 
-def _types() -> dict[str, Any]:
+def option_types() -> dict[str, Any]:
+    """Each option's type, by its one name (the job's fields and the parallel spec's)."""
     hints = typing.get_type_hints(TrainConfig) | typing.get_type_hints(ParallelSpec)
     return {k: v for k, v in hints.items() if k != "parallel"}
 
 
 def check_type(name: str, value: Any, where: str = "config.json") -> None:
     """``value`` has the type option ``name`` takes (an int is a float; a bool is no number)."""
-    want = _types()[name]
+    want = option_types()[name]
     allowed = typing.get_args(want) or (want,)
     ok = any(
         (t is type(None) and value is None)
@@ -347,14 +347,13 @@ def validate(cfg: TrainConfig) -> None:
         # from a checkpoint, its head_dim sets the heads' width (checked against its tensors on load)
         (lambda: cfg.init_from is not None or cfg.width % cfg.heads == 0,
          lambda: f"--heads {cfg.heads} must divide --width {cfg.width}"),
-        (lambda: cfg.model in MODELS, lambda: f"unknown --model {cfg.model!r}: use {' or '.join(MODELS)}"),
+        (lambda: cfg.model in registry.names(),
+         lambda: f"unknown --model {cfg.model!r}: use {' or '.join(registry.names())}"),
         (lambda: cfg.kv_heads >= 0, lambda: f"--kv-heads must be at least 0 (0: as many as --heads), got {cfg.kv_heads}"),
-        (lambda: cfg.model == "llama" or (cfg.kv_heads == 0 and not cfg.tie_embeddings),
-         lambda: "--kv-heads and --tie-embeddings are for --model llama: add --model llama, or drop them"),
+        (lambda: not _foreign_options(cfg), lambda: _foreign_options(cfg)),
         (lambda: cfg.kv_heads == 0 or cfg.heads % cfg.kv_heads == 0,
          lambda: f"--kv-heads {cfg.kv_heads} must divide --heads {cfg.heads}"),
-        (lambda: cfg.model != "llama" or cfg.init_from is not None or (cfg.width // cfg.heads) % 2 == 0,
-         lambda: f"--model llama needs an even head width (--width / --heads = {cfg.width // cfg.heads}) for rotary embeddings"),
+        (lambda: registry.family(cfg.model).check(cfg) is None, lambda: registry.family(cfg.model).check(cfg)),
         (lambda: cfg.init_from is None or (cfg.init_from.startswith(HF_PREFIX) and len(cfg.init_from) > len(HF_PREFIX)),
          lambda: f"--init-from {cfg.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"),
         (lambda: cfg.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {cfg.optimizer!r}: use adamw or sgd"),
@@ -386,6 +385,23 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(
                 "--tracker wandb needs the wandb package: pip install 'meshkit[wandb]' (or drop wandb from --tracker)"
             )
+
+
+def _foreign_options(cfg: TrainConfig) -> str:
+    """Why options of another model family are refused for the run's (``--kv-heads`` without
+    ``--model llama``), or ''."""
+    family, defaults = registry.family(cfg.model), default()
+    given = [
+        n
+        for f in registry.families()
+        for n in f.options
+        if n not in family.options and cfg.get(n) != defaults.get(n)
+    ]
+    if not given:
+        return ""
+    takers = [f.name for f in registry.families() if set(given) <= set(f.options)] or ["another"]
+    said = " and ".join(flag(n) for n in dict.fromkeys(given))
+    return f"{said} {'is' if len(given) == 1 else 'are'} for --model {' or '.join(takers)}: add --model {takers[0]}, or drop them"  # fmt: skip
 
 
 def trackers(cfg: TrainConfig) -> tuple[str, ...]:
@@ -443,123 +459,3 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def dumps(cfg: TrainConfig) -> str:
     return json.dumps(cfg.to_json(), indent=2, sort_keys=True)
-
-
-# -- config files ---------------------------------------------------------------------------------
-#: The tables of a config file, each holding options by their one name (an option may also be given at
-#: the top level). Every option is in exactly one table.
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "layers", "width", "heads", "kv_heads", "tie_embeddings", "scan_layers", "init_from", "experts",
-              "experts_per_token", "capacity_factor"),
-    "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
-    "data": ("data", "seq_len", "batch_size", "seed"),
-    "run": ("steps", "run_dir", "eval_every", "eval_batches", "checkpoint_every", "sample_chars", "tensorboard",
-            "plan_reason", "export_hf", "tracker", "peak_tflops"),
-    "parallel": PARALLEL,
-}  # fmt: skip
-_SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
-
-
-def _suggest(key: str, known: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def user_value(name: str, value: Any) -> Any:
-    """A value as the command line gives it: ``clip`` 0 turns clipping off (None)."""
-    return None if name == "clip" and value == 0 and not isinstance(value, bool) else value
-
-
-def _option(key: str, value: Any, where: str, errors: list[str], out: dict[str, Any]) -> None:
-    """Check one ``key`` (``name`` or ``section.name``) and put it in ``out``, or an error in ``errors``."""
-    section, _, name = key.rpartition(".")
-    if name == "preset" and not section:
-        if value not in PRESETS:
-            errors.append(f"{where}: preset must be {' or '.join(PRESETS)}, got {value!r}")
-        out["preset"] = value
-        return
-    if name not in _SECTION_OF:
-        known = [*(f"{s}.{n}" for s, ns in SECTIONS.items() for n in ns), *OPTIONS, "preset"]
-        errors.append(f"{where}: unknown option '{key}'{_suggest(key, known)}")
-        return
-    if section and section != _SECTION_OF[name]:
-        errors.append(f"{where}: '{name}' belongs in [{_SECTION_OF[name]}], not [{section}]")
-        return
-    try:
-        check_type(name, value, where)
-    except ConfigError as e:
-        errors.append(str(e))
-        return
-    out[name] = user_value(name, value)
-
-
-def _flatten(data: dict[str, Any], where: str, errors: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in SECTIONS and isinstance(value, dict):
-            for name, item in value.items():
-                _option(f"{key}.{name}", item, where, errors, out)
-        elif key in SECTIONS and key not in OPTIONS:
-            errors.append(f"{where}: '{key}' is a table of options: write [{key}] with keys under it")
-        else:
-            _option(key, value, where, errors, out)
-    return out
-
-
-def _raise(errors: list[str]) -> None:
-    if errors:
-        raise ConfigError("; ".join(errors))
-
-
-def written_options(config: str | None, sets: list[str]) -> dict[str, Any]:
-    """The options of ``--config`` overlaid by ``--set``'s; every unknown key and wrong type of both is
-    named, all in one line."""
-    errors: list[str] = []
-    out = read_config_file(config, errors) if config else {}
-    out |= parse_sets(sets, errors)
-    _raise(errors)
-    return out
-
-
-def read_config_file(path: str, errors: list[str]) -> dict[str, Any]:
-    """Options from a TOML file (or a run's ``config.json``): top-level keys and ``[section]`` tables
-    (:data:`SECTIONS`), and ``preset``. A key or value that is wrong goes into ``errors``; a file that
-    cannot be read raises."""
-    import tomllib
-    from pathlib import Path
-
-    file = Path(path)
-    if not file.is_file():
-        what = "a directory" if file.is_dir() else "missing"
-        raise ConfigError(f"--config '{path}' is {what}: give a TOML file of options (e.g. run.toml)")
-    try:
-        text = file.read_text(encoding="utf-8")
-        data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        kind = "JSON" if file.suffix == ".json" else "TOML"
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ConfigError(f"--config '{path}' is not valid {kind} ({first}): fix the file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config '{path}' is not a table of options: give a TOML file of options")
-    return _flatten(data, str(path), errors)
-
-
-def parse_sets(items: list[str], errors: list[str]) -> dict[str, Any]:
-    """``--set section.key=value`` (or ``key=value``) options: the value read as TOML (``1e-3``, ``true``,
-    ``"text"``), or as text where it is not TOML (``--set plan=fsdp``)."""
-    import tomllib
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, eq, text = item.partition("=")
-        if not eq or not key.strip():
-            errors.append(f"--set {item!r} is not key=value: write e.g. --set optimizer.lr=1e-3")
-            continue
-        try:
-            value = tomllib.loads(f"v = {text.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()
-        _option(key.strip(), value, "--set", errors, out)
-    return out

@@ -18,10 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load, process_rows
-from meshkit.models import gpt, llama, module_of
+from meshkit.models import gpt, registry
 from meshkit.models.shape import ModelShape
 from meshkit.plans import check_context, check_whole_sequences
-from meshkit.plans.placement import vocab_rules
 from meshkit.spec import CONTEXT, DATA, REPLICA
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
@@ -36,7 +35,8 @@ class Job:
 
     cfg: C.TrainConfig
     data: Corpus
-    model: gpt.GPTConfig | llama.LlamaConfig
+    model: Any
+    """The model's config (a family's of ``meshkit.models.registry``)."""
     trainer: Trainer
     batches: Batches
     run_dir: Path
@@ -72,25 +72,25 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     data = load_data(cfg)
     check_fits(cfg, data)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
-    llama_run = isinstance(model, llama.LlamaConfig)
+    family = registry.family_of(model)
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
                       tokens_per_example=cfg.seq_len, grad_norm=True, has_aux=moe_run(model, cfg),
-                      units=llama.units(model) if llama_run else {"heads": cfg.heads},
-                      rules=vocab_rules(cfg.parallel.plan_info))  # fmt: skip
+                      units=family.units(model), rules=family.rules(cfg.parallel.plan_info.pipeline))  # fmt: skip
     axes = trainer.placement.batch_axes
     C.check_batch(
         cfg, trainer.placement.batch_devices, " x ".join(axes) if len(axes) > 1 else "the data axis"
     )
     trainer.check_examples(cfg.batch_size)
     if cfg.parallel.plan_info.context:  # before the run directory is written, not at the first compile
-        heads = model.heads if llama_run else cfg.heads
-        check_context(cfg.seq_len, heads, int(trainer.mesh.shape[CONTEXT]), cfg.parallel.context_attention)
+        check_context(
+            cfg.seq_len, model.heads, int(trainer.mesh.shape[CONTEXT]), cfg.parallel.context_attention
+        )
         if model.experts:
             check_whole_sequences(int(trainer.mesh.shape[CONTEXT]))
     batches = data.batches(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS,
                            rows=process_rows(trainer.shardings.batch, cfg.batch_size))  # fmt: skip
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
-              eval_loss=jax.jit(module_of(model).make_loss(dataclasses.replace(model, router_aux_weight=0.0))))  # fmt: skip
+              eval_loss=jax.jit(family.module.make_loss(dataclasses.replace(model, router_aux_weight=0.0))))  # fmt: skip
     if resume:
         _restore(job)
     return job
@@ -112,15 +112,15 @@ def load_data(cfg: C.TrainConfig) -> Corpus:
     return data
 
 
-def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig | llama.LlamaConfig, Any, Any, Any]:
-    """``(model config, loss, initial parameters, logical axes)`` of the run's GPT or Llama
-    (``--model``); under a pipeline plan the loss is the model as ``Stages`` (blocks stacked, split
-    over the stages). The parameters are random, or read from ``--init-from hf:DIR`` (host arrays:
+def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
+    """``(model config, loss, initial parameters, logical axes)`` of the run's model (``--model``, a
+    family of ``meshkit.models.registry``); under a pipeline plan the loss is the model as ``Stages``
+    (blocks stacked, split over the stages). The parameters are random, or read from ``--init-from hf:DIR`` (host arrays:
     the Trainer places each device's block)."""
     model = model_config(cfg, vocab)
-    module = module_of(model)
+    module = registry.family_of(model).module
     if cfg.init_from is not None:
-        from meshkit.train.export import init_from
+        from meshkit.train.init_from import init_from
 
         params = init_from(cfg, model)
     else:
@@ -130,24 +130,22 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[gpt.GPTConfig | llama.L
     return model, loss, params, module.logical_axes(params)
 
 
-def moe_run(model: gpt.GPTConfig | llama.LlamaConfig, cfg: C.TrainConfig) -> bool:
+def moe_run(model: Any, cfg: C.TrainConfig) -> bool:
     """A mixture of experts outside a pipeline: its loss returns the dropped slots as metrics."""
     return bool(model.experts) and not cfg.parallel.plan_info.pipeline
 
 
-def model_config(cfg: C.TrainConfig, vocab: int) -> gpt.GPTConfig | llama.LlamaConfig:
+def model_config(cfg: C.TrainConfig, vocab: int) -> Any:
     """The run's model config: from its shape options, or from ``--init-from``'s checkpoint (checked
     against them and the data's vocabulary); computing in its precision, scanned under a pipeline."""
     spec = cfg.parallel
     scan = cfg.scan_layers or spec.plan_info.pipeline
     if cfg.init_from is not None:
-        from meshkit.train.export import checkpoint_config
+        from meshkit.train.init_from import checkpoint_config
 
         return checkpoint_config(cfg, vocab, precision=spec.precision, scan_layers=scan)
-    shape = model_shape(cfg, vocab)
-    if cfg.model == "llama":
-        return llama.LlamaConfig.from_shape(shape, precision=spec.precision, scan_layers=scan)
-    return gpt.GPTConfig.from_shape(shape, precision=spec.precision, scan_layers=scan)
+    family = registry.family(cfg.model)
+    return family.config.from_shape(model_shape(cfg, vocab), precision=spec.precision, scan_layers=scan)
 
 
 #: Bytes per parameter that bound a step's state from above (fp32 parameters, gradients, two Adam
@@ -256,24 +254,17 @@ def host_available() -> float | None:
 
 
 def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
-    """The shape of the run's model (what ``--plan auto`` plans for and the model is built from)."""
-    moe = {
-        "experts": cfg.experts,
-        "experts_per_token": cfg.experts_per_token,
-        "capacity_factor": cfg.capacity_factor,
-    }
-    if cfg.model == "llama":
-        own = {}  # from a checkpoint: its heads' width and MLP width, which the run's options do not set
-        if cfg.init_from is not None:
-            from meshkit import interop
+    """The shape of the run's model (what ``--plan auto`` plans for and the model is built from): the
+    run's options, its family's own among them, and from ``--init-from`` what its checkpoint fixes."""
+    family = registry.family(cfg.model)
+    own = {name: cfg.get(name) for name in family.options}
+    if cfg.init_from is not None:
+        from meshkit.train.init_from import checkpoint_shape
 
-            ckpt = interop.read_config(cfg.init_from[len(C.HF_PREFIX) :])
-            own = {"head_dim": ckpt.head_dim, "ffn": ckpt.ffn} if isinstance(ckpt, llama.LlamaConfig) else {}
-        return ModelShape(name="llama", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
-                          seq=cfg.seq_len, gated=True, kv_heads=cfg.kv_heads,
-                          tie_embeddings=cfg.tie_embeddings, **own, **moe)  # fmt: skip
-    return ModelShape(name="gpt", layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab, seq=cfg.seq_len,
-                      **moe)  # fmt: skip
+        own |= checkpoint_shape(cfg)
+    return ModelShape(name=family.name, layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
+                      seq=cfg.seq_len, gated=family.gated, experts=cfg.experts, experts_per_token=cfg.experts_per_token,
+                      capacity_factor=cfg.capacity_factor, **own)  # fmt: skip
 
 
 def saved_config(run_dir: Path) -> C.TrainConfig:

@@ -14,7 +14,7 @@ import jax
 from meshkit import interop
 from meshkit.data import Corpus, DataError, load
 from meshkit.models import generate as G
-from meshkit.models import gpt, llama, module_of
+from meshkit.models import gpt, module_of
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import model_config, saved_config
@@ -25,7 +25,8 @@ class TrainedModel:
     """A run's model: config, parameters on one device, the step they come from, its vocabulary."""
 
     cfg: C.TrainConfig
-    model: gpt.GPTConfig | llama.LlamaConfig
+    model: Any
+    """The model's config (a family's of ``meshkit.models.registry``)."""
     params: Any
     step: int
     corpus: Corpus
@@ -85,17 +86,12 @@ def special_tokens(run: TrainedModel) -> interop.hf.Special | None:
 def generate_text(
     run: TrainedModel, prompts: list[str], max_new_tokens: int, *, sampling: G.Sampling, seed: int = 0
 ) -> list[str]:
-    """The continuation of each prompt: the Llama batched with a key/value cache, the GPT one prompt at
-    a time over its window (its learned positions end at ``seq_len``)."""
+    """The continuation of each prompt: batched with a key/value cache where the model's family keeps one
+    (the Llama), else one prompt at a time over its window (the GPT: its learned positions end at
+    ``seq_len``)."""
     try:
         ids = [run.corpus.encode(p).tolist() for p in prompts]
     except DataError as e:
         raise C.ConfigError(f"--prompt: {e}") from None
-    if isinstance(run.model, llama.LlamaConfig):
-        out = G.generate(run.params, run.model, ids, max_new_tokens, sampling=sampling, seed=seed)
-    else:
-        out = [
-            G.window_generate(run.params, run.model, p, max_new_tokens, sampling=sampling, seed=seed)
-            for p in ids
-        ]
+    out = G.continue_prompts(run.params, run.model, ids, max_new_tokens, sampling=sampling, seed=seed)
     return [run.corpus.decode(row) for row in out]

@@ -1,7 +1,7 @@
 """``meshkit train --init-from hf:DIR``: a run that starts from a Hugging Face checkpoint. The
-checkpoint decides the model (the Llama for ``model_type llama``, the GPT for ``gpt2``); the run's
-own options must agree with it, and its vocabulary with the run's data, before anything is read
-or written."""
+checkpoint decides the model (the family whose Hugging Face format reads its ``model_type``:
+``meshkit.models.registry``); the run's own options must agree with it, and its vocabulary with
+the run's data, before anything is read or written."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from meshkit import interop
-from meshkit.models import gpt, llama
+from meshkit.models import registry
 from meshkit.spec import PRECISIONS
 from meshkit.train import config as C
 
@@ -19,24 +19,19 @@ def _directory(cfg: C.TrainConfig) -> Path:
     return Path(cfg.init_from[len(C.HF_PREFIX) :])
 
 
-def checkpoint_config(
-    cfg: C.TrainConfig, vocab: int, *, precision: str, scan_layers: bool
-) -> gpt.GPTConfig | llama.LlamaConfig:
+def checkpoint_config(cfg: C.TrainConfig, vocab: int, *, precision: str, scan_layers: bool) -> Any:
     """The checkpoint's model config (in ``precision``, the scanned form where asked), after checking
     the run's shape options and its data's vocabulary against it; raises ``ConfigError`` naming the
     option to give."""
     where = _directory(cfg)
     model = interop.read_config(where)
-    kind = "llama" if isinstance(model, llama.LlamaConfig) else "gpt"
-    if kind != cfg.model:
+    family = registry.family_of(model)
+    if family.name != cfg.model:
         raise C.ConfigError(
-            f"--init-from: '{where}' holds a {'Llama' if kind == 'llama' else 'GPT-2'} checkpoint but --model is "
-            f"{cfg.model}: give --model {kind}"
+            f"--init-from: '{where}' holds a {family.hf.label} checkpoint but --model is {cfg.model}: "
+            f"give --model {family.name}"
         )
-    theirs = {"layers": model.layers, "width": model.width, "heads": model.heads}
-    if kind == "llama":
-        theirs |= {"kv_heads": model.kv_heads if model.kv_heads != model.heads else 0,
-                   "tie_embeddings": model.tie_embeddings}  # fmt: skip
+    theirs = {"layers": model.layers, "width": model.width, "heads": model.heads} | family.options_of(model)
     differ = {k: v for k, v in theirs.items() if cfg.get(k) != v}
     if differ:
         flags = " ".join(
@@ -44,15 +39,23 @@ def checkpoint_config(
         )
         mine = ", ".join(f"{C.flag(k)} {cfg.get(k)}" for k in differ)
         raise C.ConfigError(f"--init-from: the checkpoint's shape is not the run's ({mine}): give {flags or 'no --tie-embeddings'}")  # fmt: skip
-    if kind == "gpt" and cfg.seq_len > model.seq_len:
+    if family.learned_positions and cfg.seq_len > model.seq_len:
         raise C.ConfigError(
             f"--init-from: the checkpoint has {model.seq_len} positions, fewer than --seq-len {cfg.seq_len}: "
             f"use --seq-len {model.seq_len} or less"
         )
-    if kind == "llama" and model.head_dim % 2:
-        raise C.ConfigError(f"--init-from: the checkpoint's head_dim {model.head_dim} is odd: rotary embeddings need an even one")  # fmt: skip
     _check_vocabulary(cfg, vocab, model.vocab_size, where)
     return dataclasses.replace(model, compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)
+
+
+def checkpoint_shape(cfg: C.TrainConfig) -> dict[str, int]:
+    """What the run's options do not set but its checkpoint's model fixes, as ``ModelShape`` fields:
+    the heads' width and the MLP's ({} for a checkpoint of another family: the run refuses it)."""
+    model = interop.read_config(_directory(cfg))
+    if registry.family_of(model).name != cfg.model:
+        return {}
+    shape = model.shape()
+    return {"head_dim": shape.head_dim, "ffn": shape.ffn}
 
 
 def _check_vocabulary(cfg: C.TrainConfig, vocab: int, theirs: int, where: Path) -> None:
@@ -98,7 +101,7 @@ def _check_tokenizer(bpe: Any, where: Path) -> None:
         )
 
 
-def init_from(cfg: C.TrainConfig, model: gpt.GPTConfig | llama.LlamaConfig) -> Any:
+def init_from(cfg: C.TrainConfig, model: Any) -> Any:
     """The checkpoint's weights in ``model``'s form, as host arrays (the Trainer then places each
     device's block; ``interop.load(..., shardings=)`` builds sharded arrays straight from the files)."""
     params, _ = interop.load(_directory(cfg), dataclasses.replace(model, compute_dtype=None))

@@ -1,0 +1,140 @@
+"""A model family's row, the contract between a family and the rest of meshkit: what a family
+says of itself (``Family``), its Hugging Face format (``HFFormat``: ``config.json`` both ways, its
+weights' names as ``Source``s), and the helpers its hooks share. ``meshkit.models.registry`` lists
+the rows; each family's row module (``gpt_family.py``, ``llama_family.py``) fills one in.
+
+Nothing here imports JAX: a row names its model module, imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from meshkit._errors import MeshkitError
+
+
+class InteropError(MeshkitError):
+    """A checkpoint cannot be read or written as asked."""
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where one meshkit tensor (one layer's, for a stacked leaf) lives in a Hugging Face checkpoint."""
+
+    name: str
+    transpose: bool = False
+    columns: tuple[int, int] | None = None
+    """A column range of the stored tensor (after any transpose): GPT-2's fused ``c_attn``."""
+
+
+Names = Iterator[tuple[tuple, Source]]
+"""(meshkit path within one layer or at the top, source); layer paths start with ``"blocks"``."""
+
+
+def _never_tied(params: Any) -> bool:
+    return False
+
+
+def _nothing_unread(cfg: Any) -> frozenset[str]:
+    return frozenset()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFFormat:
+    """A family's Hugging Face checkpoint format, as ``meshkit.interop`` asks it."""
+
+    label: str
+    """How messages name a checkpoint of it ('GPT-2', 'Llama')."""
+    model_types: tuple[str, ...]
+    """``config.json`` ``model_type`` values read as this family; the first is written."""
+    read: Callable[[dict, str, bool], Any]
+    """``(config.json, where, scan_layers) -> config``; raises ``InteropError`` naming what differs."""
+    write: Callable[[Any, bool], dict]
+    """``(config, tied) -> config.json`` (``tied``: the head written as the embedding)."""
+    names: Callable[[Any, frozenset[str] | None, bool], Names]
+    """``(config, tensor names of the checkpoint read, or None when writing, tied)`` -> where each
+    leaf lives."""
+    tied: Callable[[Any], bool] = _never_tied
+    """Parameters (loop form) -> whether they are written with the head tied to the embedding."""
+    unread: Callable[[Any], frozenset[str]] = _nothing_unread
+    """Config -> tensor names a checkpoint of it may hold that no leaf reads (a tied model's head)."""
+
+
+def _heads(cfg: Any) -> dict[str, int]:
+    return {"heads": cfg.heads}
+
+
+def _no_check(run: Any) -> str | None:
+    return None
+
+
+def _no_options(cfg: Any) -> dict[str, Any]:
+    return {}
+
+
+def _vocab_rules(pipeline: bool) -> dict[str, str]:
+    from meshkit.plans.placement import vocab_rules
+
+    return vocab_rules(pipeline)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Family:
+    """One decoder family: everything meshkit asks of it by name."""
+
+    name: str
+    """``--model``'s value, ``ModelShape.name``."""
+    about: str = ""
+    """What ``--model``'s help says of it beside its name ('': nothing)."""
+    module_name: str
+    """The model module: ``init``, ``apply``, ``make_loss``, ``stages``, ``logical_axes``, ``flops_per_token``."""
+    config_name: str
+    """The config class in that module (``from_shape(shape, precision=, scan_layers=)``, ``shape()``)."""
+    gated: bool = False
+    """``ModelShape.gated``: a SwiGLU MLP (the planner's formulas follow it)."""
+    options: tuple[str, ...] = ()
+    """``meshkit train`` options only this family takes, each a ``ModelShape`` field of the same name."""
+    options_of: Callable[[Any], dict[str, Any]] = _no_options
+    """Config -> the values of ``options`` it fixes, as the run writes them (``--init-from`` compares)."""
+    learned_positions: bool = False
+    """Its positions end at ``seq_len`` (a learned table): a run's sequence may not be longer."""
+    check: Callable[[Any], str | None] = _no_check
+    """A run's options (a ``TrainConfig``) -> why the family cannot train them, or None."""
+    units: Callable[[Any], dict[str, int]] = _heads
+    """Config -> logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
+    rules: Callable[[bool], dict[str, str]] = _vocab_rules
+    """Pipeline or not -> tensor-parallel rules (logical axis -> mesh axis)."""
+    kv_cache: bool = False
+    """Generation keeps a key/value cache (``meshkit.models.generate.generate``); else each new token runs
+    the window of the last ``seq_len`` tokens again (``window_generate``)."""
+    small: Callable[..., Any]
+    """``(layers=, heads=, experts=, scan_layers=)`` -> the small config ``meshkit verify`` certifies plans on."""
+    hf: HFFormat | None = None
+    """Its Hugging Face format (None: no checkpoint is read or written for it)."""
+
+    @property
+    def module(self) -> Any:
+        return importlib.import_module(self.module_name)
+
+    @property
+    def config(self) -> type:
+        return getattr(self.module, self.config_name)
+
+
+def need(data: dict, key: str, where: str) -> Any:
+    """``data[key]`` of a ``config.json``; its absence raises, naming the key."""
+    if key not in data:
+        raise InteropError(f"{where} lacks {key!r}: it is not a complete Hugging Face config")
+    return data[key]
+
+
+def check_values(data: dict, where: str, wants: tuple[tuple[str, Any], ...], who: str) -> None:
+    """Each ``(key, value)`` the family computes: a ``config.json`` saying otherwise is refused by name."""
+    for key, want in wants:
+        if data.get(key, want) != want:
+            raise InteropError(
+                f"{where}: {key}={data[key]!r} is not what meshkit's {who} computes ({want!r})"
+            )
