@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshkit._errors import MeshkitError
-from meshkit.spec import ZERO_STAGES
 
 RING_FACTORS = {
     "all-reduce": lambda n: 2 * (n - 1) / n,
@@ -95,9 +94,6 @@ def convention(spec: str | Convention) -> Convention:
     return Convention(name=spec, param=p, grad=g, optimizer=o, description="user-defined")
 
 
-STAGES = ZERO_STAGES
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryModel:
     """Per-device persistent bytes of one layout."""
@@ -118,22 +114,18 @@ class MemoryModel:
 def zero_memory(
     num_params: float, num_devices: int, stage: str, conv: str | Convention = "mixed-adam"
 ) -> MemoryModel:
-    """Per-device memory of DP / ZeRO-1 / ZeRO-2 / ZeRO-3 (= FSDP).
+    """Per-device memory of DP / ZeRO-1 / ZeRO-2 / ZeRO-3 (= FSDP), by the ZeRO rule (``analysis.zero``).
 
     With the 16-byte convention: DP 16Φ, ZeRO-1 4Φ + 12Φ/N, ZeRO-2 2Φ + 14Φ/N, ZeRO-3 16Φ/N.
     """
+    from meshkit.analysis.zero import zero_stage  # the rule builds on ring_traffic above
+
     c = convention(conv)
     _check(num_params, num_devices)
-    if stage not in STAGES:
-        raise MeshkitError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
-    level = STAGES.index(stage)  # ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 parameters
-    shard = tuple(num_devices if level >= k else 1 for k in (3, 2, 1))
-    return MemoryModel(
-        stage=stage,
-        params=c.param * num_params / shard[0],
-        grads=c.grad * num_params / shard[1],
-        optimizer=c.optimizer * num_params / shard[2],
-    )
+    rule = zero_stage(stage)
+    bytes_of = {"params": c.param, "grads": c.grad, "optimizer": c.optimizer}
+    at_rest = {part: rule.at_rest(part, b * num_params, num_devices) for part, b in bytes_of.items()}
+    return MemoryModel(stage=stage, **at_rest)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,24 +151,19 @@ def zero_communication(
     forward pass, again for the backward pass (unless kept), and reduce-scatters the gradients:
     3(N-1)/N * S (2(N-1)/N * S when the gathered parameters are kept).
     """
+    from meshkit.analysis.zero import zero_stage  # the rule builds on ring_traffic above
+
     c = convention(conv)
     _check(num_params, num_devices)
-    f = (num_devices - 1) / num_devices
-    grad_s, param_s = c.grad * num_params, c.param * num_params
-    if stage == "dp":
-        return CommModel(stage=stage, traffic_bytes=2 * f * grad_s, collectives=("all-reduce",))
-    if stage in STAGES[1:3]:  # ZeRO-1 and ZeRO-2
-        return CommModel(
-            stage=stage, traffic_bytes=f * grad_s + f * param_s, collectives=("reduce-scatter", "all-gather")
-        )
-    if stage == "zero3":
-        gathers = 2 if regather_in_backward else 1
-        return CommModel(
-            stage=stage,
-            traffic_bytes=f * grad_s + gathers * f * param_s,
-            collectives=("all-gather", "reduce-scatter"),
-        )
-    raise MeshkitError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
+    rule = zero_stage(stage)
+    rows = rule.collectives(
+        c.grad * num_params, c.param * num_params, gathers=2 if regather_in_backward else 1
+    )
+    return CommModel(
+        stage=stage,
+        traffic_bytes=sum(r.traffic(num_devices) for r in rows),
+        collectives=tuple(r.op for r in rows),
+    )
 
 
 def bubble(stages: int, microbatches: int) -> float:

@@ -100,7 +100,8 @@ from meshkit.planner.sizes import (
     routed,
 )
 from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration, stack_for
-from meshkit.spec import STEADY_SCHEDULES, ZERO_STAGES
+from meshkit.plans.memory import zero_stage
+from meshkit.spec import STEADY_SCHEDULES
 
 N_HALF = 128
 """Per-device matmul dimension at which matmul efficiency falls to half its large-matrix value
@@ -311,8 +312,9 @@ def _setup(shape, layout, cluster, job, calibration) -> _Step:
 def _memory(s: _Step):
     """(memory by component, the ZeRO state) on the busiest device."""
     lay, job, conv = s.layout, s.job, s.job.convention
-    stage = ZERO_STAGES[lay.zero if lay.dp > 1 else 0]
-    shard = (s.shard if stage == "zero3" else lay.dp) * lay.cp  # ZeRO over dp x cp (x ep outside the experts)
+    rule = zero_stage(lay.zero if lay.dp > 1 else 0)
+    stage = rule.name
+    shard = rule.shard_group(lay.dp, s.shard) * lay.cp  # ZeRO over dp x cp (x ep outside the experts)
     state = zero_memory(s.phi - s.experts_phi, shard * lay.ep, stage, conv)
     if s.experts_phi:  # the experts: over dp x cp only
         experts = zero_memory(s.experts_phi, shard, stage, conv)
@@ -334,7 +336,7 @@ def _memory(s: _Step):
         # fp32 logits, their gradient in the compute dtype
         "logits": (4 + job.act_bytes) * s.tokens_mb * s.shape.vocab / lay.tp,
         # ZeRO-3: one gathered layer (tensor, where the stack gathers tensor by tensor), its unsharded gradient
-        "gathered_parameters": _gathered(s) * (conv.param + conv.grad) if stage == "zero3" else 0.0,
+        "gathered_parameters": _gathered(s) * (conv.param + conv.grad) if rule.shards("params") else 0.0,
     }
     if s.meshkit:
         from meshkit.planner import runtime
@@ -468,45 +470,54 @@ def _data_flows(s: _Step) -> list[_Flow]:
     dp, tp, g = s.batch_group, lay.tp, s.shard * lay.cp * lay.ep
     if dp == 1:
         return []
-    stage = ZERO_STAGES[lay.zero]
-    grad_b, param_b, f = conv.grad * s.phi, conv.param * s.phi, (dp - 1) / dp
+    rule = zero_stage(lay.zero)
+    grad_b, param_b = conv.grad * s.phi, conv.param * s.phi
     flow = lambda nbytes, count, window, edge, op="all-gather", stride=tp, size=dp, axis="data": _Flow(  # noqa: E731
         nbytes=nbytes, count=count, op=op, stride=stride, size=size, window=window, edge=edge, axis=axis
     )
-    if stage == "dp":
-        return [flow(2 * f * grad_b, L, s.window, 1 / L, op="all-reduce")]
-    if stage == "zero1":
-        return [flow(f * (grad_b + param_b), 2 * L, s.window, 1 / L)]
-    if stage == "zero2":
-        return [flow(m * f * grad_b + f * param_b, (m + 1) * L, m * s.window, 1 / ((m + 1) * L))]
+
+    def step(rows, n: int, extra: float = 0.0) -> tuple[float, int]:  # (bytes, collectives) per layer
+        return extra + sum(r.traffic(n) for r in rows), sum(r.count for r in rows)
+
+    if not rule.shards("params"):  # one collective per layer and kind; the last layer's reduce unhidden
+        # (ZeRO-1: its reduce-scatter and gather), the rest behind the backward of the micro-batches
+        # whose gradients it reduces (ZeRO-2: each)
+        nbytes, kinds = step(rule.collectives(grad_b, param_b, microbatches=m), dp)
+        op, behind = (
+            ("all-reduce", 1) if rule.level == 0 else ("all-gather", m if rule.shards("grads") else 1)
+        )
+        edge = 2 / (kinds * L) if rule.level == 1 else 1 / (kinds * L)
+        return [flow(nbytes, kinds * L, behind * s.window, edge, op=op)]
     hidden = m * s.t_mb
     if s.meshkit and lay.pp > 1:  # fsdp+pp: one bucketed gather before the first tick, one bucketed
         # reduce-scatter after the last, both in the parameters' dtype (float32): nothing hides them
-        return [flow(f * 2 * s.phi * conv.param, 2, hidden, 1.0)]
+        nbytes, count = step(rule.collectives(param_b, param_b), dp)
+        return [flow(nbytes, count, hidden, 1.0)]
     if s.meshkit:  # the top gathered once per step, each layer per micro-batch (again under remat),
         # gradients reduce-scattered per micro-batch; gathers and reduce-scatters in the compute dtype,
         # in float32 under tensor parallelism (``Plan.gathers_in_compute_dtype``: fsdp+tp gathers the
         # parameters' dtype; compiled bf16 1.3 B at 64 devices, data axis 2.00 -> 1.00)
-        gathers = 1 if lay.remat == "none" else 2
         e = 4 if tp > 1 else s.job.act_bytes
-        fg = (g - 1) / g  # hsdp: within the shard group
-        nbytes = fg * (s.top_params * e + m * gathers * (s.phi - s.top_params) * e + m * s.phi * e)
-        count = 1 + m * (gathers + 1) * L
-        flows = [flow(nbytes, count, hidden, 2 / count, size=g)]
+        rows = rule.collectives(s.phi * e, (s.phi - s.top_params) * e, microbatches=m,
+                                gathers=1 if lay.remat == "none" else 2)  # fmt: skip
+        nbytes, count = step(rows, g, extra=ring_traffic("all-gather", s.top_params * e, g))
+        flows = [flow(nbytes, 1 + count * L, hidden, 2 / (1 + count * L), size=g)]
         if g < dp:  # hsdp: the float32 gradient shards all-reduced across the dp / g groups once, after
             # the micro-batch loop (one all-reduce, XLA combines them): nothing hides it
-            r = dp // g
-            flows.append(flow(ring_traffic("all-reduce", 4 * s.phi / g, r), 1, hidden, 1.0, op="all-reduce",
-                              stride=tp * g, size=r, axis="replica"))  # fmt: skip
+            r, row = dp // g, rule.across_replicas(4 * s.phi, g)
+            flows.append(
+                flow(row.traffic(r), 1, hidden, 1.0, op="all-reduce", stride=tp * g, size=r, axis="replica")
+            )
         return flows
     units = (9 if s.shape.gated else 12) if STACKS[s.job.stack].zero3_per_tensor else 1  # tensors a layer has
-    count = 3 * m * L * units  # gathered for the forward, again for the backward, gradients reduce-scattered
-    fg = (g - 1) / g
-    flows = [flow(m * fg * (2 * param_b + grad_b), count, hidden, 2 / count, size=g)]
+    # gathered for the forward, again for the backward, gradients reduce-scattered
+    nbytes, count = step(rule.collectives(grad_b, param_b, microbatches=m, gathers=2), g)
+    flows = [flow(nbytes, count * L * units, hidden, 2 / (count * L * units), size=g)]
     if g < dp:  # hybrid: each shard's gradient all-reduced across the dp / g groups
-        r = dp // g
-        flows.append(flow(ring_traffic("all-reduce", grad_b / g, r), L, s.window, 1 / L, op="all-reduce",
-                          stride=tp * g, size=r, axis="replica"))  # fmt: skip
+        r, row = dp // g, rule.across_replicas(grad_b, g)
+        flows.append(
+            flow(row.traffic(r), L, s.window, 1 / L, op="all-reduce", stride=tp * g, size=r, axis="replica")
+        )
     return flows
 
 

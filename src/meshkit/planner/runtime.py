@@ -176,12 +176,13 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
            layers_here: int, microbatches: int, shard: int = 0) -> dict[str, float]:  # fmt: skip
     """Per-device bytes at the step's peak by component (they sum to the peak); ``shard``: the devices
     ZeRO shards over (hybrid sharding's group; 0: all of dp)."""
-    n = shard or layout.dp
-    zero3 = layout.zero == 3 and n > 1
+    rule = M.zero_stage(layout.zero)
+    n = rule.shard_group(layout.dp, shard)
+    zero3 = rule.shards("params") and n > 1
     b = _Bytes(layer=layers_here * params_per_layer * 4, top=top_params * 4, layers=layers_here)
     at_rest = {
-        "params": M.at_rest(b.total, b.total, n, zero3),  # every leaf of the GPT splits over data
-        "optimizer": 2 * M.at_rest(b.total, b.total, n, layout.zero >= 1),  # AdamW's two float32 moments
+        "params": rule.at_rest("params", b.total, n),  # every leaf of the GPT splits over data
+        "optimizer": 2 * rule.at_rest("optimizer", b.total, n),  # AdamW's two float32 moments
         "batch": 2 * 4 * job.global_batch * shape.seq / layout.dp,
     }
     if layout.pp > 1:
@@ -276,7 +277,8 @@ def _step(
     saved, weights, layer_in, head = residuals(
         shape, layout.microbatch_size, layout.tp, job.precision, layout.remat
     )
-    accumulator = M.accumulator(b.total, b.total, n, microbatches=m, shards_gradients=layout.zero >= 2)
+    rule = M.zero_stage(layout.zero)
+    accumulator = M.accumulator(b.total, b.total, n, microbatches=m, shards_gradients=rule.shards("grads"))
     stacked = b.layer / n if zero3 else b.layer
     if zero3:  # a layer's weights are its gathered parameters, counted with them
         saved -= weights
@@ -286,7 +288,7 @@ def _step(
     )
     one = b.one_layer
     if not zero3:
-        whole_accumulator = m > 1 and not (layout.zero >= 2 and n > 1)
+        whole_accumulator = m > 1 and not (rule.shards("grads") and n > 1)
         top_grads = 0.0 if whole_accumulator else b.top
         working = max(2 * one, one + recomputed)
         grads = stacked + top_grads + accumulator
