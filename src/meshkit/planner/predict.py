@@ -21,9 +21,10 @@ Conventions (stated so the numbers can be checked):
 - Communication, ring model (``analysis.cost.ring_traffic``) at the link bandwidth of the axis:
   intra-host for tensor parallelism (kept inside a host); a group that spans hosts with k members
   on each host crosses between hosts through k NICs (NCCL's rings run one channel per NIC), so at
-  ``min(intra, k x inter)`` per device, of which a stack's data-parallel collectives reach
-  ``Calibration.comm_efficiency`` (DeepSpeed's ZeRO-3 of 2021: an eighth, one NIC's worth);
-  pipeline sends go through one NIC. Each collective also
+  ``min(intra, k x inter)`` per device; pipeline sends go through one NIC, and so do the
+  data-parallel collectives of a stack that leaves a host through one (``Stack.one_nic``: DeepSpeed's
+  ZeRO-3 of 2021, whose published runs a fitted fraction of ring bandwidth put at an eighth, one of a
+  DGX A100's eight NICs; ``Calibration.comm_efficiency``, fitted, is now 1). Each collective also
   pays NCCL's latency per ring step (``hardware.BASE_LATENCY_S``, ``Hardware.hop_s`` inside a host,
   ``host_hop_s`` between hosts: n - 1 steps for a gather or reduce-scatter, 2 (n - 1) for an
   all-reduce, or its tree's 2 (k - 1 + log2 hosts) where that is shorter), one collective per layer
@@ -524,7 +525,8 @@ def _data_flows(s: _Step) -> list[_Flow]:
 def _exposed(s: _Step, flow: _Flow, cal: Calibration) -> tuple[float, bool]:
     """(seconds of the flow the step waits for, whether it crosses hosts)."""
     c, tax = s.cluster, cal.overlap_tax
-    t = flow.nbytes / (group_bandwidth(c, flow.stride, flow.size) * cal.comm_efficiency.get(s.job.stack, 1.0))
+    bandwidth = group_bandwidth(c, flow.stride, flow.size, one_nic=STACKS[s.job.stack].one_nic)
+    t = flow.nbytes / (bandwidth * cal.comm_efficiency.get(s.job.stack, 1.0))
     t += flow.count * collective_latency(c, flow.op, flow.stride, flow.size)
     hideable = t * (1 - flow.edge)
     exposed = t * flow.edge + max(0.0, hideable - flow.window) + tax * min(hideable, flow.window)
