@@ -216,7 +216,7 @@ def test_other_stacks_runs_keep_their_band(runs):
         if r.job.stack == "deepspeed" or r.split == "extrapolate":
             continue
         lo, hi = (0.85, 1.17) if r.split == "calibrate" else CHECK_BOUND
-        assert lo <= r.ratio() <= hi, (r.name, r.ratio())
+        assert lo <= round(r.ratio(), 2) <= hi, (r.name, r.ratio())  # as the page rounds them
 
 
 # -- hybrid sharding -----------------------------------------------------------------------------------

@@ -247,6 +247,8 @@ class _Step:
     experts_phi: float
     """Of ``phi``, the expert weights (``experts / ep`` of each layer's; 0 for a dense model)."""
     top_params: float
+    top_split: int
+    """The ways the embedding and unembedding are split over tp (meshkit's runtime: ``vocab_split``)."""
     stage_layers: float
     shard: int
     """The data-parallel devices ZeRO-3 shards over (dp, or the hybrid group)."""
@@ -285,13 +287,15 @@ def _setup(shape, layout, cluster, job, calibration) -> _Step:
     per_stage = -(-shape.layers // (pp * v)) * v
     tokens_mb = lay.microbatch_size * shape.seq // lay.cp
     stage_layers = per_stage * layer_params(shape, tp, lay.ep)
-    if (
-        job.runtime == "meshkit" and lay.cp == 1 and lay.ep == 1
-    ):  # embeddings and unembedding whole on every device (every stage)
-        top_params = embed_params(shape) + head_params(shape)
+    if job.runtime == "meshkit" and lay.cp == 1 and lay.ep == 1:  # the embedding and unembedding on
+        # every device (every stage), the vocabulary split over tp as training places it
+        from meshkit.planner.runtime import vocab_split
+
+        top_split = vocab_split(shape, lay)
+        top_params = embed_params(shape, top_split) + head_params(shape, top_split)
         phi = stage_layers + top_params
     else:
-        top_params = 0.0
+        top_params, top_split = 0.0, tp
         first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
         phi = max(first, stage_layers + head_params(shape, tp))
     recompute = 1 if lay.remat == "layer" else 0
@@ -305,7 +309,7 @@ def _setup(shape, layout, cluster, job, calibration) -> _Step:
     if lay.remat == "dots":  # the elementwise ops recomputed: their activations written and read again
         t_mb += per_stage * 2 * (acts[0] - acts[1]) / hw.hbm_bytes_per_s
     return _Step(shape=shape, layout=lay, cluster=cluster, job=job, m=m, per_stage=per_stage, tokens_mb=tokens_mb,
-                 phi=phi, experts_phi=per_stage * expert_params(shape) / (tp * lay.ep), top_params=top_params, stage_layers=stage_layers, shard=lay.shard_group or lay.dp,
+                 phi=phi, experts_phi=per_stage * expert_params(shape) / (tp * lay.ep), top_params=top_params, top_split=top_split, stage_layers=stage_layers, shard=lay.shard_group or lay.dp,
                  recompute=recompute, layer_fwd=layer_fwd, peak_flops=peak_flops, eff=eff, eff_source=source,
                  t_mb=t_mb, activations=acts)  # fmt: skip
 
@@ -371,6 +375,12 @@ def _model_axis(s: _Step) -> tuple[float, float]:
         count = s.per_stage * per_layer + ends
     act = s.tokens_mb * s.shape.width * s.job.act_bytes  # one micro-batch's activation, whole
     nbytes = count * ring_traffic("all-reduce", act, tp)
+    if s.meshkit and pp == 1 and s.top_split > 1:  # the vocabulary on the model axis: the lookup's
+        # forward and the head's backward partial sums, and the cross-entropy's three all-reduces of a
+        # number per token over the split logits (max, sum, target; at least float32: ``_expected``)
+        count += 2 + 3
+        nbytes += 2 * ring_traffic("all-reduce", act, tp)
+        nbytes += 3 * ring_traffic("all-reduce", s.tokens_mb * max(s.job.act_bytes, 4), tp)
     seconds = nbytes / group_bandwidth(s.cluster, 1, tp) + count * collective_latency(
         s.cluster, "all-reduce", 1, tp
     )
