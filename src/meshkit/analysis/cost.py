@@ -1,11 +1,9 @@
 """The cost model of the reference chapter, as functions.
 
-- Ring-algorithm traffic per device (S = tensor bytes, n = group size):
-  all-reduce 2(n-1)/n*S, reduce-scatter (n-1)/n*S_in, all-gather (n-1)/n*S_out,
-  all-to-all (n-1)/n*S, collective-permute S.
-- Per-device memory of data parallelism and the ZeRO stages, under a declared convention of
-  bytes per parameter for parameters, gradients and optimizer state (the chapter's mixed
-  precision Adam: 2 + 2 + 12 = 16 bytes).
+- Ring-algorithm traffic per device (``analysis.ring``, re-exported here).
+- Per-device memory and traffic of data parallelism and the ZeRO stages by the ZeRO rule
+  (``analysis.zero``), under a declared convention of bytes per parameter for parameters,
+  gradients and optimizer state (the chapter's mixed precision Adam: 2 + 2 + 12 = 16 bytes).
 - The GPipe pipeline bubble (p-1)/(m+p-1).
 """
 
@@ -14,27 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshkit._errors import MeshkitError
-
-RING_FACTORS = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "all-to-all": lambda n: (n - 1) / n,
-    "collective-permute": lambda n: 1.0,
-}
-
-
-def ring_traffic(op: str, size_bytes: float, n: int) -> float:
-    """Bytes each device sends (and receives) for one collective under the ring algorithm.
-
-    ``size_bytes`` is S_in for reduce-scatter and S_out for all-gather; a group of one moves nothing
-    (collective-permute excepted: it moves S whatever the group).
-    """
-    if op not in RING_FACTORS:
-        raise MeshkitError(f"no ring model for {op!r}: known ops are {', '.join(RING_FACTORS)}")
-    if n < 1:
-        raise MeshkitError(f"group size must be at least 1, got {n}")
-    return RING_FACTORS[op](n) * size_bytes
+from meshkit.analysis.ring import RING_FACTORS as RING_FACTORS  # re-exported: the formulas' first home
+from meshkit.analysis.ring import ring_traffic as ring_traffic
+from meshkit.analysis.zero import zero_stage
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,8 +98,6 @@ def zero_memory(
 
     With the 16-byte convention: DP 16Φ, ZeRO-1 4Φ + 12Φ/N, ZeRO-2 2Φ + 14Φ/N, ZeRO-3 16Φ/N.
     """
-    from meshkit.analysis.zero import zero_stage  # the rule builds on ring_traffic above
-
     c = convention(conv)
     _check(num_params, num_devices)
     rule = zero_stage(stage)
@@ -151,8 +129,6 @@ def zero_communication(
     forward pass, again for the backward pass (unless kept), and reduce-scatters the gradients:
     3(N-1)/N * S (2(N-1)/N * S when the gathered parameters are kept).
     """
-    from meshkit.analysis.zero import zero_stage  # the rule builds on ring_traffic above
-
     c = convention(conv)
     _check(num_params, num_devices)
     rule = zero_stage(stage)

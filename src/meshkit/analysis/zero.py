@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshkit._errors import MeshkitError
-from meshkit.analysis.cost import ring_traffic
+from meshkit.analysis.ring import ring_traffic
 from meshkit.spec import ZERO_STAGES
 
 PARTS = ("params", "grads", "optimizer")
