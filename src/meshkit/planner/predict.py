@@ -23,8 +23,8 @@ Conventions (stated so the numbers can be checked):
   on each host crosses between hosts through k NICs (NCCL's rings run one channel per NIC), so at
   ``min(intra, k x inter)`` per device; pipeline sends go through one NIC, and so do the
   data-parallel collectives of a stack that leaves a host through one (``Stack.one_nic``: DeepSpeed's
-  ZeRO-3 of 2021, whose published runs a fitted fraction of ring bandwidth put at an eighth, one of a
-  DGX A100's eight NICs; ``Calibration.comm_efficiency``, fitted, is now 1). Each collective also
+  ZeRO-3 of 2021, whose published runs reach one of a DGX A100's eight NICs; with it the fitted
+  fraction of ring bandwidth, ``Calibration.comm_efficiency``, is 1 for every stack). Each collective also
   pays NCCL's latency per ring step (``hardware.BASE_LATENCY_S``, ``Hardware.hop_s`` inside a host,
   ``host_hop_s`` between hosts: n - 1 steps for a gather or reduce-scatter, 2 (n - 1) for an
   all-reduce, or its tree's 2 (k - 1 + log2 hosts) where that is shorter), one collective per layer

@@ -23,8 +23,8 @@ class Stack:
     one_nic: bool = False
     """Its data-parallel collectives leave a host through one NIC, whatever the group's members on
     the host (``network.group_bandwidth(one_nic=True)``). DeepSpeed's ZeRO engine of 2021: its
-    published ZeRO-3 runs (Narayanan et al. 2021, 384-2240 A100) reach one of a DGX A100's eight NICs
-    (a fraction of ring bandwidth fitted to them found 1/8, the whole shortfall; with this, 1)."""
+    published ZeRO-3 runs (Narayanan et al. 2021, 384-2240 A100) reach one of a DGX A100's eight NICs:
+    with it they need no fitted fraction of ring bandwidth (``Calibration.comm_efficiency`` fits to 1)."""
     tpu: bool = False
     """Runs on TPUs (JAX/XLA only)."""
 
