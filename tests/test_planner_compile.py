@@ -181,5 +181,17 @@ def test_state_at_rest_splits_the_vocabulary_as_training_does(layout):
     pred = predict(SHAPE, layout, Cluster(hardware=hardware("h100"), devices=layout.devices), job)
     assert pred.memory["parameters"] == pytest.approx(measured.parts["params"], rel=1e-6)
     assert pred.memory["optimizer"] == pytest.approx(measured.parts["optimizer"], abs=64)  # + step counts
-    vocab = SHAPE.vocab * SHAPE.width * 4 * 2  # the token embedding and the unembedding, float32
-    assert measured.parts["params"] < (_param_bytes() - vocab + vocab / layout.tp) / layout.dp + 1
+    # what training places (``train.job``: the vocabulary's rules), by the ledger's own formula
+    import optax
+
+    from meshkit.mesh import make_mesh
+    from meshkit.plans import memory_formula, place
+    from meshkit.plans.placement import vocab_rules
+    from meshkit.spec import get_plan
+
+    cfg = gpt.GPTConfig(vocab_size=256, seq_len=32, layers=4, width=64, heads=8, scan_layers=True)
+    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    plan = get_plan(layout.meshkit_plan())
+    mesh = make_mesh(layout.mesh_spec(), devices=jax.devices()[: layout.devices])
+    placement = place(params, plan, mesh, rules=vocab_rules(plan), logical_axes=gpt.logical_axes(params))
+    assert measured.parts["params"] == memory_formula(placement, optax.adamw(1e-3), params)["params"]
