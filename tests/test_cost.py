@@ -65,3 +65,35 @@ def test_bubble_and_ring_formulas():
 def test_bad_inputs_say_what_is_wrong(call, message):
     with pytest.raises(MeshkitError, match=message):
         call()
+
+
+def test_one_zero_rule_says_what_each_stage_shards_and_moves():
+    """``plans.memory.zero_stage`` (``analysis.zero``) is the rule the chapter's formulas, the ledger and
+    the planner ask: parts sharded by stage, bytes at rest, the collectives of a step."""
+    from meshkit.plans.memory import zero_stage
+
+    sharded = {
+        s: tuple(p for p in ("params", "grads", "optimizer") if zero_stage(s).shards(p)) for s in range(4)
+    }
+    assert sharded == {
+        0: (),
+        1: ("optimizer",),
+        2: ("grads", "optimizer"),
+        3: ("params", "grads", "optimizer"),
+    }
+    z3 = zero_stage("zero3")
+    assert z3.at_rest("params", 100.0, 4, sharded=40.0) == 70.0
+    assert z3.shard_group(64, 8) == 8 and zero_stage("zero1").shard_group(64, 8) == 64
+    ops = {
+        s: [(r.op, r.count) for r in zero_stage(s).collectives(1.0, 1.0, microbatches=3, gathers=2)]
+        for s in range(4)
+    }
+    assert ops == {
+        0: [("all-reduce", 1)],
+        1: [("reduce-scatter", 1), ("all-gather", 1)],
+        2: [("reduce-scatter", 3), ("all-gather", 1)],
+        3: [("all-gather", 6), ("reduce-scatter", 3)],
+    }
+    assert z3.across_replicas(8.0, 4).size_bytes == 2.0
+    with pytest.raises(MeshkitError, match="unknown stage 'zero4'"):
+        zero_stage("zero4")

@@ -162,3 +162,36 @@ def test_predicted_peak_and_bytes_match_the_compiled_step(layout):
     assert other < 0.01 * measured.total_comm_bytes
     off = {k: round(r, 3) for k, r in ratios.items() if not 0.9 <= r <= 1.1}
     assert not off, f"predicted/compiled outside 0.90-1.10: {off} (all: {ratios})"
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=2, tp=2, zero=3), Layout(dp=2, tp=4)], ids=["fsdp+tp", "dp+tp"])
+def test_state_at_rest_splits_the_vocabulary_as_training_does(layout):
+    """Issue 35: the compile check builds the step ``meshkit train`` builds, the vocabulary split over
+    the model axis (``placement.vocab_rules``), and the planner prices the embedding and unembedding
+    split the same way: its parameters and optimizer state per device are the compiled ones."""
+    from meshkit.planner.cluster import Cluster, Job
+    from meshkit.planner.hardware import hardware
+    from meshkit.planner.predict import predict
+
+    measured = _compiled(layout)
+    assert measured.ok, measured.error
+    job = Job(
+        global_batch=JOB.global_batch, precision=JOB.precision, runtime="meshkit", flash_attention=False
+    )
+    pred = predict(SHAPE, layout, Cluster(hardware=hardware("h100"), devices=layout.devices), job)
+    assert pred.memory["parameters"] == pytest.approx(measured.parts["params"], rel=1e-6)
+    assert pred.memory["optimizer"] == pytest.approx(measured.parts["optimizer"], abs=64)  # + step counts
+    # what training places (``train.job``: the vocabulary's rules), by the ledger's own formula
+    import optax
+
+    from meshkit.mesh import make_mesh
+    from meshkit.plans import memory_formula, place
+    from meshkit.plans.placement import vocab_rules
+    from meshkit.spec import get_plan
+
+    cfg = gpt.GPTConfig(vocab_size=256, seq_len=32, layers=4, width=64, heads=8, scan_layers=True)
+    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    plan = get_plan(layout.meshkit_plan())
+    mesh = make_mesh(layout.mesh_spec(), devices=jax.devices()[: layout.devices])
+    placement = place(params, plan, mesh, rules=vocab_rules(plan), logical_axes=gpt.logical_axes(params))
+    assert measured.parts["params"] == memory_formula(placement, optax.adamw(1e-3), params)["params"]

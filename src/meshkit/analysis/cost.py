@@ -1,11 +1,9 @@
 """The cost model of the reference chapter, as functions.
 
-- Ring-algorithm traffic per device (S = tensor bytes, n = group size):
-  all-reduce 2(n-1)/n*S, reduce-scatter (n-1)/n*S_in, all-gather (n-1)/n*S_out,
-  all-to-all (n-1)/n*S, collective-permute S.
-- Per-device memory of data parallelism and the ZeRO stages, under a declared convention of
-  bytes per parameter for parameters, gradients and optimizer state (the chapter's mixed
-  precision Adam: 2 + 2 + 12 = 16 bytes).
+- Ring-algorithm traffic per device (``analysis.ring``, re-exported here).
+- Per-device memory and traffic of data parallelism and the ZeRO stages by the ZeRO rule
+  (``analysis.zero``), under a declared convention of bytes per parameter for parameters,
+  gradients and optimizer state (the chapter's mixed precision Adam: 2 + 2 + 12 = 16 bytes).
 - The GPipe pipeline bubble (p-1)/(m+p-1).
 """
 
@@ -14,28 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshkit._errors import MeshkitError
-from meshkit.spec import ZERO_STAGES
-
-RING_FACTORS = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "all-to-all": lambda n: (n - 1) / n,
-    "collective-permute": lambda n: 1.0,
-}
-
-
-def ring_traffic(op: str, size_bytes: float, n: int) -> float:
-    """Bytes each device sends (and receives) for one collective under the ring algorithm.
-
-    ``size_bytes`` is S_in for reduce-scatter and S_out for all-gather; a group of one moves nothing
-    (collective-permute excepted: it moves S whatever the group).
-    """
-    if op not in RING_FACTORS:
-        raise MeshkitError(f"no ring model for {op!r}: known ops are {', '.join(RING_FACTORS)}")
-    if n < 1:
-        raise MeshkitError(f"group size must be at least 1, got {n}")
-    return RING_FACTORS[op](n) * size_bytes
+from meshkit.analysis.ring import RING_FACTORS as RING_FACTORS  # re-exported: the formulas' first home
+from meshkit.analysis.ring import ring_traffic as ring_traffic
+from meshkit.analysis.zero import zero_stage
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,9 +74,6 @@ def convention(spec: str | Convention) -> Convention:
     return Convention(name=spec, param=p, grad=g, optimizer=o, description="user-defined")
 
 
-STAGES = ZERO_STAGES
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryModel:
     """Per-device persistent bytes of one layout."""
@@ -118,22 +94,16 @@ class MemoryModel:
 def zero_memory(
     num_params: float, num_devices: int, stage: str, conv: str | Convention = "mixed-adam"
 ) -> MemoryModel:
-    """Per-device memory of DP / ZeRO-1 / ZeRO-2 / ZeRO-3 (= FSDP).
+    """Per-device memory of DP / ZeRO-1 / ZeRO-2 / ZeRO-3 (= FSDP), by the ZeRO rule (``analysis.zero``).
 
     With the 16-byte convention: DP 16Φ, ZeRO-1 4Φ + 12Φ/N, ZeRO-2 2Φ + 14Φ/N, ZeRO-3 16Φ/N.
     """
     c = convention(conv)
     _check(num_params, num_devices)
-    if stage not in STAGES:
-        raise MeshkitError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
-    level = STAGES.index(stage)  # ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 parameters
-    shard = tuple(num_devices if level >= k else 1 for k in (3, 2, 1))
-    return MemoryModel(
-        stage=stage,
-        params=c.param * num_params / shard[0],
-        grads=c.grad * num_params / shard[1],
-        optimizer=c.optimizer * num_params / shard[2],
-    )
+    rule = zero_stage(stage)
+    bytes_of = {"params": c.param, "grads": c.grad, "optimizer": c.optimizer}
+    at_rest = {part: rule.at_rest(part, b * num_params, num_devices) for part, b in bytes_of.items()}
+    return MemoryModel(stage=stage, **at_rest)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,22 +131,15 @@ def zero_communication(
     """
     c = convention(conv)
     _check(num_params, num_devices)
-    f = (num_devices - 1) / num_devices
-    grad_s, param_s = c.grad * num_params, c.param * num_params
-    if stage == "dp":
-        return CommModel(stage=stage, traffic_bytes=2 * f * grad_s, collectives=("all-reduce",))
-    if stage in STAGES[1:3]:  # ZeRO-1 and ZeRO-2
-        return CommModel(
-            stage=stage, traffic_bytes=f * grad_s + f * param_s, collectives=("reduce-scatter", "all-gather")
-        )
-    if stage == "zero3":
-        gathers = 2 if regather_in_backward else 1
-        return CommModel(
-            stage=stage,
-            traffic_bytes=f * grad_s + gathers * f * param_s,
-            collectives=("all-gather", "reduce-scatter"),
-        )
-    raise MeshkitError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
+    rule = zero_stage(stage)
+    rows = rule.collectives(
+        c.grad * num_params, c.param * num_params, gathers=2 if regather_in_backward else 1
+    )
+    return CommModel(
+        stage=stage,
+        traffic_bytes=sum(r.traffic(num_devices) for r in rows),
+        collectives=tuple(r.op for r in rows),
+    )
 
 
 def bubble(stages: int, microbatches: int) -> float:

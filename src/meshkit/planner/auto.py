@@ -132,6 +132,7 @@ def choose_generic(params: Any, optimizer: Any, *, logical_axes: Any = None, dev
     from meshkit.fmt import fmt_bytes
     from meshkit.mesh import make_mesh
     from meshkit.plans import expected_collectives, memory_formula, place
+    from meshkit.plans.memory import zero_stage
 
     devices = devices or jax.device_count()
     if memory_limit is None:
@@ -142,10 +143,9 @@ def choose_generic(params: Any, optimizer: Any, *, logical_axes: Any = None, dev
     for name in LADDER:
         placement = place(params, get_plan(name), mesh, logical_axes=logical_axes)
         formula = memory_formula(placement, optimizer, params)
-        sharded_grads = placement.plan.shards_gradients
-        grads = sum(
-            x.nbytes / (devices if sharded_grads and x.data_dim is not None else 1) for x in placement.flat()
-        )
+        rule = zero_stage(placement.plan.zero)
+        grads = sum(x.nbytes / (rule.split("grads", devices) if x.data_dim is not None else 1)
+                    for x in placement.flat())  # fmt: skip
         state = formula["params"] + formula["optimizer"] + grads
         moved = sum(e.traffic_bytes for e in expected_collectives(placement, 1, tokens_per_device=0))
         rows.append((moved, state, name))

@@ -128,7 +128,8 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
 
     The step ``meshkit train`` builds (``plans.assemble``, the Trainer's assembly, without allocating):
     the layout's ``ParallelSpec`` with the GPT's logical axes and whole heads, AdamW, clipping and the
-    gradient norm, bf16 compute and (fsdp) bf16 gathers for bf16; pipeline plans with their schedule.
+    gradient norm, bf16 compute and (fsdp) bf16 gathers for bf16, the vocabulary split over the model
+    axis (``placement.vocab_rules``, as ``train.job`` places it); pipeline plans with their schedule.
 
     The branch share is the fraction of a loop's trips on which a device runs each branch of a
     conditional in it: a pipeline's forward and backward branches run ``m v`` of the schedule's
@@ -139,6 +140,7 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
 
     from meshkit.models import gpt
     from meshkit.plans import assemble
+    from meshkit.plans.placement import vocab_rules
 
     global_batch, precision = _job_fields(job)
     spec = layout.to_spec(global_batch, precision)
@@ -153,7 +155,8 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
     tokens = jax.ShapeDtypeStruct((global_batch, shape.seq), jnp.int32)
     step = assemble(gpt.stages(cfg) if pipeline else gpt.make_loss(cfg), params, optax.adamw(3e-4, weight_decay=0.01),
                     spec, devices=jax.devices()[: layout.devices], clip_norm=CLIP, grad_norm=True,
-                    logical_axes=gpt.logical_axes(params), units={"heads": shape.heads})  # fmt: skip
+                    logical_axes=gpt.logical_axes(params), units={"heads": shape.heads},
+                    rules=vocab_rules(spec.plan_info))  # fmt: skip
     args = step.abstract_args(params, (tokens, tokens))
     lowered = step.step.lower(*args)
     parts = {"params": args[0], "optimizer": args[1], "batch": args[3]}

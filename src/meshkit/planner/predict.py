@@ -21,9 +21,10 @@ Conventions (stated so the numbers can be checked):
 - Communication, ring model (``analysis.cost.ring_traffic``) at the link bandwidth of the axis:
   intra-host for tensor parallelism (kept inside a host); a group that spans hosts with k members
   on each host crosses between hosts through k NICs (NCCL's rings run one channel per NIC), so at
-  ``min(intra, k x inter)`` per device, of which a stack's data-parallel collectives reach
-  ``Calibration.comm_efficiency`` (DeepSpeed's ZeRO-3 of 2021: an eighth, one NIC's worth);
-  pipeline sends go through one NIC. Each collective also
+  ``min(intra, k x inter)`` per device; pipeline sends go through one NIC, and so do the
+  data-parallel collectives of a stack that leaves a host through one (``Stack.one_nic``: DeepSpeed's
+  ZeRO-3 of 2021, whose published runs reach one of a DGX A100's eight NICs; with it the fitted
+  fraction of ring bandwidth, ``Calibration.comm_efficiency``, is 1 for every stack). Each collective also
   pays NCCL's latency per ring step (``hardware.BASE_LATENCY_S``, ``Hardware.hop_s`` inside a host,
   ``host_hop_s`` between hosts: n - 1 steps for a gather or reduce-scatter, 2 (n - 1) for an
   all-reduce, or its tree's 2 (k - 1 + log2 hosts) where that is shorter), one collective per layer
@@ -79,32 +80,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from meshkit.analysis.cost import MemoryModel, ring_traffic, zero_memory
+from meshkit.analysis.cost import MemoryModel, zero_memory
+from meshkit.planner import traffic
 from meshkit.planner.cluster import Cluster, Job
-from meshkit.planner.hardware import Hardware
 from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.network import collective_latency, crosses_hosts, group_bandwidth
+from meshkit.planner.network import crosses_hosts
 from meshkit.planner.sizes import (
-    attention_core_flops,
     attention_widths,
-    elementwise_bytes,
-    embed_params,
-    expert_params,
-    head_flops,
-    head_params,
     in_flight,
-    layer_activation_bytes,
     layer_flops,
     layer_params,
     model_flops_per_token,
-    routed,
 )
-from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration, stack_for
-from meshkit.spec import STEADY_SCHEDULES, ZERO_STAGES
+from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration
+from meshkit.planner.step import Step, setup
+from meshkit.plans.memory import zero_stage
+from meshkit.spec import STEADY_SCHEDULES
 
-N_HALF = 128
-"""Per-device matmul dimension at which matmul efficiency falls to half its large-matrix value
-(chosen from the shape of bf16 GEMM efficiency curves, not fitted)."""
 MEMORY_USABLE = 0.9
 """Fraction of HBM a training step can use (the rest: allocator fragmentation, runtime, workspaces)."""
 # -- the prediction ---------------------------------------------------------------------------------
@@ -215,104 +207,12 @@ def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str 
     return None
 
 
-def efficiency(
-    shape: ModelShape, layout: Layout, hardware: Hardware, job: Job, calibration: Calibration | None = None
-) -> tuple[float, str]:
-    """(the stack's calibrated matmul efficiency on this family, scaled down for narrow per-device
-    matmuls; where that efficiency comes from)."""
-    base, source = (calibration or CALIBRATION).efficiency_of(job.stack, hardware.family)
-    tokens = layout.microbatch_size * shape.seq / layout.cp
-    n = min(shape.width / layout.tp, tokens)
-    if shape.experts:  # an expert's matmuls: its width, and the tokens it takes from the whole ep group
-        n = min(n, shape.ffn / layout.tp, tokens * shape.experts_per_token * layout.ep / shape.experts)
-    return base * n / (n + N_HALF), source
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Step:
-    """The quantities every part of one prediction reads (set once by ``_setup``)."""
-
-    shape: ModelShape
-    layout: Layout
-    cluster: Cluster
-    job: Job
-    m: int
-    per_stage: int
-    """Layers on the busiest device (uneven splits round up)."""
-    tokens_mb: int
-    phi: float
-    """Parameters on the busiest device (one tensor-parallel shard)."""
-    experts_phi: float
-    """Of ``phi``, the expert weights (``experts / ep`` of each layer's; 0 for a dense model)."""
-    top_params: float
-    stage_layers: float
-    shard: int
-    """The data-parallel devices ZeRO-3 shards over (dp, or the hybrid group)."""
-    recompute: int
-    layer_fwd: float
-    """Forward FLOPs of one layer and one micro-batch on one device."""
-    peak_flops: float
-    eff: float
-    eff_source: str
-    t_mb: float
-    """Compute seconds of one micro-batch on the busiest stage."""
-    activations: tuple[float, float, float]
-    """``layer_activation_bytes``: (all saved, those dots keeps, the layer's input)."""
-
-    @property
-    def meshkit(self) -> bool:
-        """meshkit's own programs (``runtime``), which price no context or expert axis yet."""
-        return self.job.runtime == "meshkit" and self.layout.cp == 1 and self.layout.ep == 1
-
-    @property
-    def batch_group(self) -> int:
-        """Devices holding the same dense parameters: dp x cp x ep (their gradients are reduced over all)."""
-        return self.layout.dp * self.layout.cp * self.layout.ep
-
-    @property
-    def window(self) -> float:
-        """Seconds of one micro-batch's backward pass (what hides a gradient reduce)."""
-        return (2 + self.recompute) * self.per_stage * self.layer_fwd / (self.peak_flops * self.eff)
-
-
-def _setup(shape, layout, cluster, job, calibration) -> _Step:
-    hw, lay = cluster.hardware, layout
-    stack_for(job, hw)
-    tp, pp, v = lay.tp, lay.pp, lay.virtual_stages
-    m = job.global_batch // (lay.batch_ways * lay.microbatch_size)
-    per_stage = -(-shape.layers // (pp * v)) * v
-    tokens_mb = lay.microbatch_size * shape.seq // lay.cp
-    stage_layers = per_stage * layer_params(shape, tp, lay.ep)
-    if (
-        job.runtime == "meshkit" and lay.cp == 1 and lay.ep == 1
-    ):  # embeddings and unembedding whole on every device (every stage)
-        top_params = embed_params(shape) + head_params(shape)
-        phi = stage_layers + top_params
-    else:
-        top_params = 0.0
-        first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
-        phi = max(first, stage_layers + head_params(shape, tp))
-    recompute = 1 if lay.remat == "layer" else 0
-    layer_fwd = layer_flops(shape) * tokens_mb / tp
-    eff, source = efficiency(shape, lay, hw, job, calibration)
-    peak_flops = hw.peak_flops if job.precision == "bf16" else hw.fp32_flops
-    acts = layer_activation_bytes(shape, lay, job)
-    stage_hw = per_stage * layer_fwd * (3 + recompute) + 3 * head_flops(shape) * tokens_mb / tp
-    t_mb = stage_hw / (peak_flops * eff)
-    t_mb += per_stage * (3 + recompute) * elementwise_bytes(shape, lay, job) / hw.hbm_bytes_per_s
-    if lay.remat == "dots":  # the elementwise ops recomputed: their activations written and read again
-        t_mb += per_stage * 2 * (acts[0] - acts[1]) / hw.hbm_bytes_per_s
-    return _Step(shape=shape, layout=lay, cluster=cluster, job=job, m=m, per_stage=per_stage, tokens_mb=tokens_mb,
-                 phi=phi, experts_phi=per_stage * expert_params(shape) / (tp * lay.ep), top_params=top_params, stage_layers=stage_layers, shard=lay.shard_group or lay.dp,
-                 recompute=recompute, layer_fwd=layer_fwd, peak_flops=peak_flops, eff=eff, eff_source=source,
-                 t_mb=t_mb, activations=acts)  # fmt: skip
-
-
-def _memory(s: _Step):
+def _memory(s: Step):
     """(memory by component, the ZeRO state) on the busiest device."""
     lay, job, conv = s.layout, s.job, s.job.convention
-    stage = ZERO_STAGES[lay.zero if lay.dp > 1 else 0]
-    shard = (s.shard if stage == "zero3" else lay.dp) * lay.cp  # ZeRO over dp x cp (x ep outside the experts)
+    rule = zero_stage(lay.zero if lay.dp > 1 else 0)
+    stage = rule.name
+    shard = rule.shard_group(lay.dp, s.shard) * lay.cp  # ZeRO over dp x cp (x ep outside the experts)
     state = zero_memory(s.phi - s.experts_phi, shard * lay.ep, stage, conv)
     if s.experts_phi:  # the experts: over dp x cp only
         experts = zero_memory(s.experts_phi, shard, stage, conv)
@@ -334,7 +234,7 @@ def _memory(s: _Step):
         # fp32 logits, their gradient in the compute dtype
         "logits": (4 + job.act_bytes) * s.tokens_mb * s.shape.vocab / lay.tp,
         # ZeRO-3: one gathered layer (tensor, where the stack gathers tensor by tensor), its unsharded gradient
-        "gathered_parameters": _gathered(s) * (conv.param + conv.grad) if stage == "zero3" else 0.0,
+        "gathered_parameters": _gathered(s) * (conv.param + conv.grad) if rule.shards("params") else 0.0,
     }
     if s.meshkit:
         from meshkit.planner import runtime
@@ -345,7 +245,7 @@ def _memory(s: _Step):
     return memory, state
 
 
-def _gathered(s: _Step) -> float:
+def _gathered(s: Step) -> float:
     """Parameters ZeRO-3 holds gathered at once: a layer, or its largest matrix where the stack gathers
     each tensor by itself (the fused QKV projection or an MLP matrix)."""
     if not STACKS[s.job.stack].zero3_per_tensor:
@@ -354,173 +254,7 @@ def _gathered(s: _Step) -> float:
     return s.shape.width * max(s.shape.ffn, q + 2 * kv) / s.layout.tp
 
 
-def _model_axis(s: _Step) -> tuple[float, float]:
-    """(bytes, seconds) of one micro-batch's tensor-parallel all-reduces on one device."""
-    tp, pp = s.layout.tp, s.layout.pp
-    if tp == 1:
-        return 0.0, 0.0
-    if s.meshkit and pp > 1:  # a forward tick's 2 reduces per layer, a backward tick's 2 again + 4,
-        # and under layer remat the block recomputed inside it redoes one (8 devices: 0.89 -> 1.00)
-        count = (8 + s.recompute) * s.per_stage
-    else:
-        per_layer = 2 + (4 if s.meshkit else 2) + (1 if s.meshkit else 2) * s.recompute
-        ends = 0 if s.meshkit else 2 if pp == 1 else 1  # vocab-parallel embedding, unembedding
-        count = s.per_stage * per_layer + ends
-    act = s.tokens_mb * s.shape.width * s.job.act_bytes  # one micro-batch's activation, whole
-    nbytes = count * ring_traffic("all-reduce", act, tp)
-    seconds = nbytes / group_bandwidth(s.cluster, 1, tp) + count * collective_latency(
-        s.cluster, "all-reduce", 1, tp
-    )
-    return nbytes, seconds
-
-
-def _stage_axis(s: _Step) -> tuple[float, float]:
-    """(bytes, seconds) per step of the pipeline's sends on one device (exposed)."""
-    lay, conv = s.layout, s.job.convention
-    pp, v, m = lay.pp, lay.virtual_stages, s.m
-    if pp == 1:
-        return 0.0, 0.0
-    act = s.tokens_mb * s.shape.width * s.job.act_bytes
-    if s.meshkit:  # activation and cotangent permuted on every tick, the replicated top's gradients
-        # all-reduced over the stages
-        nbytes = 4 * (v * m + pp - 1) * act + ring_traffic("all-reduce", s.top_params * conv.grad, pp)
-        sends = 4 * (v * m + pp - 1)
-        if v > 1:  # interleaved: the chunks permuted into schedule order at the start, gradients back
-            nbytes += s.stage_layers * (conv.param + conv.grad)
-    else:  # each activation and its gradient sent once per chunk
-        nbytes, sends = 2 * v * m * act / lay.tp, 2 * v * m
-    stride = lay.tp * s.batch_group
-    seconds = nbytes / group_bandwidth(s.cluster, stride, pp, one_nic=True)
-    return nbytes, seconds + sends * collective_latency(s.cluster, "collective-permute", stride, pp)
-
-
-def _context_axis(s: _Step, cal: Calibration) -> tuple[float, float]:
-    """(bytes, exposed seconds) of one micro-batch's context-parallel traffic on one device.
-
-    Ring: every layer passes its K/V block ``cp - 1`` times forward (``collective-permute``, S each)
-    and K/V with their gradients dK/dV backward (twice S), again per recomputed forward; each pass hides
-    behind the attention it feeds (``attention_core_flops``), less the overlap tax. All-to-all: Q, K
-    and V to a head split, the output back, ``(cp - 1) / cp`` of each, forward and twice backward."""
-    lay, cp, e = s.layout, s.layout.cp, s.job.act_bytes
-    if cp == 1:
-        return 0.0, 0.0
-    q, kv = attention_widths(s.shape)
-    kv_local = max(kv / lay.tp, s.shape.head_dim)  # kv heads split over tp (whole heads: repeated below one)
-    passes = (3 + s.recompute) * s.per_stage
-    stride, c = lay.tp, s.cluster
-    if s.job.context_attention == "all-to-all":
-        size = s.tokens_mb * (2 * q / lay.tp + 2 * kv_local) * e
-        nbytes = passes * ring_traffic("all-to-all", size, cp)
-        t = nbytes / group_bandwidth(c, stride, cp) + 4 * passes * collective_latency(
-            c, "all-to-all", stride, cp
-        )
-        return nbytes, t
-    block = s.tokens_mb * 2 * kv_local * e  # K and V of this device's chunk
-    nbytes = passes * (cp - 1) * ring_traffic("collective-permute", block, cp)
-    steps = passes * (cp - 1)
-    t = nbytes / group_bandwidth(c, stride, cp, one_nic=True) + steps * collective_latency(
-        c, "collective-permute", stride, cp
-    )
-    attention = passes * attention_core_flops(s.shape) * s.tokens_mb / lay.tp / (s.peak_flops * s.eff)
-    return nbytes, max(0.0, t - attention) + cal.overlap_tax * min(t, attention)
-
-
-def _expert_axis(s: _Step) -> tuple[float, float]:
-    """(bytes, seconds) of one micro-batch's expert-parallel all-to-alls on one device (exposed):
-    per MoE layer, the tokens dispatched to their experts and combined back (``k x capacity_factor``
-    copies of each token's activation, ``(ep - 1) / ep`` of them leaving the device), forward, their
-    gradients backward, again per recomputed forward."""
-    lay, ep = s.layout, s.layout.ep
-    if ep == 1:
-        return 0.0, 0.0
-    split = lay.tp if s.job.sequence_parallel else 1  # the tokens a tensor-parallel rank dispatches
-    size = s.tokens_mb * routed(s.shape) * s.shape.capacity_factor * s.shape.width * s.job.act_bytes / split
-    count = 2 * (2 + s.recompute) * s.per_stage  # dispatch and combine: forward, backward, recomputed forward
-    nbytes = count * ring_traffic("all-to-all", size, ep)
-    stride = lay.tp * lay.cp
-    t = nbytes / group_bandwidth(s.cluster, stride, ep) + count * collective_latency(
-        s.cluster, "all-to-all", stride, ep
-    )
-    return nbytes, t
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Flow:
-    """Data-parallel traffic of one kind per step: bytes per device over a group, in ``count``
-    collectives, hidden behind ``window`` seconds of compute but for the ``edge`` fraction."""
-
-    nbytes: float
-    count: int
-    op: str
-    stride: int
-    size: int
-    window: float
-    edge: float
-    axis: str = "data"
-    """The mesh axis it runs over: data, or hybrid sharding's replica (across the shard groups)."""
-
-
-def _data_flows(s: _Step) -> list[_Flow]:
-    """The data-parallel traffic of one step (the bytes as ``analysis.cost`` and ``plans`` count them)."""
-    lay, conv, m, L = s.layout, s.job.convention, s.m, s.per_stage
-    # the gradients of the dense parameters reduce over dp x cp x ep, the experts' over dp x cp: one
-    # group of dp x cp x ep carries both (the experts' (n - 1) / n read at the larger n)
-    dp, tp, g = s.batch_group, lay.tp, s.shard * lay.cp * lay.ep
-    if dp == 1:
-        return []
-    stage = ZERO_STAGES[lay.zero]
-    grad_b, param_b, f = conv.grad * s.phi, conv.param * s.phi, (dp - 1) / dp
-    flow = lambda nbytes, count, window, edge, op="all-gather", stride=tp, size=dp, axis="data": _Flow(  # noqa: E731
-        nbytes=nbytes, count=count, op=op, stride=stride, size=size, window=window, edge=edge, axis=axis
-    )
-    if stage == "dp":
-        return [flow(2 * f * grad_b, L, s.window, 1 / L, op="all-reduce")]
-    if stage == "zero1":
-        return [flow(f * (grad_b + param_b), 2 * L, s.window, 1 / L)]
-    if stage == "zero2":
-        return [flow(m * f * grad_b + f * param_b, (m + 1) * L, m * s.window, 1 / ((m + 1) * L))]
-    hidden = m * s.t_mb
-    if s.meshkit and lay.pp > 1:  # fsdp+pp: one bucketed gather before the first tick, one bucketed
-        # reduce-scatter after the last, both in the parameters' dtype (float32): nothing hides them
-        return [flow(f * 2 * s.phi * conv.param, 2, hidden, 1.0)]
-    if s.meshkit:  # the top gathered once per step, each layer per micro-batch (again under remat),
-        # gradients reduce-scattered per micro-batch; gathers and reduce-scatters in the compute dtype,
-        # in float32 under tensor parallelism (``Plan.gathers_in_compute_dtype``: fsdp+tp gathers the
-        # parameters' dtype; compiled bf16 1.3 B at 64 devices, data axis 2.00 -> 1.00)
-        gathers = 1 if lay.remat == "none" else 2
-        e = 4 if tp > 1 else s.job.act_bytes
-        fg = (g - 1) / g  # hsdp: within the shard group
-        nbytes = fg * (s.top_params * e + m * gathers * (s.phi - s.top_params) * e + m * s.phi * e)
-        count = 1 + m * (gathers + 1) * L
-        flows = [flow(nbytes, count, hidden, 2 / count, size=g)]
-        if g < dp:  # hsdp: the float32 gradient shards all-reduced across the dp / g groups once, after
-            # the micro-batch loop (one all-reduce, XLA combines them): nothing hides it
-            r = dp // g
-            flows.append(flow(ring_traffic("all-reduce", 4 * s.phi / g, r), 1, hidden, 1.0, op="all-reduce",
-                              stride=tp * g, size=r, axis="replica"))  # fmt: skip
-        return flows
-    units = (9 if s.shape.gated else 12) if STACKS[s.job.stack].zero3_per_tensor else 1  # tensors a layer has
-    count = 3 * m * L * units  # gathered for the forward, again for the backward, gradients reduce-scattered
-    fg = (g - 1) / g
-    flows = [flow(m * fg * (2 * param_b + grad_b), count, hidden, 2 / count, size=g)]
-    if g < dp:  # hybrid: each shard's gradient all-reduced across the dp / g groups
-        r = dp // g
-        flows.append(flow(ring_traffic("all-reduce", grad_b / g, r), L, s.window, 1 / L, op="all-reduce",
-                          stride=tp * g, size=r, axis="replica"))  # fmt: skip
-    return flows
-
-
-def _exposed(s: _Step, flow: _Flow, cal: Calibration) -> tuple[float, bool]:
-    """(seconds of the flow the step waits for, whether it crosses hosts)."""
-    c, tax = s.cluster, cal.overlap_tax
-    t = flow.nbytes / (group_bandwidth(c, flow.stride, flow.size) * cal.comm_efficiency.get(s.job.stack, 1.0))
-    t += flow.count * collective_latency(c, flow.op, flow.stride, flow.size)
-    hideable = t * (1 - flow.edge)
-    exposed = t * flow.edge + max(0.0, hideable - flow.window) + tax * min(hideable, flow.window)
-    return exposed, crosses_hosts(flow.stride, flow.size, c)
-
-
-def _by_axis(flows: list[_Flow], values: list, combine) -> dict:
+def _by_axis(flows: list[traffic.Flow], values: list, combine) -> dict:
     """``combine`` of each data-parallel axis's values: data always, replica under hybrid sharding."""
     axes = ["data"] + (["replica"] if any(fl.axis == "replica" for fl in flows) else [])
     return {a: combine(v for fl, v in zip(flows, values, strict=True) if fl.axis == a) for a in axes}
@@ -549,14 +283,14 @@ def predict(
     if why is not None:
         return Prediction(layout=layout, valid=False, fits=False, why=why)
     cal = calibration or CALIBRATION
-    s = _setup(shape, layout, cluster, job, cal)
+    s = setup(shape, layout, cluster, job, cal)
     memory, state = _memory(s)
-    tp_bytes, t_tp_mb = _model_axis(s)
-    pp_bytes, t_pp = _stage_axis(s)
-    cp_bytes, t_cp_mb = _context_axis(s, cal)
-    ep_bytes, t_ep_mb = _expert_axis(s)
-    flows = _data_flows(s)
-    exposed = [_exposed(s, fl, cal) for fl in flows]
+    tp_bytes, t_tp_mb = traffic.model_axis(s)
+    pp_bytes, t_pp = traffic.stage_axis(s)
+    cp_bytes, t_cp_mb = traffic.context_axis(s, cal)
+    ep_bytes, t_ep_mb = traffic.expert_axis(s)
+    flows = traffic.data_flows(s)
+    exposed = [traffic.exposed(s, fl, cal) for fl in flows]
     lay, hw = layout, cluster.hardware
     from meshkit.plans import bubble_model
 

@@ -9,8 +9,8 @@ of its head and loss) traced on abstract shapes of one micro-batch (nothing allo
 under the layout's remat policy; tensors with a heads or MLP dimension are split over tp.
 
 Parameters stay float32 with AdamW's two float32 moments (4 + 8 bytes per parameter, bf16 only for
-compute); embeddings and unembedding are not split over tp; pipeline plans replicate them on every
-stage. Then, as ``predict_peak``: persistent (parameters at rest, optimizer state, the batch) plus
+compute); the embedding and unembedding split over tp by their vocabulary as training places them
+(``vocab_split``), whole in pipeline plans, which replicate them on every stage. Then, as ``predict_peak``: persistent (parameters at rest, optimizer state, the batch) plus
 the larger of the backward phase and the update phase (the gradients with the update tree). The
 backward phase holds the accumulator, the stacked layer gradients, ZeRO-3's gathered leaves and
 the stash of every layer's residuals, and then the larger of what is live at three moments, each
@@ -27,6 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from meshkit.planner.layout import Layout, ModelShape
+from meshkit.planner.sizes import attention_widths
 from meshkit.plans import memory as M
 
 
@@ -38,25 +39,47 @@ def _config(shape: ModelShape, precision: str, layers: int = 1):
     return gpt.GPTConfig.from_shape(replace(shape, layers=layers), precision=precision, approximate=True)
 
 
+def vocab_split(shape: ModelShape, layout: Layout) -> int:
+    """The ways the GPT's token embedding and unembedding are split over the model axis, as
+    ``meshkit train`` places them (``plans.placement.vocab_rules``): over tp where the vocabulary
+    divides (the default rules leave a dim that does not divide whole), whole under a pipeline plan."""
+    return layout.tp if layout.pp == 1 and shape.vocab % layout.tp == 0 else 1
+
+
+def whole_on_data(shape: ModelShape, layout: Layout) -> float:
+    """Parameters of one layer, on one tensor-parallel shard, that ZeRO cannot split over data: under
+    tensor parallelism the column-parallel biases (bq, bv, b_in: their one dim is on the model axis;
+    the gated MLP has none)."""
+    if layout.tp == 1 or shape.gated:
+        return 0.0
+    q, kv = attention_widths(shape)
+    return (q + kv + shape.ffn) / layout.tp
+
+
 @lru_cache(maxsize=256)
 def residuals(
-    shape: ModelShape, batch: int, tp: int, precision: str, remat: str, kept: bool = True
+    shape: ModelShape, batch: int, tp: int, precision: str, remat: str, kept: bool = True, vocab_tp: int = 1
 ) -> tuple[float, float, float, float]:
     """Per device, for ``batch`` sequences: (bytes one block saves under ``remat``, one block's
     matmul outputs, the block's input, what the head and loss save). ``kept``: only what a
-    compiled scan keeps (``kept_residuals``); else every residual ``jax.vjp`` saves."""
+    compiled scan keeps (``kept_residuals``); else every residual ``jax.vjp`` saves. ``vocab_tp``:
+    the ways the head's vocabulary is split (``vocab_split``)."""
     block, head, layer_input = _traced(shape, batch, precision, remat)
-    d, f = shape.width, shape.ffn
+    d, f, v = shape.width, shape.ffn, shape.vocab
 
     def size(dims: tuple[int, ...], itemsize: int) -> float:
         n = float(np.prod(dims)) * itemsize
         split = len(dims) == 4 or (f != d and dims[-1:] == (f,)) or len(dims) == 2
         return n / tp if split else n  # heads (b,t,h,k) / (b,h,t,s), MLP width, weight copies
 
-    def saved(found, weights_only=False) -> float:
+    def head_size(dims: tuple[int, ...], itemsize: int) -> float:  # logits and the unembedding's copy
+        n = float(np.prod(dims)) * itemsize
+        return n / vocab_tp if dims[-1:] == (v,) else n
+
+    def saved(found, weights_only=False, sized=size) -> float:
         return sum(
             (
-                size(dims, itemsize)
+                sized(dims, itemsize)
                 for dims, itemsize, keeps in found
                 if (keeps or not kept) and not (weights_only and len(dims) != 2)
             ),
@@ -64,7 +87,7 @@ def residuals(
         )
 
     # weights: the compute-dtype copies of the matrices
-    return saved(block), saved(block, weights_only=True), layer_input, saved(head)
+    return saved(block), saved(block, weights_only=True), layer_input, saved(head, sized=head_size)
 
 
 @lru_cache(maxsize=64)
@@ -176,12 +199,14 @@ def memory(shape: ModelShape, layout: Layout, job, params_per_layer: float, top_
            layers_here: int, microbatches: int, shard: int = 0) -> dict[str, float]:  # fmt: skip
     """Per-device bytes at the step's peak by component (they sum to the peak); ``shard``: the devices
     ZeRO shards over (hybrid sharding's group; 0: all of dp)."""
-    n = shard or layout.dp
-    zero3 = layout.zero == 3 and n > 1
-    b = _Bytes(layer=layers_here * params_per_layer * 4, top=top_params * 4, layers=layers_here)
+    rule = M.zero_stage(layout.zero)
+    n = rule.shard_group(layout.dp, shard)
+    zero3 = rule.shards("params") and n > 1
+    b = _Bytes(layer=layers_here * params_per_layer * 4, top=top_params * 4, layers=layers_here,
+               whole=layers_here * whole_on_data(shape, layout) * 4)  # fmt: skip
     at_rest = {
-        "params": M.at_rest(b.total, b.total, n, zero3),  # every leaf of the GPT splits over data
-        "optimizer": 2 * M.at_rest(b.total, b.total, n, layout.zero >= 1),  # AdamW's two float32 moments
+        "params": rule.at_rest("params", b.total, n, b.sharded),
+        "optimizer": 2 * rule.at_rest("optimizer", b.total, n, b.sharded),  # AdamW's two float32 moments
         "batch": 2 * 4 * job.global_batch * shape.seq / layout.dp,
     }
     if layout.pp > 1:
@@ -196,10 +221,17 @@ class _Bytes:
     layer: float
     top: float
     layers: int
+    whole: float = 0.0
+    """Of ``layer``, the leaves ZeRO keeps whole on data (``whole_on_data``)."""
 
     @property
     def total(self) -> float:
         return self.layer + self.top
+
+    @property
+    def sharded(self) -> float:
+        """The bytes ZeRO splits over data: every leaf but ``whole``."""
+        return self.total - self.whole
 
     @property
     def one_layer(self) -> float:
@@ -274,10 +306,16 @@ def _step(
     gradient of the leaves outside layers: with a whole accumulator it is added as it comes."""
     remat, m = layout.remat != "none", microbatches  # n: the devices ZeRO shards over
     saved, weights, layer_in, head = residuals(
-        shape, layout.microbatch_size, layout.tp, job.precision, layout.remat
+        shape,
+        layout.microbatch_size,
+        layout.tp,
+        job.precision,
+        layout.remat,
+        vocab_tp=vocab_split(shape, layout),
     )
-    accumulator = M.accumulator(b.total, b.total, n, microbatches=m, shards_gradients=layout.zero >= 2)
-    stacked = b.layer / n if zero3 else b.layer
+    rule = M.zero_stage(layout.zero)
+    accumulator = M.accumulator(b.total, b.sharded, n, microbatches=m, shards_gradients=rule.shards("grads"))
+    stacked = M.at_rest(b.layer, b.layer - b.whole, n, zero3)
     if zero3:  # a layer's weights are its gathered parameters, counted with them
         saved -= weights
     stash = b.layers * (saved + (layer_in if layout.remat == "layer" else 0.0))
@@ -286,7 +324,7 @@ def _step(
     )
     one = b.one_layer
     if not zero3:
-        whole_accumulator = m > 1 and not (layout.zero >= 2 and n > 1)
+        whole_accumulator = m > 1 and not (rule.shards("grads") and n > 1)
         top_grads = 0.0 if whole_accumulator else b.top
         working = max(2 * one, one + recomputed)
         grads = stacked + top_grads + accumulator
@@ -321,7 +359,7 @@ def _step(
     loop = stash + max(head, working)
     backward = gathered + grads + max(loop, concat)
     activations = stash + max(head, recomputed) if loop >= concat else 0.0  # the rest: "other"
-    update = M.update_phase(b.total, b.total / n, zero=3, scan=True)
+    update = M.update_phase(b.total, M.at_rest(b.total, b.sharded, n, True), zero=3, scan=True)
     return _parts(at_rest, backward, update, grads, activations, gathered)
 
 

@@ -49,6 +49,7 @@ from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._context import exchanged_kv_heads
 from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
+from meshkit.plans.memory import zero_stage
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import CONTEXT, DATA, EXPERT, MODEL, REPLICA
 
@@ -111,8 +112,10 @@ def expected_collectives(
     # hsdp: the data shards replicated over replica; fsdp+cp: over context (each device T/C tokens)
     across, replicas = (CONTEXT, context) if context > 1 else (REPLICA, placement.replica_size)
     if replicas > 1:  # each data shard's gradient (the parameters' dtype), once per step
-        shard = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None) / n
-        add("all-reduce", across, 1, shard, replicas, f"gradient shards, across {across}")
+        row = zero_stage(stage).across_replicas(
+            sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None), n, across
+        )
+        add(row.op, across, row.count, row.size_bytes, replicas, row.what)
     if n > 1 or replicas > 1:
         whole_axes = "+".join(
             a for a in (*placement.batch_axes, *(CONTEXT,) * (context > 1)) if placement.mesh.shape[a] > 1
@@ -128,7 +131,7 @@ def expected_collectives(
         )
     if n > 1:
         sharded = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None)
-        if gather_itemsize is not None and stage == "zero3":
+        if gather_itemsize is not None and zero_stage(stage).shards("params"):
             sharded = sum(
                 _model_bytes(x, placement) * gather_itemsize // _itemsize(x)
                 for x in leaves
@@ -140,18 +143,15 @@ def expected_collectives(
         ) -> int:  # bytes of one leaf's all-gather (the compute dtype's under zero3)
             return _model_bytes(x, placement) * (gather_itemsize or _itemsize(x)) // _itemsize(x)
 
-        if stage == "zero1":
-            add("reduce-scatter", DATA, 1, sharded, n, "gradients, once after accumulation")
-            add("all-gather", DATA, 1, sharded, n, "updated parameters")
-        elif stage == "zero2":
-            add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
-            add("all-gather", DATA, 1, sharded, n, "updated parameters")
-        elif stage == "zero3":
-            for count, size, what in gather_rows(
-                per_layer or PerLayer(placement=placement), accumulate, gathered
-            ):
-                add("all-gather", DATA, count, size, n, what)
-            add("reduce-scatter", DATA, accumulate, sharded, n, "gradients, per micro-batch")
+        rule = zero_stage(stage)  # dp: no leaf is sharded, its all-reduce is the whole leaves' above
+        for row in rule.collectives(sharded, sharded, microbatches=accumulate) if rule.level else ():
+            if row.part == "params" and rule.shards("params"):  # zero3: per layer (``_fsdp``)
+                for count, size, what in gather_rows(
+                    per_layer or PerLayer(placement=placement), accumulate, gathered
+                ):
+                    add("all-gather", DATA, count, size, n, what)
+            else:
+                add(row.op, DATA, row.count, row.size_bytes, n, row.what)
     if m_axis > 1:
         for x, uses, redone in tp_matrices(per_layer, placement):  # a scan's stacked leaf: one per layer
             if (
@@ -409,12 +409,12 @@ def memory_formula(
     placement: Placement, optimizer: optax.GradientTransformation, params: Any
 ) -> dict[str, float]:
     """Per-device persistent bytes by the ZeRO rules, leaf by leaf (params and optimizer state)."""
-    stage = placement.plan.zero
-    params_b = sum(x.nbytes / _divisor(x, placement, stage == "zero3") for x in placement.flat())
+    rule = zero_stage(placement.plan.zero)
+    params_b = sum(x.nbytes / _divisor(x, placement, rule.shards("params")) for x in placement.flat())
     shapes = jax.eval_shape(optimizer.init, params)
     per_leaf = optax.tree_map_params(
         optimizer,
-        lambda s, leaf: s.size * s.dtype.itemsize / _divisor(leaf, placement, stage != "dp"),
+        lambda s, leaf: s.size * s.dtype.itemsize / _divisor(leaf, placement, rule.shards("optimizer")),
         shapes,
         placement.leaves,
         transform_non_params=lambda s: s.size * s.dtype.itemsize,

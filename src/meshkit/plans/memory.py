@@ -13,11 +13,36 @@ runs; measured against ``memory_analysis()`` by ``tests/test_peak.py`` (a loss's
 
 Terms: P the parameter bytes, P_top the leaves outside layers, P_layers the per-layer leaves, P_1
 one layer's, N the data-axis size, m the micro-batches.
+
+The ZeRO rule itself (what each stage shards, its bytes at rest, its collectives per step) is
+``ZeroStage``, re-exported here from ``meshkit.analysis.zero``, where it sits below both the
+chapter's formulas (``analysis.cost``) and the plans; every rule below that asks whether a part is
+sharded asks it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from meshkit.analysis.zero import PARTS, ZeroCollective, ZeroStage, zero_stage
+
+__all__ = [
+    "PARTS",
+    "PeakModel",
+    "ZeroCollective",
+    "ZeroStage",
+    "accumulator",
+    "accumulator_beside_gradients",
+    "at_rest",
+    "deterministic_phases",
+    "experts_beyond_device",
+    "gathered_top",
+    "scan_loop_buffers",
+    "update_phase",
+    "zero3_all_shards_alive",
+    "zero3_layers_held",
+    "zero_stage",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

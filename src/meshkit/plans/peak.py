@@ -132,6 +132,37 @@ def compiled_activations(
     (the GPT block keeps some 28 of JAX's 45 activation-sized residuals). The plan does not change
     what the model keeps: it adds gathers, gradients and buckets, which ``predict_peak`` models.
 
+    How each form and axis is compiled: ``_local_layers`` (loop, hook and scanned forms),
+    ``_on_model_devices`` (tensor parallelism), ``_on_context_devices`` (context plans)."""
+    f = layered_loss(loss_fn, _local_layers(per), params, extra)
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+
+    def step(xs, e):  # each gradient consumed where it is made, as the update would
+        loss, grads = jax.value_and_grad(lambda xs: f(xs, e)[0])(xs)
+        return loss, [jnp.sum(g) for g in grads]
+
+    m = per.placement.model_size
+    if m > 1:
+        leaves, extra = _on_model_devices(per.placement, leaves, extra)
+    c = int(per.placement.mesh.shape.get(CONTEXT, 1)) if per.placement.plan.context else 1
+    if c > 1:
+        traced = _on_context_devices(step, per.placement, c, context_attention, leaves, extra)
+    else:
+        traced = jax.jit(step).trace(leaves, extra)
+    # the same program (another plan's Trainer, verify's next certificate): one compile; the jaxpr
+    # text does not show the inputs' shardings, so the tensor-parallel split is part of the key
+    key = str(traced.jaxpr) + (str([x.sharding.spec for x in leaves]) + str(m) if m > 1 else "")
+    if key not in _COMPILED:
+        if len(_COMPILED) >= 64:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = float(traced.lower().compile().memory_analysis().temp_size_in_bytes)
+    return _COMPILED[key]
+
+
+def _local_layers(per: PerLayer) -> PerLayer:
+    """The layers as the one-device compile runs them: no plan (dp's placement on the same mesh), the
+    same remat policy, and zero3's barriers only where they shape what XLA schedules.
+
     Loop and hook forms: under zero3 each layer sits behind the same optimization barriers as in
     the step (they decide what XLA schedules together), except under ``regather``, compiled under
     its policy without barriers (a barrier's output is saveable: on one device the policy would
@@ -154,61 +185,50 @@ def compiled_activations(
     Counting the scan's saved residuals instead (the model before: a scan stacks every residual it
     saves, so none is fused away) missed one layer's backward working set inside the loop (its
     T x T gradients; recomputed values under remat): 1.16x measured/predicted on an attention-heavy
-    GPT without remat, 3.35x with layer remat.
+    GPT without remat, 3.35x with layer remat."""
+    placement = Placement(plan=get_plan("dp"), mesh=per.placement.mesh, leaves=per.placement.leaves)
+    scan = per.found is not None and per.found.mode == "scan"
+    barriers = per.gathers and not scan and per.remat != "regather"
+    return PerLayer(placement=placement, remat=per.remat, found=per.found, barriers_only=barriers)
 
-    Context plans: compiled on the ``context`` axis's devices, in a ``shard_map`` over it with the
+
+def _local_mesh(placement: Placement, axis: str, size: int) -> jax.sharding.Mesh:
+    """A mesh of ``size`` devices on ``axis`` alone: this process's own where it has that many (a
+    multi-host compile then needs no other process), else the mesh's first."""
+    devices = list(np.asarray(placement.mesh.devices).reshape(-1))
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    return jax.sharding.Mesh(np.asarray(mine if len(mine) >= size else devices)[:size], (axis,))
+
+
+def _on_model_devices(placement: Placement, leaves: list, extra: Any) -> tuple[list, Any]:
+    """Tensor parallel: the loss on one data shard's devices, each leaf split on the model axis as in
+    the step (the partitioner then splits the activations of the heads and the MLP's hidden units),
+    the rest replicated."""
+    sub = _local_mesh(placement, MODEL, placement.model_size)
+    specs = [NamedSharding(sub, leaf.spec(data=False)) for leaf in placement.flat()]
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h) for x, h in zip(leaves, specs, strict=True)]
+    rep = NamedSharding(sub, P())
+    extra = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep, weak_type=a.weak_type), extra
+    )
+    return leaves, extra
+
+
+def _on_context_devices(
+    step: Callable, placement: Placement, c: int, form: str, leaves: list, extra: Any
+) -> Any:
+    """The loss traced on the context axis's ``c`` devices, each its T/C tokens, the split in force.
+
+    Context plans are compiled on the ``context`` axis's devices, in a ``shard_map`` over it with the
     sequence split in force (``context_attention``'s form), each device its T/C tokens: a device's
     queries attend over the whole sequence, so the ring keeps every visiting K/V block and its
     scores for the backward pass, and all-to-all the whole sequence's scores of its H/C heads.
     Compiled on one device for its T/C tokens instead (dense attention over its own chunks), the
     model missed exactly that: 1.6-2.3x measured/predicted at T=256 (GPT and Llama, both forms)."""
-    placement = Placement(plan=get_plan("dp"), mesh=per.placement.mesh, leaves=per.placement.leaves)
-    scan = per.found is not None and per.found.mode == "scan"
-    barriers = per.gathers and not scan and per.remat != "regather"
-    local = PerLayer(placement=placement, remat=per.remat, found=per.found, barriers_only=barriers)
-    f = layered_loss(loss_fn, local, params, extra)
-    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
-
-    def step(xs, e):  # each gradient consumed where it is made, as the update would
-        loss, grads = jax.value_and_grad(lambda xs: f(xs, e)[0])(xs)
-        return loss, [jnp.sum(g) for g in grads]
-
-    m = per.placement.model_size
-    if m > 1:  # tensor parallel: the loss on one data shard's devices, split on the model axis as in
-        # the step (the partitioner splits the activations of the heads and the MLP's hidden units)
-        # (this process's own devices where it has m of them: a multi-host compile then needs no
-        # other process)
-        devices = list(np.asarray(per.placement.mesh.devices).reshape(-1))
-        mine = [d for d in devices if d.process_index == jax.process_index()]
-        sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= m else devices)[:m], (MODEL,))
-        specs = [NamedSharding(sub, leaf.spec(data=False)) for leaf in per.placement.flat()]
-        leaves = [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h) for x, h in zip(leaves, specs, strict=True)
-        ]
-        rep = NamedSharding(sub, P())
-        extra = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep, weak_type=a.weak_type), extra
-        )
-    c = int(per.placement.mesh.shape.get(CONTEXT, 1)) if per.placement.plan.context else 1
-    if c > 1:  # the loss on the context axis's devices, each its T/C tokens, the split in force
-        devices = list(np.asarray(per.placement.mesh.devices).reshape(-1))
-        mine = [d for d in devices if d.process_index == jax.process_index()]  # (as tp's, above)
-        sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= c else devices)[:c], (CONTEXT,))
-        step = jax.shard_map(
-            step, mesh=sub, in_specs=P(), out_specs=P(), axis_names={CONTEXT}, check_vma=False
-        )
-        with _context.split_sequence(c, context_attention):
-            traced = jax.jit(step).trace(leaves, extra)
-    else:
-        traced = jax.jit(step).trace(leaves, extra)
-    # the same program (another plan's Trainer, verify's next certificate): one compile; the jaxpr
-    # text does not show the inputs' shardings, so the tensor-parallel split is part of the key
-    key = str(traced.jaxpr) + (str([x.sharding.spec for x in leaves]) + str(m) if m > 1 else "")
-    if key not in _COMPILED:
-        if len(_COMPILED) >= 64:
-            _COMPILED.pop(next(iter(_COMPILED)))
-        _COMPILED[key] = float(traced.lower().compile().memory_analysis().temp_size_in_bytes)
-    return _COMPILED[key]
+    sub = _local_mesh(placement, CONTEXT, c)
+    step = jax.shard_map(step, mesh=sub, in_specs=P(), out_specs=P(), axis_names={CONTEXT}, check_vma=False)
+    with _context.split_sequence(c, form):
+        return jax.jit(step).trace(leaves, extra)
 
 
 _COMPILED: dict[str, float] = {}
@@ -229,98 +249,121 @@ def predict_peak(
     Backward phase: dp/ZeRO-1/ZeRO-2 hold the whole local gradients (P), a scan's loop buffers and the
     accumulator where it is alive beside them; ZeRO-3 holds the leaves outside layers gathered for the
     step, the per-layer gradient shards (all of them, or one layer's), the layers' gathered leaves as
-    remat keeps them, the loop buffers and the accumulator. Update phase: ``memory.update_phase``.
-    ZeRO-3's gathers count in the compute dtype where the plan gathers in it (``gather_ratio``).
+    remat keeps them, the loop buffers and the accumulator (``_zero3_phases``). Update phase:
+    ``memory.update_phase``. ZeRO-3's gathers count in the compute dtype where the plan gathers in it
+    (``gather_ratio``).
     """
-    loss_fn, per, optimizer, accumulate = step.loss, step.per_layer, step.optimizer, step.spec.accumulate
-    ratio = gather_ratio(step.spec, params)
-    placement = per.placement
-    n, flat = placement.data_size, placement.flat()
-    # per device: a leaf split on the model axis by the tensor-parallel rules is 1/model of itself
-    # everywhere in the step (gathered, gradient, update), like at rest
-    sizes = [nbytes(x) / placement.split(leaf) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)]
-    total = sum(sizes)
-    sharded = sum(size for size, leaf in zip(sizes, flat, strict=True) if leaf.data_dim is not None)
-    rows = placement.batch_devices * accumulate  # (hsdp: the batch is split over replica x data)
-    shards = step.spec.deterministic
-    if shards is not None:  # deterministic mode: one micro-shard's rows at a time, on every device
-        rows = shards
-    c = int(placement.mesh.shape.get(CONTEXT, 1)) if placement.plan.context else 1
-    micro = jax.tree.map(lambda s: _device_rows(s, rows, c), batch)
-    extra = step_extra(state, micro, key)
-    loss_fn = pair(loss_fn)
+    per, optimizer, accumulate = step.per_layer, step.optimizer, step.spec.accumulate
+    placement, shards = per.placement, step.spec.deterministic
+    b = _Sizes.of(placement, params)
+    extra = step_extra(state, _micro_batch(batch, placement, accumulate, shards), key)
+    loss_fn = pair(step.loss)
     if per.found is None:  # the step was not traced yet: trace the loss once for its layers
         per.found = analyse(loss_fn, placement, params, extra)
-    found, plan = per.found, placement.plan
-    zero3 = plan.shards_params and n > 1
-    zero = plan.level
-    # a layer's leaves zero3 gathers; fsdp+ep's expert leaves, whole on data, count as whole leaves
-    layer = (
-        {i for i in found.layer_leaves if EXPERT not in flat[i].model_spec}
-        if found.per_layer and per.gathers
-        else set()
-    )
+    found, plan, n = per.found, placement.plan, placement.data_size
+    rule = M.zero_stage(plan.zero)
+    zero3 = rule.shards("params") and n > 1
     persistent = (
-        M.at_rest(total, sharded, n, zero3)
+        M.at_rest(b.total, b.sharded, n, zero3)
         + memory_formula(placement, optimizer, params)["optimizer"]
         + nbytes(batch) / placement.batch_devices  # context plans: whole sequences, split inside the step
     )
     activations = _activations(loss_fn, per, params, extra, step.spec.context_attention)
     if plan.expert and found.per_layer:
-        experts = sum(nbytes(x) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)
+        experts = sum(nbytes(x) for x, leaf in zip(jax.tree.leaves(params), b.flat, strict=True)
                       if EXPERT in leaf.model_spec)  # fmt: skip
         # zero3's per-layer barriers keep every layer's expert gradients alive in the one-device compile
-        held = found.layers if plan.shards_params and n > 1 else 1
+        held = found.layers if zero3 else 1
         activations -= held * M.experts_beyond_device(experts / found.layers, placement.expert_size)
     if shards is not None:
-        backward = M.deterministic_phases(total, activations, shards_per_device=shards // placement.batch_devices,
+        backward = M.deterministic_phases(b.total, activations, shards_per_device=shards // placement.batch_devices,
                                           devices=placement.batch_devices, zero3=zero3)  # fmt: skip
         update = M.update_phase(
-            total, M.at_rest(total, sharded, n, True), zero=3 if zero3 else zero, scan=False
+            b.total, M.at_rest(b.total, b.sharded, n, True), zero=3 if zero3 else rule.level, scan=False
         )
         return PeakModel(persistent=persistent, backward=backward, update=update, activations=activations)
     scan = found.mode == "scan"
-    stacked_b = sum(sizes[i] for i in found.layer_leaves) if found.per_layer else 0.0
+    stacked_b = sum(b.sizes[i] for i in found.layer_leaves) if found.per_layer else 0.0
     one_layer = stacked_b / found.layers if stacked_b else 0.0
     if scan:  # the one-device compile's own stacked gradients and loop slices (the plan's are below)
         activations -= stacked_b + 2 * one_layer
         if per.remat == "regather" and zero3:  # its copy of the layer's weights, which zero3 gathers instead
             activations -= one_layer
     body = M.scan_loop_buffers(one_layer, zero3=zero3, remat=per.remat) if scan else 0.0
-    beside = M.accumulator_beside_gradients(scan=scan, zero=zero, microbatches=accumulate)
-    acc = M.accumulator(total, sharded, n, microbatches=accumulate, shards_gradients=plan.shards_gradients)
-    accumulator = acc if beside else 0.0
-    if not zero3:
-        backward = total + body + accumulator  # whole local gradients (and the accumulator)
-        update = M.update_phase(total, 0.0, zero=zero, scan=scan)
-        return PeakModel(
-            persistent=persistent, backward=backward + activations, update=update, activations=activations
-        )
-    layer_b = sum(sizes[i] for i in layer)
-    per_layer_b = layer_b / found.layers if layer else 0.0
-    at_once = M.zero3_all_shards_alive(
-        global_norm=per.global_norm,
-        scan=scan,
-        remat=per.remat,
-        microbatches=accumulate,
-        hybrid=placement.replica_size > 1,
+    beside = M.accumulator_beside_gradients(scan=scan, zero=rule.level, microbatches=accumulate)
+    acc = M.accumulator(b.total, b.sharded, n, microbatches=accumulate, shards_gradients=rule.shards("grads"))
+    own = body + (acc if beside else 0.0)  # the loop buffers and the accumulator beside the gradients
+    if zero3:
+        backward, update = _zero3_phases(step, params, b, own, scan=scan)
+    else:
+        backward = b.total + own  # whole local gradients (and the accumulator)
+        update = M.update_phase(b.total, 0.0, zero=rule.level, scan=scan)
+    return PeakModel(
+        persistent=persistent, backward=backward + activations, update=update, activations=activations
     )
-    top = [(sizes[i], flat[i]) for i in range(len(sizes)) if i not in layer]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Sizes:
+    """Per-device bytes of each parameter leaf (a leaf split on the model axis by the tensor-parallel
+    rules is 1/model of itself everywhere in the step: gathered, gradient, update, at rest)."""
+
+    flat: list
+    sizes: list[float]
+    total: float
+    sharded: float
+    """Of ``total``, the leaves split over data where the plan shards them."""
+
+    @classmethod
+    def of(cls, placement: Placement, params: Any) -> _Sizes:
+        flat = placement.flat()
+        sizes = [
+            nbytes(x) / placement.split(leaf) for x, leaf in zip(jax.tree.leaves(params), flat, strict=True)
+        ]
+        sharded = sum(size for size, leaf in zip(sizes, flat, strict=True) if leaf.data_dim is not None)
+        return cls(flat=flat, sizes=sizes, total=sum(sizes), sharded=sharded)
+
+
+def _micro_batch(batch: Any, placement: Placement, accumulate: int, shards: int | None) -> Any:
+    """One device's micro-batch: the batch over the batch devices (hsdp: replica x data) and the
+    micro-batches, or in deterministic mode one micro-shard's rows; context plans 1/C of each sequence."""
+    rows = shards if shards is not None else placement.batch_devices * accumulate
+    c = int(placement.mesh.shape.get(CONTEXT, 1)) if placement.plan.context else 1
+    return jax.tree.map(lambda s: _device_rows(s, rows, c), batch)
+
+
+def _zero3_phases(step: Assembled, params: Any, b: _Sizes, own: float, *, scan: bool) -> tuple[float, float]:
+    """ZeRO-3's (backward temporaries beyond the activations, update phase): the leaves outside layers
+    gathered for the step (``memory.gathered_top``), the layers' gradient shards (all at once or one
+    layer's, ``memory.zero3_all_shards_alive``), their gathered leaves as remat keeps them, and
+    ``own`` (the loop buffers and the accumulator)."""
+    per, accumulate = step.per_layer, step.spec.accumulate
+    placement, found, ratio = per.placement, per.found, gather_ratio(step.spec, params)
+    n = placement.data_size
+    # a layer's leaves zero3 gathers; fsdp+ep's expert leaves, whole on data, count as whole leaves
+    layer = (
+        {i for i in found.layer_leaves if EXPERT not in b.flat[i].model_spec}
+        if found.per_layer and per.gathers
+        else set()
+    )
+    layer_b = sum(b.sizes[i] for i in layer)
+    per_layer_b = layer_b / found.layers if layer else 0.0
+    at_once = M.zero3_all_shards_alive(global_norm=per.global_norm, scan=scan, remat=per.remat,
+                                       microbatches=accumulate, hybrid=placement.replica_size > 1)  # fmt: skip
+    top = [(b.sizes[i], b.flat[i]) for i in range(len(b.sizes)) if i not in layer]
     gathered = M.gathered_top(
         bucketed=sum(s for s, leaf in top if leaf.data_dim is not None and not leaf.model_sharded),
         alone=sum(s for s, leaf in top if leaf.data_dim is not None and leaf.model_sharded),
         whole=sum(s for s, leaf in top if leaf.data_dim is None),
         gather_ratio=ratio,
     )
-    backward = gathered + (layer_b if at_once else per_layer_b) / n + body + accumulator
+    backward = gathered + (layer_b if at_once else per_layer_b) / n + own
     backward += M.zero3_layers_held(ratio * layer_b, per_layer_b, n, scan=scan, remat=per.remat)
-    shards = M.at_rest(total, sharded, n, True)
+    shards = M.at_rest(b.total, b.sharded, n, True)
     update = M.update_phase(
-        total, shards, zero=3, scan=scan, partial=0.0 if at_once else (layer_b - per_layer_b) / n
+        b.total, shards, zero=3, scan=scan, partial=0.0 if at_once else (layer_b - per_layer_b) / n
     )
-    return PeakModel(
-        persistent=persistent, backward=backward + activations, update=update, activations=activations
-    )
+    return backward, update
 
 
 def _device_rows(s: Any, rows: int, context: int) -> jax.ShapeDtypeStruct:
