@@ -16,8 +16,8 @@ import optax
 
 from meshkit.spec import ParallelSpec
 from meshkit.train import PlanReport, Trainer
+from meshkit.verify import compare
 from meshkit.verify.compare import (
-    TAIL,
     TOL_EXACT,
     TOL_FLOAT64,
     _float_leaves,
@@ -109,7 +109,7 @@ class Certificate:
 def _bound(noise: float | None, partial_sums: int, examples: int) -> float | None:
     if noise is None:
         return None
-    return TAIL * math.sqrt(1 + (partial_sums - 1) / max(1.0, math.log2(examples))) * noise
+    return compare.TAIL * math.sqrt(1 + (partial_sums - 1) / max(1.0, math.log2(examples))) * noise
 
 
 def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: ParallelSpec, steps: int,
