@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import libcst as cst
-from libcst.metadata import PositionProvider, QualifiedNameProvider
+from libcst.metadata import PositionProvider, QualifiedNameProvider, ScopeProvider
 
 from meshkit.migrate._keys import safe_prng_keys
 
@@ -70,7 +70,9 @@ class PmapSite:
 
     ``anchor`` is the Call or Decorator node; ``call`` carries pmap's arguments (None for a bare
     ``@jax.pmap``) from ``offset`` on; ``fn`` is the mapped function where this module defines it;
-    ``name`` is the name the pmapped function is bound to (``step`` for ``obj.step = jax.pmap(...)``).
+    ``name`` is the name the pmapped function is bound to (``step`` for ``obj.step = jax.pmap(...)``);
+    ``target`` is what binds it as a variable (the assigned Name, the decorated def), for scope
+    look-ups; ``member`` says it is also read as an attribute (``obj.step``, or bound in a class body).
     """
 
     anchor: cst.CSTNode
@@ -79,6 +81,8 @@ class PmapSite:
     fn: cst.FunctionDef | cst.Lambda | None
     name: str | None
     decorator: bool
+    target: cst.CSTNode | None = None
+    member: bool = False
 
     def arguments(self) -> dict[str, cst.Arg] | None:
         return {} if self.call is None else pmap_arguments(self.call, self.offset)
@@ -97,10 +101,12 @@ class Context:
     stacked: dict[cst.CSTNode, str] = field(default_factory=dict)
     # pmap named but not applied where this module can follow it (``p = jax.pmap``, ``g(jax.pmap)``).
     pmap_refs: set[cst.CSTNode] = field(default_factory=set)
-    # The attributes the module reads on each name (``step.lower`` and ``self.step.lower`` both
-    # under ``step``) and on each call's result: a pmapped function's own methods (``.lower``)
-    # have no counterpart on the rewritten one.
+    # The attributes the module reads on each variable (``step.lower`` under ``step``), on each
+    # member (``self.step.lower`` under ``step``) and on each call's result: a pmapped function's
+    # own methods (``.lower``) have no counterpart on the rewritten one. Members are kept apart:
+    # ``state.step.shape`` says nothing about a function bound to the variable ``step``.
     attribute_reads: dict[str, set[str]] = field(default_factory=dict)
+    member_reads: dict[str, set[str]] = field(default_factory=dict)
     attribute_calls: dict[int, set[str]] = field(default_factory=dict)
     # The first call that makes the module multi-host, as (dotted name, line), if any.
     multihost: tuple[str, int] | None = None
@@ -147,7 +153,9 @@ class Context:
 
     def attributes_read(self, site: PmapSite) -> set[str]:
         """The attributes the module reads on the function ``site`` makes, beyond those the helper copies."""
-        read = self.attribute_reads.get(site.name, set()) if site.name else set()
+        read = set(self.attribute_reads.get(site.name, ())) if site.name else set()
+        if site.member:
+            read |= self.member_reads.get(site.name, set())
         return (read | self.attribute_calls.get(id(site.anchor), set())) - WRAPPED
 
 
@@ -173,12 +181,26 @@ class _SiteFinder(cst.CSTVisitor):
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.defs: dict[str, cst.FunctionDef] = {}
-        self.assigned: dict[cst.Call, str] = {}
+        # A call's value bound by an assignment: (name, the Name bound or None, read as a member).
+        self.assigned: dict[cst.Call, tuple[str, cst.Name | None, bool]] = {}
+        # Whether each enclosing definition is a class (names bound in a class body are members).
+        self.enclosing: list[bool] = []
         self.decorators: set[int] = set()
         self.applied: set[int] = set()
         self.refs: list[cst.CSTNode] = []
         self.key_refs: list[cst.CSTNode] = []
-        self.pmapped_defs: set[str] = set()
+
+    def in_class(self) -> bool:
+        return bool(self.enclosing) and self.enclosing[-1]
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.enclosing.append(True)
+
+    def leave_ClassDef(self, node: cst.ClassDef) -> None:
+        self.enclosing.pop()
+
+    def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.enclosing.pop()
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -192,9 +214,10 @@ class _SiteFinder(cst.CSTVisitor):
     def visit_Attribute(self, node: cst.Attribute) -> None:
         self._reference(node)
         base = node.value
-        if isinstance(base, cst.Name | cst.Attribute):
-            name = base.value if isinstance(base, cst.Name) else base.attr.value
-            self.ctx.attribute_reads.setdefault(name, set()).add(node.attr.value)
+        if isinstance(base, cst.Name):
+            self.ctx.attribute_reads.setdefault(base.value, set()).add(node.attr.value)
+        elif isinstance(base, cst.Attribute):
+            self.ctx.member_reads.setdefault(base.attr.value, set()).add(node.attr.value)
         elif isinstance(base, cst.Call):
             self.ctx.attribute_calls.setdefault(id(base), set()).add(node.attr.value)
 
@@ -216,19 +239,19 @@ class _SiteFinder(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.defs[node.name.value] = node
         pmapped = []
+        bound = (node.name.value, node, self.in_class())
         for d in node.decorators:
             self.decorators.add(id(d.decorator))
             expr = d.decorator
             if _canonical(self.ctx.qname(expr)) == "jax.pmap":
                 self.applied.add(id(expr))
                 pmapped.append(d)
-                self._add(d, None, 0, node, node.name.value, True)
+                self._add(d, None, 0, node, bound, True)
             elif isinstance(expr, cst.Call) and self.ctx.callee(expr) == ("jax.pmap", 1):
                 self.applied.add(id(expr.args[0].value))
                 pmapped.append(d)
-                self._add(d, expr, 1, node, node.name.value, True)
-        if pmapped:
-            self.pmapped_defs.add(node.name.value)
+                self._add(d, expr, 1, node, bound, True)
+        self.enclosing.append(False)
         for outer in pmapped[:-1]:  # stacked: each decorator maps what the one below it pmapped
             self.ctx.stacked[outer] = f"{node.name.value}, pmapped by the decorator below"
 
@@ -236,9 +259,9 @@ class _SiteFinder(cst.CSTVisitor):
         if isinstance(node.value, cst.Call) and len(node.targets) == 1:
             target = node.targets[0].target
             if isinstance(target, cst.Name):
-                self.assigned[node.value] = target.value
+                self.assigned[node.value] = (target.value, target, self.in_class())
             elif isinstance(target, cst.Attribute):  # ``self.step = jax.pmap(...)``: followed by its name
-                self.assigned[node.value] = target.attr.value
+                self.assigned[node.value] = (target.attr.value, None, True)
 
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
         # ``[x] * n_devices``: the docs' way to stack one copy per device.
@@ -255,9 +278,17 @@ class _SiteFinder(cst.CSTVisitor):
             self.applied.add(id(node.args[0].value if offset else node.func))
             self._add(node, node, offset, None, self.assigned.get(node), False)
 
-    def _add(self, anchor, call, offset, fn, name, decorator) -> None:
+    def _add(self, anchor, call, offset, fn, bound, decorator) -> None:
+        name, target, member = bound or (None, None, False)
         self.ctx.sites[anchor] = PmapSite(
-            anchor=anchor, call=call, offset=offset, fn=fn, name=name, decorator=decorator
+            anchor=anchor,
+            call=call,
+            offset=offset,
+            fn=fn,
+            name=name,
+            decorator=decorator,
+            target=target,
+            member=member,
         )
 
     def resolve(self, site: PmapSite) -> PmapSite:
@@ -267,21 +298,40 @@ class _SiteFinder(cst.CSTVisitor):
         fun = (site.arguments() or {}).get("fun")
         value = None if fun is None else fun.value
         if isinstance(value, cst.Lambda):
-            return _replace_fn(site, value)
+            return replace(site, fn=value)
         if isinstance(value, cst.Name) and value.value in self.defs:
-            return _replace_fn(site, self.defs[value.value])
+            return replace(site, fn=self.defs[value.value])
         return site
 
 
-def _replace_fn(site: PmapSite, fn: cst.FunctionDef | cst.Lambda) -> PmapSite:
-    return PmapSite(
-        anchor=site.anchor,
-        call=site.call,
-        offset=site.offset,
-        fn=fn,
-        name=site.name,
-        decorator=site.decorator,
-    )
+class _Bindings:
+    """Which pmap sites a variable may be, through the module's scopes.
+
+    A variable (``forward(x)``, ``jax.pmap(g)``) is a pmap site only where a binding it can reach
+    is one (``forward = jax.pmap(...)``, a pmapped def): not a member of the same name
+    (``self.forward = jax.pmap(forward)``), not a variable of another function. A member
+    (``obj.step(x)``) is not followed: which object it is cannot be known, and a pmap the rewrite
+    nests by mistake fails as loudly as pmap does (shard_map's mesh mismatch, a ValueError).
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self.get_metadata = ctx.get_metadata
+        self.targets: dict[int, list[PmapSite]] = {}
+        self.names: dict[str, list[PmapSite]] = {}
+        for site in ctx.sites.values():
+            if site.target is not None:
+                self.targets.setdefault(id(site.target), []).append(site)
+                self.names.setdefault(site.name, []).append(site)
+
+    def sites(self, ref: cst.CSTNode) -> list[PmapSite]:
+        """The pmap sites ``ref`` may refer to (a variable with no scope known: every one of its name)."""
+        if not isinstance(ref, cst.Name):
+            return []
+        scope = self.get_metadata(ScopeProvider, ref, None)
+        if scope is None:
+            return self.names.get(ref.value, [])
+        referents = {id(getattr(a, "node", None)) for access in scope.accesses[ref] for a in access.referents}
+        return [s for key in referents for s in self.targets.get(key, ())]
 
 
 def build_context(module: cst.Module, get_metadata: Callable) -> Context:
@@ -297,20 +347,20 @@ def build_context(module: cst.Module, get_metadata: Callable) -> Context:
     safe_funcs = {id(c.func) for c in ctx.safe_keys}
     ctx.all_keys_safe = all(id(r) in safe_funcs for r in finder.key_refs)
     ctx.sites = {anchor: finder.resolve(s) for anchor, s in ctx.sites.items()}
-    by_name = {s.name: s for s in ctx.sites.values() if s.name is not None}
-    _find_stacked(ctx, finder.pmapped_defs, by_name)
+    bindings = _Bindings(ctx)
+    _find_stacked(ctx, bindings)
     for outer in ctx.sites.values():
         if outer.fn is None:
             continue
         for call in _calls(outer.fn):
-            inner = by_name.get(call.func.value) if isinstance(call.func, cst.Name) else None
-            if inner is not None and inner is not outer:
+            inner = [s for s in bindings.sites(call.func) if s is not outer]
+            if inner:
                 ctx.nested[call] = outer
-                ctx.nested_sites.update((id(outer), id(inner)))
+                ctx.nested_sites.update([id(outer), *map(id, inner)])
     return ctx
 
 
-def _find_stacked(ctx: Context, pmapped_defs: set[str], by_name: dict[str, PmapSite]) -> None:
+def _find_stacked(ctx: Context, bindings: _Bindings) -> None:
     """Mark pmaps applied to what is pmapped already as nested (JAX 0.12 raises ValueError on them).
 
     That is stacked decorators, ``jax.pmap(jax.pmap(f))``, and ``jax.pmap(g)`` for a pmapped ``g``.
@@ -327,12 +377,11 @@ def _find_stacked(ctx: Context, pmapped_defs: set[str], by_name: dict[str, PmapS
             ctx.stacked[anchor] = f"{code(value.func)}(...), a pmap"
             ctx.nested_sites.update((id(site), id(by_anchor[id(value)])))
         elif isinstance(value, cst.Name):
-            inner = by_name.get(value.value)
-            inner = None if inner is site else inner  # ``step = jax.pmap(step)`` maps a plain def
-            if inner is None and value.value not in pmapped_defs:
-                continue
-            ctx.stacked[anchor] = f"{value.value}, pmapped already"
-            ctx.nested_sites.update([id(site)] + ([id(inner)] if inner is not None else []))
+            # ``step = jax.pmap(step)`` maps the plain def it rebinds, not itself.
+            inner = [s for s in bindings.sites(value) if s is not site]
+            if inner:
+                ctx.stacked[anchor] = f"{code(value)}, pmapped already"
+                ctx.nested_sites.update([id(site), *map(id, inner)])
     for sites in by_def.values():
         if len(sites) > 1:
             ctx.nested_sites.update(id(s) for s in sites)

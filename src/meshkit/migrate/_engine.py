@@ -280,7 +280,8 @@ def run(
     if refused is not None:
         return [_parse_error(path, *refused)], text
     try:
-        wrapper = MetadataWrapper(cst.parse_module(text))
+        # The tree is parsed here and used by nothing else: no defensive deep copy (7% of a run).
+        wrapper = MetadataWrapper(cst.parse_module(text), unsafe_skip_copy=True)
         migrator = _Migrator(path, rules, fix)
         tree = wrapper.visit(migrator)
         if fix:

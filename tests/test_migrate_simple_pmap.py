@@ -1,0 +1,193 @@
+"""meshkit migrate, MK015 (issue 35 regression): a simple pmap in a legacy module is rewritten again.
+
+Since pmaps bound to attributes were followed by name (``self.forward = jax.pmap(forward)`` under
+``forward``), a bare name and a member of the same name were one: a pmapped function calling the
+plain ``forward`` def, or a pmap of a plain ``step`` beside some ``self.step`` pmap, or two
+classes each binding ``self.train_step``, was 'nested pmap'; and ``state.step.shape`` counted as
+reading ``.shape`` on a pmapped def ``step``. Each is rewritten again (as before that change) and
+gives pmap's outputs; what really is nested, or really reads ``.lower``, is still left alone.
+"""
+
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from meshkit.migrate import fix_source, lint_source
+from meshkit.migrate.rules_pmap import HELPER
+
+HEAD = "import jax\nimport jax.numpy as jnp\n\n"
+X = "jnp.arange(8.0).reshape(8, 1)"
+
+# Each defines ``out``; every pmap in it is simple and must be rewritten.
+SIMPLE = {
+    "pmapped_fn_calls_a_plain_def_named_like_a_member_pmap": f"""
+        def forward(x):
+            return x * 2
+
+        def train_step(x):
+            return forward(x) + 1
+
+        class Model:
+            def __init__(self):
+                self.forward = jax.pmap(forward)
+
+        p_train_step = jax.pmap(train_step)
+        out = (p_train_step({X}), Model().forward({X}))
+    """,
+    "pmap_of_a_plain_def_named_like_a_member_pmap": f"""
+        def step(x):
+            return x * 2
+
+        def other(x):
+            return x + 1
+
+        class Runner:
+            def __init__(self):
+                self.step = jax.pmap(other)
+
+        p = jax.pmap(step)
+        out = (p({X}), Runner().step({X}))
+    """,
+    "two_classes_bind_the_same_member": f"""
+        def train_step(x):
+            return x * 2
+
+        class A:
+            def __init__(self):
+                self.train_step = jax.pmap(train_step)
+
+        class B:
+            def __init__(self):
+                self.train_step = jax.pmap(train_step)
+
+        out = (A().train_step({X}), B().train_step({X}))
+    """,
+    "a_member_of_another_object_has_the_pmapped_defs_name": f"""
+        @jax.pmap
+        def step(x):
+            return x * 2
+
+        class State:
+            step = jnp.zeros(())
+
+        state = State()
+        out = (step({X}), state.step.shape)
+    """,
+    "a_local_of_another_function_has_the_name_the_pmapped_fn_calls": f"""
+        def forward(x):
+            return x * 2
+
+        def train_step(x):
+            return forward(x) + 1
+
+        def evaluate():
+            forward = jax.pmap(lambda x: x - 1)
+            return forward({X})
+
+        out = (jax.pmap(train_step)({X}), evaluate())
+    """,
+}
+
+# Still left with a recipe: nested for real (the name reaches a pmap), or .lower read on the pmap.
+LEFT = {
+    "module_level_rebinding_called_inside": (
+        """
+        def forward(x):
+            return x * 2
+
+        forward = jax.pmap(forward)
+
+        @jax.pmap
+        def train_step(x):
+            return forward(x) + 1
+        """,
+        "nested pmap",
+    ),
+    "pmap_of_a_local_pmap": (
+        """
+        def main():
+            g = jax.pmap(lambda x: x, axis_name="j")
+            return jax.pmap(g, axis_name="i")
+        """,
+        "nested pmap",
+    ),
+    "rebinding_twice": (
+        """
+        def step(x):
+            return x
+
+        step = jax.pmap(step)
+        step = jax.pmap(step)
+        """,
+        "nested pmap",
+    ),
+    "member_lower_read": (
+        """
+        class Trainer:
+            def __init__(self):
+                self.step = jax.pmap(lambda x: x * 2)
+
+            def hlo(self, x):
+                return self.step.lower(x).as_text()
+        """,
+        "attributes are used (.lower)",
+    ),
+    "decorated_method_lower_read": (
+        """
+        class Trainer:
+            @jax.pmap
+            def step(x):
+                return x * 2
+
+            def hlo(self, x):
+                return self.step.lower(x).as_text()
+        """,
+        "attributes are used (.lower)",
+    ),
+    "variable_lower_read": (
+        """
+        @jax.pmap
+        def step(x):
+            return x * 2
+
+        text = step.lower(jnp.ones((8, 1))).as_text()
+        """,
+        "attributes are used (.lower)",
+    ),
+}
+
+
+def module(body: str) -> str:
+    return HEAD + textwrap.dedent(body).lstrip()
+
+
+def outputs(text: str):
+    ns: dict = {}
+    exec(compile(text, "<snippet>", "exec"), ns)
+    return ns["out"]
+
+
+@pytest.mark.parametrize("name", sorted(SIMPLE))
+def test_a_simple_pmap_is_rewritten_and_gives_pmaps_outputs_bitwise(name):
+    before = module(SIMPLE[name])
+    pmaps = [f for f in lint_source(before) if f.rule == "MK015"]
+    assert pmaps and all(f.fixable for f in pmaps), [f.message for f in pmaps]
+    assert not [f for f in lint_source(before) if f.rule == "MK014"]
+    after = fix_source(before)
+    assert "jax.pmap" not in after and f"def {HELPER}(" in after
+    old, new = outputs(before), outputs(after)
+    assert jax.tree.structure(old) == jax.tree.structure(new)
+    for x, y in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+@pytest.mark.parametrize("name", sorted(LEFT))
+def test_what_is_nested_or_reads_lower_is_still_left_with_a_recipe(name):
+    body, reason = LEFT[name]
+    before = module(body)
+    pmaps = [f for f in lint_source(before) if f.rule == "MK015"]
+    assert pmaps and any(reason in f.message for f in pmaps), [f.message for f in pmaps]
+    assert not any(f.fixable for f in pmaps)
+    assert fix_source(before) == before
