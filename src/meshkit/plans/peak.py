@@ -174,14 +174,19 @@ def compiled_activations(
         return loss, [jnp.sum(g) for g in grads]
 
     m = per.placement.model_size
-    if m > 1:  # tensor parallel: the loss on one data shard's devices, split on the model axis as in
-        # the step (the partitioner splits the activations of the heads and the MLP's hidden units)
-        # (this process's own devices where it has m of them: a multi-host compile then needs no
-        # other process)
+    c = int(per.placement.mesh.shape.get(CONTEXT, 1)) if per.placement.plan.context else 1
+    sub = None
+    if m > 1 or c > 1:  # the loss on one data shard's context x model devices (this process's own
+        # devices where it has them: a multi-host compile then needs no other process)
         devices = list(np.asarray(per.placement.mesh.devices).reshape(-1))
         mine = [d for d in devices if d.process_index == jax.process_index()]
-        sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= m else devices)[:m], (MODEL,))
-        specs = [NamedSharding(sub, leaf.spec(data=False)) for leaf in per.placement.flat()]
+        axes = [(a, n) for a, n in ((CONTEXT, c), (MODEL, m)) if n > 1]
+        pool = np.asarray(mine if len(mine) >= c * m else devices)[: c * m]
+        sub = jax.sharding.Mesh(pool.reshape([n for _, n in axes]), tuple(a for a, _ in axes))
+    if m > 1:  # tensor parallel: split on the model axis as in the step (the partitioner splits the
+        # activations of the heads and the MLP's hidden units; an expert leaf's experts stay whole)
+        specs = [NamedSharding(sub, P(*[a if a == MODEL else None for a in leaf.model_spec]))
+                 for leaf in per.placement.flat()]  # fmt: skip
         leaves = [
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h) for x, h in zip(leaves, specs, strict=True)
         ]
@@ -189,11 +194,7 @@ def compiled_activations(
         extra = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep, weak_type=a.weak_type), extra
         )
-    c = int(per.placement.mesh.shape.get(CONTEXT, 1)) if per.placement.plan.context else 1
     if c > 1:  # the loss on the context axis's devices, each its T/C tokens, the split in force
-        devices = list(np.asarray(per.placement.mesh.devices).reshape(-1))
-        mine = [d for d in devices if d.process_index == jax.process_index()]  # (as tp's, above)
-        sub = jax.sharding.Mesh(np.asarray(mine if len(mine) >= c else devices)[:c], (CONTEXT,))
         step = jax.shard_map(
             step, mesh=sub, in_specs=P(), out_specs=P(), axis_names={CONTEXT}, check_vma=False
         )
