@@ -210,29 +210,36 @@ def _expert_rows(add: Callable, placement: Placement, accumulate: int, per_layer
                 f"{x.path}: expert {'forward output' if row else 'backward input-gradient'} partial sums")  # fmt: skip
 
 
-def _attention_widths(placement: Placement) -> list[tuple[int, int, int]]:
-    """(layers, query width, key/value width) per attention projection pair of the reference models
-    (leaves ``.../wq`` and ``.../wk``; a scanned model's stacked leaf counts its layers), each width
-    a device's: its heads' under tensor parallelism (tp+cp), where the leaf's heads are on model."""
+def _attention_widths(placement: Placement) -> list[tuple[int, int, int, int, int]]:
+    """(layers, query width, key/value width, query split, key/value split) per attention projection
+    pair of the reference models (leaves ``.../wq`` and ``.../wk``; a scanned model's stacked leaf
+    counts its layers), each width a device's: its heads' where tensor parallelism splits them
+    (tp+cp; the split is the model axis's size there, else 1)."""
     leaves = {x.path: x for x in placement.flat()}
     m = placement.model_size
 
-    def width(x: LeafPlacement) -> int:
-        return x.shape[-1] // (m if x.model_spec[-1] == MODEL else 1)
+    def split(x: LeafPlacement) -> int:
+        return m if x.model_spec[-1] == MODEL else 1
 
     out = []
     for path, wq in leaves.items():
         if path.endswith("wq") and (wk := leaves.get(path[:-2] + "wk")) is not None:
             layers = wq.shape[0] if "layers" in wq.names else 1
-            out.append((layers, width(wq), width(wk)))
+            out.append((layers, wq.shape[-1] // split(wq), wk.shape[-1] // split(wk), split(wq), split(wk)))
     return out
 
 
-def _exchanged_kv_width(placement: Placement, q_width: int, kv_width: int, c: int) -> int:
+def _exchanged_kv_width(
+    placement: Placement, q_width: int, kv_width: int, c: int, splits: tuple[int, int]
+) -> int:
     """Key/value width all-to-all attention moves (``_context.exchanged_kv_heads``): their own where the
-    placement knows the heads (``units``) and the kv heads divide over context, else the query width."""
+    placement knows the heads (``units``) and a device's kv heads divide over context, else the query
+    width (``splits``: how many devices the query and the kv heads are split over by tensor parallelism)."""
     heads, kv_heads = placement.units.get("heads"), placement.units.get("kv_heads")
-    if heads is None or kv_heads is None or kv_width * heads != q_width * kv_heads:
+    if heads is None or kv_heads is None:
+        return q_width
+    heads, kv_heads = heads // splits[0], kv_heads // splits[1]
+    if kv_width * heads != q_width * kv_heads:
         return q_width
     return kv_width * exchanged_kv_heads(heads, kv_heads, c) // kv_heads
 
@@ -251,7 +258,7 @@ def _attention_rows(placement: Placement, accumulate: int, tokens: int, activati
         return out
     local = tokens // c * activation_bytes
     forward = 2 if per_layer is not None and per_layer.remat != "none" else 1
-    for layers, q_width, kv_width in _attention_widths(placement):
+    for layers, q_width, kv_width, *splits in _attention_widths(placement):
         if form == "ring":
             op, count, size = (
                 "collective-permute",
@@ -262,7 +269,7 @@ def _attention_rows(placement: Placement, accumulate: int, tokens: int, activati
         else:
             op, count = "all-to-all", accumulate * layers * 4 * (forward + 1)
             size = (
-                local * (q_width + _exchanged_kv_width(placement, q_width, kv_width, c)) // 2
+                local * (q_width + _exchanged_kv_width(placement, q_width, kv_width, c, tuple(splits))) // 2
             )  # mean of q, k, v, out
             what = "q, k, v to a head split and the output back; the same backward"
         out.append(Expected(op=op, axes=CONTEXT, count=count, size_bytes=count * size,

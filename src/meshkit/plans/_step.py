@@ -60,7 +60,7 @@ from meshkit.plans import _context, _experts, _fsdp, _rng
 from meshkit.plans._deterministic import deterministic_gradients
 from meshkit.plans._manual import accumulating, manual_data
 from meshkit.plans.placement import Placement
-from meshkit.spec import CONTEXT, DATA, PlanError
+from meshkit.spec import CONTEXT, DATA, MODEL, PlanError
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -167,7 +167,9 @@ def _splits(placement: Placement, per: _fsdp.PerLayer, form: str) -> Iterator[No
     experts over ``expert`` (their dispatched rows' size recorded for the ledger)."""
     with contextlib.ExitStack() as stack:
         seq = placement.plan.context and stack.enter_context(
-            _context.split_sequence(int(placement.mesh.shape[CONTEXT]), form)
+            _context.split_sequence(
+                int(placement.mesh.shape[CONTEXT]), form, heads_axis=_heads_axis(placement)
+            )
         )
         moe = placement.plan.expert and stack.enter_context(_experts.split_experts(placement.expert_size))
         yield
@@ -175,6 +177,16 @@ def _splits(placement: Placement, per: _fsdp.PerLayer, form: str) -> Iterator[No
         _context.check_attended(seq)
     if moe:
         per.experts = tuple(moe.rows[-1:])  # the ledger's all_to_all size
+
+
+def _heads_axis(placement: Placement) -> str | None:
+    """The model axis where the tensor-parallel rules split attention heads (``_context._on_own_heads``)."""
+    split = any(
+        a == MODEL and n == "heads"
+        for x in placement.flat()
+        for n, a in zip(x.names, x.model_spec, strict=False)
+    )
+    return MODEL if split else None
 
 
 def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer,
