@@ -399,9 +399,11 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
     """
     leaves, treedef = jax.tree.flatten(params)
     flat = per.placement.flat()
-    # a leaf kept whole on data has its local shape (fsdp+ep: an expert leaf's E/N experts)
+    # each leaf as gathered over data: its local shape with the data dim whole (an expert leaf keeps
+    # its E/N experts: fsdp+ep whole on data, fsdp+tp+ep split on both)
+    n = per.placement.data_size
     shapes = [
-        leaf.shape if per.gathers and leaf.data_dim is not None else x.shape
+        tuple(s * n if per.gathers and d == leaf.data_dim else s for d, s in enumerate(x.shape))
         for leaf, x in zip(flat, leaves, strict=True)
     ]
     full = jax.tree.unflatten(

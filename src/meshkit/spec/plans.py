@@ -136,7 +136,8 @@ COMBINE = {
     frozenset({"tp", "cp"}): "",
     frozenset({"tp", "ep"}): "",
     frozenset({"cp", "ep"}): "a mixture of experts routes whole sequences (an expert's capacity is per "
-    "sequence) and the context axis splits them; use an expert plan without cp, or a context plan for a dense model",
+    "sequence) and the context axis splits them; use an expert plan without cp, or a context plan for "
+    "a dense model",
     frozenset(
         {"pp", "cp"}
     ): "a pipeline stage runs whole sequences: the context split is not written for stages",
