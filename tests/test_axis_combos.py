@@ -103,7 +103,8 @@ def test_context_with_tensor_parallelism_is_one_device_and_its_ledger_the_model(
     op = "collective-permute" if form == "ring" else "all-to-all"
     assert rows[op, "context"].measured_runs == rows[op, "context"].model_runs
     assert rows[op, "context"].ratio == pytest.approx(1.0, abs=1e-9)
-    assert rows["all-reduce", "model"].ok and ("all-reduce", "context") in rows
+    summed = "context" if plan in ("tp+cp", "fsdp+tp+cp") else "data+context"  # fsdp: the shards over context
+    assert rows["all-reduce", "model"].ok and rows["all-reduce", summed].ok
     assert not [k for k in rows if k[1] not in ("data", "context", "model", "data+context")], str(r)
     if plan.startswith("fsdp"):
         assert {("all-gather", "data"), ("reduce-scatter", "data")} <= set(rows)
@@ -162,6 +163,12 @@ def test_cp_ep_is_refused_in_one_line_naming_why(tmp_path):
         with pytest.raises(PlanError, match="^" + re.escape(says.replace("cp+ep", name, 1))):
             ParallelSpec(plan=name)
     assert not [n for n, p in PLANS.items() if p.context and p.expert]
+    # Ulysses under tp splits each model shard's heads over context: 4 heads / model=2 over context=4
+    t = _trainer("llama", "tp+cp", "context=4,model=2", "all-to-all")
+    with pytest.raises(
+        PlanError, match=r"each model shard's 4/2 heads over context=4: use context_attention='ring'"
+    ):
+        t.step(_batch())
     proc = _meshkit(tmp_path, "--plan", "cp+ep", "--experts", "8")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: " + says), proc.stderr

@@ -284,8 +284,9 @@ def _on_own_heads(
             f"context={split.size}: use context_attention='ring', or axes whose product divides {heads} heads"
         )
     spec = P(None, None, split.heads_axis, None)
-    return jax.shard_map(lambda q, k, v: attend(q, k, v, split), mesh=mesh, in_specs=(spec, spec, spec),
-                         out_specs=spec, axis_names={split.heads_axis}, check_vma=False)(q_bthk, k_bskh, v_bskh)  # fmt: skip
+    own = jax.shard_map(lambda q, k, v: attend(q, k, v, split), mesh=mesh, in_specs=(spec, spec, spec),
+                        out_specs=spec, axis_names={split.heads_axis}, check_vma=False)  # fmt: skip
+    return own(q_bthk, k_bskh, v_bskh)
 
 
 def _halves(acc, c):

@@ -7,9 +7,9 @@ context split (each device ``T / C`` of every sequence, ``_context``) and the ex
 experts per device, their rows sent by all_to_all, ``_experts``) are in force while the loss is
 traced where their axis is used; so context and expert parallelism combine with tensor parallelism
 and with ZeRO-3 by the same code. After the micro-batch loop each leaf's gradient is summed over the
-region's axes less those it is split on (``Placement.sum_axes``): ``data`` where ZeRO reduce-scattered it,
-``expert`` for an expert leaf. Collectives on the data axis, per ZeRO stage, with ``m``
-micro-batches accumulated locally:
+region's axes less those it is split on (``Placement.sum_axes``): ``data`` where ZeRO
+reduce-scattered it, ``expert`` for an expert leaf. Collectives on the data axis, per ZeRO stage,
+with ``m`` micro-batches accumulated locally:
 
 - dp:    local sum over micro-batches, then one all-reduce of the gradients (with one micro-batch,
          and for tensor parallelism alone, the whole gradient is left to XLA's partitioner, which
@@ -180,7 +180,8 @@ def _splits(placement: Placement, per: _fsdp.PerLayer, form: str) -> Iterator[No
 
 
 def _heads_axis(placement: Placement) -> str | None:
-    """The model axis where the tensor-parallel rules split attention heads (``_context._on_own_heads``)."""
+    """The model axis where the tensor-parallel rules split attention heads, or None
+    (``_context._on_own_heads``)."""
     split = any(
         a == MODEL and n == "heads"
         for x in placement.flat()
@@ -192,8 +193,10 @@ def _heads_axis(placement: Placement) -> str | None:
 def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer,
                      compute_dtype: Any = None, form: str = "ring") -> Callable:  # fmt: skip
     """The one gradient region of every plan the partitioner does not take alone: ``jax.shard_map``
-    manual over the union of the plan's batch-like axes (``Placement.region_axes``), each device on its rows
-    (and, under context parallelism, its ``T / C`` of every sequence, in ``_context.balanced_order``).
+    manual over the union of the plan's batch-like axes (``Placement.region_axes``), each device on its
+    rows (and, under context parallelism, its ``T / C`` of every sequence, in
+    ``_context.balanced_order``). The collectives are written out (``check_vma=False``: no implicit
+    psum on a transpose).
 
     Per micro-batch the ZeRO collectives on ``data`` (zero2/3: the reduce-scatter; zero3: the
     parameters gathered, per layer where the loss has layers, ``_fsdp``); after the loop zero1's
@@ -244,7 +247,7 @@ def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
     rows_spec = P(row_axis, CONTEXT) if plan.context else placement.batch_spec()
     region = jax.shard_map(run, mesh=mesh, in_specs=(specs(plan.shards_params), P(), rows_spec, P()),
                            out_specs=(P(), P(), P(), specs(plan.shards_optimizer)), axis_names=set(axes),
-                           check_vma=False)  # fmt: skip  # collectives written out; no implicit psum on transpose
+                           check_vma=False)  # fmt: skip
     if not plan.context:
         return region
     return lambda params, state, batch, key: region(params, state, _context.to_balanced(batch, context), key)
