@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from _reference import max_rel
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
-from meshkit.spec import ParallelSpec, PlanError
+from meshkit.spec import ParallelSpec, PlanError, plans_of
 from meshkit.train import Trainer
 
 GPT = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, mlp_ratio=2, experts=4)
@@ -215,7 +216,7 @@ def test_meshkit_train_ep_reports_dropped_tokens(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [(["--plan", "ep", "--experts", "6"], "6 experts do not divide over expert=8: use an expert axis of 1, 2, 3, 6"),
-     (["--plan", "ep"], "expert-parallel plans (ep, dp+ep, fsdp+ep) need a mixture-of-experts model: set experts"),
+     (["--plan", "ep"], f"expert-parallel plans ({', '.join(plans_of('expert'))}) need a mixture-of-experts model: set experts"),
      (["--plan", "cp", "--experts", "8"], "a mixture of experts routes whole sequences and context plans")],
     ids=["indivisible", "dense", "context"],
 )  # fmt: skip
@@ -232,7 +233,10 @@ def test_moe_is_refused_where_routing_would_differ_from_one_device():
     loss, params = _ep_model("gpt")
     t = Trainer(loss, params, optax.adam(1e-2), spec=ParallelSpec(plan="cp", mesh="context=8"), has_aux=True)
     with pytest.raises(
-        PlanError, match=r"routes whole sequences and context plans \(cp, dp\+cp, fsdp\+cp\) split them"
+        PlanError,
+        match=re.escape(
+            f"routes whole sequences and context plans ({', '.join(plans_of('context'))}) split them"
+        ),
     ):
         t.step(_tokens(8))
     with pytest.raises(MeshkitError, match="pipeline plans do not run mixture-of-experts models yet"):

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
+from jax.sharding import get_abstract_mesh
 
 from meshkit.spec import CONTEXT, PlanError, plans_of
 
@@ -47,6 +49,9 @@ class Split:
     axis: str
     size: int
     form: str
+    heads_axis: str | None = None
+    """The mesh axis the attention heads are split on by tensor parallelism (tp+cp), where they are:
+    the ring then runs on each device's own heads (``_on_own_heads``)."""
     attended: list = field(default_factory=list)
     """One entry per ``causal_attention`` traced under this split: a loss that never calls it attends
     within each device's own chunks only, and the plan refuses it (``check_attended``)."""
@@ -56,9 +61,12 @@ _SPLIT: contextvars.ContextVar[Split | None] = contextvars.ContextVar("meshkit_c
 
 
 @contextlib.contextmanager
-def split_sequence(size: int, form: str, axis: str = CONTEXT) -> Iterator[Split]:
-    """Trace the loss with its sequences split over ``axis`` (``size`` devices) in ``form``."""
-    split = Split(axis, size, form)
+def split_sequence(
+    size: int, form: str, axis: str = CONTEXT, heads_axis: str | None = None
+) -> Iterator[Split]:
+    """Trace the loss with its sequences split over ``axis`` (``size`` devices) in ``form``, the heads
+    over ``heads_axis`` where tensor parallelism splits them."""
+    split = Split(axis, size, form, heads_axis)
     token = _SPLIT.set(split)
     try:
         yield split
@@ -152,9 +160,9 @@ def causal_attention(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array) ->
         t = q_bthk.shape[1]
         return _dense(q_bthk, k_bskh, v_bskh, jnp.tril(jnp.ones((t, t), bool)))
     check_heads(q_bthk.shape[2], split.size, split.form)
-    if split.form == "ring":
-        return _ring(q_bthk, k_bskh, v_bskh, split)
-    return _all_to_all(q_bthk, k_bskh, v_bskh, split)
+    attend = _ring if split.form == "ring" else _all_to_all
+    own = _on_own_heads(attend, q_bthk, k_bskh, v_bskh, split) if split.heads_axis is not None else None
+    return attend(q_bthk, k_bskh, v_bskh, split) if own is None else own
 
 
 def _wide(dtype) -> jnp.dtype:
@@ -251,6 +259,34 @@ def _ring(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split)
         first, second = lax.cond(i >= s, before, between, first, second)
     out = jnp.concatenate([first[0] / _heads_last(first[2]), second[0] / _heads_last(second[2])], axis=1)
     return out.astype(q_bthk.dtype)
+
+
+def _on_own_heads(
+    attend, q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split
+) -> jax.Array | None:
+    """``attend`` (the ring or all-to-all) on this device's heads only, in a region manual over the axis
+    tensor parallelism splits them on (``Split.heads_axis``: tp+cp, fsdp+tp+cp), or None where there is
+    none or the query and key/value heads do not both divide over it. Heads attend independently, so
+    nothing moves over that axis. Left to the partitioner instead (JAX 0.12, XLA:CPU), the ring's
+    ``lax.cond`` on a context axis of 2 devices came out with its accumulators split another way in the
+    backward pass, moved there and back by 10 all-to-alls over the model axis per step (the 2-layer
+    GPT, tp+cp context=2; pinning the accumulators' heads by sharding constraints made it 50), and
+    all-to-all attention gathered the heads over the model axis and exchanged all of them over
+    context (the Llama, tp+cp context=4,model=2: 8 all-gathers, twice the all-to-all bytes)."""
+    mesh = get_abstract_mesh()
+    m = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(split.heads_axis, 1)
+    heads = q_bthk.shape[2]
+    if m == 1 or heads % m or k_bskh.shape[2] % m:
+        return None
+    if split.form == "all-to-all" and heads // m % split.size:
+        raise PlanError(
+            f"all-to-all attention under tensor parallelism splits each model shard's {heads}/{m} heads over "
+            f"context={split.size}: use context_attention='ring', or axes whose product divides {heads} heads"
+        )
+    spec = P(None, None, split.heads_axis, None)
+    own = jax.shard_map(lambda q, k, v: attend(q, k, v, split), mesh=mesh, in_specs=(spec, spec, spec),
+                        out_specs=spec, axis_names={split.heads_axis}, check_vma=False)  # fmt: skip
+    return own(q_bthk, k_bskh, v_bskh)
 
 
 def _halves(acc, c):

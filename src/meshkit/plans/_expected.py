@@ -17,7 +17,12 @@ the data axis, M on the model axis, m micro-batches and b = a leaf's bytes on on
   axis, and once per step an all-reduce over replica of the gradient shards (P / N bytes, the
   parameters' dtype: the shards are summed after the micro-batch loop);
 - fsdp+cp (``data`` x ``context``): the same, the context axis in the replicas' place (each gradient
-  shard all-reduced over context once per step), beside the context plans' attention rows;
+  shard all-reduced over context once per step), beside the context plans' attention rows; in
+  general each leaf's gradient is all-reduced once per step over the step's manual axes less those
+  it is split on (``Placement.sum_axes``: data where ZeRO shards it, expert for an expert leaf);
+- context plans: the attention's ppermutes or all-to-alls over context (``_attention_rows``); expert
+  plans: the MoE rows' all_to_alls over expert, and under tp+ep the experts' own Megatron
+  all-reduces over model (``_expert_rows``);
 - tensor parallel, per micro-batch: every row-parallel matrix (model axis on its rows) all-reduces
   its output partial sums in the forward pass (tokens x output width), and every column-parallel
   matrix (model axis on its columns) all-reduces the partial sums of its input gradient in the
@@ -38,7 +43,8 @@ gradient-norm partial sums) are left out of the comparison.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,7 +57,7 @@ from meshkit.plans._context import exchanged_kv_heads
 from meshkit.plans._fsdp import PerLayer, gather_rows, tp_matrices
 from meshkit.plans.memory import zero_stage
 from meshkit.plans.placement import LeafPlacement, Placement
-from meshkit.spec import CONTEXT, DATA, EXPERT, MODEL, REPLICA
+from meshkit.spec import CONTEXT, DATA, EXPERT, MODEL
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,10 +102,6 @@ def expected_collectives(
     n, m_axis, stage = placement.data_size, placement.model_size, placement.plan.zero
     out: list[Expected] = []
     context = int(placement.mesh.shape[CONTEXT]) if placement.plan.context else 1
-    if placement.plan.context and not (placement.plan.shards_params and n > 1):
-        return _context_rows(placement, accumulate, tokens_per_device, activation_bytes, per_layer, form)
-    if placement.plan.expert:
-        return _expert_rows(placement, accumulate, per_layer)
 
     def add(op, axes, count, size, n_group, what):
         if count and size:
@@ -109,26 +111,7 @@ def expected_collectives(
             )  # fmt: skip
 
     leaves = placement.flat()
-    # hsdp: the data shards replicated over replica; fsdp+cp: over context (each device T/C tokens)
-    across, replicas = (CONTEXT, context) if context > 1 else (REPLICA, placement.replica_size)
-    if replicas > 1:  # each data shard's gradient (the parameters' dtype), once per step
-        row = zero_stage(stage).across_replicas(
-            sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None), n, across
-        )
-        add(row.op, across, row.count, row.size_bytes, replicas, row.what)
-    if n > 1 or replicas > 1:
-        whole_axes = "+".join(
-            a for a in (*placement.batch_axes, *(CONTEXT,) * (context > 1)) if placement.mesh.shape[a] > 1
-        )
-        whole = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is None)
-        add(
-            "all-reduce",
-            whole_axes,
-            1,
-            whole,
-            placement.batch_devices * context,
-            "gradients of leaves kept whole on data",
-        )
+    _sum_rows(add, placement)
     if n > 1:
         sharded = sum(_model_bytes(x, placement) for x in leaves if x.data_dim is not None)
         if gather_itemsize is not None and zero_stage(stage).shards("params"):
@@ -152,18 +135,19 @@ def expected_collectives(
                     add("all-gather", DATA, count, size, n, what)
             else:
                 add(row.op, DATA, row.count, row.size_bytes, n, row.what)
+    tokens = tokens_per_device // context  # a device's tokens: T/C of each of its rows' sequences
     if m_axis > 1:
         for x, uses, redone in tp_matrices(per_layer, placement):  # a scan's stacked leaf: one per layer
             if (
                 x.model_spec[0] == MODEL
             ):  # row-parallel: forward partial sums of the output (again under remat)
-                size = tokens_per_device * x.shape[1] * activation_bytes
+                size = tokens * x.shape[1] * activation_bytes
                 times = accumulate * uses * (2 if redone else 1)
                 add("all-reduce", MODEL, times, size, m_axis, f"{x.path}: forward output partial sums")
             elif (
                 x.model_spec[1] == MODEL and x.path not in batch_fed
             ):  # column-parallel: backward partial sums of the input gradient
-                size = tokens_per_device * x.shape[0] * activation_bytes
+                size = tokens * x.shape[0] * activation_bytes
                 add(
                     "all-reduce",
                     MODEL,
@@ -172,109 +156,107 @@ def expected_collectives(
                     m_axis,
                     f"{x.path}: backward input-gradient partial sums",
                 )
-        _vocab_rows(add, placement, accumulate, tokens_per_device, activation_bytes)
-    if context > 1:  # fsdp+cp: the attention's rows over context beside zero3's
+        _vocab_rows(add, placement, accumulate, tokens, activation_bytes)
+    if context > 1:  # the attention's rows over context
         out += _attention_rows(placement, accumulate, tokens_per_device, activation_bytes, per_layer, form)
+    if placement.plan.expert:
+        _expert_rows(add, placement, accumulate, per_layer)
     return _merge(out)
 
 
-def _expert_rows(placement: Placement, accumulate: int, per_layer: PerLayer | None) -> list[Expected]:
-    """Expert plans (``_experts``), per step with E devices on the expert axis and D on data: one
-    all-reduce of the dense gradients over data x expert, one of the expert gradients (``1/E`` of
-    each expert leaf per device) over data; per MoE layer and micro-batch, 2 all_to_alls forward
-    (dispatch, combine) and their 2 transposes backward (the forward's again under remat), each
-    ``(E-1)/E x S`` per device with ``S = B_local x experts x capacity x width`` elements (the
-    chapter's rearranging collectives)."""
-    e, d = placement.expert_size, placement.data_size
-    leaves = placement.flat()
-    out: list[Expected] = []
+def _sum_rows(add: Callable, placement: Placement) -> None:
+    """The gradients' all-reduces after the micro-batch loop, once per step: each leaf summed over
+    the region's live axes less those it is split on (``Placement.sum_axes``, as the step sums them),
+    one row per set of axes. A leaf reduce-scattered on data moves its shard (``1/N``): hsdp's over
+    replica, fsdp+cp's over context, fsdp+ep's dense shards over expert; a leaf kept whole moves its
+    model shard (all of them under dp); an expert leaf its ``E / N`` experts, over data."""
+    n = placement.data_size
+    rows: dict[tuple[str, ...], float] = {}
+    for x in placement.flat():
+        if over := placement.sum_axes(x):
+            rows[over] = rows.get(over, 0) + _model_bytes(x, placement) / (n if x.data_dim is not None else 1)
+    for over, size in rows.items():
+        group = math.prod(int(placement.mesh.shape[a]) for a in over)
+        add("all-reduce", "+".join(over), 1, size, group, f"gradients, summed over {' x '.join(over)}")
 
-    def add(op, axes, count, size, n_group, what):
-        if count and size and n_group > 1:
-            out.append(Expected(op=op, axes=axes, count=count, size_bytes=count * size,
-                                traffic_bytes=count * ring_traffic(op, size, n_group), what=what))  # fmt: skip
 
-    dense_axes = "+".join(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
-    zero3 = placement.plan.shards_params and d > 1  # fsdp+ep: the dense leaves ZeRO-3 over data
-    if zero3:
-        sharded = sum(x.nbytes for x in leaves if x.data_dim is not None)
-        for count, size, what in gather_rows(
-            per_layer or PerLayer(placement=placement), accumulate, lambda x: _model_bytes(x, placement)
-        ):
-            add("all-gather", DATA, count, size, d, what)
-        add("reduce-scatter", DATA, accumulate, sharded, d, "dense gradients, per micro-batch")
-        add("all-reduce", EXPERT, 1, sharded / d, e, "dense gradient shards, across expert")
-    dense = sum(
-        x.nbytes for x in leaves if EXPERT not in x.model_spec and not (zero3 and x.data_dim is not None)
-    )
-    add(
-        "all-reduce",
-        dense_axes,
-        1,
-        dense,
-        placement.batch_devices,
-        "gradients of the leaves every device holds",
-    )
-    experts = sum(_model_bytes(x, placement) for x in leaves if EXPERT in x.model_spec)
-    add("all-reduce", DATA, 1, experts, d, "expert gradients, across the data axis")
-    if per_layer is not None and per_layer.experts:
-        found = per_layer.found
-        layers = found.layers if found is not None and found.per_layer else 1
+def _expert_rows(add: Callable, placement: Placement, accumulate: int, per_layer: PerLayer | None) -> None:
+    """Expert plans' own rows (``_experts``), per MoE layer and micro-batch with E devices on the
+    expert axis: 2 all_to_alls forward (dispatch, combine) and their 2 transposes backward (the
+    forward's again under remat), each ``(E-1)/E x S`` per device with ``S = B_local x experts x
+    capacity x width`` elements (the chapter's rearranging collectives). Under tensor parallelism the
+    experts' matmuls on their ``S`` rows (each device's E/N experts, N B_local C rows each) add the
+    Megatron all-reduces over model: a row-parallel expert matrix its output's partial sums forward,
+    a column-parallel one its input gradient's backward, each ``S`` bytes."""
+    e, m = placement.expert_size, placement.model_size
+    if per_layer is None or not per_layer.experts:
+        return
+    found = per_layer.found
+    layers = found.layers if found is not None and found.per_layer else 1
+    rows = per_layer.experts[0]
+    if e > 1:
         passes = 4 if per_layer.remat == "none" else 6
-        add("all-to-all", EXPERT, passes * layers * accumulate, per_layer.experts[0], e,
+        add("all-to-all", EXPERT, passes * layers * accumulate, rows, e,
             "MoE rows to their experts and back (forward and backward)")  # fmt: skip
-    return _merge(out)
+    if m <= 1:
+        return
+    for x in placement.flat():
+        if EXPERT in x.model_spec and len(x.shape) >= 3 and MODEL in x.model_spec[-2:]:
+            row = x.model_spec[-2] == MODEL  # (E, F, D) with F on model: the MLP's output matrix
+            uses = x.shape[0] if "layers" in x.names else 1
+            add("all-reduce", MODEL, accumulate * uses, rows, m,
+                f"{x.path}: expert {'forward output' if row else 'backward input-gradient'} partial sums")  # fmt: skip
 
 
-def _attention_widths(placement: Placement) -> list[tuple[int, int, int]]:
-    """(layers, query width, key/value width) per attention projection pair of the reference models
-    (leaves ``.../wq`` and ``.../wk``; a scanned model's stacked leaf counts its layers)."""
+def _attention_widths(placement: Placement) -> list[tuple[int, int, int, int, int]]:
+    """(layers, query width, key/value width, query split, key/value split) per attention projection
+    pair of the reference models (leaves ``.../wq`` and ``.../wk``; a scanned model's stacked leaf
+    counts its layers), each width a device's: its heads' where tensor parallelism splits them
+    (tp+cp; the split is the model axis's size there, else 1)."""
     leaves = {x.path: x for x in placement.flat()}
+    m = placement.model_size
+
+    def split(x: LeafPlacement) -> int:
+        return m if x.model_spec[-1] == MODEL else 1
+
     out = []
     for path, wq in leaves.items():
         if path.endswith("wq") and (wk := leaves.get(path[:-2] + "wk")) is not None:
             layers = wq.shape[0] if "layers" in wq.names else 1
-            out.append((layers, wq.shape[-1], wk.shape[-1]))
+            out.append((layers, wq.shape[-1] // split(wq), wk.shape[-1] // split(wk), split(wq), split(wk)))
     return out
 
 
-def _exchanged_kv_width(placement: Placement, q_width: int, kv_width: int, c: int) -> int:
+def _exchanged_kv_width(
+    placement: Placement, q_width: int, kv_width: int, c: int, splits: tuple[int, int]
+) -> int:
     """Key/value width all-to-all attention moves (``_context.exchanged_kv_heads``): their own where the
-    placement knows the heads (``units``) and the kv heads divide over context, else the query width."""
+    placement knows the heads (``units``) and a device's kv heads divide over context, else the query
+    width (``splits``: how many devices the query and the kv heads are split over by tensor parallelism)."""
     heads, kv_heads = placement.units.get("heads"), placement.units.get("kv_heads")
-    if heads is None or kv_heads is None or kv_width * heads != q_width * kv_heads:
+    if heads is None or kv_heads is None:
+        return q_width
+    heads, kv_heads = heads // splits[0], kv_heads // splits[1]
+    if kv_width * heads != q_width * kv_heads:
         return q_width
     return kv_width * exchanged_kv_heads(heads, kv_heads, c) // kv_heads
 
 
-def _context_rows(placement: Placement, accumulate: int, tokens: int, activation_bytes: int,
-                  per_layer: PerLayer | None, form: str) -> list[Expected]:  # fmt: skip
-    """Context plans (``_context``), per step with C devices on the context axis, D on data, and
-    ``tokens`` per data shard (``T/C`` of each sequence on a device): one all-reduce over data and
-    context of every gradient; per layer and micro-batch, ring: ``2 (C-1)`` K/V ppermutes forward
-    (again under remat) and as many of their gradients backward, each ``tokens/C x kv width``; or
-    all-to-all: 4 forward (q, k, v, out) and 4 backward, each ``tokens/C x heads x head_dim`` (k and v
-    ``tokens/C x kv width`` where the kv heads divide over C, ``_exchanged_kv_width``)."""
-    c, d = int(placement.mesh.shape[CONTEXT]), placement.data_size
-    axes = "+".join(
-        a for a in placement.mesh.axis_names if a in (DATA, CONTEXT) and a in placement.mesh.shape
-    )
-    whole = sum(x.nbytes for x in placement.flat())
-    out = [Expected(op="all-reduce", axes=axes, count=1, size_bytes=whole,
-                    traffic_bytes=ring_traffic("all-reduce", whole, c * d), what="gradients")]  # fmt: skip
-    return _merge(out + _attention_rows(placement, accumulate, tokens, activation_bytes, per_layer, form))
-
-
 def _attention_rows(placement: Placement, accumulate: int, tokens: int, activation_bytes: int,
                     per_layer: PerLayer | None, form: str) -> list[Expected]:  # fmt: skip
-    """The context axis's rows of a context plan's attention (``_context_rows``)."""
+    """The context axis's rows of a context plan's attention (``_context``), per step with C devices
+    on the context axis and ``tokens`` per data shard (``T/C`` of each sequence on a device): per layer
+    and micro-batch, ring: ``2 (C-1)`` K/V ppermutes forward (again under remat) and as many of their
+    gradients backward, each ``tokens/C x kv width``; or all-to-all: 4 forward (q, k, v, out) and 4
+    backward, each ``tokens/C x heads x head_dim`` (k and v ``tokens/C x kv width`` where the kv heads
+    divide over C, ``_exchanged_kv_width``)."""
     c = int(placement.mesh.shape[CONTEXT])
     out: list[Expected] = []
     if c == 1:
         return out
     local = tokens // c * activation_bytes
     forward = 2 if per_layer is not None and per_layer.remat != "none" else 1
-    for layers, q_width, kv_width in _attention_widths(placement):
+    for layers, q_width, kv_width, *splits in _attention_widths(placement):
         if form == "ring":
             op, count, size = (
                 "collective-permute",
@@ -285,7 +267,7 @@ def _attention_rows(placement: Placement, accumulate: int, tokens: int, activati
         else:
             op, count = "all-to-all", accumulate * layers * 4 * (forward + 1)
             size = (
-                local * (q_width + _exchanged_kv_width(placement, q_width, kv_width, c)) // 2
+                local * (q_width + _exchanged_kv_width(placement, q_width, kv_width, c, tuple(splits))) // 2
             )  # mean of q, k, v, out
             what = "q, k, v to a head split and the output back; the same backward"
         out.append(Expected(op=op, axes=CONTEXT, count=count, size_bytes=count * size,

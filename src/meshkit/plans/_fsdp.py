@@ -57,7 +57,7 @@ from meshkit.plans._hook import handling
 from meshkit.plans._layers import Found, analyse, arrays_only, scan_body, scan_groups
 from meshkit.plans._remat import remat_policy
 from meshkit.plans.placement import LeafPlacement, Placement
-from meshkit.spec import DATA, PlanError
+from meshkit.spec import DATA, EXPERT, PlanError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -215,7 +215,8 @@ def gather_rows(
 
 
 def tp_matrices(per: PerLayer | None, placement: Placement) -> list[tuple[LeafPlacement, int, bool]]:
-    """Tensor-parallel matrices as ``(2-D leaf, uses per forward pass, forward redone in backward)``.
+    """Tensor-parallel matrices as ``(2-D leaf, uses per forward pass, forward redone in backward)``,
+    expert leaves aside (their rows are the MoE's dispatched rows, not the tokens).
 
     A stacked leaf of a scan is one matrix per layer. Under ``layer`` remat the backward pass redoes a
     layer's forward, and with it the row-parallel output all-reduces, but not the layer's last one
@@ -230,6 +231,8 @@ def tp_matrices(per: PerLayer | None, placement: Placement) -> list[tuple[LeafPl
             redo.update(rows[:-1])
     out = []
     for i, x in enumerate(placement.flat()):
+        if EXPERT in x.model_spec:  # an expert leaf's matmuls run on its dispatched rows (``_expected``)
+            continue
         if i in stacked:  # (L, D) stacked vectors are no matrices
             if len(x.shape) == 3:
                 out.append((_unstacked(x), x.shape[0], i in redo))
@@ -396,9 +399,11 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
     """
     leaves, treedef = jax.tree.flatten(params)
     flat = per.placement.flat()
-    # a leaf kept whole on data has its local shape (fsdp+ep: an expert leaf's E/N experts)
+    # each leaf as gathered over data: its local shape with the data dim whole (an expert leaf keeps
+    # its E/N experts: fsdp+ep whole on data, fsdp+tp+ep split on both)
+    n = per.placement.data_size
     shapes = [
-        leaf.shape if per.gathers and leaf.data_dim is not None else x.shape
+        tuple(s * n if per.gathers and d == leaf.data_dim else s for d, s in enumerate(x.shape))
         for leaf, x in zip(flat, leaves, strict=True)
     ]
     full = jax.tree.unflatten(

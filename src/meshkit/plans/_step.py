@@ -1,17 +1,25 @@
-"""The training step of a plan: gradients with the data-axis collectives written out, then optax.
+"""The training step of a plan: gradients with the batch axes' collectives written out, then optax.
 
-The gradient runs in ``jax.shard_map`` manual over the ``data`` axis only (the ``model`` axis, if
-any, stays with the compiler, which partitions the tensor-parallel matmuls). Collectives on the
-data axis, per ZeRO stage, with ``m`` micro-batches accumulated locally:
+One gradient region serves every plan (``manual_gradients``): ``jax.shard_map`` manual over the
+union of the plan's batch-like axes (``replica``, ``data``, ``expert``, ``context``: those it uses),
+the ``model`` axis, if any, left to the compiler, which partitions the tensor-parallel matmuls. The
+context split (each device ``T / C`` of every sequence, ``_context``) and the expert split (``E / N``
+experts per device, their rows sent by all_to_all, ``_experts``) are in force while the loss is
+traced where their axis is used; so context and expert parallelism combine with tensor parallelism
+and with ZeRO-3 by the same code. After the micro-batch loop each leaf's gradient is summed over the
+region's axes less those it is split on (``Placement.sum_axes``): ``data`` where ZeRO
+reduce-scattered it, ``expert`` for an expert leaf. Collectives on the data axis, per ZeRO stage,
+with ``m`` micro-batches accumulated locally:
 
 - dp:    local sum over micro-batches, then one all-reduce of the gradients (with one micro-batch,
          and for tensor parallelism alone, the whole gradient is left to XLA's partitioner, which
          emits that same single all-reduce);
 - zero1: local sum, then one reduce-scatter (every device holds full local gradients, as ZeRO-1);
 - zero2: one reduce-scatter per micro-batch into a sharded accumulator;
-- hsdp:  zero3 within each group of the ``data`` axis, the batch split over ``replica`` x ``data``
-         (the region manual over both); after the micro-batch loop each gradient shard is
-         all-reduced over ``replica`` (P / N bytes, one all-reduce once XLA combines them);
+- hsdp:  zero3 within each group of the ``data`` axis, the batch split over ``replica`` x ``data``;
+         after the micro-batch loop each gradient shard is all-reduced over ``replica`` (P / N
+         bytes, one all-reduce once XLA combines them); fsdp+cp, fsdp+ep and fsdp+tp+cp the same,
+         the context or expert axis in the replicas' place;
 - zero3: where the loss has layers (a ``lax.scan`` over stacked leaves, or blocks marked with
   ``meshkit.layer``), each layer gathers its parameters inside and reduce-scatters their gradients
   in its backward pass (``_fsdp``); every other leaf is all-gathered before each micro-batch's
@@ -33,9 +41,10 @@ in one bucket. Clipping by global norm is computed over the sharded gradients (s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +60,7 @@ from meshkit.plans import _context, _experts, _fsdp, _rng
 from meshkit.plans._deterministic import deterministic_gradients
 from meshkit.plans._manual import accumulating, manual_data
 from meshkit.plans.placement import Placement
-from meshkit.spec import CONTEXT, DATA, EXPERT, REPLICA, PlanError
+from meshkit.spec import CONTEXT, DATA, MODEL, PlanError
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -76,22 +85,26 @@ def _scatter(grads: Any, placement: Placement) -> Any:
     return _tree_apply(buckets.reduce_scatter, grads, placement)
 
 
-def _finish(acc: Any, placement: Placement, scatter_now: bool, scale: float) -> Any:
-    """Reduce what is still local (one all-reduce of every leaf kept whole: all of them under dp), scale."""
+def _finish(acc: Any, placement: Placement, scatter_now: bool, scale: float,
+            live: tuple[str, ...] | None = None) -> Any:  # fmt: skip
+    """Reduce what is still local over the region's ``live`` axes (those of more than one device;
+    default the batch axes), then scale: each leaf's gradient is summed over them less the axes it is
+    split on (``Placement.sum_axes``), one all-reduce per distinct set, the leaves kept whole first
+    (all of them under dp)."""
     if scatter_now:
         acc = _scatter(acc, placement)
     grads = jax.tree.leaves(acc)
-    whole = [i for i, leaf in enumerate(placement.flat()) if leaf.data_dim is None]
-    # over a size-1 axis XLA rejects the psum (fsdp+tp, data=1); hsdp: whole leaves over replica x data
-    axes = tuple(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
-    if whole and axes:
-        specs = [buckets.model_spec(placement.flat()[i]) for i in whole]
-        summed = buckets.manual_sum(lambda t: lax.psum(t, axes), [grads[i] for i in whole], specs)
-        for i, g in zip(whole, summed, strict=True):
-            grads[i] = g
-    if placement.replica_size > 1:  # hsdp: the data axis's shards, each all-reduced across the replicas
-        shards = [i for i, leaf in enumerate(placement.flat()) if leaf.data_dim is not None]
-        for i, g in zip(shards, lax.psum([grads[i] for i in shards], REPLICA), strict=True):
+    flat = placement.flat()
+    if live is None:  # (a pipeline's region: its batch axes)
+        live = tuple(a for a in placement.batch_axes if placement.mesh.shape[a] > 1)
+    groups: dict[tuple[bool, tuple[str, ...]], list[int]] = {}
+    for i, leaf in enumerate(flat):
+        if over := placement.sum_axes(leaf, live):
+            groups.setdefault((leaf.data_dim is not None, over), []).append(i)
+    for (_, over), idx in sorted(groups.items(), key=lambda kv: kv[0][0]):  # whole leaves first
+        specs = [buckets.model_spec(flat[i]) for i in idx]
+        summed = buckets.manual_sum(lambda t, o=over: lax.psum(t, o), [grads[i] for i in idx], specs)
+        for i, g in zip(idx, summed, strict=True):
             grads[i] = g
     return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in grads])
 
@@ -147,168 +160,97 @@ def _cast(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def local_gradients(
-    loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer, compute_dtype: Any = None
-) -> Callable:
-    """The per-device gradient function (inside the manual data region).
+@contextlib.contextmanager
+def _splits(placement: Placement, per: _fsdp.PerLayer, form: str) -> Iterator[None]:
+    """The loss traced with the plan's splits in force: the sequence over ``context`` (attention in
+    ``form``; a loss that never attends through ``_context`` is refused after the trace), the
+    experts over ``expert`` (their dispatched rows' size recorded for the ledger)."""
+    with contextlib.ExitStack() as stack:
+        seq = placement.plan.context and stack.enter_context(
+            _context.split_sequence(
+                int(placement.mesh.shape[CONTEXT]), form, heads_axis=_heads_axis(placement)
+            )
+        )
+        moe = placement.plan.expert and stack.enter_context(_experts.split_experts(placement.expert_size))
+        yield
+    if seq:
+        _context.check_attended(seq)
+    if moe:
+        per.experts = tuple(moe.rows[-1:])  # the ledger's all_to_all size
 
-    With ``compute_dtype`` (mixed precision) under zero3, the parameter shards are cast before the
-    all-gathers and the gradients reduce-scattered in that dtype (half the bytes for bf16), then
-    cast back to the parameters' dtype before they are accumulated and the optimizer sees them.
-    """
-    low = compute_dtype is not None and placement.plan.gathers_in_compute_dtype
-    scale = 1.0 / (placement.batch_devices * accumulate)
-    axes = placement.batch_axes  # (replica, data) under hsdp: the chunk's index is row-major over both
-    axis = axes if len(axes) > 1 else DATA
 
-    def first_row(j, rows):
-        return (lax.axis_index(axis) * accumulate + j) * rows
+def _heads_axis(placement: Placement) -> str | None:
+    """The model axis where the tensor-parallel rules split attention heads, or None
+    (``_context._on_own_heads``)."""
+    split = any(
+        a == MODEL and n == "heads"
+        for x in placement.flat()
+        for n, a in zip(x.names, x.model_spec, strict=False)
+    )
+    return MODEL if split else None
+
+
+def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer,
+                     compute_dtype: Any = None, form: str = "ring") -> Callable:  # fmt: skip
+    """The one gradient region of every plan the partitioner does not take alone: ``jax.shard_map``
+    manual over the union of the plan's batch-like axes (``Placement.region_axes``), each device on its
+    rows (and, under context parallelism, its ``T / C`` of every sequence, in
+    ``_context.balanced_order``). The collectives are written out (``check_vma=False``: no implicit
+    psum on a transpose).
+
+    Per micro-batch the ZeRO collectives on ``data`` (zero2/3: the reduce-scatter; zero3: the
+    parameters gathered, per layer where the loss has layers, ``_fsdp``); after the loop zero1's
+    reduce-scatter and each leaf's sum over the other axes (``_finish``), then the scale by the
+    devices' count: each holds as many tokens, so the mean of their means is the global mean. With
+    ``compute_dtype`` (mixed precision) where the plan gathers in it, the parameter shards are cast
+    before the gathers and the gradients reduce-scattered in that dtype (half the bytes for bf16),
+    then cast back before they are accumulated and the optimizer sees them."""
+    plan, mesh = placement.plan, placement.mesh
+    rows, axes, live = placement.batch_axes, placement.region_axes, placement.live_axes
+    row_axis = rows if len(rows) > 1 else rows[0] if rows else None  # hsdp: row-major over both
+    low = compute_dtype is not None and plan.gathers_in_compute_dtype
+    context = int(mesh.shape[CONTEXT]) if plan.context else 1
+    scale = 1.0 / (placement.batch_devices * context * accumulate)
+
+    def first_row(j, n):
+        return ((lax.axis_index(row_axis) if rows else 0) * accumulate + j) * n
 
     chunk = _chunk_grad(loss_fn, per, first_row)  # zero3: gathers per layer where the loss has layers
 
     def grad_fn(params, state, micro, key, j):
-        with manual_data(axis):
+        with manual_data(row_axis):
             return chunk(_cast(params, compute_dtype) if low else params, state, micro, key, j)
 
-    def scatter(g):  # per-layer leaves come back already reduce-scattered
-        return _tree_apply(
-            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, placement
-        )
-
-    def run(params, state, batch, key):
-        per_micro = scatter if placement.plan.shards_gradients else (lambda g: g)
-        if low:
-            per_micro = lambda g: jax.tree.map(lambda s, p: s.astype(p.dtype), scatter(g), params)  # noqa: E731
-        loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
-        grads = _finish(
-            acc,
-            placement,
-            scatter_now=placement.plan.shards_optimizer and not placement.plan.shards_gradients,
-            scale=scale,
-        )
-        if placement.batch_devices == 1:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
-            return loss, aux, state, grads
-        mean = lambda t: buckets.manual_sum(lambda v: lax.pmean(v, axis), t)  # noqa: E731
-        return mean(loss), mean(aux), state, grads
-
-    return run
-
-
-def context_gradients(
-    loss_fn: LossFn,
-    placement: Placement,
-    accumulate: int,
-    per: _fsdp.PerLayer,
-    form: str,
-    compute_dtype: Any = None,
-) -> Callable:
-    """Context plans: the batch's sequences in ``_context.balanced_order``, split over the context axis
-    (and its rows over data), the loss traced with the split in force (attention in ``form``), then one
-    all-reduce of the gradients over data and context. Every device holds as many tokens, so the mean
-    of the devices' mean losses is the global mean.
-
-    fsdp+cp: zero3 over data within the region (parameters arrive as data shards, gathered per layer,
-    gradients reduce-scattered over data per micro-batch, ``_fsdp``), replicated over context: after the
-    micro-batch loop each gradient shard is all-reduced over context (as hsdp's over replica), and a
-    leaf kept whole on data over data and context."""
-    mesh = placement.mesh
-    n = int(mesh.shape[CONTEXT])
-    axes = tuple(a for a in (DATA, CONTEXT) if a in mesh.shape)
-    data = DATA in mesh.shape
-    scale = 1.0 / (n * placement.data_size * accumulate)
-    zero3 = placement.plan.shards_params and per.gathers
-    low = zero3 and compute_dtype is not None and placement.plan.gathers_in_compute_dtype
-
-    def first_row(j, rows):
-        return ((lax.axis_index(DATA) if data else 0) * accumulate + j) * rows
-
-    chunk = _chunk_grad(loss_fn, per, first_row)
-
-    def grad_fn(params, state, micro, key, j):
-        return chunk(_cast(params, compute_dtype) if low else params, state, micro, key, j)
-
-    def scatter(g, params):  # zero3: per-layer leaves come back reduce-scattered already
-        g = _tree_apply(
-            lambda leaves, _, k: buckets.reduce_scatter(leaves, per.whole_step_leaves(), k), g, placement
-        )
+    def per_micro(g, params):  # per-layer leaves come back already reduce-scattered
+        if plan.shards_gradients:
+            g = _tree_apply(
+                lambda x, _, n: buckets.reduce_scatter(x, per.whole_step_leaves(), n), g, placement
+            )
         return jax.tree.map(lambda s, p: s.astype(p.dtype), g, params) if low else g
 
-    def reduce(acc):
-        if not zero3:
-            return jax.tree.map(lambda g: lax.psum(g, axes) * scale, acc)
-        split = [leaf.data_dim is not None for leaf in placement.flat()]
-        out = [
-            lax.psum(g, CONTEXT if s else axes) * scale
-            for g, s in zip(jax.tree.leaves(acc), split, strict=True)
-        ]
-        return jax.tree.unflatten(jax.tree.structure(acc), out)
-
     def run(params, state, batch, key):
-        per_micro = (lambda g: scatter(g, params)) if zero3 else (lambda g: g)
-        with _context.split_sequence(n, form) as split:
-            loss, aux, state, acc = _accumulate(grad_fn, params, state, batch, key, accumulate, per_micro)
-        _context.check_attended(split)
-        mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
-        return mean(loss), mean(aux), state, reduce(acc)
-
-    rows = P(DATA if data else None, CONTEXT)
-    specs = placement.tree(lambda leaf: leaf.manual_spec(data=zero3))
-    region = jax.shard_map(run, mesh=mesh, in_specs=(specs, P(), rows, P()), out_specs=(P(), P(), P(), specs),
-                           axis_names=set(axes), check_vma=False)  # fmt: skip
-
-    def grads(params, state, batch, key):
-        return region(params, state, _context.to_balanced(batch, n), key)
-
-    return grads
-
-
-def expert_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer) -> Callable:
-    """Expert plans: the batch's rows over data x expert, each device holding ``E / N`` experts' weights
-    (leaves with an ``expert`` dim) and every other leaf whole; the loss traced with the expert split
-    in force (its MoE rows travel to their experts by all_to_all and back, ``_experts``). Then one
-    all-reduce of the dense gradients over data x expert and one of the expert gradients over data
-    (each device's expert gradient already sums every expert-group device's tokens, through the
-    all_to_all's transpose).
-
-    fsdp+ep: the dense leaves zero3 over data within the region (gathered per layer, gradients
-    reduce-scattered over data per micro-batch, ``_fsdp``), their gradient shards then all-reduced over
-    expert (as hsdp's over replica); expert leaves whole on data, as above."""
-    axes = placement.batch_axes
-    dense_axes = tuple(a for a in axes if placement.mesh.shape[a] > 1)
-    expert_axes = tuple(a for a in dense_axes if a != EXPERT)
-    scale = 1.0 / (placement.batch_devices * accumulate)
-    chunk = _chunk_grad(loss_fn, per, lambda j, rows: (lax.axis_index(axes) * accumulate + j) * rows)
-    zero3 = placement.plan.shards_params and per.gathers
-    # per leaf, the axes its gradient is summed over after the micro-batch loop
-    sums = [
-        expert_axes if EXPERT in leaf.model_spec
-        else tuple(a for a in dense_axes if a != DATA) if zero3 and leaf.data_dim is not None
-        else dense_axes
-        for leaf in placement.flat()
-    ]  # fmt: skip
-
-    def scatter(g):  # zero3: per-layer leaves come back reduce-scattered already
-        return _tree_apply(
-            lambda leaves, _, n: buckets.reduce_scatter(leaves, per.whole_step_leaves(), n), g, placement
-        )
-
-    def reduce(acc):
-        leaves = jax.tree.leaves(acc)
-        out = [lax.psum(g, a) if a else g for g, a in zip(leaves, sums, strict=True)]
-        return jax.tree.unflatten(jax.tree.structure(acc), [g * scale for g in out])
-
-    def run(params, state, batch, key):
-        with _experts.split_experts(placement.expert_size) as split:
+        with _splits(placement, per, form):
             loss, aux, state, acc = _accumulate(
-                chunk, params, state, batch, key, accumulate, scatter if zero3 else (lambda g: g)
+                grad_fn, params, state, batch, key, accumulate, lambda g: per_micro(g, params)
             )
-        per.experts = tuple(split.rows[-1:])  # the ledger's all_to_all size
-        mean = lambda t: jax.tree.map(lambda v: lax.pmean(v, axes), t)  # noqa: E731
-        return mean(loss), mean(aux), state, reduce(acc)
+        scatter_now = plan.shards_optimizer and not plan.shards_gradients
+        grads = _finish(acc, placement, scatter_now, scale, live)
+        if not live:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
+            return loss, aux, state, grads
+        over = live if len(live) > 1 else live[0]
+        mean = lambda t: buckets.manual_sum(lambda v: lax.pmean(v, over), t)  # noqa: E731
+        return mean(loss), mean(aux), state, grads
 
-    specs = placement.tree(lambda leaf: leaf.spec(data=zero3))
-    return jax.shard_map(run, mesh=placement.mesh, in_specs=(specs, P(), placement.batch_spec(), P()),
-                         out_specs=(P(), P(), P(), specs), axis_names=set(axes), check_vma=False)  # fmt: skip
+    def specs(data: bool) -> Any:
+        return placement.tree(lambda leaf: leaf.manual_spec(data=data, expert=plan.expert))
+
+    rows_spec = P(row_axis, CONTEXT) if plan.context else placement.batch_spec()
+    region = jax.shard_map(run, mesh=mesh, in_specs=(specs(plan.shards_params), P(), rows_spec, P()),
+                           out_specs=(P(), P(), P(), specs(plan.shards_optimizer)), axis_names=set(axes),
+                           check_vma=False)  # fmt: skip
+    if not plan.context:
+        return region
+    return lambda params, state, batch, key: region(params, state, _context.to_balanced(batch, context), key)
 
 
 def _first(tree: Any) -> Any:
@@ -327,14 +269,13 @@ def gradient_fn(
 
     Plain data parallelism of one micro-batch (and tensor parallelism alone) is left to XLA's
     partitioner, which emits the single gradient all-reduce the model predicts; everything else
-    runs manual over the data axis. ``per`` carries the remat policy and records the layers found.
+    runs in the one manual region (``manual_gradients``). ``per`` carries the remat policy and
+    records the layers found.
     """
     per = _fsdp.PerLayer(placement=placement) if per is None else per
-    if placement.plan.context:
-        return context_gradients(loss_fn, placement, accumulate, per, form, compute_dtype)
-    if placement.plan.expert:
-        return expert_gradients(loss_fn, placement, accumulate, per)
-    if not placement.has_data_axis or (not placement.plan.shards_optimizer and accumulate == 1):
+    plan = placement.plan
+    split = plan.context or plan.expert
+    if not split and (not placement.has_data_axis or (not plan.shards_optimizer and accumulate == 1)):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
         def plain(params, state, batch, key):
@@ -342,22 +283,7 @@ def gradient_fn(
             return loss, aux, state, jax.tree.map(lambda g: g / accumulate, acc)
 
         return plain
-    zero3 = placement.plan.shards_params
-    in_specs = (placement.tree(lambda leaf: leaf.manual_spec(data=zero3)), P(), placement.batch_spec(), P())
-    out_specs = (
-        P(),
-        P(),
-        P(),
-        placement.tree(lambda leaf: leaf.manual_spec(data=placement.plan.shards_optimizer)),
-    )
-    return jax.shard_map(
-        local_gradients(loss_fn, placement, accumulate, per, compute_dtype),
-        mesh=placement.mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        axis_names=set(placement.batch_axes),
-        check_vma=False,  # collectives are written out explicitly; no implicit psum on transpose
-    )
+    return manual_gradients(loss_fn, placement, accumulate, per, compute_dtype, form)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,6 +12,7 @@ fusion decision, not a property of the jaxpr. Each term and the measurement behi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -142,11 +143,12 @@ def compiled_activations(
         return loss, [jnp.sum(g) for g in grads]
 
     m = per.placement.model_size
-    if m > 1:
-        leaves, extra = _on_model_devices(per.placement, leaves, extra)
     c = int(per.placement.mesh.shape.get(CONTEXT, 1)) if per.placement.plan.context else 1
+    sub = _local_mesh(per.placement, {CONTEXT: c, MODEL: m})
+    if m > 1:
+        leaves, extra = _on_model_devices(per.placement, sub, leaves, extra)
     if c > 1:
-        traced = _on_context_devices(step, per.placement, c, context_attention, leaves, extra)
+        traced = _on_context_devices(step, sub, c, context_attention, leaves, extra)
     else:
         traced = jax.jit(step).trace(leaves, extra)
     # the same program (another plan's Trainer, verify's next certificate): one compile; the jaxpr
@@ -192,20 +194,28 @@ def _local_layers(per: PerLayer) -> PerLayer:
     return PerLayer(placement=placement, remat=per.remat, found=per.found, barriers_only=barriers)
 
 
-def _local_mesh(placement: Placement, axis: str, size: int) -> jax.sharding.Mesh:
-    """A mesh of ``size`` devices on ``axis`` alone: this process's own where it has that many (a
-    multi-host compile then needs no other process), else the mesh's first."""
+def _local_mesh(placement: Placement, sizes: dict[str, int]) -> jax.sharding.Mesh | None:
+    """A mesh of one data shard's devices over the axes of ``sizes`` larger than 1 (context x model
+    under tp+cp): this process's own where it has that many (a multi-host compile then needs no
+    other process), else the mesh's first; None when every size is 1."""
+    axes = {a: n for a, n in sizes.items() if n > 1}
+    if not axes:
+        return None
+    count = math.prod(axes.values())
     devices = list(np.asarray(placement.mesh.devices).reshape(-1))
     mine = [d for d in devices if d.process_index == jax.process_index()]
-    return jax.sharding.Mesh(np.asarray(mine if len(mine) >= size else devices)[:size], (axis,))
+    pool = np.asarray(mine if len(mine) >= count else devices)[:count]
+    return jax.sharding.Mesh(pool.reshape(tuple(axes.values())), tuple(axes))
 
 
-def _on_model_devices(placement: Placement, leaves: list, extra: Any) -> tuple[list, Any]:
-    """Tensor parallel: the loss on one data shard's devices, each leaf split on the model axis as in
-    the step (the partitioner then splits the activations of the heads and the MLP's hidden units),
-    the rest replicated."""
-    sub = _local_mesh(placement, MODEL, placement.model_size)
-    specs = [NamedSharding(sub, leaf.spec(data=False)) for leaf in placement.flat()]
+def _on_model_devices(
+    placement: Placement, sub: jax.sharding.Mesh, leaves: list, extra: Any
+) -> tuple[list, Any]:
+    """Tensor parallel: the loss on one data shard's devices (``sub``), each leaf split on the model
+    axis as in the step (the partitioner then splits the activations of the heads and the MLP's
+    hidden units; an expert leaf's experts stay whole), the rest replicated."""
+    specs = [NamedSharding(sub, P(*[a if a == MODEL else None for a in leaf.model_spec]))
+             for leaf in placement.flat()]  # fmt: skip
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h) for x, h in zip(leaves, specs, strict=True)]
     rep = NamedSharding(sub, P())
     extra = jax.tree.map(
@@ -215,7 +225,7 @@ def _on_model_devices(placement: Placement, leaves: list, extra: Any) -> tuple[l
 
 
 def _on_context_devices(
-    step: Callable, placement: Placement, c: int, form: str, leaves: list, extra: Any
+    step: Callable, sub: jax.sharding.Mesh, c: int, form: str, leaves: list, extra: Any
 ) -> Any:
     """The loss traced on the context axis's ``c`` devices, each its T/C tokens, the split in force.
 
@@ -225,7 +235,6 @@ def _on_context_devices(
     scores for the backward pass, and all-to-all the whole sequence's scores of its H/C heads.
     Compiled on one device for its T/C tokens instead (dense attention over its own chunks), the
     model missed exactly that: 1.6-2.3x measured/predicted at T=256 (GPT and Llama, both forms)."""
-    sub = _local_mesh(placement, CONTEXT, c)
     step = jax.shard_map(step, mesh=sub, in_specs=P(), out_specs=P(), axis_names={CONTEXT}, check_vma=False)
     with _context.split_sequence(c, form):
         return jax.jit(step).trace(leaves, extra)

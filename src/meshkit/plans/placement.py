@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans._experts import EXPERT_DIM, check_experts
-from meshkit.spec import DATA, EXPERT, MODEL, REPLICA, Plan, PlanError, check_axes
+from meshkit.spec import CONTEXT, DATA, EXPERT, MODEL, REPLICA, Plan, PlanError, check_axes
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out); so do grouped-query
@@ -84,11 +84,13 @@ class LeafPlacement:
             dims[self.data_dim] = DATA
         return P(*dims)
 
-    def manual_spec(self, *, data: bool) -> P:
-        """Spec over the data axis alone (what shard_map's manual region sees)."""
-        if not data or self.data_dim is None:
-            return P()
-        return P(*[DATA if d == self.data_dim else None for d in range(len(self.shape))])
+    def manual_spec(self, *, data: bool, expert: bool = False) -> P:
+        """Spec over the step's manual axes alone (what its shard_map region sees): the data split where
+        ``data``, the expert split where ``expert`` (the model axis is the compiler's, never named)."""
+        dims = [EXPERT if expert and a == EXPERT else None for a in self.model_spec]
+        if data and self.data_dim is not None:
+            dims[self.data_dim] = DATA
+        return P(*dims) if any(dims) else P()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +138,30 @@ class Placement:
         """Devices the batch is split over: the data axis, times the replicas under hybrid sharding,
         times the expert axis under expert parallelism."""
         return self.data_size * self.replica_size * self.expert_size
+
+    @property
+    def region_axes(self) -> tuple[str, ...]:
+        """The axes the step's gradient region is manual over (``_step.manual_gradients``): the batch
+        axes, and the context axis where the plan splits sequences over it (the model axis is the
+        compiler's)."""
+        return self.batch_axes + ((CONTEXT,) if self.plan.context else ())
+
+    @property
+    def live_axes(self) -> tuple[str, ...]:
+        """The region's axes of more than one device: those gradients are summed over (XLA rejects a
+        sum over an axis of one device where another axis is the partitioner's: fsdp+tp, data=1)."""
+        return tuple(a for a in self.region_axes if self.mesh.shape[a] > 1)
+
+    def sum_axes(self, leaf: LeafPlacement, live: tuple[str, ...] | None = None) -> tuple[str, ...]:
+        """The axes a leaf's gradient is summed over after the micro-batch loop: every live axis but
+        ``data`` where ZeRO reduce-scattered it there (its shards then summed over replica under hsdp,
+        over context, over expert), and ``expert`` for an expert leaf (each device's expert gradient
+        already sums every expert-group device's tokens, through the all_to_all's transpose). The
+        step's sums and the ledger's model (``_expected``) both ask this."""
+        drop = {DATA} if leaf.data_dim is not None else set()
+        if EXPERT in leaf.model_spec:
+            drop.add(EXPERT)
+        return tuple(a for a in (self.live_axes if live is None else live) if a not in drop)
 
     def batch_spec(self) -> P:
         """The batch's PartitionSpec: its rows over the batch axes."""

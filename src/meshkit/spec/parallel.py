@@ -8,7 +8,6 @@ from typing import Any
 
 from meshkit.spec.plans import (
     PIPELINE_PLANS,
-    PLANS,
     Plan,
     check_axes,
     check_deterministic_plan,
@@ -113,7 +112,7 @@ class ParallelSpec:
     def plan_info(self) -> Plan:
         if self.plan == AUTO:
             raise PlanError("plan 'auto' is chosen by the planner before a step is built: resolve it first")
-        return PLANS[self.plan]
+        return get_plan(self.plan)  # (a name in another order, cp+tp, is its canonical plan's)
 
     @property
     def mesh_text(self) -> str:

@@ -133,9 +133,11 @@ AXIS_RULES = (
 
 COMBINE = {
     frozenset({"tp", "pp"}): "",
-    frozenset({"tp", "cp"}): "not certified yet",
-    frozenset({"tp", "ep"}): "not certified yet",
-    frozenset({"cp", "ep"}): "not certified yet",
+    frozenset({"tp", "cp"}): "",
+    frozenset({"tp", "ep"}): "",
+    frozenset({"cp", "ep"}): "a mixture of experts routes whole sequences (an expert's capacity is per "
+    "sequence) and the context axis splits them; use an expert plan without cp, or a context plan for "
+    "a dense model",
     frozenset(
         {"pp", "cp"}
     ): "a pipeline stage runs whole sequences: the context split is not written for stages",
