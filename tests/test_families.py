@@ -184,3 +184,33 @@ def test_qwen_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv
     )
     cert = _certificate(cfg, plan, mesh, opts)
     assert cert.ok, str(cert)
+
+
+def test_a_run_from_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
+    """``--init-from hf:DIR`` with a Qwen3 checkpoint: the run's model is the checkpoint's (qk_norm on,
+    its weights), and ``meshkit export`` writes it back as model_type qwen3."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from meshkit.data import load
+    from meshkit.train import config as C
+    from meshkit.train.job import prepare
+    from meshkit.train.loop import train
+    from meshkit.train.outputs import export_run
+
+    data = load(C.tiny().data)
+    model = config_from_hf({**SMALL, "model_type": "qwen3", "vocab_size": len(data.chars), "head_dim": 8,
+                            "num_attention_heads": 4, "max_position_embeddings": 64})  # fmt: skip
+    params = llama.init(jax.random.key(1), model)
+    interop.save(params, model, tmp_path / "ckpt", vocab=data.chars)
+    cfg = C.tiny().replace(model="llama", layers=2, width=32, heads=4, kv_heads=2, plan="dp", steps=2,
+                           eval_every=0, init_from=f"hf:{tmp_path / 'ckpt'}", run_dir=str(tmp_path / "run"))  # fmt: skip
+    job = prepare(cfg)
+    assert job.model.qk_norm and job.trainer.params["blocks"][0]["attn"]["q_norm"].shape == (8,)
+    assert train(job, Console(file=io.StringIO()))
+    (tmp_path / "run" / "config.json").write_text(C.dumps(cfg))
+    export_run(tmp_path / "run", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+    assert interop.read_config(tmp_path / "out") == model
