@@ -214,3 +214,38 @@ def test_a_run_from_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
     export_run(tmp_path / "run", tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
     assert interop.read_config(tmp_path / "out") == model
+
+
+#: The fields of the Hub's config.json of Llama-3.2-1B, Qwen2.5-0.5B and Qwen3-0.6B (their sizes made
+#: tiny): the strict field check refuses none of them.
+HUB = {
+    "llama-3.2": {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                  "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 8, "hidden_act": "silu",
+                  "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+                  "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+                  "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pretraining_tp": 1,
+                  "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+                  "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                  "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+                  "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 64},
+    "qwen2.5": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+                "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
+                "intermediate_size": 64, "max_position_embeddings": 32768, "max_window_layers": 24,
+                "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+                "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+                "use_cache": True, "use_sliding_window": False, "vocab_size": 64},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 8, "hidden_act": "silu", "hidden_size": 32,
+              "initializer_range": 0.02, "intermediate_size": 64, "max_position_embeddings": 40960,
+              "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+              "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+              "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 64},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HUB))
+def test_the_hubs_own_configs_are_read(name):
+    cfg = config_from_hf(HUB[name])
+    assert cfg.tie_embeddings and (cfg.rope_scaling is not None) == (name == "llama-3.2")
