@@ -131,3 +131,33 @@ def test_a_transformers_5_config_reads_as_the_same_model(reference, name, tmp_pa
     path = tmp_path / name / "config.json"
     path.write_text(json.dumps(_v5(json.loads(path.read_text()))))
     assert interop.read_config(tmp_path / name) == interop.read_config(tmp / name)
+
+
+@pytest.mark.parametrize("name", ["hf-qwen2", "hf-qwen3", "hf-llama3"])
+def test_transformers_checkpoint_loads_sharded_in_the_scanned_form(reference, name):
+    """Straight into data=4,model=2 (each leaf split on both axes where it divides: the biases and the
+    per-head norms too), the scanned form: the logits of the checkpoint."""
+    import dataclasses
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from meshkit.models import gpt
+
+    tmp, tokens, _ = reference
+    cfg = interop.read_config(tmp / name, scan_layers=True)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+    def spec(s):
+        dims = [None] * s.ndim
+        if s.shape[-1] % 2 == 0:
+            dims[-1] = "model"
+        if s.ndim >= 2 and s.shape[-2] % 4 == 0:
+            dims[-2] = "data"
+        return NamedSharding(mesh, P(*dims))
+
+    shapes = jax.eval_shape(lambda: llama.init(jax.random.key(0), cfg))
+    sharded, _ = interop.load(tmp / name, cfg, shardings=jax.tree.map(spec, shapes))
+    loop = gpt.to_form(jax.device_get(sharded), False)
+    mine = np.asarray(llama.apply(loop, tokens, dataclasses.replace(cfg, scan_layers=False)))
+    assert np.max(np.abs(mine - np.load(tmp / f"{name}.npy"))) < TOL
