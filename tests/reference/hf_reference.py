@@ -3,7 +3,9 @@
 
 ``python hf_reference.py JOBS.json``: for each job, optionally make a tiny random model of a config
 and save it as the Hub does (safetensors shards with an index), then load the directory with
-``AutoModelForCausalLM.from_pretrained`` and write its float32 logits for the job's tokens."""
+``AutoModelForCausalLM.from_pretrained`` and write its float32 logits for the job's tokens; a job with
+``generate`` (``{"prompt": [ids], "new": n}``) also writes ``generate(do_sample=False)``'s ids, the
+prompt's among them, to ``OUT.generated.json``."""
 
 import json
 import sys
@@ -33,6 +35,12 @@ def main(path: str) -> None:
         with torch.no_grad():
             logits = model(tokens).logits.numpy()
         np.save(job["out"], logits)
+        if "generate" in job:  # greedy, with transformers' own cache; eos is None in the job's config
+            prompt = torch.tensor([job["generate"]["prompt"]], dtype=torch.long)
+            with torch.no_grad():
+                out = model.generate(prompt, max_new_tokens=job["generate"]["new"], do_sample=False)
+            with open(job["out"] + ".generated.json", "w") as f:
+                json.dump(out[0].tolist(), f)
         if "text" in job:  # the export's tokenizer and generation settings, as transformers reads them
             from transformers import AutoTokenizer, GenerationConfig
 

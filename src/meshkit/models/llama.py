@@ -1,5 +1,7 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no
-biases, optionally tied embeddings) as a plain pytree, in the reference GPT's two forms.
+biases, optionally tied embeddings) as a plain pytree, in the reference GPT's two forms. Three
+switches make it the decoders of other families (``docs/families.md``): ``qkv_bias`` (Qwen2),
+``qk_norm`` (Qwen3) and ``rope_scaling`` (Llama 3.1's long-context frequencies).
 
 Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads``, ``K = kv_heads``,
 ``h = head_dim``, ``F = ffn``)::
@@ -9,7 +11,9 @@ Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads
         "blocks": [                                   # a Python list, one dict per layer
             {
                 "attn_norm": {"scale": (D,)},
-                "attn": {"wq": (D, H h), "wk": (D, K h), "wv": (D, K h), "wo": (H h, D)},
+                "attn": {"wq": (D, H h), "wk": (D, K h), "wv": (D, K h), "wo": (H h, D),
+                         "bq": (H h,), "bk": (K h,), "bv": (K h,),   # qkv_bias only
+                         "q_norm": (h,), "k_norm": (h,)},            # qk_norm only
                 "mlp_norm": {"scale": (D,)},
                 "mlp": {"w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)},
             },
@@ -32,7 +36,8 @@ where torch computes ``x @ W.T``): rotary embedding on the two halves of each he
 ``silu(x w_gate) * (x w_up)``. So ``meshkit.interop`` moves weights in and out by transposing.
 
 Logical axes: ``"heads"`` (query heads x head_dim), ``"kv_heads"`` (key/value heads x head_dim),
-``"mlp"``, ``"vocab"``, ``"embed"``. The default tensor-parallel rules split heads and the MLP, the
+``"mlp"``, ``"vocab"``, ``"embed"``; a bias has its weight's output axis, a per-head norm none
+(replicated: every head shares it). The default tensor-parallel rules split heads and the MLP, the
 key/value heads where they divide over the model axis, and the vocabulary of the embedding and the
 head; ``cross_entropy`` is written so that the compiler keeps split logits split.
 """
@@ -51,6 +56,7 @@ from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt
+from meshkit.models.rope import Llama3Rope, inv_frequencies
 from meshkit.models.shape import ModelShape
 from meshkit.plans import causal_attention, moe, sequence_positions
 from meshkit.spec import PRECISIONS
@@ -70,6 +76,11 @@ _AXES: dict[str, Axes] = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
     "router": ("embed", None),
+    "bq": ("heads",),
+    "bk": ("kv_heads",),
+    "bv": ("kv_heads",),
+    "q_norm": (None,),
+    "k_norm": (None,),
 }
 
 
@@ -95,6 +106,12 @@ class LlamaConfig:
     """Hidden width of the SwiGLU MLP; 0 means 4 x width."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding's frequencies."""
+    rope_scaling: Llama3Rope | None = None
+    """Llama 3.1's rescaled frequencies; None: the plain rotary."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2; none on the output projection)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's width on the queries and the keys before the rotary (Qwen3)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -179,10 +196,15 @@ def _init_block(key: jax.Array, cfg: LlamaConfig) -> Params:
            "w_down": _normal(kd, (*e, f, d), resid, dt)}  # fmt: skip
     if cfg.experts:
         mlp = {"router": _normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
+    attn = {"wq": _normal(kq, (d, q), 0.02, dt), "wk": _normal(kk, (d, kv), 0.02, dt),
+            "wv": _normal(kv_, (d, kv), 0.02, dt), "wo": _normal(ko, (q, d), resid, dt)}  # fmt: skip
+    if cfg.qkv_bias:
+        attn |= {"bq": jnp.zeros((q,), dt), "bk": jnp.zeros((kv,), dt), "bv": jnp.zeros((kv,), dt)}
+    if cfg.qk_norm:
+        attn |= {"q_norm": jnp.ones((cfg.head_dim,), dt), "k_norm": jnp.ones((cfg.head_dim,), dt)}
     return {
         "attn_norm": {"scale": jnp.ones((d,), dt)},
-        "attn": {"wq": _normal(kq, (d, q), 0.02, dt), "wk": _normal(kk, (d, kv), 0.02, dt),
-                 "wv": _normal(kv_, (d, kv), 0.02, dt), "wo": _normal(ko, (q, d), resid, dt)},
+        "attn": attn,
         "mlp_norm": {"scale": jnp.ones((d,), dt)},
         "moe" if cfg.experts else "mlp": mlp,
     }  # fmt: skip
@@ -191,7 +213,7 @@ def _init_block(key: jax.Array, cfg: LlamaConfig) -> Params:
 @functools.partial(jax.jit, static_argnums=1)  # one program, independent of any mesh
 def init(key: jax.Array, cfg: LlamaConfig) -> Params:
     """Weights ~ N(0, 0.02²), the residual projections (wo, w_down) scaled by 1/sqrt(2 layers),
-    RMSNorm scales ones."""
+    RMSNorm scales ones, biases zeros."""
     k_tok, k_un, k_blocks = jax.random.split(key, 3)
     blocks = [_init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)]
     out = {
@@ -219,9 +241,7 @@ def rope_tables(pos_bt: jax.Array, cfg: LlamaConfig, dtype) -> tuple[jax.Array, 
     """``(cos, sin)`` of shape ``(B, T, 1, head_dim)`` for integer positions, computed in at least
     float32 and cast to ``dtype``."""
     wide = _wide(dtype)
-    half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=wide) / cfg.head_dim))
-    angles = pos_bt.astype(wide)[..., None] * inv_freq[:half]
+    angles = pos_bt.astype(wide)[..., None] * inv_frequencies(cfg, wide)
     angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
@@ -235,11 +255,22 @@ def _rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def project_qkv(
     p: dict[str, jax.Array], x_btd: jax.Array, pos_bt: jax.Array, cfg: LlamaConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries ``(B, T, H, h)`` and keys, values ``(B, T, K, h)``, rotary positions applied."""
+    """Queries ``(B, T, H, h)`` and keys, values ``(B, T, K, h)``: projected (plus their biases), each
+    head normalised (``qk_norm``), then rotary positions applied."""
     b, t, _ = x_btd.shape
-    q = (x_btd @ p["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    k = (x_btd @ p["wk"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
-    v = (x_btd @ p["wv"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+
+    def project(w: str, b_: str, heads: int) -> jax.Array:
+        y = x_btd @ p[w] + p[b_] if cfg.qkv_bias else x_btd @ p[w]
+        return y.reshape(b, t, heads, cfg.head_dim)
+
+    q, k, v = (
+        project("wq", "bq", cfg.heads),
+        project("wk", "bk", cfg.kv_heads),
+        project("wv", "bv", cfg.kv_heads),
+    )
+    if cfg.qk_norm:
+        q = rms_norm({"scale": p["q_norm"]}, q, cfg.norm_eps)
+        k = rms_norm({"scale": p["k_norm"]}, k, cfg.norm_eps)
     cos, sin = rope_tables(pos_bt, cfg, x_btd.dtype)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
@@ -426,7 +457,8 @@ def matmul_params(cfg: LlamaConfig) -> int:
     MLPs and the router)."""
     d, f, q, kv = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     mlp = cfg.experts_per_token * 3 * d * f + d * cfg.experts if cfg.experts else 3 * d * f
-    block = 2 * d * q + 2 * d * kv + mlp + 2 * d
+    extra = (q + 2 * kv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    block = 2 * d * q + 2 * d * kv + mlp + 2 * d + extra
     return cfg.layers * block + d + d * cfg.vocab_size
 
 

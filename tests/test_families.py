@@ -1,0 +1,251 @@
+"""The Llama family's other decoders (issue 36): Llama 3.1's rotary scaling, Qwen2's q/k/v biases and
+Qwen3's per-head q/k norms, read from either form of ``config.json`` transformers writes (4.x's
+``rope_theta``/``rope_scaling``, 5.x's ``rope_parameters``), written back as their own model type,
+every field meshkit does not compute refused by name, and trained under the plans (certificates).
+
+The transformers side (logits, greedy generation, exports loading there) is test_hf_families.py."""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from meshkit import interop
+from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
+from meshkit.models import llama, registry
+from meshkit.spec import ParallelSpec, get_plan
+
+BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}  # fmt: skip
+CONFIGS = {
+    "llama3": {**BASE, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": LLAMA3},
+    "qwen2": {**BASE, "model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": True},
+    "qwen3": {**BASE, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1e6},
+}
+
+
+def _v5(data: dict) -> dict:
+    """A 4.x config.json in transformers 5.x's form: the rotary in ``rope_parameters``, ``dtype``."""
+    out = {k: v for k, v in data.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    rope = {"rope_type": "default"} if data.get("rope_scaling") is None else dict(data["rope_scaling"])
+    return out | {
+        "rope_parameters": {"rope_theta": data.get("rope_theta", 10000.0), **rope},
+        "dtype": "float32",
+    }
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_each_family_reads_its_switches_and_writes_its_own_model_type(name, tmp_path):
+    data = CONFIGS[name]
+    cfg = config_from_hf(data)
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.rope_scaling is not None) == (
+        name == "qwen2", name == "qwen3", name == "llama3",
+    )  # fmt: skip
+    written = config_to_hf(cfg)
+    assert written["model_type"] == data["model_type"] and config_from_hf(written) == cfg
+    assert config_from_hf(_v5(data)) == cfg == config_from_hf(_v5(written))
+    params = jax.tree.map(lambda a: a + 0.5, llama.init(jax.random.key(0), cfg))
+    interop.save(params, cfg, tmp_path / name)
+    loaded, read = interop.load(tmp_path / name)
+    assert read == cfg
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_qwen3_without_head_dim_has_transformers_default_and_llama_hidden_over_heads():
+    qwen3 = {k: v for k, v in CONFIGS["qwen3"].items() if k != "head_dim"}
+    assert config_from_hf(qwen3).head_dim == 128 and config_from_hf(CONFIGS["qwen2"]).head_dim == 8
+
+
+def test_the_5x_rope_parameters_are_read_not_ignored():
+    """The report of issue 36: ``rope_parameters``' theta gave 10000.0; now it is read, and its
+    llama3 scaling with it."""
+    data = {**BASE, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, **LLAMA3}}
+    cfg = config_from_hf(data)
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling == llama.Llama3Rope(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_positions=32
+    )
+
+
+def test_llama3_frequencies_are_transformers_formula():
+    """Long wavelengths stretched ``factor`` times, short ones kept, those between interpolated: the
+    formula in float64 NumPy, written from the Llama 3.1 paper's description, against meshkit's."""
+    rope = {**LLAMA3, "original_max_position_embeddings": 64}  # wavelengths 6.3 (kept), 32 (between), 168...
+    cfg = config_from_hf({**CONFIGS["llama3"], "hidden_size": 64, "rope_scaling": rope})  # head_dim 16
+    r = cfg.rope_scaling
+    f = 1.0 / cfg.rope_theta ** (np.arange(0, 16, 2) / 16)
+    wave = 2 * math.pi / f
+    s = np.clip(
+        (r.original_positions / wave - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor), 0, 1
+    )
+    want = (1 - s) * f / r.factor + s * f
+    got = np.asarray(llama.inv_frequencies(cfg, np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    kinds = {"kept": wave < r.original_positions / 4, "stretched": wave > r.original_positions}
+    assert all(v.any() for v in kinds.values()) and not (kinds["kept"] | kinds["stretched"]).all()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+        ({"rope_scaling": {**LLAMA3, "factor": None}}, "rope_scaling="),
+        ({"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}}, "lacks low_freq_factor"),
+        ({"rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}}, "high_freq_factor > low_freq_factor"),
+        ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}, "lacks high_freq_factor"),
+        ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "default", "partial_rotary_factor": 0.5}}, "takes no partial_rotary_factor"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "rope_parameters="),
+        ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, "give one of the two forms"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config="),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, "sliding_window=16 (of 64 positions)"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, "sliding_window=16"),
+        ({"model_type": "qwen2", "layer_types": ["full_attention", "chunked_attention"]}, "layer_types="),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)  # fmt: skip
+def test_a_field_meshkit_does_not_compute_is_refused_in_one_line_by_its_name(extra, says):
+    with pytest.raises(InteropError) as e:
+        config_from_hf({**BASE, "model_type": "llama", **extra})
+    assert says in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16, "max_window_layers": 0},
+        {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2},
+        {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+        {"model_type": "qwen2", "layer_types": ["full_attention"] * 2, "sliding_window": None},
+        {"model_type": "qwen2", "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+        {"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+        {"pretraining_tp": 1, "use_cache": True, "initializer_range": 0.02, "transformers_version": "5.0.0"},
+    ],
+)
+def test_fields_that_do_not_change_the_model_are_read(extra):
+    kind = extra.get("model_type", "llama")
+    assert config_from_hf({**BASE, "model_type": "llama", **extra}) == config_from_hf(
+        {**BASE, "model_type": kind}
+    )
+
+
+def test_a_config_with_both_switches_is_no_hugging_face_type():
+    cfg = dataclasses.replace(config_from_hf(CONFIGS["qwen2"]), qk_norm=True)
+    with pytest.raises(InteropError, match="qkv_bias=True and qk_norm=True is no Hugging Face model type"):
+        config_to_hf(cfg)
+
+
+def _certificate(cfg, plan, mesh, opts):
+    """``meshkit.verify``'s certificate of ``cfg`` under the plan: its workload is a family's
+    (``verify.workloads``), with this config in place of the family's small one."""
+    from meshkit.verify.certificate import _certify
+    from meshkit.verify.reference import _reference
+    from meshkit.verify.workloads import _family
+
+    pipeline = get_plan(plan).pipeline
+    cfg = dataclasses.replace(cfg, scan_layers=pipeline)
+    w = _family(
+        "llama", registry.family("llama"), cfg, np.random.default_rng(0), jax.random.key(0), stages=pipeline
+    )
+    spec = ParallelSpec(plan=plan, mesh=mesh, **opts)
+    return _certify(w, optax.adam(1e-2), spec, 2, _reference(w, optax.adam(1e-2), 2, numpy_lr=1e-2))
+
+
+SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 16}  # fmt: skip
+#: (plan, mesh, options, key/value heads): under tp on model=8 the key/value heads are 8 as well (2 would
+#: stay whole on the model axis, which the ledger's model of tp does not count)
+PLANS = [
+    ("fsdp", "data=8", {}, 2),
+    ("tp", "model=8", {}, 8),
+    ("dp+pp", "stage=2,data=4", {"microbatches": 4}, 2),
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(("plan", "mesh", "opts", "kv"), PLANS, ids=[p[0] for p in PLANS])
+def test_qwen_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv):
+    """Biases split as their weights' output dim (``heads``, ``kv_heads``), per-head norms replicated."""
+    cfg = config_from_hf({**SMALL, "model_type": kind, "head_dim": 8, "num_key_value_heads": kv})
+    params = llama.init(jax.random.key(0), cfg)
+    axes = llama.logical_axes(params)["blocks"][0]["attn"]
+    assert (axes.get("bq"), axes.get("bk"), axes.get("q_norm")) == (
+        (("heads",), ("kv_heads",), None) if kind == "qwen2" else (None, None, (None,))
+    )
+    cert = _certificate(cfg, plan, mesh, opts)
+    assert cert.ok, str(cert)
+
+
+def test_a_run_from_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
+    """``--init-from hf:DIR`` with a Qwen3 checkpoint: the run's model is the checkpoint's (qk_norm on,
+    its weights), and ``meshkit export`` writes it back as model_type qwen3."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from meshkit.data import load
+    from meshkit.train import config as C
+    from meshkit.train.job import prepare
+    from meshkit.train.loop import train
+    from meshkit.train.outputs import export_run
+
+    data = load(C.tiny().data)
+    model = config_from_hf({**SMALL, "model_type": "qwen3", "vocab_size": len(data.chars), "head_dim": 8,
+                            "num_attention_heads": 4, "max_position_embeddings": 64})  # fmt: skip
+    params = llama.init(jax.random.key(1), model)
+    interop.save(params, model, tmp_path / "ckpt", vocab=data.chars)
+    cfg = C.tiny().replace(model="llama", layers=2, width=32, heads=4, kv_heads=2, plan="dp", steps=2,
+                           eval_every=0, init_from=f"hf:{tmp_path / 'ckpt'}", run_dir=str(tmp_path / "run"))  # fmt: skip
+    job = prepare(cfg)
+    assert job.model.qk_norm and job.trainer.params["blocks"][0]["attn"]["q_norm"].shape == (8,)
+    assert train(job, Console(file=io.StringIO()))
+    (tmp_path / "run" / "config.json").write_text(C.dumps(cfg))
+    export_run(tmp_path / "run", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+    assert interop.read_config(tmp_path / "out") == model
+
+
+#: The fields of the Hub's config.json of Llama-3.2-1B, Qwen2.5-0.5B and Qwen3-0.6B (their sizes made
+#: tiny): the strict field check refuses none of them.
+HUB = {
+    "llama-3.2": {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                  "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 8, "hidden_act": "silu",
+                  "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+                  "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+                  "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pretraining_tp": 1,
+                  "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+                  "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                  "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+                  "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 64},
+    "qwen2.5": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+                "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
+                "intermediate_size": 64, "max_position_embeddings": 32768, "max_window_layers": 24,
+                "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+                "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+                "use_cache": True, "use_sliding_window": False, "vocab_size": 64},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 8, "hidden_act": "silu", "hidden_size": 32,
+              "initializer_range": 0.02, "intermediate_size": 64, "max_position_embeddings": 40960,
+              "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+              "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+              "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 64},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HUB))
+def test_the_hubs_own_configs_are_read(name):
+    cfg = config_from_hf(HUB[name])
+    assert cfg.tie_embeddings and (cfg.rope_scaling is not None) == (name == "llama-3.2")

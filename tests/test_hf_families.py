@@ -1,0 +1,163 @@
+"""Llama 3.1 (llama3 rotary scaling), Qwen2 and Qwen3 against transformers 4.57.6 (torch on CPU, the
+reference environment of test_hf_reference.py), both ways: tiny random checkpoints made by
+transformers load into meshkit with float32 logits within 1e-5 of transformers' and the same 32
+greedy tokens as ``generate(do_sample=False)``, token by token; meshkit's exports of the same
+families load in transformers with meshkit's logits and tokens; read back, the weights are bitwise
+the ones read, and a checkpoint's config.json in transformers 5.x's form (``rope_parameters``) reads
+as the same model. ``-m reference``."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from meshkit import interop
+from meshkit.interop.hf import Checkpoint, Source
+from meshkit.models import llama
+from meshkit.models.generate import generate
+from test_families import _v5
+from test_hf_reference import SCRIPT, TOL, _python
+
+pytestmark = pytest.mark.reference
+NEW = 32
+PROMPT = [5, 17, 3, 42, 8, 61, 29]
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}  # fmt: skip
+"""At head_dim 16 and theta 5e5, wavelengths 6.3 (kept), 32 (interpolated) and 168 on (stretched)."""
+COMMON = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "max_position_embeddings": 128, "eos_token_id": None, "bos_token_id": None}  # fmt: skip
+REFERENCE_MODELS = {
+    "hf-llama3": {**COMMON, "model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1,
+                  "rope_theta": 500000.0, "rope_scaling": LLAMA3, "rms_norm_eps": 1e-5},
+    "hf-llama3-tied": {**COMMON, "model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 2,
+                       "rope_theta": 500000.0, "rope_scaling": LLAMA3, "tie_word_embeddings": True},
+    "hf-qwen2": {**COMMON, "model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "rope_theta": 1e6},
+    "hf-qwen2-tied": {**COMMON, "model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2,
+                      "rope_theta": 1e6, "tie_word_embeddings": True},
+    "hf-qwen3": {**COMMON, "model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 16, "rope_theta": 1e6},
+    "hf-qwen3-tied": {**COMMON, "model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 1,
+                      "head_dim": 8, "rope_theta": 1e6, "tie_word_embeddings": True},
+}  # fmt: skip
+MESHKIT_MODELS = {
+    "llama3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=2, kv_heads=1, ffn=64,
+                                rope_theta=500000.0, rope_scaling=llama.Llama3Rope(
+                                    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_positions=64)),
+    "qwen2": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
+                               rope_theta=1e6, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6),
+    "qwen3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, head_dim=16,
+                               ffn=64, rope_theta=1e6, qk_norm=True, norm_eps=1e-6),
+}  # fmt: skip
+
+
+def _perturbed(cfg, seed):
+    """Initial parameters with every leaf moved (norm scales off 1, biases off 0)."""
+    params = llama.init(jax.random.key(seed), cfg)
+    keys = iter(jax.random.split(jax.random.key(seed + 100), len(jax.tree.leaves(params))))
+    return jax.tree.map(lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape, a.dtype), params)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """meshkit's exports and transformers' own checkpoints, each run by transformers (logits and greedy
+    tokens) in one reference process."""
+    tmp = tmp_path_factory.mktemp("families")
+    tokens = np.random.default_rng(1).integers(0, 64, size=(3, 24)).astype(np.int32)
+    np.save(tmp / "tokens.npy", tokens)
+    ours, jobs = {}, []
+    for i, (name, cfg) in enumerate(MESHKIT_MODELS.items()):
+        params = _perturbed(cfg, i)
+        interop.save(params, cfg, tmp / name, max_shard_bytes=20_000)
+        ours[name] = params
+        jobs.append({"dir": str(tmp / name)})
+    jobs += [{"make": config, "dir": str(tmp / name)} for name, config in REFERENCE_MODELS.items()]
+    for job in jobs:
+        job |= {"tokens": str(tmp / "tokens.npy"), "out": job["dir"] + ".npy",
+                "generate": {"prompt": PROMPT, "new": NEW}}  # fmt: skip
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run([_python(), str(SCRIPT), str(tmp / "jobs.json")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp, tokens, ours
+
+
+def _agree(tmp, name, params, cfg, tokens):
+    """meshkit's logits and greedy tokens against transformers' for the checkpoint ``name``."""
+    mine = np.asarray(llama.apply(params, tokens, cfg))
+    diff = float(np.max(np.abs(mine - np.load(tmp / f"{name}.npy"))))
+    theirs = json.loads((tmp / f"{name}.npy.generated.json").read_text())
+    assert theirs[: len(PROMPT)] == PROMPT and len(theirs) == len(PROMPT) + NEW
+    greedy = generate(params, cfg, [PROMPT], NEW)[0]
+    print(
+        f"{name}: max |logit diff| {diff:.2e}, greedy {NEW} tokens equal: {greedy == theirs[len(PROMPT) :]}"
+    )
+    assert diff < TOL
+    assert greedy == theirs[len(PROMPT) :]
+
+
+@pytest.mark.parametrize("name", list(REFERENCE_MODELS))
+def test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens(reference, name):
+    tmp, tokens, _ = reference
+    params, cfg = interop.load(tmp / name)
+    _agree(tmp, name, params, cfg, tokens)
+    interop.save(params, cfg, tmp / f"{name}-again")  # and back: the tensors it read, bitwise
+    theirs, again = Checkpoint(tmp / name), Checkpoint(tmp / f"{name}-again")
+    assert again.names() <= theirs.names()
+    assert theirs.names() - again.names() <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    for tensor in again.names():
+        whole = tuple(slice(None) for _ in again.shape(tensor))
+        assert np.array_equal(again.read(Source(tensor), whole), theirs.read(Source(tensor), whole)), tensor
+    written = json.loads((tmp / f"{name}-again" / "config.json").read_text())
+    assert written["model_type"] == REFERENCE_MODELS[name]["model_type"]
+
+
+@pytest.mark.parametrize("name", list(MESHKIT_MODELS))
+def test_meshkit_export_gives_transformers_its_logits_and_greedy_tokens(reference, name):
+    tmp, tokens, ours = reference
+    _agree(tmp, name, ours[name], MESHKIT_MODELS[name], tokens)
+
+
+@pytest.mark.parametrize("name", list(REFERENCE_MODELS))
+def test_a_transformers_5_config_reads_as_the_same_model(reference, name, tmp_path):
+    """transformers' own config.json rewritten in 5.x's form (``rope_parameters``, ``dtype``)."""
+    tmp, _, _ = reference
+    shutil.copytree(tmp / name, tmp_path / name)
+    path = tmp_path / name / "config.json"
+    path.write_text(json.dumps(_v5(json.loads(path.read_text()))))
+    assert interop.read_config(tmp_path / name) == interop.read_config(tmp / name)
+
+
+@pytest.mark.parametrize("name", ["hf-qwen2", "hf-qwen3", "hf-llama3"])
+def test_transformers_checkpoint_loads_sharded_in_the_scanned_form(reference, name):
+    """Straight into data=4,model=2 (each leaf split on both axes where it divides: the biases and the
+    per-head norms too), the scanned form: the logits of the checkpoint."""
+    import dataclasses
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from meshkit.models import gpt
+
+    tmp, tokens, _ = reference
+    cfg = interop.read_config(tmp / name, scan_layers=True)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+    def spec(s):
+        dims = [None] * s.ndim
+        if s.shape[-1] % 2 == 0:
+            dims[-1] = "model"
+        if s.ndim >= 2 and s.shape[-2] % 4 == 0:
+            dims[-2] = "data"
+        return NamedSharding(mesh, P(*dims))
+
+    shapes = jax.eval_shape(lambda: llama.init(jax.random.key(0), cfg))
+    sharded, _ = interop.load(tmp / name, cfg, shardings=jax.tree.map(spec, shapes))
+    loop = gpt.to_form(jax.device_get(sharded), False)
+    mine = np.asarray(llama.apply(loop, tokens, dataclasses.replace(cfg, scan_layers=False)))
+    assert np.max(np.abs(mine - np.load(tmp / f"{name}.npy"))) < TOL
