@@ -168,7 +168,7 @@ def _encode(docs: list[Document], tokenizer: Tokenizer, writer: S.ShardWriter, p
     prefix = np.asarray(tokenizer.prefix, np.int32)
 
     def flush() -> None:
-        ids = tokenizer.encode_batch([p for p, _, _ in pending])
+        ids = tokenizer.encode_batch([p for p, _, _ in pending], [not first for _, first, _ in pending])
         for (piece, first, last), piece_ids in zip(pending, ids, strict=True):
             pieces = [prefix, piece_ids] if first else [piece_ids]
             writer.add(pieces, end=last)

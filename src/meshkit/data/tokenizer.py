@@ -56,12 +56,31 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Encode ``texts`` in parallel (the library's own threads)."""
-        return [
-            np.asarray(e.ids, np.int32)
-            for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)  # no offsets: 2x
-        ]
+    def encode_batch(self, texts: Sequence[str], continued: Sequence[bool] | None = None) -> list[np.ndarray]:
+        """Encode ``texts`` in parallel (the library's own threads). ``continued[i]``: text ``i`` goes on
+        a document after a newline (a piece of it), so a tokenizer that puts a space before a text's first
+        word (SentencePiece's ``▁``) must not put one there: it is encoded after that newline, whose ids
+        are then dropped."""
+        cont = [bool(c) and self._prefix_space for c in continued or [False] * len(texts)]
+        nl = self._newline
+        batch = ["\n" + t if c else t for t, c in zip(texts, cont, strict=True)]
+        out = []
+        for e, c in zip(
+            self._tok.encode_batch_fast(batch, add_special_tokens=False), cont, strict=True
+        ):  # no offsets: 2x
+            ids = e.ids[len(nl) :] if c and e.ids[: len(nl)] == nl else e.ids
+            out.append(np.asarray(ids, np.int32))
+        return out
+
+    @functools.cached_property
+    def _newline(self) -> list[int]:
+        return self._tok.encode("\n", add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _prefix_space(self) -> bool:
+        """Whether the tokenizer puts a space before a text's first word (``a`` twice decodes as ``a a``)."""
+        a = self._tok.encode("a", add_special_tokens=False).ids
+        return self._tok.decode(a + a, skip_special_tokens=False) != "aa"
 
     def decode(self, ids) -> str:
         return self._tok.decode(np.asarray(ids).reshape(-1).tolist(), skip_special_tokens=False)
