@@ -75,7 +75,7 @@ def test_real_tokenizers_give_the_tokenizers_librarys_ids(prepared, name):
     docs = _docs(prepared / name)
     assert len(docs) == len(texts) == 79 and docs == want  # every id of every document
     data = load(str(prepared / name))
-    assert [data.decode(d[:-1]) for d in docs] == texts  # and back to the text, exactly
+    assert [data.decode(d[len(prefix) : -1]) for d in docs] == texts  # and back to the text, exactly
     assert data.encode(texts[0]).tolist() == docs[0][:-1]  # a prompt starts as a document does
     special = special_tokens(SimpleNamespace(corpus=data, cfg=SimpleNamespace(init_from=None)))
     assert (special.eos, special.bos) == (eos, bos)  # what an export names
@@ -93,7 +93,7 @@ def test_documents_encoded_in_pieces_decode_exactly(tmp_path, monkeypatch, name)
     prepare([], tmp_path / "out", tokenizer=str(HERE / name))
     data, texts = load(str(tmp_path / "out")), default_documents()
     docs = [d[:-1] for d in _docs(tmp_path / "out")]
-    assert [data.decode(d) for d in docs] == texts
+    assert [data.decode(d[len(data.bpe.prefix) :]) for d in docs] == texts
     if name in ("openllama", "bora"):  # no merges across a newline: the ids of the whole documents too
         assert docs == [data.encode(t).tolist() for t in texts]
 
@@ -141,6 +141,27 @@ def test_eos_and_bos_flags_override_the_config(tmp_path):
     assert manifest["special"]["eos"] == ["<|im_end|>", vocab["<|im_end|>"]]
     assert manifest["special"]["bos"] == ["<s>", vocab["<s>"]]
     assert manifest["special"]["prefix"] == [vocab["<|begin_of_text|>"]]  # the post-processor's own BOS
+
+
+def test_a_run_on_them_trains_generates_and_exports_its_tokens(tmp_path, capsys):
+    """Shards of a Llama 3 shaped tokenizer: a Llama trains on them, generates from a prompt that starts
+    with the BOS id, and its export names that BOS and end of text."""
+    src = _fixture(tmp_path, "llama3")
+    manifest = prepare([], tmp_path / "data", tokenizer=str(src))
+    (eos, eos_id), (bos, bos_id) = manifest["special"]["eos"], manifest["special"]["bos"]
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--model", "llama", "--kv-heads", "2", "--data", str(tmp_path / "data"),
+                 "--seq-len", "32", "--steps", "2", "--eval-every", "0", "--sample-chars", "0", "--export-hf",
+                 "--run-dir", str(run)]) == 0  # fmt: skip
+    config = json.loads((run / "hf" / "config.json").read_text())
+    tok_cfg = json.loads((run / "hf" / "tokenizer_config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (eos_id, bos_id)
+    assert (
+        (tok_cfg["eos_token"], tok_cfg["bos_token"]) == (eos, bos) == ("<|end_of_text|>", "<|begin_of_text|>")
+    )
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()  # four tokens' text
 
 
 def _one_line_exit_2(capsys, argv, match):

@@ -84,12 +84,6 @@ class Corpus:
         return T.encode(text, self.chars)
 
     def decode(self, ids: Any) -> str:
-        """``ids`` as text (without the BOS id that :meth:`encode` puts first)."""
-        if self.bpe is not None and self.bpe.prefix:
-            ids = np.asarray(ids).reshape(-1)
-            n = len(self.bpe.prefix)
-            if ids[:n].tolist() == list(self.bpe.prefix):
-                ids = ids[n:]
         if self.decoder is None:
             return " ".join(map(str, np.asarray(ids).reshape(-1).tolist()))
         return self.decoder(ids)
