@@ -204,6 +204,24 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _given(
+    tokenizer: str | None, vocab_size: int | None, eos: str | None, bos: str | None
+) -> Tokenizer | None:
+    """The ``--tokenizer`` given (None: train one), checked against the other options."""
+    if tokenizer is None:
+        if eos or bos:
+            flag = "--eos-token" if eos else "--bos-token"
+            raise DataError(f"{flag} names a token of --tokenizer: give --tokenizer too, or leave {flag} out")
+        return None
+    given = load_tokenizer(tokenizer, eos=eos, bos=bos)
+    if vocab_size is not None and vocab_size != given.vocab_size:
+        raise DataError(
+            f"--vocab-size {vocab_size} does not match the {given.vocab_size} ids of --tokenizer '{tokenizer}': "
+            "drop --vocab-size, or leave out --tokenizer to train a BPE of that size"
+        )
+    return given
+
+
 def prepare(
     inputs: list[str],
     out: str | Path,
@@ -227,15 +245,7 @@ def prepare(
         raise DataError(f"--out '{out}' {what}: give a new directory, or remove it first")
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
-    if tokenizer is None and (eos_token or bos_token):
-        flag = "--eos-token" if eos_token else "--bos-token"
-        raise DataError(f"{flag} names a token of --tokenizer: give --tokenizer too, or leave {flag} out")
-    given = load_tokenizer(tokenizer, eos=eos_token, bos=bos_token) if tokenizer is not None else None
-    if given is not None and vocab_size is not None and vocab_size != given.vocab_size:
-        raise DataError(
-            f"--vocab-size {vocab_size} does not match the {given.vocab_size} ids of --tokenizer '{tokenizer}': "
-            "drop --vocab-size, or leave out --tokenizer to train a BPE of that size"
-        )
+    given = _given(tokenizer, vocab_size, eos_token, bos_token)
     docs = list_inputs(inputs)
     progress = Progress(total_bytes=sum(d.size for d in docs), report=report)
     _check(docs, progress)
