@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshkit.cli import main
-from meshkit.data import load
+from meshkit.data import DataError, load
 from meshkit.data import shards as S
 from meshkit.data.prepare import prepare
 from meshkit.data.text import default_documents
@@ -96,6 +96,23 @@ def test_documents_encoded_in_pieces_decode_exactly(tmp_path, monkeypatch, name)
     assert [data.decode(d[len(data.bpe.prefix) :]) for d in docs] == texts
     if name in ("openllama", "bora"):  # no merges across a newline: the ids of the whole documents too
         assert docs == [data.encode(t).tolist() for t in texts]
+
+
+def test_shards_prepared_before_issue_36_still_open_and_a_changed_config_is_refused(tmp_path, capsys):
+    """A manifest without ``special`` and no tokenizer_config.json (meshkit's own BPE, before): the
+    end-of-text token it always had. A tokenizer_config.json changed after preparing: one line."""
+    prepare([], tmp_path / "old", vocab_size=300)
+    manifest = json.loads((tmp_path / "old" / S.MANIFEST).read_text())
+    del manifest["special"]
+    (tmp_path / "old" / S.MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "old" / "tokenizer_config.json").unlink()
+    assert load(str(tmp_path / "old")).bpe.eos == ("<|endoftext|>", manifest["eot_id"])
+    prepare([], tmp_path / "new", tokenizer=str(HERE / "gpt2"))
+    (tmp_path / "new" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": None}))  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"BOS None \(\[\] first\) but the shards were made with 3001 ids, end of text"
+    ):
+        load(str(tmp_path / "new"))
 
 
 def _fixture(root: Path, name: str) -> Path:

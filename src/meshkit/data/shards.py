@@ -140,7 +140,14 @@ def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSource, Tokenizer
                                               "suffix": [manifest.get("eot_id")]}  # fmt: skip  # before issue 36
     ours = {"vocab_size": tokenizer.vocab_size, "special": special_of(tokenizer)}
     if ours != theirs:
-        raise DataError(f"'{tok_path}' reads {ours} but the shards were made with {theirs}: {again}")
+
+        def said(m: dict[str, Any]) -> str:
+            sp = m["special"]
+            return f"{m['vocab_size']} ids, end of text {sp['eos']}, BOS {sp['bos']} ({sp['prefix']} first)"
+
+        raise DataError(
+            f"'{tok_path}' has {said(ours)} but the shards were made with {said(theirs)}: {again}"
+        )
     files, sizes = [], []
     for shard in manifest.get("shards", []):
         path = directory / shard["file"]
