@@ -122,6 +122,11 @@ def digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _said(m: dict[str, Any]) -> str:
+    sp = m["special"]
+    return f"{m['vocab_size']} ids, end of text {sp['eos']}, BOS {sp['bos']} ({sp['prefix']} first)"
+
+
 def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSource, Tokenizer]:
     """The manifest, the token stream and the tokenizer of a prepared directory, each checked against
     the manifest (shard sizes, the tokenizer's sha256 and vocabulary); one line naming the fix if not."""
@@ -140,13 +145,8 @@ def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSource, Tokenizer
                                               "suffix": [manifest.get("eot_id")]}  # fmt: skip  # before issue 36
     ours = {"vocab_size": tokenizer.vocab_size, "special": special_of(tokenizer)}
     if ours != theirs:
-
-        def said(m: dict[str, Any]) -> str:
-            sp = m["special"]
-            return f"{m['vocab_size']} ids, end of text {sp['eos']}, BOS {sp['bos']} ({sp['prefix']} first)"
-
         raise DataError(
-            f"'{tok_path}' has {said(ours)} but the shards were made with {said(theirs)}: {again}"
+            f"'{tok_path}' has {_said(ours)} but the shards were made with {_said(theirs)}: {again}"
         )
     files, sizes = [], []
     for shard in manifest.get("shards", []):
