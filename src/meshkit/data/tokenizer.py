@@ -139,6 +139,7 @@ def _frame(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (), ()  # a post-processor that rewrites the text's own ids: none that meshkit knows
 
 
+@functools.cache
 def _byte_level_table() -> frozenset[str]:
     from tokenizers import pre_tokenizers
 
