@@ -28,9 +28,25 @@ def prepare(
     tokenizer: Annotated[
         str | None,
         typer.Option(
-            help="An existing tokenizer.json (Hugging Face tokenizers) with an <|endoftext|> token; none: "
-            "train a byte-level BPE.",
+            help="An existing tokenizer.json (Hugging Face tokenizers), or a model's directory holding one; "
+            "its tokenizer_config.json / special_tokens_map.json beside it name its end and beginning of "
+            "text, and a BOS starts each document where transformers would prepend one; none: train a "
+            "byte-level BPE.",
             show_default="train one",
+        ),
+    ] = None,
+    eos_token: Annotated[
+        str | None,
+        typer.Option(
+            help="--tokenizer's end-of-text token, which closes every document.",
+            show_default="its tokenizer_config.json's eos_token, else <|endoftext|>",
+        ),
+    ] = None,
+    bos_token: Annotated[
+        str | None,
+        typer.Option(
+            help="--tokenizer's beginning-of-text token (prepended where the tokenizer prepends one).",
+            show_default="its tokenizer_config.json's bos_token",
         ),
     ] = None,
     shard_tokens: Annotated[int, typer.Option(help="Ids per shard file.")] = 1 << 28,
@@ -56,8 +72,8 @@ def prepare(
             bar.update(task, description=phase, total=max(p.total_bytes, 1), completed=p.bytes, info=info)
 
         start = time.perf_counter()
-        manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, shard_tokens=shard_tokens,
-                       report=report)  # fmt: skip
+        manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
+                       bos_token=bos_token, shard_tokens=shard_tokens, report=report)  # fmt: skip
     seconds = time.perf_counter() - start
     mb = manifest["text_bytes"] / 1e6
     console.print(

@@ -67,10 +67,10 @@ class Corpus:
                        seed=seed, packed=self.packed, pad_id=self.pad_id, digest=self.digest, **kw)  # fmt: skip
 
     def encode(self, text: str) -> np.ndarray:
-        """``text`` as the run's token ids; raises ``DataError`` for bare ids or characters outside the
+        """``text`` as the run's token ids (after the BOS id where the tokenizer prepends one); raises ``DataError`` for bare ids or characters outside the
         vocabulary."""
-        if self.bpe is not None:
-            return self.bpe.encode(text)
+        if self.bpe is not None:  # as a document starts in the shards: with its BOS where it has one
+            return np.concatenate([np.asarray(self.bpe.prefix, np.int32), self.bpe.encode(text)])
         if self.chars is None:
             raise DataError("this run trained on token ids with no tokenizer: give text data or token shards")
         missing = sorted(set(text) - set(self.chars))

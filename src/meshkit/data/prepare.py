@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from meshkit.data import shards as S
 from meshkit.data.source import DataError, path_kind
 from meshkit.data.text import DEFAULT_SOURCE, default_documents
 from meshkit.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from meshkit.data.tokenizer_config import CONFIG, shards_config
 
 CHUNK = 1 << 20
 """Bytes read from a file at a time."""
@@ -161,19 +164,22 @@ def _texts(docs: list[Document], progress: Progress) -> Iterator[str]:
 
 def _encode(docs: list[Document], tokenizer: Tokenizer, writer: S.ShardWriter, progress: Progress) -> None:
     """Encode the documents in batches of about ``BATCH`` characters; write them in order."""
-    pending: list[tuple[str, bool]] = []  # (piece, last piece of its document)
+    pending: list[tuple[str, bool, bool]] = []  # (piece, first, last piece of its document)
+    prefix = np.asarray(tokenizer.prefix, np.int32)
 
     def flush() -> None:
-        ids = tokenizer.encode_batch([p for p, _ in pending])
-        for (piece, last), piece_ids in zip(pending, ids, strict=True):
-            writer.add([piece_ids], end=last)
-            progress.update("encode", len(piece.encode()), len(piece_ids) + last)
+        ids = tokenizer.encode_batch([p for p, _, _ in pending], [not first for _, first, _ in pending])
+        for (piece, first, last), piece_ids in zip(pending, ids, strict=True):
+            pieces = [prefix, piece_ids] if first else [piece_ids]
+            writer.add(pieces, end=last)
+            ntokens = len(piece_ids) + first * len(prefix) + last * len(writer.end_ids)
+            progress.update("encode", len(piece.encode()), ntokens)
         pending.clear()
 
     size = 0
     for doc in docs:
-        for piece, last in _with_last(_chunks(doc)):
-            pending.append((piece, last))
+        for i, (piece, last) in enumerate(_with_last(_chunks(doc))):
+            pending.append((piece, i == 0, last))
             size += len(piece)
             if size >= BATCH:
                 flush()
@@ -198,17 +204,39 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _given(
+    tokenizer: str | None, vocab_size: int | None, eos: str | None, bos: str | None
+) -> Tokenizer | None:
+    """The ``--tokenizer`` given (None: train one), checked against the other options."""
+    if tokenizer is None:
+        if eos or bos:
+            flag = "--eos-token" if eos else "--bos-token"
+            raise DataError(f"{flag} names a token of --tokenizer: give --tokenizer too, or leave {flag} out")
+        return None
+    given = load_tokenizer(tokenizer, eos=eos, bos=bos)
+    if vocab_size is not None and vocab_size != given.vocab_size:
+        raise DataError(
+            f"--vocab-size {vocab_size} does not match the {given.vocab_size} ids of --tokenizer '{tokenizer}': "
+            "drop --vocab-size, or leave out --tokenizer to train a BPE of that size"
+        )
+    return given
+
+
 def prepare(
     inputs: list[str],
     out: str | Path,
     *,
     vocab_size: int | None = None,
     tokenizer: str | None = None,
+    eos_token: str | None = None,
+    bos_token: str | None = None,
     shard_tokens: int = SHARD_TOKENS,
     report: Callable[[Progress, str], None] | None = None,
 ) -> dict[str, Any]:
     """Prepare ``inputs`` into ``out``; returns the manifest. ``vocab_size``: of the BPE trained here (8192
-    when None); with ``tokenizer`` (a ``tokenizer.json``) nothing is trained, and a ``vocab_size`` must match it."""
+    when None); with ``tokenizer`` (a ``tokenizer.json``, or a directory holding one) nothing is trained,
+    a ``vocab_size`` must match it, and ``eos_token``/``bos_token`` name its end and beginning of text
+    (None: those its tokenizer_config.json names, :func:`meshkit.data.tokenizer.load_tokenizer`)."""
     out = Path(out)
     if path_kind(out) != "missing" and not (out.is_dir() and not any(out.iterdir())):
         what = (
@@ -217,12 +245,7 @@ def prepare(
         raise DataError(f"--out '{out}' {what}: give a new directory, or remove it first")
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
-    given = load_tokenizer(tokenizer) if tokenizer is not None else None
-    if given is not None and vocab_size is not None and vocab_size != given.vocab_size:
-        raise DataError(
-            f"--vocab-size {vocab_size} does not match the {given.vocab_size} ids of --tokenizer '{tokenizer}': "
-            "drop --vocab-size, or leave out --tokenizer to train a BPE of that size"
-        )
+    given = _given(tokenizer, vocab_size, eos_token, bos_token)
     docs = list_inputs(inputs)
     progress = Progress(total_bytes=sum(d.size for d in docs), report=report)
     _check(docs, progress)
@@ -239,8 +262,11 @@ def prepare(
     try:
         progress.bytes = 0
         (work / S.TOKENIZER).write_text(tok.to_str(), encoding="utf-8")
+        bos = None if tok.bos is None else tok.bos[0]
+        config = shards_config(tok.eos[0], bos, bool(tok.prefix))
+        (work / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
         writer = S.ShardWriter(
-            work, dtype=S.dtype_for(tok.vocab_size), eot_id=tok.eot_id, shard_tokens=shard_tokens
+            work, dtype=S.dtype_for(tok.vocab_size), end_ids=tok.suffix, shard_tokens=shard_tokens
         )
         _encode(docs, tok, writer, progress)
         writer.close()
@@ -251,6 +277,7 @@ def prepare(
             "tokenizer_source": tok.source,
             "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id,
+            "special": S.special_of(tok),
             "dtype": S.dtype_for(tok.vocab_size),
             "documents": len(writer.doc_ends),
             "tokens": writer.tokens,

@@ -3,7 +3,9 @@
 A prepared directory holds::
 
     manifest.json     format, tokenizer, counts, dtype, and each shard's tokens, bytes and sha256
-    tokenizer.json    the tokenizer every later command encodes and decodes with
+    tokenizer.json    the tokenizer every later command encodes and decodes with (its post-processor
+                      frames a document as transformers does: a BOS id first where it has one)
+    tokenizer_config.json  its end-of-text and BOS tokens, for meshkit and transformers' AutoTokenizer
     shard-00000.bin   raw little-endian ids (uint16 below 65,536 ids, else uint32): the documents,
     shard-00001.bin   each followed by the end-of-text id, one stream cut into shards
     documents.npy     int64 end offset of each document (after its end-of-text) in that stream
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from meshkit.data.source import DataError, ShardSource
-from meshkit.data.tokenizer import Tokenizer, load_tokenizer
+from meshkit.data.tokenizer import EOT, Tokenizer, load_tokenizer
 
 FORMAT = "meshkit-tokens/1"
 MANIFEST = "manifest.json"
@@ -41,13 +44,10 @@ def dtype_for(vocab_size: int) -> str:
 class ShardWriter:
     """Appends documents to shards of at most ``shard_tokens`` ids each; records sizes and sha256."""
 
-    def __init__(self, directory: Path, *, dtype: str, eot_id: int, shard_tokens: int) -> None:
-        self.directory, self.dtype, self.eot_id, self.shard_tokens = (
-            directory,
-            np.dtype(dtype),
-            eot_id,
-            shard_tokens,
-        )
+    def __init__(self, directory: Path, *, dtype: str, end_ids: Sequence[int], shard_tokens: int) -> None:
+        self.directory, self.dtype, self.shard_tokens = directory, np.dtype(dtype), shard_tokens
+        self.end_ids = np.asarray(end_ids, np.int64)
+        """What closes each document: the tokenizer's post-processor's ids, then the end-of-text id."""
         self.shards: list[dict[str, Any]] = []
         self.doc_ends: list[int] = []
         self.tokens = 0
@@ -83,16 +83,23 @@ class ShardWriter:
             self.tokens += len(part)
 
     def add(self, pieces: list[np.ndarray], *, end: bool) -> None:
-        """Append a document's ids (in pieces); ``end`` closes it with the end-of-text id."""
+        """Append a document's ids (in pieces); ``end`` closes it (``end_ids``)."""
         for ids in pieces:
             self._put(ids)
         if end:
-            self._put(np.array([self.eot_id]))
+            self._put(self.end_ids)
             self.doc_ends.append(self.tokens)
 
     def close(self) -> None:
         self._close_shard()
         np.save(self.directory / DOCUMENTS, np.asarray(self.doc_ends, np.int64))
+
+
+def special_of(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The tokenizer's special tokens as the manifest records them: end and beginning of text (string
+    and id; training, generation and export read them), and the ids around each document."""
+    return {"eos": list(tokenizer.eos), "bos": None if tokenizer.bos is None else list(tokenizer.bos),
+            "prefix": list(tokenizer.prefix), "suffix": list(tokenizer.suffix)}  # fmt: skip
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -115,6 +122,11 @@ def digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _said(m: dict[str, Any]) -> str:
+    sp = m["special"]
+    return f"{m['vocab_size']} ids, end of text {sp['eos']}, BOS {sp['bos']} ({sp['prefix']} first)"
+
+
 def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSource, Tokenizer]:
     """The manifest, the token stream and the tokenizer of a prepared directory, each checked against
     the manifest (shard sizes, the tokenizer's sha256 and vocabulary); one line naming the fix if not."""
@@ -128,10 +140,13 @@ def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSource, Tokenizer
             f"'{tok_path}' is not the tokenizer the shards were made with (its sha256 differs): {again}"
         )
     tokenizer = load_tokenizer(tok_path)
-    if tokenizer.vocab_size != manifest.get("vocab_size") or tokenizer.eot_id != manifest.get("eot_id"):
+    theirs = {k: manifest.get(k) for k in ("vocab_size", "special")}
+    theirs["special"] = theirs["special"] or {"eos": [EOT, manifest.get("eot_id")], "bos": None, "prefix": [],
+                                              "suffix": [manifest.get("eot_id")]}  # fmt: skip  # before issue 36
+    ours = {"vocab_size": tokenizer.vocab_size, "special": special_of(tokenizer)}
+    if ours != theirs:
         raise DataError(
-            f"'{tok_path}' has {tokenizer.vocab_size} ids (end-of-text {tokenizer.eot_id}) but the shards were made "
-            f"with {manifest.get('vocab_size')} (end-of-text {manifest.get('eot_id')}): {again}"
+            f"'{tok_path}' has {_said(ours)} but the shards were made with {_said(theirs)}: {again}"
         )
     files, sizes = [], []
     for shard in manifest.get("shards", []):

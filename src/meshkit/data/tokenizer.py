@@ -23,30 +23,64 @@ MIN_VOCAB = 257
 
 
 class Tokenizer:
-    """A ``tokenizers.Tokenizer`` with the end-of-text id, encoding special tokens' text as plain text
-    (a document that contains ``<|endoftext|>`` keeps it as characters, not as a boundary)."""
+    """A ``tokenizers.Tokenizer`` with its end-of-text token (``eos``, which closes every document in the
+    shards), its beginning-of-text token where it has one (``bos``), and the ids its post-processor puts
+    around a document (``prefix``: a BOS where the tokenizer prepends one). It encodes special tokens'
+    text as plain text (a document that contains ``<|endoftext|>`` keeps it as characters, not as a
+    boundary)."""
 
-    def __init__(self, tok, source: str) -> None:
+    def __init__(self, tok, source: str, *, eos: str = EOT, bos: str | None = None) -> None:
         self._tok, self.source = tok, source
-        eot = tok.token_to_id(EOT)
-        if eot is None:
-            raise DataError(
-                f"tokenizer {source} has no {EOT} token: add it as a special token, or let "
-                "meshkit data prepare train one (leave out --tokenizer)"
-            )
-        self.eot_id: int = eot
         self.vocab_size: int = tok.get_vocab_size()
+        self.eos: tuple[str, int] = (eos, self._id(eos, "end-of-text", "--eos-token"))
+        self.bos: tuple[str, int] | None = (
+            None if bos is None else (bos, self._id(bos, "beginning-of-text", "--bos-token"))
+        )
+        self.eot_id: int = self.eos[1]
+        self.prefix, suffix = _frame(tok)
+        self.suffix = suffix if suffix[-1:] == (self.eot_id,) else (*suffix, self.eot_id)
+        """The ids that close a document: the post-processor's, then the end-of-text id (once)."""
         tok.encode_special_tokens = True
+
+    def _id(self, token: str, what: str, flag: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None or i >= self.vocab_size:
+            special = sorted(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+            some = ", ".join(special[:6]) + (", ..." if len(special) > 6 else "") if special else "none"
+            raise DataError(
+                f"tokenizer {self.source} has no {token} token: name its {what} token with {flag} "
+                f"(its special tokens: {some}), or let meshkit data prepare train one (leave out --tokenizer)"
+            )
+        return i
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Encode ``texts`` in parallel (the library's own threads)."""
-        return [
-            np.asarray(e.ids, np.int32)
-            for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)  # no offsets: 2x
-        ]
+    def encode_batch(self, texts: Sequence[str], continued: Sequence[bool] | None = None) -> list[np.ndarray]:
+        """Encode ``texts`` in parallel (the library's own threads). ``continued[i]``: text ``i`` goes on
+        a document after a newline (a piece of it), so a tokenizer that puts a space before a text's first
+        word (SentencePiece's ``▁``) must not put one there: it is encoded after that newline, whose ids
+        are then dropped."""
+        cont = [bool(c) and self._prefix_space for c in continued or [False] * len(texts)]
+        nl = self._newline
+        batch = ["\n" + t if c else t for t, c in zip(texts, cont, strict=True)]
+        out = []
+        for e, c in zip(
+            self._tok.encode_batch_fast(batch, add_special_tokens=False), cont, strict=True
+        ):  # no offsets: 2x
+            ids = e.ids[len(nl) :] if c and e.ids[: len(nl)] == nl else e.ids
+            out.append(np.asarray(ids, np.int32))
+        return out
+
+    @functools.cached_property
+    def _newline(self) -> list[int]:
+        return self._tok.encode("\n", add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _prefix_space(self) -> bool:
+        """Whether the tokenizer puts a space before a text's first word (``a`` twice decodes as ``a a``)."""
+        a = self._tok.encode("a", add_special_tokens=False).ids
+        return self._tok.decode(a + a, skip_special_tokens=False) != "aa"
 
     def decode(self, ids) -> str:
         return self._tok.decode(np.asarray(ids).reshape(-1).tolist(), skip_special_tokens=False)
@@ -65,21 +99,44 @@ class Tokenizer:
 
     @functools.cached_property
     def token_bytes(self) -> np.ndarray:
-        """UTF-8 bytes each id stands for (0 for special tokens), as int64 of length ``vocab_size``."""
+        """UTF-8 bytes each id stands for (0 for special tokens), as int64 of length ``vocab_size``: a
+        byte-level symbol is one byte, a byte-fallback ``<0xNN>`` token one, any other token what it adds
+        decoded after an ordinary one (so that a SentencePiece ``▁`` counts its space, which a decoder
+        strips from a text's start)."""
         from tokenizers import decoders
 
         special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
         counts = np.zeros(self.vocab_size, np.int64)
         byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
-        table = _byte_level_table() if byte_level else {}
+        table = _byte_level_table() if byte_level else frozenset()
+        byte_fallback = bool(getattr(self._tok.model, "byte_fallback", False))
+        rest: list[int] = []
         for token, i in self._tok.get_vocab(with_added_tokens=True).items():
             if token in special or i >= self.vocab_size:
                 continue
             if byte_level and all(c in table for c in token):
                 counts[i] = len(token)  # each symbol is one byte
+            elif byte_fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                counts[i] = 1
             else:
-                counts[i] = len(self._tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+                rest.append(i)
+        anchor = self._tok.encode("a", add_special_tokens=False).ids
+        base = len(self._tok.decode(anchor, skip_special_tokens=False).encode("utf-8"))
+        texts = self._tok.decode_batch([[*anchor, i] for i in rest], skip_special_tokens=False)
+        counts[rest] = [len(t.encode("utf-8")) - base for t in texts]
         return counts
+
+
+def _frame(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids the tokenizer's post-processor adds before and after a text (encoding with special
+    tokens, as transformers does by default)."""
+    probe = "a"
+    bare = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    for at in range(len(full) - len(bare) + 1):
+        if full[at : at + len(bare)] == bare:
+            return tuple(full[:at]), tuple(full[at + len(bare) :])
+    return (), ()  # a post-processor that rewrites the text's own ids: none that meshkit knows
 
 
 @functools.cache
@@ -111,11 +168,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(tok, "trained by meshkit data prepare")
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A ``tokenizer.json`` saved by Hugging Face ``tokenizers``; one line naming the fix if it is not one."""
+def load_tokenizer(path: str | Path, *, eos: str | None = None, bos: str | None = None) -> Tokenizer:
+    """A ``tokenizer.json`` saved by Hugging Face ``tokenizers`` (or a directory holding one), with the
+    end-of-text and BOS tokens ``eos`` and ``bos`` (None: those its ``tokenizer_config.json`` /
+    ``special_tokens_map.json`` name, else ``<|endoftext|>``), framed as transformers frames a document
+    (:mod:`meshkit.data.tokenizer_config`); one line naming the fix if it is not one."""
     from tokenizers import Tokenizer as HFTokenizer
 
+    from meshkit.data.tokenizer_config import read_config
+
     path = Path(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"no tokenizer file '{path}': give a tokenizer.json saved by Hugging Face tokenizers")
     try:
@@ -126,4 +190,24 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             f"'{path}' is not a tokenizer.json ({first}): give one saved by Hugging Face tokenizers "
             "(Tokenizer.save)"
         ) from None
-    return Tokenizer(tok, f"'{path}'")
+    cfg = read_config(path.parent)
+    eos = eos or cfg.eos_token or EOT
+    bos = bos or cfg.bos_token
+    if cfg.add_bos_token is not None:
+        _rebuild_post_processor(tok, eos, bos, cfg.add_bos_token, bool(cfg.add_eos_token), f"'{path.parent}'")
+    return Tokenizer(tok, f"'{path}'", eos=eos, bos=bos)
+
+
+def _rebuild_post_processor(tok, eos: str, bos: str | None, add_bos: bool, add_eos: bool, where: str) -> None:
+    """The post-processor transformers' Llama/Gemma/GPT-NeoX tokenizers build from ``add_bos_token`` and
+    ``add_eos_token`` (``update_post_processor``), in place of the tokenizer.json's own."""
+    from tokenizers import processors
+
+    if add_bos and bos is None:
+        raise DataError(f"{where}: add_bos_token is true but no bos_token is named: give --bos-token")
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    special = [(t, tok.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    if any(i is None for _, i in special):
+        return  # Tokenizer() names the missing token
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

@@ -66,21 +66,24 @@ def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2
 
 def special_tokens(run: TrainedModel) -> interop.hf.Special | None:
     """The run's end (and beginning) of text: those of the checkpoint it started from (``--init-from``:
-    its generation_config.json or config.json), else its tokenizer's end-of-text token; None for
-    character data, which has none."""
+    its generation_config.json or config.json), else those its tokenizer was prepared with (``meshkit
+    data prepare`` records them); None for character data, which has none."""
     bpe = run.corpus.bpe
     if bpe is None:
         return None
-    ids = {"eos_token_id": bpe.eot_id}
+    ids = {"eos_token_id": bpe.eot_id} | ({} if bpe.bos is None else {"bos_token_id": bpe.bos[1]})
     if run.cfg.init_from is not None:
         ids |= interop.hf.read_special(run.cfg.init_from[len(C.HF_PREFIX) :])
+    own = {i: t for t, i in filter(None, (bpe.eos, bpe.bos))}
+
+    def name(i: int) -> str | None:  # a special token of the tokenizer, or one it was prepared with
+        return bpe.special(i) or own.get(i)
+
     eos, bos = ids["eos_token_id"], ids.get("bos_token_id")
-    if bpe.special(eos) is None:  # not a special token of the tokenizer: the text's end is its own
+    if name(eos) is None:  # not a special token of the tokenizer: the text's end is its own
         eos = bpe.eot_id
-    bos_token = None if bos is None else bpe.special(bos)
-    return interop.hf.Special(
-        eos=(bpe.special(eos), eos), bos=None if bos_token is None else (bos_token, bos)
-    )
+    bos_token = None if bos is None else name(bos)
+    return interop.hf.Special(eos=(name(eos), eos), bos=None if bos_token is None else (bos_token, bos))
 
 
 def generate_text(
