@@ -99,6 +99,7 @@ def test_context_with_tensor_parallelism_is_one_device_and_its_ledger_the_model(
     assert dloss <= 1e-10 and dgrad <= 1e-10, (dloss, dgrad)
     r = _trainer(name, plan, mesh, form, optimizer=optax.adam(1e-2)).report(_batch())
     assert r.ok, str(r)
+    assert 0.9 <= r.peak["ratio"] <= 1.1, r.peak  # the peak model's
     rows = {(c.op, c.axes): c for c in r.communication}
     op = "collective-permute" if form == "ring" else "all-to-all"
     assert rows[op, "context"].measured_runs == rows[op, "context"].model_runs
@@ -122,6 +123,7 @@ def test_experts_with_tensor_parallelism_are_one_device_and_their_ledger_the_mod
     assert w.sharding.spec[0] == "expert" and w.sharding.spec[2] == "model"
     r = t.report(_tokens(8))
     assert r.ok, str(r)
+    assert 0.9 <= r.peak["ratio"] <= 1.1, r.peak  # the peak model's
     rows = {(c.op, c.axes): c for c in r.communication}
     assert {("all-reduce", "model"), ("all-to-all", "expert")} <= set(rows), str(r)
     assert not [k for k in rows if k[1] not in ("data", "expert", "model", "data+expert")], str(r)
@@ -183,3 +185,18 @@ def test_the_spec_declares_the_combinations_once():
     assert ParallelSpec(plan="cp+tp").plan == "cp+tp" and ParallelSpec(plan="cp+tp").plan_info.name == "tp+cp"
     with pytest.raises(PlanError, match="does not use mesh axis data=2"):
         ParallelSpec(plan="tp+cp", mesh="data=2,context=2,model=2")
+
+
+def test_meshkit_verify_certifies_cp_tp_and_says_what_a_context_plan_needs(tmp_path):
+    """``meshkit verify --plan cp+tp`` (the name in the issue's order) certifies the GPT; with the MLP,
+    which has no sequence to split, it says so in one line instead of a shape error from inside JAX."""
+    exe = str(Path(sys.executable).parent / "meshkit")
+    run = lambda *o: subprocess.run([exe, "verify", "--plan", "cp+tp", "--steps", "2", *o],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    proc = run("--model", "gpt")
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ok"), (
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    )
+    proc = run()
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "verifies a model of token sequences" in proc.stderr and "--model gpt or llama" in proc.stderr

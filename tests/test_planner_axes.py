@@ -257,3 +257,17 @@ def test_plan_takes_a_custom_moe_shape_and_context_attention(capsys):
                          (["--experts", "8", "--capacity-factor", "-1"], "--capacity-factor")):  # fmt: skip
         code, _, err = run(capsys, *base, *extra)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name", [n for n in PLANS if n != "zero3"])
+def test_a_spec_and_its_layout_convert_both_ways(name):
+    """``Layout.from_spec`` and ``Layout.to_spec`` are one conversion each way: every plan on its default
+    mesh of 8 devices comes back as the same plan with the same degree on every axis (``zero3`` comes
+    back by its other name, ``fsdp``)."""
+    from meshkit.spec import ParallelSpec
+
+    spec = ParallelSpec(plan=name)
+    layout = Layout.from_spec(spec, 8, 16)
+    back = layout.to_spec(16)
+    assert back.plan == name and back.degrees(8) == spec.degrees(8), (layout, back)
+    assert layout.devices == 8 and layout.meshkit_plan() == name

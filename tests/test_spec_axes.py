@@ -4,6 +4,8 @@ back, refusals name the pair, default meshes fit, and a new axis row yields its 
 import dataclasses
 import itertools
 
+import jax
+import numpy as np
 import pytest
 
 from meshkit import spec
@@ -77,3 +79,45 @@ def test_a_new_axis_row_yields_its_plans_default_meshes_and_refusals(monkeypatch
     assert plans["dp+xp"].default_mesh == "data=2,expert=-1"
     with pytest.raises(PlanError, match="toy sums"):
         spec_plans.check_deterministic_plan(plans["xp"], 1)
+
+
+def _toy_rows_axis(monkeypatch):
+    """A toy axis that splits the batch's rows (``splits="rows"``): one row and its pairs, nothing else."""
+    toy = spec.AxisRule(token="xp", axis="pod", field="pod", words="toy pods", splits="rows", fills=0)
+    pairs = {**COMBINE, **{frozenset({"xp", r.token}): "" for r in AXIS_RULES}}
+    monkeypatch.setattr(spec_plans, "AXIS_RULES", (*AXIS_RULES, toy))
+    monkeypatch.setattr(spec_plans, "COMBINE", pairs)
+    monkeypatch.setattr(spec_plans, "PLANS", spec_plans._plans())
+
+
+def _linear(params, batch):
+    x, y = batch
+    return jax.numpy.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def test_a_new_rows_axis_trains_as_one_device_with_no_other_edit(monkeypatch):
+    """The dry run of a new axis at full depth: a row that splits rows is a plan that trains, its batch
+    split over the axis, every gradient summed over it, equal to one device in float64, and the ledger's
+    model of it the compiled program's (the step, the placement and the ledger ask the row)."""
+    import optax
+
+    from meshkit.train import Trainer
+
+    _toy_rows_axis(monkeypatch)
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        params = {"w": rng.normal(size=(8, 4)), "b": np.zeros(4)}
+        batch = (rng.normal(size=(16, 8)), rng.normal(size=(16, 4)))
+        keep = optax.chain(optax.trace(decay=0.0), optax.scale(0.0))  # keeps the gradient, moves nothing
+        t = Trainer(_linear, params, keep, spec=ParallelSpec(plan="fsdp+xp", mesh="data=2,pod=4"))
+        assert t.placement.batch_axes == ("data", "pod") and t.placement.batch_devices == 8
+        loss = float(t.step(batch)["loss"])
+        want, grads = jax.value_and_grad(_linear)(params, batch)
+        assert abs(loss - float(want)) <= 1e-12
+        got = t.opt_state[0].trace
+        assert max(float(np.max(np.abs(np.asarray(got[k]) - grads[k]))) for k in grads) <= 1e-12
+    small = jax.tree.map(lambda a: np.asarray(a, np.float32), (params, batch))
+    r = Trainer(_linear, small[0], optax.adam(1e-2), spec=ParallelSpec(plan="fsdp+xp", mesh="data=2,pod=4"))
+    r = r.report(small[1])
+    rows = {(c.op, c.axes): c for c in r.communication}
+    assert r.ok and ("all-reduce", "pod") in rows, str(r)  # the ZeRO shards summed over the toy axis

@@ -323,6 +323,25 @@ def test_no_module_outside_models_compares_a_family_name():
     assert not found, found
 
 
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_file_or_function_is_too_long():
+    """No source file over ``MAX_FILE_LINES`` lines and no function over ``MAX_FUNCTION_LINES``: a long
+    one is split where its parts have names of their own."""
+    long = []
+    for _, path in _modules():
+        text = path.read_text()
+        if (n := text.count("\n")) > MAX_FILE_LINES:
+            long.append(f"{path.relative_to(SRC.parent)}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(SRC.parent)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, long
+
+
 MUTATIONS = {
     # blind spot -> (file to change, text appended, the check that must catch it)
     "relative import up a layer": ("analysis/cost.py", "from ..train import trainer\n", "layers"),
@@ -355,6 +374,8 @@ MUTATIONS = {
         "families",
     ),
     "a dispatch on a family's name": ("interop/hf.py", '_BY = {"gpt": 1, "other": 2}\n', "families"),
+    "a file over the limit": ("fmt.py", "_X = 0\n" * 500, "sizes"),
+    "a function over the limit": ("fmt.py", "def _f():\n" + "    x = 0\n" * 80, "sizes"),
 }
 CHECKS = {
     "layers": test_every_module_is_in_a_layer_and_imports_go_down,
@@ -362,6 +383,7 @@ CHECKS = {
     "private": test_no_package_imports_another_packages_private_names,
     "texts": test_no_allowed_values_written_in_help_texts_or_errors,
     "families": test_no_module_outside_models_compares_a_family_name,
+    "sizes": test_no_file_or_function_is_too_long,
 }
 
 

@@ -23,12 +23,15 @@ from dataclasses import dataclass
 
 from meshkit._errors import MeshkitError
 from meshkit.analysis.ring import ring_traffic
-from meshkit.spec import ZERO_STAGES
+from meshkit.spec import FIRST_SHARDED, ZERO_STAGES
+from meshkit.spec import ZERO_PARTS as PARTS
 
-PARTS = ("params", "grads", "optimizer")
-"""The persistent parts of training state, in the order the stages shard them last to first."""
-_FIRST_SHARDED = {"optimizer": 1, "grads": 2, "params": 3}
-"""The first stage (level) that shards each part over the data axis."""
+
+def split_bytes(nbytes: float, sharded: float, ways: int) -> float:
+    """Bytes a device holds of ``nbytes`` whose ``sharded`` part is divided ``ways`` ways (the rest, leaves
+    a stage keeps whole, stays whole): the one arithmetic of every "at rest" (``ZeroStage.at_rest``,
+    ``plans.memory.at_rest``)."""
+    return nbytes - sharded + sharded / ways
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,9 +64,9 @@ class ZeroStage:
 
     def shards(self, part: str) -> bool:
         """Whether the stage shards ``part`` (one of ``PARTS``) over the data axis."""
-        if part not in _FIRST_SHARDED:
+        if part not in FIRST_SHARDED:
             raise MeshkitError(f"unknown part {part!r}: use one of {', '.join(PARTS)}")
-        return self.level >= _FIRST_SHARDED[part]
+        return self.level >= FIRST_SHARDED[part]
 
     def split(self, part: str, n: int) -> int:
         """The ways ``part`` is divided over a data axis of ``n`` devices (1 where it stays whole)."""
@@ -72,8 +75,7 @@ class ZeroStage:
     def at_rest(self, part: str, nbytes: float, n: int, sharded: float | None = None) -> float:
         """Per-device bytes of ``part`` at rest: its ``sharded`` share (default all of it; leaves kept
         whole on data are the rest) divided over ``n``."""
-        sharded = nbytes if sharded is None else sharded
-        return nbytes - sharded + sharded / self.split(part, n)
+        return split_bytes(nbytes, nbytes if sharded is None else sharded, self.split(part, n))
 
     def shard_group(self, dp: int, group: int = 0) -> int:
         """The devices the stage shards over: the data axis, or under hybrid sharding (HSDP, ZeRO-3

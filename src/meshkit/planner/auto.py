@@ -26,11 +26,7 @@ from meshkit._errors import MeshkitError
 from meshkit.planner.layout import Layout, ModelShape
 from meshkit.spec import PLANS, ParallelSpec, get_plan
 
-LADDER = tuple(
-    name
-    for name, p in PLANS.items()
-    if p.data and not (p.tensor or p.pipeline or p.hybrid or p.context or p.expert) and name != "zero3"
-)
+LADDER = tuple(name for name, p in PLANS.items() if p.data and not (p.axes or p.hybrid) and name != "zero3")
 """The plans ``auto`` climbs for a loss without layers, on one data axis: dp, zero1, zero2, fsdp."""
 STATE_SHARE = 0.5
 """Fraction of a device's memory the generic rule lets parameters, gradients and optimizer state take."""

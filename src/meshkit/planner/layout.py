@@ -28,9 +28,11 @@ from meshkit.spec import (
     AXIS_RULES,
     DATA,
     REPLICA,
+    STAGE,
     ParallelSpec,
     check_remat,
     check_schedule,
+    data_part,
     plan_for,
     refusal,
 )
@@ -38,6 +40,9 @@ from meshkit.spec import (
 DEGREES = ("dp", *(rule.token for rule in AXIS_RULES))
 """The degrees ``--layout`` names: data parallelism's and one per axis of ``meshkit.spec.AXIS_RULES``
 (each a field of ``Layout`` named by the axis's token)."""
+
+_LABELLED = ("dp", "tp", "pp")
+"""The degrees a label always names (the classic 3D layout); the others where they are more than 1."""
 
 __all__ = ["Layout", "ModelShape"]
 
@@ -110,8 +115,28 @@ class Layout:
             degrees[key] = int(value)
         return cls(**degrees, **options)
 
+    @classmethod
+    def from_spec(cls, spec: ParallelSpec, devices: int, global_batch: int) -> Layout:
+        """The layout ``spec`` runs over ``devices`` for a global batch of ``global_batch`` sequences
+        (``to_spec``'s inverse); raises where the batch does not divide over its devices and steps."""
+        sizes, plan = spec.degrees(devices), spec.plan_info
+        group, replicas = sizes[DATA], sizes[REPLICA]  # hsdp: the batch over replica x data
+        steps = (spec.microbatches or sizes[STAGE]) if plan.pipeline else spec.accumulate
+        degrees = {rule.token: sizes[rule.axis] for rule in AXIS_RULES}
+        unit = group * replicas * degrees.get("ep", 1) * steps
+        if global_batch % unit:
+            raise MeshkitError(f"global batch {global_batch} does not divide over {unit} rows of {spec.plan}")
+        return cls(dp=group * replicas, zero=plan.level, microbatch_size=global_batch // unit,
+                   schedule=spec.schedule_name, virtual_stages=spec.virtual_stages, remat=spec.remat,
+                   shard_group=group if replicas > 1 else 0, **degrees)  # fmt: skip
+
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def axis_degrees(self) -> dict[str, int]:
+        """The degree of every axis of ``meshkit.spec.AXIS_RULES``, by mesh axis (``{"model": tp, ...}``)."""
+        return {rule.axis: getattr(self, rule.token) for rule in AXIS_RULES}
 
     def plan_name(self) -> str:
         """The name meshkit's plan for this layout has or would have (``dp+cp``, ``fsdp+cp``, ``ep``,
@@ -120,22 +145,22 @@ class Layout:
         plan = self.meshkit_plan()
         if plan is not None:
             return plan
-        data = "hsdp" if self.hybrid else {0: "dp", 1: "zero1", 2: "zero2", 3: "fsdp"}[self.zero]
+        data = data_part(self.zero, hybrid=self.hybrid) or f"zero{self.zero}"
         if self.zero and self.dp == 1:  # the stage asked for, over no data axis
             data = f"zero{self.zero}"
-        axes = [r.token for r in AXIS_RULES if getattr(self, r.token) > 1]
+        axes = [r.token for r in AXIS_RULES if self.axis_degrees[r.axis] > 1]
         parts = [data] * (self.dp > 1 or self.zero > 0) + axes
         return "+".join(parts or ["dp"])
 
     def meshkit_plan(self) -> str | None:
         """The meshkit plan that executes this layout, or None where meshkit has none."""
-        return plan_for(self.zero, data=self.dp > 1, hybrid=self.hybrid, tensor=self.tp > 1, pipeline=self.pp > 1,
-                        context=self.cp > 1, expert=self.ep > 1)  # fmt: skip
+        axes = [axis for axis, n in self.axis_degrees.items() if n > 1]
+        return plan_for(self.zero, data=self.dp > 1, hybrid=self.hybrid, axes=axes)
 
     def mesh_spec(self) -> str:
         """meshkit's mesh string for this layout, axes named as the plans name them."""
         g = self.shard_group if self.hybrid else self.dp
-        sizes = {REPLICA: self.dp // g, DATA: g, **{r.axis: getattr(self, r.token) for r in AXIS_RULES}}
+        sizes = {REPLICA: self.dp // g, DATA: g, **self.axis_degrees}
         kept = [f"{axis}={sizes[axis]}" for axis in AXES if sizes.get(axis, 1) > 1] or ["data=1"]
         return ",".join(kept)
 
@@ -174,8 +199,7 @@ class Layout:
                             virtual_stages=self.virtual_stages if pipe else 1)  # fmt: skip
 
     def label(self) -> str:
-        text = f"dp={self.dp},tp={self.tp},pp={self.pp}"
-        text += "".join(f",{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
+        text = ",".join(f"{k}={getattr(self, k)}" for k in DEGREES if k in _LABELLED or getattr(self, k) > 1)
         if self.zero:
             text += f" zero{self.zero}"
         text += f" mb={self.microbatch_size}"

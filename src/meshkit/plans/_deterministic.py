@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit.plans import _fsdp
 from meshkit.plans._expected import Expected
 from meshkit.plans._manual import manual_data
+from meshkit.plans.memory import zero_stage
 from meshkit.plans.placement import Placement
 from meshkit.spec import DATA, PLANS, PlanError
 
@@ -237,14 +238,7 @@ def price(placement: Placement, grad_bytes: int, param_bytes: int) -> dict[str, 
         return {"deterministic": 0.0, "normal": 0.0}
     gather = (n - 1) / n
     det = (n - 1) * grad_bytes + (gather * param_bytes if plan.shards_optimizer else 0.0)
-    if plan.shards_params and plan.pipeline:  # fsdp+pp: one gather and one reduce-scatter per step
-        normal = gather * param_bytes + gather * grad_bytes
-    elif plan.shards_params:
-        normal = (
-            2 * gather * param_bytes + gather * grad_bytes
-        )  # gathers forward and backward + reduce-scatter
-    elif plan.shards_optimizer:
-        normal = gather * grad_bytes + gather * param_bytes  # reduce-scatter + the updated shards' gather
-    else:
-        normal = 2 * gather * grad_bytes  # ring all-reduce
+    # the stage's own collectives (``ZeroStage``): zero3 gathers forward and backward, fsdp+pp once per step
+    rows = zero_stage(plan.zero).collectives(grad_bytes, param_bytes, gathers=1 if plan.pipeline else 2)
+    normal = sum(row.traffic(n) for row in rows)
     return {"deterministic": float(det), "normal": float(normal)}

@@ -38,11 +38,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshkit.plans import _context
-from meshkit.spec import EXPERT, PlanError, one_of, plans_of
+from meshkit.spec import AXIS_RULES, EXPERT, PlanError, one_of, plans_of
 
-EXPERT_DIM = "expert"
+EXPERT_DIM = next(rule.logical for rule in AXIS_RULES if rule.axis == EXPERT)
 """The logical axis name of a leaf's expert dim (the reference models' leaves under ``"moe"``), which
-expert-parallel plans split over the ``expert`` mesh axis."""
+expert-parallel plans split over the ``expert`` mesh axis (its row's ``AxisRule.logical``)."""
 
 ExpertFn = Callable[[Any, jax.Array], jax.Array]
 """``expert_fn(params, x_ncd) -> y_ncd``: ``n`` experts (params with a leading expert dim) on their rows."""
@@ -78,21 +78,6 @@ def split_experts(size: int, axis: str = EXPERT) -> Iterator[ExpertSplit]:
 def capacity(tokens: int, experts: int, k: int, factor: float) -> int:
     """Slots an expert takes per routing group of ``tokens`` tokens: ``ceil(factor x tokens x k / experts)``."""
     return max(1, math.ceil(factor * tokens * k / experts))
-
-
-def check_experts(experts: int, n: int) -> None:
-    """The expert axis must split the experts evenly."""
-    if experts == 0:
-        raise PlanError(
-            f"expert-parallel plans ({', '.join(plans_of('expert'))}) need a mixture-of-experts model: set experts "
-            "(e.g. --experts 8)"
-        )
-    if experts % n:
-        fits = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise PlanError(
-            f"{experts} experts do not divide over expert={n}: use an expert axis of "
-            f"{', '.join(map(str, fits))}, or a multiple of {n} experts"
-        )
 
 
 def check_whole_sequences(context: int) -> None:

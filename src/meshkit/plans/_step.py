@@ -56,11 +56,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.plans import _buckets as buckets
-from meshkit.plans import _context, _experts, _fsdp, _rng
+from meshkit.plans import _fsdp, _rng, axes
 from meshkit.plans._deterministic import deterministic_gradients
 from meshkit.plans._manual import accumulating, manual_data
 from meshkit.plans.placement import Placement
-from meshkit.spec import CONTEXT, DATA, MODEL, PlanError
+from meshkit.spec import DATA, PlanError
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -162,32 +162,12 @@ def _cast(tree: Any, dtype: Any) -> Any:
 
 @contextlib.contextmanager
 def _splits(placement: Placement, per: _fsdp.PerLayer, form: str) -> Iterator[None]:
-    """The loss traced with the plan's splits in force: the sequence over ``context`` (attention in
-    ``form``; a loss that never attends through ``_context`` is refused after the trace), the
-    experts over ``expert`` (their dispatched rows' size recorded for the ledger)."""
+    """The loss traced with the plan's splits in force, each axis's own (``plans.axes``: the sequence
+    over ``context``, attention in ``form``; the experts over ``expert``), and their checks after it."""
     with contextlib.ExitStack() as stack:
-        seq = placement.plan.context and stack.enter_context(
-            _context.split_sequence(
-                int(placement.mesh.shape[CONTEXT]), form, heads_axis=_heads_axis(placement)
-            )
-        )
-        moe = placement.plan.expert and stack.enter_context(_experts.split_experts(placement.expert_size))
+        for axis in axes.active(placement.plan):
+            stack.enter_context(axis.tracing(placement, per, form))
         yield
-    if seq:
-        _context.check_attended(seq)
-    if moe:
-        per.experts = tuple(moe.rows[-1:])  # the ledger's all_to_all size
-
-
-def _heads_axis(placement: Placement) -> str | None:
-    """The model axis where the tensor-parallel rules split attention heads, or None
-    (``_context._on_own_heads``)."""
-    split = any(
-        a == MODEL and n == "heads"
-        for x in placement.flat()
-        for n, a in zip(x.names, x.model_spec, strict=False)
-    )
-    return MODEL if split else None
 
 
 def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per: _fsdp.PerLayer,
@@ -206,11 +186,11 @@ def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
     before the gathers and the gradients reduce-scattered in that dtype (half the bytes for bf16),
     then cast back before they are accumulated and the optimizer sees them."""
     plan, mesh = placement.plan, placement.mesh
-    rows, axes, live = placement.batch_axes, placement.region_axes, placement.live_axes
+    rows, axes_, live = placement.batch_axes, placement.region_axes, placement.live_axes
     row_axis = rows if len(rows) > 1 else rows[0] if rows else None  # hsdp: row-major over both
     low = compute_dtype is not None and plan.gathers_in_compute_dtype
-    context = int(mesh.shape[CONTEXT]) if plan.context else 1
-    scale = 1.0 / (placement.batch_devices * context * accumulate)
+    sequence = [a for a in axes_ if a not in rows]  # the axes that split every sequence (context)
+    scale = 1.0 / (placement.batch_devices * axes.sequence_split(placement) * accumulate)
 
     def first_row(j, n):
         return ((lax.axis_index(row_axis) if rows else 0) * accumulate + j) * n
@@ -242,15 +222,19 @@ def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
         return mean(loss), mean(aux), state, grads
 
     def specs(data: bool) -> Any:
-        return placement.tree(lambda leaf: leaf.manual_spec(data=data, expert=plan.expert))
+        return placement.tree(lambda leaf: leaf.manual_spec(data=data, manual=axes_))
 
-    rows_spec = P(row_axis, CONTEXT) if plan.context else placement.batch_spec()
+    rows_spec = P(row_axis, *sequence) if sequence else placement.batch_spec()
     region = jax.shard_map(run, mesh=mesh, in_specs=(specs(plan.shards_params), P(), rows_spec, P()),
-                           out_specs=(P(), P(), P(), specs(plan.shards_optimizer)), axis_names=set(axes),
+                           out_specs=(P(), P(), P(), specs(plan.shards_optimizer)), axis_names=set(axes_),
                            check_vma=False)  # fmt: skip
-    if not plan.context:
-        return region
-    return lambda params, state, batch, key: region(params, state, _context.to_balanced(batch, context), key)
+
+    def arranged(params, state, batch, key):  # each axis's layout of the batch (context: balanced order)
+        for axis in axes.active(plan):
+            batch = axis.arrange(batch, placement)
+        return region(params, state, batch, key)
+
+    return arranged
 
 
 def _first(tree: Any) -> Any:
@@ -274,7 +258,7 @@ def gradient_fn(
     """
     per = _fsdp.PerLayer(placement=placement) if per is None else per
     plan = placement.plan
-    split = plan.context or plan.expert
+    split = any(rule.splits for rule in plan.rules)  # an axis beyond data that splits the batch
     if not split and (not placement.has_data_axis or (not plan.shards_optimizer and accumulate == 1)):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
@@ -397,7 +381,7 @@ def build_step(
         out_shardings=(shardings.params, shardings.opt_state, shardings.state, shardings.scalar),
         donate_argnums=(0, 1, 2) if donate else (),
         compiler_options=None if deterministic is None else DETERMINISTIC_COMPILER_OPTIONS,
-    ), placement.plan.name, placement.batch_axes + ((CONTEXT,) if placement.plan.context else ()))  # fmt: skip
+    ), placement.plan.name, placement.region_axes)  # fmt: skip
 
 
 DETERMINISTIC_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "algsimp,while-loop-simplifier"}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshkit.analysis.zero import PARTS, ZeroCollective, ZeroStage, zero_stage
+from meshkit.analysis.zero import PARTS, ZeroCollective, ZeroStage, split_bytes, zero_stage
 
 __all__ = [
     "PARTS",
@@ -71,7 +71,7 @@ def at_rest(nbytes: float, sharded: float, n: int, on: bool) -> float:
     """Bytes of a tree at rest when the plan shards it (``on``) over N: its ``sharded`` part is split,
     the rest (leaves kept whole on data) stays whole. Parameters: ZeRO-3; optimizer state and
     gradient shards: ZeRO-1 on."""
-    return nbytes - sharded + sharded / n if on and n > 1 else nbytes
+    return split_bytes(nbytes, sharded, n) if on and n > 1 else nbytes
 
 
 def accumulator(total: float, sharded: float, n: int, *, microbatches: int, shards_gradients: bool) -> float:

@@ -24,7 +24,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit.plans import _context
+from meshkit.plans import _context, axes
 from meshkit.plans import memory as M
 from meshkit.plans._expected import memory_formula
 from meshkit.plans._fsdp import PerLayer, layered_loss
@@ -32,7 +32,7 @@ from meshkit.plans._layers import abstract, analyse
 from meshkit.plans.assemble import Assembled, assemble
 from meshkit.plans.memory import PeakModel
 from meshkit.plans.placement import Placement
-from meshkit.spec import CONTEXT, EXPERT, MODEL, ParallelSpec, get_plan
+from meshkit.spec import CONTEXT, MODEL, ParallelSpec, get_plan
 
 
 def step_extra(state: Any, micro: Any, key: Any = None) -> tuple:
@@ -143,7 +143,7 @@ def compiled_activations(
         return loss, [jnp.sum(g) for g in grads]
 
     m = per.placement.model_size
-    c = int(per.placement.mesh.shape.get(CONTEXT, 1)) if per.placement.plan.context else 1
+    c = axes.sequence_split(per.placement)
     sub = _local_mesh(per.placement, {CONTEXT: c, MODEL: m})
     if m > 1:
         leaves, extra = _on_model_devices(per.placement, sub, leaves, extra)
@@ -278,12 +278,9 @@ def predict_peak(
         + nbytes(batch) / placement.batch_devices  # context plans: whole sequences, split inside the step
     )
     activations = _activations(loss_fn, per, params, extra, step.spec.context_attention)
-    if plan.expert and found.per_layer:
-        experts = sum(nbytes(x) for x, leaf in zip(jax.tree.leaves(params), b.flat, strict=True)
-                      if EXPERT in leaf.model_spec)  # fmt: skip
-        # zero3's per-layer barriers keep every layer's expert gradients alive in the one-device compile
-        held = found.layers if zero3 else 1
-        activations -= held * M.experts_beyond_device(experts / found.layers, placement.expert_size)
+    for axis in axes.active(plan):  # what the one-device compile holds that the axis's split does not
+        activations -= axis.held_beyond_device(placement, [nbytes(x) for x in jax.tree.leaves(params)],
+                                               found, zero3=zero3)  # fmt: skip
     if shards is not None:
         backward = M.deterministic_phases(b.total, activations, shards_per_device=shards // placement.batch_devices,
                                           devices=placement.batch_devices, zero3=zero3)  # fmt: skip
@@ -337,7 +334,7 @@ def _micro_batch(batch: Any, placement: Placement, accumulate: int, shards: int 
     """One device's micro-batch: the batch over the batch devices (hsdp: replica x data) and the
     micro-batches, or in deterministic mode one micro-shard's rows; context plans 1/C of each sequence."""
     rows = shards if shards is not None else placement.batch_devices * accumulate
-    c = int(placement.mesh.shape.get(CONTEXT, 1)) if placement.plan.context else 1
+    c = axes.sequence_split(placement)
     return jax.tree.map(lambda s: _device_rows(s, rows, c), batch)
 
 
@@ -349,9 +346,11 @@ def _zero3_phases(step: Assembled, params: Any, b: _Sizes, own: float, *, scan: 
     per, accumulate = step.per_layer, step.spec.accumulate
     placement, found, ratio = per.placement, per.found, gather_ratio(step.spec, params)
     n = placement.data_size
-    # a layer's leaves zero3 gathers; fsdp+ep's expert leaves, whole on data, count as whole leaves
+    # a layer's leaves zero3 gathers; those split on a rows axis (fsdp+ep's expert leaves), whole on
+    # data, count as whole leaves
+    rows = set(placement.plan.split_axes("rows"))
     layer = (
-        {i for i in found.layer_leaves if EXPERT not in b.flat[i].model_spec}
+        {i for i in found.layer_leaves if not rows & set(b.flat[i].model_spec)}
         if found.per_layer and per.gathers
         else set()
     )

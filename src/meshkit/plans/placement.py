@@ -7,6 +7,7 @@ into per-leaf decisions (``LeafPlacement``) and the PartitionSpecs the step pins
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -17,8 +18,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshkit.plans._experts import EXPERT_DIM, check_experts
-from meshkit.spec import CONTEXT, DATA, EXPERT, MODEL, REPLICA, Plan, PlanError, check_axes
+from meshkit.spec import DATA, MODEL, REPLICA, AxisRule, Plan, PlanError, check_axes, plans_of
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out); so do grouped-query
@@ -84,10 +84,11 @@ class LeafPlacement:
             dims[self.data_dim] = DATA
         return P(*dims)
 
-    def manual_spec(self, *, data: bool, expert: bool = False) -> P:
+    def manual_spec(self, *, data: bool, manual: tuple[str, ...] = ()) -> P:
         """Spec over the step's manual axes alone (what its shard_map region sees): the data split where
-        ``data``, the expert split where ``expert`` (the model axis is the compiler's, never named)."""
-        dims = [EXPERT if expert and a == EXPERT else None for a in self.model_spec]
+        ``data``, and the leaf's splits on the other ``manual`` axes (the expert split; the model axis is
+        the compiler's, never named)."""
+        dims = [a if a in manual and a != DATA else None for a in self.model_spec]
         if data and self.data_dim is not None:
             dims[self.data_dim] = DATA
         return P(*dims) if any(dims) else P()
@@ -128,23 +129,22 @@ class Placement:
         """Hybrid sharding's replicas (the ``replica`` axis): groups holding the same shards."""
         return int(self.mesh.shape.get(REPLICA, 1))
 
-    @property
-    def expert_size(self) -> int:
-        """Expert parallelism's devices (the ``expert`` axis): the experts and the batch split over them."""
-        return int(self.mesh.shape.get(EXPERT, 1)) if self.plan.expert else 1
+    def size(self, axis: str) -> int:
+        """Devices on ``axis`` where the plan uses it, else 1."""
+        return int(self.mesh.shape.get(axis, 1)) if axis in self.plan.needs else 1
 
     @property
     def batch_devices(self) -> int:
-        """Devices the batch is split over: the data axis, times the replicas under hybrid sharding,
-        times the expert axis under expert parallelism."""
-        return self.data_size * self.replica_size * self.expert_size
+        """Devices the batch's rows are split over: the data axis, times the replicas under hybrid
+        sharding, times every other axis that splits rows (the expert axis)."""
+        return math.prod(int(self.mesh.shape[a]) for a in self.batch_axes)
 
     @property
     def region_axes(self) -> tuple[str, ...]:
         """The axes the step's gradient region is manual over (``_step.manual_gradients``): the batch
-        axes, and the context axis where the plan splits sequences over it (the model axis is the
-        compiler's)."""
-        return self.batch_axes + ((CONTEXT,) if self.plan.context else ())
+        axes, and those that split every sequence (``Plan.region_axes``: the context axis); the model
+        axis is the compiler's."""
+        return self.batch_axes + tuple(a for a in self.plan.split_axes("sequence") if a in self.mesh.shape)
 
     @property
     def live_axes(self) -> tuple[str, ...]:
@@ -154,13 +154,13 @@ class Placement:
 
     def sum_axes(self, leaf: LeafPlacement, live: tuple[str, ...] | None = None) -> tuple[str, ...]:
         """The axes a leaf's gradient is summed over after the micro-batch loop: every live axis but
-        ``data`` where ZeRO reduce-scattered it there (its shards then summed over replica under hsdp,
-        over context, over expert), and ``expert`` for an expert leaf (each device's expert gradient
-        already sums every expert-group device's tokens, through the all_to_all's transpose). The
-        step's sums and the ledger's model (``_expected``) both ask this."""
+        those the leaf is split on in the region: ``data`` where ZeRO reduce-scattered it there (its
+        shards then summed over replica under hsdp, over context, over expert), an axis of a logical
+        split (``AxisRule.logical``: an expert leaf's expert axis, whose gradient each device already
+        sums over every device's tokens, through the all_to_all's transpose). The step's sums and the
+        ledger's model (``_expected``) both ask this."""
         drop = {DATA} if leaf.data_dim is not None else set()
-        if EXPERT in leaf.model_spec:
-            drop.add(EXPERT)
+        drop |= {a for a in leaf.model_spec if a is not None}
         return tuple(a for a in (self.live_axes if live is None else live) if a not in drop)
 
     def batch_spec(self) -> P:
@@ -427,18 +427,35 @@ def _layer_dims(params: Any, logical_axes: Any) -> dict[str, frozenset[int]]:
     }
 
 
-def _expert_specs(model: dict[str, tuple], params: Any, names: dict[str, tuple], n: int) -> dict[str, tuple]:
-    """Expert parallelism: every leaf's dim named ``"expert"`` split over the expert axis; refused
-    where the model has none, or where the experts do not divide over the axis."""
+def _logical_splits(model: dict[str, tuple], params: Any, names: dict[str, tuple], plan: Plan,
+                    mesh: Mesh) -> dict[str, tuple]:  # fmt: skip
+    """Every leaf's dims named by an axis's ``AxisRule.logical`` (``"expert"``) split over that axis where
+    the plan uses it; refused where the model has none, or where they do not divide over the axis."""
     shapes = {_path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    out, counts = dict(model), set()
-    for key, axes in names.items():
-        for d in (d for d, a in enumerate(axes) if a == EXPERT_DIM):
-            out[key] = tuple(EXPERT if i == d else a for i, a in enumerate(out[key]))
-            counts.add(shapes[key][d])
-    for count in sorted(counts) or [0]:
-        check_experts(count, n)
+    out = dict(model)
+    for rule in (r for r in plan.rules if r.logical is not None):
+        counts = set()
+        for key, axes in names.items():
+            for d in (d for d, a in enumerate(axes) if a == rule.logical):
+                out[key] = tuple(rule.axis if i == d else a for i, a in enumerate(out[key]))
+                counts.add(shapes[key][d])
+        for count in sorted(counts) or [0]:
+            _check_logical(rule, count, int(mesh.shape.get(rule.axis, 1)))
     return out
+
+
+def _check_logical(rule: AxisRule, count: int, n: int) -> None:
+    """A logical split's dims (``count`` of them) must exist and divide evenly over the axis's ``n`` devices."""
+    if count == 0:
+        raise PlanError(
+            f"{rule.field}-parallel plans ({', '.join(plans_of(rule.field))}) need {rule.model_needs}"
+        )
+    if count % n:
+        fits = [d for d in range(1, count + 1) if count % d == 0]
+        raise PlanError(
+            f"{count} {rule.logical}s do not divide over {rule.axis}={n}: use an {rule.axis} axis of "
+            f"{', '.join(map(str, fits))}, or a multiple of {n} {rule.logical}s"
+        )
 
 
 def place(
@@ -462,8 +479,7 @@ def place(
     names = _names(logical_axes)
     notes: dict[str, str] = {}
     model = _model_specs(params, plan, rules, logical_axes, int(mesh.shape.get(MODEL, 1)), units or {}, notes)
-    if plan.expert:
-        model = _expert_specs(model, params, names, int(mesh.shape.get(EXPERT, 1)))
+    model = _logical_splits(model, params, names, plan, mesh)
 
     def leaf(path, x) -> LeafPlacement:
         key = _path_str(path)

@@ -13,8 +13,8 @@ The plan table is derived, not written: a plan is a data part (``dp``, ``zero1``
 ``+`` in that order (``cp+tp`` is read as ``tp+cp``). Every set of axes whose pairs combine (``COMBINE``)
 is a plan, alone and with ``dp`` or ``fsdp``; a name with a pair that does not is refused in one line
 with the pair's reason. Help texts, default meshes, the families, and the plans deterministic mode
-covers follow from the rows. A new mesh axis is a name here, a row of ``AXIS_RULES`` with its pairs in
-``COMBINE``, a field of ``Plan``, and the module in ``plans/`` that implements it.
+covers follow from the rows. A new mesh axis is a name here (``AXES``), a row of ``AXIS_RULES`` with its
+pairs in ``COMBINE``, and its module in ``meshkit/plans/axes/`` where it does more than split rows.
 
 Errors are ``PlanError``, one line naming the option to change.
 """
@@ -36,6 +36,7 @@ from meshkit.spec.plans import (
     check_axes,
     check_deterministic_plan,
     check_remat,
+    data_part,
     describe_plans,
     family,
     get_plan,
@@ -51,6 +52,7 @@ from meshkit.spec.values import (
     DATA,
     DETERMINISTIC_SHARDS,
     EXPERT,
+    FIRST_SHARDED,
     MODEL,
     PIPELINE_REMAT,
     PIPELINE_SCHEDULES,
@@ -60,6 +62,7 @@ from meshkit.spec.values import (
     REPLICA,
     STAGE,
     STEADY_SCHEDULES,
+    ZERO_PARTS,
     ZERO_STAGES,
     PlanError,
     check_deterministic,
@@ -82,6 +85,7 @@ __all__ = [
     "DETERMINISTIC_SHARDS",
     "EXPERT",
     "FAMILIES",
+    "FIRST_SHARDED",
     "MODEL",
     "PIPELINE_PLANS",
     "PIPELINE_REMAT",
@@ -93,6 +97,7 @@ __all__ = [
     "REPLICA",
     "STAGE",
     "STEADY_SCHEDULES",
+    "ZERO_PARTS",
     "ZERO_STAGES",
     "AxisRule",
     "ParallelSpec",
@@ -104,6 +109,7 @@ __all__ = [
     "check_deterministic_plan",
     "check_remat",
     "check_schedule",
+    "data_part",
     "describe_plans",
     "family",
     "get_plan",

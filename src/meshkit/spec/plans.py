@@ -4,6 +4,7 @@ its family, and why a name meshkit has no plan for is refused (``AXIS_RULES``, `
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshkit.spec.values import (
@@ -11,6 +12,7 @@ from meshkit.spec.values import (
     CONTEXT,
     DATA,
     EXPERT,
+    FIRST_SHARDED,
     MODEL,
     PIPELINE_REMAT,
     REMAT_ALIASES,
@@ -26,7 +28,8 @@ from meshkit.spec.values import (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
-    """One parallel plan: what it shards over which mesh axis."""
+    """One parallel plan: its data part (ZeRO stage over ``data``, hybrid sharding over ``replica``) and
+    the axes of ``AXIS_RULES`` it adds; everything else about it is read from those rows."""
 
     name: str
     data: bool
@@ -34,41 +37,65 @@ class Plan:
     zero: str
     """ZeRO stage on the data axis: 'dp' (replicate everything), 'zero1' (shard optimizer state),
     'zero2' (also reduce-scatter gradients per micro-batch), 'zero3' (also shard parameters)."""
-    tensor: bool = False
-    """Whether tensor-parallel rules shard leaves on the model axis (Megatron column/row)."""
-    pipeline: bool = False
-    """Whether the stacked layers of a ``meshkit.Stages`` model are split over the stage axis."""
     hybrid: bool = False
     """Whether the batch is split over a ``replica`` axis too, across which the data axis's shards
     are replicated (HSDP): gradients reduce-scattered over ``data``, then their shards all-reduced
     over ``replica``."""
-    context: bool = False
-    """Whether every sequence is split over the context axis (context parallelism, ``plans._context``)."""
-    expert: bool = False
-    """Whether a mixture of experts' experts are split over the expert axis, the batch over it as well
-    (expert parallelism, ``plans._experts``): expert leaves' gradients reduced over ``data`` only, the
-    others' over ``data`` x ``expert``."""
+    axes: tuple[str, ...] = ()
+    """The mesh axes of ``AXIS_RULES`` the plan uses, in the rows' order."""
     default_mesh: str
-    """The mesh when none is given (``-1``: every device left)."""
+
+    def uses(self, field: str) -> bool:
+        """Whether the plan uses the axis of the row whose ``AxisRule.field`` (or mesh axis) is ``field``."""
+        return any(field in (rule.field, rule.axis) for rule in self.rules)
+
+    @property
+    def rules(self) -> tuple[AxisRule, ...]:
+        """The rows of ``AXIS_RULES`` of the plan's axes."""
+        return tuple(rule for rule in AXIS_RULES if rule.axis in self.axes)
+
+    @property
+    def tensor(self) -> bool:
+        """Whether tensor-parallel rules shard leaves on the model axis (Megatron column/row)."""
+        return MODEL in self.axes
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether the stacked layers of a ``meshkit.Stages`` model are split over the stage axis."""
+        return STAGE in self.axes
+
+    @property
+    def context(self) -> bool:
+        """Whether every sequence is split over the context axis (context parallelism, ``plans._context``)."""
+        return CONTEXT in self.axes
+
+    @property
+    def expert(self) -> bool:
+        """Whether a mixture of experts' experts are split over the expert axis, the batch over it as well
+        (expert parallelism, ``plans._experts``)."""
+        return EXPERT in self.axes
 
     @property
     def needs(self) -> tuple[str, ...]:
         """Mesh axes the plan requires."""
-        used = (
-            (REPLICA, self.hybrid),
-            (DATA, self.data),
-            (MODEL, self.tensor),
-            (STAGE, self.pipeline),
-            (CONTEXT, self.context),
-            (EXPERT, self.expert),
-        )
-        return tuple(axis for axis, on in used if on)
+        return (REPLICA,) * self.hybrid + (DATA,) * self.data + self.axes
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch is split over (outermost first): the data axis, and under hybrid
-        sharding the replica axis before it; under expert parallelism the expert axis after it."""
-        return tuple(axis for axis in (REPLICA, DATA, EXPERT) if axis in self.needs)
+        """The mesh axes the batch's rows are split over (outermost first): the data axis, and under hybrid
+        sharding the replica axis before it; then every axis whose row splits rows (``AxisRule.splits``:
+        the expert axis)."""
+        return (REPLICA,) * self.hybrid + (DATA,) * self.data + self.split_axes("rows")
+
+    def split_axes(self, splits: str) -> tuple[str, ...]:
+        """The plan's axes of ``AXIS_RULES`` that split the batch that way (``AxisRule.splits``)."""
+        return tuple(rule.axis for rule in self.rules if rule.splits == splits)
+
+    @property
+    def region_axes(self) -> tuple[str, ...]:
+        """The axes the step's gradient region is manual over: the batch axes, then those that split
+        every sequence (the context axis); the others (model, stage) are the compiler's or the pipeline's."""
+        return self.batch_axes + self.split_axes("sequence")
 
     @property
     def level(self) -> int:
@@ -77,16 +104,16 @@ class Plan:
 
     @property
     def shards_optimizer(self) -> bool:
-        return self.level >= 1
+        return self.level >= FIRST_SHARDED["optimizer"]
 
     @property
     def shards_gradients(self) -> bool:
         """Whether gradients are reduce-scattered per micro-batch (ZeRO-2 and ZeRO-3)."""
-        return self.level >= 2
+        return self.level >= FIRST_SHARDED["grads"]
 
     @property
     def shards_params(self) -> bool:
-        return self.level == 3
+        return self.level >= FIRST_SHARDED["params"]
 
     @property
     def gathers_in_compute_dtype(self) -> bool:
@@ -100,32 +127,52 @@ class Plan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AxisRule:
-    """One mesh axis beyond ``data`` as a plan uses it: the part of a plan's name that turns it on, the
-    ``Plan`` field it sets, its size in a default mesh, and whether deterministic mode fixes its bits.
-    A new axis is a row of ``AXIS_RULES`` (and its pairs in ``COMBINE``) plus the module in ``plans/``
-    that implements it: the plan table, help texts, default meshes and refusals follow from here."""
+    """One mesh axis beyond ``data`` as a plan uses it: the part of a plan's name that turns it on, how it
+    splits the batch and the leaves, its size in a default mesh, and whether deterministic mode fixes its
+    bits. A new axis is a row of ``AXIS_RULES`` (and its pairs in ``COMBINE``) plus its module in
+    ``meshkit/plans/axes/``: the plan table, help texts, default meshes, refusals, the step's gradient
+    region and the sums over it follow from here."""
 
     token: str
     """Its part of a plan name (``fsdp+tp``: tp)."""
     axis: str
     field: str
-    """The ``Plan`` field it sets (and its ``FAMILIES`` key)."""
+    """The word ``Plan.uses`` and ``FAMILIES`` know it by."""
     words: str
     """What help texts call its family of plans."""
+    splits: str = ""
+    """How it splits the batch: "rows" (each device its own rows, as the data axis: gradients summed
+    over it), "sequence" (each device a part of every sequence: gradients summed over it too), or ""
+    (the compiler's matmul split, a pipeline's stages). A "rows" or "sequence" axis is manual in the
+    step's gradient region (``Plan.region_axes``)."""
+    logical: str | None = None
+    """The logical dim name whose dims it splits in every leaf that has one (``expert``), beside the
+    tensor-parallel rules' own (the model axis)."""
+    model_needs: str = ""
+    """What a model needs for a ``logical`` split, said where it has no such dim."""
     default: int = 2
     """Its size in a default mesh beside the axis that takes every device left (``-1``)."""
+    fills: int = 9
+    """Which axis takes every device left in a default mesh: the lowest ``fills`` of the plan's axes
+    (the data axis is ``DATA_FILLS``)."""
+    leads: int = 9
+    """Which axis names a combination's family: the lowest ``leads`` (a pipeline with tp is a pipeline)."""
     nondeterministic: str = ""
     """Why deterministic mode cannot fix its bits across meshes (empty: it can)."""
 
 
+DATA_FILLS = 1
+"""The data axis's ``AxisRule.fills``: it takes every device left unless the expert axis is in the plan."""
+
 AXIS_RULES = (
-    AxisRule(token="tp", axis=MODEL, field="tensor", words="tensor parallelism",
+    AxisRule(token="tp", axis=MODEL, field="tensor", words="tensor parallelism", fills=4, leads=3,
              nondeterministic="splits matmuls over the model axis, whose partial sums XLA orders by that axis's size"),
-    AxisRule(token="pp", axis=STAGE, field="pipeline", words="pipelines"),
-    AxisRule(token="cp", axis=CONTEXT, field="context",
+    AxisRule(token="pp", axis=STAGE, field="pipeline", words="pipelines", fills=2, leads=0),
+    AxisRule(token="cp", axis=CONTEXT, field="context", splits="sequence", fills=3, leads=1,
              words="context parallelism (the sequence split over a context axis)",
              nondeterministic="sums attention and gradients over the context axis in an order set by its size"),
-    AxisRule(token="ep", axis=EXPERT, field="expert",
+    AxisRule(token="ep", axis=EXPERT, field="expert", splits="rows", logical="expert", fills=0, leads=2,
+             model_needs="a mixture-of-experts model: set experts (e.g. --experts 8)",
              words="expert parallelism (a mixture of experts, --experts, split over an expert axis)",
              nondeterministic="all-reduces the dense leaves' gradients over the expert axis in an order set by its size"),
 )  # fmt: skip
@@ -159,8 +206,6 @@ axis, replicated over a replica axis)."""
 COMBINING_DATA = ("dp", "fsdp")
 """The data parts that combine with other axes (zero1/zero2 and hsdp run alone)."""
 RUN_EVERYWHERE = -1
-_FAMILY_ORDER = ("pipeline", "context", "expert", "tensor")
-"""Which axis names a combination's family (a pipeline with tp is a pipeline, cp with tp a context plan)."""
 
 
 def _default_mesh(data: str | None, rules: tuple[AxisRule, ...]) -> str:
@@ -171,18 +216,18 @@ def _default_mesh(data: str | None, rules: tuple[AxisRule, ...]) -> str:
         sizes[REPLICA] = 2
     if data is not None:
         sizes[DATA] = 2
+    fills = {DATA: DATA_FILLS} if data is not None else {}
     for rule in rules:
         sizes[rule.axis] = rule.default
-    widest = next(a for a in (EXPERT, DATA, STAGE, CONTEXT, MODEL) if a in sizes)
-    sizes[widest] = RUN_EVERYWHERE
+        fills[rule.axis] = rule.fills
+    sizes[min(fills, key=fills.__getitem__)] = RUN_EVERYWHERE
     return ",".join(f"{a}={sizes[a]}" for a in AXES if a in sizes)
 
 
 def _plan(data: str | None, rules: tuple[AxisRule, ...]) -> Plan:
     name = "+".join(([data] if data else []) + [r.token for r in rules])
-    on = {r.field: True for r in rules}
     return Plan(name=name, data=data is not None, zero=DATA_PARTS[data or "dp"], hybrid=data == "hsdp",
-                default_mesh=_default_mesh(data, rules), **on)  # fmt: skip
+                axes=tuple(r.axis for r in rules), default_mesh=_default_mesh(data, rules))  # fmt: skip
 
 
 def _plans() -> dict[str, Plan]:
@@ -196,8 +241,8 @@ def _plans() -> dict[str, Plan]:
         if all(COMBINE.get(frozenset({a.token, b.token})) == "" for a, b in itertools.combinations(rules, 2))
     ]
     rank = {rule.field: i for i, rule in enumerate(AXIS_RULES)}
-    # a combination's family: a pipeline with tp is a pipeline (``family``'s order), listed by that family
-    lead = lambda rules: min(rules, key=lambda r: _FAMILY_ORDER.index(r.field))  # noqa: E731
+    # a combination's family: a pipeline with tp is a pipeline (``AxisRule.leads``), listed by that family
+    lead = lambda rules: min(rules, key=lambda r: r.leads)  # noqa: E731
     for rules in sorted(combos, key=lambda rules: (rank[lead(rules).field], len(rules))):
         for data in (None, *COMBINING_DATA):
             plan = _plan(data, rules)
@@ -247,10 +292,9 @@ use for them (``data``: the plain data-axis plans, dp and the ZeRO stages)."""
 
 def family(plan: Plan) -> str:
     """The family of ``FAMILIES`` a plan belongs to (a pipeline with tp is a pipeline)."""
-    for name in (*_FAMILY_ORDER, "hybrid"):
-        if getattr(plan, name):
-            return name
-    return "data"
+    if plan.rules:
+        return min(plan.rules, key=lambda r: r.leads).field
+    return "hybrid" if plan.hybrid else "data"
 
 
 def plans_of(name: str) -> tuple[str, ...]:
@@ -279,23 +323,28 @@ def get_plan(name: str | Plan) -> Plan:
     return plan
 
 
-def plan_for(zero: int, *, data: bool, hybrid: bool = False, **axes: bool) -> str | None:
-    """The plan of a ZeRO stage (0-3) over a data axis (or none) with the axes of ``AXIS_RULES`` named by
-    their ``Plan`` field (``tensor=True, pipeline=True``), or None where meshkit has none (ZeRO-1/2 and
-    hybrid sharding run alone; ZeRO over a data axis of one device). ``hybrid``: ZeRO-3 within groups of
-    the data-parallel devices, replicated across them (hsdp)."""
-    fields = {rule.field: rule.token for rule in AXIS_RULES}
-    unknown = set(axes) - set(fields)
-    if unknown:
+def data_part(zero: int, *, hybrid: bool = False) -> str | None:
+    """The data part of a plan name for a ZeRO stage (0-3): dp, zero1, zero2 or fsdp; hsdp where ZeRO-3
+    shards within groups of the data devices (``hybrid``), None for a hybrid stage below 3."""
+    if hybrid:
+        return "hsdp" if zero == 3 else None
+    return "fsdp" if zero == 3 else ZERO_STAGES[zero]
+
+
+def plan_for(zero: int, *, data: bool, hybrid: bool = False, axes: Iterable[str] = ()) -> str | None:
+    """The plan of a ZeRO stage (0-3) over a data axis (or none) with the mesh ``axes`` of ``AXIS_RULES``
+    of more than one device, or None where meshkit has none (ZeRO-1/2 and hybrid sharding run alone; ZeRO
+    over a data axis of one device). ``hybrid``: ZeRO-3 within groups of the data-parallel devices,
+    replicated across them (hsdp)."""
+    axes = set(axes)
+    if unknown := axes - {rule.axis for rule in AXIS_RULES}:
         raise PlanError(
-            f"unknown plan axis field(s) {sorted(unknown)}: the fields are {one_of(list(fields))}"
+            f"unknown plan axis {sorted(unknown)}: the axes are {one_of([r.axis for r in AXIS_RULES])}"
         )
-    if not data and zero:
+    part = data_part(zero, hybrid=hybrid)
+    if (not data and zero) or part is None:
         return None
-    part = ("hsdp" if zero == 3 else None) if hybrid else {0: "dp", 1: "zero1", 2: "zero2", 3: "fsdp"}[zero]
-    if part is None:
-        return None
-    tokens = [token for field, token in fields.items() if axes.get(field)]
+    tokens = [rule.token for rule in AXIS_RULES if rule.axis in axes]
     name = "+".join(([part] if data else []) + tokens) or "dp"
     return name if name in PLANS else None
 
@@ -328,9 +377,10 @@ the others are refused)."""
 def check_deterministic_plan(plan: Plan, accumulate: int) -> None:
     """Refuse, in one line naming why, a plan whose bits deterministic mode cannot fix across meshes."""
     why = {rule.field: rule.nondeterministic for rule in AXIS_RULES if rule.nondeterministic}
-    why["hybrid"] = "all-reduces gradient shards over the replica axis in an order set by its size"
+    if plan.hybrid:
+        why = {"hybrid": "all-reduces gradient shards over the replica axis in an order set by its size"}
     for attr, reason in why.items():
-        if getattr(plan, attr):
+        if attr == "hybrid" or plan.uses(attr):
             raise PlanError(
                 f"deterministic mode cannot fix plan {plan.name}'s bits across meshes: it {reason}; use one of "
                 f"{', '.join(DETERMINISTIC_PLANS)}"

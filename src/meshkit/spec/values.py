@@ -20,6 +20,11 @@ AXES = (STAGE, REPLICA, DATA, EXPERT, CONTEXT, MODEL)
 
 ZERO_STAGES = ("dp", "zero1", "zero2", "zero3")
 """What a plan shards over the data axis: nothing, optimizer state, + gradients, + parameters."""
+ZERO_PARTS = ("params", "grads", "optimizer")
+"""The persistent parts of training state, in the order the stages shard them last to first."""
+FIRST_SHARDED = {"optimizer": 1, "grads": 2, "params": 3}
+"""The first stage (index in ``ZERO_STAGES``) that shards each part over the data axis: the ZeRO
+rule's "what", which ``meshkit.analysis.zero`` prices and every plan's placement follows."""
 REMAT_POLICIES = ("none", "layer", "dots", "regather")
 """Activation checkpointing per layer: keep everything, recompute the layer from its input, keep
 matmul outputs, or (ZeRO-3) keep everything but the gathered weights, which are gathered again."""

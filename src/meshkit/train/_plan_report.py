@@ -34,7 +34,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
     ledger = communication(compiled, mesh=trainer.mesh)
     n_examples = jax.tree.leaves(batch)[0].shape[0]
     per_example = trainer.tokens_per_example or 1
-    if trainer.tokens_per_example is None and trainer.plan.context:  # the sequence the context axis splits
+    if trainer.tokens_per_example is None and trainer.plan.split_axes("sequence"):  # the sequence it splits
         per_example = jax.tree.leaves(batch)[0].shape[1]
     fed = frozenset()
     if trainer.placement.model_size > 1:  # column-parallel matmuls on the batch itself need no input gradient

@@ -20,8 +20,7 @@ from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load, process_rows
 from meshkit.models import gpt, registry
 from meshkit.models.shape import ModelShape
-from meshkit.plans import check_context, check_whole_sequences
-from meshkit.spec import CONTEXT, DATA, REPLICA
+from meshkit.plans import axes
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
@@ -76,17 +75,14 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
                       tokens_per_example=cfg.seq_len, grad_norm=True, has_aux=moe_run(model, cfg),
                       units=family.units(model), rules=family.rules(cfg.parallel.plan_info.pipeline))  # fmt: skip
-    axes = trainer.placement.batch_axes
+    rows = trainer.placement.batch_axes
     C.check_batch(
-        cfg, trainer.placement.batch_devices, " x ".join(axes) if len(axes) > 1 else "the data axis"
+        cfg, trainer.placement.batch_devices, " x ".join(rows) if len(rows) > 1 else "the data axis"
     )
     trainer.check_examples(cfg.batch_size)
-    if cfg.parallel.plan_info.context:  # before the run directory is written, not at the first compile
-        check_context(
-            cfg.seq_len, model.heads, int(trainer.mesh.shape[CONTEXT]), cfg.parallel.context_attention
-        )
-        if model.experts:
-            check_whole_sequences(int(trainer.mesh.shape[CONTEXT]))
+    for axis in axes.active(trainer.plan):  # before the run directory is written, not at the first compile
+        axis.check_run(axis.size(trainer.placement), seq_len=cfg.seq_len, heads=model.heads,
+                       experts=model.experts, form=cfg.parallel.context_attention)  # fmt: skip
     batches = data.batches(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS,
                            rows=process_rows(trainer.shardings.batch, cfg.batch_size))  # fmt: skip
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
@@ -199,19 +195,10 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
     from meshkit.planner.layout import Layout
     from meshkit.planner.predict import predict
 
-    if spec.plan_info.context:
-        return  # the planner has no context axis yet: it would price the whole sequence on one device
+    if spec.plan_info.split_axes("sequence"):
+        return  # the planner's meshkit runtime prices no sequence split: it would price whole sequences
     try:
-        sizes = spec.degrees(devices)
-        group, replicas = sizes.get(DATA, 1), sizes.get(REPLICA, 1)  # hsdp: the batch over replica x data
-        dp, pipe = group * replicas, spec.plan_info.pipeline
-        steps = (spec.microbatches or sizes.get("stage", 1)) if pipe else spec.accumulate
-        if cfg.batch_size % (dp * steps):
-            return  # the batch check says so, in its own words
-        layout = Layout(dp=dp, tp=sizes.get("model", 1), pp=sizes.get("stage", 1), zero=spec.plan_info.level,
-                        microbatch_size=cfg.batch_size // (dp * steps), schedule=spec.schedule_name,
-                        virtual_stages=spec.virtual_stages, remat=spec.remat,
-                        shard_group=group if replicas > 1 else 0)  # fmt: skip
+        layout = Layout.from_spec(spec, devices, cfg.batch_size)
         hw, _ = hardware_of(jax.devices()[0].device_kind)
         n = layout.devices
         job = PlannerJob(

@@ -93,13 +93,23 @@ def _check_steps(steps: int) -> None:
 
 def _layers(spec: ParallelSpec, model: str) -> dict:
     """A pipeline plan verifies a model family as ``Stages`` with one layer per virtual stage (at least
-    2); an expert plan a family's model with a mixture of 8 experts per layer."""
-    if not (spec.plan_info.expert or spec.plan_info.pipeline):
+    2); an expert plan a family's model with a mixture of 8 experts per layer; a context plan a family's
+    model (its sequences split over the context axis)."""
+    plan = spec.plan_info
+    if not (plan.expert or plan.pipeline or plan.split_axes("sequence")):
         return {}
     if family_workload(model) is None:
-        what = "a mixture of experts" if spec.plan_info.expert else "a model of stacked blocks"
+        what = (
+            "a mixture of experts"
+            if plan.expert
+            else "a model of stacked blocks"
+            if plan.pipeline
+            else "a model of token sequences (its attention split over the sequence)"
+        )
         raise MeshkitError(f"plan {spec.plan} verifies {what}: use --model {' or '.join(registry.names())}")
-    if spec.plan_info.expert:
+    if not (plan.expert or plan.pipeline):
+        return {}
+    if plan.expert:
         return {"experts": 8}
     p = spec.degrees(jax.device_count())[STAGE]
     return {"layers": max(2, p * spec.virtual_stages), "stages": True}

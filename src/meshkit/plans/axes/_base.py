@@ -1,0 +1,87 @@
+"""What every axis module of ``meshkit.plans.axes`` may say about its axis, and what it says by default.
+
+A plan is its data part and the axes of ``meshkit.spec.AXIS_RULES``; the rows there say how each axis
+splits the batch (``AxisRule.splits``) and the leaves (``AxisRule.logical``), from which the step's
+gradient region, its batch layout and each leaf's sums follow without any axis's code. An axis module
+adds what cannot follow from a row: what is in force while the loss is traced on it (the sequence split
+of context parallelism, the expert split), how it lays out the batch before the region, the collectives
+it adds to the ledger's model, and the checks of a run's shapes against its size. The defaults do
+nothing, so a module says only what its axis does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from meshkit.plans.placement import Placement
+
+Add = Callable[[str, str, int, float, int, str], None]
+"""``add(op, axes, count, size_bytes, group, what)``: one row of the ledger's model (``_expected``):
+``count`` executions per step of a collective of ``size_bytes`` over ``axes`` (a group of ``group``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LedgerInputs:
+    """What a ledger row is computed from: the placement, the step's micro-batches and what one device
+    holds of them (``_expected.expected_collectives``' arguments)."""
+
+    placement: Placement
+    accumulate: int
+    tokens_per_device: int
+    """Tokens of a device's micro-batches per step, whole sequences (before a sequence split)."""
+    activation_bytes: int = 4
+    batch_fed: frozenset[str] = frozenset()
+    gather_itemsize: int | None = None
+    per_layer: Any = None
+    form: str = "ring"
+
+    @property
+    def tokens(self) -> int:
+        """A device's tokens per step: ``T / C`` of each of its rows' sequences under a sequence split."""
+        return self.tokens_per_device // sequence_split(self.placement)
+
+
+def axis_size(placement: Placement, axis: str) -> int:
+    """Devices on ``axis`` where the plan uses it, else 1."""
+    return int(placement.mesh.shape.get(axis, 1)) if axis in placement.plan.needs else 1
+
+
+def sequence_split(placement: Placement) -> int:
+    """Devices every sequence is split over (the axes whose rows split sequences: the context axis)."""
+    return math.prod(axis_size(placement, a) for a in placement.plan.split_axes("sequence"))
+
+
+class AxisPlan:
+    """The plan side of one mesh axis; a module's instance overrides what its axis does."""
+
+    axis: str = ""
+
+    def size(self, placement: Placement) -> int:
+        return axis_size(placement, self.axis)
+
+    @contextlib.contextmanager
+    def tracing(self, placement: Placement, per: Any, form: str) -> Iterator[None]:
+        """What is in force while the step traces the loss (``_step``); checks after the trace."""
+        yield
+
+    def arrange(self, batch: Any, placement: Placement) -> Any:
+        """The global batch as the step's region splits it (in the global view, before the region)."""
+        return batch
+
+    def ledger(self, add: Add, inputs: LedgerInputs) -> None:
+        """The collectives the axis adds to a step, per the ring model (``_expected``)."""
+
+    def held_beyond_device(
+        self, placement: Placement, sizes: list[float], found: Any, *, zero3: bool
+    ) -> float:
+        """Bytes the peak model's one-device compile of the loss holds that a device under the axis's split
+        does not (``plans.peak``; ``sizes``: each parameter leaf's bytes, whole)."""
+        return 0.0
+
+    def check_run(self, size: int, *, seq_len: int, heads: int, experts: int, form: str) -> None:
+        """Refuse, in one line, a model's shapes that cannot run over ``size`` devices of the axis
+        (``meshkit train`` asks before the run directory is written)."""

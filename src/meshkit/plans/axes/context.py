@@ -1,0 +1,112 @@
+"""The context axis (plans ``cp``, ``dp+cp``, ``fsdp+cp``, ``tp+cp``...): every sequence split over it.
+
+The technique is ``plans._context`` (the sequence split, ring and all-to-all attention, the balanced
+order). Here is what a plan does with it: the split in force while the step traces the loss (on each
+device's own heads where tensor parallelism splits them), the batch put in the balanced order before
+the step's region, the attention's collectives in the ledger's model, and the checks of a run's
+sequence length and heads. The gradient sums over the axis follow from its row
+(``AxisRule.splits = "sequence"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from meshkit.plans import _context
+from meshkit.plans._experts import check_whole_sequences
+from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
+from meshkit.plans.placement import LeafPlacement, Placement
+from meshkit.spec import CONTEXT, MODEL
+
+
+class ContextAxis(AxisPlan):
+    axis = CONTEXT
+
+    @contextlib.contextmanager
+    def tracing(self, placement: Placement, per: Any, form: str) -> Iterator[None]:
+        """The sequence split in force (attention in ``form``); a loss that never attended through
+        ``_context`` is refused after the trace."""
+        with _context.split_sequence(self.size(placement), form, heads_axis=heads_axis(placement)) as split:
+            yield
+        _context.check_attended(split)
+
+    def arrange(self, batch: Any, placement: Placement) -> Any:
+        return _context.to_balanced(batch, self.size(placement))
+
+    def ledger(self, add: Add, inputs: LedgerInputs) -> None:
+        """Per layer and micro-batch, with C devices on the context axis and ``tokens`` per data shard
+        (``T/C`` of each sequence on a device), ring: ``2 (C-1)`` K/V ppermutes forward (again under
+        remat) and as many of their gradients backward, each ``tokens/C x kv width``; or all-to-all: 4
+        forward (q, k, v, out) and 4 backward, each ``tokens/C x heads x head_dim`` (k and v ``tokens/C x
+        kv width`` where the kv heads divide over C, ``_exchanged_kv_width``)."""
+        placement, c = inputs.placement, self.size(inputs.placement)
+        if c == 1:
+            return
+        per_layer = inputs.per_layer
+        local = inputs.tokens_per_device // c * inputs.activation_bytes
+        forward = 2 if per_layer is not None and per_layer.remat != "none" else 1
+        for layers, q_width, kv_width, *splits in _attention_widths(placement):
+            if inputs.form == "ring":
+                count = inputs.accumulate * layers * 2 * (c - 1) * (forward + 1)
+                add("collective-permute", CONTEXT, count, local * kv_width, c,
+                    "K/V blocks round the ring (forward) and their gradients back (backward)")  # fmt: skip
+            else:
+                kv = _exchanged_kv_width(placement, q_width, kv_width, c, tuple(splits))
+                add("all-to-all", CONTEXT, inputs.accumulate * layers * 4 * (forward + 1),
+                    local * (q_width + kv) // 2,  # the mean of q, k, v and out
+                    c, "q, k, v to a head split and the output back; the same backward")  # fmt: skip
+
+    def check_run(self, size: int, *, seq_len: int, heads: int, experts: int, form: str) -> None:
+        _context.check_context(seq_len, heads, size, form)
+        if experts:
+            check_whole_sequences(size)
+
+
+def heads_axis(placement: Placement) -> str | None:
+    """The model axis where the tensor-parallel rules split attention heads, or None
+    (``_context._on_own_heads``)."""
+    split = any(
+        a == MODEL and n == "heads"
+        for x in placement.flat()
+        for n, a in zip(x.names, x.model_spec, strict=False)
+    )
+    return MODEL if split else None
+
+
+def _attention_widths(placement: Placement) -> list[tuple[int, int, int, int, int]]:
+    """(layers, query width, key/value width, query split, key/value split) per attention projection
+    pair of the reference models (leaves ``.../wq`` and ``.../wk``; a scanned model's stacked leaf
+    counts its layers), each width a device's: its heads' where tensor parallelism splits them
+    (tp+cp; the split is the model axis's size there, else 1)."""
+    leaves = {x.path: x for x in placement.flat()}
+    m = placement.model_size
+
+    def split(x: LeafPlacement) -> int:
+        return m if x.model_spec[-1] == MODEL else 1
+
+    out = []
+    for path, wq in leaves.items():
+        if path.endswith("wq") and (wk := leaves.get(path[:-2] + "wk")) is not None:
+            layers = wq.shape[0] if "layers" in wq.names else 1
+            out.append((layers, wq.shape[-1] // split(wq), wk.shape[-1] // split(wk), split(wq), split(wk)))
+    return out
+
+
+def _exchanged_kv_width(
+    placement: Placement, q_width: int, kv_width: int, c: int, splits: tuple[int, int]
+) -> int:
+    """Key/value width all-to-all attention moves (``_context.exchanged_kv_heads``): their own where the
+    placement knows the heads (``units``) and a device's kv heads divide over context, else the query
+    width (``splits``: how many devices the query and the kv heads are split over by tensor parallelism)."""
+    heads, kv_heads = placement.units.get("heads"), placement.units.get("kv_heads")
+    if heads is None or kv_heads is None:
+        return q_width
+    heads, kv_heads = heads // splits[0], kv_heads // splits[1]
+    if kv_width * heads != q_width * kv_heads:
+        return q_width
+    return kv_width * _context.exchanged_kv_heads(heads, kv_heads, c) // kv_heads
+
+
+PLAN = ContextAxis()

@@ -1,0 +1,77 @@
+"""The expert axis (plans ``ep``, ``dp+ep``, ``fsdp+ep``, ``tp+ep``...): a mixture of experts' experts
+split over it, and the batch's rows too.
+
+The technique is ``plans._experts`` (routing, capacity, the all_to_alls). From its row
+(``AxisRule.splits = "rows"``, ``logical = "expert"``) follow the leaves' expert dims split over the
+axis, the batch's rows split over it, and each dense leaf's gradient summed over it (an expert leaf's is
+already whole per device). Here: the expert split in force while the step traces the loss (it records
+each MoE layer's dispatched rows for the ledger), and the ledger's rows: the all_to_alls and, under
+tensor parallelism, the experts' own Megatron all-reduces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from meshkit.plans import _experts
+from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
+from meshkit.plans.memory import experts_beyond_device
+from meshkit.plans.placement import Placement
+from meshkit.spec import EXPERT, MODEL
+
+
+class ExpertAxis(AxisPlan):
+    axis = EXPERT
+
+    @contextlib.contextmanager
+    def tracing(self, placement: Placement, per: Any, form: str) -> Iterator[None]:
+        with _experts.split_experts(self.size(placement)) as split:
+            yield
+        per.experts = tuple(split.rows[-1:])  # the ledger's all_to_all size
+
+    def ledger(self, add: Add, inputs: LedgerInputs) -> None:
+        """Per MoE layer and micro-batch with E devices on the expert axis: 2 all_to_alls forward
+        (dispatch, combine) and their 2 transposes backward (the forward's again under remat), each
+        ``(E-1)/E x S`` per device with ``S = B_local x experts x capacity x width`` elements (the
+        chapter's rearranging collectives). Under tensor parallelism the experts' matmuls on their ``S``
+        rows (each device's E/N experts, N B_local C rows each) add the Megatron all-reduces over model:
+        a row-parallel expert matrix its output's partial sums forward, a column-parallel one its input
+        gradient's backward, each ``S`` bytes."""
+        placement, per_layer, accumulate = inputs.placement, inputs.per_layer, inputs.accumulate
+        e, m = self.size(placement), placement.model_size
+        if per_layer is None or not per_layer.experts:
+            return
+        found = per_layer.found
+        layers = found.layers if found is not None and found.per_layer else 1
+        rows = per_layer.experts[0]
+        if e > 1:
+            passes = 4 if per_layer.remat == "none" else 6
+            add("all-to-all", EXPERT, passes * layers * accumulate, rows, e,
+                "MoE rows to their experts and back (forward and backward)")  # fmt: skip
+        if m <= 1:
+            return
+        for x in placement.flat():
+            if EXPERT in x.model_spec and len(x.shape) >= 3 and MODEL in x.model_spec[-2:]:
+                row = x.model_spec[-2] == MODEL  # (E, F, D) with F on model: the MLP's output matrix
+                uses = x.shape[0] if "layers" in x.names else 1
+                add("all-reduce", MODEL, accumulate * uses, rows, m,
+                    f"{x.path}: expert {'forward output' if row else 'backward input-gradient'} partial sums")  # fmt: skip
+
+    def held_beyond_device(
+        self, placement: Placement, sizes: list[float], found: Any, *, zero3: bool
+    ) -> float:
+        """The experts beyond a device's own whose gradients the one-device compile holds
+        (``memory.experts_beyond_device``): one layer's, or every layer's under zero3, whose per-layer
+        barriers keep them all alive there."""
+        if found is None or not found.per_layer:
+            return 0.0
+        experts = sum(
+            size for size, leaf in zip(sizes, placement.flat(), strict=True) if EXPERT in leaf.model_spec
+        )
+        held = found.layers if zero3 else 1
+        return held * experts_beyond_device(experts / found.layers, self.size(placement))
+
+
+PLAN = ExpertAxis()

@@ -1,0 +1,70 @@
+"""The model axis (tensor parallelism, plans ``tp``, ``dp+tp``, ``fsdp+tp``, ``tp+cp``...): Megatron's
+column- and row-parallel matrices, partitioned by XLA.
+
+Where each leaf is split is the placement's tensor-parallel rules (``placement.DEFAULT_TP_RULES``,
+``VOCAB_TP_RULES``); the partitioner writes the collectives. Here: those collectives in the ledger's
+model, per micro-batch: every row-parallel matrix (model axis on its rows) all-reduces its output
+partial sums in the forward pass (tokens x output width), and every column-parallel matrix (model axis
+on its columns) all-reduces the partial sums of its input gradient in the backward pass (tokens x input
+width). A GPT layer has wo and w_out row-parallel, wq, wk, wv and w_in column-parallel: 2 forward and 4
+backward all-reduces. A column-parallel matrix applied to the batch itself (an MLP's first layer) has no
+input gradient to reduce: XLA drops it, and so does the model for the leaves in ``batch_fed`` (read from
+the loss's jaxpr, ``_dataflow``). The vocabulary on the model axis, per micro-batch: the embedding lookup
+is row-parallel (each device adds the rows it holds: tokens x width forward), the output head
+column-parallel (tokens x width backward; a tied head is the embedding's second use, both rows), and the
+cross-entropy on the split logits three all-reduces of one number per token (the max, the sum of
+exponentials, the target's logit), in the logits' dtype (at least float32).
+"""
+
+from __future__ import annotations
+
+from meshkit.plans._fsdp import tp_matrices
+from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
+from meshkit.plans.placement import LeafPlacement, Placement
+from meshkit.spec import MODEL
+
+
+class ModelAxis(AxisPlan):
+    axis = MODEL
+
+    def ledger(self, add: Add, inputs: LedgerInputs) -> None:
+        placement, m = inputs.placement, inputs.placement.model_size
+        if m <= 1:
+            return
+        tokens, width, accumulate = inputs.tokens, inputs.activation_bytes, inputs.accumulate
+        for x, uses, redone in tp_matrices(inputs.per_layer, placement):  # a scan's stacked leaf: per layer
+            if (
+                x.model_spec[0] == MODEL
+            ):  # row-parallel: forward partial sums of the output (again under remat)
+                add("all-reduce", MODEL, accumulate * uses * (2 if redone else 1), tokens * x.shape[1] * width,
+                    m, f"{x.path}: forward output partial sums")  # fmt: skip
+            elif x.model_spec[1] == MODEL and x.path not in inputs.batch_fed:  # column-parallel: backward
+                add("all-reduce", MODEL, accumulate * uses, tokens * x.shape[0] * width, m,
+                    f"{x.path}: backward input-gradient partial sums")  # fmt: skip
+        _vocab_rows(add, placement, accumulate, tokens, width)
+
+
+def _split_names(leaf: LeafPlacement) -> tuple:
+    """The leaf's logical names of the dims split on the model axis."""
+    names = (*leaf.names, *(None,) * (len(leaf.shape) - len(leaf.names)))
+    return tuple(n for n, a in zip(names, leaf.model_spec, strict=True) if a == MODEL)
+
+
+def _vocab_rows(add: Add, placement: Placement, accumulate: int, tokens: int, activation_bytes: int) -> None:
+    """A tied head's backward all-reduce and the cross-entropy's all-reduces over split logits (the
+    lookup's and an untied head's rows are the row- and column-parallel rows of ``tp_matrices``)."""
+    vocab = [x for x in placement.flat() if "vocab" in _split_names(x) and len(x.shape) == 2]
+    heads = [x for x in vocab if x.names[-1:] == ("vocab",)]
+    tied = [x for x in vocab if x.names[:1] == ("vocab",)] if not heads else []
+    m = placement.model_size
+    for x in tied:
+        add("all-reduce", MODEL, accumulate, tokens * x.shape[1] * activation_bytes, m,
+            f"{x.path} (tied head): backward input-gradient partial sums")  # fmt: skip
+    if heads or tied:
+        logit = tokens * max(activation_bytes, 4)
+        add(
+            "all-reduce", MODEL, 3 * accumulate, logit, m, "cross-entropy over split logits: max, sum, target"
+        )
+
+
+PLAN = ModelAxis()
