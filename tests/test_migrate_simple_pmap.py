@@ -6,6 +6,14 @@ plain ``forward`` def, or a pmap of a plain ``step`` beside some ``self.step`` p
 classes each binding ``self.train_step``, was 'nested pmap'; and ``state.step.shape`` counted as
 reading ``.shape`` on a pmapped def ``step``. Each is rewritten again (as before that change) and
 gives pmap's outputs; what really is nested, or really reads ``.lower``, is still left alone.
+
+Reads of attributes had the same fault (the trust issue): a pmap bound to ``self.loss`` counted
+``loss.mean()`` on a local named ``loss``, and ``state.step.shape`` on another object; a variable
+pmap counted a same-named local of another scope (a loop variable, a comprehension's, a file
+opened by ``with``). A read counts where it is of the pmap: ``self.loss.<attr>`` in its class, a
+name that libcst's scopes resolve to the pmap's binding; where that cannot be known (another
+object's ``.step``) it counts if the attribute is one pmap's function has and the rewrite's has
+otherwise (``.lower``), so those are still left alone.
 """
 
 import textwrap
@@ -88,6 +96,82 @@ SIMPLE = {
 
         out = (jax.pmap(train_step)({X}), evaluate())
     """,
+    "member_pmap_beside_a_local_of_its_name_that_reads_an_attribute": """
+        def loss_fn(params, batch):
+            return jax.lax.pmean(jnp.mean((batch * params) ** 2), axis_name="batch")
+
+        class Trainer:
+            def __init__(self):
+                self.loss = jax.pmap(loss_fn, axis_name="batch")
+
+            def evaluate(self, params, batch):
+                loss = self.loss(params, batch)
+                return loss.mean()
+
+        n = jax.local_device_count()
+        out = Trainer().evaluate(jnp.ones((n, 3)), jnp.arange(3.0 * n).reshape(n, 3))
+    """,
+    "member_pmap_beside_another_objects_member_shape": f"""
+        class State:
+            step = jnp.zeros((2, 5))
+
+        class Runner:
+            def __init__(self):
+                self.step = jax.pmap(lambda x: x * 2)
+
+        state = State()
+        print(state.step.shape)
+        out = (Runner().step({X}), state.step.shape)
+    """,
+    "member_pmap_beside_another_classes_member_item": f"""
+        def train_step(x):
+            return x + 1
+
+        class State:
+            def __init__(self):
+                self.train_step = jnp.array(3)
+
+            def steps(self):
+                return self.train_step.item()
+
+        class Trainer:
+            def __init__(self):
+                self.train_step = jax.pmap(train_step)
+
+        state = State()
+        out = (Trainer().train_step({X}), state.train_step.item(), state.steps())
+    """,
+    "a_loop_variable_of_another_function_has_the_pmaps_name": f"""
+        def _predict(x):
+            return x * 3
+
+        predict = jax.pmap(_predict)
+
+        def shapes(results):
+            found = []
+            for predict in results:
+                found.append(predict.shape)
+            return found
+
+        out = (predict({X}), shapes([jnp.zeros(2), jnp.zeros((1, 3))]))
+    """,
+    "a_comprehension_variable_has_the_pmaps_name": f"""
+        step = jax.pmap(lambda x: x - 1)
+        shapes = [step.shape for step in (jnp.zeros(2), jnp.zeros(3))]
+        out = (step({X}), shapes)
+    """,
+    "a_file_opened_in_another_function_has_the_pmaps_name": f"""
+        import os
+
+        f = jax.pmap(lambda x: x + 2)
+
+        def save(path, text):
+            with open(path, "w") as f:
+                f.write(text)
+
+        save(os.devnull, "done")
+        out = f({X})
+    """,
 }
 
 # Still left with a recipe: nested for real (the name reaches a pmap), or .lower read on the pmap.
@@ -155,6 +239,39 @@ LEFT = {
         text = step.lower(jnp.ones((8, 1))).as_text()
         """,
         "attributes are used (.lower)",
+    ),
+    "member_lower_read_on_another_name_of_the_object": (
+        """
+        class Trainer:
+            def __init__(self):
+                self.step = jax.pmap(lambda x: x * 2)
+
+        trainer = Trainer()
+        text = trainer.step.lower(jnp.ones((8, 1))).as_text()
+        """,
+        "attributes are used (.lower)",
+    ),
+    "variable_lower_read_in_another_function": (
+        """
+        @jax.pmap
+        def step(x):
+            return x * 2
+
+        def hlo(x):
+            return step.lower(x).as_text()
+        """,
+        "attributes are used (.lower)",
+    ),
+    "member_read_on_its_own_base": (
+        """
+        class Trainer:
+            def __init__(self):
+                self.loss = jax.pmap(lambda x: x * 2)
+
+            def name(self):
+                return self.loss.__code__.co_name
+        """,
+        "attributes are used (.__code__)",
     ),
 }
 

@@ -52,25 +52,28 @@ def to_axes(spec: Any, ndim: int) -> tuple:
     return names + (None,) * (ndim - len(names))
 
 
-def batch_norm_axis(own: Any, axis: Any, *, running: bool = False) -> Any:
+def batch_norm_axis(own: Any, axis: Any, *, running: bool = False, own_bound: bool = False) -> Any:
     """The axis a Flax BatchNorm averages its statistics over in a plan's step, with the meaning it
     has on one device (a mean over the whole batch): the manual data axis ``axis`` where the plan
     splits the batch over devices (each device holds some rows), joined with the BatchNorm's own
     ``axis_name`` where the loss binds it (the user's ``vmap`` over the device's rows: on one device
     that vmap spans the whole batch, so its mean must also span the devices), or None where the plan
     has no data axis (each device holds the whole batch). A name the loss does not bind (Flax's
-    ResNet: ``axis_name='batch'``, for ``pmap``) thus means the global batch. Under gradient
-    accumulation batch statistics (not ``running`` averages) are refused: no micro-batch is the batch."""
+    ResNet: ``axis_name='batch'``, for ``pmap``) thus means the global batch. ``own_bound``: the
+    caller asks before the loss runs, where its own names are bound (Equinox's BatchNorm, which
+    raises without the vmap that binds them, on one device too). Under gradient accumulation batch
+    statistics (not ``running`` averages) are refused: no micro-batch is the batch."""
     from jax import lax
 
     refuse_accumulated_batch_statistics(running=running)
     split = () if axis is None else tuple(axis) if isinstance(axis, tuple | list) else (axis,)
     bound = ()
     for name in own if isinstance(own, tuple | list) else () if own is None else (own,):
-        try:
-            lax.axis_size(name)
-        except NameError:  # unbound: it names the devices' split of the batch
-            continue
+        if not own_bound:
+            try:
+                lax.axis_size(name)
+            except NameError:  # unbound: it names the devices' split of the batch
+                continue
         if name not in split:
             bound += (name,)
     names = bound + split

@@ -5,20 +5,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from meshkit.adapters._common import Adapted, refuse_accumulated_batch_statistics, require
+from meshkit.adapters._common import Adapted, batch_norm_axis, require
 from meshkit.plans import manual_data_axis
 
 
-def _sync_batch_norm(eqx: Any, model: Any, axis: str | None) -> Any:
-    """Inside the manual data region, BatchNorm's mean runs over its batch axis and ``axis`` too.
-    Under gradient accumulation a BatchNorm that takes batch statistics (not in inference mode) is
-    refused, as Flax's are (``refuse_accumulated_batch_statistics``); its mode is read from the
-    module (``inference=``, ``eqx.nn.inference_mode``), not from a call's own ``inference=``."""
+def _sync_batch_norm(eqx: Any, model: Any, axis: Any) -> Any:
+    """Inside the manual data region, BatchNorm's mean runs over its batch axis and the plan's data
+    axes too, as ``batch_norm_axis`` (the one rule, every framework's) joins them; its own names are
+    bound where it takes its statistics (it raises without its vmap). Under gradient accumulation a
+    BatchNorm that takes batch statistics (not in inference mode) is refused there, as Flax's are;
+    its mode is read from the module (``inference=``, ``eqx.nn.inference_mode``), not from a call's
+    own ``inference=``."""
     norms = _norms(eqx, model)
-    if not norms:
-        return model
-    refuse_accumulated_batch_statistics(running=all(getattr(bn, "inference", False) for bn in norms))
-    if axis is None:
+    names = [
+        batch_norm_axis(bn.axis_name, axis, running=bool(getattr(bn, "inference", False)), own_bound=True)
+        for bn in norms
+    ]
+    if axis is None or not norms:
         return model
     if any(getattr(bn, "mode", "batch") == "ema" for bn in norms):
         from meshkit.spec import PlanError
@@ -28,12 +31,7 @@ def _sync_batch_norm(eqx: Any, model: Any, axis: str | None) -> Any:
             "rejects the constant it stores there): use eqx.nn.BatchNorm(..., mode='batch'), Equinox's advice "
             "for new code, or plan dp without accumulation"
         )
-
-    def names(bn):
-        own = bn.axis_name if isinstance(bn.axis_name, tuple | list) else (bn.axis_name,)
-        return (*own, axis)
-
-    return eqx.tree_at(lambda t: [bn.axis_name for bn in _norms(eqx, t)], model, [names(bn) for bn in norms])
+    return eqx.tree_at(lambda t: [bn.axis_name for bn in _norms(eqx, t)], model, names)
 
 
 def _norms(eqx: Any, model: Any) -> list:

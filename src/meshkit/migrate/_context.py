@@ -26,6 +26,8 @@ _REPLICATE = frozenset({"jax.device_put_sharded", "jax.api.device_put_sharded"})
 _REPLICATE_WORDS = ("replicat", "broadcast")
 # What a pmapped function's attributes may be read for and still be rewritten: the helper copies them.
 WRAPPED = frozenset({"__name__", "__qualname__", "__doc__", "__module__", "__wrapped__", "__dict__"})
+# Bases that name the object a class-body member is bound on, in the class's methods.
+_OWN_BASES = ("self", "cls")
 _EMPTY = cst.Module(body=[])
 
 
@@ -72,7 +74,9 @@ class PmapSite:
     ``@jax.pmap``) from ``offset`` on; ``fn`` is the mapped function where this module defines it;
     ``name`` is the name the pmapped function is bound to (``step`` for ``obj.step = jax.pmap(...)``);
     ``target`` is what binds it as a variable (the assigned Name, the decorated def), for scope
-    look-ups; ``member`` says it is also read as an attribute (``obj.step``, or bound in a class body).
+    look-ups; ``member`` says it is also read as an attribute (``obj.step``, or bound in a class body);
+    ``base`` is the object it is bound on (``obj``), None in a class body; ``owner`` the innermost
+    class around the binding.
     """
 
     anchor: cst.CSTNode
@@ -83,6 +87,8 @@ class PmapSite:
     decorator: bool
     target: cst.CSTNode | None = None
     member: bool = False
+    base: str | None = None
+    owner: cst.ClassDef | None = None
 
     def arguments(self) -> dict[str, cst.Arg] | None:
         return {} if self.call is None else pmap_arguments(self.call, self.offset)
@@ -101,12 +107,12 @@ class Context:
     stacked: dict[cst.CSTNode, str] = field(default_factory=dict)
     # pmap named but not applied where this module can follow it (``p = jax.pmap``, ``g(jax.pmap)``).
     pmap_refs: set[cst.CSTNode] = field(default_factory=set)
-    # The attributes the module reads on each variable (``step.lower`` under ``step``), on each
-    # member (``self.step.lower`` under ``step``) and on each call's result: a pmapped function's
-    # own methods (``.lower``) have no counterpart on the rewritten one. Members are kept apart:
-    # ``state.step.shape`` says nothing about a function bound to the variable ``step``.
-    attribute_reads: dict[str, set[str]] = field(default_factory=dict)
-    member_reads: dict[str, set[str]] = field(default_factory=dict)
+    # The attributes the module reads on each variable (``step.lower``: the Name ``step`` and
+    # ``lower``, under ``step``), on each member (``self.step.lower``: the base's text ``self``, the
+    # innermost class around the read and ``lower``, under ``step``) and on each call's result: a
+    # pmapped function's own methods (``.lower``) have no counterpart on the rewritten one.
+    attribute_reads: dict[str, list[tuple[cst.Name, str]]] = field(default_factory=dict)
+    member_reads: dict[str, list[tuple[str, cst.ClassDef | None, str]]] = field(default_factory=dict)
     attribute_calls: dict[int, set[str]] = field(default_factory=dict)
     # The first call that makes the module multi-host, as (dotted name, line), if any.
     multihost: tuple[str, int] | None = None
@@ -152,11 +158,46 @@ class Context:
         return id(site) in self.nested_sites
 
     def attributes_read(self, site: PmapSite) -> set[str]:
-        """The attributes the module reads on the function ``site`` makes, beyond those the helper copies."""
-        read = set(self.attribute_reads.get(site.name, ())) if site.name else set()
+        """The attributes the module reads on the function ``site`` makes, beyond those the helper copies.
+
+        A read is of that function where a variable's name resolves through the module's scopes to
+        the site's binding (not another function's local, a loop's or a comprehension's variable),
+        or a member is read on the object it is bound on (``self.loss.<attr>`` in its class; never
+        a variable named ``loss``). A read that may be of it (a name whose scope is unknown, another
+        object's ``.loss``) counts where the attribute may differ after the rewrite (``.lower``,
+        the function's dunders): any other (``.shape``) fails on pmap's function as on the helper's.
+        """
+        read = set(self.attribute_calls.get(id(site.anchor), set()))
+        if site.target is not None:
+            for name, attr in self.attribute_reads.get(site.name, ()):
+                bound = referents(self.get_metadata, name)
+                sure = bound is not None and id(site.target) in bound
+                if sure or (bound is None and _may_differ(attr)):
+                    read.add(attr)
         if site.member:
-            read |= self.member_reads.get(site.name, set())
-        return (read | self.attribute_calls.get(id(site.anchor), set())) - WRAPPED
+            own = {site.base} if site.base is not None else {*_OWN_BASES, *_class_name(site.owner)}
+            for base, owner, attr in self.member_reads.get(site.name, ()):
+                if (base in own and owner is site.owner) or _may_differ(attr):
+                    read.add(attr)
+        return read - WRAPPED
+
+
+def _may_differ(attr: str) -> bool:
+    """Whether ``attr`` may read otherwise on pmap's function than on the helper's: ``.lower``, a dunder."""
+    return attr == "lower" or (attr.startswith("__") and attr.endswith("__"))
+
+
+def _class_name(owner: cst.ClassDef | None) -> tuple[str, ...]:
+    return () if owner is None else (owner.name.value,)
+
+
+def referents(get_metadata: Callable, name: cst.Name) -> set[int] | None:
+    """The ids of the nodes that bind what ``name`` reads, through libcst's scopes; None where unknown."""
+    scope = get_metadata(ScopeProvider, name, None)
+    accesses = None if scope is None else scope.accesses[name]
+    if not accesses:
+        return None
+    return {id(getattr(a, "node", None)) for access in accesses for a in access.referents}
 
 
 def _canonical(name: str | None) -> str | None:
@@ -181,20 +222,25 @@ class _SiteFinder(cst.CSTVisitor):
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.defs: dict[str, cst.FunctionDef] = {}
-        # A call's value bound by an assignment: (name, the Name bound or None, read as a member).
-        self.assigned: dict[cst.Call, tuple[str, cst.Name | None, bool]] = {}
-        # Whether each enclosing definition is a class (names bound in a class body are members).
-        self.enclosing: list[bool] = []
+        # A call's value bound by an assignment: (name, the Name bound or None, read as a member,
+        # the text of the object it is bound on or None).
+        self.assigned: dict[cst.Call, tuple[str, cst.Name | None, bool, str | None]] = {}
+        # The enclosing definitions, a class or None for a def (names bound in a class body are members).
+        self.enclosing: list[cst.ClassDef | None] = []
         self.decorators: set[int] = set()
         self.applied: set[int] = set()
         self.refs: list[cst.CSTNode] = []
         self.key_refs: list[cst.CSTNode] = []
 
     def in_class(self) -> bool:
-        return bool(self.enclosing) and self.enclosing[-1]
+        return bool(self.enclosing) and self.enclosing[-1] is not None
+
+    def owner(self) -> cst.ClassDef | None:
+        """The innermost class around the node visited."""
+        return next((c for c in reversed(self.enclosing) if c is not None), None)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.enclosing.append(True)
+        self.enclosing.append(node)
 
     def leave_ClassDef(self, node: cst.ClassDef) -> None:
         self.enclosing.pop()
@@ -215,9 +261,10 @@ class _SiteFinder(cst.CSTVisitor):
         self._reference(node)
         base = node.value
         if isinstance(base, cst.Name):
-            self.ctx.attribute_reads.setdefault(base.value, set()).add(node.attr.value)
+            self.ctx.attribute_reads.setdefault(base.value, []).append((base, node.attr.value))
         elif isinstance(base, cst.Attribute):
-            self.ctx.member_reads.setdefault(base.attr.value, set()).add(node.attr.value)
+            read = (code(base.value), self.owner(), node.attr.value)
+            self.ctx.member_reads.setdefault(base.attr.value, []).append(read)
         elif isinstance(base, cst.Call):
             self.ctx.attribute_calls.setdefault(id(base), set()).add(node.attr.value)
 
@@ -239,7 +286,7 @@ class _SiteFinder(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.defs[node.name.value] = node
         pmapped = []
-        bound = (node.name.value, node, self.in_class())
+        bound = (node.name.value, node, self.in_class(), None)
         for d in node.decorators:
             self.decorators.add(id(d.decorator))
             expr = d.decorator
@@ -251,7 +298,7 @@ class _SiteFinder(cst.CSTVisitor):
                 self.applied.add(id(expr.args[0].value))
                 pmapped.append(d)
                 self._add(d, expr, 1, node, bound, True)
-        self.enclosing.append(False)
+        self.enclosing.append(None)
         for outer in pmapped[:-1]:  # stacked: each decorator maps what the one below it pmapped
             self.ctx.stacked[outer] = f"{node.name.value}, pmapped by the decorator below"
 
@@ -259,9 +306,9 @@ class _SiteFinder(cst.CSTVisitor):
         if isinstance(node.value, cst.Call) and len(node.targets) == 1:
             target = node.targets[0].target
             if isinstance(target, cst.Name):
-                self.assigned[node.value] = (target.value, target, self.in_class())
+                self.assigned[node.value] = (target.value, target, self.in_class(), None)
             elif isinstance(target, cst.Attribute):  # ``self.step = jax.pmap(...)``: followed by its name
-                self.assigned[node.value] = (target.attr.value, None, True)
+                self.assigned[node.value] = (target.attr.value, None, True, code(target.value))
 
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
         # ``[x] * n_devices``: the docs' way to stack one copy per device.
@@ -279,7 +326,7 @@ class _SiteFinder(cst.CSTVisitor):
             self._add(node, node, offset, None, self.assigned.get(node), False)
 
     def _add(self, anchor, call, offset, fn, bound, decorator) -> None:
-        name, target, member = bound or (None, None, False)
+        name, target, member, base = bound or (None, None, False, None)
         self.ctx.sites[anchor] = PmapSite(
             anchor=anchor,
             call=call,
@@ -289,6 +336,8 @@ class _SiteFinder(cst.CSTVisitor):
             decorator=decorator,
             target=target,
             member=member,
+            base=base,
+            owner=self.owner(),
         )
 
     def resolve(self, site: PmapSite) -> PmapSite:
@@ -327,11 +376,10 @@ class _Bindings:
         """The pmap sites ``ref`` may refer to (a variable with no scope known: every one of its name)."""
         if not isinstance(ref, cst.Name):
             return []
-        scope = self.get_metadata(ScopeProvider, ref, None)
-        if scope is None:
+        bound = referents(self.get_metadata, ref)
+        if bound is None:
             return self.names.get(ref.value, [])
-        referents = {id(getattr(a, "node", None)) for access in scope.accesses[ref] for a in access.referents}
-        return [s for key in referents for s in self.targets.get(key, ())]
+        return [s for key in bound for s in self.targets.get(key, ())]
 
 
 def build_context(module: cst.Module, get_metadata: Callable) -> Context:
