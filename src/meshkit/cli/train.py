@@ -80,7 +80,9 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
     ),
     "experts_per_token": _opt("experts_per_token", "Mixture of experts: experts per token (top-k).", "2"),
     "capacity_factor": _opt(
-        "capacity_factor", "Mixture of experts: slots per expert = ceil(factor x T x k / experts).", "1.25"
+        "capacity_factor",
+        "Mixture of experts: slots per expert = ceil(factor x T x k / experts); 0: dropless (every slot runs).",
+        "1.25",
     ),
     "tie_embeddings": _opt("tie_embeddings", "Llama: the output head is the token embedding.", "off"),
     "init_from": _opt(

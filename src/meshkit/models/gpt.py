@@ -52,7 +52,7 @@ from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
-from meshkit.plans import EXPERT_DIM, causal_attention, layer, moe, position_rows
+from meshkit.plans import EXPERT_DIM, causal_attention, expert_bias, expert_dot, layer, moe, position_rows
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -107,7 +107,8 @@ class GPTConfig:
     experts_per_token: int = 2
     """Mixture of experts: top-k."""
     capacity_factor: float = 1.25
-    """Mixture of experts: an expert takes ``ceil(capacity_factor x T x k / experts)`` slots of a sequence."""
+    """Mixture of experts: an expert takes ``ceil(capacity_factor x T x k / experts)`` slots of a sequence;
+    0: dropless (every slot runs)."""
     router_aux_weight: float = 0.01
     """Mixture of experts: weight of the load-balancing loss added to the cross-entropy."""
 
@@ -281,10 +282,11 @@ def _mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     return jax.nn.gelu(x_btd @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
 
 
-def _experts(p: dict[str, jax.Array], x_ncd: jax.Array) -> jax.Array:
-    """``n`` expert MLPs (leading dim of every leaf) on their rows ``(n, c, D)``."""
-    h_ncf = jax.nn.gelu(jnp.einsum("ncd,ndf->ncf", x_ncd, p["w_in"]) + p["b_in"][:, None])
-    return jnp.einsum("ncf,nfd->ncd", h_ncf, p["w_out"]) + p["b_out"][:, None]
+def _experts(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """``n`` expert MLPs (leading dim of every leaf) on their rows: ``(n, c, D)`` with capacity, ``(M, D)``
+    grouped by expert when dropless (``expert_dot``)."""
+    h = jax.nn.gelu(expert_dot(x, p["w_in"]) + expert_bias(p["b_in"]))
+    return expert_dot(h, p["w_out"]) + expert_bias(p["b_out"])
 
 
 def _embed(top: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:

@@ -58,7 +58,7 @@ from meshkit._errors import MeshkitError
 from meshkit.models import gpt
 from meshkit.models.rope import Llama3Rope, inv_frequencies
 from meshkit.models.shape import ModelShape
-from meshkit.plans import causal_attention, moe, sequence_positions
+from meshkit.plans import causal_attention, expert_dot, moe, sequence_positions
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -127,7 +127,10 @@ class LlamaConfig:
     experts_per_token: int = 2
     """Mixture of experts: top-k."""
     capacity_factor: float = 1.25
-    """Mixture of experts: an expert takes ``ceil(capacity_factor x T x k / experts)`` slots of a sequence."""
+    """Mixture of experts: an expert takes ``ceil(capacity_factor x T x k / experts)`` slots of a sequence;
+    0: dropless (every slot runs, one grouped matmul per weight)."""
+    router_renormalize: bool = False
+    """Mixture of experts: the top-k gates divided by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
     router_aux_weight: float = 0.01
     """Mixture of experts: weight of the load-balancing loss added to the cross-entropy."""
 
@@ -303,11 +306,10 @@ def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     return (jax.nn.silu(x_btd @ p["w_gate"]) * (x_btd @ p["w_up"])) @ p["w_down"]
 
 
-def experts_mlp(p: dict[str, jax.Array], x_ncd: jax.Array) -> jax.Array:
-    """``n`` SwiGLU experts (leading dim of every leaf) on their rows ``(n, c, D)``."""
-    gate = jnp.einsum("ncd,ndf->ncf", x_ncd, p["w_gate"])
-    up = jnp.einsum("ncd,ndf->ncf", x_ncd, p["w_up"])
-    return jnp.einsum("ncf,nfd->ncd", jax.nn.silu(gate) * up, p["w_down"])
+def experts_mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """``n`` SwiGLU experts (leading dim of every leaf) on their rows: ``(n, c, D)`` with capacity,
+    ``(M, D)`` grouped by expert when dropless (``expert_dot``)."""
+    return expert_dot(jax.nn.silu(expert_dot(x, p["w_gate"])) * expert_dot(x, p["w_up"]), p["w_down"])
 
 
 def cast_block(p: Params, cfg: LlamaConfig) -> Params:
@@ -340,7 +342,8 @@ def _moe_block(
     x_btd = x_btd + causal_attention(q, k, v).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
     experts = {name: w for name, w in p["moe"].items() if name != "router"}
     y_btd, aux, dropped = moe(experts_mlp, experts, p["moe"]["router"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps),
-                              k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor)  # fmt: skip
+                              k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor,
+                              renormalize=cfg.router_renormalize)  # fmt: skip
     return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
 
 

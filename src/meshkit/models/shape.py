@@ -44,7 +44,8 @@ class ModelShape:
     """Mixture of experts: the experts each token is routed to (top-k; Mixtral: 2)."""
     capacity_factor: float = 1.25
     """Mixture of experts: an expert takes at most ``capacity_factor x tokens x experts_per_token /
-    experts`` tokens of a batch; the rest are dropped (they pass through the residual), counted, reported."""
+    experts`` tokens of a batch; the rest are dropped (they pass through the residual), counted, reported.
+    0: dropless, every slot runs (one grouped matmul per weight, ``plans._experts._dropless``)."""
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "vocab", "seq"):
@@ -67,8 +68,10 @@ class ModelShape:
                 raise MeshkitError(
                     f"experts_per_token={self.experts_per_token}: must be between 1 and experts={self.experts}"
                 )
-            if self.capacity_factor <= 0:
-                raise MeshkitError(f"capacity_factor={self.capacity_factor}: must be above 0 (1.25 is usual)")
+            if self.capacity_factor < 0:
+                raise MeshkitError(
+                    f"capacity_factor={self.capacity_factor}: give 0 (dropless) or a factor above 0 (1.25 is usual)"
+                )
         if self.heads % self.kv_heads:
             raise MeshkitError(
                 f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"

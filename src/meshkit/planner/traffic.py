@@ -97,17 +97,22 @@ def expert_axis(s: Step) -> tuple[float, float]:
     """(bytes, seconds) of one micro-batch's expert-parallel all-to-alls on one device (exposed):
     per MoE layer, the tokens dispatched to their experts and combined back (``k x capacity_factor``
     copies of each token's activation, ``(ep - 1) / ep`` of them leaving the device), forward, their
-    gradients backward, again per recomputed forward."""
+    gradients backward, again per recomputed forward; dropless (``capacity_factor`` 0) the group's tokens
+    gathered and the outputs reduce-scattered (the same bytes in a ring), as often."""
     lay, ep = s.layout, s.layout.ep
     if ep == 1:
         return 0.0, 0.0
     split = lay.tp if s.job.sequence_parallel else 1  # the tokens a tensor-parallel rank dispatches
-    size = s.tokens_mb * routed(s.shape) * s.shape.capacity_factor * s.shape.width * s.job.act_bytes / split
     count = 2 * (2 + s.recompute) * s.per_stage  # dispatch and combine: forward, backward, recomputed forward
-    nbytes = count * ring_traffic("all-to-all", size, ep)
+    tokens = s.tokens_mb * s.shape.width * s.job.act_bytes / split
+    if s.shape.capacity_factor:
+        op, size = "all-to-all", tokens * routed(s.shape) * s.shape.capacity_factor
+    else:  # dropless: the expert group's tokens gathered, the outputs reduce-scattered back (``_experts``)
+        op, size = "all-gather", tokens * ep
+    nbytes = count * ring_traffic(op, size, ep)
     stride = lay.tp * lay.cp
     t = nbytes / group_bandwidth(s.cluster, stride, ep) + count * collective_latency(
-        s.cluster, "all-to-all", stride, ep
+        s.cluster, op, stride, ep
     )
     return nbytes, t
 

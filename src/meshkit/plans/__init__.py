@@ -25,7 +25,7 @@ from meshkit.plans._expected import (
     expected_collectives,
     memory_formula,
 )
-from meshkit.plans._experts import EXPERT_DIM, check_whole_sequences, moe
+from meshkit.plans._experts import EXPERT_DIM, check_whole_sequences, expert_bias, expert_dot, moe
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis, micro_batches
@@ -65,6 +65,8 @@ __all__ = [
     "compare_communication",
     "device_bytes",
     "expected_collectives",
+    "expert_bias",
+    "expert_dot",
     "layer",
     "manual_data_axis",
     "matmul_rows",

@@ -56,7 +56,11 @@ class ExpertSplit:
     size: int
     rows: list = field(default_factory=list)
     """Bytes per device of each MoE layer's dispatched rows ``(B, E, C, D)`` traced under this split
-    (the ledger's all_to_all size, ``_expected``)."""
+    (the ledger's all_to_all size, ``axes.expert``); dropless: of its tokens ``(B, T, D)``."""
+    dropless: list = field(default_factory=list)
+    """One entry per dropless MoE layer traced under this split (its rows are gathered, not sent)."""
+    k: list = field(default_factory=list)
+    """Each MoE layer's top-k."""
 
 
 _SPLIT: contextvars.ContextVar[ExpertSplit | None] = contextvars.ContextVar(
@@ -100,16 +104,38 @@ class Routing:
     dropped: jax.Array
 
 
-def route(x_btd: jax.Array, router_de: jax.Array, k: int, factor: float) -> Routing:
-    """Top-``k`` routing with capacity (see the module docstring)."""
-    b, t, _ = x_btd.shape
-    e = router_de.shape[-1]
-    c = capacity(t, e, k, factor)
+def top_k(x_btd: jax.Array, router_de: jax.Array, k: int, *, renormalize: bool = False) -> tuple:
+    """``(probs_bte, choice_btk, gate_btk)``: the router's probabilities (softmax in at least float32),
+    each token's top ``k`` experts (ties to the lower index: a stable sort) and their gates (divided by
+    their sum where ``renormalize``)."""
     wide = jnp.promote_types(x_btd.dtype, jnp.float32)
     logits = jnp.einsum("btd,de->bte", x_btd, router_de, preferred_element_type=wide)
     probs_bte = jax.nn.softmax(logits, axis=-1)
     choice_btk = jnp.argsort(-lax.stop_gradient(probs_bte), axis=-1, stable=True)[..., :k]
     gate_btk = jnp.take_along_axis(probs_bte, choice_btk, axis=-1)
+    if renormalize:
+        gate_btk = gate_btk / gate_btk.sum(-1, keepdims=True)
+    return probs_bte, choice_btk, gate_btk
+
+
+def balance_loss(probs_bte: jax.Array, choice_btk: jax.Array) -> jax.Array:
+    """Switch/GShard's load-balancing loss ``E x sum_e f_e P_e`` per sequence, averaged: ``f_e`` the
+    share of a sequence's ``T x k`` slots routed to ``e`` (before any capacity), ``P_e`` its mean
+    router probability."""
+    _, t, e = probs_bte.shape
+    share_be = jax.nn.one_hot(choice_btk, e, dtype=probs_bte.dtype).sum((1, 2)) / (t * choice_btk.shape[-1])
+    return (e * jnp.sum(share_be * probs_bte.mean(1), axis=-1)).mean()
+
+
+def route(
+    x_btd: jax.Array, router_de: jax.Array, k: int, factor: float, *, renormalize: bool = False
+) -> Routing:
+    """Top-``k`` routing with capacity (see the module docstring)."""
+    b, t, _ = x_btd.shape
+    e = router_de.shape[-1]
+    c = capacity(t, e, k, factor)
+    wide = jnp.promote_types(x_btd.dtype, jnp.float32)
+    probs_bte, choice_btk, gate_btk = top_k(x_btd, router_de, k, renormalize=renormalize)
     # slots in priority order: all first choices (token order), then all second choices, ...
     chosen_bkte = jax.nn.one_hot(jnp.swapaxes(choice_btk, 1, 2), e, dtype=jnp.int32)
     flat = chosen_bkte.reshape(b, k * t, e)
@@ -119,8 +145,7 @@ def route(x_btd: jax.Array, router_de: jax.Array, k: int, factor: float) -> Rout
     dispatch_btec = slot_bktec.sum(1).astype(x_btd.dtype)
     gates_bkt = jnp.swapaxes(gate_btk, 1, 2).astype(x_btd.dtype)
     combine_btec = jnp.einsum("bktec,bkt->btec", slot_bktec.astype(x_btd.dtype), gates_bkt)
-    share_be = chosen_bkte.sum((1, 2)).astype(wide) / (t * k)
-    aux = (e * jnp.sum(share_be * probs_bte.mean(1), axis=-1)).mean()
+    aux = balance_loss(probs_bte, choice_btk)
     dropped = (chosen_bkte.sum() - kept_bkte.sum()).astype(wide)
     return Routing(dispatch=dispatch_btec, combine=combine_btec, aux=aux, dropped=dropped)
 
@@ -133,17 +158,23 @@ def moe(
     *,
     k: int,
     capacity_factor: float,
+    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The MoE MLP of ``x_btd``: ``(y_btd, aux, dropped)`` (aux: the load-balancing loss of this layer,
     dropped: the slots past capacity). ``experts``: the experts' parameters, leading dim E (E / N
-    under an expert split)."""
+    under an expert split); ``expert_fn`` multiplies them through ``expert_dot`` and ``expert_bias``.
+    ``capacity_factor`` 0: dropless (``_dropless``: every slot runs, grouped by expert, as MaxText's -1);
+    ``renormalize``: the top-k gates divided by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+    if capacity_factor == 0:
+        return _dropless(expert_fn, experts, router_de, x_btd, k=k, renormalize=renormalize)
     sequence = _context._SPLIT.get()
     check_whole_sequences(sequence.size if sequence is not None else 1)
-    r = route(x_btd, router_de, k, capacity_factor)
+    r = route(x_btd, router_de, k, capacity_factor, renormalize=renormalize)
     rows_becd = jnp.einsum("btec,btd->becd", r.dispatch, x_btd)
     split = _SPLIT.get()
     if split is not None:
         split.rows.append(rows_becd.size * rows_becd.dtype.itemsize)
+        split.k.append(k)
     out_becd = _run_experts(expert_fn, experts, rows_becd, split)
     y_btd = jnp.einsum("btec,becd->btd", r.combine, out_becd)
     return y_btd, r.aux, r.dropped
@@ -163,3 +194,86 @@ def _run_experts(
     if split is not None and split.size > 1:  # combine: back to the rows' devices
         out_becd = lax.all_to_all(out_becd, split.axis, 0, 1, tiled=True)
     return out_becd
+
+
+# -- dropless: every slot runs, its rows grouped by expert ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Groups:
+    """The rows in force while a dropless expert function runs: ``(M, D)`` rows sorted by expert,
+    ``sizes[e]`` of them for (local) expert ``e``; ``expert_of_row`` each row's local expert."""
+
+    sizes: jax.Array
+    expert_of_row: jax.Array
+
+
+_GROUPS: contextvars.ContextVar[_Groups | None] = contextvars.ContextVar(
+    "meshkit_expert_groups", default=None
+)
+
+
+def expert_dot(x: jax.Array, w_ndf: jax.Array) -> jax.Array:
+    """Each expert's rows times its matrix: ``(n, c, D) x (n, D, F) -> (n, c, F)`` in capacity mode, or
+    one grouped matmul ``jax.lax.ragged_dot`` of rows sorted by expert ``(M, D) -> (M, F)`` in dropless
+    mode. An expert function (``ExpertFn``) written with it runs in both."""
+    groups = _GROUPS.get()
+    if groups is None:
+        return jnp.einsum("ncd,ndf->ncf", x, w_ndf)
+    return lax.ragged_dot(x, w_ndf, groups.sizes)
+
+
+def expert_bias(b_nf: jax.Array) -> jax.Array:
+    """Each expert's bias, shaped to add to ``expert_dot``'s result in either mode."""
+    groups = _GROUPS.get()
+    return b_nf[:, None] if groups is None else b_nf[groups.expert_of_row]
+
+
+def _dropless(expert_fn: ExpertFn, experts: Any, router_de: jax.Array, x_btd: jax.Array, *, k: int,
+              renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """Dropless MoE (MegaBlocks'): each token's ``k`` slots sorted by expert and multiplied in one
+    grouped matmul per weight (``expert_dot``), no capacity and no slot dropped; the outputs back in
+    token order, weighted by their gates. Under an expert split every device gathers the expert group's
+    tokens (``all_gather`` over the axis: ``(N-1)/N x S`` per device, ``S = N B_local T D``), runs its
+    own experts' rows, and the partial outputs are summed back to their tokens' devices
+    (``psum_scatter``: as much again); their transposes move as much in the backward pass. Routing is
+    per token, so a sequence split does not change it. The load-balancing loss is each device's own
+    tokens'."""
+    probs_bte, choice_btk, _ = top_k(x_btd, router_de, k, renormalize=renormalize)
+    aux = balance_loss(probs_bte, choice_btk)
+    split = _SPLIT.get()
+    spread = split is not None and split.size > 1
+    if split is not None:
+        split.rows.append(x_btd.size * x_btd.dtype.itemsize)
+        split.dropless.append(True)
+        split.k.append(k)
+    x_all = lax.all_gather(x_btd, split.axis, axis=0, tiled=True) if spread else x_btd
+    _, choice, gate = top_k(x_all, router_de, k, renormalize=renormalize)
+    b, t, d = x_all.shape
+    e = router_de.shape[-1]
+    slot_expert = choice.reshape(-1)  # (N k,), N = b t: token n's slots at n k .. n k + k - 1
+    order = jnp.argsort(slot_expert, stable=True)
+    rows = x_all.reshape(b * t, d)[order // k]
+    counts = jnp.bincount(slot_expert, length=e)
+    if spread:  # this device's experts' rows first, their counts the groups; the rest multiplied by none
+        local = e // split.size
+        first = lax.axis_index(split.axis) * local
+        start = jnp.cumsum(counts)[first] - counts[first]
+        sizes = lax.dynamic_slice(counts, (first,), (local,))
+        rows = jnp.roll(rows, -start, axis=0)
+    else:
+        local, sizes = e, counts
+    of_row = jnp.repeat(jnp.arange(local), sizes, total_repeat_length=rows.shape[0])
+    token = _GROUPS.set(_Groups(sizes, of_row))
+    try:
+        out = expert_fn(experts, rows)
+    finally:
+        _GROUPS.reset(token)
+    if spread:
+        mine = jnp.arange(rows.shape[0]) < sizes.sum()
+        out = jnp.roll(jnp.where(mine[:, None], out, jnp.zeros_like(out)), start, axis=0)
+    slots = out[jnp.argsort(order)].reshape(b * t, k, d)
+    y_btd = jnp.einsum("nkd,nk->nd", slots, gate.reshape(b * t, k).astype(slots.dtype)).reshape(b, t, d)
+    if spread:
+        y_btd = lax.psum_scatter(y_btd, split.axis, scatter_dimension=0, tiled=True)
+    return y_btd, aux, jnp.zeros((), aux.dtype)

@@ -12,6 +12,7 @@ fusion decision, not a property of the jaxpr. Each term and the measurement behi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,15 +25,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshkit.plans import _context, axes
+from meshkit.plans import _context, _experts, axes
 from meshkit.plans import memory as M
 from meshkit.plans._expected import memory_formula
 from meshkit.plans._fsdp import PerLayer, layered_loss
 from meshkit.plans._layers import abstract, analyse
 from meshkit.plans.assemble import Assembled, assemble
+from meshkit.plans.axes.context import heads_axis
 from meshkit.plans.memory import PeakModel
 from meshkit.plans.placement import Placement
-from meshkit.spec import CONTEXT, MODEL, ParallelSpec, get_plan
+from meshkit.spec import CONTEXT, EXPERT, MODEL, ParallelSpec, get_plan
 
 
 def step_extra(state: Any, micro: Any, key: Any = None) -> tuple:
@@ -134,7 +136,7 @@ def compiled_activations(
     what the model keeps: it adds gathers, gradients and buckets, which ``predict_peak`` models.
 
     How each form and axis is compiled: ``_local_layers`` (loop, hook and scanned forms),
-    ``_on_model_devices`` (tensor parallelism), ``_on_context_devices`` (context plans)."""
+    ``_on_model_devices`` (tensor parallelism), ``_on_split_devices`` (context plans, dropless experts)."""
     f = layered_loss(loss_fn, _local_layers(per), params, extra)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
 
@@ -144,11 +146,12 @@ def compiled_activations(
 
     m = per.placement.model_size
     c = axes.sequence_split(per.placement)
-    sub = _local_mesh(per.placement, {CONTEXT: c, MODEL: m})
+    x = per.placement.size(EXPERT) if per.experts[1:2] == (True,) else 1  # dropless: the group's tokens
+    sub = _local_mesh(per.placement, {EXPERT: x, CONTEXT: c, MODEL: m})
     if m > 1:
         leaves, extra = _on_model_devices(per.placement, sub, leaves, extra)
-    if c > 1:
-        traced = _on_context_devices(step, sub, c, context_attention, leaves, extra)
+    if c > 1 or x > 1:
+        traced = _on_split_devices(step, sub, per.placement, (c, x), context_attention, leaves, extra)
     else:
         traced = jax.jit(step).trace(leaves, extra)
     # the same program (another plan's Trainer, verify's next certificate): one compile; the jaxpr
@@ -224,19 +227,32 @@ def _on_model_devices(
     return leaves, extra
 
 
-def _on_context_devices(
-    step: Callable, sub: jax.sharding.Mesh, c: int, form: str, leaves: list, extra: Any
-) -> Any:
-    """The loss traced on the context axis's ``c`` devices, each its T/C tokens, the split in force.
+def _on_split_devices(step: Callable, sub: jax.sharding.Mesh, placement: Placement, sizes: tuple[int, int],
+                      form: str, leaves: list, extra: Any) -> Any:  # fmt: skip
+    """The loss traced on one group's devices of the context axis and, for a dropless mixture of experts,
+    the expert axis (``sizes``: theirs), in a ``shard_map`` over them with their splits in force (each
+    device's expert leaves its ``E / N`` experts).
 
-    Context plans are compiled on the ``context`` axis's devices, in a ``shard_map`` over it with the
-    sequence split in force (``context_attention``'s form), each device its T/C tokens: a device's
-    queries attend over the whole sequence, so the ring keeps every visiting K/V block and its
-    scores for the backward pass, and all-to-all the whole sequence's scores of its H/C heads.
-    Compiled on one device for its T/C tokens instead (dense attention over its own chunks), the
-    model missed exactly that: 1.6-2.3x measured/predicted at T=256 (GPT and Llama, both forms)."""
-    step = jax.shard_map(step, mesh=sub, in_specs=P(), out_specs=P(), axis_names={CONTEXT}, check_vma=False)
-    with _context.split_sequence(c, form):
+    Context: each device its T/C tokens, a device's queries attend over the whole sequence, so the ring
+    keeps every visiting K/V block and its scores for the backward pass, and all-to-all the whole
+    sequence's scores of its H/C heads. Compiled on one device for its T/C tokens instead (dense
+    attention over its own chunks), the model missed exactly that: 1.6-2.3x measured/predicted at T=256
+    (GPT and Llama, both forms). Dropless experts: each device multiplies the whole group's tokens (its
+    own experts' rows among them) and keeps them for the backward pass; compiled on one device for its own
+    tokens, the model missed that: 1.18-1.53x measured/predicted (the Llama, 8 experts over 4 devices)."""
+    c, x = sizes
+    names = {a for a, n in ((CONTEXT, c), (EXPERT, x)) if n > 1}
+    specs = [
+        P(*[EXPERT if a == EXPERT and x > 1 else None for a in leaf.model_spec]) for leaf in placement.flat()
+    ]
+    step = jax.shard_map(
+        step, mesh=sub, in_specs=(specs, P()), out_specs=P(), axis_names=names, check_vma=False
+    )
+    with contextlib.ExitStack() as stack:
+        if c > 1:  # on each device's own heads where tensor parallelism splits them, as the step runs it
+            stack.enter_context(_context.split_sequence(c, form, heads_axis=heads_axis(placement)))
+        if x > 1:
+            stack.enter_context(_experts.split_experts(x))
         return jax.jit(step).trace(leaves, extra)
 
 
@@ -280,7 +296,7 @@ def predict_peak(
     activations = _activations(loss_fn, per, params, extra, step.spec.context_attention)
     for axis in axes.active(plan):  # what the one-device compile holds that the axis's split does not
         activations -= axis.held_beyond_device(placement, [nbytes(x) for x in jax.tree.leaves(params)],
-                                               found, zero3=zero3)  # fmt: skip
+                                               per, zero3=zero3)  # fmt: skip
     if shards is not None:
         backward = M.deterministic_phases(b.total, activations, shards_per_device=shards // placement.batch_devices,
                                           devices=placement.batch_devices, zero3=zero3)  # fmt: skip

@@ -29,13 +29,16 @@ class ExpertAxis(AxisPlan):
     def tracing(self, placement: Placement, per: Any, form: str) -> Iterator[None]:
         with _experts.split_experts(self.size(placement)) as split:
             yield
-        per.experts = tuple(split.rows[-1:])  # the ledger's all_to_all size
+        # the ledger's: the last MoE layer's rows (bytes per device), whether dropless, its top-k
+        per.experts = (split.rows[-1], bool(split.dropless), split.k[-1]) if split.rows else ()
 
     def ledger(self, add: Add, inputs: LedgerInputs) -> None:
         """Per MoE layer and micro-batch with E devices on the expert axis: 2 all_to_alls forward
         (dispatch, combine) and their 2 transposes backward (the forward's again under remat), each
         ``(E-1)/E x S`` per device with ``S = B_local x experts x capacity x width`` elements (the
-        chapter's rearranging collectives). Under tensor parallelism the experts' matmuls on their ``S``
+        chapter's rearranging collectives); dropless, one all-gather of the group's tokens and one
+        reduce-scatter of their outputs forward, and their transposes backward, each of
+        ``S = E x B_local x T x width``. Under tensor parallelism the experts' matmuls on their ``S``
         rows (each device's E/N experts, N B_local C rows each) add the Megatron all-reduces over model:
         a row-parallel expert matrix its output's partial sums forward, a column-parallel one its input
         gradient's backward, each ``S`` bytes."""
@@ -45,13 +48,19 @@ class ExpertAxis(AxisPlan):
             return
         found = per_layer.found
         layers = found.layers if found is not None and found.per_layer else 1
-        rows = per_layer.experts[0]
-        if e > 1:
-            passes = 4 if per_layer.remat == "none" else 6
-            add("all-to-all", EXPERT, passes * layers * accumulate, rows, e,
+        rows, dropless = per_layer.experts[0], per_layer.experts[1]
+        forward = 1 if per_layer.remat == "none" else 2
+        if e > 1 and dropless:  # the group's tokens gathered, the outputs reduce-scattered back
+            count = (forward + 1) * layers * accumulate
+            add("all-gather", EXPERT, count, e * rows, e, "MoE tokens of the expert group (dropless)")
+            add("reduce-scatter", EXPERT, count, e * rows, e, "MoE outputs back to their tokens (dropless)")
+        elif e > 1:
+            add("all-to-all", EXPERT, 2 * (forward + 1) * layers * accumulate, rows, e,
                 "MoE rows to their experts and back (forward and backward)")  # fmt: skip
         if m <= 1:
             return
+        if dropless:  # the experts multiply every gathered token's k slots
+            rows = e * rows * per_layer.experts[2]
         for x in placement.flat():
             if EXPERT in x.model_spec and len(x.shape) >= 3 and MODEL in x.model_spec[-2:]:
                 row = x.model_spec[-2] == MODEL  # (E, F, D) with F on model: the MLP's output matrix
@@ -59,13 +68,13 @@ class ExpertAxis(AxisPlan):
                 add("all-reduce", MODEL, accumulate * uses, rows, m,
                     f"{x.path}: expert {'forward output' if row else 'backward input-gradient'} partial sums")  # fmt: skip
 
-    def held_beyond_device(
-        self, placement: Placement, sizes: list[float], found: Any, *, zero3: bool
-    ) -> float:
+    def held_beyond_device(self, placement: Placement, sizes: list[float], per: Any, *, zero3: bool) -> float:
         """The experts beyond a device's own whose gradients the one-device compile holds
         (``memory.experts_beyond_device``): one layer's, or every layer's under zero3, whose per-layer
-        barriers keep them all alive there."""
-        if found is None or not found.per_layer:
+        barriers keep them all alive there. None for a dropless mixture, which ``plans.peak`` compiles on
+        the expert axis's devices, each with its own experts."""
+        found = per.found
+        if found is None or not found.per_layer or per.experts[1:2] == (True,):
             return 0.0
         experts = sum(
             size for size, leaf in zip(sizes, placement.flat(), strict=True) if EXPERT in leaf.model_spec
