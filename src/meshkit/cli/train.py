@@ -20,6 +20,7 @@ import typer
 from meshkit.cli.ledger import DevicesOpt
 from meshkit.models import registry
 from meshkit.spec import (
+    ATTENTION_IMPLEMENTATIONS,
     AUTO,
     CONTEXT_ATTENTION,
     DETERMINISTIC_PLANS,
@@ -115,7 +116,12 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
     "context_attention": _opt("context_attention", f"Context plans: {one_of(CONTEXT_ATTENTION)}."),
     "clip": _opt("clip", "Global-norm clipping (0 turns it off)."),
     "precision": _opt(
-        "precision", one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + "."
+        "precision",
+        one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + ".",
+    ),
+    "attention": _opt(
+        "attention",
+        f"How each device attends: {one_of(ATTENTION_IMPLEMENTATIONS)}; report.json names the kernels.",
     ),
     "seed": _opt("seed", "Seed of initialisation and data order."),
     "remat": _opt("remat", f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}."),

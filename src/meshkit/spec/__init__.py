@@ -44,6 +44,7 @@ from meshkit.spec.plans import (
     refusal,
 )
 from meshkit.spec.values import (
+    ATTENTION_IMPLEMENTATIONS,
     AUTO,
     AXES,
     CONTEXT,
@@ -68,6 +69,7 @@ from meshkit.spec.values import (
 )
 
 __all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
     "AUTO",
     "AXES",
     "AXIS_RULES",

@@ -15,6 +15,7 @@ from meshkit.spec.plans import (
     get_plan,
 )
 from meshkit.spec.values import (
+    ATTENTION_IMPLEMENTATIONS,
     AUTO,
     AXES,
     CONTEXT_ATTENTION,
@@ -51,6 +52,8 @@ class ParallelSpec:
     """Interleaved schedule: chunks of layers per device."""
     context_attention: str = "ring"
     """Context plans: one of ``CONTEXT_ATTENTION``."""
+    attention: str = "auto"
+    """How each device attends: one of ``ATTENTION_IMPLEMENTATIONS`` (``plans.attention``)."""
     deterministic: bool | int | None = None
     """Deterministic mode (``plans._deterministic``): the global batch cut into this many micro-shards
     (a power of two, at least the batch devices), their gradients summed in one fixed tree whatever the
@@ -66,6 +69,7 @@ class ParallelSpec:
         _positive("virtual_stages", self.virtual_stages)
         check_schedule(self.schedule_name, self.virtual_stages)
         _one_of("context_attention", self.context_attention, CONTEXT_ATTENTION)
+        _one_of("attention", self.attention, ATTENTION_IMPLEMENTATIONS)
         object.__setattr__(self, "deterministic", check_deterministic(self.deterministic))
         if self.mesh is not None:
             from meshkit.mesh import parse_mesh_spec
