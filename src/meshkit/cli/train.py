@@ -25,6 +25,7 @@ from meshkit.spec import (
     CONTEXT_ATTENTION,
     DETERMINISTIC_PLANS,
     PIPELINE_SCHEDULES,
+    PLATFORM_PRECISION,
     PRECISIONS,
     REMAT_POLICIES,
     ParallelSpec,
@@ -118,6 +119,7 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
     "precision": _opt(
         "precision",
         one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + ".",
+        "by platform: " + ", ".join(f"{p} {v}" for p, v in PLATFORM_PRECISION.items()),
     ),
     "attention": _opt(
         "attention",
@@ -310,6 +312,7 @@ def _config(
             raise C.ConfigError(f"unknown --preset {preset!r}: use {' or '.join(C.PRESETS)}")
         new_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         cfg = C.PRESETS[preset]().replace(**given, run_dir=new_dir)
+    cfg = C.by_platform(cfg)
     if cfg.parallel.plan == AUTO:
         return _auto(cfg, given, console)
     if "plan" in given:  # a plan named again on resume: the reason auto gave no longer applies

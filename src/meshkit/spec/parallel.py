@@ -40,8 +40,9 @@ class ParallelSpec:
     None: the plan's default mesh over all devices."""
     remat: str = "none"
     """Activation checkpointing per layer: one of ``REMAT_POLICIES`` (aliases ``REMAT_ALIASES``)."""
-    precision: str = "fp32"
-    """Compute precision: one of ``PRECISIONS``; ZeRO-3 then gathers in the compute dtype."""
+    precision: str | None = None
+    """Compute precision: one of ``PRECISIONS``; ZeRO-3 then gathers in the compute dtype. None: the
+    parameters' own dtype in the Trainer; ``meshkit train`` resolves it by platform (``PLATFORM_PRECISION``)."""
     accumulate: int = 1
     """Micro-batches accumulated per optimizer step (plans without a pipeline)."""
     microbatches: int | None = None
@@ -63,7 +64,7 @@ class ParallelSpec:
     def __post_init__(self) -> None:
         plan = None if self.plan == AUTO else get_plan(self.plan)
         object.__setattr__(self, "remat", check_remat(self.remat, plan))
-        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("precision", self.precision, PRECISIONS) if self.precision is not None else None
         _positive("accumulate", self.accumulate)
         _positive("microbatches", self.microbatches, none_ok=True)
         _positive("virtual_stages", self.virtual_stages)
@@ -125,7 +126,7 @@ class ParallelSpec:
 
     @property
     def compute_dtype(self) -> str | None:
-        return PRECISIONS[self.precision]
+        return PRECISIONS.get(self.precision)
 
     @property
     def schedule_name(self) -> str:

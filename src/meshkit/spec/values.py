@@ -38,6 +38,9 @@ Ulysses' all_to_all from a sequence split to a head split and back (heads must d
 PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
 """Compute precision -> the compute dtype (None: the parameters' own); parameters and optimizer
 state stay in their dtype (float32 master weights)."""
+PLATFORM_PRECISION = {"cpu": "fp32", "gpu": "bf16", "tpu": "bf16"}
+"""The precision a run takes where none is given, by JAX's backend: bf16 compute with float32 master
+weights on accelerators (their matmul units' rate), float32 on a CPU (the certificates' arithmetic)."""
 ATTENTION_IMPLEMENTATIONS = {
     "auto": "fused; einsum for float64",
     "fused": "jax.nn.dot_product_attention: cuDNN on GPUs, splash on TPUs, else XLA",

@@ -58,7 +58,9 @@ class Job:
 
 
 def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
-    """Build data, model and trainer, and check the resume checkpoint; writes nothing."""
+    """Build data, model and trainer, and check the resume checkpoint; writes nothing. The job's config
+    is ``cfg`` with its precision resolved (``config.by_platform``)."""
+    cfg = C.by_platform(cfg)
     C.validate(cfg)
     run_dir = Path(cfg.run_dir)
     if resume:
