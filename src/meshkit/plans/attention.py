@@ -18,10 +18,13 @@ trace what trains, and records the kernels the trace used (``Attention.used``, i
   on a TPU, the Pallas splash kernel (``jax.experimental.pallas.ops.tpu.splash_attention``, where
   this jax has it) for sequences of whole 128-token blocks where no mesh axis is left to the
   partitioner (which cannot split a Pallas call), else XLA's; on a CPU, XLA's.
-- auto: fused, except for float64 inputs, which run einsum: jax's XLA implementation casts the
-  scores to float32 before its softmax whatever the input (``_dot_product_attention_core``), so a
-  float64 step through it agrees with float64 to float32's digits only (``tests/test_attention.py``
-  measures it).
+- auto: a flash kernel where the platform has one that takes the inputs (cuDNN, splash), else
+  einsum. jax's XLA implementation is the same written-out attention, with more kept for the
+  backward pass (its full-size mask and float32 scores: the planner's compiled GPT layer for the
+  1.3 B ranking of ``docs/measurements.md`` came out at 12.20 GB a device beside einsum's 9.68), and
+  it casts the scores to float32 before its softmax whatever the input
+  (``_dot_product_attention_core``), so a float64 step through it agrees with float64 to float32's
+  digits only (``tests/test_attention.py`` measures it). float64 always runs einsum under auto.
 
 Masks: causal always; ``window``: the query at position p sees the keys at p - window + 1 .. p
 (Mistral's and Gemma's sliding window; ``local_window_size=(window - 1, 0)``); ``segment_ids``:
@@ -90,12 +93,13 @@ def note(kernel: str) -> None:
     _record().used.add(kernel)
 
 
-def fused_for(dtype: Any) -> bool:
-    """Whether attention on inputs of ``dtype`` runs fused under the choice in force."""
+def _wanted(dtype: Any) -> tuple[bool, bool]:
+    """Under the choice in force, for inputs of ``dtype``: (try the fused call, fall back to XLA's
+    implementation of it where no flash kernel takes the inputs; else to the written-out form)."""
     name = _record().requested
     if name == "auto":
-        return jnp.dtype(dtype) != jnp.float64
-    return name == "fused"
+        return jnp.dtype(dtype) != jnp.float64, False
+    return name == "fused", True
 
 
 def check_window(window: Any) -> None:
@@ -136,9 +140,9 @@ def causal(
         raise PlanError(
             f"segment_ids must be (batch, sequence) = {q_bthk.shape[:2]}, one id per token, got {segment_ids.shape}"
         )
-    if fused_for(q_bthk.dtype):
-        out, kernel = _fused(q_bthk, k_bskh, v_bskh, window, segment_ids)
-    else:
+    fused, xla = _wanted(q_bthk.dtype)
+    out, kernel = _fused(q_bthk, k_bskh, v_bskh, window, segment_ids, xla) if fused else (None, None)
+    if out is None:
         mask = allowed(np.arange(t), np.arange(k_bskh.shape[1]), window)
         if segment_ids is not None:
             mask = mask & same_segment(segment_ids)
@@ -170,8 +174,9 @@ def einsum_attention(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, ma
     return jnp.einsum("bhts,bshk->bthk", probs, v)
 
 
-def _fused(q, k, v, window, segment_ids) -> tuple[jax.Array, str]:
-    """The platform's fused attention and the kernel's name (the module docstring says which)."""
+def _fused(q, k, v, window, segment_ids, xla: bool) -> tuple[jax.Array | None, str | None]:
+    """The platform's fused attention and the kernel's name (the module docstring says which); where
+    no flash kernel takes the inputs, XLA's implementation if ``xla``, else ``(None, None)``."""
     platform = jax.default_backend()
     if platform == "tpu":
         out = splash(q, k, v, window=window, segment_ids=segment_ids)
@@ -185,8 +190,8 @@ def _fused(q, k, v, window, segment_ids) -> tuple[jax.Array, str]:
         try:
             return call(implementation="cudnn"), "cudnn"
         except (NotImplementedError, RuntimeError, ValueError, TypeError):
-            pass  # shapes, dtypes or a GPU cuDNN's flash attention does not take: XLA's
-    return call(implementation="xla"), "xla"
+            pass  # shapes, dtypes or a GPU cuDNN's flash attention does not take
+    return (call(implementation="xla"), "xla") if xla else (None, None)
 
 
 def _splash_module() -> Any:

@@ -42,7 +42,7 @@ PLATFORM_PRECISION = {"cpu": "fp32", "gpu": "bf16", "tpu": "bf16"}
 """The precision a run takes where none is given, by JAX's backend: bf16 compute with float32 master
 weights on accelerators (their matmul units' rate), float32 on a CPU (the certificates' arithmetic)."""
 ATTENTION_IMPLEMENTATIONS = {
-    "auto": "fused; einsum for float64",
+    "auto": "a flash kernel where one takes the inputs, else einsum",
     "fused": "jax.nn.dot_product_attention: cuDNN on GPUs, splash on TPUs, else XLA",
     "einsum": "scores and softmax written out",
 }
