@@ -139,8 +139,9 @@ def moe_run(model: Any, cfg: C.TrainConfig) -> bool:
 
 def model_config(cfg: C.TrainConfig, vocab: int) -> Any:
     """The run's model config: from its shape options, or from ``--init-from``'s checkpoint (checked
-    against them and the data's vocabulary); computing in its precision, scanned under a pipeline."""
-    spec = cfg.parallel
+    against them and the data's vocabulary); computing in its precision (by platform where none is
+    given: ``config.by_platform``), scanned under a pipeline."""
+    spec = C.by_platform(cfg).parallel
     scan = cfg.scan_layers or spec.plan_info.pipeline
     if cfg.init_from is not None:
         from meshkit.train.init_from import checkpoint_config
