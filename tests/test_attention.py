@@ -111,6 +111,30 @@ def test_splash_kernel_interpreted_equals_einsum():
     assert A.splash(q[:, :100], k[:, :100], v[:, :100], interpret=True) is None  # not whole 128-token blocks
 
 
+def test_splash_kernel_under_meshkits_step_trains_as_einsum_and_keeps_ledger_and_peak(monkeypatch):
+    """fsdp over the 8 CPU devices with the splash kernel (interpreted) in every layer, as a TPU runs it:
+    the loss of einsum's step, the ledger equal to the model, the peak within 10% of the model."""
+    cfg = llama.LlamaConfig(
+        vocab_size=64, seq_len=128, layers=2, width=64, heads=4, kv_heads=2, ffn=128, scan_layers=True
+    )
+    params = llama.init(jax.random.key(0), cfg)
+    tokens = np.random.default_rng(0).integers(0, 64, size=(8, 129)).astype(np.int32)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    losses = {}
+    for attention in ("einsum", "fused"):
+        if attention == "fused":
+            monkeypatch.setattr(
+                A, "_fused", lambda q, k, v, w, s, xla: (A.splash(q, k, v, interpret=True), "splash")
+            )
+        t = Trainer(llama.make_loss(cfg), params, optax.adamw(1e-3), plan="fsdp", mesh="data=8", attention=attention,
+                    logical_axes=llama.logical_axes(params), units=llama.units(cfg), tokens_per_example=128)  # fmt: skip
+        losses[attention] = float(t.step(batch)["loss"])
+    assert t.assembled.attention.used == {"splash"}
+    assert losses["fused"] == pytest.approx(losses["einsum"], rel=1e-6)
+    r = t.report(batch)
+    assert r.ok and 0.9 <= r.peak["ratio"] <= 1.1, str(r)
+
+
 # -- under the plans -------------------------------------------------------------------------------------
 def _block(p, x, window, segments, cfg):
     """The Llama's block (``llama._block``) with a window and segments."""

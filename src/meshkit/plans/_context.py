@@ -253,7 +253,6 @@ def _ring(
     perm = [(d, (d + 1) % n) for d in range(n)]
     pos = _device_positions(t, i, n)
     kv = (k_bskh, v_bskh)
-    attention.check_window(window)
     # step 0: the device's own block (its chunks' order is the same on every device, so is the causal mask)
     local = np.concatenate([np.arange(c), (2 * n - 1) * c + np.arange(c)])
     diagonal = attention.allowed(local, local) if window is None else attention.allowed(pos, pos, window)

@@ -248,7 +248,9 @@ def splash(q, k, v, *, window=None, segment_ids=None, interpret: bool = False) -
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernel(heads: int, t: int, window: int | None, block: int, interpret: bool) -> Any:
-    """One splash kernel per (heads, sequence, window, block): the causal or local mask, per query head."""
+    """One splash kernel per (heads, sequence, window, block): the causal or local mask, per query head.
+    Cached across traces, so its mask arrays are made outside any (a kernel made inside a jit trace
+    holds that trace's tracers: the next trace's compiled step then asks for arguments it is not given)."""
     mod = _splash_module()
     shape = (t, t)
     one = (
@@ -259,5 +261,6 @@ def _splash_kernel(heads: int, t: int, window: int | None, block: int, interpret
     sizes = mod.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)  # fmt: skip
     extra = {"interpret": True} if interpret else {}
-    return mod.make_splash_mha(mod.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                               **extra)  # fmt: skip
+    with jax.ensure_compile_time_eval():  # concrete mask arrays, not the tracers of the trace that asked first
+        return mod.make_splash_mha(mod.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
+                                   q_seq_shards=1, **extra)  # fmt: skip
