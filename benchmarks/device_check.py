@@ -49,6 +49,7 @@ import numpy as np
 import optax
 
 from meshkit.models import llama
+from meshkit.plans import use_attention
 from meshkit.spec import PLATFORM_PRECISION, PRECISIONS
 
 #: Llama shapes by name (vocab 32000 and 128-wide heads on the accelerator sizes; ``1.1b`` is TinyLlama's).
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out |= _check(a, cfg, size, batch, remat, precision, start, budget)
             break
         except Exception as e:  # out of memory at compile or run: the next candidate
-            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            if not _oom(e):
                 raise
             print(f"{size} batch {batch} remat {remat}: out of memory ({_first_line(e)}); trying the next")
             gc.collect()
@@ -186,17 +187,26 @@ def _check(a, cfg, size: str, batch: int, remat: str, precision: str, start: flo
     flops = llama.flops_per_token(cfg, cfg.seq_len)
     peak_flops, peak_source = _peak_flops(precision)
     runs: dict[str, Any] = {}
-    runs["meshkit_fused"], memory, profile = _meshkit(
-        a, cfg, params, tokens, optimizer, remat, precision, "fused"
-    )
-    left = lambda: budget - (time.perf_counter() - start)  # noqa: E731
-    runs["hand_fused"] = _hand(a, cfg, params, tokens, optimizer, remat) if left() > 0 else _skipped()
-    if left() > 0:
-        runs["meshkit_einsum"] = _guarded(
-            _meshkit, a, cfg, params, tokens, optimizer, remat, precision, "einsum"
+    try:
+        runs["meshkit_fused"], memory, profile = _meshkit(
+            a, cfg, params, tokens, optimizer, remat, precision, "fused"
         )
-    else:
-        runs["meshkit_einsum"] = _skipped()
+    except Exception as e:
+        if _oom(e):
+            raise  # the candidate does not fit: the caller tries the next
+        runs["meshkit_fused"], memory, profile = {"error": _error(e)}, {}, {}
+    gc.collect()  # each variant's arrays freed before the next is placed
+    left = lambda: budget - (time.perf_counter() - start)  # noqa: E731
+    runs["hand_fused"] = (
+        _guarded(_hand, a, cfg, params, tokens, optimizer, remat) if left() > 0 else _skipped()
+    )
+    gc.collect()
+    einsum = lambda *x: _meshkit(*x)[0]  # noqa: E731
+    runs["meshkit_einsum"] = (
+        _guarded(einsum, a, cfg, params, tokens, optimizer, remat, precision, "einsum")
+        if left() > 0
+        else _skipped()
+    )
     n = jax.device_count()
     for r in runs.values():
         if "tokens_per_s" in r:
@@ -205,7 +215,7 @@ def _check(a, cfg, size: str, batch: int, remat: str, precision: str, start: flo
     return {
         "size": size, "params": _params(cfg), "model": {k: getattr(cfg, k) for k in SIZES[size]},
         "batch": batch, "remat": remat, "mesh": {"data": n}, "model_flops_per_token": flops,
-        "peak_flops_per_device": peak_flops, "peak_source": peak_source, "mfu": fused["mfu"], "runs": runs,
+        "peak_flops_per_device": peak_flops, "peak_source": peak_source, "mfu": fused.get("mfu"), "runs": runs,
         "meshkit_over_hand_step_time": _ratio(fused, hand), "einsum_over_fused_step_time": _ratio(einsum, fused),
         "loss_meshkit_vs_hand": _loss_gap(fused, hand), "loss_fused_vs_einsum": _loss_gap(fused, einsum),
         "memory": memory, "exposed_communication_fraction": profile.get("fraction"),
@@ -279,7 +289,8 @@ def _hand(a, cfg, params, tokens, optimizer, remat) -> dict:
     state["s"] = jax.jit(optimizer.init)(state["p"])
     batch = jax.device_put(tokens, NamedSharding(mesh, P("data")))
     begin = time.perf_counter()
-    step = jax.jit(step, donate_argnums=(0, 1)).lower(state["p"], state["s"], batch).compile()
+    with use_attention("fused") as record:  # as meshkit's fused run: the platform's kernel
+        step = jax.jit(step, donate_argnums=(0, 1)).lower(state["p"], state["s"], batch).compile()
     compile_s = time.perf_counter() - begin
 
     def one():
@@ -287,7 +298,7 @@ def _hand(a, cfg, params, tokens, optimizer, remat) -> dict:
         return loss
 
     run = _timed(one, lambda: state["p"], a.warmup, a.steps, cfg, len(tokens[0]))
-    return run | {"compile_s": compile_s}
+    return run | {"compile_s": compile_s, "kernels": sorted(record.used)}
 
 
 def _timed(step, params, warmup: int, steps: int, cfg, batch: int) -> dict:
@@ -339,11 +350,20 @@ def _profile(t, placed) -> dict:
 
 
 def _guarded(fn, *args) -> dict:
+    """``fn(*args)``, or its error as one line (a failed comparison never costs the rest)."""
     try:
-        return fn(*args)[0]
+        return fn(*args)
     except Exception as e:
         gc.collect()
-        return {"error": f"{type(e).__name__}: {_first_line(e)}"}
+        return {"error": _error(e)}
+
+
+def _oom(e: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _skipped() -> dict:
