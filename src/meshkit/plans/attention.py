@@ -261,6 +261,7 @@ def _splash_kernel(heads: int, t: int, window: int | None, block: int, interpret
     sizes = mod.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)  # fmt: skip
     extra = {"interpret": True} if interpret else {}
-    with jax.ensure_compile_time_eval():  # concrete mask arrays, not the tracers of the trace that asked first
+    # concrete mask arrays, not the tracers of the trace that asked first
+    with jax.ensure_compile_time_eval():
         return mod.make_splash_mha(mod.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
                                    q_seq_shards=1, **extra)  # fmt: skip
