@@ -53,7 +53,7 @@ def test_train_help_shows_every_default(capsys):
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     for shown in ["[default: (fsdp)]", "[default: (400; tiny: 12)]", "[default: (32; tiny: 16)]",
                   "[default: (a tenth of --steps, rounded down)]", "[default: (1)]", "[default: (0.003)]",
-                  "[default: (adamw)]", "[default: (fp32)]", "[default: (50; tiny: 6)]", "[default: (off)]"]:  # fmt: skip
+                  "[default: (adamw)]", "[default: (by platform: cpu fp32, gpu bf16, tpu bf16)]", "[default: (50; tiny: 6)]", "[default: (off)]"]:  # fmt: skip
         assert shown in out, shown
 
 

@@ -78,6 +78,9 @@ def test_mfu_with_a_given_peak_is_the_model_flops_over_every_devices_peak(tmp_pa
 def test_on_a_cpu_without_a_peak_mfu_is_absent_and_the_summary_says_how_to_get_it(tmp_path):
     job, report, rows = _run(tmp_path)
     assert report["mfu"] is None and report["peak_flops_per_device"] is None
+    # the precision resolved by platform, the attention asked and the kernels it traced
+    assert report["precision"] == "fp32" and report["attention"] == "auto"
+    assert report["attention_kernels"] == ["einsum"]  # auto on a CPU: no flash kernel
     assert all("mfu" not in r for r in rows)
     out = io.StringIO()
     summary(report, job.run_dir, Console(file=out, width=200))

@@ -20,10 +20,12 @@ import typer
 from meshkit.cli.ledger import DevicesOpt
 from meshkit.models import registry
 from meshkit.spec import (
+    ATTENTION_IMPLEMENTATIONS,
     AUTO,
     CONTEXT_ATTENTION,
     DETERMINISTIC_PLANS,
     PIPELINE_SCHEDULES,
+    PLATFORM_PRECISION,
     PRECISIONS,
     REMAT_POLICIES,
     ParallelSpec,
@@ -117,7 +119,13 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
     "context_attention": _opt("context_attention", f"Context plans: {one_of(CONTEXT_ATTENTION)}."),
     "clip": _opt("clip", "Global-norm clipping (0 turns it off)."),
     "precision": _opt(
-        "precision", one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + "."
+        "precision",
+        one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + ".",
+        "by platform: " + ", ".join(f"{p} {v}" for p, v in PLATFORM_PRECISION.items()),
+    ),
+    "attention": _opt(
+        "attention",
+        f"How each device attends: {one_of(ATTENTION_IMPLEMENTATIONS)}; report.json names the kernels.",
     ),
     "seed": _opt("seed", "Seed of initialisation and data order."),
     "remat": _opt("remat", f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}."),
@@ -306,6 +314,7 @@ def _config(
             raise C.ConfigError(f"unknown --preset {preset!r}: use {' or '.join(C.PRESETS)}")
         new_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         cfg = C.PRESETS[preset]().replace(**given, run_dir=new_dir)
+    cfg = C.by_platform(cfg)
     if cfg.parallel.plan == AUTO:
         return _auto(cfg, given, console)
     if "plan" in given:  # a plan named again on resume: the reason auto gave no longer applies

@@ -7,7 +7,8 @@ and the planner's compile check share), ``expected_collectives`` and ``memory_fo
 should cost and ``peak`` what it should hold at its peak. One module per technique: ``_step`` (the
 data axis, ZeRO stages), ``_fsdp`` (per-layer gathers and remat), ``_buckets`` (bucketed data-axis
 collectives), ``_pipeline`` and ``_schedule`` (pipelines), ``_context`` (context parallelism: the
-sequence split, and the causal attention the reference models call, ring or all-to-all), ``_experts``
+sequence split, and the causal attention the reference models call, ring or all-to-all), ``attention``
+(each device's attention, fused or written out, and which runs), ``_experts``
 (mixture of experts: routing, capacity, and the MoE MLP the reference models call, its tokens sent to
 their experts by all_to_all under an expert split); tensor
 parallelism is the placement's rules, partitioned by XLA.
@@ -37,12 +38,14 @@ from meshkit.plans._schedule import plot as plot_schedule
 from meshkit.plans._stages import Stages
 from meshkit.plans._step import StepShardings, build_step, state_shardings
 from meshkit.plans.assemble import Assembled, assemble, spec_mesh
+from meshkit.plans.attention import Attention, use_attention
 from meshkit.plans.placement import DEFAULT_TP_RULES, LeafPlacement, Placement, Rules, place
 
 __all__ = [
     "DEFAULT_TP_RULES",
     "EXPERT_DIM",
     "Assembled",
+    "Attention",
     "CommRow",
     "Expected",
     "LeafPlacement",
@@ -81,4 +84,5 @@ __all__ = [
     "spec_mesh",
     "state_shardings",
     "step_loss",
+    "use_attention",
 ]

@@ -1,8 +1,8 @@
 """Context parallelism: the sequence split over the ``context`` mesh axis, and causal attention over it.
 
 The one owner of causal attention for the reference models (the GPT and the Llama call
-``causal_attention`` and ``positions``): with no split in force it is the plain dense attention;
-while a context plan traces the loss (``split_sequence``) each device holds ``T / N`` tokens of
+``causal_attention`` and ``positions``): with no split in force it is the plain dense attention
+(``plans.attention``: fused or written out, as ``ParallelSpec.attention`` asks); while a context plan traces the loss (``split_sequence``) each device holds ``T / N`` tokens of
 every sequence and the attention runs in one of two forms (``meshkit.spec.CONTEXT_ATTENTION``):
 
 - **ring**: the queries stay; the key/value block travels round the ring by ``ppermute``, N - 1
@@ -21,12 +21,17 @@ Causal load balancing: the sequence is cut into 2N chunks and device i holds chu
 after the first (diagonal) block, a device's visiting block is either wholly before both its
 chunks (all its queries see the visitor's first chunk) or between them (its second chunk sees the
 whole visitor): half a block of work either way, chosen by ``lax.cond``, and no device idles.
+
+A sliding ``window`` masks by global positions in both forms (the ring still computes the blocks
+wholly outside it: their weight comes out zero). Per-document ``segment_ids`` are refused under a
+split: they would have to travel with the keys (a collective the ledger's model does not hold).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +44,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh
 
+from meshkit.plans import attention
 from meshkit.spec import CONTEXT, PlanError, plans_of
 
 
@@ -150,77 +156,75 @@ def _device_positions(t: int, i: jax.Array | int, n: int) -> jax.Array:
     return jnp.concatenate([i * c + jnp.arange(c), (2 * n - 1 - i) * c + jnp.arange(c)])
 
 
-def causal_attention(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array) -> jax.Array:
+def causal_attention(
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    *,
+    window: int | None = None,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
     """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
-    key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype."""
+    key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype.
+    ``window``: each query sees its last ``window`` positions only (itself included); ``segment_ids``
+    ``(B, T)``: only the keys of its own segment (whole sequences only: refused under a context split).
+    Each device's attention runs by the implementation in force (``plans.attention``)."""
     split = _SPLIT.get()
     if split is not None:
         split.attended.append(split.form)
     if split is None or split.size == 1:
-        t = q_bthk.shape[1]
-        return _dense(q_bthk, k_bskh, v_bskh, jnp.tril(jnp.ones((t, t), bool)))
+        return attention.causal(q_bthk, k_bskh, v_bskh, window=window, segment_ids=segment_ids)
+    attention.check_window(window)
+    if segment_ids is not None:
+        raise PlanError(
+            f"segment_ids (documents packed in a row) are not taken under a context split ({split.form} over "
+            f"{split.axis}={split.size}): pack one document per sequence, or use a plan without a context axis"
+        )
     check_heads(q_bthk.shape[2], split.size, split.form)
-    attend = _ring if split.form == "ring" else _all_to_all
+    attend = functools.partial(_ring if split.form == "ring" else _all_to_all, window=window)
     own = _on_own_heads(attend, q_bthk, k_bskh, v_bskh, split) if split.heads_axis is not None else None
     return attend(q_bthk, k_bskh, v_bskh, split) if own is None else own
-
-
-def _wide(dtype) -> jnp.dtype:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _repeat(x_bskh: jax.Array, heads: int) -> jax.Array:
-    """Grouped key/value heads repeated to ``heads`` (kv head j serves query heads ``j g .. j g + g - 1``)."""
-    groups = heads // x_bskh.shape[2]
-    return x_bskh if groups == 1 else jnp.repeat(x_bskh, groups, axis=2)
-
-
-def _dense(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_ts: jax.Array) -> jax.Array:
-    heads = q_bthk.shape[2]
-    k, v = _repeat(k_bskh, heads), _repeat(v_bskh, heads)
-    wide = _wide(q_bthk.dtype)
-    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k, preferred_element_type=wide) / math.sqrt(
-        q_bthk.shape[-1]
-    )
-    scores = jnp.where(mask_ts, scores, jnp.finfo(wide).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
-    return jnp.einsum("bhts,bshk->bthk", probs, v)
 
 
 def exchanged_kv_heads(heads: int, kv_heads: int, n: int) -> int:
     """The key/value heads all-to-all attention moves over a context axis of ``n``: their own where they
     divide over it (device d's query heads ``d H/n ..`` read exactly its kv heads ``d K/n ..``, as
-    ``_repeat`` pairs them), else one per query head (``heads``, which divide)."""
+    ``attention.repeat_kv`` pairs them), else one per query head (``heads``, which divide)."""
     return kv_heads if kv_heads % n == 0 else heads
 
 
-def _all_to_all(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split) -> jax.Array:
-    """Ulysses: sequence split -> head split, dense attention over the whole (balanced-order) sequence,
-    and back. Grouped key/value heads go as they are where they divide over the axis (each device then
-    repeats its own for its query heads), else repeated to one per query head first."""
+def _all_to_all(
+    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split, window: int | None = None
+) -> jax.Array:
+    """Ulysses: sequence split -> head split, attention over the whole sequence, and back. Grouped
+    key/value heads go as they are where they divide over the axis (each device pairs its own with its
+    query heads), else repeated to one per query head first. Between the exchanges the sequence is put
+    back in its natural order (a local gather): each device's attention is then one device's, by either
+    implementation (cuDNN's and splash's causal masks skip the masked blocks; a balanced-order mask
+    would hide the causal structure from them)."""
     n, heads = split.size, q_bthk.shape[2]
     kv = exchanged_kv_heads(heads, k_bskh.shape[2], n)
-    k_bskh, v_bskh = _repeat(k_bskh, kv), _repeat(v_bskh, kv)
+    k_bskh, v_bskh = attention.repeat_kv(k_bskh, kv), attention.repeat_kv(v_bskh, kv)
 
-    def to_heads(x):  # (b, T/n, H, h) -> (b, T, H/n, h)
-        return lax.all_to_all(x, split.axis, 2, 1, tiled=True)
+    def to_heads(x):  # (b, T/n, H, h) -> (b, T, H/n, h), then the natural order
+        return lax.all_to_all(x, split.axis, 2, 1, tiled=True)[:, natural]
 
-    q, k, v = to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh)
-    pos = jnp.asarray(balanced_order(q.shape[1], n))
-    out = _dense(q, k, v, pos[:, None] >= pos[None, :])
-    return lax.all_to_all(out, split.axis, 1, 2, tiled=True)
+    order = balanced_order(q_bthk.shape[1] * n, n)
+    natural = np.argsort(order)
+    out = attention.causal(to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), window=window)
+    return lax.all_to_all(out[:, order], split.axis, 1, 2, tiled=True)
 
 
-def _block(q_bthk, k_bshk, v_bshk, mask_ts=None):
+def _block(q_bthk, k_bshk, v_bshk, mask=None):
     """Unnormalized attention of one block: ``(o, m, l)``, o ``(b, t, H, h)``, m and l ``(b, H, t)``."""
-    wide = _wide(q_bthk.dtype)
-    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=wide)
+    w = attention.wide(q_bthk.dtype)
+    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=w)
     scores = scores / math.sqrt(q_bthk.shape[-1])
-    if mask_ts is not None:
-        scores = jnp.where(mask_ts, scores, jnp.finfo(wide).min)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(w).min)
     m = scores.max(-1)
     p = jnp.exp(scores - m[..., None])
-    o = jnp.einsum("bhts,bshk->bthk", p, v_bshk.astype(wide))
+    o = jnp.einsum("bhts,bshk->bthk", p, v_bshk.astype(w))
     return o, m, p.sum(-1)
 
 
@@ -233,31 +237,44 @@ def _merge(acc, blk):
     return o * _heads_last(a) + ob * _heads_last(b), new, total * a + total_b * b
 
 
-def _ring(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split) -> jax.Array:
-    """Ring attention with causal load balancing (see the module docstring)."""
+def _ring(
+    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split, window: int | None = None
+) -> jax.Array:
+    """Ring attention with causal load balancing (see the module docstring); with ``window``, each block
+    masked by its tokens' global positions. Its blocks are written out (einsum) whatever the
+    implementation asked: the online softmax needs each block's running max and sum, and
+    ``jax.nn.dot_product_attention`` returns a normalised output only; its ``return_residual``
+    log-sum-exp (jax 0.12) is under ``stop_gradient`` and in the inputs' dtype, so merging blocks by it
+    would drop part of the gradient and, in bf16, round the blocks' weights to 8 bits."""
     n, heads = split.size, q_bthk.shape[2]
     t = q_bthk.shape[1]
     c = t // 2
     i = lax.axis_index(split.axis)
     perm = [(d, (d + 1) % n) for d in range(n)]
-    # step 0: the device's own block; its chunk layout is the same on every device, so is the mask
-    local = np.concatenate([np.arange(c), (2 * n - 1) * c + np.arange(c)])
+    pos = _device_positions(t, i, n)
     kv = (k_bskh, v_bskh)
-    acc = _block(q_bthk, _repeat(k_bskh, heads), _repeat(v_bskh, heads), local[:, None] >= local[None, :])
+    # step 0: the device's own block (its chunks' order is the same on every device, so is the causal mask)
+    local = np.concatenate([np.arange(c), (2 * n - 1) * c + np.arange(c)])
+    diagonal = attention.allowed(local, local) if window is None else attention.allowed(pos, pos, window)
+    acc = _block(q_bthk, attention.repeat_kv(k_bskh, heads), attention.repeat_kv(v_bskh, heads), diagonal)
     first, second = _halves(acc, c)
     for s in range(1, n):
         kv = tuple(lax.ppermute(x, split.axis, perm) for x in kv)  # now the block of device i - s
-        k, v = _repeat(kv[0], heads), _repeat(kv[1], heads)
+        k, v = attention.repeat_kv(kv[0], heads), attention.repeat_kv(kv[1], heads)
+        seen = _device_positions(t, (i - s) % n, n)
 
-        def before(first, second, k=k, v=v):  # visitor's chunks j < i: every query sees its first chunk
-            both = _halves(_block(q_bthk, k[:, :c], v[:, :c]), c)
+        def before(first, second, k=k, v=v, seen=seen):  # visitor's chunks j < i: every query sees its first
+            mask = None if window is None else attention.allowed(pos, seen[:c], window)
+            both = _halves(_block(q_bthk, k[:, :c], v[:, :c], mask), c)
             return _merge(first, both[0]), _merge(second, both[1])
 
-        def between(first, second, k=k, v=v):  # j > i: the second chunk sees the whole visitor
-            return first, _merge(second, _block(q_bthk[:, c:], k, v))
+        def between(first, second, k=k, v=v, seen=seen):  # j > i: the second chunk sees the whole visitor
+            mask = None if window is None else attention.allowed(pos[c:], seen, window)
+            return first, _merge(second, _block(q_bthk[:, c:], k, v, mask))
 
         first, second = lax.cond(i >= s, before, between, first, second)
     out = jnp.concatenate([first[0] / _heads_last(first[2]), second[0] / _heads_last(second[2])], axis=1)
+    attention.note("einsum")
     return out.astype(q_bthk.dtype)
 
 

@@ -12,6 +12,8 @@ the per-layer settings (remat, ZeRO-3's per-layer gathers), and ``build_step``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,9 @@ from meshkit.mesh import as_auto, make_mesh
 from meshkit.plans._fsdp import PerLayer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._pipeline import Pipeline
+from meshkit.plans._stages import Stages
 from meshkit.plans._step import StepShardings, build_step, state_shardings
+from meshkit.plans.attention import Attention, in_force
 from meshkit.plans.placement import Placement, Rules, place
 from meshkit.spec import DATA, ParallelSpec, PlanError
 
@@ -58,6 +62,9 @@ class Assembled:
     optimizer: optax.GradientTransformation
     step: Callable
     """The jitted ``(params, opt_state, state, batch, key) -> (params, opt_state, state, metrics)``."""
+    attention: Attention
+    """The attention implementation the loss is traced with (``spec.attention``) and, once traced, the
+    kernels it used (``plans.attention``)."""
 
     @property
     def data_size(self) -> int:
@@ -112,6 +119,24 @@ class Assembled:
         return self.step.lower(*self.abstract_args(params, batch, state))
 
 
+def attending(loss_fn: Any, record: Attention) -> Any:
+    """``loss_fn`` with ``record``'s attention in force whenever it is traced (``plans.attention``): a
+    function wrapped, or a ``Stages``' four functions (a pipeline traces them apart)."""
+
+    def wrap(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            with in_force(record):
+                return f(*args, **kwargs)
+
+        return inner
+
+    if isinstance(loss_fn, Stages):
+        return dataclasses.replace(loss_fn, embed=wrap(loss_fn.embed), block=wrap(loss_fn.block),
+                                   head=wrap(loss_fn.head), loss=wrap(loss_fn.loss))  # fmt: skip
+    return wrap(loss_fn)
+
+
 def _attach(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shardings)
 
@@ -143,6 +168,8 @@ def assemble(
     if clip_norm is not None and clip_norm <= 0:
         raise PlanError(f"clip_norm must be positive, got {clip_norm}")
     plan = spec.plan_info
+    record = Attention(requested=spec.attention)
+    loss_fn = attending(loss_fn, record)  # every trace of the loss (step, peak model) attends as asked
     if spec.deterministic is not None and stateful:
         raise PlanError(
             "deterministic mode covers losses without state: the state threads through the "
@@ -174,4 +201,4 @@ def assemble(
                       gradients=None if pipeline is None else pipeline.gradients(),
                       context_attention=spec.context_attention, deterministic=spec.deterministic)  # fmt: skip
     return Assembled(spec=spec, mesh=mesh, placement=placement, pipeline=pipeline, per_layer=per_layer,
-                     shardings=shardings, loss=loss, optimizer=optimizer, step=step)  # fmt: skip
+                     shardings=shardings, loss=loss, optimizer=optimizer, step=step, attention=record)  # fmt: skip

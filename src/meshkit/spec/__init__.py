@@ -45,6 +45,7 @@ from meshkit.spec.plans import (
     refusal,
 )
 from meshkit.spec.values import (
+    ATTENTION_IMPLEMENTATIONS,
     AUTO,
     AXES,
     CONTEXT,
@@ -56,6 +57,7 @@ from meshkit.spec.values import (
     MODEL,
     PIPELINE_REMAT,
     PIPELINE_SCHEDULES,
+    PLATFORM_PRECISION,
     PRECISIONS,
     REMAT_ALIASES,
     REMAT_POLICIES,
@@ -71,6 +73,7 @@ from meshkit.spec.values import (
 )
 
 __all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
     "AUTO",
     "AXES",
     "AXIS_RULES",
@@ -91,6 +94,7 @@ __all__ = [
     "PIPELINE_REMAT",
     "PIPELINE_SCHEDULES",
     "PLANS",
+    "PLATFORM_PRECISION",
     "PRECISIONS",
     "REMAT_ALIASES",
     "REMAT_POLICIES",

@@ -15,6 +15,7 @@ from meshkit.spec.plans import (
     get_plan,
 )
 from meshkit.spec.values import (
+    ATTENTION_IMPLEMENTATIONS,
     AUTO,
     AXES,
     CONTEXT_ATTENTION,
@@ -39,8 +40,9 @@ class ParallelSpec:
     None: the plan's default mesh over all devices."""
     remat: str = "none"
     """Activation checkpointing per layer: one of ``REMAT_POLICIES`` (aliases ``REMAT_ALIASES``)."""
-    precision: str = "fp32"
-    """Compute precision: one of ``PRECISIONS``; ZeRO-3 then gathers in the compute dtype."""
+    precision: str | None = None
+    """Compute precision: one of ``PRECISIONS``; ZeRO-3 then gathers in the compute dtype. None: the
+    parameters' own dtype in the Trainer; ``meshkit train`` resolves it by platform (``PLATFORM_PRECISION``)."""
     accumulate: int = 1
     """Micro-batches accumulated per optimizer step (plans without a pipeline)."""
     microbatches: int | None = None
@@ -51,6 +53,8 @@ class ParallelSpec:
     """Interleaved schedule: chunks of layers per device."""
     context_attention: str = "ring"
     """Context plans: one of ``CONTEXT_ATTENTION``."""
+    attention: str = "auto"
+    """How each device attends: one of ``ATTENTION_IMPLEMENTATIONS`` (``plans.attention``)."""
     deterministic: bool | int | None = None
     """Deterministic mode (``plans._deterministic``): the global batch cut into this many micro-shards
     (a power of two, at least the batch devices), their gradients summed in one fixed tree whatever the
@@ -60,12 +64,13 @@ class ParallelSpec:
     def __post_init__(self) -> None:
         plan = None if self.plan == AUTO else get_plan(self.plan)
         object.__setattr__(self, "remat", check_remat(self.remat, plan))
-        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("precision", self.precision, PRECISIONS) if self.precision is not None else None
         _positive("accumulate", self.accumulate)
         _positive("microbatches", self.microbatches, none_ok=True)
         _positive("virtual_stages", self.virtual_stages)
         check_schedule(self.schedule_name, self.virtual_stages)
         _one_of("context_attention", self.context_attention, CONTEXT_ATTENTION)
+        _one_of("attention", self.attention, ATTENTION_IMPLEMENTATIONS)
         object.__setattr__(self, "deterministic", check_deterministic(self.deterministic))
         if self.mesh is not None:
             from meshkit.mesh import parse_mesh_spec
@@ -121,7 +126,7 @@ class ParallelSpec:
 
     @property
     def compute_dtype(self) -> str | None:
-        return PRECISIONS[self.precision]
+        return PRECISIONS.get(self.precision)
 
     @property
     def schedule_name(self) -> str:

@@ -1,5 +1,5 @@
 """Every set of allowed values a parallel spec takes (mesh axes, ZeRO stages, remat policies, pipeline
-schedules, context attention, precisions) and the checks of one value; ``PlanError``, one line naming
+schedules, context attention, attention implementations, precisions) and the checks of one value; ``PlanError``, one line naming
 the option to change."""
 
 from __future__ import annotations
@@ -43,6 +43,16 @@ Ulysses' all_to_all from a sequence split to a head split and back (heads must d
 PRECISIONS = {"fp32": None, "bf16": "bfloat16"}
 """Compute precision -> the compute dtype (None: the parameters' own); parameters and optimizer
 state stay in their dtype (float32 master weights)."""
+PLATFORM_PRECISION = {"cpu": "fp32", "gpu": "bf16", "tpu": "bf16"}
+"""The precision a run takes where none is given, by JAX's backend: bf16 compute with float32 master
+weights on accelerators (their matmul units' rate), float32 on a CPU (the certificates' arithmetic)."""
+ATTENTION_IMPLEMENTATIONS = {
+    "auto": "a flash kernel where one takes the inputs, else einsum",
+    "fused": "jax.nn.dot_product_attention: cuDNN on GPUs, splash on TPUs, else XLA",
+    "einsum": "scores and softmax written out",
+}
+"""How attention runs on each device (``plans.attention``): the fused kernel of the platform, or
+the written-out scores and softmax (the form the plans were first certified in)."""
 
 
 class PlanError(MeshkitError):

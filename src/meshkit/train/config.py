@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
-from meshkit.spec import ParallelSpec, PlanError
+from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
 
 if TYPE_CHECKING:  # optax is imported where it is used: the CLI reads this module to print its --help
     import optax
@@ -280,8 +280,22 @@ FIXED_ON_RESUME = {
 #: resharded; the results agree to rounding), and what is measured and written around it.
 CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
-                        "virtual_stages", "context_attention", "export_hf", "tracker", "peak_tflops")  # fmt: skip
+                        "virtual_stages", "context_attention", "attention", "export_hf", "tracker", "peak_tflops")  # fmt: skip
 PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
+
+
+def by_platform(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
+    """``cfg`` with its precision as given, or else by the platform it trains on (``platform``: JAX's
+    default backend): ``spec.PLATFORM_PRECISION``, bf16 compute with float32 master weights on GPUs
+    and TPUs, float32 on a CPU. Resolved before anything is built or written, so that config.json
+    holds the precision the run computed in (a resumed run keeps it)."""
+    if cfg.parallel.precision is not None:
+        return cfg
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return cfg.replace(precision=PLATFORM_PRECISION.get(platform, PLATFORM_PRECISION["cpu"]))
 
 
 def effective(cfg: TrainConfig, key: str) -> Any:

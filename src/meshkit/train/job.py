@@ -57,7 +57,9 @@ class Job:
 
 
 def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
-    """Build data, model and trainer, and check the resume checkpoint; writes nothing."""
+    """Build data, model and trainer, and check the resume checkpoint; writes nothing. The job's config
+    is ``cfg`` with its precision resolved (``config.by_platform``)."""
+    cfg = C.by_platform(cfg)
     C.validate(cfg)
     run_dir = Path(cfg.run_dir)
     if resume:
@@ -133,8 +135,9 @@ def moe_run(model: Any, cfg: C.TrainConfig) -> bool:
 
 def model_config(cfg: C.TrainConfig, vocab: int) -> Any:
     """The run's model config: from its shape options, or from ``--init-from``'s checkpoint (checked
-    against them and the data's vocabulary); computing in its precision, scanned under a pipeline."""
-    spec = cfg.parallel
+    against them and the data's vocabulary); computing in its precision (by platform where none is
+    given: ``config.by_platform``), scanned under a pipeline."""
+    spec = C.by_platform(cfg).parallel
     scan = cfg.scan_layers or spec.plan_info.pipeline
     if cfg.init_from is not None:
         from meshkit.train.init_from import checkpoint_config

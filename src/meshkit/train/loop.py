@@ -257,6 +257,9 @@ def results(job: Job) -> dict[str, Any]:
     flops, peak, peak_source = _utilisation(job)
     return {
         "plan": job.cfg.parallel.plan,
+        "precision": job.cfg.parallel.precision,
+        "attention": job.cfg.parallel.attention,
+        "attention_kernels": sorted(t.assembled.attention.used),
         "mesh": dict(t.mesh.shape),
         "devices": t.num_devices,
         "platform": jax.default_backend(),

@@ -42,7 +42,10 @@ class Trainer:
     on the whole batch); ``has_aux=True`` lets the loss return ``(loss, aux)`` with ``aux`` a dict
     of metrics, returned from ``step`` beside the loss. ``compute_dtype="bfloat16"`` (mixed
     precision, the loss casting to it anyway) has zero3/fsdp gather parameters and reduce-scatter
-    gradients in that dtype: half the bytes; the optimizer still updates float32. ``units={"heads": n}`` makes a model axis
+    gradients in that dtype: half the bytes; the optimizer still updates float32. ``attention=`` is how
+    ``meshkit.plans.causal_attention`` runs on each device (``spec.ATTENTION_IMPLEMENTATIONS``; default
+    auto: fused, written out for float64; ``trainer.assembled.attention.used`` names the kernels traced).
+    ``units={"heads": n}`` makes a model axis
     that does not divide the head count an error before compiling. ``report`` reads a
     tensor-parallel model's tokens per example (the rows its split matmuls multiply per example: a
     token model's sequence length) from the loss; ``tokens_per_example=`` overrides it. A model
@@ -87,6 +90,7 @@ class Trainer:
         pipeline_schedule: str | None = None,
         virtual_stages: int | None = None,
         compute_dtype: Any = None,
+        attention: str | None = None,
         state: Any = None,
         rng: Any = None,
         has_aux: bool = False,
@@ -120,7 +124,7 @@ class Trainer:
         spec = ParallelSpec.of(spec, plan=plan, mesh=_mesh_text(mesh), remat=remat, accumulate=accumulate,
                                microbatches=microbatches, pipeline_schedule=pipeline_schedule,
                                virtual_stages=virtual_stages, precision=_precision(compute_dtype),
-                               deterministic=deterministic or None)  # fmt: skip
+                               attention=attention, deterministic=deterministic or None)  # fmt: skip
         if spec.deterministic is not None:  # on a CPU: fused multiply-adds off (meshkit.devices)
             from meshkit.devices import prepare_deterministic
 
