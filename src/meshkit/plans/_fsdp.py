@@ -344,8 +344,8 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
             out = body(*consts, *carry, *x)
             return list(out[:nk]), list(out[nk:])
 
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy)
+        if policy is not None:  # in a scan, CSE cannot merge the recomputation into the forward: no barrier
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         carry, ys = lax.scan(layer, list(carry), list(xs), length=p["length"], reverse=p["reverse"])
         return [*carry, *ys]
 
