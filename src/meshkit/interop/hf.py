@@ -101,11 +101,11 @@ def read_config(directory: str | Path, *, scan_layers: bool = False) -> ModelCon
 
 # -- reading ----------------------------------------------------------------------------------------
 class Checkpoint:
-    """A checkpoint directory's tensors by name, opened lazily (one ``safe_open`` per file)."""
+    """A checkpoint directory's tensors by name. One file is open at a time (``safe_open`` maps it,
+    and the pages read count in the process's resident set until it is closed): a load's resident set
+    holds at most one shard's pages beside the blocks it reads, not the checkpoint's."""
 
     def __init__(self, directory: str | Path):
-        from safetensors import safe_open
-
         self.directory = Path(directory)
         index = self.directory / INDEX
         if index.is_file():
@@ -124,15 +124,25 @@ class Checkpoint:
                 f"'{directory}': {len(missing)} of {len(files)} shard(s) named by {INDEX} are missing "
                 f"({', '.join(missing[:3])}): copy the whole checkpoint"
             )
-        self._open = {}
-        for f in files:
+        self._file, self._handle = None, None
+        for f in files:  # every header checked now, before anything is read
+            self._open(f)
+        self.weight_map = weight_map or {k: SINGLE for k in self._open(SINGLE).keys()}  # noqa: SIM118
+
+    def _open(self, file: str) -> Any:
+        """``file``'s handle, the one open (the one before closed)."""
+        from safetensors import safe_open
+
+        if file != self._file:
+            self._file, self._handle = None, None
             try:
-                self._open[f] = safe_open(str(self.directory / f), framework="numpy")
+                self._handle = safe_open(str(self.directory / file), framework="numpy")
             except Exception as e:  # safetensors raises its own error type for a damaged header
                 raise InteropError(
-                    f"'{self.directory / f}' is not a safetensors file ({e}): copy it again"
+                    f"'{self.directory / file}' is not a safetensors file ({e}): copy it again"
                 ) from None
-        self.weight_map = weight_map or {k: SINGLE for k in self._open[SINGLE].keys()}  # noqa: SIM118
+            self._file = file
+        return self._handle
 
     def names(self) -> set[str]:
         return set(self.weight_map)
@@ -145,7 +155,7 @@ class Checkpoint:
             raise InteropError(
                 f"'{self.directory}' has no tensor {name!r}: the checkpoint does not match its config.json"
             )
-        return self._open[self.weight_map[name]].get_slice(name)
+        return self._open(self.weight_map[name]).get_slice(name)
 
     def read(self, source: Source, index: tuple[slice, ...]) -> np.ndarray:
         """The block ``index`` of the tensor as meshkit lays it out (transposed, columns chosen)."""
@@ -264,8 +274,20 @@ def load(
 
 # -- writing ----------------------------------------------------------------------------------------
 def _host(x: Any) -> np.ndarray:
-    """One parameter gathered to this host (all of it: every device's block)."""
-    return np.asarray(jax.device_get(x))
+    """One parameter gathered to this host, shard by shard into one new array. Not ``np.asarray(x)``:
+    that keeps the host copy on the array it reads (the parameters would keep every tensor's), and a
+    copy made through a new ``jax.Array`` over the same buffers was freed only at the next garbage
+    collection (measured: the copies of a whole model's layers held at once)."""
+    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))  # another process's blocks: jax's own error says so
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:  # each block once (a replicated array: one device's)
+            data = shard.data
+            one = jax.make_array_from_single_device_arrays(data.shape, data.sharding, [data])
+            out[shard.index] = np.asarray(one)  # read through a new array: any copy cached goes with it
+            del one
+    return out
 
 
 def _tensors(params: Any, cfg: ModelConfig) -> tuple[list[stream.Tensor], bool]:
