@@ -7,6 +7,7 @@ and makes checkpoints of its own (sharded, with an index, as the Hub writes them
 those, under a sharded layout too. Logits agree within 1e-5 (float32) both ways; round trips are
 bitwise. ``make test`` runs this group apart (``-m reference``)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -86,6 +87,11 @@ def reference(tmp_path_factory, reference_python):
         jobs.append(
             {"dir": str(tmp / name), "tokens": str(tmp / "tokens.npy"), "out": str(tmp / f"{name}.npy")}
         )
+    bf16 = dataclasses.replace(MESHKIT_MODELS["llama-gqa"], dtype="bfloat16")
+    interop.save(_perturbed(bf16, 9), bf16, tmp / "llama-bf16", max_shard_bytes=20_000)
+    ours["llama-bf16"] = (_perturbed(bf16, 9), bf16)
+    jobs.append({"dir": str(tmp / "llama-bf16"), "tokens": str(tmp / "tokens.npy"), "out": str(tmp / "llama-bf16.npy"),
+                 "auto_dtype": True})  # fmt: skip
     run = _trained_run(tmp / "run")  # a meshkit train run, exported from its run directory
     export_run(run, tmp / "run-hf")
     jobs.append(
@@ -190,6 +196,17 @@ def test_meshkit_export_loads_in_transformers_with_the_same_logits(reference, na
     )
 
 
+def test_a_bf16_export_is_bfloat16_in_transformers_with_meshkits_logits(reference):
+    """A bfloat16 Llama's export: transformers keeps it bfloat16 (``dtype="auto"`` reads config.json's
+    torch_dtype); read in float32, its logits are meshkit's of the same bfloat16 weights in float32."""
+    tmp, tokens, ours = reference
+    assert json.loads((tmp / "llama-bf16.npy.dtype.json").read_text()) == ["torch.bfloat16"]
+    params, cfg = ours["llama-bf16"]
+    wide = jax.tree.map(lambda a: a.astype(np.float32), params)
+    mine = np.asarray(llama.apply(wide, tokens, dataclasses.replace(cfg, dtype="float32")))
+    assert np.max(np.abs(mine - np.load(tmp / "llama-bf16.npy"))) < TOL
+
+
 @pytest.mark.parametrize("name", list(REFERENCE_MODELS))
 def test_transformers_checkpoint_loads_into_meshkit_sharded_with_the_same_logits(reference, name):
     """Loaded straight into fsdp+tp's layout on data=4,model=2 (every leaf split on both axes where
@@ -211,8 +228,6 @@ def test_transformers_checkpoint_loads_into_meshkit_sharded_with_the_same_logits
     whole = jax.tree.leaves(sharded)[0]
     assert len(whole.sharding.device_set) == 8 and not whole.sharding.is_fully_replicated
     loop = gpt.to_form(jax.device_get(sharded), False)
-    import dataclasses
-
     loop_cfg = dataclasses.replace(cfg, scan_layers=False)
     mine = np.asarray(_module(cfg).apply(loop, tokens, loop_cfg))
     assert np.max(np.abs(mine - np.load(tmp / f"{name}.npy"))) < TOL

@@ -6,7 +6,8 @@ and save it as the Hub does (safetensors shards with an index; with ``config_onl
 alone, and nothing more for that job), then load the directory with
 ``AutoModelForCausalLM.from_pretrained`` and write its float32 logits for the job's tokens; a job with
 ``generate`` (``{"prompt": [ids], "new": n}``) also writes ``generate(do_sample=False)``'s ids, the
-prompt's among them, to ``OUT.generated.json``."""
+prompt's among them, to ``OUT.generated.json``; one with ``auto_dtype`` also loads it with ``dtype="auto"``
+and writes its parameters' dtypes to ``OUT.dtype.json``."""
 
 import json
 import sys
@@ -39,6 +40,12 @@ def main(path: str) -> None:
         with torch.no_grad():
             logits = model(tokens).logits.numpy()
         np.save(job["out"], logits)
+        if job.get(
+            "auto_dtype"
+        ):  # the dtype transformers gives the weights when told to keep the checkpoint's
+            kept = AutoModelForCausalLM.from_pretrained(job["dir"], dtype="auto")
+            with open(job["out"] + ".dtype.json", "w") as f:
+                json.dump(sorted({str(p.dtype) for p in kept.parameters()}), f)
         if "generate" in job:  # greedy, with transformers' own cache; eos is None in the job's config
             prompt = torch.tensor([job["generate"]["prompt"]], dtype=torch.long)
             with torch.no_grad():
