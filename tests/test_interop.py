@@ -158,3 +158,7 @@ def test_a_mixture_of_experts_export_is_refused_in_one_line_naming_its_leaves(tm
     assert "\n" not in said and "blocks/moe/router" in said and "blocks/moe/w_gate" in said, said
     assert "mixture-of-experts export (experts > 0) is not supported yet" in said, said
     assert not (tmp_path / "out").exists()
+    dense = dataclasses.replace(cfg, experts=0)  # nor read into one: the same line, before any tensor is read
+    interop.save(llama.init(jax.random.key(0), dense), dense, tmp_path / "dense")
+    with pytest.raises(interop.InteropError, match=r"blocks/moe/router, .*not supported yet"):
+        interop.load(tmp_path / "dense", cfg)

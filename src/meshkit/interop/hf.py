@@ -195,8 +195,8 @@ def _named(
     if unnamed:
         said = f"{', '.join(list(unnamed)[:6])}{', ...' if len(unnamed) > 6 else ''}"
         why = (
-            "mixture-of-experts export (experts > 0) is not supported yet (meshkit maps no Mixtral or Qwen3-MoE "
-            "format): export a dense model (experts 0)"
+            "mixture-of-experts export (experts > 0) is not supported yet, nor import (meshkit maps no Mixtral or "
+            "Qwen3-MoE format): export a dense model (experts 0)"
             if getattr(cfg, "experts", 0)
             else "meshkit cannot write or read them"
         )
