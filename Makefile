@@ -22,7 +22,8 @@ mpi:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin >/dev/null; }
 
-# The independent reference (transformers + torch on CPU, Python 3.11) for the Hugging Face checks.
+# The independent references (torch on CPU, Python 3.11; transformers 4.57.6 in .venv-ref, 5.x in
+# .venv-ref5) for the Hugging Face checks: `pytest -m reference` runs each check against both.
 reference:
 	@bash scripts/reference_env.sh
 
@@ -43,4 +44,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_plans.py
 
 clean:
-	rm -rf $(VENV) .venv-ref .pytest_cache
+	rm -rf $(VENV) .venv-ref .venv-ref5 .pytest_cache

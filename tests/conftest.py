@@ -41,6 +41,31 @@ jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8
 
 
+# -- the transformers references ------------------------------------------------------------------------
+# The tests marked `reference` check meshkit's Hugging Face import and export against transformers itself,
+# in Python 3.11 environments of their own (scripts/reference_env.sh, `make reference`): every such test
+# that asks for `reference_python` runs once per release line, its id naming it (`-k transformers5`
+# chooses one). 5.x writes config.json otherwise than 4.x (rope_parameters, dtype), so both are checked.
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCES = {"transformers4": ".venv-ref", "transformers5": ".venv-ref5"}
+"""Each reference's name (its test id) and venv: transformers 4.57.6 and 5.x."""
+
+
+def reference_interpreter(name: str) -> str:
+    """The Python of the reference ``name`` (a key of ``REFERENCES``); fails the test, naming the
+    command that makes it, where it is missing."""
+    py = ROOT / REFERENCES[name] / "bin" / "python"
+    if not py.is_file():
+        pytest.fail(f"no reference environment at {py}: run 'make reference' (scripts/reference_env.sh)")
+    return str(py)
+
+
+@pytest.fixture(scope="session", params=list(REFERENCES))
+def reference_python(request) -> str:
+    """The Python of one transformers reference: each test that asks for it runs against each."""
+    return reference_interpreter(request.param)
+
+
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
     """A user's folder as the current one (for ``module:function`` targets); sys.path and the

@@ -3,24 +3,23 @@ reference environment of test_hf_reference.py), both ways: tiny random checkpoin
 transformers load into meshkit with float32 logits within 1e-5 of transformers' and the same 32
 greedy tokens as ``generate(do_sample=False)``, token by token; meshkit's exports of the same
 families load in transformers with meshkit's logits and tokens; read back, the weights are bitwise
-the ones read, and a checkpoint's config.json in transformers 5.x's form (``rope_parameters``) reads
-as the same model. ``-m reference``."""
+the ones read. Each runs against transformers 4.57.6 and 5.x (conftest's ``reference_python``), and the
+config.json each writes for Llama 3, Qwen2, Qwen3 and Mistral reads as the same model. ``-m reference``."""
 
 import json
 import os
-import shutil
 import subprocess
 
 import jax
 import numpy as np
 import pytest
 
+from conftest import REFERENCES, reference_interpreter
 from meshkit import interop
 from meshkit.interop.hf import Checkpoint, Source
 from meshkit.models import llama
 from meshkit.models.generate import generate
-from test_families import _v5
-from test_hf_reference import SCRIPT, TOL, _python
+from test_hf_reference import SCRIPT, TOL
 
 pytestmark = pytest.mark.reference
 NEW = 32
@@ -64,7 +63,7 @@ def _perturbed(cfg, seed):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, reference_python):
     """meshkit's exports and transformers' own checkpoints, each run by transformers (logits and greedy
     tokens) in one reference process."""
     tmp = tmp_path_factory.mktemp("families")
@@ -81,7 +80,7 @@ def reference(tmp_path_factory):
         job |= {"tokens": str(tmp / "tokens.npy"), "out": job["dir"] + ".npy",
                 "generate": {"prompt": PROMPT, "new": NEW}}  # fmt: skip
     (tmp / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([_python(), str(SCRIPT), str(tmp / "jobs.json")], capture_output=True, text=True,
+    done = subprocess.run([reference_python, str(SCRIPT), str(tmp / "jobs.json")], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, tokens, ours
@@ -123,14 +122,42 @@ def test_meshkit_export_gives_transformers_its_logits_and_greedy_tokens(referenc
     _agree(tmp, name, ours[name], MESHKIT_MODELS[name], tokens)
 
 
-@pytest.mark.parametrize("name", list(REFERENCE_MODELS))
-def test_a_transformers_5_config_reads_as_the_same_model(reference, name, tmp_path):
-    """transformers' own config.json rewritten in 5.x's form (``rope_parameters``, ``dtype``)."""
-    tmp, _, _ = reference
-    shutil.copytree(tmp / name, tmp_path / name)
-    path = tmp_path / name / "config.json"
-    path.write_text(json.dumps(_v5(json.loads(path.read_text()))))
-    assert interop.read_config(tmp_path / name) == interop.read_config(tmp / name)
+WRITTEN = REFERENCE_MODELS | {
+    "hf-mistral": {**COMMON, "model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "sliding_window": None, "rope_theta": 1e6},
+    "hf-mistral-window": {**COMMON, "model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 1,
+                          "sliding_window": 128},
+}  # fmt: skip
+"""The configs each transformers writes (``save_pretrained``) for the cross-version check."""
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Each config of ``WRITTEN`` as transformers 4.57.6 and 5.x save it, one process each."""
+    tmp = tmp_path_factory.mktemp("written")
+    for ref in REFERENCES:
+        jobs = [{"make": c, "dir": str(tmp / ref / n), "config_only": True} for n, c in WRITTEN.items()]
+        (tmp / f"{ref}.json").write_text(json.dumps(jobs))
+        done = subprocess.run([reference_interpreter(ref), str(SCRIPT), str(tmp / f"{ref}.json")], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    return tmp
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name):
+    """config.json as ``save_pretrained`` of transformers 5.x writes it (its rotary in ``rope_parameters``,
+    no ``rope_theta`` beside it) reads as the same meshkit model as 4.57.6's, and that model is the
+    config's: its theta, its llama3 scaling, its family's switches."""
+    five = json.loads((written / "transformers5" / name / "config.json").read_text())
+    assert five["transformers_version"].startswith("5.") and "rope_parameters" in five
+    assert "rope_theta" not in five and "rope_scaling" not in five
+    cfg = interop.read_config(written / "transformers5" / name)
+    assert cfg == interop.read_config(written / "transformers4" / name)
+    made = WRITTEN[name]
+    assert cfg.rope_theta == made.get("rope_theta", 10000.0) and cfg.heads == made["num_attention_heads"]
+    assert (cfg.rope_scaling is not None) == ("rope_scaling" in made)
+    assert (cfg.qkv_bias, cfg.qk_norm) == (made["model_type"] == "qwen2", made["model_type"] == "qwen3")
 
 
 @pytest.mark.parametrize("name", ["hf-qwen2", "hf-qwen3", "hf-llama3"])

@@ -76,6 +76,29 @@ def test_init_from_the_export_starts_from_its_weights(trained, tmp_path):
     assert not (tmp_path / "next").exists()
 
 
+@pytest.mark.parametrize("plan", ["fsdp+tp", "dp+pp"])
+def test_init_from_reads_each_devices_block_into_the_trainers_layout(tmp_path, plan):
+    """The checkpoint is read straight into the layout the Trainer keeps (global arrays with its
+    shardings: each device's block read from the files, no host copy of the model), under a pipeline
+    plan (the scanned form, split over the stages) too; the Trainer's parameters are those weights."""
+    from meshkit.data import load
+    from meshkit.train.job import build_model
+
+    chars = load(C.tiny().data).chars
+    model = llama.LlamaConfig(
+        vocab_size=len(chars), seq_len=64, layers=2, width=32, heads=4, kv_heads=2, ffn=64
+    )
+    interop.save(llama.init(jax.random.key(3), model), model, tmp_path / "ckpt", vocab=chars)
+    cfg = C.tiny().replace(model="llama", layers=2, width=32, heads=4, kv_heads=2, plan=plan,
+                           init_from=f"hf:{tmp_path / 'ckpt'}", run_dir=str(tmp_path / "next"))  # fmt: skip
+    job = prepare(cfg)
+    _, _, params, _ = build_model(cfg, job.data.vocab_size)
+    pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(job.trainer.params), strict=True))
+    assert all(isinstance(a, jax.Array) and a.sharding == b.sharding for a, b in pairs)
+    assert any(not a.sharding.is_fully_replicated for a, _ in pairs)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
+
+
 def _gpt2_checkpoint(where):
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=32, layers=1, width=32, heads=4)
     interop.save(gpt.init(jax.random.key(0), cfg), cfg, where)

@@ -6,8 +6,13 @@ Weights move by name, transpose and column range (GPT-2's fused ``c_attn``) only
 each parameter as a global ``jax.Array`` under the sharding asked for with
 ``jax.make_array_from_callback``: every device's block is read from the safetensors file by
 ``safe_open(...).get_slice``, so neither a device nor the host holds a whole tensor it does not
-need (a layer of the scanned form is read layer by layer). ``save`` writes into a new directory beside the target and renames it into
-place at the end: a failure leaves nothing behind.
+need (a layer of the scanned form is read layer by layer); without shardings each tensor is read and
+converted to the parameter's dtype in turn. ``save`` gathers one tensor at a time to the host and
+writes it into its safetensors shard (``meshkit.interop.stream``), so an export's host memory is a
+small multiple of its largest tensor, never the model; it writes into a new directory beside the
+target and renames it into place at the end: a failure leaves nothing behind. A parameter the
+family's format has no name for (a Llama's mixture of experts) is refused before anything is read
+or written.
 
 Each family's format (its ``config.json`` both ways, its weights' names) is its registry row's
 (``meshkit.models.registry.HFFormat``); this module reads and writes any of them.
@@ -27,12 +32,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from meshkit.interop import stream
+from meshkit.interop.stream import INDEX, SINGLE
 from meshkit.models import gpt, registry
 from meshkit.models.family import HFFormat, InteropError, Source
 
 CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 GENERATION = "generation_config.json"
 VOCAB = "meshkit_vocab.json"
 """meshkit's character vocabulary (a JSON list), written beside the weights when the run has one."""
@@ -96,11 +101,11 @@ def read_config(directory: str | Path, *, scan_layers: bool = False) -> ModelCon
 
 # -- reading ----------------------------------------------------------------------------------------
 class Checkpoint:
-    """A checkpoint directory's tensors by name, opened lazily (one ``safe_open`` per file)."""
+    """A checkpoint directory's tensors by name. One file is open at a time (``safe_open`` maps it,
+    and the pages read count in the process's resident set until it is closed): a load's resident set
+    holds at most one shard's pages beside the blocks it reads, not the checkpoint's."""
 
     def __init__(self, directory: str | Path):
-        from safetensors import safe_open
-
         self.directory = Path(directory)
         index = self.directory / INDEX
         if index.is_file():
@@ -119,15 +124,25 @@ class Checkpoint:
                 f"'{directory}': {len(missing)} of {len(files)} shard(s) named by {INDEX} are missing "
                 f"({', '.join(missing[:3])}): copy the whole checkpoint"
             )
-        self._open = {}
-        for f in files:
+        self._file, self._handle = None, None
+        for f in files:  # every header checked now, before anything is read
+            self._open(f)
+        self.weight_map = weight_map or {k: SINGLE for k in self._open(SINGLE).keys()}  # noqa: SIM118
+
+    def _open(self, file: str) -> Any:
+        """``file``'s handle, the one open (the one before closed)."""
+        from safetensors import safe_open
+
+        if file != self._file:
+            self._file, self._handle = None, None
             try:
-                self._open[f] = safe_open(str(self.directory / f), framework="numpy")
+                self._handle = safe_open(str(self.directory / file), framework="numpy")
             except Exception as e:  # safetensors raises its own error type for a damaged header
                 raise InteropError(
-                    f"'{self.directory / f}' is not a safetensors file ({e}): copy it again"
+                    f"'{self.directory / file}' is not a safetensors file ({e}): copy it again"
                 ) from None
-        self.weight_map = weight_map or {k: SINGLE for k in self._open[SINGLE].keys()}  # noqa: SIM118
+            self._file = file
+        return self._handle
 
     def names(self) -> set[str]:
         return set(self.weight_map)
@@ -140,7 +155,7 @@ class Checkpoint:
             raise InteropError(
                 f"'{self.directory}' has no tensor {name!r}: the checkpoint does not match its config.json"
             )
-        return self._open[self.weight_map[name]].get_slice(name)
+        return self._open(self.weight_map[name]).get_slice(name)
 
     def read(self, source: Source, index: tuple[slice, ...]) -> np.ndarray:
         """The block ``index`` of the tensor as meshkit lays it out (transposed, columns chosen)."""
@@ -161,8 +176,34 @@ def _stored_shape(source: Source, shape: tuple[int, ...], layer_shape: tuple[int
     return tuple(reversed(layer_shape)) if source.transpose else layer_shape
 
 
-def _plan(cfg: ModelConfig, ckpt: Checkpoint) -> dict[tuple, Source]:
-    return dict(_format(cfg).names(cfg, frozenset(ckpt.names()), False))
+def _named(
+    cfg: ModelConfig, tree: Any, names: dict[tuple, Source]
+) -> list[tuple[tuple, Source, int | None, Any]]:
+    """Each leaf of ``tree`` (parameters, or their shapes) as ``(keys, source, layer, leaf)``: its path
+    less a block's index, the format's tensor, that index (None outside a list of blocks). A leaf the
+    format names no tensor for is refused in one line naming them all, before anything is read or written."""
+    out, unnamed = [], {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        layer = None
+        if keys[0] == "blocks" and len(keys) > 1 and isinstance(keys[1], int):
+            layer, keys = keys[1], (keys[0], *keys[2:])
+        if keys in names:
+            out.append((keys, names[keys], layer, leaf))
+        else:
+            unnamed["/".join(map(str, keys))] = None
+    if unnamed:
+        said = f"{', '.join(list(unnamed)[:6])}{', ...' if len(unnamed) > 6 else ''}"
+        why = (
+            "mixture-of-experts export (experts > 0) is not supported yet, nor import (meshkit maps no Mixtral or "
+            "Qwen3-MoE format): export a dense model (experts 0)"
+            if getattr(cfg, "experts", 0)
+            else "meshkit cannot write or read them"
+        )
+        raise InteropError(
+            f"the {_format(cfg).label} Hugging Face format names no tensor for {len(unnamed)} parameter(s) ({said}): {why}"
+        )
+    return out
 
 
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -192,15 +233,9 @@ def load(
     cfg = read_config(directory, scan_layers=False) if cfg is None else cfg
     ckpt = Checkpoint(directory)
     shapes = jax.eval_shape(lambda: registry.family_of(cfg).module.init(jax.random.key(0), cfg))
-    names = _plan(cfg, ckpt)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    names = dict(_format(cfg).names(cfg, frozenset(ckpt.names()), False))
     sources, used = [], set()
-    for path, leaf in flat:
-        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-        layer = None
-        if keys[0] == "blocks":
-            layer, keys = (keys[1], (keys[0], *keys[2:])) if isinstance(keys[1], int) else (None, keys)
-        source = names[keys]
+    for keys, source, layer, leaf in _named(cfg, shapes, names):
         stacked = keys[0] == "blocks" and layer is None
         layer_shape = tuple(leaf.shape[1:]) if stacked else tuple(leaf.shape)
         layers = range(cfg.layers) if stacked else [layer]
@@ -225,48 +260,75 @@ def load(
                 lo, hi, _ = index[0].indices(cfg.layers)
                 parts = [ckpt.read(Source(source.name.format(i=i), source.transpose, source.columns), index[1:])
                          for i in range(lo, hi)]  # fmt: skip
-                return np.stack(parts).astype(leaf.dtype)
+                return np.stack(parts).astype(leaf.dtype, copy=False)
             named = Source(source.name.format(i=layer), source.transpose, source.columns)
-            return ckpt.read(named, index).astype(leaf.dtype)
+            return ckpt.read(named, index).astype(leaf.dtype, copy=False)
 
         if sharding is None:
             return block(tuple(slice(None) for _ in leaf.shape))
         return jax.make_array_from_callback(leaf.shape, sharding, block)
 
     leaves = [build(item, s) for item, s in zip(sources, flat_shardings, strict=True)]
-    return jax.tree.unflatten(treedef, leaves), cfg
+    return jax.tree.unflatten(jax.tree.structure(shapes), leaves), cfg
 
 
 # -- writing ----------------------------------------------------------------------------------------
-def _tensors(params: Any, cfg: ModelConfig) -> tuple[dict[str, np.ndarray], bool]:
-    """The checkpoint's tensors from meshkit parameters (gathered to this host leaf by leaf)."""
+def _host(x: Any) -> np.ndarray:
+    """One parameter gathered to this host, shard by shard into one new array. Not ``np.asarray(x)``:
+    that keeps the host copy on the array it reads (the parameters would keep every tensor's), and a
+    copy made through a new ``jax.Array`` over the same buffers was freed only at the next garbage
+    collection (measured: the copies of a whole model's layers held at once)."""
+    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))  # another process's blocks: jax's own error says so
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:  # each block once (a replicated array: one device's)
+            data = shard.data
+            one = jax.make_array_from_single_device_arrays(data.shape, data.sharding, [data])
+            out[shard.index] = np.asarray(one)  # read through a new array: any copy cached goes with it
+            del one
+    return out
+
+
+def _tensors(params: Any, cfg: ModelConfig) -> tuple[list[stream.Tensor], bool]:
+    """The checkpoint's tensors from meshkit parameters, each read (gathered to the host, transposed,
+    its fused columns filled) only when it is written."""
     params = gpt.to_form(params, False)
-    host = lambda x: np.asarray(jax.device_get(x))  # noqa: E731
     hf = _format(cfg)
     tied = hf.tied(params)
     names = dict(hf.names(cfg, None, tied))
-    out: dict[str, np.ndarray] = {}
+    out: list[stream.Tensor] = []
     fused: dict[str, list] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-        layer = None
-        if keys[0] == "blocks":
-            layer, keys = keys[1], (keys[0], *keys[2:])
-        source = names[keys]
+    for keys, source, layer, leaf in _named(cfg, params, names):
         if tied and keys == ("unembed",):
             continue
-        name, value = source.name.format(i=layer), host(leaf)
+        name, shape = source.name.format(i=layer), tuple(leaf.shape)
         if source.columns is not None:
-            fused.setdefault(name, []).append((source.columns, value))
+            fused.setdefault(name, []).append((source.columns, leaf))
             continue
-        out[name] = np.ascontiguousarray(value.T if source.transpose else value)
+        read = (lambda x=leaf: _host(x).T) if source.transpose else (lambda x=leaf: _host(x))
+        out.append(stream.Tensor(name=name, shape=shape[::-1] if source.transpose else shape,
+                                 dtype=np.dtype(leaf.dtype), read=read))  # fmt: skip
     for name, parts in fused.items():  # columns no leaf fills are zeros (GPT-2's key bias: the GPT has none)
         first = parts[0][1]
-        whole = np.zeros((*first.shape[:-1], max(hi for (_, hi), _ in parts)), first.dtype)
-        for (lo, hi), value in parts:
-            whole[..., lo:hi] = value
-        out[name] = whole
+        shape = (*first.shape[:-1], max(hi for (_, hi), _ in parts))
+
+        def read(parts=parts, shape=shape, dtype=first.dtype) -> np.ndarray:
+            whole = np.zeros(shape, dtype)
+            for (lo, hi), leaf in parts:
+                whole[..., lo:hi] = _host(leaf)
+            return whole
+
+        out.append(stream.Tensor(name=name, shape=shape, dtype=np.dtype(first.dtype), read=read))
     return out, tied
+
+
+def _dtype(tensors: list[stream.Tensor]) -> str | None:
+    """The floating dtype the tensors are written in (config.json's ``torch_dtype``), if one."""
+    kinds = {
+        str(t.dtype) for t in tensors if np.issubdtype(t.dtype, np.floating) or t.dtype.name == "bfloat16"
+    }
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,40 +375,25 @@ def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_byte
          vocab: tuple[str, ...] | None = None, tokenizer_json: str | None = None,
          special: Special | None = None) -> Path:  # fmt: skip
     """Write ``params`` as a Hugging Face checkpoint into ``directory`` (which must not exist or be
-    empty): ``config.json``, the weights in safetensors files of at most ``max_shard_bytes`` (with
-    an index when more than one), ``meshkit_vocab.json`` when a character ``vocab`` is given, and
+    empty): ``config.json`` (``torch_dtype``: the parameters' dtype), the weights in safetensors files
+    of at most ``max_shard_bytes`` (with an index when more than one; written tensor by tensor), ``meshkit_vocab.json`` when a character ``vocab`` is given, and
     ``tokenizer.json`` when a BPE tokenizer (``tokenizers``' JSON) is; with ``special`` tokens, their
     ids in config.json and generation_config.json and, beside a tokenizer, tokenizer_config.json and
     special_tokens_map.json (so that transformers' ``generate`` stops where meshkit's does and
     ``AutoTokenizer`` gives meshkit's ids)."""
-    from safetensors.numpy import save_file
-
     target = Path(directory)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InteropError(
             f"'{directory}' already exists and is not an empty directory: give a new directory"
         )
     tensors, tied = _tensors(params, cfg)
+    config = config_to_hf(cfg, tied) | {"torch_dtype": _dtype(tensors) or cfg.dtype}
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        shards: list[list[str]] = [[]]
-        size = 0
-        for name, value in tensors.items():
-            if shards[-1] and size + value.nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(name)
-            size += value.nbytes
-        files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]  # fmt: skip
-        for file, names in zip(files, shards, strict=True):
-            save_file({n: tensors[n] for n in names}, str(work / file), metadata={"format": "pt"})
-        if len(files) > 1:
-            index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-                     "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}  # fmt: skip
-            (work / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        stream.write(work, tensors, max_shard_bytes)
         ids = special.config() if special else {}
-        (work / CONFIG).write_text(json.dumps(config_to_hf(cfg, tied) | ids, indent=2, sort_keys=True))
+        (work / CONFIG).write_text(json.dumps(config | ids, indent=2, sort_keys=True))
         if ids:
             (work / GENERATION).write_text(json.dumps(ids, indent=2, sort_keys=True))
         if vocab is not None:

@@ -101,8 +101,11 @@ def _check_tokenizer(bpe: Any, where: Path) -> None:
         )
 
 
-def init_from(cfg: C.TrainConfig, model: Any) -> Any:
-    """The checkpoint's weights in ``model``'s form, as host arrays (the Trainer then places each
-    device's block; ``interop.load(..., shardings=)`` builds sharded arrays straight from the files)."""
-    params, _ = interop.load(_directory(cfg), dataclasses.replace(model, compute_dtype=None))
+def init_from(cfg: C.TrainConfig, model: Any, *, shardings: Any = None) -> Any:
+    """The checkpoint's weights in ``model``'s form and dtype: global arrays under ``shardings`` (the
+    run's layout: each device's block read from the safetensors files and converted there, so the host
+    holds a block at a time, never the model), or host arrays without them."""
+    params, _ = interop.load(
+        _directory(cfg), dataclasses.replace(model, compute_dtype=None), shardings=shardings
+    )
     return params

@@ -21,6 +21,7 @@ from meshkit.data import Batches, Corpus, load, process_rows
 from meshkit.models import gpt, registry
 from meshkit.models.shape import ModelShape
 from meshkit.plans import axes
+from meshkit.plans.assemble import assemble
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
@@ -74,9 +75,8 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     check_fits(cfg, data)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     family = registry.family_of(model)
-    trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, clip_norm=cfg.clip, logical_axes=logical_axes,
-                      tokens_per_example=cfg.seq_len, grad_norm=True, has_aux=moe_run(model, cfg),
-                      units=family.units(model), rules=family.rules(cfg.parallel.plan_info.pipeline))  # fmt: skip
+    trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.seq_len,
+                      **_step_options(cfg, model, logical_axes))  # fmt: skip
     rows = trainer.placement.batch_axes
     C.check_batch(
         cfg, trainer.placement.batch_devices, " x ".join(rows) if len(rows) > 1 else "the data axis"
@@ -113,19 +113,31 @@ def load_data(cfg: C.TrainConfig) -> Corpus:
 def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
     """``(model config, loss, initial parameters, logical axes)`` of the run's model (``--model``, a
     family of ``meshkit.models.registry``); under a pipeline plan the loss is the model as ``Stages``
-    (blocks stacked, split over the stages). The parameters are random, or read from ``--init-from hf:DIR`` (host arrays:
-    the Trainer places each device's block)."""
+    (blocks stacked, split over the stages). The parameters are random, or read from ``--init-from hf:DIR``
+    straight into the layout the Trainer gives them (each device's block read from the files: the host
+    never holds the model)."""
     model = model_config(cfg, vocab)
     module = registry.family_of(model).module
+    pipeline = cfg.parallel.plan_info.pipeline
+    loss = module.stages(model) if pipeline else module.make_loss(model, with_aux=moe_run(model, cfg))
     if cfg.init_from is not None:
         from meshkit.train.init_from import init_from
 
-        params = init_from(cfg, model)
+        shapes = jax.eval_shape(lambda: module.init(jax.random.key(cfg.seed), model))
+        axes_of = module.logical_axes(shapes)
+        placed = assemble(loss, shapes, C.optimizer(cfg), cfg.parallel, **_step_options(cfg, model, axes_of))
+        params = init_from(cfg, model, shardings=placed.shardings.params)
     else:
         params = module.init(jax.random.key(cfg.seed), model)
-    pipeline = cfg.parallel.plan_info.pipeline
-    loss = module.stages(model) if pipeline else module.make_loss(model, with_aux=moe_run(model, cfg))
     return model, loss, params, module.logical_axes(params)
+
+
+def _step_options(cfg: C.TrainConfig, model: Any, logical_axes: Any) -> dict[str, Any]:
+    """The run's step options beside its spec (the Trainer's, and ``assemble``'s for the layout an
+    ``--init-from`` checkpoint is read into: the same, so the Trainer keeps the arrays where they are)."""
+    family = registry.family_of(model)
+    return {"clip_norm": cfg.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
+            "units": family.units(model), "rules": family.rules(cfg.parallel.plan_info.pipeline)}  # fmt: skip
 
 
 def moe_run(model: Any, cfg: C.TrainConfig) -> bool:
