@@ -263,7 +263,9 @@ def gradient_fn(
     # a ZeRO stage over a data axis of one device shards nothing: written out over it, its buckets and
     # gathers were copies XLA keeps (one TPU v5e, a 0.7 B Llama: 2.6x the bytes and 1.6x the step of dp)
     alone = not split and not placement.live_axes
-    if alone or (not split and (not placement.has_data_axis or (not plan.shards_optimizer and accumulate == 1))):
+    if alone or (
+        not split and (not placement.has_data_axis or (not plan.shards_optimizer and accumulate == 1))
+    ):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
         def plain(params, state, batch, key):
