@@ -17,8 +17,9 @@ def prepare(
     inputs: Annotated[
         list[str] | None,
         typer.Argument(
-            help="UTF-8 text files, or directories of them (each file one document); none: Python's "
-            "reference docs (pydoc_data.topics, one document per topic).",
+            help="UTF-8 text files (each file one document), JSONL (.jsonl) and Parquet (.parquet) files "
+            "(each row one document), directories of them, or a Hugging Face datasets directory (save_to_disk); "
+            "none: Python's reference docs (pydoc_data.topics, one document per topic).",
             show_default=False,
         ),
     ] = None,
@@ -49,6 +50,13 @@ def prepare(
             show_default="its tokenizer_config.json's bos_token",
         ),
     ] = None,
+    text_field: Annotated[
+        str, typer.Option(help="The text of a row: a JSONL line's key, a Parquet or datasets column.")
+    ] = "text",
+    split: Annotated[
+        str | None,
+        typer.Option(help="The split of a datasets directory that holds several.", show_default="train"),
+    ] = None,
     shard_tokens: Annotated[int, typer.Option(help="Ids per shard file.")] = 1 << 28,
 ) -> None:
     """Train a byte-level BPE (or take --tokenizer) and write token shards with a manifest."""
@@ -73,11 +81,13 @@ def prepare(
 
         start = time.perf_counter()
         manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
-                       bos_token=bos_token, shard_tokens=shard_tokens, report=report)  # fmt: skip
+                       bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
+                       report=report)  # fmt: skip
     seconds = time.perf_counter() - start
     mb = manifest["text_bytes"] / 1e6
+    skipped = f" ({manifest['skipped_rows']:,} rows without text skipped)" if manifest["skipped_rows"] else ""
     console.print(
-        f"prepared {out}: {manifest['documents']:,} documents, {mb:,.2f} MB of text -> {manifest['tokens']:,} tokens "
+        f"prepared {out}: {manifest['documents']:,} documents{skipped}, {mb:,.2f} MB of text -> {manifest['tokens']:,} tokens "
         f"(vocab {manifest['vocab_size']:,}, {mb * 1e6 / max(manifest['tokens'], 1):.2f} bytes/token) in "
         f"{len(manifest['shards'])} shard(s), {seconds:.1f} s ({mb / seconds:,.2f} MB/s, "
         f"{manifest['tokens'] / seconds:,.0f} tokens/s); train on it with: meshkit train --data {out}",

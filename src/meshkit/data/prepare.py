@@ -1,16 +1,16 @@
 """``meshkit data prepare``: text in, a tokenizer and token shards out (:mod:`meshkit.data.shards`).
 
-Three streaming passes over the inputs, each holding one document piece at a time: a check (every
-file non-empty UTF-8 text, no NUL bytes), the tokenizer's training (skipped with ``--tokenizer``), and
-the encoding, in batches that ``tokenizers`` encodes on its own threads, written straight to the
-shards. A document larger than ``PIECE`` characters is encoded in pieces cut after a newline (the ids
-still decode to exactly its text). Everything is written into a hidden directory beside ``--out``
+Three streaming passes over the inputs (text files, JSONL, Parquet, a datasets directory:
+:mod:`meshkit.data.readers`), each holding one document piece at a time: a check (every file readable,
+every row holding text; it counts the text's bytes), the tokenizer's training (skipped with
+``--tokenizer``), and the encoding, in batches that ``tokenizers`` encodes on its own threads, written
+straight to the shards. A document larger than ``readers.PIECE`` characters is encoded in pieces cut
+after a newline (the ids still decode to exactly its text). Everything is written into a hidden directory beside ``--out``
 and renamed into place at the end: bad input or a failure leaves nothing half-written.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import hashlib
 import json
@@ -25,107 +25,16 @@ from typing import Any
 import numpy as np
 
 from meshkit.data import shards as S
+from meshkit.data.readers import Reader, list_inputs
 from meshkit.data.source import DataError, path_kind
-from meshkit.data.text import DEFAULT_SOURCE, default_documents
+from meshkit.data.text import DEFAULT_SOURCE
 from meshkit.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from meshkit.data.tokenizer_config import CONFIG, shards_config
 
-CHUNK = 1 << 20
-"""Bytes read from a file at a time."""
-PIECE = 1 << 20
-"""Characters of a document encoded at a time (cut after a newline where there is one)."""
 BATCH = 4 << 20
 """Characters handed to one ``encode_batch`` call."""
 SHARD_TOKENS = 1 << 28
 """Ids per shard file (512 MiB of uint16)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Document:
-    """A document to prepare: a UTF-8 file, or an embedded text."""
-
-    name: str
-    path: Path | None = None
-    text: str | None = None
-    size: int = 0
-    """Bytes of UTF-8."""
-
-
-def list_inputs(inputs: list[str]) -> list[Document]:
-    """The documents of ``inputs`` (files, and every non-hidden file under a directory, sorted); the
-    embedded default (Python's reference docs, one document per topic) when there are none."""
-    if not inputs:
-        return [
-            Document(name=f"{DEFAULT_SOURCE} #{i}", text=t, size=len(t.encode()))
-            for i, t in enumerate(default_documents())
-        ]
-    docs: list[Document] = []
-    for item in inputs:
-        path = Path(item)
-        kind = path_kind(path)
-        if kind == "a directory":
-            files = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            )
-            if not files:
-                raise DataError(f"directory '{path}' holds no files: give text files, or a directory of them")
-            docs += [Document(name=str(p), path=p, size=p.stat().st_size) for p in files]
-        elif kind == "a regular file":
-            docs.append(Document(name=str(path), path=path, size=path.stat().st_size))
-        else:
-            raise DataError(f"input '{path}' is {kind}: give UTF-8 text files or directories of them")
-    return docs
-
-
-def _chunks(doc: Document) -> Iterator[str]:
-    """The document's text in pieces of at most about ``PIECE`` characters; raises on bad input."""
-    if doc.text is not None:
-        yield from _cut(doc.text)
-        return
-    assert doc.path is not None
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, carry = 0, ""
-    try:
-        with open(doc.path, "rb") as f:
-            while raw := f.read(CHUNK):
-                if b"\0" in raw:
-                    at = offset + raw.index(b"\0")
-                    raise DataError(
-                        f"'{doc.name}' is binary (a NUL byte at offset {at}), not text: leave it out of the inputs"
-                    )
-                try:
-                    text = decoder.decode(raw)
-                except UnicodeDecodeError as e:
-                    raise _not_utf8(doc, offset + e.start, raw[e.start]) from None
-                offset += len(raw)
-                *whole, carry = list(_cut(carry + text)) or [""]
-                yield from whole
-    except OSError as e:
-        raise DataError(f"cannot read '{doc.name}' ({e.strerror or e}): fix its permissions") from None
-    pending = decoder.getstate()[0]
-    if pending:  # the file ends inside a character
-        raise _not_utf8(doc, offset - len(pending), pending[0])
-    if offset == 0:
-        raise DataError(f"'{doc.name}' is empty: leave it out of the inputs, or give it text")
-    if carry:
-        yield carry
-
-
-def _not_utf8(doc: Document, at: int, byte: int) -> DataError:
-    return DataError(
-        f"'{doc.name}' is not UTF-8 text (byte 0x{byte:02x} at offset {at}): convert it "
-        f"(e.g. iconv -f latin1 -t utf-8), or leave it out of the inputs"
-    )
-
-
-def _cut(text: str) -> Iterator[str]:
-    while len(text) > PIECE:
-        at = text.rfind("\n", 0, PIECE) + 1 or PIECE
-        yield text[:at]
-        text = text[at:]
-    yield text
 
 
 @dataclass(kw_only=True)
@@ -149,20 +58,24 @@ class Progress:
         return max(time.perf_counter() - self.start, 1e-9)
 
 
-def _check(docs: list[Document], progress: Progress) -> None:
-    for doc in docs:
-        for piece in _chunks(doc):
-            progress.update("check", len(piece.encode()))
+def _check(reader: Reader, progress: Progress) -> tuple[int, int]:
+    """Read every document once (bad input raises here, before anything is written); returns the
+    documents and the UTF-8 bytes of their text."""
+    documents = nbytes = 0
+    for piece, first, _ in reader.pieces():
+        size = len(piece.encode())
+        documents, nbytes = documents + first, nbytes + size
+        progress.update("check", size)
+    return documents, nbytes
 
 
-def _texts(docs: list[Document], progress: Progress) -> Iterator[str]:
-    for doc in docs:
-        for piece in _chunks(doc):
-            progress.update("tokenizer", len(piece.encode()))
-            yield piece
+def _texts(reader: Reader, progress: Progress) -> Iterator[str]:
+    for piece, _, _ in reader.pieces():
+        progress.update("tokenizer", len(piece.encode()))
+        yield piece
 
 
-def _encode(docs: list[Document], tokenizer: Tokenizer, writer: S.ShardWriter, progress: Progress) -> None:
+def _encode(reader: Reader, tokenizer: Tokenizer, writer: S.ShardWriter, progress: Progress) -> None:
     """Encode the documents in batches of about ``BATCH`` characters; write them in order."""
     pending: list[tuple[str, bool, bool]] = []  # (piece, first, last piece of its document)
     prefix = np.asarray(tokenizer.prefix, np.int32)
@@ -177,27 +90,14 @@ def _encode(docs: list[Document], tokenizer: Tokenizer, writer: S.ShardWriter, p
         pending.clear()
 
     size = 0
-    for doc in docs:
-        for i, (piece, last) in enumerate(_with_last(_chunks(doc))):
-            pending.append((piece, i == 0, last))
-            size += len(piece)
-            if size >= BATCH:
-                flush()
-                size = 0
+    for item in reader.pieces():
+        pending.append(item)
+        size += len(item[0])
+        if size >= BATCH:
+            flush()
+            size = 0
     if pending:
         flush()
-
-
-def _with_last(items) -> Iterator[tuple[Any, bool]]:
-    it = iter(items)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
 
 
 def _sha256(path: Path) -> str:
@@ -230,13 +130,17 @@ def prepare(
     tokenizer: str | None = None,
     eos_token: str | None = None,
     bos_token: str | None = None,
+    text_field: str = "text",
+    split: str | None = None,
     shard_tokens: int = SHARD_TOKENS,
     report: Callable[[Progress, str], None] | None = None,
 ) -> dict[str, Any]:
     """Prepare ``inputs`` into ``out``; returns the manifest. ``vocab_size``: of the BPE trained here (8192
     when None); with ``tokenizer`` (a ``tokenizer.json``, or a directory holding one) nothing is trained,
     a ``vocab_size`` must match it, and ``eos_token``/``bos_token`` name its end and beginning of text
-    (None: those its tokenizer_config.json names, :func:`meshkit.data.tokenizer.load_tokenizer`)."""
+    (None: those its tokenizer_config.json names, :func:`meshkit.data.tokenizer.load_tokenizer`).
+    ``text_field``: the text of a row (JSONL, Parquet, a datasets directory); ``split``: a datasets
+    directory's (:func:`meshkit.data.readers.list_inputs`)."""
     out = Path(out)
     if path_kind(out) != "missing" and not (out.is_dir() and not any(out.iterdir())):
         what = (
@@ -246,15 +150,36 @@ def prepare(
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
     given = _given(tokenizer, vocab_size, eos_token, bos_token)
-    docs = list_inputs(inputs)
-    progress = Progress(total_bytes=sum(d.size for d in docs), report=report)
-    _check(docs, progress)
+    listed = list_inputs(inputs, split=split)
+    reader = Reader(listed, text_field=text_field)
+    progress = Progress(total_bytes=sum(d.size for d in listed), report=report)
+    documents, progress.total_bytes = _check(reader, progress)
+    if not documents:
+        raise DataError(
+            f"the inputs hold no text ({reader.skipped} rows, every one empty): give rows with text"
+        )
+    skipped = reader.skipped
     progress.update("check")
     if given is None:
         progress.bytes = 0
-        tok = train_bpe(_texts(docs, progress), 8192 if vocab_size is None else vocab_size)
+        tok = train_bpe(_texts(reader, progress), 8192 if vocab_size is None else vocab_size)
     else:
         tok = given
+    about = {"text_bytes": progress.total_bytes, "skipped_rows": skipped,
+             "inputs": [d.name for d in listed] if inputs else [DEFAULT_SOURCE]}  # fmt: skip
+    if any(d.kind not in ("text", "embedded") for d in listed):
+        about["text_field"] = text_field
+    manifest = _write(out, tok, reader, progress, shard_tokens, about)
+    with contextlib.suppress(Exception):
+        progress.update("done")
+    return manifest
+
+
+def _write(
+    out: Path, tok: Tokenizer, reader: Reader, progress: Progress, shard_tokens: int, about: dict[str, Any]
+) -> dict[str, Any]:
+    """Encode into a hidden directory beside ``out``, renamed into place once whole; returns the manifest
+    (``about``: what the inputs were)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
@@ -268,7 +193,7 @@ def prepare(
         writer = S.ShardWriter(
             work, dtype=S.dtype_for(tok.vocab_size), end_ids=tok.suffix, shard_tokens=shard_tokens
         )
-        _encode(docs, tok, writer, progress)
+        _encode(reader, tok, writer, progress)
         writer.close()
         manifest = {
             "format": S.FORMAT,
@@ -281,8 +206,7 @@ def prepare(
             "dtype": S.dtype_for(tok.vocab_size),
             "documents": len(writer.doc_ends),
             "tokens": writer.tokens,
-            "text_bytes": progress.total_bytes,
-            "inputs": [d.name for d in docs] if inputs else [DEFAULT_SOURCE],
+            **about,
             "shards": writer.shards,
         }
         (work / S.MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
@@ -292,6 +216,4 @@ def prepare(
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    with contextlib.suppress(Exception):
-        progress.update("done")
     return manifest
