@@ -83,7 +83,13 @@ def prepare(
         manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
                        bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
                        report=report)  # fmt: skip
-    seconds = time.perf_counter() - start
+    _done(out, manifest, time.perf_counter() - start)
+
+
+def _done(out: str, manifest: dict, seconds: float) -> None:
+    """The line that says what was prepared, how fast, and how to train on it."""
+    from meshkit.cli._format import console
+
     mb = manifest["text_bytes"] / 1e6
     skipped = f" ({manifest['skipped_rows']:,} rows without text skipped)" if manifest["skipped_rows"] else ""
     console.print(
