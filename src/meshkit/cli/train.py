@@ -132,7 +132,8 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
     "scan_layers": _opt("scan_layers", "Stack the blocks under lax.scan.", None),
     "data": _opt(
         "data",
-        "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) or a .npy of token ids.",
+        "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) or a .npy of token ids; "
+        "DIR:WEIGHT,DIR:WEIGHT mixes prepared directories of one tokenizer by the weights (normalised), e.g. web:0.7,code:0.3.",
         "Python's reference docs (pydoc_data), per character",
     ),
     "run_dir": typer.Option(

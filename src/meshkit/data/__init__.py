@@ -4,8 +4,9 @@ seed, packing, each process's slice, prefetch on threads, a position saved in ev
 character-level text and ``.npy`` ids too.
 
 Modules: ``corpus`` (a run's data: ``load``), ``pipeline`` (``Batches``, ``global_batch``),
-``shards`` (the on-disk format), ``prepare`` (text to shards), ``tokenizer``, ``text``
-(character-level), ``source`` (token streams in memory or on disk).
+``mixture`` (weighted mixtures of prepared directories), ``shards`` (the on-disk format), ``prepare``
+(text to shards), ``readers`` (its inputs: text, JSONL, Parquet, datasets directories), ``tokenizer``,
+``text`` (character-level), ``source`` (token streams in memory or on disk).
 
 Names are imported on first use, so that ``meshkit data prepare`` (the tokenizer and the shards)
 starts without JAX and grain, which only the pipeline needs.

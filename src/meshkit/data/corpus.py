@@ -3,7 +3,8 @@ vocabulary, how its ids read as text, and the batch streams over it.
 
 ``load(path)``: ``None`` is the embedded character-level default (Python's reference docs); a
 directory made by ``meshkit data prepare`` is token data (BPE ids in shards, packed windows); a
-``.npy`` is token ids; any other file is UTF-8 text tokenised per character.
+``.npy`` is token ids; any other file is UTF-8 text tokenised per character; ``DIR:WEIGHT,DIR:WEIGHT``
+is a mixture of prepared directories sharing one tokenizer (:mod:`meshkit.data.mixture`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from meshkit.data import mixture
 from meshkit.data.pipeline import Batches
-from meshkit.data.source import ArraySource, DataError, TokenSource
+from meshkit.data.source import ArraySource, ConcatSource, DataError, TokenSource
 from meshkit.data.tokenizer import Tokenizer
 
 EVAL_FRACTION = 0.1
@@ -48,6 +50,9 @@ class Corpus:
     """The character vocabulary (text data); None otherwise."""
     bpe: Tokenizer | None = None
     """The BPE tokenizer (token shards); None otherwise."""
+    parts: tuple[mixture.Part, ...] = ()
+    """A mixture's sources with their weights (``train`` and ``held_out`` are theirs one after another);
+    empty for one source."""
 
     @property
     def loss_unit(self) -> str:
@@ -60,11 +65,25 @@ class Corpus:
         return len(self.train) + len(self.held_out)
 
     def batches(
-        self, *, seq_len: int, global_batch: int, seed: int, held_out: bool = False, **kw: Any
+        self,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        held_out: bool = False,
+        part: int | None = None,
+        **kw: Any,
     ) -> Batches:
-        """The batch stream over the training (or held-out) tokens; ``kw`` as :class:`Batches` takes."""
-        return Batches(self.held_out if held_out else self.train, seq_len=seq_len, global_batch=global_batch,
-                       seed=seed, packed=self.packed, pad_id=self.pad_id, digest=self.digest, **kw)  # fmt: skip
+        """The batch stream over the training (or held-out) tokens; a mixture's drawn from its sources by
+        their weights, or from its source ``part`` alone; ``kw`` as :class:`Batches` takes."""
+        kw |= {"seq_len": seq_len, "global_batch": global_batch, "seed": seed, "packed": self.packed,
+               "pad_id": self.pad_id}  # fmt: skip
+        if part is not None:
+            one = self.parts[part]
+            return Batches(one.held_out if held_out else one.train, digest=one.digest, **kw)
+        if self.parts:
+            return mixture.MixedBatches(self.parts, held_out=held_out, digest=self.digest, **kw)
+        return Batches(self.held_out if held_out else self.train, digest=self.digest, **kw)
 
     def encode(self, text: str) -> np.ndarray:
         """``text`` as the run's token ids (after the BOS id where the tokenizer prepends one); raises ``DataError`` for bare ids or characters outside the
@@ -109,6 +128,10 @@ def load(path: str | None) -> Corpus:
     """The corpus at ``path`` (see the module's docstring)."""
     from meshkit.data import shards, text
 
+    if path is not None and len(sources := mixture.parse(path)) > 1:
+        return _mixture(sources)
+    if path is not None:
+        path = mixture.parse(path)[0][0]  # one source: a weight, if given, changes nothing
     if path is not None and Path(path).is_dir():
         if not shards.is_prepared(Path(path)):
             raise DataError(
@@ -136,4 +159,43 @@ def _from_shards(directory: Path) -> Corpus:
         train=stream.view(0, cut), held_out=stream.view(cut, len(stream)), vocab_size=tokenizer.vocab_size,
         source=f"{directory} (BPE token shards)", packed=True, pad_id=tokenizer.eot_id, digest=shards.digest(manifest),
         decoder=tokenizer.decode, token_bytes=tokenizer.token_bytes, tokenizer="BPE", bpe=tokenizer,
+    )  # fmt: skip
+
+
+def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
+    """The mixture of prepared directories ``sources`` (path, weight); one tokenizer or refused."""
+    from meshkit.data import shards
+
+    opened = []
+    for path, _ in sources:
+        if not shards.is_prepared(Path(path)):
+            raise DataError(
+                f"--data: mixture source '{path}' is not a directory made by meshkit data prepare: prepare it with "
+                f"the mixture's tokenizer (meshkit data prepare TEXT --tokenizer DIR/tokenizer.json --out {path})"
+            )
+        opened.append(shards.open_shards(Path(path)))
+    (first, _), (m0, _, tok) = sources[0], opened[0]
+    for (path, _), (m, _, _) in zip(sources[1:], opened[1:], strict=True):
+        if (m["tokenizer_sha256"], m["special"]) != (m0["tokenizer_sha256"], m0["special"]):
+            raise DataError(
+                f"--data: '{path}' was prepared with another tokenizer than '{first}' (tokenizer.json sha256 "
+                f"{m['tokenizer_sha256'][:12]} vs {m0['tokenizer_sha256'][:12]}, or its special tokens): prepare it "
+                f"again with --tokenizer {Path(first) / shards.TOKENIZER}"
+            )
+    names = [Path(path).resolve().name for path, _ in sources]
+    if len(set(names)) < len(names):
+        raise DataError(
+            f"--data: two sources are named alike ({', '.join(names)}): give the directories distinct names"
+        )
+    total = sum(w or 0.0 for _, w in sources)
+    parts = []
+    for name, (path, weight), (m, stream, _) in zip(names, sources, opened, strict=True):
+        cut = split_at(len(stream))
+        parts.append(mixture.Part(name=name, path=path, weight=(weight or 0.0) / total, train=stream.view(0, cut),
+                                  held_out=stream.view(cut, len(stream)), digest=shards.digest(m)))  # fmt: skip
+    said = ", ".join(f"{p.name} {p.weight:.0%}" for p in parts)
+    return Corpus(
+        train=ConcatSource([p.train for p in parts]), held_out=ConcatSource([p.held_out for p in parts]),
+        vocab_size=tok.vocab_size, source=f"a mixture of {said} (BPE token shards)", packed=True, pad_id=tok.eot_id,
+        digest=None, decoder=tok.decode, token_bytes=tok.token_bytes, tokenizer="BPE", bpe=tok, parts=tuple(parts),
     )  # fmt: skip

@@ -148,6 +148,11 @@ class Batches:
         """Global batches drawn so far (grain's ``next_index``: the same on every process)."""
         return self._start if self._iter is None else int(self._iter.get_state()["next_index"])
 
+    def delivered(self, batch: int) -> dict[str, int]:
+        """Metrics of what each source gave global batch ``batch`` (a mixture's:
+        :class:`meshkit.data.mixture.MixedBatches`); one source has none."""
+        return {}
+
     @property
     def state(self) -> dict[str, Any]:
         """JSON-able position of the stream: the next global batch and what fixes the order."""

@@ -108,4 +108,25 @@ class ShardSource:
         self.close()
 
 
-TokenSource = ArraySource | ShardSource
+class ConcatSource:
+    """Streams one after another: a mixture's sources, for what reads all of its tokens (the vocabulary
+    check, a sample's prompt); its batches are drawn from each source apart."""
+
+    def __init__(self, parts: list[ArraySource | ShardSource]) -> None:
+        self.parts = list(parts)
+        self._ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        start, stop = max(start, 0), min(stop, len(self))
+        out, first = [], 0
+        for part, end in zip(self.parts, self._ends.tolist(), strict=True):
+            if start < end and stop > first:
+                out.append(np.asarray(part.read(max(start - first, 0), min(stop, end) - first), np.int32))
+            first = end
+        return np.concatenate(out) if out else np.zeros(0, np.int32)
+
+
+TokenSource = ArraySource | ShardSource | ConcatSource

@@ -97,7 +97,9 @@ class TrainConfig:
     """Seed of the parameter initialisation and of the data order."""
     data: str | None = None
     """A directory made by ``meshkit data prepare`` (BPE token shards), a UTF-8 text file (characters are the
-    tokens) or a .npy of token ids; None: Python's own reference docs (pydoc_data.topics), per character."""
+    tokens) or a .npy of token ids; None: Python's own reference docs (pydoc_data.topics), per character.
+    ``DIR:WEIGHT,DIR:WEIGHT,...``: a mixture of prepared directories sharing one tokenizer, each global batch's
+    rows drawn from them by the weights (normalised; :mod:`meshkit.data.mixture`)."""
     run_dir: str = "runs/latest"
     """Where config.json, metrics.jsonl, report.json, plots and checkpoints go (the CLI gives each new
     run its own runs/<time> and points runs/latest at it)."""

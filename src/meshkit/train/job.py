@@ -99,14 +99,15 @@ PREFETCH_THREADS = 2
 
 
 def load_data(cfg: C.TrainConfig) -> Corpus:
-    """The run's data (text, ids, or token shards: :func:`meshkit.data.load`) with its training and
-    held-out token streams; raises where a sequence does not fit."""
+    """The run's data (text, ids, token shards, or a mixture of them: :func:`meshkit.data.load`) with its
+    training and held-out token streams; raises where a sequence does not fit (each source's held-out)."""
     data = load(cfg.data)
-    if cfg.seq_len + 1 > len(data.held_out):
-        raise C.ConfigError(
-            f"--seq-len {cfg.seq_len} needs {cfg.seq_len + 1} held-out tokens but the held-out tenth of the "
-            f"data has {len(data.held_out)}; use a shorter --seq-len or more --data"
-        )
+    for name, tail in [(f"'{p.path}'", p.held_out) for p in data.parts] or [("the data", data.held_out)]:
+        if cfg.seq_len + 1 > len(tail):
+            raise C.ConfigError(
+                f"--seq-len {cfg.seq_len} needs {cfg.seq_len + 1} held-out tokens but the held-out tenth of "
+                f"{name} has {len(tail)}; use a shorter --seq-len or more --data"
+            )
     return data
 
 

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshkit.data import global_batch, process_rows
+from meshkit.data.mixture import realised
 from meshkit.devices import host
 from meshkit.models import module_of, num_params
 from meshkit.planner.hardware import peak_flops
@@ -52,11 +53,26 @@ from meshkit.train.stop import exit_code as stop_exit_code
 # -- the loop ---------------------------------------------------------------------------------
 def evaluate(job: Job) -> dict[str, float]:
     """Held-out loss over ``eval_batches`` fixed held-out batches: ``eval_loss`` in nats per token and,
-    where the ids stand for text, ``eval_bpb`` in bits per byte (comparable across tokenizers)."""
+    where the ids stand for text, ``eval_bpb`` in bits per byte (comparable across tokenizers). A
+    mixture's sources each on their own held-out split (``eval_loss/NAME``, ``eval_bpb/NAME``), and
+    ``eval_loss``/``eval_bpb`` their mean weighted by the mixture's weights."""
+    if not job.data.parts:
+        return _held_out(job, None)
+    out: dict[str, float] = {}
+    for i, part in enumerate(job.data.parts):
+        one = _held_out(job, i)
+        for key, value in one.items():
+            out[key] = out.get(key, 0.0) + part.weight * value
+            out[f"{key}/{part.name}"] = value
+    return out
+
+
+def _held_out(job: Job, part: int | None) -> dict[str, float]:
+    """``evaluate`` on the held-out split (of the mixture's source ``part``)."""
     t = job.trainer
     examples = job.cfg.batch_size
     stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=examples, seed=job.cfg.seed, held_out=True,
-                              rows=process_rows(t.shardings.batch, examples))  # fmt: skip
+                              part=part, rows=process_rows(t.shardings.batch, examples))  # fmt: skip
     losses, targets = [], []
     for _ in range(job.cfg.eval_batches):
         local = next(stream)
@@ -165,7 +181,8 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     job.step += 1
     row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.batch_size * job.cfg.seq_len / elapsed,
-           "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"])}  # fmt: skip
+           "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"]),
+           **job.batches.delivered(job.batches.batch)}  # fmt: skip
     if (mfu := _mfu(job, row["tokens_per_s"])) is not None:
         row["mfu"] = mfu
     if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
@@ -273,6 +290,7 @@ def results(job: Job) -> dict[str, Any]:
         "eval_bpb": job.evals[-1].get("eval_bpb") if job.evals else None,
         "tokenizer": job.data.tokenizer,
         "vocab": job.data.vocab_size,
+        **_mixture(job),
         "tokens_per_s": tokens_per_s,
         "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
         "model_flops_per_token": flops,
@@ -282,6 +300,18 @@ def results(job: Job) -> dict[str, Any]:
         "mfu": _mfu(job, tokens_per_s),
         **_dropped(job),
     }
+
+
+def _mixture(job: Job) -> dict[str, Any]:
+    """A mixture: per source what it delivered over the run (rows, tokens, share beside its weight,
+    epochs) and its last held-out loss."""
+    if not job.data.parts or not job.history:
+        return {}
+    sources = realised(job.data.parts, job.history[-1], job.cfg.seq_len)
+    last = job.evals[-1] if job.evals else {}
+    for source in sources:
+        source["eval_loss"] = last.get(f"eval_loss/{source['name']}")
+    return {"mixture": sources}
 
 
 def _dropped(job: Job) -> dict[str, Any]:

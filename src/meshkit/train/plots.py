@@ -86,6 +86,10 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
         ["MFU", _mfu(report)],
         ["devices", f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"],
     ]  # fmt: skip
+    for m in report.get("mixture", []):
+        held = "" if m["eval_loss"] is None else f"; held-out {m['eval_loss']:.4f}"
+        rows.append([f"data: {m['name']}", f"{m['share']:.1%} of rows (weight {m['weight']:.1%}), {m['rows']:,} rows = "
+                     f"{m['tokens']:,} tokens, {m['epochs']:.2f} epochs{held}"])  # fmt: skip
     if "dropped_tokens" in report:
         rows.append(["MoE dropped token-slots", f"{report['dropped_tokens']:,} ({report['dropped_fraction']:.2%} of all routed)"])  # fmt: skip
     for c in report.get("communication", []):
