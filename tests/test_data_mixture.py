@@ -43,6 +43,12 @@ def test_the_rule_deals_rows_by_the_weights_at_every_point():
         seen[s] += 1
         assert seen == M.counts(m + 1, parts)
         assert all(abs(c - (m + 1) * w) < 1 for c, w in zip(seen, (0.7, 0.3), strict=True))
+    import grain
+
+    for weights in ([1, 3], [2, 3, 5]):  # weights grain keeps exact (it scales the least to 100)
+        tagged = [grain.MapDataset.range(10**4).map(lambda k, s=s: (s, k)) for s in range(len(weights))]
+        mixed = grain.MapDataset.mix(tagged, weights)
+        assert [mixed[m] for m in range(500)] == [M.pick(m, M.proportions(weights)) for m in range(500)]
 
 
 def _rows(stream, n):
