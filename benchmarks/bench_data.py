@@ -11,8 +11,11 @@ measurements behind the reader's design.
 3. Reading a window of ``seq_len + 1`` ids at random from a 100 MB shard: ``os.pread`` (what
    meshkit does) beside ``numpy.memmap`` slicing; and grain's ``index_shuffle`` per element, which
    the global shuffle calls once per window.
+4. The same texts from each source ``prepare`` reads (text files, JSONL, Parquet, a datasets
+   directory's Arrow files): MB/s of text through one reading pass alone, and through ``prepare`` with
+   the tokenizer given (check + encode + write). ``--sources`` runs this section only.
 
-    .venv/bin/python benchmarks/bench_data.py [--scale 4] [--vocab-size 2048] [--steps 60]
+    .venv/bin/python benchmarks/bench_data.py [--scale 4] [--vocab-size 2048] [--steps 60] [--sources]
 """
 
 from __future__ import annotations
@@ -119,12 +122,63 @@ def bench_reads(root: Path) -> None:
           f"memmap {1e6 * (b - a) / reads:.1f} us; grain index_shuffle {1e6 * (d - c) / reads:.1f} us per window")  # fmt: skip
 
 
+def _sources(root: Path, texts: list[str]) -> dict[str, Path]:
+    """The texts as text files, JSONL, Parquet and a datasets directory (save_to_disk's layout)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "text").mkdir(parents=True)
+    for i, t in enumerate(texts):
+        (root / "text" / f"{i:05d}.txt").write_text(t, encoding="utf-8")
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    table = pa.table({"text": texts})
+    pq.write_table(table, root / "docs.parquet")
+    ds = root / "datasets"
+    ds.mkdir()
+    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=1000):  # datasets' writer_batch_size
+            w.write_batch(batch)
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    (ds / "dataset_info.json").write_text("{}")
+    return {"text files": root / "text", "JSONL": root / "docs.jsonl", "Parquet": root / "docs.parquet",
+            "datasets dir": ds}  # fmt: skip
+
+
+def bench_sources(root: Path, scale: int, vocab: int) -> None:
+    from meshkit.data import readers
+    from meshkit.data.prepare import prepare
+    from meshkit.data.text import default_documents
+
+    texts = [t for _ in range(scale) for t in default_documents()]
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    print(f"4. prepare from each source: {len(texts)} documents, {mb:.2f} MB of text")
+    tok = root / "tok"
+    prepare([], tok, vocab_size=vocab)
+    for name, path in _sources(root / "sources", texts).items():
+        a = time.perf_counter()
+        for _ in readers.Reader(readers.list_inputs([str(path)])).pieces():
+            pass
+        b = time.perf_counter()
+        prepare([str(path)], root / f"out-{name.split()[0]}", tokenizer=str(tok / "tokenizer.json"))
+        c = time.perf_counter()
+        print(
+            f"   {name:<12} read {mb / (b - a):8.1f} MB/s   prepare {mb / (c - b):6.2f} MB/s ({c - b:.2f} s)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=4, help="copies of the default text to prepare")
     parser.add_argument("--vocab-size", type=int, default=2048, help="the BPE's ids (make run's)")
     parser.add_argument("--steps", type=int, default=60, help="steps timed per setting")
+    parser.add_argument("--sources", action="store_true", help="only section 4 (prepare from each source)")
     args = parser.parse_args()
+    if args.sources:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_sources(Path(tmp), args.scale, args.vocab_size)
+        return
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -133,6 +187,7 @@ def main() -> None:
         data = bench_prepare(root, args.scale, args.vocab_size)
         bench_input_wait(data, args.steps)
         bench_reads(root)
+        bench_sources(root, args.scale, args.vocab_size)
 
 
 if __name__ == "__main__":
