@@ -86,8 +86,9 @@ def test_documents_encoded_in_pieces_decode_exactly(tmp_path, monkeypatch, name)
     tokenizer puts no space before a piece that goes on a document (it did before: 29 of the 79
     documents decoded with spaces added, in pieces of 3,000 characters, with openllama)."""
     from meshkit.data import prepare as P
+    from meshkit.data import readers
 
-    monkeypatch.setattr(P, "PIECE", 3000)
+    monkeypatch.setattr(readers, "PIECE", 3000)
     monkeypatch.setattr(P, "BATCH", 20000)
     prepare([], tmp_path / "out", tokenizer=str(HERE / name))
     data, texts = load(str(tmp_path / "out")), default_documents()
