@@ -212,3 +212,14 @@ def test_bad_parquet_and_datasets_inputs_are_one_line(tmp_path, capsys):
     (broken / "data-00000-of-00001.arrow").unlink()
     _one_line_exit_2(capsys, ["data", "prepare", str(broken), *out], "data-00000-of-00001.arrow' is missing")
     assert not (tmp_path / "out").exists()
+
+
+def test_row_options_where_no_input_has_rows_are_refused_not_ignored(tmp_path, capsys):
+    """``--text-field`` and ``--split`` would do nothing on text files: refused in one line instead."""
+    (tmp_path / "a.txt").write_text("some text\n")
+    out = ["--out", str(tmp_path / "out")]
+    _one_line_exit_2(capsys, ["data", "prepare", str(tmp_path / "a.txt"), "--text-field", "body", *out],
+                     "--text-field body names a column of JSONL, Parquet or datasets rows, but every input is text")  # fmt: skip
+    _one_line_exit_2(capsys, ["data", "prepare", str(tmp_path / "a.txt"), "--split", "test", *out],
+                     "--split test chooses a datasets directory's split, but no input is one")  # fmt: skip
+    assert not (tmp_path / "out").exists()

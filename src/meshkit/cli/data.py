@@ -51,8 +51,11 @@ def prepare(
         ),
     ] = None,
     text_field: Annotated[
-        str, typer.Option(help="The text of a row: a JSONL line's key, a Parquet or datasets column.")
-    ] = "text",
+        str | None,
+        typer.Option(
+            help="The text of a row: a JSONL line's key, a Parquet or datasets column.", show_default="text"
+        ),
+    ] = None,
     split: Annotated[
         str | None,
         typer.Option(help="The split of a datasets directory that holds several.", show_default="train"),

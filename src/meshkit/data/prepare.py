@@ -122,6 +122,21 @@ def _given(
     return given
 
 
+def _check_row_options(listed: list, text_field: str | None, split: str | None) -> None:
+    """``--text-field`` reads rows and ``--split`` a datasets directory: given where there is none, each
+    would do nothing, so it is refused."""
+    kinds = {d.kind for d in listed}
+    if text_field is not None and kinds <= {"text", "embedded"}:
+        raise DataError(
+            f"--text-field {text_field} names a column of JSONL, Parquet or datasets rows, but every input is "
+            "text (a file is one document): drop --text-field, or give row files"
+        )
+    if split is not None and "arrow" not in kinds:
+        raise DataError(
+            f"--split {split} chooses a datasets directory's split, but no input is one: drop --split"
+        )
+
+
 def prepare(
     inputs: list[str],
     out: str | Path,
@@ -130,7 +145,7 @@ def prepare(
     tokenizer: str | None = None,
     eos_token: str | None = None,
     bos_token: str | None = None,
-    text_field: str = "text",
+    text_field: str | None = None,
     split: str | None = None,
     shard_tokens: int = SHARD_TOKENS,
     report: Callable[[Progress, str], None] | None = None,
@@ -139,8 +154,9 @@ def prepare(
     when None); with ``tokenizer`` (a ``tokenizer.json``, or a directory holding one) nothing is trained,
     a ``vocab_size`` must match it, and ``eos_token``/``bos_token`` name its end and beginning of text
     (None: those its tokenizer_config.json names, :func:`meshkit.data.tokenizer.load_tokenizer`).
-    ``text_field``: the text of a row (JSONL, Parquet, a datasets directory); ``split``: a datasets
-    directory's (:func:`meshkit.data.readers.list_inputs`)."""
+    ``text_field``: the text of a row (JSONL, Parquet, a datasets directory; None: ``text``); ``split``: a
+    datasets directory's (:func:`meshkit.data.readers.list_inputs`). Either, given where no input has
+    rows or no datasets directory, is refused rather than ignored."""
     out = Path(out)
     if path_kind(out) != "missing" and not (out.is_dir() and not any(out.iterdir())):
         what = (
@@ -151,6 +167,8 @@ def prepare(
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
     given = _given(tokenizer, vocab_size, eos_token, bos_token)
     listed = list_inputs(inputs, split=split)
+    _check_row_options(listed, text_field, split)
+    text_field = text_field or "text"
     reader = Reader(listed, text_field=text_field)
     progress = Progress(total_bytes=sum(d.size for d in listed), report=report)
     documents, progress.total_bytes = _check(reader, progress)
