@@ -105,3 +105,28 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after -k and -m deselect: the lengths are those of the tests that run
 def pytest_collection_modifyitems(config, items):
     items[:] = longest_files_first(items, recorded_seconds())
+
+
+# -- measured costs -----------------------------------------------------------------------------------
+# With MESHKIT_TEST_CPU=FILE, each test appends a line to FILE: its node id, the CPU seconds (user +
+# system) of the processes it started and waited for (theirs and their own children's: a launcher's
+# ranks too), and its wall seconds. The time limits of tests/_limits.py are set from these figures.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = os.environ.get("MESHKIT_TEST_CPU")
+    if not out:
+        return (yield)
+    import resource
+    import time
+
+    def children() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    cpu, wall = children(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        line = f"{item.nodeid}\t{children() - cpu:.2f}\t{time.monotonic() - wall:.2f}\n"
+        with open(out, "a") as f:
+            f.write(line)
