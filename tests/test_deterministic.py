@@ -2,6 +2,8 @@
 through the Trainer and through `meshkit train --deterministic`; plans it cannot make bitwise are
 refused in one line."""
 
+import functools
+import inspect
 import json
 import os
 import subprocess
@@ -34,6 +36,28 @@ LLAMA = llama.LlamaConfig(vocab_size=32, seq_len=8, layers=1, width=16, heads=4,
 MODELS = {"gpt": (gpt, CFG), "llama": (llama, LLAMA)}
 
 
+def _once(make):
+    """``make`` run once per arguments and compile setting in this process: a trained Trainer, its losses
+    and parameters, read (never stepped again) by the tests that compare or report them."""
+    done: dict = {}
+    signature = inspect.signature(make)
+
+    @functools.wraps(make)
+    def cached(*args, **kw):
+        bound = signature.bind(*args, **kw)
+        bound.apply_defaults()  # trained("zero3", 4) and trained(plan, n, model) are one run
+        args_ = tuple(
+            (k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in bound.arguments.items()
+        )
+        key = (args_, jax.config.read("jax_disable_most_optimizations"))
+        if key not in done:
+            done[key] = make(*args, **kw)
+        return done[key]
+
+    return cached
+
+
+@_once
 def trained(plan, devices, model="gpt", steps=5, **kw):
     module, cfg = MODELS[model]
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
@@ -148,6 +172,7 @@ def test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column(capsy
 SCAN = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=2, scan_layers=True)
 
 
+@_once
 def trained_pipeline(plan, data, schedule="1f1b", virtual_stages=1, steps=5, optimizer=None, stages=2):
     mesh = Mesh(np.array(jax.devices()[: stages * data]).reshape(stages, data), ("stage", "data"))
     t = Trainer(gpt.stages(SCAN), gpt.init(jax.random.key(0), SCAN), optimizer or optax.adamw(1e-2), plan=plan,
