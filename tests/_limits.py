@@ -7,7 +7,7 @@ it waited for: a launcher's ranks too), from a run with ``MESHKIT_TEST_CPU`` set
 each test's children's CPU seconds there; a test's figure bounds each of its commands). CPU seconds
 do not stretch with load as wall seconds do; the load is read when the process starts instead:
 
-    limit = max(FLOOR_S, MARGIN * cpu_s * busy + waits_s) * MESHKIT_TEST_TIMEOUT_SCALE
+    limit = (max(FLOOR_S, MARGIN * cpu_s) * busy + waits_s) * MESHKIT_TEST_TIMEOUT_SCALE
 
 where ``busy`` = the 1-minute load average per core, at least 1 (a command gets about 1/busy of a
 core when more processes than cores want one), and ``waits_s`` the seconds the command is made to
@@ -33,4 +33,4 @@ def limit(cpu_s: float, waits_s: float = 0.0) -> float:
     """Seconds a command measured at ``cpu_s`` CPU seconds (and ``waits_s`` of designed waits) may run
     before the test calls it hung."""
     scale = float(os.environ.get("MESHKIT_TEST_TIMEOUT_SCALE", "1"))
-    return max(FLOOR_S, MARGIN * cpu_s * busy() + waits_s) * scale
+    return (max(FLOOR_S, MARGIN * cpu_s) * busy() + waits_s) * scale
