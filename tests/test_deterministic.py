@@ -16,6 +16,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
+from _limits import limit
 from meshkit import ParallelSpec, Trainer
 from meshkit._errors import DeviceSetupError
 from meshkit.cli import main
@@ -138,7 +139,7 @@ def test_meshkit_train_deterministic_same_bits_on_8_devices_and_on_2(tmp_path, c
     assert json.loads((eight / "report.json").read_text())["deterministic"]["shards"] == 8
     cmd = [str(Path(sys.executable).parent / "meshkit"), "train", *RUN, "--plan", "dp", "--devices", "2",
            "--run-dir", str(two)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,  # a cold compile on a busy machine
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit(8),  # a cold compile
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     a, b = (jax.tree.leaves(load_run(r).params) for r in (eight, two))
@@ -371,7 +372,7 @@ def test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_st
            "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "1"]  # fmt: skip
     for extra in (["--deterministic", "--steps", "2", "--stop-after", "1", "--devices", "2"], ["--resume"]):
         done = subprocess.run(
-            [*run, *extra], capture_output=True, text=True, timeout=600, env=env
+            [*run, *extra], capture_output=True, text=True, timeout=limit(11), env=env
         )  # cold compiles
         assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
     assert "deterministic: 8 micro-shards" in done.stdout  # the resumed run's summary: still deterministic

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from _limits import limit
 from meshkit import interop
 from meshkit.interop.hf import Checkpoint, Source
 from meshkit.models import llama
@@ -82,7 +83,7 @@ def reference(tmp_path_factory):
                 "generate": {"prompt": PROMPT, "new": NEW}}  # fmt: skip
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([_python(), str(SCRIPT), str(tmp / "jobs.json")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+                          timeout=limit(12), env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, tokens, ours
 
