@@ -89,13 +89,15 @@ def folder(tmp_path, monkeypatch):
 # file's length of each other, and every file's fixtures and caches are built once.
 #
 # A file's length: its tests' recorded seconds, in tests/durations.txt (pytest's own `--durations` lines,
-# call, setup and teardown summed per test; now the last full run's slowest 60, on 2 loaded cores), plus
-# UNRECORDED_S for each test not listed (that run's mean of the unlisted ones). A renamed test only
-# loses its weight (tests/test_suite_order.py names a stale entry). To record again (every test that
-# took a second or more):
+# call, setup and teardown summed per test; every phase of a second or more of a full run, -n 2, on 2
+# cores loaded by other jobs: 531 lines of 1,302 tests), plus UNRECORDED_S for each test not listed (that
+# run's mean of the unlisted ones, 0.15 s: a file of many quick tests is not taken for a long one, and
+# a file the table does not know yet weighs little, so it runs among the short ones at the end: record
+# again when one is long). A renamed test only loses its weight (tests/test_suite_order.py names a
+# stale entry). To record again (every phase that took a second or more):
 #   pytest -n 2 -q --durations=0 --durations-min=1 | grep -E '^[0-9.]+s (call|setup|teardown) ' > tests/durations.txt
 DURATIONS = Path(__file__).parent / "durations.txt"
-UNRECORDED_S = 1.8
+UNRECORDED_S = 0.15
 
 
 def recorded_seconds(text: str | None = None) -> dict[str, float]:
@@ -130,3 +132,28 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after -k and -m deselect: the lengths are those of the tests that run
 def pytest_collection_modifyitems(config, items):
     items[:] = longest_files_first(items, recorded_seconds())
+
+
+# -- measured costs -----------------------------------------------------------------------------------
+# With MESHKIT_TEST_CPU=FILE, each test appends a line to FILE: its node id, the CPU seconds (user +
+# system) of the processes it started and waited for (theirs and their own children's: a launcher's
+# ranks too), and its wall seconds. The time limits of tests/_limits.py are set from these figures.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = os.environ.get("MESHKIT_TEST_CPU")
+    if not out:
+        return (yield)
+    import resource
+    import time
+
+    def children() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    cpu, wall = children(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        line = f"{item.nodeid}\t{children() - cpu:.2f}\t{time.monotonic() - wall:.2f}\n"
+        with open(out, "a") as f:
+            f.write(line)

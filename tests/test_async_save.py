@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from _limits import limit
 from meshkit.cli import main
 from meshkit.train import checkpoint
 from meshkit.train.checkpoint import CHECKSUMS, Checkpointer, abstract
@@ -119,7 +120,7 @@ def test_sigkill_during_a_background_save_leaves_no_visible_step_and_resume_cont
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as child:  # fmt: skip
         try:
             # JAX's start and the first compile take most of it, on 2 busy cores
-            seen = _lines_until(child, {"holding 4", "save 6"}, timeout=300)
+            seen = _lines_until(child, {"holding 4", "save 6"}, timeout=limit(4))
             os.kill(child.pid, signal.SIGKILL)
             assert child.wait(timeout=60) == -signal.SIGKILL
         finally:

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from _limits import limit
 from meshkit.models import llama
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import PLANS, ParallelSpec, PlanError
@@ -135,9 +136,9 @@ def _meshkit(tmp_path, *options):
     cmd = [exe, "train", "--preset", "tiny", "--steps", "2", "--eval-every", "0", "--sample-chars", "0",
            "--run-dir", str(tmp_path / "run"), *options]  # fmt: skip
     try:  # compiling on a busy 2-core machine takes a while; a hang fails the test instead of holding the suite
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"meshkit train {' '.join(options)} still ran after 300 s")
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit(13), cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"meshkit train {' '.join(options)} still ran after {e.timeout:.0f} s")
 
 
 @pytest.mark.parametrize(

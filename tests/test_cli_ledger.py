@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from _limits import limit
 from meshkit.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hlo"
@@ -94,11 +95,13 @@ def test_fresh_process_simulates_devices_and_bad_hlo_text(tmp_path):
     exe = Path(sys.executable).parent / "meshkit"
     out = subprocess.run(
         [str(exe), "comm", "meshkit.examples:megatron_mlp", "--devices", "8", "--json"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=limit(3),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["records"][0]["axes"] == ["model"]
-    out = subprocess.run([str(exe), "comm", "--hlo", str(bad)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [str(exe), "comm", "--hlo", str(bad)], capture_output=True, text=True, timeout=limit(3)
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: no HLO instructions found")
     assert out.stderr.count("\n") == 1
 
@@ -128,7 +131,7 @@ def test_comm_with_hlo_imports_neither_jax_nor_numpy(tmp_path):
         f"assert main(['comm', '--hlo', {str(FIXTURES / 'loops.hlo')!r}]) == 0\n"
         "print(sorted(m for m in ('jax', 'jaxlib', 'numpy') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=limit(1))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("[]")
 

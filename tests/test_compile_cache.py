@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from _limits import limit
+
 MESHKIT = str(Path(sys.executable).parent / "meshkit")
 TINY = ["train", "--preset", "tiny", "--warmup", "1", "--eval-every", "0", "--sample-chars", "0"]
 
@@ -35,7 +37,7 @@ def _entries(directory: Path) -> list[str]:
 def test_meshkit_train_caches_its_step_in_the_default_place(tmp_path):
     # --stop-after: the step compiled and run, without the end's evaluation and report (seconds of compiles)
     proc = subprocess.run([MESHKIT, *TINY, "--steps", "2", "--stop-after", "1", "--run-dir", str(tmp_path / "run")],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=600)  # fmt: skip
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=limit(7))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     entries = _entries(tmp_path / "xdg" / "meshkit" / "jax")
     assert any(name.startswith("jit_step-") for name in entries), entries  # the train step, compiled in < 1 s
@@ -69,7 +71,7 @@ USERS = {"JAX_COMPILATION_CACHE_DIR": "{tmp}/users", "JAX_PERSISTENT_CACHE_MIN_C
 def test_where_the_cache_is(tmp_path, how, choice, extra, lands):
     extra = {k: v.format(tmp=tmp_path) for k, v in extra.items()}
     proc = subprocess.run([sys.executable, "-c", _COMPILE, choice.format(tmp=tmp_path)], env=_env(tmp_path, **extra),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(1))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == (str(tmp_path / lands) if lands else "None")
     places = {
@@ -85,7 +87,7 @@ def test_a_cache_directory_that_cannot_be_used_is_one_line(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     bad = tmp_path / "a-file" / "cache"
     proc = subprocess.run([MESHKIT, *TINY, "--compile-cache", str(bad), "--run-dir", str(tmp_path / "run")],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)  # fmt: skip
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=limit(2))  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr == (
         f"error: compilation cache '{bad}' cannot be used ({tmp_path / 'a-file'} is not a directory): "
@@ -98,7 +100,7 @@ def test_help_leaves_no_cache_directory_behind(tmp_path):
     # the default directory is JAX's to create at its first compile: a command that compiles nothing
     # (here --help) leaves the user's cache home as it was
     proc = subprocess.run(
-        [MESHKIT, "--help"], env=_env(tmp_path), capture_output=True, text=True, timeout=120
+        [MESHKIT, "--help"], env=_env(tmp_path), capture_output=True, text=True, timeout=limit(1)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train" in proc.stdout

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from _limits import limit
 from _reference import max_rel, one_device
 from meshkit.models import gpt, llama
 from meshkit.spec import ParallelSpec, PlanError
@@ -171,9 +172,9 @@ def test_meshkit_train_refuses_bad_context_input_in_one_line(tmp_path, options, 
     cmd = [exe, "train", "--preset", "tiny", "--plan", "cp", "--mesh", "context=8", "--steps", "1",
            "--eval-every", "0", "--sample-chars", "0", "--run-dir", str(tmp_path / "run"), *options]  # fmt: skip
     try:  # compiling on a busy 2-core machine takes a while; a hang fails the test instead of holding the suite
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"meshkit train {' '.join(options)} still ran after 300 s")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit(3), cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"meshkit train {' '.join(options)} still ran after {e.timeout:.0f} s")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: " + message), proc.stderr
 

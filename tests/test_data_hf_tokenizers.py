@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from _limits import limit
 from conftest import REFERENCES
 from meshkit.cli import main
 from meshkit.data import DataError, load
@@ -278,7 +279,7 @@ def test_transformers_autotokenizer_gives_the_shards_ids(prepared, tmp_path, ref
             cases |= {src: tmp_path / f"{name}-out"}
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     done = subprocess.run([py, "-c", _REFERENCE, str(tmp_path / "texts.json"), *map(str, cases)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(8))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     ref = json.loads(done.stdout.splitlines()[-1])
     for src, shards in cases.items():

@@ -5,6 +5,7 @@ encoding each text alone."""
 import subprocess
 import sys
 
+from _limits import limit
 from meshkit.data.text import default_documents
 from meshkit.data.tokenizer import train_bpe
 
@@ -20,7 +21,7 @@ def test_data_prepare_imports_neither_jax_nor_grain(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("\n\n".join(default_documents()[:3]))
     done = subprocess.run([sys.executable, "-c", _CHILD, str(text), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(1))  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "0 []", done.stdout
     assert (tmp_path / "out" / "manifest.json").is_file()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _limits import limit
 from meshkit.cli import main
 from meshkit.data import shards as S
 from meshkit.data.prepare import prepare
@@ -54,7 +55,8 @@ def _kill_mid_run(data: Path, run: Path) -> None:
            str(data), "--run-dir", str(run)]  # fmt: skip
     log = (run.parent / "killed.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    deadline = time.monotonic() + 300  # compiling on a busy 2-core machine takes a while
+    wait = limit(20)  # the run's start: its compiles, on a busy 2-core machine
+    deadline = time.monotonic() + wait
     try:
         while time.monotonic() < deadline:
             assert proc.poll() is None, (run.parent / "killed.log").read_text()[-2000:]
@@ -66,7 +68,7 @@ def _kill_mid_run(data: Path, run: Path) -> None:
                 break  # past step 3, and a checkpoint complete (saves run in the background)
             time.sleep(0.02)
         else:
-            pytest.fail("the run did not reach step 3 in 300 s")
+            pytest.fail(f"the run did not reach step 3 in {wait:.0f} s")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -108,7 +110,7 @@ def test_sigkill_then_resume_gives_the_same_losses_also_on_two_processes(data, t
 
     two = [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, "train", "--resume", "--run-dir",
            str(tmp_path / "killed2"), "--stop-after", str(stop)]  # fmt: skip
-    proc = subprocess.run(two, capture_output=True, text=True, env=ENV, timeout=600)
+    proc = subprocess.run(two, capture_output=True, text=True, env=ENV, timeout=limit(20))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resuming at step {saved[-1]}" in proc.stdout
     # 1 process, then 2: the same batches (bitwise: test_data_tokens.py draws them through the state the
@@ -138,16 +140,16 @@ def test_a_corpus_larger_than_the_process_may_map_trains(data, tmp_path):
     }
     (big / S.MANIFEST).write_text(json.dumps(manifest))
 
-    limit = 2 << 30
-    assert (big / "shard-00000.bin").stat().st_size > 3 * limit
+    address_space = 2 << 30
+    assert (big / "shard-00000.bin").stat().st_size > 3 * address_space
 
     run = tmp_path / "run"
     # the limit is set in the child, which then becomes meshkit (a preexec_fn would fork this JAX process)
-    capped = f"import os, resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); os.execv({EXE!r}, {[EXE]!r} + __import__('sys').argv[1:])"
+    capped = f"import os, resource; resource.setrlimit(resource.RLIMIT_AS, ({address_space}, {address_space})); os.execv({EXE!r}, {[EXE]!r} + __import__('sys').argv[1:])"
     cmd = [sys.executable, "-c", capped, "train", "--preset", "tiny", "--steps", "4", "--stop-after", "3",
            "--data", str(big), "--run-dir", str(run)]  # fmt: skip
     env = {**ENV, "MALLOC_ARENA_MAX": "2"}  # glibc reserves 64 MiB of address space per arena otherwise
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit(5))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(BPE token shards) (4,294,967,296 tokens, vocab 300)" in proc.stdout
     assert sorted(losses(run)) == [1, 2, 3]

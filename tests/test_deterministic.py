@@ -2,6 +2,8 @@
 through the Trainer and through `meshkit train --deterministic`; plans it cannot make bitwise are
 refused in one line."""
 
+import functools
+import inspect
 import json
 import os
 import subprocess
@@ -14,6 +16,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
+from _limits import limit
 from meshkit import ParallelSpec, Trainer
 from meshkit._errors import DeviceSetupError
 from meshkit.cli import main
@@ -34,6 +37,28 @@ LLAMA = llama.LlamaConfig(vocab_size=32, seq_len=8, layers=1, width=16, heads=4,
 MODELS = {"gpt": (gpt, CFG), "llama": (llama, LLAMA)}
 
 
+def _once(make):
+    """``make`` run once per arguments and compile setting in this process: a trained Trainer, its losses
+    and parameters, read (never stepped again) by the tests that compare or report them."""
+    done: dict = {}
+    signature = inspect.signature(make)
+
+    @functools.wraps(make)
+    def cached(*args, **kw):
+        bound = signature.bind(*args, **kw)
+        bound.apply_defaults()  # trained("zero3", 4) and trained(plan, n, model) are one run
+        args_ = tuple(
+            (k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in bound.arguments.items()
+        )
+        key = (args_, jax.config.read("jax_disable_most_optimizations"))
+        if key not in done:
+            done[key] = make(*args, **kw)
+        return done[key]
+
+    return cached
+
+
+@_once
 def trained(plan, devices, model="gpt", steps=5, **kw):
     module, cfg = MODELS[model]
     mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
@@ -114,7 +139,7 @@ def test_meshkit_train_deterministic_same_bits_on_8_devices_and_on_2(tmp_path, c
     assert json.loads((eight / "report.json").read_text())["deterministic"]["shards"] == 8
     cmd = [str(Path(sys.executable).parent / "meshkit"), "train", *RUN, "--plan", "dp", "--devices", "2",
            "--run-dir", str(two)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,  # a cold compile on a busy machine
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit(8),  # a cold compile
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     a, b = (jax.tree.leaves(load_run(r).params) for r in (eight, two))
@@ -148,6 +173,7 @@ def test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column(capsy
 SCAN = gpt.GPTConfig(vocab_size=32, seq_len=8, layers=4, width=16, heads=2, scan_layers=True)
 
 
+@_once
 def trained_pipeline(plan, data, schedule="1f1b", virtual_stages=1, steps=5, optimizer=None, stages=2):
     mesh = Mesh(np.array(jax.devices()[: stages * data]).reshape(stages, data), ("stage", "data"))
     t = Trainer(gpt.stages(SCAN), gpt.init(jax.random.key(0), SCAN), optimizer or optax.adamw(1e-2), plan=plan,
@@ -346,7 +372,7 @@ def test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_st
            "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "1"]  # fmt: skip
     for extra in (["--deterministic", "--steps", "2", "--stop-after", "1", "--devices", "2"], ["--resume"]):
         done = subprocess.run(
-            [*run, *extra], capture_output=True, text=True, timeout=600, env=env
+            [*run, *extra], capture_output=True, text=True, timeout=limit(11), env=env
         )  # cold compiles
         assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
     assert "deterministic: 8 micro-shards" in done.stdout  # the resumed run's summary: still deterministic

@@ -13,13 +13,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from _limits import limit
 from meshkit.train.outputs import load_run
 
 EXE = str(Path(sys.executable).parent / "meshkit")
 RUN = ["train", "--preset", "tiny", "--deterministic", "--steps", "5", "--batch-size", "8", "--eval-every", "0",
        "--sample-chars", "0", "--checkpoint-every", "5"]  # fmt: skip
-# three cold compiles (four processes) side by side on a busy 2-core machine: about 40 s each alone
-TIMEOUT_S = 600
+# three cold compiles at XLA's default level (four processes) side by side: CPU seconds of the slower
+# test's commands in all, measured (tests/_limits.py)
+CPU_S = 50
 
 
 def _run_all(tmp_path, runs):
@@ -32,7 +34,8 @@ def _run_all(tmp_path, runs):
         n: subprocess.Popen([*cmd, "--run-dir", str(tmp_path / n)], env=env, **out) for n, cmd in runs.items()
     }
     try:
-        outs = {name: p.communicate(timeout=TIMEOUT_S)[0] for name, p in procs.items()}
+        timeout = limit(CPU_S)
+        outs = {name: p.communicate(timeout=timeout)[0] for name, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:  # a timeout: the launcher and the ranks it started, not just the launcher

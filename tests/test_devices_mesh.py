@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import AxisType
 
 import meshkit
+from _limits import limit
 from meshkit import DeviceSetupError, MeshSpecError
 
 
@@ -26,7 +27,7 @@ def test_simulate_after_start_is_a_noop_for_the_same_count_and_an_error_otherwis
 def test_simulate_in_a_fresh_process():
     code = "import meshkit, jax; meshkit.simulate_devices(3); print(jax.device_count())"
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=limit(1), check=True
     )
     assert out.stdout.split() == ["3"]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from _limits import limit
 from meshkit import distributed
 from meshkit._errors import MeshkitError
 from meshkit.distributed import DistributedError, ProcessInfo, detect, is_multiprocess_env
@@ -295,7 +296,7 @@ def test_unreachable_coordinator_and_missing_processes_time_out_clearly():
         subprocess.Popen([sys.executable, "-c", code, a, r], env=_env(), stderr=subprocess.PIPE, text=True)
         for a, r in ((address, "1"), (f"localhost:{_free_port()}", "0"))
     ]
-    errs = [p.communicate(timeout=60)[1] for p in procs]
+    errs = [p.communicate(timeout=limit(2))[1] for p in procs]
     assert [p.returncode for p in procs] == [2, 2]
     assert errs[0] == (
         f"error: could not reach the coordinator at {address} within 2 s (process 1 of 2): check that "
@@ -331,7 +332,7 @@ def _kill_and_wait(procs: list[subprocess.Popen], victim: int) -> tuple[int, str
     procs[victim].send_signal(signal.SIGKILL)
     survivor = procs[1 - victim]
     try:
-        out, _ = survivor.communicate(timeout=120)
+        out, _ = survivor.communicate(timeout=limit(2, waits_s=120))  # the tests allow 60-120 s to notice
     finally:
         for p in procs:
             p.kill()
@@ -387,7 +388,7 @@ def test_mpirun_job_is_detected_as_openmpi(tmp_path):
     )
     out = subprocess.run(
         [mpirun, "-np", "2", sys.executable, str(WORKERS / "psum_worker.py"), "4", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=180,
+        env=env, capture_output=True, text=True, timeout=limit(2),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in range(2)]
@@ -418,7 +419,7 @@ def test_a_slurm_job_forms_through_jax_s_own_detection(tmp_path):
         for rank in range(2)
     ]
     try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]  # start-up on two loaded cores: a minute
+        outs = [p.communicate(timeout=limit(2))[0] for p in procs]
     finally:
         for p in procs:
             p.kill()

@@ -38,14 +38,16 @@ from pathlib import Path
 
 import pytest
 
+from _limits import limit
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = ("python", "bash", "console", "text")
 NOT_RUN = ("make run", "make test")  # the README's two commands; see the module docstring
 
-# A block's commands each take a few seconds (the slowest, a tiny training run, about 25 s on 2
-# busy cores); a whole block is given ample room so that a loaded machine does not fail it.
-BLOCK_TIMEOUT_S = 600
+# A block's (or a page's Python) time limit: from the slowest one's CPU seconds, measured (the
+# commands and every process they started; tests/_limits.py), scaled by the load when it starts.
+BLOCK_CPU_S = 18
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+)(?P<info>[^`\n]*)$")
 EXIT = re.compile(r"#\s*exit (\d+)\b")
@@ -129,7 +131,7 @@ def test_every_block_has_a_known_language():
 def test_site_builds_strict(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=limit(1),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "index.html").is_file()
@@ -146,7 +148,7 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
         (copy / "docs" / "index.md").read_text() + "\n[x](no-such-page.md)\n"
     )
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "s")],
-                          cwd=copy, capture_output=True, text=True, timeout=120)  # fmt: skip
+                          cwd=copy, capture_output=True, text=True, timeout=limit(1))  # fmt: skip
     assert proc.returncode != 0 and "no-such-page.md" in proc.stdout + proc.stderr
 
 
@@ -188,7 +190,7 @@ def test_python_blocks_run(page, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json")], cwd=work, env=env(python=True),
-                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(BLOCK_CPU_S))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -290,7 +292,7 @@ def test_shell_block_runs(block, tmp_path):
     if body.count("\n") == 1:  # only the README's two commands
         assert {c.split("#")[0].strip() for _, c, _ in commands(block)} <= set(NOT_RUN)
         return
-    rc, out, err = run_block(block, body, tmp_path, BLOCK_TIMEOUT_S)
+    rc, out, err = run_block(block, body, tmp_path, limit(BLOCK_CPU_S))
     assert rc == 0, out[-4000:] + err[-4000:]
     shown = [line for _, _, printed in commands(block) for line in printed]
     missing = shown_in_order(shown, out + err)

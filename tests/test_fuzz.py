@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh
 
 import meshkit
+from _limits import limit
 from meshkit._errors import MeshkitError
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
@@ -251,7 +252,7 @@ def test_fsdp_tp_in_bf16_trains_a_step_without_crashing_xla():
         " steps=1, precision='bf16', devices=4))"
     )
     root = Path(__file__).parent.parent
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=limit(6),
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     crash = next((x for x in proc.stderr.splitlines() if x.startswith("F")), proc.stderr[-300:])
     assert proc.returncode == 0 and proc.stdout.strip() == "trained", (proc.returncode, crash)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from _limits import limit
 from conftest import REFERENCES, reference_interpreter
 from meshkit import interop
 from meshkit.interop.hf import Checkpoint, Source
@@ -81,7 +82,7 @@ def reference(tmp_path_factory, reference_python):
                 "generate": {"prompt": PROMPT, "new": NEW}}  # fmt: skip
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([reference_python, str(SCRIPT), str(tmp / "jobs.json")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+                          timeout=limit(12), env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, tokens, ours
 

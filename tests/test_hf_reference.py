@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from _limits import limit
 from meshkit import interop
 from meshkit.data import load as load_data
 from meshkit.interop.hf import Checkpoint
@@ -112,7 +113,7 @@ def reference(tmp_path_factory, reference_python):
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     # import torch + transformers, 6 tiny models: about 7 s of CPU; 300 s leaves room for a busy machine
     done = subprocess.run([reference_python, str(SCRIPT), str(tmp / "jobs.json")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+                          timeout=limit(5), env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, tokens, ours
 

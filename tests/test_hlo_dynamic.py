@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _limits import limit
 from meshkit.analysis import communication
 
 MODULE = """HloModule dynamic_collectives
@@ -47,13 +48,13 @@ def test_meshkit_comm_reads_it_exit_0_with_the_warning_and_in_json(tmp_path):
     path = tmp_path / "dynamic.hlo"
     path.write_text(MODULE)
     exe = str(Path(sys.executable).parent / "meshkit")
-    done = subprocess.run([exe, "comm", "--hlo", str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([exe, "comm", "--hlo", str(path)], capture_output=True, text=True, timeout=limit(1))
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "unknown number of device(s)" in out and "None device(s)" not in out
     assert "not counting 1 collective(s) of unknown size" in out
     done = subprocess.run(
-        [exe, "comm", "--hlo", str(path), "--json"], capture_output=True, text=True, timeout=120
+        [exe, "comm", "--hlo", str(path), "--json"], capture_output=True, text=True, timeout=limit(1)
     )
     report = json.loads(done.stdout)
     assert done.returncode == 0 and [r["name"] for r in report["records"]] == ["ar1"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from _limits import limit
 from meshkit.cli import main
 from meshkit.launch import LaunchError, child_env, describe_status, launch
 
@@ -225,13 +226,13 @@ def test_cli_launch_runs_the_command_in_every_process():
     code = "import os; print('rank', os.environ['MESHKIT_PROCESS_ID'], 'of', os.environ['MESHKIT_NUM_PROCESSES'])"
     out = subprocess.run(
         [str(exe), "launch", "-n", "2", "--timeout", "30", "--", PY, "-c", code],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=limit(3),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == ["[0] rank 0 of 2", "[1] rank 1 of 2"]
     fail = subprocess.run(
         [str(exe), "launch", "-n", "2", "--", PY, "-c", "import sys; sys.exit(4)"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=limit(3),
     )  # fmt: skip
     assert fail.returncode == 4 and "exited with exit code 4" in fail.stderr
 
@@ -291,13 +292,14 @@ EXE = str(Path(sys.executable).parent / "meshkit")
 #: A tiny run of 6 steps with a checkpoint every 2, on 2 processes of one device each.
 TRAIN6 = ["train", "--preset", "tiny", "--steps", "6", "--checkpoint-every", "2", "--eval-every", "0",
           "--sample-chars", "0", "--devices", "2"]  # fmt: skip
-#: A job's start-up and a few steps take 20-60 s on two loaded cores; a restart twice that.
-JOB_S = 600
+#: The restart test's commands: CPU seconds in all, measured (a job's start-up and a few steps; a restart
+#: twice that), for their time limits (tests/_limits.py).
+JOB_CPU_S = 36
 
 
 def _job(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([EXE, "launch", "-n", "2", "--devices-per-process", "1", *args],
-                          capture_output=True, text=True, timeout=JOB_S, env={**os.environ, **(env or {})})  # fmt: skip
+                          capture_output=True, text=True, timeout=limit(JOB_CPU_S), env={**os.environ, **(env or {})})  # fmt: skip
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -323,7 +325,7 @@ def test_a_killed_process_is_restarted_and_a_preempted_job_resumes_both_ending_a
 
     straight, run = tmp_path / "straight", tmp_path / "run"
     done = subprocess.run(
-        [EXE, *TRAIN6, "--run-dir", str(straight)], capture_output=True, text=True, timeout=JOB_S
+        [EXE, *TRAIN6, "--run-dir", str(straight)], capture_output=True, text=True, timeout=limit(JOB_CPU_S)
     )
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from _limits import limit
 from meshkit.cli import main
 from meshkit.migrate import MigratePathError, MigrateWriteError, fix_source, lint, migrate_file, write
 
@@ -167,9 +168,9 @@ def test_json_reports_an_immediately_called_pmap_once(tmp_path: Path, capsys):
 def meshkit_in_child(args: list[str], cwd: Path, prelude: str = "") -> subprocess.CompletedProcess:
     """``meshkit ARGS`` in a fresh process (a crash there cannot take pytest down), after ``prelude``."""
     code = f"import sys\n{prelude}\nfrom meshkit.cli import main\nsys.exit(main({args!r}))\n"
-    # 120 s: the child imports meshkit and libcst (a few seconds) beside other CPU-heavy jobs.
+    # the child imports meshkit and libcst: seconds, beside other CPU-heavy jobs (tests/_limits.py)
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=limit(3), check=False
     )
 
 

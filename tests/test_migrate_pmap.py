@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from _limits import limit
 from meshkit.migrate import fix_source, lint_source
 from meshkit.migrate.rules_pmap import HELPER, PMAP_HELPER
 
@@ -108,7 +109,12 @@ def test_module_level_pmap_builds_no_mesh_at_import(tmp_path: Path):
         print(jax.device_count(), legacy_mod.double(jax.numpy.arange(4.0)).tolist())
     """)
     done = subprocess.run(
-        [sys.executable, "-c", main], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", main],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=limit(1),
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["4", "[12.0,", "12.0,", "12.0,", "12.0]"]

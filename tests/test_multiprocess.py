@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import meshkit
+from _limits import limit
 from meshkit.launch import launch
 from meshkit.models import mlp
 from meshkit.train.checkpoint import Checkpointer, abstract_with
@@ -61,7 +62,7 @@ def check(res: dict[int, dict], plan: str, ckpt: Path, source: str) -> None:
     )
 
 
-@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+@pytest.mark.parametrize("plan", ["fsdp"])  # dp: under mutual TLS below, the same checks on one job
 def test_two_processes_under_meshkit_launch_match_one_process(tmp_path, plan):
     out = io.StringIO()
     cmd = [sys.executable, WORKER, plan, str(tmp_path / "ckpt"), str(tmp_path)]
@@ -90,7 +91,7 @@ def test_two_processes_under_mpirun_without_meshkit_environment(tmp_path):
         str(tmp_path / "ckpt"),
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit(6))  # measured: 6 CPU s
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     check(results(tmp_path), "fsdp", tmp_path / "ckpt", "openmpi")
 
@@ -113,7 +114,7 @@ def test_meshkit_train_under_launch_writes_once(tmp_path):
         "--run-dir",
         str(run),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=limit(24))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[0] " in proc.stdout and "Run summary" in proc.stdout
     assert "Run summary" not in "".join(
@@ -134,23 +135,28 @@ def test_a_killed_process_ends_the_survivor_with_its_name(tmp_path):
     run = tmp_path / "run"
     port = free_port()
     procs = []
+    # The survivor notices when a collective fails or the peer's heartbeats stop: the job's heartbeat
+    # timeout of 10 s (test_signals' stalled rank: on time beside the loaded suite), not the default
+    # 30 s the survivor otherwise sat out after each kill.
+    heartbeat = 10
     for rank in range(2):
         env = {**os.environ, **ENV, distributed.MESHKIT_COORDINATOR_ADDRESS: f"localhost:{port}",
                distributed.MESHKIT_NUM_PROCESSES: "2", distributed.MESHKIT_PROCESS_ID: str(rank),
-               distributed.MESHKIT_DEVICES_PER_PROCESS: "4"}  # fmt: skip
+               distributed.MESHKIT_DEVICES_PER_PROCESS: "4",
+               distributed.MESHKIT_HEARTBEAT_TIMEOUT_S: str(heartbeat)}  # fmt: skip
         cmd = [exe, "train", "--preset", "tiny", "--steps", "400", "--eval-every", "0", "--run-dir", str(run)]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     metrics = run / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + limit(11)  # the test's processes: 11 CPU s in all
         while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
             assert time.monotonic() < deadline and procs[0].poll() is None, "training never started"
             time.sleep(0.2)
         procs[1].kill()  # SIGKILL mid-training
         killed = time.monotonic()
-        _, err = procs[0].communicate(timeout=150)
+        _, err = procs[0].communicate(timeout=limit(11, waits_s=heartbeat))
         elapsed = time.monotonic() - killed
     finally:
         for p in procs:
@@ -165,7 +171,7 @@ def test_meshkit_verify_under_launch(tmp_path):
     exe = str(Path(sys.executable).parent / "meshkit")
     cmd = [exe, "launch", "-n", "2", "--devices-per-process", "4", "--", exe, "verify", "--plan", "zero3",
            "--model", "mlp", "--steps", "5", "--json"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=limit(11))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in ("0", "1"):  # every process certifies the same result
         text = "".join(line[4:] for line in proc.stdout.splitlines(True) if line.startswith(f"[{rank}] "))
@@ -181,7 +187,7 @@ def test_meshkit_verify_under_launch(tmp_path):
 def pki(tmp_path_factory):
     """The README's throwaway CA and certificate (tests/workers/make_pki.sh), and an outsider's."""
     directory = tmp_path_factory.mktemp("pki")
-    subprocess.run(["sh", str(WORKERS / "make_pki.sh"), str(directory)], check=True, timeout=60)
+    subprocess.run(["sh", str(WORKERS / "make_pki.sh"), str(directory)], check=True, timeout=limit(1))
     return directory
 
 
@@ -196,6 +202,8 @@ def _tls(directory: Path, name: str = "node", ca: str = "ca"):
 
 
 def test_two_processes_with_mutual_tls_match_one_process(tmp_path, pki):
+    """DP on 2 processes under meshkit launch, the job's connections under mutual TLS: the checks of
+    ``test_two_processes_under_meshkit_launch_match_one_process`` (which runs FSDP), on one job."""
     out = io.StringIO()
     cmd = [sys.executable, WORKER, "dp", str(tmp_path / "ckpt"), str(tmp_path)]
     code = launch(cmd, 2, devices_per_process=4, env=ENV, output=out, mtls=_tls(pki))
@@ -223,13 +231,13 @@ def test_a_process_without_the_jobs_certificate_is_refused(pki):
 
     procs = [start(0, _tls(pki), "120")]
     try:
-        deadline = time.monotonic() + 120  # a process 1 starts once process 0's service listens
+        deadline = time.monotonic() + limit(2)  # a process 1 starts once process 0's service listens
         while not _listening(port):
             assert time.monotonic() < deadline and procs[0].poll() is None, "process 0 never listened"
             time.sleep(0.2)
         for tls in (None, _tls(pki, "outsider", "other-ca")):
             procs.append(start(1, tls, "8"))
-            out1 = procs[-1].communicate(timeout=120)
+            out1 = procs[-1].communicate(timeout=limit(2, waits_s=8))  # 2 CPU s in all
             assert procs[-1].returncode == 2, out1
             assert "RESULT" not in out1[0]
             err = out1[1]
@@ -241,7 +249,7 @@ def test_a_process_without_the_jobs_certificate_is_refused(pki):
             assert hint in err
         assert procs[0].poll() is None  # still waiting for a process 1 it admits
         procs[0].terminate()  # it would wait its 120 s for a process 1 it will never admit
-        out0 = procs[0].communicate(timeout=60)
+        out0 = procs[0].communicate(timeout=limit(2))
     finally:
         for p in procs:
             p.kill()

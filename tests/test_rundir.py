@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from _limits import limit
 from meshkit.cli import main
 from meshkit.train.checkpoint import _quiet_orbax_noise
 from meshkit.train.lock import RunDirError, _umask, new_run_dir, write_atomic
@@ -157,7 +158,11 @@ with MetricsLog(Path(sys.argv[1])) as log:
 
 def test_a_metrics_row_the_disk_refuses_is_not_left_torn(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-c", _FULL_DISK, str(tmp_path)], env=ENV, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=limit(1),
     )  # fmt: skip  (no JAX: a second or two)
     assert proc.returncode == 2, proc.stderr
     line = _one_error_line(proc.stderr)
@@ -247,7 +252,7 @@ def test_a_live_run_gets_its_own_directory_and_a_second_resume_beside_it_is_refu
                              env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         # JAX's start and the first compile take most of it, on 2 busy cores
-        in_flight = _catch_a_save_in_flight(first, tmp_path / "runs", timeout=240)
+        in_flight = _catch_a_save_in_flight(first, tmp_path / "runs", timeout=limit(6))
         try:
             capsys.readouterr()
             assert main(["train", "--resume"]) == 2
@@ -255,7 +260,7 @@ def test_a_live_run_gets_its_own_directory_and_a_second_resume_beside_it_is_refu
             assert in_flight.is_dir()  # the live run's save was not touched
         finally:
             os.kill(first.pid, signal.SIGCONT)
-        out, err = first.communicate(timeout=240)
+        out, err = first.communicate(timeout=limit(6))
     finally:
         first.kill()
         first.wait()

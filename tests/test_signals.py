@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from _limits import limit
 from meshkit.launch import free_port
 
 EXE = str(Path(sys.executable).parent / "meshkit")
 #: A run that goes on until stopped: no evaluation or periodic checkpoint in the way.
 TRAIN = ["train", "--preset", "tiny", "--steps", "100000", "--eval-every", "0", "--checkpoint-every", "100000",
          "--sample-chars", "0"]  # fmt: skip
-START_S = 300  # a job's start-up on a loaded machine (see the module docstring)
+START_CPU_S = 21  # a job's start-up: the file's costliest test's commands in all, measured (tests/_limits.py)
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +88,8 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
-def _wait_rows(run: Path, n: int, job: _Proc, timeout: float = START_S) -> int:
+def _wait_rows(run: Path, n: int, job: _Proc, timeout: float | None = None) -> int:
+    timeout = limit(START_CPU_S) if timeout is None else timeout
     """Wait until the run has logged ``n`` steps; return the step reached."""
     deadline = time.monotonic() + timeout
     while len(_rows(run)) < n:
@@ -181,7 +183,9 @@ def _impostor(port: int, rank: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "MESHKIT_COORDINATOR_ADDRESS": f"localhost:{port}", "MESHKIT_NUM_PROCESSES": "2",
            "MESHKIT_PROCESS_ID": str(rank), "MESHKIT_TIMEOUT_S": "5"}  # fmt: skip
     code = "from meshkit import distributed; distributed.initialize(); print('joined', flush=True)"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=limit(21)
+    )
 
 
 def _stopped_together(job: _Proc, run: Path, signame: str) -> int:
@@ -309,7 +313,7 @@ def test_sigkill_of_the_launcher_ends_its_processes_at_once():
     code = "import time; print('up', flush=True); time.sleep(300)"
     job, ranks = _Proc([EXE, "launch", "-n", "2", "--", sys.executable, "-c", code]), {}
     try:
-        job.wait_for(r"^\[1\] up", START_S)
+        job.wait_for(r"^\[1\] up", limit(START_CPU_S))
         job.wait_for(r"^\[0\] up", 30)
         ranks = _ranks(job.proc.pid)
         assert sorted(ranks) == [0, 1] and all(_alive(p) for p in ranks.values())
@@ -325,7 +329,9 @@ def test_sigkill_of_the_launcher_ends_its_processes_at_once():
                 os.kill(pid, signal.SIGKILL)
     left = _tls_dirs(job.proc.pid)
     assert len(left) == 1  # SIGKILL leaves the job's certificates; the next launcher sweeps them
-    next_job = subprocess.run([EXE, "launch", "-n", "1", "--", sys.executable, "-c", "pass"], timeout=120)
+    next_job = subprocess.run(
+        [EXE, "launch", "-n", "1", "--", sys.executable, "-c", "pass"], timeout=limit(2)
+    )
     assert next_job.returncode == 0
     assert not left[0].exists()
 

@@ -16,7 +16,7 @@ def test_files_run_whole_and_longest_first_each_in_its_collected_order():
     order = [
         x.nodeid for x in conftest.longest_files_first(items, {"b.py::long": 10.0, "c.py::longer": 30.0})
     ]
-    # c: 30 s; b: 10 + 1.8; a and d: 2 x 1.8 each, in collected order
+    # c: 30 s; b: 10 s + UNRECORDED_S; a and d: 2 x UNRECORDED_S each, in collected order
     assert order == [
         "c.py::longer",
         "b.py::long",

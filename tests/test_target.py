@@ -3,6 +3,7 @@
 import json
 import sys
 
+from _limits import limit
 from meshkit.cli import main
 
 STEP = "import jax, jax.numpy as jnp\ndef make():\n    return jax.jit(lambda x: jnp.sum(x * 2)), (jnp.ones(8),)\n"
@@ -46,6 +47,6 @@ def test_the_console_script_imports_from_the_current_folder(tmp_path):
     exe = str(Path(sys.executable).parent / "meshkit")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ""}
     proc = subprocess.run([exe, "comm", "mk_user_script:make", "--devices", "2", "--json"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          env=env, capture_output=True, text=True, timeout=limit(2))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["records"] == []

@@ -16,15 +16,16 @@ from pathlib import Path
 import jax
 import pytest
 
+from _limits import limit
 from meshkit._errors import MeshkitError
 from meshkit.spec import ParallelSpec
 
 EXE = str(Path(sys.executable).parent / "meshkit")
 LAUNCH = [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--"]
 VERIFY = [EXE, "verify", "--deterministic", "--steps", "2", "--json"]
-# two processes start gloo and compile about ten small programs each: 20-40 s alone on a busy 2-core
-# machine; the rest is headroom for other tests' processes beside them
-TIMEOUT_S = 300
+# two processes start gloo and compile about ten small programs each: the costliest job's CPU seconds,
+# measured, for its time limit (tests/_limits.py)
+CPU_S = 11
 ALL_EQUAL = {"data=1": True, "data=2": True, "data=4": True, "2 processes x 4": True}
 
 
@@ -35,7 +36,7 @@ def launched(*args: str) -> tuple[int, dict[int, dict], str]:
     proc = subprocess.Popen([*LAUNCH, *VERIFY, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
+        out, err = proc.communicate(timeout=limit(CPU_S))
     finally:
         if proc.poll() is None:  # a timeout: the launcher and the ranks it started, not just the launcher
             os.killpg(proc.pid, signal.SIGKILL)

@@ -47,10 +47,16 @@ def _lost(before: cst.CSTNode, after: cst.CSTNode | cst.FlattenSentinel) -> list
     return lost
 
 
+_NONE = object()
+
+
 class _Migrator(cst.CSTTransformer):
     """Runs ``rules`` on every node; with ``fix``, replaces nodes and keeps every comment."""
 
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ScopeProvider)
+    # Qualified names are not a dependency: libcst's QualifiedNameProvider is one more visit of every
+    # node (a seventh of a run) to store, for each, a lazy ``scope.get_qualified_names_for(node)``;
+    # ``_metadata`` computes the same for the nodes a rule asks about.
+    METADATA_DEPENDENCIES = (PositionProvider, ScopeProvider)
 
     def __init__(self, path: str, rules: Iterable[Rule], fix: bool) -> None:
         super().__init__()
@@ -71,8 +77,23 @@ class _Migrator(cst.CSTTransformer):
         self.fallbacks: list[tuple[tuple[int, int], Finding]] = []
 
     def visit_Module(self, node: cst.Module) -> bool:
-        self.ctx = build_context(node, self.get_metadata)
+        self.ctx = build_context(node, self._metadata)
         return True
+
+    def _metadata(self, key: type, node: cst.CSTNode, default: object = _NONE) -> object:
+        """``get_metadata``, where ``QualifiedNameProvider`` gives what libcst's provider would: the
+        names from the node's scope, an empty set for a node of the module without one, ``default``
+        (else KeyError) for a node not in the module."""
+        if key is not QualifiedNameProvider:
+            return self.get_metadata(key, node) if default is _NONE else self.get_metadata(key, node, default)
+        scope = self.get_metadata(ScopeProvider, node, None)
+        if scope is not None:
+            return scope.get_qualified_names_for(node)
+        if node in self.metadata[PositionProvider]:
+            return set()
+        if default is _NONE:
+            raise KeyError(node)
+        return default
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         self.in_import += isinstance(node, cst.Import | cst.ImportFrom)
