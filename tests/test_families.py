@@ -16,6 +16,7 @@ import pytest
 from meshkit import interop
 from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
 from meshkit.models import llama, registry
+from meshkit.models.rope import inv_frequencies
 from meshkit.spec import ParallelSpec, get_plan
 
 BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -84,7 +85,7 @@ def test_llama3_frequencies_are_transformers_formula():
         (r.original_positions / wave - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor), 0, 1
     )
     want = (1 - s) * f / r.factor + s * f
-    got = np.asarray(llama.inv_frequencies(cfg, np.float32))
+    got = np.asarray(inv_frequencies(cfg, np.float32))
     np.testing.assert_allclose(got, want, rtol=1e-6)
     kinds = {"kept": wave < r.original_positions / 4, "stretched": wave > r.original_positions}
     assert all(v.any() for v in kinds.values()) and not (kinds["kept"] | kinds["stretched"]).all()
