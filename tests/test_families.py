@@ -111,7 +111,7 @@ WINDOWS_AND_EXPERTS = {
         },
         {"experts": 4, "ffn": 16, "qk_norm": True, "router_renormalize": True, "router_aux_weight": 0.02},
     ),
-    "qwen3_moe-5x": (  # transformers 5.x writes num_local_experts; without output_router_logits, no aux loss
+    "qwen3_moe-5x": (  # transformers 5.x writes num_local_experts
         {
             **BASE,
             "model_type": "qwen3_moe",
@@ -120,7 +120,7 @@ WINDOWS_AND_EXPERTS = {
             "router_aux_loss_coef": 0.02,
             "max_window_layers": 1,
         },
-        {"experts": 4, "router_renormalize": False, "router_aux_weight": 0.0, "window": None},
+        {"experts": 4, "router_renormalize": False, "router_aux_weight": 0.02, "window": None},
     ),
 }
 

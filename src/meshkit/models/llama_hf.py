@@ -20,8 +20,11 @@ them and reads as none.
 Experts read dropless (``capacity_factor=0``), as transformers runs them: every token its top-k
 experts by softmax probability, the gates renormalised to sum to 1 (Mixtral always, Qwen3-MoE where
 ``norm_topk_prob``). Each expert is its own tensors in the checkpoint (``experts.{j}``), stacked into
-meshkit's ``(E, D, F)`` leaves. transformers adds its load-balancing loss only with
-``output_router_logits``: meshkit's ``router_aux_weight`` is ``router_aux_loss_coef`` there, else 0.
+meshkit's ``(E, D, F)`` leaves. ``router_aux_loss_coef`` is read as the weight of meshkit's
+load-balancing loss (``router_aux_weight``; Switch's, per sequence and layer, where transformers pools
+the batch and the layers and counts each of the k choices: about k times meshkit's).
+``output_router_logits`` (whether transformers returns the router's logits and adds its loss) changes
+no logit: read and left aside, written false (4.57.6's ``generate`` fails on a Mixtral with it true).
 
 Weights move by name, transpose and stacking only: ``meshkit.models.llama`` follows
 ``LlamaForCausalLM``'s conventions (the other types' are its, plus biases, per-head norms, experts).
@@ -268,7 +271,7 @@ def _experts(data: dict, where: str, row: _Type, layers: int) -> dict[str, Any]:
                 f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={only!r} make layers {dense[:4]} dense MLPs: "
                 f"meshkit's Llama has experts in every layer; give a checkpoint whose every layer is sparse"
             )
-    aux = float(data.get("router_aux_loss_coef", 0.001)) if data.get("output_router_logits", False) else 0.0
+    aux = float(data.get("router_aux_loss_coef", 0.001))
     return {"experts": experts, "experts_per_token": need(data, "num_experts_per_tok", where),
             "ffn": need(data, moe.ffn, where), "capacity_factor": 0.0, "router_aux_weight": aux,
             "router_renormalize": moe.renormalize is None or bool(data.get(moe.renormalize, False))}  # fmt: skip
@@ -346,7 +349,7 @@ def _experts_fields(cfg: Any, row: _Type) -> dict[str, Any]:
     if moe is None:
         return {}
     out = {moe.count[0]: cfg.experts, "num_experts_per_tok": cfg.experts_per_token, moe.ffn: cfg.ffn,
-           "output_router_logits": cfg.router_aux_weight > 0, "router_aux_loss_coef": cfg.router_aux_weight}  # fmt: skip
+           "output_router_logits": False, "router_aux_loss_coef": cfg.router_aux_weight}  # fmt: skip
     if moe.renormalize is not None:
         out[moe.renormalize] = cfg.router_renormalize
     return out | ({"decoder_sparse_step": 1, "mlp_only_layers": []} if moe.layers else {})
