@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from meshkit import interop
+from meshkit._errors import MeshkitError
 from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
 from meshkit.models import gpt, llama, registry
 from meshkit.models.rope import inv_frequencies
@@ -302,6 +303,59 @@ def test_qwen_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv
         (("heads",), ("kv_heads",), None) if kind == "qwen2" else (None, None, (None,))
     )
     cert = _certificate(cfg, plan, mesh, opts)
+    assert cert.ok, str(cert)
+
+
+WINDOWED = {
+    "mistral": {**SMALL, "model_type": "mistral", "sliding_window": 4},
+    "qwen2": {**SMALL, "model_type": "qwen2", "head_dim": 4, "use_sliding_window": True, "sliding_window": 4,
+              "max_window_layers": 1},
+}  # fmt: skip
+"""A window of 4 of the 16 positions: in every layer (Mistral's), in the second layer only (Qwen2's)."""
+#: the batch split with ZeRO-3, both context forms (ring alone and under tensor parallelism), a pipeline
+WINDOW_PLANS = [
+    ("fsdp", "data=8", {}),
+    ("cp", "context=8", {"context_attention": "ring"}),
+    ("tp+cp", "context=4,model=2", {"context_attention": "ring"}),
+    ("dp+cp", "data=2,context=4", {"context_attention": "all-to-all"}),
+    ("dp+pp", "stage=2,data=4", {"microbatches": 4}),
+]
+
+
+@pytest.mark.parametrize("kind", list(WINDOWED))
+@pytest.mark.parametrize(("plan", "mesh", "opts"), WINDOW_PLANS, ids=[p[0] for p in WINDOW_PLANS])
+def test_a_sliding_window_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
+    """The window masks by global positions under a context split (the ring's blocks, all-to-all's whole
+    sequence), and each layer keeps its own; a pipeline runs one window in every layer, so it takes
+    Mistral's and refuses Qwen2's layers of different windows in one line."""
+    cfg = config_from_hf(WINDOWED[kind])
+    assert cfg.layer_windows == ((4, 4) if kind == "mistral" else (None, 4))
+    if get_plan(plan).pipeline and kind == "qwen2":
+        with pytest.raises(MeshkitError, match="runs in the layers form only") as e:
+            _certificate(cfg, plan, mesh, opts)
+        assert "\n" not in str(e.value)
+        return
+    cert = _certificate(cfg, plan, mesh, opts)
+    assert cert.ok, str(cert)
+
+
+MIXTRAL = {
+    **SMALL,
+    "model_type": "mixtral",
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+}
+MOE_PLANS = [("ep", "expert=8"), ("fsdp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,model=2")]
+
+
+@pytest.mark.parametrize(("plan", "mesh"), MOE_PLANS, ids=[p[0] for p in MOE_PLANS])
+def test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device(plan, mesh):
+    """The Mixtral config.json reads dropless with renormalised gates (and its window): each device runs
+    its experts' rows of the gathered tokens, float64 equal to one device, the ledger the model's."""
+    cfg = config_from_hf(MIXTRAL)
+    assert (cfg.experts, cfg.capacity_factor, cfg.router_renormalize, cfg.window) == (8, 0.0, True, 8)
+    cert = _certificate(cfg, plan, mesh, {})
     assert cert.ok, str(cert)
 
 
