@@ -14,14 +14,18 @@ import optax
 import pytest
 
 from meshkit import interop
+from meshkit._errors import MeshkitError
 from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
-from meshkit.models import llama, registry
+from meshkit.models import gpt, llama, registry
+from meshkit.models.rope import inv_frequencies
 from meshkit.spec import ParallelSpec, get_plan
 
 BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}  # fmt: skip
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8}
+"""A Qwen3-MoE's own fields (four experts of width 16, two a token)."""
 CONFIGS = {
     "llama3": {**BASE, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": LLAMA3},
     "qwen2": {**BASE, "model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": True},
@@ -57,6 +61,108 @@ def test_each_family_reads_its_switches_and_writes_its_own_model_type(name, tmp_
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+#: (config.json, what meshkit reads of it): windows in every layer or in some, experts read dropless
+WINDOWS_AND_EXPERTS = {
+    "mistral": ({**BASE, "model_type": "mistral", "sliding_window": 8}, {"window": 8, "sliding": None}),
+    "qwen2-max-window-layers": (
+        {
+            **BASE,
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        },
+        {"window": 8, "sliding": (False, True), "qkv_bias": True},
+    ),
+    "qwen2-layer-types": (
+        {
+            **BASE,
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        {"window": 8, "sliding": (True, False)},
+    ),
+    "mixtral": (
+        {
+            **BASE,
+            "model_type": "mixtral",
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "rope_theta": 1e6,
+        },
+        {
+            "experts": 4,
+            "experts_per_token": 2,
+            "capacity_factor": 0.0,
+            "router_renormalize": True,
+            "window": 8,
+        },
+    ),
+    "qwen3_moe": (
+        {
+            **BASE,
+            "model_type": "qwen3_moe",
+            **MOE,
+            "norm_topk_prob": True,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.02,
+        },
+        {"experts": 4, "ffn": 16, "qk_norm": True, "router_renormalize": True, "router_aux_weight": 0.02},
+    ),
+    "qwen3_moe-5x": (  # transformers 5.x writes num_local_experts
+        {
+            **BASE,
+            "model_type": "qwen3_moe",
+            **{k: v for k, v in MOE.items() if k != "num_experts"},
+            "num_local_experts": 4,
+            "router_aux_loss_coef": 0.02,
+            "max_window_layers": 1,
+        },
+        {"experts": 4, "router_renormalize": False, "router_aux_weight": 0.02, "window": None},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWS_AND_EXPERTS))
+def test_windows_and_experts_read_and_write_as_their_own_model_type(name, tmp_path):
+    """Each reads as the model transformers runs, is written back as its own model type (5.x's form of
+    it reads the same), and its weights (one tensor per expert) come back bitwise, in both forms."""
+    data, want = WINDOWS_AND_EXPERTS[name]
+    cfg = config_from_hf(data)
+    assert {k: getattr(cfg, k) for k in want} == want
+    written = config_to_hf(cfg)
+    assert written["model_type"] == data["model_type"] and config_from_hf(written) == cfg
+    assert config_from_hf(_v5(data)) == cfg
+    params = jax.tree.map(lambda a: a + 0.5, llama.init(jax.random.key(0), cfg))
+    interop.save(params, cfg, tmp_path / name)
+    loaded, read = interop.load(tmp_path / name)
+    assert read == cfg
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    if cfg.experts:
+        names = interop.hf.Checkpoint(tmp_path / name).names()
+        assert sum(".experts.3." in n for n in names) == 3 * cfg.layers and not any(
+            "experts.4" in n for n in names
+        )
+        scanned = dataclasses.replace(cfg, scan_layers=True)  # (layers, experts, ...) read tensor by tensor
+        stacked, _ = interop.load(tmp_path / name, scanned)
+        for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(gpt.to_scanned(params)), strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_a_window_on_a_type_that_says_it_only_per_layer_is_refused_when_written():
+    """Some layers sliding and no Qwen2 biases: no model type holds it (Mistral slides in every layer)."""
+    cfg = dataclasses.replace(config_from_hf(CONFIGS["llama3"]), window=8, sliding=(True, False))
+    with pytest.raises(
+        InteropError, match=r"window=8 \(sliding=\(True, False\)\) is no Hugging Face model type"
+    ):
+        config_to_hf(cfg)
+    assert config_to_hf(dataclasses.replace(cfg, sliding=None))["model_type"] == "mistral"
+
+
 def test_qwen3_without_head_dim_has_transformers_default_and_llama_hidden_over_heads():
     qwen3 = {k: v for k, v in CONFIGS["qwen3"].items() if k != "head_dim"}
     assert config_from_hf(qwen3).head_dim == 128 and config_from_hf(CONFIGS["qwen2"]).head_dim == 8
@@ -84,7 +190,7 @@ def test_llama3_frequencies_are_transformers_formula():
         (r.original_positions / wave - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor), 0, 1
     )
     want = (1 - s) * f / r.factor + s * f
-    got = np.asarray(llama.inv_frequencies(cfg, np.float32))
+    got = np.asarray(inv_frequencies(cfg, np.float32))
     np.testing.assert_allclose(got, want, rtol=1e-6)
     kinds = {"kept": wave < r.original_positions / 4, "stretched": wave > r.original_positions}
     assert all(v.any() for v in kinds.values()) and not (kinds["kept"] | kinds["stretched"]).all()
@@ -105,9 +211,21 @@ def test_llama3_frequencies_are_transformers_formula():
         ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}, "give one of the two forms"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config="),
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, "sliding_window=16 (of 64 positions)"),
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, "sliding_window=16"),
         ({"model_type": "qwen2", "layer_types": ["full_attention", "chunked_attention"]}, "layer_types="),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention"]}, "give 2 layers"),
+        ({"model_type": "mistral", "sliding_window": 16, "layer_types": ["sliding_attention"] * 2}, "layer_types="),
+        ({"model_type": "mistral", "sliding_window": 16, "max_window_layers": 1}, "max_window_layers=1"),
+        ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0 is not a whole number of tokens"),
+        ({"model_type": "qwen3_moe", **MOE, "layer_types": ["sliding_attention"] * 2}, "layer_types="),
+        ({"sliding_window": 16}, "sliding_window=16 in a LlamaForCausalLM config"),
+        ({"model_type": "qwen3_moe", **MOE, "decoder_sparse_step": 2}, "decoder_sparse_step=2, mlp_only_layers=[] make layers [0] dense"),
+        ({"model_type": "qwen3_moe", **MOE, "mlp_only_layers": [1]}, "mlp_only_layers=[1] make layers [1] dense"),
+        ({"model_type": "qwen3_moe", **MOE, "num_local_experts": 8}, "num_experts=4, num_local_experts=8 differ"),
+        ({"model_type": "qwen3_moe", **MOE, "shared_expert_intermediate_size": 16}, "shared_expert_intermediate_size=16"),
+        ({"model_type": "qwen3_moe", **MOE, "num_experts": 0}, "num_experts=0"),
+        ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+        ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False}, "norm_topk_prob=False"),
+        ({"model_type": "qwen2_moe", **MOE}, "model_type 'qwen2_moe'"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
         ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -141,7 +259,9 @@ def test_fields_that_do_not_change_the_model_are_read(extra):
 
 def test_a_config_with_both_switches_is_no_hugging_face_type():
     cfg = dataclasses.replace(config_from_hf(CONFIGS["qwen2"]), qk_norm=True)
-    with pytest.raises(InteropError, match="qkv_bias=True and qk_norm=True is no Hugging Face model type"):
+    with pytest.raises(
+        InteropError, match=r"qkv_bias=True and qk_norm=True, .* is no Hugging Face model type"
+    ):
         config_to_hf(cfg)
 
 
@@ -183,6 +303,59 @@ def test_qwen_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv
         (("heads",), ("kv_heads",), None) if kind == "qwen2" else (None, None, (None,))
     )
     cert = _certificate(cfg, plan, mesh, opts)
+    assert cert.ok, str(cert)
+
+
+WINDOWED = {
+    "mistral": {**SMALL, "model_type": "mistral", "sliding_window": 4},
+    "qwen2": {**SMALL, "model_type": "qwen2", "head_dim": 4, "use_sliding_window": True, "sliding_window": 4,
+              "max_window_layers": 1},
+}  # fmt: skip
+"""A window of 4 of the 16 positions: in every layer (Mistral's), in the second layer only (Qwen2's)."""
+#: the batch split with ZeRO-3, both context forms (ring alone and under tensor parallelism), a pipeline
+WINDOW_PLANS = [
+    ("fsdp", "data=8", {}),
+    ("cp", "context=8", {"context_attention": "ring"}),
+    ("tp+cp", "context=4,model=2", {"context_attention": "ring"}),
+    ("dp+cp", "data=2,context=4", {"context_attention": "all-to-all"}),
+    ("dp+pp", "stage=2,data=4", {"microbatches": 4}),
+]
+
+
+@pytest.mark.parametrize("kind", list(WINDOWED))
+@pytest.mark.parametrize(("plan", "mesh", "opts"), WINDOW_PLANS, ids=[p[0] for p in WINDOW_PLANS])
+def test_a_sliding_window_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
+    """The window masks by global positions under a context split (the ring's blocks, all-to-all's whole
+    sequence), and each layer keeps its own; a pipeline runs one window in every layer, so it takes
+    Mistral's and refuses Qwen2's layers of different windows in one line."""
+    cfg = config_from_hf(WINDOWED[kind])
+    assert cfg.layer_windows == ((4, 4) if kind == "mistral" else (None, 4))
+    if get_plan(plan).pipeline and kind == "qwen2":
+        with pytest.raises(MeshkitError, match="runs in the layers form only") as e:
+            _certificate(cfg, plan, mesh, opts)
+        assert "\n" not in str(e.value)
+        return
+    cert = _certificate(cfg, plan, mesh, opts)
+    assert cert.ok, str(cert)
+
+
+MIXTRAL = {
+    **SMALL,
+    "model_type": "mixtral",
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+}
+MOE_PLANS = [("ep", "expert=8"), ("fsdp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,model=2")]
+
+
+@pytest.mark.parametrize(("plan", "mesh"), MOE_PLANS, ids=[p[0] for p in MOE_PLANS])
+def test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device(plan, mesh):
+    """The Mixtral config.json reads dropless with renormalised gates (and its window): each device runs
+    its experts' rows of the gathered tokens, float64 equal to one device, the ledger the model's."""
+    cfg = config_from_hf(MIXTRAL)
+    assert (cfg.experts, cfg.capacity_factor, cfg.router_renormalize, cfg.window) == (8, 0.0, True, 8)
+    cert = _certificate(cfg, plan, mesh, {})
     assert cert.ok, str(cert)
 
 

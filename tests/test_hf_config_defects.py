@@ -1,5 +1,5 @@
-"""Issue 39's Hugging Face defects, each on the input that showed it: a sliding window refused by name
-(not as an unread model type), ``rope_scaling {"rope_type": "default"}`` read as the null it equals,
+"""Issue 39's Hugging Face defects, each on the input that showed it: a sliding window a model type
+does not compute refused by name (not as an unread model type; Mistral's own window is read since), ``rope_scaling {"rope_type": "default"}`` read as the null it equals,
 tensors a config does not declare refused instead of dropped, a checkpoint's own head_dim trained
 from, and a run's FLOPs counted at its own sequence, not the checkpoint's positions.
 
@@ -27,8 +27,11 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermedia
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16 (of 64 positions)"),
-        ({"sliding_window": 32}, "sliding_window=32 (of 64 positions)"),
+        (
+            {"model_type": "mistral", "sliding_window": 16, "use_sliding_window": False},
+            "use_sliding_window=False",
+        ),
+        ({"sliding_window": 32}, "sliding_window=32 in a LlamaForCausalLM config"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling="),
         ({"rope_scaling": {"rope_type": "default", "factor": 2.0}}, "rope_scaling="),
     ],

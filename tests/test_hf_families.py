@@ -1,10 +1,12 @@
-"""Llama 3.1 (llama3 rotary scaling), Qwen2 and Qwen3 against transformers 4.57.6 (torch on CPU, the
+"""Llama 3.1 (llama3 rotary scaling), Qwen2 and Qwen3, Mistral's and Qwen2's sliding windows (8 tokens,
+in every layer and in some), Mixtral and Qwen3-MoE against transformers 4.57.6 (torch on CPU, the
 reference environment of test_hf_reference.py), both ways: tiny random checkpoints made by
 transformers load into meshkit with float32 logits within 1e-5 of transformers' and the same 32
-greedy tokens as ``generate(do_sample=False)``, token by token; meshkit's exports of the same
-families load in transformers with meshkit's logits and tokens; read back, the weights are bitwise
-the ones read. Each runs against transformers 4.57.6 and 5.x (conftest's ``reference_python``), and the
-config.json each writes for Llama 3, Qwen2, Qwen3 and Mistral reads as the same model. ``-m reference``."""
+greedy tokens as ``generate(do_sample=False)``, token by token (24 tokens of logits, 7 of prompt plus
+32 generated: past the window); meshkit's exports of the same families load in transformers with
+meshkit's logits and tokens; read back, the weights are bitwise the ones read. Each runs against
+transformers 4.57.6 and 5.x (conftest's ``reference_python``), and the config.json each writes for
+every one of them reads as the same model. ``-m reference``."""
 
 import json
 import os
@@ -29,6 +31,8 @@ PROMPT = [5, 17, 3, 42, 8, 61, 29]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}  # fmt: skip
 """At head_dim 16 and theta 5e5, wavelengths 6.3 (kept), 32 (interpolated) and 168 on (stretched)."""
+WINDOW = 8
+"""Shorter than the 24 tokens whose logits are compared and than the 7-token prompt plus 32 new ones."""
 COMMON = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
           "max_position_embeddings": 128, "eos_token_id": None, "bos_token_id": None}  # fmt: skip
 REFERENCE_MODELS = {
@@ -44,6 +48,15 @@ REFERENCE_MODELS = {
                  "head_dim": 16, "rope_theta": 1e6},
     "hf-qwen3-tied": {**COMMON, "model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 1,
                       "head_dim": 8, "rope_theta": 1e6, "tie_word_embeddings": True},
+    "hf-mistral": {**COMMON, "model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "sliding_window": WINDOW, "rope_theta": 1e6},
+    "hf-qwen2-sliding": {**COMMON, "model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "rope_theta": 1e6, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "hf-mixtral": {**COMMON, "model_type": "mixtral", "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW, "rope_theta": 1e6},
+    "hf-qwen3-moe": {**COMMON, "model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                     "norm_topk_prob": False, "rope_theta": 1e6, "tie_word_embeddings": True},
 }  # fmt: skip
 MESHKIT_MODELS = {
     "llama3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=2, kv_heads=1, ffn=64,
@@ -53,6 +66,15 @@ MESHKIT_MODELS = {
                                rope_theta=1e6, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6),
     "qwen3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, head_dim=16,
                                ffn=64, rope_theta=1e6, qk_norm=True, norm_eps=1e-6),
+    "mistral": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=1, ffn=64,
+                                 window=WINDOW),
+    "qwen2-sliding": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=3, width=32, heads=4, kv_heads=2, ffn=64,
+                                       qkv_bias=True, window=WINDOW, sliding=(True, False, True)),
+    "mixtral": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=48,
+                                 experts=4, experts_per_token=2, capacity_factor=0.0, router_renormalize=True),
+    "qwen3_moe": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, head_dim=16,
+                                   ffn=24, qk_norm=True, experts=8, experts_per_token=3, capacity_factor=0.0,
+                                   router_renormalize=True, window=WINDOW, norm_eps=1e-6),
 }  # fmt: skip
 
 
@@ -158,10 +180,22 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     made = WRITTEN[name]
     assert cfg.rope_theta == made.get("rope_theta", 10000.0) and cfg.heads == made["num_attention_heads"]
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in made)
-    assert (cfg.qkv_bias, cfg.qk_norm) == (made["model_type"] == "qwen2", made["model_type"] == "qwen3")
+    assert (cfg.qkv_bias, cfg.qk_norm) == (
+        made["model_type"] == "qwen2",
+        made["model_type"] in ("qwen3", "qwen3_moe"),
+    )
+    slides = made.get("use_sliding_window", made["model_type"] in ("mistral", "mixtral"))
+    binds = (
+        slides
+        and (made.get("sliding_window") or made["max_position_embeddings"]) < made["max_position_embeddings"]
+    )
+    assert (cfg.window, cfg.experts) == (
+        made["sliding_window"] if binds else None,
+        made.get("num_local_experts", made.get("num_experts", 0)),
+    )
 
 
-@pytest.mark.parametrize("name", ["hf-qwen2", "hf-qwen3", "hf-llama3"])
+@pytest.mark.parametrize("name", ["hf-qwen2", "hf-qwen3", "hf-llama3", "hf-mistral", "hf-mixtral"])
 def test_transformers_checkpoint_loads_sharded_in_the_scanned_form(reference, name):
     """Straight into data=4,model=2 (each leaf split on both axes where it divides: the biases and the
     per-head norms too), the scanned form: the logits of the checkpoint."""

@@ -146,19 +146,32 @@ def test_a_bf16_model_exports_bf16_and_reads_back_bf16_where_the_run_asks(tmp_pa
                for a, b in zip(jax.tree.leaves(wide), jax.tree.leaves(params), strict=True))  # fmt: skip
 
 
-def test_a_mixture_of_experts_export_is_refused_in_one_line_naming_its_leaves(tmp_path):
-    """The Llama's experts have no Hugging Face names yet (no Mixtral/Qwen3-MoE format): one line
-    naming the leaves the format lacks, nothing written (was KeyError ('blocks', 'moe', 'router'))."""
+def test_a_mixture_of_experts_no_format_names_is_refused_in_one_line(tmp_path):
+    """A Llama's experts are written as Mixtral's or Qwen3-MoE's (test_hf_moe.py); one neither type holds
+    (gates not renormalised, no per-head norms: no Mixtral) is refused in one line, nothing written, and so
+    is a GPT's (GPT-2 has no experts) naming the leaves its format lacks; a dense checkpoint read into a
+    mixture of experts is refused naming the router it lacks, before any tensor is read."""
     import dataclasses
+
+    from meshkit.models import gpt
 
     cfg = dataclasses.replace(_llama_16mb(), layers=2, experts=4)
     with pytest.raises(interop.InteropError) as e:
         interop.save(llama.init(jax.random.key(0), cfg), cfg, tmp_path / "out" / "ckpt")
     said = str(e.value)
-    assert "\n" not in said and "blocks/moe/router" in said and "blocks/moe/w_gate" in said, said
-    assert "mixture-of-experts export (experts > 0) is not supported yet" in said, said
-    assert not (tmp_path / "out").exists()
-    dense = dataclasses.replace(cfg, experts=0)  # nor read into one: the same line, before any tensor is read
+    assert "\n" not in said and "experts=4 (router_renormalize=False)" in said, said
+    assert "is no Hugging Face model type meshkit writes" in said and not (tmp_path / "out").exists()
+    dense = dataclasses.replace(cfg, experts=0)
     interop.save(llama.init(jax.random.key(0), dense), dense, tmp_path / "dense")
-    with pytest.raises(interop.InteropError, match=r"blocks/moe/router, .*not supported yet"):
-        interop.load(tmp_path / "dense", cfg)
+    mixtral = dataclasses.replace(cfg, router_renormalize=True, capacity_factor=0.0)
+    with pytest.raises(
+        interop.InteropError, match=r"has no tensor 'model.layers.0.block_sparse_moe.gate.weight'"
+    ):
+        interop.load(tmp_path / "dense", mixtral)
+    moe_gpt = gpt.GPTConfig(vocab_size=64, seq_len=16, layers=1, width=32, heads=4, experts=4)
+    with pytest.raises(interop.InteropError) as e:
+        interop.save(gpt.init(jax.random.key(0), moe_gpt), moe_gpt, tmp_path / "gpt")
+    said = str(e.value)
+    assert "\n" not in said and "blocks/moe/" in said and "this format has no mixture of experts" in said, (
+        said
+    )

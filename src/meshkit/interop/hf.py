@@ -2,16 +2,18 @@
 ``model.safetensors.index.json`` as the Hub writes them) for every model family that has a format
 (Llama-family and GPT-2 models).
 
-Weights move by name, transpose and column range (GPT-2's fused ``c_attn``) only. ``load`` builds
+Weights move by name, transpose, column range (GPT-2's fused ``c_attn``) and stacking (a mixture of
+experts' leaf ``(E, D, F)`` is one tensor per expert in the checkpoint, as Mixtral's and Qwen3-MoE's
+are, and as transformers 5.x's ``save_pretrained`` still writes them) only. ``load`` builds
 each parameter as a global ``jax.Array`` under the sharding asked for with
 ``jax.make_array_from_callback``: every device's block is read from the safetensors file by
 ``safe_open(...).get_slice``, so neither a device nor the host holds a whole tensor it does not
-need (a layer of the scanned form is read layer by layer); without shardings each tensor is read and
+need (a layer of the scanned form is read layer by layer, an expert expert by expert); without shardings each tensor is read and
 converted to the parameter's dtype in turn. ``save`` gathers one tensor at a time to the host and
 writes it into its safetensors shard (``meshkit.interop.stream``), so an export's host memory is a
 small multiple of its largest tensor, never the model; it writes into a new directory beside the
 target and renames it into place at the end: a failure leaves nothing behind. A parameter the
-family's format has no name for (a Llama's mixture of experts) is refused before anything is read
+family's format has no name for (a GPT's mixture of experts) is refused before anything is read
 or written.
 
 Each family's format (its ``config.json`` both ways, its weights' names) is its registry row's
@@ -20,6 +22,7 @@ Each family's format (its ``config.json`` both ways, its weights' names) is its 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -195,8 +198,8 @@ def _named(
     if unnamed:
         said = f"{', '.join(list(unnamed)[:6])}{', ...' if len(unnamed) > 6 else ''}"
         why = (
-            "mixture-of-experts export (experts > 0) is not supported yet, nor import (meshkit maps no Mixtral or "
-            "Qwen3-MoE format): export a dense model (experts 0)"
+            "this format has no mixture of experts (meshkit writes and reads experts as Mixtral and Qwen3-MoE, "
+            "from the Llama): export a dense model (experts 0)"
             if getattr(cfg, "experts", 0)
             else "meshkit cannot write or read them"
         )
@@ -237,31 +240,31 @@ def load(
     sources, used = [], set()
     for keys, source, layer, leaf in _named(cfg, shapes, names):
         stacked = keys[0] == "blocks" and layer is None
-        layer_shape = tuple(leaf.shape[1:]) if stacked else tuple(leaf.shape)
-        layers = range(cfg.layers) if stacked else [layer]
-        for i in layers:
-            name = source.name.format(i=i)
+        dims = _stacked_dims(source, leaf, stacked, layer)
+        tensor_shape = tuple(leaf.shape[len(dims) :])
+        for at in itertools.product(*(d[1] for d in dims)):
+            name = source.name.format(**{"i": layer} | dict(zip((d[0] for d in dims), at, strict=True)))
             used.add(name)
-            want = _stored_shape(source, ckpt.shape(name), layer_shape)
+            want = _stored_shape(source, ckpt.shape(name), tensor_shape)
             if ckpt.shape(name) != want or (source.columns and source.columns[1] > ckpt.shape(name)[-1]):
                 raise InteropError(
                     f"'{directory}': tensor {name} has shape {ckpt.shape(name)} but the config makes it {want}: "
                     f"the weights do not match config.json"
                 )
-        sources.append((source, layer, stacked, leaf))
+        sources.append((source, layer, dims, leaf))
     _check_undeclared(ckpt, used, cfg, directory)
     flat_shardings = [None] * len(sources) if shardings is None else jax.tree.leaves(shardings)
 
     def build(item, sharding):
-        source, layer, stacked, leaf = item
+        source, layer, dims, leaf = item
 
-        def block(index: tuple[slice, ...]) -> np.ndarray:
-            if stacked:
-                lo, hi, _ = index[0].indices(cfg.layers)
-                parts = [ckpt.read(Source(source.name.format(i=i), source.transpose, source.columns), index[1:])
-                         for i in range(lo, hi)]  # fmt: skip
-                return np.stack(parts).astype(leaf.dtype, copy=False)
-            named = Source(source.name.format(i=layer), source.transpose, source.columns)
+        def block(index: tuple[slice, ...], depth: int = 0, at: tuple = ()) -> np.ndarray:
+            """The block ``index`` of the leaf: its stacked dims (layers, experts) one tensor at a time."""
+            if depth < len(dims):
+                lo, hi, _ = index[0].indices(len(dims[depth][1]))
+                return np.stack([block(index[1:], depth + 1, (*at, k)) for k in range(lo, hi)])
+            keys = {"i": layer} | dict(zip((d[0] for d in dims), at, strict=True))
+            named = Source(source.name.format(**keys), source.transpose, source.columns)
             return ckpt.read(named, index).astype(leaf.dtype, copy=False)
 
         if sharding is None:
@@ -270,6 +273,15 @@ def load(
 
     leaves = [build(item, s) for item, s in zip(sources, flat_shardings, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves), cfg
+
+
+def _stacked_dims(source: Source, leaf: Any, stacked: bool, layer: int | None) -> list[tuple[str, range]]:
+    """The leaf's leading dims that stack checkpoint tensors, each as ``(name's key, its range)``: the
+    layers of the scanned form (``{i}``), then the experts of a per-expert tensor (``{j}``)."""
+    dims = [("i", range(leaf.shape[0]))] if stacked else []
+    if source.experts:
+        dims.append(("j", range(leaf.shape[len(dims)])))
+    return dims
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -302,13 +314,16 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[list[stream.Tensor], bool]:
     for keys, source, layer, leaf in _named(cfg, params, names):
         if tied and keys == ("unembed",):
             continue
-        name, shape = source.name.format(i=layer), tuple(leaf.shape)
+        name, shape = source.name.format(i=layer, j=None), tuple(leaf.shape)
         if source.columns is not None:
             fused.setdefault(name, []).append((source.columns, leaf))
             continue
-        read = (lambda x=leaf: _host(x).T) if source.transpose else (lambda x=leaf: _host(x))
-        out.append(stream.Tensor(name=name, shape=shape[::-1] if source.transpose else shape,
-                                 dtype=np.dtype(leaf.dtype), read=read))  # fmt: skip
+        for j in range(shape[0]) if source.experts else [None]:  # an expert's tensor: its row of the leaf
+            one = (lambda x=leaf: x) if j is None else (lambda x=leaf, j=j: x[j])
+            read = (lambda one=one: _host(one()).T) if source.transpose else (lambda one=one: _host(one()))
+            size = shape if j is None else shape[1:]
+            out.append(stream.Tensor(name=source.name.format(i=layer, j=j), dtype=np.dtype(leaf.dtype), read=read,
+                                     shape=size[::-1] if source.transpose else size))  # fmt: skip
     for name, parts in fused.items():  # columns no leaf fills are zeros (GPT-2's key bias: the GPT has none)
         first = parts[0][1]
         shape = (*first.shape[:-1], max(hi for (_, hi), _ in parts))

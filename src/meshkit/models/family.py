@@ -28,6 +28,8 @@ class Source:
     transpose: bool = False
     columns: tuple[int, int] | None = None
     """A column range of the stored tensor (after any transpose): GPT-2's fused ``c_attn``."""
+    experts: bool = False
+    """One tensor per expert (``{j}`` in the name), stacked as the leaf's first dim (its expert dim)."""
 
 
 Names = Iterator[tuple[tuple, Source]]

@@ -6,8 +6,10 @@ Prompts of different lengths are left-padded to the longest: row ``b`` starts at
 slot are masked. The cache holds every layer's keys and values, ``(layers, B, S, kv_heads,
 head_dim)`` with ``S`` = longest prompt + new tokens; given ``cache_sharding``, it is laid out
 under it (e.g. the key/value heads on the training mesh's ``model`` axis, beside parameters split
-by the same rules), else it lives where the parameters do. Sampling: greedy (``temperature=0``),
-or temperature with top-k and top-p (nucleus) filtering.
+by the same rules), else it lives where the parameters do. A layer with a sliding window masks the
+keys more than ``window - 1`` slots before its query (the cache keeps every slot; the mask decides,
+so one cache serves layers of every window). A mixture of experts runs dropless. Sampling: greedy
+(``temperature=0``), or temperature with top-k and top-p (nucleus) filtering.
 
 Compiled shapes come in buckets (``bucket``): the prompts are left-padded to a power of two of at
 least ``BUCKET_MIN`` tokens and the new tokens rounded up to a power of two (the extra ones dropped), so a prompt
@@ -33,6 +35,7 @@ from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt, llama, registry
+from meshkit.models import llama_layers as L
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,17 +85,24 @@ def _layers(params: llama.Params, cfg: llama.LlamaConfig) -> list:
 
 def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg: llama.LlamaConfig):
     """Logits of ``tokens`` at positions ``pos``, their keys and values written into ``cache`` at
-    slots ``slot .. slot + T``, attending over the cache where ``mask`` allows."""
+    slots ``slot .. slot + T``, attending over the cache where ``mask`` allows and, in a layer with a
+    window, over the last ``window`` slots of each query's (itself among them: transformers' sliding
+    window, whose cache keeps ``window - 1`` keys besides the new one)."""
     top = {k: v for k, v in params.items() if k != "blocks"}
     x = llama.embed(top, tokens_bt, cfg)
     ks, vs = cache
-    for i, p in enumerate(_layers(params, cfg)):
-        p = llama.cast_block(p, cfg)
-        q, k, v = llama.project_qkv(p["attn"], llama.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos_bt, cfg)
+    near = slot + jnp.arange(tokens_bt.shape[1])[:, None] - jnp.arange(ks.shape[2])[None, :]  # (T, S): q - k
+    for i, (p, window) in enumerate(zip(_layers(params, cfg), cfg.layer_windows, strict=True)):
+        p = L.cast_block(p, cfg)
+        q, k, v = L.project_qkv(p["attn"], L.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos_bt, cfg)
         ks = ks.at[i].set(lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks.dtype), slot, axis=1))
         vs = vs.at[i].set(lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), slot, axis=1))
-        x = x + llama.attend(p["attn"], q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask_bts, cfg)
-        x = x + llama.mlp(p["mlp"], llama.rms_norm(p["mlp_norm"], x, cfg.norm_eps))
+        mask = mask_bts if window is None else mask_bts & (near < window)[None]
+        x = x + L.attend(p["attn"], q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask, cfg)
+        h = L.rms_norm(p["mlp_norm"], x, cfg.norm_eps)
+        # a mixture of experts runs dropless (every token its k experts, as transformers runs it): a
+        # capacity counted over the prompt's padding or one new token would be no training run's
+        x = x + (llama.experts(p["moe"], h, cfg, 0.0)[0] if cfg.experts else L.mlp(p["mlp"], h))
     return llama.head(top, x, cfg), (ks, vs)
 
 

@@ -1,7 +1,11 @@
 """A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no
-biases, optionally tied embeddings) as a plain pytree, in the reference GPT's two forms. Three
+biases, optionally tied embeddings) as a plain pytree, in the reference GPT's two forms. Its
 switches make it the decoders of other families (``docs/families.md``): ``qkv_bias`` (Qwen2),
-``qk_norm`` (Qwen3) and ``rope_scaling`` (Llama 3.1's long-context frequencies).
+``qk_norm`` (Qwen3), ``rope_scaling`` (Llama 3.1's long-context frequencies), a sliding ``window``
+in every layer or in those ``sliding`` names (Mistral, Qwen2), and a mixture of experts (``experts``:
+Mixtral, Qwen3-MoE, their checkpoints read dropless, ``capacity_factor=0``, as transformers runs them).
+The sublayers (norm, projections, rotary, MLP, experts) are ``llama_layers``'; this module builds
+blocks of them.
 
 Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads``, ``K = kv_heads``,
 ``h = head_dim``, ``F = ffn``)::
@@ -25,6 +29,11 @@ Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads
 
 With ``experts = E > 0`` each block's ``"mlp"`` is ``"moe": {"router": (D, E), "w_gate": (E, D, F),
 "w_up": (E, D, F), "w_down": (E, F, D)}``: E SwiGLU experts and a router (as the GPT's, ``gpt.py``).
+
+Layers of different windows (Qwen2's ``max_window_layers``) run as runs of consecutive layers of one
+window each, every run through ``gpt.run_layers``: the window is static in each attention, so every
+implementation and context form (``plans.causal_attention``) takes it. The scanned form is one
+``lax.scan``, one block function: its config must hold one window in every layer.
 
 ``LlamaConfig(scan_layers=True)`` stacks the blocks with a leading layer axis and ``lax.scan``s over
 them; ``gpt.to_scanned`` / ``to_layers`` / ``to_form`` / ``blocks_form`` convert any tree with a
@@ -56,12 +65,12 @@ from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt
-from meshkit.models.rope import Llama3Rope, inv_frequencies
+from meshkit.models.llama_layers import Params, cast_block, experts_mlp, mlp, project_qkv, rms_norm, wide
+from meshkit.models.rope import Llama3Rope
 from meshkit.models.shape import ModelShape
-from meshkit.plans import causal_attention, expert_dot, moe, sequence_positions
+from meshkit.plans import causal_attention, moe, sequence_positions
 from meshkit.spec import PRECISIONS
 
-Params = dict[str, Any]
 Axes = tuple[str | None, ...]
 
 _AXES: dict[str, Axes] = {
@@ -112,6 +121,12 @@ class LlamaConfig:
     """Biases on the query, key and value projections (Qwen2; none on the output projection)."""
     qk_norm: bool = False
     """An RMSNorm over each head's width on the queries and the keys before the rotary (Qwen3)."""
+    window: int | None = None
+    """Sliding-window attention (transformers' ``sliding_window``): a position attends to itself and the
+    ``window - 1`` positions before it, in the layers ``sliding`` names; None: to every earlier position."""
+    sliding: tuple[bool, ...] | None = None
+    """The layers the window binds in, one flag per layer (Qwen2's ``layer_types``); None: every layer.
+    The scanned form runs one block function in every layer: layers of different windows take the loop form."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -153,6 +168,36 @@ class LlamaConfig:
             raise MeshkitError(f"head_dim {self.head_dim} is odd: rotary embeddings need an even head width")
         if self.experts:
             self.shape()  # ModelShape checks the mixture-of-experts fields (one owner)
+        self._check_window()
+
+    def _check_window(self) -> None:
+        """A whole window of at least 1; ``sliding`` one flag per layer, None where every layer slides, and
+        the window None where none does (one config per model); one window in every layer when scanned."""
+        w, s = self.window, self.sliding
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise MeshkitError(
+                f"window must be a whole number of tokens of at least 1 (None: no window), got {w!r}"
+            )
+        if s is None:
+            return
+        s = tuple(s) if isinstance(s, list | tuple) else s
+        if not isinstance(s, tuple) or len(s) != self.layers or not all(isinstance(f, bool) for f in s):
+            raise MeshkitError(
+                f"sliding must be {self.layers} booleans, one per layer (None: every layer), got {s!r}"
+            )
+        if w is None:
+            raise MeshkitError(
+                f"sliding={s} names the layers of a window but window is None: give the window"
+            )
+        object.__setattr__(self, "sliding", None if all(s) else s)
+        if not any(s):
+            object.__setattr__(self, "window", None)
+            object.__setattr__(self, "sliding", None)
+        elif self.scan_layers and not all(s):
+            raise MeshkitError(
+                f"a Llama whose layers have different windows (sliding={s}) runs in the layers form only: give "
+                f"scan_layers=False (no --scan-layers, and a plan without a pipeline)"
+            )
 
     @classmethod
     def from_shape(
@@ -175,6 +220,11 @@ class LlamaConfig:
                           rope_theta=self.rope_theta, norm_eps=self.norm_eps,
                           tie_embeddings=self.tie_embeddings, experts=self.experts,
                           experts_per_token=self.experts_per_token, capacity_factor=self.capacity_factor)  # fmt: skip
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: every earlier position)."""
+        return tuple(self.window if s else None for s in self.sliding or (True,) * self.layers)
 
     @property
     def groups(self) -> int:
@@ -229,122 +279,75 @@ def init(key: jax.Array, cfg: LlamaConfig) -> Params:
     return out
 
 
-def _wide(dtype) -> jnp.dtype:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def rms_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm: statistics in at least float32, scaled in the input dtype (as Hugging Face's)."""
-    xw = x_btd.astype(_wide(x_btd.dtype))
-    y = xw * lax.rsqrt(jnp.mean(jnp.square(xw), -1, keepdims=True) + eps)
-    return p["scale"] * y.astype(x_btd.dtype)
-
-
-def rope_tables(pos_bt: jax.Array, cfg: LlamaConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` of shape ``(B, T, 1, head_dim)`` for integer positions, computed in at least
-    float32 and cast to ``dtype``."""
-    wide = _wide(dtype)
-    angles = pos_bt.astype(wide)[..., None] * inv_frequencies(cfg, wide)
-    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
-def _rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    half = x_bthk.shape[-1] // 2
-    rotated = jnp.concatenate([-x_bthk[..., half:], x_bthk[..., :half]], -1)
-    return x_bthk * cos + rotated * sin
-
-
-def project_qkv(
-    p: dict[str, jax.Array], x_btd: jax.Array, pos_bt: jax.Array, cfg: LlamaConfig
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries ``(B, T, H, h)`` and keys, values ``(B, T, K, h)``: projected (plus their biases), each
-    head normalised (``qk_norm``), then rotary positions applied."""
-    b, t, _ = x_btd.shape
-
-    def project(w: str, b_: str, heads: int) -> jax.Array:
-        y = x_btd @ p[w] + p[b_] if cfg.qkv_bias else x_btd @ p[w]
-        return y.reshape(b, t, heads, cfg.head_dim)
-
-    q, k, v = (
-        project("wq", "bq", cfg.heads),
-        project("wk", "bk", cfg.kv_heads),
-        project("wv", "bv", cfg.kv_heads),
-    )
-    if cfg.qk_norm:
-        q = rms_norm({"scale": p["q_norm"]}, q, cfg.norm_eps)
-        k = rms_norm({"scale": p["k_norm"]}, k, cfg.norm_eps)
-    cos, sin = rope_tables(pos_bt, cfg, x_btd.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-
-def attend(
-    p: dict[str, jax.Array],
-    q_bthk: jax.Array,
-    k_bskh: jax.Array,
-    v_bskh: jax.Array,
-    mask_bts: jax.Array,
-    cfg: LlamaConfig,
-) -> jax.Array:
-    """Grouped-query attention of ``T`` queries over ``S`` keys where ``mask`` allows, then the
-    output projection; scores and softmax in at least float32."""
-    b, t = q_bthk.shape[:2]
-    wide = _wide(q_bthk.dtype)
-    # each key/value head serves ``groups`` query heads: repeated to one per query head, so that a
-    # query head's split over the model axis finds its key/value head on the same device
-    k = jnp.repeat(k_bskh, cfg.groups, axis=2)
-    v = jnp.repeat(v_bskh, cfg.groups, axis=2)
-    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k, preferred_element_type=wide) / math.sqrt(cfg.head_dim)
-    scores = jnp.where(mask_bts[:, None], scores, jnp.finfo(wide).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
-    out = jnp.einsum("bhts,bshk->bthk", probs, v).reshape(b, t, cfg.heads * cfg.head_dim)
-    return out @ p["wo"]
-
-
-def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
-    """SwiGLU: ``(silu(x w_gate) * x w_up) w_down``."""
-    return (jax.nn.silu(x_btd @ p["w_gate"]) * (x_btd @ p["w_up"])) @ p["w_down"]
-
-
-def experts_mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """``n`` SwiGLU experts (leading dim of every leaf) on their rows: ``(n, c, D)`` with capacity,
-    ``(M, D)`` grouped by expert when dropless (``expert_dot``)."""
-    return expert_dot(jax.nn.silu(expert_dot(x, p["w_gate"])) * expert_dot(x, p["w_up"]), p["w_down"])
-
-
-def cast_block(p: Params, cfg: LlamaConfig) -> Params:
-    return jax.tree.map(lambda a: a.astype(cfg.compute), p)
-
-
-def causal_mask(t: int) -> jax.Array:
-    return jnp.tril(jnp.ones((1, t, t), bool))
-
-
-def _block(p: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
-    """One pre-norm block over a whole causal sequence (positions 0..T-1)."""
-    p = cast_block(p, cfg)
+def _attention(p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None) -> jax.Array:
+    """The residual after the block's attention over its whole causal sequence (``window``: the last
+    ``window`` positions of each, itself among them)."""
     b, t, _ = x_btd.shape
     pos = jnp.broadcast_to(sequence_positions(t), (b, t))  # context plans: this device's positions
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
-    x_btd = x_btd + causal_attention(q, k, v).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
+    out = causal_attention(q, k, v, window=window).reshape(b, t, cfg.heads * cfg.head_dim)
+    return x_btd + out @ p["attn"]["wo"]
+
+
+def experts(p: Params, x_btd: jax.Array, cfg: LlamaConfig, capacity_factor: float) -> tuple:
+    """The mixture of experts of the normalised ``x_btd`` (``p``: a block's ``"moe"``): ``(y, aux,
+    dropped)`` as ``plans.moe`` computes them, at ``capacity_factor`` (0: dropless)."""
+    weights = {name: w for name, w in p.items() if name != "router"}
+    return moe(experts_mlp, weights, p["router"], x_btd, k=cfg.experts_per_token, capacity_factor=capacity_factor,
+               renormalize=cfg.router_renormalize)  # fmt: skip
+
+
+def _block(p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None) -> jax.Array:
+    """One pre-norm block over a whole causal sequence (positions 0..T-1)."""
+    p = cast_block(p, cfg)
+    x_btd = _attention(p, x_btd, cfg, window)
     return x_btd + mlp(p["mlp"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps))
 
 
 def _moe_block(
-    p: Params, carry: tuple[jax.Array, jax.Array], cfg: LlamaConfig
+    p: Params, carry: tuple[jax.Array, jax.Array], cfg: LlamaConfig, window: int | None
 ) -> tuple[jax.Array, jax.Array]:
     """``_block`` with a mixture of experts for its MLP (``gpt._moe_block``'s carry)."""
     x_btd, stats = carry
     p = cast_block(p, cfg)
-    b, t, _ = x_btd.shape
-    pos = jnp.broadcast_to(sequence_positions(t), (b, t))
-    q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
-    x_btd = x_btd + causal_attention(q, k, v).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
-    experts = {name: w for name, w in p["moe"].items() if name != "router"}
-    y_btd, aux, dropped = moe(experts_mlp, experts, p["moe"]["router"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps),
-                              k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor,
-                              renormalize=cfg.router_renormalize)  # fmt: skip
+    x_btd = _attention(p, x_btd, cfg, window)
+    y_btd, aux, dropped = experts(
+        p["moe"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps), cfg, cfg.capacity_factor
+    )
     return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
+
+
+def _runs(cfg: LlamaConfig) -> list[tuple[int | None, int, int]]:
+    """``(window, first, end)`` of each run of consecutive layers with one window (one run when scanned:
+    the config holds one window in every layer of the scanned form)."""
+    windows = cfg.layer_windows
+    if cfg.scan_layers:
+        return [(windows[0], 0, cfg.layers)]
+    out: list[tuple[int | None, int, int]] = []
+    for i, window in enumerate(windows):
+        if out and out[-1][0] == window:
+            out[-1] = (window, out[-1][1], i + 1)
+        else:
+            out.append((window, i, i + 1))
+    return out
+
+
+def _layers(blocks: Any, x_btd: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
+    """The blocks over ``x_btd`` and the MoE stats summed over them, each run of layers of one window by
+    ``gpt.run_layers`` (a scan, or a loop marking each block with ``meshkit.layer``)."""
+    stats = None
+    for window, lo, hi in _runs(cfg):
+
+        def block(p, x, window=window):
+            return _block(p, x, cfg, window)
+
+        def moe_block(p, c, window=window):
+            return _moe_block(p, c, cfg, window)
+
+        run = blocks if cfg.scan_layers else blocks[lo:hi]
+        x_btd, s = gpt.run_layers(block, moe_block, x_btd, run, cfg.scan_layers, cfg.experts)
+        stats = s if stats is None else stats + s
+    return x_btd, stats
 
 
 def embed(top: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
@@ -357,7 +360,7 @@ def head(top: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Final RMSNorm and the output head: logits in at least float32."""
     x_btd = rms_norm(jax.tree.map(lambda a: a.astype(cfg.compute), top["norm_f"]), x_btd, cfg.norm_eps)
     w = top["tok_embed"].T if cfg.tie_embeddings else top["unembed"]
-    return jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=_wide(cfg.compute))
+    return jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=wide(cfg.compute))
 
 
 def _check_form(params: Params, cfg: LlamaConfig) -> None:
@@ -385,10 +388,7 @@ def forward(params: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> tuple[jax
     over the layers (zeros for a dense model)."""
     _check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
-    x_btd = embed(top, tokens_bt, cfg)
-
-    x_btd, stats = gpt.run_layers(lambda p, x: _block(p, x, cfg), lambda p, c: _moe_block(p, c, cfg), x_btd,
-                                  params["blocks"], cfg.scan_layers, cfg.experts)  # fmt: skip
+    x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg)
     return head(top, x_btd, cfg), stats
 
 
@@ -397,8 +397,7 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     every reduction over the vocabulary (the max, the sum of exponentials, the target's logit
     picked by a comparison rather than a gather) is elementwise work plus a reduction, which the
     compiler turns into an all-reduce of one number per token."""
-    wide = _wide(logits_btv.dtype)
-    logits = logits_btv.astype(wide)
+    logits = logits_btv.astype(wide(logits_btv.dtype))
     peak = lax.stop_gradient(jnp.max(logits, -1, keepdims=True))
     lse = jnp.log(jnp.sum(jnp.exp(logits - peak), -1)) + peak[..., 0]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
@@ -433,9 +432,15 @@ def stages(cfg: LlamaConfig) -> Any:
         raise MeshkitError(
             f"pipeline plans do not run mixture-of-experts models yet: use {one_of(plans_of('expert'))}"
         )
+    if len(set(cfg.layer_windows)) > 1:
+        raise MeshkitError(
+            f"pipeline plans run one block function in every layer, and this Llama's layers have different "
+            f"windows (sliding={cfg.sliding}): use a plan without a stage axis"
+        )
+    window = cfg.layer_windows[0]
     return Stages(
         embed=lambda top, batch: embed(top, batch[0], cfg),
-        block=lambda p, x_btd: _block(p, x_btd, cfg),
+        block=lambda p, x_btd: _block(p, x_btd, cfg, window),
         head=lambda top, x_btd: head(top, x_btd, cfg),
         loss=lambda logits, batch: cross_entropy(logits, batch[1]),
     )
@@ -468,6 +473,7 @@ def matmul_params(cfg: LlamaConfig) -> int:
 def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token at a context of ``seq_len`` tokens (the run's sequence; default the
     config's ``seq_len``, which is a checkpoint's max_position_embeddings): ``6 N + 12 L T (H h)``
-    (PaLM, appendix B)."""
+    (PaLM, appendix B), a layer with a window counting the ``min(T, window)`` keys a query may see."""
     t = cfg.seq_len if seq_len is None else seq_len
-    return 6 * matmul_params(cfg) + 12 * cfg.layers * t * cfg.heads * cfg.head_dim
+    seen = sum(t if w is None else min(t, w) for w in cfg.layer_windows)
+    return 6 * matmul_params(cfg) + 12 * seen * cfg.heads * cfg.head_dim

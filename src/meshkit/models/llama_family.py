@@ -1,6 +1,6 @@
 """The Llama's row in the registry (``meshkit.models.registry``): ``meshkit.models.llama``, read
-from and written as a Llama, Mistral, Qwen2 or Qwen3 checkpoint (its Hugging Face format, one row
-per model type: ``meshkit.models.llama_hf``; the table in ``docs/families.md``).
+from and written as a Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE checkpoint (its Hugging
+Face format, one row per model type: ``meshkit.models.llama_hf``; the table in ``docs/families.md``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,33 @@
 """The Llama family's Hugging Face format: one row per ``model_type`` it reads (``TYPES``: Llama,
-Mistral, Qwen2, Qwen3), each naming the switches of ``meshkit.models.llama.LlamaConfig`` it sets
-(``qkv_bias``, ``qk_norm``), its defaults, and the ``config.json`` fields it may hold. A field that
-no row names and that is not Hugging Face's own metadata (``family.HF_METADATA``) is refused by name:
-meshkit reads only what it computes, so that a checkpoint it reads is the model transformers runs.
+Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE), each naming the switches of
+``meshkit.models.llama.LlamaConfig`` it sets (``qkv_bias``, ``qk_norm``, a mixture of experts), how
+its window reads, its defaults, and the ``config.json`` fields it may hold. A field that no row names
+and that is not Hugging Face's own metadata (``family.HF_METADATA``) is refused by name: meshkit reads
+only what it computes, so that a checkpoint it reads is the model transformers runs.
 
 Rotary settings are read in both forms transformers writes: 4.x's ``rope_theta`` + ``rope_scaling``
 and 5.x's ``rope_parameters`` (the same settings in one dict, ``rope_theta`` among them); written in
 4.x's. The rope types meshkit computes are ``ROPE_TYPES``' keys.
 
-Weights move by name and transpose only: ``meshkit.models.llama`` follows ``LlamaForCausalLM``'s
-conventions (Qwen2's and Qwen3's are its, plus the biases and the per-head norms).
+Sliding windows read as transformers runs them (its ``masking_utils``: a query sees the keys ``q - k <
+sliding_window``, itself among them, ``LlamaConfig.window``): Mistral's and Mixtral's ``sliding_window``
+binds in every layer where it is not null; Qwen2's and Qwen3's only with ``use_sliding_window``, and
+then in the layers ``layer_types`` names ``sliding_attention`` (else those from ``max_window_layers``
+on: ``LlamaConfig.sliding``); Qwen3-MoE's with ``use_sliding_window`` in every layer (its transformers
+class reads no ``max_window_layers``). A window at least as long as the positions never binds within
+them and reads as none.
+
+Experts read dropless (``capacity_factor=0``), as transformers runs them: every token its top-k
+experts by softmax probability, the gates renormalised to sum to 1 (Mixtral always, Qwen3-MoE where
+``norm_topk_prob``). Each expert is its own tensors in the checkpoint (``experts.{j}``), stacked into
+meshkit's ``(E, D, F)`` leaves. ``router_aux_loss_coef`` is read as the weight of meshkit's
+load-balancing loss (``router_aux_weight``; Switch's, per sequence and layer, where transformers pools
+the batch and the layers and counts each of the k choices: about k times meshkit's).
+``output_router_logits`` (whether transformers returns the router's logits and adds its loss) changes
+no logit: read and left aside, written false (4.57.6's ``generate`` fails on a Mixtral with it true).
+
+Weights move by name, transpose and stacking only: ``meshkit.models.llama`` follows
+``LlamaForCausalLM``'s conventions (the other types' are its, plus biases, per-head norms, experts).
 """
 
 from __future__ import annotations
@@ -28,6 +46,41 @@ def _llama() -> Any:
 
 
 @dataclass(frozen=True, slots=True)
+class _Experts:
+    """How a model type names its mixture of experts."""
+
+    count: tuple[str, ...]
+    """Fields that may give the number of experts (Qwen3-MoE's: 4.x writes ``num_experts``, 5.x
+    ``num_local_experts``); the first is written."""
+    ffn: str
+    """The field of an expert's hidden width."""
+    renormalize: str | None
+    """The field saying whether the top-k gates are renormalised (None: always, Mixtral's)."""
+    prefix: str
+    """The layer's MLP module: its router is ``{prefix}.gate``, its experts ``{prefix}.experts.{j}``."""
+    weights: tuple[str, str, str]
+    """An expert's gate, up and down projections."""
+    layers: tuple[str, ...] = ()
+    """Fields saying which layers are sparse (Qwen3-MoE's ``decoder_sparse_step``, ``mlp_only_layers``)."""
+
+
+_MIXTRAL = _Experts(("num_local_experts",), "intermediate_size", None, "block_sparse_moe", ("w1", "w3", "w2"))
+_QWEN3_MOE = _Experts(("num_experts", "num_local_experts"), "moe_intermediate_size", "norm_topk_prob", "mlp",
+                      ("gate_proj", "up_proj", "down_proj"), ("decoder_sparse_step", "mlp_only_layers"))  # fmt: skip
+
+_WINDOWS = {
+    "none": ("sliding_window",),
+    "every": ("sliding_window",),
+    "qwen": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+    "gated": ("use_sliding_window", "sliding_window", "max_window_layers"),
+}
+"""How a row reads a window, and the fields it reads for it: none (Llama's: ``sliding_window`` null
+only, which transformers' Llama would ignore); ``sliding_window`` in every layer
+(Mistral's); gated by ``use_sliding_window``, per layer (Qwen2's, Qwen3's); gated, in every layer
+(Qwen3-MoE's: ``max_window_layers`` read and left aside, as its transformers class does)."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Type:
     """One ``model_type`` the Llama reads and writes."""
 
@@ -36,28 +89,41 @@ class _Type:
     """``max_position_embeddings`` where the config omits it (transformers' default for the type)."""
     head_dim: int | None
     """``head_dim`` where the config omits it (None: hidden_size / num_attention_heads)."""
+    kv_heads: int | None
+    """``num_key_value_heads`` where the config omits it (None: num_attention_heads)."""
+    theta: float
+    """``rope_theta`` where the config omits it."""
+    eps: float
+    """``rms_norm_eps`` where the config omits it."""
     qkv_bias: bool
     qk_norm: bool
+    window: str
+    """How its window reads (a key of ``_WINDOWS``)."""
     wants: tuple[tuple[str, Any], ...]
     """Fields of its own, each with the one value meshkit computes."""
-    window_off: bool = False
-    """Its window is off unless ``use_sliding_window`` says so, and then binds only from layer
-    ``max_window_layers`` on (Qwen's); else a ``sliding_window`` binds (Mistral's)."""
+    experts: _Experts | None = None
+    """Its mixture of experts (None: a dense MLP)."""
 
 
 TYPES: dict[str, _Type] = {
-    "llama": _Type("LlamaForCausalLM", 2048, None, False, False, (("attention_bias", False), ("mlp_bias", False))),
-    "mistral": _Type("MistralForCausalLM", 131072, None, False, False, ()),
-    "qwen2": _Type("Qwen2ForCausalLM", 32768, None, True, False, (), window_off=True),
-    "qwen3": _Type("Qwen3ForCausalLM", 32768, 128, False, True, (("attention_bias", False),), window_off=True),
+    "llama": _Type("LlamaForCausalLM", 2048, None, None, 1e4, 1e-6, False, False, "none",
+                   (("attention_bias", False), ("mlp_bias", False))),
+    "mistral": _Type("MistralForCausalLM", 131072, None, 8, 1e4, 1e-6, False, False, "every", ()),
+    "qwen2": _Type("Qwen2ForCausalLM", 32768, None, 32, 1e4, 1e-6, True, False, "qwen", ()),
+    "qwen3": _Type("Qwen3ForCausalLM", 32768, 128, 32, 1e4, 1e-6, False, True, "qwen", (("attention_bias", False),)),
+    "mixtral": _Type("MixtralForCausalLM", 131072, None, 8, 1e6, 1e-5, False, False, "every",
+                     (("router_jitter_noise", 0.0),), _MIXTRAL),
+    "qwen3_moe": _Type("Qwen3MoeForCausalLM", 32768, None, 4, 1e4, 1e-6, False, True, "gated",
+                       (("attention_bias", False),), _QWEN3_MOE),
 }  # fmt: skip
-"""The model types read, the first written where no switch is on."""
+"""The model types read; a config is written as the first whose switches, window and experts it has."""
 
 _READ = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-                   "rope_scaling", "rope_parameters", "tie_word_embeddings", "sliding_window", "use_sliding_window",
-                   "max_window_layers", "layer_types"})  # fmt: skip
-"""Fields every row reads (the window's: a window that never binds is the model meshkit computes)."""
+                   "rope_scaling", "rope_parameters", "tie_word_embeddings"})  # fmt: skip
+"""Fields every row reads."""
+_MOE_READ = frozenset({"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"})
+"""Fields every mixture-of-experts row reads, besides those its ``_Experts`` names."""
 _CHECKED = (("hidden_act", "silu"), ("attention_dropout", 0.0), ("pruned_heads", {}))
 """Fields every row may hold with the one value meshkit computes."""
 _IGNORED = frozenset({"pretraining_tp"})
@@ -108,7 +174,7 @@ def _scaling(rope: Any, where: str, key: str) -> Any:
         raise InteropError(f"{said}: {e}") from None
 
 
-def _rope(data: dict, where: str) -> tuple[float, Any]:
+def _rope(data: dict, where: str, default: float) -> tuple[float, Any]:
     """``(rope_theta, rope_scaling)`` of either form; both forms at once must say the same."""
     theta, scaling, key = data.get("rope_theta"), data.get("rope_scaling"), "rope_scaling"
     params = data.get("rope_parameters")
@@ -129,75 +195,175 @@ def _rope(data: dict, where: str) -> tuple[float, Any]:
                 f"give one of the two forms"
             )
         theta, scaling, key = params.get("rope_theta", theta), rest, "rope_parameters"
-    return float(10000.0 if theta is None else theta), _scaling(scaling, where, key)
+    return float(default if theta is None else theta), _scaling(scaling, where, key)
 
 
-def _check_window(data: dict, where: str, kind: str) -> None:
-    """A sliding window shorter than the model's positions changes attention: meshkit's Llama attends
-    to every earlier position, so it is refused by name (a window as long as the positions, or one no
-    layer uses, never binds). Qwen's window is off unless ``use_sliding_window``, and then only in the
-    layers from ``max_window_layers`` on (or those ``layer_types`` names)."""
-    window, positions = data.get("sliding_window"), data.get("max_position_embeddings", TYPES[kind].positions)
+def _fields(row: _Type) -> frozenset[str]:
+    """Every field a row reads."""
+    moe = row.experts
+    own = (
+        set()
+        if moe is None
+        else {*moe.count, moe.ffn, *moe.layers, *_MOE_READ} | ({moe.renormalize} - {None})
+    )
+    return _READ | set(_WINDOWS[row.window]) | {k for k, _ in row.wants + _CHECKED} | _IGNORED | own
+
+
+def _layer_types(data: dict, where: str, layers: int) -> list | None:
+    """Qwen's ``layer_types``, checked: one kind per layer, full or sliding attention."""
     kinds = data.get("layer_types")
     if kinds is not None and (
-        not isinstance(kinds, list) or set(kinds) - {"full_attention", "sliding_attention"}
+        not isinstance(kinds, list)
+        or set(kinds) - {"full_attention", "sliding_attention"}
+        or len(kinds) != layers
     ):
-        raise InteropError(f"{where}: layer_types={kinds!r} is not what meshkit's Llama computes: give full_attention layers")  # fmt: skip
-    if TYPES[kind].window_off:
-        layers = data.get("num_hidden_layers", 0)
-        slides = (
-            "sliding_attention" in kinds if kinds is not None else data.get("max_window_layers", 28) < layers
-        )
-        on = bool(data.get("use_sliding_window", False)) and slides
-    else:
-        on = bool(data.get("use_sliding_window", True))
-    if window is not None and on and window < positions:
         raise InteropError(
-            f"{where}: sliding_window={window} (of {positions} positions) is not what meshkit's Llama computes: it "
-            f"attends to every earlier position; give a checkpoint whose sliding_window is null"
+            f"{where}: layer_types={kinds!r} is not what meshkit's Llama computes: give {layers} layers, each "
+            f"full_attention or sliding_attention"
         )
+    return kinds
+
+
+def _window(data: dict, where: str, row: _Type, layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(window, sliding)`` of the config as transformers runs it (the module docstring)."""
+    kinds = _layer_types(data, where, layers) if row.window == "qwen" else None
+    window, positions = data.get("sliding_window"), data.get("max_position_embeddings", row.positions)
+    if row.window in ("qwen", "gated") and not data.get("use_sliding_window", False):
+        window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise InteropError(
+            f"{where}: sliding_window={window!r} is not a whole number of tokens: give one, or null"
+        )
+    if window is not None and row.window == "none":
+        raise InteropError(
+            f"{where}: sliding_window={window} in a {row.architecture} config, whose transformers class attends to "
+            f"every earlier position: give null, or the model_type that slides (mistral)"
+        )
+    if window is None or window >= positions:
+        return None, None
+    if row.window != "qwen":
+        return window, None
+    if kinds is not None:
+        return window, tuple(kind == "sliding_attention" for kind in kinds)
+    return window, tuple(i >= data.get("max_window_layers", 28) for i in range(layers))
+
+
+def _experts(data: dict, where: str, row: _Type, layers: int) -> dict[str, Any]:
+    """The ``LlamaConfig`` fields of a mixture of experts (none for a dense row): dropless."""
+    moe = row.experts
+    if moe is None:
+        return {}
+    counts = {k: data[k] for k in moe.count if k in data}
+    if len(set(counts.values())) > 1:
+        said = ", ".join(f"{k}={v!r}" for k, v in counts.items())
+        raise InteropError(f"{where}: {said} differ: give the number of experts once")
+    key = next(iter(counts), moe.count[-1])
+    experts = need(data, key, where)
+    if not isinstance(experts, int) or experts < 1:
+        raise InteropError(f"{where}: {key}={experts!r}: meshkit reads a mixture of at least 1 expert")
+    if moe.layers:
+        step, only = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
+        dense = [
+            i for i in range(layers) if i in only or not isinstance(step, int) or step < 1 or (i + 1) % step
+        ]
+        if dense:
+            raise InteropError(
+                f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={only!r} make layers {dense[:4]} dense MLPs: "
+                f"meshkit's Llama has experts in every layer; give a checkpoint whose every layer is sparse"
+            )
+    aux = float(data.get("router_aux_loss_coef", 0.001))
+    return {"experts": experts, "experts_per_token": need(data, "num_experts_per_tok", where),
+            "ffn": need(data, moe.ffn, where), "capacity_factor": 0.0, "router_aux_weight": aux,
+            "router_renormalize": moe.renormalize is None or bool(data.get(moe.renormalize, False))}  # fmt: skip
 
 
 def read(data: dict, where: str, scan_layers: bool) -> Any:
     """meshkit's Llama of a Llama-family ``config.json`` (any model type of ``TYPES``)."""
     kind = data["model_type"]
     row = TYPES[kind]
-    mine = {k for k, _ in row.wants} | {k for k, _ in _CHECKED} | _READ | _IGNORED
-    check_fields(data, where, mine | HF_METADATA, f"Llama ({kind})")
-    _check_window(data, where, kind)
+    check_fields(data, where, _fields(row) | HF_METADATA, f"Llama ({kind})")
     check_values(data, where, _CHECKED + row.wants, "Llama")
-    theta, scaling = _rope(data, where)
+    layers = need(data, "num_hidden_layers", where)
+    window, sliding = _window(data, where, row, layers)
+    theta, scaling = _rope(data, where, row.theta)
     heads = need(data, "num_attention_heads", where)
-    return _llama().LlamaConfig(
-        vocab_size=need(data, "vocab_size", where), seq_len=data.get("max_position_embeddings", row.positions),
-        layers=need(data, "num_hidden_layers", where), width=need(data, "hidden_size", where), heads=heads,
-        kv_heads=data.get("num_key_value_heads") or heads, head_dim=data.get("head_dim", row.head_dim) or 0,
-        ffn=need(data, "intermediate_size", where), rope_theta=theta, rope_scaling=scaling,
-        qkv_bias=row.qkv_bias, qk_norm=row.qk_norm, norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(data.get("tie_word_embeddings", False)), scan_layers=scan_layers,
-    )  # fmt: skip
+    fields = {"ffn": need(data, "intermediate_size", where)} | _experts(data, where, row, layers)
+    try:
+        return _llama().LlamaConfig(
+            vocab_size=need(data, "vocab_size", where), seq_len=data.get("max_position_embeddings", row.positions),
+            layers=layers, width=need(data, "hidden_size", where), heads=heads,
+            kv_heads=data.get("num_key_value_heads", row.kv_heads) or heads,
+            head_dim=data.get("head_dim", row.head_dim) or 0, rope_theta=theta, rope_scaling=scaling,
+            qkv_bias=row.qkv_bias, qk_norm=row.qk_norm, window=window, sliding=sliding,
+            norm_eps=float(data.get("rms_norm_eps", row.eps)), tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            scan_layers=scan_layers, **fields,
+        )  # fmt: skip
+    except InteropError:
+        raise
+    except MeshkitError as e:
+        raise InteropError(f"{where}: {e}") from None
+
+
+def _fits(row: _Type, cfg: Any) -> bool:
+    """Whether ``row`` writes ``cfg``: its switches, its experts (Mixtral's gates always renormalised) and
+    a window it can say (in every layer, or per layer for Qwen's)."""
+    moe = row.experts
+    if (row.qkv_bias, row.qk_norm, moe is not None) != (cfg.qkv_bias, cfg.qk_norm, cfg.experts > 0):
+        return False
+    if moe is not None and moe.renormalize is None and not cfg.router_renormalize:
+        return False
+    return cfg.window is None or row.window == "qwen" or (row.window != "none" and cfg.sliding is None)
 
 
 def type_of(cfg: Any) -> str:
-    """The model type a config is written as: the row whose switches are the config's."""
+    """The model type a config is written as: the first row that writes it (``_fits``)."""
     for kind, row in TYPES.items():
-        if (row.qkv_bias, row.qk_norm) == (cfg.qkv_bias, cfg.qk_norm):
+        if _fits(row, cfg):
             return kind
     raise InteropError(
-        f"a Llama with qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm} is no Hugging Face model type meshkit "
-        f"writes ({', '.join(TYPES)}): turn one of the two off"
+        f"a Llama with qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}, experts={cfg.experts} (router_renormalize="
+        f"{cfg.router_renormalize}), window={cfg.window} (sliding={cfg.sliding}) is no Hugging Face model type "
+        f"meshkit writes ({', '.join(TYPES)}): give the switches of one (docs/families.md)"
     )
+
+
+def _window_fields(cfg: Any, row: _Type) -> dict[str, Any]:
+    """The row's window fields for ``cfg``'s window."""
+    if row.window == "every":
+        return {"sliding_window": cfg.window}
+    if row.window == "none":
+        return {}
+    on = {"use_sliding_window": cfg.window is not None, "sliding_window": cfg.window}
+    if row.window == "gated":
+        return on
+    windows = cfg.layer_windows
+    first = next((i for i, w in enumerate(windows) if w is not None), cfg.layers)
+    kinds = ["full_attention" if w is None else "sliding_attention" for w in windows]
+    return on | {"max_window_layers": first} | ({"layer_types": kinds} if cfg.window is not None else {})
+
+
+def _experts_fields(cfg: Any, row: _Type) -> dict[str, Any]:
+    """The row's mixture-of-experts fields for ``cfg`` (every layer sparse; written dropless, as
+    transformers runs it, whatever capacity the model trained with)."""
+    moe = row.experts
+    if moe is None:
+        return {}
+    out = {moe.count[0]: cfg.experts, "num_experts_per_tok": cfg.experts_per_token, moe.ffn: cfg.ffn,
+           "output_router_logits": False, "router_aux_loss_coef": cfg.router_aux_weight}  # fmt: skip
+    if moe.renormalize is not None:
+        out[moe.renormalize] = cfg.router_renormalize
+    return out | ({"decoder_sparse_step": 1, "mlp_only_layers": []} if moe.layers else {})
 
 
 def write(cfg: Any, tied: bool) -> dict:
     kind = type_of(cfg)
+    row = TYPES[kind]
     r = cfg.rope_scaling
     rope = None if r is None else {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
                                    "high_freq_factor": r.high_freq_factor,
                                    "original_max_position_embeddings": r.original_positions}  # fmt: skip
-    window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.layers}
-    own = dict(TYPES[kind].wants) | (window if TYPES[kind].window_off else {})
-    return {"architectures": [TYPES[kind].architecture], "model_type": kind, "vocab_size": cfg.vocab_size,
+    own = dict(row.wants) | _window_fields(cfg, row) | _experts_fields(cfg, row)
+    return {"architectures": [row.architecture], "model_type": kind, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.width, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
             "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
@@ -221,8 +387,17 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
     if cfg.qk_norm:
         for leaf in ("q_norm", "k_norm"):
             yield ("blocks", "attn", leaf), Source(f"{layer}self_attn.{leaf}.weight")
-    for leaf, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-        yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
+    if not cfg.experts:
+        for leaf, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
+        return
+    moe = TYPES[type_of(cfg)].experts
+    yield ("blocks", "moe", "router"), Source(f"{layer}{moe.prefix}.gate.weight", transpose=True)
+    for leaf, name in zip(("w_gate", "w_up", "w_down"), moe.weights, strict=True):
+        yield (
+            ("blocks", "moe", leaf),
+            Source(f"{layer}{moe.prefix}.experts.{{j}}.{name}.weight", True, experts=True),
+        )
 
 
 def unread(cfg: Any) -> frozenset[str]:

@@ -1,0 +1,113 @@
+"""The Llama family's sublayers (``meshkit.models.llama``): RMSNorm, the q/k/v projections with their
+biases, per-head norms and rotary positions, attention over a key/value cache, the SwiGLU MLP and its
+experts. Kept apart from the model module, which assembles them into blocks, so that the block, the
+training forward pass and generation's cached pass (``models/generate.py``) share one definition of
+each, and so that neither module outgrows what one reader holds.
+
+Every function follows Hugging Face's ``LlamaForCausalLM`` up to a transpose (``x @ w`` where torch
+computes ``x @ W.T``): RMSNorm statistics in float32 with the scale applied in the input dtype, the
+rotary on the two halves of each head (``rotate_half``), ``silu(x w_gate) * (x w_up)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshkit.models.rope import inv_frequencies
+from meshkit.plans import expert_dot
+
+Params = dict[str, Any]
+
+
+def wide(dtype) -> jnp.dtype:
+    """At least float32 (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def rms_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm: statistics in at least float32, scaled in the input dtype (as Hugging Face's)."""
+    xw = x_btd.astype(wide(x_btd.dtype))
+    y = xw * lax.rsqrt(jnp.mean(jnp.square(xw), -1, keepdims=True) + eps)
+    return p["scale"] * y.astype(x_btd.dtype)
+
+
+def rope_tables(pos_bt: jax.Array, cfg: Any, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of shape ``(B, T, 1, head_dim)`` for integer positions, computed in at least
+    float32 and cast to ``dtype``."""
+    w = wide(dtype)
+    angles = pos_bt.astype(w)[..., None] * inv_frequencies(cfg, w)
+    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def _rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x_bthk.shape[-1] // 2
+    rotated = jnp.concatenate([-x_bthk[..., half:], x_bthk[..., :half]], -1)
+    return x_bthk * cos + rotated * sin
+
+
+def project_qkv(
+    p: dict[str, jax.Array], x_btd: jax.Array, pos_bt: jax.Array, cfg: Any
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries ``(B, T, H, h)`` and keys, values ``(B, T, K, h)``: projected (plus their biases), each
+    head normalised (``qk_norm``), then rotary positions applied."""
+    b, t, _ = x_btd.shape
+
+    def project(w: str, b_: str, heads: int) -> jax.Array:
+        y = x_btd @ p[w] + p[b_] if cfg.qkv_bias else x_btd @ p[w]
+        return y.reshape(b, t, heads, cfg.head_dim)
+
+    q, k, v = (
+        project("wq", "bq", cfg.heads),
+        project("wk", "bk", cfg.kv_heads),
+        project("wv", "bv", cfg.kv_heads),
+    )
+    if cfg.qk_norm:
+        q = rms_norm({"scale": p["q_norm"]}, q, cfg.norm_eps)
+        k = rms_norm({"scale": p["k_norm"]}, k, cfg.norm_eps)
+    cos, sin = rope_tables(pos_bt, cfg, x_btd.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def attend(
+    p: dict[str, jax.Array],
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    mask_bts: jax.Array,
+    cfg: Any,
+) -> jax.Array:
+    """Grouped-query attention of ``T`` queries over ``S`` keys (a cache) where ``mask`` allows, then the
+    output projection; scores and softmax in at least float32."""
+    b, t = q_bthk.shape[:2]
+    w = wide(q_bthk.dtype)
+    # each key/value head serves ``groups`` query heads: repeated to one per query head, so that a
+    # query head's split over the model axis finds its key/value head on the same device
+    k = jnp.repeat(k_bskh, cfg.groups, axis=2)
+    v = jnp.repeat(v_bskh, cfg.groups, axis=2)
+    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k, preferred_element_type=w) / math.sqrt(cfg.head_dim)
+    scores = jnp.where(mask_bts[:, None], scores, jnp.finfo(w).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
+    out = jnp.einsum("bhts,bshk->bthk", probs, v).reshape(b, t, cfg.heads * cfg.head_dim)
+    return out @ p["wo"]
+
+
+def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
+    """SwiGLU: ``(silu(x w_gate) * x w_up) w_down``."""
+    return (jax.nn.silu(x_btd @ p["w_gate"]) * (x_btd @ p["w_up"])) @ p["w_down"]
+
+
+def experts_mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    """``n`` SwiGLU experts (leading dim of every leaf) on their rows: ``(n, c, D)`` with capacity,
+    ``(M, D)`` grouped by expert when dropless (``expert_dot``)."""
+    return expert_dot(jax.nn.silu(expert_dot(x, p["w_gate"])) * expert_dot(x, p["w_up"]), p["w_down"])
+
+
+def cast_block(p: Params, cfg: Any) -> Params:
+    """A block's parameters in the compute dtype."""
+    return jax.tree.map(lambda a: a.astype(cfg.compute), p)
