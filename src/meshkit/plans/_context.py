@@ -23,7 +23,8 @@ chunks (all its queries see the visitor's first chunk) or between them (its seco
 whole visitor): half a block of work either way, chosen by ``lax.cond``, and no device idles.
 
 A sliding ``window`` masks by global positions in both forms (the ring still computes the blocks
-wholly outside it: their weight comes out zero). Per-document ``segment_ids`` are refused under a
+wholly outside it: their weight comes out zero); a ``softcap`` caps each block's scores before its mask
+(the ring's blocks) or goes with the whole sequence to each device's attention (all-to-all). Per-document ``segment_ids`` are refused under a
 split: they would have to travel with the keys (a collective the ledger's model does not hold).
 """
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,25 +163,31 @@ def causal_attention(
     *,
     window: int | None = None,
     segment_ids: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
     key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype.
     ``window``: each query sees its last ``window`` positions only (itself included); ``segment_ids``
-    ``(B, T)``: only the keys of its own segment (whole sequences only: refused under a context split).
-    Each device's attention runs by the implementation in force (``plans.attention``)."""
+    ``(B, T)``: only the keys of its own segment (whole sequences only: refused under a context split);
+    ``softcap``: each score capped to ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap`` before
+    the mask (Gemma 2; always written out: the fused call takes no cap). Each device's attention runs
+    by the implementation in force (``plans.attention``)."""
     split = _SPLIT.get()
     if split is not None:
         split.attended.append(split.form)
     if split is None or split.size == 1:
-        return attention.causal(q_bthk, k_bskh, v_bskh, window=window, segment_ids=segment_ids)
+        return attention.causal(
+            q_bthk, k_bskh, v_bskh, window=window, segment_ids=segment_ids, softcap=softcap
+        )
     attention.check_window(window)
+    attention.check_softcap(softcap)
     if segment_ids is not None:
         raise PlanError(
             f"segment_ids (documents packed in a row) are not taken under a context split ({split.form} over "
             f"{split.axis}={split.size}): pack one document per sequence, or use a plan without a context axis"
         )
     check_heads(q_bthk.shape[2], split.size, split.form)
-    attend = functools.partial(_ring if split.form == "ring" else _all_to_all, window=window)
+    attend = functools.partial(_ring if split.form == "ring" else _all_to_all, window=window, softcap=softcap)
     own = _on_own_heads(attend, q_bthk, k_bskh, v_bskh, split) if split.heads_axis is not None else None
     return attend(q_bthk, k_bskh, v_bskh, split) if own is None else own
 
@@ -194,7 +200,12 @@ def exchanged_kv_heads(heads: int, kv_heads: int, n: int) -> int:
 
 
 def _all_to_all(
-    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split, window: int | None = None
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    split: Split,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Ulysses: sequence split -> head split, attention over the whole sequence, and back. Grouped
     key/value heads go as they are where they divide over the axis (each device pairs its own with its
@@ -211,15 +222,16 @@ def _all_to_all(
 
     order = balanced_order(q_bthk.shape[1] * n, n)
     natural = np.argsort(order)
-    out = attention.causal(to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), window=window)
+    out = attention.causal(
+        to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), window=window, softcap=softcap
+    )
     return lax.all_to_all(out[:, order], split.axis, 1, 2, tiled=True)
 
 
-def _block(q_bthk, k_bshk, v_bshk, mask=None):
+def _block(q_bthk, k_bshk, v_bshk, mask=None, softcap=None):
     """Unnormalized attention of one block: ``(o, m, l)``, o ``(b, t, H, h)``, m and l ``(b, H, t)``."""
     w = attention.wide(q_bthk.dtype)
-    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=w)
-    scores = scores / math.sqrt(q_bthk.shape[-1])
+    scores = attention.capped_scores(q_bthk, k_bshk, softcap)
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(w).min)
     m = scores.max(-1)
@@ -238,7 +250,12 @@ def _merge(acc, blk):
 
 
 def _ring(
-    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split, window: int | None = None
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    split: Split,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Ring attention with causal load balancing (see the module docstring); with ``window``, each block
     masked by its tokens' global positions. Its blocks are written out (einsum) whatever the
@@ -256,7 +273,9 @@ def _ring(
     # step 0: the device's own block (its chunks' order is the same on every device, so is the causal mask)
     local = np.concatenate([np.arange(c), (2 * n - 1) * c + np.arange(c)])
     diagonal = attention.allowed(local, local) if window is None else attention.allowed(pos, pos, window)
-    acc = _block(q_bthk, attention.repeat_kv(k_bskh, heads), attention.repeat_kv(v_bskh, heads), diagonal)
+    acc = _block(
+        q_bthk, attention.repeat_kv(k_bskh, heads), attention.repeat_kv(v_bskh, heads), diagonal, softcap
+    )
     first, second = _halves(acc, c)
     for s in range(1, n):
         kv = tuple(lax.ppermute(x, split.axis, perm) for x in kv)  # now the block of device i - s
@@ -265,12 +284,12 @@ def _ring(
 
         def before(first, second, k=k, v=v, seen=seen):  # visitor's chunks j < i: every query sees its first
             mask = None if window is None else attention.allowed(pos, seen[:c], window)
-            both = _halves(_block(q_bthk, k[:, :c], v[:, :c], mask), c)
+            both = _halves(_block(q_bthk, k[:, :c], v[:, :c], mask, softcap), c)
             return _merge(first, both[0]), _merge(second, both[1])
 
         def between(first, second, k=k, v=v, seen=seen):  # j > i: the second chunk sees the whole visitor
             mask = None if window is None else attention.allowed(pos[c:], seen, window)
-            return first, _merge(second, _block(q_bthk[:, c:], k, v, mask))
+            return first, _merge(second, _block(q_bthk[:, c:], k, v, mask, softcap))
 
         first, second = lax.cond(i >= s, before, between, first, second)
     out = jnp.concatenate([first[0] / _heads_last(first[2]), second[0] / _heads_last(second[2])], axis=1)
