@@ -24,7 +24,11 @@ whole visitor): half a block of work either way, chosen by ``lax.cond``, and no 
 
 A sliding ``window`` masks by global positions in both forms (the ring still computes the blocks
 wholly outside it: their weight comes out zero); a ``softcap`` caps each block's scores before its mask
-(the ring's blocks) or goes with the whole sequence to each device's attention (all-to-all). Per-document ``segment_ids`` are refused under a
+(the ring's blocks) or goes with the whole sequence to each device's attention (all-to-all). A window
+that applies in some layers only, their kind scanned as data (``windowed``, Gemma's local and global
+layers under ``lax.scan``), keeps every collective outside any ``lax.cond`` (the ledger counts a
+collective under a conditional in each branch): the ring masks by a traced window, all-to-all chooses
+between the two static calls after its exchange. Per-document ``segment_ids`` are refused under a
 split: they would have to travel with the keys (a collective the ledger's model does not hold).
 """
 
@@ -164,21 +168,25 @@ def causal_attention(
     window: int | None = None,
     segment_ids: jax.Array | None = None,
     softcap: float | None = None,
+    windowed: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
     key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype.
     ``window``: each query sees its last ``window`` positions only (itself included); ``segment_ids``
     ``(B, T)``: only the keys of its own segment (whole sequences only: refused under a context split);
     ``softcap``: each score capped to ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap`` before
-    the mask (Gemma 2; always written out: the fused call takes no cap). Each device's attention runs
-    by the implementation in force (``plans.attention``)."""
+    the mask (Gemma 2; always written out: the fused call takes no cap); ``windowed``: a traced boolean
+    (a layer's kind, scanned beside its parameters): the window applies only where it is true, each
+    device's attention still one of two static calls. Each device's attention runs by the
+    implementation in force (``plans.attention``)."""
     split = _SPLIT.get()
     if split is not None:
         split.attended.append(split.form)
     if split is None or split.size == 1:
-        return attention.causal(
-            q_bthk, k_bskh, v_bskh, window=window, segment_ids=segment_ids, softcap=softcap
+        call = functools.partial(
+            attention.causal, q_bthk, k_bskh, v_bskh, segment_ids=segment_ids, softcap=softcap
         )
+        return _windowed(call, window, windowed)
     attention.check_window(window)
     attention.check_softcap(softcap)
     if segment_ids is not None:
@@ -187,9 +195,19 @@ def causal_attention(
             f"{split.axis}={split.size}): pack one document per sequence, or use a plan without a context axis"
         )
     check_heads(q_bthk.shape[2], split.size, split.form)
-    attend = functools.partial(_ring if split.form == "ring" else _all_to_all, window=window, softcap=softcap)
+    attend = functools.partial(
+        _ring if split.form == "ring" else _all_to_all, window=window, softcap=softcap, windowed=windowed
+    )
     own = _on_own_heads(attend, q_bthk, k_bskh, v_bskh, split) if split.heads_axis is not None else None
     return attend(q_bthk, k_bskh, v_bskh, split) if own is None else own
+
+
+def _windowed(call, window: int | None, windowed: jax.Array | None) -> jax.Array:
+    """``call(window=window)``, or with ``windowed`` (traced) a ``lax.cond`` of it and ``call(window=None)``:
+    two static calls, so that a fused kernel still takes either."""
+    if windowed is None or window is None:
+        return call(window=window)
+    return lax.cond(windowed, lambda: call(window=window), lambda: call(window=None))
 
 
 def exchanged_kv_heads(heads: int, kv_heads: int, n: int) -> int:
@@ -206,6 +224,7 @@ def _all_to_all(
     split: Split,
     window: int | None = None,
     softcap: float | None = None,
+    windowed: jax.Array | None = None,
 ) -> jax.Array:
     """Ulysses: sequence split -> head split, attention over the whole sequence, and back. Grouped
     key/value heads go as they are where they divide over the axis (each device pairs its own with its
@@ -222,9 +241,10 @@ def _all_to_all(
 
     order = balanced_order(q_bthk.shape[1] * n, n)
     natural = np.argsort(order)
-    out = attention.causal(
-        to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), window=window, softcap=softcap
+    call = functools.partial(
+        attention.causal, to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), softcap=softcap
     )
+    out = _windowed(call, window, windowed)  # between the exchanges: no collective under the cond
     return lax.all_to_all(out[:, order], split.axis, 1, 2, tiled=True)
 
 
@@ -256,9 +276,11 @@ def _ring(
     split: Split,
     window: int | None = None,
     softcap: float | None = None,
+    windowed: jax.Array | None = None,
 ) -> jax.Array:
     """Ring attention with causal load balancing (see the module docstring); with ``window``, each block
-    masked by its tokens' global positions. Its blocks are written out (einsum) whatever the
+    masked by its tokens' global positions (with ``windowed``, a traced window: the whole sequence where
+    it is false). Its blocks are written out (einsum) whatever the
     implementation asked: the online softmax needs each block's running max and sum, and
     ``jax.nn.dot_product_attention`` returns a normalised output only; its ``return_residual``
     log-sum-exp (jax 0.12) is under ``stop_gradient`` and in the inputs' dtype, so merging blocks by it
@@ -266,6 +288,8 @@ def _ring(
     n, heads = split.size, q_bthk.shape[2]
     t = q_bthk.shape[1]
     c = t // 2
+    if windowed is not None and window is not None:
+        window = jnp.where(windowed, window, t * n)  # t * n: farther than any key
     i = lax.axis_index(split.axis)
     perm = [(d, (d + 1) % n) for d in range(n)]
     pos = _device_positions(t, i, n)
