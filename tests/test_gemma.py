@@ -257,14 +257,24 @@ def test_gemma_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
     assert cert.ok, str(cert)
 
 
-@pytest.mark.parametrize("model", ["gemma", "gemma-scan"])
-def test_meshkit_verify_takes_the_gemma_and_zero3_gathers_its_scanned_layers_one_by_one(model):
+VERIFIED = [("gemma", "fsdp", "data=8", {}), ("gemma-scan", "fsdp", "data=8", {}),
+            ("gemma-scan", "cp", "context=8", {}),
+            ("gemma-scan", "dp+cp", "data=2,context=4", {"context_attention": "all-to-all"})]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "plan", "mesh", "opts"), VERIFIED, ids=[f"{v[0]}-{v[1]}" for v in VERIFIED]
+)
+def test_meshkit_verify_takes_the_gemma_and_zero3_gathers_its_scanned_layers_one_by_one(
+    model, plan, mesh, opts
+):
     """``meshkit verify --model gemma`` (its small model, 2 pairs of layers) certifies fsdp, and so does
     ``gemma-scan``: each layer's kind scanned beside its parameters, they stay a scan's inputs, which
-    ZeRO-3 finds and gathers layer by layer."""
-    cert = verify.verify("fsdp", model, mesh="data=8", steps=2)
+    ZeRO-3 finds and gathers layer by layer; under a context split the scanned form's choice of window
+    leaves the collectives unconditional, so the ledger is the model's."""
+    cert = verify.verify(plan, model, mesh=mesh, steps=2, **opts)
     assert cert.ok and cert.exact_vs_single_device < 1e-10, str(cert)
-    if model == "gemma-scan":
+    if (model, plan) == ("gemma-scan", "fsdp"):
         from meshkit.train import Trainer
 
         w = verify.workload(model)

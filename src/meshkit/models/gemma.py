@@ -31,9 +31,10 @@ A norm's ``scale`` is stored as transformers stores it, the offset from one (ini
 
 Which layers are local is the config's (``local_layers``). The loop form runs each layer as it is. The
 scanned form (``scan_layers``) scans over the stacked layers with each layer's kind as scanned data
-beside its parameters: the rotary is picked by it and the attention runs under a ``lax.cond`` of the
-windowed and the global call (each static, fused kernels included), so the parameters are still only
-a scan's inputs and ZeRO-3 gathers them layer by layer. A pipeline gives a block its parameters only,
+beside its parameters: the rotary is picked by it and ``causal_attention(windowed=)`` chooses between
+the windowed and the global call (each static, fused kernels included; a context split's collectives
+outside the choice), so the parameters are still only a scan's inputs and ZeRO-3 gathers them layer
+by layer. A pipeline gives a block its parameters only,
 so ``stages`` makes a block of one period of the pattern (``Stages.period``: Gemma 2's 2 layers, Gemma
 3's 6): each stage holds whole periods.
 
@@ -297,11 +298,11 @@ def project_qkv(
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: GemmaConfig, local: Any) -> jax.Array:
-    """Causal attention, within the window on a local layer (``local`` traced: a ``lax.cond`` of both)."""
-    call = functools.partial(causal_attention, softcap=cfg.attn_softcap)
-    if isinstance(local, bool) or cfg.window is None:
-        return call(q, k, v, window=cfg.window if local is True else None)
-    return lax.cond(local, lambda *a: call(*a, window=cfg.window), lambda *a: call(*a), q, k, v)
+    """Causal attention, within the window on a local layer (``local`` traced: ``causal_attention``'s
+    ``windowed``, one of two static calls with any collective of a context split outside it)."""
+    if isinstance(local, bool):
+        return causal_attention(q, k, v, window=cfg.window if local else None, softcap=cfg.attn_softcap)
+    return causal_attention(q, k, v, window=cfg.window, softcap=cfg.attn_softcap, windowed=local)
 
 
 def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
