@@ -4,7 +4,8 @@ float64, masks included (causal, sliding window, per-document segments), grouped
 are; and both under every kind of plan, against one device in float64: einsum to 1e-10, fused to the
 float32 digits of jax's softmax (its XLA path casts the scores to float32 whatever the input dtype, so
 a fused float64 step cannot be certified closer: an Adam step amplified that noise to 1e-5 in the
-parameters of dp's split batch against one device, hence one step's gradients here)."""
+parameters of dp's split batch against one device, hence one step's gradients here). A soft cap on the
+scores (Gemma 2's) is written out whatever is asked: under every plan it is one device's to 1e-10."""
 
 import dataclasses
 import functools
@@ -28,6 +29,10 @@ CFG = llama.LlamaConfig(
     vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=64, scan_layers=True
 )
 WINDOW = 5
+SOFTCAP = 0.5
+"""Small enough to bind: the test's scores reach about 4 (tanh(4 / 0.5) * 0.5 is 0.5, not 4)."""
+MODEL_SOFTCAP = 0.02
+"""Binds in the Llama below at its initial weights, whose scores are a few hundredths."""
 FLOAT32_SOFTMAX = 1e-6
 """How far fused attention in float64 may be from einsum: jax's softmax in float32 (measured: 3e-7 on
 the outputs; under the plans 2e-11 on the loss and 1.4e-7 on the gradients)."""
@@ -40,8 +45,9 @@ def _qkv(dtype, b=2, t=32, heads=4, kv=2, h=8, seed=0):
     return q, k, v, segments
 
 
-def _numpy_attention(q, k, v, window, segments):
-    """Causal attention in NumPy float64, one query at a time: the keys it sees, softmax, values."""
+def _numpy_attention(q, k, v, window, segments, softcap=None):
+    """Causal attention in NumPy float64, one query at a time: the keys it sees, softmax (of the scores
+    capped by ``tanh(s / softcap) * softcap`` where given), values."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, heads, h = q.shape
     groups = heads // k.shape[2]
@@ -52,6 +58,8 @@ def _numpy_attention(q, k, v, window, segments):
                 keys = [s for s in range(p + 1) if (window is None or p - s < window)
                         and (segments is None or segments[i, s] == segments[i, p])]  # fmt: skip
                 scores = k[i, keys, j // groups] @ q[i, p, j] / np.sqrt(h)
+                if softcap is not None:
+                    scores = np.tanh(scores / softcap) * softcap
                 w = np.exp(scores - scores.max())
                 out[i, p, j] = (w / w.sum()) @ v[i, keys, j // groups]
     return out
@@ -76,6 +84,21 @@ def test_both_forms_equal_numpy_float64_masks_and_grouped_heads_included(window,
         assert np.max(np.abs(got["einsum"] - want)) < 1e-12
         assert 0 < np.max(np.abs(got["fused"] - want)) < FLOAT32_SOFTMAX
         assert max_rel(grads["fused"], grads["einsum"]) < 10 * FLOAT32_SOFTMAX
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_a_capped_attention_equals_numpy_float64_written_out_whatever_is_asked(window):
+    """With ``softcap`` every implementation writes attention out (the fused call takes no cap): NumPy
+    float64's to 1e-12, and the cap binds (without it the output is 1e-1 away)."""
+    with jax.enable_x64(True):
+        q, k, v, segments = _qkv(jnp.float64)
+        want = _numpy_attention(q, k, v, window, np.asarray(segments), SOFTCAP)
+        for name in ("einsum", "fused", "auto"):
+            with use_attention(name) as record:
+                got = np.asarray(A.causal(q, k, v, window=window, segment_ids=segments, softcap=SOFTCAP))
+            assert record.used == {"einsum"} and np.max(np.abs(got - want)) < 1e-12, name
+        uncapped = np.asarray(A.causal(q, k, v, window=window, segment_ids=segments))
+        assert np.max(np.abs(uncapped - want)) > 1e-1
 
 
 def test_in_float32_fused_and_einsum_agree_and_auto_takes_a_flash_kernel_only():
@@ -136,21 +159,21 @@ def test_splash_kernel_under_meshkits_step_trains_as_einsum_and_keeps_ledger_and
 
 
 # -- under the plans -------------------------------------------------------------------------------------
-def _block(p, x, window, segments, cfg):
-    """The Llama's block (``llama._block``) with a window and segments."""
+def _block(p, x, window, segments, cfg, softcap=None):
+    """The Llama's block (``llama._block``) with a window, segments and a soft cap."""
     p = llama.cast_block(p, cfg)
     b, t, _ = x.shape
     pos = jnp.broadcast_to(sequence_positions(t), (b, t))
     q, k, v = llama.project_qkv(p["attn"], llama.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos, cfg)
-    out = causal_attention(q, k, v, window=window, segment_ids=segments).reshape(b, t, -1)
+    out = causal_attention(q, k, v, window=window, segment_ids=segments, softcap=softcap).reshape(b, t, -1)
     x = x + out @ p["attn"]["wo"]
     return x + llama.mlp(p["mlp"], llama.rms_norm(p["mlp_norm"], x, cfg.norm_eps))
 
 
-def _loss(cfg, window, segmented, pipeline):
+def _loss(cfg, window, segmented, pipeline, softcap=None):
     """The Llama with masks: a loss over the stacked blocks, or the same as ``Stages`` (a pipeline's)."""
     stages = Stages(embed=lambda top, b: llama.embed(top, b[0], cfg),
-                    block=lambda p, x: _block(p, x, window, None, cfg), head=lambda top, x: llama.head(top, x, cfg),
+                    block=lambda p, x: _block(p, x, window, None, cfg, softcap), head=lambda top, x: llama.head(top, x, cfg),
                     loss=lambda logits, b: llama.cross_entropy(logits, b[1]))  # fmt: skip
     if pipeline:
         return stages
@@ -158,7 +181,7 @@ def _loss(cfg, window, segmented, pipeline):
     def loss(params, batch):
         top = {k: v for k, v in params.items() if k != "blocks"}
         seg = batch[2] if segmented else None
-        block = lambda h, p: (_block(p, h, window, seg, cfg), None)  # noqa: E731
+        block = lambda h, p: (_block(p, h, window, seg, cfg, softcap), None)  # noqa: E731
         return stages.loss(
             stages.head(top, jax.lax.scan(block, stages.embed(top, batch), params["blocks"])[0]), batch
         )
@@ -178,26 +201,26 @@ KEEP = optax.chain(optax.trace(decay=0.0), optax.scale(0.0))
 
 
 @functools.cache
-def _one_device(window, segmented):
+def _one_device(window, segmented, softcap=None):
     """Loss and gradients of one step on one device in float64, attention written out."""
     with jax.enable_x64(True), use_attention("einsum"):
         cfg = dataclasses.replace(CFG, dtype="float64")
-        loss = jax.jit(jax.value_and_grad(_loss(cfg, window, segmented, False)))
+        loss = jax.jit(jax.value_and_grad(_loss(cfg, window, segmented, False, softcap)))
         value, grads = loss(llama.init(jax.random.key(0), cfg), _batch(segmented))
         return float(value), jax.tree.map(np.asarray, grads)
 
 
-def _step(plan, mesh, options, window, segmented, attention):
+def _step(plan, mesh, options, window, segmented, attention, softcap=None):
     """One float64 step of the plan: relative differences of its loss and gradients from one device's
     einsum step, and the kernels it traced."""
     with jax.enable_x64(True):
         cfg = dataclasses.replace(CFG, dtype="float64")
         params = llama.init(jax.random.key(0), cfg)
         spec = ParallelSpec(plan=plan, mesh=mesh, attention=attention, **options)
-        t = Trainer(_loss(cfg, window, segmented, get_plan(plan).pipeline), params, KEEP, spec=spec,
+        t = Trainer(_loss(cfg, window, segmented, get_plan(plan).pipeline, softcap), params, KEEP, spec=spec,
                     logical_axes=llama.logical_axes(params), rules=vocab_rules(get_plan(plan)), units=llama.units(cfg))  # fmt: skip
         loss = float(t.step(_batch(segmented))["loss"])
-        value, grads = _one_device(window, segmented)
+        value, grads = _one_device(window, segmented, softcap)
         return (
             abs(loss - value) / abs(value),
             max_rel(t.opt_state[0].trace, grads),
@@ -232,11 +255,98 @@ def test_each_plan_attends_as_one_device_masks_included(plan, mesh, options, win
         assert dloss <= FLOAT32_SOFTMAX and 0 < dgrad <= FLOAT32_SOFTMAX and used == {"xla"}, (dloss, dgrad)
 
 
+#: the soft cap under the plans whose attention differs: one device's, the ring's blocks, all-to-all, a pipeline
+CAPPED = [p for p in PLANS if p[0] in ("dp", "dp+pp", "dp+cp", "cp")]
+
+
+@pytest.mark.parametrize(
+    ("plan", "mesh", "options", "window", "segmented"), CAPPED, ids=[p[0] for p in CAPPED]
+)
+def test_each_plan_caps_the_scores_as_one_device(plan, mesh, options, window, segmented):
+    """With ``softcap`` (Gemma 2's), einsum or fused asked, the plan's loss and gradients are one device's
+    in float64 to 1e-10, written out; the cap binds (uncapped, the loss is another)."""
+    for attention in ("einsum", "fused"):
+        dloss, dgrad, used = _step(plan, mesh, options, window, segmented, attention, MODEL_SOFTCAP)
+        assert dloss <= 1e-10 and dgrad <= 1e-10 and used == {"einsum"}, (attention, dloss, dgrad, used)
+    capped, uncapped = _one_device(window, segmented, MODEL_SOFTCAP), _one_device(window, segmented)
+    assert max_rel(capped[1], uncapped[1]) > 1e-2
+
+
+def _alternating_loss(cfg, scanned):
+    """The Llama whose first layer is windowed and second is not: scanned with each layer's kind as data
+    (``causal_attention(windowed=)``), or a loop of the two static calls."""
+
+    def block(p, x, windowed):
+        p = llama.cast_block(p, cfg)
+        b, t, _ = x.shape
+        pos = jnp.broadcast_to(sequence_positions(t), (b, t))
+        q, k, v = llama.project_qkv(p["attn"], llama.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos, cfg)
+        if isinstance(windowed, bool):
+            out = causal_attention(q, k, v, window=WINDOW if windowed else None)
+        else:
+            out = causal_attention(q, k, v, window=WINDOW, windowed=windowed)
+        x = x + out.reshape(b, t, -1) @ p["attn"]["wo"]
+        return x + llama.mlp(p["mlp"], llama.rms_norm(p["mlp_norm"], x, cfg.norm_eps))
+
+    def loss(params, batch):
+        top = {k: v for k, v in params.items() if k != "blocks"}
+        x = llama.embed(top, batch[0], cfg)
+        kinds = (True, False)
+        if scanned:
+            body = lambda h, xs: (block(xs[0], h, xs[1]), None)  # noqa: E731
+            x = jax.lax.scan(body, x, (params["blocks"], jnp.asarray(kinds)))[0]
+        else:
+            for i, kind in enumerate(kinds):
+                x = block(jax.tree.map(lambda a, i=i: a[i], params["blocks"]), x, kind)
+        return llama.cross_entropy(llama.head(top, x, cfg), batch[1])
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("plan", "mesh", "options"),
+    [("dp", "data=8", {}), ("cp", "context=8", {"context_attention": "ring"}),
+     ("dp+cp", "data=2,context=4", {"context_attention": "all-to-all"})],
+)  # fmt: skip
+def test_a_window_in_some_scanned_layers_only_attends_as_their_loop_and_keeps_collectives_unconditional(
+    plan, mesh, options
+):
+    """``windowed`` (a layer's kind scanned as data, Gemma's local and global layers): the plan's loss and
+    gradients in float64 are those of the loop of static calls on one device (1e-10), fused asked
+    included; in float32 the ledger equals the model (no collective of the context split under the
+    choice's ``lax.cond``, which the ledger counts in both branches: a cond around the whole call measured
+    2.0x on the Gemma's)."""
+    with jax.enable_x64(True):
+        cfg = dataclasses.replace(CFG, dtype="float64")
+        params, batch = llama.init(jax.random.key(0), cfg), _batch(False)
+        with use_attention("einsum"):
+            value, grads = jax.jit(jax.value_and_grad(_alternating_loss(cfg, False)))(params, batch)
+        for attention in ("einsum", "fused"):
+            spec = ParallelSpec(plan=plan, mesh=mesh, attention=attention, **options)
+            t = Trainer(_alternating_loss(cfg, True), params, KEEP, spec=spec, logical_axes=llama.logical_axes(params),
+                        units=llama.units(cfg))  # fmt: skip
+            loss = float(t.step(batch)["loss"])
+            tol = (
+                1e-10
+                if attention == "einsum" or options.get("context_attention") == "ring"
+                else FLOAT32_SOFTMAX
+            )
+            assert abs(loss - float(value)) / abs(float(value)) <= tol, (attention, loss, float(value))
+            assert max_rel(t.opt_state[0].trace, grads) <= tol, attention
+    params = llama.init(jax.random.key(0), CFG)  # the ledger's model is of float32 activations
+    t = Trainer(_alternating_loss(CFG, True), params, KEEP, spec=ParallelSpec(plan=plan, mesh=mesh, **options),
+                logical_axes=llama.logical_axes(params), units=llama.units(CFG))  # fmt: skip
+    t.step(batch)
+    assert all(r.ok for r in t.report(batch).communication), str(t.report(batch))
+
+
 def test_refusals_name_the_fix():
     with pytest.raises(PlanError, match="unknown attention 'flash'"):
         ParallelSpec(attention="flash")
     with pytest.raises(PlanError, match="window must be a whole number"):
         A.causal(*_qkv(jnp.float32)[:3], window=0)
+    with pytest.raises(PlanError, match="softcap must be a number above 0"):
+        causal_attention(*_qkv(jnp.float32)[:3], softcap=0.0)
     loss = _loss(CFG, None, True, False)
     t = Trainer(loss, llama.init(jax.random.key(0), CFG), optax.adam(1e-2), plan="cp", mesh="context=8")
     with pytest.raises(PlanError, match=r"segment_ids .* not taken under a context split"):

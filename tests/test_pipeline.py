@@ -235,6 +235,50 @@ def test_user_stages_model_matches_numpy_float64(mesh, plan, name, m, v):
     assert _max_diff(grads, ref) < 1e-13
 
 
+def _alternating(period: int):
+    """A residual stack whose layers alternate (tanh, then sin: two kinds, as Gemma's local and global
+    layers), its block one period of them (``Stages.period``), or each layer's kind by its index."""
+    kinds = (jnp.tanh, jnp.sin)
+
+    def group(p, x):
+        for j, f in enumerate(kinds):
+            x = x + f(x @ p["w"][j] + p["b"][j])
+        return x
+
+    return meshkit.Stages(embed=lambda top, b: b[0] @ top["w_in"], block=group, head=lambda top, x: x @ top["w_out"],
+                          loss=lambda out, b: jnp.mean((out - b[1]) ** 2), period=period)  # fmt: skip
+
+
+def test_stages_of_a_period_run_whole_periods_per_stage_and_refuse_parts_of_one():
+    """8 layers alternating in pairs, a block a pair: 1F1B over 2 stages and interleaved over 2 x 2 virtual
+    stages equal the layers run one by one in float64 (1e-13); 8 stages of one layer each are refused
+    in one line naming the period and the stage axes that hold whole pairs."""
+    rng = np.random.default_rng(2)
+    params = {"w_in": rng.normal(size=(6, 8)) / 3, "w_out": rng.normal(size=(8, 3)) / 3,
+              "blocks": {"w": rng.normal(size=(8, 8, 8)) / 3, "b": rng.normal(size=(8, 8)) / 3}}  # fmt: skip
+    x, y = rng.normal(size=(16, 6)), rng.normal(size=(16, 3))
+
+    def one_by_one(params):
+        h = x @ params["w_in"]
+        for i in range(8):
+            h = h + (jnp.tanh, jnp.sin)[i % 2](h @ params["blocks"]["w"][i] + params["blocks"]["b"][i])
+        return jnp.mean((h @ params["w_out"] - y) ** 2)
+
+    with jax.enable_x64(True):
+        ref_loss, ref = jax.value_and_grad(one_by_one)(params)
+        stages = _alternating(2)
+        assert abs(float(stages(params, (x, y))) - float(ref_loss)) < 1e-13
+        for mesh, name, v in [("stage=2,data=4", "1f1b", 1), ("stage=2,data=4", "interleaved", 2)]:
+            loss, grads = _pipeline_grads(stages, params, (x, y), mesh, "dp+pp", name, 4, v=v)
+            assert abs(float(loss) - float(ref_loss)) < 1e-13 and _max_diff(grads, ref) < 1e-13, (name, v)
+    with pytest.raises(
+        PlanError, match=r"give each stage 1, not whole periods of 2 .* use a stage axis of 1, 2, 4$"
+    ):
+        meshkit.Trainer(stages, params, optax.sgd(0.1), plan="pp", mesh="stage=8", microbatches=8)
+    with pytest.raises(PlanError, match="3 layers are not whole periods of 2"):
+        _alternating(2)({**params, "blocks": jax.tree.map(lambda a: a[:3], params["blocks"])}, (x, y))
+
+
 # -- the Trainer -----------------------------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ def export(
         float, typer.Option(help="Largest safetensors file, in MiB (more: an index).")
     ] = 2048,
 ) -> None:
-    """Write a run's model as a Hugging Face checkpoint (Llama: LlamaForCausalLM; GPT: GPT2LMHeadModel)."""
+    """Write a run's model as a Hugging Face checkpoint of its own model type (a Llama as LlamaForCausalLM, a
+    Gemma as GemmaForCausalLM, Gemma2ForCausalLM or Gemma3ForCausalLM, the GPT as GPT2LMHeadModel)."""
     from meshkit.cli.ledger import _simulate
 
     _simulate(None)

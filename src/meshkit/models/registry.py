@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-_ROWS = ("meshkit.models.gpt_family", "meshkit.models.llama_family")
+_ROWS = ("meshkit.models.gpt_family", "meshkit.models.llama_family", "meshkit.models.gemma_family")
 """The row modules, each holding ``FAMILY``: the first is ``meshkit train``'s default."""
 
 

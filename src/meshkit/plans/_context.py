@@ -23,7 +23,12 @@ chunks (all its queries see the visitor's first chunk) or between them (its seco
 whole visitor): half a block of work either way, chosen by ``lax.cond``, and no device idles.
 
 A sliding ``window`` masks by global positions in both forms (the ring still computes the blocks
-wholly outside it: their weight comes out zero). Per-document ``segment_ids`` are refused under a
+wholly outside it: their weight comes out zero); a ``softcap`` caps each block's scores before its mask
+(the ring's blocks) or goes with the whole sequence to each device's attention (all-to-all). A window
+that applies in some layers only, their kind scanned as data (``windowed``, Gemma's local and global
+layers under ``lax.scan``), keeps every collective outside any ``lax.cond`` (the ledger counts a
+collective under a conditional in each branch): the ring masks by a traced window, all-to-all chooses
+between the two static calls after its exchange. Per-document ``segment_ids`` are refused under a
 split: they would have to travel with the keys (a collective the ledger's model does not hold).
 """
 
@@ -32,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,27 +167,47 @@ def causal_attention(
     *,
     window: int | None = None,
     segment_ids: jax.Array | None = None,
+    softcap: float | None = None,
+    windowed: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
     key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype.
     ``window``: each query sees its last ``window`` positions only (itself included); ``segment_ids``
-    ``(B, T)``: only the keys of its own segment (whole sequences only: refused under a context split).
-    Each device's attention runs by the implementation in force (``plans.attention``)."""
+    ``(B, T)``: only the keys of its own segment (whole sequences only: refused under a context split);
+    ``softcap``: each score capped to ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap`` before
+    the mask (Gemma 2; always written out: the fused call takes no cap); ``windowed``: a traced boolean
+    (a layer's kind, scanned beside its parameters): the window applies only where it is true, each
+    device's attention still one of two static calls. Each device's attention runs by the
+    implementation in force (``plans.attention``)."""
     split = _SPLIT.get()
     if split is not None:
         split.attended.append(split.form)
     if split is None or split.size == 1:
-        return attention.causal(q_bthk, k_bskh, v_bskh, window=window, segment_ids=segment_ids)
+        call = functools.partial(
+            attention.causal, q_bthk, k_bskh, v_bskh, segment_ids=segment_ids, softcap=softcap
+        )
+        return _windowed(call, window, windowed)
     attention.check_window(window)
+    attention.check_softcap(softcap)
     if segment_ids is not None:
         raise PlanError(
             f"segment_ids (documents packed in a row) are not taken under a context split ({split.form} over "
             f"{split.axis}={split.size}): pack one document per sequence, or use a plan without a context axis"
         )
     check_heads(q_bthk.shape[2], split.size, split.form)
-    attend = functools.partial(_ring if split.form == "ring" else _all_to_all, window=window)
+    attend = functools.partial(
+        _ring if split.form == "ring" else _all_to_all, window=window, softcap=softcap, windowed=windowed
+    )
     own = _on_own_heads(attend, q_bthk, k_bskh, v_bskh, split) if split.heads_axis is not None else None
     return attend(q_bthk, k_bskh, v_bskh, split) if own is None else own
+
+
+def _windowed(call, window: int | None, windowed: jax.Array | None) -> jax.Array:
+    """``call(window=window)``, or with ``windowed`` (traced) a ``lax.cond`` of it and ``call(window=None)``:
+    two static calls, so that a fused kernel still takes either."""
+    if windowed is None or window is None:
+        return call(window=window)
+    return lax.cond(windowed, lambda: call(window=window), lambda: call(window=None))
 
 
 def exchanged_kv_heads(heads: int, kv_heads: int, n: int) -> int:
@@ -194,7 +218,13 @@ def exchanged_kv_heads(heads: int, kv_heads: int, n: int) -> int:
 
 
 def _all_to_all(
-    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split, window: int | None = None
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    split: Split,
+    window: int | None = None,
+    softcap: float | None = None,
+    windowed: jax.Array | None = None,
 ) -> jax.Array:
     """Ulysses: sequence split -> head split, attention over the whole sequence, and back. Grouped
     key/value heads go as they are where they divide over the axis (each device pairs its own with its
@@ -211,15 +241,17 @@ def _all_to_all(
 
     order = balanced_order(q_bthk.shape[1] * n, n)
     natural = np.argsort(order)
-    out = attention.causal(to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), window=window)
+    call = functools.partial(
+        attention.causal, to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), softcap=softcap
+    )
+    out = _windowed(call, window, windowed)  # between the exchanges: no collective under the cond
     return lax.all_to_all(out[:, order], split.axis, 1, 2, tiled=True)
 
 
-def _block(q_bthk, k_bshk, v_bshk, mask=None):
+def _block(q_bthk, k_bshk, v_bshk, mask=None, softcap=None):
     """Unnormalized attention of one block: ``(o, m, l)``, o ``(b, t, H, h)``, m and l ``(b, H, t)``."""
     w = attention.wide(q_bthk.dtype)
-    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=w)
-    scores = scores / math.sqrt(q_bthk.shape[-1])
+    scores = attention.capped_scores(q_bthk, k_bshk, softcap)
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(w).min)
     m = scores.max(-1)
@@ -238,10 +270,17 @@ def _merge(acc, blk):
 
 
 def _ring(
-    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split, window: int | None = None
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    split: Split,
+    window: int | None = None,
+    softcap: float | None = None,
+    windowed: jax.Array | None = None,
 ) -> jax.Array:
     """Ring attention with causal load balancing (see the module docstring); with ``window``, each block
-    masked by its tokens' global positions. Its blocks are written out (einsum) whatever the
+    masked by its tokens' global positions (with ``windowed``, a traced window: the whole sequence where
+    it is false). Its blocks are written out (einsum) whatever the
     implementation asked: the online softmax needs each block's running max and sum, and
     ``jax.nn.dot_product_attention`` returns a normalised output only; its ``return_residual``
     log-sum-exp (jax 0.12) is under ``stop_gradient`` and in the inputs' dtype, so merging blocks by it
@@ -249,6 +288,8 @@ def _ring(
     n, heads = split.size, q_bthk.shape[2]
     t = q_bthk.shape[1]
     c = t // 2
+    if windowed is not None and window is not None:
+        window = jnp.where(windowed, window, t * n)  # t * n: farther than any key
     i = lax.axis_index(split.axis)
     perm = [(d, (d + 1) % n) for d in range(n)]
     pos = _device_positions(t, i, n)
@@ -256,7 +297,9 @@ def _ring(
     # step 0: the device's own block (its chunks' order is the same on every device, so is the causal mask)
     local = np.concatenate([np.arange(c), (2 * n - 1) * c + np.arange(c)])
     diagonal = attention.allowed(local, local) if window is None else attention.allowed(pos, pos, window)
-    acc = _block(q_bthk, attention.repeat_kv(k_bskh, heads), attention.repeat_kv(v_bskh, heads), diagonal)
+    acc = _block(
+        q_bthk, attention.repeat_kv(k_bskh, heads), attention.repeat_kv(v_bskh, heads), diagonal, softcap
+    )
     first, second = _halves(acc, c)
     for s in range(1, n):
         kv = tuple(lax.ppermute(x, split.axis, perm) for x in kv)  # now the block of device i - s
@@ -265,12 +308,12 @@ def _ring(
 
         def before(first, second, k=k, v=v, seen=seen):  # visitor's chunks j < i: every query sees its first
             mask = None if window is None else attention.allowed(pos, seen[:c], window)
-            both = _halves(_block(q_bthk, k[:, :c], v[:, :c], mask), c)
+            both = _halves(_block(q_bthk, k[:, :c], v[:, :c], mask, softcap), c)
             return _merge(first, both[0]), _merge(second, both[1])
 
         def between(first, second, k=k, v=v, seen=seen):  # j > i: the second chunk sees the whole visitor
             mask = None if window is None else attention.allowed(pos[c:], seen, window)
-            return first, _merge(second, _block(q_bthk[:, c:], k, v, mask))
+            return first, _merge(second, _block(q_bthk[:, c:], k, v, mask, softcap))
 
         first, second = lax.cond(i >= s, before, between, first, second)
     out = jnp.concatenate([first[0] / _heads_last(first[2]), second[0] / _heads_last(second[2])], axis=1)

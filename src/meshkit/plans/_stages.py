@@ -20,7 +20,8 @@ from meshkit.spec import STAGE, PlanError
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stages:
-    """A model as embedding -> L identical blocks -> head -> loss, the shape a pipeline splits.
+    """A model as embedding -> L identical blocks (or L layers in identical blocks of ``period``) -> head
+    -> loss, the shape a pipeline splits.
 
     ``params`` is a dict; ``params[blocks]`` holds the blocks' parameters stacked with a leading
     layer axis (every leaf ``(L, ...)``), the other entries (the "top") belong to the embedding and
@@ -37,6 +38,10 @@ class Stages:
     """``(outputs, batch) -> scalar``: the mean over the batch's examples."""
     blocks: str = "blocks"
     """The key of ``params`` holding the stacked blocks."""
+    period: int = 1
+    """Layers per block: ``block`` takes ``period`` consecutive layers at once (each leaf ``(period, ...)``),
+    for a model whose layers differ in a pattern that repeats (Gemma's local and global attention). The
+    scan runs over whole periods, so every stage (every chunk of layers) holds whole periods."""
 
     def split(self, params: Any) -> tuple[dict, Any]:
         if not isinstance(params, dict) or self.blocks not in params:
@@ -58,9 +63,19 @@ class Stages:
         return int(shapes.pop())
 
     def run_blocks(self, blocks: Any, x: jax.Array, policy: Any = None) -> jax.Array:
-        """The blocks in order, a ``lax.scan`` over the layer axis; with ``policy`` (a
-        ``jax.checkpoint`` policy) each block rematerialized under it."""
+        """The blocks in order, a ``lax.scan`` over the layer axis (over whole periods of ``period``
+        layers); with ``policy`` (a ``jax.checkpoint`` policy) each block rematerialized under it."""
         block = self.block if policy is None else jax.checkpoint(self.block, policy=policy, prevent_cse=False)
+        if self.period > 1:
+            layers = jax.tree.leaves(blocks)[0].shape[0]
+            if layers % self.period:
+                raise PlanError(
+                    f"{layers} layers are not whole periods of {self.period} (the model's layers repeat every "
+                    f"{self.period}): give each scan or stage a multiple of {self.period} layers"
+                )
+            blocks = jax.tree.map(
+                lambda a: a.reshape(layers // self.period, self.period, *a.shape[1:]), blocks
+            )
         return lax.scan(lambda h, p: (block(p, h), None), x, blocks)[0]
 
     def __call__(self, params: Any, batch: Any) -> jax.Array:
@@ -77,6 +92,13 @@ def check_sizes(stages: Stages, params: Any, p: int, m: int, v: int, schedule: s
         raise PlanError(
             f"{layers} layers do not divide over stage={p} x virtual_stages={v}: each stage needs whole "
             f"layers; use a stage axis of {', '.join(map(str, fits))}, or a layer count divisible by {p * v}"
+        )
+    if layers // (p * v) % stages.period:
+        fits = [d for d in range(1, layers + 1) if layers % (d * v * stages.period) == 0]
+        raise PlanError(
+            f"{layers} layers over stage={p} x virtual_stages={v} give each stage {layers // (p * v)}, not whole "
+            f"periods of {stages.period} (the model's layers repeat every {stages.period}): use a stage axis of "
+            f"{', '.join(map(str, fits)) or 'none: the layers are not whole periods'}"
         )
 
 

@@ -29,6 +29,11 @@ trace what trains, and records the kernels the trace used (``Attention.used``, i
 Masks: causal always; ``window``: the query at position p sees the keys at p - window + 1 .. p
 (Mistral's and Gemma's sliding window; ``local_window_size=(window - 1, 0)``); ``segment_ids``:
 ``(B, T)`` integers, a query sees the keys of its own segment only (documents packed in one row).
+
+Soft-capping (Gemma 2's ``attn_logit_softcapping``): ``softcap`` bounds each scaled score to
+``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap``, before the mask, as transformers' eager
+attention does. ``jax.nn.dot_product_attention`` takes no cap (and cuDNN's flash attention none through
+it), so a capped attention is written out (einsum) whatever is asked, and the record says so.
 """
 
 from __future__ import annotations
@@ -102,6 +107,13 @@ def _wanted(dtype: Any) -> tuple[bool, bool]:
     return name == "fused", True
 
 
+def check_softcap(softcap: Any) -> None:
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, int | float) or not 0 < softcap < math.inf
+    ):
+        raise PlanError(f"softcap must be a number above 0 (or None: no cap), got {softcap!r}")
+
+
 def check_window(window: Any) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise PlanError(
@@ -131,22 +143,26 @@ def causal(
     *,
     window: int | None = None,
     segment_ids: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal attention ``(B, T, H, h)`` over whole sequences in their natural order, ``H / K`` query heads
-    per key/value head, by the implementation in force (the module docstring)."""
+    per key/value head, by the implementation in force (the module docstring); with ``softcap``, written
+    out (the fused call takes no cap)."""
     check_window(window)
+    check_softcap(softcap)
     t = q_bthk.shape[1]
     if segment_ids is not None and segment_ids.shape != q_bthk.shape[:2]:
         raise PlanError(
             f"segment_ids must be (batch, sequence) = {q_bthk.shape[:2]}, one id per token, got {segment_ids.shape}"
         )
     fused, xla = _wanted(q_bthk.dtype)
+    fused = fused and softcap is None
     out, kernel = _fused(q_bthk, k_bskh, v_bskh, window, segment_ids, xla) if fused else (None, None)
     if out is None:
         mask = allowed(np.arange(t), np.arange(k_bskh.shape[1]), window)
         if segment_ids is not None:
             mask = mask & same_segment(segment_ids)
-        out, kernel = einsum_attention(q_bthk, k_bskh, v_bskh, mask), "einsum"
+        out, kernel = einsum_attention(q_bthk, k_bskh, v_bskh, mask, softcap), "einsum"
     note(kernel)
     return out
 
@@ -162,15 +178,24 @@ def repeat_kv(x_bskh: jax.Array, heads: int) -> jax.Array:
     return x_bskh if groups == 1 else jnp.repeat(x_bskh, groups, axis=2)
 
 
-def einsum_attention(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask: jax.Array) -> jax.Array:
-    """Attention written out where ``mask`` (broadcast to ``(B, H, T, S)``) allows: scores and softmax in at
-    least float32, the probabilities and the result in q's dtype."""
+def capped_scores(q_bthk: jax.Array, k_bshk: jax.Array, softcap: float | None = None) -> jax.Array:
+    """``(B, H, T, S)`` scaled scores in at least float32 (key heads one per query head), capped to
+    ``(-softcap, softcap)`` where given: the einsum form's and the ring's blocks'."""
+    w = wide(q_bthk.dtype)
+    s = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=w) / math.sqrt(q_bthk.shape[-1])
+    return s if softcap is None else jnp.tanh(s / softcap) * softcap
+
+
+def einsum_attention(
+    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask: jax.Array, softcap: float | None = None
+) -> jax.Array:
+    """Attention written out where ``mask`` (broadcast to ``(B, H, T, S)``) allows: scores (``softcap``
+    applied) and softmax in at least float32, the probabilities and the result in q's dtype."""
     heads = q_bthk.shape[2]
     k, v = repeat_kv(k_bskh, heads), repeat_kv(v_bskh, heads)
     w = wide(q_bthk.dtype)
-    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k, preferred_element_type=w) / math.sqrt(q_bthk.shape[-1])
-    scores = jnp.where(mask, scores, jnp.finfo(w).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
+    s = jnp.where(mask, capped_scores(q_bthk, k, softcap), jnp.finfo(w).min)
+    probs = jax.nn.softmax(s, axis=-1).astype(q_bthk.dtype)
     return jnp.einsum("bhts,bshk->bthk", probs, v)
 
 

@@ -87,8 +87,10 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
                        experts=model.experts, form=cfg.parallel.context_attention)  # fmt: skip
     batches = data.batches(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS,
                            rows=process_rows(trainer.shardings.batch, cfg.batch_size))  # fmt: skip
+    # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
+    plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
-              eval_loss=jax.jit(family.module.make_loss(dataclasses.replace(model, router_aux_weight=0.0))))  # fmt: skip
+              eval_loss=jax.jit(family.module.make_loss(plain)))  # fmt: skip
     if resume:
         _restore(job)
     return job
