@@ -15,7 +15,11 @@ dtype, 3x of the compute dtype where the gather casts; ``plans/memory.py``): mea
 train`` gives the GPT (``placement.vocab_rules``: its token embedding and head split on model, issue 35):
 params + optimizer per device fell 1.44-1.78x less (tp 98,116 -> 55,108 bytes, fsdp+tp 54,340 -> 48,196),
 five to eight more collectives each (the vocabulary's all-reduces over model), the models re-derived
-from the same rules; every other field is 481eb44's.
+from the same rules. Re-recorded whole on the issue-34/36/38 stop, every collective unchanged: the
+temporaries and bytes accessed of every case whose model attends moved by 8-200 bytes (the causal mask
+a constant of ``plans.attention``, ``(1, 1, T, S)``), and remat inside a scan lost ``prevent_cse``'s
+barrier (``_fsdp``: zero3-scan-dots 317,312 -> 309,120 bytes of temporaries and 4.2% fewer bytes
+accessed, fsdp+tp-layer-scan 345,224 -> 328,840, their peak models with them).
 """
 
 import json
