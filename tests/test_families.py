@@ -422,3 +422,20 @@ HUB = {
 def test_the_hubs_own_configs_are_read(name):
     cfg = config_from_hf(HUB[name])
     assert cfg.tie_embeddings and (cfg.rope_scaling is not None) == (name == "llama-3.2")
+
+
+def test_a_mixture_checkpoints_experts_are_the_runs_shape(tmp_path):
+    """``--init-from`` a Mixtral: the run's shape (what the planner and the memory check see) takes the
+    checkpoint's experts, top-k and dropless routing, whatever ``--experts`` says."""
+    from meshkit.data import load
+    from meshkit.train import config as C
+    from meshkit.train.job import model_shape
+
+    data = load(C.tiny().data)
+    model = config_from_hf({**SMALL, "model_type": "mixtral", "vocab_size": len(data.chars), "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "max_position_embeddings": 64})  # fmt: skip
+    interop.save(llama.init(jax.random.key(1), model), model, tmp_path / "ckpt", vocab=data.chars)
+    cfg = C.tiny().replace(model="llama", layers=2, width=32, heads=4, kv_heads=2, experts=0,
+                           init_from=f"hf:{tmp_path / 'ckpt'}")  # fmt: skip
+    shape = model_shape(cfg, len(data.chars))
+    assert (shape.experts, shape.experts_per_token, shape.capacity_factor) == (4, 2, 0.0)

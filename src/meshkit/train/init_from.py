@@ -50,12 +50,17 @@ def checkpoint_config(cfg: C.TrainConfig, vocab: int, *, precision: str, scan_la
 
 def checkpoint_shape(cfg: C.TrainConfig) -> dict[str, int]:
     """What the run's options do not set but its checkpoint's model fixes, as ``ModelShape`` fields:
-    the heads' width and the MLP's ({} for a checkpoint of another family: the run refuses it)."""
+    the heads' width, the MLP's, and a mixture of experts' count, top-k and capacity (dropless: 0), so
+    that the planner's shape is the model's ({} for a checkpoint of another family: the run refuses it)."""
     model = interop.read_config(_directory(cfg))
     if registry.family_of(model).name != cfg.model:
         return {}
     shape = model.shape()
-    return {"head_dim": shape.head_dim, "ffn": shape.ffn}
+    fixed = {"head_dim": shape.head_dim, "ffn": shape.ffn}
+    if shape.experts:
+        fixed |= {"experts": shape.experts, "experts_per_token": shape.experts_per_token,
+                  "capacity_factor": shape.capacity_factor}  # fmt: skip
+    return fixed
 
 
 def _check_vocabulary(cfg: C.TrainConfig, vocab: int, theirs: int, where: Path) -> None:

@@ -267,9 +267,13 @@ def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
         from meshkit.train.init_from import checkpoint_shape
 
         own |= checkpoint_shape(cfg)
+    moe = {
+        "experts": cfg.experts,
+        "experts_per_token": cfg.experts_per_token,
+        "capacity_factor": cfg.capacity_factor,
+    }
     return ModelShape(name=family.name, layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
-                      seq=cfg.seq_len, gated=family.gated, experts=cfg.experts, experts_per_token=cfg.experts_per_token,
-                      capacity_factor=cfg.capacity_factor, **own)  # fmt: skip
+                      seq=cfg.seq_len, gated=family.gated, **(moe | own))  # fmt: skip
 
 
 def saved_config(run_dir: Path) -> C.TrainConfig:
