@@ -58,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from meshkit._errors import MeshkitError
-from meshkit.models import gpt, llama
+from meshkit.models import gpt, llama, llama_layers
 from meshkit.models.rope import inv_frequencies
 from meshkit.models.shape import ModelShape
 from meshkit.plans import causal_attention, layer, sequence_positions
@@ -291,7 +291,7 @@ def project_qkv(
         q = rms_norm({"scale": p["q_norm"]}, q, cfg.norm_eps)
         k = rms_norm({"scale": p["k_norm"]}, k, cfg.norm_eps)
     cos, sin = _rotary(pos_bt, cfg, local, x_btd.dtype)
-    q, k = llama._rotate(q, cos, sin), llama._rotate(k, cos, sin)
+    q, k = llama_layers.rotate(q, cos, sin), llama_layers.rotate(k, cos, sin)
     if cfg.query_scalar != cfg.head_dim:
         q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_scalar), q.dtype)
     return q, k, v

@@ -45,7 +45,7 @@ def rope_tables(pos_bt: jax.Array, cfg: Any, dtype) -> tuple[jax.Array, jax.Arra
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def _rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x_bthk.shape[-1] // 2
     rotated = jnp.concatenate([-x_bthk[..., half:], x_bthk[..., :half]], -1)
     return x_bthk * cos + rotated * sin
@@ -71,7 +71,7 @@ def project_qkv(
         q = rms_norm({"scale": p["q_norm"]}, q, cfg.norm_eps)
         k = rms_norm({"scale": p["k_norm"]}, k, cfg.norm_eps)
     cos, sin = rope_tables(pos_bt, cfg, x_btd.dtype)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
 def attend(
