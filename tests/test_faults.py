@@ -66,8 +66,11 @@ from meshkit.train.checkpoint import Checkpointer
 assert __import__("threading").active_count() == 1
 for line in sys.stdin:
     directory, states_path, last = line.split()
+    go, ready = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(ready)
+        os.read(go, 1)  # its pid is on stdout first: the test must not read a "start" line for it
         states = pickle.load(open(states_path, "rb"))
         ck = Checkpointer(directory, keep=3)
         for step in range((ck.latest_step() or 0) + 1, int(last) + 1):
@@ -77,7 +80,10 @@ for line in sys.stdin:
             os.write(1, f"done {step}\n".encode())
         ck.close()
         os._exit(0)
+    os.close(go)
     print(f"pid {pid}", flush=True)
+    os.write(ready, b"x")
+    os.close(ready)
     _, status = os.waitpid(pid, 0)
     print(f"exit {status}", flush=True)
 """
@@ -116,7 +122,9 @@ def test_thirty_sigkills_mid_save_each_resume_continues_bit_for_bit(tmp_path, tr
         for round_ in range(30):
             zygote.stdin.write(f"{directory} {states_path} {last}\n")
             zygote.stdin.flush()
-            pid = int(_read_line(zygote).split()[1])
+            kind, pid = _read_line(zygote).split()
+            assert kind == "pid", kind  # (a saver that wrote first would make its step the pid: kill(1))
+            pid = int(pid)
             target, delay = int(rng.integers(0, 3)), rng.uniform(0, 1.3 * save_s)
             # a save is committed (renamed into place) in its last tenth or so: a random delay rarely
             # lands there, so every third kill waits for the committed directory to appear instead
