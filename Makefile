@@ -27,8 +27,10 @@ mpi:
 reference:
 	@bash scripts/reference_env.sh
 
+# --max-worker-restart=0: a worker that crashes ends the run at once, naming its test (xdist's
+# replacement worker can sit idle until CI's limit: pytest-xdist#1328).
 test: setup mpi lint reference
-	$(BIN)/python -m pytest -n 2 -q --durations=60
+	$(BIN)/python -m pytest -n 2 --max-worker-restart=0 -q --durations=60
 	$(BIN)/python -m pytest -q -m reference
 
 # Every recorded step of tests/golden (the suite compiles 20 of the 32; see tests/test_golden_steps.py).

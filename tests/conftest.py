@@ -140,10 +140,43 @@ def pytest_collection_modifyitems(config, items):
     items[:] = longest_files_first(items, recorded_seconds())
 
 
+# -- one file's programs at a time ---------------------------------------------------------------------
+# Every program a process compiles maps its code into memory (3-4 mappings each, on the CPU) and stays
+# there while JAX's caches hold it. A worker of the full suite compiles thousands: in one process, 6 test
+# files reached 8,400 mappings in 5 minutes, and Linux gives a process 65,530 (vm.max_map_count), past
+# which XLA's next mmap fails and it dies with a segmentation fault, in a compile or in the persistent
+# cache's serialize (twice at 91-95% of a full run, 2026-12-05: the crash that held CI to its limit).
+# So when a worker finishes a file (xdist deals whole files, see above) it drops JAX's caches: 300
+# programs' 1,013 mappings fall back to 118 after jax.clear_caches(). Programs a file shares are
+# compiled once for it; the next file compiles its own.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)  # the file's fixtures end here when nextitem is in another file
+    finally:
+        if nextitem is None or nextitem.path != item.path:
+            import gc
+
+            jax.clear_caches()
+            gc.collect()
+
+
+def mappings() -> int:
+    """How many memory mappings this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
 # -- measured costs -----------------------------------------------------------------------------------
 # With MESHKIT_TEST_CPU=FILE, each test appends a line to FILE: its node id, the CPU seconds (user +
 # system) of the processes it started and waited for (theirs and their own children's: a launcher's
-# ranks too), and its wall seconds. The time limits of tests/_limits.py are set from these figures.
+# ranks too), its wall seconds, the CPU seconds of the test's own process (the worker's, tracing and
+# compiling in-process), and the memory mappings the worker holds after it (see above). The time
+# limits of tests/_limits.py are set from the children's figures; the sum of both CPU columns is what
+# the suite costs a loaded machine, test by test.
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     out = os.environ.get("MESHKIT_TEST_CPU")
@@ -152,14 +185,17 @@ def pytest_runtest_protocol(item, nextitem):
     import resource
     import time
 
-    def children() -> float:
-        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    def used(who: int) -> float:
+        r = resource.getrusage(who)
         return r.ru_utime + r.ru_stime
 
-    cpu, wall = children(), time.monotonic()
+    kids, own, wall = used(resource.RUSAGE_CHILDREN), used(resource.RUSAGE_SELF), time.monotonic()
     try:
         return (yield)
     finally:
-        line = f"{item.nodeid}\t{children() - cpu:.2f}\t{time.monotonic() - wall:.2f}\n"
+        line = (
+            f"{item.nodeid}\t{used(resource.RUSAGE_CHILDREN) - kids:.2f}\t{time.monotonic() - wall:.2f}"
+            f"\t{used(resource.RUSAGE_SELF) - own:.2f}\t{mappings()}\n"
+        )
         with open(out, "a") as f:
             f.write(line)
