@@ -38,12 +38,6 @@ from meshkit.devices import prepare_deterministic
 # starts here for every test (processes the tests start inherit the flag with XLA_FLAGS).
 prepare_deterministic()
 jax.config.update("jax_num_cpu_devices", 8)
-# The long-lived test workers read the cache but do not write it: the processes the tests start write
-# it (their programs are the ones compiled again and again). A subset of 82 tests took 202 s with the
-# workers writing and 204 s without; and the one crash of the suite on record (a CI run on 2026-12-05)
-# was a segmentation fault inside jaxlib's executable.serialize(), in a worker that had compiled for an
-# hour, which took its test down with it and wedged xdist's replacement worker until CI's limit.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
 assert jax.device_count() == 8
 
 
