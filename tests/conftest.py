@@ -140,15 +140,21 @@ def pytest_collection_modifyitems(config, items):
 # files reached 8,400 mappings in 5 minutes, and Linux gives a process 65,530 (vm.max_map_count), past
 # which XLA's next mmap fails and it dies with a segmentation fault, in a compile or in the persistent
 # cache's serialize (twice at 91-95% of a full run, 2026-12-05: the crash that held CI to its limit).
-# So when a worker finishes a file (xdist deals whole files, see above) it drops JAX's caches: 300
-# programs' 1,013 mappings fall back to 118 after jax.clear_caches(). Programs a file shares are
-# compiled once for it; the next file compiles its own.
+# So when a worker finishes a file (xdist deals whole files, see above), or holds more than
+# MAPPINGS_HIGH after a test, it drops JAX's caches and collects what no test holds any more: 300 jitted
+# programs' 4,082 mappings fall back to 76 after jax.clear_caches(). Programs a file shares are compiled
+# once for it; the next file compiles its own. One file alone takes a worker to 29,000 mappings
+# (test_families.py, test_deterministic.py, test_pipeline.py: a full run beside load, 2026-12-05), so
+# the second rule keeps a file that grows from the limit too.
+MAPPINGS_HIGH = 30_000
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     try:
         return (yield)  # the file's fixtures end here when nextitem is in another file
     finally:
-        if nextitem is None or nextitem.path != item.path:
+        if nextitem is None or nextitem.path != item.path or mappings() > MAPPINGS_HIGH:
             import gc
 
             jax.clear_caches()
@@ -168,9 +174,9 @@ def mappings() -> int:
 # With MESHKIT_TEST_CPU=FILE, each test appends a line to FILE: its node id, the CPU seconds (user +
 # system) of the processes it started and waited for (theirs and their own children's: a launcher's
 # ranks too), its wall seconds, the CPU seconds of the test's own process (the worker's, tracing and
-# compiling in-process), and the memory mappings the worker holds after it (see above). The time
-# limits of tests/_limits.py are set from the children's figures; the sum of both CPU columns is what
-# the suite costs a loaded machine, test by test.
+# compiling in-process), the memory mappings the worker holds after it (see above), and the worker.
+# The time limits of tests/_limits.py are set from the children's figures; the sum of both CPU columns
+# is what the suite costs a loaded machine, test by test.
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     out = os.environ.get("MESHKIT_TEST_CPU")
@@ -189,7 +195,8 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         line = (
             f"{item.nodeid}\t{used(resource.RUSAGE_CHILDREN) - kids:.2f}\t{time.monotonic() - wall:.2f}"
-            f"\t{used(resource.RUSAGE_SELF) - own:.2f}\t{mappings()}\n"
+            f"\t{used(resource.RUSAGE_SELF) - own:.2f}\t{mappings()}"
+            f"\t{os.environ.get('PYTEST_XDIST_WORKER', '')}\n"
         )
         with open(out, "a") as f:
             f.write(line)
