@@ -135,7 +135,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # -- one file's programs at a time ---------------------------------------------------------------------
-# Every program a process compiles maps its code into memory (3-4 mappings each, on the CPU) and stays
+# Every program a process compiles maps its code into memory (3 to 14 mappings each, on the CPU) and stays
 # there while JAX's caches hold it. A worker of the full suite compiles thousands: in one process, 6 test
 # files reached 8,400 mappings in 5 minutes, and Linux gives a process 65,530 (vm.max_map_count), past
 # which XLA's next mmap fails and it dies with a segmentation fault, in a compile or in the persistent
@@ -145,7 +145,9 @@ def pytest_collection_modifyitems(config, items):
 # programs' 4,082 mappings fall back to 76 after jax.clear_caches(). Programs a file shares are compiled
 # once for it; the next file compiles its own. One file alone takes a worker to 29,000 mappings
 # (test_families.py, test_deterministic.py, test_pipeline.py: a full run beside load, 2026-12-05), so
-# the second rule keeps a file that grows from the limit too.
+# the second rule keeps a file that grows from the limit too. With both, a worker held at most 29,042
+# and 30,796 mappings in two full runs; what it keeps after a clear (about 30,000 late in a run) is held
+# by live objects, not JAX's caches (not yet traced: meshkit's process caches are the suspects).
 MAPPINGS_HIGH = 30_000
 
 
