@@ -147,7 +147,8 @@ def pytest_collection_modifyitems(config, items):
 # (test_families.py, test_deterministic.py, test_pipeline.py: a full run beside load, 2026-12-05), so
 # the second rule keeps a file that grows from the limit too. With both, a worker held at most 29,042
 # and 30,796 mappings in two full runs; what it keeps after a clear (about 30,000 late in a run) is held
-# by live objects, not JAX's caches (not yet traced: meshkit's process caches are the suspects).
+# by something JAX's caches do not own (not yet traced: live objects such as meshkit's process caches,
+# or the allocator keeping its arenas).
 MAPPINGS_HIGH = 30_000
 
 
