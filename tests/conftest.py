@@ -143,12 +143,11 @@ def pytest_collection_modifyitems(config, items):
 # So when a worker finishes a file (xdist deals whole files, see above), or holds more than
 # MAPPINGS_HIGH after a test, it drops JAX's caches and collects what no test holds any more: 300 jitted
 # programs' 4,082 mappings fall back to 76 after jax.clear_caches(). Programs a file shares are compiled
-# once for it; the next file compiles its own. One file alone takes a worker to 29,000 mappings
-# (test_families.py, test_deterministic.py, test_pipeline.py: a full run beside load, 2026-12-05), so
-# the second rule keeps a file that grows from the limit too. With both, a worker held at most 29,042
-# and 30,796 mappings in two full runs; what it keeps after a clear (about 30,000 late in a run) is held
-# by something JAX's caches do not own (not yet traced: live objects such as meshkit's process caches,
-# or the allocator keeping its arenas).
+# once for it; the next file compiles its own. With the first rule alone a worker still reached 29,042
+# mappings in a full run beside load (2026-12-05), and 30,796 with both in a quiet one: what a worker
+# keeps after a clear (about 30,000 late in a run) is held by something JAX's caches do not own (not yet
+# traced: live objects such as meshkit's process caches, or the allocator keeping its arenas), and the
+# second rule clears again whenever a test leaves more.
 MAPPINGS_HIGH = 30_000
 
 
