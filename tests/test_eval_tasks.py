@@ -1,12 +1,14 @@
 """``--eval-tasks``: multiple-choice log-likelihood tasks scored as lm-evaluation-harness scores them
 (``meshkit.train.evals``): the scores against NumPy float64, acc and acc_norm on a case whose answer is
 known, a sharded plan against one device, one compile for many questions, bad rows in one line, and the
-option through a tiny run."""
+option through a tiny run; marked reference: the split against the harness's rule on transformers' tokenizers."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,6 +17,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import REFERENCES
+from meshkit.data.tokenizer import load_tokenizer
 from meshkit.models import llama, registry
 from meshkit.spec import ParallelSpec
 from meshkit.train import Trainer, evals
@@ -218,3 +222,49 @@ def test_a_run_reports_acc_per_task_at_each_eval_step(tmp_path):
     assert report["tasks"]["python_docs"]["acc"] == rows[-1]["acc/python_docs"]
     text = console.export_text()
     assert "step 2 tasks: python_docs acc" in text and "task: python_docs" in text
+
+
+_HARNESS = r"""
+import json, sys
+from transformers import AutoTokenizer
+
+def encode_pair(tok, context, continuation):  # lm_eval/api/model.py _encode_pair, causal (4e7e0d47f33b)
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces > 0:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    whole_enc = tok.encode(context + continuation)  # HFLM.tok_encode: the tokenizer's own special tokens
+    context_enc = tok.encode(context)
+    return context_enc, whole_enc[len(context_enc):]
+
+pairs = json.loads(open(sys.argv[1]).read())
+print(json.dumps({d: [encode_pair(AutoTokenizer.from_pretrained(d), c, x) for c, x in pairs] for d in sys.argv[2:]}))
+"""
+
+
+@pytest.mark.reference
+def test_the_split_is_the_harness_split_with_transformers_tokenizers(tmp_path, reference_python):
+    """The tokenizers of tests/corpus (with a BOS: openllama under transformers 4.x, which meshkit follows;
+    without: gpt2, pythia) split each (context, " " + choice) as the harness's ``_encode_pair`` does on
+    transformers' AutoTokenizer."""
+    here = Path(__file__).parent / "corpus" / "tokenizers"
+    five = Path(reference_python).parents[1].name == REFERENCES["transformers5"]
+    dirs = [here / n for n in ("gpt2", "pythia", *(() if five else ("openllama",)))]
+    (task,) = evals.read_tasks("python_docs")
+    pairs = [(q.context, " " + c) for q in task.questions[:10] for c in q.choices]
+    pairs += [("Question: 2 + 2 =  ", " 4"), ("naïve café\n", " déjà vu"), ("x", " 12345")]
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    done = subprocess.run([reference_python, "-c", _HARNESS, str(tmp_path / "pairs.json"), *map(str, dirs)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = json.loads(done.stdout.splitlines()[-1])
+    for d in dirs:
+        tok = load_tokenizer(d)
+
+        def encode(
+            text, tok=tok
+        ):  # as Corpus.encode: the document's prefix (a BOS where there is one), then the text
+            return np.concatenate([np.asarray(tok.prefix, np.int32), tok.encode(text)])
+
+        got = [list(evals.split_pair(encode, c, x)) for c, x in pairs]
+        assert got == ref[str(d)], d
