@@ -47,8 +47,8 @@ def _task(name: str = "toy") -> Task:
                                            for i, (c, ch, g) in enumerate(rows, 1)))  # fmt: skip
 
 
-def _small(dtype: str = "float64"):
-    cfg = registry.family("llama").small(layers=2, heads=4, experts=0, scan_layers=False)
+def _small(dtype: str = "float64", scan_layers: bool = False):
+    cfg = registry.family("llama").small(layers=2, heads=4, experts=0, scan_layers=scan_layers)
     cfg = dataclasses.replace(cfg, dtype=dtype)
     return cfg, llama.init(jax.random.key(0), cfg)
 
@@ -137,13 +137,17 @@ def test_a_model_made_to_prefer_one_token_answers_where_it_is_gold():
     assert _eval((task,), cfg, _one_device())(params) == {"acc/prefer": 0.75, "acc_norm/prefer": 0.75}
 
 
-@pytest.mark.parametrize(("plan", "mesh"), [("fsdp", "data=8"), ("fsdp+tp", "data=4,model=2")])
+@pytest.mark.parametrize(
+    ("plan", "mesh"), [("fsdp", "data=8"), ("fsdp+tp", "data=4,model=2"), ("dp+pp", "stage=2,data=4")]
+)
 def test_scores_under_a_sharded_plan_equal_one_device(plan, mesh):
-    task = _task()
+    """The parameters where the plan puts them (a pipeline's: the blocks stacked, split over the stages)."""
+    task, pipeline = _task(), "pp" in plan
     with jax.enable_x64(True):
-        cfg, params = _small()
+        cfg, params = _small(scan_layers=pipeline)
         one = _eval((task,), cfg, _one_device(), rows=8).scores(params)
-        t = Trainer(llama.make_loss(cfg), params, optax.sgd(0.1), spec=ParallelSpec(plan=plan, mesh=mesh),
+        loss = llama.stages(cfg) if pipeline else llama.make_loss(cfg)
+        t = Trainer(loss, params, optax.sgd(0.1), spec=ParallelSpec(plan=plan, mesh=mesh),
                     tokens_per_example=SEQ, units=llama.units(cfg), logical_axes=llama.logical_axes(params))  # fmt: skip
         sharded = _eval((task,), cfg, t.shardings.batch, rows=8)
         assert any(len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
