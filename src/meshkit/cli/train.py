@@ -140,6 +140,12 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
         help="Output directory.", show_default="a new runs/<time>; with --resume, runs/latest"
     ),
     "eval_every": _opt("eval_every", "Evaluate every k steps (0: at the end only)."),
+    "eval_tasks": _opt(
+        "eval_tasks",
+        "Multiple-choice tasks scored at each evaluation (acc, acc_norm per task, as lm-evaluation-harness): "
+        'JSONL files of {"query", "choices", "gold"} rows, comma-separated, or a shipped task: python_docs.',
+        "none",
+    ),
     "checkpoint_every": _opt("checkpoint_every", "Checkpoint every k steps."),
     "sample_chars": _opt("sample_chars", "Characters to sample at the end."),
     "tensorboard": _opt("tensorboard", "Also write TensorBoard event files beside metrics.jsonl.", "off"),

@@ -107,6 +107,9 @@ class TrainConfig:
     """Evaluate on the held-out split every this many steps (0: only at the end)."""
     eval_batches: int = 4
     """Held-out batches per evaluation."""
+    eval_tasks: str | None = None
+    """Multiple-choice log-likelihood tasks scored at each evaluation (acc, acc_norm as lm-evaluation-harness
+    counts them): JSONL files, comma-separated, or the names of shipped ones (``meshkit.train.evals``)."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and always at the end)."""
     sample_chars: int = 200
@@ -280,7 +283,7 @@ FIXED_ON_RESUME = {
 }
 #: What a resumed run may change: how the same computation is laid out over devices (the checkpoint is
 #: resharded; the results agree to rounding), and what is measured and written around it.
-CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "checkpoint_every",
+CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "eval_tasks", "checkpoint_every",
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
                         "virtual_stages", "context_attention", "attention", "export_hf", "tracker", "peak_tflops")  # fmt: skip
 PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")

@@ -16,7 +16,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "experts_per_token", "capacity_factor"),
     "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
     "data": ("data", "seq_len", "batch_size", "seed"),
-    "run": ("steps", "run_dir", "eval_every", "eval_batches", "checkpoint_every", "sample_chars", "tensorboard",
+    "run": ("steps", "run_dir", "eval_every", "eval_batches", "eval_tasks", "checkpoint_every", "sample_chars", "tensorboard",
             "plan_reason", "export_hf", "tracker", "peak_tflops"),
     "parallel": PARALLEL,
 }  # fmt: skip

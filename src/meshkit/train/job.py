@@ -23,6 +23,7 @@ from meshkit.models.shape import ModelShape
 from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
 from meshkit.train import config as C
+from meshkit.train import evals
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
@@ -45,6 +46,8 @@ class Job:
     evals: list[dict[str, Any]] = field(default_factory=list)
     eval_loss: Any = None
     """The jitted loss used for evaluation."""
+    tasks: Any = None
+    """The ``--eval-tasks`` scored at each evaluation (``meshkit.train.evals.TaskEval``); None: none."""
     log: MetricsLog | None = None
     """Where rows go while the run is open (process 0 only)."""
     stopped_by: int | None = None
@@ -89,8 +92,10 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
                            rows=process_rows(trainer.shardings.batch, cfg.batch_size))  # fmt: skip
     # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
     plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
+    tasks = evals.build(cfg.eval_tasks, data.encode, plain, seq_len=cfg.seq_len, rows=cfg.batch_size,
+                        sharding=trainer.shardings.batch)  # fmt: skip
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
-              eval_loss=jax.jit(family.module.make_loss(plain)))  # fmt: skip
+              eval_loss=jax.jit(family.module.make_loss(plain)), tasks=tasks)  # fmt: skip
     if resume:
         _restore(job)
     return job

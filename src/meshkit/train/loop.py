@@ -35,6 +35,7 @@ from meshkit.devices import host
 from meshkit.models import module_of, num_params
 from meshkit.planner.hardware import peak_flops
 from meshkit.train import config as C
+from meshkit.train import evals
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
@@ -55,16 +56,19 @@ def evaluate(job: Job) -> dict[str, float]:
     """Held-out loss over ``eval_batches`` fixed held-out batches: ``eval_loss`` in nats per token and,
     where the ids stand for text, ``eval_bpb`` in bits per byte (comparable across tokenizers). A
     mixture's sources each on their own held-out split (``eval_loss/NAME``, ``eval_bpb/NAME``), and
-    ``eval_loss``/``eval_bpb`` their mean weighted by the mixture's weights."""
+    ``eval_loss``/``eval_bpb`` their mean weighted by the mixture's weights. With ``--eval-tasks``, each
+    task's ``acc/NAME`` and ``acc_norm/NAME`` (:mod:`meshkit.train.evals`)."""
+    # --eval-tasks: acc/NAME, acc_norm/NAME
+    tasks = {} if job.tasks is None else job.tasks(job.trainer.params)
     if not job.data.parts:
-        return _held_out(job, None)
+        return _held_out(job, None) | tasks
     out: dict[str, float] = {}
     for i, part in enumerate(job.data.parts):
         one = _held_out(job, i)
         for key, value in one.items():
             out[key] = out.get(key, 0.0) + part.weight * value
             out[f"{key}/{part.name}"] = value
-    return out
+    return out | tasks
 
 
 def _held_out(job: Job, part: int | None) -> dict[str, float]:
@@ -145,6 +149,8 @@ def train(
                     )
                 if cfg.eval_every and job.step % cfg.eval_every == 0 and job.step != cfg.steps:
                     _log(job, {"step": job.step, **evaluate(job)})
+                    if (tasks := evals.line(job.evals[-1])) is not None:
+                        console.print(tasks, highlight=False)
                 if ckpt is not None and (job.step % cfg.checkpoint_every == 0 or job.step == last):
                     _save(job, ckpt)
             if signum is not None:
@@ -288,6 +294,7 @@ def results(job: Job) -> dict[str, Any]:
         "final_loss": job.history[-1]["loss"] if job.history else None,
         "eval_loss": job.evals[-1]["eval_loss"] if job.evals else None,
         "eval_bpb": job.evals[-1].get("eval_bpb") if job.evals else None,
+        **({"tasks": evals.summary(job.evals[-1])} if job.evals and job.tasks is not None else {}),
         "tokenizer": job.data.tokenizer,
         "vocab": job.data.vocab_size,
         **_mixture(job),

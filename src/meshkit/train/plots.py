@@ -81,6 +81,7 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
     rows = [
         ["loss (first step -> last step)", f"{_num(report['initial_loss'])} -> {_num(report['final_loss'])}"],
         ["held-out loss", _num(report["eval_loss"])],
+        *([f"task: {name}", f"acc {m['acc']:.3f}, acc_norm {m['acc_norm']:.3f}"] for name, m in report.get("tasks", {}).items()),
         ["throughput", f"{report['tokens_per_s']:,.0f} tokens/s ({report['step_time_s'] * 1000:.1f} ms/step)"],
         ["model FLOPs", f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"],
         ["MFU", _mfu(report)],
