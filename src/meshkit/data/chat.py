@@ -109,7 +109,7 @@ def assistant_spans(
         upto = template.render(messages[: i + 1])
         if not (upto.startswith(before) and text.startswith(upto)):
             raise DataError(
-                f"chat template {template.name} renders the first {i} messages (with the generation prompt) or the "
+                f"chat template '{template.name}' renders the first {i} messages (with the generation prompt) or the "
                 f"first {i + 1} otherwise than the whole conversation begins (it rewrites earlier turns), so the "
                 "assistant's tokens cannot be told apart: use a template whose render of a conversation's beginning "
                 "is the beginning of its render"

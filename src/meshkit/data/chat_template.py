@@ -36,7 +36,7 @@ class ChatTemplate:
     source: str
     """The Jinja source."""
     name: str
-    """Where it came from, for messages (``'DIR/chat_template.jinja'``, ``'DIR/tokenizer_config.json'``)."""
+    """Where it came from, for messages (``DIR/chat_template.jinja``, ``DIR/tokenizer_config.json``)."""
     variables: dict[str, Any] = field(default_factory=dict)
     """The tokenizer's special tokens (``bos_token``, ..., ``additional_special_tokens``)."""
 
@@ -54,7 +54,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
             )  # fmt: skip
         except jinja2.TemplateError as e:
-            raise DataError(f"chat template {self.name}: {_first_line(e)}") from None
+            raise DataError(f"chat template '{self.name}': {_first_line(e)}") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -131,8 +131,8 @@ def _source(directory: Path, cfg: dict[str, Any]) -> tuple[str, str] | None:
     """(source, name) of the directory's template; None where it has none."""
     jinja = directory / TEMPLATE_FILE
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8"), f"'{jinja}'"
-    where = f"'{directory / CONFIG}'"
+        return jinja.read_text(encoding="utf-8"), str(jinja)
+    where = str(directory / CONFIG)
     value = cfg.get("chat_template")
     if value is None:
         return None
@@ -143,9 +143,9 @@ def _source(directory: Path, cfg: dict[str, Any]) -> tuple[str, str] | None:
         if isinstance(named.get("default"), str):
             return named["default"], f"{where} (default)"
         raise DataError(
-            f"{where}: chat_template lists {sorted(map(str, named))} but no 'default': name one 'default'"
+            f"'{where}': chat_template lists {sorted(map(str, named))} but no 'default': name one 'default'"
         )
-    raise DataError(f"{where}: chat_template is a JSON {type(value).__name__}, not a template: fix it")
+    raise DataError(f"'{where}': chat_template is a JSON {type(value).__name__}, not a template: fix it")
 
 
 def load_template(directory: str | Path) -> ChatTemplate:
