@@ -11,6 +11,13 @@ data_app = typer.Typer(
 )
 
 
+CHAT_HELP = (
+    "Rows are conversations ('messages': a list of {role, content}) or 'prompt' and 'completion' (strings, or "
+    "lists of messages): each row one document, rendered with --tokenizer's chat template as transformers' "
+    "apply_chat_template does, with a loss mask on the assistant's tokens (for meshkit train --task sft)."
+)
+
+
 @data_app.command("prepare")
 def prepare(
     out: Annotated[str, typer.Option(help="New directory to write (must not hold anything yet).")],
@@ -61,16 +68,7 @@ def prepare(
         typer.Option(help="The split of a datasets directory that holds several.", show_default="train"),
     ] = None,
     shard_tokens: Annotated[int, typer.Option(help="Ids per shard file.")] = 1 << 28,
-    chat: Annotated[
-        bool,
-        typer.Option(
-            "--chat",
-            help="Rows are conversations ('messages': a list of {role, content}) or 'prompt' and 'completion' "
-            "(strings, or lists of messages): each row one document, rendered with --tokenizer's chat template as "
-            "transformers' apply_chat_template does, with a loss mask on the assistant's tokens (for meshkit "
-            "train --task sft).",
-        ),
-    ] = False,
+    chat: Annotated[bool, typer.Option("--chat", help=CHAT_HELP)] = False,
 ) -> None:
     """Train a byte-level BPE (or take --tokenizer) and write token shards with a manifest."""
     import time

@@ -81,6 +81,10 @@ def read_row(row: dict[str, Any], where: str) -> Row:
             f"(its fields: {keys}): {FIX}"
         )
     assert out.messages is not None
+    if out.messages[0]["role"] == "assistant":
+        raise DataError(
+            f"'{where}' opens with the assistant's message: open with a system or user message, or {FIX}"
+        )
     if not any(m["role"] == "assistant" for m in out.messages[out.learn_from :]):
         raise DataError(f"'{where}' has no assistant message to learn: add one, or remove the row")
     return out

@@ -100,12 +100,17 @@ def write_chat(
     ids_out = S.ShardWriter(work, dtype=dtype, end_ids=(), shard_tokens=shard_tokens)
     mask_out = S.ShardWriter(work, dtype="u1", end_ids=(), shard_tokens=shard_tokens, name="mask")
     learnt = 0
-    for inp in listed:
-        for where, row in records(inp):
-            ids, mask = encoder.encode_row(row, where)
-            ids_out.add([ids], end=True)
-            mask_out.add([mask], end=True)
-            learnt += int(mask.sum())
+    try:
+        for inp in listed:
+            for where, row in records(inp):
+                ids, mask = encoder.encode_row(row, where)
+                ids_out.add([ids], end=True)
+                mask_out.add([mask], end=True)
+                learnt += int(mask.sum())
+    except BaseException:
+        ids_out.close(documents=False)  # the files closed; the directory is removed
+        mask_out.close(documents=False)
+        raise
     ids_out.close()
     mask_out.close(documents=False)
     if not ids_out.doc_ends:
