@@ -208,6 +208,11 @@ def test_prepare_chat_writes_masks_and_the_corpus_batches_them(tmp_path):
         for row, w in zip(x.targets, x.weights, strict=True):
             for run in np.split(row, np.flatnonzero(np.diff(w > 0)) + 1)[1 if w[0] == 0 else 0 :: 2]:
                 answers.add(corpus.decode(run))
+    held = corpus.batches(
+        seq_len=512, global_batch=2, seed=0, held_out=True, process_index=0, process_count=1
+    )
+    assert held.packing_summary["documents"] == corpus.held_out.documents  # fewer ids than a row: padded
+    assert next(held).weights.any()
     said = {" ".join(map(str, range(1, i + 2))) + "<|eot_id|>" for i in range(30)}
     trained = {a for a in answers if a[0].isdigit() and "Hello" not in a}
     assert trained and trained <= said | {"4<|eot_id|>"}
@@ -260,6 +265,8 @@ def test_a_mixture_of_chat_and_plain_data_is_refused(tmp_path):
         [str(_jsonl(tmp_path / "d.jsonl", ROWS[::-1]))], tmp_path / "chat2", tokenizer=str(LLAMA3), chat=True
     )
     mixed = load(f"{tmp_path / 'chat'}:0.5,{tmp_path / 'chat2'}:0.5")
-    x = next(mixed.batches(seq_len=64, global_batch=4, seed=0, process_index=0, process_count=1))
+    stream = mixed.batches(seq_len=64, global_batch=4, seed=0, process_index=0, process_count=1)
+    assert stream.packing_summary["documents"] == sum(p.train.documents for p in mixed.parts)
+    x = next(stream)
     mask = x.weights > 0
     assert mask.any() and np.allclose(x.weights[mask], mask.size / mask.sum()) and x.segment_ids.max() >= 1

@@ -141,6 +141,15 @@ class MixedBatches(Batches):
     def chat(self) -> bool:
         return self.sources[0].chat
 
+    @property
+    def packing_summary(self) -> dict[str, float] | None:
+        """The sources' packings together (fine-tuning data), else None."""
+        each = [s.packing.summary for s in self.sources if s.packing is not None]
+        if not each:
+            return None
+        out = {k: sum(e[k] for e in each) for k in ("documents", "rows", "truncated")}
+        return out | {"fill": round(sum(e["fill"] * e["rows"] for e in each) / out["rows"], 4)}
+
     def _pick(self, i: int) -> tuple[Batches, int]:
         """Window ``i`` of the run: row ``i`` of its global batch, placed by the seed, and dealt out to a
         source's window."""

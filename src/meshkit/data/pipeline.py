@@ -52,7 +52,9 @@ class Batches:
     """Deterministic, resumable, process-aware stream of ``(inputs, targets)`` int32 arrays: this process's
     rows of each global batch, ``(global_batch / process_count, seq_len)`` by default, or ``rows``
     (``process_rows``: the rows the process's devices hold, all of them where the batch axis lies
-    within each process, as when a pipeline's stages span the processes)."""
+    within each process, as when a pipeline's stages span the processes). A
+    :class:`meshkit.spec.batch.TokenBatch` instead for fine-tuning data (``source`` a ``ChatSource``) and
+    with ``document_masks`` (module docstring)."""
 
     def __init__(
         self,
@@ -103,7 +105,9 @@ class Batches:
             raise DataError(
                 f"sequence length and global batch must be positive, got {self.seq_len} and {self.global_batch}"
             )
-        if self.seq_len + 1 > tokens:
+        if self.seq_len + 1 > tokens and not isinstance(
+            self.source, ChatSource
+        ):  # rows of conversations: padded
             raise DataError(
                 f"sequence length {self.seq_len} needs at least {self.seq_len + 1} tokens but the data has "
                 f"{tokens}; use a shorter --seq-len or more data"
@@ -123,6 +127,12 @@ class Batches:
     def chat(self) -> bool:
         """Rows of whole conversations with weights (fine-tuning data)."""
         return self.packing is not None
+
+    @property
+    def packing_summary(self) -> dict[str, float] | None:
+        """For the run's log (fine-tuning data): conversations, rows, conversations cut to a row, share
+        of the rows' ids that are conversations; None for plain data."""
+        return None if self.packing is None else self.packing.summary
 
     def window(self, i: int) -> np.ndarray:
         """Window ``i`` of the run (``seq_len + 1`` ids)."""
