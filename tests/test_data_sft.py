@@ -270,3 +270,19 @@ def test_a_mixture_of_chat_and_plain_data_is_refused(tmp_path):
     x = next(stream)
     mask = x.weights > 0
     assert mask.any() and np.allclose(x.weights[mask], mask.size / mask.sum()) and x.segment_ids.max() >= 1
+
+
+def test_global_batch_places_a_token_batch_keeping_absent_fields():
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from meshkit.data.pipeline import global_batch
+
+    x = next(_stream(_docs(), global_batch=8))
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("data",)), PartitionSpec("data"))
+    placed = global_batch(sharding, x)
+    assert isinstance(placed, TokenBatch)
+    for a, b in zip(placed, x, strict=True):
+        assert a.sharding == sharding and np.array_equal(np.asarray(a), b)
+    plain = global_batch(sharding, x._replace(weights=None))
+    assert plain.weights is None and np.array_equal(np.asarray(plain.positions), x.positions)

@@ -243,17 +243,18 @@ class Batches:
         self._start = state["batch"]
 
 
-def global_batch(
-    sharding: Sharding, local: tuple[np.ndarray, ...], examples: int | None = None
-) -> tuple[jax.Array, ...]:
+def global_batch(sharding: Sharding, local: tuple[Any, ...], examples: int | None = None) -> tuple[Any, ...]:
     """Global arrays of ``examples`` rows (default: inferred) from each process's rows of the batch
-    (``process_rows``), placed with ``sharding``."""
-    return tuple(
-        jax.make_array_from_process_local_data(
+    (``process_rows``), placed with ``sharding``; a ``TokenBatch`` stays one, its absent fields ``None``."""
+    arrays = [
+        None
+        if a is None
+        else jax.make_array_from_process_local_data(
             sharding, a, None if examples is None else (examples, *np.shape(a)[1:])
         )
         for a in local
-    )
+    ]
+    return TokenBatch(*arrays) if isinstance(local, TokenBatch) else tuple(arrays)
 
 
 def process_rows(sharding: Sharding, examples: int) -> tuple[int, int]:
