@@ -286,3 +286,28 @@ def test_global_batch_places_a_token_batch_keeping_absent_fields():
         assert a.sharding == sharding and np.array_equal(np.asarray(a), b)
     plain = global_batch(sharding, x._replace(weights=None))
     assert plain.weights is None and np.array_equal(np.asarray(plain.positions), x.positions)
+
+
+def test_the_cli_prepares_conversations_and_refuses_a_bad_row_in_one_line(tmp_path, capsys):
+    from meshkit.cli import main
+
+    good = _jsonl(tmp_path / "good.jsonl", ROWS[:3])
+    assert (
+        main(
+            ["data", "prepare", str(good), "--chat", "--tokenizer", str(LLAMA3), "--out", str(tmp_path / "o")]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "3 conversations" in out and "learnt" in out and "--task sft" in out
+    bad = _jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"messages": [{"role": "robot", "content": "x"}]}])
+    assert (
+        main(
+            ["data", "prepare", str(bad), "--chat", "--tokenizer", str(LLAMA3), "--out", str(tmp_path / "b")]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: ") and err.count("\n") == 1 and "bad.jsonl:2': messages[0] has the role" in err
+    )
