@@ -172,6 +172,11 @@ def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any,
     files, sizes = read_chat(directory, manifest)
     ends = shards.documents(directory)
     starts = np.concatenate([[0], ends[:-1]])
+    if len(ends) < 2:
+        raise DataError(
+            f"'{directory}' holds {len(ends)} conversation(s): a run holds out its last ones for evaluation, "
+            "so give at least 2 rows"
+        )
     return ChatSource(stream, ShardSource(files, sizes, "u1"), starts, ends).split(held)
 
 
