@@ -252,7 +252,7 @@ def test_prepare_chat_refuses_what_it_cannot_read(tmp_path):
         prepare([str(src)], tmp_path / "o3", tokenizer=str(gpt2), chat=True)
     plain = _jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}])
     assert prepare([str(plain)], tmp_path / "o4", tokenizer=str(gpt2), chat=True)["chat"]["template"] is None
-    with pytest.raises(DataError, match="holds 1 conversation.*give at least 2 rows"):
+    with pytest.raises(DataError, match=r"holds 1 conversation.*give at least 2 rows"):
         load(str(tmp_path / "o4"))
 
 
