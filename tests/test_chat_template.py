@@ -31,8 +31,9 @@ def _encoder(name: str) -> Encoder:
 
 
 def _ids(enc: Encoder, messages, generation: bool) -> list[int]:
-    text = enc.template.render(messages, add_generation_prompt=generation)
-    return enc.tokenizer.encode_offsets(text, special=True)[0].tolist()
+    if generation:
+        return enc.prompt_ids(messages).tolist()
+    return enc.tokenizer.encode_offsets(enc.template.render(messages), special=True)[0].tolist()
 
 
 def _cases() -> list[tuple[str, list, bool]]:
@@ -174,3 +175,13 @@ def test_bad_rows_are_one_line_naming_the_row(row, said):
     with pytest.raises(DataError, match=said) as e:
         _encoder("gemma2").encode_row(row, "chats.jsonl:7")
     assert "'chats.jsonl:7'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rows_encoded_together_equal_each_alone():
+    enc = _encoder("llama3")
+    rows = [({"messages": [SYSTEM, *TURNS]}, "a"), ({"prompt": "x = ", "completion": "1"}, "b"),
+            ({"prompt": [TURNS[0]], "completion": [TURNS[1]]}, "c")]  # fmt: skip
+    together = enc.encode_rows(rows)
+    for (row, where), (ids, mask) in zip(rows, together, strict=True):
+        alone_ids, alone_mask = enc.encode_row(row, where)
+        assert ids.tolist() == alone_ids.tolist() and mask.tolist() == alone_mask.tolist()

@@ -122,35 +122,77 @@ def assistant_spans(
     return text, spans
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A row rendered: its text, the characters learnt, and whether it is a template's render (special
+    tokens read as such) or plain text framed as a document (BOS where the tokenizer prepends one, then
+    the end of text, learnt)."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    chat: bool
+
+
 class Encoder:
     """Rows to ``(ids, mask)`` with ``tokenizer`` and (for messages) ``template``."""
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
         self.tokenizer, self.template = tokenizer, template
 
-    def encode(self, row: Row) -> tuple[np.ndarray, np.ndarray]:
-        """The row's ids (int32) and mask (uint8: 1 where the id is learnt)."""
-        tok = self.tokenizer
+    def _plan(self, row: Row) -> _Plan:
         if row.messages is None:
             text = row.prompt + row.completion
-            ids, offsets = tok.encode_offsets(text, special=False)
-            mask = _mask(offsets, [(len(row.prompt), len(text))])
-            pre, suf = np.asarray(tok.prefix, np.int32), np.asarray(tok.suffix, np.int32)
-            ids = np.concatenate([pre, ids, suf])
-            return ids, np.concatenate([np.zeros(len(pre), np.uint8), mask, np.ones(len(suf), np.uint8)])
+            return _Plan(text, [(len(row.prompt), len(text))], chat=False)
         if self.template is None:
             raise DataError(
                 "rows of messages need a chat template: give --tokenizer a chat model's directory "
                 "(its tokenizer_config.json's chat_template, or chat_template.jinja)"
             )
         text, spans = assistant_spans(self.template, row.messages, row.learn_from)
-        ids, offsets = tok.encode_offsets(text, special=True)
-        return ids, _mask(offsets, spans)
+        return _Plan(text, spans, chat=True)
+
+    def _finish(self, plan: _Plan, ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mask = _mask(offsets, plan.spans)
+        if plan.chat:
+            return ids, mask
+        pre, suf = np.asarray(self.tokenizer.prefix, np.int32), np.asarray(self.tokenizer.suffix, np.int32)
+        return np.concatenate([pre, ids, suf]), np.concatenate(
+            [np.zeros(len(pre), np.uint8), mask, np.ones(len(suf), np.uint8)]
+        )
+
+    def _many(self, plans: list[_Plan]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The plans' ids and masks, encoded in batches on the tokenizer's own threads."""
+        out: list[Any] = [None] * len(plans)
+        for chat in (True, False):
+            at = [i for i, p in enumerate(plans) if p.chat == chat]
+            if at:
+                encoded = self.tokenizer.encode_offsets_batch([plans[i].text for i in at], special=chat)
+                for i, (ids, offsets) in zip(at, encoded, strict=True):
+                    out[i] = self._finish(plans[i], ids, offsets)
+        return out
+
+    def encode(self, row: Row) -> tuple[np.ndarray, np.ndarray]:
+        """The row's ids (int32) and mask (uint8: 1 where the id is learnt)."""
+        return self._many([self._plan(row)])[0]
+
+    def encode_rows(self, rows: list[tuple[dict[str, Any], str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Raw rows' ids and masks (each with ``where`` it is, which a bad row or a template error names)."""
+        plans = []
+        for row, where in rows:
+            parsed = read_row(row, where)
+            try:
+                plans.append(self._plan(parsed))
+            except DataError as e:
+                raise DataError(f"'{where}': {e}") from None
+        return self._many(plans)
 
     def encode_row(self, row: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
-        """A raw row's ids and mask; bad rows and template errors name ``where``."""
-        parsed = read_row(row, where)
-        try:
-            return self.encode(parsed)
-        except DataError as e:
-            raise DataError(f"'{where}': {e}") from None
+        """A raw row's ids and mask."""
+        return self.encode_rows([(row, where)])[0]
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
+        """The ids of ``messages`` with the template's generation prompt (to sample the answer from)."""
+        if self.template is None:
+            raise DataError("a chat prompt needs a chat template: give a chat model's tokenizer directory")
+        text = self.template.render(_messages(messages, "messages", "prompt"), add_generation_prompt=True)
+        return self.tokenizer.encode_offsets(text, special=True)[0]

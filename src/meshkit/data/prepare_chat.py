@@ -25,6 +25,8 @@ from meshkit.data.tokenizer import Tokenizer
 
 FIELDS = ("messages", "prompt", "completion")
 """The columns a chat row is read from."""
+CHUNK = 256
+"""Rows rendered, then encoded together on the tokenizer's threads."""
 
 
 def records(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -78,6 +80,17 @@ def _table_rows(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
         ) from None
 
 
+def _chunks(items: Iterator[Any], size: int = CHUNK) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def _template(tokenizer: str) -> ChatTemplate | None:
     """The tokenizer directory's chat template; None where it has none (plain prompt/completion rows
     need none: a row of messages then names the fix)."""
@@ -101,9 +114,8 @@ def write_chat(
     mask_out = S.ShardWriter(work, dtype="u1", end_ids=(), shard_tokens=shard_tokens, name="mask")
     learnt = 0
     try:
-        for inp in listed:
-            for where, row in records(inp):
-                ids, mask = encoder.encode_row(row, where)
+        for chunk in _chunks((row, where) for inp in listed for where, row in records(inp)):
+            for ids, mask in encoder.encode_rows(chunk):
                 ids_out.add([ids], end=True)
                 mask_out.add([mask], end=True)
                 learnt += int(mask.sum())
