@@ -11,6 +11,13 @@ data_app = typer.Typer(
 )
 
 
+CHAT_HELP = (
+    "Rows are conversations ('messages': a list of {role, content}) or 'prompt' and 'completion' (strings, or "
+    "lists of messages): each row one document, rendered with --tokenizer's chat template as transformers' "
+    "apply_chat_template does, with a loss mask on the assistant's tokens (for meshkit train --task sft)."
+)
+
+
 @data_app.command("prepare")
 def prepare(
     out: Annotated[str, typer.Option(help="New directory to write (must not hold anything yet).")],
@@ -61,6 +68,7 @@ def prepare(
         typer.Option(help="The split of a datasets directory that holds several.", show_default="train"),
     ] = None,
     shard_tokens: Annotated[int, typer.Option(help="Ids per shard file.")] = 1 << 28,
+    chat: Annotated[bool, typer.Option("--chat", help=CHAT_HELP)] = False,
 ) -> None:
     """Train a byte-level BPE (or take --tokenizer) and write token shards with a manifest."""
     import time
@@ -85,7 +93,7 @@ def prepare(
         start = time.perf_counter()
         manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
                        bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
-                       report=report)  # fmt: skip
+                       report=report, chat=chat)  # fmt: skip
     _done(out, manifest, time.perf_counter() - start)
 
 
@@ -93,6 +101,17 @@ def _done(out: str, manifest: dict, seconds: float) -> None:
     """The line that says what was prepared, how fast, and how to train on it."""
     from meshkit.cli._format import console
 
+    if "chat" in manifest:
+        from meshkit.data.prepare_chat import summary
+
+        console.print(
+            f"prepared {out}: {manifest['documents']:,} conversations -> {manifest['tokens']:,} tokens, "
+            f"{summary(manifest)}, in {len(manifest['shards'])} shard(s), {seconds:.1f} s; train on it with: "
+            f"meshkit train --task sft --data {out}",
+            soft_wrap=True,
+            highlight=False,
+        )
+        return
     mb = manifest["text_bytes"] / 1e6
     skipped = f" ({manifest['skipped_rows']:,} rows without text skipped)" if manifest["skipped_rows"] else ""
     console.print(

@@ -6,7 +6,10 @@ character-level text and ``.npy`` ids too.
 Modules: ``corpus`` (a run's data: ``load``), ``pipeline`` (``Batches``, ``global_batch``),
 ``mixture`` (weighted mixtures of prepared directories), ``shards`` (the on-disk format), ``prepare``
 (text to shards), ``readers`` (its inputs: text, JSONL, Parquet, datasets directories), ``tokenizer``,
-``text`` (character-level), ``source`` (token streams in memory or on disk).
+``text`` (character-level), ``source`` (token streams in memory or on disk); for fine-tuning,
+``chat_template`` (a model's chat template, rendered as transformers does), ``chat`` (conversations to
+ids and an assistant-only loss mask), ``prepare_chat`` (``meshkit data prepare --chat``) and ``packing``
+(whole conversations packed into rows).
 
 Names are imported on first use, so that ``meshkit data prepare`` (the tokenizer and the shards)
 starts without JAX and grain, which only the pipeline needs.

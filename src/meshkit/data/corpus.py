@@ -55,6 +55,14 @@ class Corpus:
     empty for one source."""
 
     @property
+    def chat(self) -> bool:
+        """Conversations with a loss mask (``meshkit data prepare --chat``): its batches are
+        :class:`meshkit.spec.batch.TokenBatch` es with weights, segment ids and positions."""
+        from meshkit.data.packing import ChatSource
+
+        return isinstance(self.train, ChatSource)
+
+    @property
     def loss_unit(self) -> str:
         """The unit of the run's cross-entropy: nats per character for text read per character, per
         token for BPE shards and bare ids (the one owner: the plot, the log and the summary ask it)."""
@@ -150,13 +158,35 @@ def load(path: str | None) -> Corpus:
     )  # fmt: skip
 
 
+def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any, Any]:
+    """The training and held-out parts of a prepared directory's stream: its tail of ``EVAL_FRACTION``
+    of the tokens, or (``--chat``) of its conversations, whole, with their masks."""
+    held = len(stream) - split_at(len(stream))
+    if "chat" not in manifest:
+        return stream.view(0, len(stream) - held), stream.view(len(stream) - held, len(stream))
+    from meshkit.data import shards
+    from meshkit.data.packing import ChatSource
+    from meshkit.data.prepare_chat import read_chat
+    from meshkit.data.source import ShardSource
+
+    files, sizes = read_chat(directory, manifest)
+    ends = shards.documents(directory)
+    starts = np.concatenate([[0], ends[:-1]])
+    if len(ends) < 2:
+        raise DataError(
+            f"'{directory}' holds {len(ends)} conversation(s): a run holds out its last ones for evaluation, "
+            "so give at least 2 rows"
+        )
+    return ChatSource(stream, ShardSource(files, sizes, "u1"), starts, ends).split(held)
+
+
 def _from_shards(directory: Path) -> Corpus:
     from meshkit.data import shards
 
     manifest, stream, tokenizer = shards.open_shards(directory)
-    cut = split_at(len(stream))
+    train, held = _split(directory, manifest, stream)
     return Corpus(
-        train=stream.view(0, cut), held_out=stream.view(cut, len(stream)), vocab_size=tokenizer.vocab_size,
+        train=train, held_out=held, vocab_size=tokenizer.vocab_size,
         source=f"{directory} (BPE token shards)", packed=True, pad_id=tokenizer.eot_id, digest=shards.digest(manifest),
         decoder=tokenizer.decode, token_bytes=tokenizer.token_bytes, tokenizer="BPE", bpe=tokenizer,
     )  # fmt: skip
@@ -190,9 +220,9 @@ def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
     total = sum(w or 0.0 for _, w in sources)
     parts = []
     for name, (path, weight), (m, stream, _) in zip(names, sources, opened, strict=True):
-        cut = split_at(len(stream))
-        parts.append(mixture.Part(name=name, path=path, weight=(weight or 0.0) / total, train=stream.view(0, cut),
-                                  held_out=stream.view(cut, len(stream)), digest=shards.digest(m)))  # fmt: skip
+        train, held = _split(Path(path), m, stream)
+        parts.append(mixture.Part(name=name, path=path, weight=(weight or 0.0) / total, train=train,
+                                  held_out=held, digest=shards.digest(m)))  # fmt: skip
     said = ", ".join(f"{p.name} {p.weight:.0%}" for p in parts)
     return Corpus(
         train=ConcatSource([p.train for p in parts]), held_out=ConcatSource([p.held_out for p in parts]),

@@ -129,15 +129,47 @@ class MixedBatches(Batches):
             Batches(s, **{**kw, **alone, "seed": _seed(kw.get("seed", 0), i), "digest": p.digest})
             for i, (p, s) in enumerate(zip(parts, streams, strict=True))
         ]
+        if len({s.chat for s in self.sources}) > 1:
+            chat = [p.name for p, s in zip(parts, self.sources, strict=True) if s.chat]
+            raise DataError(
+                f"--data mixes conversations ({', '.join(chat)}, prepared with --chat) with plain text: "
+                "mix sources of one kind"
+            )
         super().__init__(ConcatSource(streams), **kw)
 
-    def window(self, i: int) -> np.ndarray:
-        """Window ``i`` of the run: row ``i`` of its global batch, placed by the seed, and dealt out."""
+    @property
+    def chat(self) -> bool:
+        return self.sources[0].chat
+
+    @property
+    def packing_summary(self) -> dict[str, float] | None:
+        """The sources' packings together (fine-tuning data), else None."""
+        each = [s.packing.summary for s in self.sources if s.packing is not None]
+        if not each:
+            return None
+        out = {k: sum(e[k] for e in each) for k in ("documents", "rows", "truncated")}
+        return out | {"fill": round(sum(e["fill"] * e["rows"] for e in each) / out["rows"], 4)}
+
+    def _pick(self, i: int) -> tuple[Batches, int]:
+        """Window ``i`` of the run: row ``i`` of its global batch, placed by the seed, and dealt out to a
+        source's window."""
         g = self.global_batch
         b, j = divmod(i, g)
         place = index_shuffle(j, max_index=g - 1, seed=(self.seed + b * 0x9E3779B1) % 2**32, rounds=4)
         s, k = pick(b * g + int(place), self.ratio)
-        return self.sources[s].window(k)
+        return self.sources[s], k
+
+    def window(self, i: int) -> np.ndarray:
+        source, k = self._pick(i)
+        return source.window(k)
+
+    def layout(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        source, k = self._pick(i)
+        return source.layout(k)
+
+    def target_mask(self, i: int) -> np.ndarray:
+        source, k = self._pick(i)
+        return source.target_mask(k)
 
     def rows(self, batches: int) -> list[int]:
         """Rows each source gave the first ``batches`` global batches."""

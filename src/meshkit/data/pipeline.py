@@ -13,6 +13,15 @@ as ``grain.sharding.ShardByJaxProcess`` names it), read ahead on threads by grai
 So the stream's position is one number, the global batch count (grain's ``next_index``), whatever
 the number of processes: ``state`` saves it with what fixes the order, ``restore`` continues at the
 exact next batch, also with another process count or device count.
+
+Fine-tuning data (a :class:`meshkit.data.packing.ChatSource`: conversations with a loss mask) is packed
+into rows of whole conversations (:class:`meshkit.data.packing.Packing`), shuffled and dealt out as the
+windows are, and each batch is a :class:`meshkit.spec.batch.TokenBatch` with segment ids, positions and
+weights: each target's mask scaled by ``tokens / masked tokens`` of the *global* batch, which every
+process computes from the masks of all the batch's rows (a byte per id; it reads only its own rows' ids),
+so the plain mean of ``token_loss * weights`` is the global masked mean under every plan (all zeros where
+the global batch has no target to learn). ``document_masks=True`` gives plain token windows segment ids
+and positions from their end-of-text ids (weights ``None``).
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from meshkit.data.packing import ChatSource, Packing, documents_layout
 from meshkit.data.source import DataError, TokenSource
+from meshkit.spec.batch import TokenBatch
 
 _STATE_KEYS = ("seed", "seq_len", "global_batch", "num_tokens")
-_PACKED_KEYS = ("packed", "data")
+_PACKED_KEYS = ("packed", "data", "chat")
 
 
 def _process() -> tuple[int, int]:
@@ -41,7 +52,9 @@ class Batches:
     """Deterministic, resumable, process-aware stream of ``(inputs, targets)`` int32 arrays: this process's
     rows of each global batch, ``(global_batch / process_count, seq_len)`` by default, or ``rows``
     (``process_rows``: the rows the process's devices hold, all of them where the batch axis lies
-    within each process, as when a pipeline's stages span the processes)."""
+    within each process, as when a pipeline's stages span the processes). A
+    :class:`meshkit.spec.batch.TokenBatch` instead for fine-tuning data (``source`` a ``ChatSource``) and
+    with ``document_masks`` (module docstring)."""
 
     def __init__(
         self,
@@ -57,6 +70,7 @@ class Batches:
         process_count: int | None = None,
         threads: int = 0,
         rows: tuple[int, int] | None = None,
+        document_masks: bool = False,
     ) -> None:
         if isinstance(source, np.ndarray):
             from meshkit.data.source import ArraySource
@@ -73,7 +87,14 @@ class Batches:
         self.first_row = self.process_index * self.local_batch
         if rows is not None:
             self.first_row, self.local_batch = rows[0], rows[1] - rows[0]
-        self.windows = -(-(len(source) - 1) // seq_len) if packed else len(source) - seq_len
+        self.document_masks = document_masks
+        """Segment ids and positions of plain windows from their end-of-text ids (``pad_id``)."""
+        self.packing = Packing(source, seq_len, pad_id) if isinstance(source, ChatSource) else None
+        """The rows of whole conversations (fine-tuning data), else None."""
+        if self.packing is not None:
+            self.windows = self.packing.rows
+        else:
+            self.windows = -(-(len(source) - 1) // seq_len) if packed else len(source) - seq_len
         self._order = grain.MapDataset.range(self.windows).shuffle(seed=seed).repeat()
         self._iter: Any = None
         self._start = 0
@@ -84,7 +105,9 @@ class Batches:
             raise DataError(
                 f"sequence length and global batch must be positive, got {self.seq_len} and {self.global_batch}"
             )
-        if self.seq_len + 1 > tokens:
+        if self.seq_len + 1 > tokens and not isinstance(
+            self.source, ChatSource
+        ):  # rows of conversations: padded
             raise DataError(
                 f"sequence length {self.seq_len} needs at least {self.seq_len + 1} tokens but the data has "
                 f"{tokens}; use a shorter --seq-len or more data"
@@ -100,9 +123,22 @@ class Batches:
             )
 
     # -- what one element is ----------------------------------------------------------------------
+    @property
+    def chat(self) -> bool:
+        """Rows of whole conversations with weights (fine-tuning data)."""
+        return self.packing is not None
+
+    @property
+    def packing_summary(self) -> dict[str, float] | None:
+        """For the run's log (fine-tuning data): conversations, rows, conversations cut to a row, share
+        of the rows' ids that are conversations; None for plain data."""
+        return None if self.packing is None else self.packing.summary
+
     def window(self, i: int) -> np.ndarray:
         """Window ``i`` of the run (``seq_len + 1`` ids)."""
         w = int(self._order[i])
+        if self.packing is not None:
+            return self.packing.tokens(w)
         if not self.packed:
             return np.asarray(self.source.read(w, w + self.seq_len + 1), np.int32)
         ids = self.source.read(w * self.seq_len, (w + 1) * self.seq_len + 1)
@@ -115,8 +151,36 @@ class Batches:
         batch, j = divmod(k, self.local_batch)
         return batch * self.global_batch + self.first_row + j
 
+    def layout(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Segment ids and positions of window ``i``'s ``seq_len + 1`` ids."""
+        if self.packing is not None:
+            return self.packing.layout(int(self._order[i]))
+        return documents_layout(self.window(i), self.pad_id)
+
+    def target_mask(self, i: int) -> np.ndarray:
+        """Window ``i``'s targets to learn (``seq_len``, 0/1; fine-tuning data only)."""
+        assert self.packing is not None
+        return self.packing.target_mask(int(self._order[i]))
+
+    def batch_at(self, b: int) -> TokenBatch:
+        """This process's rows of global batch ``b`` with segment ids, positions and (fine-tuning data)
+        weights scaled over the whole global batch (module docstring)."""
+        first = b * self.global_batch
+        mine = range(first + self.first_row, first + self.first_row + self.local_batch)
+        rows = np.stack([self.window(i) for i in mine])
+        seg, pos = (np.stack(a)[:, :-1] for a in zip(*(self.layout(i) for i in mine), strict=True))
+        weights = None
+        if self.chat:
+            masks = np.stack([self.target_mask(i) for i in range(first, first + self.global_batch)])
+            learnt = int(masks.sum())
+            scale = masks.size / learnt if learnt else 0.0
+            weights = (masks[self.first_row : self.first_row + self.local_batch] * scale).astype(np.float32)
+        return TokenBatch(rows[:, :-1], rows[:, 1:], weights, seg, pos)
+
     def dataset(self) -> grain.MapDataset:
         """This process's local batches as a grain ``MapDataset`` (element ``b``: global batch ``b``'s slice)."""
+        if self.chat or self.document_masks:
+            return grain.MapDataset.range(sys.maxsize).map(self.batch_at)
         rows = grain.MapDataset.range(sys.maxsize).map(self._row).map(self.window)
         return rows.batch(self.local_batch, drop_remainder=True).map(lambda w: (w[:, :-1], w[:, 1:]))
 
@@ -131,7 +195,7 @@ class Batches:
     def __iter__(self) -> Batches:
         return self
 
-    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+    def __next__(self) -> tuple[np.ndarray, np.ndarray] | TokenBatch:
         return next(self._iterator())
 
     next = __next__
@@ -160,6 +224,8 @@ class Batches:
                                  "global_batch": self.global_batch, "num_tokens": len(self.source)}  # fmt: skip
         if self.packed:
             state |= {"packed": True, "data": self.digest}
+        if self.chat:
+            state |= {"chat": True}
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -177,17 +243,18 @@ class Batches:
         self._start = state["batch"]
 
 
-def global_batch(
-    sharding: Sharding, local: tuple[np.ndarray, ...], examples: int | None = None
-) -> tuple[jax.Array, ...]:
+def global_batch(sharding: Sharding, local: tuple[Any, ...], examples: int | None = None) -> tuple[Any, ...]:
     """Global arrays of ``examples`` rows (default: inferred) from each process's rows of the batch
-    (``process_rows``), placed with ``sharding``."""
-    return tuple(
-        jax.make_array_from_process_local_data(
+    (``process_rows``), placed with ``sharding``; a ``TokenBatch`` stays one, its absent fields ``None``."""
+    arrays = [
+        None
+        if a is None
+        else jax.make_array_from_process_local_data(
             sharding, a, None if examples is None else (examples, *np.shape(a)[1:])
         )
         for a in local
-    )
+    ]
+    return TokenBatch(*arrays) if isinstance(local, TokenBatch) else tuple(arrays)
 
 
 def process_rows(sharding: Sharding, examples: int) -> tuple[int, int]:

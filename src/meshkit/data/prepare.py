@@ -149,6 +149,7 @@ def prepare(
     split: str | None = None,
     shard_tokens: int = SHARD_TOKENS,
     report: Callable[[Progress, str], None] | None = None,
+    chat: bool = False,
 ) -> dict[str, Any]:
     """Prepare ``inputs`` into ``out``; returns the manifest. ``vocab_size``: of the BPE trained here (8192
     when None); with ``tokenizer`` (a ``tokenizer.json``, or a directory holding one) nothing is trained,
@@ -156,7 +157,8 @@ def prepare(
     (None: those its tokenizer_config.json names, :func:`meshkit.data.tokenizer.load_tokenizer`).
     ``text_field``: the text of a row (JSONL, Parquet, a datasets directory; None: ``text``); ``split``: a
     datasets directory's (:func:`meshkit.data.readers.list_inputs`). Either, given where no input has
-    rows or no datasets directory, is refused rather than ignored."""
+    rows or no datasets directory, is refused rather than ignored. ``chat``: rows are conversations, or
+    prompts and completions (:mod:`meshkit.data.prepare_chat`), encoded with ``tokenizer``'s chat template."""
     out = Path(out)
     if path_kind(out) != "missing" and not (out.is_dir() and not any(out.iterdir())):
         what = (
@@ -166,6 +168,8 @@ def prepare(
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
     given = _given(tokenizer, vocab_size, eos_token, bos_token)
+    if chat:
+        return _prepare_chat(inputs, out, given, tokenizer, text_field, split, shard_tokens)
     listed = list_inputs(inputs, split=split)
     _check_row_options(listed, text_field, split)
     text_field = text_field or "text"
@@ -198,40 +202,76 @@ def _write(
 ) -> dict[str, Any]:
     """Encode into a hidden directory beside ``out``, renamed into place once whole; returns the manifest
     (``about``: what the inputs were)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    try:
+    with workdir(out) as work:
         progress.bytes = 0
-        (work / S.TOKENIZER).write_text(tok.to_str(), encoding="utf-8")
-        bos = None if tok.bos is None else tok.bos[0]
-        config = shards_config(tok.eos[0], bos, bool(tok.prefix))
-        (work / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
+        named = tokenizer_files(work, tok)
         writer = S.ShardWriter(
             work, dtype=S.dtype_for(tok.vocab_size), end_ids=tok.suffix, shard_tokens=shard_tokens
         )
         _encode(reader, tok, writer, progress)
         writer.close()
         manifest = {
-            "format": S.FORMAT,
-            "tokenizer": S.TOKENIZER,
-            "tokenizer_sha256": _sha256(work / S.TOKENIZER),
-            "tokenizer_source": tok.source,
-            "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id,
-            "special": S.special_of(tok),
-            "dtype": S.dtype_for(tok.vocab_size),
+            **named,
             "documents": len(writer.doc_ends),
             "tokens": writer.tokens,
             **about,
             "shards": writer.shards,
         }
         (work / S.MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    return manifest
+
+
+@contextlib.contextmanager
+def workdir(out: Path) -> Iterator[Path]:
+    """A hidden directory beside ``out``, renamed to ``out`` when the block ends well, removed if not."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        yield work
         if out.is_dir():
-            out.rmdir()  # empty: checked above
+            out.rmdir()  # empty: checked by prepare
         work.rename(out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+def tokenizer_files(work: Path, tok: Tokenizer) -> dict[str, Any]:
+    """Write the tokenizer and its config beside the shards; the manifest's keys that name it."""
+    (work / S.TOKENIZER).write_text(tok.to_str(), encoding="utf-8")
+    bos = None if tok.bos is None else tok.bos[0]
+    config = shards_config(tok.eos[0], bos, bool(tok.prefix))
+    (work / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return {"format": S.FORMAT, "tokenizer": S.TOKENIZER, "tokenizer_sha256": _sha256(work / S.TOKENIZER),
+            "tokenizer_source": tok.source, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+            "special": S.special_of(tok), "dtype": S.dtype_for(tok.vocab_size)}  # fmt: skip
+
+
+def _prepare_chat(
+    inputs: list[str], out: Path, given: Tokenizer | None, tokenizer: str | None, text_field: str | None,
+    split: str | None, shard_tokens: int,
+) -> dict[str, Any]:  # fmt: skip
+    """``prepare(..., chat=True)``: a document and its mask per row (:mod:`meshkit.data.prepare_chat`)."""
+    from meshkit.data.prepare_chat import write_chat
+
+    if given is None or tokenizer is None:
+        raise DataError(
+            "--chat applies a model's chat template: give --tokenizer the model's (or tokenizer's) directory"
+        )
+    if text_field is not None:
+        raise DataError(
+            "--chat reads 'messages', or 'prompt' and 'completion', not --text-field: drop --text-field"
+        )
+    if not inputs:
+        raise DataError("--chat needs inputs: give JSONL, Parquet or datasets directories of conversations")
+    listed = list_inputs(inputs, split=split)
+    with workdir(out) as work:
+        named = tokenizer_files(work, given)
+        body = write_chat(work, listed, given, tokenizer, shard_tokens)
+        manifest = {**named, "documents": body["documents"], "tokens": body["tokens"],
+                    "text_bytes": sum(d.size for d in listed), "skipped_rows": 0,
+                    "inputs": [d.name for d in listed], "shards": body["shards"], "chat": body["chat"]}  # fmt: skip
+        (work / S.MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     return manifest

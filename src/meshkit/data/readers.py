@@ -248,6 +248,19 @@ def _jsonl(inp: Input, field: str) -> Iterator[str | None]:
 
 def _json_text(where: str, raw: bytes, field: str) -> str | None:
     fix = "fix or remove the line"
+    row = json_row(where, raw)
+    if field not in row:
+        keys = ", ".join(sorted(map(str, row))[:8]) or "none"
+        raise DataError(f"'{where}' has no field '{field}' (its fields: {keys}): give --text-field, or {fix}")
+    text = row[field]
+    if text is not None and not isinstance(text, str):
+        raise DataError(f"'{where}': field '{field}' is a JSON {type(text).__name__}, not text: {fix}")
+    return text
+
+
+def json_row(where: str, raw: bytes) -> dict[str, Any]:
+    """A JSON Lines line as an object; one line naming ``where`` if it is not one."""
+    fix = "fix or remove the line"
     try:
         row = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -259,13 +272,7 @@ def _json_text(where: str, raw: bytes, field: str) -> str | None:
         raise DataError(f"'{where}' is not JSON ({said}): {fix}") from None
     if not isinstance(row, dict):
         raise DataError(f"'{where}' is a JSON {type(row).__name__}, not an object: {fix}")
-    if field not in row:
-        keys = ", ".join(sorted(map(str, row))[:8]) or "none"
-        raise DataError(f"'{where}' has no field '{field}' (its fields: {keys}): give --text-field, or {fix}")
-    text = row[field]
-    if text is not None and not isinstance(text, str):
-        raise DataError(f"'{where}': field '{field}' is a JSON {type(text).__name__}, not text: {fix}")
-    return text
+    return row
 
 
 def _column(name: str, schema: Any, field: str) -> None:

@@ -9,6 +9,8 @@ A prepared directory holds::
     shard-00000.bin   raw little-endian ids (uint16 below 65,536 ids, else uint32): the documents,
     shard-00001.bin   each followed by the end-of-text id, one stream cut into shards
     documents.npy     int64 end offset of each document (after its end-of-text) in that stream
+    mask-00000.bin    (``--chat`` only) a byte per id, 1 where it is learnt, cut like the shards; the
+                      conversations are not followed by the end-of-text id (their template ends them)
 
 The files are plain arrays (``numpy.memmap(path, dtype)`` opens a shard); meshkit reads them with
 ``pread`` (:class:`meshkit.data.source.ShardSource`).
@@ -44,8 +46,15 @@ def dtype_for(vocab_size: int) -> str:
 class ShardWriter:
     """Appends documents to shards of at most ``shard_tokens`` ids each; records sizes and sha256."""
 
-    def __init__(self, directory: Path, *, dtype: str, end_ids: Sequence[int], shard_tokens: int) -> None:
-        self.directory, self.dtype, self.shard_tokens = directory, np.dtype(dtype), shard_tokens
+    def __init__(
+        self, directory: Path, *, dtype: str, end_ids: Sequence[int], shard_tokens: int, name: str = "shard"
+    ) -> None:
+        self.directory, self.dtype, self.shard_tokens, self.name = (
+            directory,
+            np.dtype(dtype),
+            shard_tokens,
+            name,
+        )
         self.end_ids = np.asarray(end_ids, np.int64)
         """What closes each document: the tokenizer's post-processor's ids, then the end-of-text id."""
         self.shards: list[dict[str, Any]] = []
@@ -56,7 +65,7 @@ class ShardWriter:
 
     def _rotate(self) -> None:
         self._close_shard()
-        name = f"shard-{len(self.shards):05d}.bin"
+        name = f"{self.name}-{len(self.shards):05d}.bin"
         self._file, self._hash = open(self.directory / name, "xb"), hashlib.sha256()  # noqa: SIM115
         self.shards.append({"file": name, "tokens": 0})
 
@@ -90,9 +99,11 @@ class ShardWriter:
             self._put(self.end_ids)
             self.doc_ends.append(self.tokens)
 
-    def close(self) -> None:
+    def close(self, documents: bool = True) -> None:
+        """Close the last shard; ``documents``: write the documents' ends (``documents.npy``)."""
         self._close_shard()
-        np.save(self.directory / DOCUMENTS, np.asarray(self.doc_ends, np.int64))
+        if documents:
+            np.save(self.directory / DOCUMENTS, np.asarray(self.doc_ends, np.int64))
 
 
 def special_of(tokenizer: Tokenizer) -> dict[str, Any]:

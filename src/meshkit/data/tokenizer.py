@@ -56,6 +56,30 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
 
+    def encode_offsets(self, text: str, *, special: bool) -> tuple[np.ndarray, np.ndarray]:
+        """``text``'s ids (no BOS or EOS added) and each id's ``[start, end)`` characters in ``text``;
+        ``special``: a special token's text is that token (as transformers' ``encode`` reads the text a
+        chat template writes), else plain text (as documents are encoded)."""
+        tok = self._special_tok if special else self._tok
+        e = tok.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, np.int32), np.asarray(e.offsets, np.int64).reshape(-1, 2)
+
+    def encode_offsets_batch(
+        self, texts: Sequence[str], *, special: bool
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`encode_offsets` of each text, on the library's own threads."""
+        tok = self._special_tok if special else self._tok
+        return [(np.asarray(e.ids, np.int32), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+                for e in tok.encode_batch(list(texts), add_special_tokens=False)]  # fmt: skip
+
+    @functools.cached_property
+    def _special_tok(self):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = False
+        return tok
+
     def encode_batch(self, texts: Sequence[str], continued: Sequence[bool] | None = None) -> list[np.ndarray]:
         """Encode ``texts`` in parallel (the library's own threads). ``continued[i]``: text ``i`` goes on
         a document after a newline (a piece of it), so a tokenizer that puts a space before a text's first

@@ -1,0 +1,173 @@
+"""A model's chat template, read and rendered as transformers' ``apply_chat_template`` renders it.
+
+The template is the Jinja source a tokenizer's directory holds: ``chat_template.jinja`` (as newer
+transformers save it) or ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of
+``{name, template}`` of which ``default`` is used). It renders in the environment transformers builds
+(``transformers.utils.chat_template_utils._compile_jinja_template``): jinja2's
+``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``, its
+``tojson`` filter (``json.dumps``, no HTML escaping), ``raise_exception`` and ``strftime_now``, and the
+tokenizer's special tokens as variables (``bos_token``, ``eos_token``, ...) beside ``messages``,
+``tools=None``, ``documents=None`` and ``add_generation_prompt``. transformers' ``{% generation %}``
+tag renders its body (meshkit finds the assistant's text by rendering prefixes, :mod:`meshkit.data.chat`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from meshkit.data.source import DataError
+from meshkit.data.tokenizer_config import CONFIG, SPECIAL_MAP, read_config
+
+TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The special tokens transformers passes to a template by name (``special_tokens_map``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChatTemplate:
+    """A chat template's source and the variables it renders with."""
+
+    source: str
+    """The Jinja source."""
+    name: str
+    """Where it came from, for messages (``DIR/chat_template.jinja``, ``DIR/tokenizer_config.json``)."""
+    variables: dict[str, Any] = field(default_factory=dict)
+    """The tokenizer's special tokens (``bos_token``, ..., ``additional_special_tokens``)."""
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False) -> str:
+        """The text transformers' ``apply_chat_template(messages, tokenize=False, ...)`` gives."""
+        import jinja2
+
+        try:
+            return _compiled(self.source).render(
+                **self.variables, messages=messages, tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt,
+            )  # fmt: skip
+        except jinja2.TemplateError as e:
+            raise DataError(f"chat template '{self.name}': {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> Any:
+    """The template compiled in transformers' environment (one per source, as transformers caches)."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """transformers' ``{% generation %}...{% endgeneration %}``: renders its body."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(
+            f"the chat template does not compile ({_first_line(e)}, line {e.lineno}): fix it in the tokenizer's directory"
+        ) from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"'{path}' is not JSON ({e}): restore it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token(value: Any) -> Any:
+    """A special token as transformers passes it to a template: a string (an ``AddedToken``'s content)."""
+    if isinstance(value, dict) and "content" in value:
+        return value["content"]
+    if isinstance(value, list):
+        return [_token(v) for v in value]
+    return value
+
+
+def _source(directory: Path, cfg: dict[str, Any]) -> tuple[str, str] | None:
+    """(source, name) of the directory's template; None where it has none."""
+    jinja = directory / TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), str(jinja)
+    where = str(directory / CONFIG)
+    value = cfg.get("chat_template")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value, where
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"], f"{where} (default)"
+        raise DataError(
+            f"'{where}': chat_template lists {sorted(map(str, named))} but no 'default': name one 'default'"
+        )
+    raise DataError(f"'{where}': chat_template is a JSON {type(value).__name__}, not a template: fix it")
+
+
+def load_template(directory: str | Path) -> ChatTemplate:
+    """The chat template of a tokenizer's (or model's) ``directory``, with its special tokens; one line
+    naming the fix where it has none."""
+    directory = Path(directory)
+    if directory.is_file():
+        directory = directory.parent
+    cfg = _read_json(directory / CONFIG)
+    found = _source(directory, cfg)
+    if found is None:
+        raise DataError(
+            f"'{directory}' has no chat template (neither {TEMPLATE_FILE} nor a chat_template in {CONFIG}): "
+            "give --tokenizer a chat model's directory, or rows of plain prompt/completion text"
+        )
+    overrides = _read_json(directory / SPECIAL_MAP)
+    variables = {k: _token(overrides.get(k, cfg.get(k))) for k in SPECIAL_KEYS}
+    named = read_config(directory)  # the tokenizer class's defaults where the files name none
+    variables["eos_token"] = variables["eos_token"] or named.eos_token
+    variables["bos_token"] = variables["bos_token"] or named.bos_token
+    variables["additional_special_tokens"] = _token(
+        overrides.get("additional_special_tokens", cfg.get("additional_special_tokens"))
+    )
+    variables = {k: v for k, v in variables.items() if v}  # as transformers' special_tokens_map
+    return ChatTemplate(source=found[0], name=found[1], variables=variables)

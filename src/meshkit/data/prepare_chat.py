@@ -1,0 +1,162 @@
+"""``meshkit data prepare --chat``: conversations in, token shards and a loss mask beside them out.
+
+Rows of JSONL, Parquet or a datasets directory (:mod:`meshkit.data.readers`), each a conversation
+(``messages``) or a prompt and completion, become one document each: the ids of
+:class:`meshkit.data.chat.Encoder` (the tokenizer's chat template applied as transformers applies it),
+written as ``meshkit data prepare`` writes token shards, with no end-of-text id after them (the template
+ends each turn), and a mask shard beside each token shard (a byte per id, 1 where it is learnt). The
+manifest's ``chat`` key says so: the mask shards, the template, and the counts. A bad row (no messages,
+an unknown role, a template that refuses it) stops it with one line naming the file, row and fix, and
+leaves nothing written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from meshkit.data import shards as S
+from meshkit.data.chat import Encoder
+from meshkit.data.chat_template import TEMPLATE_FILE, ChatTemplate, load_template
+from meshkit.data.readers import ROWS, Input, json_row
+from meshkit.data.source import DataError
+from meshkit.data.tokenizer import Tokenizer
+
+FIELDS = ("messages", "prompt", "completion")
+"""The columns a chat row is read from."""
+CHUNK = 256
+"""Rows rendered, then encoded together on the tokenizer's threads."""
+
+
+def records(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` of each row of a JSONL, Parquet or datasets input (``where``: file and line or row)."""
+    if inp.kind == "jsonl":
+        assert inp.path is not None
+        try:
+            with open(inp.path, "rb") as f:
+                for number, raw in enumerate(f, 1):
+                    if raw.strip():
+                        where = f"{inp.name}:{number}"
+                        yield where, json_row(where, raw)
+        except OSError as e:
+            raise DataError(f"cannot read '{inp.name}' ({e.strerror or e}): fix its permissions") from None
+    elif inp.kind in ("parquet", "arrow"):
+        yield from _table_rows(inp)
+    else:
+        raise DataError(
+            f"'{inp.name}' is text, but --chat reads rows (messages, or prompt and completion): give JSONL, "
+            "Parquet or a datasets directory"
+        )
+
+
+def _table_rows(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def rows(name: str, schema: Any, batches: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+        i = 0
+        for batch in batches:
+            for row in batch.select([c for c in FIELDS if c in schema.names]).to_pylist():
+                i += 1
+                yield f"{name} row {i}", row
+
+    try:
+        if inp.kind == "parquet":
+            with pq.ParquetFile(inp.path) as f:
+                cols = [c for c in FIELDS if c in f.schema_arrow.names]
+                yield from rows(
+                    inp.name, f.schema_arrow, f.iter_batches(batch_size=ROWS, columns=cols or None)
+                )
+            return
+        for path in inp.files:
+            with pa.OSFile(str(path)) as f:
+                stream = pa.ipc.open_stream(f)
+                yield from rows(str(path), stream.schema, stream)
+    except (pa.ArrowException, OSError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(
+            f"cannot read '{inp.name}' ({first}): give a Parquet file or a datasets directory"
+        ) from None
+
+
+def _chunks(items: Iterator[Any], size: int = CHUNK) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _template(tokenizer: str) -> ChatTemplate | None:
+    """The tokenizer directory's chat template; None where it has none (plain prompt/completion rows
+    need none: a row of messages then names the fix)."""
+    try:
+        return load_template(tokenizer)
+    except DataError as e:
+        if "has no chat template" in str(e):
+            return None
+        raise
+
+
+def write_chat(
+    work: Path, listed: list[Input], tok: Tokenizer, tokenizer: str, shard_tokens: int
+) -> dict[str, Any]:
+    """Encode every row into ``work`` (token and mask shards, ``documents.npy``, the template); returns
+    the manifest's counts and its ``chat`` key."""
+    template = _template(tokenizer)
+    encoder = Encoder(tok, template)
+    dtype = S.dtype_for(tok.vocab_size)
+    ids_out = S.ShardWriter(work, dtype=dtype, end_ids=(), shard_tokens=shard_tokens)
+    mask_out = S.ShardWriter(work, dtype="u1", end_ids=(), shard_tokens=shard_tokens, name="mask")
+    learnt = 0
+    try:
+        for chunk in _chunks((row, where) for inp in listed for where, row in records(inp)):
+            for ids, mask in encoder.encode_rows(chunk):
+                ids_out.add([ids], end=True)
+                mask_out.add([mask], end=True)
+                learnt += int(mask.sum())
+    except BaseException:
+        ids_out.close(documents=False)  # the files closed; the directory is removed
+        mask_out.close(documents=False)
+        raise
+    ids_out.close()
+    mask_out.close(documents=False)
+    if not ids_out.doc_ends:
+        raise DataError("the inputs hold no rows: give rows of messages, or of prompt and completion")
+    if template is not None:
+        (work / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    chat = {"masks": mask_out.shards, "learnt_tokens": learnt,
+            "template": None if template is None else template.name,
+            "template_sha256": None if template is None else template.sha256}  # fmt: skip
+    return {
+        "documents": len(ids_out.doc_ends),
+        "tokens": ids_out.tokens,
+        "shards": ids_out.shards,
+        "chat": chat,
+    }
+
+
+def read_chat(directory: Path, manifest: dict[str, Any]) -> tuple[list[Path], list[int]]:
+    """The mask shards of a ``--chat`` preparation, each checked against the manifest."""
+    files, sizes = [], []
+    for shard in manifest["chat"]["masks"]:
+        path = directory / shard["file"]
+        if not path.is_file() or path.stat().st_size != shard["bytes"]:
+            raise DataError(
+                f"mask shard '{path}' is missing or not {shard['bytes']} bytes: prepare '{directory}' again "
+                "with meshkit data prepare --chat"
+            )
+        files.append(path)
+        sizes.append(int(shard["tokens"]))
+    return files, sizes
+
+
+def summary(manifest: dict[str, Any]) -> str:
+    """What the CLI says of a chat preparation."""
+    chat = manifest["chat"]
+    share = chat["learnt_tokens"] / max(manifest["tokens"], 1)
+    return f"{chat['learnt_tokens']:,} of them learnt ({share:.1%}; template {chat['template'] or 'none'})"
