@@ -269,7 +269,7 @@ def _certificate(cfg, plan, mesh, opts):
     """``meshkit.verify``'s certificate of ``cfg`` under the plan: its workload is a family's
     (``verify.workloads``), with this config in place of the family's small one."""
     from meshkit.verify.certificate import _certify
-    from meshkit.verify.reference import _reference
+    from meshkit.verify.reference import shared_reference
     from meshkit.verify.workloads import _family
 
     pipeline = get_plan(plan).pipeline
@@ -278,7 +278,11 @@ def _certificate(cfg, plan, mesh, opts):
         "llama", registry.family("llama"), cfg, np.random.default_rng(0), jax.random.key(0), stages=pipeline
     )
     spec = ParallelSpec(plan=plan, mesh=mesh, **opts)
-    return _certify(w, optax.adam(1e-2), spec, 2, _reference(w, optax.adam(1e-2), 2, numpy_lr=1e-2))
+    # one reference per config and form, shared by the plans of this file that certify it
+    ref = shared_reference(
+        ("tests", "llama", repr(cfg), pipeline, "adam", 1e-2, 2), w, optax.adam(1e-2), 2, 1e-2
+    )
+    return _certify(w, optax.adam(1e-2), spec, 2, ref)
 
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -74,6 +74,14 @@ def test_gpt_vocab_split_ledger_equals_the_model_and_logits_stay_split():
 CASES = [("tp", "model=8"), ("fsdp+tp", "data=4,model=2"), ("dp+tp", "data=2,model=4")]
 
 
+@functools.cache
+def _one_device_float64():
+    """verify's GPT, 2 Adam steps on one device in float64: the reference of every case below."""
+    with jax.enable_x64(True):
+        w64 = verify.workload("gpt").in_float64()
+        return one_device(w64.loss_fn, w64.params, w64.batch, 2, optax.adam(1e-2))
+
+
 @pytest.mark.parametrize(("plan", "mesh"), CASES, ids=[c[0] for c in CASES])
 def test_gpt_vocab_tp_matches_one_device_in_float64(plan, mesh):
     """The reference GPT (verify.workload: the vocabulary rules) under the plan, 2 Adam steps in
@@ -87,7 +95,7 @@ def test_gpt_vocab_tp_matches_one_device_in_float64(plan, mesh):
         assert {leaf.path: leaf.model_spec for leaf in t.placement.flat()}["tok_embed"] == ("model", None)
         for _ in range(2):
             t.step(w64.batch)
-        ref = one_device(w64.loss_fn, w64.params, w64.batch, 2, optax.adam(1e-2))
+        ref = _one_device_float64()
         assert max_rel(t.params, ref) < 1e-10
     t = Trainer(w.loss_fn, w.params, optax.adam(1e-2), plan=plan, mesh=mesh, rules=w.rules,
                 logical_axes=w.logical_axes, units=w.units, tokens_per_example=w.tokens_per_example)  # fmt: skip

@@ -6,6 +6,7 @@ breaks the structure fails here, not in a review.
 """
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -15,6 +16,21 @@ import pytest
 from meshkit import spec
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "meshkit"
+
+
+@functools.cache
+def _parse(text: str) -> ast.Module:
+    """A source's syntax tree, parsed once per text: the checks only read it, and the mutation tests run
+    each check twice on a copy of the sources that differs from them in one file."""
+    return ast.parse(text)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_the_trees():
+    """The trees (some 100 MB) are let go with this file: the worker runs other files after it."""
+    yield
+    _parse.cache_clear()
+
 
 #: The layers, lowest first: a module imports from its own layer or below. (``cli`` is the top.)
 LAYERS = [
@@ -73,7 +89,7 @@ def _imports(path: Path, names: set[str]):
     relative ones and those inside functions) and ``importlib.import_module`` of a module named by a
     string, and every string that names a meshkit module whole in a file that imports importlib
     (the lazy name maps of ``meshkit/__init__.py`` and ``train/__init__.py``)."""
-    tree = ast.parse(path.read_text())
+    tree = _parse(path.read_text())
     lazy = any(
         (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "importlib" for a in n.names))
         or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "importlib")
@@ -165,7 +181,7 @@ def _in_spec(module: str) -> bool:
 
 def _literals(path: Path):
     """String tuples/lists/sets/dict keys written in the file (the shape of a declaration)."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if isinstance(node, ast.Tuple | ast.List | ast.Set):
             items = node.elts
         elif isinstance(node, ast.Dict):
@@ -207,7 +223,7 @@ def test_no_private_jax_cluster_detection():
         *tests.glob("workers/*.py"),
         *tests.glob("mp/*.py"),
     ]:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
@@ -248,7 +264,7 @@ def _written_lists(path: Path) -> list[str]:
     """Places where a user-facing text writes two or more allowed values of one set as a list
     (``dp, zero1 or zero2``), which goes stale when the set changes: texts format them from spec."""
     found = []
-    for line, text in _texts(ast.parse(path.read_text())):
+    for line, text in _texts(_parse(path.read_text())):
         for what, names in ALLOWED.items():
             alt = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
             pat = (
@@ -309,7 +325,7 @@ def test_no_module_outside_models_compares_a_family_name():
     for name, path in _modules():
         if name == "meshkit.models" or name.startswith("meshkit.models."):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             if isinstance(node, ast.Compare):
                 hit = any(_names_a_family(n, families) for n in [node.left, *node.comparators])
             elif isinstance(node, ast.MatchValue):
@@ -335,7 +351,7 @@ def test_no_file_or_function_is_too_long():
         text = path.read_text()
         if (n := text.count("\n")) > MAX_FILE_LINES:
             long.append(f"{path.relative_to(SRC.parent)}: {n} lines")
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(_parse(text)):
             n = (
                 node.end_lineno - node.lineno + 1
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)

@@ -78,7 +78,7 @@ from meshkit.verify.compare import (
     relative_difference,
 )
 from meshkit.verify.meshes import bitwise_meshes, check_meshes, comparison_meshes
-from meshkit.verify.reference import _REFERENCES, _reference
+from meshkit.verify.reference import _reference, shared_reference
 from meshkit.verify.workloads import MLP_AXES, Workload, family_workload, workload
 
 __all__ = ["MLP_AXES", "ORDERS", "TAIL", "TOL_EXACT", "TOL_FLOAT64", "TOL_SAME", "Certificate", "Workload",
@@ -142,10 +142,8 @@ def verify(
     check_meshes(spec)
     shape = _layers(spec, model)
     w = workload(model, seed, **shape)
-    key = (model, seed, tuple(sorted(shape.items())), steps, lr)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(w, optax.adam(lr), steps, numpy_lr=lr)
-    return _certify(w, optax.adam(lr), spec, steps, _REFERENCES[key])
+    key = (model, seed, tuple(sorted(shape.items())), "adam", lr, steps)
+    return _certify(w, optax.adam(lr), spec, steps, shared_reference(key, w, optax.adam(lr), steps, lr))
 
 
 def verify_model(

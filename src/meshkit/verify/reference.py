@@ -197,9 +197,21 @@ class _Reference:
     numpy64: Any = None
 
 
-#: One-device references made in this process, by model, seed, shape, steps and rate: every
-#: certificate of a built-in model compares against the same runs.
+#: One-device references made in this process (``shared_reference``), by what determines them: every
+#: certificate of one model compares against the same runs.
 _REFERENCES: dict[tuple, _Reference] = {}
+
+
+def shared_reference(
+    key: tuple, w: Workload, optimizer: optax.GradientTransformation, steps: int, numpy_lr: float | None
+) -> _Reference:
+    """``_reference(w, ...)``, made once in this process per ``key``, which must name everything that
+    determines it: the model (its config and form), its parameters' and data's seeds, the optimizer,
+    ``steps`` and ``numpy_lr``. Every plan of one model is certified against the same one-device runs
+    (they do not depend on the plan), so each certificate after the first compiles only the plan's steps."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(w, optimizer, steps, numpy_lr)
+    return _REFERENCES[key]
 
 
 def _reference(
