@@ -1,0 +1,81 @@
+"""LoRA (``meshkit.models.lora``): adapters sharded like their weight, trained under the plans as on
+one device (float64), merged for export; bad settings are one line."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from _reference import max_rel, one_device_frozen
+from meshkit.models import llama, lora
+from meshkit.spec import get_plan
+from meshkit.train import Trainer
+
+CFG = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=64)
+LORA = lora.LoraConfig(rank=4, alpha=8.0)
+
+CASES = [
+    ("dp", "data=8", {}),
+    ("fsdp", "data=8", {"remat": "layer"}),
+    ("fsdp+tp", "data=4,model=2", {}),
+    ("dp+pp", "stage=2,data=4", {"microbatches": 2}),
+]
+
+
+def _batch():
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(16, CFG.seq_len + 1)).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _adapted(cfg):
+    return lora.add(jax.random.key(1), llama.init(jax.random.key(0), cfg), LORA)
+
+
+@pytest.mark.parametrize(("plan", "mesh", "opts"), CASES, ids=[c[0] for c in CASES])
+def test_lora_under_the_plans_matches_one_device_in_float64(plan, mesh, opts):
+    pipeline = get_plan(plan).pipeline
+    with jax.enable_x64(True):
+        cfg = dataclasses.replace(CFG, dtype="float64", scan_layers=pipeline)
+        params = _adapted(cfg)
+        loss = lora.wrap(llama.stages(cfg) if pipeline else llama.make_loss(cfg), LORA)
+        t = Trainer(loss, params, optax.adam(1e-2), plan=plan, mesh=mesh, units=llama.units(cfg),
+                    logical_axes=lora.logical_axes(params, llama.logical_axes), trainable=lora.trainable,
+                    **opts)  # fmt: skip
+        for _ in range(3):
+            t.step(_batch())
+        ref = one_device_frozen(lora.wrap(llama.make_loss(cfg), LORA), params, _batch(), 3, optax.adam(1e-2),
+                                lora.trainable)  # fmt: skip
+        assert max_rel(t.params, ref) < 1e-10
+        assert max_rel(lora.base(t.params), lora.base(params)) == 0.0  # the base is frozen
+        assert max_rel(t.params, params) > 1e-4  # the adapters trained
+    if get_plan(plan).tensor:  # the adapters split like their weight on the model axis
+        specs = {leaf.path: leaf.model_spec for leaf in t.placement.flat()}
+        assert specs["blocks/0/attn/wq_lora_b"] == (None, "model") and specs["blocks/0/attn/wq_lora_a"] == (
+            None,
+            None,
+        )
+        assert specs["blocks/0/attn/wo_lora_a"] == ("model", None)
+
+
+def test_merge_folds_the_adapters_into_the_family_parameters():
+    """The merged parameters are the family's own and give the adapted model's logits."""
+    params = _adapted(CFG)
+    params = jax.tree_util.tree_map_with_path(  # adapters B made nonzero, as after training
+        lambda p, x: x + 0.01 if jax.tree_util.keystr(p).endswith("_lora_b']") else x, params
+    )
+    merged = lora.merge(params, LORA)
+    assert jax.tree.structure(merged) == jax.tree.structure(llama.init(jax.random.key(0), CFG))
+    tokens = _batch()[0]
+    want = lora.wrap(lambda p, t: llama.apply(p, t, CFG), LORA)(params, tokens)
+    np.testing.assert_allclose(llama.apply(merged, tokens, CFG), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [({"rank": 0}, "--lora-rank 8"), ({"targets": ("wx",)}, "match no matrix of the model")],
+)
+def test_bad_lora_settings_are_one_line(kwargs, fix):
+    with pytest.raises(lora.LoraError, match=fix):
+        lora.add(jax.random.key(0), llama.init(jax.random.key(0), CFG), lora.LoraConfig(**kwargs))
