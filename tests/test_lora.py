@@ -79,3 +79,17 @@ def test_merge_folds_the_adapters_into_the_family_parameters():
 def test_bad_lora_settings_are_one_line(kwargs, fix):
     with pytest.raises(lora.LoraError, match=fix):
         lora.add(jax.random.key(0), llama.init(jax.random.key(0), CFG), lora.LoraConfig(**kwargs))
+
+
+@pytest.mark.parametrize("plan", ["dp", "zero2"])
+def test_lora_ledger_and_memory_match_the_model(plan):
+    """The compiled step moves what the model says with only the adapters' gradients (x1.000), and the
+    optimizer state is the adapters' alone, as the memory formula counts it."""
+    params = _adapted(CFG)
+    t = Trainer(lora.wrap(llama.make_loss(CFG), LORA), params, optax.adam(1e-2), plan=plan, mesh="data=8",
+                logical_axes=lora.logical_axes(params, llama.logical_axes), trainable=lora.trainable,
+                tokens_per_example=CFG.seq_len)  # fmt: skip
+    r = t.report(_batch())
+    assert r.ok, str(r)
+    adapters = sum(x.nbytes for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if "lora" in str(p))
+    assert {m.component: m.measured_bytes for m in r.memory}["optimizer"] <= 2 * adapters + 64

@@ -83,7 +83,7 @@ class Trainable:
             placement, leaves=self.train(placement.leaves, is_leaf=lambda x: isinstance(x, LeafPlacement))
         )
 
-    def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    def optimizer(self, inner: optax.GradientTransformation) -> FrozenOptimizer:
         """``inner`` over the trainable leaves: ``init`` takes the whole parameters, ``update`` the
         trainable leaves' gradients (and the whole parameters)."""
 
@@ -93,8 +93,34 @@ class Trainable:
         def update(grads, state, params=None):
             return inner.update(grads, state, None if params is None else self.train(params))
 
-        return optax.GradientTransformation(init, update)
+        out = FrozenOptimizer(init, update)
+        out.inner, out.trainable = inner, self
+        return out
+
+    def sizes(self, placement: Placement, params: Any) -> tuple[Placement, Any]:
+        """The placement and (shapes of the) parameters of the trainable leaves alone."""
+        return self.placement(placement), self.train(params)
 
     def _check(self, n: int) -> None:
         if n != len(self.mask):
             raise PlanError(f"trainable= names {len(self.mask)} leaves, the parameters have {n}")
+
+
+class FrozenOptimizer(optax.GradientTransformation):
+    """An optimizer over the trainable leaves of whole parameters (``Trainable.optimizer``); ``inner``
+    is the user's and ``trainable`` the leaves it updates: the memory ledger and the peak model count
+    ``inner``'s state for those leaves alone (``optimizer_view``)."""
+
+    inner: optax.GradientTransformation
+    trainable: Trainable
+
+
+def optimizer_view(
+    optimizer: optax.GradientTransformation, placement: Placement, params: Any
+) -> tuple[optax.GradientTransformation, Placement, Any]:
+    """``(optimizer, placement, params)`` as the optimizer state is laid out: for a ``FrozenOptimizer``
+    its inner optimizer over the trainable leaves; otherwise the arguments themselves. The one rule the
+    step's shardings, the memory ledger and the peak model read optimizer state by."""
+    if isinstance(optimizer, FrozenOptimizer):
+        return (optimizer.inner, *optimizer.trainable.sizes(placement, params))
+    return optimizer, placement, params

@@ -272,11 +272,17 @@ def gradient_fn(
     per = _fsdp.PerLayer(placement=placement) if per is None else per
     plan = placement.plan
     split = any(rule.splits for rule in plan.rules)  # an axis beyond data that splits the batch
+    # frozen leaves under dp: the region sums the trainable leaves' gradients (left to it, XLA's partitioner
+    # may sum a LoRA weight's whole merged gradient instead of its adapters')
     # a ZeRO stage over a data axis of one device shards nothing: written out over it, its buckets and
     # gathers were copies XLA keeps (one TPU v5e, a 0.7 B Llama: 2.6x the bytes and 1.6x the step of dp)
     alone = not split and not placement.live_axes
     if alone or (
-        not split and (not placement.has_data_axis or (not plan.shards_optimizer and accumulate == 1))
+        not split
+        and (
+            not placement.has_data_axis
+            or (not plan.shards_optimizer and accumulate == 1 and per.trainable is None)
+        )
     ):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 

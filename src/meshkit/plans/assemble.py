@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.mesh import as_auto, make_mesh
-from meshkit.plans._frozen import Trainable
+from meshkit.plans._frozen import Trainable, optimizer_view
 from meshkit.plans._fsdp import PerLayer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._pipeline import Pipeline
@@ -138,6 +138,12 @@ def attending(loss_fn: Any, record: Attention) -> Any:
     return wrap(loss_fn)
 
 
+def _state_layout(optimizer: optax.GradientTransformation, placement: Placement, params: Any) -> tuple:
+    """``state_shardings``' arguments: the optimizer state's own (``_frozen.optimizer_view``)."""
+    optimizer, placement, params = optimizer_view(optimizer, placement, params)
+    return optimizer, params, placement
+
+
 def _attach(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shardings)
 
@@ -181,6 +187,7 @@ def assemble(
             "micro-shards in an order the mesh sets; drop state= or deterministic"
         )
     frozen = Trainable.of(trainable, params)
+    optimizer = optimizer if frozen is None else frozen.optimizer(optimizer)
     if frozen is not None and spec.deterministic is not None:
         raise PlanError("deterministic mode trains every parameter: drop trainable= or deterministic")
     mesh = spec_mesh(spec, mesh, devices)
@@ -196,15 +203,13 @@ def assemble(
     replicated = NamedSharding(mesh, P())
     shardings = StepShardings(
         params=jax.tree.map(lambda s: NamedSharding(mesh, s), placement.param_specs(), is_leaf=lambda x: isinstance(x, P)),
-        opt_state=state_shardings(optimizer, params, placement) if frozen is None
-        else state_shardings(optimizer, frozen.train(params), frozen.placement(placement)),
+        opt_state=state_shardings(*_state_layout(optimizer, placement, params)),
         batch=NamedSharding(mesh, placement.batch_spec()),
         scalar=replicated,
         state=jax.tree.map(lambda _: replicated, state),
     )  # fmt: skip
     loss = step_loss(loss_fn, stateful=stateful, rng=rng, has_aux=has_aux)
     per_layer = PerLayer(placement=placement, remat=spec.remat, trainable=frozen)
-    optimizer = optimizer if frozen is None else frozen.optimizer(optimizer)
     compute = None if spec.compute_dtype is None else jnp.dtype(spec.compute_dtype)
     step = build_step(loss, optimizer, placement, shardings, accumulate=spec.accumulate, clip_norm=clip_norm,
                       grad_norm=grad_norm, donate=donate, compute_dtype=compute, per_layer=per_layer,

@@ -313,13 +313,14 @@ def predict_peak(
             activations -= one_layer
     body = M.scan_loop_buffers(one_layer, zero3=zero3, remat=per.remat) if scan else 0.0
     beside = M.accumulator_beside_gradients(scan=scan, zero=rule.level, microbatches=accumulate)
-    acc = M.accumulator(b.total, b.sharded, n, microbatches=accumulate, shards_gradients=rule.shards("grads"))
+    g = b if per.trainable is None else _Sizes.of(*per.trainable.sizes(placement, params))  # the gradients'
+    acc = M.accumulator(g.total, g.sharded, n, microbatches=accumulate, shards_gradients=rule.shards("grads"))
     own = body + (acc if beside else 0.0)  # the loop buffers and the accumulator beside the gradients
     if zero3:
         backward, update = _zero3_phases(step, params, b, own, scan=scan)
-    else:
-        backward = b.total + own  # whole local gradients (and the accumulator)
-        update = M.update_phase(b.total, 0.0, zero=rule.level, scan=scan)
+    else:  # whole local gradients (and the accumulator), of the trainable leaves
+        backward = g.total + own
+        update = M.update_phase(g.total, 0.0, zero=rule.level, scan=scan)
     return PeakModel(
         persistent=persistent, backward=backward + activations, update=update, activations=activations
     )

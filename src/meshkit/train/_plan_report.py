@@ -61,7 +61,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         expected, det = trainer.assembled.deterministic_price(nbytes)
     if trainer.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
         expected = [*expected, *trainer.pipeline.expected(trainer._param_shapes, batch)]
-    formula = memory_formula(trainer.placement, trainer.optimizer, trainer._param_shapes)
+    formula = memory_formula(trainer.placement, trainer.assembled.optimizer, trainer._param_shapes)
     mem = [
         MemoryRow(component="params", measured_bytes=device_bytes(trainer.params), formula_bytes=formula["params"]),
         MemoryRow(component="optimizer", measured_bytes=device_bytes(trainer.opt_state), formula_bytes=formula["optimizer"]),
