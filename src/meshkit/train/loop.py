@@ -36,7 +36,7 @@ from meshkit.models import module_of, num_params
 from meshkit.planner.hardware import peak_flops
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
+from meshkit.train.job import Job, check_no_checkpoints, family_params, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
     lock_run_dir,
     make_run_dir,
@@ -249,6 +249,7 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     if chars <= 0 or job.data.decoder is None:
         return ""
     params = jax.device_put(host(job.trainer.params), jax.local_devices()[0])  # every process, all shards
+    params = family_params(job.cfg, params)
     t_len = job.cfg.seq_len
     ctx = np.asarray(job.data.held_out.read(0, t_len), np.int32)
 
