@@ -83,15 +83,19 @@ def test_bad_lora_settings_are_one_line(kwargs, fix):
 
 
 @pytest.mark.parametrize("plan", ["dp", "zero2"])
-def test_lora_ledger_and_memory_match_the_model(plan):
-    """The compiled step moves what the model says with only the adapters' gradients (x1.000), and the
-    optimizer state is the adapters' alone, as the memory formula counts it."""
-    params = _adapted(CFG)
-    t = Trainer(lora.wrap(llama.make_loss(CFG), LORA), params, optax.adam(1e-2), plan=plan, mesh="data=8",
+def test_lora_ledger_memory_and_peak_match_the_model(plan):
+    """The compiled step moves what the model says with only the adapters' gradients (x1.000), the
+    optimizer state is the adapters' alone, as the memory formula counts it, and the peak is within 10%
+    of the peak model's (at tests/test_peak.py's size: width 128, 4 layers, seq 32)."""
+    cfg = llama.LlamaConfig(vocab_size=128, seq_len=32, layers=4, width=128, heads=4, kv_heads=2, ffn=256)
+    params = lora.add(jax.random.key(1), llama.init(jax.random.key(0), cfg), LORA)
+    t = Trainer(lora.wrap(llama.make_loss(cfg), LORA), params, optax.adamw(1e-3), plan=plan, mesh="data=8",
                 logical_axes=lora.logical_axes(params, llama.logical_axes), trainable=lora.trainable,
-                tokens_per_example=CFG.seq_len)  # fmt: skip
-    r = t.report(_batch())
+                tokens_per_example=cfg.seq_len)  # fmt: skip
+    tokens = np.zeros((16, 32), np.int32)
+    r = t.report((tokens, tokens))
     assert r.ok, str(r)
+    assert 0.9 <= r.peak["ratio"] <= 1.1, r.peak
     adapters = sum(x.nbytes for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if "lora" in str(p))
     assert {m.component: m.measured_bytes for m in r.memory}["optimizer"] <= 2 * adapters + 64
 

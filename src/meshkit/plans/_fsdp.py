@@ -426,11 +426,11 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
         if per.gathers:
             leaves = buckets.all_gather(leaves, per.whole_step_leaves(), per.placement.data_size)
         f = layered_loss(loss_fn, per, full, micro_avals)
-    out, grads = _trainable_value_and_grad(f, per.trainable, leaves, micro)
+    out, grads = trainable_value_and_grad(f, per.trainable, leaves, micro)
     return out, jax.tree.unflatten(treedef, grads)
 
 
-def _trainable_value_and_grad(f: Callable, trainable: Any, leaves: list, micro: Any) -> tuple[Any, list]:
+def trainable_value_and_grad(f: Callable, trainable: Any, leaves: list, micro: Any) -> tuple[Any, list]:
     """``f(leaves, micro)``'s value and its gradients with respect to the trainable leaves (None in a
     frozen leaf's place: it is passed in undifferentiated, so it has no gradient and none of its
     collectives)."""
