@@ -60,7 +60,10 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         nbytes = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in leaves)
         expected, det = trainer.assembled.deterministic_price(nbytes)
     if trainer.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
-        expected = [*expected, *trainer.pipeline.expected(trainer._param_shapes, batch)]
+        expected = [
+            *expected,
+            *trainer.pipeline.expected(trainer._param_shapes, batch, trainer.per_layer.trainable),
+        ]
     formula = memory_formula(trainer.placement, trainer.assembled.optimizer, trainer._param_shapes)
     mem = [
         MemoryRow(component="params", measured_bytes=device_bytes(trainer.params), formula_bytes=formula["params"]),
