@@ -13,8 +13,7 @@ Trees "of the trainable leaves" keep the parameters' structure with ``None`` whe
 Why beside the optimizer and not in ``ParallelSpec``: the spec is the layout (where leaves live, how
 the batch splits); which leaves train is what the optimizer changes, and the same layout trains a
 model fully or through adapters. A pipeline plan differentiates its stages itself: there the frozen
-leaves' gradients are computed and dropped before the update (no optimizer state; their collectives
-are not removed).
+leaves' gradients are dropped before the update (no optimizer state; XLA then removes their sums).
 """
 
 from __future__ import annotations
