@@ -12,6 +12,7 @@ from _reference import max_rel, one_device_frozen
 from meshkit import MeshkitError
 from meshkit.analysis import communication
 from meshkit.models import llama
+from meshkit.plans import Trainable
 from meshkit.train import Trainer
 
 CFG = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=64)
@@ -19,6 +20,13 @@ CFG = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, 
 
 def _attn(path: str) -> bool:
     return "/attn/" in path
+
+
+def _paths(params):
+    return [
+        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
 
 
 def _batch():
@@ -75,8 +83,12 @@ def test_the_compiled_step_moves_no_gradient_of_a_frozen_leaf(plan, remat):
     assert full >= total and frozen < attn + 1024 < total, (full, frozen, attn, total)
 
 
-def test_trainable_that_freezes_everything_is_one_line():
+def test_trainable_as_a_tree_and_its_bad_forms_are_one_line():
     params = llama.init(jax.random.key(0), CFG)
+    prefix = {k: k == "norm_f" for k in params}  # a prefix of the parameters' tree
+    assert Trainable.of(prefix, params).mask == tuple(p.startswith("norm_f") for p in _paths(params))
+    with pytest.raises(MeshkitError, match="tree of bools shaped like the parameters"):
+        Trainable.of({"wrong": True}, params)
     with pytest.raises(MeshkitError, match="freezes every parameter"):
         Trainer(
             llama.make_loss(CFG),

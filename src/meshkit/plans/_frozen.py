@@ -51,7 +51,7 @@ class Trainable:
             except (ValueError, TypeError) as e:
                 raise PlanError(
                     f"trainable= must be a function of a leaf's path or a tree of bools shaped like the "
-                    f"parameters ({e})"
+                    f"parameters ({' '.join(str(e).split())[:240]})"
                 ) from None
             mask = tuple(bool(m) for m in jax.tree.leaves(full))
         if not any(mask):
