@@ -125,3 +125,11 @@ def test_meshkit_train_with_lora_proves_its_cost_and_exports_the_merged_model(tm
     ):
         targeted = jax.tree_util.keystr(path).endswith(tuple(f"['{t}']" for t in lora.DEFAULT_TARGETS))
         assert np.array_equal(np.asarray(got), np.asarray(want)) != targeted, path
+
+
+def test_meshkit_train_refuses_a_negative_lora_rank_in_one_line():
+    from meshkit.train import config as C
+
+    with pytest.raises(C.ConfigError, match="--lora-rank must be at least 0"):
+        C.validate(C.tiny().replace(model="llama", lora_rank=-1))
+    assert C.lora_config(C.tiny().replace(lora_rank=4, lora_targets="wq, w_up")).targets == ("wq", "w_up")
