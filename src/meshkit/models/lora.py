@@ -8,8 +8,8 @@ parameters (``Merged``) whose target entries merge when the family reads them, i
 that reads them (a scan's body, a ``meshkit.layer`` block), so the family's code is unchanged, a
 full-size merged temporary lives one layer at a time, and ZeRO-3 gathers ``W``, ``A`` and ``B`` per
 layer like any weight. ``trainable`` names the adapters (``Trainer(trainable=...)``: the base is
-frozen), ``logical_axes`` derives theirs from the base weight's (``A``: ``W``'s input axis and a
-replicated rank; ``B``: the rank and ``W``'s output axis), so tensor parallelism and ZeRO split them
+frozen), ``logical_axes`` derives theirs from the base weight's (``A``: ``W``'s input axis and the
+replicated rank, ``placement.ADAPTER_RANK``; ``B``: the rank and ``W``'s output axis), so tensor parallelism and ZeRO split them
 as their weight. ``merge`` folds them in for export: the family's own parameters.
 """
 
@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from meshkit._errors import MeshkitError
+from meshkit.plans.placement import ADAPTER_PAIR, ADAPTER_RANK
 
 DEFAULT_TARGETS: tuple[str, ...] = ("wq", "wk", "wv", "wo")
 """The attention projections: the matrices LoRA adapts unless told otherwise."""
-A, B = "_lora_a", "_lora_b"
+A, B = ADAPTER_PAIR
 """The adapters' keys: the target's own key with these suffixes."""
 
 
@@ -116,7 +117,7 @@ def base(params: Any) -> Any:
 
 def logical_axes(params: Any, family_axes: Callable[[Any], Any]) -> Any:
     """Logical axes of adapted ``params``: the family's (``family_axes`` of the base parameters) and the
-    adapters' from their weight's: ``A`` (input axes, None), ``B`` (None, output axis); a stacked
+    adapters' from their weight's: ``A`` (input axes, rank), ``B`` (rank, output axis); a stacked
     weight's leading axes lead both."""
     axes = family_axes(base(params))
 
@@ -125,10 +126,10 @@ def logical_axes(params: Any, family_axes: Callable[[Any], Any]) -> Any:
             out = {k: fill(d_axes[k], v) for k, v in d.items() if not trainable(k)}
             for k in d:
                 if k.endswith(A):
-                    out[k] = (*d_axes[k[: -len(A)]][:-1], None)
+                    out[k] = (*d_axes[k[: -len(A)]][:-1], ADAPTER_RANK)
                 elif k.endswith(B):
                     w = d_axes[k[: -len(B)]]
-                    out[k] = (*w[:-2], None, w[-1])
+                    out[k] = (*w[:-2], ADAPTER_RANK, w[-1])
             return out
         if isinstance(d, list | tuple):
             return type(d)(fill(a, v) for a, v in zip(d_axes, d, strict=True))

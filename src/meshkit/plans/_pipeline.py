@@ -80,7 +80,8 @@ from meshkit.plans._pipeline_region import pipeline_gradients
 from meshkit.plans._pipeline_report import PipelineReport
 from meshkit.plans._remat import remat_policy
 from meshkit.plans._stages import Stages, check_sizes, relayout_count, stage_placement
-from meshkit.plans.placement import Placement
+from meshkit.plans.axes.model import adapter_sums
+from meshkit.plans.placement import ADAPTER_RANK, Placement
 from meshkit.spec import DATA, MODEL, PIPELINE_SCHEDULES, STAGE, ParallelSpec, PlanError, one_of
 
 
@@ -282,6 +283,8 @@ class Pipeline:
             runs, forwards = (s.m, 1) if single else (s.ticks, 2)
             for x in blocks:
                 spec = x.model_spec
+                if ADAPTER_RANK in x.names:  # an adapter multiplies its partner, not the tokens
+                    continue
                 if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
                     times = (forwards + (x in redone)) * runs * k
                     rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, placement.model_size,
@@ -290,6 +293,10 @@ class Pipeline:
                     len(x.shape) == 3 and spec[2] == MODEL
                 ):  # column-parallel: input-gradient partial sums, B
                     rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, placement.model_size, f"{x.path}: input gradients"))  # fmt: skip
+            for x, layers in adapter_sums(
+                placement, trainable
+            ):  # per layer of a chunk, in the backward branch
+                rows.append((MODEL, "all-reduce", runs * k, x.nbytes // layers, placement.model_size, f"{x.path}: gradient sums"))  # fmt: skip
         return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
                                 what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
 

@@ -42,7 +42,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (trainer.params, trainer.state)
         )
         args = (trainer.assembled.loss, *shapes, trainer.put_batch(batch), trainer._step_key())
-        fed = batch_fed(*args)
+        fed = batch_fed(*args, trainable=trainer.per_layer.trainable)
         if trainer.tokens_per_example is None:
             per_example = _tokens_per_example(matmul_rows(*args), trainer.placement, n_examples)
     tokens = n_examples // (trainer.placement.batch_devices * trainer.accumulate) * per_example
