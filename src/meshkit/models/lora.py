@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from meshkit._errors import MeshkitError
-from meshkit.plans.placement import ADAPTER_PAIR, ADAPTER_RANK
+from meshkit.spec import ADAPTER_PAIR, ADAPTER_RANK
 
 DEFAULT_TARGETS: tuple[str, ...] = ("wq", "wk", "wv", "wo")
 """The attention projections: the matrices LoRA adapts unless told otherwise."""

@@ -81,8 +81,8 @@ from meshkit.plans._pipeline_report import PipelineReport
 from meshkit.plans._remat import remat_policy
 from meshkit.plans._stages import Stages, check_sizes, relayout_count, stage_placement
 from meshkit.plans.axes.model import adapter_sums
-from meshkit.plans.placement import ADAPTER_RANK, Placement
-from meshkit.spec import DATA, MODEL, PIPELINE_SCHEDULES, STAGE, ParallelSpec, PlanError, one_of
+from meshkit.plans.placement import Placement
+from meshkit.spec import ADAPTER_RANK, DATA, MODEL, PIPELINE_SCHEDULES, STAGE, ParallelSpec, PlanError, one_of
 
 
 def _nbytes(a: Any) -> int:

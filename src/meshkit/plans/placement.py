@@ -18,7 +18,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshkit.spec import DATA, MODEL, REPLICA, AxisRule, Plan, PlanError, check_axes, plans_of
+from meshkit.spec import ADAPTER_RANK, DATA, MODEL, REPLICA, AxisRule, Plan, PlanError, check_axes, plans_of
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out); so do grouped-query
@@ -224,12 +224,7 @@ def _check_units(units: Mapping[str, int], names: Mapping[str, str | None], mode
 #: Logical names a model keeps whole on the model axis by convention (the width; a scanned model's
 #: stacked layer axis; positions; the vocabulary, split only by VOCAB_TP_RULES): no warning names
 #: them when a default rule matches nothing.
-_WHOLE_BY_CONVENTION = frozenset({"embed", "layers", "seq", "vocab", "lora_rank"})
-ADAPTER_RANK = "lora_rank"
-"""The logical name of a low-rank adapter's rank dim (``meshkit.models.lora``): whole on every axis; a
-leaf that has it multiplies its partner adapter, not the tokens (the model axis's ledger reads it)."""
-ADAPTER_PAIR = ("_lora_a", "_lora_b")
-"""The suffixes of a weight's two adapters' keys (``A`` then ``B``): each the other's partner."""
+_WHOLE_BY_CONVENTION = frozenset({"embed", "layers", "seq", "vocab", ADAPTER_RANK})
 
 
 def _logical_rules(rules: Rules | None) -> dict[str, str | None]:

@@ -22,8 +22,8 @@ from typing import Any
 
 from meshkit.plans._fsdp import tp_matrices
 from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
-from meshkit.plans.placement import ADAPTER_PAIR, ADAPTER_RANK, LeafPlacement, Placement
-from meshkit.spec import MODEL
+from meshkit.plans.placement import LeafPlacement, Placement
+from meshkit.spec import ADAPTER_PAIR, ADAPTER_RANK, MODEL
 
 
 class ModelAxis(AxisPlan):
