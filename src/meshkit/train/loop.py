@@ -243,6 +243,14 @@ def _close(ckpt: Checkpointer, *, failing: bool) -> None:
         ckpt.close()
 
 
+def _trainable(job: Job) -> str:
+    """`` (N trainable)`` where some parameters are frozen (LoRA), else nothing."""
+    frozen = job.trainer.per_layer.trainable
+    if frozen is None:
+        return ""
+    return f" ({num_params(frozen.train(job.trainer.params)):,} trainable)"
+
+
 # -- the end ----------------------------------------------------------------------------------
 def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     """Text sampled from the trained model, primed with the start of the held-out split."""
@@ -441,7 +449,7 @@ def run(
             )
     n = job.trainer.num_devices
     console.print(
-        f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.parallel.plan}[/] on "
+        f"meshkit train: {num_params(job.trainer.params):,} parameters{_trainable(job)}, plan [bold]{cfg.parallel.plan}[/] on "
         f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
         f"({job.data.num_tokens:,} tokens, vocab {job.data.vocab_size})"
         + (f", resuming at step {job.step}" if resume else ""),
