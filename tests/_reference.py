@@ -21,6 +21,22 @@ def one_device(loss, params, batch, steps: int, optimizer: optax.GradientTransfo
     return jax.tree.map(np.asarray, params)
 
 
+def one_device_frozen(loss, params, batch, steps: int, optimizer, trainable) -> dict:
+    """``one_device`` training only the leaves whose path (``a/b/c``) ``trainable`` accepts, the rest
+    closed over as constants."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    mask = [trainable("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)) for p, _ in flat]
+    leaves = [x for _, x in flat]
+
+    def full(train):
+        it = iter(train)
+        return jax.tree.unflatten(treedef, [next(it) if m else x for x, m in zip(leaves, mask, strict=True)])
+
+    train = one_device(lambda t, b: loss(full(t), b), [x for x, m in zip(leaves, mask, strict=True) if m],
+                       batch, steps, optimizer)  # fmt: skip
+    return jax.tree.map(np.asarray, full(train))
+
+
 def max_rel(a, b) -> float:
     """The largest ``max |a - b| / max |b|`` over the leaves of two trees (b the reference)."""
     out = 0.0

@@ -90,6 +90,11 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
     "init_from": _opt(
         "init_from", "Start from a Hugging Face checkpoint: hf:DIR (config.json + safetensors).", "random"
     ),
+    "lora_rank": _opt(
+        "lora_rank", "LoRA: the adapters' rank; the base weights stay frozen.", "0: full fine-tuning"
+    ),
+    "lora_alpha": _opt("lora_alpha", "LoRA: the update is scaled by alpha / rank.", "16"),
+    "lora_targets": _opt("lora_targets", "LoRA: comma-separated matrices to adapt.", "wq,wk,wv,wo"),
     "export_hf": _opt(
         "export_hf", "At the end, write the model as a Hugging Face checkpoint into the run's hf/.", "off"
     ),

@@ -27,6 +27,7 @@ from meshkit.plans._expected import (
     memory_formula,
 )
 from meshkit.plans._experts import EXPERT_DIM, check_whole_sequences, expert_bias, expert_dot, moe
+from meshkit.plans._frozen import Trainable
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis, micro_batches
@@ -57,6 +58,7 @@ __all__ = [
     "Schedule",
     "Stages",
     "StepShardings",
+    "Trainable",
     "assemble",
     "batch_fed",
     "bubble_model",

@@ -36,7 +36,11 @@ def _var(v) -> Any:
     return None if isinstance(v, jcore.Literal) else v
 
 
-def _walk(jaxpr, origin: dict, tainted: set, found: set, rows: dict | None = None) -> None:
+def _walk(
+    jaxpr, origin: dict, tainted: set, found: set, rows: dict | None = None, weights: set | None = None
+) -> None:
+    """``weights`` (where frozen leaves are given): the values computed from parameters alone; a sum of
+    such values keeps the origin of its parameter operand (LoRA's ``W + s A @ B`` is ``W`` to the ledger)."""
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         dirty = any(v in tainted for v in ins)
@@ -45,12 +49,15 @@ def _walk(jaxpr, origin: dict, tainted: set, found: set, rows: dict | None = Non
             pairs = [(iv, _var(ov)) for iv, ov in zip(sub.invars, eqn.invars, strict=True)]
             inner_origin = {iv: origin[ov] for iv, ov in pairs if ov in origin}
             inner_taint = {iv for iv, ov in pairs if ov in tainted}
-            _walk(sub, inner_origin, inner_taint, found, rows)
+            inner_weights = None if weights is None else {iv for iv, ov in pairs if ov in weights}
+            _walk(sub, inner_origin, inner_taint, found, rows, inner_weights)
             for ov, iv in zip(eqn.outvars, map(_var, sub.outvars), strict=True):
                 if iv in inner_taint:
                     tainted.add(ov)
                 if iv in inner_origin:
                     origin[ov] = inner_origin[iv]
+                if weights is not None and iv in inner_weights:
+                    weights.add(ov)
             continue
         if eqn.primitive.name == "dot_general" and len(ins) == 2:
             a, b = ins
@@ -64,13 +71,20 @@ def _walk(jaxpr, origin: dict, tainted: set, found: set, rows: dict | None = Non
                     rows[origin[w]] = max(rows.get(origin[w], 0), n)
         if eqn.primitive.name in _SAME_VALUE and ins and ins[0] in origin:
             origin[eqn.outvars[0]] = origin[ins[0]]
+        if weights is not None and ins and all(v in weights for v in ins):
+            weights.update(eqn.outvars)
+            held = [v for v in ins if v in origin]
+            if eqn.primitive.name == "add" and len(held) == 1:
+                origin[eqn.outvars[0]] = origin[held[0]]
         if dirty:
             tainted.update(eqn.outvars)
 
 
-def batch_fed(loss_fn: Callable, params: Any, *rest: Any) -> frozenset[str]:
+def batch_fed(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None) -> frozenset[str]:
     """Paths (``a/b/c``) of parameter leaves some matmul multiplies with a value that depends on no
-    parameter. ``loss_fn(params, *rest)``; arguments may be arrays or ``jax.ShapeDtypeStruct``s."""
+    parameter (with ``trainable``, a ``_frozen.Trainable``: on no trainable one; a frozen leaf's
+    gradient is not asked for, like the batch's). ``loss_fn(params, *rest)``; arguments may be arrays
+    or ``jax.ShapeDtypeStruct``s."""
     from meshkit.plans.placement import _path_str
 
     closed = jax.make_jaxpr(loss_fn)(params, *rest)
@@ -78,7 +92,11 @@ def batch_fed(loss_fn: Callable, params: Any, *rest: Any) -> frozenset[str]:
     invars = closed.jaxpr.invars[: len(paths)]
     origin = dict(zip(invars, paths, strict=True))
     found: set = set()
-    _walk(closed.jaxpr, origin, set(invars), found)
+    if trainable is None:
+        _walk(closed.jaxpr, origin, set(invars), found)
+    else:
+        taint = {v for v, m in zip(invars, trainable.mask, strict=True) if m}
+        _walk(closed.jaxpr, origin, taint, found, weights=set(invars))
     return frozenset(found)
 
 

@@ -43,6 +43,7 @@ import optax
 from meshkit.analysis.communication import CommLedger
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans import axes
+from meshkit.plans._frozen import optimizer_view
 from meshkit.plans._fsdp import PerLayer
 from meshkit.plans.axes.data import model_bytes
 from meshkit.plans.memory import zero_stage
@@ -87,7 +88,8 @@ def expected_collectives(
                          traffic_bytes=count * ring_traffic(op, size, n_group), what=what)
             )  # fmt: skip
 
-    _sum_rows(add, placement)
+    trainable = None if per_layer is None else per_layer.trainable
+    _sum_rows(add, placement if trainable is None else trainable.placement(placement))  # frozen: no gradient
     inputs = axes.LedgerInputs(placement=placement, accumulate=accumulate, tokens_per_device=tokens_per_device,
                                activation_bytes=activation_bytes, batch_fed=batch_fed,
                                gather_itemsize=gather_itemsize, per_layer=per_layer, form=form)  # fmt: skip
@@ -207,6 +209,7 @@ def memory_formula(
     """Per-device persistent bytes by the ZeRO rules, leaf by leaf (params and optimizer state)."""
     rule = zero_stage(placement.plan.zero)
     params_b = sum(x.nbytes / _divisor(x, placement, rule.shards("params")) for x in placement.flat())
+    optimizer, placement, params = optimizer_view(optimizer, placement, params)  # frozen leaves: no state
     shapes = jax.eval_shape(optimizer.init, params)
     per_leaf = optax.tree_map_params(
         optimizer,

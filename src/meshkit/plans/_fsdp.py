@@ -74,6 +74,9 @@ class PerLayer:
     """What the peak model compiled for this loss, by input shapes (``meshkit.analysis.peak``)."""
     experts: tuple = ()
     """Expert plans: ``(bytes,)`` of one MoE layer's dispatched rows per device, as traced (``_experts``)."""
+    trainable: Any = None
+    """The leaves that train (``_frozen.Trainable``), or None: all of them. The loss is differentiated
+    with respect to these alone."""
     barriers_only: bool = False
     """Place zero3's per-layer optimization barriers but gather nothing (parameters whole): the
     single-device compile ``meshkit.analysis.peak`` reads the compiler's activation bytes from."""
@@ -418,10 +421,31 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
             f"block with meshkit.layer, lax.scan over stacked layer parameters, or use remat='none'"
         )
     if per.remat == "none" and not per.gathers:
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
-    if per.gathers:
-        leaves = buckets.all_gather(leaves, per.whole_step_leaves(), per.placement.data_size)
-    out, grads = jax.value_and_grad(layered_loss(loss_fn, per, full, micro_avals), has_aux=True)(
-        leaves, micro
-    )
+        f = lambda leaves, m: loss_fn(jax.tree.unflatten(treedef, leaves), m)  # noqa: E731
+    else:
+        if per.gathers:
+            leaves = buckets.all_gather(leaves, per.whole_step_leaves(), per.placement.data_size)
+        f = layered_loss(loss_fn, per, full, micro_avals)
+    out, grads = trainable_value_and_grad(f, per.trainable, leaves, micro)
     return out, jax.tree.unflatten(treedef, grads)
+
+
+def trainable_value_and_grad(f: Callable, trainable: Any, leaves: list, micro: Any) -> tuple[Any, list]:
+    """``f(leaves, micro)``'s value and its gradients with respect to the trainable leaves (None in a
+    frozen leaf's place: it is passed in undifferentiated, so it has no gradient and none of its
+    collectives)."""
+    if trainable is None:
+        return jax.value_and_grad(f, has_aux=True)(leaves, micro)
+    idx = trainable.indices
+
+    def of_trainable(train, m):
+        full = list(leaves)
+        for i, x in zip(idx, train, strict=True):
+            full[i] = x
+        return f(full, m)
+
+    out, g = jax.value_and_grad(of_trainable, has_aux=True)([leaves[i] for i in idx], micro)
+    grads: list = [None] * len(leaves)
+    for i, x in zip(idx, g, strict=True):
+        grads[i] = x
+    return out, grads

@@ -80,8 +80,9 @@ from meshkit.plans._pipeline_region import pipeline_gradients
 from meshkit.plans._pipeline_report import PipelineReport
 from meshkit.plans._remat import remat_policy
 from meshkit.plans._stages import Stages, check_sizes, relayout_count, stage_placement
+from meshkit.plans.axes.model import adapter_sums
 from meshkit.plans.placement import Placement
-from meshkit.spec import DATA, MODEL, PIPELINE_SCHEDULES, STAGE, ParallelSpec, PlanError, one_of
+from meshkit.spec import ADAPTER_RANK, DATA, MODEL, PIPELINE_SCHEDULES, STAGE, ParallelSpec, PlanError, one_of
 
 
 def _nbytes(a: Any) -> int:
@@ -225,14 +226,16 @@ class Pipeline:
 
         return saved(remat) + (saved("dots") / k if remat == "layer" else 0.0)
 
-    def expected(self, params: Any, batch: Any) -> list:
+    def expected(self, params: Any, batch: Any, trainable: Any = None) -> list:
         """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows).
 
         Over ``stage``: two permutes of one activation per tick, the all-reduce of the top gradients,
         the all-gather of the executed record (and, interleaved, the chunks' relayout). Over
         ``model`` (tp+pp): per layer of a chunk, every row-parallel matrix all-reduces its output in
         the forward branch and again in the backward branch's recomputation, every column-parallel
-        one its input gradient in the backward branch. These collectives sit in the branches of the
+        one its input gradient in the backward branch. ``trainable`` (``_frozen.Trainable``): the top
+        gradients summed are the trainable leaves' (a frozen leaf's gradient is dropped, and XLA drops
+        its sum). These collectives sit in the branches of the
         tick's ``switch``, and the ledger counts a branch's collectives once per tick (as it counts
         any conditional's: at most that many), so the model counts them per tick too; a device
         runs them on its own F or B ticks only, m of the ticks each. Under ``layer`` remat the
@@ -250,15 +253,14 @@ class Pipeline:
         blocks = [x for x in placement.flat() if self._is_block(x)]
         rows = []
         if p > 1:
-            top = sum(x.nbytes for x in placement.flat() if x not in blocks)
+            mask = (True,) * len(placement.flat()) if trainable is None else trainable.mask
+            top = sum(x.nbytes for x, m in zip(placement.flat(), mask, strict=True) if m and x not in blocks)
             chunk = sum(x.nbytes // placement.split(x) for x in blocks) // s.v
             rows += [(STAGE, "collective-permute", 2 * s.ticks, act_bytes, 2, "an activation forward, a cotangent back, per tick"),
                      (STAGE, "collective-permute", 2 * relayout_count(p, s.v), chunk, 2, "interleaved: chunks to their devices and back"),
                      (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
-            if self.shards is None:
-                rows.append(
-                    (STAGE, "all-reduce", 1, top, p, "embedding and head gradients, summed over the stages")
-                )
+            if self.shards is None:  # (n 0 where every top leaf is frozen: nothing summed)
+                rows.append((STAGE, "all-reduce", int(top > 0), top, p, "embedding and head gradients, summed over the stages"))  # fmt: skip
             else:  # deterministic: gathered and added in stage order, with the loss (and the blocks' squares)
                 rows.append(
                     (
@@ -281,6 +283,8 @@ class Pipeline:
             runs, forwards = (s.m, 1) if single else (s.ticks, 2)
             for x in blocks:
                 spec = x.model_spec
+                if ADAPTER_RANK in x.names:  # an adapter multiplies its partner, not the tokens
+                    continue
                 if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
                     times = (forwards + (x in redone)) * runs * k
                     rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, placement.model_size,
@@ -289,6 +293,10 @@ class Pipeline:
                     len(x.shape) == 3 and spec[2] == MODEL
                 ):  # column-parallel: input-gradient partial sums, B
                     rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, placement.model_size, f"{x.path}: input gradients"))  # fmt: skip
+            for x, layers in adapter_sums(
+                placement, trainable
+            ):  # per layer of a chunk, in the backward branch
+                rows.append((MODEL, "all-reduce", runs * k, x.nbytes // layers, placement.model_size, f"{x.path}: gradient sums"))  # fmt: skip
         return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
                                 what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
 

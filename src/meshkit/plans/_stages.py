@@ -122,7 +122,7 @@ def stage_placement(placement: Placement, stages: Stages) -> Placement:
                 else (None, f"no dim of {leaf.shape} but the layer dim divides over data={n}")
             )
         return LeafPlacement(path=leaf.path, shape=leaf.shape, nbytes=leaf.nbytes, model_spec=spec,
-                          data_dim=dim, why_replicated=why)  # fmt: skip
+                          data_dim=dim, why_replicated=why, names=leaf.names)  # fmt: skip
 
     return Placement(plan=placement.plan, mesh=placement.mesh, leaves=placement.tree(split))
 

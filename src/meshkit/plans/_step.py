@@ -196,17 +196,17 @@ def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
         return ((lax.axis_index(row_axis) if rows else 0) * accumulate + j) * n
 
     chunk = _chunk_grad(loss_fn, per, first_row)  # zero3: gathers per layer where the loss has layers
+    gplace = trained_placement(placement, per)  # the gradients' leaves: the trainable ones
 
     def grad_fn(params, state, micro, key, j):
         with manual_data(row_axis):
             return chunk(_cast(params, compute_dtype) if low else params, state, micro, key, j)
 
     def per_micro(g, params):  # per-layer leaves come back already reduce-scattered
-        if plan.shards_gradients:
-            g = _tree_apply(
-                lambda x, _, n: buckets.reduce_scatter(x, per.whole_step_leaves(), n), g, placement
-            )
-        return jax.tree.map(lambda s, p: s.astype(p.dtype), g, params) if low else g
+        if plan.shards_gradients:  # (the layers are known once the loss is traced)
+            whole = [x for x in _trained(per.whole_step_leaves(), per) if x is not None]
+            g = _tree_apply(lambda x, _, n: buckets.reduce_scatter(x, whole, n), g, gplace)
+        return jax.tree.map(lambda s, p: s.astype(p.dtype), g, _trained(params, per)) if low else g
 
     def run(params, state, batch, key):
         with _splits(placement, per, form):
@@ -214,19 +214,19 @@ def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
                 grad_fn, params, state, batch, key, accumulate, lambda g: per_micro(g, params)
             )
         scatter_now = plan.shards_optimizer and not plan.shards_gradients
-        grads = _finish(acc, placement, scatter_now, scale, live)
+        grads = _finish(acc, gplace, scatter_now, scale, live)
         if not live:  # over a size-1 axis XLA rejects the collective (fsdp+tp, data=1)
             return loss, aux, state, grads
         over = live if len(live) > 1 else live[0]
         mean = lambda t: buckets.manual_sum(lambda v: lax.pmean(v, over), t)  # noqa: E731
         return mean(loss), mean(aux), state, grads
 
-    def specs(data: bool) -> Any:
-        return placement.tree(lambda leaf: leaf.manual_spec(data=data, manual=axes_))
+    def specs(data: bool, where: Placement = placement) -> Any:
+        return where.tree(lambda leaf: leaf.manual_spec(data=data, manual=axes_))
 
     rows_spec = P(row_axis, *sequence) if sequence else placement.batch_spec()
     region = jax.shard_map(run, mesh=mesh, in_specs=(specs(plan.shards_params), P(), rows_spec, P()),
-                           out_specs=(P(), P(), P(), specs(plan.shards_optimizer)), axis_names=set(axes_),
+                           out_specs=(P(), P(), P(), specs(plan.shards_optimizer, gplace)), axis_names=set(axes_),
                            check_vma=False)  # fmt: skip
 
     def arranged(params, state, batch, key):  # each axis's layout of the batch (context: balanced order)
@@ -235,6 +235,18 @@ def manual_gradients(loss_fn: LossFn, placement: Placement, accumulate: int, per
         return region(params, state, batch, key)
 
     return arranged
+
+
+def trained_placement(placement: Placement, per: _fsdp.PerLayer | None) -> Placement:
+    """The placement of the leaves that get gradients (all of them unless some are frozen)."""
+    trainable = None if per is None else per.trainable
+    return placement if trainable is None else trainable.placement(placement)
+
+
+def _trained(tree: Any, per: _fsdp.PerLayer | None) -> Any:
+    """A parameter-structured tree's trainable leaves (``_frozen.Trainable.train``)."""
+    trainable = None if per is None else per.trainable
+    return tree if trainable is None else trainable.train(tree)
 
 
 def _first(tree: Any) -> Any:
@@ -260,11 +272,17 @@ def gradient_fn(
     per = _fsdp.PerLayer(placement=placement) if per is None else per
     plan = placement.plan
     split = any(rule.splits for rule in plan.rules)  # an axis beyond data that splits the batch
+    # frozen leaves under dp: the region sums the trainable leaves' gradients (left to it, XLA's partitioner
+    # may sum a LoRA weight's whole merged gradient instead of its adapters')
     # a ZeRO stage over a data axis of one device shards nothing: written out over it, its buckets and
     # gathers were copies XLA keeps (one TPU v5e, a 0.7 B Llama: 2.6x the bytes and 1.6x the step of dp)
     alone = not split and not placement.live_axes
     if alone or (
-        not split and (not placement.has_data_axis or (not plan.shards_optimizer and accumulate == 1))
+        not split
+        and (
+            not placement.has_data_axis
+            or (not plan.shards_optimizer and accumulate == 1 and per.trainable is None)
+        )
     ):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
@@ -353,17 +371,18 @@ def build_step(
         grads_of, norm_of = _deterministic_grads(loss_fn, placement, deterministic, per_layer)
     elif deterministic is not None:  # a pipeline's: its norm taken in its region, from the whole sum
         norm_of = lambda _: gradients.norm()  # noqa: E731
-    gather = _param_gather(placement)
+    gplace = trained_placement(placement, per_layer)
+    gather = _param_gather(gplace)
     mesh = placement.mesh
-    grad_sh = placement.tree(
-        lambda leaf: NamedSharding(mesh, leaf.spec(data=placement.plan.shards_optimizer))
-    )
+    grad_sh = gplace.tree(lambda leaf: NamedSharding(mesh, leaf.spec(data=placement.plan.shards_optimizer)))
     with_norm = grad_norm or clip_norm is not None
     if per_layer is not None:
         per_layer.global_norm = with_norm
 
     def step(params, opt_state, state, batch, key):
         loss, aux_out, state, grads = grads_of(params, state, batch, key)
+        if gradients is not None:  # a pipeline's gradients: every leaf's (the frozen ones' dropped here)
+            grads = _trained(grads, per_layer)
         grads = lax.with_sharding_constraint(grads, grad_sh)
         metrics = {**(aux_out or {}), "loss": loss}
         if with_norm:
@@ -372,9 +391,14 @@ def build_step(
                 factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
                 grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        new = optax.apply_updates(_trained(params, per_layer), updates)
         if gather is not None:  # update the shards where they live, then one bucketed all-gather
-            params = gather(lax.with_sharding_constraint(params, grad_sh))
+            new = gather(lax.with_sharding_constraint(new, grad_sh))
+        params = (
+            new
+            if per_layer is None or per_layer.trainable is None
+            else per_layer.trainable.merge(new, params)
+        )
         return params, opt_state, state, metrics
 
     return _OwnShardingLine(jax.jit(

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.mesh import as_auto, make_mesh
+from meshkit.plans._frozen import Trainable, optimizer_view
 from meshkit.plans._fsdp import PerLayer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._pipeline import Pipeline
@@ -137,6 +138,12 @@ def attending(loss_fn: Any, record: Attention) -> Any:
     return wrap(loss_fn)
 
 
+def _state_layout(optimizer: optax.GradientTransformation, placement: Placement, params: Any) -> tuple:
+    """``state_shardings``' arguments: the optimizer state's own (``_frozen.optimizer_view``)."""
+    optimizer, placement, params = optimizer_view(optimizer, placement, params)
+    return optimizer, params, placement
+
+
 def _attach(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, shardings)
 
@@ -160,11 +167,15 @@ def assemble(
     logical_axes: Any = None,
     min_shard_size: int = 1,
     units: Mapping[str, int] | None = None,
+    trainable: Any = None,
 ) -> Assembled:
     """Build the step of ``spec`` for ``loss_fn(params, batch)`` (the forms of ``_loss.step_loss``:
     ``stateful``, ``rng`` and ``has_aux`` say which) and ``optimizer``; ``params`` and ``state``
     may be arrays or abstract values. ``mesh`` overrides the spec's mesh (its devices and axes);
-    ``devices`` are those the spec's mesh is made over."""
+    ``devices`` are those the spec's mesh is made over. ``trainable`` (a tree of bools like ``params``,
+    or a predicate on a leaf's path ``"a/b/c"``) freezes the other leaves (``_frozen``): no gradient,
+    no gradient collective, no optimizer state; ``Assembled.optimizer`` is then ``optimizer`` over the
+    trainable leaves."""
     if clip_norm is not None and clip_norm <= 0:
         raise PlanError(f"clip_norm must be positive, got {clip_norm}")
     plan = spec.plan_info
@@ -175,6 +186,10 @@ def assemble(
             "deterministic mode covers losses without state: the state threads through the "
             "micro-shards in an order the mesh sets; drop state= or deterministic"
         )
+    frozen = Trainable.of(trainable, params)
+    optimizer = optimizer if frozen is None else frozen.optimizer(optimizer)
+    if frozen is not None and spec.deterministic is not None:
+        raise PlanError("deterministic mode trains every parameter: drop trainable= or deterministic")
     mesh = spec_mesh(spec, mesh, devices)
     placement = place(params, plan, mesh, rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size,
                       units=units)  # fmt: skip
@@ -188,13 +203,13 @@ def assemble(
     replicated = NamedSharding(mesh, P())
     shardings = StepShardings(
         params=jax.tree.map(lambda s: NamedSharding(mesh, s), placement.param_specs(), is_leaf=lambda x: isinstance(x, P)),
-        opt_state=state_shardings(optimizer, params, placement),
+        opt_state=state_shardings(*_state_layout(optimizer, placement, params)),
         batch=NamedSharding(mesh, placement.batch_spec()),
         scalar=replicated,
         state=jax.tree.map(lambda _: replicated, state),
     )  # fmt: skip
     loss = step_loss(loss_fn, stateful=stateful, rng=rng, has_aux=has_aux)
-    per_layer = PerLayer(placement=placement, remat=spec.remat)
+    per_layer = PerLayer(placement=placement, remat=spec.remat, trainable=frozen)
     compute = None if spec.compute_dtype is None else jnp.dtype(spec.compute_dtype)
     step = build_step(loss, optimizer, placement, shardings, accumulate=spec.accumulate, clip_norm=clip_norm,
                       grad_norm=grad_norm, donate=donate, compute_dtype=compute, per_layer=per_layer,

@@ -99,7 +99,9 @@ def scan_loop_buffers(one_layer: float, *, zero3: bool, remat: str) -> float:
     return (1 if zero3 and remat != "none" else 2) * one_layer
 
 
-def gathered_top(bucketed: float, alone: float, whole: float, *, gather_ratio: float = 1.0) -> float:
+def gathered_top(
+    bucketed: float, alone: float, whole: float, *, gather_ratio: float = 1.0, gradients: bool = True
+) -> float:
     """ZeRO-3's leaves outside layers, gathered once for the step, with their whole gradients.
 
     A leaf gathered in its dtype's bucket: the bucket and the leaf's whole gradient (2x; the leaf is a
@@ -111,9 +113,11 @@ def gathered_top(bucketed: float, alone: float, whole: float, *, gather_ratio: f
     Measured (``memory_analysis()``, zero3 on data=8, GPT 4 layers, float32): counting the bucketed
     leaves 3x, their slices as copies, over-predicted the peak by one P_top (vocab 256, width 64:
     measured/predicted 0.80-0.93 in both forms and every remat policy; with 2x 0.87-0.97); the
-    planner's 1.3 B GPT in bf16 at 64 devices holds the bucket, the cast slices and the gradient."""
-    per_leaf = 2.0 if gather_ratio == 1.0 else 3.0 * gather_ratio
-    return per_leaf * bucketed + 2 * gather_ratio * alone + whole
+    planner's 1.3 B GPT in bf16 at 64 devices holds the bucket, the cast slices and the gradient.
+    Frozen leaves (``gradients=False``, ``plans._frozen``): the same less the gradient."""
+    grad = 1.0 if gradients else 0.0
+    per_leaf = 1.0 + grad if gather_ratio == 1.0 else (2.0 + grad) * gather_ratio
+    return per_leaf * bucketed + (1.0 + grad) * gather_ratio * alone + grad * whole
 
 
 def zero3_all_shards_alive(

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit.plans import _context, _experts, axes
 from meshkit.plans import memory as M
 from meshkit.plans._expected import memory_formula
-from meshkit.plans._fsdp import PerLayer, layered_loss
+from meshkit.plans._fsdp import PerLayer, layered_loss, trainable_value_and_grad
 from meshkit.plans._layers import abstract, analyse
 from meshkit.plans.assemble import Assembled, assemble
 from meshkit.plans.axes.context import heads_axis
@@ -140,9 +140,9 @@ def compiled_activations(
     f = layered_loss(loss_fn, _local_layers(per), params, extra)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
 
-    def step(xs, e):  # each gradient consumed where it is made, as the update would
-        loss, grads = jax.value_and_grad(lambda xs: f(xs, e)[0])(xs)
-        return loss, [jnp.sum(g) for g in grads]
+    def step(xs, e):  # each gradient consumed where it is made, as the update would (trainable leaves')
+        (loss, _), grads = trainable_value_and_grad(f, per.trainable, xs, e)
+        return loss, [jnp.sum(g) for g in grads if g is not None]
 
     m = per.placement.model_size
     c = axes.sequence_split(per.placement)
@@ -313,13 +313,14 @@ def predict_peak(
             activations -= one_layer
     body = M.scan_loop_buffers(one_layer, zero3=zero3, remat=per.remat) if scan else 0.0
     beside = M.accumulator_beside_gradients(scan=scan, zero=rule.level, microbatches=accumulate)
-    acc = M.accumulator(b.total, b.sharded, n, microbatches=accumulate, shards_gradients=rule.shards("grads"))
+    g = b if per.trainable is None else _Sizes.of(*per.trainable.sizes(placement, params))  # the gradients'
+    acc = M.accumulator(g.total, g.sharded, n, microbatches=accumulate, shards_gradients=rule.shards("grads"))
     own = body + (acc if beside else 0.0)  # the loop buffers and the accumulator beside the gradients
     if zero3:
         backward, update = _zero3_phases(step, params, b, own, scan=scan)
-    else:
-        backward = b.total + own  # whole local gradients (and the accumulator)
-        update = M.update_phase(b.total, 0.0, zero=rule.level, scan=scan)
+    else:  # whole local gradients (and the accumulator), of the trainable leaves
+        backward = g.total + own
+        update = M.update_phase(g.total, 0.0, zero=rule.level, scan=scan)
     return PeakModel(
         persistent=persistent, backward=backward + activations, update=update, activations=activations
     )
@@ -372,21 +373,25 @@ def _zero3_phases(step: Assembled, params: Any, b: _Sizes, own: float, *, scan: 
     )
     layer_b = sum(b.sizes[i] for i in layer)
     per_layer_b = layer_b / found.layers if layer else 0.0
+    trains = per.trainable.mask if per.trainable is not None else (True,) * len(b.sizes)
+    layer_g = sum(b.sizes[i] for i in layer if trains[i])  # the layers' gradients: trainable leaves'
+    per_layer_g = layer_g / found.layers if layer else 0.0
     at_once = M.zero3_all_shards_alive(global_norm=per.global_norm, scan=scan, remat=per.remat,
                                        microbatches=accumulate, hybrid=placement.replica_size > 1)  # fmt: skip
-    top = [(b.sizes[i], b.flat[i]) for i in range(len(b.sizes)) if i not in layer]
-    gathered = M.gathered_top(
-        bucketed=sum(s for s, leaf in top if leaf.data_dim is not None and not leaf.model_sharded),
-        alone=sum(s for s, leaf in top if leaf.data_dim is not None and leaf.model_sharded),
-        whole=sum(s for s, leaf in top if leaf.data_dim is None),
-        gather_ratio=ratio,
-    )
-    backward = gathered + (layer_b if at_once else per_layer_b) / n + own
+    gathered = 0.0
+    for grads in (True, False):  # leaves outside layers, with their gradients and (frozen) without
+        top = [(b.sizes[i], b.flat[i]) for i in range(len(b.sizes)) if i not in layer and trains[i] == grads]
+        gathered += M.gathered_top(
+            bucketed=sum(s for s, leaf in top if leaf.data_dim is not None and not leaf.model_sharded),
+            alone=sum(s for s, leaf in top if leaf.data_dim is not None and leaf.model_sharded),
+            whole=sum(s for s, leaf in top if leaf.data_dim is None),
+            gather_ratio=ratio, gradients=grads,
+        )  # fmt: skip
+    backward = gathered + (layer_g if at_once else per_layer_g) / n + own
     backward += M.zero3_layers_held(ratio * layer_b, per_layer_b, n, scan=scan, remat=per.remat)
-    shards = M.at_rest(b.total, b.sharded, n, True)
-    update = M.update_phase(
-        b.total, shards, zero=3, scan=scan, partial=0.0 if at_once else (layer_b - per_layer_b) / n
-    )
+    g = b if per.trainable is None else _Sizes.of(*per.trainable.sizes(placement, params))
+    update = M.update_phase(g.total, M.at_rest(g.total, g.sharded, n, True), zero=3, scan=scan,
+                            partial=0.0 if at_once else (layer_g - per_layer_g) / n)  # fmt: skip
     return backward, update
 
 

@@ -18,7 +18,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshkit.spec import DATA, MODEL, REPLICA, AxisRule, Plan, PlanError, check_axes, plans_of
+from meshkit.spec import ADAPTER_RANK, DATA, MODEL, REPLICA, AxisRule, Plan, PlanError, check_axes, plans_of
 
 #: Megatron rules over the reference models' logical axis names: attention heads and the MLP
 #: hidden dimension go to the model axis (column-parallel in, row-parallel out); so do grouped-query
@@ -224,7 +224,7 @@ def _check_units(units: Mapping[str, int], names: Mapping[str, str | None], mode
 #: Logical names a model keeps whole on the model axis by convention (the width; a scanned model's
 #: stacked layer axis; positions; the vocabulary, split only by VOCAB_TP_RULES): no warning names
 #: them when a default rule matches nothing.
-_WHOLE_BY_CONVENTION = frozenset({"embed", "layers", "seq", "vocab"})
+_WHOLE_BY_CONVENTION = frozenset({"embed", "layers", "seq", "vocab", ADAPTER_RANK})
 
 
 def _logical_rules(rules: Rules | None) -> dict[str, str | None]:

@@ -45,6 +45,8 @@ from meshkit.spec.plans import (
     refusal,
 )
 from meshkit.spec.values import (
+    ADAPTER_PAIR,
+    ADAPTER_RANK,
     ATTENTION_IMPLEMENTATIONS,
     AUTO,
     AXES,
@@ -73,6 +75,8 @@ from meshkit.spec.values import (
 )
 
 __all__ = [
+    "ADAPTER_PAIR",
+    "ADAPTER_RANK",
     "ATTENTION_IMPLEMENTATIONS",
     "AUTO",
     "AXES",

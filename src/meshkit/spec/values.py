@@ -15,6 +15,10 @@ replicas of hybrid sharding (HSDP: the batch split over ``replica`` x ``data``, 
 EXPERT = "expert"
 """Expert parallelism's axis: a mixture of experts' experts split over it, the batch split over it as
 well (``data`` x ``expert``), its tokens sent to their experts' devices by ``all_to_all`` (``plans._experts``)."""
+ADAPTER_RANK, ADAPTER_PAIR = "lora_rank", ("_lora_a", "_lora_b")
+"""A low-rank adapter's logical rank dim (``models.lora``; whole on every axis: such a leaf multiplies its
+partner, not the tokens) and the key suffixes of a weight's two adapters (``A``, ``B``), each the other's
+partner: what the placement and the model axis's ledger read of LoRA."""
 AXES = (STAGE, REPLICA, DATA, EXPERT, CONTEXT, MODEL)
 """Every axis a plan may use, in the order meshes are written (outermost first)."""
 

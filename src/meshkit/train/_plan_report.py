@@ -42,7 +42,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (trainer.params, trainer.state)
         )
         args = (trainer.assembled.loss, *shapes, trainer.put_batch(batch), trainer._step_key())
-        fed = batch_fed(*args)
+        fed = batch_fed(*args, trainable=trainer.per_layer.trainable)
         if trainer.tokens_per_example is None:
             per_example = _tokens_per_example(matmul_rows(*args), trainer.placement, n_examples)
     tokens = n_examples // (trainer.placement.batch_devices * trainer.accumulate) * per_example
@@ -60,8 +60,11 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         nbytes = sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in leaves)
         expected, det = trainer.assembled.deterministic_price(nbytes)
     if trainer.pipeline is not None:  # its data-axis rows as above (ZeRO-3: once per step); the rest its own
-        expected = [*expected, *trainer.pipeline.expected(trainer._param_shapes, batch)]
-    formula = memory_formula(trainer.placement, trainer.optimizer, trainer._param_shapes)
+        expected = [
+            *expected,
+            *trainer.pipeline.expected(trainer._param_shapes, batch, trainer.per_layer.trainable),
+        ]
+    formula = memory_formula(trainer.placement, trainer.assembled.optimizer, trainer._param_shapes)
     mem = [
         MemoryRow(component="params", measured_bytes=device_bytes(trainer.params), formula_bytes=formula["params"]),
         MemoryRow(component="optimizer", measured_bytes=device_bytes(trainer.opt_state), formula_bytes=formula["optimizer"]),

@@ -34,7 +34,8 @@ HF_PREFIX = "hf:"
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 """Where ``--tracker`` sends the metrics (``meshkit.train.metrics``); jsonl (metrics.jsonl) is always on."""
 MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None, "experts": 0,
-                  "experts_per_token": 2, "capacity_factor": 1.25}  # fmt: skip
+                  "experts_per_token": 2, "capacity_factor": 1.25, "lora_rank": 0, "lora_alpha": 16.0,
+                  "lora_targets": None}  # fmt: skip
 """What a config written before these options trained: the GPT from random weights."""
 
 MAX_STEPS = 10**9
@@ -71,6 +72,12 @@ class TrainConfig:
     init_from: str | None = None
     """Start from a Hugging Face checkpoint instead of random weights: 'hf:DIR' (config.json +
     safetensors); its shape must be the run's."""
+    lora_rank: int = 0
+    """LoRA: the adapters' rank (``meshkit.models.lora``; the base weights frozen); 0: full fine-tuning."""
+    lora_alpha: float = 16.0
+    """LoRA: the update is scaled by lora_alpha / lora_rank."""
+    lora_targets: str | None = None
+    """LoRA: comma-separated keys of the matrices adapted; None: ``lora.DEFAULT_TARGETS``."""
     export_hf: bool = False
     """At the end, write the trained model as a Hugging Face checkpoint into the run's hf/."""
     layers: int = 2
@@ -271,6 +278,9 @@ FIXED_ON_RESUME = {
     "experts_per_token": "the model's routing",
     "capacity_factor": "the model's routing",
     "init_from": "the initialisation",
+    "lora_rank": "the trained parameters",
+    "lora_alpha": "the trained parameters",
+    "lora_targets": "the trained parameters",
     "layers": "the model's shape",
     "width": "the model's shape",
     "heads": "the model's shape",
@@ -287,6 +297,18 @@ CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every
                         "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
                         "virtual_stages", "context_attention", "attention", "export_hf", "tracker", "peak_tflops")  # fmt: skip
 PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
+
+
+def lora_config(cfg: TrainConfig) -> Any:
+    """The run's ``meshkit.models.lora.LoraConfig``, or None (``lora_rank`` 0: full fine-tuning)."""
+    if not cfg.lora_rank:
+        return None
+    from meshkit.models import lora
+
+    targets = lora.DEFAULT_TARGETS if cfg.lora_targets is None else tuple(cfg.lora_targets.split(","))
+    return lora.LoraConfig(
+        rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=tuple(t.strip() for t in targets)
+    )
 
 
 def by_platform(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
@@ -375,6 +397,7 @@ def validate(cfg: TrainConfig) -> None:
         (lambda: registry.family(cfg.model).check(cfg) is None, lambda: registry.family(cfg.model).check(cfg)),
         (lambda: cfg.init_from is None or (cfg.init_from.startswith(HF_PREFIX) and len(cfg.init_from) > len(HF_PREFIX)),
          lambda: f"--init-from {cfg.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"),
+        (lambda: cfg.lora_rank >= 0, lambda: f"--lora-rank must be at least 0 (0: full fine-tuning), got {cfg.lora_rank}"),
         (lambda: cfg.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {cfg.optimizer!r}: use adamw or sgd"),
         (lambda: math.isfinite(cfg.lr) and cfg.lr > 0, lambda: f"--lr must be a positive finite number, got {cfg.lr}"),
         (lambda: math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,

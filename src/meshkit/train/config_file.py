@@ -13,7 +13,7 @@ from meshkit.train.config import OPTIONS, PARALLEL, PRESETS, ConfigError, check_
 #: the top level). Every option is in exactly one table.
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "layers", "width", "heads", "kv_heads", "tie_embeddings", "scan_layers", "init_from", "experts",
-              "experts_per_token", "capacity_factor"),
+              "experts_per_token", "capacity_factor", "lora_rank", "lora_alpha", "lora_targets"),
     "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
     "data": ("data", "seq_len", "batch_size", "seed"),
     "run": ("steps", "run_dir", "eval_every", "eval_batches", "eval_tasks", "checkpoint_every", "sample_chars", "tensorboard",

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load, process_rows
-from meshkit.models import gpt, registry
+from meshkit.models import gpt, lora, registry
 from meshkit.models.shape import ModelShape
 from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
@@ -95,7 +95,8 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     tasks = evals.build(cfg.eval_tasks, data.encode, plain, seq_len=cfg.seq_len, rows=cfg.batch_size,
                         sharding=trainer.shardings.batch)  # fmt: skip
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
-              eval_loss=jax.jit(family.module.make_loss(plain)), tasks=tasks)  # fmt: skip
+              eval_loss=jax.jit(lambda p, b: family.module.make_loss(plain)(family_params(cfg, p), b)),
+              tasks=tasks)  # fmt: skip
     if resume:
         _restore(job)
     return job
@@ -137,7 +138,16 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
         params = init_from(cfg, model, shardings=placed.shardings.params)
     else:
         params = module.init(jax.random.key(cfg.seed), model)
+    if (adapters := C.lora_config(cfg)) is not None:  # LoRA: adapters beside the frozen base
+        params = lora.add(jax.random.fold_in(jax.random.key(cfg.seed), 1), params, adapters)
+        return model, lora.wrap(loss, adapters), params, lora.logical_axes(params, module.logical_axes)
     return model, loss, params, module.logical_axes(params)
+
+
+def family_params(cfg: C.TrainConfig, params: Any) -> Any:
+    """A run's parameters as its family's own: a LoRA run's adapters merged into their weights."""
+    adapters = C.lora_config(cfg)
+    return params if adapters is None else lora.merge(params, adapters)
 
 
 def _step_options(cfg: C.TrainConfig, model: Any, logical_axes: Any) -> dict[str, Any]:
@@ -145,7 +155,8 @@ def _step_options(cfg: C.TrainConfig, model: Any, logical_axes: Any) -> dict[str
     ``--init-from`` checkpoint is read into: the same, so the Trainer keeps the arrays where they are)."""
     family = registry.family_of(model)
     return {"clip_norm": cfg.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
-            "units": family.units(model), "rules": family.rules(cfg.parallel.plan_info.pipeline)}  # fmt: skip
+            "units": family.units(model), "rules": family.rules(cfg.parallel.plan_info.pipeline),
+            "trainable": None if C.lora_config(cfg) is None else lora.trainable}  # fmt: skip
 
 
 def moe_run(model: Any, cfg: C.TrainConfig) -> bool:

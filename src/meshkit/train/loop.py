@@ -37,7 +37,7 @@ from meshkit.planner.hardware import peak_flops
 from meshkit.train import config as C
 from meshkit.train import evals
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
+from meshkit.train.job import Job, check_no_checkpoints, family_params, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
     lock_run_dir,
     make_run_dir,
@@ -59,7 +59,7 @@ def evaluate(job: Job) -> dict[str, float]:
     ``eval_loss``/``eval_bpb`` their mean weighted by the mixture's weights. With ``--eval-tasks``, each
     task's ``acc/NAME`` and ``acc_norm/NAME`` (:mod:`meshkit.train.evals`)."""
     # --eval-tasks: acc/NAME, acc_norm/NAME
-    tasks = {} if job.tasks is None else job.tasks(job.trainer.params)
+    tasks = {} if job.tasks is None else job.tasks(family_params(job.cfg, job.trainer.params))
     if not job.data.parts:
         return _held_out(job, None) | tasks
     out: dict[str, float] = {}
@@ -249,12 +249,21 @@ def _close(ckpt: Checkpointer, *, failing: bool) -> None:
         ckpt.close()
 
 
+def _trainable(job: Job) -> str:
+    """`` (N trainable)`` where some parameters are frozen (LoRA), else nothing."""
+    frozen = job.trainer.per_layer.trainable
+    if frozen is None:
+        return ""
+    return f" ({num_params(frozen.train(job.trainer.params)):,} trainable)"
+
+
 # -- the end ----------------------------------------------------------------------------------
 def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     """Text sampled from the trained model, primed with the start of the held-out split."""
     if chars <= 0 or job.data.decoder is None:
         return ""
     params = jax.device_put(host(job.trainer.params), jax.local_devices()[0])  # every process, all shards
+    params = family_params(job.cfg, params)
     t_len = job.cfg.seq_len
     ctx = np.asarray(job.data.held_out.read(0, t_len), np.int32)
 
@@ -447,7 +456,7 @@ def run(
             )
     n = job.trainer.num_devices
     console.print(
-        f"meshkit train: {num_params(job.trainer.params):,} parameters, plan [bold]{cfg.parallel.plan}[/] on "
+        f"meshkit train: {num_params(job.trainer.params):,} parameters{_trainable(job)}, plan [bold]{cfg.parallel.plan}[/] on "
         f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
         f"({job.data.num_tokens:,} tokens, vocab {job.data.vocab_size})"
         + (f", resuming at step {job.step}" if resume else ""),

@@ -14,10 +14,11 @@ import jax
 from meshkit import interop
 from meshkit.data import Corpus, DataError, load
 from meshkit.models import generate as G
-from meshkit.models import gpt, module_of
+from meshkit.models import gpt, lora, module_of
+from meshkit.plans import Trainable
 from meshkit.train import config as C
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.job import model_config, saved_config
+from meshkit.train.job import family_params, model_config, saved_config
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,12 +46,21 @@ def load_run(run_dir: str | Path) -> TrainedModel:
     data = load(cfg.data)
     model = model_config(cfg, data.vocab_size)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    shapes = jax.eval_shape(lambda: module_of(model).init(jax.random.key(0), model))
-    opt = jax.eval_shape(C.optimizer(cfg).init, shapes)
+    adapters = C.lora_config(cfg)
+    shapes = jax.eval_shape(lambda: _adapted(module_of(model).init(jax.random.key(0), model), adapters))
+    optimizer = C.optimizer(cfg)
+    if adapters is not None:  # the optimizer state of the adapters alone
+        optimizer = Trainable.of(lora.trainable, shapes).optimizer(optimizer)
+    opt = jax.eval_shape(optimizer.init, shapes)
     like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), (shapes, opt))
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         params, _, meta = ckpt.restore(None, *like)
+    params = family_params(cfg, params)  # a LoRA run's adapters merged: the family's own parameters
     return TrainedModel(cfg=cfg, model=model, params=params, step=int(meta["step"]), corpus=data)
+
+
+def _adapted(params: Any, adapters: Any) -> Any:
+    return params if adapters is None else lora.add(jax.random.key(0), params, adapters)
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> TrainedModel:

@@ -103,6 +103,7 @@ class Trainer:
         grad_norm: bool = False,
         donate: bool = True,
         deterministic: bool | int | None = None,
+        trainable: Any = None,
     ) -> None:
         from meshkit.adapters import Adapted
 
@@ -138,7 +139,7 @@ class Trainer:
         self.assembled: Assembled = assemble(
             loss_fn, params, optimizer, spec, mesh=given_mesh, state=state, stateful=stateful, rng=rng is not None,
             has_aux=has_aux, clip_norm=clip_norm, grad_norm=grad_norm, donate=donate, rules=rules,
-            logical_axes=logical_axes, min_shard_size=min_shard_size, units=units,
+            logical_axes=logical_axes, min_shard_size=min_shard_size, units=units, trainable=trainable,
         )  # fmt: skip
         self.spec = spec
         self.optimizer = optimizer
@@ -146,7 +147,7 @@ class Trainer:
         self.steps_done = 0
         """Optimizer steps taken (the per-step key is ``fold_in(rng, steps_done)``)."""
         self._param_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), params)
-        self._place(params, state, optimizer)
+        self._place(params, state, self.assembled.optimizer)
         self._step = self.assembled.step
         self.last_schedule: jax.Array | None = None
         """Pipeline plans: the schedule the last step executed, ``(ticks, stages, 3)`` (see ``_pipeline``)."""

@@ -45,10 +45,15 @@ class DataAxis(AxisPlan):
         def gathered(x: LeafPlacement) -> int:  # one leaf's all-gather (the compute dtype's under zero3)
             return model_bytes(x, placement) * (width or itemsize(x)) // itemsize(x)
 
+        trainable = None if inputs.per_layer is None else inputs.per_layer.trainable
+        trained = [x for x in (placement if trainable is None else trainable.placement(placement)).flat()
+                   if x.data_dim is not None]  # the leaves with gradients (frozen ones have none)  # fmt: skip
         sharded = sum(model_bytes(x, placement) for x in sharded_leaves)
+        grads = sum(model_bytes(x, placement) for x in trained)
         if width is not None and rule.shards("params"):
-            sharded = sum(gathered(x) for x in sharded_leaves)
-        for row in rule.collectives(sharded, sharded, microbatches=accumulate):
+            sharded, grads = sum(gathered(x) for x in sharded_leaves), sum(gathered(x) for x in trained)
+        params = sharded if rule.shards("params") else grads  # zero1/2 gather the updated (trainable) leaves
+        for row in rule.collectives(grads, params, microbatches=accumulate):
             if row.part == "params" and rule.shards("params"):  # zero3: per layer (``_fsdp``)
                 per = inputs.per_layer or PerLayer(placement=placement)
                 for count, size, what in gather_rows(per, accumulate, gathered):

@@ -18,10 +18,12 @@ exponentials, the target's logit), in the logits' dtype (at least float32).
 
 from __future__ import annotations
 
+from typing import Any
+
 from meshkit.plans._fsdp import tp_matrices
 from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
 from meshkit.plans.placement import LeafPlacement, Placement
-from meshkit.spec import MODEL
+from meshkit.spec import ADAPTER_PAIR, ADAPTER_RANK, MODEL
 
 
 class ModelAxis(AxisPlan):
@@ -33,6 +35,8 @@ class ModelAxis(AxisPlan):
             return
         tokens, width, accumulate = inputs.tokens, inputs.activation_bytes, inputs.accumulate
         for x, uses, redone in tp_matrices(inputs.per_layer, placement):  # a scan's stacked leaf: per layer
+            if ADAPTER_RANK in x.names:  # an adapter multiplies its partner, not the tokens
+                continue
             if (
                 x.model_spec[0] == MODEL
             ):  # row-parallel: forward partial sums of the output (again under remat)
@@ -42,6 +46,30 @@ class ModelAxis(AxisPlan):
                 add("all-reduce", MODEL, accumulate * uses, tokens * x.shape[0] * width, m,
                     f"{x.path}: backward input-gradient partial sums")  # fmt: skip
         _vocab_rows(add, placement, accumulate, tokens, width)
+        trainable = None if inputs.per_layer is None else inputs.per_layer.trainable
+        for x, layers in adapter_sums(placement, trainable):
+            add("all-reduce", MODEL, accumulate * layers, x.nbytes // layers, m, f"{x.path}: the adapter's gradient partial sums")  # fmt: skip
+
+
+def adapter_sums(placement: Placement, trainable: Any) -> list[tuple[LeafPlacement, int]]:
+    """``(leaf, layers it stacks)`` of each trainable low-rank adapter whole on the model axis whose
+    partner is split on it (LoRA's ``A`` of a column-parallel weight, ``B`` of a row-parallel one): its
+    gradient is a partial sum per device, all-reduced over ``model`` in the backward pass, once per
+    layer it stacks and micro-batch."""
+    if trainable is None:
+        return []
+    flat = placement.flat()
+    by_path = {x.path: x for x in flat}
+    a, b = ADAPTER_PAIR
+    out = []
+    for x, train in zip(flat, trainable.mask, strict=True):
+        if not train or ADAPTER_RANK not in x.names or x.model_sharded:
+            continue
+        stem, mine = (x.path[: -len(a)], a) if x.path.endswith(a) else (x.path[: -len(b)], b)
+        partner = by_path.get(stem + (b if mine == a else a))
+        if partner is not None and partner.model_sharded:
+            out.append((x, x.shape[0] if "layers" in x.names else 1))
+    return out
 
 
 def _split_names(leaf: LeafPlacement) -> tuple:
