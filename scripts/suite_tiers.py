@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def collected(marks: str) -> list[str]:
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marks],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout
     return [line.strip() for line in out.splitlines() if "::" in line and not line.startswith(" ")]
 
@@ -35,8 +38,10 @@ def main(record: str) -> None:
     tiers = {"core": collected("not sweep and not reference"), "sweep": collected("sweep")}
     for name, ids in tiers.items():
         known = [i for i in ids if i in seconds]
-        print(f"{name}: {len(ids)} tests, {sum(seconds[i] for i in known):,.0f} CPU s "
-              f"({len(ids) - len(known)} not in the record)")
+        print(
+            f"{name}: {len(ids)} tests, {sum(seconds[i] for i in known):,.0f} CPU s "
+            f"({len(ids) - len(known)} not in the record)"
+        )
     print("ten costliest core tests (CPU s):")
     for i in sorted(tiers["core"], key=lambda i: -seconds.get(i, 0))[:10]:
         print(f"  {seconds.get(i, 0):6.1f}  {i}")

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 import meshkit
 from _limits import limit
+from _tiers import tiered
 from meshkit._errors import MeshkitError
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
@@ -232,7 +233,9 @@ def fuzz(family: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(ANCHORS))
+# Tiers: the data plans' fuzz is core (the one-line refusals before compiling, the trained examples'
+# comparison with one device); the sharded plans' examples sweep (their plans are core elsewhere).
+@pytest.mark.parametrize("family", tiered([(f,) for f in sorted(ANCHORS)], sorted(ANCHORS), core={"data"}))
 def test_every_configuration_trains_right_or_is_refused_in_one_line(family):
     fuzz(family)
 

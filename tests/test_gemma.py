@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from _tiers import tiered
 from meshkit import interop, verify
 from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
 from meshkit.models import gemma, gpt, registry
@@ -244,10 +245,16 @@ CERTIFIED = [("gemma2", *p) for p in PLANS if p[-1] is not ALL_TO_ALL] + [
 """Each type under each plan, one context form each."""
 
 
+# Tiers: gemma2-fsdp and gemma3-tp are core, each type once; the ring's capped blocks and all-to-all are
+# core in the verify cases below (gemma-scan-cp, gemma-scan-dp+cp), pipelines of whole periods in
+# test_the_scanned_form_and_whole_periods_of_stages_compute_the_loop_forms_logits[6]; the rest sweep.
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh", "opts"),
-    CERTIFIED,
-    ids=[f"{c[0]}-{c[1]}" + ("-ring" if c[-1] is RING else "") for c in CERTIFIED],
+    tiered(
+        CERTIFIED,
+        ids=[f"{c[0]}-{c[1]}" + ("-ring" if c[-1] is RING else "") for c in CERTIFIED],
+        core={"gemma2-fsdp", "gemma3-tp"},
+    ),
 )
 def test_gemma_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
     """Gemma 2: ``meshkit verify``'s own small Gemma (``Family.small``: local and global layers, a window
