@@ -50,7 +50,7 @@ def _gpt_step(scan, plan, remat, grad_norm=False, accumulate=1, mesh="data=8"):
 
 # Tiers (this file): the peak is core in the loop form under zero3 (regather) and in the scanned form
 # under dp and zero3 without remat and with dots; tensor parallelism's in both scanned cases; zero3's
-# layer remat (core: the Llama's and the accumulator below) and the loop form's fsdp+tp sweep.
+# layer remat (core in the sharded accumulator below) and the loop form's fsdp+tp sweep.
 PEAK_IDS = ["-".join(map(str, c)) for c in PEAK_CASES]
 
 

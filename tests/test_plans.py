@@ -29,10 +29,11 @@ CASES = [
 ]
 
 
-# Tiers: every plan keeps a core certificate (dp, zero1/2/3 and fsdp on the linear model and the MLP,
-# tp and fsdp+tp on the GPT; dp+tp in test_gpt_vocab_tp.py and the golden steps); the GPT's dp, zero3
-# and dp+tp certificates sweep (the GPT under zero3 stays core in test_fsdp.py's certificates).
-SWEEP = {"dp-gpt-None-1", "zero3-gpt-None-2", "dp+tp-gpt-data=4,model=2-2"}
+# Tiers: every plan keeps a core certificate (dp, zero1/2/3 on the linear model, fsdp on the MLP, tp and
+# fsdp+tp on the GPT; dp+tp in test_gpt_vocab_tp.py and the golden steps); the MLP's dp and ZeRO
+# certificates and the GPT's dp, zero3 and dp+tp sweep (the GPT under zero3 stays core in test_fsdp.py).
+SWEEP = {"dp-gpt-None-1", "zero3-gpt-None-2", "dp+tp-gpt-data=4,model=2-2", "dp-mlp-None-2", "zero1-mlp-None-2",
+         "zero2-mlp-None-2", "zero3-mlp-None-2"}  # fmt: skip
 IDS = ["-".join(map(str, c)) for c in CASES]
 
 
