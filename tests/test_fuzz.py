@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 
 import meshkit
 from _limits import limit
-from _tiers import tiered
 from meshkit._errors import MeshkitError
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
@@ -233,9 +232,11 @@ def fuzz(family: str) -> list[str]:
 
 
 @pytest.mark.slow
-# Tiers: the data plans' fuzz is core (the one-line refusals before compiling, the trained examples'
-# comparison with one device); the sharded plans' examples sweep (their plans are core elsewhere).
-@pytest.mark.parametrize("family", tiered([(f,) for f in sorted(ANCHORS)], sorted(ANCHORS), core={"data"}))
+# Tiers: both families sweep: each plan's comparison with one device is core in its own certificate
+# (test_plans.py, test_fsdp.py, ...), its one-line refusals in the bad-input tests (test_plans.py,
+# test_bad_input.py); test_fsdp_tp_in_bf16_trains_a_step_without_crashing_xla stays core.
+@pytest.mark.sweep
+@pytest.mark.parametrize("family", sorted(ANCHORS))
 def test_every_configuration_trains_right_or_is_refused_in_one_line(family):
     fuzz(family)
 
