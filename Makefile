@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup mpi reference run test golden lint bench clean
+.PHONY: setup mpi reference run test sweeps golden lint bench clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -29,9 +29,14 @@ reference:
 
 # --max-worker-restart=0: a worker that crashes ends the run at once, naming its test (xdist's
 # replacement worker can sit idle until CI's limit: pytest-xdist#1328).
+# `make test` is the core tier: every code path, about 20 minutes on 2 cores. `make sweeps` runs the
+# further configurations of those paths (pytest.mark.sweep); CI runs both (.ci/run).
 test: setup mpi lint reference
-	$(BIN)/python -m pytest -n 2 --max-worker-restart=0 -q --durations=60
+	$(BIN)/python -m pytest -n 2 --max-worker-restart=0 -q --durations=60 -m "not reference and not sweep"
 	$(BIN)/python -m pytest -q -m reference
+
+sweeps: setup
+	$(BIN)/python -m pytest -n 2 --max-worker-restart=0 -q -m sweep
 
 # Every recorded step of tests/golden (the suite compiles 20 of the 32; see tests/test_golden_steps.py).
 golden: setup

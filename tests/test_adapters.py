@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 import meshkit
+from _tiers import tiered
 from meshkit.verify import relative_difference
 
 #: The MLPs (BatchNorm, dropout) are the runnable examples' own (examples/*.py: 8 -> 32 -> 4).
@@ -320,7 +321,23 @@ FRAMEWORK_PLANS = [(f, k, plan, mesh) for f, k in CASES for plan, mesh in PLANS
                    if f == "equinox" or plan not in SUBSUMED]  # fmt: skip
 
 
-@pytest.mark.parametrize(("framework", "kind", "plan", "mesh"), FRAMEWORK_PLANS)
+# Tiers: each framework's MLP under every plan and its LM under fsdp+tp (sharded leaves with tensor-
+# parallel rules: dp's and zero3's paths and more) are core; the LMs under the other plans sweep.
+FRAMEWORK_IDS = ["-".join(c) for c in FRAMEWORK_PLANS]
+
+
+@pytest.mark.parametrize(
+    ("framework", "kind", "plan", "mesh"),
+    tiered(
+        FRAMEWORK_PLANS,
+        FRAMEWORK_IDS,
+        core={
+            i
+            for i, c in zip(FRAMEWORK_IDS, FRAMEWORK_PLANS, strict=True)
+            if c[1] != "lm" or c[2] == "fsdp+tp"
+        },
+    ),
+)
 def test_framework_models_equal_a_single_device_loop(framework, kind, plan, mesh):
     ref_params, ref_state = _reference(framework, kind)
     t = _trainer(framework, kind, plan, mesh)

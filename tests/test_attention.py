@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from _reference import max_rel
+from _tiers import tiered
 from meshkit.models import llama
 from meshkit.plans import Stages, causal_attention, sequence_positions, use_attention
 from meshkit.plans import attention as A
@@ -241,7 +242,15 @@ PLANS = [
 ]
 
 
-@pytest.mark.parametrize(("plan", "mesh", "options", "window", "segmented"), PLANS, ids=[p[0] for p in PLANS])
+# Tiers (this file): the masks are core on one device's attention (dp), a pipeline, all-to-all and the
+# ring (cp); fsdp, dp+tp and fsdp+tp (the same attention on split parameters or heads: core in
+# test_plans.py and the Llama's plans) sweep. Every capped plan is core; the scanned windows are core on
+# the ring (cp), their dp and all-to-all forms sweep (all-to-all's: core in test_gemma.py's
+# gemma-scan-dp+cp).
+@pytest.mark.parametrize(
+    ("plan", "mesh", "options", "window", "segmented"),
+    tiered(PLANS, [p[0] for p in PLANS], core={"dp", "dp+pp", "dp+cp", "cp"}),
+)
 def test_each_plan_attends_as_one_device_masks_included(plan, mesh, options, window, segmented):
     """Written out, the plan's loss and gradients are one device's to 1e-10 (window and segments in
     force); fused, to the float32 digits of jax's softmax. The ring's blocks are written out whatever is
@@ -305,8 +314,8 @@ def _alternating_loss(cfg, scanned):
 
 @pytest.mark.parametrize(
     ("plan", "mesh", "options"),
-    [("dp", "data=8", {}), ("cp", "context=8", {"context_attention": "ring"}),
-     ("dp+cp", "data=2,context=4", {"context_attention": "all-to-all"})],
+    [pytest.param("dp", "data=8", {}, marks=pytest.mark.sweep), ("cp", "context=8", {"context_attention": "ring"}),
+     pytest.param("dp+cp", "data=2,context=4", {"context_attention": "all-to-all"}, marks=pytest.mark.sweep)],
 )  # fmt: skip
 def test_a_window_in_some_scanned_layers_only_attends_as_their_loop_and_keeps_collectives_unconditional(
     plan, mesh, options

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 from _limits import limit
+from _tiers import tiered
 from meshkit.models import llama
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import PLANS, ParallelSpec, PlanError
@@ -92,8 +93,15 @@ def _float64_step(name, plan, mesh, form="ring", moe=False):
         return abs(float(metrics["loss"]) - loss), _max_diff(kept, grads), metrics, aux
 
 
+# Tiers: tp+cp's ring (gpt-tp+cp-context=4,model=2-ring) and fsdp+tp+cp's all-to-all (the Llama) are
+# core, as are dp+tp+ep and fsdp+tp+ep below; the other meshes, models and combinations sweep.
 @pytest.mark.parametrize(
-    ("name", "plan", "mesh", "form"), CP, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CP]
+    ("name", "plan", "mesh", "form"),
+    tiered(
+        CP,
+        [f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CP],
+        core={"gpt-tp+cp-context=4,model=2-ring", "llama-fsdp+tp+cp-data=2,context=2,model=2-all-to-all"},
+    ),
 )
 def test_context_with_tensor_parallelism_is_one_device_and_its_ledger_the_model(name, plan, mesh, form):
     dloss, dgrad, _, _ = _float64_step(name, plan, mesh, form)
@@ -111,7 +119,14 @@ def test_context_with_tensor_parallelism_is_one_device_and_its_ledger_the_model(
         assert {("all-gather", "data"), ("reduce-scatter", "data")} <= set(rows)
 
 
-@pytest.mark.parametrize(("name", "plan", "mesh"), EP, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EP])
+@pytest.mark.parametrize(
+    ("name", "plan", "mesh"),
+    tiered(
+        EP,
+        [f"{c[0]}-{c[1]}-{c[2]}" for c in EP],
+        core={"gpt-dp+tp+ep-data=2,expert=2,model=2", "gpt-fsdp+tp+ep-data=2,expert=2,model=2"},
+    ),
+)
 def test_experts_with_tensor_parallelism_are_one_device_and_their_ledger_the_model(name, plan, mesh):
     """The expert leaves split over expert and their MLP dims over model; the same loss, gradients and
     dropped slots as one device; the experts' own Megatron all-reduces are in the model's row."""
@@ -141,10 +156,11 @@ def _meshkit(tmp_path, *options):
         pytest.fail(f"meshkit train {' '.join(options)} still ran after {e.timeout:.0f} s")
 
 
+# Tiers: meshkit train's fsdp+tp+cp and tp+ep runs are core; tp+cp's sweeps (its step is core above).
 @pytest.mark.parametrize(
     "options",
-    [["--plan", "tp+cp"], ["--plan", "fsdp+tp+cp", "--context-attention", "all-to-all"],
-     ["--plan", "tp+ep", "--experts", "8"]],
+    [pytest.param(["--plan", "tp+cp"], marks=pytest.mark.sweep),
+     ["--plan", "fsdp+tp+cp", "--context-attention", "all-to-all"], ["--plan", "tp+ep", "--experts", "8"]],
     ids=["tp+cp", "fsdp+tp+cp", "tp+ep"],
 )  # fmt: skip
 def test_meshkit_train_runs_each_combination_and_its_report_checks_out(tmp_path, options):
@@ -201,9 +217,12 @@ def test_meshkit_verify_certifies_cp_tp_and_says_what_a_context_plan_needs(tmp_p
     assert "verifies a model of token sequences" in proc.stderr and "--model gpt or llama" in proc.stderr
 
 
+# Tiers: the combinations' peak is core on llama-fsdp+tp+cp-all-to-all; the ring's peak is core in
+# test_context.py (test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring]); gpt-tp+cp sweeps.
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "form"),
-    [("gpt", "tp+cp", "context=4,model=2", "ring"), ("llama", "fsdp+tp+cp", "data=2,context=2,model=2", "all-to-all")],
+    [pytest.param("gpt", "tp+cp", "context=4,model=2", "ring", marks=pytest.mark.sweep),
+     ("llama", "fsdp+tp+cp", "data=2,context=2,model=2", "all-to-all")],
     ids=["gpt-tp+cp-ring", "llama-fsdp+tp+cp-all-to-all"],
 )  # fmt: skip
 def test_the_peak_model_holds_for_the_combinations(name, plan, mesh, form):

@@ -16,6 +16,7 @@ import pytest
 
 from _limits import limit
 from _reference import max_rel, one_device
+from _tiers import tiered
 from meshkit.models import gpt, llama
 from meshkit.spec import ParallelSpec, PlanError
 from meshkit.train import Trainer
@@ -63,8 +64,19 @@ def _trainer(name, plan, mesh, form, dtype="float32", compute_dtype=None, **opti
     return Trainer(loss, params, optax.adam(1e-2), spec=spec, tokens_per_example=16, units=units)
 
 
+# Tiers: cp's ring (gpt-cp-context=8-ring), dp+cp's all-to-all (gpt) and the Llama's rotary positions
+# under a split (llama-dp+cp-data=2,context=4-all-to-all) are core; the other meshes and forms sweep.
 @pytest.mark.parametrize(
-    ("name", "plan", "mesh", "form"), CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES]
+    ("name", "plan", "mesh", "form"),
+    tiered(
+        CASES,
+        [f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES],
+        core={
+            "gpt-cp-context=8-ring",
+            "gpt-dp+cp-data=2,context=4-all-to-all",
+            "llama-dp+cp-data=2,context=4-all-to-all",
+        },
+    ),
 )
 def test_context_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh, form):
     with jax.enable_x64(True):
@@ -96,10 +108,15 @@ UNDER = [
 ]
 
 
+# Tiers: remat under a split is core in llama-dp+cp-all-to-all-dots, micro-batches over the ring in
+# gpt-dp+cp-ring-accumulate2; the ring's layer remat sweeps.
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "form", "options"),
-    UNDER,
-    ids=["gpt-dp+cp-ring-layer", "llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"],
+    tiered(
+        UNDER,
+        ["gpt-dp+cp-ring-layer", "llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"],
+        core={"llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"},
+    ),
 )
 def test_remat_and_accumulate_under_context_match_one_device_in_float64(name, plan, mesh, form, options):
     """Remat recomputes the ring's passes (or the all-to-alls) in the backward pass, and micro-batches

@@ -68,9 +68,17 @@ def trained(plan, devices, model="gpt", steps=5, **kw):
     return t, losses, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
 
 
+# Tiers (this file): the core cases are gpt-dp and llama-zero3 here, dp+pp-1f1b for pipelines, the
+# peak's zero3 (micro-shards, partial sums and the gather), verify's column in
+# test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column, meshkit train's in
+# test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts; the other models x
+# plans, schedules, dp's and zero1's peak, XLA's default level (core in test_deterministic_mp.py), verify
+# on a pipeline and meshkit train on 8 and 2 devices sweep.
 @pytest.mark.parametrize(
-    "model, plan", [("gpt", "dp"), ("gpt", "zero3"), ("llama", "dp"), ("llama", "zero3")]
-)
+    "model, plan",
+    [("gpt", "dp"), pytest.param("gpt", "zero3", marks=pytest.mark.sweep),
+     pytest.param("llama", "dp", marks=pytest.mark.sweep), ("llama", "zero3")],
+)  # fmt: skip
 def test_5_steps_bitwise_on_1_2_4_and_8_devices(model, plan):
     _, losses, want = trained(plan, 1, model)
     for n in (2, 4, 8):
@@ -130,6 +138,7 @@ RUN = ["--preset", "tiny", "--deterministic", "--steps", "5", "--batch-size", "8
        "--sample-chars", "0", "--checkpoint-every", "5"]  # fmt: skip
 
 
+@pytest.mark.sweep
 def test_meshkit_train_deterministic_same_bits_on_8_devices_and_on_2(tmp_path, capsys):
     """`meshkit train --deterministic` on 8 devices (this process) and on 2 (a process of its own)."""
     eight, two = tmp_path / "eight", tmp_path / "two"
@@ -185,8 +194,9 @@ def trained_pipeline(plan, data, schedule="1f1b", virtual_stages=1, steps=5, opt
 
 @pytest.mark.parametrize(
     "plan, schedule, virtual_stages",
-    [("dp+pp", "1f1b", 1), ("fsdp+pp", "gpipe", 1), ("dp+pp", "interleaved", 2)],
-)
+    [("dp+pp", "1f1b", 1), pytest.param("fsdp+pp", "gpipe", 1, marks=pytest.mark.sweep),
+     pytest.param("dp+pp", "interleaved", 2, marks=pytest.mark.sweep)],
+)  # fmt: skip
 def test_a_pipeline_trained_5_steps_has_the_same_bits_on_data_1_2_and_4(plan, schedule, virtual_stages):
     """2 stages x data 1, 2, 4 (2, 4 and 8 devices): 8, 4 and 2 micro-batches per data replica, each a
     micro-shard, their gradients added in one tree."""
@@ -231,6 +241,7 @@ def test_a_deterministic_pipeline_s_ledger_is_its_model_and_its_report_prices_it
     assert (det["shards"], det["shards_per_device"]) == (8, 4)
 
 
+@pytest.mark.sweep
 def test_deterministic_mode_is_bitwise_at_xla_s_default_optimisation_too():
     """The suite compiles with most optimisations off; a user's run does not. ZeRO-3 (Adam's moments on
     shards of every shape) and fsdp+pp, at XLA's default level: 1 device beside 8, 2 beside 8."""
@@ -297,6 +308,7 @@ def test_tree_adder_adds_in_arrival_order_as_tree_sum_does():
     assert len(TreeAdder(8).zeros(x[0])) == 4
 
 
+@pytest.mark.sweep
 def test_meshkit_verify_deterministic_compares_a_pipeline_on_every_data_axis_of_its_stages(capsys):
     assert (
         main(["verify", "--plan", "dp+pp", "--model", "gpt", "--steps", "2", "--deterministic", "--json"])
@@ -311,7 +323,10 @@ def test_meshkit_verify_deterministic_compares_a_pipeline_on_every_data_axis_of_
     assert cert["ok"] is True and cert["report"]["deterministic"]["shards"] == 8
 
 
-@pytest.mark.parametrize("plan", ["dp", "zero1", "zero3"])
+@pytest.mark.parametrize(
+    "plan",
+    [pytest.param("dp", marks=pytest.mark.sweep), pytest.param("zero1", marks=pytest.mark.sweep), "zero3"],
+)
 def test_the_peak_model_knows_the_micro_shards_the_partial_sums_and_the_gather(plan):
     """One micro-shard's activations, log2(k) + 1 partial sums of a device's k shards (ZeRO-3: the whole
     parameters), then the gather of N block sums: within 10% of the compiled peak on 1, 2 and 8 devices

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from _limits import limit
 from meshkit.train.outputs import load_run
@@ -63,6 +64,10 @@ def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
     _same_bits(tmp_path, "1x1", ("2x4", "1x8"))
 
 
+# Tiers: deterministic multi-process runs at XLA's default level are core in
+# test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device, deterministic pipelines in
+# test_deterministic.py, 2 processes under launch in test_multiprocess.py; this one sweeps.
+@pytest.mark.sweep
 def test_a_pipeline_on_2_processes_x_4_devices_has_the_bits_of_its_2_stages_alone(tmp_path):
     """dp+pp on stage=2 x data=4 over 2 processes (2 micro-batches per replica) beside stage=2 x data=1 in
     one process (8 micro-batches): the same 8 micro-shards added in the same tree."""

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from _tiers import tiered
 from meshkit import interop
 from meshkit._errors import MeshkitError
 from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
@@ -296,8 +297,17 @@ PLANS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-@pytest.mark.parametrize(("plan", "mesh", "opts", "kv"), PLANS, ids=[p[0] for p in PLANS])
+QWEN = [(kind, *p) for p in PLANS for kind in ("qwen2", "qwen3")]
+
+
+# Tiers (this file): each Qwen under tp (its biases split, its norms replicated), Qwen2's windows under
+# all-to-all and a pipeline's refusal (windows in the ring's blocks: test_attention.py's scanned windows
+# on cp), Mistral's under a pipeline, and the Mixtral under fsdp+ep are core; the other plans of each
+# family sweep (each plan is core with the GPT and the Llama).
+@pytest.mark.parametrize(
+    ("kind", "plan", "mesh", "opts", "kv"),
+    tiered(QWEN, [f"{c[1]}-{c[0]}" for c in QWEN], core={"tp-qwen2", "tp-qwen3"}),
+)
 def test_qwen_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv):
     """Biases split as their weights' output dim (``heads``, ``kv_heads``), per-head norms replicated."""
     cfg = config_from_hf({**SMALL, "model_type": kind, "head_dim": 8, "num_key_value_heads": kv})
@@ -331,7 +341,12 @@ WINDOW_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("kind", "plan", "mesh", "opts"), WINDOW_CASES, ids=[f"{c[1]}-{c[0]}" for c in WINDOW_CASES]
+    ("kind", "plan", "mesh", "opts"),
+    tiered(
+        WINDOW_CASES,
+        [f"{c[1]}-{c[0]}" for c in WINDOW_CASES],
+        core={"dp+cp-qwen2", "dp+pp-qwen2", "dp+pp-mistral"},
+    ),
 )
 def test_a_sliding_window_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
     """The window masks by global positions under a context split (the ring's blocks, all-to-all's whole
@@ -358,7 +373,7 @@ MIXTRAL = {
 MOE_PLANS = [("ep", "expert=8"), ("fsdp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,model=2")]
 
 
-@pytest.mark.parametrize(("plan", "mesh"), MOE_PLANS, ids=[p[0] for p in MOE_PLANS])
+@pytest.mark.parametrize(("plan", "mesh"), tiered(MOE_PLANS, [p[0] for p in MOE_PLANS], core={"fsdp+ep"}))
 def test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device(plan, mesh):
     """The Mixtral config.json reads dropless with renormalised gates (and its window): each device runs
     its experts' rows of the gathered tokens, float64 equal to one device, the ledger the model's."""

@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from _reference import max_rel
+from _tiers import tiered
 from meshkit.cli import main
 from meshkit.spec import ParallelSpec, PlanError
 from test_context import _batch, _one_device_float64, _trainer
@@ -23,7 +24,12 @@ CP = [
 ]
 
 
-@pytest.mark.parametrize(("name", "mesh", "form", "options"), CP, ids=[f"{c[0]}-{c[2]}" for c in CP])
+# Tiers: fsdp+cp is core on the Llama's all-to-all (the ring: cp and tp+cp in test_context.py and
+# test_axis_combos.py), fsdp+ep on the Llama; the GPT's cases and the two meshkit train runs (the CLI's
+# combinations: test_axis_combos.py's fsdp+tp+cp and tp+ep, dropped tokens: test_moe.py) sweep.
+@pytest.mark.parametrize(
+    ("name", "mesh", "form", "options"), tiered(CP, [f"{c[0]}-{c[2]}" for c in CP], core={"llama-all-to-all"})
+)
 def test_fsdp_cp_matches_one_device_in_float64_and_its_ledger_the_model(name, mesh, form, options):
     with jax.enable_x64(True):
         t = _trainer(name, "fsdp+cp", mesh, form, "float64", **options)
@@ -61,6 +67,7 @@ def _train(capsys, *argv):
     return code, err
 
 
+@pytest.mark.sweep
 def test_meshkit_train_runs_fsdp_cp_and_its_report_checks_out(tmp_path, capsys):
     code, err = _train(
         capsys, "--plan", "fsdp+cp", "--mesh", "data=4,context=2", "--run-dir", str(tmp_path / "run")
@@ -101,7 +108,7 @@ def test_the_spec_declares_fsdp_cp_once():
 EP = [("gpt", "data=2,expert=4"), ("llama", "data=4,expert=2")]
 
 
-@pytest.mark.parametrize(("name", "mesh"), EP, ids=[c[0] for c in EP])
+@pytest.mark.parametrize(("name", "mesh"), tiered(EP, [c[0] for c in EP], core={"llama"}))
 def test_fsdp_ep_matches_one_device_in_float64_and_its_ledger_the_model(name, mesh):
     """Dense leaves ZeRO-3 over data, expert leaves over expert: after 2 Adam steps (float64) the
     parameters and each step's dropped slots are one device's; zero3's rows over data, the dense shards'
@@ -129,6 +136,7 @@ def test_fsdp_ep_matches_one_device_in_float64_and_its_ledger_the_model(name, me
     assert 0.9 <= r.peak["ratio"] <= 1.1, r.peak  # the peak model composes (GPT 1.03, Llama 1.00 in float32)
 
 
+@pytest.mark.sweep
 def test_meshkit_train_runs_fsdp_ep_with_dropped_tokens_and_its_report_checks_out(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code, err = _train(capsys, "--plan", "fsdp+ep", "--mesh", "data=2,expert=4", "--experts", "8",

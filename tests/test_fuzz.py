@@ -232,6 +232,10 @@ def fuzz(family: str) -> list[str]:
 
 
 @pytest.mark.slow
+# Tiers: both families sweep: each plan's comparison with one device is core in its own certificate
+# (test_plans.py, test_fsdp.py, ...), its one-line refusals in the bad-input tests (test_plans.py,
+# test_bad_input.py); test_fsdp_tp_in_bf16_trains_a_step_without_crashing_xla stays core.
+@pytest.mark.sweep
 @pytest.mark.parametrize("family", sorted(ANCHORS))
 def test_every_configuration_trains_right_or_is_refused_in_one_line(family):
     fuzz(family)

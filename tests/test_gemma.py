@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from _tiers import tiered
 from meshkit import interop, verify
 from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
 from meshkit.models import gemma, gpt, registry
@@ -244,10 +245,16 @@ CERTIFIED = [("gemma2", *p) for p in PLANS if p[-1] is not ALL_TO_ALL] + [
 """Each type under each plan, one context form each."""
 
 
+# Tiers: gemma2-fsdp and gemma3-tp are core, each type once; all-to-all is core in the verify case
+# gemma-scan-dp+cp below, the ring's capped blocks in test_attention.py, pipelines of whole periods in
+# test_the_scanned_form_and_whole_periods_of_stages_compute_the_loop_forms_logits[6]; the rest sweep.
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh", "opts"),
-    CERTIFIED,
-    ids=[f"{c[0]}-{c[1]}" + ("-ring" if c[-1] is RING else "") for c in CERTIFIED],
+    tiered(
+        CERTIFIED,
+        ids=[f"{c[0]}-{c[1]}" + ("-ring" if c[-1] is RING else "") for c in CERTIFIED],
+        core={"gemma2-fsdp", "gemma3-tp"},
+    ),
 )
 def test_gemma_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
     """Gemma 2: ``meshkit verify``'s own small Gemma (``Family.small``: local and global layers, a window
@@ -270,12 +277,16 @@ def test_gemma_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
 #: test_gemma_trains_under_the_plans_as_on_one_device[gemma2-fsdp]: the same workload (``Family.small``,
 #: seed 0), plan, mesh, 2 steps and optimizer through the same ``_certify`` (it was a case here too: the
 #: same certificate twice, 12 CPU seconds).
+# Tiers: gemma-scan-cp sweeps: the capped scores in the ring's blocks are core in test_attention.py's
+# test_each_plan_caps_the_scores_as_one_device[cp], scanned windows on the ring in its
+# test_a_window_in_some_scanned_layers_only_attends_as_their_loop_and_keeps_collectives_unconditional.
 VERIFIED = [("gemma-scan", "fsdp", "data=8", {}), ("gemma-scan", "cp", "context=8", {}),
             ("gemma-scan", "dp+cp", "data=2,context=4", {"context_attention": "all-to-all"})]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("model", "plan", "mesh", "opts"), VERIFIED, ids=[f"{v[0]}-{v[1]}" for v in VERIFIED]
+    ("model", "plan", "mesh", "opts"),
+    tiered(VERIFIED, [f"{v[0]}-{v[1]}" for v in VERIFIED], core={"gemma-scan-fsdp", "gemma-scan-dp+cp"}),
 )
 def test_meshkit_verify_takes_the_gemma_and_zero3_gathers_its_scanned_layers_one_by_one(
     model, plan, mesh, opts

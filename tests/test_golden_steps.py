@@ -33,6 +33,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
 import record_steps
 
+from _tiers import tiered
+
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "steps.json").read_text())
 
 #: Where a change is allowed, and in which direction: none yet (zero1/zero2 may only fall in bytes
@@ -53,7 +55,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "plan", "mesh", "opts"), CASES, ids=[c[0] for c in CASES])
+# Tiers: each plan kind once and each schedule once are core (dp, zero1, zero2-acc2, zero3, tp, dp+tp,
+# fsdp+tp, dp+pp-1f1b-layer, fsdp+pp-interleaved, fsdp+tp+pp-gpipe); the further variants sweep.
+CORE = {"dp", "zero1", "zero2-acc2", "zero3", "tp", "dp+tp", "fsdp+tp", "dp+pp-1f1b-layer",
+        "fsdp+pp-interleaved", "fsdp+tp+pp-gpipe"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], CORE))
 def test_step_compiles_as_recorded(name, plan, mesh, opts):
     want = GOLDEN["steps"][name]
     got = record_steps.record_case(plan, mesh, opts)

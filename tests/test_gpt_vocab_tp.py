@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from _reference import max_rel, one_device
+from _tiers import tiered
 from meshkit import verify
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
@@ -46,7 +47,11 @@ def _big_report(plan: str, mesh: str):
 STATE_CASES = [("fsdp+tp", "data=4,model=2", 8), ("tp", "model=2", 2), ("dp+tp", "data=4,model=2", 2)]
 
 
-@pytest.mark.parametrize(("plan", "mesh", "split"), STATE_CASES, ids=[c[0] for c in STATE_CASES])
+# Tiers: the state per device is core under fsdp+tp, the vocabulary split under dp+tp and fsdp+tp;
+# tp's cases and dp+tp's state sweep (tp's rules: the same split, core in the other two).
+@pytest.mark.parametrize(
+    ("plan", "mesh", "split"), tiered(STATE_CASES, [c[0] for c in STATE_CASES], core={"fsdp+tp"})
+)
 def test_gpt_state_per_device_is_the_total_over_data_times_model(plan, mesh, split):
     """The compiled step's arguments less the batch's block: params + Adam state = total / split
     within 2% (on c24a16a fsdp+tp held 1.41x, tp 1.40x: the embedding and head whole on model)."""
@@ -82,7 +87,7 @@ def _one_device_float64():
         return one_device(w64.loss_fn, w64.params, w64.batch, 2, optax.adam(1e-2))
 
 
-@pytest.mark.parametrize(("plan", "mesh"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("plan", "mesh"), tiered(CASES, [c[0] for c in CASES], core={"dp+tp", "fsdp+tp"}))
 def test_gpt_vocab_tp_matches_one_device_in_float64(plan, mesh):
     """The reference GPT (verify.workload: the vocabulary rules) under the plan, 2 Adam steps in
     float64, equals one device to 1e-10; its float32 ledger = the model."""

@@ -29,7 +29,10 @@ def run(capsys, *argv):
 CERTS = [("gpt", "replica=2,data=4", "layer", 2), ("llama", "replica=4,data=2", "none", 1)]
 
 
-@pytest.mark.parametrize(("model", "mesh", "remat", "accumulate"), CERTS)
+# Tiers: hsdp's certificate is core on the GPT (layer remat, accumulation); the Llama's sweeps.
+@pytest.mark.parametrize(
+    ("model", "mesh", "remat", "accumulate"), [CERTS[0], pytest.param(*CERTS[1], marks=pytest.mark.sweep)]
+)
 def test_certificate_one_device_float64_ledger_and_memory(model, mesh, remat, accumulate):
     cert = V.verify("hsdp", model, mesh=mesh, steps=2, accumulate=accumulate, remat=remat)
     assert cert.exact_vs_single_device < V.TOL_EXACT  # float64: the same function as one device

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from _reference import max_rel, one_device
+from _tiers import tiered
 from meshkit.models import gpt, llama
 from meshkit.plans.placement import VOCAB_TP_RULES, vocab_rules
 from meshkit.spec import get_plan
@@ -56,7 +57,11 @@ def _one_device_float64(scan: bool, steps: int):
     )
 
 
-@pytest.mark.parametrize(("plan", "mesh", "opts"), CASES, ids=[c[0] for c in CASES])
+# Tiers: the Llama is core under zero3 and fsdp+tp (its peak under fsdp+tp; in a pipeline: Mistral's
+# dp+pp in test_families.py); dp, dp+tp+pp and zero3's peak sweep (each plan is core with the GPT).
+@pytest.mark.parametrize(
+    ("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"zero3", "fsdp+tp"})
+)
 def test_llama_plan_matches_one_device_in_float64_and_its_cost_model(plan, mesh, opts):
     with jax.enable_x64(True):
         t = _trainer(plan, mesh, opts, "float64")
@@ -75,7 +80,11 @@ def test_llama_plan_matches_one_device_in_float64_and_its_cost_model(plan, mesh,
 
 
 @pytest.mark.parametrize(
-    ("plan", "mesh", "remat"), [("zero3", "data=8", "layer"), ("fsdp+tp", "data=4,model=2", "none")]
+    ("plan", "mesh", "remat"),
+    [
+        pytest.param("zero3", "data=8", "layer", marks=pytest.mark.sweep),
+        ("fsdp+tp", "data=4,model=2", "none"),
+    ],
 )
 def test_llama_peak_is_within_ten_percent_of_the_model(plan, mesh, remat):
     """At tests/test_peak.py's size (width 128, 4 layers, seq 32; at width 32 the model's fixed

@@ -20,6 +20,7 @@ import pytest
 
 from _limits import limit
 from _reference import max_rel
+from _tiers import tiered
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
@@ -167,7 +168,15 @@ def _ep_trainer(name, plan, mesh, dtype="float32"):
     )
 
 
-@pytest.mark.parametrize(("name", "plan", "mesh"), EP_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES])
+# Tiers: ep (the GPT) and dp+ep (the Llama) are core; the GPT's dp+ep sweeps.
+@pytest.mark.parametrize(
+    ("name", "plan", "mesh"),
+    tiered(
+        EP_CASES,
+        [f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES],
+        core={"gpt-ep-expert=8", "llama-dp+ep-data=2,expert=4"},
+    ),
+)
 def test_expert_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh):
     """Same parameters after 2 Adam steps (float64) and the same dropped slots per step as one device,
     the expert leaves split over the expert axis; all_to_all bytes over it = 4 per MoE layer x

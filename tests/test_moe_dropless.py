@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from _tiers import tiered
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
 from meshkit.plans.placement import vocab_rules
@@ -98,7 +99,9 @@ CASES = [("ep", "expert=8"), ("dp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,m
          ("fsdp+ep", "data=2,expert=4"), ("fsdp", "data=8"), ("dp+tp", "data=4,model=2")]  # fmt: skip
 
 
-@pytest.mark.parametrize(("plan", "mesh"), CASES, ids=[c[0] for c in CASES])
+# Tiers: the dropless step is core under ep (tokens gathered to their experts) and fsdp (every expert
+# local), its ledger and peak under ep, fsdp+ep in test_families.py's Mixtral; the other plans sweep.
+@pytest.mark.parametrize(("plan", "mesh"), tiered(CASES, [c[0] for c in CASES], core={"ep", "fsdp"}))
 def test_dropless_step_equals_one_device_in_float64(plan, mesh):
     with jax.enable_x64(True):
         t = _trainer(plan, mesh, "float64")
@@ -111,7 +114,9 @@ def test_dropless_step_equals_one_device_in_float64(plan, mesh):
     assert float(metrics["dropped_fraction"]) == 0.0
 
 
-@pytest.mark.parametrize(("plan", "mesh"), CASES[:4:2] + CASES[3:4], ids=["ep", "tp+ep", "fsdp+ep"])
+@pytest.mark.parametrize(
+    ("plan", "mesh"), tiered(CASES[:4:2] + CASES[3:4], ["ep", "tp+ep", "fsdp+ep"], core={"ep"})
+)
 def test_dropless_ledger_and_peak_under_expert_parallelism(plan, mesh):
     r = _trainer(plan, mesh, optimizer=optax.adam(1e-2)).report(_tokens(8))
     assert r.ok, str(r)

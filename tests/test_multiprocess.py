@@ -167,6 +167,9 @@ def test_a_killed_process_ends_the_survivor_with_its_name(tmp_path):
     assert re.search(r"lost process 1|stopped sending heartbeats\):\s*1\b", err), err[-2000:]
 
 
+# Tiers: meshkit verify under launch is core in test_verify_deterministic_mp.py's
+# test_every_mesh_row_has_the_bits_of_the_2_process_run[dp]; this one sweeps.
+@pytest.mark.sweep
 def test_meshkit_verify_under_launch(tmp_path):
     exe = str(Path(sys.executable).parent / "meshkit")
     cmd = [exe, "launch", "-n", "2", "--devices-per-process", "4", "--", exe, "verify", "--plan", "zero3",

@@ -457,7 +457,10 @@ def test_cli_refusals_are_one_line_naming_the_fix(tmp_path, capsys, args, messag
 # -- two processes ---------------------------------------------------------------------------------
 
 
+# Tiers: sweeps; two processes under launch are core in test_multiprocess.py, pipelines' float64
+# equality with one device in test_gpt_loss_and_every_gradient_equal_one_device_in_float64.
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_dp_pp_over_two_processes_one_stage_each_and_spanning_matches_one_device(tmp_path):
     """2 processes x 4 devices: stage=2,data=4 (one stage per process) and stage=4,data=2 (two stages
     per process, the pipeline spanning both), 2 Adam steps each, against the same plan in one process.

@@ -135,8 +135,18 @@ CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and 
 ]
 
 
+# Tiers: every plan, schedule and remat policy keeps a core layout (a pipeline's zero3 in fsdp+pp, its
+# tp in tp+pp, its remat in dp+pp remat=dots, fsdp+tp's in fsdp+tp remat=layer, the whole accumulator's
+# in dp+tp remat=layer, ZeRO-3's dots in fsdp remat=dots); these seven sweep.
+SWEEP = {"fsdp+tp+pp:dp=2,tp=2,pp=2_zero3_mb=1_1f1b_remat=dots", "fsdp+tp+pp:dp=2,tp=2,pp=2_zero3_mb=1_1f1b",
+         "dp+tp+pp:dp=2,tp=2,pp=2_mb=1_1f1b", "dp+tp+pp:dp=2,tp=2,pp=2_mb=1_1f1b_remat=layer",
+         "fsdp+tp:dp=2,tp=2,pp=1_zero3_mb=1_remat=dots", "dp+tp:dp=2,tp=4,pp=1_mb=1_remat=dots",
+         "fsdp:dp=8,tp=1,pp=1_zero3_mb=1_remat=layer"}  # fmt: skip
+
+
 def _checked(layout: Layout):
-    return pytest.param(layout, id=f"{layout.meshkit_plan()}:{layout.label().replace(' ', '_')}")
+    name = f"{layout.meshkit_plan()}:{layout.label().replace(' ', '_')}"
+    return pytest.param(layout, id=name, marks=pytest.mark.sweep if name in SWEEP else ())
 
 
 @pytest.mark.parametrize("layout", [_checked(lay) for lay in CHECKED])

@@ -198,6 +198,10 @@ def _stopped_together(job: _Proc, run: Path, signame: str) -> int:
 
 
 @pytest.mark.slow
+# Tiers: a stranger's refusal is core in test_multiprocess.py's
+# test_a_process_without_the_jobs_certificate_is_refused, SIGTERM over ranks in
+# test_sigterm_to_the_launcher_reaches_every_rank_which_saves_and_exits; this one sweeps.
+@pytest.mark.sweep
 def test_a_stranger_claiming_a_rank_is_refused_and_sigterm_to_one_rank_stops_both_at_one_step(tmp_path):
     """Was: a process claiming rank 1 (or 0) aborted both ranks within 1.1 s (SIGABRT, exit 134); and
     SIGTERM to one rank was ignored (JAX's preemption handler swallowed it)."""

@@ -49,7 +49,8 @@ def launched(*args: str) -> tuple[int, dict[int, dict], str]:
     return proc.returncode, certs, out[-3000:] + err[-3000:]
 
 
-@pytest.mark.parametrize("plan", ["dp", "zero3"])
+# Tiers: dp is core; zero3 sweeps (its deterministic bits are core in test_deterministic.py).
+@pytest.mark.parametrize("plan", ["dp", pytest.param("zero3", marks=pytest.mark.sweep)])
 def test_every_mesh_row_has_the_bits_of_the_2_process_run(plan):
     code, certs, log = launched("--plan", plan, "--model", "linear")
     assert code == 0, log
