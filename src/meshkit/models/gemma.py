@@ -63,7 +63,7 @@ from meshkit.models import gpt, llama, llama_layers
 from meshkit.models.rope import inv_frequencies
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
-from meshkit.plans import causal_attention, layer
+from meshkit.plans import causal_attention, exchange_segments, layer
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -394,7 +394,8 @@ def apply(
     position for the rotary (default ``0..T-1``)."""
     _check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
-    x_btd = run_layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, segment_ids, positions)
+    seg = exchange_segments(segment_ids)  # context plans: the keys' ids, once for every layer
+    x_btd = run_layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, seg, positions)
     return head(top, x_btd, cfg)
 
 

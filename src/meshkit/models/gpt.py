@@ -52,7 +52,16 @@ from jax import lax
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
-from meshkit.plans import EXPERT_DIM, causal_attention, expert_bias, expert_dot, layer, moe, position_rows
+from meshkit.plans import (
+    EXPERT_DIM,
+    causal_attention,
+    exchange_segments,
+    expert_bias,
+    expert_dot,
+    layer,
+    moe,
+    position_rows,
+)
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -377,7 +386,7 @@ def forward(
     top = {k: v for k, v in params.items() if k != "blocks"}
     x_btd = _embed(top, tokens_bt, cfg, positions)
     x_btd, stats = run_layers(lambda p, x, s: _block(p, x, cfg, s), lambda p, c, s: _moe_block(p, c, cfg, s), x_btd,
-                              params["blocks"], cfg.scan_layers, cfg.experts, (segment_ids,))  # fmt: skip
+                              params["blocks"], cfg.scan_layers, cfg.experts, (exchange_segments(segment_ids),))  # fmt: skip
     return _head(top, x_btd, cfg), stats
 
 

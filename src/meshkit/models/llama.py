@@ -68,7 +68,7 @@ from meshkit.models.llama_layers import Params, cast_block, experts_mlp, mlp, pr
 from meshkit.models.rope import Llama3Rope
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
-from meshkit.plans import causal_attention, moe, sequence_positions
+from meshkit.plans import causal_attention, exchange_segments, moe, sequence_positions
 from meshkit.spec import PRECISIONS
 
 Axes = tuple[str | None, ...]
@@ -409,7 +409,8 @@ def forward(
     over the layers (zeros for a dense model)."""
     _check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
-    x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, (segment_ids, positions))
+    extra = (exchange_segments(segment_ids), positions)  # context plans: the keys' ids, once for every layer
+    x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, extra)
     return head(top, x_btd, cfg), stats
 
 
