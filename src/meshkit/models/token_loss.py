@@ -65,16 +65,24 @@ def loss_of(logits_btv: jax.Array, batch: Any) -> jax.Array:
     return cross_entropy(logits_btv, batch[1], batch_extras(batch)[0])
 
 
+def pipeline_refusal(what: str) -> str:
+    """Why pipeline plans refuse packed documents (``what``: what the run or batch gives), naming the
+    plans that take them."""
+    from meshkit.spec import PIPELINE_PLANS, PLANS
+
+    others = ", ".join(p for p in PLANS if p not in PIPELINE_PLANS)
+    return (
+        f"pipeline plans ({', '.join(PIPELINE_PLANS)}) do not take {what} (packed documents' masks and "
+        f"positions) yet: use a plan without a stage axis ({others})"
+    )
+
+
 def stage_extras(batch: Any) -> None:
     """Pipeline stages pass one activation between devices: a batch's segment ids and positions cannot
     reach the blocks there (its weights can, in the loss). Refused by name."""
-    from meshkit.spec import PIPELINE_PLANS, PLANS
-
     _, segment_ids, positions = batch_extras(batch)
     given = [n for n, v in (("segment_ids", segment_ids), ("positions", positions)) if v is not None]
     if given:
         raise BatchError(
-            f"pipeline plans ({', '.join(PIPELINE_PLANS)}) do not take a batch's {' and '.join(given)} (packed "
-            f"documents) yet: use a plan without a stage axis ({', '.join(p for p in PLANS if p not in PIPELINE_PLANS)}), "
-            f"or batches without them (weights work)"
+            pipeline_refusal(f"a batch's {' and '.join(given)}") + ", or batches without them (weights work)"
         )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
 from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
+from meshkit.train.task import problem as task_problem
 
 if TYPE_CHECKING:  # optax is imported where it is used: the CLI reads this module to print its --help
     import optax
@@ -35,7 +36,7 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 """Where ``--tracker`` sends the metrics (``meshkit.train.metrics``); jsonl (metrics.jsonl) is always on."""
 MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None, "experts": 0,
                   "experts_per_token": 2, "capacity_factor": 1.25, "lora_rank": 0, "lora_alpha": 16.0,
-                  "lora_targets": None}  # fmt: skip
+                  "lora_targets": None, "task": "pretrain", "document_masks": False}  # fmt: skip
 """What a config written before these options trained: the GPT from random weights."""
 
 MAX_STEPS = 10**9
@@ -102,6 +103,11 @@ class TrainConfig:
     """The GPT's scanned form: blocks stacked under lax.scan (compile time flat in depth)."""
     seed: int = 0
     """Seed of the parameter initialisation and of the data order."""
+    task: str = "pretrain"
+    """What is trained (``spec.TASKS``, ``train.tasks``): 'pretrain' (every token) or 'sft' (conversations:
+    the loss on the assistant's tokens only, packed with a mask per document)."""
+    document_masks: bool = False
+    """Pretraining: documents packed in a window attend within themselves, their positions from 0."""
     data: str | None = None
     """A directory made by ``meshkit data prepare`` (BPE token shards), a UTF-8 text file (characters are the
     tokens) or a .npy of token ids; None: Python's own reference docs (pydoc_data.topics), per character.
@@ -288,6 +294,8 @@ FIXED_ON_RESUME = {
     "batch_size": "the data order",
     "seed": "the initialisation and the data order",
     "data": "the data",
+    "task": "the loss and the data stream",
+    "document_masks": "the attention and the data stream",
     "precision": "the arithmetic",
     "deterministic": "the order the gradients are summed in",
 }
@@ -414,6 +422,7 @@ def validate(cfg: TrainConfig) -> None:
         (lambda: cfg.checkpoint_every >= 1, lambda: f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
         (lambda: cfg.sample_chars >= 0, lambda: f"--sample-chars must be at least 0, got {cfg.sample_chars}"),
         (lambda: 0 <= cfg.seed < 2**32, lambda: f"--seed must be in [0, 2**32), got {cfg.seed}"),
+        (lambda: task_problem(cfg) is None, lambda: task_problem(cfg)),
         (lambda: cfg.peak_tflops is None or (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0),
          lambda: f"--peak-tflops must be a positive finite number (one device's peak), got {cfg.peak_tflops}"),
     ]  # fmt: skip
