@@ -112,3 +112,14 @@ def test_bad_batches_are_refused_in_one_line(change, says):
     with pytest.raises(BatchError) as e:
         module.make_loss(cfg)(params, batch._replace(**change))
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_scanned_form_takes_the_packed_batch_as_the_loop_form(name):
+    with jax.enable_x64(True):
+        cfg, module, params = model(name)
+        batch, _ = packed(cfg.vocab_size)
+        scanned = dataclasses.replace(cfg, scan_layers=True)
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])
+        got = float(jax.jit(module.make_loss(scanned))({**params, "blocks": stacked}, batch))
+        assert got == pytest.approx(float(jax.jit(module.make_loss(cfg))(params, batch)), rel=1e-12, abs=0)
