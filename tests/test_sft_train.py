@@ -1,12 +1,16 @@
 """``meshkit train --task`` (issue 37), the trainer's side: the options checked in one line, a weighted
 batch's step and held-out loss are the masked loss of the same parameters, and each step logs the
-targets it learnt from. The data stream is a test's wrapper that gives plain token rows a loss mask and
-documents (the data side's own stream is tested with it)."""
+targets it learnt from: with a test's stream that gives plain token rows a known mask and documents,
+and end to end on conversations ``meshkit data prepare --chat`` wrote."""
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from meshkit.cli import main
+from meshkit.data.prepare import prepare as prepare_data
 from meshkit.spec.batch import TokenBatch
 from meshkit.train import config as C
 from meshkit.train import loop
@@ -59,9 +63,10 @@ def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sft")
     ids = np.random.default_rng(0).integers(0, 48, size=4000).astype(np.int32)
     np.save(tmp / "ids.npy", ids)
-    cfg = C.tiny().replace(run_dir=str(tmp / "run"), task="sft", data=str(tmp / "ids.npy"), model="llama",
-                           seq_len=16, plan="dp")  # fmt: skip
-    job = prepare(cfg)
+    cfg = C.tiny().replace(run_dir=str(tmp / "run"), data=str(tmp / "ids.npy"), model="llama", seq_len=16,
+                           plan="dp")  # fmt: skip
+    job = prepare(cfg)  # token ids: a pretraining run's data, masked by the stream below
+    job.cfg = job.cfg.replace(task="sft")
     job.batches, job.data = Masked(job.batches), MaskedData(job.data)
     return job
 
@@ -111,14 +116,11 @@ def test_bad_task_options_are_one_line(changes, says):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
-def test_batches_a_task_does_not_train_on_are_refused():
-    x = np.zeros((2, 16), np.int32)
-    with pytest.raises(tasks.TaskError, match="gives no loss mask"):
-        tasks.check_batch(C.tiny().replace(task="sft", data="d"), (x, x))
+def test_data_a_task_does_not_train_on_is_refused(job):
+    with pytest.raises(tasks.TaskError, match="holds none: prepare them with meshkit data prepare --chat"):
+        tasks.check_data(job.cfg, job.data.inner)
     with pytest.raises(tasks.TaskError, match="pass --task sft"):
-        tasks.check_batch(C.tiny(), with_mask((x, x)))
-    with pytest.raises(tasks.TaskError, match="no segment ids"):
-        tasks.check_batch(C.tiny().replace(document_masks=True), (x, x))
+        tasks.check_data(C.tiny(), type("Chat", (), {"chat": True, "source": "d"})())
     assert tasks.batch_options(C.tiny().replace(document_masks=True)) == {"document_masks": True}
     assert tasks.batch_options(C.tiny().replace(task="sft", data="d")) == {}
 
@@ -131,3 +133,31 @@ def test_cli_refuses_sft_under_a_pipeline_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "pipeline plans" in err and err.count("\n") == 1, err
     assert not run.exists()
+
+
+LLAMA3 = Path(__file__).parent / "corpus" / "chat_templates" / "llama3"
+
+
+def test_meshkit_train_task_sft_on_prepared_conversations(tmp_path, capsys):
+    """End to end: conversations prepared with their mask train under --task sft; each step logs the
+    targets it learnt from, fewer than the batch's tokens, and the held-out loss is logged."""
+    rows = [{"messages": [{"role": "user", "content": f"Count to {i % 40}"},
+                          {"role": "assistant", "content": " ".join(map(str, range(1, i % 40 + 2)))}]}
+            for i in range(160)]  # fmt: skip
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    prepare_data([str(src)], tmp_path / "chat", tokenizer=str(LLAMA3), chat=True)
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--model", "llama", "--task", "sft", "--data", str(tmp_path / "chat"),
+            "--seq-len", "64", "--plan", "dp", "--steps", "4", "--eval-every", "2", "--sample-chars", "0",
+            "--run-dir", str(run)]  # fmt: skip
+    assert main(args) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "loss" in m]
+    assert len(steps) == 4 and all(0 < m["trained_tokens"] < 16 * 64 for m in steps)
+    assert any("eval_loss" in m for m in metrics)
+    capsys.readouterr()
+    pretrain = [a if a != "sft" else "pretrain" for a in args[:-1]] + [str(tmp_path / "plain")]
+    assert main(pretrain) == 2  # conversations with a mask, no --task sft
+    err = capsys.readouterr().err
+    assert "pass --task sft to train on them" in err and err.count("\n") == 1, err

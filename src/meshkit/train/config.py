@@ -104,7 +104,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of the parameter initialisation and of the data order."""
     task: str = "pretrain"
-    """What is trained (``spec.TASKS``, ``train.tasks``): 'pretrain' (every token) or 'sft' (conversations:
+    """What is trained (``spec.TASKS``, ``train.task``): 'pretrain' (every token) or 'sft' (conversations:
     the loss on the assistant's tokens only, packed with a mask per document)."""
     document_masks: bool = False
     """Pretraining: documents packed in a window attend within themselves, their positions from 0."""

@@ -24,10 +24,10 @@ from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
 from meshkit.train import config as C
 from meshkit.train import evals
-from meshkit.train.task import batch_options
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
+from meshkit.train.task import batch_options, check_data
 from meshkit.train.trainer import Trainer
 
 
@@ -76,6 +76,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     else:
         check_no_checkpoints(run_dir)
     data = load_data(cfg)
+    check_data(cfg, data)
     check_fits(cfg, data)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     family = registry.family_of(model)

@@ -37,7 +37,6 @@ from meshkit.planner.hardware import peak_flops
 from meshkit.spec.batch import extras
 from meshkit.train import config as C
 from meshkit.train import evals
-from meshkit.train.task import batch_options, check_batch, trained_tokens
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import Job, check_no_checkpoints, family_params, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
@@ -51,6 +50,7 @@ from meshkit.train.profile import PROFILE_DIR, StepProfiler, summary_table
 from meshkit.train.profile import check_steps as check_profile
 from meshkit.train.stop import StopRequest
 from meshkit.train.stop import exit_code as stop_exit_code
+from meshkit.train.task import batch_options, trained_tokens
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -186,7 +186,6 @@ def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int)
 def _one_step(job: Job, lr: float) -> dict[str, Any]:
     t = job.trainer
     local = next(job.batches)
-    check_batch(job.cfg, local)
     batch = global_batch(t.shardings.batch, local, job.cfg.batch_size)
     start = time.perf_counter()
     metrics = t.step(batch)

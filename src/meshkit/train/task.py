@@ -4,7 +4,7 @@ stream's options, the checks of its batches, and what a step logs of them.
 - ``pretrain``: the next-token loss on every token; with ``--document-masks`` the token windows carry
   segment ids and positions from their end-of-text ids (``spec.batch``: no weights), so no token
   attends across a document boundary and each document's positions start at 0.
-- ``sft``: the data is conversations (a directory the data side prepared with a loss mask); its batches
+- ``sft``: the data is conversations (``meshkit data prepare --chat``: a loss mask beside the ids); its batches
   carry weights (the assistant's tokens, scaled by ``tokens / masked tokens`` of the global batch),
   segment ids and positions: conversations are always packed with a mask per document.
 
@@ -53,21 +53,19 @@ def batch_options(cfg: Any) -> dict[str, Any]:
     return {}
 
 
-def check_batch(cfg: Any, batch: Any) -> None:
-    """A batch of the run's stream has the fields its task needs, and no loss mask a pretraining run would
-    silently train on; raises ``TaskError`` naming the fix."""
-    weights, segment_ids, _ = extras(batch) if isinstance(batch, tuple) else (None, None, None)
-    if cfg.task == "sft" and weights is None:
+def check_data(cfg: Any, data: Any) -> None:
+    """The run's data (a ``Corpus``) is what its task trains on: conversations with a loss mask for
+    ``sft`` (``Corpus.chat``: ``meshkit data prepare --chat``), and no such mask, which a pretraining run
+    would silently train on, for ``pretrain``; raises ``TaskError`` naming the fix."""
+    if cfg.task == "sft" and not data.chat:
         raise TaskError(
-            f"--task sft: the data in {cfg.data!r} gives no loss mask (plain token rows): give a directory of "
-            f"conversations prepared with their mask, or drop --task sft"
+            f"--task sft trains on conversations with a loss mask, and {data.source} holds none: prepare them with "
+            f"meshkit data prepare --chat, or drop --task sft"
         )
-    if cfg.task == "pretrain" and weights is not None:
+    if cfg.task == "pretrain" and data.chat:
         raise TaskError(
-            f"the data in {cfg.data!r} holds conversations with a loss mask: pass --task sft to train on it"
+            f"{data.source} holds conversations with a loss mask: pass --task sft to train on them"
         )
-    if cfg.task == "pretrain" and cfg.document_masks and segment_ids is None:
-        raise TaskError(f"--document-masks: the data stream over {cfg.data!r} gives no segment ids")
 
 
 def trained_tokens(batch: Any, tokens: int) -> int | None:
