@@ -15,15 +15,12 @@ import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
 from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
 from meshkit.train.task import problem as task_problem
-
-if TYPE_CHECKING:  # optax is imported where it is used: the CLI reads this module to print its --help
-    import optax
 
 
 class ConfigError(MeshkitError):
@@ -486,26 +483,6 @@ def check_stop_after(stop_after: int | None, step: int) -> None:
     if stop_after is not None and stop_after <= step:
         where = f"the checkpoint's step {step}" if step else "step 0"
         raise ConfigError(f"--stop-after {stop_after} must be after {where}: give a later step, or drop it")
-
-
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup to ``lr`` (none with warmup 0), then cosine decay to lr/10 at the last step."""
-    import optax
-
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup_steps(cfg), decay_steps=max(cfg.steps, 2),
-        end_value=cfg.lr / 10,
-    )  # fmt: skip
-
-
-def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW or SGD with momentum, on the warmup + cosine schedule."""
-    import optax
-
-    lr = lr_schedule(cfg)
-    if cfg.optimizer == "adamw":
-        return optax.adamw(lr, weight_decay=cfg.weight_decay)
-    return optax.sgd(lr, momentum=cfg.momentum)
 
 
 def dumps(cfg: TrainConfig) -> str:

@@ -23,7 +23,7 @@ from meshkit.models.shape import ModelShape
 from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
 from meshkit.train import config as C
-from meshkit.train import evals
+from meshkit.train import evals, optim
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
@@ -80,7 +80,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     check_fits(cfg, data)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     family = registry.family_of(model)
-    trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.seq_len,
+    trainer = Trainer(loss, params, optim.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.seq_len,
                       **_step_options(cfg, model, logical_axes))  # fmt: skip
     rows = trainer.placement.batch_axes
     C.check_batch(
@@ -136,7 +136,9 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
 
         shapes = jax.eval_shape(lambda: module.init(jax.random.key(cfg.seed), model))
         axes_of = module.logical_axes(shapes)
-        placed = assemble(loss, shapes, C.optimizer(cfg), cfg.parallel, **_step_options(cfg, model, axes_of))
+        placed = assemble(
+            loss, shapes, optim.optimizer(cfg), cfg.parallel, **_step_options(cfg, model, axes_of)
+        )
         params = init_from(cfg, model, shardings=placed.shardings.params)
     else:
         params = module.init(jax.random.key(cfg.seed), model)

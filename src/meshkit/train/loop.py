@@ -36,7 +36,7 @@ from meshkit.models import module_of, num_params
 from meshkit.planner.hardware import peak_flops
 from meshkit.spec.batch import extras
 from meshkit.train import config as C
-from meshkit.train import evals
+from meshkit.train import evals, optim
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import Job, check_no_checkpoints, family_params, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
@@ -128,7 +128,7 @@ def train(
     cfg = job.cfg
     profiler = profiler or StepProfiler(job.trainer, None, job.run_dir, console)
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    lr = C.lr_schedule(cfg)
+    lr = optim.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
