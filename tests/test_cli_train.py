@@ -9,6 +9,7 @@ import pytest
 
 from meshkit.cli import main
 from meshkit.train import config as C
+from meshkit.train import optim
 
 
 def rows(run):
@@ -21,9 +22,9 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
         cfg = C.default().replace(steps=steps)
         C.validate(cfg)  # `meshkit train --steps 40` used to be refused: the warmup was a fixed 40
         assert C.warmup_steps(cfg) == warmup
-    lr = C.lr_schedule(C.default())
+    lr = optim.lr_schedule(C.default())
     assert float(lr(0)) == 0.0 and float(lr(40)) == pytest.approx(3e-3)
-    assert float(C.lr_schedule(C.default().replace(steps=5))(0)) == pytest.approx(
+    assert float(optim.lr_schedule(C.default().replace(steps=5))(0)) == pytest.approx(
         3e-3
     )  # no warmup: peak at once
     assert C.warmup_steps(C.default().replace(steps=40, warmup=7)) == 7

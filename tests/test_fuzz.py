@@ -34,6 +34,7 @@ from meshkit.models import gpt
 from meshkit.spec import DATA
 from meshkit.spec import PLANS as OFFERED
 from meshkit.train import config as C
+from meshkit.train import optim
 
 #: Every plan meshkit offers (pipeline plans join when they land), and names it does not.
 PLANS = [*OFFERED, "pp" if "pp" not in OFFERED else "zero4", "DP"]
@@ -49,7 +50,7 @@ VOCAB, SEQ, WIDTH, HEADS = 16, 4, 8, 4
 #: The config every example varies: the tiny preset at the fuzz's model size, no warmup.
 BASE = C.tiny().replace(seq_len=SEQ, width=WIDTH, heads=HEADS, layers=1, warmup=0, lr=1e-2)
 #: The optimizer of every example (its schedule spans max(--steps, 2) steps: the same for 1 and 2).
-OPTIMIZER = C.optimizer(BASE.replace(steps=max(STEPS)))
+OPTIMIZER = optim.optimizer(BASE.replace(steps=max(STEPS)))
 
 _trainers: dict = {}
 _references: dict = {}

@@ -19,7 +19,12 @@ from the same rules. Re-recorded whole on the issue-34/36/38 stop, every collect
 temporaries and bytes accessed of every case whose model attends moved by 8-200 bytes (the causal mask
 a constant of ``plans.attention``, ``(1, 1, T, S)``), and remat inside a scan lost ``prevent_cse``'s
 barrier (``_fsdp``: zero3-scan-dots 317,312 -> 309,120 bytes of temporaries and 4.2% fewer bytes
-accessed, fsdp+tp-layer-scan 345,224 -> 328,840, their peak models with them).
+accessed, fsdp+tp-layer-scan 345,224 -> 328,840, their peak models with them). Re-recorded whole on
+issue 37, when the GPT's loss became the token families' one weighted cross-entropy
+(``models.token_loss``, the Llama's vocabulary-split form, in place of optax's integer-label one): every
+collective unchanged; bytes accessed within 0.6% (tp 12,229,952 -> 12,203,328, the pipelines +2,474 to
++4,746), temporaries within 1% (tp 922,464 -> 926,560, zero3 404,576 -> 407,904), the peak model of tp
+1,000,564 -> 1,008,756 and of zero3-bf16 452,388 -> 452,516 with them.
 """
 
 import json

@@ -28,6 +28,7 @@ from meshkit.spec import (
     PLATFORM_PRECISION,
     PRECISIONS,
     REMAT_POLICIES,
+    TASKS,
     ParallelSpec,
     describe_plans,
     one_of,
@@ -140,6 +141,12 @@ FIELDS: dict[str, typer.models.OptionInfo] = {
         "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) or a .npy of token ids; "
         "DIR:WEIGHT,DIR:WEIGHT mixes prepared directories of one tokenizer by the weights (normalised), e.g. web:0.7,code:0.3.",
         "Python's reference docs (pydoc_data), per character",
+    ),
+    "task": _opt("task", f"What is trained: {one_of(TASKS)}."),
+    "document_masks": _opt(
+        "document_masks",
+        "Pretraining: packed documents attend within themselves, positions from 0 in each.",
+        "off",
     ),
     "run_dir": typer.Option(
         help="Output directory.", show_default="a new runs/<time>; with --resume, runs/latest"

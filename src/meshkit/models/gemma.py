@@ -4,7 +4,8 @@ reference GPT's two forms. A family of its own rather than switches of the Llama
 dtype), the embedding is scaled by ``sqrt(width)``, the MLP is GeGLU, Gemma 2 and 3 add a norm after
 attention and after the MLP (sandwich norms), and their layers differ from each other: local layers
 attend within a sliding window (Gemma 3: with a rotary of their own base), global ones to the whole
-past. The Llama's rotary tables (``meshkit.models.rope``) and its cross-entropy are reused as they are.
+past. The Llama's rotary tables (``meshkit.models.rope``) and the families' cross-entropy (``token_loss``) are
+reused as they are.
 
 Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads``, ``K = kv_heads``,
 ``h = head_dim``, ``F = ffn``)::
@@ -61,7 +62,8 @@ from meshkit._errors import MeshkitError
 from meshkit.models import gpt, llama, llama_layers
 from meshkit.models.rope import inv_frequencies
 from meshkit.models.shape import ModelShape
-from meshkit.plans import causal_attention, layer, sequence_positions
+from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
+from meshkit.plans import causal_attention, exchange_segments, layer
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -297,12 +299,18 @@ def project_qkv(
     return q, k, v
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: GemmaConfig, local: Any) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, cfg: GemmaConfig, local: Any, seg: Any = None
+) -> jax.Array:
     """Causal attention, within the window on a local layer (``local`` traced: ``causal_attention``'s
-    ``windowed``, one of two static calls with any collective of a context split outside it)."""
+    ``windowed``, one of two static calls with any collective of a context split outside it), and within
+    each token's segment where ``seg`` (packed documents) is given."""
     if isinstance(local, bool):
-        return causal_attention(q, k, v, window=cfg.window if local else None, softcap=cfg.attn_softcap)
-    return causal_attention(q, k, v, window=cfg.window, softcap=cfg.attn_softcap, windowed=local)
+        return causal_attention(q, k, v, window=cfg.window if local else None, segment_ids=seg,
+                                softcap=cfg.attn_softcap)  # fmt: skip
+    return causal_attention(
+        q, k, v, window=cfg.window, segment_ids=seg, softcap=cfg.attn_softcap, windowed=local
+    )
 
 
 def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
@@ -310,13 +318,16 @@ def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     return (jax.nn.gelu(x_btd @ p["w_gate"], approximate=True) * (x_btd @ p["w_up"])) @ p["w_down"]
 
 
-def _block(p: Params, x_btd: jax.Array, cfg: GemmaConfig, local: Any) -> jax.Array:
-    """One block over a whole causal sequence (positions 0..T-1): a local layer if ``local``."""
+def _block(
+    p: Params, x_btd: jax.Array, cfg: GemmaConfig, local: Any, seg: Any = None, pos: Any = None
+) -> jax.Array:
+    """One block over a whole causal sequence (positions ``pos``, default 0..T-1; segments ``seg``): a
+    local layer if ``local``."""
     p = llama.cast_block(p, cfg)
     b, t, _ = x_btd.shape
-    pos = jnp.broadcast_to(sequence_positions(t), (b, t))  # context plans: this device's positions
+    pos = llama.token_positions(x_btd, pos)
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg, local)
-    out = attention(q, k, v, cfg, local).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
+    out = attention(q, k, v, cfg, local, seg).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
     if cfg.sandwich:
         out = rms_norm(p["attn_post_norm"], out, cfg.norm_eps)
     x_btd = x_btd + out
@@ -326,17 +337,21 @@ def _block(p: Params, x_btd: jax.Array, cfg: GemmaConfig, local: Any) -> jax.Arr
     return x_btd + out
 
 
-def run_layers(blocks: Any, x_btd: jax.Array, cfg: GemmaConfig) -> jax.Array:
+def run_layers(
+    blocks: Any, x_btd: jax.Array, cfg: GemmaConfig, seg: Any = None, pos: Any = None
+) -> jax.Array:
     """The blocks in order: a Python loop (each marked ``meshkit.layer``, its kind static), or a
-    ``lax.scan`` over the stacked blocks with each layer's kind scanned beside its parameters."""
+    ``lax.scan`` over the stacked blocks with each layer's kind scanned beside its parameters; ``seg``,
+    ``pos``: the batch's segment ids and positions (None: absent)."""
     kinds = cfg.kinds
     if not cfg.scan_layers:
         for p, local in zip(blocks, kinds, strict=True):
-            x_btd = layer(functools.partial(_block, cfg=cfg, local=local))(p, x_btd)
+            block = lambda p, x, seg, pos, local=local: _block(p, x, cfg, local, seg, pos)  # noqa: E731
+            x_btd = layer(block)(p, x_btd, seg, pos)
         return x_btd
     if cfg.period == 1:
-        return lax.scan(lambda h, p: (_block(p, h, cfg, kinds[0]), None), x_btd, blocks)[0]
-    body = lambda h, xs: (_block(xs[0], h, cfg, xs[1]), None)  # noqa: E731
+        return lax.scan(lambda h, p: (_block(p, h, cfg, kinds[0], seg, pos), None), x_btd, blocks)[0]
+    body = lambda h, xs: (_block(xs[0], h, cfg, xs[1], seg, pos), None)  # noqa: E731
     return lax.scan(body, x_btd, (blocks, jnp.asarray(np.array(kinds))))[0]
 
 
@@ -371,19 +386,27 @@ def _check_form(params: Params, cfg: GemmaConfig) -> None:
         )
 
 
-def apply(params: Params, tokens_bt: jax.Array, cfg: GemmaConfig) -> jax.Array:
-    """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``."""
+def apply(
+    params: Params, tokens_bt: jax.Array, cfg: GemmaConfig, *, segment_ids: Any = None, positions: Any = None
+) -> jax.Array:
+    """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``; ``segment_ids``
+    ``(B, T)``: packed documents (a token attends within its own); ``positions`` ``(B, T)``: each token's
+    position for the rotary (default ``0..T-1``)."""
     _check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
-    return head(top, run_layers(params["blocks"], embed(top, tokens_bt, cfg), cfg), cfg)
+    seg = exchange_segments(segment_ids)  # context plans: the keys' ids, once for every layer
+    x_btd = run_layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, seg, positions)
+    return head(top, x_btd, cfg)
 
 
 def make_loss(cfg: GemmaConfig, *, with_aux: bool = False) -> Callable:
-    """``loss(params, (tokens_bt, targets_bt))``: mean next-token cross-entropy (``llama.cross_entropy``:
-    logits split over the vocabulary stay split); ``with_aux``: ``(loss, {})``."""
+    """``loss(params, batch)``: mean next-token cross-entropy (``token_loss``: logits split over the
+    vocabulary stay split; weighted by the batch's weights, packed documents and positions as it gives
+    them, ``meshkit.spec.batch``); ``with_aux``: ``(loss, {})``."""
 
-    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> Any:
-        value = llama.cross_entropy(apply(params, batch[0], cfg), batch[1])
+    def loss(params: Params, batch: Any) -> Any:
+        weights, seg, pos = batch_extras(batch)
+        value = cross_entropy(apply(params, batch[0], cfg, segment_ids=seg, positions=pos), batch[1], weights)
         return (value, {}) if with_aux else value
 
     return loss
@@ -404,11 +427,15 @@ def stages(cfg: GemmaConfig) -> Any:
             x_btd = _block(jax.tree.map(lambda a, j=j: a[j], p), x_btd, cfg, kinds[j])
         return x_btd
 
+    def first(top: Params, batch: Any) -> jax.Array:
+        stage_extras(batch)
+        return embed(top, batch[0], cfg)
+
     return Stages(
-        embed=lambda top, batch: embed(top, batch[0], cfg),
+        embed=first,
         block=block,
         head=lambda top, x_btd: head(top, x_btd, cfg),
-        loss=lambda logits, batch: llama.cross_entropy(logits, batch[1]),
+        loss=loss_of,
         period=per,
     )
 

@@ -47,12 +47,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models.shape import ModelShape
-from meshkit.plans import EXPERT_DIM, causal_attention, expert_bias, expert_dot, layer, moe, position_rows
+from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
+from meshkit.plans import (
+    EXPERT_DIM,
+    causal_attention,
+    exchange_segments,
+    expert_bias,
+    expert_dot,
+    layer,
+    moe,
+    position_rows,
+)
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -266,15 +275,16 @@ def _layer_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float = 1e-5) ->
     return y_btd * p["scale"] + p["bias"]
 
 
-def _attention(p: dict[str, jax.Array], x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
-    """Causal multi-head self-attention; scores and softmax in at least float32."""
+def _attention(p: dict[str, jax.Array], x_btd: jax.Array, cfg: GPTConfig, seg: Any = None) -> jax.Array:
+    """Causal multi-head self-attention (``seg``: within each token's segment only); scores and softmax
+    in at least float32."""
     b, t, _ = x_btd.shape
     # No key bias: it adds q.b_k to every score of a query, which softmax cancels, so its gradient
     # is exactly zero and in floating point pure rounding noise (Adam would amplify it to +-lr).
     q_bthk = (x_btd @ p["wq"] + p["bq"]).reshape(b, t, cfg.heads, cfg.head_dim)
     k_bthk = (x_btd @ p["wk"]).reshape(b, t, cfg.heads, cfg.head_dim)
     v_bthk = (x_btd @ p["wv"] + p["bv"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    out_bthk = causal_attention(q_bthk, k_bthk, v_bthk)  # context plans: over the sequence split
+    out_bthk = causal_attention(q_bthk, k_bthk, v_bthk, segment_ids=seg)  # context plans: over the split
     return out_bthk.reshape(b, t, cfg.width) @ p["wo"] + p["bo"]
 
 
@@ -289,29 +299,35 @@ def _experts(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return expert_dot(h, p["w_out"]) + expert_bias(p["b_out"])
 
 
-def _embed(top: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
-    """Token plus position embeddings, in the compute dtype (``top``: the non-block parameters)."""
+def _embed(top: Params, tokens_bt: jax.Array, cfg: GPTConfig, positions_bt: Any = None) -> jax.Array:
+    """Token plus position embeddings, in the compute dtype (``top``: the non-block parameters); the
+    position rows ``positions_bt`` where given (packed documents), else ``0..T-1``."""
     t = tokens_bt.shape[1]
     if t > cfg.seq_len:
         raise ValueError(f"sequence length {t} exceeds seq_len {cfg.seq_len}")
     compute = cfg.compute_dtype or cfg.dtype
-    pos_td = position_rows(top["pos_embed"].astype(compute), t)  # context plans: this device's positions
-    return top["tok_embed"].astype(compute)[tokens_bt] + pos_td
+    table = top["pos_embed"].astype(compute)
+    # context plans: this device's positions (a batch's positions are split like its tokens)
+    pos = position_rows(table, t) if positions_bt is None else table[positions_bt]
+    return top["tok_embed"].astype(compute)[tokens_bt] + pos
 
 
-def _block(p: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
-    """One pre-LN transformer block; casts its own parameters (where a plan gathers them per layer)."""
+def _block(p: Params, x_btd: jax.Array, cfg: GPTConfig, seg: Any = None) -> jax.Array:
+    """One pre-LN transformer block (``seg``: packed documents' segment ids); casts its own parameters
+    (where a plan gathers them per layer)."""
     p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype or cfg.dtype), p)
-    x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg)
+    x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg, seg)
     return x_btd + _mlp(p["mlp"], _layer_norm(p["ln2"], x_btd))
 
 
-def _moe_block(p: Params, carry: tuple[jax.Array, jax.Array], cfg: GPTConfig) -> tuple[jax.Array, jax.Array]:
+def _moe_block(
+    p: Params, carry: tuple[jax.Array, jax.Array], cfg: GPTConfig, seg: Any = None
+) -> tuple[jax.Array, jax.Array]:
     """One block whose MLP is a mixture of experts; ``carry``: the residual and the running
     ``[load-balancing loss, dropped slots]`` summed over the blocks so far."""
     x_btd, stats = carry
     p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype or cfg.dtype), p)
-    x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg)
+    x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg, seg)
     experts = {k: v for k, v in p["moe"].items() if k != "router"}
     y_btd, aux, dropped = moe(_experts, experts, p["moe"]["router"], _layer_norm(p["ln2"], x_btd),
                               k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor)  # fmt: skip
@@ -319,13 +335,14 @@ def _moe_block(p: Params, carry: tuple[jax.Array, jax.Array], cfg: GPTConfig) ->
 
 
 def run_layers(block: Callable, moe_block: Callable, x_btd: jax.Array, blocks: Any, scanned: bool,
-               experts: int) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+               experts: int, extra: tuple = ()) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """The blocks over ``x_btd``: the residual and ``[load-balancing loss, dropped slots]`` summed
-    over the layers (zeros for a dense model). The GPT's and the Llama's."""
+    over the layers (zeros for a dense model); ``extra``: more inputs of every block (the batch's
+    segment ids, positions). The GPT's and the Llama's."""
     stats = jnp.zeros((2,), _wide(x_btd.dtype))
     if not experts:
-        return run_blocks(block, x_btd, blocks, scanned), stats
-    return run_blocks(moe_block, (x_btd, stats), blocks, scanned)
+        return run_blocks(block, x_btd, blocks, scanned, extra), stats
+    return run_blocks(moe_block, (x_btd, stats), blocks, scanned, extra)
 
 
 def moe_metrics(stats: jax.Array, tokens: int, layers: int, k: int) -> dict[str, jax.Array]:
@@ -342,16 +359,22 @@ def _head(top: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
     return jnp.matmul(x_btd, top["unembed"].astype(compute), preferred_element_type=_wide(compute))
 
 
-def apply(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> jax.Array:
-    """Next-token logits ``(B, T, V)`` for integer tokens ``(B, T)`` with ``T <= seq_len``.
+def apply(
+    params: Params, tokens_bt: jax.Array, cfg: GPTConfig, *, segment_ids: Any = None, positions: Any = None
+) -> jax.Array:
+    """Next-token logits ``(B, T, V)`` for integer tokens ``(B, T)`` with ``T <= seq_len``; ``segment_ids``
+    ``(B, T)``: packed documents (a token attends within its own); ``positions`` ``(B, T)``: the rows of
+    the position table each token takes (default ``0..T-1``).
 
     Parameters are cast to ``cfg.compute_dtype`` first; LayerNorm statistics, attention softmax and the
     returned logits are float32 (float64 when computing in float64).
     """
-    return forward(params, tokens_bt, cfg)[0]
+    return forward(params, tokens_bt, cfg, segment_ids=segment_ids, positions=positions)[0]
 
 
-def forward(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, jax.Array]:
+def forward(
+    params: Params, tokens_bt: jax.Array, cfg: GPTConfig, *, segment_ids: Any = None, positions: Any = None
+) -> tuple[jax.Array, jax.Array]:
     """``(logits, stats)``: ``apply``'s logits and the MoE ``[load-balancing loss, dropped slots]``
     summed over the layers (zeros for a dense model)."""
     form = blocks_form(params)
@@ -361,22 +384,22 @@ def forward(params: Params, tokens_bt: jax.Array, cfg: GPTConfig) -> tuple[jax.A
             f"params hold the {form} form but cfg.scan_layers={cfg.scan_layers}: convert with {fix}"
         )
     top = {k: v for k, v in params.items() if k != "blocks"}
-    x_btd = _embed(top, tokens_bt, cfg)
-
-    x_btd, stats = run_layers(lambda p, x: _block(p, x, cfg), lambda p, c: _moe_block(p, c, cfg), x_btd,
-                              params["blocks"], cfg.scan_layers, cfg.experts)  # fmt: skip
+    x_btd = _embed(top, tokens_bt, cfg, positions)
+    x_btd, stats = run_layers(lambda p, x, s: _block(p, x, cfg, s), lambda p, c, s: _moe_block(p, c, cfg, s), x_btd,
+                              params["blocks"], cfg.scan_layers, cfg.experts, (exchange_segments(segment_ids),))  # fmt: skip
     return _head(top, x_btd, cfg), stats
 
 
 def run_blocks(
-    block: Callable[[Params, jax.Array], jax.Array], x: jax.Array, blocks: Any, scanned: bool
+    block: Callable[..., jax.Array], x: jax.Array, blocks: Any, scanned: bool, extra: tuple = ()
 ) -> jax.Array:
-    """``block`` over the blocks in order: ``lax.scan`` over stacked blocks, or a Python loop with each
-    block marked ``meshkit.layer`` (per-layer gathers and remat find it). The GPT's and the Llama's."""
+    """``block(params, x, *extra)`` over the blocks in order: ``lax.scan`` over stacked blocks, or a Python
+    loop with each block marked ``meshkit.layer`` (per-layer gathers and remat find it). The GPT's and the
+    Llama's."""
     if scanned:
-        return lax.scan(lambda h, p: (block(p, h), None), x, blocks)[0]
+        return lax.scan(lambda h, p: (block(p, h, *extra), None), x, blocks)[0]
     for p in blocks:
-        x = layer(block)(p, x)
+        x = layer(block)(p, x, *extra)
     return x
 
 
@@ -391,25 +414,30 @@ def stages(cfg: GPTConfig) -> Any:
         raise MeshkitError(
             f"pipeline plans do not run mixture-of-experts models yet: use {one_of(plans_of('expert'))}"
         )
+
+    def first(top: Params, batch: Any) -> jax.Array:
+        stage_extras(batch)
+        return _embed(top, batch[0], cfg)
+
     return Stages(
-        embed=lambda top, batch: _embed(top, batch[0], cfg),
+        embed=first,
         block=lambda p, x_btd: _block(p, x_btd, cfg),
         head=lambda top, x_btd: _head(top, x_btd, cfg),
-        loss=lambda logits_btv, batch: optax.softmax_cross_entropy_with_integer_labels(
-            logits_btv, batch[1]
-        ).mean(),
+        loss=loss_of,
     )
 
 
 def make_loss(cfg: GPTConfig, *, with_aux: bool = False) -> Callable:
-    """``loss(params, (tokens_bt, targets_bt))``: mean token cross-entropy of the next-token logits,
-    plus ``router_aux_weight`` x the load-balancing loss for a mixture of experts. ``with_aux``:
+    """``loss(params, batch)``: mean token cross-entropy of the next-token logits (``token_loss``: weighted
+    by the batch's weights, packed documents and positions as it gives them, ``meshkit.spec.batch``), plus
+    ``router_aux_weight`` x the load-balancing loss for a mixture of experts. ``with_aux``:
     ``(loss, metrics)`` with ``moe_metrics`` (empty for a dense model): a Trainer's ``has_aux=True``."""
 
-    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> Any:
-        tokens_bt, targets_bt = batch
-        logits_btv, stats = forward(params, tokens_bt, cfg)
-        value = optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt).mean()
+    def loss(params: Params, batch: Any) -> Any:
+        tokens_bt, targets_bt = batch[0], batch[1]
+        weights, seg, pos = batch_extras(batch)
+        logits_btv, stats = forward(params, tokens_bt, cfg, segment_ids=seg, positions=pos)
+        value = cross_entropy(logits_btv, targets_bt, weights)
         metrics = moe_metrics(stats, tokens_bt.size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
         if cfg.experts:
             value = value + cfg.router_aux_weight * metrics["router_aux"]

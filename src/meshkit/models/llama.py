@@ -61,14 +61,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from meshkit._errors import MeshkitError
 from meshkit.models import gpt
 from meshkit.models.llama_layers import Params, cast_block, experts_mlp, mlp, project_qkv, rms_norm, wide
 from meshkit.models.rope import Llama3Rope
 from meshkit.models.shape import ModelShape
-from meshkit.plans import causal_attention, moe, sequence_positions
+from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
+from meshkit.plans import causal_attention, exchange_segments, moe, sequence_positions
 from meshkit.spec import PRECISIONS
 
 Axes = tuple[str | None, ...]
@@ -279,13 +279,23 @@ def init(key: jax.Array, cfg: LlamaConfig) -> Params:
     return out
 
 
-def _attention(p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None) -> jax.Array:
+def token_positions(x_btd: jax.Array, positions_bt: jax.Array | None) -> jax.Array:
+    """``(B, T)`` positions of the tokens: the batch's (reset per packed document) where given, else
+    ``0..T-1`` of each row (context plans: this device's positions). The Llama's and the Gemma's."""
+    b, t = x_btd.shape[:2]
+    return jnp.broadcast_to(sequence_positions(t), (b, t)) if positions_bt is None else positions_bt
+
+
+def _attention(
+    p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None, seg=None, pos=None
+) -> jax.Array:
     """The residual after the block's attention over its whole causal sequence (``window``: the last
-    ``window`` positions of each, itself among them)."""
+    ``window`` positions of each, itself among them; ``seg``: within each token's segment only; ``pos``:
+    the tokens' positions, default ``0..T-1``)."""
     b, t, _ = x_btd.shape
-    pos = jnp.broadcast_to(sequence_positions(t), (b, t))  # context plans: this device's positions
+    pos = token_positions(x_btd, pos)
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
-    out = causal_attention(q, k, v, window=window).reshape(b, t, cfg.heads * cfg.head_dim)
+    out = causal_attention(q, k, v, window=window, segment_ids=seg).reshape(b, t, cfg.heads * cfg.head_dim)
     return x_btd + out @ p["attn"]["wo"]
 
 
@@ -297,20 +307,22 @@ def experts(p: Params, x_btd: jax.Array, cfg: LlamaConfig, capacity_factor: floa
                renormalize=cfg.router_renormalize)  # fmt: skip
 
 
-def _block(p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None) -> jax.Array:
-    """One pre-norm block over a whole causal sequence (positions 0..T-1)."""
+def _block(
+    p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None, seg=None, pos=None
+) -> jax.Array:
+    """One pre-norm block over a whole causal sequence (positions ``pos``, default 0..T-1; segments ``seg``)."""
     p = cast_block(p, cfg)
-    x_btd = _attention(p, x_btd, cfg, window)
+    x_btd = _attention(p, x_btd, cfg, window, seg, pos)
     return x_btd + mlp(p["mlp"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps))
 
 
 def _moe_block(
-    p: Params, carry: tuple[jax.Array, jax.Array], cfg: LlamaConfig, window: int | None
+    p: Params, carry: tuple[jax.Array, jax.Array], cfg: LlamaConfig, window: int | None, seg=None, pos=None
 ) -> tuple[jax.Array, jax.Array]:
     """``_block`` with a mixture of experts for its MLP (``gpt._moe_block``'s carry)."""
     x_btd, stats = carry
     p = cast_block(p, cfg)
-    x_btd = _attention(p, x_btd, cfg, window)
+    x_btd = _attention(p, x_btd, cfg, window, seg, pos)
     y_btd, aux, dropped = experts(
         p["moe"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps), cfg, cfg.capacity_factor
     )
@@ -332,20 +344,23 @@ def _runs(cfg: LlamaConfig) -> list[tuple[int | None, int, int]]:
     return out
 
 
-def _layers(blocks: Any, x_btd: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
+def _layers(
+    blocks: Any, x_btd: jax.Array, cfg: LlamaConfig, extra: tuple = (None, None)
+) -> tuple[jax.Array, jax.Array]:
     """The blocks over ``x_btd`` and the MoE stats summed over them, each run of layers of one window by
-    ``gpt.run_layers`` (a scan, or a loop marking each block with ``meshkit.layer``)."""
+    ``gpt.run_layers`` (a scan, or a loop marking each block with ``meshkit.layer``); ``extra``: the
+    batch's ``(segment_ids, positions)``, each None where absent."""
     stats = None
     for window, lo, hi in _runs(cfg):
 
-        def block(p, x, window=window):
-            return _block(p, x, cfg, window)
+        def block(p, x, seg, pos, window=window):
+            return _block(p, x, cfg, window, seg, pos)
 
-        def moe_block(p, c, window=window):
-            return _moe_block(p, c, cfg, window)
+        def moe_block(p, c, seg, pos, window=window):
+            return _moe_block(p, c, cfg, window, seg, pos)
 
         run = blocks if cfg.scan_layers else blocks[lo:hi]
-        x_btd, s = gpt.run_layers(block, moe_block, x_btd, run, cfg.scan_layers, cfg.experts)
+        x_btd, s = gpt.run_layers(block, moe_block, x_btd, run, cfg.scan_layers, cfg.experts, extra)
         stats = s if stats is None else stats + s
     return x_btd, stats
 
@@ -378,40 +393,36 @@ def _check_form(params: Params, cfg: LlamaConfig) -> None:
         )
 
 
-def apply(params: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
-    """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``."""
-    return forward(params, tokens_bt, cfg)[0]
+def apply(
+    params: Params, tokens_bt: jax.Array, cfg: LlamaConfig, *, segment_ids: Any = None, positions: Any = None
+) -> jax.Array:
+    """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``; ``segment_ids``
+    ``(B, T)``: packed documents (a token attends within its own); ``positions`` ``(B, T)``: each token's
+    position for the rotary (default ``0..T-1``)."""
+    return forward(params, tokens_bt, cfg, segment_ids=segment_ids, positions=positions)[0]
 
 
-def forward(params: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array]:
+def forward(
+    params: Params, tokens_bt: jax.Array, cfg: LlamaConfig, *, segment_ids: Any = None, positions: Any = None
+) -> tuple[jax.Array, jax.Array]:
     """``(logits, stats)``: the logits and the MoE ``[load-balancing loss, dropped slots]`` summed
     over the layers (zeros for a dense model)."""
     _check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
-    x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg)
+    extra = (exchange_segments(segment_ids), positions)  # context plans: the keys' ids, once for every layer
+    x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, extra)
     return head(top, x_btd, cfg), stats
 
 
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy, written so that logits split over the vocabulary stay split:
-    every reduction over the vocabulary (the max, the sum of exponentials, the target's logit
-    picked by a comparison rather than a gather) is elementwise work plus a reduction, which the
-    compiler turns into an all-reduce of one number per token."""
-    logits = logits_btv.astype(wide(logits_btv.dtype))
-    peak = lax.stop_gradient(jnp.max(logits, -1, keepdims=True))
-    lse = jnp.log(jnp.sum(jnp.exp(logits - peak), -1)) + peak[..., 0]
-    vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    picked = jnp.sum(jnp.where(vocab == targets_bt[..., None], logits, 0.0), -1)
-    return jnp.mean(lse - picked)
-
-
 def make_loss(cfg: LlamaConfig, *, with_aux: bool = False) -> Callable:
-    """``loss(params, (tokens_bt, targets_bt))``: mean next-token cross-entropy, plus the weighted
-    load-balancing loss for a mixture of experts; ``with_aux``: ``(loss, metrics)`` (``gpt.make_loss``)."""
+    """``loss(params, batch)``: mean next-token cross-entropy (weighted by the batch's weights, packed
+    documents and positions as it gives them: ``meshkit.spec.batch``), plus the weighted load-balancing
+    loss for a mixture of experts; ``with_aux``: ``(loss, metrics)`` (``gpt.make_loss``)."""
 
-    def loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> Any:
-        logits, stats = forward(params, batch[0], cfg)
-        value = cross_entropy(logits, batch[1])
+    def loss(params: Params, batch: Any) -> Any:
+        weights, seg, pos = batch_extras(batch)
+        logits, stats = forward(params, batch[0], cfg, segment_ids=seg, positions=pos)
+        value = cross_entropy(logits, batch[1], weights)
         metrics = (
             gpt.moe_metrics(stats, batch[0].size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
         )
@@ -438,11 +449,16 @@ def stages(cfg: LlamaConfig) -> Any:
             f"windows (sliding={cfg.sliding}): use a plan without a stage axis"
         )
     window = cfg.layer_windows[0]
+
+    def first(top: Params, batch: Any) -> jax.Array:
+        stage_extras(batch)
+        return embed(top, batch[0], cfg)
+
     return Stages(
-        embed=lambda top, batch: embed(top, batch[0], cfg),
+        embed=first,
         block=lambda p, x_btd: _block(p, x_btd, cfg, window),
         head=lambda top, x_btd: head(top, x_btd, cfg),
-        loss=lambda logits, batch: cross_entropy(logits, batch[1]),
+        loss=loss_of,
     )
 
 

@@ -14,7 +14,7 @@ their experts by all_to_all under an expert split); tensor
 parallelism is the placement's rules, partitioned by XLA.
 """
 
-from meshkit.plans._context import causal_attention, check_context, position_rows
+from meshkit.plans._context import causal_attention, check_context, exchange_segments, position_rows
 from meshkit.plans._context import positions as sequence_positions
 from meshkit.plans._dataflow import batch_fed, matmul_rows
 from meshkit.plans._expected import (
@@ -69,6 +69,7 @@ __all__ = [
     "check_whole_sequences",
     "compare_communication",
     "device_bytes",
+    "exchange_segments",
     "expected_collectives",
     "expert_bias",
     "expert_dot",

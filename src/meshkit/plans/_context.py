@@ -28,8 +28,12 @@ wholly outside it: their weight comes out zero); a ``softcap`` caps each block's
 that applies in some layers only, their kind scanned as data (``windowed``, Gemma's local and global
 layers under ``lax.scan``), keeps every collective outside any ``lax.cond`` (the ledger counts a
 collective under a conditional in each branch): the ring masks by a traced window, all-to-all chooses
-between the two static calls after its exchange. Per-document ``segment_ids`` are refused under a
-split: they would have to travel with the keys (a collective the ledger's model does not hold).
+between the two static calls after its exchange. Per-document ``segment_ids`` (packed documents, split
+along the sequence like the tokens) travel with the keys: round the ring beside each K/V block (``C - 1``
+more ppermutes of ``b x T/C`` integers per layer, forward only), or all-gathered over the axis for
+all-to-all's whole sequences. ``exchange_segments`` does that once per forward pass, before the layers
+(the reference models call it: ``C - 1`` ppermutes of ``b x T/C`` integers, or one all-gather, per
+micro-batch, forward only, none again under remat), and every layer's attention masks by the result.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import contextvars
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,6 +164,33 @@ def _device_positions(t: int, i: jax.Array | int, n: int) -> jax.Array:
     return jnp.concatenate([i * c + jnp.arange(c), (2 * n - 1 - i) * c + jnp.arange(c)])
 
 
+class Segments(NamedTuple):
+    """Packed documents' segment ids under a sequence split, exchanged once per forward pass
+    (``exchange_segments``): this device's, and the keys' it attends over (ring: the ``C - 1``
+    visiting blocks' in the order they arrive, ``(C-1, b, T/C)``; all-to-all: the whole sequences' in
+    their natural order, ``(b, T)``)."""
+
+    local: jax.Array
+    keys: jax.Array
+
+
+def exchange_segments(segment_ids: jax.Array | None) -> Any:
+    """The segment ids every layer's ``causal_attention`` takes: as they are with no split in force,
+    else ``Segments`` (one exchange over the context axis for all the layers)."""
+    split = _SPLIT.get()
+    if segment_ids is None or split is None or split.size == 1 or isinstance(segment_ids, Segments):
+        return segment_ids
+    n = split.size
+    if split.form == "ring":
+        perm = [(d, (d + 1) % n) for d in range(n)]
+        visitors = [segment_ids]
+        for _ in range(1, n):
+            visitors.append(lax.ppermute(visitors[-1], split.axis, perm))
+        return Segments(segment_ids, jnp.stack(visitors[1:]))
+    natural = np.argsort(balanced_order(segment_ids.shape[1] * n, n))
+    return Segments(segment_ids, lax.all_gather(segment_ids, split.axis, axis=1, tiled=True)[:, natural])
+
+
 def causal_attention(
     q_bthk: jax.Array,
     k_bskh: jax.Array,
@@ -173,7 +204,8 @@ def causal_attention(
     """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
     key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype.
     ``window``: each query sees its last ``window`` positions only (itself included); ``segment_ids``
-    ``(B, T)``: only the keys of its own segment (whole sequences only: refused under a context split);
+    ``(B, T)``: only the keys of its own segment (under a context split: this device's tokens', or their
+    ``exchange_segments`` done once for every layer);
     ``softcap``: each score capped to ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap`` before
     the mask (Gemma 2; always written out: the fused call takes no cap); ``windowed``: a traced boolean
     (a layer's kind, scanned beside its parameters): the window applies only where it is true, each
@@ -189,17 +221,21 @@ def causal_attention(
         return _windowed(call, window, windowed)
     attention.check_window(window)
     attention.check_softcap(softcap)
-    if segment_ids is not None:
+    segment_ids = exchange_segments(segment_ids)
+    if segment_ids is not None and segment_ids.local.shape != q_bthk.shape[:2]:
         raise PlanError(
-            f"segment_ids (documents packed in a row) are not taken under a context split ({split.form} over "
-            f"{split.axis}={split.size}): pack one document per sequence, or use a plan without a context axis"
+            f"segment_ids must be (batch, sequence) = {q_bthk.shape[:2]}, one id per token, got {segment_ids.local.shape}"
         )
     check_heads(q_bthk.shape[2], split.size, split.form)
     attend = functools.partial(
         _ring if split.form == "ring" else _all_to_all, window=window, softcap=softcap, windowed=windowed
     )
-    own = _on_own_heads(attend, q_bthk, k_bskh, v_bskh, split) if split.heads_axis is not None else None
-    return attend(q_bthk, k_bskh, v_bskh, split) if own is None else own
+    own = (
+        _on_own_heads(attend, q_bthk, k_bskh, v_bskh, segment_ids, split)
+        if split.heads_axis is not None
+        else None
+    )
+    return attend(q_bthk, k_bskh, v_bskh, segment_ids, split) if own is None else own
 
 
 def _windowed(call, window: int | None, windowed: jax.Array | None) -> jax.Array:
@@ -221,6 +257,7 @@ def _all_to_all(
     q_bthk: jax.Array,
     k_bskh: jax.Array,
     v_bskh: jax.Array,
+    seg: Segments | None,
     split: Split,
     window: int | None = None,
     softcap: float | None = None,
@@ -242,8 +279,9 @@ def _all_to_all(
     order = balanced_order(q_bthk.shape[1] * n, n)
     natural = np.argsort(order)
     call = functools.partial(
-        attention.causal, to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), softcap=softcap
-    )
+        attention.causal, to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), softcap=softcap,
+        segment_ids=None if seg is None else seg.keys,  # the whole sequences', in the natural order
+    )  # fmt: skip
     out = _windowed(call, window, windowed)  # between the exchanges: no collective under the cond
     return lax.all_to_all(out[:, order], split.axis, 1, 2, tiled=True)
 
@@ -269,10 +307,19 @@ def _merge(acc, blk):
     return o * _heads_last(a) + ob * _heads_last(b), new, total * a + total_b * b
 
 
+def _segments(mask: jax.Array | None, q_seg: jax.Array | None, k_seg: jax.Array | None) -> jax.Array | None:
+    """``mask`` (``(1, 1, t, s)`` or None) and, with segment ids, each query's own segment's keys only."""
+    if q_seg is None:
+        return mask
+    same = q_seg[:, None, :, None] == k_seg[:, None, None, :]
+    return same if mask is None else mask & same
+
+
 def _ring(
     q_bthk: jax.Array,
     k_bskh: jax.Array,
     v_bskh: jax.Array,
+    seg: Segments | None,
     split: Split,
     window: int | None = None,
     softcap: float | None = None,
@@ -297,22 +344,29 @@ def _ring(
     # step 0: the device's own block (its chunks' order is the same on every device, so is the causal mask)
     local = np.concatenate([np.arange(c), (2 * n - 1) * c + np.arange(c)])
     diagonal = attention.allowed(local, local) if window is None else attention.allowed(pos, pos, window)
+    seg_bt = None if seg is None else seg.local
+    diagonal = _segments(diagonal, seg_bt, seg_bt)
     acc = _block(
         q_bthk, attention.repeat_kv(k_bskh, heads), attention.repeat_kv(v_bskh, heads), diagonal, softcap
     )
     first, second = _halves(acc, c)
     for s in range(1, n):
         kv = tuple(lax.ppermute(x, split.axis, perm) for x in kv)  # now the block of device i - s
+        visitor = None if seg is None else seg.keys[s - 1]  # its segment ids (None: no segments)
         k, v = attention.repeat_kv(kv[0], heads), attention.repeat_kv(kv[1], heads)
         seen = _device_positions(t, (i - s) % n, n)
 
-        def before(first, second, k=k, v=v, seen=seen):  # visitor's chunks j < i: every query sees its first
+        def before(
+            first, second, k=k, v=v, seen=seen, vis=visitor
+        ):  # chunks j < i: every query sees its first
             mask = None if window is None else attention.allowed(pos, seen[:c], window)
+            mask = _segments(mask, seg_bt, None if vis is None else vis[:, :c])
             both = _halves(_block(q_bthk, k[:, :c], v[:, :c], mask, softcap), c)
             return _merge(first, both[0]), _merge(second, both[1])
 
-        def between(first, second, k=k, v=v, seen=seen):  # j > i: the second chunk sees the whole visitor
+        def between(first, second, k=k, v=v, seen=seen, vis=visitor):  # j > i: the second chunk sees it whole
             mask = None if window is None else attention.allowed(pos[c:], seen, window)
+            mask = _segments(mask, None if seg_bt is None else seg_bt[:, c:], vis)
             return first, _merge(second, _block(q_bthk[:, c:], k, v, mask, softcap))
 
         first, second = lax.cond(i >= s, before, between, first, second)
@@ -322,7 +376,7 @@ def _ring(
 
 
 def _on_own_heads(
-    attend, q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, split: Split
+    attend, q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, seg: Segments | None, split: Split
 ) -> jax.Array | None:
     """``attend`` (the ring or all-to-all) on this device's heads only, in a region manual over the axis
     tensor parallelism splits them on (``Split.heads_axis``: tp+cp, fsdp+tp+cp), or None where there is
@@ -344,9 +398,13 @@ def _on_own_heads(
             f"context={split.size}: use context_attention='ring', or axes whose product divides {heads} heads"
         )
     spec = P(None, None, split.heads_axis, None)
-    own = jax.shard_map(lambda q, k, v: attend(q, k, v, split), mesh=mesh, in_specs=(spec, spec, spec),
+    if seg is None:
+        own = jax.shard_map(lambda q, k, v: attend(q, k, v, None, split), mesh=mesh, in_specs=(spec, spec, spec),
+                            out_specs=spec, axis_names={split.heads_axis}, check_vma=False)  # fmt: skip
+        return own(q_bthk, k_bskh, v_bskh)
+    own = jax.shard_map(lambda q, k, v, s: attend(q, k, v, s, split), mesh=mesh, in_specs=(spec, spec, spec, P()),
                         out_specs=spec, axis_names={split.heads_axis}, check_vma=False)  # fmt: skip
-    return own(q_bthk, k_bskh, v_bskh)
+    return own(q_bthk, k_bskh, v_bskh, seg)
 
 
 def _halves(acc, c):

@@ -74,11 +74,13 @@ def expected_collectives(
     gather_itemsize: int | None = None,
     per_layer: PerLayer | None = None,
     form: str = "ring",
+    segment_bytes: int = 0,
 ) -> list[Expected]:
     """The plan's collectives per step (see the module docstring): the gradients' sums over the step's
-    axes (``_sum_rows``), then each axis module's rows (``plans.axes``). ``gather_itemsize``: bytes per
-    element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16); ``form``: a
-    context plan's attention (``meshkit.spec.CONTEXT_ATTENTION``)."""
+        axes (``_sum_rows``), then each axis module's rows (``plans.axes``). ``gather_itemsize``: bytes per
+        element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16); ``form``: a
+        context plan's attention (``meshkit.spec.CONTEXT_ATTENTION``); ``segment_bytes``: bytes per segment
+    id of a batch of packed documents (0: none)."""
     out: list[Expected] = []
 
     def add(op, axes, count, size, n_group, what):
@@ -92,7 +94,8 @@ def expected_collectives(
     _sum_rows(add, placement if trainable is None else trainable.placement(placement))  # frozen: no gradient
     inputs = axes.LedgerInputs(placement=placement, accumulate=accumulate, tokens_per_device=tokens_per_device,
                                activation_bytes=activation_bytes, batch_fed=batch_fed,
-                               gather_itemsize=gather_itemsize, per_layer=per_layer, form=form)  # fmt: skip
+                               gather_itemsize=gather_itemsize, per_layer=per_layer, form=form,
+                               segment_bytes=segment_bytes)  # fmt: skip
     for axis in axes.active(placement.plan):
         axis.ledger(add, inputs)
     return _merge(out)

@@ -29,8 +29,8 @@ DEFAULT_TP_RULES: dict[str, str] = {"heads": MODEL, "kv_heads": MODEL, "mlp": MO
 that match no axis of a model are ignored, rules a user passes must each match some axis."""
 VOCAB_TP_RULES: dict[str, str] = {**DEFAULT_TP_RULES, "vocab": MODEL}
 """The default rules plus the vocabulary of the embedding and the output head on the model axis, for
-a loss that keeps split logits split (``meshkit.models.llama.cross_entropy``; optax's integer-label
-cross-entropy, the GPT's loss, compiles to the same rows): the lookup is then an all-reduce of
+a loss that keeps split logits split (``meshkit.models.token_loss.cross_entropy``, every
+token family's; optax's integer-label cross-entropy compiles to the same rows): the lookup is then an all-reduce of
 ``[tokens, width]`` and each reduction over the vocabulary one of ``[tokens]`` (``_expected``). Not under pipeline plans, whose model of the model axis has the blocks' rows only
 (``vocab_rules``)."""
 WHERE_DIVIDES: dict[str, str] = {

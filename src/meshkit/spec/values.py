@@ -71,6 +71,13 @@ def one_of(values, last: str = "or", notes: dict[str, str] | None = None) -> str
     return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} {last} {values[-1]}"
 
 
+TASKS = {
+    "pretrain": "the next-token loss on every token",
+    "sft": "supervised fine-tuning: the loss on the assistant's tokens only, conversations packed with a "
+    "mask per document",
+}
+"""What ``meshkit train --task`` trains (``meshkit.spec.batch``: the batch's fields each needs)."""
+
 AUTO = "auto"
 """A plan name that asks the planner to choose (resolved before a step is assembled)."""
 

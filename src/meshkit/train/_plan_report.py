@@ -24,7 +24,16 @@ from meshkit.plans import (
 from meshkit.plans.peak import peak_report
 from meshkit.plans.placement import Placement
 from meshkit.spec import MODEL
+from meshkit.spec.batch import extras
 from meshkit.train.report import PlanReport
+
+
+def _segment_bytes(batch: Any) -> int:
+    """Bytes per segment id of a token batch of packed documents (0: none, or not a token batch)."""
+    if not isinstance(batch, tuple) or len(batch) < 4:
+        return 0
+    seg = extras(batch)[1]
+    return 0 if seg is None else int(np.dtype(seg.dtype).itemsize)
 
 
 def plan_report(trainer: Any, batch: Any) -> PlanReport:
@@ -53,7 +62,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         low = max(trainer.compute_dtype.itemsize, 4) if cpu else trainer.compute_dtype.itemsize
     expected = expected_collectives(trainer.placement, trainer.accumulate, tokens_per_device=tokens, batch_fed=fed,
                                     gather_itemsize=low, per_layer=trainer.per_layer,
-                                    form=trainer.spec.context_attention)  # fmt: skip
+                                    form=trainer.spec.context_attention, segment_bytes=_segment_bytes(batch))  # fmt: skip
     det = None
     if trainer.spec.deterministic is not None:  # its collectives over data (a pipeline's stage rows below)
         leaves = jax.tree.leaves(trainer._param_shapes)

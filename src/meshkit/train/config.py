@@ -15,14 +15,12 @@ import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
 from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
-
-if TYPE_CHECKING:  # optax is imported where it is used: the CLI reads this module to print its --help
-    import optax
+from meshkit.train.task import problem as task_problem
 
 
 class ConfigError(MeshkitError):
@@ -35,7 +33,7 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 """Where ``--tracker`` sends the metrics (``meshkit.train.metrics``); jsonl (metrics.jsonl) is always on."""
 MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None, "experts": 0,
                   "experts_per_token": 2, "capacity_factor": 1.25, "lora_rank": 0, "lora_alpha": 16.0,
-                  "lora_targets": None}  # fmt: skip
+                  "lora_targets": None, "task": "pretrain", "document_masks": False}  # fmt: skip
 """What a config written before these options trained: the GPT from random weights."""
 
 MAX_STEPS = 10**9
@@ -102,6 +100,11 @@ class TrainConfig:
     """The GPT's scanned form: blocks stacked under lax.scan (compile time flat in depth)."""
     seed: int = 0
     """Seed of the parameter initialisation and of the data order."""
+    task: str = "pretrain"
+    """What is trained (``spec.TASKS``, ``train.task``): 'pretrain' (every token) or 'sft' (conversations:
+    the loss on the assistant's tokens only, packed with a mask per document)."""
+    document_masks: bool = False
+    """Pretraining: documents packed in a window attend within themselves, their positions from 0."""
     data: str | None = None
     """A directory made by ``meshkit data prepare`` (BPE token shards), a UTF-8 text file (characters are the
     tokens) or a .npy of token ids; None: Python's own reference docs (pydoc_data.topics), per character.
@@ -288,6 +291,8 @@ FIXED_ON_RESUME = {
     "batch_size": "the data order",
     "seed": "the initialisation and the data order",
     "data": "the data",
+    "task": "the loss and the data stream",
+    "document_masks": "the attention and the data stream",
     "precision": "the arithmetic",
     "deterministic": "the order the gradients are summed in",
 }
@@ -414,6 +419,7 @@ def validate(cfg: TrainConfig) -> None:
         (lambda: cfg.checkpoint_every >= 1, lambda: f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
         (lambda: cfg.sample_chars >= 0, lambda: f"--sample-chars must be at least 0, got {cfg.sample_chars}"),
         (lambda: 0 <= cfg.seed < 2**32, lambda: f"--seed must be in [0, 2**32), got {cfg.seed}"),
+        (lambda: task_problem(cfg) is None, lambda: task_problem(cfg)),
         (lambda: cfg.peak_tflops is None or (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0),
          lambda: f"--peak-tflops must be a positive finite number (one device's peak), got {cfg.peak_tflops}"),
     ]  # fmt: skip
@@ -477,26 +483,6 @@ def check_stop_after(stop_after: int | None, step: int) -> None:
     if stop_after is not None and stop_after <= step:
         where = f"the checkpoint's step {step}" if step else "step 0"
         raise ConfigError(f"--stop-after {stop_after} must be after {where}: give a later step, or drop it")
-
-
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup to ``lr`` (none with warmup 0), then cosine decay to lr/10 at the last step."""
-    import optax
-
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup_steps(cfg), decay_steps=max(cfg.steps, 2),
-        end_value=cfg.lr / 10,
-    )  # fmt: skip
-
-
-def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW or SGD with momentum, on the warmup + cosine schedule."""
-    import optax
-
-    lr = lr_schedule(cfg)
-    if cfg.optimizer == "adamw":
-        return optax.adamw(lr, weight_decay=cfg.weight_decay)
-    return optax.sgd(lr, momentum=cfg.momentum)
 
 
 def dumps(cfg: TrainConfig) -> str:

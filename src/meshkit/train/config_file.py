@@ -15,7 +15,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "layers", "width", "heads", "kv_heads", "tie_embeddings", "scan_layers", "init_from", "experts",
               "experts_per_token", "capacity_factor", "lora_rank", "lora_alpha", "lora_targets"),
     "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
-    "data": ("data", "seq_len", "batch_size", "seed"),
+    "data": ("data", "seq_len", "batch_size", "seed", "task", "document_masks"),
     "run": ("steps", "run_dir", "eval_every", "eval_batches", "eval_tasks", "checkpoint_every", "sample_chars", "tensorboard",
             "plan_reason", "export_hf", "tracker", "peak_tflops"),
     "parallel": PARALLEL,

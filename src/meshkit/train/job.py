@@ -23,10 +23,11 @@ from meshkit.models.shape import ModelShape
 from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
 from meshkit.train import config as C
-from meshkit.train import evals
+from meshkit.train import evals, optim
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
+from meshkit.train.task import batch_options, check_data
 from meshkit.train.trainer import Trainer
 
 
@@ -75,10 +76,11 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     else:
         check_no_checkpoints(run_dir)
     data = load_data(cfg)
+    check_data(cfg, data)
     check_fits(cfg, data)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     family = registry.family_of(model)
-    trainer = Trainer(loss, params, C.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.seq_len,
+    trainer = Trainer(loss, params, optim.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.seq_len,
                       **_step_options(cfg, model, logical_axes))  # fmt: skip
     rows = trainer.placement.batch_axes
     C.check_batch(
@@ -89,7 +91,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         axis.check_run(axis.size(trainer.placement), seq_len=cfg.seq_len, heads=model.heads,
                        experts=model.experts, form=cfg.parallel.context_attention)  # fmt: skip
     batches = data.batches(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS,
-                           rows=process_rows(trainer.shardings.batch, cfg.batch_size))  # fmt: skip
+                           rows=process_rows(trainer.shardings.batch, cfg.batch_size), **batch_options(cfg))  # fmt: skip
     # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
     plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
     tasks = evals.build(cfg.eval_tasks, data.encode, plain, seq_len=cfg.seq_len, rows=cfg.batch_size,
@@ -134,7 +136,9 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
 
         shapes = jax.eval_shape(lambda: module.init(jax.random.key(cfg.seed), model))
         axes_of = module.logical_axes(shapes)
-        placed = assemble(loss, shapes, C.optimizer(cfg), cfg.parallel, **_step_options(cfg, model, axes_of))
+        placed = assemble(
+            loss, shapes, optim.optimizer(cfg), cfg.parallel, **_step_options(cfg, model, axes_of)
+        )
         params = init_from(cfg, model, shardings=placed.shardings.params)
     else:
         params = module.init(jax.random.key(cfg.seed), model)

@@ -34,8 +34,9 @@ from meshkit.data.mixture import realised
 from meshkit.devices import host
 from meshkit.models import module_of, num_params
 from meshkit.planner.hardware import peak_flops
+from meshkit.spec.batch import extras
 from meshkit.train import config as C
-from meshkit.train import evals
+from meshkit.train import evals, optim
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import Job, check_no_checkpoints, family_params, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
@@ -49,6 +50,7 @@ from meshkit.train.profile import PROFILE_DIR, StepProfiler, summary_table
 from meshkit.train.profile import check_steps as check_profile
 from meshkit.train.stop import StopRequest
 from meshkit.train.stop import exit_code as stop_exit_code
+from meshkit.train.task import batch_options, trained_tokens
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -76,12 +78,16 @@ def _held_out(job: Job, part: int | None) -> dict[str, float]:
     t = job.trainer
     examples = job.cfg.batch_size
     stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=examples, seed=job.cfg.seed, held_out=True,
-                              part=part, rows=process_rows(t.shardings.batch, examples))  # fmt: skip
-    losses, targets = [], []
+                              part=part, rows=process_rows(t.shardings.batch, examples), **batch_options(job.cfg))  # fmt: skip
+    losses, targets, nats = [], [], 0.0
+    tokens = examples * job.cfg.seq_len
     for _ in range(job.cfg.eval_batches):
         local = next(stream)
         losses.append(float(job.eval_loss(t.params, global_batch(t.shardings.batch, local, examples))))
-        targets.append(local[1])
+        learnt = trained_tokens(local, tokens)  # weighted (fine-tuning): the masked mean of `learnt`
+        nats += losses[-1] * (tokens if learnt is None else learnt)
+        weights = extras(local)[0]
+        targets.append(local[1] if weights is None else local[1][np.asarray(weights) > 0])
     out = {"eval_loss": float(np.mean(losses))}
     if job.data.token_bytes is not None:
         # each process holds its rows of the held-out batches: every row counted once, also where the
@@ -92,7 +98,6 @@ def _held_out(job: Job, part: int | None) -> dict[str, float]:
             from jax.experimental import multihost_utils
 
             nbytes = multihost_utils.process_allgather(nbytes)
-        nats = sum(losses) * job.cfg.batch_size * job.cfg.seq_len
         if (bpb := job.data.bits_per_byte(nats, int(np.sum(nbytes)))) is not None:
             out["eval_bpb"] = bpb
     return out
@@ -123,7 +128,7 @@ def train(
     cfg = job.cfg
     profiler = profiler or StepProfiler(job.trainer, None, job.run_dir, console)
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    lr = C.lr_schedule(cfg)
+    lr = optim.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
@@ -180,7 +185,8 @@ def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int)
 
 def _one_step(job: Job, lr: float) -> dict[str, Any]:
     t = job.trainer
-    batch = global_batch(t.shardings.batch, next(job.batches), job.cfg.batch_size)
+    local = next(job.batches)
+    batch = global_batch(t.shardings.batch, local, job.cfg.batch_size)
     start = time.perf_counter()
     metrics = t.step(batch)
     loss = float(metrics["loss"])  # waits for the step
@@ -191,6 +197,8 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
            **job.batches.delivered(job.batches.batch)}  # fmt: skip
     if (mfu := _mfu(job, row["tokens_per_s"])) is not None:
         row["mfu"] = mfu
+    if (learnt := trained_tokens(local, job.cfg.batch_size * job.cfg.seq_len)) is not None:
+        row["trained_tokens"] = learnt  # fine-tuning: the targets the masked loss learnt from
     if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
         row["dropped_fraction"] = fraction = float(metrics["dropped_fraction"])
         row["dropped_tokens"] = round(fraction * _moe_slots(job))

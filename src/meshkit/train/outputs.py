@@ -17,6 +17,7 @@ from meshkit.models import generate as G
 from meshkit.models import gpt, lora, module_of
 from meshkit.plans import Trainable
 from meshkit.train import config as C
+from meshkit.train import optim
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import family_params, model_config, saved_config
 
@@ -48,7 +49,7 @@ def load_run(run_dir: str | Path) -> TrainedModel:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     adapters = C.lora_config(cfg)
     shapes = jax.eval_shape(lambda: _adapted(module_of(model).init(jax.random.key(0), model), adapters))
-    optimizer = C.optimizer(cfg)
+    optimizer = optim.optimizer(cfg)
     if adapters is not None:  # the optimizer state of the adapters alone
         optimizer = Trainable.of(lora.trainable, shapes).optimizer(optimizer)
     opt = jax.eval_shape(optimizer.init, shapes)

@@ -38,6 +38,8 @@ class LedgerInputs:
     gather_itemsize: int | None = None
     per_layer: Any = None
     form: str = "ring"
+    segment_bytes: int = 0
+    """Bytes per segment id of a batch of packed documents (0: none): a context split exchanges them."""
 
     @property
     def tokens(self) -> int:

@@ -57,6 +57,14 @@ class ContextAxis(AxisPlan):
                 add("all-to-all", CONTEXT, inputs.accumulate * layers * 4 * (forward + 1),
                     local * (q_width + kv) // 2,  # the mean of q, k, v and out
                     c, "q, k, v to a head split and the output back; the same backward")  # fmt: skip
+        if inputs.segment_bytes:  # packed documents: the keys' segment ids, once per micro-batch (forward)
+            ids = inputs.tokens_per_device // c * inputs.segment_bytes
+            if inputs.form == "ring":
+                add("collective-permute", CONTEXT, inputs.accumulate * (c - 1), ids, c,
+                    "segment ids round the ring, once for every layer")  # fmt: skip
+            else:
+                add("all-gather", CONTEXT, inputs.accumulate, c * ids, c,
+                    "segment ids of the whole sequences, once for every layer")  # fmt: skip
 
     def check_run(self, size: int, *, seq_len: int, heads: int, experts: int, form: str) -> None:
         _context.check_context(seq_len, heads, size, form)

@@ -1,0 +1,85 @@
+"""What ``meshkit train --task`` asks of the run (issue 37): the one place a task becomes the data
+stream's options, the checks of its batches, and what a step logs of them.
+
+- ``pretrain``: the next-token loss on every token; with ``--document-masks`` the token windows carry
+  segment ids and positions from their end-of-text ids (``spec.batch``: no weights), so no token
+  attends across a document boundary and each document's positions start at 0.
+- ``sft``: the data is conversations (``meshkit data prepare --chat``: a loss mask beside the ids); its batches
+  carry weights (the assistant's tokens, scaled by ``tokens / masked tokens`` of the global batch),
+  segment ids and positions: conversations are always packed with a mask per document.
+
+The model reads whichever fields a batch has (``models.token_loss``), so the task changes what the data
+stream yields and what is checked and logged here; the step and the held-out loss are the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from meshkit._errors import MeshkitError
+from meshkit.models.token_loss import pipeline_refusal
+from meshkit.spec import TASKS, one_of
+from meshkit.spec.batch import extras
+
+
+class TaskError(MeshkitError):
+    """The run's data does not give what its ``--task`` trains on."""
+
+
+def problem(cfg: Any) -> str | None:
+    """Why the run's ``--task`` and ``--document-masks`` cannot train as given (one line naming the fix),
+    or None. Checked with the other options, before anything is read."""
+    if cfg.task not in TASKS:
+        return f"unknown --task {cfg.task!r}: use {one_of(TASKS, notes={k: '' for k in TASKS})}"
+    if cfg.task == "sft" and cfg.data is None:
+        return "--task sft needs --data: a directory of conversations prepared with their loss mask"
+    packs = cfg.task == "sft" or cfg.document_masks
+    if packs and cfg.parallel.plan_info.pipeline:
+        what = "--task sft" if cfg.task == "sft" else "--document-masks"
+        return pipeline_refusal(what) + f", or drop {what}"
+    return None
+
+
+def batch_options(cfg: Any) -> dict[str, Any]:
+    """The options of the run's data stream (``Corpus.batches``, ``Batches``) that its task sets:
+    ``document_masks`` for
+    pretraining with ``--document-masks``; none for fine-tuning, whose prepared conversations make the
+    stream yield weights, segment ids and positions themselves. The training and the held-out streams
+    both take these, so the held-out loss is weighted as the training loss is."""
+    if cfg.task == "pretrain" and cfg.document_masks:
+        return {"document_masks": True}
+    return {}
+
+
+def check_data(cfg: Any, data: Any) -> None:
+    """The run's data (a ``Corpus``) is what its task trains on: conversations with a loss mask for
+    ``sft`` (``Corpus.chat``: ``meshkit data prepare --chat``), and no such mask, which a pretraining run
+    would silently train on, for ``pretrain``; raises ``TaskError`` naming the fix."""
+    if cfg.task == "sft" and not data.chat:
+        raise TaskError(
+            f"--task sft trains on conversations with a loss mask, and {data.source} holds none: prepare them with "
+            f"meshkit data prepare --chat, or drop --task sft"
+        )
+    if cfg.task == "pretrain" and data.chat:
+        raise TaskError(
+            f"{data.source} holds conversations with a loss mask: pass --task sft to train on them"
+        )
+
+
+def trained_tokens(batch: Any, tokens: int) -> int | None:
+    """Targets of the global batch of ``tokens`` tokens the loss learns (weight above 0), from this
+    process's rows of a weighted batch (None: no weights, every token): every learnt target's weight is
+    ``tokens / learnt`` (``spec.batch``), so one weight gives the global count."""
+    weights = extras(batch)[0] if isinstance(batch, tuple) else None
+    if weights is None:
+        return None
+    peak = np.asarray(np.max(weights), np.float64)
+    import jax
+
+    if jax.process_count() > 1:  # a process whose rows learn nothing still logs the global count
+        from jax.experimental import multihost_utils
+
+        peak = np.max(multihost_utils.process_allgather(peak))
+    return round(tokens / float(peak)) if peak > 0 else 0

@@ -1,0 +1,163 @@
+"""``meshkit train --task`` (issue 37), the trainer's side: the options checked in one line, a weighted
+batch's step and held-out loss are the masked loss of the same parameters, and each step logs the
+targets it learnt from: with a test's stream that gives plain token rows a known mask and documents,
+and end to end on conversations ``meshkit data prepare --chat`` wrote."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshkit.cli import main
+from meshkit.data.prepare import prepare as prepare_data
+from meshkit.spec.batch import TokenBatch
+from meshkit.train import config as C
+from meshkit.train import loop
+from meshkit.train import task as tasks
+from meshkit.train.job import prepare
+
+DOC = 8
+"""Every row is documents of this many tokens, each's first half a prompt (weight 0)."""
+
+
+def with_mask(pair) -> TokenBatch:
+    """A plain ``(inputs, targets)`` batch as fine-tuning data: segments of ``DOC`` tokens, positions
+    reset in each, weights the second half of each scaled by tokens / learnt tokens."""
+    x, y = pair
+    b, t = x.shape
+    seg = np.broadcast_to(np.arange(t) // DOC + 1, (b, t)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(t) % DOC, (b, t)).astype(np.int32)
+    mask = (pos >= DOC // 2).astype(np.float32)
+    return TokenBatch(x, y, mask * (mask.size / mask.sum()), seg, pos)
+
+
+class Masked:
+    """A stream of the run's batches with ``with_mask`` applied."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __next__(self):
+        return with_mask(next(self.inner))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class MaskedData:
+    """The run's data, its streams ``Masked``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def batches(self, **kw):
+        return Masked(self.inner.batches(**kw))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft")
+    ids = np.random.default_rng(0).integers(0, 48, size=4000).astype(np.int32)
+    np.save(tmp / "ids.npy", ids)
+    cfg = C.tiny().replace(run_dir=str(tmp / "run"), data=str(tmp / "ids.npy"), model="llama", seq_len=16,
+                           plan="dp")  # fmt: skip
+    job = prepare(cfg)  # token ids: a pretraining run's data, masked by the stream below
+    job.cfg = job.cfg.replace(task="sft")
+    job.batches, job.data = Masked(job.batches), MaskedData(job.data)
+    return job
+
+
+def test_sft_step_is_the_masked_loss_and_logs_its_trained_tokens(job):
+    t = job.trainer
+    local = next(job.data.batches(seq_len=16, global_batch=job.cfg.batch_size, seed=job.cfg.seed))
+    want = float(job.eval_loss(t.params, local))  # the first training batch, before the step
+    unweighted = float(job.eval_loss(t.params, local[:2]))
+    row = loop._one_step(job, 1e-3)
+    assert row["loss"] == pytest.approx(want, rel=1e-5) and abs(want - unweighted) > 1e-4
+    assert row["trained_tokens"] == job.cfg.batch_size * job.cfg.seq_len // 2
+
+
+def test_held_out_loss_uses_the_weights(job):
+    out = loop.evaluate(job)
+    t, n = job.trainer, job.cfg.batch_size
+    stream = job.data.batches(seq_len=16, global_batch=n, seed=job.cfg.seed, held_out=True)
+    batches = [next(stream) for _ in range(job.cfg.eval_batches)]
+    want = np.mean([float(job.eval_loss(t.params, b)) for b in batches])
+    plain = np.mean([float(job.eval_loss(t.params, b[:2])) for b in batches])
+    assert out["eval_loss"] == pytest.approx(want, rel=1e-6) and abs(want - plain) > 1e-4
+
+
+def test_trained_tokens_counts_the_global_mask_from_any_rows():
+    rng = np.random.default_rng(1)
+    mask = (rng.random((8, 16)) < 0.3).astype(np.float32)
+    weights = mask * (mask.size / mask.sum())
+    x = np.zeros((8, 16), np.int32)
+    assert tasks.trained_tokens(TokenBatch(x[:2], x[:2], weights[:2]), mask.size) == mask.sum()
+    assert tasks.trained_tokens(TokenBatch(x, x, np.zeros_like(weights)), mask.size) == 0
+    assert tasks.trained_tokens((x, x), mask.size) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"task": "chat"}, "unknown --task 'chat': use pretrain or sft"),
+        ({"task": "sft"}, "--task sft needs --data"),
+        ({"task": "sft", "data": "d", "plan": "dp+pp"}, "pipeline plans (pp, dp+pp"),
+        ({"document_masks": True, "plan": "pp"}, "drop --document-masks"),
+    ],
+)
+def test_bad_task_options_are_one_line(changes, says):
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(C.tiny().replace(**changes))
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_data_a_task_does_not_train_on_is_refused(job):
+    with pytest.raises(tasks.TaskError, match="holds none: prepare them with meshkit data prepare --chat"):
+        tasks.check_data(job.cfg, job.data.inner)
+    with pytest.raises(tasks.TaskError, match="pass --task sft"):
+        tasks.check_data(C.tiny(), type("Chat", (), {"chat": True, "source": "d"})())
+    assert tasks.batch_options(C.tiny().replace(document_masks=True)) == {"document_masks": True}
+    assert tasks.batch_options(C.tiny().replace(task="sft", data="d")) == {}
+
+
+def test_cli_refuses_sft_under_a_pipeline_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(
+        ["train", "--preset", "tiny", "--run-dir", str(run), "--task", "sft", "--data", "x", "--plan", "pp"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "pipeline plans" in err and err.count("\n") == 1, err
+    assert not run.exists()
+
+
+LLAMA3 = Path(__file__).parent / "corpus" / "chat_templates" / "llama3"
+
+
+def test_meshkit_train_task_sft_on_prepared_conversations(tmp_path, capsys):
+    """End to end: conversations prepared with their mask train under --task sft; each step logs the
+    targets it learnt from, fewer than the batch's tokens, and the held-out loss is logged."""
+    rows = [{"messages": [{"role": "user", "content": f"Count to {i % 40}"},
+                          {"role": "assistant", "content": " ".join(map(str, range(1, i % 40 + 2)))}]}
+            for i in range(160)]  # fmt: skip
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    prepare_data([str(src)], tmp_path / "chat", tokenizer=str(LLAMA3), chat=True)
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--model", "llama", "--task", "sft", "--data", str(tmp_path / "chat"),
+            "--seq-len", "64", "--plan", "dp", "--steps", "4", "--eval-every", "2", "--sample-chars", "0",
+            "--run-dir", str(run)]  # fmt: skip
+    assert main(args) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "loss" in m]
+    assert len(steps) == 4 and all(0 < m["trained_tokens"] < 16 * 64 for m in steps)
+    assert any("eval_loss" in m for m in metrics)
+    capsys.readouterr()
+    pretrain = [a if a != "sft" else "pretrain" for a in args[:-1]] + [str(tmp_path / "plain")]
+    assert main(pretrain) == 2  # conversations with a mask, no --task sft
+    err = capsys.readouterr().err
+    assert "pass --task sft to train on them" in err and err.count("\n") == 1, err
