@@ -14,7 +14,6 @@ import json
 import random
 import re
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 OUT = Path(__file__).resolve().parents[1] / "src/meshkit/train/eval_tasks/python_docs.jsonl"
