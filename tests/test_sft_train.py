@@ -150,14 +150,28 @@ def test_meshkit_train_task_sft_on_prepared_conversations(tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--model", "llama", "--task", "sft", "--data", str(tmp_path / "chat"),
             "--seq-len", "64", "--plan", "dp", "--steps", "4", "--eval-every", "2", "--sample-chars", "0",
-            "--run-dir", str(run)]  # fmt: skip
+            "--run-dir", str(run), "--export-hf"]  # fmt: skip
     assert main(args) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "loss" in m]
     assert len(steps) == 4 and all(0 < m["trained_tokens"] < 16 * 64 for m in steps)
     assert any("eval_loss" in m for m in metrics)
     capsys.readouterr()
-    pretrain = [a if a != "sft" else "pretrain" for a in args[:-1]] + [str(tmp_path / "plain")]
+    pretrain = [a if a != "sft" else "pretrain" for a in args[:-2]] + [str(tmp_path / "plain")]
     assert main(pretrain) == 2  # conversations with a mask, no --task sft
     err = capsys.readouterr().err
     assert "pass --task sft to train on them" in err and err.count("\n") == 1, err
+
+    # LoRA on that checkpoint with a handful of conversations: the base is read into the layout of the full
+    # model (the adapters are added after; it raised "freezes every parameter"), a vocabulary larger than
+    # the data is no refusal (the checkpoint trained the embedding), a held-out conversation shorter than a
+    # row is padded (it was refused as too few held-out tokens)
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows[:8]), encoding="utf-8")
+    prepare_data([str(src)], tmp_path / "few", tokenizer=str(LLAMA3), chat=True)
+    lora = [*args[:args.index("--data")], "--data", str(tmp_path / "few"), "--seq-len", "64", "--plan", "dp",
+            "--steps", "2", "--eval-every", "2", "--sample-chars", "0", "--run-dir", str(tmp_path / "lora"),
+            "--init-from", f"hf:{run / 'hf'}", "--lora-rank", "2"]  # fmt: skip
+    capsys.readouterr()
+    assert main(lora) == 0, capsys.readouterr().err
+    out = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in m for m in out)

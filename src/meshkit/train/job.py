@@ -112,6 +112,8 @@ def load_data(cfg: C.TrainConfig) -> Corpus:
     """The run's data (text, ids, token shards, or a mixture of them: :func:`meshkit.data.load`) with its
     training and held-out token streams; raises where a sequence does not fit (each source's held-out)."""
     data = load(cfg.data)
+    if data.chat:  # conversations: a held-out row is padded (``Batches``), any length fits
+        return data
     for name, tail in [(f"'{p.path}'", p.held_out) for p in data.parts] or [("the data", data.held_out)]:
         if cfg.seq_len + 1 > len(tail):
             raise C.ConfigError(
@@ -136,9 +138,10 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
 
         shapes = jax.eval_shape(lambda: module.init(jax.random.key(cfg.seed), model))
         axes_of = module.logical_axes(shapes)
-        placed = assemble(
-            loss, shapes, optim.optimizer(cfg), cfg.parallel, **_step_options(cfg, model, axes_of)
-        )
+        # the base weights' layout (a leaf lives where its axes say, trained or frozen: LoRA's adapters
+        # are added below, so the base alone is read, as for full training)
+        options = _step_options(cfg, model, axes_of) | {"trainable": None}
+        placed = assemble(loss, shapes, optim.optimizer(cfg), cfg.parallel, **options)
         params = init_from(cfg, model, shardings=placed.shardings.params)
     else:
         params = module.init(jax.random.key(cfg.seed), model)
@@ -190,14 +193,14 @@ _STATE_BOUND = 32
 def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
     """Refuse, before anything is allocated or compiled, a vocabulary larger than the data holds
     tokens (a ``.npy``'s ids or a prepared directory's tokenizer: most embedding rows would never
-    train), then a run whose step the planner's model of
+    train; not where ``--init-from`` brings trained rows, as fine-tuning does), then a run whose step the planner's model of
     meshkit's own step (``Job(runtime="meshkit")``) predicts to need more memory per device than a
     device has: ``memory_stats()['bytes_limit']`` where the device reports it, else the host's
     available memory (``/proc/meminfo``) shared by this process's devices. A model far below that
     (a generous bound on parameters, state and activations under an eighth of it) is not predicted."""
     from meshkit.planner.sizes import param_count
 
-    if data.vocab_size > data.num_tokens:
+    if data.vocab_size > data.num_tokens and cfg.init_from is None:  # a checkpoint's embedding is trained
         tokens = np.concatenate(
             [data.train.read(0, len(data.train)), data.held_out.read(0, len(data.held_out))]
         )
