@@ -260,13 +260,15 @@ def test_a_mixture_of_chat_and_plain_data_is_refused(tmp_path):
     prepare([str(_jsonl(tmp_path / "c.jsonl", ROWS))], tmp_path / "chat", tokenizer=str(LLAMA3), chat=True)
     (tmp_path / "t.txt").write_text("some plain text to pretrain on. " * 200)
     prepare([str(tmp_path / "t.txt")], tmp_path / "plain", tokenizer=str(LLAMA3))
-    corpus = load(f"{tmp_path / 'chat'}:0.5,{tmp_path / 'plain'}:0.5")
-    with pytest.raises(DataError, match="mixes conversations"):
-        corpus.batches(seq_len=16, global_batch=2, seed=0, process_index=0, process_count=1)
+    with pytest.raises(DataError, match="mixes conversations"):  # at load, before any check asks Corpus.chat
+        load(f"{tmp_path / 'chat'}:0.5,{tmp_path / 'plain'}:0.5")
     prepare(
         [str(_jsonl(tmp_path / "d.jsonl", ROWS[::-1]))], tmp_path / "chat2", tokenizer=str(LLAMA3), chat=True
     )
     mixed = load(f"{tmp_path / 'chat'}:0.5,{tmp_path / 'chat2'}:0.5")
+    assert (
+        mixed.chat
+    )  # a mixture of conversations is conversations (--task sft trains it, pretrain refuses it)
     stream = mixed.batches(seq_len=64, global_batch=4, seed=0, process_index=0, process_count=1)
     assert stream.packing_summary["documents"] == sum(p.train.documents for p in mixed.parts)
     x = next(stream)

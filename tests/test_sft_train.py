@@ -4,11 +4,13 @@ targets it learnt from: with a test's stream that gives plain token rows a known
 and end to end on conversations ``meshkit data prepare --chat`` wrote."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from meshkit._errors import MeshkitError
 from meshkit.cli import main
 from meshkit.data.prepare import prepare as prepare_data
 from meshkit.spec.batch import TokenBatch
@@ -91,6 +93,33 @@ def test_held_out_loss_uses_the_weights(job):
     assert out["eval_loss"] == pytest.approx(want, rel=1e-6) and abs(want - plain) > 1e-4
 
 
+def test_held_out_loss_is_per_learnt_target_and_a_batch_with_none_counts_nothing(job, monkeypatch):
+    """Two held-out batches, the second with nothing to learn (a conversation cut before its answer):
+    the loss is the first's, not the mean with the second's 0."""
+
+    class Alternate(MaskedData):
+        def batches(self, **kw):
+            inner, n = Masked(self.inner.batches(**kw)), iter(range(10**6))
+
+            class Stream:
+                def __next__(self):
+                    b = next(inner)
+                    return b if next(n) % 2 == 0 else b._replace(weights=np.zeros_like(b.weights))
+
+                def __getattr__(self, name):
+                    return getattr(inner, name)
+
+            return Stream()
+
+    monkeypatch.setattr(job, "data", Alternate(job.data.inner))
+    monkeypatch.setattr(job, "cfg", job.cfg.replace(eval_batches=2))
+    first = next(
+        job.data.batches(seq_len=16, global_batch=job.cfg.batch_size, seed=job.cfg.seed, held_out=True)
+    )
+    want = float(job.eval_loss(job.trainer.params, first))
+    assert loop.evaluate(job)["eval_loss"] == pytest.approx(want, rel=1e-6) and want > 0
+
+
 def test_trained_tokens_counts_the_global_mask_from_any_rows():
     rng = np.random.default_rng(1)
     mask = (rng.random((8, 16)) < 0.3).astype(np.float32)
@@ -108,10 +137,12 @@ def test_trained_tokens_counts_the_global_mask_from_any_rows():
         ({"task": "sft"}, "--task sft needs --data"),
         ({"task": "sft", "data": "d", "plan": "dp+pp"}, "pipeline plans (pp, dp+pp"),
         ({"document_masks": True, "plan": "pp"}, "drop --document-masks"),
+        ({"lora_alpha": 3.0}, "give their --lora-rank too"),
+        ({"lora_rank": 4, "lora_alpha": 0.0}, "LoRA alpha must be finite and not 0"),
     ],
 )
 def test_bad_task_options_are_one_line(changes, says):
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(MeshkitError) as e:
         C.validate(C.tiny().replace(**changes))
     assert says in str(e.value) and "\n" not in str(e.value)
 
@@ -121,6 +152,9 @@ def test_data_a_task_does_not_train_on_is_refused(job):
         tasks.check_data(job.cfg, job.data.inner)
     with pytest.raises(tasks.TaskError, match="pass --task sft"):
         tasks.check_data(C.tiny(), type("Chat", (), {"chat": True, "source": "d"})())
+    text = type("Text", (), {"chat": False, "source": "d", "tokenizer": "characters"})()
+    with pytest.raises(tasks.TaskError, match="end-of-text id of token shards"):  # it split at id 0 ('\\n')
+        tasks.check_data(C.tiny().replace(document_masks=True), text)
     assert tasks.batch_options(C.tiny().replace(document_masks=True)) == {"document_masks": True}
     assert tasks.batch_options(C.tiny().replace(task="sft", data="d")) == {}
 
@@ -156,7 +190,10 @@ def test_meshkit_train_task_sft_on_prepared_conversations(tmp_path, capsys):
     steps = [m for m in metrics if "loss" in m]
     assert len(steps) == 4 and all(0 < m["trained_tokens"] < 16 * 64 for m in steps)
     assert any("eval_loss" in m for m in metrics)
-    capsys.readouterr()
+    first = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"; 1\d\d conversations packed in \d+ rows \(\d+% filled", first), (
+        first
+    )  # the first line
     pretrain = [a if a != "sft" else "pretrain" for a in args[:-2]] + [str(tmp_path / "plain")]
     assert main(pretrain) == 2  # conversations with a mask, no --task sft
     err = capsys.readouterr().err

@@ -60,7 +60,7 @@ class Corpus:
         :class:`meshkit.spec.batch.TokenBatch` es with weights, segment ids and positions."""
         from meshkit.data.packing import ChatSource
 
-        return isinstance(self.train, ChatSource)
+        return isinstance(self.train, ChatSource) or any(isinstance(p.train, ChatSource) for p in self.parts)
 
     @property
     def loss_unit(self) -> str:
@@ -223,6 +223,7 @@ def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
         train, held = _split(Path(path), m, stream)
         parts.append(mixture.Part(name=name, path=path, weight=(weight or 0.0) / total, train=train,
                                   held_out=held, digest=shards.digest(m)))  # fmt: skip
+    mixture.check_kinds(parts)
     said = ", ".join(f"{p.name} {p.weight:.0%}" for p in parts)
     return Corpus(
         train=ConcatSource([p.train for p in parts]), held_out=ConcatSource([p.held_out for p in parts]),

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from grain.experimental import index_shuffle
 
+from meshkit.data.packing import ChatSource
 from meshkit.data.pipeline import Batches
 from meshkit.data.source import ConcatSource, DataError, TokenSource
 
@@ -113,6 +114,16 @@ def _seed(seed: int, s: int) -> int:
     return int(np.random.SeedSequence([seed, s]).generate_state(1)[0])
 
 
+def check_kinds(parts) -> None:
+    """A mixture's sources are of one kind: conversations (prepared with ``--chat``) or plain tokens."""
+    chat = [p.name for p in parts if isinstance(p.train, ChatSource)]
+    if chat and len(chat) < len(parts):
+        raise DataError(
+            f"--data mixes conversations ({', '.join(chat)}, prepared with --chat) with plain text: "
+            "mix sources of one kind"
+        )
+
+
 class MixedBatches(Batches):
     """The batch stream of a mixture: :class:`Batches`, its windows drawn from ``parts`` by their weights."""
 
@@ -129,12 +140,7 @@ class MixedBatches(Batches):
             Batches(s, **{**kw, **alone, "seed": _seed(kw.get("seed", 0), i), "digest": p.digest})
             for i, (p, s) in enumerate(zip(parts, streams, strict=True))
         ]
-        if len({s.chat for s in self.sources}) > 1:
-            chat = [p.name for p, s in zip(parts, self.sources, strict=True) if s.chat]
-            raise DataError(
-                f"--data mixes conversations ({', '.join(chat)}, prepared with --chat) with plain text: "
-                "mix sources of one kind"
-            )
+        check_kinds(parts)
         super().__init__(ConcatSource(streams), **kw)
 
     @property

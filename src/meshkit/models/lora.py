@@ -53,6 +53,8 @@ class LoraConfig:
             raise LoraError(f"LoRA rank must be a positive integer, got {self.rank!r}: pass --lora-rank 8")
         if not self.targets:
             raise LoraError(f"LoRA needs target matrices: pass --lora-targets {','.join(DEFAULT_TARGETS)}")
+        if not (math.isfinite(self.alpha) and self.alpha != 0):  # a zero scale trains nothing
+            raise LoraError(f"LoRA alpha must be finite and not 0, got {self.alpha!r}: pass --lora-alpha 16")
 
     @property
     def scale(self) -> float:

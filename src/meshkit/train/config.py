@@ -403,6 +403,8 @@ def validate(cfg: TrainConfig) -> None:
         (lambda: cfg.init_from is None or (cfg.init_from.startswith(HF_PREFIX) and len(cfg.init_from) > len(HF_PREFIX)),
          lambda: f"--init-from {cfg.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"),
         (lambda: cfg.lora_rank >= 0, lambda: f"--lora-rank must be at least 0 (0: full fine-tuning), got {cfg.lora_rank}"),
+        (lambda: cfg.lora_rank > 0 or (cfg.lora_targets, cfg.lora_alpha) == (None, 16.0),
+         lambda: "--lora-alpha and --lora-targets set LoRA's adapters: give their --lora-rank too (e.g. 8)"),
         (lambda: cfg.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {cfg.optimizer!r}: use adamw or sgd"),
         (lambda: math.isfinite(cfg.lr) and cfg.lr > 0, lambda: f"--lr must be a positive finite number, got {cfg.lr}"),
         (lambda: math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
@@ -426,6 +428,7 @@ def validate(cfg: TrainConfig) -> None:
     for ok, message in checks:  # in order: a later check may divide by what an earlier one bounds
         if not ok():
             raise ConfigError(message())
+    lora_config(cfg)  # LoRA's own checks (its alpha, its targets), before anything is read
     if "wandb" in trackers(cfg):
         import importlib.util
 

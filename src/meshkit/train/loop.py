@@ -79,16 +79,19 @@ def _held_out(job: Job, part: int | None) -> dict[str, float]:
     examples = job.cfg.batch_size
     stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=examples, seed=job.cfg.seed, held_out=True,
                               part=part, rows=process_rows(t.shardings.batch, examples), **batch_options(job.cfg))  # fmt: skip
-    losses, targets, nats = [], [], 0.0
+    losses, targets, nats, counted = [], [], 0.0, 0
     tokens = examples * job.cfg.seq_len
     for _ in range(job.cfg.eval_batches):
         local = next(stream)
         losses.append(float(job.eval_loss(t.params, global_batch(t.shardings.batch, local, examples))))
         learnt = trained_tokens(local, tokens)  # weighted (fine-tuning): the masked mean of `learnt`
         nats += losses[-1] * (tokens if learnt is None else learnt)
+        counted += tokens if learnt is None else learnt
         weights = extras(local)[0]
         targets.append(local[1] if weights is None else local[1][np.asarray(weights) > 0])
-    out = {"eval_loss": float(np.mean(losses))}
+    # per target, not per batch: a weighted batch's loss is its own masked mean, and one with nothing to
+    # learn (a conversation cut before its answer) is 0 and counts no target (nan: none in any batch)
+    out = {"eval_loss": nats / counted if counted else float("nan")}
     if job.data.token_bytes is not None:
         # each process holds its rows of the held-out batches: every row counted once, also where the
         # processes hold the same rows (a batch axis within each process)
@@ -289,6 +292,15 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     return job.data.decode(np.asarray(out, np.int32))
 
 
+def _packing_line(job: Job) -> str:
+    """Conversations packed into rows (fine-tuning data): how many, and how many were cut to a row (their
+    answers' cut tokens are not learnt), else nothing."""
+    if (p := job.batches.packing_summary) is None:
+        return ""
+    cut = f", [bold]{p['truncated']:,} cut[/] to --seq-len {job.cfg.seq_len} + 1" if p["truncated"] else ""
+    return f"; {p['documents']:,} conversations packed in {p['rows']:,} rows ({p['fill']:.0%} filled{cut})"
+
+
 def results(job: Job) -> dict[str, Any]:
     """What the run achieved: loss, throughput, FLOPs and MFU; needs nothing but the history."""
     t = job.trainer
@@ -314,6 +326,7 @@ def results(job: Job) -> dict[str, Any]:
         **({"tasks": evals.summary(job.evals[-1])} if job.evals and job.tasks is not None else {}),
         "tokenizer": job.data.tokenizer,
         "vocab": job.data.vocab_size,
+        **({"packing": packing} if (packing := job.batches.packing_summary) is not None else {}),
         **_mixture(job),
         "tokens_per_s": tokens_per_s,
         "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
@@ -467,7 +480,8 @@ def run(
         f"meshkit train: {num_params(job.trainer.params):,} parameters{_trainable(job)}, plan [bold]{cfg.parallel.plan}[/] on "
         f"{n} {jax.default_backend()} device(s) {dict(job.trainer.mesh.shape)}, data {job.data.source} "
         f"({job.data.num_tokens:,} tokens, vocab {job.data.vocab_size})"
-        + (f", resuming at step {job.step}" if resume else ""),
+        + (f", resuming at step {job.step}" if resume else "")
+        + _packing_line(job),
         soft_wrap=True,
     )
     profiler = StepProfiler(job.trainer, profile if job.writer else None, job.run_dir / PROFILE_DIR, console)

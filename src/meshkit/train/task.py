@@ -66,6 +66,12 @@ def check_data(cfg: Any, data: Any) -> None:
         raise TaskError(
             f"{data.source} holds conversations with a loss mask: pass --task sft to train on them"
         )
+    if cfg.document_masks and data.tokenizer != "BPE":  # text and ids have no end-of-text id to split at
+        raise TaskError(
+            f"--document-masks splits documents at the end-of-text id of token shards, and {data.source} "
+            f"({data.tokenizer}) has none: give --data a directory from meshkit data prepare, or drop "
+            f"--document-masks"
+        )
 
 
 def trained_tokens(batch: Any, tokens: int) -> int | None:
