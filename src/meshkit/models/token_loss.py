@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshkit._errors import MeshkitError
-from meshkit.spec.batch import extras
+from meshkit.spec.batch import extras, pipeline_refusal
 
 
 class BatchError(MeshkitError):
@@ -63,18 +63,6 @@ def batch_extras(batch: Any) -> tuple[Any, Any, Any]:
 def loss_of(logits_btv: jax.Array, batch: Any) -> jax.Array:
     """``cross_entropy`` of a batch's logits: its targets, weighted by its weights where it has them."""
     return cross_entropy(logits_btv, batch[1], batch_extras(batch)[0])
-
-
-def pipeline_refusal(what: str) -> str:
-    """Why pipeline plans refuse packed documents (``what``: what the run or batch gives), naming the
-    plans that take them."""
-    from meshkit.spec import PIPELINE_PLANS, PLANS
-
-    others = ", ".join(p for p in PLANS if p not in PIPELINE_PLANS)
-    return (
-        f"pipeline plans ({', '.join(PIPELINE_PLANS)}) do not take {what} (packed documents' masks and "
-        f"positions) yet: use a plan without a stage axis ({others})"
-    )
 
 
 def stage_extras(batch: Any) -> None:

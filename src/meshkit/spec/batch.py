@@ -37,3 +37,15 @@ def extras(batch: Any) -> tuple[Any, Any, Any]:
     """``(weights, segment_ids, positions)`` of a batch, ``None`` where absent (a plain pair: all)."""
     rest = tuple(batch[2:]) + (None,) * (len(BATCH_FIELDS) - len(batch))
     return rest[0], rest[1], rest[2]
+
+
+def pipeline_refusal(what: str) -> str:
+    """Why pipeline plans refuse packed documents (``what``: what the run or batch gives), naming the
+    plans that take them."""
+    from meshkit.spec.plans import PIPELINE_PLANS, PLANS
+
+    others = ", ".join(p for p in PLANS if p not in PIPELINE_PLANS)
+    return (
+        f"pipeline plans ({', '.join(PIPELINE_PLANS)}) do not take {what} (packed documents' masks and "
+        f"positions) yet: use a plan without a stage axis ({others})"
+    )

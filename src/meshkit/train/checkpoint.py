@@ -244,6 +244,9 @@ class Checkpointer:
         priority, and waits for the trash of the previous save to be gone: orbax moves the steps past
         ``keep`` there next."""
         background.lower_this_thread()
+        # and tensorstore's pool again: workers that an overseer started before the save (at its
+        # priority) started during it, before its checksums (the save's last work) compete with the step
+        background.set_nice(background.pool_threads(), background.LOW)
         self._reaper.join()
         final = self.directory.absolute() / str(self._saving)
         tmp = final.with_name(final.name + ocp.path.atomicity.TMP_DIR_SUFFIX)

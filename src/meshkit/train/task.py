@@ -16,12 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from meshkit._errors import MeshkitError
-from meshkit.models.token_loss import pipeline_refusal
 from meshkit.spec import TASKS, one_of
-from meshkit.spec.batch import extras
+from meshkit.spec.batch import extras, pipeline_refusal
 
 
 class TaskError(MeshkitError):
@@ -81,6 +78,8 @@ def trained_tokens(batch: Any, tokens: int) -> int | None:
     weights = extras(batch)[0] if isinstance(batch, tuple) else None
     if weights is None:
         return None
+    import numpy as np  # here: config imports this module, and `meshkit comm --hlo` imports no NumPy
+
     peak = np.asarray(np.max(weights), np.float64)
     import jax
 
