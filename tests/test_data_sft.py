@@ -254,6 +254,11 @@ def test_prepare_chat_refuses_what_it_cannot_read(tmp_path):
     assert prepare([str(plain)], tmp_path / "o4", tokenizer=str(gpt2), chat=True)["chat"]["template"] is None
     with pytest.raises(DataError, match=r"holds 1 conversation.*give at least 2 rows"):
         load(str(tmp_path / "o4"))
+    prepare([str(_jsonl(tmp_path / "pc2.jsonl", [{"prompt": "a", "completion": "b"}] * 3))], tmp_path / "o5",
+            tokenizer=str(gpt2), chat=True)  # fmt: skip
+    (tmp_path / "o5" / "documents.npy").unlink()  # a FileNotFoundError before
+    with pytest.raises(DataError, match=r"documents.npy' cannot be read.*prepare .* again"):
+        load(str(tmp_path / "o5"))
 
 
 def test_a_mixture_of_chat_and_plain_data_is_refused(tmp_path):

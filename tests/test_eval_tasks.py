@@ -97,6 +97,30 @@ def test_scores_equal_numpy_float64_and_compile_once():
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=0)
 
 
+def test_a_lora_run_scores_its_merged_weights(tmp_path):
+    """``build``'s ``params_of`` (a LoRA run's merge, as job.prepare passes it) is applied inside the
+    scoring: the scores are the merged model's, not the base's (adapters made non-zero)."""
+    from meshkit.models import lora
+
+    task = _task()
+    rows = [{"query": q.context, "choices": list(q.choices), "gold": q.gold} for q in task.questions]
+    (tmp_path / "toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    adapters = lora.LoraConfig(rank=2, alpha=4.0)
+    with jax.enable_x64(True):
+        cfg, base = _small()
+        params = lora.add(jax.random.key(1), base, adapters)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x, params
+        )
+        ev = evals.build(str(tmp_path / "toy.jsonl"), encode, cfg, seq_len=SEQ, rows=4, sharding=_one_device(),
+                         params_of=lambda p: lora.merge(p, adapters))  # fmt: skip
+        got = ev.by_question(ev.scores(params))[0]
+        want, plain = _reference(task, cfg, lora.merge(params, adapters)), _reference(task, cfg, base)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=0)
+    assert max(np.max(np.abs(w - b)) for w, b in zip(want, plain, strict=True)) > 1e-3
+
+
 def test_split_pair_moves_trailing_space_and_splits_the_whole_encoding():
     # a tokenizer that merges a space with the next word: the split follows the whole encoding
     words = {"a cat": [1], "a": [2], "cat": [3], " ": [4], "says": [5], " meow": [6]}

@@ -175,5 +175,12 @@ def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSource, Tokenizer
 
 
 def documents(directory: Path) -> np.ndarray:
-    """End offsets of the documents (after each one's end-of-text) in the stream."""
-    return np.load(directory / DOCUMENTS, allow_pickle=False)
+    """End offsets of the documents (after each one's end-of-text) in the stream; a missing or unreadable
+    file is one line naming the fix."""
+    try:
+        return np.load(directory / DOCUMENTS, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"'{directory / DOCUMENTS}' cannot be read ({type(e).__name__}): prepare '{directory}' again with "
+            f"meshkit data prepare"
+        ) from None

@@ -6,6 +6,7 @@ bad input fails before a byte is written."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +96,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
     plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
     tasks = evals.build(cfg.eval_tasks, data.encode, plain, seq_len=cfg.seq_len, rows=cfg.batch_size,
-                        sharding=trainer.shardings.batch)  # fmt: skip
+                        sharding=trainer.shardings.batch, params_of=functools.partial(family_params, cfg))  # fmt: skip
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
               eval_loss=jax.jit(lambda p, b: family.module.make_loss(plain)(family_params(cfg, p), b)),
               tasks=tasks)  # fmt: skip

@@ -61,7 +61,7 @@ def evaluate(job: Job) -> dict[str, float]:
     ``eval_loss``/``eval_bpb`` their mean weighted by the mixture's weights. With ``--eval-tasks``, each
     task's ``acc/NAME`` and ``acc_norm/NAME`` (:mod:`meshkit.train.evals`)."""
     # --eval-tasks: acc/NAME, acc_norm/NAME
-    tasks = {} if job.tasks is None else job.tasks(family_params(job.cfg, job.trainer.params))
+    tasks = {} if job.tasks is None else job.tasks(job.trainer.params)  # merged inside (evals.build)
     if not job.data.parts:
         return _held_out(job, None) | tasks
     out: dict[str, float] = {}
