@@ -164,7 +164,13 @@ def _step_options(cfg: C.TrainConfig, model: Any, logical_axes: Any) -> dict[str
     family = registry.family_of(model)
     return {"clip_norm": cfg.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
             "units": family.units(model), "rules": family.rules(cfg.parallel.plan_info.pipeline),
-            "trainable": None if C.lora_config(cfg) is None else lora.trainable}  # fmt: skip
+            "trainable": run_trainable(cfg)}  # fmt: skip
+
+
+def run_trainable(cfg: C.TrainConfig) -> Any:
+    """Which leaves the run trains (``Trainer``'s ``trainable=``): a LoRA run its adapters, else None (all);
+    the step and ``load_run``'s optimizer state both ask it."""
+    return None if C.lora_config(cfg) is None else lora.trainable
 
 
 def moe_run(model: Any, cfg: C.TrainConfig) -> bool:

@@ -19,7 +19,7 @@ from meshkit.plans import Trainable
 from meshkit.train import config as C
 from meshkit.train import optim
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.job import family_params, model_config, saved_config
+from meshkit.train.job import family_params, model_config, run_trainable, saved_config
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,8 +50,8 @@ def load_run(run_dir: str | Path) -> TrainedModel:
     adapters = C.lora_config(cfg)
     shapes = jax.eval_shape(lambda: _adapted(module_of(model).init(jax.random.key(0), model), adapters))
     optimizer = optim.optimizer(cfg)
-    if adapters is not None:  # the optimizer state of the adapters alone
-        optimizer = Trainable.of(lora.trainable, shapes).optimizer(optimizer)
+    if (trainable := run_trainable(cfg)) is not None:  # the optimizer state of the trained leaves alone
+        optimizer = Trainable.of(trainable, shapes).optimizer(optimizer)
     opt = jax.eval_shape(optimizer.init, shapes)
     like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), (shapes, opt))
     with Checkpointer(run_dir / "checkpoints") as ckpt:
