@@ -29,7 +29,7 @@ reference:
 
 # --max-worker-restart=0: a worker that crashes ends the run at once, naming its test (xdist's
 # replacement worker can sit idle until CI's limit: pytest-xdist#1328).
-# `make test` is the core tier: every code path, about 20 minutes on 2 cores. `make sweeps` runs the
+# `make test` is the core tier: every code path, 19 minutes on 2 cores (measured). `make sweeps` runs the
 # further configurations of those paths (pytest.mark.sweep); CI runs both (.ci/run).
 test: setup mpi lint reference
 	$(BIN)/python -m pytest -n 2 --max-worker-restart=0 -q --durations=60 -m "not reference and not sweep"
