@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.data.source import DataError
-from meshkit.data.tokenizer_config import CONFIG, SPECIAL_MAP, read_config
+from meshkit.data.tokenizer_config import CONFIG, SPECIAL_MAP, read_config, read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -108,16 +108,6 @@ def _compiled(source: str) -> Any:
         ) from None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise DataError(f"'{path}' is not JSON ({e}): restore it") from None
-    return data if isinstance(data, dict) else {}
-
-
 def _token(value: Any) -> Any:
     """A special token as transformers passes it to a template: a string (an ``AddedToken``'s content)."""
     if isinstance(value, dict) and "content" in value:
@@ -154,14 +144,14 @@ def load_template(directory: str | Path) -> ChatTemplate:
     directory = Path(directory)
     if directory.is_file():
         directory = directory.parent
-    cfg = _read_json(directory / CONFIG)
+    cfg = read_json(directory / CONFIG)
     found = _source(directory, cfg)
     if found is None:
         raise DataError(
             f"'{directory}' has no chat template (neither {TEMPLATE_FILE} nor a chat_template in {CONFIG}): "
             "give --tokenizer a chat model's directory, or rows of plain prompt/completion text"
         )
-    overrides = _read_json(directory / SPECIAL_MAP)
+    overrides = read_json(directory / SPECIAL_MAP)
     variables = {k: _token(overrides.get(k, cfg.get(k))) for k in SPECIAL_KEYS}
     named = read_config(directory)  # the tokenizer class's defaults where the files name none
     variables["eos_token"] = variables["eos_token"] or named.eos_token

@@ -52,7 +52,8 @@ class TokenizerConfig:
     add_eos_token: bool | None = None
 
 
-def _read(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A tokenizer directory's JSON file as a dict ({} where absent); one line naming the fix where it is not one."""
     if not path.is_file():
         return {}
     try:
@@ -82,7 +83,7 @@ def _content(value: Any, key: str, path: Path) -> str | None:
 def read_config(directory: Path) -> TokenizerConfig:
     """The directory's ``tokenizer_config.json`` and ``special_tokens_map.json`` (either may be absent)."""
     cfg_path, map_path = directory / CONFIG, directory / SPECIAL_MAP
-    cfg, overrides = _read(cfg_path), _read(map_path)
+    cfg, overrides = read_json(cfg_path), read_json(map_path)
     cls = cfg.get("tokenizer_class")
     cls = cls.removesuffix("Fast") if isinstance(cls, str) else None
     defaults = CLASS_SPECIALS.get(cls or "", (None, None))
