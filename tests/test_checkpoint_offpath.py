@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit.train import background, checkpoint
 from meshkit.train.checkpoint import CHECKSUMS, Checkpointer, CheckpointError, abstract
+from meshkit.train.checksums import _CHUNK
 
 
 def _tree(value: float, rows: int = 8, *, noise: bool = False):
@@ -168,18 +169,19 @@ def test_on_cpu_the_save_reads_buffers_of_its_own(tmp_path, monkeypatch):
 
 
 def test_digests_are_of_the_files_and_a_changed_byte_past_the_first_chunk_is_caught(tmp_path, capfd):
-    """A 16 MiB array (files longer than the 4 MiB chunks the writer hashes in), saved in the
-    background: each recorded digest is hashlib's of the whole file; a byte changed past the first
-    chunk makes the step unreadable (named), and restoring the latest falls back to step 1."""
+    """A 48 MiB array (6 MiB a device: however orbax groups its shards into files, the largest is
+    longer than the 4 MiB chunks the writer hashes in), saved in the background: each recorded digest
+    is hashlib's of the whole file; a byte changed past the first chunk makes the step unreadable
+    (named), and restoring the latest falls back to step 1."""
     with Checkpointer(tmp_path) as ck:
         ck.save(1, _tree(1.0), {}, {"step": 1}, wait=False)
-        ck.save(2, _tree(2.0, rows=1 << 20, noise=True), {}, {"step": 2}, wait=False)
+        ck.save(2, _tree(2.0, rows=3 << 20, noise=True), {}, {"step": 2}, wait=False)
     files = json.loads((tmp_path / "2" / CHECKSUMS).read_text())["files"]
     for name, (size, digest) in files.items():
         data = (tmp_path / "2" / name).read_bytes()
         assert (len(data), hashlib.sha256(data).hexdigest()) == (size, digest), name
     name, (size, _) = max(files.items(), key=lambda kv: kv[1][0])
-    assert size > 2 * (4 << 20), files
+    assert size > _CHUNK + 12345, files
     with open(tmp_path / "2" / name, "r+b") as f:
         f.seek(size - 12345)
         byte = f.read(1)
@@ -187,7 +189,7 @@ def test_digests_are_of_the_files_and_a_changed_byte_past_the_first_chunk_is_cau
         f.write(bytes([byte[0] ^ 0xFF]))
     with Checkpointer(tmp_path) as ck:
         with pytest.raises(CheckpointError, match=f"{name} does not match its sha256"):
-            ck.restore(2, abstract(_tree(0.0, rows=1 << 20)), {})
+            ck.restore(2, abstract(_tree(0.0, rows=3 << 20)), {})
         _, _, meta = ck.restore(None, abstract(_tree(0.0)), {})
     assert meta == {"step": 1}
     assert "checkpoint step 2" in capfd.readouterr().err
