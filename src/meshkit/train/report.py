@@ -3,7 +3,7 @@ as tables for people and JSON for machines."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +22,25 @@ class PlanReport:
     compiled_memory: MemoryLedger
     replicated: list[tuple[str, str]]
     ledger: CommLedger = field(repr=False)
-    peak: dict | None = None
-    """Measured peak (arguments + temporaries) beside ``meshkit.analysis.peak``'s model, and the
-    layers the plan found in the loss."""
+    peak_of: Callable[[], dict | None] | None = field(default=None, repr=False, compare=False)
+    """What ``peak`` is computed by, on first reading (None: no peak model, as for pipelines)."""
     pipeline: Any = None
     """Pipeline plans: the executed schedule beside the model (``_pipeline.PipelineReport``)."""
     deterministic: dict | None = None
     """Deterministic mode: its micro-shards and its price, bytes into each device per step beside the
     plan's normal collectives (``plans._deterministic.price``)."""
+
+    _peak: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    @property
+    def peak(self) -> dict | None:
+        """Measured peak (arguments + temporaries) beside ``meshkit.plans.peak``'s model, and the
+        layers the plan found in the loss. Computed when first read: the model compiles the loss's
+        forward and backward pass on one device (about as long as the step's own compile), which a
+        caller reading only the communication or the memory formula does not wait for."""
+        if not self._peak:
+            self._peak.append(None if self.peak_of is None else self.peak_of())
+        return self._peak[0]
 
     @property
     def ok(self) -> bool:
