@@ -28,15 +28,17 @@ reference:
 	@bash scripts/reference_env.sh
 
 # --max-worker-restart=0: a worker that crashes ends the run at once, naming its test (xdist's
-# replacement worker can sit idle until CI's limit: pytest-xdist#1328).
-# `make test` is the core tier: every code path, 19 minutes on 2 cores (measured). `make sweeps` runs the
-# further configurations of those paths (pytest.mark.sweep); CI runs both (.ci/run).
+# replacement worker can sit idle until CI's limit: pytest-xdist#1328). --dist worksteal: an idle worker
+# takes tests queued on the other, so neither waits alone at the end.
+# `make test` is the core tier and the transformers references (-m "not sweep" replaces pyproject's
+# -m "not reference"), in one run over both cores. `make sweeps` runs the further configurations of the
+# core's paths (pytest.mark.sweep); CI runs both (.ci/run).
+PYTEST := $(BIN)/python -m pytest -n 2 --dist worksteal --max-worker-restart=0 -q
 test: setup mpi lint reference
-	$(BIN)/python -m pytest -n 2 --max-worker-restart=0 -q --durations=60 -m "not reference and not sweep"
-	$(BIN)/python -m pytest -q -m reference
+	$(PYTEST) --durations=60 -m "not sweep"
 
 sweeps: setup
-	$(BIN)/python -m pytest -n 2 --max-worker-restart=0 -q -m sweep
+	$(PYTEST) -m sweep
 
 # Every recorded step of tests/golden (the suite compiles 20 of the 32; see tests/test_golden_steps.py).
 golden: setup

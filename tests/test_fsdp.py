@@ -31,9 +31,10 @@ CERTS = [
 
 
 # Tiers: each remat policy and form keeps a core certificate (zero3-gpt layer, fsdp-gpt-scan regather,
-# zero2-gpt-scan dots, fsdp+tp, tp-gpt-scan); the scanned zero3 without remat, zero1 (core in
-# test_plans.py) and the loop form's regather sweep.
-SWEEP = {"zero3-gpt-scan-None-none-2", "zero1-gpt-None-layer-1", "zero3-gpt-None-regather-1"}
+# zero2-gpt-scan dots); the scanned zero3 without remat, zero1, fsdp+tp and tp (the last three core in
+# test_plans.py's certificates) and the loop form's regather sweep.
+SWEEP = {"zero3-gpt-scan-None-none-2", "zero1-gpt-None-layer-1", "zero3-gpt-None-regather-1",
+         "fsdp+tp-gpt-data=4,model=2-layer-1", "tp-gpt-scan-model=8-layer-1"}  # fmt: skip
 IDS = ["-".join(map(str, c)) for c in CERTS]
 
 

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from _reference import max_rel, one_device_frozen
+from _tiers import tiered
 from meshkit.models import llama, lora
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import get_plan
@@ -35,7 +36,10 @@ def _adapted(cfg):
     return lora.add(jax.random.key(1), llama.init(jax.random.key(0), cfg), LORA)
 
 
-@pytest.mark.parametrize(("plan", "mesh", "opts"), CASES, ids=[c[0] for c in CASES])
+# Tiers: dp sweeps (the adapters' gradients over data are core under fsdp, fsdp+tp and dp+pp).
+@pytest.mark.parametrize(
+    ("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"fsdp", "fsdp+tp", "dp+pp"})
+)
 def test_lora_under_the_plans_matches_one_device_in_float64(plan, mesh, opts):
     pipeline = get_plan(plan).pipeline
     with jax.enable_x64(True):

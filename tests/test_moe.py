@@ -168,13 +168,14 @@ def _ep_trainer(name, plan, mesh, dtype="float32"):
     )
 
 
-# Tiers: ep (the GPT) and dp+ep (the Llama) are core; the GPT's dp+ep sweeps.
+# Tiers: dp+ep (the Llama) is core; the GPT's ep and dp+ep sweep (the GPT's experts are core beside
+# tensor parallelism in test_axis_combos.py, the ep plan alone in test_moe_dropless.py).
 @pytest.mark.parametrize(
     ("name", "plan", "mesh"),
     tiered(
         EP_CASES,
         [f"{c[0]}-{c[1]}-{c[2]}" for c in EP_CASES],
-        core={"gpt-ep-expert=8", "llama-dp+ep-data=2,expert=4"},
+        core={"llama-dp+ep-data=2,expert=4"},
     ),
 )
 def test_expert_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh):

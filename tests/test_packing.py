@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from _reference import max_rel, one_device
+from _tiers import tiered
 from meshkit.models import gpt, llama
 from meshkit.models.token_loss import BatchError
 from meshkit.plans.placement import vocab_rules
@@ -85,8 +86,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "plan", "mesh", "opts", "fields"), CASES,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])  # fmt: skip
+# Tiers: the ring over context=8 (the ring is core in gpt-dp+cp and beside tensor parallelism in tp+cp) and
+# tp alone (core beside data in fsdp+tp) sweep; every other plan is core.
+@pytest.mark.parametrize(
+    ("name", "plan", "mesh", "opts", "fields"),
+    tiered(CASES, [f"{c[0]}-{c[1]}-{c[2]}" for c in CASES],
+           core={f"{c[0]}-{c[1]}-{c[2]}" for c in CASES} - {"llama-cp-context=8", "llama8-tp-model=8"}),
+)  # fmt: skip
 def test_packed_masked_step_matches_one_device_in_float64(name, plan, mesh, opts, fields):
     with jax.enable_x64(True):
         t = _trainer(name, plan, mesh, **opts)
