@@ -37,7 +37,7 @@ PYTEST := $(BIN)/python -m pytest -n 2 --dist worksteal --max-worker-restart=0 -
 test: setup mpi lint reference
 	$(PYTEST) --durations=60 -m "not sweep"
 
-sweeps: setup
+sweeps: setup reference
 	$(PYTEST) -m sweep
 
 # Every recorded step of tests/golden (the suite compiles 20 of the 32; see tests/test_golden_steps.py).

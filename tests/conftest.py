@@ -60,7 +60,12 @@ def reference_interpreter(name: str) -> str:
     return str(py)
 
 
-@pytest.fixture(scope="session", params=list(REFERENCES))
+# Tiers: each reference test is core against transformers 5.x, the release line users install now, and
+# sweeps against 4.57.6 (CI runs both: `make test`, then `make sweeps`).
+@pytest.fixture(
+    scope="session",
+    params=[pytest.param(n, marks=() if n == "transformers5" else pytest.mark.sweep) for n in REFERENCES],
+)
 def reference_python(request) -> str:
     """The Python of one transformers reference: each test that asks for it runs against each."""
     return reference_interpreter(request.param)

@@ -138,6 +138,7 @@ def test_remat_and_accumulate_under_context_match_one_device_in_float64(name, pl
     assert row.measured_runs == row.model_runs and row.ratio == pytest.approx(1.0, abs=1e-9), str(r)
 
 
+@pytest.mark.sweep  # bf16 compute is core beside a model axis (test_user_models.py) and under fsdp+tp (test_fuzz.py)
 def test_bf16_under_context_is_as_close_to_float32_as_one_device_in_bf16():
     """bf16 compute (float32 parameters) under cp: its distance from one device's float32 run is within
     2x that of one device in bf16 (bf16's own rounding is the noise the split may not exceed), and

@@ -54,6 +54,10 @@ def _same_bits(tmp_path, reference, others):
         assert all(same), f"{name}: {same.count(False)} of {len(same)} leaves differ from {reference}"
 
 
+# Tiers: this file sweeps; the bits of 2 processes beside one process's meshes are core in
+# test_verify_deterministic_mp.py, deterministic mode at XLA's default level in test_deterministic.py's
+# test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts.
+@pytest.mark.sweep
 def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
     outs = _run_all(tmp_path, {
         "2x4": [EXE, "launch", "-n", "2", "--devices-per-process", "4", "--", EXE, *RUN, "--plan", "zero3"],
@@ -64,9 +68,6 @@ def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
     _same_bits(tmp_path, "1x1", ("2x4", "1x8"))
 
 
-# Tiers: deterministic multi-process runs at XLA's default level are core in
-# test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device, deterministic pipelines in
-# test_deterministic.py, 2 processes under launch in test_multiprocess.py; this one sweeps.
 @pytest.mark.sweep
 def test_a_pipeline_on_2_processes_x_4_devices_has_the_bits_of_its_2_stages_alone(tmp_path):
     """dp+pp on stage=2 x data=4 over 2 processes (2 micro-batches per replica) beside stage=2 x data=1 in

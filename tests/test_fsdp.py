@@ -115,7 +115,9 @@ def _temp(model_cfg, remat):
     return t.compiled((tokens, tokens)).memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("scan", [False, True])
+# Tiers: the scanned form is core; the loop form (its zero3 gathers core in test_certificate_per_layer's
+# zero3-gpt layer case) sweeps.
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.sweep), True])
 def test_gathered_parameters_live_one_layer_at_a_time(scan):
     """Doubling the layers adds the whole model's gathered copy to zero3's temporaries without remat,
     and with layer remat adds no more than a small fraction of the added layers' bytes."""

@@ -245,7 +245,8 @@ CERTIFIED = [("gemma2", *p) for p in PLANS if p[-1] is not ALL_TO_ALL] + [
 """Each type under each plan, one context form each."""
 
 
-# Tiers: gemma2-fsdp and gemma3-tp are core, each type once; all-to-all is core in the verify case
+# Tiers: gemma3-tp is core (Gemma 2 is core beside transformers, test_hf_gemma.py, and trained from its
+# checkpoint below); all-to-all is core in the verify case
 # gemma-scan-dp+cp below, the ring's capped blocks in test_attention.py, pipelines of whole periods in
 # test_the_scanned_form_and_whole_periods_of_stages_compute_the_loop_forms_logits[6]; the rest sweep.
 @pytest.mark.parametrize(
@@ -253,7 +254,7 @@ CERTIFIED = [("gemma2", *p) for p in PLANS if p[-1] is not ALL_TO_ALL] + [
     tiered(
         CERTIFIED,
         ids=[f"{c[0]}-{c[1]}" + ("-ring" if c[-1] is RING else "") for c in CERTIFIED],
-        core={"gemma2-fsdp", "gemma3-tp"},
+        core={"gemma3-tp"},
     ),
 )
 def test_gemma_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):

@@ -60,9 +60,7 @@ def _one_device_float64(scan: bool, steps: int):
 # Tiers: the Llama is core under fsdp+tp (its peak too; in a pipeline: Mistral's dp+pp in
 # test_families.py; under zero3: test_deterministic.py's llama-zero3); dp, zero3, dp+tp+pp and zero3's
 # peak sweep (each plan is core with the GPT).
-@pytest.mark.parametrize(
-    ("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"fsdp+tp"})
-)
+@pytest.mark.parametrize(("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"fsdp+tp"}))
 def test_llama_plan_matches_one_device_in_float64_and_its_cost_model(plan, mesh, opts):
     with jax.enable_x64(True):
         t = _trainer(plan, mesh, opts, "float64")

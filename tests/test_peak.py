@@ -33,6 +33,33 @@ def test_report_sets_measured_peak_beside_the_model_and_explains_a_gap():
     assert r.to_json()["peak"] is peak
 
 
+def test_the_peak_is_computed_when_read_under_the_float64_mode_of_its_report(monkeypatch):
+    """A report made in float64 and read after the mode is left, and after the trainer's next step has
+    donated the state it was made from, has the peak of a report read at once; a report whose peak is
+    never read compiles no peak model."""
+    from meshkit.plans import peak as peak_module
+
+    calls = []
+    compiled = peak_module.compiled_activations
+    monkeypatch.setattr(
+        peak_module, "compiled_activations", lambda *a, **k: calls.append(1) or compiled(*a, **k)
+    )
+    with jax.enable_x64(True):
+        x, y = _batch()
+        params = mlp.init(jax.random.key(0), [16, 64, 64, 8])
+        t = Trainer(
+            mlp.loss, jax.tree.map(lambda a: a.astype(np.float64), params), optax.adam(1e-2), plan="zero3"
+        )
+        batch = (x.astype(np.float64), y.astype(np.float64))
+        t.step(batch)
+        unread = t.report(batch)
+        assert unread.communication and calls == []  # nothing compiled for the peak yet
+        later, now = t.report(batch), t.report(batch).peak
+        t.step(batch)
+    assert calls == [1]
+    assert later.peak == now and now["model"]["total"] > 0
+
+
 PEAK_CASES = [(False, "zero3", "layer"), (False, "zero3", "regather"), (True, "dp", "none"),
               (True, "zero3", "none"), (True, "zero3", "layer"), (True, "zero3", "dots")]  # fmt: skip
 

@@ -413,6 +413,21 @@ def _activations(loss_fn: Callable, per: PerLayer, params: Any, extra: Any, form
     return per.measured[memo]
 
 
+def peak_report_later(
+    measured: Any, step: Assembled, params: Any, batch: Any, *, state: Any = None, key: Any = None
+) -> Callable[[], dict]:
+    """``peak_report`` of these arguments, computed when called: what it reads is taken now (abstract
+    values: a Trainer's state is donated to its next step) with the float64 mode in force now."""
+    shapes, state, key = jax.tree.map(abstract, (batch, state, key))
+    x64 = bool(jax.config.jax_enable_x64)
+
+    def later() -> dict:
+        with jax.enable_x64(x64):
+            return peak_report(measured, step, params, shapes, state=state, key=key)
+
+    return later
+
+
 def peak_report(
     measured: Any, step: Assembled, params: Any, batch: Any, *, state: Any = None, key: Any = None
 ) -> dict:

@@ -21,8 +21,7 @@ from meshkit.plans import (
     matmul_rows,
     memory_formula,
 )
-from meshkit.plans._layers import abstract
-from meshkit.plans.peak import peak_report
+from meshkit.plans.peak import peak_report_later
 from meshkit.plans.placement import Placement
 from meshkit.spec import MODEL
 from meshkit.spec.batch import extras
@@ -80,18 +79,17 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         MemoryRow(component="optimizer", measured_bytes=device_bytes(trainer.opt_state), formula_bytes=formula["optimizer"]),
     ]  # fmt: skip
     compiled_memory = memory(compiled)
-    peak_of = None  # the peak model describes the non-pipeline step; a pipeline reports its stash
-    if trainer.pipeline is None:
-        # what the model reads, taken now (the trainer's state is donated to its next step)
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), batch)
-        state, key = jax.tree.map(abstract, (trainer.state, trainer._step_key()))
-        assembled, params = trainer.assembled, trainer._param_shapes
-
-        def peak_of() -> dict:
-            return peak_report(compiled_memory, assembled, params, shapes, state=state, key=key)
-
     return PlanReport(
-        peak_of=peak_of,
+        peak_of=None  # the peak model describes the non-pipeline step; a pipeline reports its stash
+        if trainer.pipeline is not None
+        else peak_report_later(
+            compiled_memory,
+            trainer.assembled,
+            trainer._param_shapes,
+            batch,
+            state=trainer.state,
+            key=trainer._step_key(),
+        ),
         plan=trainer.plan.name,
         mesh={k: int(v) for k, v in trainer.mesh.shape.items()},
         communication=compare_communication(ledger, expected),
