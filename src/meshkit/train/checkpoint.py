@@ -168,17 +168,12 @@ def _quiet_orbax_noise() -> None:
     def hook(unraisable) -> None:
         e = unraisable.exc_value
         closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
-        if not (closed or _orbax_coroutine(unraisable.object)):
+        code = getattr(unraisable.object, "cr_code", None)  # a coroutine of orbax's own code
+        if not (closed or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename)):
             previous(unraisable)
 
     hook.meshkit_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
-
-
-def _orbax_coroutine(obj: Any) -> bool:
-    """Whether ``obj`` is a coroutine of orbax's own code (a read or write it left behind)."""
-    code = getattr(obj, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
 def _warn(message: str) -> None:
