@@ -13,12 +13,12 @@ match wins:
 Where meshkit picks the directory it also caches every program, however fast it compiled (JAX's
 default skips those under a second, which on a CPU is most of a small run), unless
 ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise, and bounds it at ``MAX_SIZE`` unless
-``JAX_COMPILATION_CACHE_MAX_SIZE`` does: JAX then evicts the least recently used programs past it,
-and takes a file lock around each read and write, which processes sharing the cache need (without
-one, a process can read a program another is still writing: a warning, and a compile). The settings
-go into the environment too, so that the processes a command starts (``meshkit launch``'s) share the
-cache. Only the commands call :func:`configure`, before anything compiles: the library
-(``Trainer``...) leaves JAX's configuration to its caller.
+``JAX_COMPILATION_CACHE_MAX_SIZE`` does: JAX then evicts the least recently used programs past it, and
+takes a file lock around each read and write, which processes sharing the cache need (without one, a
+process can read a program another is still writing: a warning, and a compile). The settings go into the environment
+too, so that the processes a command starts (``meshkit launch``'s) share the cache. Only the
+commands call :func:`configure`, before anything compiles: the library (``Trainer``...) leaves JAX's
+configuration to its caller.
 """
 
 from __future__ import annotations
