@@ -22,10 +22,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshkit-tests-jax-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    # A size limit turns on JAX's file lock around each read and write (lru_cache.LRUCache): without
-    # it a worker could read an entry another was still writing ("Error reading persistent
-    # compilation cache entry ... truncated stream", seen under load at a module's import).
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
 
 # The tests' programs are tiny and run a few steps: compiling them is most of the suite's CPU time, and
 # XLA's backend optimisations (LLVM's passes) are most of a compile, so the suite turns them off, as

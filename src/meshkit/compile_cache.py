@@ -12,10 +12,7 @@ match wins:
 
 Where meshkit picks the directory it also caches every program, however fast it compiled (JAX's
 default skips those under a second, which on a CPU is most of a small run), unless
-``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise, and bounds it at ``MAX_SIZE`` unless
-``JAX_COMPILATION_CACHE_MAX_SIZE`` does: JAX then evicts the least recently used programs past it, and
-takes a file lock around each read and write, which processes sharing the cache need (without one, a
-process can read a program another is still writing: a warning, and a compile). The settings go into the environment
+``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise. The settings go into the environment
 too, so that the processes a command starts (``meshkit launch``'s) share the cache. Only the
 commands call :func:`configure`, before anything compiles: the library (``Trainer``...) leaves JAX's
 configuration to its caller.
@@ -34,14 +31,11 @@ ENV = "MESHKIT_COMPILE_CACHE"
 """The environment variable that names the cache directory, or ``off``."""
 OFF = "off"
 
-_DIR, _ENABLE, _MIN_TIME, _MAX = (
+_DIR, _ENABLE, _MIN_TIME = (
     "jax_compilation_cache_dir",
     "jax_enable_compilation_cache",
     "jax_persistent_cache_min_compile_time_secs",
-    "jax_compilation_cache_max_size",
 )
-MAX_SIZE = 8 << 30
-"""Bytes the cache meshkit places may hold (``JAX_COMPILATION_CACHE_MAX_SIZE`` overrides; -1: no limit)."""
 
 
 class CompileCacheError(MeshkitError):
@@ -78,8 +72,6 @@ def configure(choice: str | None = None) -> Path | None:
     settings: dict[str, bool | float | str] = {_ENABLE: True, _DIR: str(where.absolute())}
     if _MIN_TIME.upper() not in os.environ:
         settings[_MIN_TIME] = 0.0
-    if _MAX.upper() not in os.environ:
-        settings[_MAX] = MAX_SIZE
     _apply(settings)
     return where
 
