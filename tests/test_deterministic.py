@@ -72,7 +72,7 @@ def trained(plan, devices, model="gpt", steps=5, **kw):
 # peak's zero3 (micro-shards, partial sums and the gather), verify's column in
 # test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column, meshkit train's in
 # test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts; the other models x
-# plans, schedules, dp's and zero1's peak, two processes at XLA's default level (test_deterministic_mp.py), verify
+# plans, schedules, dp's and zero1's peak, XLA's default level (test_deterministic_mp.py, sweep only), verify
 # on a pipeline and meshkit train on 8 and 2 devices sweep.
 @pytest.mark.parametrize(
     "model, plan",

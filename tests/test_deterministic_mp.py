@@ -55,8 +55,8 @@ def _same_bits(tmp_path, reference, others):
 
 
 # Tiers: this file sweeps; the bits of 2 processes beside one process's meshes are core in
-# test_verify_deterministic_mp.py, deterministic mode at XLA's default level in test_deterministic.py's
-# test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts.
+# test_verify_deterministic_mp.py (at the suite's optimisation level). Deterministic mode at XLA's
+# default level is checked here only, so by `make sweeps` (and CI), not by `make test`.
 @pytest.mark.sweep
 def test_2_processes_x_4_devices_same_bits_as_1_x_8_and_1_device(tmp_path):
     outs = _run_all(tmp_path, {
