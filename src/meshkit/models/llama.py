@@ -268,10 +268,9 @@ def init(key: jax.Array, cfg: LlamaConfig) -> Params:
     """Weights ~ N(0, 0.02²), the residual projections (wo, w_down) scaled by 1/sqrt(2 layers),
     RMSNorm scales ones, biases zeros."""
     k_tok, k_un, k_blocks = jax.random.split(key, 3)
-    blocks = [_init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)]
     out = {
         "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
-        "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *blocks) if cfg.scan_layers else blocks,
+        "blocks": gpt.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
         "norm_f": {"scale": jnp.ones((cfg.width,), cfg.dtype)},
     }
     if not cfg.tie_embeddings:
