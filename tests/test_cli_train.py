@@ -141,6 +141,9 @@ def test_resume_takes_the_runs_config_and_changes_only_what_is_safe(tmp_path, mo
     assert json.loads((latest / "report.json").read_text())["steps"] == 6
 
 
+# Tiers: sweeps; a checkpoint of the other form converted on resume, both ways, is core in
+# test_pipeline.py::test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_schedule.
+@pytest.mark.sweep
 def test_resume_may_switch_the_gpt_form_and_continues_the_same_run(tmp_path, capsys):
     """A checkpoint of the Python-loop GPT resumes under --scan-layers (converted on restore) and the
     run continues as the uninterrupted one does (the two forms agree to float32 rounding)."""

@@ -64,20 +64,19 @@ def _trainer(name, plan, mesh, form, dtype="float32", compute_dtype=None, **opti
     return Trainer(loss, params, optax.adam(1e-2), spec=spec, tokens_per_example=16, units=units)
 
 
-# Tiers: dp+cp's all-to-all (gpt) and the Llama's rotary positions under a split
-# (llama-dp+cp-data=2,context=4-all-to-all) are core; the ring is core with the same checks (one device in
-# float64, ledger = model) in test_axis_combos.py's gpt-tp+cp ring and test_packing.py's gpt-dp+cp ring
-# (its peak here in test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring]); the other meshes
-# and forms, cp's ring over context=8 among them, sweep.
+# Tiers: dp+cp's all-to-all is core on the Llama (llama-dp+cp-data=2,context=4-all-to-all: its rotary
+# positions under a split, its kv heads repeated; kv heads as they are on context=2 in test_fsdp_axes.py's
+# llama-all-to-all); the ring is core with the same checks (one device in float64, ledger = model) in
+# test_axis_combos.py's gpt-tp+cp ring and test_packing.py's gpt-dp+cp ring (its peak here in
+# test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring]); the GPT's all-to-all (the GPT under
+# dp+cp: the ring's gpt-dp+cp-ring-accumulate2 below) and the other meshes and forms, cp's ring over
+# context=8 among them, sweep.
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "form"),
     tiered(
         CASES,
         [f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES],
-        core={
-            "gpt-dp+cp-data=2,context=4-all-to-all",
-            "llama-dp+cp-data=2,context=4-all-to-all",
-        },
+        core={"llama-dp+cp-data=2,context=4-all-to-all"},
     ),
 )
 def test_context_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh, form):
@@ -110,14 +109,15 @@ UNDER = [
 ]
 
 
-# Tiers: remat under a split is core in llama-dp+cp-all-to-all-dots, micro-batches over the ring in
-# gpt-dp+cp-ring-accumulate2; the ring's layer remat sweeps.
+# Tiers: micro-batches over the ring are core in gpt-dp+cp-ring-accumulate2; remat under a split (the
+# all-to-alls recomputed, their ledger = model) is core in test_fsdp_axes.py's llama-all-to-all (layer
+# remat), the dots policy in test_fsdp.py's zero2-gpt-scan-None-dots-2 certificate; both remat cases sweep.
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "form", "options"),
     tiered(
         UNDER,
         ["gpt-dp+cp-ring-layer", "llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"],
-        core={"llama-dp+cp-all-to-all-dots", "gpt-dp+cp-ring-accumulate2"},
+        core={"gpt-dp+cp-ring-accumulate2"},
     ),
 )
 def test_remat_and_accumulate_under_context_match_one_device_in_float64(name, plan, mesh, form, options):

@@ -68,12 +68,13 @@ def trained(plan, devices, model="gpt", steps=5, **kw):
     return t, losses, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
 
 
-# Tiers (this file): the core cases are gpt-dp and llama-zero3 here, dp+pp-1f1b for pipelines, the
-# peak's zero3 (micro-shards, partial sums and the gather), verify's column in
-# test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column, meshkit train's in
+# Tiers (this file): the core cases are gpt-dp and llama-zero3 here, dp+pp-1f1b for pipelines (in
+# test_a_pipeline_has_the_bits_of_dp_on_one_device_on_1_2_and_4_stages: stage=2 x data=4 and stage=4 x
+# data=2 against dp on one device), the peak's zero3 (micro-shards, partial sums and the gather), verify's
+# column in test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column, meshkit train's in
 # test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts; the other models x
-# plans, schedules, dp's and zero1's peak, XLA's default level (test_deterministic_mp.py, sweep only), verify
-# on a pipeline and meshkit train on 8 and 2 devices sweep.
+# plans, schedules, dp+pp-1f1b on data 1, 2 and 4 of 2 stages, dp's and zero1's peak, XLA's default level
+# (test_deterministic_mp.py, sweep only), verify on a pipeline and meshkit train on 8 and 2 devices sweep.
 @pytest.mark.parametrize(
     "model, plan",
     [("gpt", "dp"), pytest.param("gpt", "zero3", marks=pytest.mark.sweep),
@@ -194,7 +195,8 @@ def trained_pipeline(plan, data, schedule="1f1b", virtual_stages=1, steps=5, opt
 
 @pytest.mark.parametrize(
     "plan, schedule, virtual_stages",
-    [("dp+pp", "1f1b", 1), pytest.param("fsdp+pp", "gpipe", 1, marks=pytest.mark.sweep),
+    [pytest.param("dp+pp", "1f1b", 1, marks=pytest.mark.sweep),
+     pytest.param("fsdp+pp", "gpipe", 1, marks=pytest.mark.sweep),
      pytest.param("dp+pp", "interleaved", 2, marks=pytest.mark.sweep)],
 )  # fmt: skip
 def test_a_pipeline_trained_5_steps_has_the_same_bits_on_data_1_2_and_4(plan, schedule, virtual_stages):

@@ -300,10 +300,12 @@ PLANS = [
 QWEN = [(kind, *p) for p in PLANS for kind in ("qwen2", "qwen3")]
 
 
-# Tiers (this file): each Qwen under tp (its biases split, its norms replicated), Qwen2's windows under
-# all-to-all and a pipeline's refusal (windows in the ring's blocks: test_attention.py's scanned windows
-# on cp), Mistral's under a pipeline, and the Mixtral under fsdp+ep are core; the other plans of each
-# family sweep (each plan is core with the GPT and the Llama).
+# Tiers (this file): each Qwen under tp (its biases split, its norms replicated), Mistral's window under a
+# pipeline and the Mixtral under fsdp+ep are core; the other plans of each family sweep (each plan is core
+# with the GPT and the Llama). Qwen2's windows sweep under every plan: a window under all-to-all is core in
+# test_attention.py's test_each_plan_attends_as_one_device_masks_included[dp+cp], in the ring's blocks in
+# its scanned windows on cp, windows that differ by layer and a pipeline's refusal of them in
+# test_llama_window.py (test_layers_of_different_windows_run_in_the_loop_form_and_are_refused_scanned).
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh", "opts", "kv"),
     tiered(QWEN, [f"{c[1]}-{c[0]}" for c in QWEN], core={"tp-qwen2", "tp-qwen3"}),
@@ -345,7 +347,7 @@ WINDOW_CASES = [
     tiered(
         WINDOW_CASES,
         [f"{c[1]}-{c[0]}" for c in WINDOW_CASES],
-        core={"dp+cp-qwen2", "dp+pp-mistral"},
+        core={"dp+pp-mistral"},
     ),
 )
 def test_a_sliding_window_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
@@ -383,6 +385,12 @@ def test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device(plan
     assert cert.ok, str(cert)
 
 
+# Tiers: sweeps: ``--init-from hf:`` of a Llama checkpoint is core in test_llama_cli.py
+# (test_init_from_the_export_starts_from_its_weights), a run from another model type's checkpoint exported
+# as that type in test_gemma.py's gemma2 run, Qwen3's config and weights written and read as qwen3 in
+# test_each_family_reads_its_switches_and_writes_its_own_model_type[qwen3], its training in
+# test_qwen_trains_under_the_plans_as_on_one_device[tp-qwen3].
+@pytest.mark.sweep
 def test_a_run_from_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
     """``--init-from hf:DIR`` with a Qwen3 checkpoint: the run's model is the checkpoint's (qk_norm on,
     its weights), and ``meshkit export`` writes it back as model_type qwen3."""

@@ -34,7 +34,12 @@ def _batch():
     return tokens[:, :-1], tokens[:, 1:]
 
 
-@pytest.mark.parametrize(("plan", "mesh"), [("zero3", "data=8"), ("fsdp+tp", "data=4,model=2")])
+# Tiers: zero3 is core; fsdp+tp sweeps (frozen leaves under fsdp+tp, float64 against one device, are core
+# in test_lora.py's test_lora_under_the_plans_matches_one_device_in_float64[fsdp+tp]: the frozen base).
+@pytest.mark.parametrize(
+    ("plan", "mesh"),
+    [("zero3", "data=8"), pytest.param("fsdp+tp", "data=4,model=2", marks=pytest.mark.sweep)],
+)
 def test_frozen_leaves_stay_put_have_no_state_and_train_the_rest_as_one_device(plan, mesh):
     with jax.enable_x64(True):
         cfg = dataclasses.replace(CFG, dtype="float64")

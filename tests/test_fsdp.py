@@ -130,7 +130,9 @@ def test_gathered_parameters_live_one_layer_at_a_time(scan):
     assert remat <= 0.5 * layer_bytes  # their gradient shards (1/8 each) and inputs, no gathered copy
 
 
-@pytest.mark.parametrize("scan", [False, True])
+# Tiers: the scanned form is core; the loop form sweeps (fsdp+tp's ledger on the loop-form GPT is core in
+# test_plans.py's test_plan_certificate[fsdp+tp-gpt-data=4,model=2-1]).
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.sweep), True])
 def test_fsdp_tp_gathers_each_leaf_over_data_on_its_model_shard(scan):
     """fsdp+tp on data=2,model=4: a leaf split on model by the tensor-parallel rules is also split on
     data (on another dim, never a scan's layer axis), and its data-axis gathers and reduce-scatters

@@ -87,7 +87,9 @@ def _one_device_float64():
         return one_device(w64.loss_fn, w64.params, w64.batch, 2, optax.adam(1e-2))
 
 
-@pytest.mark.parametrize(("plan", "mesh"), tiered(CASES, [c[0] for c in CASES], core={"dp+tp", "fsdp+tp"}))
+# Tiers: dp+tp is core; fsdp+tp and tp sweep (verify's GPT with these rules: float64 equality and the
+# ledger in test_plans.py's test_plan_certificate[fsdp+tp-gpt-data=4,model=2-1] and [tp-gpt-model=8-1]).
+@pytest.mark.parametrize(("plan", "mesh"), tiered(CASES, [c[0] for c in CASES], core={"dp+tp"}))
 def test_gpt_vocab_tp_matches_one_device_in_float64(plan, mesh):
     """The reference GPT (verify.workload: the vocabulary rules) under the plan, 2 Adam steps in
     float64, equals one device to 1e-10; its float32 ledger = the model."""

@@ -57,7 +57,7 @@ def _one_device_float64(scan: bool, steps: int):
     )
 
 
-# Tiers: the Llama is core under fsdp+tp (its peak too; in a pipeline: Mistral's dp+pp in
+# Tiers: the Llama is core under fsdp+tp (in a pipeline: Mistral's dp+pp in
 # test_families.py; under zero3: test_deterministic.py's llama-zero3); dp, zero3, dp+tp+pp and zero3's
 # peak sweep (each plan is core with the GPT).
 @pytest.mark.parametrize(("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"fsdp+tp"}))
@@ -78,11 +78,15 @@ def test_llama_plan_matches_one_device_in_float64_and_its_cost_model(plan, mesh,
         assert rows["all-reduce", "model"].ratio == pytest.approx(1.0, abs=1e-9)
 
 
+# Tiers: both sweep: the Llama's peak is core under fsdp+tp with adapters (test_lora.py's
+# test_lora_ledger_memory_and_peak_match_the_model[fsdp+tp-data=4,model=2], this size) and under
+# fsdp+tp+cp (test_axis_combos.py's
+# test_the_peak_model_holds_for_the_combinations[llama-fsdp+tp+cp-all-to-all]).
 @pytest.mark.parametrize(
     ("plan", "mesh", "remat"),
     [
         pytest.param("zero3", "data=8", "layer", marks=pytest.mark.sweep),
-        ("fsdp+tp", "data=4,model=2", "none"),
+        pytest.param("fsdp+tp", "data=4,model=2", "none", marks=pytest.mark.sweep),
     ],
 )
 def test_llama_peak_is_within_ten_percent_of_the_model(plan, mesh, remat):

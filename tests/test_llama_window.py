@@ -95,10 +95,12 @@ def test_flops_count_the_keys_a_window_lets_a_query_see():
     assert llama.flops_per_token(mixed, 8) == llama.flops_per_token(CFG, 8)
 
 
+# Tiers: some-layers and experts are core; every-layer sweeps (its window of 4 in every layer is the
+# experts case's, and the cache's per-layer mask is some-layers').
 @pytest.mark.parametrize(
     "fields",
     [
-        {"window": 4},
+        pytest.param({"window": 4}, marks=pytest.mark.sweep),
         {"window": 3, "sliding": (False, True, False)},
         {"window": 4, "experts": 4, "capacity_factor": 0.0, "router_renormalize": True},
     ],

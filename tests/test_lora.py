@@ -90,8 +90,15 @@ def test_bad_lora_settings_are_one_line(kwargs, fix):
         lora.add(jax.random.key(0), llama.init(jax.random.key(0), CFG), lora.LoraConfig(**kwargs))
 
 
+# Tiers: zero2 and fsdp+tp are core (the adapters' gradients reduced over data, their state sharded);
+# dp sweeps (dp's ledger is core in test_plans.py and test_golden_steps.py, its peak in test_peak.py).
 @pytest.mark.parametrize(
-    ("plan", "mesh"), [("dp", "data=8"), ("zero2", "data=8"), ("fsdp+tp", "data=4,model=2")]
+    ("plan", "mesh"),
+    [
+        pytest.param("dp", "data=8", marks=pytest.mark.sweep),
+        ("zero2", "data=8"),
+        ("fsdp+tp", "data=4,model=2"),
+    ],
 )
 def test_lora_ledger_memory_and_peak_match_the_model(plan, mesh):
     """The compiled step moves what the model says with only the adapters' gradients (x1.000; over the

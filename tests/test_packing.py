@@ -86,13 +86,18 @@ CASES = [
 ]
 
 
-# Tiers: the ring over context=8 (the ring is core in gpt-dp+cp and beside tensor parallelism in tp+cp) and
-# tp alone (core beside data in fsdp+tp) sweep; every other plan is core.
+# Tiers: the ring over context=8 and beside tensor parallelism (tp+cp: the ring's segments are core in
+# gpt-dp+cp, tp+cp's ring in test_axis_combos.py's gpt-tp+cp-context=4,model=2-ring) and tp alone (core
+# beside data in fsdp+tp) sweep; every other plan is core.
+SWEEP = {"llama-cp-context=8", "llama8-tp-model=8", "llama-tp+cp-context=4,model=2"}
+
+
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "opts", "fields"),
-    tiered(CASES, [f"{c[0]}-{c[1]}-{c[2]}" for c in CASES],
-           core={f"{c[0]}-{c[1]}-{c[2]}" for c in CASES} - {"llama-cp-context=8", "llama8-tp-model=8"}),
-)  # fmt: skip
+    tiered(
+        CASES, [f"{c[0]}-{c[1]}-{c[2]}" for c in CASES], core={f"{c[0]}-{c[1]}-{c[2]}" for c in CASES} - SWEEP
+    ),
+)
 def test_packed_masked_step_matches_one_device_in_float64(name, plan, mesh, opts, fields):
     with jax.enable_x64(True):
         t = _trainer(name, plan, mesh, **opts)

@@ -137,11 +137,15 @@ CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and 
 
 # Tiers: every plan, schedule and remat policy keeps a core layout (a pipeline's zero3 in fsdp+pp, its
 # tp in tp+pp, its remat in dp+pp remat=dots, fsdp+tp's in fsdp+tp remat=layer, the whole accumulator's
-# in dp+tp remat=layer, ZeRO-3's dots in fsdp remat=dots); these seven sweep.
+# in dp+tp remat=layer, ZeRO-3's dots in fsdp remat=dots); these nine sweep: dp+pp 1F1B without remat
+# (dp+pp core in dp+pp remat=dots and interleavedx2, 1F1B in both 1f1b layouts, a pipeline without
+# remat in fsdp+pp, tp+pp and interleavedx2) and zero2 without remat (zero2 core in zero2 remat=layer,
+# no remat in dp and zero1) among them.
 SWEEP = {"fsdp+tp+pp:dp=2,tp=2,pp=2_zero3_mb=1_1f1b_remat=dots", "fsdp+tp+pp:dp=2,tp=2,pp=2_zero3_mb=1_1f1b",
          "dp+tp+pp:dp=2,tp=2,pp=2_mb=1_1f1b", "dp+tp+pp:dp=2,tp=2,pp=2_mb=1_1f1b_remat=layer",
          "fsdp+tp:dp=2,tp=2,pp=1_zero3_mb=1_remat=dots", "dp+tp:dp=2,tp=4,pp=1_mb=1_remat=dots",
-         "fsdp:dp=8,tp=1,pp=1_zero3_mb=1_remat=layer"}  # fmt: skip
+         "fsdp:dp=8,tp=1,pp=1_zero3_mb=1_remat=layer", "dp+pp:dp=2,tp=1,pp=4_mb=1_1f1b",
+         "zero2:dp=8,tp=1,pp=1_zero2_mb=1"}  # fmt: skip
 
 
 def _checked(layout: Layout):

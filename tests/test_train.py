@@ -70,6 +70,10 @@ def test_exact_resume_is_bitwise(tmp_path):
     assert bitwise_equal(resumed.trainer.opt_state, straight.trainer.opt_state)
 
 
+# Tiers: sweeps; a run resumed under another plan is core in test_cli_train.py's
+# test_resume_takes_the_runs_config_and_changes_only_what_is_safe (fsdp -> dp), under another mesh in
+# test_pipeline.py::test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_schedule.
+@pytest.mark.sweep
 def test_restore_onto_another_mesh_and_plan(tmp_path):
     first = prepare(tiny(tmp_path, plan="fsdp", mesh="data=8"))
     first.run_dir.mkdir(parents=True)

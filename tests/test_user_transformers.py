@@ -131,10 +131,14 @@ def _linen_reference():
     return _REF["linen"]
 
 
+# Tiers: the layered case is core (fsdp+tp with the metadata's logical axes, and per-block gathers and
+# remat on top); the plain loss sweeps (the linen MLP's fsdp+tp without hooks: test_adapters.py).
 @pytest.mark.parametrize(
     ("loss", "plan", "mesh", "remat"),
     [
-        (linen_loss, "fsdp+tp", "data=4,model=2", "none"),  # logical axes from the metadata
+        pytest.param(
+            linen_loss, "fsdp+tp", "data=4,model=2", "none", marks=pytest.mark.sweep
+        ),  # logical axes from the metadata
         (linen_layered_loss, "fsdp+tp", "data=4,model=2", "layer"),  # + per-block gathers and remat
     ],
 )
@@ -291,6 +295,10 @@ def test_equinox_bert_layers_through_meshkit_layer_and_tensor_parallel_equal_one
     assert relative_difference(t.params, eqx.filter(model, eqx.is_inexact_array)) <= TOL
 
 
+# Tiers: sweeps: a user's Stages of a framework's modules under a pipeline are core in
+# test_flax_lm1b_transformer_as_pipeline_stages_equals_the_models_own_loop (dp+tp+pp), dp+pp in
+# test_pipeline.py.
+@pytest.mark.sweep
 def test_equinox_bert_layers_as_pipeline_stages_equal_one_device():
     keys = jax.random.split(jax.random.key(1), LAYERS + 2)
     layers = eqx.filter_vmap(TransformerLayer)(keys[:LAYERS])  # Equinox's way to stack identical layers
