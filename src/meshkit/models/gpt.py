@@ -221,12 +221,13 @@ def init(key: jax.Array, cfg: GPTConfig) -> Params:
 
 def layer_blocks(init_block: Callable[[jax.Array], Params], key: jax.Array, layers: int, scan: bool) -> Any:
     """Every layer's block, each from its own key of ``split(key, layers)``: stacked (the scanned form)
-    or a list of per-layer blocks. The block's init is vmapped over the keys (the same numbers as a
-    call per key), so an init program holds one block's draws whatever the depth: a 24-layer GPT's
-    compiled in 0.84 s against 6.2 s for a program per layer (3-4 layers: 10-30% less; the GPT, the
-    Llama and the Gemma share it)."""
-    stacked = jax.vmap(init_block)(jax.random.split(key, layers))
-    return stacked if scan else [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(layers)]
+    or a list of per-layer blocks. The scanned form vmaps the block's init over the keys (the same
+    numbers as a call per key), so its init program holds one block's draws whatever the depth: a
+    24-layer GPT's compiled in 0.84 s against 6.2 s, and its temporaries are lower (8 layers of width
+    512: 168 MB against 176). The loop form calls it per key: its blocks vmapped and then sliced held
+    3.7x the temporaries (384 MB against 105), as every block's draws are one stacked array first."""
+    keys = jax.random.split(key, layers)
+    return jax.vmap(init_block)(keys) if scan else [init_block(k) for k in keys]
 
 
 def blocks_form(tree: Any) -> str:
