@@ -31,7 +31,7 @@ reference:
 # replacement worker can sit idle until CI's limit: pytest-xdist#1328). --dist worksteal: an idle worker
 # takes tests queued on the other, so neither waits alone at the end.
 # `make test` is the core tier with the references against transformers 5.x (-m "not sweep" replaces
-# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 18:17 measured quietly
+# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 17:49 measured quietly
 # (2026-12-06; 39:28 beside `make sweeps`).
 # `make sweeps` runs the further configurations of the core's paths (pytest.mark.sweep); CI runs both
 # (.ci/run).
