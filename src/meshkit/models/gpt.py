@@ -224,8 +224,8 @@ def layer_blocks(init_block: Callable[[jax.Array], Params], key: jax.Array, laye
     or a list of per-layer blocks. The scanned form vmaps the block's init over the keys (the same
     numbers as a call per key), so its init program holds one block's draws whatever the depth: a
     24-layer GPT's compiled in 0.84 s against 6.2 s, and its temporaries are lower (8 layers of width
-    512: 168 MB against 176). The loop form calls it per key: its blocks vmapped and then sliced held
-    3.7x the temporaries (384 MB against 105), as every block's draws are one stacked array first."""
+    512: 168 MB against 176). The loop form calls it once per key: vmapped and then sliced, its blocks
+    would be one stacked array first, 3.7x the temporaries (384 MB against 105)."""
     keys = jax.random.split(key, layers)
     return jax.vmap(init_block)(keys) if scan else [init_block(k) for k in keys]
 
