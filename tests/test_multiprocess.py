@@ -239,13 +239,13 @@ def test_a_process_without_the_jobs_certificate_is_refused(pki):
             assert time.monotonic() < deadline and procs[0].poll() is None, "process 0 never listened"
             time.sleep(0.2)
         for tls in (None, _tls(pki, "outsider", "other-ca")):
-            procs.append(start(1, tls, "8"))
-            out1 = procs[-1].communicate(timeout=limit(2, waits_s=8))  # 2 CPU s in all
+            procs.append(start(1, tls, "3"))
+            out1 = procs[-1].communicate(timeout=limit(2, waits_s=3))  # 2 CPU s in all
             assert procs[-1].returncode == 2, out1
             assert "RESULT" not in out1[0]
             err = out1[1]
             assert err.startswith(
-                f"error: the coordinator at localhost:{port} did not admit process 1 of 2 within 8 s"
+                f"error: the coordinator at localhost:{port} did not admit process 1 of 2 within 3 s"
             ), err
             assert err.count("\n") == 1
             hint = "give this process its certificate" if tls is None else "signed by the job's CA"
