@@ -5,6 +5,7 @@ test goes through the subprocess path with another device count and must measure
 """
 
 import functools
+import re
 from dataclasses import dataclass
 
 import jax
@@ -55,13 +56,33 @@ def test_fsdp_parts_add_up_to_the_arguments():
     assert Measured.from_json(m.to_json()) == m
 
 
+_DEBUG_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_METADATA = re.compile(r', metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+
+
+def _program(hlo: str) -> str:
+    """Optimized HLO text without its debug information (source locations, op names). An executable
+    read from the persistent compilation cache carries the metadata of whichever compile wrote it (the
+    cache key leaves metadata out): another test's, when another test compiled the same program first.
+    Compared with it, the run's order decided the assertion (failed once in a full run at -n 3)."""
+    lines, skipping = [], False
+    for line in hlo.splitlines():
+        if line in _DEBUG_SECTIONS:
+            skipping = True
+        elif skipping and not line:
+            skipping = False
+        elif not skipping:
+            lines.append(_METADATA.sub("", line))
+    return "\n".join(lines)
+
+
 def test_the_measuring_compile_is_the_default_compile_at_lower_llvm_effort():
     """``MEASURE_ONLY`` must not change what is measured: the same optimized HLO, the same memory."""
     from meshkit.planner.compile import MEASURE_ONLY, abstract_gpt_step
 
     lowered = abstract_gpt_step(SHAPE, Layout(dp=2, tp=2, zero=3, remat="layer"), JOB)[0]
     fast, default = lowered.compile(compiler_options=MEASURE_ONLY), lowered.compile()
-    assert fast.as_text() == default.as_text()
+    assert _program(fast.as_text()) == _program(default.as_text())
     a, b = fast.memory_analysis(), default.memory_analysis()
     assert (a.temp_size_in_bytes, a.argument_size_in_bytes) == (
         b.temp_size_in_bytes,
