@@ -82,7 +82,9 @@ def test_the_measuring_compile_is_the_default_compile_at_lower_llvm_effort():
 
     lowered = abstract_gpt_step(SHAPE, Layout(dp=2, tp=2, zero=3, remat="layer"), JOB)[0]
     fast, default = lowered.compile(compiler_options=MEASURE_ONLY), lowered.compile()
-    assert _program(fast.as_text()) == _program(default.as_text())
+    program = _program(default.as_text())
+    assert "ENTRY" in program and " all-gather(" in program  # the program itself is compared, not less
+    assert _program(fast.as_text()) == program
     a, b = fast.memory_analysis(), default.memory_analysis()
     assert (a.temp_size_in_bytes, a.argument_size_in_bytes) == (
         b.temp_size_in_bytes,
