@@ -32,8 +32,9 @@ reference:
 # takes tests queued on the other, so neither waits alone at the end.
 # `make test` is the core tier with the references against transformers 5.x (-m "not sweep" replaces
 # pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 16:56 measured quietly
-# (2026-12-06, 17:49 on another machine; 36:57 beside `make sweeps`). -n 3 was slower (17:22: each
-# worker builds its own fixtures and programs, three compiling against two cores).
+# (2026-12-06, 17:49 on another machine; 36:57 beside `make sweeps`); 20:18 on a later, slower one (the
+# same in-process tests took 1.14x their CPU), 38:23 there beside `make sweeps`. -n 3 was slower (17:22:
+# each worker builds its own fixtures and programs, three compiling against two cores).
 # `make sweeps` runs the further configurations of the core's paths (pytest.mark.sweep); CI runs both
 # (.ci/run).
 PYTEST := $(BIN)/python -m pytest -n 2 --dist worksteal --max-worker-restart=0 -q

@@ -168,7 +168,7 @@ MAPPINGS_HIGH = 30_000
 # programs a file shares), and tracing makes many short-lived container objects, so the default young
 # collections (every 2,000 allocations) and the full ones they cascade into walk that heap again and
 # again. Young collections every 100,000 allocations, the older generations almost never on their own:
-# the cleanup above collects everything when a file ends (or the mappings rise), so nothing waits longer
+# the cleanup below collects everything when a file ends (or the mappings rise), so nothing waits longer
 # than one file. test_plans.py and test_fsdp.py in one process: 91.8 s of CPU against 101.8 s with
 # Python's thresholds (the medians of 4 alternated runs each, 2026-12-06), peak memory 860 MiB against 845.
 # And what the collection built (the test modules, their constants, JAX's own objects: 409,000 objects, a
