@@ -378,7 +378,11 @@ def test_sigkill_of_the_coordinator_stops_the_survivor_at_once():
 # --- Open MPI ---------------------------------------------------------------------------------------
 
 
+# Tiers: sweeps; a job under mpirun, detected as openmpi (2 processes of 4 devices, 8 in all), is core in
+# test_multiprocess.py's test_two_processes_under_mpirun_without_meshkit_environment, this worker's sums
+# across 2 processes of 4 devices in test_launch.py's test_two_processes_of_four_devices_sum_across_processes.
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_mpirun_job_is_detected_as_openmpi(tmp_path):
     mpirun = shutil.which("mpirun")
     if mpirun is None:

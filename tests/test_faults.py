@@ -294,7 +294,11 @@ def test_meshkit_train_on_a_directory_another_run_holds_exits_2(tmp_path, capsys
 # --- a corrupt latest checkpoint ---------------------------------------------------------------------
 
 
+# Tiers: sweeps; one process's fallback past a step its checksums reject is core in test_rundir.py's
+# test_flipped_bytes_in_the_latest_checkpoint_fall_back_to_the_previous_one, garbage of another size (the
+# size check) in test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest below.
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_resume_from_a_corrupt_latest_checkpoint_continues_from_the_previous_one(tmp_path, capsys):
     run = tmp_path / "run"
     args = [
@@ -361,8 +365,16 @@ def test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest(tm
     assert "resuming at step 4" in out and "Traceback" not in out
     resumed = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     loss = lambda rows: [(r["step"], r["loss"]) for r in rows if "loss" in r]  # noqa: E731
+    # each step once: one writer of metrics.jsonl, not two
     assert loss(resumed)[:8] == loss(straight) and [s for s, _ in loss(resumed)] == list(range(1, 13))
     assert [p.name[:2] for p in (run / "checkpoints" / ".unreadable").iterdir()] == ["8-"]
+    # the job writes once (test_multiprocess.py's test_meshkit_train_under_launch_writes_once, a sweep,
+    # checks it on a run of its own): process 0 alone prints the summary and writes the job's report
+    assert "[0] " in proc.stdout and "Run summary" in proc.stdout
+    assert "Run summary" not in "".join(x for x in proc.stdout.splitlines(True) if x.startswith("[1] "))
+    report = json.loads((run / "report.json").read_text())
+    assert (report["processes"], report["devices"], report["mesh"]) == (2, 8, {"data": 8})
+    assert report["checks_ok"] and report["final_loss"] < report["initial_loss"]
 
 
 def test_a_restart_resumes_a_named_run_directory_only_when_it_holds_a_checkpoint(tmp_path, monkeypatch):

@@ -62,7 +62,10 @@ def check(res: dict[int, dict], plan: str, ckpt: Path, source: str) -> None:
     )
 
 
-@pytest.mark.parametrize("plan", ["fsdp"])  # dp: under mutual TLS below, the same checks on one job
+# Tiers: sweeps (dp: under mutual TLS below, the same checks on one job); fsdp on 2 processes is core in
+# test_two_processes_under_mpirun_without_meshkit_environment, launch() with these checks in
+# test_two_processes_with_mutual_tls_match_one_process.
+@pytest.mark.parametrize("plan", [pytest.param("fsdp", marks=pytest.mark.sweep)])
 def test_two_processes_under_meshkit_launch_match_one_process(tmp_path, plan):
     out = io.StringIO()
     cmd = [sys.executable, WORKER, plan, str(tmp_path / "ckpt"), str(tmp_path)]
@@ -96,6 +99,9 @@ def test_two_processes_under_mpirun_without_meshkit_environment(tmp_path):
     check(results(tmp_path), "fsdp", tmp_path / "ckpt", "openmpi")
 
 
+# Tiers: sweeps; the same assertions, on the resumed 2-process zero3 job of test_faults.py's
+# test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest, are core.
+@pytest.mark.sweep
 def test_meshkit_train_under_launch_writes_once(tmp_path):
     run = tmp_path / "run"
     exe = str(Path(sys.executable).parent / "meshkit")
@@ -127,6 +133,10 @@ def test_meshkit_train_under_launch_writes_once(tmp_path):
     assert [r["step"] for r in steps if "loss" in r] == list(range(1, 13))  # one writer, not two
 
 
+# Tiers: sweeps; a SIGKILLed peer named by the survivor is core in test_distributed.py's
+# test_sigkill_mid_collective_survivor_names_the_lost_process (fail_fast, which meshkit train runs under in
+# a job), meshkit train's job losing a peer in test_signals.py's stalled-rank test.
+@pytest.mark.sweep
 def test_a_killed_process_ends_the_survivor_with_its_name(tmp_path):
     from meshkit import distributed
     from meshkit.launch import free_port
