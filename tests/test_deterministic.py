@@ -126,7 +126,9 @@ def test_a_batch_that_does_not_cut_into_the_shards_is_refused():
 
 
 def test_report_sets_the_measured_gather_beside_the_deterministic_model():
-    t, _, _ = trained("zero3", 4)
+    # the Llama's zero3 run on 4 devices of test_5_steps_bitwise_on_1_2_4_and_8_devices[llama-zero3] (core),
+    # read, not trained again
+    t, _, _ = trained("zero3", 4, "llama")
     report = t.report(batches(1)[0])
     det = report.to_json()["deterministic"]
     assert (det["shards"], det["shards_per_device"]) == (8, 2)

@@ -151,9 +151,10 @@ def test_sharded_gradient_accumulator_of_zero2_and_zero3_is_in_the_model(plan, r
     a sharded accumulator that lives through the micro-batch loop and is updated after it. Under
     zero3 that is every layer's gradient shard at once, where one micro-batch updates each layer's
     shards as they arrive (the model counted one layer's and was at 1.12)."""
-    st, one = _gpt_step(False, plan, remat, accumulate=2), _gpt_step(False, plan, remat)
+    st = _gpt_step(False, plan, remat, accumulate=2)
     assert 0.9 <= st.measured_peak / st.predict().total <= 1.1
     if plan == "zero3":  # the accumulator costs more than halving the micro-batch saves
+        one = _gpt_step(False, plan, remat)  # compiled for the comparison only (zero2 makes none)
         assert st.measured_peak > one.measured_peak
         assert st.predict().total > one.predict().total
 

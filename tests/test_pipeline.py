@@ -2,6 +2,7 @@
 one device (float64, and NumPy for a user model), the Trainer's plans, validation and the ledger."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -136,9 +137,11 @@ def _max_diff(a, b):
     )
 
 
+@functools.cache
 def _float64_gpt():
     """(config, parameters, batch, loss, gradients) of the float64 GPT on one device, jitted (one
-    compile, not one per op); call under ``jax.enable_x64``."""
+    compile, not one per op); call under ``jax.enable_x64``. Made once for the tests that compare with
+    it (its arrays are read, never donated)."""
     cfg = dataclasses.replace(CFG, dtype="float64")
     params = gpt.init(jax.random.key(0), cfg)
     batch = _tokens()
@@ -285,20 +288,29 @@ def test_stages_of_a_period_run_whole_periods_per_stage_and_refuse_parts_of_one(
 # -- the Trainer -----------------------------------------------------------------------------------
 
 
-def _one_device_adam(params, batch, steps):
-    """``steps`` Adam steps (lr 1e-2) of the GPT on one device: the Trainer tests' reference,
-    jitted (one compile, not one per op)."""
+def _one_device_adam(steps):
+    """``steps`` Adam steps (lr 1e-2) of the GPT (``gpt.init`` of key 0) on ``_tokens()`` on one device:
+    the Trainer tests' reference."""
+    return _one_device_adam_run()[steps]
+
+
+@functools.cache
+def _one_device_adam_run(most=3):
+    """The parameters after 0, 1, ..., ``most`` Adam steps of ``_one_device_adam``'s run, made once for
+    the Trainer tests (jitted: one compile, not one per op)."""
     opt = optax.adam(1e-2)
+    params, batch = gpt.init(jax.random.key(0), CFG), _tokens()
 
     @jax.jit
     def step(p, s):
         updates, s = opt.update(jax.grad(gpt.make_loss(CFG))(p, batch), s, p)
         return optax.apply_updates(p, updates), s
 
-    state = opt.init(params)
-    for _ in range(steps):
+    state, out = opt.init(params), [params]
+    for _ in range(most):
         params, state = step(params, state)
-    return params
+        out.append(params)
+    return out
 
 
 def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_schedule(tmp_path):
@@ -311,7 +323,7 @@ def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_s
     t = meshkit.Trainer(gpt.stages(CFG), params, optax.adam(1e-2), **kwargs)
     for _ in range(3):
         t.step(batch)
-    assert _max_diff(t.params, _one_device_adam(params, batch, 3)) < 1e-5
+    assert _max_diff(t.params, _one_device_adam(3)) < 1e-5
     assert tuple(t.params["blocks"]["attn"]["wq"].sharding.spec) == ("stage", None, "model")
     assert t.params["tok_embed"].sharding.is_fully_replicated
 
@@ -354,7 +366,7 @@ def test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model(plan, mesh, 
                         remat=remat, logical_axes=gpt.logical_axes(params))  # fmt: skip
     for _ in range(2):
         t.step(batch)
-    assert _max_diff(t.params, _one_device_adam(params, batch, 2)) < 1e-5
+    assert _max_diff(t.params, _one_device_adam(2)) < 1e-5
     r = t.report(batch)
     assert r.ok and all(c.ratio == 1.0 for c in r.communication), str(r)
     axis = "data" if plan == "fsdp+pp" else "model"
