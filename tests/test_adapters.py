@@ -321,9 +321,12 @@ FRAMEWORK_PLANS = [(f, k, plan, mesh) for f, k in CASES for plan, mesh in PLANS
                    if f == "equinox" or plan not in SUBSUMED]  # fmt: skip
 
 
-# Tiers: each framework's MLP under dp, zero3 and fsdp+tp and the NNX LM under fsdp+tp (sharded leaves
-# with tensor-parallel rules: dp's and zero3's paths and more) are core. The Equinox MLP's zero1 and dp+tp
-# sweep (the paths of its zero3 and fsdp+tp, as above; zero1 also runs in test_examples_run[equinox_mlp]).
+# Tiers: each framework's MLP under zero3 and fsdp+tp and the NNX LM under fsdp+tp (sharded leaves
+# with tensor-parallel rules: dp's and zero3's paths and more) are core. The MLPs under dp sweep: each
+# adapter's leaves and state are core under zero3 and fsdp+tp here, dp's replicated leaves with a carried
+# BatchNorm state as one device's in test_batchnorm.py's test_resnet_batchnorm_equals_one_device[dp-plain]
+# (Linen). The Equinox MLP's zero1 and dp+tp sweep (the paths of its zero3 and fsdp+tp, as above; zero1
+# also runs in test_examples_run[equinox_mlp]).
 # The LMs under the other plans sweep, and so do the Linen and Equinox LMs under fsdp+tp: their attention
 # layers under fsdp+tp are core in test_user_transformers.py (lm1b's nn.MultiHeadDotProductAttention from
 # its metadata, layered case; the BERT layers' eqx.nn.MultiheadAttention by path rules), dropout under tp
@@ -339,7 +342,8 @@ FRAMEWORK_IDS = ["-".join(c) for c in FRAMEWORK_PLANS]
         core={
             i
             for i, c in zip(FRAMEWORK_IDS, FRAMEWORK_PLANS, strict=True)
-            if (c[1] == "mlp" and c[2] not in SUBSUMED) or (c[0], c[1], c[2]) == ("nnx", "lm", "fsdp+tp")
+            if (c[1] == "mlp" and c[2] not in SUBSUMED | {"dp"})
+            or (c[0], c[1], c[2]) == ("nnx", "lm", "fsdp+tp")
         },
     ),
 )

@@ -161,8 +161,15 @@ def test_a_model_made_to_prefer_one_token_answers_where_it_is_gold():
     assert _eval((task,), cfg, _one_device())(params) == {"acc/prefer": 0.75, "acc_norm/prefer": 0.75}
 
 
+# Tiers: fsdp+tp (parameters split over data and model) and dp+pp are core; fsdp (split over data alone,
+# the batch over data as fsdp+tp's) sweeps.
 @pytest.mark.parametrize(
-    ("plan", "mesh"), [("fsdp", "data=8"), ("fsdp+tp", "data=4,model=2"), ("dp+pp", "stage=2,data=4")]
+    ("plan", "mesh"),
+    [
+        pytest.param("fsdp", "data=8", marks=pytest.mark.sweep),
+        ("fsdp+tp", "data=4,model=2"),
+        ("dp+pp", "stage=2,data=4"),
+    ],
 )
 def test_scores_under_a_sharded_plan_equal_one_device(plan, mesh):
     """The parameters where the plan puts them (a pipeline's: the blocks stacked, split over the stages)."""

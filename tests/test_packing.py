@@ -87,8 +87,8 @@ CASES = [
 
 
 # Tiers: the ring over context=8 and beside tensor parallelism (tp+cp: the ring's segments are core in
-# gpt-dp+cp, tp+cp's ring in test_axis_combos.py's gpt-tp+cp-context=4,model=2-ring) and tp alone (core
-# beside data in fsdp+tp) sweep; every other plan is core.
+# gpt-dp+cp, tp+cp's ring in test_axis_combos.py's meshkit verify --plan cp+tp certificate, context=4,model=2)
+# and tp alone (core beside data in fsdp+tp) sweep; every other plan is core.
 SWEEP = {"llama-cp-context=8", "llama8-tp-model=8", "llama-tp+cp-context=4,model=2"}
 
 
