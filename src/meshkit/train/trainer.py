@@ -160,7 +160,7 @@ class Trainer:
         sh = self.shardings
         # A fresh copy: steps donate their inputs, and device_put may hand back the caller's buffers.
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=(sh.params, sh.state))
-        self.params, self.state = copy(_to_host_if_other_mesh((params, state), self.mesh))
+        self.params, self.state = copy(_to_host_if_off_mesh((params, state), self.mesh))
         self.opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(self.params)
 
     # -- what was built ---------------------------------------------------------------------
@@ -225,7 +225,7 @@ class Trainer:
             raise PlanError("every batch array needs the same leading (examples) dim")
         self.check_examples(n)
         return jax.tree.map(
-            lambda a: a if isinstance(a, jax.Array) and a.sharding == self.shardings.batch else jax.device_put(_host_if_other_mesh(a, self.mesh), self.shardings.batch),
+            lambda a: a if isinstance(a, jax.Array) and a.sharding == self.shardings.batch else jax.device_put(_host_if_off_mesh(a, self.mesh), self.shardings.batch),
             batch,
         )  # fmt: skip
 
@@ -366,7 +366,7 @@ def _is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _host_if_other_mesh(a: Any, mesh: Mesh) -> Any:
+def _host_if_off_mesh(a: Any, mesh: Mesh) -> Any:
     """An array laid out on another mesh (e.g. the user's Explicit one) is brought to the host first, and so
     is one on a single CPU device (where ``init`` leaves a model's parameters, and the host is the device: no
     transfer). Spread over the mesh from one device, JAX compiles a slicing program per shape (0.07 s of
@@ -383,5 +383,5 @@ def _host_if_other_mesh(a: Any, mesh: Mesh) -> Any:
     return a
 
 
-def _to_host_if_other_mesh(tree: Any, mesh: Mesh) -> Any:
-    return jax.tree.map(lambda a: _host_if_other_mesh(a, mesh), tree)
+def _to_host_if_off_mesh(tree: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda a: _host_if_off_mesh(a, mesh), tree)
