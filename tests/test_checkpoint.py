@@ -246,8 +246,8 @@ def test_unreadable_steps_given_or_all_are_one_line_errors(tmp_path, capsys):
 
 
 def test_flipped_bytes_are_named_by_their_checksum(tmp_path):
-    """Bytes changed in place are caught by the checksums, naming the file; a step saved before
-    checksums existed (no checksum file) is read unchecked."""
+    """Bytes changed in place are caught by the checksums, naming the file; a step whose checksum file
+    was deleted is unreadable, not read unchecked."""
     params, opt_state = _state()
     with Checkpointer(tmp_path) as ck:
         ck.save(1, params, opt_state, {"step": 1})
@@ -256,8 +256,11 @@ def test_flipped_bytes_are_named_by_their_checksum(tmp_path):
     on_disk = {str(f.relative_to(tmp_path / "1")) for f in (tmp_path / "1").glob("*/**/*") if f.is_file()}
     assert set(listed) == on_disk and any("/d/" in name for name in listed)  # every file of every item
     (tmp_path / "1" / CHECKSUMS).unlink()
-    with Checkpointer(tmp_path) as ck:
-        assert ck.restore(1, abstract(params), abstract(opt_state))[2] == {"step": 1}
+    with Checkpointer(tmp_path) as ck, pytest.raises(CheckpointError) as e:
+        ck.restore(1, abstract(params), abstract(opt_state))
+    assert str(e.value) == (
+        f"step 1 in '{tmp_path}' cannot be read: its {CHECKSUMS} is missing (every step meshkit saves has one)"
+    )
     victim = _largest_array_file(tmp_path / "2")
     _flip(victim)
     with Checkpointer(tmp_path) as ck, pytest.raises(CheckpointError) as e:

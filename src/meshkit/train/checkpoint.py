@@ -23,8 +23,8 @@ anything, so opening a directory that a live run is writing cannot destroy that 
 
 Before the rename, the sha256 and size of every file of the step go into ``<step>/meshkit-checksums.json``;
 a restore checks them first, so a file changed on disk (flipped bytes that keep its size included)
-makes the step unreadable instead of training on garbage. Steps saved before checksums existed are
-read without the check.
+makes the step unreadable instead of training on garbage. A step without the file is unreadable too:
+every step meshkit saves has one, so its absence means the step was changed since.
 
 A save that fails (disk full, file-size limit, permission denied) raises one line naming the
 directory and its free space, and leaves the earlier steps as they were. Restoring the latest step

@@ -62,15 +62,16 @@ def _checker(name: str, processes: int) -> int:
 
 def check_checksums(step_dir: Path, *, process: int = 0, processes: int = 1) -> None:
     """Check the files of ``step_dir`` that ``process`` (of ``processes``) checks against the step's
-    checksums; raise :class:`Unreadable` naming the first that differs. A step without checksums
-    (saved before meshkit wrote them) passes unchecked."""
+    checksums; raise :class:`Unreadable` naming the first that differs. Every step meshkit saves has
+    its checksums: a step without them (the file deleted, or a step meshkit did not write) is unreadable,
+    never read unchecked."""
     try:
         manifest = json.loads((step_dir / CHECKSUMS).read_text())
         files = manifest["files"]
         if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
             raise ValueError(manifest.get("algorithm"))
     except FileNotFoundError:
-        return
+        raise Unreadable(f"its {CHECKSUMS} is missing (every step meshkit saves has one)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise Unreadable(f"its {CHECKSUMS} is damaged ({gist(e, 80)})") from None
     for name, (size, digest) in sorted(files.items()):
