@@ -120,6 +120,35 @@ def test_held_out_loss_is_per_learnt_target_and_a_batch_with_none_counts_nothing
     assert loop.evaluate(job)["eval_loss"] == pytest.approx(want, rel=1e-6) and want > 0
 
 
+def test_a_non_finite_loss_stops_the_run_before_it_saves(job, tmp_path, monkeypatch):
+    """A run that starts from a nan weight (a checkpoint's, a config's eps) stops at its first step with
+    one line, saving nothing; a later step's names the learning rate. report.json and metrics rows write
+    a number that is not finite as null (strict JSON), never NaN."""
+    import jax
+    from rich.console import Console
+
+    from meshkit.fmt import to_json
+
+    t = job.trainer
+    monkeypatch.setattr(t, "params", jax.tree.map(lambda p: p * np.nan, t.params))
+    for name, value in [("run_dir", tmp_path), ("step", 0), ("history", [])]:
+        monkeypatch.setattr(job, name, value)
+    with pytest.raises(loop.DivergedError) as e:
+        loop.train(job, Console(quiet=True))
+    assert str(e.value) == (
+        "step 1: the loss is nan and the gradient norm nan: training stopped before saving this step (nothing "
+        "was saved): check the weights and config of the random init and the data"
+    )
+    assert not list((tmp_path / "checkpoints").glob("*")) and job.step == 1
+    job.history.append({"loss": 2.0})  # a later step: the training diverged
+    with pytest.raises(loop.DivergedError, match=r"^step 1: .*: lower --lr \(now 0.003\), or check the data"):
+        loop.check_finite(job, {"loss": 1.0, "grad_norm": float("inf")}, None)
+    assert json.loads(to_json({"eval_loss": float("nan"), "x": [float("-inf"), 1.5]})) == {
+        "eval_loss": None,
+        "x": [None, 1.5],
+    }
+
+
 def test_trained_tokens_counts_the_global_mask_from_any_rows():
     rng = np.random.default_rng(1)
     mask = (rng.random((8, 16)) < 0.3).astype(np.float32)
@@ -170,6 +199,38 @@ def test_cli_refuses_sft_under_a_pipeline_in_one_line(tmp_path, capsys):
 
 
 LLAMA3 = Path(__file__).parent / "corpus" / "chat_templates" / "llama3"
+
+
+def test_a_run_that_would_learn_nothing_is_refused(tmp_path):
+    """Every conversation cut before its answer by --seq-len, or none with an answer to learn (a template
+    that renders no assistant turn): one line naming the fix, not a run of 0-token steps ending in 0."""
+    from meshkit.data import load
+
+    rows = [{"messages": [{"role": "user", "content": "Say the numbers from one to ten, please"},
+                          {"role": "assistant", "content": "1 2 3"}]} for _ in range(6)]  # fmt: skip
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    prepare_data([str(src)], tmp_path / "chat", tokenizer=str(LLAMA3), chat=True)
+    data = load(str(tmp_path / "chat"))
+    cfg = C.tiny().replace(task="sft", data=str(tmp_path / "chat"))
+    with pytest.raises(tasks.TaskError) as e:
+        tasks.check_learns(cfg.replace(seq_len=8), data.batches(seq_len=8, global_batch=2, seed=0))
+    first = int(re.search(r"use --seq-len (\d+) or more", str(e.value)).group(1))
+    assert str(e.value).startswith(
+        f"--seq-len 8 cuts every conversation in {tmp_path / 'chat'} before its answer"
+    )
+    tasks.check_learns(
+        cfg, data.batches(seq_len=first, global_batch=2, seed=0)
+    )  # the first answer token fits
+    with pytest.raises(tasks.TaskError, match="--seq-len"):
+        tasks.check_learns(cfg, data.batches(seq_len=first - 1, global_batch=2, seed=0))
+    batches = data.batches(seq_len=64, global_batch=2, seed=0)
+    masks = batches.packing.source.masks
+    batches.packing.source.masks = type("None", (), {"read": lambda self, a, b: np.zeros(b - a, np.uint8)})()
+    with pytest.raises(tasks.TaskError, match="has a token to learn: its chat template renders no assistant"):
+        tasks.check_learns(cfg, batches)
+    batches.packing.source.masks = masks
+    tasks.check_learns(cfg, batches)
 
 
 def test_meshkit_train_task_sft_on_prepared_conversations(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from rich.table import Table
@@ -30,3 +32,21 @@ def table(title: str, columns: list[str], rows: list[list[Any]], justify_right: 
     for r in rows:
         t.add_row(*[str(x) for x in r])
     return t
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite (nan, inf) replaced by None, through dicts, lists
+    and tuples: JSON has no such numbers (``json.dumps`` would write ``NaN``, which JSON readers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_json(value: Any, **options: Any) -> str:
+    """JSON for machines (report.json, metrics rows, ``--json`` output): a number that is not finite is
+    written as null, never as the ``NaN`` that strict JSON readers refuse."""
+    return json.dumps(finite(value), allow_nan=False, **options)

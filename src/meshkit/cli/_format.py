@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 from rich.console import Console
 
-from meshkit.fmt import fmt_bytes, table
+from meshkit.fmt import fmt_bytes, table, to_json
 
 console = Console(width=None if sys.stdout.isatty() else 132)
 
 
 def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.write(to_json(data, indent=2, default=str) + "\n")
 
 
 _TOP = 10

@@ -28,7 +28,7 @@ from meshkit.train import evals, optim
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
-from meshkit.train.task import batch_options, check_data
+from meshkit.train.task import batch_options, check_data, check_learns
 from meshkit.train.trainer import Trainer
 
 
@@ -93,6 +93,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
                        experts=model.experts, form=cfg.parallel.context_attention)  # fmt: skip
     batches = data.batches(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS,
                            rows=process_rows(trainer.shardings.batch, cfg.batch_size), **batch_options(cfg))  # fmt: skip
+    check_learns(cfg, batches)
     # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
     plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
     tasks = evals.build(cfg.eval_tasks, data.encode, plain, seq_len=cfg.seq_len, rows=cfg.batch_size,

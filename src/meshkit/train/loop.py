@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
+import math
 import os
 import signal
 import sys
@@ -29,9 +29,11 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from meshkit._errors import MeshkitError
 from meshkit.data import global_batch, process_rows
 from meshkit.data.mixture import realised
 from meshkit.devices import host
+from meshkit.fmt import to_json
 from meshkit.models import module_of, num_params
 from meshkit.planner.hardware import peak_flops
 from meshkit.spec.batch import extras
@@ -146,6 +148,7 @@ def train(
             while (signum := stop.agreed()) is None and job.step < last:  # every process, every step
                 profiler.before(job.step + 1, job.step)
                 row = _one_step(job, float(lr(job.step)))
+                check_finite(job, row, ckpt)
                 profiler.after(job.step)
                 _log(job, row)
                 bar.update(
@@ -208,6 +211,32 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
         row["router_aux"] = float(metrics["router_aux"])
     job.history.append(row)
     return row
+
+
+class DivergedError(MeshkitError):
+    """A step's loss or gradient norm is not finite: the run stops there, before it saves that step."""
+
+
+def check_finite(job: Job, row: dict[str, Any], ckpt: Checkpointer | None) -> None:
+    """Stop the run at a step whose loss or gradient norm is nan or infinite: the parameters it made are
+    not saved (nor exported), so the last checkpoint stays the last good step. Every process sees the
+    same global loss and norm, so all stop at the same step."""
+    loss, norm = row["loss"], row["grad_norm"]
+    if math.isfinite(loss) and math.isfinite(norm):
+        return
+    cfg = job.cfg
+    saved = None if ckpt is None else ckpt.in_flight() or ckpt.latest_step()
+    kept = f"the last checkpoint is step {saved}" if saved else "nothing was saved"
+    if len(job.history) == 1 and job.step == 1:  # the very first step: the start, not the training, is wrong
+        start = f"the checkpoint {cfg.init_from[len(C.HF_PREFIX) :]}" if cfg.init_from else "the random init"
+        fix = f"check the weights and config of {start} and the data"
+    else:
+        fix = f"lower --lr (now {cfg.lr:g})" + ("" if cfg.clip else ", clip gradients (--clip 1.0)")
+        fix += ", or check the data at this step"
+    raise DivergedError(
+        f"step {job.step}: the loss is {loss:.6g} and the gradient norm {norm:.6g}: training stopped before "
+        f"saving this step ({kept}): {fix}"
+    )
 
 
 def _utilisation(job: Job) -> tuple[int, float | None, str]:
@@ -416,7 +445,7 @@ def finish(job: Job, console: Console, profile: dict[str, Any] | None = None) ->
     if problems:
         out["report_problems"] = list(problems)
     if job.writer:
-        write_atomic(job.run_dir / "report.json", json.dumps(out, indent=2))
+        write_atomic(job.run_dir / "report.json", to_json(out, indent=2))
     if plots is not None:
         _attempt("the summary table", problems, plots.summary, out, job.run_dir, console)
     if profile is not None and "error" not in profile:
@@ -473,7 +502,7 @@ def run(
             rows = read_rows(job.run_dir / METRICS_NAME, warn=False)
             write_atomic(
                 job.run_dir / METRICS_NAME,
-                "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= job.step),
+                "".join(to_json(r) + "\n" for r in rows if r["step"] <= job.step),
             )
     n = job.trainer.num_devices
     console.print(

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshkit.fmt import to_json
 from meshkit.train.config import ConfigError
 from meshkit.train.lock import RunDirError, file_kind, free_space, make_run_dir
 
@@ -170,7 +171,7 @@ class MetricsLog:
             raise
 
     def write(self, row: dict[str, Any]) -> None:
-        data = (json.dumps(row) + "\n").encode()
+        data = (to_json(row) + "\n").encode()
         assert self._fd is not None, "write after close"
         size = os.fstat(self._fd).st_size
         try:

@@ -11,7 +11,6 @@ collective, exposed communication and achieved bandwidth, as JSON (``report.json
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from rich.table import Table
 
 from meshkit.analysis import communication
 from meshkit.analysis.trace import TraceSummary, find_trace, summarize
-from meshkit.fmt import fmt_bytes, table
+from meshkit.fmt import fmt_bytes, table, to_json
 from meshkit.train.config import ConfigError
 from meshkit.train.lock import write_atomic
 
@@ -124,7 +123,7 @@ class StepProfiler:
             self.console.print(
                 f"[yellow]warning:[/] the profile failed ({self.summary['error']})", soft_wrap=True
             )
-        write_atomic(self.tracing.directory / SUMMARY_NAME, json.dumps(self.summary, indent=2))
+        write_atomic(self.tracing.directory / SUMMARY_NAME, to_json(self.summary, indent=2))
 
 
 def summary_table(summary: dict[str, Any]) -> Table:

@@ -71,6 +71,37 @@ def check_data(cfg: Any, data: Any) -> None:
         )
 
 
+def check_learns(cfg: Any, batches: Any) -> None:
+    """Refuse a fine-tuning run whose rows hold no target to learn (every step would train on 0 tokens,
+    its loss 0.0, and the run would end as a success having learnt nothing): every conversation's
+    answer cut off by ``--seq-len``, or none with an answer at all (a template that never renders the
+    assistant's turn). Stops at the first conversation that has one, so a run that can learn pays for
+    one read."""
+    packing = batches.packing
+    if packing is None:
+        return
+    import numpy as np  # here: see trained_tokens
+
+    source, first = packing.source, None
+    for d in range(source.documents):
+        start, cut = int(source.starts[d]), int(packing.lengths[d])
+        mask = source.masks.read(start, int(source.ends[d]))
+        if mask[1:cut].any():  # a document's first id is never a target
+            return
+        learnt = np.flatnonzero(mask[1:])
+        if len(learnt) and (first is None or learnt[0] < first):
+            first = int(learnt[0])
+    if first is None:
+        raise TaskError(
+            f"no conversation in {cfg.data} has a token to learn: its chat template renders no assistant "
+            f"turn to learn from; prepare it again with a template that does (meshkit data prepare --chat)"
+        )
+    raise TaskError(
+        f"--seq-len {cfg.seq_len} cuts every conversation in {cfg.data} before its answer: nothing would "
+        f"be learnt; use --seq-len {first + 1} or more (the shortest prompt before an answer is {first + 1} tokens)"
+    )
+
+
 def trained_tokens(batch: Any, tokens: int) -> int | None:
     """Targets of the global batch of ``tokens`` tokens the loss learns (weight above 0), from this
     process's rows of a weighted batch (None: no weights, every token): every learnt target's weight is
