@@ -32,11 +32,12 @@ def _nbytes(tree) -> int:
 
 @functools.cache
 def _big_report(plan: str, mesh: str):
-    """The rules meshkit gives its GPT (verify's workload, the CLI: ``vocab_rules``) at ``BIG``."""
+    """``BIG`` under the Trainer's default rules, as a library user gets them (the same as ``meshkit train``
+    and verify's workload give their GPT: ``vocab_rules``)."""
     params = gpt.init(jax.random.key(0), BIG)
     tokens = np.zeros((16, BIG.seq_len), np.int32)
     devices = jax.devices()[: math.prod(int(a.split("=")[1]) for a in mesh.split(","))]  # tp: model=2 of 8
-    t = Trainer(gpt.make_loss(BIG), params, optax.adam(1e-3), plan=plan, mesh=make_mesh(mesh, devices=devices), rules=verify.workload("gpt").rules,
+    t = Trainer(gpt.make_loss(BIG), params, optax.adam(1e-3), plan=plan, mesh=make_mesh(mesh, devices=devices),
                 logical_axes=gpt.logical_axes(params), units={"heads": BIG.heads}, tokens_per_example=BIG.seq_len)  # fmt: skip
     total = _nbytes(params) + _nbytes(optax.adam(1e-3).init(params))
     return t, t.report((tokens, tokens)), total, _nbytes((tokens, tokens))
@@ -91,10 +92,9 @@ def _one_device_float64():
 # ledger in test_plans.py's test_plan_certificate[fsdp+tp-gpt-data=4,model=2-1] and [tp-gpt-model=8-1]).
 @pytest.mark.parametrize(("plan", "mesh"), tiered(CASES, [c[0] for c in CASES], core={"dp+tp"}))
 def test_gpt_vocab_tp_matches_one_device_in_float64(plan, mesh):
-    """The reference GPT (verify.workload: the vocabulary rules) under the plan, 2 Adam steps in
-    float64, equals one device to 1e-10; its float32 ledger = the model."""
+    """The reference GPT (verify.workload: the plan's default rules, the vocabulary split) under the plan,
+    2 Adam steps in float64, equals one device to 1e-10; its float32 ledger = the model."""
     w = verify.workload("gpt")
-    assert w.rules == vocab_rules(get_plan(plan))
     with jax.enable_x64(True):
         w64 = w.in_float64()
         t = Trainer(w64.loss_fn, w64.params, optax.adam(1e-2), plan=plan, mesh=mesh, rules=w64.rules,
@@ -114,6 +114,6 @@ def test_gpt_vocab_tp_matches_one_device_in_float64(plan, mesh):
 
 
 def test_pipeline_plans_keep_the_gpt_vocabulary_whole_on_model():
-    """Under a pipeline the GPT's stages ask the same rule and get the default (whole on model)."""
-    assert verify.workload("gpt", stages=True).rules == vocab_rules(True) == vocab_rules(get_plan("dp+tp+pp"))
-    assert "vocab" not in vocab_rules(True)
+    """Under a pipeline the default rules keep the vocabulary whole on model."""
+    assert vocab_rules(True) == vocab_rules(get_plan("dp+tp+pp"))
+    assert "vocab" not in vocab_rules(True) and "vocab" in vocab_rules(get_plan("dp+tp"))

@@ -140,7 +140,6 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
 
     from meshkit.models import gpt
     from meshkit.plans import assemble
-    from meshkit.plans.placement import vocab_rules
 
     global_batch, precision = _job_fields(job)
     spec = layout.to_spec(global_batch, precision)
@@ -155,8 +154,7 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
     tokens = jax.ShapeDtypeStruct((global_batch, shape.seq), jnp.int32)
     step = assemble(gpt.stages(cfg) if pipeline else gpt.make_loss(cfg), params, optax.adamw(3e-4, weight_decay=0.01),
                     spec, devices=jax.devices()[: layout.devices], clip_norm=CLIP, grad_norm=True,
-                    logical_axes=gpt.logical_axes(params), units={"heads": shape.heads},
-                    rules=vocab_rules(spec.plan_info))  # fmt: skip
+                    logical_axes=gpt.logical_axes(params), units={"heads": shape.heads})  # fmt: skip
     args = step.abstract_args(params, (tokens, tokens))
     lowered = step.step.lower(*args)
     parts = {"params": args[0], "optimizer": args[1], "batch": args[3]}

@@ -42,15 +42,15 @@ WHERE_DIVIDES: dict[str, str] = {
 the leaf stays whole on it, with the cost said (``LeafPlacement.why_whole_on_model``)."""
 
 Rules = Mapping[str, str | None] | Sequence[tuple[str, Sequence[str | None]]]
-"""Logical rules ``{logical name: mesh axis or None}``, combined with ``DEFAULT_TP_RULES``, or path
+"""Logical rules ``{logical name: mesh axis or None}``, combined with the plan's defaults (``vocab_rules``), or path
 rules ``[(regex, spec)]``: searched for in each leaf's path (``a/b/c``), the first match deciding the
 leaf, over what the default logical rules gave."""
 
 
 def vocab_rules(plan: Plan | bool) -> dict[str, str]:
-    """The rules of a model whose loss keeps split logits split (the GPT, the Llama):
-    ``VOCAB_TP_RULES``, or under a pipeline plan (``plan``, or True: pipeline) ``DEFAULT_TP_RULES``
-    (the embedding and head whole on the model axis)."""
+    """The default logical rules under ``plan`` (or True: a pipeline), what ``place`` starts from:
+    ``VOCAB_TP_RULES``, or under a pipeline plan ``DEFAULT_TP_RULES`` (the embedding and head whole on
+    the model axis)."""
     pipeline = plan if isinstance(plan, bool) else plan.pipeline
     return DEFAULT_TP_RULES if pipeline else VOCAB_TP_RULES
 
@@ -227,10 +227,11 @@ def _check_units(units: Mapping[str, int], names: Mapping[str, str | None], mode
 _WHOLE_BY_CONVENTION = frozenset({"embed", "layers", "seq", "vocab", ADAPTER_RANK})
 
 
-def _logical_rules(rules: Rules | None) -> dict[str, str | None]:
-    """The logical rules in effect: the defaults, updated by the user's (a name mapped to None
-    keeps that axis whole: it removes a default)."""
-    merged: dict[str, str | None] = dict(DEFAULT_TP_RULES)
+def _logical_rules(rules: Rules | None, plan: Plan) -> dict[str, str | None]:
+    """The logical rules in effect: the plan's defaults (``vocab_rules``: the vocabulary on the model
+    axis but under pipelines, as every caller gets them, ``meshkit train`` and a library user alike),
+    updated by the user's (a name mapped to None keeps that axis whole: it removes a default)."""
+    merged: dict[str, str | None] = dict(vocab_rules(plan))
     if isinstance(rules, Mapping):
         for name, axis in rules.items():
             _check_rule_axes(f"rules[{name!r}]", (axis,))
@@ -352,7 +353,7 @@ def _model_specs(
     out = {k: (None,) * len(s) for k, s in shapes.items()}
     if not plan.tensor:
         return out
-    names = _logical_rules(rules)
+    names = _logical_rules(rules, plan)
     # the library's own rule sets are defaults too: none of their names must match
     given = frozenset(rules) if isinstance(rules, Mapping) and rules not in (DEFAULT_TP_RULES, VOCAB_TP_RULES) else frozenset()  # fmt: skip
     _check_units(units, names, model_size, given)

@@ -164,7 +164,7 @@ def _step_options(cfg: C.TrainConfig, model: Any, logical_axes: Any) -> dict[str
     ``--init-from`` checkpoint is read into: the same, so the Trainer keeps the arrays where they are)."""
     family = registry.family_of(model)
     return {"clip_norm": cfg.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
-            "units": family.units(model), "rules": family.rules(cfg.parallel.plan_info.pipeline),
+            "units": family.units(model),
             "trainable": run_trainable(cfg)}  # fmt: skip
 
 

@@ -32,7 +32,7 @@ class Workload:
     units: Any = None
     """Logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
     rules: Any = None
-    """Tensor-parallel rules (None: the defaults; the Llama's split the vocabulary too)."""
+    """Tensor-parallel rules (None: the plan's defaults, ``placement.vocab_rules``)."""
     state: Any = None
     rng: Any = None
     has_aux: bool = False
@@ -106,7 +106,7 @@ def _family(
         c = dataclasses.replace(cfg, dtype=dtype)
         return Workload(name=name, loss_fn=make_loss(c), params=params, batch=batch,
                         logical_axes=module.logical_axes(params), tokens_per_example=cfg.seq_len,
-                        units=family.units(cfg), rules=family.rules(stages), has_aux=bool(cfg.experts),
+                        units=family.units(cfg), has_aux=bool(cfg.experts),
                         in_float64=None if dtype == "float64" else lambda: one("float64", _to_float64(params)))  # fmt: skip
 
     return one("float32", module.init(key, cfg))
