@@ -79,12 +79,12 @@ def test_every_option_of_every_command_shows_its_default(capsys):
     [
         (
             ["--accumulate", "4"],
-            "--batch-size 16 does not divide over the data axis (8) x --accumulate 4: "
-            "use --batch-size 32 (a multiple of 32) or a smaller --accumulate",
+            "a global batch of 16 examples does not divide over data=8 x accumulate=4: "
+            "use a batch of 32 (a multiple of 32) or a smaller accumulate",
         ),
         (
             ["--mesh", "data=2,model=4", "--plan", "dp+tp", "--batch-size", "6", "--accumulate", "2"],
-            "--batch-size 6 does not divide over the data axis (2) x --accumulate 2: use --batch-size 4",
+            "a global batch of 6 examples does not divide over data=2 x accumulate=2: use a batch of 4",
         ),
         (["--steps", "5", "--warmup", "5"], "--warmup 5 must be below --steps 5: lower --warmup"),
         (["--eval-every", "-1"], "--eval-every must be at least 0"),

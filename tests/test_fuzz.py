@@ -31,7 +31,6 @@ from _limits import limit
 from meshkit._errors import MeshkitError
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
-from meshkit.spec import DATA
 from meshkit.spec import PLANS as OFFERED
 from meshkit.train import config as C
 from meshkit.train import optim
@@ -160,7 +159,6 @@ def attempt(plan, mesh, batch, accumulate, steps, precision, devices) -> str:
                            precision=precision)  # fmt: skip
         C.validate(cfg)
         trainer, built = _trainer(plan, _mesh(mesh, plan, devices), accumulate, precision)
-        C.check_batch(cfg, int(trainer.mesh.shape.get(DATA, 1)))
         trainer.check_examples(batch)
     except MeshkitError as e:
         # the refusal's cost in CPU seconds, which load does not stretch (a Trainer built, its parameter

@@ -76,7 +76,7 @@ BAD = [
     (["--plan", "hsdp", "--mesh", "replica=3,data=4"], "12 devices, but 8 are available"),
     (
         ["--plan", "hsdp", "--mesh", "replica=2,data=4", "--batch-size", "12"],
-        "does not divide over replica x data (8) x --accumulate 1: use --batch-size 8",
+        "does not divide over replica x data=8 x accumulate=1: use a batch of 8",
     ),
 ]
 

@@ -335,9 +335,9 @@ def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_s
     assert r.pipeline.ticks == 18 and r.pipeline.bubble_measured == r.pipeline.bubble_model == 1 / 9
     assert r.pipeline.executed_as_planned
     assert "pipeline" in r.to_json() and "bubble" in str(r)
-    with pytest.raises(PlanError, match=r"data=2 x microbatches=4; use a multiple of 8"):
+    with pytest.raises(PlanError, match=r"data=2 x microbatches=4: use a batch of 8 \(a multiple of 8\)"):
         t.check_examples(12)
-    with pytest.raises(PlanError, match=r"data=2 x microbatches=4; use a multiple of 8"):
+    with pytest.raises(PlanError, match=r"data=2 x microbatches=4: use a batch of 8 \(a multiple of 8\)"):
         t.step(_tokens(12))
 
     t.save(tmp_path / "pp")

@@ -146,7 +146,7 @@ def test_global_jax_array_batch_equals_host_batch():
         (lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp").step(_batch(60)), "batch of 60 examples does not divide over data=8"),
         (
             lambda p: Trainer(mlp.loss, p, optax.adam(1e-3), plan="dp", accumulate=3).step(_batch(64)),
-            "data=8 x accumulate=3; use a multiple of 24",
+            r"data=8 x accumulate=3: use a batch of 48 \(a multiple of 24\)",
         ),
     ],
 )  # fmt: skip

@@ -119,7 +119,7 @@ def test_bf16_and_sgd_run(tmp_path):
         (["--data", "{missing}"], "no data file"),
         (["--data", "{empty}"], "is empty"),
         (["--data", "{short}", "--seq-len", "32"], "--seq-len 32 needs 33 held-out tokens"),
-        (["--batch-size", "12"], "--batch-size 12 does not divide over the data axis (8)"),
+        (["--batch-size", "12"], "a global batch of 12 examples does not divide over data=8"),
         (["--plan", "zero9"], "unknown plan 'zero9'"),
         (["--mesh", "data=3"], "mesh data=3 = 3 devices, but 8 are available"),
         (["--resume"], "--resume: no checkpoint in"),

@@ -146,13 +146,18 @@ class ParallelSpec:
 
     def check_examples(self, examples: int, data: int, microbatches: int) -> None:
         """A global batch of ``examples`` must split over the data axis (``data``: the devices the batch
-        is split over, replica x data under hybrid sharding), then into micro-batches."""
+        is split over, replica x data under hybrid sharding), then into micro-batches: the one place the
+        rule is checked, for a library step and ``meshkit train``'s ``--batch-size`` alike (named by the
+        spec's own option, ``accumulate`` or ``microbatches``)."""
         what = "microbatches" if self.plan_info.pipeline else "accumulate"
         axes = " x ".join(self.plan_info.batch_axes) or DATA
-        if examples % (data * microbatches):
+        unit = data * microbatches
+        if examples % unit:
+            fit = max(unit, examples // unit * unit)
+            fewer = f" or a smaller {what}" if microbatches > 1 else ""
             raise PlanError(
-                f"batch of {examples} examples does not divide over {axes}={data} x {what}={microbatches}; "
-                f"use a multiple of {data * microbatches}"
+                f"a global batch of {examples} examples does not divide over {axes}={data} x {what}={microbatches}: "
+                f"use a batch of {fit} (a multiple of {unit}){fewer}"
             )
 
     def replace(self, **changes: Any) -> ParallelSpec:

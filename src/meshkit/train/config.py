@@ -467,20 +467,6 @@ def trackers(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(n for n in TRACKERS if n in chosen)
 
 
-def check_batch(cfg: TrainConfig, data_axis: int, axes: str = "the data axis") -> None:
-    """The global batch must split evenly over the data axis (``axes``: the devices it is split over,
-    replica x data under hsdp) and then into ``accumulate`` micro-batches."""
-    accumulate = cfg.parallel.accumulate
-    unit = data_axis * accumulate
-    if cfg.batch_size % unit:
-        fit = max(unit, cfg.batch_size // unit * unit)
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} does not divide over {axes} ({data_axis}) x --accumulate "
-            f"{accumulate}: use --batch-size {fit} (a multiple of {unit})"
-            + (" or a smaller --accumulate" if accumulate > 1 else "")
-        )
-
-
 def check_stop_after(stop_after: int | None, step: int) -> None:
     """``--stop-after`` must be a step still ahead of the run."""
     if stop_after is not None and stop_after <= step:

@@ -83,10 +83,6 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     family = registry.family_of(model)
     trainer = Trainer(loss, params, optim.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.seq_len,
                       **_step_options(cfg, model, logical_axes))  # fmt: skip
-    rows = trainer.placement.batch_axes
-    C.check_batch(
-        cfg, trainer.placement.batch_devices, " x ".join(rows) if len(rows) > 1 else "the data axis"
-    )
     trainer.check_examples(cfg.batch_size)
     for axis in axes.active(trainer.plan):  # before the run directory is written, not at the first compile
         axis.check_run(axis.size(trainer.placement), seq_len=cfg.seq_len, heads=model.heads,
