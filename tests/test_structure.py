@@ -129,6 +129,18 @@ def test_every_module_is_in_a_layer_and_imports_go_down():
     assert len({(a, b) for a, b, *_ in up}) <= 2
 
 
+def test_the_design_page_lists_the_layers():
+    """docs/design.md's table of layers names the packages of ``LAYERS``, layer by layer (it had 9 rows
+    for 10 layers)."""
+    text = (SRC.parent.parent / "docs" / "design.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|", text, flags=re.M)
+    documented = {
+        int(n): {name.split(".")[-1] for name in re.findall(r"`([\w.]+)`", packages)} for n, packages in rows
+    }
+    want = {i: {u for u in units if u != "__init__"} for i, units in enumerate(LAYERS)}
+    assert documented == want
+
+
 def test_no_import_cycle_between_files():
     graph: dict[str, set[str]] = {}
     names = {n for n, _ in _modules()}

@@ -245,7 +245,7 @@ def _signature() -> inspect.Signature:
 
 
 def train(**options: Any) -> None:
-    """Train a GPT or a Llama under a plan (on BPE token shards, text per character, or ids); write
+    """Train a model of any family (--model: GPT, Llama, Gemma) under a plan (on BPE token shards, text per character, or ids); write
     metrics, checkpoints, report and plots."""
     o = {k: options.get(k, default) for k, (_, _, default) in {**BEFORE, **AFTER}.items()}
     run_dir, resume = options.get("run_dir"), o["resume"]

@@ -1,7 +1,7 @@
 """Context parallelism: the sequence split over the ``context`` mesh axis, and causal attention over it.
 
-The one owner of causal attention for the reference models (the GPT and the Llama call
-``causal_attention`` and ``positions``): with no split in force it is the plain dense attention
+The one owner of causal attention for the reference models (every family of ``models.registry``
+calls ``causal_attention`` and ``positions``): with no split in force it is the plain dense attention
 (``plans.attention``: fused or written out, as ``ParallelSpec.attention`` asks); while a context plan traces the loss (``split_sequence``) each device holds ``T / N`` tokens of
 every sequence and the attention runs in one of two forms (``meshkit.spec.CONTEXT_ATTENTION``):
 
@@ -96,7 +96,7 @@ def check_attended(split: Split) -> None:
     if not split.attended:
         raise PlanError(
             f"context plans ({', '.join(plans_of('context'))}) need the loss's attention through meshkit.plans.causal_attention "
-            "and its positions through meshkit.plans.sequence_positions or position_rows (as the GPT and the Llama "
+            "and its positions through meshkit.plans.sequence_positions or position_rows (as meshkit's model families "
             "do); this loss never called it: use another plan"
         )
 

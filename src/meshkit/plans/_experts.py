@@ -1,7 +1,7 @@
 """Mixture of experts: routing, capacity, dispatch and combine, on one device or over the ``expert`` axis.
 
-The one owner of the MoE MLP for the reference models (the GPT and the Llama call ``moe`` with their
-own expert function). Per layer, for each sequence of ``T`` tokens (the routing group: a sequence is
+The one owner of the MoE MLP for the reference models (the families with experts, the GPT and the
+Llama's, call ``moe`` with their own expert function). Per layer, for each sequence of ``T`` tokens (the routing group: a sequence is
 never split by the plans that run MoE, so routing is the same on one device and under any batch split):
 
 - **router**: ``probs = softmax(x @ router)`` (in at least float32); each token's top ``k`` experts
