@@ -52,16 +52,6 @@ def mlp_grad(params: list[Layer], x_bd: np.ndarray, y_bo: np.ndarray) -> tuple[f
     return float(np.mean(err_bo**2)), grads[::-1]
 
 
-def linear_apply(params: Layer, x_bi: np.ndarray) -> np.ndarray:
-    """Predictions ``x @ w + b``."""
-    return mlp_apply([params], x_bi)
-
-
-def linear_loss(params: Layer, x_bi: np.ndarray, y_bo: np.ndarray) -> float:
-    """Mean squared error over every element."""
-    return mlp_loss([params], x_bi, y_bo)
-
-
 def linear_grad(params: Layer, x_bi: np.ndarray, y_bo: np.ndarray) -> tuple[float, Layer]:
     """Loss and its gradient: ``dw = x^T (2 e / n)``, ``db = sum_b 2 e / n`` with ``e = x w + b - y``."""
     value, (grads,) = mlp_grad([params], x_bi, y_bo)

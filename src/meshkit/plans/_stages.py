@@ -127,12 +127,6 @@ def stage_placement(placement: Placement, stages: Stages) -> Placement:
     return Placement(plan=placement.plan, mesh=placement.mesh, leaves=placement.tree(split))
 
 
-def interleave_order(layers: int, p: int, v: int) -> np.ndarray:
-    """Layer order that puts virtual stage ``c p + d`` as chunk c of device d (identity for v = 1)."""
-    k = layers // (p * v)
-    return np.arange(layers).reshape(v, p, k).transpose(1, 0, 2).reshape(-1)
-
-
 def relayout_moves(p: int, v: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """Interleaved: the stored order gives device e virtual stages ``e v .. e v + v - 1`` (its slice of
     the layer axis), the schedule wants ``c p + d`` as chunk c of device d. Per (stored chunk i,
