@@ -183,6 +183,11 @@ BAD_LINES = {
     "not utf-8": (b'{"text": "caf\xe9"}\n', "bad.jsonl:1' is not UTF-8 (byte 0xe9 at column 14)"),
     "no rows": ("\n\n", "bad.jsonl' holds no JSON lines"),
     "no text at all": ('{"text": ""}\n{"text": null}\n', "the inputs hold no text (2 rows, every one empty)"),
+    "lone surrogate": (
+        '{"text": "fine \\ud83d\\ude00"}\n{"text": "a \\ud800 alone"}\n',
+        "bad.jsonl:2' holds a lone UTF-16 surrogate (\\ud800)",
+    ),
+    "nested too deeply": ("[" * 100_000 + "]" * 100_000 + "\n", "bad.jsonl:1' is nested too deeply to read"),
 }
 
 

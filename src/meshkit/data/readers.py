@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshkit.data.source import DataError, path_kind
+from meshkit.data.source import DataError, inside, path_kind
 from meshkit.data.text import DEFAULT_SOURCE, default_documents
 
 CHUNK = 1 << 20
@@ -63,40 +63,58 @@ def _dataset_dir(path: Path) -> bool:
     )
 
 
-def _json_file(path: Path) -> Any:
+def _json_file(path: Path, kind: type, what: str) -> Any:
+    """A datasets directory's JSON file, which must hold a ``kind`` (``what`` says what, for the line)."""
+    fix = "save the dataset again with save_to_disk"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise DataError(f"cannot read '{path}': it is nested too deeply to be JSON {what}; {fix}") from None
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read '{path}' ({e}): save the dataset again with save_to_disk") from None
+        raise DataError(f"cannot read '{path}' ({e}): {fix}") from None
+    if not isinstance(value, kind):
+        raise DataError(f"'{path}' holds a JSON {_json_type(value)}, not {what}: {fix}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _dataset(path: Path, split: str | None) -> Input:
-    """The Arrow files of the datasets directory ``path`` (of its ``split`` where it holds a DatasetDict)."""
+    """The Arrow files of the datasets directory ``path`` (of its ``split`` where it holds a DatasetDict);
+    every name its JSON files give must stay inside it (:func:`meshkit.data.source.inside`)."""
+    fix = "save the dataset again with save_to_disk"
     if (path / DATASET_DICT).is_file():
-        splits = _json_file(path / DATASET_DICT).get("splits") or []
+        listing = path / DATASET_DICT
+        splits = _json_file(listing, dict, "an object with 'splits'").get("splits") or []
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise DataError(f"'{listing}': 'splits' is not a list of names: {fix}")
         want = split or DEFAULT_SPLIT
         if want not in splits:
             raise DataError(
                 f"'{path}' has no split '{want}' (its splits: {', '.join(map(str, splits)) or 'none'}): give --split"
             )
-        path = path / want
-    state = _json_file(path / DATASET_STATE)
+        path = inside(path, want, named_by=listing, fix=fix)
+    named_by = path / DATASET_STATE
+    state = _json_file(named_by, dict, "an object with '_data_files'")
     saved = state.get("_split")
+    if saved is not None and not isinstance(saved, str):
+        raise DataError(f"'{named_by}': '_split' is a JSON {_json_type(saved)}, not a split's name: {fix}")
     if split is not None and saved is not None and saved != split:
         raise DataError(
             f"'{path}' holds the split '{saved}', not '{split}': give --split {saved}, or leave it out"
         )
-    names = [f.get("filename") for f in state.get("_data_files") or [] if isinstance(f, dict)]
-    files = tuple(path / n for n in names if isinstance(n, str))
+    listed = state.get("_data_files") or []
+    if not isinstance(listed, list) or not all(isinstance(f, dict) for f in listed):
+        raise DataError(f"'{named_by}': '_data_files' is not a list of {{\"filename\": ...}} objects: {fix}")
+    files = tuple(inside(path, f.get("filename"), named_by=named_by, fix=fix) for f in listed)
     if not files:
-        raise DataError(
-            f"'{path / DATASET_STATE}' names no Arrow files: save the dataset again with save_to_disk"
-        )
+        raise DataError(f"'{named_by}' names no Arrow files: {fix}")
     for f in files:
         if not f.is_file():
-            raise DataError(
-                f"'{f}' is {path_kind(f)}, but '{path / DATASET_STATE}' names it: save the dataset again"
-            )
+            raise DataError(f"'{f}' is {path_kind(f)}, but '{named_by}' names it: save the dataset again")
     return Input(name=str(path), kind="arrow", files=files, size=sum(f.stat().st_size for f in files))
 
 
@@ -267,12 +285,41 @@ def json_row(where: str, raw: bytes) -> dict[str, Any]:
         raise DataError(
             f"'{where}' is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}): {fix}"
         ) from None
+    except RecursionError:
+        raise DataError(
+            f"'{where}' is nested too deeply to read (arrays or objects within each other): {fix}"
+        ) from None
     except ValueError as e:
         said = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise DataError(f"'{where}' is not JSON ({said}): {fix}") from None
     if not isinstance(row, dict):
         raise DataError(f"'{where}' is a JSON {type(row).__name__}, not an object: {fix}")
+    if (b"\\ud" in raw or b"\\uD" in raw) and (bad := lone_surrogate(row)) is not None:
+        raise DataError(
+            f"'{where}' holds a lone UTF-16 surrogate (\\u{ord(bad):04x}), which is no character and no UTF-8 "
+            f"text can hold: {fix}"
+        )
     return row
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The first lone UTF-16 surrogate in a JSON value's strings (keys too), None where there is none.
+    JSON's ``\\ud800`` escapes decode to such code points, which no text encodes; only a line with a
+    ``\\ud`` escape can hold one, so only such lines are walked."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return item[e.start]
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+    return None
 
 
 def _column(name: str, schema: Any, field: str) -> None:

@@ -34,6 +34,27 @@ def path_kind(path: Path) -> str:
     return "a FIFO (named pipe)" if path.is_fifo() else "a socket" if path.is_socket() else "a device"
 
 
+def inside(directory: Path, name: object, *, named_by: Path, fix: str) -> Path:
+    """``directory / name``, where ``name`` is a file name read from ``named_by`` (a manifest, a datasets
+    ``state.json``): refused in one line unless it is a relative path that stays inside ``directory``
+    once every symbolic link on the way is resolved. A directory names its own files; one that named
+    ``../other/shard.bin``, an absolute path or a link out would have a run read another directory's
+    files under this one's name."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise DataError(f"'{named_by}' names the file {name!r}, which is not a file name: {fix}")
+    path = directory / name
+    try:
+        base, real = directory.resolve(), path.resolve()
+    except (OSError, RuntimeError) as e:  # a loop of links
+        raise DataError(f"'{named_by}' names '{name}', which cannot be resolved ({e}): {fix}") from None
+    if Path(name).is_absolute() or real == base or not real.is_relative_to(base):
+        raise DataError(
+            f"'{named_by}' names '{name}', which leads outside '{directory}' (to '{real}'): a directory's "
+            f"files must lie inside it; {fix}"
+        )
+    return path
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class ArraySource:
     """A stream held in memory (character-level text, a ``.npy`` of ids)."""
