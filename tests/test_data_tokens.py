@@ -160,6 +160,11 @@ def test_bad_tokenizers_and_outputs_are_one_line(corpus, tmp_path, capsys):
     _one_line_exit_2(
         capsys, ["data", "prepare", str(text), *out, "--vocab-size", "100"], "--vocab-size 100 is below 257"
     )
+    _one_line_exit_2(  # tokenizers would abort the process (in Rust) on such a size
+        capsys,
+        ["data", "prepare", str(text), *out, "--vocab-size", str(10**11)],
+        "is above 16,777,216 (2**24",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.json", "no_eot.json"]
     # an existing tokenizer: nothing trained, the same ids
     assert main(["data", "prepare", str(text), *out, "--tokenizer", str(root / "data" / S.TOKENIZER)]) == 0

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -91,10 +95,45 @@ def prepare(
             bar.update(task, description=phase, total=max(p.total_bytes, 1), completed=p.bytes, info=info)
 
         start = time.perf_counter()
-        manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
-                       bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
-                       report=report, chat=chat)  # fmt: skip
+        with _cleanup_on_sigterm(out):
+            manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
+                           bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
+                           report=report, chat=chat)  # fmt: skip
     _done(out, manifest, time.perf_counter() - start)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwinds ``prepare`` as Ctrl-C does, so that its hidden directory is removed and
+    its lock released (SIGTERM's default action would end the process with both left behind)."""
+
+
+@contextlib.contextmanager
+def _cleanup_on_sigterm(out: str) -> Iterator[None]:
+    """While preparing (main thread only), SIGTERM stops with nothing written and exit status 143; a
+    second SIGTERM during that cleanup ends the process at once (the next prepare into ``out`` removes
+    what it left)."""
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise _Terminated
+
+    try:
+        before = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: SIGTERM keeps its handler
+        yield
+        return
+    try:
+        yield
+    except _Terminated:
+        from pathlib import Path
+
+        from meshkit.data.shards import is_prepared
+
+        done = "was whole before it stopped" if is_prepared(Path(out)) else "was not written"
+        sys.stderr.write(f"error: stopped by SIGTERM: --out {out} {done}\n")
+        raise typer.Exit(128 + signal.SIGTERM) from None
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _done(out: str, manifest: dict, seconds: float) -> None:

@@ -7,14 +7,23 @@ every row holding text; it counts the text's bytes), the tokenizer's training (s
 straight to the shards. A document larger than ``readers.PIECE`` characters is encoded in pieces cut
 after a newline (the ids still decode to exactly its text). Everything is written into a hidden directory beside ``--out``
 and renamed into place at the end: bad input or a failure leaves nothing half-written.
+
+One prepare at a time writes an ``--out``: it holds an exclusive ``flock`` on ``.OUT.lock`` beside it
+from before ``--out`` is checked until its directory is in place (another is refused in one line
+naming the holder), then removes it. So a hidden ``.OUT.partial-PID`` found while holding the lock is
+left by a prepare that died (SIGKILL, a crash, a power cut) and is removed; the kernel releases the
+lock of a dead process, so nothing stale ever blocks a prepare. (flock is advisory and, on a file
+system shared by several hosts, as good as that file system's locks.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -28,13 +37,17 @@ from meshkit.data import shards as S
 from meshkit.data.readers import Reader, list_inputs
 from meshkit.data.source import DataError, path_kind
 from meshkit.data.text import DEFAULT_SOURCE
-from meshkit.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from meshkit.data.tokenizer import EOT, MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
 from meshkit.data.tokenizer_config import CONFIG, shards_config
+from meshkit.train.lock import _holder, file_kind, free_space
 
 BATCH = 4 << 20
 """Characters handed to one ``encode_batch`` call."""
 SHARD_TOKENS = 1 << 28
 """Ids per shard file (512 MiB of uint16)."""
+MAX_VOCAB = 1 << 24
+"""The largest BPE ``--vocab-size`` trained here: 16.8 M ids, 64 times the largest published vocabularies
+(``tokenizers`` aborts the process, in Rust, on sizes near 2**31)."""
 
 
 @dataclass(kw_only=True)
@@ -160,13 +173,39 @@ def prepare(
     rows or no datasets directory, is refused rather than ignored. ``chat``: rows are conversations, or
     prompts and completions (:mod:`meshkit.data.prepare_chat`), encoded with ``tokenizer``'s chat template."""
     out = Path(out)
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
+    if tokenizer is None and vocab_size is not None and vocab_size < MIN_VOCAB:
+        raise DataError(
+            f"--vocab-size {vocab_size} is below {MIN_VOCAB} (256 bytes and {EOT}): give a larger one"
+        )
+    if tokenizer is None and vocab_size is not None and vocab_size > MAX_VOCAB:
+        raise DataError(
+            f"--vocab-size {vocab_size:,} is above {MAX_VOCAB:,} (2**24, 64 times the largest published "
+            "vocabularies): give a smaller one"
+        )
+    _check_out(out)
+    with output_lock(out):
+        return _prepare(inputs, out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
+                        bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
+                        report=report, chat=chat)  # fmt: skip
+
+
+def _check_out(out: Path) -> None:
     if path_kind(out) != "missing" and not (out.is_dir() and not any(out.iterdir())):
         what = (
             "already holds prepared data" if S.is_prepared(out) else f"is {path_kind(out)} that is not empty"
         )
         raise DataError(f"--out '{out}' {what}: give a new directory, or remove it first")
-    if shard_tokens < 1:
-        raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
+
+
+def _prepare(
+    inputs: list[str], out: Path, *, vocab_size: int | None, tokenizer: str | None, eos_token: str | None,
+    bos_token: str | None, text_field: str | None, split: str | None, shard_tokens: int,
+    report: Callable[[Progress, str], None] | None, chat: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`prepare` with ``--out``'s lock held."""
+    _check_out(out)  # again: another prepare may have finished it while this one waited for its lock
     given = _given(tokenizer, vocab_size, eos_token, bos_token)
     if chat:
         return _prepare_chat(inputs, out, given, tokenizer, text_field, split, shard_tokens)
@@ -210,6 +249,12 @@ def _write(
         )
         _encode(reader, tok, writer, progress)
         writer.close()
+        if writer.max_id >= tok.vocab_size:
+            raise DataError(
+                f"tokenizer {tok.source} gave the id {writer.max_id}, but it counts {tok.vocab_size} ids (its "
+                "vocabulary has gaps): a model of that vocabulary cannot embed it; give a tokenizer whose ids "
+                "run from 0 without gaps"
+            )
         manifest = {
             **named,
             "documents": len(writer.doc_ends),
@@ -218,23 +263,97 @@ def _write(
             "shards": writer.shards,
         }
         (work / S.MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    S.stamp_prepared(out, S.listed(out, manifest["shards"], dtype=S.dtype_for(tok.vocab_size),
+                                   below=tok.vocab_size, what="token"))  # fmt: skip
     return manifest
+
+
+def _cannot_write(out: Path, e: OSError) -> DataError:
+    return DataError(
+        f"cannot write --out '{out}' ({e.strerror or e}); {free_space(out.parent)} in '{out.parent}': free "
+        "space or fix its permissions, or give another --out"
+    )
+
+
+def _partial(out: Path) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(out.name)}\.partial-\d+")
+
+
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold ``.OUT.lock`` beside ``out`` (module docstring) while the block runs, and remove the hidden
+    directories that dead prepares into ``out`` left; another live prepare into ``out`` is one line."""
+    lock = out.parent / f".{out.name}.lock"
+    fd = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        while fd is None:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise DataError(
+                    f"--out '{out}' is being prepared by another meshkit data prepare ({holder}): wait for it "
+                    "to finish, or give another --out"
+                ) from None
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.lstat(lock)):
+                    break
+            os.close(fd)  # its holder removed it as it finished: lock the file now at that name
+            fd = None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        stale = _partial(out)  # no live prepare owns one: each holds this lock while its own exists
+        for left in out.parent.iterdir():
+            if stale.fullmatch(left.name):
+                _remove(left)
+    except OSError as e:
+        if fd is not None:
+            os.close(fd)
+        if file_kind(lock) not in ("missing", "a regular file"):
+            raise DataError(
+                f"'{lock}' is {file_kind(lock)}, not the lock meshkit data prepare keeps beside --out: remove it"
+            ) from None
+        raise _cannot_write(out, e) from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # while held: a prepare that opened it finds it gone and locks a new one
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 @contextlib.contextmanager
 def workdir(out: Path) -> Iterator[Path]:
-    """A hidden directory beside ``out``, renamed to ``out`` when the block ends well, removed if not."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """A hidden directory beside ``out``, renamed to ``out`` when the block ends well, removed if not
+    (a failure to write is one line naming ``out`` and its disk's free space). ``out``'s lock must be
+    held (:func:`output_lock`)."""
     work = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(work):
+            _remove(work)
+        work.mkdir()
+    except OSError as e:
+        raise _cannot_write(out, e) from None
     try:
         yield work
         if out.is_dir():
             out.rmdir()  # empty: checked by prepare
         work.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _cannot_write(out, e) from None
         raise
 
 
