@@ -126,10 +126,13 @@ def test_bad_mixtures_are_one_line(sources, tmp_path, capsys):
         f"{web}:0.5,{code}": f"source '{code}' has no weight",
         f"{web}:0.5,{code}:-1": f"the weight of '{code}' is -1",
         f"{web}:0.5,{web}:0.5": "names a source twice",
+        f"{web}:1,{code}:1e-9": f"'{code}' has the weight 1e-09, a share of 1e-09 of the mixture, below its resolution",
     }
     for spec, match in cases.items():
         _one_line_exit_2(capsys, [*run, spec], match)
     assert not (tmp_path / "run").exists()
+    huge = load(f"{web}:1e308,{code}:1e308")  # their sum overflows: still an even mixture
+    assert [p.weight for p in huge.parts] == [0.5, 0.5]
 
 
 def _metrics(run):

@@ -196,6 +196,7 @@ def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
     """The mixture of prepared directories ``sources`` (path, weight); one tokenizer or refused."""
     from meshkit.data import shards
 
+    weights = mixture.shares(sources)  # before any source is opened (and verified)
     opened = []
     for path, _ in sources:
         if not shards.is_prepared(Path(path)):
@@ -217,12 +218,11 @@ def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
         raise DataError(
             f"--data: two sources are named alike ({', '.join(names)}): give the directories distinct names"
         )
-    total = sum(w or 0.0 for _, w in sources)
     parts = []
-    for name, (path, weight), (m, stream, _) in zip(names, sources, opened, strict=True):
+    for name, (path, _), share, (m, stream, _) in zip(names, sources, weights, opened, strict=True):
         train, held = _split(Path(path), m, stream)
-        parts.append(mixture.Part(name=name, path=path, weight=(weight or 0.0) / total, train=train,
-                                  held_out=held, digest=shards.digest(m)))  # fmt: skip
+        parts.append(mixture.Part(name=name, path=path, weight=share, train=train, held_out=held,
+                                  digest=shards.digest(m)))  # fmt: skip
     mixture.check_kinds(parts)
     said = ", ".join(f"{p.name} {p.weight:.0%}" for p in parts)
     return Corpus(

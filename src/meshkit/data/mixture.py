@@ -82,6 +82,27 @@ def parse(spec: str) -> list[tuple[str, float | None]]:
     return out
 
 
+def shares(sources: list[tuple[str, float | None]]) -> list[float]:
+    """The weights of ``sources`` (path, weight) normalised to sum to 1; where their sum overflows
+    (``1e308`` twice), each is divided by the largest first (the same shares; any other sum is divided
+    as it is, so a resumed run's saved weights still match). A share that rounds to 0 at the mixture's
+    resolution (``1 / DENOMINATOR``) is refused: :func:`proportions` gives every source at least one
+    part, so it would be drawn far more often than asked (1e-9 beside 1 would be half the rows)."""
+    weights = [w or 0.0 for _, w in sources]
+    if not math.isfinite(sum(weights)):
+        top = max(weights)
+        weights = [w / top for w in weights]
+    total = sum(weights)
+    out = [w / total for w in weights]
+    for (path, weight), share in zip(sources, out, strict=True):
+        if Fraction(share).limit_denominator(DENOMINATOR) == 0:
+            raise DataError(
+                f"--data: '{path}' has the weight {weight:g}, a share of {share:.2g} of the mixture, below its "
+                f"resolution of {1 / DENOMINATOR:g}: give it a larger weight, or leave it out"
+            )
+    return out
+
+
 def proportions(weights: list[float]) -> tuple[int, ...]:
     """Integer proportions of ``weights`` (each rounded to a fraction of the sum, ``DENOMINATOR``)."""
     total = sum(weights)
