@@ -1,14 +1,18 @@
-"""Chat templates (issue 37): three families' real templates rendered and tokenised as transformers'
-``apply_chat_template`` does (``-m reference``: against transformers 4.57 and 5.x), the assistant-only
-loss mask, prompt/completion rows, and bad rows refused in one line naming the row and the fix."""
+"""Chat templates (issue 37): real templates rendered and tokenised as transformers'
+``apply_chat_template`` does (``-m reference``: against transformers 5.x and 4.57), the assistant-only
+loss mask (a template's ``{% generation %}`` tags as transformers 5.x reads them, else the turns found by
+rendering prefixes, each ending with its end of turn), prompt/completion rows, and bad rows refused in
+one line naming the row and the fix."""
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import REFERENCES
 from meshkit.data.chat import Encoder, read_row
 from meshkit.data.chat_template import load_template
 from meshkit.data.source import DataError
@@ -46,17 +50,52 @@ def _cases() -> list[tuple[str, list, bool]]:
     return out
 
 
+OVERRIDE = {"role": "system", "content": "You are terse. /system_override"}
+"""SmolLM3's system message that replaces its metadata block (whose date, strftime_now, would differ
+between meshkit's render and the reference's across midnight)."""
+TOOLS = [
+    TURNS[0],
+    {"role": "assistant", "content": "Let me add.", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+    {"role": "tool", "content": "4"},
+    {"role": "assistant", "content": "It is 4.", "tool_calls": None},
+]  # fmt: skip
+NULLS = [TURNS[0], {**TURNS[1], "tool_calls": None}, TURNS[2], {**TURNS[3], "tool_calls": None}]
+"""OpenAI-style messages: ``"tool_calls": null`` where there is none (transformers 5.x drops the key)."""
+REASONS = [SYSTEM, TURNS[0], {**TURNS[1], "reasoning": "2 and 2 make 4."}]
+"""A reasoning under the name transformers 5.x reads as ``reasoning_content`` (Qwen3's template renders it)."""
+
 _REFERENCE = """
 import json, sys
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 out = []
-for d, messages, gen, masks in json.loads(sys.stdin.read()):
-    tok = AutoTokenizer.from_pretrained(d)
-    got = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, return_dict=True,
-                                  return_assistant_tokens_mask=masks)
-    out.append([list(map(int, got["input_ids"])), list(map(int, got.get("assistant_masks") or []))])
+for d, messages, gen, masks, fast in json.loads(sys.stdin.read()):
+    tok = (PreTrainedTokenizerFast if fast else AutoTokenizer).from_pretrained(d)
+    try:
+        got = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, return_dict=True,
+                                      return_assistant_tokens_mask=masks)
+    except Exception as e:
+        out.append({"error": type(e).__name__})
+        continue
+    out.append({"ids": list(map(int, got["input_ids"])), "mask": list(map(int, got.get("assistant_masks") or []))})
 print(json.dumps(out))
 """
+
+
+def _reference_cases(root: Path) -> dict[str, tuple]:
+    """Every case of the reference tests, by name: (directory, messages, add_generation_prompt,
+    return_assistant_tokens_mask, load as PreTrainedTokenizerFast), run in one transformers process."""
+    cases = {f"ids/{n}/{i}": (str(TEMPLATES / n), m, g, False, False) for i, (n, m, g) in enumerate(_cases())}
+    tagged = {"gemma2-generation": [TURNS, TURNS[:2]], "smollm3": [[OVERRIDE, *TURNS], [OVERRIDE, *TURNS[:2]]],
+              "llama3_training": [TURNS, [SYSTEM, *TURNS]], "deepseek_training": [TURNS, TOOLS, NULLS]}  # fmt: skip
+    for n, convos in tagged.items():
+        d = root / n if n == "gemma2-generation" else TEMPLATES / n
+        cases |= {f"mask/{n}/{i}": (str(d), m, False, True, False) for i, m in enumerate(convos)}
+    cases["5.x/nulls"] = (str(TEMPLATES / "deepseek"), NULLS, False, False, False)
+    cases["5.x/reasoning"] = (str(TEMPLATES / "qwen3"), REASONS, False, False, False)
+    cases["llama/auto"] = (str(root / "openllama-mistral"), TURNS, False, False, False)
+    cases["llama/fast"] = (str(root / "openllama-mistral"), TURNS, False, False, True)
+    return cases
 
 
 def _reference(python: str, cases: list) -> list:
@@ -66,29 +105,98 @@ def _reference(python: str, cases: list) -> list:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def theirs(reference_python, tmp_path_factory):
+    """(whether it is transformers 5.x, {case name: (case, transformers' ids and mask or error)})."""
+    root = tmp_path_factory.mktemp("chat-reference")
+    _generation_template(root / "gemma2-generation")
+    shutil.copytree(Path(__file__).parent / "corpus" / "tokenizers" / "openllama", root / "openllama-mistral")
+    shutil.copy(TEMPLATES / "src" / "mistral_v0_1.jinja", root / "openllama-mistral" / "chat_template.jinja")
+    cases = _reference_cases(root)
+    got = _reference(reference_python, list(cases.values()))
+    five = Path(reference_python).parents[1].name == REFERENCES["transformers5"]
+    return five, {name: (case, out) for (name, case), out in zip(cases.items(), got, strict=True)}
+
+
+def _mine(case: tuple) -> tuple[list[int], list[int]]:
+    """meshkit's ids (the template's render tokenised) and, for a mask case, its encoded row's mask."""
+    d, messages, generation, masks, _ = case
+    enc = Encoder(load_tokenizer(d), load_template(d))
+    if masks:
+        ids, mask = enc.encode(read_row({"messages": messages}, "case"))
+        return ids.tolist(), mask.tolist()
+    return _ids(enc, messages, generation), []
+
+
 @pytest.mark.reference
-def test_ids_equal_transformers_apply_chat_template(reference_python, tmp_path):
+def test_ids_equal_transformers_apply_chat_template(theirs):
     """Token ids of three families' real templates (Llama 3.3, Qwen3, Gemma 2) equal transformers'
-    apply_chat_template(tokenize=True); and on a template with {% generation %} tags, meshkit's
-    assistant mask (found by rendering prefixes) equals transformers' assistant_masks."""
-    cases = [(str(TEMPLATES / n), m, g, False) for n, m, g in _cases()]
-    tagged = tmp_path / "gemma2-generation"
-    _generation_template(tagged)
-    cases += [(str(tagged), TURNS, False, True), (str(tagged), TURNS[:2], False, True)]
-    theirs = _reference(reference_python, cases)
-    for (d, messages, generation, masks), (ids, assistant) in zip(cases, theirs, strict=True):
-        enc = Encoder(load_tokenizer(d), load_template(d))
-        assert _ids(enc, messages, generation) == ids, (d, generation)
-        if masks:
-            mine_ids, mine_mask = enc.encode(read_row({"messages": messages}, "case"))
-            assert mine_ids.tolist() == ids and mine_mask.tolist() == assistant, d
-            assert sum(assistant) > 0
+    apply_chat_template(tokenize=True)."""
+    _, cases = theirs
+    for name, (case, out) in cases.items():
+        if name.startswith("ids/"):
+            assert _mine(case)[0] == out["ids"], name
+
+
+@pytest.mark.reference
+def test_generation_masks_equal_transformers_assistant_masks(theirs):
+    """On templates with {% generation %} tags (SmolLM3's, TRL's Llama 3 and DeepSeek-V3 training
+    templates, Gemma 2's with tags added), the ids and the mask equal transformers' input_ids and
+    assistant_masks: 9 conversations, tool calls and null keys among them (those under 5.x only: 4.57
+    keeps the null and the template fails on it). SmolLM3's tags take in the
+    assistant header and the newline after <|im_end|> (meshkit's rendered turns did not, before)."""
+    five, cases = theirs
+    masked = {name: v for name, v in cases.items() if name.startswith("mask/")}
+    assert len(masked) == 9
+    for name, (case, out) in masked.items():
+        if not five and any(None in m.values() for m in case[1]):
+            assert out == {"error": "TypeError"}, name  # 4.x renders the null (test below)
+            continue
+        assert _mine(case) == (out["ids"], out["mask"]), name
+        assert sum(out["mask"]) > 0
+    case, out = cases["mask/smollm3/0"]
+    tok = load_tokenizer(case[0])
+    learnt = tok.decode([i for i, m in zip(out["ids"], out["mask"], strict=True) if m])
+    assert (
+        learnt
+        == "<|im_start|>assistant\nIt is 4.<|im_end|>\n<|im_start|>assistant\n9, of course.<|im_end|>\n"
+    )
+
+
+@pytest.mark.reference
+def test_messages_read_as_transformers_5_reads_them(theirs):
+    """transformers 5.x drops a message's null-valued keys (DeepSeek-R1/V3's template iterates a null
+    tool_calls otherwise: a TypeError under 4.57) and passes ``reasoning`` as ``reasoning_content``
+    (Qwen3's template renders it); meshkit renders as 5.x does."""
+    five, cases = theirs
+    for name in ("5.x/nulls", "5.x/reasoning"):
+        case, out = cases[name]
+        mine = _mine(case)[0]
+        if five:
+            assert mine == out["ids"], name
+        elif name == "5.x/nulls":
+            assert out == {"error": "TypeError"}
+        else:
+            assert mine != out["ids"]
+
+
+@pytest.mark.reference
+def test_a_llama_class_tokenizer_encodes_as_its_tokenizer_json(theirs):
+    """The real OpenLLaMA tokenizer (class LlamaTokenizer) under Mistral 7B Instruct v0.1's template:
+    meshkit's ids are its tokenizer.json's, SentencePiece's reading of each text between special tokens
+    (a ``▁`` before ``[INST]`` after ``</s>``), what the model was trained on: transformers 4.57's
+    AutoTokenizer and 5.x's PreTrainedTokenizerFast give them. 5.x's AutoTokenizer rebuilds the class
+    around the vocabulary with ``legacy=False`` and drops that ``▁``: [2, 3081, ...] for [2, 836, ...]."""
+    five, cases = theirs
+    mine = _mine(cases["llama/auto"][0])[0]
+    assert mine[:2] == [2, 836]
+    assert mine == cases["llama/fast"][1]["ids"]
+    auto = cases["llama/auto"][1]["ids"]
+    assert (auto[:2] == [2, 3081] and auto != mine) if five else auto == mine
 
 
 def _generation_template(out: Path) -> None:
     """The Gemma 2 fixture with transformers' {% generation %} tags around each answer and its end of turn."""
-    import shutil
-
     shutil.copytree(TEMPLATES / "gemma2", out)
     config = json.loads((out / "tokenizer_config.json").read_text())
     config["chat_template"] = (
@@ -123,6 +231,111 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_it():
         enc.encode_row({"messages": [SYSTEM, *TURNS]}, "chats.jsonl:3")
     ids, mask = enc.encode(read_row({"messages": [SYSTEM, *TURNS[:2]]}, "one turn"))
     assert enc.tokenizer.decode(ids[mask == 1]).endswith("It is 4.<|im_end|>")
+
+
+def _learnt(enc: Encoder, row: dict) -> tuple[str, str]:
+    """The row's whole text and its learnt text, decoded."""
+    ids, mask = enc.encode(read_row(row, "case"))
+    return enc.tokenizer.decode(ids), enc.tokenizer.decode(ids[mask == 1])
+
+
+def test_an_end_of_turn_written_only_between_messages_is_learnt():
+    """Qwen1.5's first template writes <|im_end|> after a message only when another follows: each answer
+    ends with it where the render has it, and the row's last answer is given it as the conversation
+    continued renders it (before: no answer's <|im_end|> was learnt, and the last one never written)."""
+    enc = _encoder("qwen1_5")
+    text, learnt = _learnt(enc, {"messages": TURNS})
+    assert learnt == "It is 4.<|im_end|>9, of course.<|im_end|>"
+    assert text.endswith("<|im_start|>assistant\n9, of course.<|im_end|>") and enc.added == {"<|im_end|>": 1}
+    assert enc.template.render(TURNS) + "<|im_end|>" == text
+    text, learnt = _learnt(enc, {"messages": TURNS[:3]})  # ends at a user turn: nothing added
+    assert (
+        learnt == "It is 4.<|im_end|>"
+        and text == enc.template.render(TURNS[:3])
+        and enc.added == {"<|im_end|>": 1}
+    )
+
+
+def test_a_template_without_an_end_of_turn_token_is_refused_in_one_line(tmp_path):
+    """An answer that ends in no control token: learnt as it was, a model would never learn to stop, so
+    meshkit says so: Synatra-Mixtral's template (no end of turn at all), and Qwen1.5's when the tokenizer's
+    end of text is not the <|im_end|> it writes between messages (--eos-token names it)."""
+    shutil.copytree(TEMPLATES / "llama3", tmp_path / "synatra")
+    (tmp_path / "synatra" / "chat_template.jinja").write_text(
+        (TEMPLATES / "src" / "synatra.jinja").read_text()
+    )
+    with pytest.raises(DataError, match=r"'chats.jsonl:4': chat template .*synatra.* ends assistant message 1 "
+                       r"with no end-of-turn token .*\{% generation %\} tags") as e:  # fmt: skip
+        _encoder_at(tmp_path / "synatra").encode_row({"messages": TURNS[:2]}, "chats.jsonl:4")
+    assert "\n" not in str(e.value)
+    other = Encoder(
+        load_tokenizer(TEMPLATES / "qwen1_5", eos="<|endoftext|>"), load_template(TEMPLATES / "qwen1_5")
+    )
+    with pytest.raises(DataError, match=r"writes '<\|im_end\|>' after it only when another message follows; that "
+                       r"is not the tokenizer's end-of-text token '<\|endoftext\|>'.*--eos-token <\|im_end\|>"):  # fmt: skip
+        other.encode_row({"messages": TURNS}, "chats.jsonl:5")
+
+
+def test_the_manifest_says_how_the_mask_was_found_and_what_was_added(tmp_path):
+    """``meshkit data prepare --chat`` records the mask's source and the ends of turn it added, and its
+    line says so."""
+    from meshkit.data.prepare import prepare
+    from meshkit.data.prepare_chat import summary
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (TURNS, TURNS[:2], TURNS[:3])))
+    chat = prepare([str(src)], tmp_path / "q", tokenizer=str(TEMPLATES / "qwen1_5"), chat=True)
+    assert chat["chat"]["mask"] == "rendered turns" and chat["chat"]["end_of_turn_added"] == {"<|im_end|>": 2}
+    assert "2 conversation(s) end with '<|im_end|>' added after the last answer" in summary(chat)
+    tagged = prepare([str(src)], tmp_path / "s", tokenizer=str(TEMPLATES / "smollm3"), chat=True)
+    assert tagged["chat"]["mask"] == "generation tags" and "mask from its generation tags" in summary(tagged)
+
+
+def _encoder_at(directory: Path) -> Encoder:
+    return Encoder(load_tokenizer(directory), load_template(directory))
+
+
+def test_generation_tags_are_the_mask():
+    """SmolLM3's template marks each assistant turn, header and trailing newline included, with
+    {% generation %}: that is the mask (before: the rendered turns', content and <|im_end|> only). In a
+    prompt/completion row the prompt's tagged turns and the generation prompt are context."""
+    enc = _encoder("smollm3")
+    _, learnt = _learnt(enc, {"messages": [OVERRIDE, *TURNS]})
+    assert (
+        learnt
+        == "<|im_start|>assistant\nIt is 4.<|im_end|>\n<|im_start|>assistant\n9, of course.<|im_end|>\n"
+    )
+    _, learnt = _learnt(enc, {"prompt": [OVERRIDE, *TURNS[:3]], "completion": TURNS[3:]})
+    assert learnt == "9, of course.<|im_end|>\n"
+    _, learnt = _learnt(_encoder("deepseek_training"), {"messages": TOOLS})  # tool calls, a null key
+    assert learnt.startswith("<｜Assistant｜>Let me add.<｜tool▁calls▁begin｜>") and learnt.endswith(
+        "<｜tool▁outputs▁end｜>It is 4.<｜end▁of▁sentence｜>"
+    )
+
+
+def test_null_keys_are_dropped_and_a_template_error_is_one_line():
+    """DeepSeek-R1/V3's template iterates ``tool_calls`` wherever the key is: null there is dropped as
+    transformers 5.x drops it (before: a TypeError traceback); a row the template still cannot render
+    (its arguments a dict, which it adds to a string) is one line naming the row, the template and the error."""
+    template = load_template(TEMPLATES / "deepseek")
+    assert template.render(NULLS) == template.render(TURNS)
+    with pytest.raises(DataError) as e:
+        _encoder("deepseek").encode_row({"messages": TOOLS}, "chats.jsonl:9")
+    said = str(e.value)
+    assert said.startswith("'chats.jsonl:9': chat template '") and "deepseek" in said and "\n" not in said
+    assert "fails on it (TypeError: can only concatenate str" in said
+
+
+def test_lone_surrogates_are_refused_naming_the_row_and_field():
+    """JSON's "\\ud800" reads as a lone UTF-16 surrogate, which no tokenizer encodes (before: a
+    UnicodeEncodeError traceback from the tokenizer)."""
+    row = {"messages": [TURNS[0], {"role": "assistant", "content": "bad \ud800 text"}]}
+    with pytest.raises(DataError, match=r"'chats.jsonl:2': messages\[1\].content holds a lone UTF-16 surrogate "
+                       r"\(U\+D800 at character 4\)") as e:  # fmt: skip
+        _encoder("llama3").encode_row(row, "chats.jsonl:2")
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match=r"'r': completion holds a lone UTF-16 surrogate"):
+        read_row({"prompt": "p", "completion": "\udfff"}, "r")
 
 
 def test_prompt_completion_rows():

@@ -231,6 +231,13 @@ def test_prepare_chat_writes_masks_and_the_corpus_batches_them(tmp_path):
             "'X:1' opens with the assistant's message",
         ),
         ([{"prompt": "p"}], "'X:1' has neither 'messages' .* nor 'prompt' and 'completion'"),
+        (  # JSON's "\\ud800": a lone surrogate, which no tokenizer encodes (a UnicodeEncodeError before)
+            [
+                ROWS[0],
+                {"prompt": [{"role": "user", "content": "a \ud800"}], "completion": ROWS[0]["messages"][-1:]},
+            ],
+            r"'X:2'(: prompt\[0\].content)? holds a lone UTF-16 surrogate",  # the line's reader may name it first
+        ),
     ],
 )
 def test_bad_rows_stop_prepare_naming_file_and_row(tmp_path, rows, said):

@@ -4,20 +4,34 @@ A row is a conversation (``messages``: a list of ``{role, content}``) or a promp
 (``prompt`` and ``completion``: two strings, or two lists of messages as TRL's conversational form).
 Messages render with the tokenizer's chat template (:mod:`meshkit.data.chat_template`) and the text is
 tokenised with special tokens read as such and none added, as transformers' ``apply_chat_template(...,
-tokenize=True)`` does, so the ids are those.
+tokenize=True)`` does, so the ids are those. A string holding a lone UTF-16 surrogate (JSON's
+``"\\ud800"``, which is no character) is refused naming the row and the field.
 
-The mask: assistant message ``i`` owns the characters from the end of the render of ``messages[:i]``
-with the generation prompt to the end of the render of ``messages[:i+1]`` (trailing whitespace left
-out): its content and the end-of-turn marker the template writes after it, what transformers'
-``{% generation %}`` tags mark. Each id whose characters meet those is learnt. A template whose render
-of a conversation's beginning is not the beginning of its render (one that rewrites earlier turns) is
-refused, naming it: the mask would be wrong. Plain prompt/completion strings need no template: the
-tokenizer's framing (a BOS where it prepends one), prompt + completion, and its end of text; the
-completion and the end of text are learnt.
+The mask, where the template marks the assistant's text with ``{% generation %}`` tags: the characters
+the tags enclose, each id whose characters meet them learnt, exactly transformers 5.x's
+``assistant_masks`` (``return_assistant_tokens_mask=True``): what the template's authors chose to train
+(SmolLM3's tags take in the assistant header and the newline after the end of turn).
+
+Where it has none, meshkit finds each answer by rendering the conversation's beginnings: assistant
+message ``i`` owns the characters from the end of the render of ``messages[:i]`` with the generation
+prompt (what the model is given) to the end of the render of ``messages[:i+1]`` (trailing whitespace
+left out). That must end with the end of turn, a control token (a special token, or an added token the
+template writes), so that the model learns to stop. A template that writes its end of turn only when
+another message follows (Qwen1.5's first one: ``<|im_end|>`` after every message but the last) has it
+learnt where it follows an answer, provided it is the tokenizer's end-of-text token (where generation
+stops); a row's last answer then ends with it as the conversation continued renders it (the row is
+that render, cut after the end of turn: the one place meshkit's text is not ``apply_chat_template``'s,
+counted in the manifest). A template that ends an answer with no such token, or whose render of a
+conversation's beginning is not the beginning of its render (it rewrites earlier turns), is refused in
+one line: meshkit cannot tell what it means to learn; ``{% generation %}`` tags say it.
+
+Plain prompt/completion strings need no template: the tokenizer's framing (a BOS where it prepends
+one), prompt + completion, and its end of text; the completion and the end of text are learnt.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +44,11 @@ from meshkit.data.tokenizer import Tokenizer
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a message may have."""
 FIX = "fix or remove the row"
+PROBE = {"role": "user", "content": "Go on."}
+"""A message after a row's last answer: the template then writes what ends an answer when the
+conversation goes on."""
+SURROGATE = re.compile(r"[\ud800-\udfff]")
+"""A lone UTF-16 surrogate, which JSON's ``"\\ud800"`` reads into a string and no UTF-8 text holds."""
 
 
 def _messages(value: Any, key: str, where: str) -> list[dict[str, Any]]:
@@ -46,7 +65,27 @@ def _messages(value: Any, key: str, where: str) -> list[dict[str, Any]]:
             )
         if not isinstance(m.get("content"), str):
             raise DataError(f"'{where}': {key}[{i}] ({m['role']}) has no 'content' string: {FIX}")
+    _text(value, key, where)
     return value
+
+
+def _text(value: Any, key: str, where: str) -> None:
+    """Refuses a string of ``value`` (nested in lists and dicts) holding a lone UTF-16 surrogate: JSON
+    reads ``"\\ud800"`` into one, which no tokenizer can encode (it is not UTF-8)."""
+    if isinstance(value, str):
+        found = SURROGATE.search(value)
+        if found:
+            raise DataError(
+                f"'{where}': {key} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X} at character "
+                f"{found.start()}), which is not text: write the character itself (or its surrogate pair) in the "
+                "JSON, or remove the row"
+            )
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _text(v, f"{key}[{i}]", where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _text(v, f"{key}.{k}", where)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,6 +109,8 @@ def read_row(row: dict[str, Any], where: str) -> Row:
         if isinstance(prompt, str) and isinstance(completion, str):
             if not completion:
                 raise DataError(f"'{where}': 'completion' is empty: nothing to learn; {FIX}")
+            _text(prompt, "prompt", where)
+            _text(completion, "completion", where)
             return Row(prompt=prompt, completion=completion)
         prompt = _messages(prompt, "prompt", where)
         completion = _messages(completion, "completion", where)
@@ -91,35 +132,118 @@ def read_row(row: dict[str, Any], where: str) -> Row:
 
 
 def _mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 for each id whose characters ``[start, end)`` meet one of ``spans``."""
-    start, end = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
+    """1 for each id whose characters ``[start, end)`` meet one of ``spans``: ``start < span end`` and
+    ``end > span start``, transformers 5.x's test (an empty id at a span's first character is not
+    learnt); spans as a template's blocks give them, in order and apart."""
+    start, end = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(offsets), np.uint8)
     for a, b in spans:
         mask |= ((start < b) & (end > a)).astype(np.uint8)
     return mask
 
 
+@dataclass(frozen=True, slots=True)
+class Ends:
+    """What ends an answer, for a template without ``{% generation %}`` tags: the control tokens a
+    template's text marks turns with (longest first), and the tokenizer's end-of-text token."""
+
+    controls: tuple[str, ...]
+    eos: str | None
+
+    @staticmethod
+    def of(tokenizer: Tokenizer, template: ChatTemplate) -> Ends:
+        """The tokenizer's special tokens and its other added tokens the template writes (transformers'
+        control tokens, ``_get_control_tokens``; whitespace tokens are ordinary text)."""
+        found = {t for t, special in tokenizer.added_tokens()
+                 if special or (t in template.source and not t.isspace())}  # fmt: skip
+        return Ends(tuple(sorted(found, key=len, reverse=True)), tokenizer.eos[0])
+
+
+def _refuse_rewrite(template: ChatTemplate, i: int) -> DataError:
+    return DataError(
+        f"chat template '{template.name}' renders the first {i} messages (with the generation prompt) or the "
+        f"first {i + 1} otherwise than the whole conversation begins (it rewrites earlier turns), so the "
+        "assistant's tokens cannot be told apart: use a template whose render of a conversation's beginning "
+        "is the beginning of its render, or one with {% generation %} tags"
+    )
+
+
+def _refuse_end(template: ChatTemplate, i: int, ends: Ends, found: str | None) -> DataError:
+    if found is None:
+        return DataError(
+            f"chat template '{template.name}' ends assistant message {i} with no end-of-turn token (no special "
+            "token after the answer), so a model trained on it never learns to stop and meshkit cannot tell what "
+            "should end a turn: mark what the assistant learns with {% generation %} tags, or use a template that "
+            "ends each answer with its end-of-turn token"
+        )
+    return DataError(
+        f"chat template '{template.name}' ends assistant message {i} with no end-of-turn token, and writes "
+        f"{found!r} after it only when another message follows; that is not the tokenizer's end-of-text token "
+        f"{ends.eos!r} (where generation stops), so meshkit cannot tell that it ends a turn: give --eos-token "
+        f"{found} if it does, or mark what the assistant learns with {{% generation %}} tags"
+    )
+
+
 def assistant_spans(
-    template: ChatTemplate, messages: list[dict[str, Any]], learn_from: int = 0
-) -> tuple[str, list[tuple[int, int]]]:
-    """The render of ``messages`` and the characters ``[start, end)`` of each assistant turn from
-    message ``learn_from`` on (module docstring); refuses a template whose prefixes differ."""
+    template: ChatTemplate, messages: list[dict[str, Any]], ends: Ends, learn_from: int = 0
+) -> tuple[str, list[tuple[int, int]], str]:
+    """The text of ``messages`` (the template's render), the characters ``[start, end)`` learnt of each
+    assistant turn from message ``learn_from`` on, and the end of turn added after the last answer (``""``
+    where the render has it): the ``{% generation %}`` tags' spans, else the turns found by rendering
+    the conversation's beginnings (module docstring; ``ends`` names the end-of-turn tokens)."""
+    if template.tagged:
+        text, spans = template.render_tagged(messages)
+        if learn_from:  # a prompt's own tagged turns are context, as TRL's completion mask makes them
+            prompt = template.render(messages[:learn_from], add_generation_prompt=True)
+            if not text.startswith(prompt):
+                raise _refuse_rewrite(template, learn_from)
+            spans = [(max(a, len(prompt)), b) for a, b in spans if b > len(prompt)]
+        spans = [(a, b) for a, b in spans if b > a]
+        if not spans:
+            raise DataError(
+                f"chat template '{template.name}' marks none of this conversation's text with "
+                "{% generation %}: nothing to learn; give it assistant turns its tags enclose, or remove it"
+            )
+        return text, spans, ""
     text = template.render(messages)
-    spans = []
+    spans, added = [], ""
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < learn_from:
             continue
         before = template.render(messages[:i], add_generation_prompt=True)
         upto = template.render(messages[: i + 1])
         if not (upto.startswith(before) and text.startswith(upto)):
-            raise DataError(
-                f"chat template '{template.name}' renders the first {i} messages (with the generation prompt) or the "
-                f"first {i + 1} otherwise than the whole conversation begins (it rewrites earlier turns), so the "
-                "assistant's tokens cannot be told apart: use a template whose render of a conversation's beginning "
-                "is the beginning of its render"
-            )
-        spans.append((len(before), max(len(before), len(upto.rstrip()))))
-    return text, spans
+            raise _refuse_rewrite(template, i)
+        start, end = len(before), max(len(before), len(upto.rstrip()))
+        if not (ends.controls and upto[start:end].endswith(ends.controls)):
+            last = i == len(messages) - 1
+            goes_on = _render_or_none(template, [*messages, PROBE]) if last else text
+            found = _end_of_turn(goes_on, end, ends) if goes_on and goes_on.startswith(upto[:end]) else None
+            if found is None or found[1] != ends.eos:
+                raise _refuse_end(template, i, ends, found and found[1])
+            if last:
+                added = goes_on[end : found[0]]
+                text = goes_on[: found[0]]
+            end = found[0]
+        spans.append((start, end))
+    return text, spans, added
+
+
+def _render_or_none(template: ChatTemplate, messages: list[dict[str, Any]]) -> str | None:
+    try:
+        return template.render(messages)
+    except DataError:  # a template that takes no message after an answer: no end of turn to be found
+        return None
+
+
+def _end_of_turn(text: str, at: int, ends: Ends) -> tuple[int, str] | None:
+    """(end, token) of the control token that ``text`` writes at ``at`` after only whitespace, if any."""
+    rest = text[at:]
+    stripped = rest.lstrip()
+    token = next((t for t in ends.controls if stripped.startswith(t)), None)
+    if token is None:
+        return None
+    return at + len(rest) - len(stripped) + len(token), token
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +262,9 @@ class Encoder:
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
         self.tokenizer, self.template = tokenizer, template
+        self.ends = None if template is None else Ends.of(tokenizer, template)
+        self.added: dict[str, int] = {}
+        """How many rows' last answer was given each end of turn (:func:`assistant_spans`)."""
 
     def _plan(self, row: Row) -> _Plan:
         if row.messages is None:
@@ -148,7 +275,10 @@ class Encoder:
                 "rows of messages need a chat template: give --tokenizer a chat model's directory "
                 "(its tokenizer_config.json's chat_template, or chat_template.jinja)"
             )
-        text, spans = assistant_spans(self.template, row.messages, row.learn_from)
+        assert self.ends is not None
+        text, spans, added = assistant_spans(self.template, row.messages, self.ends, row.learn_from)
+        if added:
+            self.added[added] = self.added.get(added, 0) + 1
         return _Plan(text, spans, chat=True)
 
     def _finish(self, plan: _Plan, ids: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -7,8 +7,15 @@ transformers save it) or ``tokenizer_config.json``'s ``chat_template`` (a string
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``, its
 ``tojson`` filter (``json.dumps``, no HTML escaping), ``raise_exception`` and ``strftime_now``, and the
 tokenizer's special tokens as variables (``bos_token``, ``eos_token``, ...) beside ``messages``,
-``tools=None``, ``documents=None`` and ``add_generation_prompt``. transformers' ``{% generation %}``
-tag renders its body (meshkit finds the assistant's text by rendering prefixes, :mod:`meshkit.data.chat`).
+``tools=None``, ``documents=None`` and ``add_generation_prompt``; transformers 5.x's ``dict`` and
+``namespace`` (no underscore names), and its reading of the messages: a key whose value is null is
+dropped (``"tool_calls": null`` is no tool call), and a message's reasoning (``reasoning_content``,
+``thinking`` or ``reasoning``) is passed under the first two names. transformers' ``{% generation %}``
+tag renders its body and, in :meth:`ChatTemplate.render_tagged`, records where it is, as its
+``AssistantTracker`` does: those characters are the assistant mask (:mod:`meshkit.data.chat`).
+
+A template that fails on a row (``raise_exception``, or a plain Python error such as iterating a
+null) is one line naming the template and what failed; the caller names the file and row.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +36,14 @@ from meshkit.data.tokenizer_config import CONFIG, SPECIAL_MAP, read_config, read
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens transformers passes to a template by name (``special_tokens_map``)."""
+GENERATION = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+"""How transformers tells a template with ``{% generation %}`` tags (``render_jinja_template``)."""
+REASONING = ("reasoning_content", "thinking", "reasoning")
+"""The names a message's reasoning comes under; transformers 5.x fills the first two from the first set."""
+_TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+    "meshkit_generation", default=None
+)
+"""While :meth:`ChatTemplate.render_tagged` renders: the blocks rendered so far and the generation spans."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,17 +61,59 @@ class ChatTemplate:
     def sha256(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()
 
+    @property
+    def tagged(self) -> bool:
+        """Whether the template marks the assistant's text with ``{% generation %}`` tags."""
+        return bool(GENERATION.search(self.source))
+
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False) -> str:
         """The text transformers' ``apply_chat_template(messages, tokenize=False, ...)`` gives."""
+        return "".join(self._blocks(messages, add_generation_prompt))
+
+    def render_tagged(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The render of ``messages`` and the characters ``[start, end)`` of each ``{% generation %}``
+        block, as transformers' ``AssistantTracker`` records them (a block starts where the blocks the
+        template has yielded before it end)."""
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _TRACKING.set((blocks, spans))
+        try:
+            for block in self._blocks(messages, False):
+                blocks.append(block)
+        finally:
+            _TRACKING.reset(token)
+        return "".join(blocks), spans
+
+    def _blocks(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> Any:
         import jinja2
 
+        template = _compiled(self.source)
         try:
-            return _compiled(self.source).render(
-                **self.variables, messages=messages, tools=None, documents=None,
+            yield from template.generate(
+                **self.variables, messages=_as_transformers_reads(messages), tools=None, documents=None,
                 add_generation_prompt=add_generation_prompt,
             )  # fmt: skip
         except jinja2.TemplateError as e:
             raise DataError(f"chat template '{self.name}': {_first_line(e)}") from None
+        except Exception as e:  # a plain Python error inside the template: the row does not fit it
+            raise DataError(
+                f"chat template '{self.name}' fails on it ({type(e).__name__}: {_first_line(e)}): fix the row to "
+                "the shape the template reads, or remove it"
+            ) from None
+
+
+def _as_transformers_reads(messages: list[dict[str, Any]]) -> list[Any]:
+    """The messages as transformers 5.x hands them to a template (``_normalize_chat_messages``, then
+    ``_alias_reasoning_fields``): keys whose value is null dropped, the reasoning under its names."""
+    out: list[Any] = []
+    for message in messages:
+        if isinstance(message, dict):
+            message = {k: v for k, v in message.items() if v is not None}
+            reasoning = next((message[k] for k in REASONING if message.get(k) is not None), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
 
 
 def _first_line(e: BaseException) -> str:
@@ -67,10 +126,12 @@ def _compiled(source: str) -> Any:
     import jinja2
     import jinja2.ext
     import jinja2.nodes
+    import jinja2.utils
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
-        """transformers' ``{% generation %}...{% endgeneration %}``: renders its body."""
+        """transformers' ``{% generation %}...{% endgeneration %}``: renders its body, and records its
+        characters while :meth:`ChatTemplate.render_tagged` renders."""
 
         tags = frozenset({"generation"})
 
@@ -80,7 +141,43 @@ def _compiled(source: str) -> Any:
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
         def _body(self, caller: Any) -> str:
-            return caller()
+            text = caller()
+            tracking = _TRACKING.get()
+            if tracking is not None:
+                blocks, spans = tracking
+                start = sum(map(len, blocks))
+                spans.append((start, start + len(text)))
+            return text
+
+    class TemplateDict:
+        """transformers 5.x's ``dict``: a plain dict, no attribute access to the type."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """transformers 5.x's ``namespace``: no underscore-prefixed names."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}."
+                )
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -100,6 +197,8 @@ def _compiled(source: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:

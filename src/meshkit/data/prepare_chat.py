@@ -5,9 +5,10 @@ Rows of JSONL, Parquet or a datasets directory (:mod:`meshkit.data.readers`), ea
 :class:`meshkit.data.chat.Encoder` (the tokenizer's chat template applied as transformers applies it),
 written as ``meshkit data prepare`` writes token shards, with no end-of-text id after them (the template
 ends each turn), and a mask shard beside each token shard (a byte per id, 1 where it is learnt). The
-manifest's ``chat`` key says so: the mask shards, the template, and the counts. A bad row (no messages,
-an unknown role, a template that refuses it) stops it with one line naming the file, row and fix, and
-leaves nothing written.
+manifest's ``chat`` key says so: the mask shards, the template, how its mask was found (its ``{%
+generation %}`` tags, or its rendered turns), the end of turn given to rows whose template writes it
+only between messages, and the counts. A bad row (no messages, an unknown role, a template that
+refuses it) stops it with one line naming the file, row and fix, and leaves nothing written.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from meshkit.data.chat_template import TEMPLATE_FILE, ChatTemplate, load_templat
 from meshkit.data.readers import ROWS, Input, json_row
 from meshkit.data.source import DataError
 from meshkit.data.tokenizer import Tokenizer
+from meshkit.data.tokenizer_config import read_config
 
 FIELDS = ("messages", "prompt", "completion")
 """The columns a chat row is read from."""
 CHUNK = 256
 """Rows rendered, then encoded together on the tokenizer's threads."""
+REBUILT_BY_5 = ("LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer")
+"""SentencePiece-style classes whose pipeline transformers 5.x's AutoTokenizer rebuilds around the
+vocabulary, ignoring the tokenizer.json's (docs/data.md, a model's own tokenizer)."""
 
 
 def records(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -131,7 +136,11 @@ def write_chat(
         (work / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     chat = {"masks": mask_out.shards, "learnt_tokens": learnt,
             "template": None if template is None else template.name,
-            "template_sha256": None if template is None else template.sha256}  # fmt: skip
+            "template_sha256": None if template is None else template.sha256,
+            "mask": None if template is None else "generation tags" if template.tagged else "rendered turns",
+            "end_of_turn_added": encoder.added,
+            "tokenizer_class": read_config(Path(tokenizer).parent if Path(tokenizer).is_file()
+                                           else Path(tokenizer)).tokenizer_class}  # fmt: skip
     return {
         "documents": len(ids_out.doc_ends),
         "tokens": ids_out.tokens,
@@ -159,4 +168,19 @@ def summary(manifest: dict[str, Any]) -> str:
     """What the CLI says of a chat preparation."""
     chat = manifest["chat"]
     share = chat["learnt_tokens"] / max(manifest["tokens"], 1)
-    return f"{chat['learnt_tokens']:,} of them learnt ({share:.1%}; template {chat['template'] or 'none'})"
+    how = f", mask from its {chat['mask']}" if chat.get("mask") else ""
+    said = (
+        f"{chat['learnt_tokens']:,} of them learnt ({share:.1%}; template {chat['template'] or 'none'}{how})"
+    )
+    for token, rows in (chat.get("end_of_turn_added") or {}).items():
+        said += (
+            f"; {rows:,} conversation(s) end with {token!r} added after the last answer (the template writes it "
+            "only when another message follows: it ends a turn, and is learnt)"
+        )
+    if chat.get("tokenizer_class") in REBUILT_BY_5:
+        said += (
+            f"; note: transformers 5.x's AutoTokenizer rebuilds this {chat['tokenizer_class']} and may encode the "
+            "text after a special token otherwise: these ids are its tokenizer.json's (4.x's, "
+            "PreTrainedTokenizerFast's in 5.x), see docs/data.md"
+        )
+    return said

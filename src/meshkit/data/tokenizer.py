@@ -116,6 +116,11 @@ class Tokenizer:
     def to_str(self) -> str:
         return self._tok.to_str()
 
+    def added_tokens(self) -> list[tuple[str, bool]]:
+        """Each added token's text and whether it is special, in id order."""
+        decoder = self._tok.get_added_tokens_decoder()
+        return [(decoder[i].content, bool(decoder[i].special)) for i in sorted(decoder)]
+
     def special(self, i: int) -> str | None:
         """The string of id ``i`` if it is one of the tokenizer's special tokens, else None."""
         token = self._tok.get_added_tokens_decoder().get(i)
