@@ -208,6 +208,10 @@ def test_bad_parquet_and_datasets_inputs_are_one_line(tmp_path, capsys):
                      "a.parquet' has no column 'text' (its text columns: body): give --text-field")  # fmt: skip
     _one_line_exit_2(capsys, ["data", "prepare", str(tmp_path / "a.parquet"), "--text-field", "n", *out],
                      "column 'n' holds int64, not text")  # fmt: skip
+    not_utf8 = pa.array([b"fine", b"ok", b"\xff\xfe"], pa.binary()).view(pa.string())  # Arrow need not check
+    pq.write_table(pa.table({"text": not_utf8}), tmp_path / "b.parquet", row_group_size=2)
+    _one_line_exit_2(capsys, ["data", "prepare", str(tmp_path / "b.parquet"), *out],
+                     "b.parquet' row 3: column 'text' is not UTF-8 (byte 0xff at offset 0)")  # fmt: skip
     (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
     _one_line_exit_2(capsys, ["data", "prepare", str(tmp_path / "junk.parquet"), *out], "cannot read")
     _one_line_exit_2(capsys, ["data", "prepare", str(FIXTURE / "dict"), "--split", "validation", *out],

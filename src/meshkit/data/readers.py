@@ -351,8 +351,10 @@ def _parquet(inp: Input, field: str) -> Iterator[str | None]:
     try:
         with pq.ParquetFile(inp.path) as f:
             _column(inp.name, f.schema_arrow, field)
+            rows = 0
             for batch in f.iter_batches(batch_size=ROWS, columns=[field]):
-                yield from batch.column(0).to_pylist()
+                yield from _strings(batch.column(0), inp.name, field, rows)
+                rows += batch.num_rows
     except (pa.ArrowException, OSError) as e:
         raise DataError(
             f"cannot read '{inp.name}' as Parquet ({_first_line(e)}): give a Parquet file"
@@ -368,12 +370,31 @@ def _arrow(inp: Input, field: str) -> Iterator[str | None]:
             with pa.OSFile(str(path)) as f:
                 stream = pa.ipc.open_stream(f)
                 _column(str(path), stream.schema, field)
+                rows = 0
                 for batch in stream:
-                    yield from batch.column(field).to_pylist()
+                    yield from _strings(batch.column(field), str(path), field, rows)
+                    rows += batch.num_rows
         except (pa.ArrowException, OSError) as e:
             raise DataError(
                 f"cannot read '{path}' as an Arrow stream ({_first_line(e)}): save the dataset again with save_to_disk"
             ) from None
+
+
+def _strings(column: Any, name: str, field: str, before: int) -> list[str | None]:
+    """A record batch's text column as Python strings; a value that is not UTF-8 (Arrow writers need not
+    check) is one line naming the file and row."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        for i in range(len(column)):
+            try:
+                column[i].as_py()
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"'{name}' row {before + i + 1}: column '{field}' is not UTF-8 (byte 0x{e.object[e.start]:02x} "
+                    f"at offset {e.start}): fix or remove the row"
+                ) from None
+        raise
 
 
 def _first_line(e: BaseException) -> str:
