@@ -116,6 +116,18 @@ def test_shards_are_verified_once_and_a_changed_shard_is_refused(tmp_path, scans
     assert sorted(scans) == sorted(shard_names * 2)
 
 
+def test_document_offsets_that_do_not_fit_the_stream_are_refused(tmp_path):
+    data = _prepared(tmp_path)
+    tokens = json.loads((data / S.MANIFEST).read_text())["tokens"]
+    assert S.documents(data, tokens)[-1] == tokens
+    for ends in ([5, 3, tokens], [0, tokens], [3, tokens - 1], []):
+        np.save(data / S.DOCUMENTS, np.array(ends, np.int64))
+        with pytest.raises(
+            DataError, match=f"does not hold the documents' increasing end offsets, the last {tokens}"
+        ):
+            S.documents(data, tokens)
+
+
 def test_a_run_never_trains_on_a_tampered_shard(tmp_path, capsys):
     data = _prepared(tmp_path)
     shard = data / "shard-00000.bin"

@@ -170,7 +170,7 @@ def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any,
     from meshkit.data.source import ShardSource
 
     files, sizes = read_chat(directory, manifest)
-    ends = shards.documents(directory)
+    ends = shards.documents(directory, len(stream))
     starts = np.concatenate([[0], ends[:-1]])
     if len(ends) < 2:
         raise DataError(

@@ -280,7 +280,10 @@ def cache_dir() -> Path | None:
         return None
     if choice:
         return Path(choice).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshkit" / "verified"
+    try:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshkit" / "verified"
+    except (RuntimeError, KeyError):  # no home directory: verified at every open
+        return None
 
 
 def stamp_path(directory: Path) -> Path | None:
@@ -447,13 +450,20 @@ def stamp_prepared(directory: Path, shards: list[Shard]) -> None:
     _write_stamp(path, directory, entries, 0)
 
 
-def documents(directory: Path) -> np.ndarray:
+def documents(directory: Path, tokens: int | None = None) -> np.ndarray:
     """End offsets of the documents (after each one's end-of-text) in the stream; a missing or unreadable
-    file is one line naming the fix."""
+    file, or one that is not increasing offsets ending at ``tokens`` (the stream's length, where given),
+    is one line naming the fix."""
+    path, again = directory / DOCUMENTS, f"prepare '{directory}' again with meshkit data prepare"
     try:
-        return np.load(directory / DOCUMENTS, allow_pickle=False)
-    except (OSError, ValueError) as e:
+        ends = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"'{path}' cannot be read ({type(e).__name__}): {again}") from None
+    ok = ends.ndim == 1 and ends.dtype.kind in "iu" and len(ends) > 0
+    ok = ok and bool(ends[0] > 0) and bool(np.all(np.diff(ends) > 0))
+    if not ok or (tokens is not None and int(ends[-1]) != tokens):
         raise DataError(
-            f"'{directory / DOCUMENTS}' cannot be read ({type(e).__name__}): prepare '{directory}' again with "
-            f"meshkit data prepare"
-        ) from None
+            f"'{path}' does not hold the documents' increasing end offsets"
+            f"{'' if tokens is None else f', the last {tokens}'}: {again}"
+        )
+    return ends
