@@ -30,6 +30,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# Records of verified token shards (meshkit.data.shards: one per prepared directory) go to a directory of
+# this run's, not the user's ~/.cache: the suite prepares hundreds of temporary directories.
+os.environ.setdefault("MESHKIT_DATA_CACHE", tempfile.mkdtemp(prefix="meshkit-tests-verified-"))
+
 # The tests' programs are tiny and run a few steps: compiling them is most of the suite's CPU time, and
 # XLA's backend optimisations (LLVM's passes) are most of a compile, so the suite turns them off, as
 # JAX's own test suite does (JAX_DISABLE_MOST_OPTIMIZATIONS: backend optimisation level 0, no
