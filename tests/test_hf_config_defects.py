@@ -119,7 +119,7 @@ def test_init_from_a_checkpoint_whose_head_dim_is_not_width_over_heads(tmp_path)
 
 def test_the_runs_flops_count_its_own_sequence_not_the_checkpoints_positions(tmp_path):
     from meshkit.train.job import prepare
-    from meshkit.train.loop import results
+    from meshkit.train.results import results
 
     vocab = len(load(C.tiny().data).chars)
     model = llama.LlamaConfig(vocab_size=vocab, seq_len=8192, layers=1, width=32, heads=4, kv_heads=2, ffn=64)

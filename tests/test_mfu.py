@@ -11,8 +11,9 @@ from meshkit.cli import main
 from meshkit.planner.hardware import HARDWARE, for_device, peak_flops
 from meshkit.train import config as C
 from meshkit.train.job import prepare
-from meshkit.train.loop import results, train
+from meshkit.train.loop import train
 from meshkit.train.plots import summary
+from meshkit.train.results import results
 
 # device_kind strings as JAX reports them: TPUs as jax/_src/pallas/mosaic (ChipVersion) and libtpu name
 # them, GPUs as the CUDA driver does (nvidia-smi's names).

@@ -15,7 +15,7 @@ from meshkit.cli import main
 from meshkit.data.prepare import prepare as prepare_data
 from meshkit.spec.batch import TokenBatch
 from meshkit.train import config as C
-from meshkit.train import loop
+from meshkit.train import loop, results
 from meshkit.train import task as tasks
 from meshkit.train.job import prepare
 
@@ -84,7 +84,7 @@ def test_sft_step_is_the_masked_loss_and_logs_its_trained_tokens(job):
 
 
 def test_held_out_loss_uses_the_weights(job):
-    out = loop.evaluate(job)
+    out = results.evaluate(job)
     t, n = job.trainer, job.cfg.batch_size
     stream = job.data.batches(seq_len=16, global_batch=n, seed=job.cfg.seed, held_out=True)
     batches = [next(stream) for _ in range(job.cfg.eval_batches)]
@@ -117,7 +117,7 @@ def test_held_out_loss_is_per_learnt_target_and_a_batch_with_none_counts_nothing
         job.data.batches(seq_len=16, global_batch=job.cfg.batch_size, seed=job.cfg.seed, held_out=True)
     )
     want = float(job.eval_loss(job.trainer.params, first))
-    assert loop.evaluate(job)["eval_loss"] == pytest.approx(want, rel=1e-6) and want > 0
+    assert results.evaluate(job)["eval_loss"] == pytest.approx(want, rel=1e-6) and want > 0
 
 
 def test_a_non_finite_loss_stops_the_run_before_it_saves(job, tmp_path, monkeypatch):

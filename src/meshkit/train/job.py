@@ -55,7 +55,7 @@ class Job:
     stopped_by: int | None = None
     """The signal (SIGINT, SIGTERM) that stopped training early, if one did."""
     utilisation: tuple[int, float | None, str] | None = None
-    """Model FLOPs per token, peak FLOP/s per device and its source (``loop._utilisation``, once per run)."""
+    """Model FLOPs per token, peak FLOP/s per device and its source (``results.utilisation``, once per run)."""
 
     @property
     def writer(self) -> bool:

@@ -1,4 +1,4 @@
-"""``meshkit train``: a character-level GPT trained under any plan, with proof of what it cost.
+"""``meshkit train``: a model trained under any plan, with proof of what it cost.
 
 ``run(cfg)`` prepares everything that can fail on bad input before it writes a byte (data,
 model, plan, mesh, resume checkpoint), then trains with a progress bar, evaluates on the held-out
@@ -6,7 +6,8 @@ split, checkpoints with orbax (periodically and at the end in the background, th
 while the files are written; on SIGINT or SIGTERM at a step every process agrees on, waiting for it:
 :mod:`meshkit.train.stop`), and finishes with
 ``report.json`` (loss, throughput, communication and memory measured beside the model, FLOPs),
-``loss.png``, ``cost.png`` and a summary table. Only process 0 writes files.
+``loss.png``, ``cost.png`` and a summary table (what it reports is computed in
+:mod:`meshkit.train.results`). Only process 0 writes files.
 """
 
 from __future__ import annotations
@@ -24,23 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshkit._errors import MeshkitError
-from meshkit.data import global_batch, process_rows
-from meshkit.data.mixture import realised
-from meshkit.devices import host
+from meshkit.data import global_batch
 from meshkit.fmt import to_json
-from meshkit.models import module_of, num_params
-from meshkit.planner.hardware import peak_flops
-from meshkit.spec.batch import extras
+from meshkit.models import num_params
 from meshkit.train import config as C
 from meshkit.train import evals, optim
 from meshkit.train.checkpoint import Checkpointer
-from meshkit.train.job import Job, check_no_checkpoints, family_params, lock_first, prepare, take_new_dir
+from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
     lock_run_dir,
     make_run_dir,
@@ -50,62 +45,10 @@ from meshkit.train.lock import (
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
 from meshkit.train.profile import PROFILE_DIR, StepProfiler, summary_table
 from meshkit.train.profile import check_steps as check_profile
+from meshkit.train.results import evaluate, mfu, moe_slots, proof, results, sample
 from meshkit.train.stop import StopRequest
 from meshkit.train.stop import exit_code as stop_exit_code
-from meshkit.train.task import batch_options, trained_tokens
-
-
-# -- the loop ---------------------------------------------------------------------------------
-def evaluate(job: Job) -> dict[str, float]:
-    """Held-out loss over ``eval_batches`` fixed held-out batches: ``eval_loss`` in nats per token and,
-    where the ids stand for text, ``eval_bpb`` in bits per byte (comparable across tokenizers). A
-    mixture's sources each on their own held-out split (``eval_loss/NAME``, ``eval_bpb/NAME``), and
-    ``eval_loss``/``eval_bpb`` their mean weighted by the mixture's weights. With ``--eval-tasks``, each
-    task's ``acc/NAME`` and ``acc_norm/NAME`` (:mod:`meshkit.train.evals`)."""
-    # --eval-tasks: acc/NAME, acc_norm/NAME
-    tasks = {} if job.tasks is None else job.tasks(job.trainer.params)  # merged inside (evals.build)
-    if not job.data.parts:
-        return _held_out(job, None) | tasks
-    out: dict[str, float] = {}
-    for i, part in enumerate(job.data.parts):
-        one = _held_out(job, i)
-        for key, value in one.items():
-            out[key] = out.get(key, 0.0) + part.weight * value
-            out[f"{key}/{part.name}"] = value
-    return out | tasks
-
-
-def _held_out(job: Job, part: int | None) -> dict[str, float]:
-    """``evaluate`` on the held-out split (of the mixture's source ``part``)."""
-    t = job.trainer
-    examples = job.cfg.batch_size
-    stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=examples, seed=job.cfg.seed, held_out=True,
-                              part=part, rows=process_rows(t.shardings.batch, examples), **batch_options(job.cfg))  # fmt: skip
-    losses, targets, nats, counted = [], [], 0.0, 0
-    tokens = examples * job.cfg.seq_len
-    for _ in range(job.cfg.eval_batches):
-        local = next(stream)
-        losses.append(float(job.eval_loss(t.params, global_batch(t.shardings.batch, local, examples))))
-        learnt = trained_tokens(local, tokens)  # weighted (fine-tuning): the masked mean of `learnt`
-        nats += losses[-1] * (tokens if learnt is None else learnt)
-        counted += tokens if learnt is None else learnt
-        weights = extras(local)[0]
-        targets.append(local[1] if weights is None else local[1][np.asarray(weights) > 0])
-    # per target, not per batch: a weighted batch's loss is its own masked mean, and one with nothing to
-    # learn (a conversation cut before its answer) is 0 and counts no target (nan: none in any batch)
-    out = {"eval_loss": nats / counted if counted else float("nan")}
-    if job.data.token_bytes is not None:
-        # each process holds its rows of the held-out batches: every row counted once, also where the
-        # processes hold the same rows (a batch axis within each process)
-        copies = jax.process_count() * stream.local_batch / examples
-        nbytes = np.array([sum(job.data.target_bytes(t) for t in targets) / copies], np.float64)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            nbytes = multihost_utils.process_allgather(nbytes)
-        if (bpb := job.data.bits_per_byte(nats, int(np.sum(nbytes)))) is not None:
-            out["eval_bpb"] = bpb
-    return out
+from meshkit.train.task import trained_tokens
 
 
 @contextlib.contextmanager
@@ -201,13 +144,13 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.batch_size * job.cfg.seq_len / elapsed,
            "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"]),
            **job.batches.delivered(job.batches.batch)}  # fmt: skip
-    if (mfu := _mfu(job, row["tokens_per_s"])) is not None:
-        row["mfu"] = mfu
+    if (used := mfu(job, row["tokens_per_s"])) is not None:
+        row["mfu"] = used
     if (learnt := trained_tokens(local, job.cfg.batch_size * job.cfg.seq_len)) is not None:
         row["trained_tokens"] = learnt  # fine-tuning: the targets the masked loss learnt from
     if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
         row["dropped_fraction"] = fraction = float(metrics["dropped_fraction"])
-        row["dropped_tokens"] = round(fraction * _moe_slots(job))
+        row["dropped_tokens"] = round(fraction * moe_slots(job))
         row["router_aux"] = float(metrics["router_aux"])
     job.history.append(row)
     return row
@@ -237,28 +180,6 @@ def check_finite(job: Job, row: dict[str, Any], ckpt: Checkpointer | None) -> No
         f"step {job.step}: the loss is {loss:.6g} and the gradient norm {norm:.6g}: training stopped before "
         f"saving this step ({kept}): {fix}"
     )
-
-
-def _utilisation(job: Job) -> tuple[int, float | None, str]:
-    """The model's training FLOPs per token at the run's sequence length (attention included), the
-    devices' peak FLOP/s each, and where that peak comes from (``planner.hardware.peak_flops``)."""
-    if job.utilisation is None:
-        flops = module_of(job.model).flops_per_token(job.model, job.cfg.seq_len)
-        kind = jax.devices()[0].device_kind
-        job.utilisation = (flops, *peak_flops(kind, job.cfg.parallel.precision, job.cfg.peak_tflops))
-    return job.utilisation
-
-
-def _mfu(job: Job, tokens_per_s: float) -> float | None:
-    """Model FLOPs utilisation: the model's FLOP/s over every device's peak (None where no peak is known)."""
-    flops, peak, _ = _utilisation(job)
-    return None if peak is None else tokens_per_s * flops / (job.trainer.num_devices * peak)
-
-
-def _moe_slots(job: Job) -> int:
-    """Token-slots a step routes: tokens x experts per token x layers of the global batch."""
-    m = job.model
-    return job.cfg.batch_size * job.cfg.seq_len * m.experts_per_token * m.layers
 
 
 def _log(job: Job, row: dict[str, Any]) -> None:
@@ -297,30 +218,6 @@ def _trainable(job: Job) -> str:
     return f" ({num_params(frozen.train(job.trainer.params)):,} trainable)"
 
 
-# -- the end ----------------------------------------------------------------------------------
-def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
-    """Text sampled from the trained model, primed with the start of the held-out split."""
-    if chars <= 0 or job.data.decoder is None:
-        return ""
-    params = jax.device_put(host(job.trainer.params), jax.local_devices()[0])  # every process, all shards
-    params = family_params(job.cfg, params)
-    t_len = job.cfg.seq_len
-    ctx = np.asarray(job.data.held_out.read(0, t_len), np.int32)
-
-    @jax.jit
-    def next_token(p, window, key):
-        logits = module_of(job.model).apply(p, window[None], job.model)[0, -1].astype(jnp.float32)
-        return jax.random.categorical(key, logits / temperature)
-
-    key, out = jax.random.key(job.cfg.seed), []
-    while len(out) < chars and (job.data.tokenizer == "characters" or len(job.data.decode(out)) < chars):
-        key, sub = jax.random.split(key)
-        tok = int(next_token(params, jnp.asarray(ctx), sub))
-        out.append(tok)
-        ctx = np.concatenate([ctx[1:], [tok]]).astype(np.int32)
-    return job.data.decode(np.asarray(out, np.int32))
-
-
 def _packing_line(job: Job) -> str:
     """Conversations packed into rows (fine-tuning data): how many, and how many were cut to a row (their
     answers' cut tokens are not learnt), else nothing."""
@@ -328,89 +225,6 @@ def _packing_line(job: Job) -> str:
         return ""
     cut = f", [bold]{p['truncated']:,} cut[/] to --seq-len {job.cfg.seq_len} + 1" if p["truncated"] else ""
     return f"; {p['documents']:,} conversations packed in {p['rows']:,} rows ({p['fill']:.0%} filled{cut})"
-
-
-def results(job: Job) -> dict[str, Any]:
-    """What the run achieved: loss, throughput, FLOPs and MFU; needs nothing but the history."""
-    t = job.trainer
-    steady = [h["tokens_per_s"] for h in job.history[1:]] or [h["tokens_per_s"] for h in job.history]
-    tokens_per_s = float(np.median(steady)) if steady else 0.0
-    flops, peak, peak_source = _utilisation(job)
-    return {
-        "plan": job.cfg.parallel.plan,
-        "precision": job.cfg.parallel.precision,
-        "attention": job.cfg.parallel.attention,
-        "attention_kernels": sorted(t.assembled.attention.used),
-        "mesh": dict(t.mesh.shape),
-        "devices": t.num_devices,
-        "platform": jax.default_backend(),
-        "processes": jax.process_count(),
-        "params": num_params(t.params),
-        "data": job.data.source,
-        "steps": job.step,
-        "initial_loss": job.history[0]["loss"] if job.history else None,
-        "final_loss": job.history[-1]["loss"] if job.history else None,
-        "eval_loss": job.evals[-1]["eval_loss"] if job.evals else None,
-        "eval_bpb": job.evals[-1].get("eval_bpb") if job.evals else None,
-        **({"tasks": evals.summary(job.evals[-1])} if job.evals and job.tasks is not None else {}),
-        "tokenizer": job.data.tokenizer,
-        "vocab": job.data.vocab_size,
-        **({"packing": packing} if (packing := job.batches.packing_summary) is not None else {}),
-        **_mixture(job),
-        "tokens_per_s": tokens_per_s,
-        "step_time_s": float(np.median([h["step_time_s"] for h in job.history[1:]] or [0.0])),
-        "model_flops_per_token": flops,
-        "achieved_flops_per_s": tokens_per_s * flops,
-        "peak_flops_per_device": peak,
-        "peak_source": peak_source,
-        "mfu": _mfu(job, tokens_per_s),
-        **_dropped(job),
-    }
-
-
-def _mixture(job: Job) -> dict[str, Any]:
-    """A mixture: per source what it delivered over the run (rows, tokens, share beside its weight,
-    epochs) and its last held-out loss."""
-    if not job.data.parts or not job.history:
-        return {}
-    sources = realised(job.data.parts, job.history[-1], job.cfg.seq_len)
-    last = job.evals[-1] if job.evals else {}
-    for source in sources:
-        source["eval_loss"] = last.get(f"eval_loss/{source['name']}")
-    return {"mixture": sources}
-
-
-def _dropped(job: Job) -> dict[str, Any]:
-    """A mixture of experts: the token-slots dropped over the run (past an expert's capacity), and
-    their share of every slot routed."""
-    counts = [h["dropped_tokens"] for h in job.history if "dropped_tokens" in h]
-    if not counts:
-        return {}
-    return {"dropped_tokens": sum(counts), "dropped_fraction": sum(counts) / (len(counts) * _moe_slots(job))}
-
-
-def proof(job: Job) -> dict[str, Any]:
-    """What the run cost: communication and memory measured from the compiled step beside the model."""
-    probe = next(job.data.batches(seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size, seed=job.cfg.seed,
-                                  process_index=0, process_count=1))  # fmt: skip
-    plan_report = job.trainer.report(probe)
-    if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:
-        from meshkit.plans import plot_schedule as plot
-
-        p = plan_report.pipeline
-        plot(p.record, job.run_dir / "schedule.png", v=p.virtual_stages,
-             title=f"{p.schedule}, stage={p.stages}, microbatches={p.microbatches}")  # fmt: skip
-    keep = (
-        "communication",
-        "memory",
-        "compiled_memory",
-        "replicated_leaves",
-        "peak",
-        "pipeline",
-        "deterministic",
-    )
-    return {"mesh": plan_report.mesh, "checks_ok": plan_report.ok,
-            **{k: v for k, v in plan_report.to_json().items() if k in keep}}  # fmt: skip
 
 
 def _attempt(what: str, problems: list[str], fn, *args) -> Any:
