@@ -124,6 +124,20 @@ def _first_line(e: BaseException) -> str:
 def _compiled(source: str) -> Any:
     """The template compiled in transformers' environment (one per source, as transformers caches)."""
     import jinja2
+
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(
+            f"the chat template does not compile ({_first_line(e)}, line {e.lineno}): fix it in the tokenizer's directory"
+        ) from None
+
+
+@functools.cache
+def _environment() -> Any:
+    """transformers' environment for chat templates: its sandbox, filters, globals and the
+    ``{% generation %}`` tag (jinja2 imported here, when a template is first compiled)."""
+    import jinja2
     import jinja2.ext
     import jinja2.nodes
     import jinja2.utils
@@ -199,12 +213,7 @@ def _compiled(source: str) -> Any:
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise DataError(
-            f"the chat template does not compile ({_first_line(e)}, line {e.lineno}): fix it in the tokenizer's directory"
-        ) from None
+    return env
 
 
 def _token(value: Any) -> Any:
