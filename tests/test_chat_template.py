@@ -331,7 +331,7 @@ def test_lone_surrogates_are_refused_naming_the_row_and_field():
     UnicodeEncodeError traceback from the tokenizer)."""
     row = {"messages": [TURNS[0], {"role": "assistant", "content": "bad \ud800 text"}]}
     with pytest.raises(DataError, match=r"'chats.jsonl:2': messages\[1\].content holds a lone UTF-16 surrogate "
-                       r"\(U\+D800 at character 4\)") as e:  # fmt: skip
+                       r"\(\\ud800 at character 4\)") as e:  # fmt: skip
         _encoder("llama3").encode_row(row, "chats.jsonl:2")
     assert "\n" not in str(e.value)
     with pytest.raises(DataError, match=r"'r': completion holds a lone UTF-16 surrogate"):

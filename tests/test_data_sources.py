@@ -185,7 +185,7 @@ BAD_LINES = {
     "no text at all": ('{"text": ""}\n{"text": null}\n', "the inputs hold no text (2 rows, every one empty)"),
     "lone surrogate": (
         '{"text": "fine \\ud83d\\ude00"}\n{"text": "a \\ud800 alone"}\n',
-        "bad.jsonl:2' holds a lone UTF-16 surrogate (\\ud800)",
+        "bad.jsonl:2': text holds a lone UTF-16 surrogate (\\ud800 at character 2)",
     ),
     "nested too deeply": ("[" * 100_000 + "]" * 100_000 + "\n", "bad.jsonl:1' is nested too deeply to read"),
 }

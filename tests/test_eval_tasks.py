@@ -195,7 +195,10 @@ def test_scores_under_a_sharded_plan_equal_one_device(plan, mesh):
         ('{"query": "q", "choices": ["a"], "gold": 0}', "at least two"),
         ('{"query": "q", "choices": ["a", "b"], "gold": 2}', "0 to 1; got 2"),
         ('{"query": "q", "choices": ["a", "b"], "label": true}', "0 to 1; got true"),
-        ('{"query": "q \\udc00", "choices": ["a", "b"], "gold": 0}', "lone UTF-16 surrogate (\\udc00)"),
+        (
+            '{"query": "q \\udc00", "choices": ["a", "b"], "gold": 0}',
+            "query holds a lone UTF-16 surrogate (\\udc00 at character 2)",
+        ),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ],
     ids=lambda v: v[:40] if isinstance(v, str) else v,

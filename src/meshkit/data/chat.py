@@ -31,13 +31,13 @@ one), prompt + completion, and its end of text; the completion and the end of te
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from meshkit.data.chat_template import ChatTemplate
+from meshkit.data.readers import lone_surrogate, surrogate_said
 from meshkit.data.source import DataError
 from meshkit.data.tokenizer import Tokenizer
 
@@ -47,8 +47,6 @@ FIX = "fix or remove the row"
 PROBE = {"role": "user", "content": "Go on."}
 """A message after a row's last answer: the template then writes what ends an answer when the
 conversation goes on."""
-SURROGATE = re.compile(r"[\ud800-\udfff]")
-"""A lone UTF-16 surrogate, which JSON's ``"\\ud800"`` reads into a string and no UTF-8 text holds."""
 
 
 def _messages(value: Any, key: str, where: str) -> list[dict[str, Any]]:
@@ -70,22 +68,10 @@ def _messages(value: Any, key: str, where: str) -> list[dict[str, Any]]:
 
 
 def _text(value: Any, key: str, where: str) -> None:
-    """Refuses a string of ``value`` (nested in lists and dicts) holding a lone UTF-16 surrogate: JSON
-    reads ``"\\ud800"`` into one, which no tokenizer can encode (it is not UTF-8)."""
-    if isinstance(value, str):
-        found = SURROGATE.search(value)
-        if found:
-            raise DataError(
-                f"'{where}': {key} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X} at character "
-                f"{found.start()}), which is not text: write the character itself (or its surrogate pair) in the "
-                "JSON, or remove the row"
-            )
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _text(v, f"{key}[{i}]", where)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _text(v, f"{key}.{k}", where)
+    """Refuses a string of ``value`` (nested in lists and dicts) holding a lone UTF-16 surrogate, which no
+    tokenizer can encode (rows given in Python: JSONL lines are refused as they are read)."""
+    if (bad := lone_surrogate(value, key)) is not None:
+        raise DataError(f"'{where}': {surrogate_said(*bad)}, or {FIX}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

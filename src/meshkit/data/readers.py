@@ -295,31 +295,39 @@ def json_row(where: str, raw: bytes) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise DataError(f"'{where}' is a JSON {type(row).__name__}, not an object: {fix}")
     if (b"\\ud" in raw or b"\\uD" in raw) and (bad := lone_surrogate(row)) is not None:
-        raise DataError(
-            f"'{where}' holds a lone UTF-16 surrogate (\\u{ord(bad):04x}), which is no character and no UTF-8 "
-            f"text can hold: {fix}"
-        )
+        raise DataError(f"'{where}': {surrogate_said(*bad)}: {fix}")
     return row
 
 
-def lone_surrogate(value: Any) -> str | None:
-    """The first lone UTF-16 surrogate in a JSON value's strings (keys too), None where there is none.
-    JSON's ``\\ud800`` escapes decode to such code points, which no text encodes; only a line with a
-    ``\\ud`` escape can hold one, so only such lines are walked."""
-    stack = [value]
+def lone_surrogate(value: Any, key: str = "") -> tuple[str, int, str] | None:
+    """Where a JSON value's strings (keys too) first hold a lone UTF-16 surrogate: ``(key path, character
+    index, the surrogate)``, None where none does. JSON's ``\\ud800`` escapes decode to such code points,
+    which no text encodes and no tokenizer reads (JSONL lines are walked only where they hold a ``\\ud``
+    escape)."""
+    stack = [(key, value)]
     while stack:
-        item = stack.pop()
+        path, item = stack.pop()
         if isinstance(item, str):
             if not item.isascii():
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    return item[e.start]
+                    return path, e.start, item[e.start]
         elif isinstance(item, dict):
-            stack += [*item.keys(), *item.values()]
+            stack += [(f"{path} key", k) for k in item] + [
+                (f"{path}.{k}".lstrip("."), v) for k, v in item.items()
+            ]
         elif isinstance(item, list):
-            stack += item
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(item)]
     return None
+
+
+def surrogate_said(path: str, index: int, char: str) -> str:
+    """What a lone surrogate (``lone_surrogate``'s finding) is, for an error line."""
+    return (
+        f"{path or 'it'} holds a lone UTF-16 surrogate (\\u{ord(char):04x} at character {index}), which is no "
+        "character: write the character itself (or its surrogate pair)"
+    )
 
 
 def _column(name: str, schema: Any, field: str) -> None:

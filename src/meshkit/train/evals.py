@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshkit._errors import MeshkitError
 from meshkit.data import global_batch, process_rows
-from meshkit.data.readers import lone_surrogate
+from meshkit.data.readers import lone_surrogate, surrogate_said
 from meshkit.models import registry
 from meshkit.train.config import ConfigError
 
@@ -123,10 +123,7 @@ def question(line: str, where: str) -> Question:
     if not isinstance(row, dict):
         raise TaskError(f"{where}: a JSON {type(row).__name__}, not an object: write one {FORMAT} per line")
     if (bad := lone_surrogate(row)) is not None:  # a \ud800 escape: no text holds it, no tokenizer reads it
-        raise TaskError(
-            f"{where}: holds a lone UTF-16 surrogate (\\u{ord(bad):04x}), which is no character: write the "
-            "character itself, or its surrogate pair"
-        )
+        raise TaskError(f"{where}: {surrogate_said(*bad)}")
     context = row.get("query", row.get("context"))
     if not isinstance(context, str) or not context.strip():
         raise TaskError(f'{where}: give the question as a non-empty string "query" (or "context")')
