@@ -9,6 +9,7 @@ Nothing here imports JAX: a row names its model module, imported on first use.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,17 @@ def _nothing_unread(cfg: Any) -> frozenset[str]:
     return frozenset()
 
 
+def tied_lm_head(cfg: Any, data: dict, stored: frozenset[str], where: str) -> tuple[str, str] | None:
+    """``HFFormat.head`` of a format named as ``LlamaForCausalLM``'s (the Llama's and the Gemma's): a tied
+    config's ``lm_head.weight`` where the checkpoint stores one, beside ``model.embed_tokens.weight``."""
+    tied = getattr(cfg, "tie_embeddings", False) and "lm_head.weight" in stored
+    return ("lm_head.weight", "model.embed_tokens.weight") if tied else None
+
+
+def _no_head(cfg: Any, data: dict, stored: frozenset[str], where: str) -> tuple[str, str] | None:
+    return None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HFFormat:
     """A family's Hugging Face checkpoint format, as ``meshkit.interop`` asks it."""
@@ -63,6 +75,11 @@ class HFFormat:
     """Parameters (loop form) -> whether they are written with the head tied to the embedding."""
     unread: Callable[[Any], frozenset[str]] = _nothing_unread
     """Config -> tensor names a checkpoint of it may hold that no leaf reads (a tied model's head)."""
+    head: Callable[[Any, dict, frozenset[str], str], tuple[str, str] | None] = _no_head
+    """``(config, config.json, the checkpoint's tensor names, where)`` -> ``(head, embedding)``: a head the
+    config ties to the embedding but the checkpoint stores too, which must equal it (transformers 4.x
+    computes the embedding, 5.x the stored head); None where there is none. Raises where the config unties a
+    head the checkpoint lacks (transformers would make a random one)."""
 
 
 def _heads(cfg: Any) -> dict[str, int]:
@@ -131,6 +148,53 @@ def need(data: dict, key: str, where: str) -> Any:
     if key not in data:
         raise InteropError(f"{where} lacks {key!r}: it is not a complete Hugging Face config")
     return data[key]
+
+
+REQUIRED: Any = object()
+"""``whole``'s default for a field the config must hold."""
+
+
+def whole(data: dict, key: str, where: str, default: Any = REQUIRED, *, least: int = 1) -> int:
+    """An integer field of a ``config.json`` (a count, a width, a length): ``default`` where the config omits
+    it. A string, a bool, a fraction, null or a number under ``least`` is refused by name: transformers would
+    fail on it somewhere else, or build another model."""
+    value = need(data, key, where) if default is REQUIRED else data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InteropError(f"{where}: {key}={value!r} is not a whole number of at least {least}: give one")
+    return value
+
+
+def whole_or_null(data: dict, key: str, where: str, default: int | None) -> int | None:
+    """A whole-number field whose null (or absence, where the type has no default) transformers computes
+    from others (``num_key_value_heads``: the heads; ``head_dim``: the width over the heads): None there."""
+    value = data.get(key, default)
+    return None if value is None else whole({key: value}, key, where)
+
+
+def positive(value: Any, said: str, *, zero: bool = False) -> float:
+    """A number the computation uses (an epsilon, a rotary base or factor, a soft cap, a scale), checked:
+    finite and above 0 (at least 0 where ``zero``). NaN, an infinity or a sign no model has would be
+    computed without a word and give NaN or another model; ``said`` names the field ('config.json:
+    rms_norm_eps')."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not (value >= 0 if zero else value > 0)
+    ):
+        raise InteropError(
+            f"{said}={value!r} is not a finite number {'of at least' if zero else 'above'} 0: give the model's own"
+        )
+    return float(value)
+
+
+def flag(data: dict, key: str, where: str, default: bool) -> bool:
+    """A true/false field of a ``config.json`` (null reads as false, as transformers tests it). A string or a
+    number is refused: ``"false"`` is true to transformers."""
+    value = data.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise InteropError(f"{where}: {key}={value!r} is not true or false: give one")
+    return bool(value)
 
 
 HF_METADATA = frozenset({

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshkit.models import gemma_hf
-from meshkit.models.family import Family, HFFormat
+from meshkit.models.family import Family, HFFormat, tied_lm_head
 
 
 def _gemma() -> Any:
@@ -68,5 +68,6 @@ FAMILY = Family(
         write=gemma_hf.write,
         names=gemma_hf.names,
         unread=gemma_hf.unread,
+        head=tied_lm_head,
     ),
 )

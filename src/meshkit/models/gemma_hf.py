@@ -18,7 +18,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshkit.models.family import HF_METADATA, InteropError, Names, Source, check_fields, check_values, need
+from meshkit._errors import MeshkitError
+from meshkit.models.family import (
+    HF_METADATA,
+    InteropError,
+    Names,
+    Source,
+    check_fields,
+    check_values,
+    flag,
+    positive,
+    whole,
+    whole_or_null,
+)
 
 
 def _gemma() -> Any:
@@ -43,12 +55,14 @@ class _Type:
     """Default ``attn_logit_softcapping``, ``final_logit_softcapping``."""
     pattern: int
     """Default layer kinds: layer i is global when ``(i + 1) % pattern == 0``, else local (0: no window)."""
+    kv_heads: int
+    """``num_key_value_heads`` where the config omits it (null: as many as the heads)."""
 
 
 TYPES: dict[str, _Type] = {
-    "gemma2": _Type("Gemma2ForCausalLM", 8192, 10000.0, True, False, False, (50.0, 30.0), 2),
-    "gemma3_text": _Type("Gemma3ForCausalLM", 131072, 1_000_000.0, True, True, True, (None, None), 6),
-    "gemma": _Type("GemmaForCausalLM", 8192, 10000.0, False, False, False, (None, None), 0),
+    "gemma2": _Type("Gemma2ForCausalLM", 8192, 10000.0, True, False, False, (50.0, 30.0), 2, 4),
+    "gemma3_text": _Type("Gemma3ForCausalLM", 131072, 1_000_000.0, True, True, True, (None, None), 6, 4),
+    "gemma": _Type("GemmaForCausalLM", 8192, 10000.0, False, False, False, (None, None), 0, 16),
 }
 """The model types read; each config is written as the one its switches make (``type_of``)."""
 
@@ -70,6 +84,7 @@ _IGNORED = {
 ``layer_types`` where a config lacks them (read there), and 4.x writes its private copy
 ``_sliding_window_pattern`` beside them."""
 _CHECKED = (("attention_bias", False), ("attention_dropout", 0.0))
+_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 TANH = "gelu_pytorch_tanh"
 ROPE_TYPES = {"default": frozenset(), "linear": frozenset({"factor"})}
 """The rope types meshkit's Gemma computes, each with the settings it needs."""
@@ -79,27 +94,24 @@ def _rope_type(rope: Any, said: str) -> tuple[float | None, float]:
     """``(rope_theta or None, linear factor)`` of one rope dict (or None: the default rotary)."""
     if rope is None:
         return None, 1.0
-    kinds = {rope[k] for k in ("rope_type", "type") if isinstance(rope, dict) and k in rope}
+    kinds = {
+        rope[k] for k in ("rope_type", "type") if isinstance(rope, dict) and isinstance(rope.get(k), str)
+    }
     if not isinstance(rope, dict) or len(kinds) != 1 or (kind := kinds.pop()) not in ROPE_TYPES:
         raise InteropError(f"{said}={rope!r} is not a rope_type meshkit's Gemma computes: give {' or '.join(ROPE_TYPES)}")  # fmt: skip
     given, needs = set(rope) - {"rope_type", "type", "rope_theta"}, ROPE_TYPES[kind]
     if given != needs:
         raise InteropError(f"{said}={rope!r}: rope_type {kind} takes exactly {', '.join(sorted(needs)) or 'rope_theta'}")  # fmt: skip
-    try:
-        theta = None if rope.get("rope_theta") is None else float(rope["rope_theta"])
-        factor = float(rope.get("factor", 1.0))
-    except (TypeError, ValueError):
-        raise InteropError(f"{said}={rope!r}: rope_theta and factor must be numbers") from None
-    if not factor > 0:
-        raise InteropError(f"{said}={rope!r}: factor must be above 0")
-    return theta, factor
+    theta = None if rope.get("rope_theta") is None else positive(rope["rope_theta"], f"{said}.rope_theta")
+    return theta, positive(rope.get("factor", 1.0), f"{said}.factor")
 
 
 def _rotary(data: dict, where: str, row: _Type) -> tuple[float, float, float]:
     """``(rope_theta, rope_factor, local_rope_theta)`` of either form; both at once must say the same."""
     theta, factor = _rope_type(data.get("rope_scaling"), f"{where}: rope_scaling")
-    theta = data.get("rope_theta", theta)
+    theta = theta if data.get("rope_theta") is None else positive(data["rope_theta"], f"{where}: rope_theta")
     local = data.get("rope_local_base_freq") if row.local_rope else None
+    local = None if local is None else positive(local, f"{where}: rope_local_base_freq")
     params = data.get("rope_parameters")
     if params is not None:
         if row.local_rope:
@@ -131,10 +143,19 @@ def _layers(data: dict, where: str, kind: str, layers: int) -> tuple[int | None,
         return None, ()
     kinds = data.get("layer_types")
     if kinds is None:
-        every = data.get("sliding_window_pattern", row.pattern) if kind == "gemma3_text" else row.pattern
+        every = (
+            whole(data, "sliding_window_pattern", where, row.pattern)
+            if kind == "gemma3_text"
+            else row.pattern
+        )
         kinds = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     known = {"full_attention", "sliding_attention"}
-    if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - known:
+    if (
+        not isinstance(kinds, list)
+        or len(kinds) != layers
+        or not all(isinstance(k, str) for k in kinds)
+        or set(kinds) - known
+    ):
         raise InteropError(f"{where}: layer_types={kinds!r} is not one of full_attention, sliding_attention per layer of {layers}")  # fmt: skip
     local = tuple(k == "sliding_attention" for k in kinds)
     window = data.get("sliding_window", 4096)
@@ -167,7 +188,7 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
     known = _READ | own | _IGNORED[kind] | {k for k, _ in _CHECKED} | {"use_bidirectional_attention"}
     check_fields(data, where, known | HF_METADATA, f"Gemma ({kind})")
     check_values(data, where, _CHECKED, "Gemma")
-    if data.get("use_bidirectional_attention"):
+    if flag(data, "use_bidirectional_attention", where, False):
         raise InteropError(f"{where}: use_bidirectional_attention=True is not what meshkit's Gemma computes (a causal decoder)")  # fmt: skip
     _activation(data, where, kind)
     if kind == "gemma3_text" and data.get("attn_logit_softcapping") is not None:
@@ -176,20 +197,27 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
             f"apply it (its attention takes no cap), so it is no model meshkit can match; give null"
         )  # fmt: skip
     theta, factor, local_theta = _rotary(data, where, row)
-    layers, heads = need(data, "num_hidden_layers", where), need(data, "num_attention_heads", where)
+    layers, heads = whole(data, "num_hidden_layers", where), whole(data, "num_attention_heads", where)
     window, local = _layers(data, where, kind, layers)
-    caps = [data.get(k, d) for k, d in zip(("attn_logit_softcapping", "final_logit_softcapping"), row.softcaps, strict=True)]  # fmt: skip
-    return _gemma().GemmaConfig(
-        vocab_size=need(data, "vocab_size", where), seq_len=data.get("max_position_embeddings", row.positions),
-        layers=layers, width=need(data, "hidden_size", where), heads=heads,
-        kv_heads=data.get("num_key_value_heads") or heads, head_dim=data.get("head_dim", 256) or 256,
-        ffn=need(data, "intermediate_size", where), rope_theta=theta, rope_factor=factor,
-        local_rope_theta=local_theta, query_scalar=float(data.get("query_pre_attn_scalar", 256) if row.pattern else 0),
-        window=window, local_layers=local, attn_softcap=None if caps[0] is None else float(caps[0]),
-        final_softcap=None if caps[1] is None else float(caps[1]), qk_norm=row.qk_norm, sandwich=row.sandwich,
-        norm_eps=float(data.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(data.get("tie_word_embeddings", True)),
-        scan_layers=scan_layers,
-    )  # fmt: skip
+    caps = {k: data.get(k, d) for k, d in zip(_CAPS, row.softcaps, strict=True)}
+    attn_cap, final_cap = (None if v is None else positive(v, f"{where}: {k}") for k, v in caps.items())
+    scalar = data.get("query_pre_attn_scalar", 256)
+    try:
+        return _gemma().GemmaConfig(
+            vocab_size=whole(data, "vocab_size", where), seq_len=whole(data, "max_position_embeddings", where, row.positions),
+            layers=layers, width=whole(data, "hidden_size", where), heads=heads,
+            kv_heads=whole_or_null(data, "num_key_value_heads", where, row.kv_heads) or heads,
+            head_dim=whole_or_null(data, "head_dim", where, 256) or 256,
+            ffn=whole(data, "intermediate_size", where), rope_theta=theta, rope_factor=factor,
+            local_rope_theta=local_theta, query_scalar=positive(scalar, f"{where}: query_pre_attn_scalar") if row.pattern else 0.0,
+            window=window, local_layers=local, attn_softcap=attn_cap, final_softcap=final_cap, qk_norm=row.qk_norm,
+            sandwich=row.sandwich, norm_eps=positive(data.get("rms_norm_eps", 1e-6), f"{where}: rms_norm_eps"),
+            tie_embeddings=flag(data, "tie_word_embeddings", where, True), scan_layers=scan_layers,
+        )  # fmt: skip
+    except InteropError:
+        raise
+    except MeshkitError as e:
+        raise InteropError(f"{where}: {e}") from None
 
 
 def type_of(cfg: Any) -> str:

@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshkit.models.family import Family, HFFormat, InteropError, Names, Source, check_values, need
+from meshkit.models.family import (
+    HF_METADATA,
+    Family,
+    HFFormat,
+    InteropError,
+    Names,
+    Source,
+    check_fields,
+    check_values,
+    flag,
+    whole,
+)
 
 
 def _gpt() -> Any:
@@ -20,17 +31,43 @@ def _gpt() -> Any:
     return gpt
 
 
+_WANTS = (("activation_function", "gelu_new"), ("layer_norm_epsilon", 1e-5), ("scale_attn_weights", True),
+          ("scale_attn_by_inverse_layer_idx", False))  # fmt: skip
+"""GPT-2's fields that change the computation, each with the one value meshkit's GPT computes (its GELU is
+the tanh approximation, its LayerNorm's epsilon 1e-5, its attention scaled by ``1/sqrt(head_dim)``)."""
+_READ = frozenset(
+    {"vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "tie_word_embeddings"}
+)
+_IGNORED = frozenset({
+    # dropout: no logit changes (meshkit trains without it)
+    "resid_pdrop", "embd_pdrop", "attn_pdrop",
+    # GPT2DoubleHeadsModel's classification head, which GPT2LMHeadModel has not
+    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+    # the scores in float32 with the scale applied before the product: float32's rounding, not another model
+    "reorder_and_upcast_attn",
+    # older releases' fields no GPT-2 class reads now (n_ctx: n_positions' copy; OpenAI GPT's special tokens)
+    "n_ctx", "n_special", "predict_special_tokens", "gradient_checkpointing",
+})  # fmt: skip
+"""GPT-2's fields that change no logit of ``GPT2LMHeadModel``: read and left aside."""
+
+
 def read(data: dict, where: str, scan_layers: bool) -> Any:
-    """meshkit's GPT of a GPT-2 ``config.json``."""
-    wants = (("activation_function", "gelu_new"), ("layer_norm_epsilon", 1e-5), ("scale_attn_by_inverse_layer_idx", False))  # fmt: skip
-    check_values(data, where, wants, "GPT")
-    width = need(data, "n_embd", where)
-    ffn = data.get("n_inner") or 4 * width
+    """meshkit's GPT of a GPT-2 ``config.json``: its own fields read (``_READ``), those that change the
+    computation checked (``_WANTS``), those that change no logit left aside (``_IGNORED``), any other refused
+    by name, as the Llama's and the Gemma's formats do."""
+    check_fields(data, where, _READ | {k for k, _ in _WANTS} | _IGNORED | HF_METADATA, "GPT (gpt2)")
+    check_values(data, where, _WANTS, "GPT")
+    flag(data, "tie_word_embeddings", where, True)  # which head is read: the checkpoint's tensors say (names)
+    width = whole(data, "n_embd", where)
+    ffn = whole(data, "n_inner", where) if data.get("n_inner") is not None else 4 * width
     if ffn % width:
         raise InteropError(f"{where}: n_inner {ffn} is no multiple of n_embd {width}, as meshkit's GPT needs")
-    return _gpt().GPTConfig(vocab_size=need(data, "vocab_size", where), seq_len=need(data, "n_positions", where),
-                            layers=need(data, "n_layer", where), width=width, heads=need(data, "n_head", where),
-                            mlp_ratio=ffn // width, scan_layers=scan_layers)  # fmt: skip
+    try:
+        return _gpt().GPTConfig(vocab_size=whole(data, "vocab_size", where), seq_len=whole(data, "n_positions", where),
+                                layers=whole(data, "n_layer", where), width=width, heads=whole(data, "n_head", where),
+                                mlp_ratio=ffn // width, scan_layers=scan_layers)  # fmt: skip
+    except ValueError as e:  # the GPT's own check (heads dividing the width)
+        raise InteropError(f"{where}: {e}") from None
 
 
 def write(cfg: Any, tied: bool) -> dict:
@@ -68,6 +105,22 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
         yield ("blocks", *path), Source(layer + name)
 
 
+def head(cfg: Any, data: dict, stored: frozenset[str], where: str) -> tuple[str, str] | None:
+    """GPT-2's head is read as the checkpoint stores it (``names``): ``lm_head.weight`` where there is one,
+    else ``wte``. A config that ties it (the default) beside a stored head must hold the embedding there
+    (``HFFormat.head``); one that unties it must store it: transformers would make a random head."""
+    tie = flag(data, "tie_word_embeddings", where, True)
+    if "lm_head.weight" not in stored:
+        if not tie:
+            raise InteropError(
+                f"{where}: tie_word_embeddings=false but the checkpoint has no lm_head.weight: transformers would "
+                f"make a random head; give the checkpoint's lm_head.weight, or tie_word_embeddings true"
+            )
+        return None
+    prefix = "transformer." if "transformer.wte.weight" in stored else ""
+    return ("lm_head.weight", prefix + "wte.weight") if tie else None
+
+
 def tied(params: Any) -> bool:
     """Written tied when the head is exactly the embedding, transposed."""
     import jax
@@ -89,5 +142,7 @@ FAMILY = Family(
     config_name="GPTConfig",
     learned_positions=True,
     small=small,
-    hf=HFFormat(label="GPT-2", model_types=("gpt2",), read=read, write=write, names=names, tied=tied),
+    hf=HFFormat(
+        label="GPT-2", model_types=("gpt2",), read=read, write=write, names=names, tied=tied, head=head
+    ),
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshkit.models import llama_hf
-from meshkit.models.family import Family, HFFormat
+from meshkit.models.family import Family, HFFormat, tied_lm_head
 
 
 def _llama() -> Any:
@@ -63,5 +63,6 @@ FAMILY = Family(
         write=llama_hf.write,
         names=llama_hf.names,
         unread=llama_hf.unread,
+        head=tied_lm_head,
     ),
 )

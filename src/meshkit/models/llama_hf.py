@@ -36,7 +36,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit._errors import MeshkitError
-from meshkit.models.family import HF_METADATA, InteropError, Names, Source, check_fields, check_values, need
+from meshkit.models.family import (
+    HF_METADATA,
+    InteropError,
+    Names,
+    Source,
+    check_fields,
+    check_values,
+    flag,
+    need,
+    positive,
+    whole,
+    whole_or_null,
+)
 
 
 def _llama() -> Any:
@@ -103,18 +115,23 @@ class _Type:
     """Fields of its own, each with the one value meshkit computes."""
     experts: _Experts | None = None
     """Its mixture of experts (None: a dense MLP)."""
+    default_window: int | None = None
+    """``sliding_window`` where the config omits it (and, for a gated row, turns it on): transformers'
+    default for the type, 4096 in 4.57.6 and 5.25.0 alike, which binds from position 4096 on."""
 
 
 TYPES: dict[str, _Type] = {
     "llama": _Type("LlamaForCausalLM", 2048, None, None, 1e4, 1e-6, False, False, "none",
                    (("attention_bias", False), ("mlp_bias", False))),
-    "mistral": _Type("MistralForCausalLM", 131072, None, 8, 1e4, 1e-6, False, False, "every", ()),
-    "qwen2": _Type("Qwen2ForCausalLM", 32768, None, 32, 1e4, 1e-6, True, False, "qwen", ()),
-    "qwen3": _Type("Qwen3ForCausalLM", 32768, 128, 32, 1e4, 1e-6, False, True, "qwen", (("attention_bias", False),)),
+    "mistral": _Type("MistralForCausalLM", 131072, None, 8, 1e4, 1e-6, False, False, "every", (),
+                     default_window=4096),
+    "qwen2": _Type("Qwen2ForCausalLM", 32768, None, 32, 1e4, 1e-6, True, False, "qwen", (), default_window=4096),
+    "qwen3": _Type("Qwen3ForCausalLM", 32768, 128, 32, 1e4, 1e-6, False, True, "qwen", (("attention_bias", False),),
+                   default_window=4096),
     "mixtral": _Type("MixtralForCausalLM", 131072, None, 8, 1e6, 1e-5, False, False, "every",
                      (("router_jitter_noise", 0.0),), _MIXTRAL),
     "qwen3_moe": _Type("Qwen3MoeForCausalLM", 32768, None, 4, 1e4, 1e-6, False, True, "gated",
-                       (("attention_bias", False),), _QWEN3_MOE),
+                       (("attention_bias", False),), _QWEN3_MOE, default_window=4096),
 }  # fmt: skip
 """The model types read; a config is written as the first whose switches, window and experts it has."""
 
@@ -150,7 +167,9 @@ def _scaling(rope: Any, where: str, key: str) -> Any:
     if rope is None:
         return None
     said = f"{where}: {key}={rope!r}"
-    kinds = {rope[k] for k in ("rope_type", "type") if isinstance(rope, dict) and k in rope}
+    kinds = {
+        rope[k] for k in ("rope_type", "type") if isinstance(rope, dict) and isinstance(rope.get(k), str)
+    }
     if not isinstance(rope, dict) or len(kinds) != 1:
         raise InteropError(f"{said} names no single rope_type: give one of {', '.join(ROPE_TYPES)}")
     (kind,) = kinds
@@ -166,17 +185,20 @@ def _scaling(rope: Any, where: str, key: str) -> Any:
         raise InteropError(
             f"{said}: rope_type {kind} {wrong}: give exactly {', '.join(sorted(needs)) or 'rope_type'}"
         )
+    factors = {
+        k: positive(rope[k], f"{said}: {k}") for k in ("factor", "low_freq_factor", "high_freq_factor")
+    }
+    original = whole(rope, "original_max_position_embeddings", said)
     try:
-        return _llama().Llama3Rope(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                                   high_freq_factor=float(rope["high_freq_factor"]),
-                                   original_positions=int(rope["original_max_position_embeddings"]))  # fmt: skip
-    except (MeshkitError, TypeError, ValueError) as e:
+        return _llama().Llama3Rope(**factors, original_positions=original)
+    except MeshkitError as e:
         raise InteropError(f"{said}: {e}") from None
 
 
 def _rope(data: dict, where: str, default: float) -> tuple[float, Any]:
     """``(rope_theta, rope_scaling)`` of either form; both forms at once must say the same."""
     theta, scaling, key = data.get("rope_theta"), data.get("rope_scaling"), "rope_scaling"
+    theta = None if theta is None else positive(theta, f"{where}: rope_theta")
     params = data.get("rope_parameters")
     if params is not None:
         flat = isinstance(params, dict) and all(not isinstance(v, dict) for v in params.values())
@@ -186,15 +208,17 @@ def _rope(data: dict, where: str, default: float) -> tuple[float, Any]:
                 f"rotary in every layer"
             )
         rest = {k: v for k, v in params.items() if k != "rope_theta"}
-        both = (
-            theta is not None and "rope_theta" in params and float(theta) != float(params["rope_theta"])
-        ) or (_default_rope(scaling) is not None and _default_rope(scaling) != _default_rope(rest))
+        five = params.get("rope_theta")
+        five = None if five is None else positive(five, f"{where}: rope_parameters.rope_theta")
+        both = (theta is not None and five is not None and theta != five) or (
+            _default_rope(scaling) is not None and _default_rope(scaling) != _default_rope(rest)
+        )
         if both:
             raise InteropError(
                 f"{where}: rope_parameters={params!r} and rope_theta={theta!r}, rope_scaling={scaling!r} differ: "
                 f"give one of the two forms"
             )
-        theta, scaling, key = params.get("rope_theta", theta), rest, "rope_parameters"
+        theta, scaling, key = theta if five is None else five, rest, "rope_parameters"
     return float(default if theta is None else theta), _scaling(scaling, where, key)
 
 
@@ -214,6 +238,7 @@ def _layer_types(data: dict, where: str, layers: int) -> list | None:
     kinds = data.get("layer_types")
     if kinds is not None and (
         not isinstance(kinds, list)
+        or not all(isinstance(kind, str) for kind in kinds)
         or set(kinds) - {"full_attention", "sliding_attention"}
         or len(kinds) != layers
     ):
@@ -224,11 +249,14 @@ def _layer_types(data: dict, where: str, layers: int) -> list | None:
     return kinds
 
 
-def _window(data: dict, where: str, row: _Type, layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
-    """``(window, sliding)`` of the config as transformers runs it (the module docstring)."""
+def _window(
+    data: dict, where: str, row: _Type, layers: int, positions: int
+) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(window, sliding)`` of the config as transformers runs it (the module docstring); an omitted
+    ``sliding_window`` is the type's default (``_Type.default_window``), not none."""
     kinds = _layer_types(data, where, layers) if row.window == "qwen" else None
-    window, positions = data.get("sliding_window"), data.get("max_position_embeddings", row.positions)
-    if row.window in ("qwen", "gated") and not data.get("use_sliding_window", False):
+    window = data.get("sliding_window", row.default_window)
+    if row.window in ("qwen", "gated") and not flag(data, "use_sliding_window", where, False):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise InteropError(
@@ -245,7 +273,8 @@ def _window(data: dict, where: str, row: _Type, layers: int) -> tuple[int | None
         return window, None
     if kinds is not None:
         return window, tuple(kind == "sliding_attention" for kind in kinds)
-    return window, tuple(i >= data.get("max_window_layers", 28) for i in range(layers))
+    first = whole(data, "max_window_layers", where, 28, least=0)
+    return window, tuple(i >= first for i in range(layers))
 
 
 def _experts(data: dict, where: str, row: _Type, layers: int) -> dict[str, Any]:
@@ -259,22 +288,24 @@ def _experts(data: dict, where: str, row: _Type, layers: int) -> dict[str, Any]:
         raise InteropError(f"{where}: {said} differ: give the number of experts once")
     key = next(iter(counts), moe.count[-1])
     experts = need(data, key, where)
-    if not isinstance(experts, int) or experts < 1:
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
         raise InteropError(f"{where}: {key}={experts!r}: meshkit reads a mixture of at least 1 expert")
     if moe.layers:
-        step, only = data.get("decoder_sparse_step", 1), data.get("mlp_only_layers") or []
-        dense = [
-            i for i in range(layers) if i in only or not isinstance(step, int) or step < 1 or (i + 1) % step
-        ]
+        step, only = whole(data, "decoder_sparse_step", where, 1), data.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only
+        ):
+            raise InteropError(f"{where}: mlp_only_layers={only!r} is not a list of layer numbers: give one")
+        dense = [i for i in range(layers) if i in only or (i + 1) % step]
         if dense:
             raise InteropError(
                 f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={only!r} make layers {dense[:4]} dense MLPs: "
                 f"meshkit's Llama has experts in every layer; give a checkpoint whose every layer is sparse"
             )
-    aux = float(data.get("router_aux_loss_coef", 0.001))
-    return {"experts": experts, "experts_per_token": need(data, "num_experts_per_tok", where),
-            "ffn": need(data, moe.ffn, where), "capacity_factor": 0.0, "router_aux_weight": aux,
-            "router_renormalize": moe.renormalize is None or bool(data.get(moe.renormalize, False))}  # fmt: skip
+    aux = positive(data.get("router_aux_loss_coef", 0.001), f"{where}: router_aux_loss_coef", zero=True)
+    return {"experts": experts, "experts_per_token": whole(data, "num_experts_per_tok", where),
+            "ffn": whole(data, moe.ffn, where), "capacity_factor": 0.0, "router_aux_weight": aux,
+            "router_renormalize": moe.renormalize is None or flag(data, moe.renormalize, where, False)}  # fmt: skip
 
 
 def read(data: dict, where: str, scan_layers: bool) -> Any:
@@ -283,20 +314,23 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
     row = TYPES[kind]
     check_fields(data, where, _fields(row) | HF_METADATA, f"Llama ({kind})")
     check_values(data, where, _CHECKED + row.wants, "Llama")
-    layers = need(data, "num_hidden_layers", where)
-    window, sliding = _window(data, where, row, layers)
+    layers, positions = (
+        whole(data, "num_hidden_layers", where),
+        whole(data, "max_position_embeddings", where, row.positions),
+    )
+    window, sliding = _window(data, where, row, layers, positions)
     theta, scaling = _rope(data, where, row.theta)
-    heads = need(data, "num_attention_heads", where)
-    fields = {"ffn": need(data, "intermediate_size", where)} | _experts(data, where, row, layers)
+    heads = whole(data, "num_attention_heads", where)
+    fields = {"ffn": whole(data, "intermediate_size", where)} | _experts(data, where, row, layers)
     try:
         return _llama().LlamaConfig(
-            vocab_size=need(data, "vocab_size", where), seq_len=data.get("max_position_embeddings", row.positions),
-            layers=layers, width=need(data, "hidden_size", where), heads=heads,
-            kv_heads=data.get("num_key_value_heads", row.kv_heads) or heads,
-            head_dim=data.get("head_dim", row.head_dim) or 0, rope_theta=theta, rope_scaling=scaling,
+            vocab_size=whole(data, "vocab_size", where), seq_len=positions, layers=layers,
+            width=whole(data, "hidden_size", where), heads=heads,
+            kv_heads=whole_or_null(data, "num_key_value_heads", where, row.kv_heads) or heads,
+            head_dim=whole_or_null(data, "head_dim", where, row.head_dim) or 0, rope_theta=theta, rope_scaling=scaling,
             qkv_bias=row.qkv_bias, qk_norm=row.qk_norm, window=window, sliding=sliding,
-            norm_eps=float(data.get("rms_norm_eps", row.eps)), tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-            scan_layers=scan_layers, **fields,
+            norm_eps=positive(data.get("rms_norm_eps", row.eps), f"{where}: rms_norm_eps"),
+            tie_embeddings=flag(data, "tie_word_embeddings", where, False), scan_layers=scan_layers, **fields,
         )  # fmt: skip
     except InteropError:
         raise
