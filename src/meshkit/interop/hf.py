@@ -28,20 +28,19 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from meshkit.interop import stream
+from meshkit._errors import gist
+from meshkit.interop import files, stream
+from meshkit.interop.special import CONFIG, GENERATION, Special, read_generation, read_special
 from meshkit.interop.stream import INDEX, SINGLE
 from meshkit.models import gpt, registry
 from meshkit.models.family import HFFormat, InteropError, Source
 
-CONFIG = "config.json"
-GENERATION = "generation_config.json"
 VOCAB = "meshkit_vocab.json"
 """meshkit's character vocabulary (a JSON list), written beside the weights when the run has one."""
 TOKENIZER = "tokenizer.json"
@@ -50,8 +49,12 @@ TOKENIZER = "tokenizer.json"
 ModelConfig = Any
 """A registered model family's config (``meshkit.models.registry``)."""
 
-__all__ = ["Checkpoint", "InteropError", "Source", "Special", "config_from_hf", "config_to_hf", "load", "read_config",
-           "read_special", "read_vocab", "save"]  # fmt: skip
+FLOATS = frozenset({"F16", "BF16", "F32", "F64"})
+"""The safetensors dtypes of weights: anything else (an integer tensor, FP8's quantized bytes) holds no
+weight meshkit can convert by a cast."""
+
+__all__ = ["Checkpoint", "InteropError", "Source", "Special", "WriteError", "config_from_hf", "config_to_hf", "load",
+           "read_config", "read_generation", "read_special", "read_vocab", "save"]  # fmt: skip
 
 
 # -- config.json ------------------------------------------------------------------------------------
@@ -83,22 +86,23 @@ def config_to_hf(cfg: ModelConfig, tied: bool = False) -> dict:
     return _format(cfg).write(cfg, tied)
 
 
-def read_config(directory: str | Path, *, scan_layers: bool = False) -> ModelConfig:
-    path = Path(directory) / CONFIG
+def _config_json(directory: str | Path) -> tuple[dict, Path]:
+    """A checkpoint directory's ``config.json`` as a dict, and its path."""
     if not Path(directory).is_dir():
         raise InteropError(
             f"no checkpoint directory '{directory}': give a directory holding config.json and safetensors"
         )
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InteropError(
-            f"'{directory}' has no config.json: give a Hugging Face checkpoint directory"
-        ) from None
-    except ValueError as e:
-        raise InteropError(f"'{path}' is not JSON ({e}): restore the checkpoint's config.json") from None
+    path = files.inside(Path(directory), CONFIG, str(directory))
+    data = files.read_json(path, CONFIG)
+    if data is None:
+        raise InteropError(f"'{directory}' has no config.json: give a Hugging Face checkpoint directory")
     if not isinstance(data, dict):
         raise InteropError(f"'{path}' is not a JSON object: restore the checkpoint's config.json")
+    return data, path
+
+
+def read_config(directory: str | Path, *, scan_layers: bool = False) -> ModelConfig:
+    data, path = _config_json(directory)
     return config_from_hf(data, str(path), scan_layers=scan_layers)
 
 
@@ -110,27 +114,26 @@ class Checkpoint:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        index = self.directory / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise InteropError(f"'{index}' is not a safetensors index ({e}): restore it") from None
-        elif (self.directory / SINGLE).is_file():
-            weight_map = None
-        else:
+        index = files.inside(self.directory, INDEX, str(self.directory))
+        weight_map = _weight_map(index)
+        if weight_map is None and not files.regular(
+            files.inside(self.directory, SINGLE, str(self.directory))
+        ):
             raise InteropError(f"'{directory}' has no {SINGLE} and no {INDEX}: give a safetensors checkpoint")
-        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
-        missing = [f for f in files if not (self.directory / f).is_file()]
+        names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
+        paths = {f: files.inside(self.directory, f, str(index)) for f in names}  # none leads outside
+        missing = [f for f, path in paths.items() if not files.regular(path)]
         if missing:
             raise InteropError(
-                f"'{directory}': {len(missing)} of {len(files)} shard(s) named by {INDEX} are missing "
+                f"'{directory}': {len(missing)} of {len(names)} shard(s) named by {INDEX} are missing "
                 f"({', '.join(missing[:3])}): copy the whole checkpoint"
             )
         self._file, self._handle = None, None
-        for f in files:  # every header checked now, before anything is read
+        for f in names:  # every header checked now, before anything is read
             self._open(f)
-        self.weight_map = weight_map or {k: SINGLE for k in self._open(SINGLE).keys()}  # noqa: SIM118
+        if weight_map is None:
+            weight_map = {k: SINGLE for k in self._open(SINGLE).keys()}  # noqa: SIM118
+        self.weight_map = weight_map
 
     def _open(self, file: str) -> Any:
         """``file``'s handle, the one open (the one before closed)."""
@@ -153,6 +156,10 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype ('F32', 'BF16', 'I32', ...)."""
+        return self._slice(name).get_dtype()
+
     def _slice(self, name: str):
         if name not in self.weight_map:
             raise InteropError(
@@ -170,6 +177,20 @@ class Checkpoint:
         if source.transpose:
             return np.ascontiguousarray(self._slice(source.name)[tuple(reversed(index))].T)
         return self._slice(source.name)[tuple(index)]
+
+
+def _weight_map(index: Path) -> dict[str, str] | None:
+    """The tensors-to-files map of a safetensors index (None: no index), checked: an object of names."""
+    data = files.read_json(index, INDEX)
+    if data is None:
+        return None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise InteropError(
+            f"'{index}' is not a safetensors index (its weight_map is no object of tensor names to file names: "
+            f"{weight_map!r:.60}): restore it"
+        )
+    return weight_map
 
 
 def _stored_shape(source: Source, shape: tuple[int, ...], layer_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -233,26 +254,16 @@ def load(
     """``(params, cfg)``: the checkpoint's weights as meshkit parameters of ``cfg`` (default: the
     checkpoint's own, loop form), each a global array under ``shardings`` (a pytree like the
     parameters; default: host NumPy arrays). Every shape is checked before anything is read."""
-    cfg = read_config(directory, scan_layers=False) if cfg is None else cfg
+    if cfg is None:
+        data, path = _config_json(directory)
+        cfg = config_from_hf(data, str(path), scan_layers=False)
+    else:  # the config given; the directory's config.json, where it has one, still says how its head is tied
+        data = files.read_json(files.inside(Path(directory), CONFIG, str(directory)), CONFIG)
     ckpt = Checkpoint(directory)
     shapes = jax.eval_shape(lambda: registry.family_of(cfg).module.init(jax.random.key(0), cfg))
-    names = dict(_format(cfg).names(cfg, frozenset(ckpt.names()), False))
-    sources, used = [], set()
-    for keys, source, layer, leaf in _named(cfg, shapes, names):
-        stacked = keys[0] == "blocks" and layer is None
-        dims = _stacked_dims(source, leaf, stacked, layer)
-        tensor_shape = tuple(leaf.shape[len(dims) :])
-        for at in itertools.product(*(d[1] for d in dims)):
-            name = source.name.format(**{"i": layer} | dict(zip((d[0] for d in dims), at, strict=True)))
-            used.add(name)
-            want = _stored_shape(source, ckpt.shape(name), tensor_shape)
-            if ckpt.shape(name) != want or (source.columns and source.columns[1] > ckpt.shape(name)[-1]):
-                raise InteropError(
-                    f"'{directory}': tensor {name} has shape {ckpt.shape(name)} but the config makes it {want}: "
-                    f"the weights do not match config.json"
-                )
-        sources.append((source, layer, dims, leaf))
+    sources, used = _sources(ckpt, cfg, shapes)
     _check_undeclared(ckpt, used, cfg, directory)
+    _check_head(ckpt, cfg, data if isinstance(data, dict) else {})
     flat_shardings = [None] * len(sources) if shardings is None else jax.tree.leaves(shardings)
 
     def build(item, sharding):
@@ -273,6 +284,60 @@ def load(
 
     leaves = [build(item, s) for item, s in zip(sources, flat_shardings, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves), cfg
+
+
+def _sources(ckpt: Checkpoint, cfg: ModelConfig, shapes: Any) -> tuple[list, set[str]]:
+    """Each leaf's ``(source, layer, stacked dims, leaf)`` and the tensor names they read, every tensor's
+    shape and dtype checked first: nothing is read from a checkpoint that does not match its config."""
+    names = dict(_format(cfg).names(cfg, frozenset(ckpt.names()), False))
+    sources, used = [], set()
+    for keys, source, layer, leaf in _named(cfg, shapes, names):
+        stacked = keys[0] == "blocks" and layer is None
+        dims = _stacked_dims(source, leaf, stacked, layer)
+        tensor_shape = tuple(leaf.shape[len(dims) :])
+        for at in itertools.product(*(d[1] for d in dims)):
+            name = source.name.format(**{"i": layer} | dict(zip((d[0] for d in dims), at, strict=True)))
+            used.add(name)
+            want = _stored_shape(source, ckpt.shape(name), tensor_shape)
+            if ckpt.shape(name) != want or (source.columns and source.columns[1] > ckpt.shape(name)[-1]):
+                raise InteropError(
+                    f"'{ckpt.directory}': tensor {name} has shape {ckpt.shape(name)} but the config makes it {want}: "
+                    f"the weights do not match config.json"
+                )
+            if ckpt.dtype(name) not in FLOATS:
+                raise InteropError(
+                    f"'{ckpt.directory / ckpt.weight_map[name]}': tensor {name} is {ckpt.dtype(name)}, not a "
+                    f"floating-point weight ({', '.join(sorted(FLOATS))}): a cast would read its bytes as other "
+                    f"numbers; give the checkpoint's float weights"
+                )
+        sources.append((source, layer, dims, leaf))
+    return sources, used
+
+
+def _check_head(ckpt: Checkpoint, cfg: ModelConfig, data: dict) -> None:
+    """A head the config ties to the embedding but the checkpoint also stores must equal it: transformers
+    4.57 computes the embedding as the head, 5.x the stored tensor (both measured), two models where they
+    differ. (A head the config unties but the checkpoint lacks the format refuses: ``HFFormat.head``.)"""
+    pair = _format(cfg).head(cfg, data, frozenset(ckpt.names()), str(ckpt.directory / CONFIG))
+    if pair is None:
+        return
+    head, embedding = pair
+    shape = ckpt.shape(head)
+    rows = max(1, 2**22 // max(1, int(np.prod(shape[1:], dtype=np.int64))))  # blocks of 4 Mi values
+    blocks = [
+        (slice(lo, min(lo + rows, shape[0])), *(slice(None) for _ in shape[1:]))
+        for lo in range(0, shape[0], rows)
+    ]
+    same = shape == ckpt.shape(embedding) and all(
+        np.array_equal(ckpt.read(Source(head), block), ckpt.read(Source(embedding), block))
+        for block in blocks
+    )
+    if not same:
+        raise InteropError(
+            f"'{ckpt.directory}': config.json ties the head to the embedding but {head} differs from {embedding}: "
+            f"transformers 4.x computes the embedding as the head and 5.x reads {head}, two different models; "
+            f"drop {head}, or set tie_word_embeddings false to read it"
+        )
 
 
 def _stacked_dims(source: Source, leaf: Any, stacked: bool, layer: int | None) -> list[tuple[str, range]]:
@@ -346,44 +411,15 @@ def _dtype(tensors: list[stream.Tensor]) -> str | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
-@dataclass(frozen=True, slots=True)
-class Special:
-    """The tokens a model's generation and tokenizer name: end of text (where ``generate`` stops) and,
-    where the model has one, beginning of text; each as its string and its id."""
+class WriteError(InteropError):
+    """A checkpoint could not be written (a full disk, a read-only directory): nothing of it is left."""
 
-    eos: tuple[str, int]
-    bos: tuple[str, int] | None = None
-
-    def config(self) -> dict[str, int]:
-        """``bos_token_id``/``eos_token_id`` as config.json and generation_config.json write them."""
-        return {"eos_token_id": self.eos[1]} | ({"bos_token_id": self.bos[1]} if self.bos else {})
-
-    def tokenizer_config(self, max_length: int) -> dict[str, Any]:
-        """tokenizer_config.json for a ``tokenizer.json`` loaded as it is: ``AutoTokenizer`` then gives
-        meshkit's ids (without it transformers builds the model type's tokenizer, which for a Llama
-        prepends a ``<s>`` the vocabulary may not have)."""
-        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos[0],
-                "bos_token": self.bos[0] if self.bos else None, "add_bos_token": False, "add_eos_token": False,
-                "clean_up_tokenization_spaces": False, "model_max_length": max_length}  # fmt: skip
-
-
-def read_special(directory: str | Path) -> dict[str, int]:
-    """The bos/eos ids a checkpoint's generation_config.json (else config.json) names; {} if none."""
-    out: dict[str, int] = {}
-    for name in (CONFIG, GENERATION):
-        try:
-            data = json.loads((Path(directory) / name).read_text())
-        except (OSError, ValueError):
-            continue
-        for key in ("bos_token_id", "eos_token_id"):
-            value = data.get(key) if isinstance(data, dict) else None
-            if (
-                isinstance(value, list) and value
-            ):  # Llama 3 names several end ids: the first is the text's end
-                value = value[0]
-            if isinstance(value, int):
-                out[key] = value
-    return out
+    def __init__(self, target: Path, reason: str) -> None:
+        self.target, self.reason = Path(target), reason
+        super().__init__(
+            f"cannot write '{target}' ({reason}): free space, fix permissions or give another directory; "
+            f"nothing was written"
+        )
 
 
 def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_bytes: int = 2 * 2**30,
@@ -403,14 +439,17 @@ def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_byte
         )
     tensors, tied = _tensors(params, cfg)
     config = config_to_hf(cfg, tied) | {"torch_dtype": _dtype(tensors) or cfg.dtype}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:
+        raise WriteError(target, e.strerror or gist(e)) from None
     try:
         stream.write(work, tensors, max_shard_bytes)
         ids = special.config() if special else {}
         (work / CONFIG).write_text(json.dumps(config | ids, indent=2, sort_keys=True))
-        if ids:
-            (work / GENERATION).write_text(json.dumps(ids, indent=2, sort_keys=True))
+        if special is not None and (ids or special.generation):
+            (work / GENERATION).write_text(json.dumps(special.generation_config(), indent=2, sort_keys=True))
         if vocab is not None:
             (work / VOCAB).write_text(json.dumps(list(vocab)))
         if tokenizer_json is not None:
@@ -423,21 +462,20 @@ def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_byte
         if target.exists():
             target.rmdir()
         os.replace(work, target)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise WriteError(target, e.strerror or gist(e)) from None
         raise
     return target
 
 
 def read_vocab(directory: str | Path) -> tuple[str, ...] | None:
     """The character vocabulary written beside the weights, if any."""
-    path = Path(directory) / VOCAB
-    if not path.is_file():
+    path = files.inside(Path(directory), VOCAB, str(directory))
+    vocab = files.read_json(path, VOCAB)
+    if vocab is None:
         return None
-    try:
-        vocab = json.loads(path.read_text())
-    except ValueError as e:
-        raise InteropError(f"'{path}' is not JSON ({e}): restore it") from None
     if not isinstance(vocab, list) or not all(isinstance(c, str) for c in vocab):
         raise InteropError(f"'{path}' is not a list of characters: restore it")
     return tuple(vocab)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from meshkit import interop
+from meshkit.interop import files
 from meshkit.models import registry
 from meshkit.spec import PRECISIONS
 from meshkit.train import config as C
@@ -96,9 +97,9 @@ def _check_vocabulary(cfg: C.TrainConfig, vocab: int, theirs: int, where: Path) 
 def _check_tokenizer(bpe: Any, where: Path) -> None:
     from meshkit.data.tokenizer import load_tokenizer
 
-    path = where / interop.hf.TOKENIZER
+    path = files.inside(where, interop.hf.TOKENIZER, str(where))
     prepare = f"prepare the data with it: meshkit data prepare TEXT --tokenizer {path} --out DIR"
-    if not path.is_file():
+    if not files.regular(path):  # a FIFO or a link out of the checkpoint is refused, naming it
         raise C.ConfigError(f"--init-from: '{where}' has no {interop.hf.TOKENIZER} to check the data's BPE against: {prepare}")  # fmt: skip
     if load_tokenizer(path).vocabulary() != bpe.vocabulary():
         raise C.ConfigError(
