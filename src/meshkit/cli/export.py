@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -27,8 +28,8 @@ def export(
 
     if to != "hf":
         raise InteropError(f"unknown --to {to!r}: meshkit exports hf (Hugging Face)")
-    if shard_mb <= 0:
-        raise InteropError(f"--shard-mb must be positive, got {shard_mb}")
+    if not 0 < shard_mb < math.inf:  # NaN fails both
+        raise InteropError(f"--shard-mb must be a finite number of MiB above 0, got {shard_mb}")
     run = export_run(run_dir, out, max_shard_bytes=int(shard_mb * 2**20))
     console.print(f"exported step {run.step} of {run_dir} ({type(run.model).__name__}) to {out}", soft_wrap=True,
                   highlight=False)  # fmt: skip

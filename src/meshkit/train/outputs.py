@@ -5,6 +5,7 @@ train --export-hf``), and text generated from it (``generate_text``: ``meshkit g
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ import jax
 from meshkit import interop
 from meshkit.data import Corpus, DataError, load
 from meshkit.models import generate as G
-from meshkit.models import gpt, lora, module_of
+from meshkit.models import gpt, lora, module_of, registry
 from meshkit.plans import Trainable
 from meshkit.train import config as C
 from meshkit.train import optim
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import family_params, model_config, run_trainable, saved_config
+from meshkit.train.lock import free_space
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,46 +68,118 @@ def _adapted(params: Any, adapters: Any) -> Any:
 
 def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> TrainedModel:
     """Write the run's newest checkpoint as a Hugging Face checkpoint into ``out`` (a new directory):
-    the loop form in float32, with the run's character vocabulary (``meshkit_vocab.json``)."""
+    the loop form in float32, with the run's character vocabulary (``meshkit_vocab.json``) and the ids and
+    generation settings of the checkpoint it started from (``special_tokens``)."""
     run = load_run(run_dir)
     model = dataclasses.replace(run.model, compute_dtype=None, scan_layers=False)
     bpe = run.corpus.bpe
-    interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
-                 tokenizer_json=None if bpe is None else bpe.to_str(), special=special_tokens(run))  # fmt: skip
+    try:
+        interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
+                     tokenizer_json=None if bpe is None else bpe.to_str(), special=special_tokens(run))  # fmt: skip
+    except interop.hf.WriteError as e:  # as a checkpoint save names it: the directory and its free space
+        raise interop.InteropError(
+            f"cannot write '{e.target}' ({e.reason}); {free_space(e.target.parent)} there: free space, fix "
+            f"permissions or give another directory; nothing was written"
+        ) from None
     return run
 
 
-def special_tokens(run: TrainedModel) -> interop.hf.Special | None:
-    """The run's end (and beginning) of text: those of the checkpoint it started from (``--init-from``:
-    its generation_config.json or config.json), else those its tokenizer was prepared with (``meshkit
-    data prepare`` records them); None for character data, which has none."""
+def _started_from(run: TrainedModel, *, required: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The ids (``read_special``) and generation_config.json of the checkpoint the run started from
+    (``--init-from``); none without one. Where that checkpoint is gone, ``required`` refuses: an export
+    without them would stop where transformers' defaults say (a Llama's eos 2, a Qwen's never)."""
+    if run.cfg.init_from is None:
+        return {}, None
+    where = Path(run.cfg.init_from[len(C.HF_PREFIX) :])
+    if not where.is_dir():
+        if required:
+            raise interop.InteropError(
+                f"the checkpoint this run started from ('{where}', --init-from) is gone: its bos/eos/pad ids and "
+                f"generation_config.json cannot be carried into the export; put it back there"
+            )
+        return {}, None
+    return interop.hf.read_special(where), interop.hf.read_generation(where)
+
+
+def special_tokens(run: TrainedModel, *, required: bool = True) -> interop.hf.Special | None:
+    """The run's end, beginning of text and padding, and generation settings: those of the checkpoint it
+    started from (``--init-from``: its generation_config.json, else config.json; eos as the list it may
+    be), where a tokenizer runs, those of them that are its special tokens, else those the tokenizer was
+    prepared with (``meshkit data prepare`` records them); None for a run from scratch on characters or
+    bare ids, which has none. ``required``: see ``_started_from``."""
+    theirs, generation = _started_from(run, required=required)
     bpe = run.corpus.bpe
-    if bpe is None:
-        return None
-    ids = {"eos_token_id": bpe.eot_id} | ({} if bpe.bos is None else {"bos_token_id": bpe.bos[1]})
-    if run.cfg.init_from is not None:
-        ids |= interop.hf.read_special(run.cfg.init_from[len(C.HF_PREFIX) :])
+    eos = theirs.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if bpe is None:  # no tokenizer to name them: the checkpoint's ids as they are
+        if not theirs and generation is None:
+            return None
+        bos, pad = theirs.get("bos_token_id"), theirs.get("pad_token_id")
+        return interop.hf.Special(eos=(None, eos[0]) if eos else None, more_eos=tuple(eos[1:]), pad=pad,
+                                  bos=None if bos is None else (None, bos), generation=generation)  # fmt: skip
     own = {i: t for t, i in filter(None, (bpe.eos, bpe.bos))}
 
-    def name(i: int) -> str | None:  # a special token of the tokenizer, or one it was prepared with
-        return bpe.special(i) or own.get(i)
+    def name(i: int | None) -> str | None:  # a special token of the tokenizer, or one it was prepared with
+        return None if i is None else bpe.special(i) or own.get(i)
 
-    eos, bos = ids["eos_token_id"], ids.get("bos_token_id")
-    if name(eos) is None:  # not a special token of the tokenizer: the text's end is its own
-        eos = bpe.eot_id
-    bos_token = None if bos is None else name(bos)
-    return interop.hf.Special(eos=(name(eos), eos), bos=None if bos_token is None else (bos_token, bos))
+    # ids that are no special token of the tokenizer (a config's defaults) are not taken for its ends
+    eos = [i for i in eos if name(i) is not None] or [bpe.eot_id]
+    bos = theirs.get("bos_token_id", None if bpe.bos is None else bpe.bos[1])
+    pad = theirs.get("pad_token_id")
+    return interop.hf.Special(eos=(name(eos[0]), eos[0]), more_eos=tuple(eos[1:]), generation=generation,
+                              bos=None if name(bos) is None else (name(bos), bos),
+                              pad=pad if name(pad) is not None else None)  # fmt: skip
 
 
 def generate_text(
     run: TrainedModel, prompts: list[str], max_new_tokens: int, *, sampling: G.Sampling, seed: int = 0
 ) -> list[str]:
-    """The continuation of each prompt: batched with a key/value cache where the model's family keeps one
-    (the Llama), else one prompt at a time over its window (the GPT: its learned positions end at
-    ``seq_len``)."""
+    """The continuation of each prompt, up to its end of text (the tokenizer's, and those of the checkpoint
+    the run started from): batched with a key/value cache where the model's family keeps one (the Llama),
+    else one prompt at a time over its window (the GPT: its learned positions end at ``seq_len``). New
+    tokens are bounded by the model's positions, and a continuation past what the run trained on
+    (``--seq-len``) is said in one ``warning:`` line: the model never saw such positions."""
+    for n, p in enumerate(prompts, 1):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise C.ConfigError(
+                f"--prompt {n} holds {p[e.start]!r} at character {e.start}, which is no text (a lone UTF-16 "
+                f"surrogate, or bytes that are not UTF-8): give UTF-8 text"
+            ) from None
     try:
         ids = [run.corpus.encode(p).tolist() for p in prompts]
     except DataError as e:
         raise C.ConfigError(f"--prompt: {e}") from None
-    out = G.continue_prompts(run.params, run.model, ids, max_new_tokens, sampling=sampling, seed=seed)
+    new = _bounded(run, max((len(i) for i in ids), default=0), max_new_tokens)
+    special = special_tokens(run, required=False)
+    stop = {run.corpus.bpe.eot_id} if run.corpus.bpe is not None else set()
+    stop |= set(special.eos_ids) if special is not None else set()
+    out = G.continue_prompts(run.params, run.model, ids, new, sampling=sampling, seed=seed, stop=stop)
     return [run.corpus.decode(row) for row in out]
+
+
+def _bounded(run: TrainedModel, longest: int, max_new_tokens: int) -> int:
+    """``--max-new-tokens`` as the model can run it. With a key/value cache the positions grow with every
+    token: the prompt and its new tokens must fit the model's positions (a cache as long as asked would
+    allocate beyond any memory: a billion tokens, 971 GB), so fewer are generated, and said. Over a window
+    the positions slide and end at the window's length."""
+    positions, trained = run.model.seq_len, run.cfg.seq_len
+    kv = registry.family_of(run.model).kv_cache
+    if kv and longest >= positions:
+        raise C.ConfigError(
+            f"--prompt of {longest} tokens fills the model's {positions} positions: give a shorter prompt"
+        )
+    new = min(max_new_tokens, positions - longest) if kv else max_new_tokens
+    if new < max_new_tokens:
+        _warn(f"--max-new-tokens {max_new_tokens}: the model has {positions} positions and the prompt takes "
+              f"{longest}; generating {new}")  # fmt: skip
+    reach = longest + new if kv else min(longest + new, positions)
+    if reach > trained:
+        _warn(f"the prompt and its new tokens reach position {reach}, past the {trained} the run trained on "
+              f"(--seq-len {trained}): the model never saw such positions")  # fmt: skip
+    return new
+
+
+def _warn(line: str) -> None:
+    sys.stderr.write(f"warning: {line}\n")
