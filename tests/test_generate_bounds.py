@@ -63,4 +63,6 @@ def test_a_prompt_that_is_no_text_is_one_line():
     with pytest.raises(C.ConfigError) as e:
         generate_text(_run(eot=99), ["ok", "a\udcffb"], 4, sampling=G.Sampling())
     said = str(e.value)
-    assert "--prompt 2 holds '\\udcff' at character 1" in said and "\n" not in said, said
+    assert (
+        "--prompt[1] holds a lone UTF-16 surrogate (\\udcff at character 1)" in said and "\n" not in said
+    ), said

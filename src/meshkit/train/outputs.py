@@ -14,6 +14,7 @@ import jax
 
 from meshkit import interop
 from meshkit.data import Corpus, DataError, load
+from meshkit.data.readers import lone_surrogate, surrogate_said
 from meshkit.models import generate as G
 from meshkit.models import gpt, lora, module_of, registry
 from meshkit.plans import Trainable
@@ -139,14 +140,8 @@ def generate_text(
     else one prompt at a time over its window (the GPT: its learned positions end at ``seq_len``). New
     tokens are bounded by the model's positions, and a continuation past what the run trained on
     (``--seq-len``) is said in one ``warning:`` line: the model never saw such positions."""
-    for n, p in enumerate(prompts, 1):
-        try:
-            p.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise C.ConfigError(
-                f"--prompt {n} holds {p[e.start]!r} at character {e.start}, which is no text (a lone UTF-16 "
-                f"surrogate, or bytes that are not UTF-8): give UTF-8 text"
-            ) from None
+    if (bad := lone_surrogate(prompts, "--prompt")) is not None:  # bytes no UTF-8 decodes come as these
+        raise C.ConfigError(surrogate_said(*bad))
     try:
         ids = [run.corpus.encode(p).tolist() for p in prompts]
     except DataError as e:
