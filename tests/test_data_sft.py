@@ -247,6 +247,19 @@ def test_bad_rows_stop_prepare_naming_file_and_row(tmp_path, rows, said):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
+def test_a_parquet_row_whose_text_is_not_utf8_is_one_line(tmp_path):
+    """Arrow writers need not check UTF-8: such a value is one line naming the row (was a
+    UnicodeDecodeError, exit 1)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    offsets = np.array([0, 1, 3], np.int32).tobytes()
+    bad = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(offsets), pa.py_buffer(b"4\xff!")])
+    pq.write_table(pa.table({"prompt": ["2+2=", "hi"], "completion": bad}), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"'.*bad.parquet row 2' holds text that is not UTF-8 \(byte 0xff\)"):
+        prepare([str(tmp_path / "bad.parquet")], tmp_path / "out", tokenizer=str(LLAMA3), chat=True)
+
+
 def test_prepare_chat_refuses_what_it_cannot_read(tmp_path):
     src = _jsonl(tmp_path / "in.jsonl", ROWS[:2])
     with pytest.raises(DataError, match="--chat applies a model's chat template: give --tokenizer"):

@@ -166,6 +166,12 @@ def test_bad_tokenizers_and_outputs_are_one_line(corpus, tmp_path, capsys):
         "is above 16,777,216 (2**24",
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.json", "no_eot.json"]
+    from meshkit.data.tokenizer import train_bpe
+
+    with pytest.raises(
+        DataError, match="is above 16,777,216"
+    ):  # the library's caller too, not only the CLI's
+        train_bpe(["text"], 10**11)
     # an existing tokenizer: nothing trained, the same ids
     assert main(["data", "prepare", str(text), *out, "--tokenizer", str(root / "data" / S.TOKENIZER)]) == 0
     assert "prepared" in capsys.readouterr().out

@@ -166,10 +166,10 @@ def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any,
         return stream.view(0, len(stream) - held), stream.view(len(stream) - held, len(stream))
     from meshkit.data import shards
     from meshkit.data.packing import ChatSource
-    from meshkit.data.prepare_chat import read_chat
     from meshkit.data.source import ShardSource
 
-    files, sizes = read_chat(directory, manifest)
+    masks = shards.listed(directory, manifest["chat"].get("masks"), dtype="u1", below=2, what="mask")
+    files, sizes = [m.path for m in masks], [m.tokens for m in masks]
     ends = shards.documents(directory, len(stream))
     starts = np.concatenate([[0], ends[:-1]])
     if len(ends) < 2:

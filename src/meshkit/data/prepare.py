@@ -37,7 +37,7 @@ from meshkit.data import shards as S
 from meshkit.data.readers import Reader, list_inputs
 from meshkit.data.source import DataError, path_kind
 from meshkit.data.text import DEFAULT_SOURCE
-from meshkit.data.tokenizer import EOT, MIN_VOCAB, Tokenizer, load_tokenizer, train_bpe
+from meshkit.data.tokenizer import Tokenizer, check_vocab_size, load_tokenizer, train_bpe
 from meshkit.data.tokenizer_config import CONFIG, shards_config
 from meshkit.train.lock import _holder, file_kind, free_space
 
@@ -45,9 +45,6 @@ BATCH = 4 << 20
 """Characters handed to one ``encode_batch`` call."""
 SHARD_TOKENS = 1 << 28
 """Ids per shard file (512 MiB of uint16)."""
-MAX_VOCAB = 1 << 24
-"""The largest BPE ``--vocab-size`` trained here: 16.8 M ids, 64 times the largest published vocabularies
-(``tokenizers`` aborts the process, in Rust, on sizes near 2**31)."""
 
 
 @dataclass(kw_only=True)
@@ -175,15 +172,8 @@ def prepare(
     out = Path(out)
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
-    if tokenizer is None and vocab_size is not None and vocab_size < MIN_VOCAB:
-        raise DataError(
-            f"--vocab-size {vocab_size} is below {MIN_VOCAB} (256 bytes and {EOT}): give a larger one"
-        )
-    if tokenizer is None and vocab_size is not None and vocab_size > MAX_VOCAB:
-        raise DataError(
-            f"--vocab-size {vocab_size:,} is above {MAX_VOCAB:,} (2**24, 64 times the largest published "
-            "vocabularies): give a smaller one"
-        )
+    if tokenizer is None and vocab_size is not None:
+        check_vocab_size(vocab_size)  # before any input is read
     _check_out(out)
     with output_lock(out):
         return _prepare(inputs, out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,

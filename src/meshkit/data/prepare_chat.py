@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.data import shards as S
-from meshkit.data.chat import Encoder
+from meshkit.data.chat import FIX, Encoder
 from meshkit.data.chat_template import TEMPLATE_FILE, ChatTemplate, load_template
 from meshkit.data.readers import ROWS, Input, json_row
 from meshkit.data.source import DataError
@@ -55,6 +55,23 @@ def records(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
         )
 
 
+def _pylist(batch: Any, name: str, before: int) -> list[dict[str, Any]]:
+    """A record batch's rows as Python dicts; a string that is not UTF-8 (Arrow writers need not check)
+    is one line naming the file and row."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        for i in range(batch.num_rows):
+            try:
+                batch.slice(i, 1).to_pylist()
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"'{name} row {before + i + 1}' holds text that is not UTF-8 (byte 0x{e.object[e.start]:02x}): "
+                    f"{FIX}"
+                ) from None
+        raise
+
+
 def _table_rows(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -62,7 +79,7 @@ def _table_rows(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
     def rows(name: str, schema: Any, batches: Any) -> Iterator[tuple[str, dict[str, Any]]]:
         i = 0
         for batch in batches:
-            for row in batch.select([c for c in FIELDS if c in schema.names]).to_pylist():
+            for row in _pylist(batch.select([c for c in FIELDS if c in schema.names]), name, i):
                 i += 1
                 yield f"{name} row {i}", row
 
@@ -147,21 +164,6 @@ def write_chat(
         "shards": ids_out.shards,
         "chat": chat,
     }
-
-
-def read_chat(directory: Path, manifest: dict[str, Any]) -> tuple[list[Path], list[int]]:
-    """The mask shards of a ``--chat`` preparation, each checked against the manifest."""
-    files, sizes = [], []
-    for shard in manifest["chat"]["masks"]:
-        path = directory / shard["file"]
-        if not path.is_file() or path.stat().st_size != shard["bytes"]:
-            raise DataError(
-                f"mask shard '{path}' is missing or not {shard['bytes']} bytes: prepare '{directory}' again "
-                "with meshkit data prepare --chat"
-            )
-        files.append(path)
-        sizes.append(int(shard["tokens"]))
-    return files, sizes
 
 
 def summary(manifest: dict[str, Any]) -> str:

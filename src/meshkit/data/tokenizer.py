@@ -20,6 +20,23 @@ EOT = "<|endoftext|>"
 """The end-of-text token that separates documents in the shards."""
 MIN_VOCAB = 257
 """The 256 byte symbols and the end-of-text token."""
+MAX_VOCAB = 1 << 24
+"""The largest BPE trained here: 16.8 M ids, 64 times the largest published vocabularies (``tokenizers``
+aborts the process, in Rust, on sizes near 2**31)."""
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """A BPE of ``vocab_size`` ids can be trained here (``train_bpe``; ``meshkit data prepare`` asks before
+    it reads an input); one line naming the fix if not."""
+    if vocab_size < MIN_VOCAB:
+        raise DataError(
+            f"--vocab-size {vocab_size} is below {MIN_VOCAB} (256 bytes and {EOT}): give a larger one"
+        )
+    if vocab_size > MAX_VOCAB:
+        raise DataError(
+            f"--vocab-size {vocab_size:,} is above {MAX_VOCAB:,} (2**24, 64 times the largest published "
+            "vocabularies): give a smaller one"
+        )
 
 
 class Tokenizer:
@@ -180,10 +197,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < MIN_VOCAB:
-        raise DataError(
-            f"--vocab-size {vocab_size} is below {MIN_VOCAB} (256 bytes and {EOT}): give a larger one"
-        )
+    check_vocab_size(vocab_size)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
