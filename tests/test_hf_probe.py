@@ -331,6 +331,30 @@ def test_a_failed_export_write_names_the_directory_and_leaves_nothing(tmp_path, 
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_meshkit_export_names_the_directorys_free_space_when_it_cannot_write(tmp_path, monkeypatch):
+    """As a failed checkpoint save names it (train.lock.free_space); the run is a stand-in (no training)."""
+    import errno
+
+    from meshkit.interop import stream
+    from meshkit.train import outputs
+
+    run = SimpleNamespace(model=TINY, params=llama.init(jax.random.key(0), TINY), vocab=None,
+                          corpus=SimpleNamespace(bpe=None), cfg=SimpleNamespace(init_from=None))  # fmt: skip
+    monkeypatch.setattr(outputs, "load_run", lambda run_dir: run)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(stream, "write", full)
+    with pytest.raises(InteropError) as e:
+        outputs.export_run(tmp_path / "run", tmp_path / "out")
+    said = _one_line(e)
+    assert (
+        f"cannot write '{tmp_path / 'out'}' (No space left on device);" in said and " free there" in said
+    ), said
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
 def test_export_shard_mb_must_be_a_finite_positive_size(tmp_path, capsys, value):
     from meshkit.cli import main
