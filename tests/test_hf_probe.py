@@ -169,12 +169,14 @@ def test_a_gpt2_field_that_changes_the_computation_is_refused(extra, says):
 
 
 def test_gpt2s_own_fields_that_change_no_logit_are_read():
-    """gpt2's config.json as the Hub has it (dropouts, the double-heads model's summary, n_ctx)."""
+    """gpt2's config.json as the Hub has it (dropouts, the double-heads model's summary, n_ctx; distilgpt2's
+    _num_labels and gradient_checkpointing)."""
     hub = {**GPT2, "activation_function": "gelu_new", "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1,
            "bos_token_id": 50256, "eos_token_id": 50256, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05,
            "n_ctx": 16, "summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
            "summary_type": "cls_index", "summary_use_proj": True, "reorder_and_upcast_attn": False,
-           "scale_attn_weights": True, "task_specific_params": {"text-generation": {"do_sample": True}}}  # fmt: skip
+           "scale_attn_weights": True, "task_specific_params": {"text-generation": {"do_sample": True}},
+           "_num_labels": 1, "gradient_checkpointing": False}  # fmt: skip
     assert config_from_hf(hub) == config_from_hf(GPT2)
 
 

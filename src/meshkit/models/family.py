@@ -204,6 +204,7 @@ HF_METADATA = frozenset({
     "finetuning_task", "task_specific_params", "return_dict", "output_attentions", "output_hidden_states",
     "torchscript", "tf_legacy_loss", "chunk_size_feed_forward", "is_decoder", "is_encoder_decoder",
     "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
+    "_num_labels",  # num_labels as releases before 4.0 wrote it (distilgpt2's config.json)
     # generation settings older transformers kept in config.json: they change no logit
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
     "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
