@@ -12,7 +12,7 @@ The plan table is derived, not written: a plan is a data part (``dp``, ``zero1``
 ``hsdp``) and/or axes of ``AXIS_RULES`` (``tp``, ``pp``, ``cp``, ``ep``), named by their parts joined with
 ``+`` in that order (``cp+tp`` is read as ``tp+cp``). Every set of axes whose pairs combine (``COMBINE``)
 is a plan, alone and with ``dp`` or ``fsdp``; a name with a pair that does not is refused in one line
-with the pair's reason. Help texts, default meshes, the families, and the plans deterministic mode
+with the pair's reason. Help texts, default meshes, the kinds of plans, and the plans deterministic mode
 covers follow from the rows. A new mesh axis is a name here (``AXES``), a row of ``AXIS_RULES`` with its
 pairs in ``COMBINE``, and its module in ``meshkit/plans/axes/`` where it does more than split rows.
 
@@ -27,8 +27,8 @@ from meshkit.spec.plans import (
     DATA_PARTS,
     DETERMINISTIC_AXES,
     DETERMINISTIC_PLANS,
-    FAMILIES,
     PIPELINE_PLANS,
+    PLAN_KINDS,
     PLANS,
     AxisRule,
     Plan,
@@ -38,9 +38,9 @@ from meshkit.spec.plans import (
     check_remat,
     data_part,
     describe_plans,
-    family,
     get_plan,
     plan_for,
+    plan_kind,
     plans_of,
     refusal,
 )
@@ -92,13 +92,13 @@ __all__ = [
     "DETERMINISTIC_PLANS",
     "DETERMINISTIC_SHARDS",
     "EXPERT",
-    "FAMILIES",
     "FIRST_SHARDED",
     "MODEL",
     "PIPELINE_PLANS",
     "PIPELINE_REMAT",
     "PIPELINE_SCHEDULES",
     "PLANS",
+    "PLAN_KINDS",
     "PLATFORM_PRECISION",
     "PRECISIONS",
     "REMAT_ALIASES",
@@ -121,10 +121,10 @@ __all__ = [
     "check_schedule",
     "data_part",
     "describe_plans",
-    "family",
     "get_plan",
     "one_of",
     "plan_for",
+    "plan_kind",
     "plans_of",
     "refusal",
 ]

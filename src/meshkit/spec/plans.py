@@ -1,5 +1,5 @@
 """The plan table, derived from the axes: what each plan shards over which mesh axis, its default mesh,
-its family, and why a name meshkit has no plan for is refused (``AXIS_RULES``, ``COMBINE``)."""
+its kind, and why a name meshkit has no plan for is refused (``AXIS_RULES``, ``COMBINE``)."""
 
 from __future__ import annotations
 
@@ -137,9 +137,9 @@ class AxisRule:
     """Its part of a plan name (``fsdp+tp``: tp)."""
     axis: str
     field: str
-    """The word ``Plan.uses`` and ``FAMILIES`` know it by."""
+    """The word ``Plan.uses`` and ``PLAN_KINDS`` know it by."""
     words: str
-    """What help texts call its family of plans."""
+    """What help texts call its kind of plans."""
     splits: str = ""
     """How it splits the batch: "rows" (each device its own rows, as the data axis: gradients summed
     over it), "sequence" (each device a part of every sequence: gradients summed over it too), or ""
@@ -156,7 +156,7 @@ class AxisRule:
     """Which axis takes every device left in a default mesh: the lowest ``fills`` of the plan's axes
     (the data axis is ``DATA_FILLS``)."""
     leads: int = 9
-    """Which axis names a combination's family: the lowest ``leads`` (a pipeline with tp is a pipeline)."""
+    """Which axis names a combination's kind: the lowest ``leads`` (a pipeline with tp is a pipeline)."""
     nondeterministic: str = ""
     """Why deterministic mode cannot fix its bits across meshes (empty: it can)."""
 
@@ -232,7 +232,7 @@ def _plan(data: str | None, rules: tuple[AxisRule, ...]) -> Plan:
 
 def _plans() -> dict[str, Plan]:
     """Every plan: each data part alone, then each set of axes whose pairs all combine, alone and with
-    each combining data part; ordered by family, as help texts list them."""
+    each combining data part; ordered by kind, as help texts list them."""
     plans = {name: _plan(name, ()) for name in DATA_PARTS}
     combos = [
         rules
@@ -241,7 +241,7 @@ def _plans() -> dict[str, Plan]:
         if all(COMBINE.get(frozenset({a.token, b.token})) == "" for a, b in itertools.combinations(rules, 2))
     ]
     rank = {rule.field: i for i, rule in enumerate(AXIS_RULES)}
-    # a combination's family: a pipeline with tp is a pipeline (``AxisRule.leads``), listed by that family
+    # a combination's kind: a pipeline with tp is a pipeline (``AxisRule.leads``), listed by that kind
     lead = lambda rules: min(rules, key=lambda r: r.leads)  # noqa: E731
     for rules in sorted(combos, key=lambda rules: (rank[lead(rules).field], len(rules))):
         for data in (None, *COMBINING_DATA):
@@ -281,31 +281,31 @@ PLANS: dict[str, Plan] = _plans()
 """Every plan meshkit runs, by name (``fsdp`` is ``zero3``)."""
 PIPELINE_PLANS = tuple(name for name, p in PLANS.items() if p.pipeline)
 
-FAMILIES = {
+PLAN_KINDS = {
     "data": "",
     "hybrid": "hybrid sharding (mesh replica=R,data=G)",
     **{rule.field: rule.words for rule in AXIS_RULES},
 }
-"""The plans' families, by the axis beyond ``data`` that sets each apart, with the words help texts
+"""The kinds of plans, by the axis beyond ``data`` that sets each apart, with the words help texts
 use for them (``data``: the plain data-axis plans, dp and the ZeRO stages)."""
 
 
-def family(plan: Plan) -> str:
-    """The family of ``FAMILIES`` a plan belongs to (a pipeline with tp is a pipeline)."""
+def plan_kind(plan: Plan) -> str:
+    """The kind of ``PLAN_KINDS`` a plan belongs to (a pipeline with tp is a pipeline)."""
     if plan.rules:
         return min(plan.rules, key=lambda r: r.leads).field
     return "hybrid" if plan.hybrid else "data"
 
 
 def plans_of(name: str) -> tuple[str, ...]:
-    """The plans of one family of ``FAMILIES``, in ``PLANS``'s order."""
-    return tuple(n for n, p in PLANS.items() if family(p) == name)
+    """The plans of one kind of ``PLAN_KINDS``, in ``PLANS``'s order."""
+    return tuple(n for n, p in PLANS.items() if plan_kind(p) == name)
 
 
 def describe_plans() -> str:
-    """Every plan, by family, for help texts (``meshkit train --plan``, ``meshkit verify --plan``)."""
+    """Every plan, by kind, for help texts (``meshkit train --plan``, ``meshkit verify --plan``)."""
     parts = []
-    for name, words in FAMILIES.items():
+    for name, words in PLAN_KINDS.items():
         names = ", ".join(plans_of(name)).replace("zero3, fsdp", "zero3 (= fsdp)")
         parts.append(f"{words}: {names}" if words else names)
     return "; ".join(parts)
