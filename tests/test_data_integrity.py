@@ -276,3 +276,22 @@ def test_a_prepare_that_cannot_write_is_one_line_naming_the_directory_and_free_s
                            f"cannot write --out '{out}' ({says}); ")  # fmt: skip
     assert f"free in '{tmp_path}': free space or fix its permissions, or give another --out" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["text"]
+
+
+def test_a_tokenizer_directory_file_that_is_a_fifo_is_named_not_read(tmp_path):
+    """A FIFO where tokenizer_config.json (or tokenizer.json) should be is refused in one line, naming it;
+    it was taken as absent (tokenizer_config.json: the tokenizer then read without its special tokens)."""
+    from meshkit.data.tokenizer import load_tokenizer
+
+    llama3 = Path(__file__).parent / "corpus" / "chat_templates" / "llama3"
+    tok = tmp_path / "tok"
+    shutil.copytree(llama3, tok)
+    (tok / "tokenizer_config.json").unlink()
+    os.mkfifo(tok / "tokenizer_config.json")
+    with pytest.raises(DataError, match=r"tokenizer_config.json' is a FIFO \(named pipe\), not a file"):
+        load_tokenizer(tok)
+    (tok / "tokenizer_config.json").unlink()
+    (tok / "tokenizer.json").rename(tok / "real.json")
+    os.mkfifo(tok / "tokenizer.json")
+    with pytest.raises(DataError, match=r"tokenizer.json' is a FIFO \(named pipe\), not a file"):
+        load_tokenizer(tok)

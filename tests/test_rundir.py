@@ -23,8 +23,9 @@ import pytest
 
 from _limits import limit
 from meshkit.cli import main
+from meshkit.files import _umask
 from meshkit.train.checkpoint import _quiet_orbax_noise
-from meshkit.train.lock import RunDirError, _umask, new_run_dir, write_atomic
+from meshkit.train.lock import RunDirError, new_run_dir, write_atomic
 from meshkit.train.metrics import read_rows
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}

@@ -19,7 +19,6 @@ system shared by several hosts, as good as that file system's locks.)
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -35,11 +34,11 @@ import numpy as np
 
 from meshkit.data import shards as S
 from meshkit.data.readers import Reader, list_inputs
-from meshkit.data.source import DataError, path_kind
+from meshkit.data.source import DataError
 from meshkit.data.text import DEFAULT_SOURCE
 from meshkit.data.tokenizer import Tokenizer, check_vocab_size, load_tokenizer, train_bpe
 from meshkit.data.tokenizer_config import CONFIG, shards_config
-from meshkit.train.lock import _holder, file_kind, free_space
+from meshkit.files import free_space, path_kind, try_lock
 
 BATCH = 4 << 20
 """Characters handed to one ``encode_batch`` call."""
@@ -278,23 +277,18 @@ def output_lock(out: Path) -> Iterator[None]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         while fd is None:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(fd)
-                os.close(fd)
+            fd, holder = try_lock(lock, what="the lock meshkit data prepare keeps beside --out",
+                                        fix="give another --out", error=DataError)  # fmt: skip
+            if fd is None:
                 raise DataError(
                     f"--out '{out}' is being prepared by another meshkit data prepare ({holder}): wait for it "
                     "to finish, or give another --out"
-                ) from None
+                )
             with contextlib.suppress(FileNotFoundError):
                 if os.path.samestat(os.fstat(fd), os.lstat(lock)):
                     break
             os.close(fd)  # its holder removed it as it finished: lock the file now at that name
             fd = None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         stale = _partial(out)  # no live prepare owns one: each holds this lock while its own exists
         for left in out.parent.iterdir():
             if stale.fullmatch(left.name):
@@ -302,10 +296,6 @@ def output_lock(out: Path) -> Iterator[None]:
     except OSError as e:
         if fd is not None:
             os.close(fd)
-        if file_kind(lock) not in ("missing", "a regular file"):
-            raise DataError(
-                f"'{lock}' is {file_kind(lock)}, not the lock meshkit data prepare keeps beside --out: remove it"
-            ) from None
         raise _cannot_write(out, e) from None
     try:
         yield

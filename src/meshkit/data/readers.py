@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshkit.data.source import DataError, inside, path_kind
+from meshkit.data.source import DataError, inside
 from meshkit.data.text import DEFAULT_SOURCE, default_documents
+from meshkit.files import path_kind
 
 CHUNK = 1 << 20
 """Bytes read from a text file at a time."""

@@ -48,9 +48,9 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from meshkit._errors import MeshkitError
-from meshkit.data.source import DataError, ShardSource, inside, path_kind
+from meshkit.data.source import DataError, ShardSource, inside
 from meshkit.data.tokenizer import EOT, Tokenizer, load_tokenizer
-from meshkit.train.lock import write_atomic
+from meshkit.files import path_kind, write_atomic
 
 FORMAT = "meshkit-tokens/1"
 MANIFEST = "manifest.json"
@@ -309,10 +309,10 @@ def _read_stamp(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        files = json.loads(path.read_text(encoding="utf-8")).get("files")
+        entries = json.loads(path.read_text(encoding="utf-8")).get("files")
     except (OSError, ValueError, RecursionError, AttributeError):
         return {}
-    return files if isinstance(files, dict) else {}
+    return entries if isinstance(entries, dict) else {}
 
 
 def _holds(stamp: dict[str, Any], shard: Shard) -> bool:

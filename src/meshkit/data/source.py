@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshkit import files
 from meshkit._errors import MeshkitError
 
 
@@ -22,37 +23,13 @@ class DataError(MeshkitError):
     """The training data cannot be read, prepared or batched as asked."""
 
 
-def path_kind(path: Path) -> str:
-    """'missing', 'a directory', 'a regular file', 'a FIFO (named pipe)', 'a socket' or 'a device'
-    (for error lines)."""
-    if not path.exists():
-        return "missing"
-    if path.is_dir():
-        return "a directory"
-    if path.is_file():
-        return "a regular file"
-    return "a FIFO (named pipe)" if path.is_fifo() else "a socket" if path.is_socket() else "a device"
-
-
 def inside(directory: Path, name: object, *, named_by: Path, fix: str) -> Path:
     """``directory / name``, where ``name`` is a file name read from ``named_by`` (a manifest, a datasets
-    ``state.json``): refused in one line unless it is a relative path that stays inside ``directory``
-    once every symbolic link on the way is resolved. A directory names its own files; one that named
-    ``../other/shard.bin``, an absolute path or a link out would have a run read another directory's
-    files under this one's name."""
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise DataError(f"'{named_by}' names the file {name!r}, which is not a file name: {fix}")
-    path = directory / name
-    try:
-        base, real = directory.resolve(), path.resolve()
-    except (OSError, RuntimeError) as e:  # a loop of links
-        raise DataError(f"'{named_by}' names '{name}', which cannot be resolved ({e}): {fix}") from None
-    if Path(name).is_absolute() or real == base or not real.is_relative_to(base):
-        raise DataError(
-            f"'{named_by}' names '{name}', which leads outside '{directory}' (to '{real}'): a directory's "
-            f"files must lie inside it; {fix}"
-        )
-    return path
+    ``state.json``): refused in one line unless it stays inside ``directory`` (``meshkit.files.inside``).
+    A directory names its own files; one that named ``../other/shard.bin``, an absolute path or a link out
+    would have a run read another directory's files under this one's name."""
+    return files.inside(directory, name, named_by=named_by, fix=f"a directory's files must lie inside it; {fix}",
+                        error=DataError)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, eq=False)

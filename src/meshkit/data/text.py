@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from meshkit.data.source import DataError, path_kind
+from meshkit.data.source import DataError
+from meshkit.files import path_kind
 
 DEFAULT_SOURCE = "pydoc_data.topics (CPython reference docs)"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from meshkit.data.source import DataError
+from meshkit.files import regular
 
 EOT = "<|endoftext|>"
 """The end-of-text token that separates documents in the shards."""
@@ -221,9 +222,9 @@ def load_tokenizer(path: str | Path, *, eos: str | None = None, bos: str | None 
     from meshkit.data.tokenizer_config import read_config
 
     path = Path(path)
-    if path.is_dir() and (path / "tokenizer.json").is_file():
+    if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
+    if not regular(path, fix="give a tokenizer.json saved by Hugging Face tokenizers", error=DataError):
         raise DataError(f"no tokenizer file '{path}': give a tokenizer.json saved by Hugging Face tokenizers")
     try:
         tok = HFTokenizer.from_str(path.read_text(encoding="utf-8"))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.data.source import DataError
+from meshkit.files import regular
 
 CONFIG = "tokenizer_config.json"
 SPECIAL_MAP = "special_tokens_map.json"
@@ -54,8 +55,8 @@ class TokenizerConfig:
 
 def read_json(path: Path) -> dict[str, Any]:
     """A tokenizer directory's JSON file as a dict ({} where absent); one line naming the fix where it is not one."""
-    if not path.is_file():
-        return {}
+    if not regular(path, fix="remove it to use the tokenizer.json alone", error=DataError):
+        return {}  # absent; anything there but a regular file (a FIFO would block the read) is refused
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from meshkit._errors import gist
+from meshkit.files import free_space
 from meshkit.interop import files, stream
 from meshkit.interop.special import CONFIG, GENERATION, Special, read_generation, read_special
 from meshkit.interop.stream import INDEX, SINGLE
@@ -412,13 +413,14 @@ def _dtype(tensors: list[stream.Tensor]) -> str | None:
 
 
 class WriteError(InteropError):
-    """A checkpoint could not be written (a full disk, a read-only directory): nothing of it is left."""
+    """A checkpoint could not be written (a full disk, a read-only directory): nothing of it is left. The
+    line names the directory and its disk's free space, as a failed checkpoint save does."""
 
     def __init__(self, target: Path, reason: str) -> None:
         self.target, self.reason = Path(target), reason
         super().__init__(
-            f"cannot write '{target}' ({reason}): free space, fix permissions or give another directory; "
-            f"nothing was written"
+            f"cannot write '{target}' ({reason}); {free_space(self.target.parent)} there: free space, fix "
+            "permissions or give another directory; nothing was written"
         )
 
 

@@ -61,11 +61,11 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
 from meshkit._errors import MeshkitError, gist
+from meshkit.files import free_space
 from meshkit.train import background
 from meshkit.train.checksums import CHECKSUMS as CHECKSUMS  # where the digests are: named here for callers
 from meshkit.train.checksums import Unreadable as _Unreadable
 from meshkit.train.checksums import check_checksums, write_checksums
-from meshkit.train.lock import free_space
 
 _ARRAY_ITEMS = ("params", "opt_state")
 _TRASH = ".deleted"

@@ -22,9 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshkit.files import free_space, path_kind
 from meshkit.fmt import to_json
 from meshkit.train.config import ConfigError
-from meshkit.train.lock import RunDirError, file_kind, free_space, make_run_dir
+from meshkit.train.lock import RunDirError, make_run_dir
 
 METRICS_NAME = "metrics.jsonl"
 WANDB_PROJECT = "meshkit"
@@ -152,7 +153,7 @@ class MetricsLog:
         try:
             self._fd: int | None = os.open(self.path, flags, 0o644)
         except OSError as e:
-            kind = file_kind(self.path)
+            kind = path_kind(self.path, follow=False)
             if kind not in ("missing", "a regular file"):
                 raise MetricsError(
                     f"'{self.path}' is {kind}: meshkit never writes through it; remove it, or pass another --run-dir"

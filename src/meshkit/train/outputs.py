@@ -22,7 +22,6 @@ from meshkit.train import config as C
 from meshkit.train import optim
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import family_params, model_config, run_trainable, saved_config
-from meshkit.train.lock import free_space
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,14 +73,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2
     run = load_run(run_dir)
     model = dataclasses.replace(run.model, compute_dtype=None, scan_layers=False)
     bpe = run.corpus.bpe
-    try:
-        interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
-                     tokenizer_json=None if bpe is None else bpe.to_str(), special=special_tokens(run))  # fmt: skip
-    except interop.hf.WriteError as e:  # as a checkpoint save names it: the directory and its free space
-        raise interop.InteropError(
-            f"cannot write '{e.target}' ({e.reason}); {free_space(e.target.parent)} there: free space, fix "
-            f"permissions or give another directory; nothing was written"
-        ) from None
+    interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
+                 tokenizer_json=None if bpe is None else bpe.to_str(), special=special_tokens(run))  # fmt: skip
     return run
 
 
