@@ -34,10 +34,14 @@ def assert_same(a, b):
         assert np.shape(x) == np.shape(y)
 
 
-def rewrite_matches_pmap(before: str) -> str:
-    """Fix ``before``, run both, and check ``out`` is the same; returns the fixed text."""
+def rewrite_matches_pmap(before: str, inline: bool = False) -> str:
+    """Fix ``before``, run both, and check ``out`` is the same; returns the fixed text.
+
+    ``inline``: every pmap is written as jax.jit(jax.shard_map(...)) in place (no helper), else
+    the helper is added.
+    """
     after = fix_source(before)
-    assert "jax.pmap" not in after and f"def {HELPER}(" in after, after
+    assert "jax.pmap" not in after and (f"def {HELPER}(" not in after) == inline, after
     assert [f for f in lint_source(after) if f.rule == "MK015"] == []
     assert_same(run(after)["out"], run(before)["out"])
     return after
@@ -54,10 +58,13 @@ def test_immediately_called_pmap_is_one_site_and_keeps_its_function_and_axis():
         out = jax.pmap(lambda x: x - jax.lax.pmean(x, "i"), axis_name="i")(jnp.arange(16.0).reshape(8, 2))
     """)
     (finding,) = mk015(before)
-    assert finding.fixable
-    after = rewrite_matches_pmap(before)
-    assert f'{HELPER}(lambda x: x - jax.lax.pmean(x, "i"), axis_name="i")(jnp.arange' in after
-    assert "jax.vmap(x" not in after
+    assert finding.fixable and finding.fix.startswith("written inline")
+    after = rewrite_matches_pmap(before, inline=True)
+    assert after.splitlines()[-2:] == [
+        'mesh = jax.sharding.Mesh(jax.devices()[:8], ("i",))',
+        'out = jax.jit(jax.shard_map(lambda x: x - jax.lax.pmean(x, "i"), mesh=mesh, in_specs=P("i"), '
+        'out_specs=P("i")))(jnp.arange(16.0).reshape(8, 2))',
+    ]
 
 
 def test_keyword_arguments_at_call_sites_are_mapped_as_pmap_maps_them():
@@ -165,7 +172,8 @@ def test_pmap_from_the_removed_jax_api_module_is_recognised():
 
 
 def test_shadowed_p_is_left_alone():
-    """The helper names jax.sharding.PartitionSpec in full: a module's own ``P`` is never touched."""
+    """Where the module binds ``P`` itself, the inline form spells jax.sharding.PartitionSpec in full
+    (the helper always does): a module's own ``P`` is never touched."""
     before = src("""
         import jax
         import jax.numpy as jnp
@@ -173,8 +181,9 @@ def test_shadowed_p_is_left_alone():
         f = jax.pmap(lambda x: x * P, axis_name="i")
         out = f(jnp.arange(8.0)), P
     """)
-    after = rewrite_matches_pmap(before)
+    after = rewrite_matches_pmap(before, inline=True)
     assert "import PartitionSpec" not in after and "P = 3  # the module's own P" in after
+    assert 'in_specs=jax.sharding.PartitionSpec("i"), out_specs=jax.sharding.PartitionSpec("i")' in after
     assert run(after)["out"][1] == 3
 
 

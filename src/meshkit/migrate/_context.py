@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -128,6 +129,14 @@ class Context:
     key_calls: list[cst.Call] = field(default_factory=list)
     safe_keys: set[cst.Call] = field(default_factory=set)
     all_keys_safe: bool = True
+    module: cst.Module | None = None
+    # Plain assignments (``n = value``) by the id of the Name bound, every def by id (what a name's
+    # binding is), how many defs have each name, and each call by the id of its function expression.
+    assigned: dict[int, cst.BaseExpression] = field(default_factory=dict)
+    def_nodes: dict[int, cst.FunctionDef] = field(default_factory=dict)
+    def_names: Counter = field(default_factory=Counter)
+    call_of: dict[int, cst.Call] = field(default_factory=dict)
+    _index: ModuleIndex | None = None
     _qnames: dict[int, str | None] = field(default_factory=dict)
 
     def qname(self, node: cst.CSTNode) -> str | None:
@@ -149,6 +158,43 @@ class Context:
         if name == "functools.partial" and call.args and call.args[0].keyword is None:
             return _canonical(self.qname(call.args[0].value)), 1
         return _canonical(name), 0
+
+    def index(self) -> ModuleIndex:
+        """Parents, bindings and names of the module (built on first need: one more visit)."""
+        if self._index is None:
+            self._index = ModuleIndex(self.module)
+        return self._index
+
+    def binding(self, name: cst.Name) -> int | None:
+        """The id of the binding (an assignment's target, a def) that ``name`` reads; None where unsure.
+
+        libcst's scopes give every binding of the name in its scope. Where there are several, the
+        one read is the last before ``name``'s statement when all of them are plain statements of
+        that statement's own block (``x = f(x)`` reads the x bound before it), none after it can
+        reach it through a loop, and ``name`` is read when its statement runs (not in a lambda);
+        else None.
+        """
+        bound = referents(self.get_metadata, name)
+        if not bound or len(bound) == 1:
+            return next(iter(bound)) if bound else None
+        index = self.index()
+        use = index.statement(name)
+        body, at, holder = index.suite(use)
+        if not isinstance(holder, cst.Module | cst.IndentedBlock) or index.deferred(name, use):
+            return None
+        where: dict[int, int] = {}
+        for b in bound:
+            node = index.bindings.get(b)
+            stmt = None if node is None else index.statement(node)
+            if stmt is None or index.parent(stmt) is not holder:
+                return None
+            where[b] = next(i for i, s in enumerate(body) if s is stmt)
+        before = {b: i for b, i in where.items() if i < at}
+        if not before or (len(before) < len(where) and index.in_loop(use)):
+            return None
+        last = max(before.values())
+        found = [b for b, i in before.items() if i == last]
+        return found[0] if len(found) == 1 else None
 
     def uses_collectives(self, fn: cst.CSTNode) -> bool:
         """Whether the body of ``fn`` calls a ``jax.lax`` collective."""
@@ -180,6 +226,86 @@ class Context:
                 if (base in own and owner is site.owner) or _may_differ(attr):
                     read.add(attr)
         return read - WRAPPED
+
+
+class ModuleIndex:
+    """A module's parents (by id), the names it uses, and its bindings by an assignment target or a
+    def (by id): built only for modules that need them (a name bound twice, a pmap written inline)."""
+
+    def __init__(self, module: cst.Module) -> None:
+        self.parents: dict[int, cst.CSTNode] = {}
+        self.names: set[str] = set()
+        self.bindings: dict[int, cst.CSTNode] = {}
+        module.visit(_Indexer(self))
+        self.meshes: dict[int, str] = {}
+
+    def parent(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        return self.parents.get(id(node))
+
+    def statement(self, node: cst.CSTNode) -> cst.CSTNode:
+        """The innermost statement holding ``node`` (a def for its decorators)."""
+        while not isinstance(node, cst.SimpleStatementLine | cst.BaseCompoundStatement):
+            node = self.parent(node)
+        return node
+
+    def suite(self, stmt: cst.CSTNode) -> tuple[list[cst.CSTNode], int, cst.CSTNode | None]:
+        """The statements of ``stmt``'s block, its place there, and the block (Module or IndentedBlock)."""
+        holder = self.parent(stmt)
+        if not isinstance(holder, cst.Module | cst.IndentedBlock):
+            return [stmt], 0, holder
+        body = list(holder.body)
+        return body, next(i for i, s in enumerate(body) if s is stmt), holder
+
+    def deferred(self, node: cst.CSTNode, stmt: cst.CSTNode) -> bool:
+        """Whether ``node`` is read later than ``stmt`` runs: in a lambda or a generator expression."""
+        while node is not stmt and (node := self.parent(node)) is not None:
+            if isinstance(node, cst.Lambda | cst.GeneratorExp):
+                return True
+        return False
+
+    def in_loop(self, node: cst.CSTNode) -> bool:
+        """Whether ``node`` is in a loop's body within its function (or module)."""
+        while (node := self.parent(node)) is not None:
+            if isinstance(node, cst.For | cst.While):
+                return True
+            if isinstance(node, cst.FunctionDef | cst.Lambda):
+                return False
+        return False
+
+    def mesh_name(self, anchor: cst.CSTNode) -> str:
+        """A name no other in the module uses, one per pmap written inline."""
+        if id(anchor) not in self.meshes:
+            taken = self.names | set(self.meshes.values())
+            candidates = ("mesh", *(f"mesh_{k}" for k in range(2, 10_000)))
+            self.meshes[id(anchor)] = next(n for n in candidates if n not in taken)
+        return self.meshes[id(anchor)]
+
+
+class _Indexer(cst.CSTVisitor):
+    """Fills a ModuleIndex in one visit."""
+
+    def __init__(self, index: ModuleIndex) -> None:
+        self.index = index
+        self.stack: list[cst.CSTNode] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.stack:
+            self.index.parents[id(node)] = self.stack[-1]
+        self.stack.append(node)
+        index = self.index
+        if isinstance(node, cst.Name):
+            index.names.add(node.value)
+        elif isinstance(node, cst.Assign | cst.AnnAssign):
+            one = isinstance(node, cst.Assign) and len(node.targets) == 1
+            target = node.targets[0].target if one else getattr(node, "target", None)
+            if node.value is not None and isinstance(target, cst.Name):
+                index.bindings[id(target)] = target
+        elif isinstance(node, cst.FunctionDef):
+            index.bindings[id(node)] = node
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.stack.pop()
 
 
 def _may_differ(attr: str) -> bool:
@@ -285,6 +411,8 @@ class _SiteFinder(cst.CSTVisitor):
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.defs[node.name.value] = node
+        self.ctx.def_nodes[id(node)] = node
+        self.ctx.def_names[node.name.value] += 1
         pmapped = []
         bound = (node.name.value, node, self.in_class(), None)
         for d in node.decorators:
@@ -302,7 +430,13 @@ class _SiteFinder(cst.CSTVisitor):
         for outer in pmapped[:-1]:  # stacked: each decorator maps what the one below it pmapped
             self.ctx.stacked[outer] = f"{node.name.value}, pmapped by the decorator below"
 
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        if node.value is not None and isinstance(node.target, cst.Name):
+            self.ctx.assigned[id(node.target)] = node.value
+
     def visit_Assign(self, node: cst.Assign) -> None:
+        if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
+            self.ctx.assigned[id(node.targets[0].target)] = node.value
         if isinstance(node.value, cst.Call) and len(node.targets) == 1:
             target = node.targets[0].target
             if isinstance(target, cst.Name):
@@ -316,6 +450,7 @@ class _SiteFinder(cst.CSTVisitor):
             self.ctx.replicates = True
 
     def visit_Call(self, node: cst.Call) -> None:
+        self.ctx.call_of[id(node.func)] = node
         if self.ctx.qname(node.func) == "jax.random.PRNGKey":
             self.ctx.key_calls.append(node)
         if id(node) in self.decorators:
@@ -349,7 +484,10 @@ class _SiteFinder(cst.CSTVisitor):
         if isinstance(value, cst.Lambda):
             return replace(site, fn=value)
         if isinstance(value, cst.Name) and value.value in self.defs:
-            return replace(site, fn=self.defs[value.value])
+            fn = self.defs[value.value]  # the last def of that name, or where several are, the one read
+            if self.ctx.def_names[value.value] > 1:
+                fn = self.ctx.def_nodes.get(self.ctx.binding(value), fn)
+            return replace(site, fn=fn)
         return site
 
 
@@ -364,6 +502,7 @@ class _Bindings:
     """
 
     def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
         self.get_metadata = ctx.get_metadata
         self.targets: dict[int, list[PmapSite]] = {}
         self.names: dict[str, list[PmapSite]] = {}
@@ -379,12 +518,17 @@ class _Bindings:
         bound = referents(self.get_metadata, ref)
         if bound is None:
             return self.names.get(ref.value, [])
-        return [s for key in bound for s in self.targets.get(key, ())]
+        found = [s for key in bound for s in self.targets.get(key, ())]
+        if found and len(bound) > 1:
+            # ``f`` read before ``f`` is rebound to a pmap (a notebook reusing names) is not that pmap.
+            one = self.ctx.binding(ref)
+            found = found if one is None else self.targets.get(one, [])
+        return found
 
 
 def build_context(module: cst.Module, get_metadata: Callable) -> Context:
     """Resolve every pmap site of ``module`` and find pmapped functions called inside pmapped functions."""
-    ctx = Context(get_metadata=get_metadata)
+    ctx = Context(get_metadata=get_metadata, module=module)
     finder = _SiteFinder(ctx)
     module.visit(finder)
     ctx.pmap_refs = {r for r in finder.refs if id(r) not in finder.applied}

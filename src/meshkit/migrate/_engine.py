@@ -70,6 +70,8 @@ class _Migrator(cst.CSTTransformer):
         self.unused: set[tuple[str, str]] = set()
         self.helpers: dict[str, None] = {}
         self.orphans: list[str] = []
+        # Statements to put before an original statement (by id): (source, blank lines kept after).
+        self.before: dict[int, list[tuple[str, int]]] = {}
         self.ctx: Context | None = None
         self.in_import = 0
         # Where non-fallback rules reported, as (start, end) positions, and the fallback findings.
@@ -138,7 +140,20 @@ class _Migrator(cst.CSTTransformer):
                 self.imports.update(hit.imports)
                 self.unused.update(hit.unused)
                 self.helpers.update(dict.fromkeys(hit.helpers))
-        return self._adopt_orphans(original, updated)
+                for stmt, text, gap in hit.before:
+                    self.before.setdefault(id(stmt), []).append((text, gap))
+        updated = self._adopt_orphans(original, updated)
+        return self._insert_before(original, updated)
+
+    def _insert_before(self, original: cst.CSTNode, node: cst.CSTNode) -> cst.CSTNode:
+        """``node`` preceded by the statements rewrites inside it need (a mesh), which take its leading lines."""
+        pending = self.before.pop(id(original), None)
+        if not pending or not isinstance(node, cst.SimpleStatementLine | cst.BaseCompoundStatement):
+            return node
+        stmts = [cst.parse_statement(text) for text, _ in pending]
+        stmts[0] = stmts[0].with_changes(leading_lines=node.leading_lines)
+        gap = max(g for _, g in pending)
+        return cst.FlattenSentinel([*stmts, node.with_changes(leading_lines=[cst.EmptyLine()] * gap)])
 
     def _adopt_orphans(self, original: cst.CSTNode, node: cst.CSTNode) -> cst.CSTNode:
         """Put comments a rewrite dropped above the statement that held them, in their source order."""

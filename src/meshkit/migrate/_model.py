@@ -46,7 +46,8 @@ class Hit:
     ``rewrite`` takes the node as already updated by rules run on its children and returns its
     replacement; ``imports`` are added to the module and ``unused`` imports removed if the fix
     leaves them unused; ``helpers`` are top-level definitions the rewrite calls, added once after
-    the module's imports.
+    the module's imports; ``before`` are statements the rewrite needs run first, each as (the
+    original statement to put it before, its source, the blank lines then kept before that statement).
     """
 
     message: str
@@ -55,6 +56,7 @@ class Hit:
     imports: tuple[Import, ...] = ()
     unused: tuple[tuple[str, str], ...] = ()
     helpers: tuple[str, ...] = ()
+    before: tuple[tuple[cst.CSTNode, str, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,6 +1,11 @@
 """MK015: rewrite ``jax.pmap`` into ``jax.shard_map`` where that provably keeps pmap's results.
 
-A pmap is rewritten into ``_pmap_via_shard_map``, a helper the fix adds to the module once
+Where the module shows that a direct ``jax.shard_map`` computes what pmap did (the body elementwise
+in its mapped arguments, every call stating how many rows it maps), the pmap is written inline, in
+the modern form: a mesh and ``jax.jit(jax.shard_map(f, mesh=..., in_specs=..., out_specs=...))``
+(``_inline``, whose docstring says what it proves). Everywhere else it can be rewritten, the finding
+says why not inline, and a pmap is rewritten into ``_pmap_via_shard_map``, a helper the fix adds to
+the module once
 (``PMAP_HELPER``). It is the program JAX 0.12's own pmap runs (``jax/_src/pmap.py``):
 ``jax.jit(jax.shard_map(body, check_vma=False))`` over a 1D mesh named after pmap's axis, where
 ``body`` removes each argument's mapped axis (``lax.squeeze``), calls the function, and puts
@@ -28,7 +33,8 @@ import hashlib
 
 import libcst as cst
 
-from meshkit.migrate._context import Context, PmapSite, code, drop_keyword, keyword
+from meshkit.migrate import _inline
+from meshkit.migrate._context import Context, PmapSite, code, drop_keyword, keyword, pmap_arguments
 from meshkit.migrate._model import Hit, rule
 from meshkit.migrate.rules_misuse import all_none, site_of
 
@@ -204,6 +210,37 @@ def _rewrite(updated: cst.Call | cst.Decorator, offset: int) -> cst.CSTNode:
     return updated.with_changes(decorator=cst.Name(HELPER))
 
 
+def _write_inline(updated: cst.Call | cst.Decorator, plan: _inline.Plan) -> cst.CSTNode:
+    """The pmap at ``updated`` as ``jax.jit(jax.shard_map(f, mesh=..., ...))``, or as those two decorators."""
+    if isinstance(updated, cst.Decorator):
+        sharded = cst.parse_expression(f"jax.shard_map({plan.keywords()})")
+        return cst.FlattenSentinel(
+            [
+                cst.Decorator(cst.parse_expression("jax.jit"), leading_lines=updated.leading_lines),
+                cst.Decorator(sharded, trailing_whitespace=updated.trailing_whitespace),
+            ]
+        )
+    fun = pmap_arguments(updated, 0)["fun"].value
+    sharded = cst.parse_expression(f"jax.shard_map(f, {plan.keywords()})")
+    sharded = sharded.with_changes(args=[sharded.args[0].with_changes(value=fun), *sharded.args[1:]])
+    jitted = cst.parse_expression("jax.jit(f)")
+    return jitted.with_changes(args=[cst.Arg(sharded)], lpar=updated.lpar, rpar=updated.rpar)
+
+
+def _inline_hit(plan: _inline.Plan, ctx: Context) -> Hit:
+    imports = () if ctx.imports_jax else (("jax", None, None),)
+    if plan.spec == "P" and ctx.module_names.get("P") is None:
+        imports += (("jax.sharding", "PartitionSpec", "P"),)
+    return Hit(
+        message=_MESSAGE,
+        fix=plan.describe(),
+        rewrite=lambda updated: _write_inline(updated, plan),
+        imports=imports,
+        unused=_UNUSED,
+        before=((plan.statement, plan.mesh_statement(), plan.gap),),
+    )
+
+
 def _upgrade(node: cst.FunctionDef) -> Hit:
     def rewrite(updated: cst.FunctionDef) -> cst.FunctionDef:
         (current,) = cst.parse_module(PMAP_HELPER.strip() + "\n").body
@@ -243,10 +280,14 @@ def pmap_to_shard_map(node: cst.CSTNode, ctx: Context) -> Hit | None:
     if blocker is not None:
         reason, recipe = blocker
         return Hit(message=f"{_MESSAGE}; not rewritten: {reason}", fix=recipe)
+    try:
+        return _inline_hit(_inline.plan(site, found[1], ctx), ctx)
+    except _inline.NotInline as why:
+        reason = str(why)
     imports = () if ctx.imports_jax else (("jax", None, None),)
     return Hit(
         message=_MESSAGE,
-        fix=_FIX,
+        fix=f"{_FIX}; not inline: {reason}",
         rewrite=lambda updated: _rewrite(updated, site.offset),
         imports=imports,
         unused=_UNUSED,
