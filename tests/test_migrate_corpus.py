@@ -34,8 +34,9 @@ MULTIHOST = ("process_index()", "process_count()", "host_id()", "host_count()")
 
 # Per file: (MK015 pmaps rewritten, MK015 left with a recipe, rules with a fix applied besides MK002).
 # Reviewed against the sources: the pmaps left are in multi-host modules (process_index/host_id
-# branches), use static_broadcasted_argnums, or are passed around by name (trax); the rewritten
-# ones are single-host scripts, docs and libraries. MK002 is checked by the recipe invariant.
+# branches), use static_broadcasted_argnums, are passed around by name (trax) or nested (the Pmap
+# Cookbook's, which JAX 0.12 refuses); the rewritten ones are single-host scripts, docs and
+# libraries. MK002 is checked by the recipe invariant.
 EXPECTED = {
     "EasyLM__EasyLM__jax_utils.py": (0, 0, {"MK007", "MK017"}),
     "EasyLM__EasyLM__main__gptj_train.py": (0, 0, {"MK017"}),
@@ -70,6 +71,7 @@ EXPECTED = {
     "flax__flax__jax_utils.py": (0, 0, {"MK001"}),
     "flax__flax__training__common_utils.py": (0, 0, {"MK001", "MK016"}),
     "jax__docs__jax-101__05.1-pytrees.py": (0, 0, {"MK001", "MK016"}),
+    "jax__cloud_tpu_colabs__Pmap_Cookbook.py": (10, 4, {"MK015"}),
     "jax__docs__jax-101__06-parallelism.py": (6, 0, {"MK001", "MK015", "MK016"}),
     "jax__examples__differentially_private_sgd.py": (0, 0, set()),
     "jax__examples__spmd_mnist_classifier_fromscratch.py": (1, 0, {"MK015"}),
@@ -99,10 +101,23 @@ EXPECTED = {
 }
 
 
+# Per file, the rewritten pmaps written inline (jax.jit(jax.shard_map(...)) over a mesh), not with the
+# helper: those whose body is elementwise and whose calls state the mapped length (the Pmap Cookbook's
+# x ** 2, jnp.add and normalize examples; its matmul, mean, random and halo-exchange bodies keep the
+# helper). tests/test_migrate_inline.py runs those examples (tests/fixtures/migrate/inline/pmap_cookbook.py).
+INLINE = {"jax__cloud_tpu_colabs__Pmap_Cookbook.py": 5}
+
+
 def outcomes(path: Path) -> set[str]:
-    """What fixing the file exercises: the rules fixed, pmaps rewritten, left with a recipe, multi-host."""
+    """What fixing the file exercises: the rules fixed, pmaps rewritten (inline or not), left with a
+    recipe, multi-host."""
     rewritten, left, rules = EXPECTED[path.name]
-    flags = {"rewritten": rewritten, "left": left, "multihost": any(m in path.read_text() for m in MULTIHOST)}
+    flags = {
+        "rewritten": rewritten,
+        "inline": INLINE.get(path.name, 0),
+        "left": left,
+        "multihost": any(m in path.read_text() for m in MULTIHOST),
+    }
     return (set(rules) | {k for k, v in flags.items() if v}) or {"none"}
 
 
@@ -153,7 +168,9 @@ def test_fix_on_a_real_legacy_file(path: Path):
     assert Counter((f.rule, f.message) for f in result.remaining if f.rule != "MK012") == recipes
     pmaps = [f for f in result.findings if f.rule == "MK015"]
     rewritten = sum(f.fixable for f in pmaps)
-    assert (HELPER in result.fixed) == (rewritten > 0)
+    inline = sum(f.fixable and f.fix.startswith("written inline") for f in pmaps)
+    assert (f"def {HELPER}(" in result.fixed) == (rewritten > inline)
+    assert inline == INLINE.get(path.name, 0)
     code_lines = [line.split("#")[0] for line in result.source.splitlines()]
     if any(m in line for line in code_lines for m in MULTIHOST):
         assert rewritten == 0 and all("multi-host" in f.message for f in pmaps)
