@@ -300,3 +300,63 @@ def test_meshes_take_names_the_module_does_not_use():
     assert 'mesh_2 = jax.sharding.Mesh(jax.devices()[:8], ("i",))' in after
     assert 'mesh_3 = jax.sharding.Mesh(jax.devices()[:2], ("i",))' in after
     assert fix_source(after) == after
+
+
+BROADCASTS = """
+    n = jax.device_count()
+    X = jnp.arange(n * 3.0).reshape(n, 3) - 5.0
+    Y = jnp.arange(n * 6.0).reshape(n, 2, 3)
+    W = jnp.arange(12.0).reshape(3, 4) / 7
+    V = jnp.arange(3.0)
+    out_ranks = jax.pmap(lambda x, y: x + y)(X, Y)
+    out_vector = jax.pmap(lambda v, x: jnp.clip(x - v, max=v), in_axes=(None, 0))(V, X)
+    out_matmul = jax.pmap(lambda w, x: x @ w, in_axes=(None, 0))(W, Y)
+    out_dot = jax.pmap(lambda v, x: jnp.dot(x, v), in_axes=(None, 0))(V, Y)
+
+    def step(x, y):
+        z = x * 2.0
+        z += y
+        return z, {"soft": jax.nn.softmax(z)}
+
+    out_step = jax.pmap(step)(X, X)
+"""
+# A replicated value longer than the mapped one, a product the block's axis would enter, a global
+# array of unknown rank: broadcasting could line them up against the block's extra axis.
+NOT_BROADCASTS = {
+    "longer_replicated": (
+        "out = jax.pmap(lambda v, x: x - v, in_axes=(None, 0))(jnp.ones((4, 3)), X)\n",
+        "x - v",
+    ),
+    "matmul_by_3d": (
+        "out = jax.pmap(lambda w, x: x @ w, in_axes=(None, 0))(jnp.ones((2, 3, 4)), X)\n",
+        "x @ w",
+    ),
+    "dot_of_mapped": ("out = jax.pmap(lambda x: jnp.dot(x, x))(X)\n", "jnp.dot(x, x)"),
+    "replicated_first": (
+        "out = jax.pmap(lambda w, x: jnp.dot(w, x), in_axes=(None, 0))(jnp.ones((4, 3)), X)\n",
+        "jnp.dot(w, x)",
+    ),
+    "global_array": ("C = jnp.ones((5, 3))\nout = jax.pmap(lambda x: x + C)(X)\n", "x + C"),
+    "softmax_of_a_scalar_slice": (
+        "out = jax.pmap(lambda x: jax.nn.softmax(x))(jnp.arange(8.0))\n",
+        "softmax",
+    ),
+}
+
+
+def test_broadcasts_and_products_are_inline_where_the_ranks_keep_them_and_give_pmaps_outputs():
+    before = module(BROADCASTS)
+    assert all(map(inline, pmaps(before))) and len(pmaps(before)) == 5
+    old, new = outputs(before), outputs(fix_source(before))
+    assert old.keys() == new.keys()
+    for x, y in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
+        assert np.shape(x) == np.shape(y)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+@pytest.mark.parametrize("name", sorted(NOT_BROADCASTS))
+def test_what_broadcasting_could_line_up_against_the_blocks_axis_keeps_the_helper(name):
+    body, where = NOT_BROADCASTS[name]
+    before = HEAD + "X = jnp.arange(24.0).reshape(8, 3)\n" + body
+    (finding,) = pmaps(before)
+    assert finding.fixable and not inline(finding) and where in finding.fix.split("not inline: ")[1]

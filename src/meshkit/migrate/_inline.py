@@ -260,6 +260,15 @@ class _Shapes:
         if isinstance(node, cst.Name):
             value = _bound_value(self.ctx, node)
             return Shape() if value is None else self.shape(value, depth + 1)
+        if isinstance(node, cst.UnaryOperation) and not isinstance(node.operator, cst.Not):
+            return self.shape(node.expression, depth + 1)
+        if isinstance(node, cst.BinaryOperation) and not isinstance(node.operator, cst.MatrixMultiply):
+            # ``x - 5.0``, ``2 * x``: a number broadcasts, the array keeps its shape.
+            if _number(node.right):
+                return self.shape(node.left, depth + 1)
+            if _number(node.left):
+                return self.shape(node.right, depth + 1)
+            return Shape()
         if isinstance(node, cst.Dict):
             fields = []
             for e in node.elements:
