@@ -252,20 +252,25 @@ def load_template(directory: str | Path) -> ChatTemplate:
     directory = Path(directory)
     if directory.is_file():
         directory = directory.parent
-    cfg = read_json(directory / CONFIG)
-    found = _source(directory, cfg)
+    found = _source(directory, read_json(directory / CONFIG))
     if found is None:
         raise DataError(
             f"'{directory}' has no chat template (neither {TEMPLATE_FILE} nor a chat_template in {CONFIG}): "
             "give --tokenizer a chat model's directory, or rows of plain prompt/completion text"
         )
-    overrides = read_json(directory / SPECIAL_MAP)
+    return ChatTemplate(source=found[0], name=found[1], variables=special_tokens(directory))
+
+
+def special_tokens(directory: Path) -> dict[str, Any]:
+    """The special tokens a tokenizer's ``directory`` names (``SPECIAL_KEYS`` and the additional ones), as
+    transformers' ``special_tokens_map`` gives them to a template: ``special_tokens_map.json`` over
+    ``tokenizer_config.json``, the tokenizer class's defaults for its ends where the files name none."""
+    cfg, overrides = read_json(directory / CONFIG), read_json(directory / SPECIAL_MAP)
     variables = {k: _token(overrides.get(k, cfg.get(k))) for k in SPECIAL_KEYS}
-    named = read_config(directory)  # the tokenizer class's defaults where the files name none
+    named = read_config(directory)
     variables["eos_token"] = variables["eos_token"] or named.eos_token
     variables["bos_token"] = variables["bos_token"] or named.bos_token
     variables["additional_special_tokens"] = _token(
         overrides.get("additional_special_tokens", cfg.get("additional_special_tokens"))
     )
-    variables = {k: v for k, v in variables.items() if v}  # as transformers' special_tokens_map
-    return ChatTemplate(source=found[0], name=found[1], variables=variables)
+    return {k: v for k, v in variables.items() if v}

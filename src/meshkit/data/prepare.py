@@ -37,7 +37,7 @@ from meshkit.data.readers import Reader, list_inputs
 from meshkit.data.source import DataError
 from meshkit.data.text import DEFAULT_SOURCE
 from meshkit.data.tokenizer import Tokenizer, check_vocab_size, load_tokenizer, train_bpe
-from meshkit.data.tokenizer_config import CONFIG, shards_config
+from meshkit.data.tokenizer_config import CARRIED, CONFIG, shards_config
 from meshkit.files import free_space, path_kind, try_lock
 
 BATCH = 4 << 20
@@ -337,11 +337,28 @@ def workdir(out: Path) -> Iterator[Path]:
         raise
 
 
+def carried_tokens(tok: Tokenizer, directory: Path | None = None) -> dict[str, str]:
+    """The ``CARRIED`` tokens (padding, unknown) that the files of ``directory`` (default: those beside the
+    tokenizer's own file) name, where they are tokens of it."""
+    from meshkit.data.chat_template import special_tokens
+
+    source = Path(tok.source)
+    directory = directory or (source.parent if source.is_file() else None)
+    if directory is None or not directory.is_dir():
+        return {}
+    tokens = tok.vocabulary()
+    return {
+        k: v
+        for k, v in special_tokens(directory).items()
+        if k in CARRIED and isinstance(v, str) and v in tokens
+    }
+
+
 def tokenizer_files(work: Path, tok: Tokenizer) -> dict[str, Any]:
     """Write the tokenizer and its config beside the shards; the manifest's keys that name it."""
     (work / S.TOKENIZER).write_text(tok.to_str(), encoding="utf-8")
     bos = None if tok.bos is None else tok.bos[0]
-    config = shards_config(tok.eos[0], bos, bool(tok.prefix))
+    config = shards_config(tok.eos[0], bos, bool(tok.prefix), carried_tokens(tok))
     (work / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
     return {"format": S.FORMAT, "tokenizer": S.TOKENIZER, "tokenizer_sha256": _sha256(work / S.TOKENIZER),
             "tokenizer_source": tok.source, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,

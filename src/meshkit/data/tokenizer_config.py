@@ -104,8 +104,14 @@ def read_config(directory: Path) -> TokenizerConfig:
     return TokenizerConfig(tokenizer_class=cls, **tokens, **flags)
 
 
-def shards_config(eos: str, bos: str | None, add_bos: bool) -> dict[str, Any]:
+CARRIED = ("pad_token", "unk_token")
+"""Special tokens a tokenizer's files name that meshkit keeps with it (beside the shards, in an export) though
+it frames no text with them: ``AutoTokenizer`` knows them by these names only where a file gives them."""
+
+
+def shards_config(eos: str, bos: str | None, add_bos: bool, carried: dict[str, str]) -> dict[str, Any]:
     """The ``tokenizer_config.json`` written beside the shards' ``tokenizer.json`` (whose post-processor
-    already frames a document): meshkit and ``AutoTokenizer`` read the same tokens and ids from it."""
+    already frames a document): meshkit and ``AutoTokenizer`` read the same tokens and ids from it; with the
+    ``CARRIED`` tokens the tokenizer's own files named."""
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos,
-            "add_bos_token": add_bos, "add_eos_token": False, "clean_up_tokenization_spaces": False}  # fmt: skip
+            "add_bos_token": add_bos, "add_eos_token": False, "clean_up_tokenization_spaces": False, **carried}  # fmt: skip

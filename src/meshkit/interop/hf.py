@@ -37,7 +37,7 @@ import numpy as np
 from meshkit._errors import gist
 from meshkit.files import free_space
 from meshkit.interop import files, stream
-from meshkit.interop.special import CONFIG, GENERATION, Special, read_generation, read_special
+from meshkit.interop.special import CHAT_TEMPLATE, CONFIG, GENERATION, Special, read_generation, read_special
 from meshkit.interop.stream import INDEX, SINGLE
 from meshkit.models import gpt, registry
 from meshkit.models.family import HFFormat, InteropError, Source
@@ -431,9 +431,9 @@ def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_byte
     empty): ``config.json`` (``torch_dtype``: the parameters' dtype), the weights in safetensors files
     of at most ``max_shard_bytes`` (with an index when more than one; written tensor by tensor), ``meshkit_vocab.json`` when a character ``vocab`` is given, and
     ``tokenizer.json`` when a BPE tokenizer (``tokenizers``' JSON) is; with ``special`` tokens, their
-    ids in config.json and generation_config.json and, beside a tokenizer, tokenizer_config.json and
-    special_tokens_map.json (so that transformers' ``generate`` stops where meshkit's does and
-    ``AutoTokenizer`` gives meshkit's ids)."""
+    ids in config.json and generation_config.json and, beside a tokenizer, tokenizer_config.json,
+    special_tokens_map.json and its chat template (so that transformers' ``generate`` stops where meshkit's
+    does, ``AutoTokenizer`` gives meshkit's ids and ``apply_chat_template`` the conversations it trained on)."""
     target = Path(directory)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InteropError(
@@ -459,8 +459,10 @@ def save(params: Any, cfg: ModelConfig, directory: str | Path, *, max_shard_byte
             if special is not None:
                 tok_cfg = special.tokenizer_config(cfg.seq_len)
                 (work / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-                tokens = {k: tok_cfg[k] for k in ("bos_token", "eos_token") if tok_cfg[k] is not None}
+                tokens = {k: v for k, v in tok_cfg.items() if k.endswith("_token") and v is not None}
                 (work / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2))
+                if special.chat_template is not None:  # where transformers 4.44 and later read it
+                    (work / CHAT_TEMPLATE).write_text(special.chat_template, encoding="utf-8")
         if target.exists():
             target.rmdir()
         os.replace(work, target)

@@ -9,6 +9,7 @@ its model type's defaults: a Llama's eos 2, a Gemma's 1, a Qwen's none (its ``ge
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from meshkit.models.family import InteropError
 
 CONFIG = "config.json"
 GENERATION = "generation_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """The id fields read and written; only ``eos_token_id`` may be a list (transformers stops at any of them)."""
 
@@ -36,6 +38,12 @@ class Special:
     pad: int | None = None
     generation: Mapping[str, Any] | None = None
     """The ``generation_config.json`` of the checkpoint the model came from (its sampling settings)."""
+    named: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Further special tokens the tokenizer names, by their ``tokenizer_config.json`` key (``pad_token``,
+    ``unk_token``...): ``AutoTokenizer`` knows a token by these names only where the file gives them."""
+    chat_template: str | None = None
+    """The chat template the model speaks (``chat_template.jinja``): the one its run trained with, else
+    its checkpoint's; without it ``apply_chat_template`` raises."""
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -63,7 +71,7 @@ class Special:
         prepends a ``<s>`` the vocabulary may not have)."""
         return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos[0] if self.eos else None,
                 "bos_token": self.bos[0] if self.bos else None, "add_bos_token": False, "add_eos_token": False,
-                "clean_up_tokenization_spaces": False, "model_max_length": max_length}  # fmt: skip
+                "clean_up_tokenization_spaces": False, "model_max_length": max_length, **self.named}  # fmt: skip
 
 
 def _ids(value: Any, key: str, path: Path) -> int | list[int] | None:
