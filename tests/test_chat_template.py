@@ -95,7 +95,24 @@ def _reference_cases(root: Path) -> dict[str, tuple]:
     cases["5.x/reasoning"] = (str(TEMPLATES / "qwen3"), REASONS, False, False, False)
     cases["llama/auto"] = (str(root / "openllama-mistral"), TURNS, False, False, False)
     cases["llama/fast"] = (str(root / "openllama-mistral"), TURNS, False, False, True)
+    cases["export/llama3"] = (str(root / "export"), TURNS, True, False, False)
     return cases
+
+
+def _export(directory: Path) -> None:
+    """An export of a model fine-tuned on llama3's conversations, as ``meshkit export`` writes it (the merged
+    export of a LoRA run dropped the template and the padding token: ``apply_chat_template`` raised)."""
+    import jax
+
+    from meshkit import interop
+    from meshkit.data.prepare import carried_tokens
+    from meshkit.models import llama
+
+    tok, template = load_tokenizer(TEMPLATES / "llama3"), load_template(TEMPLATES / "llama3")
+    cfg = llama.LlamaConfig(vocab_size=tok.vocab_size, seq_len=16, layers=1, width=16, heads=2, ffn=32)
+    special = interop.hf.Special(eos=(tok.eos[0], tok.eot_id), named=carried_tokens(tok, TEMPLATES / "llama3"),
+                                 chat_template=template.source)  # fmt: skip
+    interop.save(llama.init(jax.random.key(0), cfg), cfg, directory, tokenizer_json=tok.to_str(), special=special)
 
 
 def _reference(python: str, cases: list) -> list:
@@ -110,6 +127,7 @@ def theirs(reference_python, tmp_path_factory):
     """(whether it is transformers 5.x, {case name: (case, transformers' ids and mask or error)})."""
     root = tmp_path_factory.mktemp("chat-reference")
     _generation_template(root / "gemma2-generation")
+    _export(root / "export")
     shutil.copytree(Path(__file__).parent / "corpus" / "tokenizers" / "openllama", root / "openllama-mistral")
     shutil.copy(TEMPLATES / "src" / "mistral_v0_1.jinja", root / "openllama-mistral" / "chat_template.jinja")
     cases = _reference_cases(root)
@@ -130,12 +148,14 @@ def _mine(case: tuple) -> tuple[list[int], list[int]]:
 
 @pytest.mark.reference
 def test_ids_equal_transformers_apply_chat_template(theirs):
-    """Token ids of three families' real templates (Llama 3.3, Qwen3, Gemma 2) equal transformers'
-    apply_chat_template(tokenize=True)."""
+    """Token ids of three families' real templates (Llama 3.3, Qwen3, Gemma 2), and of an export of a model
+    fine-tuned on one (its template and padding token carried), equal transformers' apply_chat_template."""
     _, cases = theirs
     for name, (case, out) in cases.items():
-        if name.startswith("ids/"):
+        if name.startswith(("ids/", "export/")):
             assert _mine(case)[0] == out["ids"], name
+    export = Path(cases["export/llama3"][0][0])
+    assert json.loads((export / "tokenizer_config.json").read_text())["pad_token"] == "<|eot_id|>"
 
 
 @pytest.mark.reference

@@ -10,6 +10,7 @@ import pytest
 from meshkit.cli import main
 from meshkit.train import config as C
 from meshkit.train import optim
+from meshkit.train import resume as R
 
 
 def rows(run):
@@ -32,20 +33,20 @@ def test_warmup_defaults_to_a_tenth_of_the_steps():
 
 def test_resume_config_round_trips_and_applies_only_what_is_given(tmp_path):
     fields = set(C.OPTIONS) - {"run_dir"}
-    assert fields == set(C.FIXED_ON_RESUME) | set(C.CHANGEABLE_ON_RESUME)  # every option is classified
-    assert not set(C.FIXED_ON_RESUME) & set(C.CHANGEABLE_ON_RESUME)
+    assert fields == set(R.FIXED_ON_RESUME) | set(R.CHANGEABLE_ON_RESUME)  # every option is classified
+    assert not set(R.FIXED_ON_RESUME) & set(R.CHANGEABLE_ON_RESUME)
     saved = C.tiny().replace(mesh="data=8", clip=None, tensorboard=True, run_dir="elsewhere")
     assert C.TrainConfig.from_json(json.loads(C.dumps(saved))) == saved
-    same, lines = C.resumed(saved, {}, str(tmp_path))
+    same, lines = R.resumed(saved, {}, str(tmp_path))
     assert same == saved.replace(run_dir=str(tmp_path)) and lines == []
     given = {"plan": "fsdp+tp", "mesh": "data=4,model=2", "accumulate": 2, "clip": None}
-    moved, lines = C.resumed(saved, given, "d")
-    assert (moved.get("mesh"), moved.get("accumulate"), moved.clip) == ("data=4,model=2", 2, None)
+    moved, lines = R.resumed(saved, given, "d")
+    assert (moved.get("mesh"), moved.get("accumulate"), moved.optimizer.clip) == ("data=4,model=2", 2, None)
     assert lines == ["--plan: fsdp -> fsdp+tp", "--mesh: data=8 -> data=4,model=2", "--accumulate: 1 -> 2"]
     with pytest.raises(
         C.ConfigError, match="plan fsdp does not use mesh axis model=2"
     ):  # the spec's own check
-        C.resumed(saved, {"mesh": "data=4,model=2"}, "d")
+        R.resumed(saved, {"mesh": "data=4,model=2"}, "d")
 
 
 # -- 3. defaults in --help --------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def test_resume_takes_the_runs_config_and_changes_only_what_is_safe(tmp_path, mo
     first = ["train", "--preset", "tiny", "--steps", "6", "--eval-every", "0", "--sample-chars", "0"]
     assert main([*first, "--stop-after", "3"]) == 0
     latest = tmp_path / "runs" / "latest"
-    assert latest.is_symlink() and json.loads((latest / "config.json").read_text())["steps"] == 6
+    assert latest.is_symlink() and json.loads((latest / "config.json").read_text())["run"]["steps"] == 6
     capsys.readouterr()
     assert main(["train", "--preset", "tiny", "--run-dir", str(latest)]) == 2  # a new run there: refused
     assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
@@ -130,7 +131,12 @@ def test_resume_takes_the_runs_config_and_changes_only_what_is_safe(tmp_path, mo
     assert "resume: --plan: fsdp -> dp" in out and "resume: --eval-every: 0 -> 2" in out
     assert "--warmup" not in out  # the saved schedule's warmup, given again, is no change
     saved = json.loads((latest / "config.json").read_text())
-    assert (saved["parallel"]["plan"], saved["eval_every"], saved["steps"], saved["batch_size"]) == (
+    assert (
+        saved["parallel"]["plan"],
+        saved["run"]["eval_every"],
+        saved["run"]["steps"],
+        saved["data"]["batch_size"],
+    ) == (
         "dp",
         2,
         6,
@@ -161,7 +167,7 @@ def test_resume_may_switch_the_gpt_form_and_continues_the_same_run(tmp_path, cap
     split = [r["loss"] for r in rows(tmp_path / "split") if "loss" in r]
     assert len(split) == 4 and split[:2] == whole[:2]
     np.testing.assert_allclose(split[2:], whole[2:], rtol=1e-5)
-    assert json.loads((tmp_path / "split" / "config.json").read_text())["scan_layers"] is True
+    assert json.loads((tmp_path / "split" / "config.json").read_text())["model"]["scan_layers"] is True
 
 
 # -- 6. a report that cannot be made never costs the run its outputs -------------------------------

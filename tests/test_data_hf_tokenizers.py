@@ -22,6 +22,7 @@ from meshkit.data import shards as S
 from meshkit.data.prepare import prepare
 from meshkit.data.text import default_documents
 from meshkit.data.tokenizer import train_bpe
+from meshkit.train import config as C
 from meshkit.train.outputs import special_tokens
 
 HERE = Path(__file__).parent / "corpus" / "tokenizers"
@@ -77,7 +78,7 @@ def test_real_tokenizers_give_the_tokenizers_librarys_ids(prepared, name):
     data = load(str(prepared / name))
     assert [data.decode(d[len(prefix) : -1]) for d in docs] == texts  # and back to the text, exactly
     assert data.encode(texts[0]).tolist() == docs[0][:-1]  # a prompt starts as a document does
-    special = special_tokens(SimpleNamespace(corpus=data, cfg=SimpleNamespace(init_from=None)))
+    special = special_tokens(SimpleNamespace(corpus=data, cfg=C.tiny()))
     assert (special.eos, special.bos) == (eos, bos)  # what an export names
 
 
@@ -230,7 +231,7 @@ def _export(shards: Path, out: Path) -> Path:
     from meshkit.models import llama
 
     data = load(str(shards))
-    special = special_tokens(SimpleNamespace(corpus=data, cfg=SimpleNamespace(init_from=None)))
+    special = special_tokens(SimpleNamespace(corpus=data, cfg=C.tiny()))
     cfg = llama.LlamaConfig(vocab_size=data.vocab_size, seq_len=16, layers=1, width=16, heads=2, ffn=32)
     interop.save(
         llama.init(jax.random.key(0), cfg), cfg, out, tokenizer_json=data.bpe.to_str(), special=special

@@ -23,7 +23,8 @@ def _bpe_with_bos() -> Tokenizer:
 
 
 def _run(bpe, init_from=None):
-    return SimpleNamespace(corpus=SimpleNamespace(bpe=bpe), cfg=SimpleNamespace(init_from=init_from))
+    return SimpleNamespace(corpus=SimpleNamespace(bpe=bpe, chat=False),
+                           cfg=SimpleNamespace(model=SimpleNamespace(init_from=init_from), data=SimpleNamespace(data=None)))  # fmt: skip
 
 
 def test_a_runs_own_tokenizer_gives_its_end_of_text():

@@ -405,7 +405,7 @@ def test_a_run_from_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
     from meshkit.train.loop import train
     from meshkit.train.outputs import export_run
 
-    data = load(C.tiny().data)
+    data = load(C.tiny().data.data)
     model = config_from_hf({**SMALL, "model_type": "qwen3", "vocab_size": len(data.chars), "head_dim": 8,
                             "num_attention_heads": 4, "max_position_embeddings": 64})  # fmt: skip
     params = llama.init(jax.random.key(1), model)
@@ -463,7 +463,7 @@ def test_a_mixture_checkpoints_experts_are_the_runs_shape(tmp_path):
     from meshkit.train import config as C
     from meshkit.train.job import model_shape
 
-    data = load(C.tiny().data)
+    data = load(C.tiny().data.data)
     model = config_from_hf({**SMALL, "model_type": "mixtral", "vocab_size": len(data.chars), "num_local_experts": 4,
                             "num_experts_per_tok": 2, "max_position_embeddings": 64})  # fmt: skip
     interop.save(llama.init(jax.random.key(1), model), model, tmp_path / "ckpt", vocab=data.chars)

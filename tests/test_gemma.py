@@ -325,7 +325,7 @@ def test_a_run_from_a_gemma2_checkpoint_trains_exports_as_gemma2_and_generates(t
     from meshkit.train.loop import train
     from meshkit.train.outputs import export_run, generate_text, load_run
 
-    data = load(C.tiny().data)
+    data = load(C.tiny().data.data)
     model = config_from_hf({**G2, "vocab_size": len(data.chars), "num_hidden_layers": 2, "sliding_window": 8})
     interop.save(gemma.init(jax.random.key(1), model), model, tmp_path / "ckpt", vocab=data.chars)
     cfg = C.tiny().replace(model="gemma", layers=2, width=32, heads=4, kv_heads=2, tie_embeddings=True, plan="dp",

@@ -29,9 +29,7 @@ def _run(eot: int, trained: int = 16):
     bpe = SimpleNamespace(eot_id=eot, eos=("<|endoftext|>", eot), bos=None,
                           special=lambda i: "<|endoftext|>" if i == eot else None)  # fmt: skip
     corpus = SimpleNamespace(bpe=bpe, encode=lambda text: np.asarray(PROMPT, np.int32), decode=list)
-    return SimpleNamespace(
-        params=PARAMS, model=CFG, corpus=corpus, cfg=SimpleNamespace(init_from=None, seq_len=trained)
-    )
+    return SimpleNamespace(params=PARAMS, model=CFG, corpus=corpus, cfg=C.tiny().replace(seq_len=trained))
 
 
 def test_generate_stops_at_the_end_of_text():

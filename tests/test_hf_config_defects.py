@@ -6,7 +6,6 @@ from, and a run's FLOPs counted at its own sequence, not the checkpoint's positi
 The transformers side of the same cases (their logits equal meshkit's) is in test_hf_reference.py
 (``hf-llama-head-dim``, ``hf-llama-rope-default``, ``hf-mistral-window``)."""
 
-import dataclasses
 import json
 
 import jax
@@ -87,7 +86,7 @@ def test_tensors_the_config_does_not_declare_are_refused_not_dropped(tmp_path):
 
 
 def _init_from_cfg(tmp_path, model, **options):
-    data = load(C.tiny().data)
+    data = load(C.tiny().data.data)
     params = llama.init(jax.random.key(1), model)
     interop.save(params, model, tmp_path / "ckpt", vocab=data.chars)
     cfg = C.tiny().replace(model="llama", layers=model.layers, width=model.width, heads=model.heads,
@@ -101,7 +100,7 @@ def test_init_from_a_checkpoint_whose_head_dim_is_not_width_over_heads(tmp_path)
     divide --width 20, and the run was refused although the load and forward are exact)."""
     from meshkit.train.job import prepare
 
-    vocab = len(load(C.tiny().data).chars)
+    vocab = len(load(C.tiny().data.data).chars)
     model = llama.LlamaConfig(vocab_size=vocab, seq_len=64, layers=1, width=20, heads=6, kv_heads=2,
                               head_dim=8, ffn=32)  # fmt: skip
     cfg, params = _init_from_cfg(tmp_path, model)
@@ -114,14 +113,14 @@ def test_init_from_a_checkpoint_whose_head_dim_is_not_width_over_heads(tmp_path)
         for a, b in zip(got, jax.tree.leaves(params), strict=True)
     )
     with pytest.raises(C.ConfigError, match="--heads 6 must divide --width 20"):
-        C.validate(dataclasses.replace(cfg, init_from=None))
+        C.validate(cfg.replace(init_from=None))
 
 
 def test_the_runs_flops_count_its_own_sequence_not_the_checkpoints_positions(tmp_path):
     from meshkit.train.job import prepare
     from meshkit.train.results import results
 
-    vocab = len(load(C.tiny().data).chars)
+    vocab = len(load(C.tiny().data.data).chars)
     model = llama.LlamaConfig(vocab_size=vocab, seq_len=8192, layers=1, width=32, heads=4, kv_heads=2, ffn=64)
     cfg, _ = _init_from_cfg(tmp_path, model, seq_len=32)
     job = prepare(cfg)

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file, save_file
 from meshkit import interop
 from meshkit.interop.hf import InteropError, config_from_hf
 from meshkit.models import gemma, gpt, llama
+from meshkit.train import config as C
 
 TINY = llama.LlamaConfig(vocab_size=32, seq_len=16, layers=1, width=16, heads=2, kv_heads=1, ffn=32)
 LLAMA = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
@@ -283,7 +284,9 @@ def test_an_untied_gpt2_without_its_head_is_refused(tmp_path):
 
 # -- 13: the ids an export carries -------------------------------------------------------------------
 def _run(init_from, bpe=None):
-    return SimpleNamespace(corpus=SimpleNamespace(bpe=bpe), cfg=SimpleNamespace(init_from=init_from))
+    return SimpleNamespace(
+        corpus=SimpleNamespace(bpe=bpe, chat=False), cfg=C.tiny().replace(init_from=init_from)
+    )
 
 
 def test_an_export_of_a_run_on_token_ids_carries_its_checkpoints_ids_and_generation_settings(tmp_path):
@@ -343,7 +346,7 @@ def test_meshkit_export_names_the_directorys_free_space_when_it_cannot_write(tmp
     from meshkit.train import outputs
 
     run = SimpleNamespace(model=TINY, params=llama.init(jax.random.key(0), TINY), vocab=None,
-                          corpus=SimpleNamespace(bpe=None), cfg=SimpleNamespace(init_from=None))  # fmt: skip
+                          corpus=SimpleNamespace(bpe=None), cfg=C.tiny())  # fmt: skip
     monkeypatch.setattr(outputs, "load_run", lambda run_dir: run)
 
     def full(*args, **kwargs):

@@ -84,7 +84,7 @@ def test_init_from_reads_each_devices_block_into_the_trainers_layout(tmp_path, p
     from meshkit.data import load
     from meshkit.train.job import build_model
 
-    chars = load(C.tiny().data).chars
+    chars = load(C.tiny().data.data).chars
     model = llama.LlamaConfig(
         vocab_size=len(chars), seq_len=64, layers=2, width=32, heads=4, kv_heads=2, ffn=64
     )

@@ -411,8 +411,8 @@ def test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_
     saved ones, bit for bit; the finished run writes the executed schedule and its proof. The bf16
     permutes move bf16 activations, as f32 on XLA's CPU compiler (the model says so)."""
     from meshkit.cli import main
-    from meshkit.train import config as C
     from meshkit.train import job
+    from meshkit.train import resume as R
 
     run = tmp_path / "run"
     pp = ["--plan", "dp+pp", "--mesh", "stage=4,data=2"]
@@ -422,7 +422,7 @@ def test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_
                  "--run-dir", str(run), *pp, "--stop-after", "2"]) == 0, capsys.readouterr().err  # fmt: skip
 
     def restored(plan, mesh):
-        cfg, _ = C.resumed(job.saved_config(run), {"plan": plan, "mesh": mesh}, str(run))  # as --resume does
+        cfg, _ = R.resumed(job.saved_config(run), {"plan": plan, "mesh": mesh}, str(run))  # as --resume does
         t = job.prepare(cfg, resume=True).trainer
         return gpt.to_form((t.params, t.opt_state), True), t  # (the stacked form, to compare; the trainer)
 

@@ -138,7 +138,7 @@ def test_resume_reads_past_a_torn_metrics_line_and_writes_through_no_planted_lin
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 15))  # every line whole
     assert _losses(run)[:12] == _losses(stopped_run)
     assert victim.read_text() == "not meshkit's\n"
-    assert json.loads((run / "config.json").read_text())["steps"] == 16
+    assert json.loads((run / "config.json").read_text())["run"]["steps"] == 16
     assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]
 
 
@@ -272,7 +272,7 @@ def test_a_live_run_gets_its_own_directory_and_a_second_resume_beside_it_is_refu
     assert "error" not in err and "Traceback" not in err, err[-3000:]
     assert "stopped after step 12 of 16" in out
     assert run.name.endswith("-2") and run.name[:-2] in taken and in_flight.resolve().parent.parent == run
-    assert json.loads((run / "config.json").read_text())["run_dir"] == f"runs/{run.name}"
+    assert json.loads((run / "config.json").read_text())["run"]["run_dir"] == f"runs/{run.name}"
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["10", "11", "12"], names  # the latest three, nothing unfinished or set aside
     assert [s for s, _ in _losses(run)] == list(range(1, 13))

@@ -75,19 +75,19 @@ def job(tmp_path_factory):
 
 def test_sft_step_is_the_masked_loss_and_logs_its_trained_tokens(job):
     t = job.trainer
-    local = next(job.data.batches(seq_len=16, global_batch=job.cfg.batch_size, seed=job.cfg.seed))
+    local = next(job.data.batches(seq_len=16, global_batch=job.cfg.data.batch_size, seed=job.cfg.data.seed))
     want = float(job.eval_loss(t.params, local))  # the first training batch, before the step
     unweighted = float(job.eval_loss(t.params, local[:2]))
     row = loop._one_step(job, 1e-3)
     assert row["loss"] == pytest.approx(want, rel=1e-5) and abs(want - unweighted) > 1e-4
-    assert row["trained_tokens"] == job.cfg.batch_size * job.cfg.seq_len // 2
+    assert row["trained_tokens"] == job.cfg.data.batch_size * job.cfg.data.seq_len // 2
 
 
 def test_held_out_loss_uses_the_weights(job):
     out = results.evaluate(job)
-    t, n = job.trainer, job.cfg.batch_size
-    stream = job.data.batches(seq_len=16, global_batch=n, seed=job.cfg.seed, held_out=True)
-    batches = [next(stream) for _ in range(job.cfg.eval_batches)]
+    t, n = job.trainer, job.cfg.data.batch_size
+    stream = job.data.batches(seq_len=16, global_batch=n, seed=job.cfg.data.seed, held_out=True)
+    batches = [next(stream) for _ in range(job.cfg.run.eval_batches)]
     want = np.mean([float(job.eval_loss(t.params, b)) for b in batches])
     plain = np.mean([float(job.eval_loss(t.params, b[:2])) for b in batches])
     assert out["eval_loss"] == pytest.approx(want, rel=1e-6) and abs(want - plain) > 1e-4
@@ -114,7 +114,7 @@ def test_held_out_loss_is_per_learnt_target_and_a_batch_with_none_counts_nothing
     monkeypatch.setattr(job, "data", Alternate(job.data.inner))
     monkeypatch.setattr(job, "cfg", job.cfg.replace(eval_batches=2))
     first = next(
-        job.data.batches(seq_len=16, global_batch=job.cfg.batch_size, seed=job.cfg.seed, held_out=True)
+        job.data.batches(seq_len=16, global_batch=job.cfg.data.batch_size, seed=job.cfg.data.seed, held_out=True)
     )
     want = float(job.eval_loss(job.trainer.params, first))
     assert results.evaluate(job)["eval_loss"] == pytest.approx(want, rel=1e-6) and want > 0
@@ -166,7 +166,7 @@ def test_trained_tokens_counts_the_global_mask_from_any_rows():
         ({"task": "sft"}, "--task sft needs --data"),
         ({"task": "sft", "data": "d", "plan": "dp+pp"}, "pipeline plans (pp, dp+pp"),
         ({"document_masks": True, "plan": "pp"}, "drop --document-masks"),
-        ({"lora_alpha": 3.0}, "give their --lora-rank too"),
+        ({"lora_alpha": 16.0}, "give their --lora-rank too"),  # LoRA's default, given: was ignored
         ({"lora_rank": 4, "lora_alpha": 0.0}, "LoRA alpha must be finite and not 0"),
     ],
 )

@@ -18,24 +18,13 @@ from typing import Annotated, Any
 import typer
 
 from meshkit.cli.ledger import DevicesOpt
-from meshkit.models import registry
 from meshkit.spec import (
-    ATTENTION_IMPLEMENTATIONS,
     AUTO,
-    CONTEXT_ATTENTION,
-    DETERMINISTIC_PLANS,
-    PIPELINE_SCHEDULES,
-    PLATFORM_PRECISION,
-    PRECISIONS,
-    REMAT_POLICIES,
-    TASKS,
     ParallelSpec,
-    describe_plans,
-    one_of,
-    plans_of,
 )
 from meshkit.train import config as C
 from meshkit.train import config_file
+from meshkit.train.resume import resumed
 
 
 def _default(name: str, text: str | None = None) -> str:
@@ -45,11 +34,12 @@ def _default(name: str, text: str | None = None) -> str:
     return shown if base == tiny or text else f"{shown}; tiny: {tiny}"
 
 
-def _opt(name: str, help: str, text: str | None = None, *decls: str) -> typer.models.OptionInfo:
-    """A config field's option; a yes/no field as ``--name/--no-name``."""
-    if not decls and _kind(name) is bool:
-        decls = (f"{C.flag(name)}/--no-{C.flag(name)[2:]}",)
-    return typer.Option(*decls, help=help, show_default=_default(name, text))
+def _opt(name: str) -> typer.models.OptionInfo:
+    """A config option's flag, from its declaration (``meshkit.spec.option``): its help, the default as help
+    shows it, its flags (a yes/no option as ``--name/--no-name``)."""
+    meta = C.FIELDS[name].metadata
+    decls = meta["flags"] or ((f"{C.flag(name)}/--no-{C.flag(name)[2:]}",) if _kind(name) is bool else ())
+    return typer.Option(*decls, help=meta["help"], show_default=_default(name, meta["shown"]))
 
 
 def _kind(name: str) -> type:
@@ -62,114 +52,16 @@ def _kind(name: str) -> type:
 _TYPES = C.option_types()
 """Every config field's type (read once: the fields' types are the same for every option)."""
 
-
-#: ``meshkit train``'s options that are config fields, in --help's order, each with the help text it
-#: shows (the field's docstring says why it exists; this, what to type).
+ORDER = ("parallel", "model", "data", "optimizer", "run")
+"""The sections' order in --help."""
+#: ``meshkit train``'s options that are config fields, section by section, each declared with the help it shows
+#: (the field's docstring says why it exists; its help, what to type). An option without help is given by a
+#: config file or ``--set`` only (``--set optimizer.weight_decay=0.1``).
 FIELDS: dict[str, typer.models.OptionInfo] = {
-    "plan": _opt(
-        "plan",
-        f"{describe_plans()}; auto: the planner's fastest predicted layout for this GPT on the devices present.",
-    ),
-    "mesh": _opt("mesh", "e.g. data=8 or data=4,model=2.", "the plan's, over all devices"),
-    "steps": _opt("steps", "Optimizer steps in total."),
-    "batch_size": _opt("batch_size", "Global batch in sequences."),
-    "seq_len": _opt("seq_len", "Tokens (characters, for text) per sequence."),
-    "model": _opt("model", f"{registry.summary()}."),
-    "kv_heads": _opt("kv_heads", "Llama: key/value heads (must divide --heads).", "as many as --heads"),
-    "experts": _opt(
-        "experts",
-        f"Mixture of experts: MLPs per layer (plans {one_of(plans_of('expert'), 'and')} split them).",
-        "0: a dense MLP",
-    ),
-    "experts_per_token": _opt("experts_per_token", "Mixture of experts: experts per token (top-k).", "2"),
-    "capacity_factor": _opt(
-        "capacity_factor",
-        "Mixture of experts: slots per expert = ceil(factor x T x k / experts); 0: dropless (every slot runs).",
-        "1.25",
-    ),
-    "tie_embeddings": _opt("tie_embeddings", "Llama: the output head is the token embedding.", "off"),
-    "init_from": _opt(
-        "init_from", "Start from a Hugging Face checkpoint: hf:DIR (config.json + safetensors).", "random"
-    ),
-    "lora_rank": _opt(
-        "lora_rank", "LoRA: the adapters' rank; the base weights stay frozen.", "0: full fine-tuning"
-    ),
-    "lora_alpha": _opt("lora_alpha", "LoRA: the update is scaled by alpha / rank.", "16"),
-    "lora_targets": _opt("lora_targets", "LoRA: comma-separated matrices to adapt.", "wq,wk,wv,wo"),
-    "export_hf": _opt(
-        "export_hf", "At the end, write the model as a Hugging Face checkpoint into the run's hf/.", "off"
-    ),
-    "layers": _opt("layers", "Transformer blocks."),
-    "width": _opt("width", "Model width."),
-    "heads": _opt("heads", "Attention heads (must divide --width)."),
-    "optimizer": _opt("optimizer", "adamw or sgd (momentum)."),
-    "lr": _opt("lr", "Peak learning rate (warmup + cosine)."),
-    "warmup": _opt("warmup", "Linear warmup steps (below --steps).", "a tenth of --steps, rounded down"),
-    "accumulate": _opt("accumulate", "Micro-batches per step (must divide the batch per data shard)."),
-    "deterministic": typer.Option(
-        "--deterministic",
-        help="The same bits on 1, 2, 4 or 8 devices: the batch cut into 8 micro-shards (--set deterministic=N for N, "
-        f"a power of two) whose gradients are summed in one fixed tree; plans {one_of(DETERMINISTIC_PLANS, 'and')}. "
-        "Its price in bytes is in the report.",
-        show_default="off",
-    ),
-    "microbatches": _opt("microbatches", "Pipeline plans: micro-batches per step.", "one per stage"),
-    "pipeline_schedule": _opt(
-        "pipeline_schedule",
-        f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)}.",
-        "1f1b",
-        "--pipeline-schedule",
-        "--schedule",
-    ),
-    "virtual_stages": _opt("virtual_stages", "Interleaved: chunks of layers per device."),
-    "context_attention": _opt("context_attention", f"Context plans: {one_of(CONTEXT_ATTENTION)}."),
-    "clip": _opt("clip", "Global-norm clipping (0 turns it off)."),
-    "precision": _opt(
-        "precision",
-        one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + ".",
-        "by platform: " + ", ".join(f"{p} {v}" for p, v in PLATFORM_PRECISION.items()),
-    ),
-    "attention": _opt(
-        "attention",
-        f"How each device attends: {one_of(ATTENTION_IMPLEMENTATIONS)}; report.json names the kernels.",
-    ),
-    "seed": _opt("seed", "Seed of initialisation and data order."),
-    "remat": _opt("remat", f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}."),
-    "scan_layers": _opt("scan_layers", "Stack the blocks under lax.scan.", None),
-    "data": _opt(
-        "data",
-        "A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) or a .npy of token ids; "
-        "DIR:WEIGHT,DIR:WEIGHT mixes prepared directories of one tokenizer by the weights (normalised), e.g. web:0.7,code:0.3.",
-        "Python's reference docs (pydoc_data), per character",
-    ),
-    "task": _opt("task", f"What is trained: {one_of(TASKS)}."),
-    "document_masks": _opt(
-        "document_masks",
-        "Pretraining: packed documents attend within themselves, positions from 0 in each.",
-        "off",
-    ),
-    "run_dir": typer.Option(
-        help="Output directory.", show_default="a new runs/<time>; with --resume, runs/latest"
-    ),
-    "eval_every": _opt("eval_every", "Evaluate every k steps (0: at the end only)."),
-    "eval_tasks": _opt(
-        "eval_tasks",
-        "Multiple-choice tasks scored at each evaluation (acc, acc_norm per task, as lm-evaluation-harness): "
-        'JSONL files of {"query", "choices", "gold"} rows, comma-separated, or a shipped task: python_docs.',
-        "none",
-    ),
-    "checkpoint_every": _opt("checkpoint_every", "Checkpoint every k steps."),
-    "sample_chars": _opt("sample_chars", "Characters to sample at the end."),
-    "tensorboard": _opt("tensorboard", "Also write TensorBoard event files beside metrics.jsonl.", "off"),
-    "tracker": _opt(
-        "tracker",
-        "Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless WANDB_MODE says otherwise; pip install 'meshkit[wandb]').",
-    ),
-    "peak_tflops": _opt(
-        "peak_tflops",
-        "One device's peak TFLOP/s, for MFU in the summary, report.json and metrics.jsonl (default: the "
-        "table's figure for the GPU or TPU at the run's precision; none on a CPU).",
-    ),
+    name: _opt(name)
+    for section in ORDER
+    for name in C.SECTIONS[section].__dataclass_fields__
+    if C.FIELDS[name].metadata["help"]
 }
 #: The options that are no config field: how the command runs (before and after the fields in --help).
 BEFORE = {
@@ -281,7 +173,7 @@ def train(**options: Any) -> None:
                    latest_link=latest if run_dir is None else None, profile=profiled)  # fmt: skip
     if code:
         raise typer.Exit(code)
-    if cfg.export_hf and jax.process_index() == 0:
+    if cfg.run.export_hf and jax.process_index() == 0:
         _export_at_end(run_dir, latest, console)
 
 
@@ -320,7 +212,7 @@ def _config(
 
     if resume:
         where = run_dir or str(latest.resolve())
-        cfg, changed = C.resumed(saved_config(Path(where)), given, where)
+        cfg, changed = resumed(saved_config(Path(where)), given, where)
         if preset is not None:
             console.print(
                 f"--preset {preset} is not used with --resume: the run's settings come from its config.json"
@@ -412,8 +304,8 @@ def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
             f"--plan auto chooses {', '.join(clash)} itself: drop {', '.join(clash)}, or name a plan"
         )
     C.validate(cfg)
-    shape = model_shape(cfg, load(cfg.data).vocab_size)
-    choice = choose_gpt(shape, global_batch=cfg.batch_size, precision=cfg.parallel.precision)
+    shape = model_shape(cfg, load(cfg.data.data).vocab_size)
+    choice = choose_gpt(shape, global_batch=cfg.data.batch_size, precision=cfg.parallel.precision)
     console.print(choice.line(), soft_wrap=True, highlight=False)
     return cfg.replace(parallel=choice.spec, plan_reason=choice.why)
 

@@ -121,7 +121,7 @@ class Family:
     learned_positions: bool = False
     """Its positions end at ``seq_len`` (a learned table): a run's sequence may not be longer."""
     check: Callable[[Any], str | None] = _no_check
-    """A run's options (a ``TrainConfig``) -> why the family cannot train them, or None."""
+    """A run's model options (``TrainConfig.model``) -> why the family cannot train them, or None."""
     units: Callable[[Any], dict[str, int]] = _heads
     """Config -> logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
     rules: Callable[[bool], dict[str, str]] = _vocab_rules

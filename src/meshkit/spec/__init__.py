@@ -19,7 +19,7 @@ pairs in ``COMBINE``, and its module in ``meshkit/plans/axes/`` where it does mo
 Errors are ``PlanError``, one line naming the option to change.
 """
 
-from meshkit.spec.parallel import ParallelSpec
+from meshkit.spec.parallel import ParallelSpec, option
 from meshkit.spec.plans import (
     AXIS_RULES,
     COMBINE,
@@ -123,6 +123,7 @@ __all__ = [
     "describe_plans",
     "get_plan",
     "one_of",
+    "option",
     "plan_for",
     "plan_kind",
     "plans_of",

@@ -1,11 +1,17 @@
-"""The training job's configuration: one frozen dataclass holding the parallel spec, and presets as
-plain functions.
+"""The training job's configuration: a frozen dataclass of sections, and presets as plain functions.
 
-Every option has one name, used as it is in Python and as ``--name-with-dashes`` on the command
-line: the job's own fields here, and the layout's (``plan``, ``mesh``, ``remat``, ``precision``,
-``accumulate``, ``microbatches``, ``pipeline_schedule``, ``virtual_stages``) in the
-``ParallelSpec`` it holds (``meshkit.spec``), which validates them. ``config.json`` in a run
-directory is this config as JSON, checked on ``--resume`` with the same rules and messages.
+``TrainConfig`` holds five sections: ``model``, ``optimizer``, ``data``, ``run`` and ``parallel`` (the
+``ParallelSpec``, which validates the layout). Each option is declared once, in its section, with
+``meshkit.spec.option``: its default, what ``meshkit train --help`` says of it, and what a run fixes by
+it. Everything that lists options follows from those declarations: the command's flags
+(``meshkit.cli.train``), a config file's tables (``config_file``: ``[model]``, ``[optimizer]``...),
+what ``--resume`` refuses to change and what it may (``resume``), and what a config written before an
+option existed ran with.
+
+Every option has one name, used as it is in Python (``cfg.get("lr")``, ``cfg.replace(lr=...)``; or
+through its section, ``cfg.optimizer.lr``) and as ``--name-with-dashes`` on the command line.
+``config.json`` in a run directory is this config as JSON, one object per section; configs of earlier
+releases (every option at the top level) are read too.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
-from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
+from meshkit.spec import PLATFORM_PRECISION, TASKS, ParallelSpec, PlanError, one_of, option, plans_of
 from meshkit.train.task import problem as task_problem
 
 
@@ -31,186 +37,231 @@ HF_PREFIX = "hf:"
 """How ``--init-from`` names a Hugging Face checkpoint directory."""
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 """Where ``--tracker`` sends the metrics (``meshkit.train.metrics``); jsonl (metrics.jsonl) is always on."""
-MODEL_DEFAULTS = {"model": "gpt", "kv_heads": 0, "tie_embeddings": False, "init_from": None, "experts": 0,
-                  "experts_per_token": 2, "capacity_factor": 1.25, "lora_rank": 0, "lora_alpha": 16.0,
-                  "lora_targets": None, "task": "pretrain", "document_masks": False}  # fmt: skip
-"""What a config written before these options trained: the GPT from random weights."""
-
 MAX_STEPS = 10**9
 """More optimizer steps than any run takes (a bound, so that nonsense fails before anything is written)."""
+SHAPE = "the model's shape"
+ROUTING = "the model's routing"
+TRAINED = "the trained parameters"
+SCHEDULE = "the learning-rate schedule"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelOptions:
+    """The model trained: its family, its shape, where its weights start, and LoRA's adapters."""
+
+    model: str = option("gpt", help=f"{registry.summary()}.", fixes="the model", later=True)
+    """The decoder trained: a family of ``meshkit.models.registry`` (the GPT, the Llama, the Gemma)."""
+    layers: int = option(2, help="Transformer blocks.", fixes=SHAPE)
+    width: int = option(128, help="Model width.", fixes=SHAPE)
+    """Model width (embedding dimension)."""
+    heads: int = option(4, help="Attention heads (must divide --width).", fixes=SHAPE)
+    kv_heads: int = option(0, help="Llama: key/value heads (must divide --heads).", shown="as many as --heads",
+                           fixes=SHAPE, later=True)  # fmt: skip
+    """Grouped-query attention's key/value heads (must divide heads); 0: as many as heads."""
+    tie_embeddings: bool = option(False, help="Llama: the output head is the token embedding.", shown="off",
+                                  fixes=SHAPE, later=True)  # fmt: skip
+    scan_layers: bool = option(False, help="Stack the blocks under lax.scan.")
+    """The scanned form: blocks stacked under lax.scan (compile time flat in depth); a resumed run may change it."""
+    init_from: str | None = option(None, help="Start from a Hugging Face checkpoint: hf:DIR (config.json + "
+                                   "safetensors).", shown="random", fixes="the initialisation", later=True)  # fmt: skip
+    """'hf:DIR' (config.json + safetensors) instead of random weights; its shape must be the run's."""
+    experts: int = option(0, help=f"Mixture of experts: MLPs per layer (plans {one_of(plans_of('expert'), 'and')} "
+                          "split them).", shown="0: a dense MLP", fixes=SHAPE, later=True)  # fmt: skip
+    """MLPs per layer (0: a dense MLP; ``ModelShape.experts``)."""
+    experts_per_token: int = option(2, help="Mixture of experts: experts per token (top-k).", fixes=ROUTING, later=True)
+    capacity_factor: float = option(1.25, help="Mixture of experts: slots per expert = ceil(factor x T x k / experts); "
+                                    "0: dropless (every slot runs).", fixes=ROUTING, later=True)  # fmt: skip
+    """An expert takes at most ceil(capacity_factor x T x k / experts) slots of a sequence."""
+    lora_rank: int = option(0, help="LoRA: the adapters' rank; the base weights stay frozen.",
+                            shown="0: full fine-tuning", fixes=TRAINED, later=True)  # fmt: skip
+    """LoRA (``meshkit.models.lora``): the adapters' rank; 0: full fine-tuning."""
+    lora_alpha: float | None = option(None, help="LoRA: the update is scaled by alpha / rank.", shown="LoRA's: 16",
+                                      fixes=TRAINED, later=True)  # fmt: skip
+    """None: ``lora.LoraConfig``'s alpha. Given without a rank, it is refused, never ignored."""
+    lora_targets: str | None = option(None, help="LoRA: comma-separated matrices to adapt.", shown="wq,wk,wv,wo",
+                                      fixes=TRAINED, later=True)  # fmt: skip
+    """Comma-separated keys of the matrices adapted; None: ``lora.DEFAULT_TARGETS``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerOptions:
+    """The optimizer and its learning-rate schedule (``meshkit.train.optim``)."""
+
+    optimizer: str = option("adamw", help="adamw or sgd (momentum).", fixes="the optimizer")
+    lr: float = option(3e-3, help="Peak learning rate (warmup + cosine).", fixes=SCHEDULE)
+    warmup: int | None = option(None, help="Linear warmup steps (below --steps).",
+                                shown="a tenth of --steps, rounded down", fixes=SCHEDULE)  # fmt: skip
+    """None: a tenth of ``steps`` (rounded down), so any step count works."""
+    weight_decay: float = option(0.01, fixes="the optimizer")
+    """AdamW's weight decay (a config file or ``--set`` gives it)."""
+    momentum: float = option(0.9, fixes="the optimizer")
+    """SGD's momentum."""
+    clip: float | None = option(1.0, help="Global-norm clipping (0 turns it off).", fixes="the optimizer")
+    """Global-norm gradient clipping (None: off)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataOptions:
+    """What is trained on, in what order, and how a batch is formed (``meshkit.train.task``)."""
+
+    data: str | None = option(
+        None, fixes="the data", shown="Python's reference docs (pydoc_data), per character",
+        help="A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) or a .npy "
+        "of token ids; DIR:WEIGHT,DIR:WEIGHT mixes prepared directories of one tokenizer by the weights "
+        "(normalised), e.g. web:0.7,code:0.3.",
+    )  # fmt: skip
+    """A prepared directory, a text file, a .npy of ids, or a mixture of prepared directories
+    (:mod:`meshkit.data.mixture`); None: Python's own reference docs (pydoc_data.topics), per character."""
+    seq_len: int = option(128, help="Tokens (characters, for text) per sequence.",
+                          fixes="the model's shape and the data order")  # fmt: skip
+    batch_size: int = option(32, help="Global batch in sequences.", fixes="the data order")
+    seed: int = option(0, help="Seed of initialisation and data order.", fixes="the initialisation and the data order")
+    task: str = option("pretrain", help=f"What is trained: {one_of(TASKS)}.", fixes="the loss and the data stream",
+                       later=True)  # fmt: skip
+    """'pretrain' (every token) or 'sft' (conversations: the loss on the assistant's tokens only)."""
+    document_masks: bool = option(
+        False, help="Pretraining: packed documents attend within themselves, positions from 0 in each.", shown="off",
+        fixes="the attention and the data stream", later=True,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOptions:
+    """How long the run trains, and what it measures and writes around the training."""
+
+    steps: int = option(400, help="Optimizer steps in total.", fixes=SCHEDULE)
+    """A resumed run continues up to this count (the schedule spans it: ``--stop-after`` stops early)."""
+    run_dir: str = option("runs/latest", help="Output directory.", shown="a new runs/<time>; with --resume, runs/latest")
+    """Where config.json, metrics.jsonl, report.json, plots and checkpoints go (the CLI gives each new run
+    its own runs/<time> and points runs/latest at it)."""
+    eval_every: int = option(50, help="Evaluate every k steps (0: at the end only).")
+    eval_batches: int = option(4)
+    """Held-out batches per evaluation."""
+    eval_tasks: str | None = option(
+        None, shown="none", help="Multiple-choice tasks scored at each evaluation (acc, acc_norm per task, as "
+        'lm-evaluation-harness): JSONL files of {"query", "choices", "gold"} rows, comma-separated, or a shipped '
+        "task: python_docs.",
+    )  # fmt: skip
+    checkpoint_every: int = option(100, help="Checkpoint every k steps.")
+    """Save a checkpoint every this many steps (and always at the end)."""
+    sample_chars: int = option(200, help="Characters to sample at the end.")
+    tensorboard: bool = option(False, help="Also write TensorBoard event files beside metrics.jsonl.", shown="off")
+    plan_reason: str | None = option(None)
+    """Why ``--plan auto`` chose the plan (None: the plan was given)."""
+    export_hf: bool = option(False, shown="off",
+                             help="At the end, write the model as a Hugging Face checkpoint into the run's hf/.")  # fmt: skip
+    tracker: str = option(
+        "jsonl", help="Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless "
+        "WANDB_MODE says otherwise; pip install 'meshkit[wandb]').",
+    )  # fmt: skip
+    peak_tflops: float | None = option(
+        None, help="One device's peak TFLOP/s, for MFU in the summary, report.json and metrics.jsonl (default: the "
+        "table's figure for the GPU or TPU at the run's precision; none on a CPU).",
+    )  # fmt: skip
+
+
+SECTIONS: dict[str, type] = {"model": ModelOptions, "optimizer": OptimizerOptions, "data": DataOptions,
+                             "run": RunOptions, "parallel": ParallelSpec}  # fmt: skip
+"""The sections of a config, by their name (``config.json``'s objects, a config file's tables)."""
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+"""Every option's declaration, by its one name."""
+SECTION_OF: dict[str, str] = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+OPTIONS = tuple(FIELDS)
+"""Every option of ``meshkit train``, by its one name."""
+PARALLEL = ParallelSpec.fields()
+"""The options the parallel spec holds."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """Everything ``meshkit train`` needs; ``config.json`` in the run directory is this, as JSON."""
 
+    model: ModelOptions = field(default_factory=ModelOptions)
+    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    run: RunOptions = field(default_factory=RunOptions)
     parallel: ParallelSpec = field(default_factory=lambda: ParallelSpec(plan="fsdp"))
     """How the step is laid out over devices: plan, mesh, remat, precision, micro-batches."""
-    plan_reason: str | None = None
-    """Why ``--plan auto`` chose the plan (None: the plan was given)."""
-    steps: int = 400
-    """Optimizer steps in total (a resumed run continues up to this count)."""
-    batch_size: int = 32
-    """Global batch, in sequences."""
-    seq_len: int = 128
-    """Characters (tokens) per sequence."""
-    model: str = "gpt"
-    """The decoder trained: 'gpt' (learned positions, LayerNorm, GELU) or 'llama' (rotary, RMSNorm,
-    SwiGLU, grouped-query attention): a family of ``meshkit.models.registry``."""
-    kv_heads: int = 0
-    """Llama: key/value heads (grouped-query attention; must divide heads); 0: as many as heads."""
-    tie_embeddings: bool = False
-    """Llama: the output head is the token embedding, transposed."""
-    experts: int = 0
-    """Mixture of experts: MLPs per layer (0: a dense MLP; ``ModelShape.experts``)."""
-    experts_per_token: int = 2
-    """Mixture of experts: the experts each token is routed to (top-k)."""
-    capacity_factor: float = 1.25
-    """Mixture of experts: an expert takes at most ceil(capacity_factor x T x k / experts) slots of a sequence."""
-    init_from: str | None = None
-    """Start from a Hugging Face checkpoint instead of random weights: 'hf:DIR' (config.json +
-    safetensors); its shape must be the run's."""
-    lora_rank: int = 0
-    """LoRA: the adapters' rank (``meshkit.models.lora``; the base weights frozen); 0: full fine-tuning."""
-    lora_alpha: float = 16.0
-    """LoRA: the update is scaled by lora_alpha / lora_rank."""
-    lora_targets: str | None = None
-    """LoRA: comma-separated keys of the matrices adapted; None: ``lora.DEFAULT_TARGETS``."""
-    export_hf: bool = False
-    """At the end, write the trained model as a Hugging Face checkpoint into the run's hf/."""
-    layers: int = 2
-    """Transformer blocks."""
-    width: int = 128
-    """Model width (embedding dimension)."""
-    heads: int = 4
-    """Attention heads (must divide width)."""
-    optimizer: str = "adamw"
-    """'adamw' or 'sgd' (with momentum)."""
-    lr: float = 3e-3
-    """Peak learning rate of the warmup + cosine schedule."""
-    warmup: int | None = None
-    """Linear warmup steps; None: a tenth of ``steps`` (rounded down), so any step count works."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    momentum: float = 0.9
-    """SGD momentum."""
-    clip: float | None = 1.0
-    """Global-norm gradient clipping (None: off)."""
-    scan_layers: bool = False
-    """The GPT's scanned form: blocks stacked under lax.scan (compile time flat in depth)."""
-    seed: int = 0
-    """Seed of the parameter initialisation and of the data order."""
-    task: str = "pretrain"
-    """What is trained (``spec.TASKS``, ``train.task``): 'pretrain' (every token) or 'sft' (conversations:
-    the loss on the assistant's tokens only, packed with a mask per document)."""
-    document_masks: bool = False
-    """Pretraining: documents packed in a window attend within themselves, their positions from 0."""
-    data: str | None = None
-    """A directory made by ``meshkit data prepare`` (BPE token shards), a UTF-8 text file (characters are the
-    tokens) or a .npy of token ids; None: Python's own reference docs (pydoc_data.topics), per character.
-    ``DIR:WEIGHT,DIR:WEIGHT,...``: a mixture of prepared directories sharing one tokenizer, each global batch's
-    rows drawn from them by the weights (normalised; :mod:`meshkit.data.mixture`)."""
-    run_dir: str = "runs/latest"
-    """Where config.json, metrics.jsonl, report.json, plots and checkpoints go (the CLI gives each new
-    run its own runs/<time> and points runs/latest at it)."""
-    eval_every: int = 50
-    """Evaluate on the held-out split every this many steps (0: only at the end)."""
-    eval_batches: int = 4
-    """Held-out batches per evaluation."""
-    eval_tasks: str | None = None
-    """Multiple-choice log-likelihood tasks scored at each evaluation (acc, acc_norm as lm-evaluation-harness
-    counts them): JSONL files, comma-separated, or the names of shipped ones (``meshkit.train.evals``)."""
-    checkpoint_every: int = 100
-    """Save a checkpoint every this many steps (and always at the end)."""
-    sample_chars: int = 200
-    """Characters of text sampled from the model at the end (0: none)."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files (scalars of metrics.jsonl) into the run directory."""
-    peak_tflops: float | None = None
-    """Peak TFLOP/s of one device, for MFU; None: the table's figure for the device kind at the run's
-    precision (``planner.hardware``: H100, H200, B200, A100, TPU v4/v5e/v5p/v6e), none on a CPU."""
-    tracker: str = "jsonl"
-    """Where the metrics go, comma-separated (``TRACKERS``): jsonl (always), tensorboard, wandb (a Weights &
-    Biases run in the run's wandb/, offline unless WANDB_MODE says otherwise)."""
 
     def get(self, name: str) -> Any:
-        """An option by its one name: the job's own fields, or the parallel spec's."""
-        if name in PARALLEL:
-            return getattr(self.parallel, name)
-        return getattr(self, name)
+        """An option by its one name."""
+        if name not in SECTION_OF:
+            raise ConfigError(f"unknown option {name!r}: the options are {', '.join(OPTIONS)}")
+        return getattr(getattr(self, SECTION_OF[name]), name)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with options changed by name (the parallel spec's among them, validated by it)."""
-        unknown = sorted(set(changes) - set(OPTIONS) - {"parallel"})
-        if unknown:
+        """A copy with options changed by their one names (the parallel spec's validated by it), or whole
+        sections by theirs (``parallel=ParallelSpec(...)``)."""
+        sections = {k: changes.pop(k) for k in list(changes) if k in SECTIONS and isinstance(changes[k], SECTIONS[k])}
+        if unknown := sorted(set(changes) - set(OPTIONS)):
             raise ConfigError(f"unknown option(s) {unknown}: the options are {', '.join(OPTIONS)}")
-        mine = {k: v for k, v in changes.items() if k not in PARALLEL}
-        layout = {k: v for k, v in changes.items() if k in PARALLEL}
-        if layout:
-            mine["parallel"] = _spec(mine.get("parallel", self.parallel), layout)
-        return dataclasses.replace(self, **mine)
+        for section in SECTIONS:
+            mine = {k: v for k, v in changes.items() if SECTION_OF[k] == section}
+            if mine:
+                sections[section] = _replaced(sections.get(section, getattr(self, section)), mine)
+        return dataclasses.replace(self, **sections)
 
     def to_json(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in OWN}, "parallel": self.parallel.to_json()}
+        return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "config.json") -> TrainConfig:
-        """The config a run saved, checked field by field (type, range) with the command line's rules.
+        """The config a run saved, checked option by option (type, range) with the command line's rules.
 
-        Every option that fixes the run must be present (a missing one is not silently defaulted);
-        a config of a meshkit release before the parallel spec (its options at the top level) is read
-        too."""
+        Every option that fixes the run must be present (a missing one is not silently defaulted, but for
+        those added after configs were first written: they ran with their default); configs of earlier
+        releases (options at the top level, the parallel spec's too) are read as well."""
         if not isinstance(data, dict):
-            raise ConfigError(
-                f"{where} is not a meshkit config (a JSON object of options): give a run's directory"
-            )
-        data = {**MODEL_DEFAULTS, **data}
-        layout = data.pop("parallel", None)
-        if layout is None:  # the layout's options at the top level, as written before the parallel spec
-            layout = {
-                PARALLEL_OLD.get(k, k): data.pop(k) for k in list(data) if PARALLEL_OLD.get(k, k) in PARALLEL
-            }
-        if not isinstance(layout, dict):
-            raise ConfigError(f"{where}: 'parallel' must be an object of {', '.join(PARALLEL)}")
-        unknown = sorted((set(data) - set(OWN)) | (set(layout) - set(PARALLEL)))
-        if unknown:
-            raise ConfigError(
-                f"{where} has unknown option(s) {unknown}: it was not written by this meshkit, or was edited"
-            )
-        if missing := [k for k in FIXED_ON_RESUME if k not in data and k not in layout]:
-            raise ConfigError(
-                f"{where} lacks {', '.join(map(flag, missing))}, which the run fixed: restore the file"
-            )
-        for name, value in [*data.items(), *layout.items()]:
+            raise ConfigError(f"{where} is not a meshkit config (a JSON object of options): give a run's directory")
+        flat = _flatten(data, where)
+        if unknown := sorted(set(flat) - set(OPTIONS)):
+            raise ConfigError(f"{where} has unknown option(s) {unknown}: it was not written by this meshkit, or was edited")
+        missing = [n for n, f in FIELDS.items() if f.metadata["fixes"] and not f.metadata["later"] and n not in flat]
+        if missing:
+            raise ConfigError(f"{where} lacks {', '.join(map(flag, missing))}, which the run fixed: restore the file")
+        for name, value in flat.items():
             check_type(name, value, where)
+        if flat.get("lora_alpha") == 16.0 and not flat.get("lora_rank"):
+            flat["lora_alpha"] = None  # written as the default by releases where it was 16.0, not None
         try:
-            cfg = cls(parallel=ParallelSpec(**layout), **data)
-        except PlanError as e:
+            cfg = TrainConfig().replace(**flat)
+        except (PlanError, ConfigError) as e:
             raise ConfigError(f"{where}: {e}") from None
         validate(cfg)
         return cfg
 
 
-PARALLEL = ParallelSpec.fields()
-"""The options the parallel spec holds."""
-PARALLEL_OLD = {"schedule": "pipeline_schedule"}
-"""Names the parallel options had in configs written before the spec."""
-OWN = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel")
-OPTIONS = (*PARALLEL, *OWN)
-"""Every option of ``meshkit train``, by its one name."""
-
-
-def _spec(spec: ParallelSpec, changes: dict[str, Any]) -> ParallelSpec:
+def _replaced(section: Any, changes: dict[str, Any]) -> Any:
     try:
-        return spec.replace(**changes)
+        return dataclasses.replace(section, **changes)
     except PlanError as e:
         raise ConfigError(str(e)) from None
 
 
+_OLD_NAMES = {"schedule": "pipeline_schedule"}
+"""Names options had in configs written before the parallel spec."""
+
+
+def _flatten(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """A saved config's options by their one names: one object per section (this release), or options at
+    the top level beside a ``parallel`` object (earlier ones) or without one (the earliest)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        elif key == "parallel":
+            raise ConfigError(f"{where}: 'parallel' must be an object of {', '.join(PARALLEL)}")
+        else:
+            flat[_OLD_NAMES.get(key, key)] = value
+    return flat
+
+
 def option_types() -> dict[str, Any]:
-    """Each option's type, by its one name (the job's fields and the parallel spec's)."""
-    hints = typing.get_type_hints(TrainConfig) | typing.get_type_hints(ParallelSpec)
-    return {k: v for k, v in hints.items() if k != "parallel"}
+    """Each option's type, by its one name."""
+    hints: dict[str, Any] = {}
+    for cls in SECTIONS.values():
+        hints |= typing.get_type_hints(cls)
+    return hints
 
 
 def check_type(name: str, value: Any, where: str = "config.json") -> None:
@@ -226,13 +277,7 @@ def check_type(name: str, value: Any, where: str = "config.json") -> None:
         for t in allowed
     )
     if not ok:
-        kinds = {
-            int: "a whole number",
-            float: "a number",
-            str: "text",
-            bool: "true or false",
-            type(None): "null",
-        }
+        kinds = {int: "a whole number", float: "a number", str: "text", bool: "true or false", type(None): "null"}
         said = " or ".join(kinds[t] for t in allowed)
         raise ConfigError(f"{where}: {flag(name)} must be {said}, got {value!r}")
 
@@ -244,8 +289,8 @@ def default() -> TrainConfig:
 
 def tiny() -> TrainConfig:
     """A few-second run for tests and smoke checks."""
-    return TrainConfig(steps=12, batch_size=16, seq_len=32, layers=1, width=32, heads=4, eval_every=6,
-                       eval_batches=1, checkpoint_every=6, sample_chars=20)  # fmt: skip
+    return TrainConfig().replace(steps=12, batch_size=16, seq_len=32, layers=1, width=32, heads=4, eval_every=6,
+                                 eval_batches=1, checkpoint_every=6, sample_chars=20)  # fmt: skip
 
 
 PRESETS = {"default": default, "tiny": tiny}
@@ -261,59 +306,20 @@ def flag(name: str) -> str:
 
 def warmup_steps(cfg: TrainConfig) -> int:
     """The warmup actually used: the given one, or a tenth of the steps."""
-    return cfg.steps // WARMUP_FRACTION if cfg.warmup is None else cfg.warmup
-
-
-#: What each option fixed when the run started; a resumed run must keep it to continue the same run
-#: (the learning-rate schedule spans ``steps``, so even ``steps`` is fixed: ``--stop-after`` stops early).
-FIXED_ON_RESUME = {
-    "steps": "the learning-rate schedule",
-    "warmup": "the learning-rate schedule",
-    "lr": "the learning-rate schedule",
-    "optimizer": "the optimizer",
-    "weight_decay": "the optimizer",
-    "momentum": "the optimizer",
-    "clip": "the optimizer",
-    "model": "the model",
-    "kv_heads": "the model's shape",
-    "tie_embeddings": "the model's shape",
-    "experts": "the model's shape",
-    "experts_per_token": "the model's routing",
-    "capacity_factor": "the model's routing",
-    "init_from": "the initialisation",
-    "lora_rank": "the trained parameters",
-    "lora_alpha": "the trained parameters",
-    "lora_targets": "the trained parameters",
-    "layers": "the model's shape",
-    "width": "the model's shape",
-    "heads": "the model's shape",
-    "seq_len": "the model's shape and the data order",
-    "batch_size": "the data order",
-    "seed": "the initialisation and the data order",
-    "data": "the data",
-    "task": "the loss and the data stream",
-    "document_masks": "the attention and the data stream",
-    "precision": "the arithmetic",
-    "deterministic": "the order the gradients are summed in",
-}
-#: What a resumed run may change: how the same computation is laid out over devices (the checkpoint is
-#: resharded; the results agree to rounding), and what is measured and written around it.
-CHANGEABLE_ON_RESUME = ("plan", "plan_reason", "mesh", "accumulate", "eval_every", "eval_batches", "eval_tasks", "checkpoint_every",
-                        "sample_chars", "tensorboard", "remat", "scan_layers", "microbatches", "pipeline_schedule",
-                        "virtual_stages", "context_attention", "attention", "export_hf", "tracker", "peak_tflops")  # fmt: skip
-PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "virtual_stages")
+    return cfg.run.steps // WARMUP_FRACTION if cfg.optimizer.warmup is None else cfg.optimizer.warmup
 
 
 def lora_config(cfg: TrainConfig) -> Any:
     """The run's ``meshkit.models.lora.LoraConfig``, or None (``lora_rank`` 0: full fine-tuning)."""
-    if not cfg.lora_rank:
+    m = cfg.model
+    if not m.lora_rank:
         return None
     from meshkit.models import lora
 
-    targets = lora.DEFAULT_TARGETS if cfg.lora_targets is None else tuple(cfg.lora_targets.split(","))
-    return lora.LoraConfig(
-        rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=tuple(t.strip() for t in targets)
-    )
+    given = {"alpha": m.lora_alpha} if m.lora_alpha is not None else {}
+    if m.lora_targets is not None:
+        given["targets"] = tuple(t.strip() for t in m.lora_targets.split(","))
+    return lora.LoraConfig(rank=m.lora_rank, **given)
 
 
 def by_platform(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
@@ -330,100 +336,49 @@ def by_platform(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
     return cfg.replace(precision=PLATFORM_PRECISION.get(platform, PLATFORM_PRECISION["cpu"]))
 
 
-def effective(cfg: TrainConfig, key: str) -> Any:
-    return warmup_steps(cfg) if key == "warmup" else cfg.get(key)
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return "default"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
-
-
-def check_same_run(saved: TrainConfig, cfg: TrainConfig, where: str) -> None:
-    """Raise, naming the option, unless ``cfg`` keeps everything ``saved`` fixed."""
-    for key, what in FIXED_ON_RESUME.items():
-        old, new = effective(saved, key), effective(cfg, key)
-        if old != new:
-            raise ConfigError(
-                f"--resume: {flag(key)} was {old!r} in '{where}' and fixes {what}, so it cannot become {new!r}; "
-                f"drop {flag(key)}, or start a new run in another --run-dir"
-            )
-
-
-def resumed(saved: TrainConfig, given: dict[str, Any], where: str) -> tuple[TrainConfig, list[str]]:
-    """The saved config with the options given again: those that only change the layout or the logging
-    are applied (each change is returned as one line), any change of what the run fixed is refused.
-    A plan without a pipeline drops the saved pipeline options (said in a line)."""
-    changes = {k: v for k, v in given.items() if k != "run_dir"}
-    if "plan" in changes and not _is_pipeline(changes["plan"]):
-        defaults = ParallelSpec.defaults()
-        changes |= {k: defaults[k] for k in PIPELINE_OPTIONS if k not in given}
-    cfg = saved.replace(**changes, run_dir=where)
-    check_same_run(saved, cfg, where)
-    # a --warmup equal to the one the saved run uses (a tenth of its steps) changes nothing
-    cfg = cfg.replace(warmup=saved.warmup)
-    lines = [
-        f"{flag(k)}: {_text(saved.get(k))} -> {_text(v)}"
-        for k, v in changes.items()
-        if k in CHANGEABLE_ON_RESUME and saved.get(k) != v
-    ]
-    validate(cfg)
-    return cfg, lines
-
-
-def _is_pipeline(plan: str) -> bool:
-    from meshkit.spec import PLANS
-
-    return plan in PLANS and PLANS[plan].pipeline
-
-
 def validate(cfg: TrainConfig) -> None:
-    """Range checks that need no data and no devices; each message names the option to change."""
+    """Range checks that need no data and no devices, section by section; each message names the option
+    to change."""
+    m, o, d, r = cfg.model, cfg.optimizer, cfg.data, cfg.run
     warmup = warmup_steps(cfg)
+    family = registry.family(m.model) if m.model in registry.names() else None
     checks = [
-        (lambda: 1 <= cfg.steps <= MAX_STEPS, lambda: f"--steps must be between 1 and {MAX_STEPS:,}, got {cfg.steps}"),
-        (lambda: cfg.batch_size >= 1, lambda: f"--batch-size must be at least 1, got {cfg.batch_size}"),
-        (lambda: cfg.seq_len >= 1, lambda: f"--seq-len must be at least 1, got {cfg.seq_len}"),
-        (lambda: cfg.layers >= 1, lambda: f"--layers must be at least 1, got {cfg.layers}"),
-        (lambda: cfg.width >= 1, lambda: f"--width must be at least 1, got {cfg.width}"),
-        (lambda: cfg.heads >= 1, lambda: f"--heads must be at least 1, got {cfg.heads}"),
+        (lambda: family is not None, lambda: f"unknown --model {m.model!r}: use {' or '.join(registry.names())}"),
+        (lambda: m.layers >= 1, lambda: f"--layers must be at least 1, got {m.layers}"),
+        (lambda: m.width >= 1, lambda: f"--width must be at least 1, got {m.width}"),
+        (lambda: m.heads >= 1, lambda: f"--heads must be at least 1, got {m.heads}"),
         # from a checkpoint, its head_dim sets the heads' width (checked against its tensors on load)
-        (lambda: cfg.init_from is not None or cfg.width % cfg.heads == 0,
-         lambda: f"--heads {cfg.heads} must divide --width {cfg.width}"),
-        (lambda: cfg.model in registry.names(),
-         lambda: f"unknown --model {cfg.model!r}: use {' or '.join(registry.names())}"),
-        (lambda: cfg.kv_heads >= 0, lambda: f"--kv-heads must be at least 0 (0: as many as --heads), got {cfg.kv_heads}"),
+        (lambda: m.init_from is not None or m.width % m.heads == 0, lambda: f"--heads {m.heads} must divide --width {m.width}"),
+        (lambda: m.kv_heads >= 0, lambda: f"--kv-heads must be at least 0 (0: as many as --heads), got {m.kv_heads}"),
         (lambda: not _foreign_options(cfg), lambda: _foreign_options(cfg)),
-        (lambda: cfg.kv_heads == 0 or cfg.heads % cfg.kv_heads == 0,
-         lambda: f"--kv-heads {cfg.kv_heads} must divide --heads {cfg.heads}"),
-        (lambda: registry.family(cfg.model).check(cfg) is None, lambda: registry.family(cfg.model).check(cfg)),
-        (lambda: cfg.init_from is None or (cfg.init_from.startswith(HF_PREFIX) and len(cfg.init_from) > len(HF_PREFIX)),
-         lambda: f"--init-from {cfg.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"),
-        (lambda: cfg.lora_rank >= 0, lambda: f"--lora-rank must be at least 0 (0: full fine-tuning), got {cfg.lora_rank}"),
-        (lambda: cfg.lora_rank > 0 or (cfg.lora_targets, cfg.lora_alpha) == (None, 16.0),
+        (lambda: m.kv_heads == 0 or m.heads % m.kv_heads == 0, lambda: f"--kv-heads {m.kv_heads} must divide --heads {m.heads}"),
+        (lambda: family.check(m) is None, lambda: family.check(m)),
+        (lambda: m.init_from is None or (m.init_from.startswith(HF_PREFIX) and len(m.init_from) > len(HF_PREFIX)),
+         lambda: f"--init-from {m.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"),
+        (lambda: m.lora_rank >= 0, lambda: f"--lora-rank must be at least 0 (0: full fine-tuning), got {m.lora_rank}"),
+        (lambda: m.lora_rank > 0 or (m.lora_targets, m.lora_alpha) == (None, None),
          lambda: "--lora-alpha and --lora-targets set LoRA's adapters: give their --lora-rank too (e.g. 8)"),
-        (lambda: cfg.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {cfg.optimizer!r}: use adamw or sgd"),
-        (lambda: math.isfinite(cfg.lr) and cfg.lr > 0, lambda: f"--lr must be a positive finite number, got {cfg.lr}"),
-        (lambda: math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0,
-         lambda: f"--weight-decay must be a finite number of at least 0, got {cfg.weight_decay}"),
-        (lambda: math.isfinite(cfg.momentum) and 0 <= cfg.momentum < 1,
-         lambda: f"--momentum must be in [0, 1), got {cfg.momentum}"),
-        (lambda: warmup >= 0, lambda: f"--warmup must be at least 0, got {warmup}"),
-        (lambda: warmup < cfg.steps, lambda: f"--warmup {warmup} must be below --steps {cfg.steps}: lower --warmup, "
-                                             f"or leave it out (default: a tenth of --steps)"),
-        (lambda: cfg.clip is None or (math.isfinite(cfg.clip) and cfg.clip > 0),
-         lambda: f"--clip must be a positive finite number (0 turns it off), got {cfg.clip}"),
-        (lambda: cfg.eval_every >= 0, lambda: f"--eval-every must be at least 0 (0: at the end only), got {cfg.eval_every}"),
-        (lambda: cfg.eval_batches >= 1, lambda: f"--eval-batches must be at least 1, got {cfg.eval_batches}"),
-        (lambda: cfg.checkpoint_every >= 1, lambda: f"--checkpoint-every must be at least 1, got {cfg.checkpoint_every}"),
-        (lambda: cfg.sample_chars >= 0, lambda: f"--sample-chars must be at least 0, got {cfg.sample_chars}"),
-        (lambda: 0 <= cfg.seed < 2**32, lambda: f"--seed must be in [0, 2**32), got {cfg.seed}"),
+        (lambda: o.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {o.optimizer!r}: use adamw or sgd"),
+        (lambda: math.isfinite(o.lr) and o.lr > 0, lambda: f"--lr must be a positive finite number, got {o.lr}"),
+        (lambda: math.isfinite(o.weight_decay) and o.weight_decay >= 0,
+         lambda: f"--weight-decay must be a finite number of at least 0, got {o.weight_decay}"),
+        (lambda: math.isfinite(o.momentum) and 0 <= o.momentum < 1, lambda: f"--momentum must be in [0, 1), got {o.momentum}"),
+        (lambda: o.clip is None or (math.isfinite(o.clip) and o.clip > 0),
+         lambda: f"--clip must be a positive finite number (0 turns it off), got {o.clip}"),
+        (lambda: d.batch_size >= 1, lambda: f"--batch-size must be at least 1, got {d.batch_size}"),
+        (lambda: d.seq_len >= 1, lambda: f"--seq-len must be at least 1, got {d.seq_len}"),
+        (lambda: 0 <= d.seed < 2**32, lambda: f"--seed must be in [0, 2**32), got {d.seed}"),
         (lambda: task_problem(cfg) is None, lambda: task_problem(cfg)),
-        (lambda: cfg.peak_tflops is None or (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0),
-         lambda: f"--peak-tflops must be a positive finite number (one device's peak), got {cfg.peak_tflops}"),
+        (lambda: 1 <= r.steps <= MAX_STEPS, lambda: f"--steps must be between 1 and {MAX_STEPS:,}, got {r.steps}"),
+        (lambda: warmup >= 0, lambda: f"--warmup must be at least 0, got {warmup}"),
+        (lambda: warmup < r.steps, lambda: f"--warmup {warmup} must be below --steps {r.steps}: lower --warmup, "
+                                           f"or leave it out (default: a tenth of --steps)"),
+        (lambda: r.eval_every >= 0, lambda: f"--eval-every must be at least 0 (0: at the end only), got {r.eval_every}"),
+        (lambda: r.eval_batches >= 1, lambda: f"--eval-batches must be at least 1, got {r.eval_batches}"),
+        (lambda: r.checkpoint_every >= 1, lambda: f"--checkpoint-every must be at least 1, got {r.checkpoint_every}"),
+        (lambda: r.sample_chars >= 0, lambda: f"--sample-chars must be at least 0, got {r.sample_chars}"),
+        (lambda: r.peak_tflops is None or (math.isfinite(r.peak_tflops) and r.peak_tflops > 0),
+         lambda: f"--peak-tflops must be a positive finite number (one device's peak), got {r.peak_tflops}"),
     ]  # fmt: skip
     for ok, message in checks:  # in order: a later check may divide by what an earlier one bounds
         if not ok():
@@ -441,12 +396,12 @@ def validate(cfg: TrainConfig) -> None:
 def _foreign_options(cfg: TrainConfig) -> str:
     """Why options of another model family are refused for the run's (``--kv-heads`` without
     ``--model llama``), or ''."""
-    family, defaults = registry.family(cfg.model), default()
+    family = registry.family(cfg.model.model)
     given = [
         n
         for f in registry.families()
         for n in f.options
-        if n not in family.options and cfg.get(n) != defaults.get(n)
+        if n not in family.options and cfg.get(n) != FIELDS[n].default
     ]
     if not given:
         return ""
@@ -458,20 +413,11 @@ def _foreign_options(cfg: TrainConfig) -> str:
 def trackers(cfg: TrainConfig) -> tuple[str, ...]:
     """The trackers a run writes to (``--tracker``, comma-separated, with ``--tensorboard``), in ``TRACKERS``
     order; jsonl is always one."""
-    names = [n.strip() for n in cfg.tracker.split(",") if n.strip()]
+    names = [n.strip() for n in cfg.run.tracker.split(",") if n.strip()]
     if unknown := [n for n in names if n not in TRACKERS]:
-        raise ConfigError(
-            f"unknown --tracker {unknown[0]!r}: use a comma-separated list of {', '.join(TRACKERS)}"
-        )
-    chosen = {"jsonl", *names, *(["tensorboard"] if cfg.tensorboard else [])}
+        raise ConfigError(f"unknown --tracker {unknown[0]!r}: use a comma-separated list of {', '.join(TRACKERS)}")
+    chosen = {"jsonl", *names, *(["tensorboard"] if cfg.run.tensorboard else [])}
     return tuple(n for n in TRACKERS if n in chosen)
-
-
-def check_stop_after(stop_after: int | None, step: int) -> None:
-    """``--stop-after`` must be a step still ahead of the run."""
-    if stop_after is not None and stop_after <= step:
-        where = f"the checkpoint's step {step}" if step else "step 0"
-        raise ConfigError(f"--stop-after {stop_after} must be after {where}: give a later step, or drop it")
 
 
 def dumps(cfg: TrainConfig) -> str:

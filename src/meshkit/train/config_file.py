@@ -7,20 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from meshkit.train.config import OPTIONS, PARALLEL, PRESETS, ConfigError, check_type
+from meshkit.train.config import OPTIONS, PRESETS, SECTION_OF, ConfigError, check_type
 
-#: The tables of a config file, each holding options by their one name (an option may also be given at
-#: the top level). Every option is in exactly one table.
+#: The tables of a config file: the config's sections (``TrainConfig``), each holding its options by their one
+#: name (an option may also be given at the top level).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "layers", "width", "heads", "kv_heads", "tie_embeddings", "scan_layers", "init_from", "experts",
-              "experts_per_token", "capacity_factor", "lora_rank", "lora_alpha", "lora_targets"),
-    "optimizer": ("optimizer", "lr", "warmup", "weight_decay", "momentum", "clip"),
-    "data": ("data", "seq_len", "batch_size", "seed", "task", "document_masks"),
-    "run": ("steps", "run_dir", "eval_every", "eval_batches", "eval_tasks", "checkpoint_every", "sample_chars", "tensorboard",
-            "plan_reason", "export_hf", "tracker", "peak_tflops"),
-    "parallel": PARALLEL,
-}  # fmt: skip
-_SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
+    section: tuple(n for n, s in SECTION_OF.items() if s == section) for section in dict.fromkeys(SECTION_OF.values())
+}
+
 
 
 def _suggest(key: str, known: list[str]) -> str:
@@ -43,12 +37,12 @@ def _option(key: str, value: Any, where: str, errors: list[str], out: dict[str, 
             errors.append(f"{where}: preset must be {' or '.join(PRESETS)}, got {value!r}")
         out["preset"] = value
         return
-    if name not in _SECTION_OF:
+    if name not in SECTION_OF:
         known = [*(f"{s}.{n}" for s, ns in SECTIONS.items() for n in ns), *OPTIONS, "preset"]
         errors.append(f"{where}: unknown option '{key}'{_suggest(key, known)}")
         return
-    if section and section != _SECTION_OF[name]:
-        errors.append(f"{where}: '{name}' belongs in [{_SECTION_OF[name]}], not [{section}]")
+    if section and section != SECTION_OF[name]:
+        errors.append(f"{where}: '{name}' belongs in [{SECTION_OF[name]}], not [{section}]")
         return
     try:
         check_type(name, value, where)

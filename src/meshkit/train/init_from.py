@@ -17,7 +17,7 @@ from meshkit.train import config as C
 
 
 def _directory(cfg: C.TrainConfig) -> Path:
-    return Path(cfg.init_from[len(C.HF_PREFIX) :])
+    return Path(cfg.model.init_from[len(C.HF_PREFIX) :])
 
 
 def checkpoint_config(cfg: C.TrainConfig, vocab: int, *, precision: str, scan_layers: bool) -> Any:
@@ -27,9 +27,9 @@ def checkpoint_config(cfg: C.TrainConfig, vocab: int, *, precision: str, scan_la
     where = _directory(cfg)
     model = interop.read_config(where)
     family = registry.family_of(model)
-    if family.name != cfg.model:
+    if family.name != cfg.model.model:
         raise C.ConfigError(
-            f"--init-from: '{where}' holds a {family.hf.label} checkpoint but --model is {cfg.model}: "
+            f"--init-from: '{where}' holds a {family.hf.label} checkpoint but --model is {cfg.model.model}: "
             f"give --model {family.name}"
         )
     theirs = {"layers": model.layers, "width": model.width, "heads": model.heads} | family.options_of(model)
@@ -40,9 +40,9 @@ def checkpoint_config(cfg: C.TrainConfig, vocab: int, *, precision: str, scan_la
         )
         mine = ", ".join(f"{C.flag(k)} {cfg.get(k)}" for k in differ)
         raise C.ConfigError(f"--init-from: the checkpoint's shape is not the run's ({mine}): give {flags or 'no --tie-embeddings'}")  # fmt: skip
-    if family.learned_positions and cfg.seq_len > model.seq_len:
+    if family.learned_positions and cfg.data.seq_len > model.seq_len:
         raise C.ConfigError(
-            f"--init-from: the checkpoint has {model.seq_len} positions, fewer than --seq-len {cfg.seq_len}: "
+            f"--init-from: the checkpoint has {model.seq_len} positions, fewer than --seq-len {cfg.data.seq_len}: "
             f"use --seq-len {model.seq_len} or less"
         )
     _check_vocabulary(cfg, vocab, model.vocab_size, where)
@@ -54,7 +54,7 @@ def checkpoint_shape(cfg: C.TrainConfig) -> dict[str, int]:
     the heads' width, the MLP's, and a mixture of experts' count, top-k and capacity (dropless: 0), so
     that the planner's shape is the model's ({} for a checkpoint of another family: the run refuses it)."""
     model = interop.read_config(_directory(cfg))
-    if registry.family_of(model).name != cfg.model:
+    if registry.family_of(model).name != cfg.model.model:
         return {}
     shape = model.shape()
     fixed = {"head_dim": shape.head_dim, "ffn": shape.ffn}
@@ -70,7 +70,7 @@ def _check_vocabulary(cfg: C.TrainConfig, vocab: int, theirs: int, where: Path) 
     (``meshkit_vocab.json``, written by ``meshkit export``); bare token ids must lie inside its vocabulary."""
     from meshkit.data import load
 
-    data = load(cfg.data)
+    data = load(cfg.data.data)
     if data.bpe is not None:
         _check_tokenizer(data.bpe, where)
         return

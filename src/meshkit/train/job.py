@@ -25,6 +25,7 @@ from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
 from meshkit.train import config as C
 from meshkit.train import evals, optim
+from meshkit.train import resume as R
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
@@ -67,9 +68,9 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     is ``cfg`` with its precision resolved (``config.by_platform``)."""
     cfg = C.by_platform(cfg)
     C.validate(cfg)
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(cfg.run.run_dir)
     if resume:
-        C.check_same_run(saved_config(run_dir), cfg, str(run_dir))
+        R.check_same_run(saved_config(run_dir), cfg, str(run_dir))
         if _latest_step(run_dir / "checkpoints") is None:
             raise C.ConfigError(
                 f"--resume: no checkpoint in '{run_dir}': train there first, or drop --resume"
@@ -81,18 +82,18 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     check_fits(cfg, data)
     model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
     family = registry.family_of(model)
-    trainer = Trainer(loss, params, optim.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.seq_len,
+    trainer = Trainer(loss, params, optim.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.data.seq_len,
                       **_step_options(cfg, model, logical_axes))  # fmt: skip
-    trainer.check_examples(cfg.batch_size)
+    trainer.check_examples(cfg.data.batch_size)
     for axis in axes.active(trainer.plan):  # before the run directory is written, not at the first compile
-        axis.check_run(axis.size(trainer.placement), seq_len=cfg.seq_len, heads=model.heads,
+        axis.check_run(axis.size(trainer.placement), seq_len=cfg.data.seq_len, heads=model.heads,
                        experts=model.experts, form=cfg.parallel.context_attention)  # fmt: skip
-    batches = data.batches(seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed, threads=PREFETCH_THREADS,
-                           rows=process_rows(trainer.shardings.batch, cfg.batch_size), **batch_options(cfg))  # fmt: skip
+    batches = data.batches(seq_len=cfg.data.seq_len, global_batch=cfg.data.batch_size, seed=cfg.data.seed, threads=PREFETCH_THREADS,
+                           rows=process_rows(trainer.shardings.batch, cfg.data.batch_size), **batch_options(cfg))  # fmt: skip
     check_learns(cfg, batches)
     # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
     plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
-    tasks = evals.build(cfg.eval_tasks, data.encode, plain, seq_len=cfg.seq_len, rows=cfg.batch_size,
+    tasks = evals.build(cfg.run.eval_tasks, data.encode, plain, seq_len=cfg.data.seq_len, rows=cfg.data.batch_size,
                         sharding=trainer.shardings.batch, params_of=functools.partial(family_params, cfg))  # fmt: skip
     job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
               eval_loss=jax.jit(lambda p, b: family.module.make_loss(plain)(family_params(cfg, p), b)),
@@ -109,13 +110,13 @@ PREFETCH_THREADS = 2
 def load_data(cfg: C.TrainConfig) -> Corpus:
     """The run's data (text, ids, token shards, or a mixture of them: :func:`meshkit.data.load`) with its
     training and held-out token streams; raises where a sequence does not fit (each source's held-out)."""
-    data = load(cfg.data)
+    data = load(cfg.data.data)
     if data.chat:  # conversations: a held-out row is padded (``Batches``), any length fits
         return data
     for name, tail in [(f"'{p.path}'", p.held_out) for p in data.parts] or [("the data", data.held_out)]:
-        if cfg.seq_len + 1 > len(tail):
+        if cfg.data.seq_len + 1 > len(tail):
             raise C.ConfigError(
-                f"--seq-len {cfg.seq_len} needs {cfg.seq_len + 1} held-out tokens but the held-out tenth of "
+                f"--seq-len {cfg.data.seq_len} needs {cfg.data.seq_len + 1} held-out tokens but the held-out tenth of "
                 f"{name} has {len(tail)}; use a shorter --seq-len or more --data"
             )
     return data
@@ -131,10 +132,10 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
     module = registry.family_of(model).module
     pipeline = cfg.parallel.plan_info.pipeline
     loss = module.stages(model) if pipeline else module.make_loss(model, with_aux=moe_run(model, cfg))
-    if cfg.init_from is not None:
+    if cfg.model.init_from is not None:
         from meshkit.train.init_from import init_from
 
-        shapes = jax.eval_shape(lambda: module.init(jax.random.key(cfg.seed), model))
+        shapes = jax.eval_shape(lambda: module.init(jax.random.key(cfg.data.seed), model))
         axes_of = module.logical_axes(shapes)
         # the base weights' layout (a leaf lives where its axes say, trained or frozen: LoRA's adapters
         # are added below, so the base alone is read, as for full training)
@@ -142,9 +143,9 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
         placed = assemble(loss, shapes, optim.optimizer(cfg), cfg.parallel, **options)
         params = init_from(cfg, model, shardings=placed.shardings.params)
     else:
-        params = module.init(jax.random.key(cfg.seed), model)
+        params = module.init(jax.random.key(cfg.data.seed), model)
     if (adapters := C.lora_config(cfg)) is not None:  # LoRA: adapters beside the frozen base
-        params = lora.add(jax.random.fold_in(jax.random.key(cfg.seed), 1), params, adapters)
+        params = lora.add(jax.random.fold_in(jax.random.key(cfg.data.seed), 1), params, adapters)
         return model, lora.wrap(loss, adapters), params, lora.logical_axes(params, module.logical_axes)
     return model, loss, params, module.logical_axes(params)
 
@@ -159,7 +160,7 @@ def _step_options(cfg: C.TrainConfig, model: Any, logical_axes: Any) -> dict[str
     """The run's step options beside its spec (the Trainer's, and ``assemble``'s for the layout an
     ``--init-from`` checkpoint is read into: the same, so the Trainer keeps the arrays where they are)."""
     family = registry.family_of(model)
-    return {"clip_norm": cfg.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
+    return {"clip_norm": cfg.optimizer.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
             "units": family.units(model),
             "trainable": run_trainable(cfg)}  # fmt: skip
 
@@ -180,12 +181,12 @@ def model_config(cfg: C.TrainConfig, vocab: int) -> Any:
     against them and the data's vocabulary); computing in its precision (by platform where none is
     given: ``config.by_platform``), scanned under a pipeline."""
     spec = C.by_platform(cfg).parallel
-    scan = cfg.scan_layers or spec.plan_info.pipeline
-    if cfg.init_from is not None:
+    scan = cfg.model.scan_layers or spec.plan_info.pipeline
+    if cfg.model.init_from is not None:
         from meshkit.train.init_from import checkpoint_config
 
         return checkpoint_config(cfg, vocab, precision=spec.precision, scan_layers=scan)
-    family = registry.family(cfg.model)
+    family = registry.family(cfg.model.model)
     return family.config.from_shape(model_shape(cfg, vocab), precision=spec.precision, scan_layers=scan)
 
 
@@ -204,14 +205,14 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
     (a generous bound on parameters, state and activations under an eighth of it) is not predicted."""
     from meshkit.planner.sizes import param_count
 
-    if data.vocab_size > data.num_tokens and cfg.init_from is None:  # a checkpoint's embedding is trained
+    if data.vocab_size > data.num_tokens and cfg.model.init_from is None:  # a checkpoint's embedding is trained
         tokens = np.concatenate(
             [data.train.read(0, len(data.train)), data.held_out.read(0, len(data.held_out))]
         )
         used = len(np.unique(tokens))
         size = (
-            f"a vocabulary of {data.vocab_size:,} ({data.vocab_size * cfg.width:,} embedding parameters at "
-            f"--width {cfg.width}) for {data.num_tokens:,} tokens using {used:,} distinct ids"
+            f"a vocabulary of {data.vocab_size:,} ({data.vocab_size * cfg.model.width:,} embedding parameters at "
+            f"--width {cfg.model.width}) for {data.num_tokens:,} tokens using {used:,} distinct ids"
         )
         if data.tokenizer == "ids":
             raise C.ConfigError(
@@ -229,7 +230,7 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
     if available is None:
         return
     activations = (
-        4 * cfg.batch_size * cfg.layers * (64 * cfg.seq_len * cfg.width + 8 * cfg.heads * cfg.seq_len**2)
+        4 * cfg.data.batch_size * cfg.model.layers * (64 * cfg.data.seq_len * cfg.model.width + 8 * cfg.model.heads * cfg.data.seq_len**2)
     )
     if _STATE_BOUND * param_count(shape) + activations < available / 8:
         return
@@ -243,11 +244,11 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
     if spec.plan_info.split_axes("sequence"):
         return  # the planner's meshkit runtime prices no sequence split: it would price whole sequences
     try:
-        layout = Layout.from_spec(spec, devices, cfg.batch_size)
+        layout = Layout.from_spec(spec, devices, cfg.data.batch_size)
         hw, _ = hardware_of(jax.devices()[0].device_kind)
         n = layout.devices
         job = PlannerJob(
-            global_batch=cfg.batch_size, precision=spec.precision, runtime="meshkit", flash_attention=False
+            global_batch=cfg.data.batch_size, precision=spec.precision, runtime="meshkit", flash_attention=False
         )
         pred = predict(shape, layout, Cluster(hardware=hw, devices=n, devices_per_host=n), job)
     except (MeshkitError, ValueError, KeyError):
@@ -288,19 +289,19 @@ def host_available() -> float | None:
 def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
     """The shape of the run's model (what ``--plan auto`` plans for and the model is built from): the
     run's options, its family's own among them, and from ``--init-from`` what its checkpoint fixes."""
-    family = registry.family(cfg.model)
+    family = registry.family(cfg.model.model)
     own = {name: cfg.get(name) for name in family.options}
-    if cfg.init_from is not None:
+    if cfg.model.init_from is not None:
         from meshkit.train.init_from import checkpoint_shape
 
         own |= checkpoint_shape(cfg)
     moe = {
-        "experts": cfg.experts,
-        "experts_per_token": cfg.experts_per_token,
-        "capacity_factor": cfg.capacity_factor,
+        "experts": cfg.model.experts,
+        "experts_per_token": cfg.model.experts_per_token,
+        "capacity_factor": cfg.model.capacity_factor,
     }
-    return ModelShape(name=family.name, layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=vocab,
-                      seq=cfg.seq_len, gated=family.gated, **(moe | own))  # fmt: skip
+    return ModelShape(name=family.name, layers=cfg.model.layers, width=cfg.model.width, heads=cfg.model.heads, vocab=vocab,
+                      seq=cfg.data.seq_len, gated=family.gated, **(moe | own))  # fmt: skip
 
 
 def saved_config(run_dir: Path) -> C.TrainConfig:
@@ -380,11 +381,11 @@ def _check_config_unedited(job: Job, meta: dict) -> None:
         return
     where = f"the checkpoint of step {meta['step']}"
     at_save = C.TrainConfig.from_json(meta["config"], where=where)
-    for key, what in C.FIXED_ON_RESUME.items():
-        if C.effective(at_save, key) != C.effective(job.cfg, key):
+    for key, what in R.FIXED_ON_RESUME.items():
+        if R.effective(at_save, key) != R.effective(job.cfg, key):
             raise C.ConfigError(
-                f"--resume: {C.flag(key)} is {C.effective(job.cfg, key)!r} in {job.run_dir / 'config.json'} but "
-                f"{C.effective(at_save, key)!r} in {where}, and it fixes {what}: restore config.json"
+                f"--resume: {C.flag(key)} is {R.effective(job.cfg, key)!r} in {job.run_dir / 'config.json'} but "
+                f"{R.effective(at_save, key)!r} in {where}, and it fixes {what}: restore config.json"
             )
 
 
@@ -404,7 +405,7 @@ def lock_first(cfg: C.TrainConfig, fresh: bool, latest_link: Path | None) -> Run
     if fresh:
         check_link(latest_link)
         return None
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(cfg.run.run_dir)
     return lock_run_dir(run_dir) if run_dir.is_dir() else None
 
 

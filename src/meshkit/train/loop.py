@@ -34,6 +34,7 @@ from meshkit.fmt import to_json
 from meshkit.models import num_params
 from meshkit.train import config as C
 from meshkit.train import evals, optim
+from meshkit.train import resume as R
 from meshkit.train.checkpoint import Checkpointer
 from meshkit.train.job import Job, check_no_checkpoints, lock_first, prepare, take_new_dir
 from meshkit.train.lock import (
@@ -70,12 +71,12 @@ def _metrics(job: Job) -> Iterator[None]:
 def train(
     job: Job, console: Console, *, stop_after: int | None = None, profiler: StepProfiler | None = None
 ) -> bool:
-    """Run steps up to ``cfg.steps`` (or ``stop_after``); returns False if stopped by a signal
+    """Run steps up to ``cfg.run.steps`` (or ``stop_after``); returns False if stopped by a signal
     (SIGINT, SIGTERM: see :mod:`meshkit.train.stop`), after a checkpoint, with ``job.stopped_by`` set.
     ``profiler`` traces the steps it names (``--profile``)."""
     cfg = job.cfg
     profiler = profiler or StepProfiler(job.trainer, None, job.run_dir, console)
-    last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    last = cfg.run.steps if stop_after is None else min(cfg.run.steps, stop_after)
     lr = optim.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -87,7 +88,7 @@ def train(
             Progress(*columns, console=console, disable=not console.is_terminal) as bar,
             StopRequest() as stop,
         ):
-            task = bar.add_task("train", total=cfg.steps, completed=job.step, info="")
+            task = bar.add_task("train", total=cfg.run.steps, completed=job.step, info="")
             while (signum := stop.agreed()) is None and job.step < last:  # every process, every step
                 profiler.before(job.step + 1, job.step)
                 row = _one_step(job, float(lr(job.step)))
@@ -99,13 +100,13 @@ def train(
                 )
                 if not console.is_terminal and (job.step % 50 == 0 or job.step == last):
                     console.print(
-                        f"step {job.step}/{cfg.steps}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
+                        f"step {job.step}/{cfg.run.steps}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s"
                     )
-                if cfg.eval_every and job.step % cfg.eval_every == 0 and job.step != cfg.steps:
+                if cfg.run.eval_every and job.step % cfg.run.eval_every == 0 and job.step != cfg.run.steps:
                     _log(job, {"step": job.step, **evaluate(job)})
                     if (tasks := evals.line(job.evals[-1])) is not None:
                         console.print(tasks, highlight=False)
-                if ckpt is not None and (job.step % cfg.checkpoint_every == 0 or job.step == last):
+                if ckpt is not None and (job.step % cfg.run.checkpoint_every == 0 or job.step == last):
                     _save(job, ckpt)
             if signum is not None:
                 _stopped(job, ckpt, console, signum)
@@ -135,18 +136,18 @@ def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int)
 def _one_step(job: Job, lr: float) -> dict[str, Any]:
     t = job.trainer
     local = next(job.batches)
-    batch = global_batch(t.shardings.batch, local, job.cfg.batch_size)
+    batch = global_batch(t.shardings.batch, local, job.cfg.data.batch_size)
     start = time.perf_counter()
     metrics = t.step(batch)
     loss = float(metrics["loss"])  # waits for the step
     elapsed = time.perf_counter() - start
     job.step += 1
-    row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.batch_size * job.cfg.seq_len / elapsed,
+    row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.data.batch_size * job.cfg.data.seq_len / elapsed,
            "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"]),
            **job.batches.delivered(job.batches.batch)}  # fmt: skip
     if (used := mfu(job, row["tokens_per_s"])) is not None:
         row["mfu"] = used
-    if (learnt := trained_tokens(local, job.cfg.batch_size * job.cfg.seq_len)) is not None:
+    if (learnt := trained_tokens(local, job.cfg.data.batch_size * job.cfg.data.seq_len)) is not None:
         row["trained_tokens"] = learnt  # fine-tuning: the targets the masked loss learnt from
     if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
         row["dropped_fraction"] = fraction = float(metrics["dropped_fraction"])
@@ -171,10 +172,10 @@ def check_finite(job: Job, row: dict[str, Any], ckpt: Checkpointer | None) -> No
     saved = None if ckpt is None else ckpt.in_flight() or ckpt.latest_step()
     kept = f"the last checkpoint is step {saved}" if saved else "nothing was saved"
     if len(job.history) == 1 and job.step == 1:  # the very first step: the start, not the training, is wrong
-        start = f"the checkpoint {cfg.init_from[len(C.HF_PREFIX) :]}" if cfg.init_from else "the random init"
+        start = f"the checkpoint {cfg.model.init_from[len(C.HF_PREFIX) :]}" if cfg.model.init_from else "the random init"
         fix = f"check the weights and config of {start} and the data"
     else:
-        fix = f"lower --lr (now {cfg.lr:g})" + ("" if cfg.clip else ", clip gradients (--clip 1.0)")
+        fix = f"lower --lr (now {cfg.optimizer.lr:g})" + ("" if cfg.optimizer.clip else ", clip gradients (--clip 1.0)")
         fix += ", or check the data at this step"
     raise DivergedError(
         f"step {job.step}: the loss is {loss:.6g} and the gradient norm {norm:.6g}: training stopped before "
@@ -223,7 +224,7 @@ def _packing_line(job: Job) -> str:
     answers' cut tokens are not learnt), else nothing."""
     if (p := job.batches.packing_summary) is None:
         return ""
-    cut = f", [bold]{p['truncated']:,} cut[/] to --seq-len {job.cfg.seq_len} + 1" if p["truncated"] else ""
+    cut = f", [bold]{p['truncated']:,} cut[/] to --seq-len {job.cfg.data.seq_len} + 1" if p["truncated"] else ""
     return f"; {p['documents']:,} conversations packed in {p['rows']:,} rows ({p['fill']:.0%} filled{cut})"
 
 
@@ -249,7 +250,7 @@ def finish(job: Job, console: Console, profile: dict[str, Any] | None = None) ->
     if profile is not None:
         out["profile"] = profile
     out.update(_attempt("the communication/memory report", problems, proof, job) or {"checks_ok": None})
-    out["sample"] = _attempt("sampling", problems, sample, job, job.cfg.sample_chars) or ""
+    out["sample"] = _attempt("sampling", problems, sample, job, job.cfg.run.sample_chars) or ""
     plots = _attempt("loading matplotlib", problems, importlib.import_module, "meshkit.train.plots")
     if job.writer and plots is not None:
         loss_png = job.run_dir / "loss.png"
@@ -289,15 +290,15 @@ def run(
     ``<run_dir>/profile`` (:mod:`meshkit.train.profile`). ``latest_link``: the caller named the run directory
     (``runs/<time>``) and keeps this symlink pointed at the newest run; a new run then gets a
     directory of its own (``<time>-2``... when another run took the name)."""
-    C.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
+    R.check_stop_after(stop_after, 0)  # before the model is built; a resumed run's step is checked below
     if profile is not None:
-        check_profile(profile, cfg.steps)
+        check_profile(profile, cfg.run.steps)
     fresh = latest_link is not None and not resume
     lock = lock_first(cfg, fresh, latest_link)  # held until run() returns: one run per directory
     job = prepare(cfg, resume=resume)
-    C.check_stop_after(stop_after, job.step)
+    R.check_stop_after(stop_after, job.step)
     if profile is not None:
-        check_profile(profile, cfg.steps, job.step)
+        check_profile(profile, cfg.run.steps, job.step)
     if fresh:
         take_new_dir(job)
     if job.writer:
@@ -331,8 +332,8 @@ def run(
     with _metrics(job):
         if not train(job, console, stop_after=stop_after, profiler=profiler):
             return stop_exit_code(job.stopped_by or signal.SIGINT)
-        if job.step < cfg.steps:
-            console.print(f"stopped after step {job.step} of {cfg.steps}; continue with --resume")
+        if job.step < cfg.run.steps:
+            console.print(f"stopped after step {job.step} of {cfg.run.steps}; continue with --resume")
             return 0
         out = finish(job, console, profiler.summary)
     if out.get("eval_bpb") is not None:

@@ -46,7 +46,7 @@ def load_run(run_dir: str | Path) -> TrainedModel:
     """The newest readable checkpoint of ``run_dir`` on this process's first device."""
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir)
-    data = load(cfg.data)
+    data = load(cfg.data.data)
     model = model_config(cfg, data.vocab_size)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     adapters = C.lora_config(cfg)
@@ -68,13 +68,16 @@ def _adapted(params: Any, adapters: Any) -> Any:
 
 def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> TrainedModel:
     """Write the run's newest checkpoint as a Hugging Face checkpoint into ``out`` (a new directory):
-    the loop form in float32, with the run's character vocabulary (``meshkit_vocab.json``) and the ids and
-    generation settings of the checkpoint it started from (``special_tokens``)."""
+    the loop form in float32, with the run's character vocabulary (``meshkit_vocab.json``), the ids and
+    generation settings of the checkpoint it started from (``special_tokens``) and, beside a tokenizer, the
+    chat template it trained with (``_chat_template``) and the padding and unknown tokens it names."""
     run = load_run(run_dir)
     model = dataclasses.replace(run.model, compute_dtype=None, scan_layers=False)
-    bpe = run.corpus.bpe
+    bpe, special = run.corpus.bpe, special_tokens(run)
+    if bpe is not None:  # what a tokenizer beside the weights needs besides its ends
+        special = dataclasses.replace(special, named=_named(run, bpe), chat_template=_chat_template(run))
     interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
-                 tokenizer_json=None if bpe is None else bpe.to_str(), special=special_tokens(run))  # fmt: skip
+                 tokenizer_json=None if bpe is None else bpe.to_str(), special=special)  # fmt: skip
     return run
 
 
@@ -82,9 +85,9 @@ def _started_from(run: TrainedModel, *, required: bool) -> tuple[dict[str, Any],
     """The ids (``read_special``) and generation_config.json of the checkpoint the run started from
     (``--init-from``); none without one. Where that checkpoint is gone, ``required`` refuses: an export
     without them would stop where transformers' defaults say (a Llama's eos 2, a Qwen's never)."""
-    if run.cfg.init_from is None:
+    if run.cfg.model.init_from is None:
         return {}, None
-    where = Path(run.cfg.init_from[len(C.HF_PREFIX) :])
+    where = Path(run.cfg.model.init_from[len(C.HF_PREFIX) :])
     if not where.is_dir():
         if required:
             raise interop.InteropError(
@@ -125,6 +128,46 @@ def special_tokens(run: TrainedModel, *, required: bool = True) -> interop.hf.Sp
                               pad=pad if name(pad) is not None else None)  # fmt: skip
 
 
+def _chat_template(run: TrainedModel) -> str | None:
+    """The chat template the run's model speaks: the one its conversations were prepared with (every source
+    of a mixture the same; none for plain prompt/completion rows), else that of the checkpoint it started
+    from; None where there is neither."""
+    from meshkit.data.mixture import parse
+
+    if run.corpus.chat:
+        found = {_template_in(path) for path, _ in parse(run.cfg.data.data)}
+        return found.pop() if len(found) == 1 else None
+    return (
+        None if run.cfg.model.init_from is None else _template_in(run.cfg.model.init_from[len(C.HF_PREFIX) :])
+    )
+
+
+def _template_in(directory: str) -> str | None:
+    from meshkit.data.chat_template import load_template
+
+    try:
+        return load_template(directory).source
+    except DataError:  # none there: plain rows, a base model
+        return None
+
+
+def _named(run: TrainedModel, bpe: Any) -> dict[str, str]:
+    """The padding and unknown tokens (``CARRIED``) the checkpoint the run started from names, else those
+    its data's tokenizer named (``meshkit data prepare`` keeps them), where they are tokens of the run's."""
+    from meshkit.data.mixture import parse
+    from meshkit.data.prepare import carried_tokens
+
+    init = run.cfg.model.init_from
+    where = (
+        Path(init[len(C.HF_PREFIX) :])
+        if init
+        else Path(parse(run.cfg.data.data)[0][0])
+        if run.cfg.data.data
+        else None
+    )
+    return {} if where is None else carried_tokens(bpe, where)
+
+
 def generate_text(
     run: TrainedModel, prompts: list[str], max_new_tokens: int, *, sampling: G.Sampling, seed: int = 0
 ) -> list[str]:
@@ -152,7 +195,7 @@ def _bounded(run: TrainedModel, longest: int, max_new_tokens: int) -> int:
     token: the prompt and its new tokens must fit the model's positions (a cache as long as asked would
     allocate beyond any memory: a billion tokens, 971 GB), so fewer are generated, and said. Over a window
     the positions slide and end at the window's length."""
-    positions, trained = run.model.seq_len, run.cfg.seq_len
+    positions, trained = run.model.seq_len, run.cfg.data.seq_len
     kv = registry.family_of(run.model).kv_cache
     if kv and longest >= positions:
         raise C.ConfigError(

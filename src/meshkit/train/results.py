@@ -43,12 +43,12 @@ def evaluate(job: Job) -> dict[str, float]:
 def _held_out(job: Job, part: int | None) -> dict[str, float]:
     """``evaluate`` on the held-out split (of the mixture's source ``part``)."""
     t = job.trainer
-    examples = job.cfg.batch_size
-    stream = job.data.batches(seq_len=job.cfg.seq_len, global_batch=examples, seed=job.cfg.seed, held_out=True,
+    examples = job.cfg.data.batch_size
+    stream = job.data.batches(seq_len=job.cfg.data.seq_len, global_batch=examples, seed=job.cfg.data.seed, held_out=True,
                               part=part, rows=process_rows(t.shardings.batch, examples), **batch_options(job.cfg))  # fmt: skip
     losses, targets, nats, counted = [], [], 0.0, 0
-    tokens = examples * job.cfg.seq_len
-    for _ in range(job.cfg.eval_batches):
+    tokens = examples * job.cfg.data.seq_len
+    for _ in range(job.cfg.run.eval_batches):
         local = next(stream)
         losses.append(float(job.eval_loss(t.params, global_batch(t.shardings.batch, local, examples))))
         learnt = trained_tokens(local, tokens)  # weighted (fine-tuning): the masked mean of `learnt`
@@ -77,9 +77,9 @@ def utilisation(job: Job) -> tuple[int, float | None, str]:
     """The model's training FLOPs per token at the run's sequence length (attention included), the
     devices' peak FLOP/s each, and where that peak comes from (``planner.hardware.peak_flops``)."""
     if job.utilisation is None:
-        flops = module_of(job.model).flops_per_token(job.model, job.cfg.seq_len)
+        flops = module_of(job.model).flops_per_token(job.model, job.cfg.data.seq_len)
         kind = jax.devices()[0].device_kind
-        job.utilisation = (flops, *peak_flops(kind, job.cfg.parallel.precision, job.cfg.peak_tflops))
+        job.utilisation = (flops, *peak_flops(kind, job.cfg.parallel.precision, job.cfg.run.peak_tflops))
     return job.utilisation
 
 
@@ -92,7 +92,7 @@ def mfu(job: Job, tokens_per_s: float) -> float | None:
 def moe_slots(job: Job) -> int:
     """Token-slots a step routes: tokens x experts per token x layers of the global batch."""
     m = job.model
-    return job.cfg.batch_size * job.cfg.seq_len * m.experts_per_token * m.layers
+    return job.cfg.data.batch_size * job.cfg.data.seq_len * m.experts_per_token * m.layers
 
 
 def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
@@ -101,7 +101,7 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
         return ""
     params = jax.device_put(host(job.trainer.params), jax.local_devices()[0])  # every process, all shards
     params = family_params(job.cfg, params)
-    t_len = job.cfg.seq_len
+    t_len = job.cfg.data.seq_len
     ctx = np.asarray(job.data.held_out.read(0, t_len), np.int32)
 
     @jax.jit
@@ -109,7 +109,7 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
         logits = module_of(job.model).apply(p, window[None], job.model)[0, -1].astype(jnp.float32)
         return jax.random.categorical(key, logits / temperature)
 
-    key, out = jax.random.key(job.cfg.seed), []
+    key, out = jax.random.key(job.cfg.data.seed), []
     while len(out) < chars and (job.data.tokenizer == "characters" or len(job.data.decode(out)) < chars):
         key, sub = jax.random.split(key)
         tok = int(next_token(params, jnp.asarray(ctx), sub))
@@ -161,7 +161,7 @@ def _mixture(job: Job) -> dict[str, Any]:
     epochs) and its last held-out loss."""
     if not job.data.parts or not job.history:
         return {}
-    sources = realised(job.data.parts, job.history[-1], job.cfg.seq_len)
+    sources = realised(job.data.parts, job.history[-1], job.cfg.data.seq_len)
     last = job.evals[-1] if job.evals else {}
     for source in sources:
         source["eval_loss"] = last.get(f"eval_loss/{source['name']}")
@@ -179,7 +179,7 @@ def _dropped(job: Job) -> dict[str, Any]:
 
 def proof(job: Job) -> dict[str, Any]:
     """What the run cost: communication and memory measured from the compiled step beside the model."""
-    probe = next(job.data.batches(seq_len=job.cfg.seq_len, global_batch=job.cfg.batch_size, seed=job.cfg.seed,
+    probe = next(job.data.batches(seq_len=job.cfg.data.seq_len, global_batch=job.cfg.data.batch_size, seed=job.cfg.data.seed,
                                   process_index=0, process_count=1))  # fmt: skip
     plan_report = job.trainer.report(probe)
     if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:

@@ -28,13 +28,13 @@ class TaskError(MeshkitError):
 def problem(cfg: Any) -> str | None:
     """Why the run's ``--task`` and ``--document-masks`` cannot train as given (one line naming the fix),
     or None. Checked with the other options, before anything is read."""
-    if cfg.task not in TASKS:
-        return f"unknown --task {cfg.task!r}: use {one_of(TASKS, notes={k: '' for k in TASKS})}"
-    if cfg.task == "sft" and cfg.data is None:
+    if cfg.data.task not in TASKS:
+        return f"unknown --task {cfg.data.task!r}: use {one_of(TASKS, notes={k: '' for k in TASKS})}"
+    if cfg.data.task == "sft" and cfg.data.data is None:
         return "--task sft needs --data: a directory of conversations prepared with their loss mask"
-    packs = cfg.task == "sft" or cfg.document_masks
+    packs = cfg.data.task == "sft" or cfg.data.document_masks
     if packs and cfg.parallel.plan_info.pipeline:
-        what = "--task sft" if cfg.task == "sft" else "--document-masks"
+        what = "--task sft" if cfg.data.task == "sft" else "--document-masks"
         return pipeline_refusal(what) + f", or drop {what}"
     return None
 
@@ -45,7 +45,7 @@ def batch_options(cfg: Any) -> dict[str, Any]:
     pretraining with ``--document-masks``; none for fine-tuning, whose prepared conversations make the
     stream yield weights, segment ids and positions themselves. The training and the held-out streams
     both take these, so the held-out loss is weighted as the training loss is."""
-    if cfg.task == "pretrain" and cfg.document_masks:
+    if cfg.data.task == "pretrain" and cfg.data.document_masks:
         return {"document_masks": True}
     return {}
 
@@ -54,16 +54,16 @@ def check_data(cfg: Any, data: Any) -> None:
     """The run's data (a ``Corpus``) is what its task trains on: conversations with a loss mask for
     ``sft`` (``Corpus.chat``: ``meshkit data prepare --chat``), and no such mask, which a pretraining run
     would silently train on, for ``pretrain``; raises ``TaskError`` naming the fix."""
-    if cfg.task == "sft" and not data.chat:
+    if cfg.data.task == "sft" and not data.chat:
         raise TaskError(
             f"--task sft trains on conversations with a loss mask, and {data.source} holds none: prepare them with "
             f"meshkit data prepare --chat, or drop --task sft"
         )
-    if cfg.task == "pretrain" and data.chat:
+    if cfg.data.task == "pretrain" and data.chat:
         raise TaskError(
             f"{data.source} holds conversations with a loss mask: pass --task sft to train on them"
         )
-    if cfg.document_masks and data.tokenizer != "BPE":  # text and ids have no end-of-text id to split at
+    if cfg.data.document_masks and data.tokenizer != "BPE":  # text and ids have no end-of-text id to split at
         raise TaskError(
             f"--document-masks splits documents at the end-of-text id of token shards, and {data.source} "
             f"({data.tokenizer}) has none: give --data a directory from meshkit data prepare, or drop "
@@ -93,11 +93,11 @@ def check_learns(cfg: Any, batches: Any) -> None:
             first = int(learnt[0])
     if first is None:
         raise TaskError(
-            f"no conversation in {cfg.data} has a token to learn: its chat template renders no assistant "
+            f"no conversation in {cfg.data.data} has a token to learn: its chat template renders no assistant "
             f"turn to learn from; prepare it again with a template that does (meshkit data prepare --chat)"
         )
     raise TaskError(
-        f"--seq-len {cfg.seq_len} cuts every conversation in {cfg.data} before its answer: nothing would "
+        f"--seq-len {cfg.data.seq_len} cuts every conversation in {cfg.data.data} before its answer: nothing would "
         f"be learnt; use --seq-len {first + 1} or more (the shortest prompt before an answer is {first + 1} tokens)"
     )
 
