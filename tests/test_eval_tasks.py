@@ -112,7 +112,7 @@ def test_a_lora_run_scores_its_merged_weights(tmp_path):
         params = jax.tree_util.tree_map_with_path(
             lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x, params
         )
-        ev = evals.build(str(tmp_path / "toy.jsonl"), encode, cfg, seq_len=SEQ, rows=4, sharding=_one_device(),
+        ev = evals.build(str(tmp_path / "toy.jsonl"), encode, registry.family_of(cfg), cfg, seq_len=SEQ, rows=4, sharding=_one_device(),
                          params_of=lambda p: lora.merge(p, adapters))  # fmt: skip
         got = ev.by_question(ev.scores(params))[0]
         want, plain = _reference(task, cfg, lora.merge(params, adapters)), _reference(task, cfg, base)

@@ -469,5 +469,5 @@ def test_a_mixture_checkpoints_experts_are_the_runs_shape(tmp_path):
     interop.save(llama.init(jax.random.key(1), model), model, tmp_path / "ckpt", vocab=data.chars)
     cfg = C.tiny().replace(model="llama", layers=2, width=32, heads=4, kv_heads=2, experts=0,
                            init_from=f"hf:{tmp_path / 'ckpt'}")  # fmt: skip
-    shape = model_shape(cfg, len(data.chars))
+    shape = model_shape(cfg, registry.family("llama"), len(data.chars))
     assert (shape.experts, shape.experts_per_token, shape.capacity_factor) == (4, 2, 0.0)

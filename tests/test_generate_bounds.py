@@ -12,7 +12,7 @@ import pytest
 
 from meshkit._errors import MeshkitError
 from meshkit.models import generate as G
-from meshkit.models import llama
+from meshkit.models import llama, registry
 from meshkit.train import config as C
 from meshkit.train.outputs import generate_text
 
@@ -29,7 +29,8 @@ def _run(eot: int, trained: int = 16):
     bpe = SimpleNamespace(eot_id=eot, eos=("<|endoftext|>", eot), bos=None,
                           special=lambda i: "<|endoftext|>" if i == eot else None)  # fmt: skip
     corpus = SimpleNamespace(bpe=bpe, encode=lambda text: np.asarray(PROMPT, np.int32), decode=list)
-    return SimpleNamespace(params=PARAMS, model=CFG, corpus=corpus, cfg=C.tiny().replace(seq_len=trained))
+    return SimpleNamespace(params=PARAMS, family=registry.family_of(CFG), model=CFG, corpus=corpus,
+                           cfg=C.tiny().replace(seq_len=trained))  # fmt: skip
 
 
 def test_generate_stops_at_the_end_of_text():

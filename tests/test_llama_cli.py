@@ -92,7 +92,7 @@ def test_init_from_reads_each_devices_block_into_the_trainers_layout(tmp_path, p
     cfg = C.tiny().replace(model="llama", layers=2, width=32, heads=4, kv_heads=2, plan=plan,
                            init_from=f"hf:{tmp_path / 'ckpt'}", run_dir=str(tmp_path / "next"))  # fmt: skip
     job = prepare(cfg)
-    _, _, params, _ = build_model(cfg, job.data.vocab_size)
+    _, _, params, _ = build_model(cfg, job.family, job.data.vocab_size)
     pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(job.trainer.params), strict=True))
     assert all(isinstance(a, jax.Array) and a.sharding == b.sharding for a, b in pairs)
     assert any(not a.sharding.is_fully_replicated for a, _ in pairs)

@@ -11,7 +11,7 @@ import pytest
 
 from _reference import max_rel, one_device_frozen
 from _tiers import tiered
-from meshkit.models import llama, lora
+from meshkit.models import llama, lora, registry
 from meshkit.plans.placement import vocab_rules
 from meshkit.spec import get_plan
 from meshkit.train import Trainer
@@ -138,7 +138,7 @@ def test_meshkit_train_with_lora_proves_its_cost_and_exports_the_merged_model(tm
     assert json.loads((run / "report.json").read_text())["checks_ok"]
     assert main(["export", str(run), str(out)]) == 0
     cfg = saved_config(run)
-    init = llama.init(jax.random.key(cfg.data.seed), model_config(cfg, 104))
+    init = llama.init(jax.random.key(cfg.data.seed), model_config(cfg, registry.family("llama"), 104))
     exported, _ = interop.load(out)
     for (path, got), want in zip(
         jax.tree_util.tree_flatten_with_path(exported)[0], jax.tree.leaves(init), strict=True

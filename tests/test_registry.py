@@ -87,9 +87,9 @@ def test_a_new_family_is_one_row(toy):
 
     cfg = C.tiny().replace(model="toy")
     C.validate(cfg)
-    model = job.model_config(cfg, 64)
+    model = job.model_config(cfg, toy, 64)
     assert registry.family_of(model) is toy and type(model).__name__ == "ToyConfig"
-    assert job.model_shape(cfg, 64).name == "toy"
+    assert job.model_shape(cfg, toy, 64).name == "toy"
     with pytest.raises(C.ConfigError, match=r"--kv-heads (is|are) for --model llama"):
         C.validate(cfg.replace(kv_heads=2))
     assert "toy (a GPT by another name)" in registry.summary()

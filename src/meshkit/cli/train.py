@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from meshkit.cli.ledger import DevicesOpt
+from meshkit.models import registry
 from meshkit.spec import (
     AUTO,
     ParallelSpec,
@@ -304,7 +305,7 @@ def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
             f"--plan auto chooses {', '.join(clash)} itself: drop {', '.join(clash)}, or name a plan"
         )
     C.validate(cfg)
-    shape = model_shape(cfg, load(cfg.data.data).vocab_size)
+    shape = model_shape(cfg, registry.family(cfg.model.model), load(cfg.data.data).vocab_size)
     choice = choose_gpt(shape, global_batch=cfg.data.batch_size, precision=cfg.parallel.precision)
     console.print(choice.line(), soft_wrap=True, highlight=False)
     return cfg.replace(parallel=choice.spec, plan_reason=choice.why)

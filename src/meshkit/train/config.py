@@ -68,7 +68,9 @@ class ModelOptions:
     experts: int = option(0, help=f"Mixture of experts: MLPs per layer (plans {one_of(plans_of('expert'), 'and')} "
                           "split them).", shown="0: a dense MLP", fixes=SHAPE, later=True)  # fmt: skip
     """MLPs per layer (0: a dense MLP; ``ModelShape.experts``)."""
-    experts_per_token: int = option(2, help="Mixture of experts: experts per token (top-k).", fixes=ROUTING, later=True)
+    experts_per_token: int = option(
+        2, help="Mixture of experts: experts per token (top-k).", fixes=ROUTING, later=True
+    )
     capacity_factor: float = option(1.25, help="Mixture of experts: slots per expert = ceil(factor x T x k / experts); "
                                     "0: dropless (every slot runs).", fixes=ROUTING, later=True)  # fmt: skip
     """An expert takes at most ceil(capacity_factor x T x k / experts) slots of a sequence."""
@@ -115,7 +117,9 @@ class DataOptions:
     seq_len: int = option(128, help="Tokens (characters, for text) per sequence.",
                           fixes="the model's shape and the data order")  # fmt: skip
     batch_size: int = option(32, help="Global batch in sequences.", fixes="the data order")
-    seed: int = option(0, help="Seed of initialisation and data order.", fixes="the initialisation and the data order")
+    seed: int = option(
+        0, help="Seed of initialisation and data order.", fixes="the initialisation and the data order"
+    )
     task: str = option("pretrain", help=f"What is trained: {one_of(TASKS)}.", fixes="the loss and the data stream",
                        later=True)  # fmt: skip
     """'pretrain' (every token) or 'sft' (conversations: the loss on the assistant's tokens only)."""
@@ -131,7 +135,9 @@ class RunOptions:
 
     steps: int = option(400, help="Optimizer steps in total.", fixes=SCHEDULE)
     """A resumed run continues up to this count (the schedule spans it: ``--stop-after`` stops early)."""
-    run_dir: str = option("runs/latest", help="Output directory.", shown="a new runs/<time>; with --resume, runs/latest")
+    run_dir: str = option(
+        "runs/latest", help="Output directory.", shown="a new runs/<time>; with --resume, runs/latest"
+    )
     """Where config.json, metrics.jsonl, report.json, plots and checkpoints go (the CLI gives each new run
     its own runs/<time> and points runs/latest at it)."""
     eval_every: int = option(50, help="Evaluate every k steps (0: at the end only).")
@@ -145,7 +151,9 @@ class RunOptions:
     checkpoint_every: int = option(100, help="Checkpoint every k steps.")
     """Save a checkpoint every this many steps (and always at the end)."""
     sample_chars: int = option(200, help="Characters to sample at the end.")
-    tensorboard: bool = option(False, help="Also write TensorBoard event files beside metrics.jsonl.", shown="off")
+    tensorboard: bool = option(
+        False, help="Also write TensorBoard event files beside metrics.jsonl.", shown="off"
+    )
     plan_reason: str | None = option(None)
     """Why ``--plan auto`` chose the plan (None: the plan was given)."""
     export_hf: bool = option(False, shown="off",
@@ -163,7 +171,9 @@ class RunOptions:
 SECTIONS: dict[str, type] = {"model": ModelOptions, "optimizer": OptimizerOptions, "data": DataOptions,
                              "run": RunOptions, "parallel": ParallelSpec}  # fmt: skip
 """The sections of a config, by their name (``config.json``'s objects, a config file's tables)."""
-FIELDS: dict[str, dataclasses.Field] = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+FIELDS: dict[str, dataclasses.Field] = {
+    f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+}
 """Every option's declaration, by its one name."""
 SECTION_OF: dict[str, str] = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 OPTIONS = tuple(FIELDS)
@@ -192,7 +202,9 @@ class TrainConfig:
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with options changed by their one names (the parallel spec's validated by it), or whole
         sections by theirs (``parallel=ParallelSpec(...)``)."""
-        sections = {k: changes.pop(k) for k in list(changes) if k in SECTIONS and isinstance(changes[k], SECTIONS[k])}
+        sections = {
+            k: changes.pop(k) for k in list(changes) if k in SECTIONS and isinstance(changes[k], SECTIONS[k])
+        }
         if unknown := sorted(set(changes) - set(OPTIONS)):
             raise ConfigError(f"unknown option(s) {unknown}: the options are {', '.join(OPTIONS)}")
         for section in SECTIONS:
@@ -212,13 +224,21 @@ class TrainConfig:
         those added after configs were first written: they ran with their default); configs of earlier
         releases (options at the top level, the parallel spec's too) are read as well."""
         if not isinstance(data, dict):
-            raise ConfigError(f"{where} is not a meshkit config (a JSON object of options): give a run's directory")
+            raise ConfigError(
+                f"{where} is not a meshkit config (a JSON object of options): give a run's directory"
+            )
         flat = _flatten(data, where)
         if unknown := sorted(set(flat) - set(OPTIONS)):
-            raise ConfigError(f"{where} has unknown option(s) {unknown}: it was not written by this meshkit, or was edited")
-        missing = [n for n, f in FIELDS.items() if f.metadata["fixes"] and not f.metadata["later"] and n not in flat]
+            raise ConfigError(
+                f"{where} has unknown option(s) {unknown}: it was not written by this meshkit, or was edited"
+            )
+        missing = [
+            n for n, f in FIELDS.items() if f.metadata["fixes"] and not f.metadata["later"] and n not in flat
+        ]
         if missing:
-            raise ConfigError(f"{where} lacks {', '.join(map(flag, missing))}, which the run fixed: restore the file")
+            raise ConfigError(
+                f"{where} lacks {', '.join(map(flag, missing))}, which the run fixed: restore the file"
+            )
         for name, value in flat.items():
             check_type(name, value, where)
         if flat.get("lora_alpha") == 16.0 and not flat.get("lora_rank"):
@@ -277,7 +297,13 @@ def check_type(name: str, value: Any, where: str = "config.json") -> None:
         for t in allowed
     )
     if not ok:
-        kinds = {int: "a whole number", float: "a number", str: "text", bool: "true or false", type(None): "null"}
+        kinds = {
+            int: "a whole number",
+            float: "a number",
+            str: "text",
+            bool: "true or false",
+            type(None): "null",
+        }
         said = " or ".join(kinds[t] for t in allowed)
         raise ConfigError(f"{where}: {flag(name)} must be {said}, got {value!r}")
 
@@ -415,7 +441,9 @@ def trackers(cfg: TrainConfig) -> tuple[str, ...]:
     order; jsonl is always one."""
     names = [n.strip() for n in cfg.run.tracker.split(",") if n.strip()]
     if unknown := [n for n in names if n not in TRACKERS]:
-        raise ConfigError(f"unknown --tracker {unknown[0]!r}: use a comma-separated list of {', '.join(TRACKERS)}")
+        raise ConfigError(
+            f"unknown --tracker {unknown[0]!r}: use a comma-separated list of {', '.join(TRACKERS)}"
+        )
     chosen = {"jsonl", *names, *(["tensorboard"] if cfg.run.tensorboard else [])}
     return tuple(n for n in TRACKERS if n in chosen)
 

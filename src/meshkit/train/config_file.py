@@ -12,9 +12,9 @@ from meshkit.train.config import OPTIONS, PRESETS, SECTION_OF, ConfigError, chec
 #: The tables of a config file: the config's sections (``TrainConfig``), each holding its options by their one
 #: name (an option may also be given at the top level).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    section: tuple(n for n, s in SECTION_OF.items() if s == section) for section in dict.fromkeys(SECTION_OF.values())
+    section: tuple(n for n, s in SECTION_OF.items() if s == section)
+    for section in dict.fromkeys(SECTION_OF.values())
 }
-
 
 
 def _suggest(key: str, known: list[str]) -> str:

@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 from meshkit._errors import MeshkitError
 from meshkit.data import global_batch, process_rows
 from meshkit.data.readers import lone_surrogate, surrogate_said
-from meshkit.models import registry
 from meshkit.train.config import ConfigError
 
 TARGET_DELIMITER = " "
@@ -264,15 +263,16 @@ class TaskEval:
         return out
 
 
-def build(spec: str | None, encode: Callable[[str], Any], model: Any, *, seq_len: int, rows: int,
+def build(spec: str | None, encode: Callable[[str], Any], family: Any, model: Any, *, seq_len: int, rows: int,
           sharding: NamedSharding, params_of: Callable[[Any], Any] = lambda p: p) -> TaskEval | None:  # fmt: skip
     """The tasks of ``--eval-tasks`` (None: none) for the run's model, data and batch layout; raises
-    ``TaskError`` before anything runs where a file or a row is bad. ``params_of``: the run's parameters
+    ``TaskError`` before anything runs where a file or a row is bad. ``family``: the model's
+    (``models.family.Family``). ``params_of``: the run's parameters
     as the family's own, applied inside the jitted scoring (a LoRA run's adapters merged as the
     scoring's temporaries, not a merged copy kept beside the training state)."""
     if spec is None:
         return None
     tasks = read_tasks(spec)
-    module = registry.family_of(model).module
+    module = family.module
     return TaskEval(tasks, requests(tasks, encode, seq_len), rows=rows, sharding=sharding,
                     apply=lambda params, tokens_bt: module.apply(params_of(params), tokens_bt, model))  # fmt: skip

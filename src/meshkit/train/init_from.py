@@ -12,6 +12,7 @@ from typing import Any
 from meshkit import interop
 from meshkit.interop import files
 from meshkit.models import registry
+from meshkit.models.family import Family
 from meshkit.spec import PRECISIONS
 from meshkit.train import config as C
 
@@ -20,17 +21,18 @@ def _directory(cfg: C.TrainConfig) -> Path:
     return Path(cfg.model.init_from[len(C.HF_PREFIX) :])
 
 
-def checkpoint_config(cfg: C.TrainConfig, vocab: int, *, precision: str, scan_layers: bool) -> Any:
+def checkpoint_config(
+    cfg: C.TrainConfig, family: Family, vocab: int, *, precision: str, scan_layers: bool
+) -> Any:
     """The checkpoint's model config (in ``precision``, the scanned form where asked), after checking
     the run's shape options and its data's vocabulary against it; raises ``ConfigError`` naming the
     option to give."""
     where = _directory(cfg)
     model = interop.read_config(where)
-    family = registry.family_of(model)
-    if family.name != cfg.model.model:
+    if (theirs := registry.family_of(model)) is not family:  # what the checkpoint is, read from its config
         raise C.ConfigError(
-            f"--init-from: '{where}' holds a {family.hf.label} checkpoint but --model is {cfg.model.model}: "
-            f"give --model {family.name}"
+            f"--init-from: '{where}' holds a {theirs.hf.label} checkpoint but --model is {family.name}: "
+            f"give --model {theirs.name}"
         )
     theirs = {"layers": model.layers, "width": model.width, "heads": model.heads} | family.options_of(model)
     differ = {k: v for k, v in theirs.items() if cfg.get(k) != v}
@@ -49,12 +51,12 @@ def checkpoint_config(cfg: C.TrainConfig, vocab: int, *, precision: str, scan_la
     return dataclasses.replace(model, compute_dtype=PRECISIONS[precision], scan_layers=scan_layers)
 
 
-def checkpoint_shape(cfg: C.TrainConfig) -> dict[str, int]:
+def checkpoint_shape(cfg: C.TrainConfig, family: Family) -> dict[str, int]:
     """What the run's options do not set but its checkpoint's model fixes, as ``ModelShape`` fields:
     the heads' width, the MLP's, and a mixture of experts' count, top-k and capacity (dropless: 0), so
     that the planner's shape is the model's ({} for a checkpoint of another family: the run refuses it)."""
     model = interop.read_config(_directory(cfg))
-    if registry.family_of(model).name != cfg.model.model:
+    if registry.family_of(model) is not family:
         return {}
     shape = model.shape()
     fixed = {"head_dim": shape.head_dim, "ffn": shape.ffn}

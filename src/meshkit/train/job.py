@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit._errors import MeshkitError
 from meshkit.data import Batches, Corpus, load, process_rows
 from meshkit.models import gpt, lora, registry
+from meshkit.models.family import Family
 from meshkit.models.shape import ModelShape
 from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
@@ -39,8 +40,10 @@ class Job:
 
     cfg: C.TrainConfig
     data: Corpus
+    family: Family
+    """The run's model family (``--model``), resolved once from its name and handed down."""
     model: Any
-    """The model's config (a family's of ``meshkit.models.registry``)."""
+    """The model's config (the family's config class)."""
     trainer: Trainer
     batches: Batches
     run_dir: Path
@@ -77,13 +80,13 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
             )
     else:
         check_no_checkpoints(run_dir)
+    family = registry.family(cfg.model.model)
     data = load_data(cfg)
     check_data(cfg, data)
-    check_fits(cfg, data)
-    model, loss, params, logical_axes = build_model(cfg, data.vocab_size)
-    family = registry.family_of(model)
+    check_fits(cfg, family, data)
+    model, loss, params, logical_axes = build_model(cfg, family, data.vocab_size)
     trainer = Trainer(loss, params, optim.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.data.seq_len,
-                      **_step_options(cfg, model, logical_axes))  # fmt: skip
+                      **_step_options(cfg, family, model, logical_axes))  # fmt: skip
     trainer.check_examples(cfg.data.batch_size)
     for axis in axes.active(trainer.plan):  # before the run directory is written, not at the first compile
         axis.check_run(axis.size(trainer.placement), seq_len=cfg.data.seq_len, heads=model.heads,
@@ -93,9 +96,9 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     check_learns(cfg, batches)
     # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
     plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
-    tasks = evals.build(cfg.run.eval_tasks, data.encode, plain, seq_len=cfg.data.seq_len, rows=cfg.data.batch_size,
+    tasks = evals.build(cfg.run.eval_tasks, data.encode, family, plain, seq_len=cfg.data.seq_len, rows=cfg.data.batch_size,
                         sharding=trainer.shardings.batch, params_of=functools.partial(family_params, cfg))  # fmt: skip
-    job = Job(cfg=cfg, data=data, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
+    job = Job(cfg=cfg, data=data, family=family, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
               eval_loss=jax.jit(lambda p, b: family.module.make_loss(plain)(family_params(cfg, p), b)),
               tasks=tasks)  # fmt: skip
     if resume:
@@ -122,14 +125,14 @@ def load_data(cfg: C.TrainConfig) -> Corpus:
     return data
 
 
-def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
-    """``(model config, loss, initial parameters, logical axes)`` of the run's model (``--model``, a
-    family of ``meshkit.models.registry``); under a pipeline plan the loss is the model as ``Stages``
+def build_model(cfg: C.TrainConfig, family: Family, vocab: int) -> tuple[Any, Any, Any, Any]:
+    """``(model config, loss, initial parameters, logical axes)`` of the run's model (``--model``: its
+    ``family``); under a pipeline plan the loss is the model as ``Stages``
     (blocks stacked, split over the stages). The parameters are random, or read from ``--init-from hf:DIR``
     straight into the layout the Trainer gives them (each device's block read from the files: the host
     never holds the model)."""
-    model = model_config(cfg, vocab)
-    module = registry.family_of(model).module
+    model = model_config(cfg, family, vocab)
+    module = family.module
     pipeline = cfg.parallel.plan_info.pipeline
     loss = module.stages(model) if pipeline else module.make_loss(model, with_aux=moe_run(model, cfg))
     if cfg.model.init_from is not None:
@@ -139,7 +142,7 @@ def build_model(cfg: C.TrainConfig, vocab: int) -> tuple[Any, Any, Any, Any]:
         axes_of = module.logical_axes(shapes)
         # the base weights' layout (a leaf lives where its axes say, trained or frozen: LoRA's adapters
         # are added below, so the base alone is read, as for full training)
-        options = _step_options(cfg, model, axes_of) | {"trainable": None}
+        options = _step_options(cfg, family, model, axes_of) | {"trainable": None}
         placed = assemble(loss, shapes, optim.optimizer(cfg), cfg.parallel, **options)
         params = init_from(cfg, model, shardings=placed.shardings.params)
     else:
@@ -156,10 +159,9 @@ def family_params(cfg: C.TrainConfig, params: Any) -> Any:
     return params if adapters is None else lora.merge(params, adapters)
 
 
-def _step_options(cfg: C.TrainConfig, model: Any, logical_axes: Any) -> dict[str, Any]:
+def _step_options(cfg: C.TrainConfig, family: Family, model: Any, logical_axes: Any) -> dict[str, Any]:
     """The run's step options beside its spec (the Trainer's, and ``assemble``'s for the layout an
     ``--init-from`` checkpoint is read into: the same, so the Trainer keeps the arrays where they are)."""
-    family = registry.family_of(model)
     return {"clip_norm": cfg.optimizer.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
             "units": family.units(model),
             "trainable": run_trainable(cfg)}  # fmt: skip
@@ -176,7 +178,7 @@ def moe_run(model: Any, cfg: C.TrainConfig) -> bool:
     return bool(model.experts) and not cfg.parallel.plan_info.pipeline
 
 
-def model_config(cfg: C.TrainConfig, vocab: int) -> Any:
+def model_config(cfg: C.TrainConfig, family: Family, vocab: int) -> Any:
     """The run's model config: from its shape options, or from ``--init-from``'s checkpoint (checked
     against them and the data's vocabulary); computing in its precision (by platform where none is
     given: ``config.by_platform``), scanned under a pipeline."""
@@ -185,9 +187,10 @@ def model_config(cfg: C.TrainConfig, vocab: int) -> Any:
     if cfg.model.init_from is not None:
         from meshkit.train.init_from import checkpoint_config
 
-        return checkpoint_config(cfg, vocab, precision=spec.precision, scan_layers=scan)
-    family = registry.family(cfg.model.model)
-    return family.config.from_shape(model_shape(cfg, vocab), precision=spec.precision, scan_layers=scan)
+        return checkpoint_config(cfg, family, vocab, precision=spec.precision, scan_layers=scan)
+    return family.config.from_shape(
+        model_shape(cfg, family, vocab), precision=spec.precision, scan_layers=scan
+    )
 
 
 #: Bytes per parameter that bound a step's state from above (fp32 parameters, gradients, two Adam
@@ -195,7 +198,7 @@ def model_config(cfg: C.TrainConfig, vocab: int) -> Any:
 _STATE_BOUND = 32
 
 
-def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
+def check_fits(cfg: C.TrainConfig, family: Family, data: Corpus) -> None:
     """Refuse, before anything is allocated or compiled, a vocabulary larger than the data holds
     tokens (a ``.npy``'s ids or a prepared directory's tokenizer: most embedding rows would never
     train; not where ``--init-from`` brings trained rows, as fine-tuning does), then a run whose step the planner's model of
@@ -205,7 +208,9 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
     (a generous bound on parameters, state and activations under an eighth of it) is not predicted."""
     from meshkit.planner.sizes import param_count
 
-    if data.vocab_size > data.num_tokens and cfg.model.init_from is None:  # a checkpoint's embedding is trained
+    if (
+        data.vocab_size > data.num_tokens and cfg.model.init_from is None
+    ):  # a checkpoint's embedding is trained
         tokens = np.concatenate(
             [data.train.read(0, len(data.train)), data.held_out.read(0, len(data.held_out))]
         )
@@ -224,13 +229,16 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
             f"text with a smaller tokenizer (meshkit data prepare without --tokenizer trains one of "
             f"--vocab-size ids) or give more data"
         )
-    spec, shape = cfg.parallel, model_shape(cfg, data.vocab_size)
+    spec, shape = cfg.parallel, model_shape(cfg, family, data.vocab_size)
     devices = jax.device_count()
     available = device_memory()
     if available is None:
         return
     activations = (
-        4 * cfg.data.batch_size * cfg.model.layers * (64 * cfg.data.seq_len * cfg.model.width + 8 * cfg.model.heads * cfg.data.seq_len**2)
+        4
+        * cfg.data.batch_size
+        * cfg.model.layers
+        * (64 * cfg.data.seq_len * cfg.model.width + 8 * cfg.model.heads * cfg.data.seq_len**2)
     )
     if _STATE_BOUND * param_count(shape) + activations < available / 8:
         return
@@ -248,7 +256,10 @@ def check_fits(cfg: C.TrainConfig, data: Corpus) -> None:
         hw, _ = hardware_of(jax.devices()[0].device_kind)
         n = layout.devices
         job = PlannerJob(
-            global_batch=cfg.data.batch_size, precision=spec.precision, runtime="meshkit", flash_attention=False
+            global_batch=cfg.data.batch_size,
+            precision=spec.precision,
+            runtime="meshkit",
+            flash_attention=False,
         )
         pred = predict(shape, layout, Cluster(hardware=hw, devices=n, devices_per_host=n), job)
     except (MeshkitError, ValueError, KeyError):
@@ -286,15 +297,14 @@ def host_available() -> float | None:
     return None
 
 
-def model_shape(cfg: C.TrainConfig, vocab: int) -> ModelShape:
+def model_shape(cfg: C.TrainConfig, family: Family, vocab: int) -> ModelShape:
     """The shape of the run's model (what ``--plan auto`` plans for and the model is built from): the
     run's options, its family's own among them, and from ``--init-from`` what its checkpoint fixes."""
-    family = registry.family(cfg.model.model)
     own = {name: cfg.get(name) for name in family.options}
     if cfg.model.init_from is not None:
         from meshkit.train.init_from import checkpoint_shape
 
-        own |= checkpoint_shape(cfg)
+        own |= checkpoint_shape(cfg, family)
     moe = {
         "experts": cfg.model.experts,
         "experts_per_token": cfg.model.experts_per_token,

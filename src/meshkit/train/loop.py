@@ -172,10 +172,16 @@ def check_finite(job: Job, row: dict[str, Any], ckpt: Checkpointer | None) -> No
     saved = None if ckpt is None else ckpt.in_flight() or ckpt.latest_step()
     kept = f"the last checkpoint is step {saved}" if saved else "nothing was saved"
     if len(job.history) == 1 and job.step == 1:  # the very first step: the start, not the training, is wrong
-        start = f"the checkpoint {cfg.model.init_from[len(C.HF_PREFIX) :]}" if cfg.model.init_from else "the random init"
+        start = (
+            f"the checkpoint {cfg.model.init_from[len(C.HF_PREFIX) :]}"
+            if cfg.model.init_from
+            else "the random init"
+        )
         fix = f"check the weights and config of {start} and the data"
     else:
-        fix = f"lower --lr (now {cfg.optimizer.lr:g})" + ("" if cfg.optimizer.clip else ", clip gradients (--clip 1.0)")
+        fix = f"lower --lr (now {cfg.optimizer.lr:g})" + (
+            "" if cfg.optimizer.clip else ", clip gradients (--clip 1.0)"
+        )
         fix += ", or check the data at this step"
     raise DivergedError(
         f"step {job.step}: the loss is {loss:.6g} and the gradient norm {norm:.6g}: training stopped before "
@@ -224,7 +230,9 @@ def _packing_line(job: Job) -> str:
     answers' cut tokens are not learnt), else nothing."""
     if (p := job.batches.packing_summary) is None:
         return ""
-    cut = f", [bold]{p['truncated']:,} cut[/] to --seq-len {job.cfg.data.seq_len} + 1" if p["truncated"] else ""
+    cut = (
+        f", [bold]{p['truncated']:,} cut[/] to --seq-len {job.cfg.data.seq_len} + 1" if p["truncated"] else ""
+    )
     return f"; {p['documents']:,} conversations packed in {p['rows']:,} rows ({p['fill']:.0%} filled{cut})"
 
 

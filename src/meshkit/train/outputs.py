@@ -16,7 +16,8 @@ from meshkit import interop
 from meshkit.data import Corpus, DataError, load
 from meshkit.data.readers import lone_surrogate, surrogate_said
 from meshkit.models import generate as G
-from meshkit.models import gpt, lora, module_of, registry
+from meshkit.models import gpt, lora, registry
+from meshkit.models.family import Family
 from meshkit.plans import Trainable
 from meshkit.train import config as C
 from meshkit.train import optim
@@ -29,8 +30,10 @@ class TrainedModel:
     """A run's model: config, parameters on one device, the step they come from, its vocabulary."""
 
     cfg: C.TrainConfig
+    family: Family
+    """The run's model family (``--model``), resolved once from its name."""
     model: Any
-    """The model's config (a family's of ``meshkit.models.registry``)."""
+    """The model's config (the family's config class)."""
     params: Any
     step: int
     corpus: Corpus
@@ -47,10 +50,11 @@ def load_run(run_dir: str | Path) -> TrainedModel:
     run_dir = Path(run_dir)
     cfg = saved_config(run_dir)
     data = load(cfg.data.data)
-    model = model_config(cfg, data.vocab_size)
+    family = registry.family(cfg.model.model)
+    model = model_config(cfg, family, data.vocab_size)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     adapters = C.lora_config(cfg)
-    shapes = jax.eval_shape(lambda: _adapted(module_of(model).init(jax.random.key(0), model), adapters))
+    shapes = jax.eval_shape(lambda: _adapted(family.module.init(jax.random.key(0), model), adapters))
     optimizer = optim.optimizer(cfg)
     if (trainable := run_trainable(cfg)) is not None:  # the optimizer state of the trained leaves alone
         optimizer = Trainable.of(trainable, shapes).optimizer(optimizer)
@@ -59,7 +63,9 @@ def load_run(run_dir: str | Path) -> TrainedModel:
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         params, _, meta = ckpt.restore(None, *like)
     params = family_params(cfg, params)  # a LoRA run's adapters merged: the family's own parameters
-    return TrainedModel(cfg=cfg, model=model, params=params, step=int(meta["step"]), corpus=data)
+    return TrainedModel(
+        cfg=cfg, family=family, model=model, params=params, step=int(meta["step"]), corpus=data
+    )
 
 
 def _adapted(params: Any, adapters: Any) -> Any:
@@ -196,7 +202,7 @@ def _bounded(run: TrainedModel, longest: int, max_new_tokens: int) -> int:
     allocate beyond any memory: a billion tokens, 971 GB), so fewer are generated, and said. Over a window
     the positions slide and end at the window's length."""
     positions, trained = run.model.seq_len, run.cfg.data.seq_len
-    kv = registry.family_of(run.model).kv_cache
+    kv = run.family.kv_cache
     if kv and longest >= positions:
         raise C.ConfigError(
             f"--prompt of {longest} tokens fills the model's {positions} positions: give a shorter prompt"

@@ -13,7 +13,7 @@ import numpy as np
 from meshkit.data import global_batch, process_rows
 from meshkit.data.mixture import realised
 from meshkit.devices import host
-from meshkit.models import module_of, num_params
+from meshkit.models import num_params
 from meshkit.planner.hardware import peak_flops
 from meshkit.spec.batch import extras
 from meshkit.train import evals
@@ -77,7 +77,7 @@ def utilisation(job: Job) -> tuple[int, float | None, str]:
     """The model's training FLOPs per token at the run's sequence length (attention included), the
     devices' peak FLOP/s each, and where that peak comes from (``planner.hardware.peak_flops``)."""
     if job.utilisation is None:
-        flops = module_of(job.model).flops_per_token(job.model, job.cfg.data.seq_len)
+        flops = job.family.module.flops_per_token(job.model, job.cfg.data.seq_len)
         kind = jax.devices()[0].device_kind
         job.utilisation = (flops, *peak_flops(kind, job.cfg.parallel.precision, job.cfg.run.peak_tflops))
     return job.utilisation
@@ -106,7 +106,7 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
 
     @jax.jit
     def next_token(p, window, key):
-        logits = module_of(job.model).apply(p, window[None], job.model)[0, -1].astype(jnp.float32)
+        logits = job.family.module.apply(p, window[None], job.model)[0, -1].astype(jnp.float32)
         return jax.random.categorical(key, logits / temperature)
 
     key, out = jax.random.key(job.cfg.data.seed), []
