@@ -17,8 +17,9 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from meshkit.migrate._context import Context, build_context, code
+from meshkit.migrate._context import Context, code
 from meshkit.migrate._model import PARSE_ERROR, REGISTRY, Finding, Import, Rule
+from meshkit.migrate._scan import build_context
 
 
 def _comments(node: cst.CSTNode | cst.FlattenSentinel) -> list[str]:

@@ -106,11 +106,14 @@ def python_files(paths: Iterable[str | Path], exclude: Iterable[str] = ()) -> It
             found = [given]
         elif given.is_dir():
             found = [
-                p for p in sorted(given.rglob("*.py"))
+                p
+                for p in sorted(given.rglob("*.py"))
                 if p.is_file()
-                and not any(part.startswith(".") or part in _SKIPPED_DIRS for part in p.relative_to(given).parts[:-1])
+                and not any(
+                    part.startswith(".") or part in _SKIPPED_DIRS for part in p.relative_to(given).parts[:-1]
+                )
                 and not _excluded(p, given, exclude)
-            ]  # fmt: skip
+            ]
         else:
             raise MigratePathError(
                 f"no such file or directory {str(given)!r}: give Python files or directories"

@@ -34,10 +34,6 @@ def _absolute(expr: str):
     return lambda node: cst.parse_expression(expr).with_changes(lpar=node.lpar, rpar=node.rpar)
 
 
-def _import_text(module: str, name: str, local: str) -> str:
-    return f"from {module} import {name}" + ("" if name == local else f" as {local}")
-
-
 def _from_import(
     node: cst.ImportFrom, module: str, renames: dict[str, tuple[str, str]], message: str
 ) -> Hit | None:
@@ -196,7 +192,7 @@ def _shard_map_keywords(node: cst.Call, ctx: Context) -> Hit | None:
                     ),
                 )
             )
-        return updated.with_changes(args=args)  # fmt: skip
+        return updated.with_changes(args=args)
 
     return Hit(
         message="jax.shard_map takes mesh, in_specs, out_specs by keyword and check_vma, not check_rep",

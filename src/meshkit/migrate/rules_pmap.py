@@ -34,7 +34,7 @@ import hashlib
 import libcst as cst
 
 from meshkit.migrate import _inline
-from meshkit.migrate._context import Context, PmapSite, code, drop_keyword, keyword, pmap_arguments
+from meshkit.migrate._context import Context, PmapSite, code, drop_keyword, keyword
 from meshkit.migrate._model import Hit, rule
 from meshkit.migrate.rules_misuse import all_none, site_of
 
@@ -210,23 +210,6 @@ def _rewrite(updated: cst.Call | cst.Decorator, offset: int) -> cst.CSTNode:
     return updated.with_changes(decorator=cst.Name(HELPER))
 
 
-def _write_inline(updated: cst.Call | cst.Decorator, plan: _inline.Plan) -> cst.CSTNode:
-    """The pmap at ``updated`` as ``jax.jit(jax.shard_map(f, mesh=..., ...))``, or as those two decorators."""
-    if isinstance(updated, cst.Decorator):
-        sharded = cst.parse_expression(f"jax.shard_map({plan.keywords()})")
-        return cst.FlattenSentinel(
-            [
-                cst.Decorator(cst.parse_expression("jax.jit"), leading_lines=updated.leading_lines),
-                cst.Decorator(sharded, trailing_whitespace=updated.trailing_whitespace),
-            ]
-        )
-    fun = pmap_arguments(updated, 0)["fun"].value
-    sharded = cst.parse_expression(f"jax.shard_map(f, {plan.keywords()})")
-    sharded = sharded.with_changes(args=[sharded.args[0].with_changes(value=fun), *sharded.args[1:]])
-    jitted = cst.parse_expression("jax.jit(f)")
-    return jitted.with_changes(args=[cst.Arg(sharded)], lpar=updated.lpar, rpar=updated.rpar)
-
-
 def _inline_hit(plan: _inline.Plan, ctx: Context) -> Hit:
     imports = () if ctx.imports_jax else (("jax", None, None),)
     if plan.spec == "P" and ctx.module_names.get("P") is None:
@@ -234,7 +217,7 @@ def _inline_hit(plan: _inline.Plan, ctx: Context) -> Hit:
     return Hit(
         message=_MESSAGE,
         fix=plan.describe(),
-        rewrite=lambda updated: _write_inline(updated, plan),
+        rewrite=plan.write,
         imports=imports,
         unused=_UNUSED,
         before=((plan.statement, plan.mesh_statement(), plan.gap),),
