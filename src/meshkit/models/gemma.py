@@ -5,7 +5,8 @@ dtype), the embedding is scaled by ``sqrt(width)``, the MLP is GeGLU, Gemma 2 an
 attention and after the MLP (sandwich norms), and their layers differ from each other: local layers
 attend within a sliding window (Gemma 3: with a rotary of their own base), global ones to the whole
 past. The Llama's rotary tables (``meshkit.models.rope``) and the families' cross-entropy (``token_loss``) are
-reused as they are.
+reused as they are. The sublayers (norm, rotary tables, projections, attention, MLP) are ``gemma_layers``';
+this module builds blocks of them.
 
 Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads``, ``K = kv_heads``,
 ``h = head_dim``, ``F = ffn``)::
@@ -51,7 +52,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,11 +60,12 @@ import numpy as np
 from jax import lax
 
 from meshkit._errors import MeshkitError
-from meshkit.models import gpt, llama, llama_layers
-from meshkit.models.rope import inv_frequencies
+from meshkit.models import stack
+from meshkit.models.gemma_layers import attention, mlp, project_qkv, rms_norm
+from meshkit.models.llama_layers import AXES, cast_block, token_positions, wide
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
-from meshkit.plans import causal_attention, exchange_segments, layer
+from meshkit.plans import exchange_segments, layer
 from meshkit.spec import PRECISIONS
 
 Params = dict[str, Any]
@@ -151,17 +153,40 @@ class GemmaConfig:
         ``precision``'s dtype. A shape without a gated MLP is refused."""
         if not shape.gated:
             raise MeshkitError(f"{shape.name}: a Gemma has a gated (GeGLU) MLP; this shape is a GPT")
-        return cls(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
-                   heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn,
-                   rope_theta=shape.rope_theta, norm_eps=shape.norm_eps, tie_embeddings=shape.tie_embeddings,
-                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers, experts=shape.experts)  # fmt: skip
+        return cls(
+            vocab_size=shape.vocab,
+            seq_len=shape.seq,
+            layers=shape.layers,
+            width=shape.width,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            ffn=shape.ffn,
+            rope_theta=shape.rope_theta,
+            norm_eps=shape.norm_eps,
+            tie_embeddings=shape.tie_embeddings,
+            compute_dtype=PRECISIONS[precision],
+            scan_layers=scan_layers,
+            experts=shape.experts,
+        )
 
     def shape(self, name: str = "gemma") -> ModelShape:
         """This model's shape, as the planner describes models."""
-        return ModelShape(name=name, layers=self.layers, width=self.width, heads=self.heads, vocab=self.vocab_size,
-                          seq=self.seq_len, ffn=self.ffn, gated=True, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                          rope_theta=self.rope_theta, norm_eps=self.norm_eps,
-                          tie_embeddings=self.tie_embeddings)  # fmt: skip
+        return ModelShape(
+            name=name,
+            layers=self.layers,
+            width=self.width,
+            heads=self.heads,
+            vocab=self.vocab_size,
+            seq=self.seq_len,
+            ffn=self.ffn,
+            gated=True,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            tie_embeddings=self.tie_embeddings,
+        )
 
     @property
     def compute(self) -> str:
@@ -209,14 +234,25 @@ def _init_block(key: jax.Array, cfg: GemmaConfig) -> Params:
     d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
     resid = 0.02 / math.sqrt(2 * cfg.layers)
     kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
-    attn = {"wq": _normal(kq, (d, q), 0.02, dt), "wk": _normal(kk, (d, kv), 0.02, dt),
-            "wv": _normal(kv_, (d, kv), 0.02, dt), "wo": _normal(ko, (q, d), resid, dt)}  # fmt: skip
+    attn = {
+        "wq": _normal(kq, (d, q), 0.02, dt),
+        "wk": _normal(kk, (d, kv), 0.02, dt),
+        "wv": _normal(kv_, (d, kv), 0.02, dt),
+        "wo": _normal(ko, (q, d), resid, dt),
+    }
     if cfg.qk_norm:
         attn |= {"q_norm": jnp.zeros((cfg.head_dim,), dt), "k_norm": jnp.zeros((cfg.head_dim,), dt)}
     norm = lambda: {"scale": jnp.zeros((d,), dt)}  # noqa: E731
-    out = {"attn_norm": norm(), "attn": attn, "mlp_norm": norm(),
-           "mlp": {"w_gate": _normal(kg, (d, f), 0.02, dt), "w_up": _normal(ku, (d, f), 0.02, dt),
-                   "w_down": _normal(kd, (f, d), resid, dt)}}  # fmt: skip
+    out = {
+        "attn_norm": norm(),
+        "attn": attn,
+        "mlp_norm": norm(),
+        "mlp": {
+            "w_gate": _normal(kg, (d, f), 0.02, dt),
+            "w_up": _normal(ku, (d, f), 0.02, dt),
+            "w_down": _normal(kd, (f, d), resid, dt),
+        },
+    }
     if cfg.sandwich:
         out |= {"attn_post_norm": norm(), "mlp_post_norm": norm()}
     return out
@@ -229,7 +265,7 @@ def init(key: jax.Array, cfg: GemmaConfig) -> Params:
     k_tok, k_un, k_blocks = jax.random.split(key, 3)
     out = {
         "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
-        "blocks": gpt.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
+        "blocks": stack.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
         "norm_f": {"scale": jnp.zeros((cfg.width,), cfg.dtype)},
     }
     if not cfg.tie_embeddings:
@@ -237,94 +273,14 @@ def init(key: jax.Array, cfg: GemmaConfig) -> Params:
     return out
 
 
-def _wide(dtype) -> jnp.dtype:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def rms_norm(p: dict[str, jax.Array], x: jax.Array, eps: float) -> jax.Array:
-    """Gemma's RMSNorm: ``x / rms(x) * (1 + scale)`` in at least float32, cast to the input dtype after
-    the scale (transformers' ``GemmaRMSNorm``; the Llama casts before it)."""
-    w = _wide(x.dtype)
-    xw = x.astype(w)
-    y = xw * lax.rsqrt(jnp.mean(jnp.square(xw), -1, keepdims=True) + eps)
-    return (y * (1 + p["scale"].astype(w))).astype(x.dtype)
-
-
-class _Rotary(NamedTuple):
-    """What ``rope.inv_frequencies`` reads of a config: one rotary's base and width, unscaled."""
-
-    rope_theta: float
-    head_dim: int
-    rope_scaling: None = None
-
-
-def rope_tables(pos_bt: jax.Array, cfg: GemmaConfig, local: bool, dtype) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` of shape ``(B, T, 1, head_dim)`` for the local or the global layers' rotary, computed
-    in at least float32 and cast to ``dtype`` (transformers' ``linear`` type divides the frequencies)."""
-    wide = _wide(dtype)
-    own = local and cfg.local_rope_theta > 0
-    inv = inv_frequencies(_Rotary(cfg.local_rope_theta if own else cfg.rope_theta, cfg.head_dim), wide)
-    if not own and cfg.rope_factor != 1.0:
-        inv = inv / cfg.rope_factor
-    angles = pos_bt.astype(wide)[..., None] * inv
-    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
-def _rotary(pos_bt: jax.Array, cfg: GemmaConfig, local: Any, dtype) -> tuple[jax.Array, jax.Array]:
-    """The layer's tables: ``local`` a Python bool, or a traced one (the scanned form) choosing between both."""
-    if isinstance(local, bool) or cfg.local_rope_theta == 0:
-        return rope_tables(pos_bt, cfg, local is True, dtype)
-    tables = [rope_tables(pos_bt, cfg, kind, dtype) for kind in (True, False)]
-    return tuple(jnp.where(local, a, b) for a, b in zip(*tables, strict=True))
-
-
-def project_qkv(
-    p: dict[str, jax.Array], x_btd: jax.Array, pos_bt: jax.Array, cfg: GemmaConfig, local: Any
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries ``(B, T, H, h)`` (scaled for ``query_scalar``) and keys, values ``(B, T, K, h)``: projected,
-    each head normalised (``qk_norm``), then the layer's rotary applied."""
-    b, t, _ = x_btd.shape
-    q = (x_btd @ p["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    k = (x_btd @ p["wk"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
-    v = (x_btd @ p["wv"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm({"scale": p["q_norm"]}, q, cfg.norm_eps)
-        k = rms_norm({"scale": p["k_norm"]}, k, cfg.norm_eps)
-    cos, sin = _rotary(pos_bt, cfg, local, x_btd.dtype)
-    q, k = llama_layers.rotate(q, cos, sin), llama_layers.rotate(k, cos, sin)
-    if cfg.query_scalar != cfg.head_dim:
-        q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_scalar), q.dtype)
-    return q, k, v
-
-
-def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, cfg: GemmaConfig, local: Any, seg: Any = None
-) -> jax.Array:
-    """Causal attention, within the window on a local layer (``local`` traced: ``causal_attention``'s
-    ``windowed``, one of two static calls with any collective of a context split outside it), and within
-    each token's segment where ``seg`` (packed documents) is given."""
-    if isinstance(local, bool):
-        return causal_attention(q, k, v, window=cfg.window if local else None, segment_ids=seg,
-                                softcap=cfg.attn_softcap)  # fmt: skip
-    return causal_attention(
-        q, k, v, window=cfg.window, segment_ids=seg, softcap=cfg.attn_softcap, windowed=local
-    )
-
-
-def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
-    """GeGLU: ``(gelu(x w_gate) * x w_up) w_down``, gelu's tanh approximation (``gelu_pytorch_tanh``)."""
-    return (jax.nn.gelu(x_btd @ p["w_gate"], approximate=True) * (x_btd @ p["w_up"])) @ p["w_down"]
-
-
 def _block(
     p: Params, x_btd: jax.Array, cfg: GemmaConfig, local: Any, seg: Any = None, pos: Any = None
 ) -> jax.Array:
     """One block over a whole causal sequence (positions ``pos``, default 0..T-1; segments ``seg``): a
     local layer if ``local``."""
-    p = llama.cast_block(p, cfg)
+    p = cast_block(p, cfg)
     b, t, _ = x_btd.shape
-    pos = llama.token_positions(x_btd, pos)
+    pos = token_positions(x_btd, pos)
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg, local)
     out = attention(q, k, v, cfg, local, seg).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
     if cfg.sandwich:
@@ -365,24 +321,9 @@ def head(top: Params, x_btd: jax.Array, cfg: GemmaConfig) -> jax.Array:
     """Final norm and the output head: logits in at least float32, capped (``final_softcap``)."""
     x_btd = rms_norm(jax.tree.map(lambda a: a.astype(cfg.compute), top["norm_f"]), x_btd, cfg.norm_eps)
     w = top["tok_embed"].T if cfg.tie_embeddings else top["unembed"]
-    logits = jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=_wide(cfg.compute))
+    logits = jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=wide(cfg.compute))
     cap = cfg.final_softcap
     return logits if cap is None else jnp.tanh(logits / cap) * cap
-
-
-def _check_form(params: Params, cfg: GemmaConfig) -> None:
-    scanned = not isinstance(params["blocks"], list | tuple)
-    if scanned != cfg.scan_layers:
-        form = "scanned" if scanned else "layers"
-        raise MeshkitError(
-            f"params hold the {form} form but cfg.scan_layers={cfg.scan_layers}: convert with gpt.to_form(params, "
-            f"{cfg.scan_layers})"
-        )
-    if cfg.tie_embeddings == ("unembed" in params):
-        raise MeshkitError(
-            f"params {'have' if 'unembed' in params else 'lack'} an unembed leaf but cfg.tie_embeddings="
-            f"{cfg.tie_embeddings}: build the config from the checkpoint's"
-        )
 
 
 def apply(
@@ -391,7 +332,7 @@ def apply(
     """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``; ``segment_ids``
     ``(B, T)``: packed documents (a token attends within its own); ``positions`` ``(B, T)``: each token's
     position for the rotary (default ``0..T-1``)."""
-    _check_form(params, cfg)
+    stack.check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
     seg = exchange_segments(segment_ids)  # context plans: the keys' ids, once for every layer
     x_btd = run_layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, seg, positions)
@@ -442,7 +383,7 @@ def stages(cfg: GemmaConfig) -> Any:
 def logical_axes(params: Params) -> Any:
     """The structure of ``params`` with a tuple of logical axis names per dimension (the Llama's names;
     ``"layers"`` first on the scanned form's stacked leaves)."""
-    return jax.tree.map_with_path(lambda path, _: gpt.leaf_axes(path, llama._AXES), params)
+    return jax.tree.map_with_path(lambda path, _: stack.leaf_axes(path, AXES), params)
 
 
 def units(cfg: GemmaConfig) -> dict[str, int]:

@@ -31,7 +31,7 @@ def options_of(cfg: Any) -> dict[str, Any]:
 def check(run: Any) -> str | None:
     """Rotary embeddings rotate pairs: a head's width must be even (from a checkpoint, its head_dim decides)."""
     if run.init_from is None and (run.width // run.heads) % 2:
-        return f"--model gemma needs an even head width (--width / --heads = {run.width // run.heads}) for rotary embeddings"  # fmt: skip
+        return f"--model gemma needs an even head width (--width / --heads = {run.width // run.heads}) for rotary embeddings"
     return None
 
 
@@ -44,10 +44,23 @@ def small(*, layers: int, heads: int, experts: int, scan_layers: bool) -> Any:
     (a window of 8 of the 16 positions) and a global one, so that a pipeline stage holds whole pairs;
     width 32, ``heads`` query heads and half as many key/value heads, MLP width 64; soft caps small
     enough to bind at the initial weights (scores 0.05, logits 0.5), queries scaled by 16 ** -0.5."""
-    return _gemma().GemmaConfig(vocab_size=64, seq_len=16, layers=2 * layers, width=32, heads=heads,
-                                kv_heads=max(heads // 2, 1), ffn=64, query_scalar=16.0, window=8,
-                                local_layers=(True, False) * layers, attn_softcap=0.05, final_softcap=0.5,
-                                qk_norm=False, scan_layers=scan_layers, experts=experts)  # fmt: skip
+    return _gemma().GemmaConfig(
+        vocab_size=64,
+        seq_len=16,
+        layers=2 * layers,
+        width=32,
+        heads=heads,
+        kv_heads=max(heads // 2, 1),
+        ffn=64,
+        query_scalar=16.0,
+        window=8,
+        local_layers=(True, False) * layers,
+        attn_softcap=0.05,
+        final_softcap=0.5,
+        qk_norm=False,
+        scan_layers=scan_layers,
+        experts=experts,
+    )
 
 
 FAMILY = Family(

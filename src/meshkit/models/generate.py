@@ -160,9 +160,15 @@ def _padded(prompts: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, n
 
 
 def generate(
-    params: Any, cfg: llama.LlamaConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-    sampling: Sampling | None = None, seed: int = 0, cache_sharding: Any = None,
-) -> list[list[int]]:  # fmt: skip
+    params: Any,
+    cfg: llama.LlamaConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    cache_sharding: Any = None,
+) -> list[list[int]]:
     """``max_new_tokens`` new tokens for each prompt (lists of token ids), with a key/value cache. The
     prompt and its new tokens must fit the model's positions (``cfg.seq_len``): the cache is that long at
     most, and a position past them is one the model was never given (``meshkit generate`` bounds
@@ -178,8 +184,16 @@ def generate(
             f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens passes the model's "
             f"{cfg.seq_len} positions: give at most {max(cfg.seq_len - longest, 0)}"
         )
-    out = _generate(params, tokens, pad, jax.random.key(seed), cfg=cfg, new=bucket(max_new_tokens, 1),
-                    how=sampling or Sampling(), cache_sharding=cache_sharding)  # fmt: skip
+    out = _generate(
+        params,
+        tokens,
+        pad,
+        jax.random.key(seed),
+        cfg=cfg,
+        new=bucket(max_new_tokens, 1),
+        how=sampling or Sampling(),
+        cache_sharding=cache_sharding,
+    )
     return np.asarray(out)[:, :max_new_tokens].tolist()
 
 
@@ -202,9 +216,15 @@ def _next_token(params, window_t, length, key, *, cfg, how: Sampling):
 
 
 def window_generate(
-    params: Any, cfg: llama.LlamaConfig | gpt.GPTConfig, prompt: Sequence[int], max_new_tokens: int, *,
-    sampling: Sampling | None = None, seed: int = 0, stop: Sequence[int] = (),
-) -> list[int]:  # fmt: skip
+    params: Any,
+    cfg: llama.LlamaConfig | gpt.GPTConfig,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    stop: Sequence[int] = (),
+) -> list[int]:
     """New tokens for one prompt without a cache: the last ``seq_len`` tokens run through the whole
     model for every new token (the GPT's learned positions allow no more); it ends early at a token of
     ``stop`` (an end of text), which is not returned."""
@@ -228,9 +248,15 @@ def window_generate(
 
 
 def continue_prompts(
-    params: Any, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-    sampling: Sampling | None = None, seed: int = 0, stop: Sequence[int] = (),
-) -> list[list[int]]:  # fmt: skip
+    params: Any,
+    cfg: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    stop: Sequence[int] = (),
+) -> list[list[int]]:
     """New tokens for each prompt as the model's family generates (``Family.kv_cache``): batched with a
     key/value cache, or one prompt at a time over its window; each ends before its first token of ``stop``
     (the ids that end a text, as transformers' ``generate`` stops at ``eos_token_id``)."""
@@ -238,5 +264,7 @@ def continue_prompts(
     if registry.family_of(cfg).kv_cache:  # one compiled program for every row: each cut after it
         rows = generate(params, cfg, prompts, max_new_tokens, sampling=sampling, seed=seed)
         return [row[: next((i for i, t in enumerate(row) if t in stop), len(row))] for row in rows]
-    return [window_generate(params, cfg, p, max_new_tokens, sampling=sampling, seed=seed, stop=stop)
-            for p in prompts]  # fmt: skip
+    return [
+        window_generate(params, cfg, p, max_new_tokens, sampling=sampling, seed=seed, stop=stop)
+        for p in prompts
+    ]

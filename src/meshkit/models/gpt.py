@@ -47,18 +47,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from meshkit._errors import MeshkitError
+from meshkit.models import stack
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
 from meshkit.plans import (
-    EXPERT_DIM,
     causal_attention,
     exchange_segments,
     expert_bias,
     expert_dot,
-    layer,
     moe,
     position_rows,
 )
@@ -148,16 +146,34 @@ class GPTConfig:
             raise MeshkitError(
                 f"{shape.name}: ffn {shape.ffn} is not a multiple of width {shape.width}; predict only"
             )
-        return cls(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
-                   heads=shape.heads, mlp_ratio=max(shape.ffn // shape.width, 1),
-                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers, experts=shape.experts,
-                   experts_per_token=shape.experts_per_token, capacity_factor=shape.capacity_factor)  # fmt: skip
+        return cls(
+            vocab_size=shape.vocab,
+            seq_len=shape.seq,
+            layers=shape.layers,
+            width=shape.width,
+            heads=shape.heads,
+            mlp_ratio=max(shape.ffn // shape.width, 1),
+            compute_dtype=PRECISIONS[precision],
+            scan_layers=scan_layers,
+            experts=shape.experts,
+            experts_per_token=shape.experts_per_token,
+            capacity_factor=shape.capacity_factor,
+        )
 
     def shape(self, name: str = "gpt") -> ModelShape:
         """This GPT's shape, as the planner describes models."""
-        return ModelShape(name=name, layers=self.layers, width=self.width, heads=self.heads, vocab=self.vocab_size,
-                          seq=self.seq_len, ffn=self.mlp_width, experts=self.experts,
-                          experts_per_token=self.experts_per_token, capacity_factor=self.capacity_factor)  # fmt: skip
+        return ModelShape(
+            name=name,
+            layers=self.layers,
+            width=self.width,
+            heads=self.heads,
+            vocab=self.vocab_size,
+            seq=self.seq_len,
+            ffn=self.mlp_width,
+            experts=self.experts,
+            experts_per_token=self.experts_per_token,
+            capacity_factor=self.capacity_factor,
+        )
 
     @property
     def head_dim(self) -> int:
@@ -201,8 +217,12 @@ def _init_block(key: jax.Array, cfg: GPTConfig) -> Params:
     if not cfg.experts:
         return {"ln1": _layer_norm_params(cfg), "attn": attn, "ln2": _layer_norm_params(cfg), "mlp": mlp}
     router = _normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt)
-    return {"ln1": _layer_norm_params(cfg), "attn": attn, "ln2": _layer_norm_params(cfg),
-            "moe": {"router": router, **mlp}}  # fmt: skip
+    return {
+        "ln1": _layer_norm_params(cfg),
+        "attn": attn,
+        "ln2": _layer_norm_params(cfg),
+        "moe": {"router": router, **mlp},
+    }
 
 
 @functools.partial(jax.jit, static_argnums=1)  # one compiled program, not one per weight drawn
@@ -213,21 +233,10 @@ def init(key: jax.Array, cfg: GPTConfig) -> Params:
     return {
         "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
         "pos_embed": _normal(k_pos, (cfg.seq_len, cfg.width), 0.02, cfg.dtype),
-        "blocks": layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
+        "blocks": stack.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
         "ln_f": _layer_norm_params(cfg),
         "unembed": _normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype),
     }
-
-
-def layer_blocks(init_block: Callable[[jax.Array], Params], key: jax.Array, layers: int, scan: bool) -> Any:
-    """Every layer's block, each from its own key of ``split(key, layers)``: stacked (the scanned form)
-    or a list of per-layer blocks. The scanned form vmaps the block's init over the keys (the same
-    numbers as a call per key), so its init program holds one block's draws whatever the depth: a
-    24-layer GPT's compiled in 0.84 s against 6.2 s, and its temporaries are lower (8 layers of width
-    512: 168 MB against 176). The loop form calls it once per key: vmapped and then sliced, its blocks
-    would be one stacked array first, 3.7x the temporaries (384 MB against 105)."""
-    keys = jax.random.split(key, layers)
-    return jax.vmap(init_block)(keys) if scan else [init_block(k) for k in keys]
 
 
 def blocks_form(tree: Any) -> str:
@@ -334,27 +343,15 @@ def _moe_block(
     p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype or cfg.dtype), p)
     x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg, seg)
     experts = {k: v for k, v in p["moe"].items() if k != "router"}
-    y_btd, aux, dropped = moe(_experts, experts, p["moe"]["router"], _layer_norm(p["ln2"], x_btd),
-                              k=cfg.experts_per_token, capacity_factor=cfg.capacity_factor)  # fmt: skip
+    y_btd, aux, dropped = moe(
+        _experts,
+        experts,
+        p["moe"]["router"],
+        _layer_norm(p["ln2"], x_btd),
+        k=cfg.experts_per_token,
+        capacity_factor=cfg.capacity_factor,
+    )
     return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
-
-
-def run_layers(block: Callable, moe_block: Callable, x_btd: jax.Array, blocks: Any, scanned: bool,
-               experts: int, extra: tuple = ()) -> tuple[jax.Array, jax.Array]:  # fmt: skip
-    """The blocks over ``x_btd``: the residual and ``[load-balancing loss, dropped slots]`` summed
-    over the layers (zeros for a dense model); ``extra``: more inputs of every block (the batch's
-    segment ids, positions). The GPT's and the Llama's."""
-    stats = jnp.zeros((2,), _wide(x_btd.dtype))
-    if not experts:
-        return run_blocks(block, x_btd, blocks, scanned, extra), stats
-    return run_blocks(moe_block, (x_btd, stats), blocks, scanned, extra)
-
-
-def moe_metrics(stats: jax.Array, tokens: int, layers: int, k: int) -> dict[str, jax.Array]:
-    """The loss's MoE metrics from the summed ``stats`` of ``tokens`` tokens: the load-balancing loss
-    (mean over layers) and the dropped share of the ``tokens x k x layers`` slots (averaged over a
-    batch split like the loss, so the step's value is the global batch's)."""
-    return {"router_aux": stats[0] / layers, "dropped_fraction": stats[1] / (tokens * k * layers)}
 
 
 def _head(top: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
@@ -390,22 +387,16 @@ def forward(
         )
     top = {k: v for k, v in params.items() if k != "blocks"}
     x_btd = _embed(top, tokens_bt, cfg, positions)
-    x_btd, stats = run_layers(lambda p, x, s: _block(p, x, cfg, s), lambda p, c, s: _moe_block(p, c, cfg, s), x_btd,
-                              params["blocks"], cfg.scan_layers, cfg.experts, (exchange_segments(segment_ids),))  # fmt: skip
+    x_btd, stats = stack.run_layers(
+        lambda p, x, s: _block(p, x, cfg, s),
+        lambda p, c, s: _moe_block(p, c, cfg, s),
+        x_btd,
+        params["blocks"],
+        cfg.scan_layers,
+        cfg.experts,
+        (exchange_segments(segment_ids),),
+    )
     return _head(top, x_btd, cfg), stats
-
-
-def run_blocks(
-    block: Callable[..., jax.Array], x: jax.Array, blocks: Any, scanned: bool, extra: tuple = ()
-) -> jax.Array:
-    """``block(params, x, *extra)`` over the blocks in order: ``lax.scan`` over stacked blocks, or a Python
-    loop with each block marked ``meshkit.layer`` (per-layer gathers and remat find it). The GPT's and the
-    Llama's."""
-    if scanned:
-        return lax.scan(lambda h, p: (block(p, h, *extra), None), x, blocks)[0]
-    for p in blocks:
-        x = layer(block)(p, x, *extra)
-    return x
 
 
 def stages(cfg: GPTConfig) -> Any:
@@ -436,14 +427,16 @@ def make_loss(cfg: GPTConfig, *, with_aux: bool = False) -> Callable:
     """``loss(params, batch)``: mean token cross-entropy of the next-token logits (``token_loss``: weighted
     by the batch's weights, packed documents and positions as it gives them, ``meshkit.spec.batch``), plus
     ``router_aux_weight`` x the load-balancing loss for a mixture of experts. ``with_aux``:
-    ``(loss, metrics)`` with ``moe_metrics`` (empty for a dense model): a Trainer's ``has_aux=True``."""
+    ``(loss, metrics)`` with ``stack.moe_metrics`` (empty for a dense model): a Trainer's ``has_aux=True``."""
 
     def loss(params: Params, batch: Any) -> Any:
         tokens_bt, targets_bt = batch[0], batch[1]
         weights, seg, pos = batch_extras(batch)
         logits_btv, stats = forward(params, tokens_bt, cfg, segment_ids=seg, positions=pos)
         value = cross_entropy(logits_btv, targets_bt, weights)
-        metrics = moe_metrics(stats, tokens_bt.size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
+        metrics = (
+            stack.moe_metrics(stats, tokens_bt.size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
+        )
         if cfg.experts:
             value = value + cfg.router_aux_weight * metrics["router_aux"]
         return (value, metrics) if with_aux else value
@@ -458,18 +451,7 @@ def logical_axes(params: Params) -> Any:
     MLP dimension), ``"seq"`` (position table rows), ``"layers"`` (the scanned form's stacked axis). Works on arrays or ``jax.ShapeDtypeStruct`` leaves.
     """
 
-    return jax.tree.map_with_path(lambda path, _: leaf_axes(path, _AXES), params)
-
-
-def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
-    """A block leaf's logical axes from ``table`` by its key: ``"expert"`` first for an expert's leaf
-    (under ``"moe"``, the router aside), ``"layers"`` first in the scanned form. The GPT's and the Llama's."""
-    names = table[path[-1].key]
-    keys = [getattr(k, "key", None) for k in path]
-    if "moe" in keys and path[-1].key != "router":
-        names = (EXPERT_DIM, *names)
-    stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
-    return ("layers", *names) if stacked else names
+    return jax.tree.map_with_path(lambda path, _: stack.leaf_axes(path, _AXES), params)
 
 
 def matmul_params(cfg: GPTConfig) -> int:

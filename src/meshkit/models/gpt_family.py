@@ -31,23 +31,38 @@ def _gpt() -> Any:
     return gpt
 
 
-_WANTS = (("activation_function", "gelu_new"), ("layer_norm_epsilon", 1e-5), ("scale_attn_weights", True),
-          ("scale_attn_by_inverse_layer_idx", False))  # fmt: skip
+_WANTS = (
+    ("activation_function", "gelu_new"),
+    ("layer_norm_epsilon", 1e-5),
+    ("scale_attn_weights", True),
+    ("scale_attn_by_inverse_layer_idx", False),
+)
 """GPT-2's fields that change the computation, each with the one value meshkit's GPT computes (its GELU is
 the tanh approximation, its LayerNorm's epsilon 1e-5, its attention scaled by ``1/sqrt(head_dim)``)."""
 _READ = frozenset(
     {"vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "tie_word_embeddings"}
 )
-_IGNORED = frozenset({
-    # dropout: no logit changes (meshkit trains without it)
-    "resid_pdrop", "embd_pdrop", "attn_pdrop",
-    # GPT2DoubleHeadsModel's classification head, which GPT2LMHeadModel has not
-    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
-    # the scores in float32 with the scale applied before the product: float32's rounding, not another model
-    "reorder_and_upcast_attn",
-    # older releases' fields no GPT-2 class reads now (n_ctx: n_positions' copy; OpenAI GPT's special tokens)
-    "n_ctx", "n_special", "predict_special_tokens", "gradient_checkpointing",
-})  # fmt: skip
+_IGNORED = frozenset(
+    {
+        # dropout: no logit changes (meshkit trains without it)
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        # GPT2DoubleHeadsModel's classification head, which GPT2LMHeadModel has not
+        "summary_type",
+        "summary_use_proj",
+        "summary_activation",
+        "summary_proj_to_labels",
+        "summary_first_dropout",
+        # the scores in float32 with the scale applied before the product: float32's rounding, not another model
+        "reorder_and_upcast_attn",
+        # older releases' fields no GPT-2 class reads now (n_ctx: n_positions' copy; OpenAI GPT's special tokens)
+        "n_ctx",
+        "n_special",
+        "predict_special_tokens",
+        "gradient_checkpointing",
+    }
+)
 """GPT-2's fields that change no logit of ``GPT2LMHeadModel``: read and left aside."""
 
 
@@ -63,18 +78,35 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
     if ffn % width:
         raise InteropError(f"{where}: n_inner {ffn} is no multiple of n_embd {width}, as meshkit's GPT needs")
     try:
-        return _gpt().GPTConfig(vocab_size=whole(data, "vocab_size", where), seq_len=whole(data, "n_positions", where),
-                                layers=whole(data, "n_layer", where), width=width, heads=whole(data, "n_head", where),
-                                mlp_ratio=ffn // width, scan_layers=scan_layers)  # fmt: skip
+        return _gpt().GPTConfig(
+            vocab_size=whole(data, "vocab_size", where),
+            seq_len=whole(data, "n_positions", where),
+            layers=whole(data, "n_layer", where),
+            width=width,
+            heads=whole(data, "n_head", where),
+            mlp_ratio=ffn // width,
+            scan_layers=scan_layers,
+        )
     except ValueError as e:  # the GPT's own check (heads dividing the width)
         raise InteropError(f"{where}: {e}") from None
 
 
 def write(cfg: Any, tied: bool) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len, "n_embd": cfg.width, "n_layer": cfg.layers,
-            "n_head": cfg.heads, "n_inner": cfg.mlp_width, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": tied, "torch_dtype": cfg.dtype}  # fmt: skip
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_len,
+        "n_ctx": cfg.seq_len,
+        "n_embd": cfg.width,
+        "n_layer": cfg.layers,
+        "n_head": cfg.heads,
+        "n_inner": cfg.mlp_width,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": tied,
+        "torch_dtype": cfg.dtype,
+    }
 
 
 def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
@@ -99,9 +131,14 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
         yield ("blocks", "attn", leaf), Source(layer + "attn.c_attn.weight", columns=(at * d, (at + 1) * d))
     for leaf, at in (("bq", 0), ("bv", 2)):
         yield ("blocks", "attn", leaf), Source(layer + "attn.c_attn.bias", columns=(at * d, (at + 1) * d))
-    for path, name in ((("attn", "wo"), "attn.c_proj.weight"), (("attn", "bo"), "attn.c_proj.bias"),
-                       (("mlp", "w_in"), "mlp.c_fc.weight"), (("mlp", "b_in"), "mlp.c_fc.bias"),
-                       (("mlp", "w_out"), "mlp.c_proj.weight"), (("mlp", "b_out"), "mlp.c_proj.bias")):  # fmt: skip
+    for path, name in (
+        (("attn", "wo"), "attn.c_proj.weight"),
+        (("attn", "bo"), "attn.c_proj.bias"),
+        (("mlp", "w_in"), "mlp.c_fc.weight"),
+        (("mlp", "b_in"), "mlp.c_fc.bias"),
+        (("mlp", "w_out"), "mlp.c_proj.weight"),
+        (("mlp", "b_out"), "mlp.c_proj.bias"),
+    ):
         yield ("blocks", *path), Source(layer + name)
 
 
@@ -132,8 +169,15 @@ def tied(params: Any) -> bool:
 
 def small(*, layers: int, heads: int, experts: int, scan_layers: bool) -> Any:
     """The GPT ``meshkit verify`` certifies plans on: width 32, 16 positions, 64 tokens."""
-    return _gpt().GPTConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
-                            scan_layers=scan_layers, experts=experts)  # fmt: skip
+    return _gpt().GPTConfig(
+        vocab_size=64,
+        seq_len=16,
+        layers=layers,
+        width=32,
+        heads=heads,
+        scan_layers=scan_layers,
+        experts=experts,
+    )
 
 
 FAMILY = Family(

@@ -31,9 +31,7 @@ With ``experts = E > 0`` each block's ``"mlp"`` is ``"moe": {"router": (D, E), "
 "w_up": (E, D, F), "w_down": (E, F, D)}``: E SwiGLU experts and a router (as the GPT's, ``gpt.py``).
 
 Layers of different windows (Qwen2's ``max_window_layers``) run as runs of consecutive layers of one
-window each, every run through ``gpt.run_layers``: the window is static in each attention, so every
-implementation and context form (``plans.causal_attention``) takes it. The scanned form is one
-``lax.scan``, one block function: its config must hold one window in every layer.
+window each (``llama_windows``); the scanned form holds one window in every layer.
 
 ``LlamaConfig(scan_layers=True)`` stacks the blocks with a leading layer axis and ``lax.scan``s over
 them; ``gpt.to_scanned`` / ``to_layers`` / ``to_form`` / ``blocks_form`` convert any tree with a
@@ -63,34 +61,23 @@ import jax
 import jax.numpy as jnp
 
 from meshkit._errors import MeshkitError
-from meshkit.models import gpt
-from meshkit.models.llama_layers import Params, cast_block, experts_mlp, mlp, project_qkv, rms_norm, wide
+from meshkit.models import llama_windows, stack
+from meshkit.models.llama_layers import (
+    AXES,
+    Params,
+    cast_block,
+    experts_mlp,
+    mlp,
+    project_qkv,
+    rms_norm,
+    token_positions,
+    wide,
+)
 from meshkit.models.rope import Llama3Rope
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
-from meshkit.plans import causal_attention, exchange_segments, moe, sequence_positions
+from meshkit.plans import causal_attention, exchange_segments, moe
 from meshkit.spec import PRECISIONS
-
-Axes = tuple[str | None, ...]
-
-_AXES: dict[str, Axes] = {
-    "tok_embed": ("vocab", "embed"),
-    "unembed": ("embed", "vocab"),
-    "scale": ("embed",),
-    "wq": ("embed", "heads"),
-    "wk": ("embed", "kv_heads"),
-    "wv": ("embed", "kv_heads"),
-    "wo": ("heads", "embed"),
-    "w_gate": ("embed", "mlp"),
-    "w_up": ("embed", "mlp"),
-    "w_down": ("mlp", "embed"),
-    "router": ("embed", None),
-    "bq": ("heads",),
-    "bk": ("kv_heads",),
-    "bv": ("kv_heads",),
-    "q_norm": (None,),
-    "k_norm": (None,),
-}
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -168,36 +155,9 @@ class LlamaConfig:
             raise MeshkitError(f"head_dim {self.head_dim} is odd: rotary embeddings need an even head width")
         if self.experts:
             self.shape()  # ModelShape checks the mixture-of-experts fields (one owner)
-        self._check_window()
-
-    def _check_window(self) -> None:
-        """A whole window of at least 1; ``sliding`` one flag per layer, None where every layer slides, and
-        the window None where none does (one config per model); one window in every layer when scanned."""
-        w, s = self.window, self.sliding
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise MeshkitError(
-                f"window must be a whole number of tokens of at least 1 (None: no window), got {w!r}"
-            )
-        if s is None:
-            return
-        s = tuple(s) if isinstance(s, list | tuple) else s
-        if not isinstance(s, tuple) or len(s) != self.layers or not all(isinstance(f, bool) for f in s):
-            raise MeshkitError(
-                f"sliding must be {self.layers} booleans, one per layer (None: every layer), got {s!r}"
-            )
-        if w is None:
-            raise MeshkitError(
-                f"sliding={s} names the layers of a window but window is None: give the window"
-            )
-        object.__setattr__(self, "sliding", None if all(s) else s)
-        if not any(s):
-            object.__setattr__(self, "window", None)
-            object.__setattr__(self, "sliding", None)
-        elif self.scan_layers and not all(s):
-            raise MeshkitError(
-                f"a Llama whose layers have different windows (sliding={s}) runs in the layers form only: give "
-                f"scan_layers=False (no --scan-layers, and a plan without a pipeline)"
-            )
+        window, sliding = llama_windows.settle(self.window, self.sliding, self.layers, self.scan_layers)
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "sliding", sliding)
 
     @classmethod
     def from_shape(
@@ -207,19 +167,45 @@ class LlamaConfig:
         computing in ``precision``'s dtype. A shape without a gated MLP is refused."""
         if not shape.gated:
             raise MeshkitError(f"{shape.name}: a Llama has a gated (SwiGLU) MLP; this shape is a GPT")
-        return cls(vocab_size=shape.vocab, seq_len=shape.seq, layers=shape.layers, width=shape.width,
-                   heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn,
-                   rope_theta=shape.rope_theta, norm_eps=shape.norm_eps, tie_embeddings=shape.tie_embeddings,
-                   compute_dtype=PRECISIONS[precision], scan_layers=scan_layers, experts=shape.experts,
-                   experts_per_token=shape.experts_per_token, capacity_factor=shape.capacity_factor)  # fmt: skip
+        return cls(
+            vocab_size=shape.vocab,
+            seq_len=shape.seq,
+            layers=shape.layers,
+            width=shape.width,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            ffn=shape.ffn,
+            rope_theta=shape.rope_theta,
+            norm_eps=shape.norm_eps,
+            tie_embeddings=shape.tie_embeddings,
+            compute_dtype=PRECISIONS[precision],
+            scan_layers=scan_layers,
+            experts=shape.experts,
+            experts_per_token=shape.experts_per_token,
+            capacity_factor=shape.capacity_factor,
+        )
 
     def shape(self, name: str = "llama") -> ModelShape:
         """This model's shape, as the planner describes models."""
-        return ModelShape(name=name, layers=self.layers, width=self.width, heads=self.heads, vocab=self.vocab_size,
-                          seq=self.seq_len, ffn=self.ffn, gated=True, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                          rope_theta=self.rope_theta, norm_eps=self.norm_eps,
-                          tie_embeddings=self.tie_embeddings, experts=self.experts,
-                          experts_per_token=self.experts_per_token, capacity_factor=self.capacity_factor)  # fmt: skip
+        return ModelShape(
+            name=name,
+            layers=self.layers,
+            width=self.width,
+            heads=self.heads,
+            vocab=self.vocab_size,
+            seq=self.seq_len,
+            ffn=self.ffn,
+            gated=True,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            tie_embeddings=self.tie_embeddings,
+            experts=self.experts,
+            experts_per_token=self.experts_per_token,
+            capacity_factor=self.capacity_factor,
+        )
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -245,12 +231,19 @@ def _init_block(key: jax.Array, cfg: LlamaConfig) -> Params:
     resid = 0.02 / math.sqrt(2 * cfg.layers)
     kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
     e = (cfg.experts,) if cfg.experts else ()
-    mlp = {"w_gate": _normal(kg, (*e, d, f), 0.02, dt), "w_up": _normal(ku, (*e, d, f), 0.02, dt),
-           "w_down": _normal(kd, (*e, f, d), resid, dt)}  # fmt: skip
+    mlp = {
+        "w_gate": _normal(kg, (*e, d, f), 0.02, dt),
+        "w_up": _normal(ku, (*e, d, f), 0.02, dt),
+        "w_down": _normal(kd, (*e, f, d), resid, dt),
+    }
     if cfg.experts:
         mlp = {"router": _normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
-    attn = {"wq": _normal(kq, (d, q), 0.02, dt), "wk": _normal(kk, (d, kv), 0.02, dt),
-            "wv": _normal(kv_, (d, kv), 0.02, dt), "wo": _normal(ko, (q, d), resid, dt)}  # fmt: skip
+    attn = {
+        "wq": _normal(kq, (d, q), 0.02, dt),
+        "wk": _normal(kk, (d, kv), 0.02, dt),
+        "wv": _normal(kv_, (d, kv), 0.02, dt),
+        "wo": _normal(ko, (q, d), resid, dt),
+    }
     if cfg.qkv_bias:
         attn |= {"bq": jnp.zeros((q,), dt), "bk": jnp.zeros((kv,), dt), "bv": jnp.zeros((kv,), dt)}
     if cfg.qk_norm:
@@ -260,7 +253,7 @@ def _init_block(key: jax.Array, cfg: LlamaConfig) -> Params:
         "attn": attn,
         "mlp_norm": {"scale": jnp.ones((d,), dt)},
         "moe" if cfg.experts else "mlp": mlp,
-    }  # fmt: skip
+    }
 
 
 @functools.partial(jax.jit, static_argnums=1)  # one program, independent of any mesh
@@ -270,19 +263,12 @@ def init(key: jax.Array, cfg: LlamaConfig) -> Params:
     k_tok, k_un, k_blocks = jax.random.split(key, 3)
     out = {
         "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
-        "blocks": gpt.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
+        "blocks": stack.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
         "norm_f": {"scale": jnp.ones((cfg.width,), cfg.dtype)},
     }
     if not cfg.tie_embeddings:
         out["unembed"] = _normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype)
     return out
-
-
-def token_positions(x_btd: jax.Array, positions_bt: jax.Array | None) -> jax.Array:
-    """``(B, T)`` positions of the tokens: the batch's (reset per packed document) where given, else
-    ``0..T-1`` of each row (context plans: this device's positions). The Llama's and the Gemma's."""
-    b, t = x_btd.shape[:2]
-    return jnp.broadcast_to(sequence_positions(t), (b, t)) if positions_bt is None else positions_bt
 
 
 def _attention(
@@ -302,8 +288,15 @@ def experts(p: Params, x_btd: jax.Array, cfg: LlamaConfig, capacity_factor: floa
     """The mixture of experts of the normalised ``x_btd`` (``p``: a block's ``"moe"``): ``(y, aux,
     dropped)`` as ``plans.moe`` computes them, at ``capacity_factor`` (0: dropless)."""
     weights = {name: w for name, w in p.items() if name != "router"}
-    return moe(experts_mlp, weights, p["router"], x_btd, k=cfg.experts_per_token, capacity_factor=capacity_factor,
-               renormalize=cfg.router_renormalize)  # fmt: skip
+    return moe(
+        experts_mlp,
+        weights,
+        p["router"],
+        x_btd,
+        k=cfg.experts_per_token,
+        capacity_factor=capacity_factor,
+        renormalize=cfg.router_renormalize,
+    )
 
 
 def _block(
@@ -328,29 +321,14 @@ def _moe_block(
     return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
 
 
-def _runs(cfg: LlamaConfig) -> list[tuple[int | None, int, int]]:
-    """``(window, first, end)`` of each run of consecutive layers with one window (one run when scanned:
-    the config holds one window in every layer of the scanned form)."""
-    windows = cfg.layer_windows
-    if cfg.scan_layers:
-        return [(windows[0], 0, cfg.layers)]
-    out: list[tuple[int | None, int, int]] = []
-    for i, window in enumerate(windows):
-        if out and out[-1][0] == window:
-            out[-1] = (window, out[-1][1], i + 1)
-        else:
-            out.append((window, i, i + 1))
-    return out
-
-
 def _layers(
     blocks: Any, x_btd: jax.Array, cfg: LlamaConfig, extra: tuple = (None, None)
 ) -> tuple[jax.Array, jax.Array]:
     """The blocks over ``x_btd`` and the MoE stats summed over them, each run of layers of one window by
-    ``gpt.run_layers`` (a scan, or a loop marking each block with ``meshkit.layer``); ``extra``: the
+    ``stack.run_layers`` (a scan, or a loop marking each block with ``meshkit.layer``); ``extra``: the
     batch's ``(segment_ids, positions)``, each None where absent."""
     stats = None
-    for window, lo, hi in _runs(cfg):
+    for window, lo, hi in llama_windows.runs(cfg):
 
         def block(p, x, seg, pos, window=window):
             return _block(p, x, cfg, window, seg, pos)
@@ -359,7 +337,7 @@ def _layers(
             return _moe_block(p, c, cfg, window, seg, pos)
 
         run = blocks if cfg.scan_layers else blocks[lo:hi]
-        x_btd, s = gpt.run_layers(block, moe_block, x_btd, run, cfg.scan_layers, cfg.experts, extra)
+        x_btd, s = stack.run_layers(block, moe_block, x_btd, run, cfg.scan_layers, cfg.experts, extra)
         stats = s if stats is None else stats + s
     return x_btd, stats
 
@@ -377,21 +355,6 @@ def head(top: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
     return jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=wide(cfg.compute))
 
 
-def _check_form(params: Params, cfg: LlamaConfig) -> None:
-    scanned = not isinstance(params["blocks"], list | tuple)
-    if scanned != cfg.scan_layers:
-        form = "scanned" if scanned else "layers"
-        raise MeshkitError(
-            f"params hold the {form} form but cfg.scan_layers={cfg.scan_layers}: convert with gpt.to_form(params, "
-            f"{cfg.scan_layers})"
-        )
-    if cfg.tie_embeddings == ("unembed" in params):
-        raise MeshkitError(
-            f"params {'have' if 'unembed' in params else 'lack'} an unembed leaf but cfg.tie_embeddings="
-            f"{cfg.tie_embeddings}: build the config from the checkpoint's"
-        )
-
-
 def apply(
     params: Params, tokens_bt: jax.Array, cfg: LlamaConfig, *, segment_ids: Any = None, positions: Any = None
 ) -> jax.Array:
@@ -406,7 +369,7 @@ def forward(
 ) -> tuple[jax.Array, jax.Array]:
     """``(logits, stats)``: the logits and the MoE ``[load-balancing loss, dropped slots]`` summed
     over the layers (zeros for a dense model)."""
-    _check_form(params, cfg)
+    stack.check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
     extra = (exchange_segments(segment_ids), positions)  # context plans: the keys' ids, once for every layer
     x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, extra)
@@ -423,7 +386,7 @@ def make_loss(cfg: LlamaConfig, *, with_aux: bool = False) -> Callable:
         logits, stats = forward(params, batch[0], cfg, segment_ids=seg, positions=pos)
         value = cross_entropy(logits, batch[1], weights)
         metrics = (
-            gpt.moe_metrics(stats, batch[0].size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
+            stack.moe_metrics(stats, batch[0].size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
         )
         if cfg.experts:
             value = value + cfg.router_aux_weight * metrics["router_aux"]
@@ -465,7 +428,7 @@ def logical_axes(params: Params) -> Any:
     """The structure of ``params`` with a tuple of logical axis names per dimension (``"layers"``
     first on the scanned form's stacked leaves)."""
 
-    return jax.tree.map_with_path(lambda path, _: gpt.leaf_axes(path, _AXES), params)
+    return jax.tree.map_with_path(lambda path, _: stack.leaf_axes(path, AXES), params)
 
 
 def units(cfg: LlamaConfig) -> dict[str, int]:

@@ -29,7 +29,7 @@ def check(run: Any) -> str | None:
     """Rotary embeddings rotate pairs: a head's width must be even (from a checkpoint, its head_dim
     decides, checked by the config when it is read)."""
     if run.init_from is None and (run.width // run.heads) % 2:
-        return f"--model llama needs an even head width (--width / --heads = {run.width // run.heads}) for rotary embeddings"  # fmt: skip
+        return f"--model llama needs an even head width (--width / --heads = {run.width // run.heads}) for rotary embeddings"
     return None
 
 
@@ -40,8 +40,17 @@ def units(cfg: Any) -> dict[str, int]:
 def small(*, layers: int, heads: int, experts: int, scan_layers: bool) -> Any:
     """The Llama ``meshkit verify`` certifies plans on: width 32, ``heads`` query heads and half as many
     key/value heads (grouped-query attention), MLP width 64."""
-    return _llama().LlamaConfig(vocab_size=64, seq_len=16, layers=layers, width=32, heads=heads,
-                                kv_heads=max(heads // 2, 1), ffn=64, scan_layers=scan_layers, experts=experts)  # fmt: skip
+    return _llama().LlamaConfig(
+        vocab_size=64,
+        seq_len=16,
+        layers=layers,
+        width=32,
+        heads=heads,
+        kv_heads=max(heads // 2, 1),
+        ffn=64,
+        scan_layers=scan_layers,
+        experts=experts,
+    )
 
 
 FAMILY = Family(

@@ -1,6 +1,6 @@
 """The Llama family's sublayers (``meshkit.models.llama``): RMSNorm, the q/k/v projections with their
 biases, per-head norms and rotary positions, attention over a key/value cache, the SwiGLU MLP and its
-experts. Kept apart from the model module, which assembles them into blocks, so that the block, the
+experts, and their parameters' logical axes (``AXES``, which the Gemma's share). Kept apart from the model module, which assembles them into blocks, so that the block, the
 training forward pass and generation's cached pass (``models/generate.py``) share one definition of
 each, and so that neither module outgrows what one reader holds.
 
@@ -19,9 +19,31 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshkit.models.rope import inv_frequencies
-from meshkit.plans import expert_dot
+from meshkit.plans import expert_dot, sequence_positions
 
 Params = dict[str, Any]
+Axes = tuple[str | None, ...]
+
+AXES: dict[str, Axes] = {
+    "tok_embed": ("vocab", "embed"),
+    "unembed": ("embed", "vocab"),
+    "scale": ("embed",),
+    "wq": ("embed", "heads"),
+    "wk": ("embed", "kv_heads"),
+    "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+    "router": ("embed", None),
+    "bq": ("heads",),
+    "bk": ("kv_heads",),
+    "bv": ("kv_heads",),
+    "q_norm": (None,),
+    "k_norm": (None,),
+}
+"""Logical axis names of a leaf's dimensions, by its key (``stack.leaf_axes`` adds ``"expert"`` and
+``"layers"``): a bias has its weight's output axis, a per-head norm none (every head shares it)."""
 
 
 def wide(dtype) -> jnp.dtype:
@@ -34,6 +56,13 @@ def rms_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array
     xw = x_btd.astype(wide(x_btd.dtype))
     y = xw * lax.rsqrt(jnp.mean(jnp.square(xw), -1, keepdims=True) + eps)
     return p["scale"] * y.astype(x_btd.dtype)
+
+
+def token_positions(x_btd: jax.Array, positions_bt: jax.Array | None) -> jax.Array:
+    """``(B, T)`` positions of the tokens: the batch's (reset per packed document) where given, else
+    ``0..T-1`` of each row (context plans: this device's positions). The Llama's and the Gemma's."""
+    b, t = x_btd.shape[:2]
+    return jnp.broadcast_to(sequence_positions(t), (b, t)) if positions_bt is None else positions_bt
 
 
 def rope_tables(pos_bt: jax.Array, cfg: Any, dtype) -> tuple[jax.Array, jax.Array]:

@@ -198,6 +198,7 @@ def wrap(loss_fn: Any, cfg: LoraConfig) -> Any:
 
     if isinstance(loss_fn, Stages):
         on = lambda f: lambda p, *a: f(view(p, cfg), *a)  # noqa: E731
-        return dataclasses.replace(loss_fn, embed=on(loss_fn.embed), block=on(loss_fn.block),
-                                   head=on(loss_fn.head))  # fmt: skip
+        return dataclasses.replace(
+            loss_fn, embed=on(loss_fn.embed), block=on(loss_fn.block), head=on(loss_fn.head)
+        )
     return lambda params, *args: loss_fn(view(params, cfg), *args)

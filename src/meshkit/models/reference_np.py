@@ -158,8 +158,11 @@ def _gpt(params: Any, cfg: Any, tokens, seg, pos) -> np.ndarray:
     x = params["tok_embed"][tokens] + params["pos_embed"][pos]
     for p in params["blocks"]:
         a, y = p["attn"], _layer_norm(p["ln1"], x)
-        q, k, v = (_heads(y @ a["wq"] + a["bq"], cfg.heads), _heads(y @ a["wk"], cfg.heads),
-                   _heads(y @ a["wv"] + a["bv"], cfg.heads))  # fmt: skip
+        q, k, v = (
+            _heads(y @ a["wq"] + a["bq"], cfg.heads),
+            _heads(y @ a["wk"], cfg.heads),
+            _heads(y @ a["wv"] + a["bv"], cfg.heads),
+        )
         x = x + _attend(q, k, v, seg) @ a["wo"] + a["bo"]
         m = p["mlp"]
         x = x + _gelu_tanh(_layer_norm(p["ln2"], x) @ m["w_in"] + m["b_in"]) @ m["w_out"] + m["b_out"]

@@ -1,0 +1,125 @@
+"""How a Llama-family Hugging Face checkpoint (``meshkit.models.llama_hf``) says a mixture of experts:
+each model type's names for it (``Experts``: Mixtral's, Qwen3-MoE's), its ``config.json`` fields both ways
+(``read``, ``write``) and where its router and experts lie among the tensors (``names``).
+
+Experts read dropless (``capacity_factor=0``), as transformers runs them: every token its top-k
+experts by softmax probability, the gates renormalised to sum to 1 (Mixtral always, Qwen3-MoE where
+``norm_topk_prob``). Each expert is its own tensors in the checkpoint (``experts.{j}``), stacked into
+meshkit's ``(E, D, F)`` leaves. ``router_aux_loss_coef`` is read as the weight of meshkit's
+load-balancing loss (``router_aux_weight``; Switch's, per sequence and layer, where transformers pools
+the batch and the layers and counts each of the k choices: about k times meshkit's).
+``output_router_logits`` (whether transformers returns the router's logits and adds its loss) changes
+no logit: read and left aside, written false (4.57.6's ``generate`` fails on a Mixtral with it true).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshkit.models.family import InteropError, Names, Source, flag, need, positive, whole
+
+
+@dataclass(frozen=True, slots=True)
+class Experts:
+    """How a model type names its mixture of experts."""
+
+    count: tuple[str, ...]
+    """Fields that may give the number of experts (Qwen3-MoE's: 4.x writes ``num_experts``, 5.x
+    ``num_local_experts``); the first is written."""
+    ffn: str
+    """The field of an expert's hidden width."""
+    renormalize: str | None
+    """The field saying whether the top-k gates are renormalised (None: always, Mixtral's)."""
+    prefix: str
+    """The layer's MLP module: its router is ``{prefix}.gate``, its experts ``{prefix}.experts.{j}``."""
+    weights: tuple[str, str, str]
+    """An expert's gate, up and down projections."""
+    layers: tuple[str, ...] = ()
+    """Fields saying which layers are sparse (Qwen3-MoE's ``decoder_sparse_step``, ``mlp_only_layers``)."""
+
+
+MIXTRAL = Experts(("num_local_experts",), "intermediate_size", None, "block_sparse_moe", ("w1", "w3", "w2"))
+"""Mixtral's: its gates always renormalised, every layer sparse."""
+QWEN3_MOE = Experts(
+    ("num_experts", "num_local_experts"),
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    ("decoder_sparse_step", "mlp_only_layers"),
+)
+"""Qwen3-MoE's: 4.x's and 5.x's names of the count, its gates renormalised where ``norm_topk_prob``."""
+
+_READ = frozenset({"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"})
+"""Fields every mixture-of-experts row reads, besides those its ``Experts`` names."""
+
+
+def fields(moe: Experts | None) -> frozenset[str]:
+    """The ``config.json`` fields a model type with experts ``moe`` reads for them (none for a dense one)."""
+    if moe is None:
+        return frozenset()
+    return frozenset({*moe.count, moe.ffn, *moe.layers, *_READ} | ({moe.renormalize} - {None}))
+
+
+def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, Any]:
+    """The ``LlamaConfig`` fields of a mixture of experts named as ``moe`` names it (none for a dense model
+    type): dropless."""
+    if moe is None:
+        return {}
+    counts = {k: data[k] for k in moe.count if k in data}
+    if len(set(counts.values())) > 1:
+        said = ", ".join(f"{k}={v!r}" for k, v in counts.items())
+        raise InteropError(f"{where}: {said} differ: give the number of experts once")
+    key = next(iter(counts), moe.count[-1])
+    experts = need(data, key, where)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise InteropError(f"{where}: {key}={experts!r}: meshkit reads a mixture of at least 1 expert")
+    if moe.layers:
+        step, only = whole(data, "decoder_sparse_step", where, 1), data.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only
+        ):
+            raise InteropError(f"{where}: mlp_only_layers={only!r} is not a list of layer numbers: give one")
+        dense = [i for i in range(layers) if i in only or (i + 1) % step]
+        if dense:
+            raise InteropError(
+                f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={only!r} make layers {dense[:4]} dense MLPs: "
+                f"meshkit's Llama has experts in every layer; give a checkpoint whose every layer is sparse"
+            )
+    aux = positive(data.get("router_aux_loss_coef", 0.001), f"{where}: router_aux_loss_coef", zero=True)
+    return {
+        "experts": experts,
+        "experts_per_token": whole(data, "num_experts_per_tok", where),
+        "ffn": whole(data, moe.ffn, where),
+        "capacity_factor": 0.0,
+        "router_aux_weight": aux,
+        "router_renormalize": moe.renormalize is None or flag(data, moe.renormalize, where, False),
+    }
+
+
+def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``cfg`` named as ``moe`` names them (none for a dense model type;
+    every layer sparse; written dropless, as transformers runs it, whatever capacity the model trained with)."""
+    if moe is None:
+        return {}
+    out = {
+        moe.count[0]: cfg.experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        moe.ffn: cfg.ffn,
+        "output_router_logits": False,
+        "router_aux_loss_coef": cfg.router_aux_weight,
+    }
+    if moe.renormalize is not None:
+        out[moe.renormalize] = cfg.router_renormalize
+    return out | ({"decoder_sparse_step": 1, "mlp_only_layers": []} if moe.layers else {})
+
+
+def names(moe: Experts, layer: str) -> Names:
+    """Where a layer's router and experts lie (``layer``: the layer's prefix, ``{i}`` for its number)."""
+    yield ("blocks", "moe", "router"), Source(f"{layer}{moe.prefix}.gate.weight", transpose=True)
+    for leaf, name in zip(("w_gate", "w_up", "w_down"), moe.weights, strict=True):
+        yield (
+            ("blocks", "moe", leaf),
+            Source(f"{layer}{moe.prefix}.experts.{{j}}.{name}.weight", True, experts=True),
+        )

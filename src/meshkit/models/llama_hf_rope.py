@@ -1,0 +1,103 @@
+"""The Llama family's rotary settings in a Hugging Face ``config.json`` (``meshkit.models.llama_hf``), both
+ways: read in both forms transformers writes, 4.x's ``rope_theta`` + ``rope_scaling`` and 5.x's
+``rope_parameters`` (the same settings in one dict, ``rope_theta`` among them); written in 4.x's. The rope
+types meshkit computes are ``ROPE_TYPES``' keys: the plain rotary and Llama 3.1's (``rope.Llama3Rope``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshkit._errors import MeshkitError
+from meshkit.models.family import InteropError, positive, whole
+
+ROPE_TYPES: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+}
+"""The rope types meshkit computes, each with the settings it needs (all of them, no more)."""
+
+
+def _default_rope(rope: Any) -> Any:
+    """A rope dict saying only ``default`` (as transformers writes it) reads as None, which it equals."""
+    default = isinstance(rope, dict) and set(rope) <= {"rope_type", "type"}
+    return None if default and all(v == "default" for v in rope.values()) else rope
+
+
+def _scaling(rope: Any, where: str, key: str) -> Any:
+    """The ``Llama3Rope`` of a ``rope_scaling`` (or ``rope_parameters`` less its theta), or None."""
+    rope = _default_rope(rope)
+    if rope is None:
+        return None
+    said = f"{where}: {key}={rope!r}"
+    kinds = {
+        rope[k] for k in ("rope_type", "type") if isinstance(rope, dict) and isinstance(rope.get(k), str)
+    }
+    if not isinstance(rope, dict) or len(kinds) != 1:
+        raise InteropError(f"{said} names no single rope_type: give one of {', '.join(ROPE_TYPES)}")
+    (kind,) = kinds
+    if kind not in ROPE_TYPES:
+        raise InteropError(
+            f"{said}: rope_type {kind!r} is not one meshkit's Llama computes ({', '.join(ROPE_TYPES)}): "
+            f"give a checkpoint with one of those"
+        )
+    given, needs = set(rope) - {"rope_type", "type"}, ROPE_TYPES[kind]
+    if given != needs:
+        lacks, extra = sorted(needs - given), sorted(given - needs)
+        wrong = f"lacks {', '.join(lacks)}" if lacks else f"takes no {', '.join(extra)}"
+        raise InteropError(
+            f"{said}: rope_type {kind} {wrong}: give exactly {', '.join(sorted(needs)) or 'rope_type'}"
+        )
+    factors = {
+        k: positive(rope[k], f"{said}: {k}") for k in ("factor", "low_freq_factor", "high_freq_factor")
+    }
+    original = whole(rope, "original_max_position_embeddings", said)
+    from meshkit.models.rope import Llama3Rope  # JAX, imported on first use: the registry's rows need none
+
+    try:
+        return Llama3Rope(**factors, original_positions=original)
+    except MeshkitError as e:
+        raise InteropError(f"{said}: {e}") from None
+
+
+def read(data: dict, where: str, default: float) -> tuple[float, Any]:
+    """``(rope_theta, rope_scaling)`` of either form (``default``: the type's theta where the config gives
+    none); both forms at once must say the same."""
+    theta, scaling, key = data.get("rope_theta"), data.get("rope_scaling"), "rope_scaling"
+    theta = None if theta is None else positive(theta, f"{where}: rope_theta")
+    params = data.get("rope_parameters")
+    if params is not None:
+        flat = isinstance(params, dict) and all(not isinstance(v, dict) for v in params.values())
+        if not flat:
+            raise InteropError(
+                f"{where}: rope_parameters={params!r} is not one set of rotary settings: meshkit's Llama uses one "
+                f"rotary in every layer"
+            )
+        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        five = params.get("rope_theta")
+        five = None if five is None else positive(five, f"{where}: rope_parameters.rope_theta")
+        both = (theta is not None and five is not None and theta != five) or (
+            _default_rope(scaling) is not None and _default_rope(scaling) != _default_rope(rest)
+        )
+        if both:
+            raise InteropError(
+                f"{where}: rope_parameters={params!r} and rope_theta={theta!r}, rope_scaling={scaling!r} differ: "
+                f"give one of the two forms"
+            )
+        theta, scaling, key = theta if five is None else five, rest, "rope_parameters"
+    return float(default if theta is None else theta), _scaling(scaling, where, key)
+
+
+def written(r: Any) -> dict | None:
+    """``rope_scaling`` as 4.x writes it for a config's ``rope_scaling`` (a ``Llama3Rope``, or None)."""
+    if r is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": r.factor,
+        "low_freq_factor": r.low_freq_factor,
+        "high_freq_factor": r.high_freq_factor,
+        "original_max_position_embeddings": r.original_positions,
+    }
