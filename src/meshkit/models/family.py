@@ -197,21 +197,70 @@ def flag(data: dict, key: str, where: str, default: bool) -> bool:
     return bool(value)
 
 
-HF_METADATA = frozenset({
-    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_bfloat16",
-    "use_cache", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-    "decoder_start_token_id", "tokenizer_class", "prefix", "id2label", "label2id", "num_labels", "problem_type",
-    "finetuning_task", "task_specific_params", "return_dict", "output_attentions", "output_hidden_states",
-    "torchscript", "tf_legacy_loss", "chunk_size_feed_forward", "is_decoder", "is_encoder_decoder",
-    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
-    "_num_labels",  # num_labels as releases before 4.0 wrote it (distilgpt2's config.json)
-    # generation settings older transformers kept in config.json: they change no logit
-    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
-    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
-    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
-})  # fmt: skip
+HF_METADATA = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_bfloat16",
+        "use_cache",
+        "initializer_range",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "tokenizer_class",
+        "prefix",
+        "id2label",
+        "label2id",
+        "num_labels",
+        "problem_type",
+        "finetuning_task",
+        "task_specific_params",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "torchscript",
+        "tf_legacy_loss",
+        "chunk_size_feed_forward",
+        "is_decoder",
+        "is_encoder_decoder",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "_num_labels",  # num_labels as releases before 4.0 wrote it (distilgpt2's config.json)
+        # generation settings older transformers kept in config.json: they change no logit
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+    }
+)
 """``config.json`` fields of every Hugging Face model (``PretrainedConfig``'s own) that change no output
 of a decoder: ids, labels, dtypes, generation settings. A family reads these and its own; any other
 field is refused (``check_fields``)."""
@@ -232,7 +281,7 @@ def check_fields(data: dict, where: str, known: frozenset[str], who: str) -> Non
         raise InteropError(
             f"{where}: {odd[0]}={shown}{more} is not a field meshkit's {who} reads, so it cannot compute what it "
             f"asks: give a checkpoint without it (drop it from config.json if it changes nothing)"
-        )  # fmt: skip
+        )
 
 
 def check_values(data: dict, where: str, wants: tuple[tuple[str, Any], ...], who: str) -> None:
