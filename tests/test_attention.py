@@ -21,7 +21,7 @@ from _tiers import tiered
 from meshkit.models import llama
 from meshkit.plans import Stages, causal_attention, sequence_positions, use_attention
 from meshkit.plans import attention as A
-from meshkit.plans.placement import vocab_rules
+from meshkit.plans.tp_rules import vocab_rules
 from meshkit.spec import ParallelSpec, PlanError, get_plan
 from meshkit.train import Trainer
 from meshkit.train import config as C

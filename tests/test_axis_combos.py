@@ -1,4 +1,4 @@
-"""Axis combinations of the one gradient region (``plans._step.manual_gradients``, issue 34): the context
+"""Axis combinations of the one gradient region (``plans._gradients.manual_gradients``, issue 34): the context
 axis with tensor parallelism (tp+cp, dp+tp+cp, fsdp+tp+cp) and the expert axis with it (tp+ep, dp+tp+ep,
 fsdp+tp+ep), the plans ``spec.COMBINE`` makes of those pairs. Each equals one device in float64 (the
 loss and every gradient of a step, max |diff| <= 1e-10), its ledger equals the model
@@ -20,7 +20,7 @@ import pytest
 from _limits import limit
 from _tiers import tiered
 from meshkit.models import llama
-from meshkit.plans.placement import vocab_rules
+from meshkit.plans.tp_rules import vocab_rules
 from meshkit.spec import PLANS, ParallelSpec, PlanError
 from meshkit.train import Trainer
 from test_context import MODELS as DENSE

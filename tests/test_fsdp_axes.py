@@ -167,7 +167,7 @@ def test_bad_fsdp_ep_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
 
 def test_a_leaf_kept_whole_on_data_names_the_axis_it_is_split_on():
     # fsdp+ep keeps expert leaves whole on data; the report's reason said "the model axis" for them
-    from meshkit.plans.placement import _data_dim
+    from meshkit.plans._zero_split import data_dim as _data_dim
 
     assert _data_dim((8, 4, 4), ("expert", None, None), 2, 1, two_d=False) == (
         None,

@@ -12,7 +12,7 @@ dtype, 3x of the compute dtype where the gather casts; ``plans/memory.py``): mea
 0.89-0.92 -> 0.93-0.99 in five, bf16 0.71 -> 0.83, and regather with two micro-batches 1.10 -> 1.17
 (that one was under-predicted already); and the GPT's four tensor-parallel cases without a pipeline
 (``tp``, ``dp+tp``, ``fsdp+tp``, ``fsdp+tp-layer-scan``), after the recorder took the rules ``meshkit
-train`` gives the GPT (``placement.vocab_rules``: its token embedding and head split on model, issue 35):
+train`` gives the GPT (``tp_rules.vocab_rules``: its token embedding and head split on model, issue 35):
 params + optimizer per device fell 1.44-1.78x less (tp 98,116 -> 55,108 bytes, fsdp+tp 54,340 -> 48,196),
 five to eight more collectives each (the vocabulary's all-reduces over model), the models re-derived
 from the same rules. Re-recorded whole on the issue-34/36/38 stop, every collective unchanged: the

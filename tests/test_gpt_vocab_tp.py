@@ -1,4 +1,4 @@
-"""The GPT's vocabulary on the model axis (``placement.vocab_rules``, the Llama's rule): its token
+"""The GPT's vocabulary on the model axis (``tp_rules.vocab_rules``, the Llama's rule): its token
 embedding and head split on model as well as data, so the per-device state (parameters + Adam's
 moments, read from the compiled step) is the total over the devices that split it; its loss (optax's
 integer-label cross-entropy) keeps split logits split, the result equals one device in float64 and
@@ -17,7 +17,7 @@ from _tiers import tiered
 from meshkit import verify
 from meshkit.mesh import make_mesh
 from meshkit.models import gpt
-from meshkit.plans.placement import vocab_rules
+from meshkit.plans.tp_rules import vocab_rules
 from meshkit.spec import get_plan
 from meshkit.train import Trainer
 

@@ -14,7 +14,8 @@ from meshkit.mesh import make_mesh
 from meshkit.models import llama, num_params
 from meshkit.planner.presets import PRESETS
 from meshkit.planner.sizes import param_count
-from meshkit.plans.placement import VOCAB_TP_RULES, place
+from meshkit.plans.placement import place
+from meshkit.plans.tp_rules import VOCAB_TP_RULES
 from meshkit.spec import get_plan
 
 

@@ -12,7 +12,7 @@ import pytest
 from _reference import max_rel, one_device
 from _tiers import tiered
 from meshkit.models import gpt, llama
-from meshkit.plans.placement import VOCAB_TP_RULES, vocab_rules
+from meshkit.plans.tp_rules import VOCAB_TP_RULES, vocab_rules
 from meshkit.spec import get_plan
 from meshkit.train import Trainer
 

@@ -12,7 +12,7 @@ import pytest
 from _reference import max_rel, one_device_frozen
 from _tiers import tiered
 from meshkit.models import llama, lora, registry
-from meshkit.plans.placement import vocab_rules
+from meshkit.plans.tp_rules import vocab_rules
 from meshkit.spec import get_plan
 from meshkit.train import Trainer
 

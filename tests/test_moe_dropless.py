@@ -20,7 +20,7 @@ import pytest
 from _tiers import tiered
 from meshkit.models import gpt, llama
 from meshkit.plans import _experts
-from meshkit.plans.placement import vocab_rules
+from meshkit.plans.tp_rules import vocab_rules
 from meshkit.spec import ParallelSpec
 from meshkit.train import Trainer
 from test_moe import _gelu, _tokens

@@ -14,7 +14,7 @@ from _reference import max_rel, one_device
 from _tiers import tiered
 from meshkit.models import gpt, llama
 from meshkit.models.token_loss import BatchError
-from meshkit.plans.placement import vocab_rules
+from meshkit.plans.tp_rules import vocab_rules
 from meshkit.spec import ParallelSpec, get_plan
 from meshkit.spec.batch import TokenBatch
 from meshkit.train import Trainer

@@ -204,7 +204,7 @@ def test_predicted_peak_and_bytes_match_the_compiled_step(layout):
 @pytest.mark.parametrize("layout", [Layout(dp=2, tp=2, zero=3), Layout(dp=2, tp=4)], ids=["fsdp+tp", "dp+tp"])
 def test_state_at_rest_splits_the_vocabulary_as_training_does(layout):
     """Issue 35: the compile check builds the step ``meshkit train`` builds, the vocabulary split over
-    the model axis (``placement.vocab_rules``), and the planner prices the embedding and unembedding
+    the model axis (``tp_rules.vocab_rules``), and the planner prices the embedding and unembedding
     split the same way: its parameters and optimizer state per device are the compiled ones."""
     from meshkit.planner.cluster import Cluster, Job
     from meshkit.planner.hardware import hardware
@@ -223,7 +223,7 @@ def test_state_at_rest_splits_the_vocabulary_as_training_does(layout):
 
     from meshkit.mesh import make_mesh
     from meshkit.plans import memory_formula, place
-    from meshkit.plans.placement import vocab_rules
+    from meshkit.plans.tp_rules import vocab_rules
     from meshkit.spec import get_plan
 
     cfg = gpt.GPTConfig(vocab_size=256, seq_len=32, layers=4, width=64, heads=8, scan_layers=True)

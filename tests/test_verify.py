@@ -17,7 +17,7 @@ import pytest
 
 from meshkit import verify as V
 from meshkit.cli import main
-from meshkit.plans import _step
+from meshkit.plans import _gradients
 from meshkit.verify import reference as R
 
 # -- a certificate catches a broken step ---------------------------------------------------------
@@ -25,7 +25,7 @@ from meshkit.verify import reference as R
 
 def _broken_accumulation(monkeypatch, change):
     """Every plan step's micro-batch accumulation with ``change(grads, j, m)`` applied to micro-batch ``j``."""
-    real = _step._accumulate
+    real = _gradients._accumulate
 
     def accumulate(grad_fn, params, state, batch, key, m, per_micro=lambda g: g):
         def changed(params, state, micro, key, j):
@@ -34,7 +34,7 @@ def _broken_accumulation(monkeypatch, change):
 
         return real(changed, params, state, batch, key, m, per_micro)
 
-    monkeypatch.setattr(_step, "_accumulate", accumulate)
+    monkeypatch.setattr(_gradients, "_accumulate", accumulate)
 
 
 NUMPY = "float32: matches NumPy float64"  # after K steps: these two bugs move the MLP's too

@@ -90,7 +90,7 @@ def record_case(plan: str, mesh: str, opts: dict) -> dict:
 
     from meshkit.analysis import communication, memory
     from meshkit.models import gpt
-    from meshkit.plans.placement import vocab_rules
+    from meshkit.plans.tp_rules import vocab_rules
     from meshkit.train import Trainer
 
     pipeline = "pp" in plan

@@ -247,9 +247,17 @@ def _ops(events: list[dict[str, Any]]) -> tuple[list[_Op], dict[tuple[Any, Any],
         if "hlo_op" not in args or "hlo_module" not in args:
             continue
         start = float(e["ts"])
-        ops.append(_Op(name=str(args["hlo_op"]), module=str(args["hlo_module"]),
-                       device=str(args.get("device_ordinal", thread)), run=str(args.get("run_id", "all")),
-                       thread=thread, start=start, end=start + float(e["dur"])))  # fmt: skip
+        ops.append(
+            _Op(
+                name=str(args["hlo_op"]),
+                module=str(args["hlo_module"]),
+                device=str(args.get("device_ordinal", thread)),
+                run=str(args.get("run_id", "all")),
+                thread=thread,
+                start=start,
+                end=start + float(e["dur"]),
+            )
+        )
     for marks in rendezvous.values():
         marks.sort()
     return ops, rendezvous
@@ -355,12 +363,24 @@ def summarize(
     collectives = []
     for name, (count, time_us) in sorted(per_name.items()):
         rec = named.get(name)
-        collectives.append(CollectiveTime(
-            name=name, kind=here[name] or "", runs_per_step=count / devices / runs, time_s=time_us / 1e6 / devices / runs,
-            traffic_bytes=rec.total_traffic_bytes if rec is not None else None))  # fmt: skip
+        collectives.append(
+            CollectiveTime(
+                name=name,
+                kind=here[name] or "",
+                runs_per_step=count / devices / runs,
+                time_s=time_us / 1e6 / devices / runs,
+                traffic_bytes=rec.total_traffic_bytes if rec is not None else None,
+            )
+        )
     missing = tuple(sorted(n for n in named if n not in per_name))
-    return TraceSummary(path=str(path), module=module, steps=tuple(steps), collectives=tuple(collectives),
-                        missing=missing, partial=partial)  # fmt: skip
+    return TraceSummary(
+        path=str(path),
+        module=module,
+        steps=tuple(steps),
+        collectives=tuple(collectives),
+        missing=missing,
+        partial=partial,
+    )
 
 
 def _per_device(ops: list[_Op]) -> int:
@@ -389,6 +409,11 @@ def _step(run: str, ops: list[_Op], kinds: dict[str, str | None], per_name: dict
         compute += _length(comp)
         exposed += _minus(_union([(o.start, o.end) for o in comm]), comp)
     n = len(by_device)  # at least 1: a run has ops
-    return StepTime(run=run, devices=n, wall_s=wall / 1e6, compute_s=compute / n / 1e6,
-                    collective_s={k: v / n / 1e6 for k, v in sorted(collective.items())},
-                    exposed_s=exposed / n / 1e6)  # fmt: skip
+    return StepTime(
+        run=run,
+        devices=n,
+        wall_s=wall / 1e6,
+        compute_s=compute / n / 1e6,
+        collective_s={k: v / n / 1e6 for k, v in sorted(collective.items())},
+        exposed_s=exposed / n / 1e6,
+    )

@@ -82,14 +82,17 @@ class ZeroStage:
         only) the shard group of ``group`` replicas, replicated across the ``dp / group`` groups."""
         return group if group and self.shards("params") else dp
 
-    def collectives(self, grads: float, params: float, *, microbatches: int = 1,
-                    gathers: int = 1) -> tuple[ZeroCollective, ...]:  # fmt: skip
+    def collectives(
+        self, grads: float, params: float, *, microbatches: int = 1, gathers: int = 1
+    ) -> tuple[ZeroCollective, ...]:
         """The data-axis collectives of one step for ``grads`` and ``params`` bytes (per device, as the
         collective moves them): ``microbatches`` per step; ``gathers``: ZeRO-3's parameter gathers per
         micro-batch (2 where the backward pass gathers again)."""
         m = microbatches
-        rs = lambda count, what: ZeroCollective(op="reduce-scatter", count=count, size_bytes=grads,  # noqa: E731
-                                                part="grads", what=what)  # fmt: skip
+
+        def rs(count: int, what: str) -> ZeroCollective:
+            return ZeroCollective(op="reduce-scatter", count=count, size_bytes=grads, part="grads", what=what)
+
         updated = ZeroCollective(
             op="all-gather", count=1, size_bytes=params, part="params", what="updated parameters"
         )
@@ -101,15 +104,25 @@ class ZeroStage:
             return rs(1, "gradients, once after accumulation"), updated
         if self.level == 2:
             return rs(m, "gradients, per micro-batch"), updated
-        gather = ZeroCollective(op="all-gather", count=m * gathers, size_bytes=params, part="params",
-                                what="parameters, per micro-batch")  # fmt: skip
+        gather = ZeroCollective(
+            op="all-gather",
+            count=m * gathers,
+            size_bytes=params,
+            part="params",
+            what="parameters, per micro-batch",
+        )
         return gather, rs(m, "gradients, per micro-batch")
 
     def across_replicas(self, grads: float, group: int, axis: str = "replica") -> ZeroCollective:
         """Hybrid sharding: each device's gradient shard (``grads / group``) all-reduced across the
         replicas of its shard group once per step, after the micro-batch loop."""
-        return ZeroCollective(op="all-reduce", count=1, size_bytes=grads / group, part="grads",
-                              what=f"gradient shards, across {axis}")  # fmt: skip
+        return ZeroCollective(
+            op="all-reduce",
+            count=1,
+            size_bytes=grads / group,
+            part="grads",
+            what=f"gradient shards, across {axis}",
+        )
 
 
 def zero_stage(stage: str | int) -> ZeroStage:

@@ -95,7 +95,7 @@ def _no_options(cfg: Any) -> dict[str, Any]:
 
 
 def _vocab_rules(pipeline: bool) -> dict[str, str]:
-    from meshkit.plans.placement import vocab_rules
+    from meshkit.plans.tp_rules import vocab_rules
 
     return vocab_rules(pipeline)
 

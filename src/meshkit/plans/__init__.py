@@ -4,14 +4,14 @@ combinations.
 What a plan is, and every allowed value, is ``meshkit.spec``'s. Here: ``place`` decides where every
 leaf lives, ``assemble`` builds a spec's jitted step (the one assembly the Trainer, the peak model
 and the planner's compile check share), ``expected_collectives`` and ``memory_formula`` say what it
-should cost and ``peak`` what it should hold at its peak. One module per technique: ``_step`` (the
-data axis, ZeRO stages), ``_fsdp`` (per-layer gathers and remat), ``_buckets`` (bucketed data-axis
+should cost and ``peak`` what it should hold at its peak. One module per technique: ``_gradients`` (the
+data axis, ZeRO stages; ``_step`` assembles the step around them), ``_fsdp`` (per-layer gathers and remat), ``_buckets`` (bucketed data-axis
 collectives), ``_pipeline`` and ``_schedule`` (pipelines), ``_context`` (context parallelism: the
 sequence split, and the causal attention the reference models call, ring or all-to-all), ``attention``
 (each device's attention, fused or written out, and which runs), ``_experts``
 (mixture of experts: routing, capacity, and the MoE MLP the reference models call, its tokens sent to
 their experts by all_to_all under an expert split); tensor
-parallelism is the placement's rules, partitioned by XLA.
+parallelism is the placement's rules (``tp_rules``), partitioned by XLA.
 """
 
 from meshkit.plans._context import causal_attention, check_context, exchange_segments, position_rows
@@ -40,7 +40,8 @@ from meshkit.plans._stages import Stages
 from meshkit.plans._step import StepShardings, build_step, state_shardings
 from meshkit.plans.assemble import Assembled, assemble, spec_mesh
 from meshkit.plans.attention import Attention, use_attention
-from meshkit.plans.placement import DEFAULT_TP_RULES, LeafPlacement, Placement, Rules, place
+from meshkit.plans.placement import LeafPlacement, Placement, place
+from meshkit.plans.tp_rules import DEFAULT_TP_RULES, Rules
 
 __all__ = [
     "DEFAULT_TP_RULES",

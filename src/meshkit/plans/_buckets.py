@@ -56,8 +56,9 @@ def _alone(idx: list[int], leaves: Sequence[LeafPlacement]) -> int | None:
 def _on_model_shard(fn, x: jax.Array, leaf: LeafPlacement) -> jax.Array:
     """``fn`` on this device's model shard of ``x`` (manual over ``model`` as well as ``data``)."""
     spec = model_spec(leaf)
-    return jax.shard_map(fn, mesh=get_abstract_mesh(), in_specs=spec, out_specs=spec, axis_names={MODEL},
-                         check_vma=False)(x)  # fmt: skip
+    return jax.shard_map(
+        fn, mesh=get_abstract_mesh(), in_specs=spec, out_specs=spec, axis_names={MODEL}, check_vma=False
+    )(x)
 
 
 def manual_sum(fn, x, specs=None):

@@ -279,9 +279,13 @@ def _all_to_all(
     order = balanced_order(q_bthk.shape[1] * n, n)
     natural = np.argsort(order)
     call = functools.partial(
-        attention.causal, to_heads(q_bthk), to_heads(k_bskh), to_heads(v_bskh), softcap=softcap,
+        attention.causal,
+        to_heads(q_bthk),
+        to_heads(k_bskh),
+        to_heads(v_bskh),
+        softcap=softcap,
         segment_ids=None if seg is None else seg.keys,  # the whole sequences', in the natural order
-    )  # fmt: skip
+    )
     out = _windowed(call, window, windowed)  # between the exchanges: no collective under the cond
     return lax.all_to_all(out[:, order], split.axis, 1, 2, tiled=True)
 
@@ -399,11 +403,23 @@ def _on_own_heads(
         )
     spec = P(None, None, split.heads_axis, None)
     if seg is None:
-        own = jax.shard_map(lambda q, k, v: attend(q, k, v, None, split), mesh=mesh, in_specs=(spec, spec, spec),
-                            out_specs=spec, axis_names={split.heads_axis}, check_vma=False)  # fmt: skip
+        own = jax.shard_map(
+            lambda q, k, v: attend(q, k, v, None, split),
+            mesh=mesh,
+            in_specs=(spec, spec, spec),
+            out_specs=spec,
+            axis_names={split.heads_axis},
+            check_vma=False,
+        )
         return own(q_bthk, k_bskh, v_bskh)
-    own = jax.shard_map(lambda q, k, v, s: attend(q, k, v, s, split), mesh=mesh, in_specs=(spec, spec, spec, P()),
-                        out_specs=spec, axis_names={split.heads_axis}, check_vma=False)  # fmt: skip
+    own = jax.shard_map(
+        lambda q, k, v, s: attend(q, k, v, s, split),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, P()),
+        out_specs=spec,
+        axis_names={split.heads_axis},
+        check_vma=False,
+    )
     return own(q_bthk, k_bskh, v_bskh, seg)
 
 

@@ -18,8 +18,20 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-_SAME_VALUE = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
-               "expand_dims", "copy", "copy_p", "reduce_precision", "sharding_constraint"}  # fmt: skip
+from meshkit.plans._leaf_paths import path_str
+
+_SAME_VALUE = {
+    "convert_element_type",
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+    "reduce_precision",
+    "sharding_constraint",
+}
 _SUB = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -85,10 +97,8 @@ def batch_fed(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None)
     parameter (with ``trainable``, a ``_frozen.Trainable``: on no trainable one; a frozen leaf's
     gradient is not asked for, like the batch's). ``loss_fn(params, *rest)``; arguments may be arrays
     or ``jax.ShapeDtypeStruct``s."""
-    from meshkit.plans.placement import _path_str
-
     closed = jax.make_jaxpr(loss_fn)(params, *rest)
-    paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     invars = closed.jaxpr.invars[: len(paths)]
     origin = dict(zip(invars, paths, strict=True))
     found: set = set()
@@ -104,10 +114,8 @@ def matmul_rows(loss_fn: Callable, params: Any, *rest: Any) -> dict[str, int]:
     """Per parameter leaf path (``a/b/c``) the most rows a matmul multiplies it with: the other
     operand's dims that are neither contracted nor batched (a token model's ``examples x sequence``
     for each projection). ``loss_fn(params, *rest)``, as for ``batch_fed``."""
-    from meshkit.plans.placement import _path_str
-
     closed = jax.make_jaxpr(loss_fn)(params, *rest)
-    paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     invars = closed.jaxpr.invars[: len(paths)]
     rows: dict[str, int] = {}
     _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), rows)

@@ -129,6 +129,23 @@ def slice_shard(g: jax.Array, dim: int | None, n: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(g, lax.axis_index(DATA) * size, size, axis=dim)
 
 
+def _gathered(params: Any, placement: Placement) -> Any:
+    """ZeRO-3's parameter shards gathered whole over the data axis (the per-shard gradients need whole
+    parameters)."""
+    leaves = [
+        x if leaf.data_dim is None else lax.all_gather(x, DATA, axis=leaf.data_dim, tiled=True)
+        for x, leaf in zip(jax.tree.leaves(params), placement.flat(), strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
+def _sliced(grads: Any, placement: Placement) -> Any:
+    """This device's shard of every whole gradient (``slice_shard``), what ZeRO-1/2/3 update."""
+    dims = [leaf.data_dim for leaf in placement.flat()]
+    flat = [slice_shard(g, d, placement.data_size) for g, d in zip(jax.tree.leaves(grads), dims, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(grads), flat)
+
+
 def deterministic_gradients(
     loss_fn: Callable, placement: Placement, shards: int, per: _fsdp.PerLayer, chunk_grad: Callable
 ) -> Callable:
@@ -136,7 +153,7 @@ def deterministic_gradients(
     gradients (and their global norm) with the same bits on every power-of-two data axis up to
     ``shards``. ``state`` is threaded through a device's shards in order and comes back as the last
     device's; deterministic mode refuses stateful losses before it gets here. ``chunk_grad`` is the
-    step's per-chunk gradient (``_step._chunk_grad``: random keys offset to the chunk's first row)."""
+    step's per-chunk gradient (``_gradients._chunk_grad``: random keys offset to the chunk's first row)."""
     plan = placement.plan
     n = placement.data_size
     if placement.batch_axes not in ((), (DATA,)):
@@ -153,11 +170,7 @@ def deterministic_gradients(
 
     def run(params, state, batch, key):
         if plan.shards_params and n > 1:
-            params = jax.tree.unflatten(
-                jax.tree.structure(params),
-                [x if leaf.data_dim is None else lax.all_gather(x, DATA, axis=leaf.data_dim, tiled=True)
-                 for x, leaf in zip(jax.tree.leaves(params), placement.flat(), strict=True)],
-            )  # fmt: skip
+            params = _gathered(params, placement)
         micros = jax.tree.map(lambda a: a.reshape((local, a.shape[0] // local, *a.shape[1:])), batch)
         # what comes before (ZeRO-3's gather, the batch's split) is not fused into the shards' gradients
         params, micros = lax.optimization_barrier((params, micros))
@@ -189,11 +202,7 @@ def deterministic_gradients(
         block = lax.optimization_barrier(block)
         loss, aux, grads = jax.tree.map(lambda x: x * (1.0 / shards), block)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        if plan.shards_optimizer:
-            dims = [leaf.data_dim for leaf in placement.flat()]
-            flat = [slice_shard(g, d, n) for g, d in zip(jax.tree.leaves(grads), dims, strict=True)]
-            grads = jax.tree.unflatten(jax.tree.structure(grads), flat)
-        return loss, aux, state, grads, norm
+        return loss, aux, state, _sliced(grads, placement) if plan.shards_optimizer else grads, norm
 
     if n == 1 and not placement.has_data_axis:
         raise PlanError("deterministic mode needs a data axis in the mesh (data=1 on one device)")
@@ -204,8 +213,14 @@ def deterministic_gradients(
         P(),
     )
     grad_specs = placement.tree(lambda leaf: leaf.manual_spec(data=plan.shards_optimizer))
-    return jax.shard_map(run, mesh=placement.mesh, in_specs=in_specs, out_specs=(P(), P(), P(), grad_specs, P()),
-                         axis_names={DATA}, check_vma=False)  # fmt: skip
+    return jax.shard_map(
+        run,
+        mesh=placement.mesh,
+        in_specs=in_specs,
+        out_specs=(P(), P(), P(), grad_specs, P()),
+        axis_names={DATA},
+        check_vma=False,
+    )
 
 
 def expected(
@@ -224,8 +239,9 @@ def expected(
     if placement.plan.shards_optimizer:
         traffic += (n - 1) / n * param_bytes
         what += ", and the parameters' " + ("shards" if placement.plan.shards_params else "updated shards")
-    return [Expected(op="all-gather", axes=DATA, count=1, size_bytes=n * summed, traffic_bytes=traffic,
-                     what=what)]  # fmt: skip
+    return [
+        Expected(op="all-gather", axes=DATA, count=1, size_bytes=n * summed, traffic_bytes=traffic, what=what)
+    ]
 
 
 def price(placement: Placement, grad_bytes: int, param_bytes: int) -> dict[str, float]:

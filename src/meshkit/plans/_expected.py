@@ -86,16 +86,29 @@ def expected_collectives(
     def add(op, axes, count, size, n_group, what):
         if count and size:
             out.append(
-                Expected(op=op, axes=axes, count=count, size_bytes=count * size,
-                         traffic_bytes=count * ring_traffic(op, size, n_group), what=what)
-            )  # fmt: skip
+                Expected(
+                    op=op,
+                    axes=axes,
+                    count=count,
+                    size_bytes=count * size,
+                    traffic_bytes=count * ring_traffic(op, size, n_group),
+                    what=what,
+                )
+            )
 
     trainable = None if per_layer is None else per_layer.trainable
     _sum_rows(add, placement if trainable is None else trainable.placement(placement))  # frozen: no gradient
-    inputs = axes.LedgerInputs(placement=placement, accumulate=accumulate, tokens_per_device=tokens_per_device,
-                               activation_bytes=activation_bytes, batch_fed=batch_fed,
-                               gather_itemsize=gather_itemsize, per_layer=per_layer, form=form,
-                               segment_bytes=segment_bytes)  # fmt: skip
+    inputs = axes.LedgerInputs(
+        placement=placement,
+        accumulate=accumulate,
+        tokens_per_device=tokens_per_device,
+        activation_bytes=activation_bytes,
+        batch_fed=batch_fed,
+        gather_itemsize=gather_itemsize,
+        per_layer=per_layer,
+        form=form,
+        segment_bytes=segment_bytes,
+    )
     for axis in axes.active(placement.plan):
         axis.ledger(add, inputs)
     return _merge(out)
@@ -124,9 +137,14 @@ def _merge(items: Iterable[Expected]) -> list[Expected]:
         key = (e.op, e.axes)
         if key in merged:
             o = merged[key]
-            e = Expected(op=e.op, axes=e.axes, count=o.count + e.count,
-                         size_bytes=o.size_bytes + e.size_bytes,
-                         traffic_bytes=o.traffic_bytes + e.traffic_bytes, what=f"{o.what}; {e.what}")  # fmt: skip
+            e = Expected(
+                op=e.op,
+                axes=e.axes,
+                count=o.count + e.count,
+                size_bytes=o.size_bytes + e.size_bytes,
+                traffic_bytes=o.traffic_bytes + e.traffic_bytes,
+                what=f"{o.what}; {e.what}",
+            )
         merged[key] = e
     return list(merged.values())
 
@@ -172,9 +190,15 @@ def compare_communication(ledger: CommLedger, expected: list[Expected]) -> list[
         runs, traffic = measured.get(key, (0, 0.0))
         e = model.get(key)
         rows.append(
-            CommRow(op=key[0], axes=key[1], measured_runs=runs, measured_traffic_bytes=traffic,
-                    model_runs=e.count if e else 0, model_traffic_bytes=e.traffic_bytes if e else 0.0)
-        )  # fmt: skip
+            CommRow(
+                op=key[0],
+                axes=key[1],
+                measured_runs=runs,
+                measured_traffic_bytes=traffic,
+                model_runs=e.count if e else 0,
+                model_traffic_bytes=e.traffic_bytes if e else 0.0,
+            )
+        )
     return rows
 
 

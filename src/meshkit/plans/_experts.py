@@ -229,8 +229,9 @@ def expert_bias(b_nf: jax.Array) -> jax.Array:
     return b_nf[:, None] if groups is None else b_nf[groups.expert_of_row]
 
 
-def _dropless(expert_fn: ExpertFn, experts: Any, router_de: jax.Array, x_btd: jax.Array, *, k: int,
-              renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+def _dropless(
+    expert_fn: ExpertFn, experts: Any, router_de: jax.Array, x_btd: jax.Array, *, k: int, renormalize: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dropless MoE (MegaBlocks'): each token's ``k`` slots sorted by expert and multiplied in one
     grouped matmul per weight (``expert_dot``), no capacity and no slot dropped; the outputs back in
     token order, weighted by their gates. Under an expert split every device gathers the expert group's

@@ -26,7 +26,8 @@ from typing import Any
 import jax
 import optax
 
-from meshkit.plans.placement import LeafPlacement, Placement, _path_str
+from meshkit.plans._leaf_paths import path_str
+from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import PlanError
 
 
@@ -42,7 +43,7 @@ class Trainable:
         path (``"blocks/0/attn/wq"``); None where every leaf trains."""
         if trainable is None:
             return None
-        paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         if callable(trainable):
             mask = tuple(bool(trainable(p)) for p in paths)
         else:

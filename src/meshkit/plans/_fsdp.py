@@ -110,10 +110,14 @@ def _own_output_gather(
 ) -> list[jax.Array]:
     """One all-gather per leaf, its output the gathered leaf itself (a leaf also split on ``model``
     goes through ``_buckets``, manual over ``model``: the policy then sees that region's output)."""
-    return [x if leaf.data_dim is None
-            else buckets.all_gather([x], [leaf], n)[0] if leaf.model_sharded
-            else lax.all_gather(x, DATA, axis=leaf.data_dim, tiled=True)
-            for x, leaf in zip(shards, leaves, strict=True)]  # fmt: skip
+    return [
+        x
+        if leaf.data_dim is None
+        else buckets.all_gather([x], [leaf], n)[0]
+        if leaf.model_sharded
+        else lax.all_gather(x, DATA, axis=leaf.data_dim, tiled=True)
+        for x, leaf in zip(shards, leaves, strict=True)
+    ]
 
 
 def _per_leaf_gather(shards: Sequence[jax.Array], leaves: Sequence[LeafPlacement], n: int) -> list[jax.Array]:

@@ -146,8 +146,14 @@ def _hooked(jaxpr: Any, pvars: list, hook: _Hooks) -> Found:
         reads |= {
             i for v, i in zip(inner.invars, idx, strict=False) if i is not None and _value_read(inner, v)
         }
-    return Found(mode="hook", layer_leaves=kept, layers=hook.calls, note=note, groups=groups,
-                 backward_reads=tuple(sorted(reads & set(kept))))  # fmt: skip
+    return Found(
+        mode="hook",
+        layer_leaves=kept,
+        layers=hook.calls,
+        note=note,
+        groups=groups,
+        backward_reads=tuple(sorted(reads & set(kept))),
+    )
 
 
 def _scanned(jaxpr: Any, pvars: list, placement: Placement) -> Found | None:

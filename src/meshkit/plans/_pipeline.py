@@ -141,8 +141,15 @@ class Pipeline:
     """Whether the step takes the gradients' norm (deterministic mode gathers its blocks' squares)."""
 
     @classmethod
-    def make(cls, loss_fn: Any, params: Any, placement: Placement, spec: ParallelSpec,
-             extras: dict[str, bool], norm: bool = False) -> Pipeline:  # fmt: skip
+    def make(
+        cls,
+        loss_fn: Any,
+        params: Any,
+        placement: Placement,
+        spec: ParallelSpec,
+        extras: dict[str, bool],
+        norm: bool = False,
+    ) -> Pipeline:
         """Check a pipeline plan's model and sizes (naming the fix) and build its schedule and placement.
 
         ``extras``: Trainer options the pipeline does not take yet (name -> whether given); ``norm``:
@@ -167,8 +174,15 @@ class Pipeline:
         sched = _schedule.build(name, p, m, v)
         if spec.deterministic is not None:
             _check_backward_order(sched)
-        return cls(stages=loss_fn, schedule=sched, placement=stage_placement(placement, loss_fn),
-                   layers=loss_fn.layers(params), remat=spec.remat, shards=spec.deterministic, norm=norm)  # fmt: skip
+        return cls(
+            stages=loss_fn,
+            schedule=sched,
+            placement=stage_placement(placement, loss_fn),
+            layers=loss_fn.layers(params),
+            remat=spec.remat,
+            shards=spec.deterministic,
+            norm=norm,
+        )
 
     @property
     def microbatches(self) -> int:
@@ -227,90 +241,120 @@ class Pipeline:
         return saved(remat) + (saved("dots") / k if remat == "layer" else 0.0)
 
     def expected(self, params: Any, batch: Any, trainable: Any = None) -> list:
-        """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows).
+        """The pipeline's own collectives per step (beside ``expected_collectives``' data-axis rows):
+        over ``stage`` (``_stage_rows``) and over ``model`` (tp+pp, ``_model_rows``). ``trainable``:
+        a ``_frozen.Trainable``, or None where every leaf trains.
 
-        Over ``stage``: two permutes of one activation per tick, the all-reduce of the top gradients,
-        the all-gather of the executed record (and, interleaved, the chunks' relayout). Over
-        ``model`` (tp+pp): per layer of a chunk, every row-parallel matrix all-reduces its output in
-        the forward branch and again in the backward branch's recomputation, every column-parallel
-        one its input gradient in the backward branch. ``trainable`` (``_frozen.Trainable``): the top
-        gradients summed are the trainable leaves' (a frozen leaf's gradient is dropped, and XLA drops
-        its sum). These collectives sit in the branches of the
-        tick's ``switch``, and the ledger counts a branch's collectives once per tick (as it counts
-        any conditional's: at most that many), so the model counts them per tick too; a device
-        runs them on its own F or B ticks only, m of the ticks each. Under ``layer`` remat the
-        backward redoes every row-parallel output all-reduce but a block's last. One stage runs
-        without ticks: one forward and one backward per micro-batch.
+        These collectives sit in the branches of the tick's ``switch``, and the ledger counts a branch's
+        collectives once per tick (as it counts any conditional's: at most that many), so the model
+        counts them per tick too; a device runs them on its own F or B ticks only, m of the ticks each.
+        One stage runs without ticks: one forward and one backward per micro-batch.
         """
         from meshkit.analysis.cost import ring_traffic
         from meshkit.plans._expected import Expected, _merge
 
-        s, p, placement = self.schedule, self.schedule.p, self.placement
-        act = self.activation(params, batch, placement.data_size)
+        act = self.activation(params, batch, self.placement.data_size)
         item = act.dtype.itemsize  # XLA's CPU compiler moves sub-32-bit float collectives as f32
-        item = max(item, 4) if placement.mesh.devices.flat[0].platform == "cpu" else item
-        act_bytes = int(np.prod(act.shape)) * item
-        blocks = [x for x in placement.flat() if self._is_block(x)]
-        rows = []
-        if p > 1:
-            mask = (True,) * len(placement.flat()) if trainable is None else trainable.mask
-            top = sum(x.nbytes for x, m in zip(placement.flat(), mask, strict=True) if m and x not in blocks)
-            chunk = sum(x.nbytes // placement.split(x) for x in blocks) // s.v
-            rows += [(STAGE, "collective-permute", 2 * s.ticks, act_bytes, 2, "an activation forward, a cotangent back, per tick"),
-                     (STAGE, "collective-permute", 2 * relayout_count(p, s.v), chunk, 2, "interleaved: chunks to their devices and back"),
-                     (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)")]  # fmt: skip
-            if self.shards is None:  # (n 0 where every top leaf is frozen: nothing summed)
-                rows.append((STAGE, "all-reduce", int(top > 0), top, p, "embedding and head gradients, summed over the stages"))  # fmt: skip
-            else:  # deterministic: gathered and added in stage order, with the loss (and the blocks' squares)
-                rows.append(
-                    (
-                        STAGE,
-                        "all-gather",
-                        1,
-                        p * (top + 4),
-                        p,
-                        "deterministic: embedding and head gradients and the loss of every stage",
-                    )
+        item = max(item, 4) if self.placement.mesh.devices.flat[0].platform == "cpu" else item
+        rows = self._stage_rows(int(np.prod(act.shape)) * item, trainable) + self._model_rows(
+            act, item, trainable
+        )
+        return _merge(
+            [
+                Expected(
+                    op=op,
+                    axes=axis,
+                    count=n,
+                    size_bytes=n * size,
+                    traffic_bytes=n * ring_traffic(op, size, g),
+                    what=what,
                 )
-                if self.norm:
-                    rows.append((STAGE, "all-gather", 1, p * 4 * len(blocks), p, "deterministic: each block leaf's sum of squares"))  # fmt: skip
-        if placement.model_size > 1:
-            tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
-            row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]
-            redone = row_parallel[:-1] if self.remat == "layer" else []  # see ``_fsdp.tp_matrices``
-            # one stage runs each micro-batch's forward and backward once, without the tick loop
-            single = p == 1 and s.v == 1
-            runs, forwards = (s.m, 1) if single else (s.ticks, 2)
-            for x in blocks:
-                spec = x.model_spec
-                if ADAPTER_RANK in x.names:  # an adapter multiplies its partner, not the tokens
-                    continue
-                if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
-                    times = (forwards + (x in redone)) * runs * k
-                    rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, placement.model_size,
-                                 f"{x.path}: outputs"))  # fmt: skip
-                elif (
-                    len(x.shape) == 3 and spec[2] == MODEL
-                ):  # column-parallel: input-gradient partial sums, B
-                    rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, placement.model_size, f"{x.path}: input gradients"))  # fmt: skip
-            for x, layers in adapter_sums(
-                placement, trainable
-            ):  # per layer of a chunk, in the backward branch
-                rows.append((MODEL, "all-reduce", runs * k, x.nbytes // layers, placement.model_size, f"{x.path}: gradient sums"))  # fmt: skip
-        return _merge([Expected(op=op, axes=axis, count=n, size_bytes=n * size, traffic_bytes=n * ring_traffic(op, size, g),
-                                what=what) for axis, op, n, size, g, what in rows if n])  # fmt: skip
+                for axis, op, n, size, g, what in rows
+                if n
+            ]
+        )
+
+    def _stage_rows(self, act_bytes: int, trainable: Any) -> list[tuple]:
+        """The rows ``(axis, op, count, bytes, group, what)`` over ``stage``: two permutes of one
+        activation per tick, the all-reduce of the top gradients (the trainable leaves': a frozen leaf's
+        gradient is dropped, and XLA drops its sum), the all-gather of the executed record (and,
+        interleaved, the chunks' relayout). Deterministic mode gathers the top gradients with the loss
+        (and, taking the norm, the blocks' squares) to add them in stage order."""
+        s, p, placement = self.schedule, self.schedule.p, self.placement
+        if p == 1:
+            return []
+        blocks = [x for x in placement.flat() if self._is_block(x)]
+        mask = (True,) * len(placement.flat()) if trainable is None else trainable.mask
+        top = sum(x.nbytes for x, m in zip(placement.flat(), mask, strict=True) if m and x not in blocks)
+        chunk = sum(x.nbytes // placement.split(x) for x in blocks) // s.v
+        per_tick = "an activation forward, a cotangent back, per tick"
+        relayout = "interleaved: chunks to their devices and back"
+        rows = [
+            (STAGE, "collective-permute", 2 * s.ticks, act_bytes, 2, per_tick),
+            (STAGE, "collective-permute", 2 * relayout_count(p, s.v), chunk, 2, relayout),
+            (STAGE, "all-gather", 1, s.ticks * p * 3 * 4, p, "the executed schedule record (int32)"),
+        ]
+        if self.shards is None:  # (n 0 where every top leaf is frozen: nothing summed)
+            what = "embedding and head gradients, summed over the stages"
+            return [*rows, (STAGE, "all-reduce", int(top > 0), top, p, what)]
+        what = "deterministic: embedding and head gradients and the loss of every stage"
+        rows.append((STAGE, "all-gather", 1, p * (top + 4), p, what))
+        if self.norm:
+            what = "deterministic: each block leaf's sum of squares"
+            rows.append((STAGE, "all-gather", 1, p * 4 * len(blocks), p, what))
+        return rows
+
+    def _model_rows(self, act: jax.ShapeDtypeStruct, item: int, trainable: Any) -> list[tuple]:
+        """The rows over ``model`` (tp+pp), per layer of a chunk: every row-parallel matrix all-reduces
+        its output in the forward branch and again in the backward branch's recomputation (under
+        ``layer`` remat the backward redoes every row-parallel output all-reduce but a block's last),
+        every column-parallel one its input gradient in the backward branch, and every adapter of a
+        frozen base its gradient sums (``axes.model.adapter_sums``)."""
+        s, p, placement = self.schedule, self.schedule.p, self.placement
+        m = placement.model_size
+        if m == 1:
+            return []
+        blocks = [x for x in placement.flat() if self._is_block(x)]
+        tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
+        row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]
+        redone = row_parallel[:-1] if self.remat == "layer" else []  # see ``_fsdp.tp_matrices``
+        # one stage runs each micro-batch's forward and backward once, without the tick loop
+        runs, forwards = (s.m, 1) if p == 1 and s.v == 1 else (s.ticks, 2)
+        rows = []
+        for x in blocks:
+            if ADAPTER_RANK in x.names:  # an adapter multiplies its partner, not the tokens
+                continue
+            if x in row_parallel:  # row-parallel: output partial sums, F and B (and B's remat)
+                times = (forwards + (x in redone)) * runs * k
+                rows.append((MODEL, "all-reduce", times, tokens * x.shape[2] * item, m, f"{x.path}: outputs"))
+            elif len(x.shape) == 3 and x.model_spec[2] == MODEL:  # column-parallel: input-gradient sums, B
+                what = f"{x.path}: input gradients"
+                rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, m, what))
+        for x, layers in adapter_sums(placement, trainable):  # per layer of a chunk, in the backward branch
+            rows.append((MODEL, "all-reduce", runs * k, x.nbytes // layers, m, f"{x.path}: gradient sums"))
+        return rows
 
     def report(self, record: Any, params: Any, batch: Any, temp_bytes: float) -> PipelineReport:
         s = self.schedule
         act = self.activation(params, batch, int(self.placement.mesh.shape.get(DATA, 1)))
         act_bytes = int(np.prod(act.shape)) * act.dtype.itemsize
         return PipelineReport(
-            schedule=s.name, stages=s.p, microbatches=s.m, virtual_stages=s.v, ticks=s.ticks,
+            schedule=s.name,
+            stages=s.p,
+            microbatches=s.m,
+            virtual_stages=s.v,
+            ticks=s.ticks,
             bubble_model=_schedule.bubble_model(s.p, s.m, s.v),
             bubble_measured=None if record is None else _schedule.bubble_of(np.asarray(record)),
-            executed_as_planned=None if record is None else bool(np.array_equal(np.asarray(record), s.table())),
-            stash_slots=s.x_slots, cotangent_slots=s.g_slots, activation_bytes=act_bytes,
-            activation_model_bytes=float((s.x_slots + s.g_slots + 2) * act_bytes), temp_bytes=float(temp_bytes),
-            remat=self.remat, working_model_bytes=self.working_bytes(params, batch),
+            executed_as_planned=None
+            if record is None
+            else bool(np.array_equal(np.asarray(record), s.table())),
+            stash_slots=s.x_slots,
+            cotangent_slots=s.g_slots,
+            activation_bytes=act_bytes,
+            activation_model_bytes=float((s.x_slots + s.g_slots + 2) * act_bytes),
+            temp_bytes=float(temp_bytes),
+            remat=self.remat,
+            working_model_bytes=self.working_bytes(params, batch),
             record=None if record is None else np.asarray(record),
-        )  # fmt: skip
+        )

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit.plans import _buckets as buckets
 from meshkit.plans import _schedule
 from meshkit.plans._deterministic import TreeAdder, slice_shard, tree_sum
+from meshkit.plans._gradients import _finish, _gather
 from meshkit.plans._pipeline_ticks import _Ticks
 from meshkit.plans._remat import remat_policy
 from meshkit.plans._stages import Stages, relayout, split_loss, stages_join, whole_loss
@@ -28,14 +29,17 @@ def _micro(batch: Any, m: int) -> Any:
 
 
 def local_pipeline(
-    stages: Stages, sched: _schedule.Schedule, placement: Placement, remat: str = "none",
+    stages: Stages,
+    sched: _schedule.Schedule,
+    placement: Placement,
+    remat: str = "none",
     shards: int | None = None,
-) -> Callable:  # fmt: skip
+) -> Callable:
     """Per-device ``(params, batch) -> (loss, record, grads, norm)`` inside the manual region.
 
     Over ``data``: gradients all-reduced (dp+pp), or under fsdp+pp (ZeRO-3) the parameter shards
     all-gathered once before the schedule and the gradients reduce-scattered once after it (both
-    bucketed, ``_step``'s helpers): the stage's full parameters live through the step.
+    bucketed, ``_gradients``' helpers): the stage's full parameters live through the step.
 
     Deterministic mode (``shards``: the step's micro-shards, m per data replica): every micro-batch's
     loss and gradients are added in ``tree_sum``'s binary tree (``TreeAdder`` over a device's micro-batches
@@ -51,8 +55,9 @@ class _Region:
     """What :func:`local_pipeline` returns, with the sums its two forms share: ``run`` (the schedule's
     ticks over two or more virtual stages) and ``single_stage`` (p = v = 1)."""
 
-    def __init__(self, stages: Stages, sched: _schedule.Schedule, placement: Placement, policy: Any,
-                 shards: int | None) -> None:  # fmt: skip
+    def __init__(
+        self, stages: Stages, sched: _schedule.Schedule, placement: Placement, policy: Any, shards: int | None
+    ) -> None:
         self.stages, self.sched, self.placement, self.policy, self.shards = (
             stages,
             sched,
@@ -86,8 +91,6 @@ class _Region:
         return loss, jax.tree.unflatten(jax.tree.structure(grads), flat), norm
 
     def over_data(self, loss, grads):
-        from meshkit.plans._step import _finish
-
         data_size = self.data_size
         if self.zero3:
             grads = _finish(grads, self.placement, scatter_now=True, scale=1.0 / data_size)
@@ -102,8 +105,6 @@ class _Region:
     def gathered(self, params, batch):
         """ZeRO-3's stage parameters, gathered; deterministic mode keeps the gather (and the batch's
         split) from being fused into the micro-batches' gradients, whose bits would then follow the mesh."""
-        from meshkit.plans._step import _gather
-
         if self.zero3:
             params = _gather(params, self.placement)
         return (params, batch) if self.shards is None else lax.optimization_barrier((params, batch))
@@ -159,8 +160,9 @@ class _Region:
         the tree."""
         stages, m, policy = self.stages, self.m, self.policy
         top, blocks = stages.split(params)
-        grad = jax.value_and_grad(lambda te, th, bl, mb: split_loss(stages, te, th, bl, mb, policy),
-                                  argnums=(0, 1, 2))  # fmt: skip
+        grad = jax.value_and_grad(
+            lambda te, th, bl, mb: split_loss(stages, te, th, bl, mb, policy), argnums=(0, 1, 2)
+        )
         adder = TreeAdder(m)
 
         def add(sums, j):
@@ -179,9 +181,12 @@ class _Region:
 
 
 def pipeline_gradients(
-    stages: Stages, placement: Placement, sched: _schedule.Schedule, remat: str = "none",
+    stages: Stages,
+    placement: Placement,
+    sched: _schedule.Schedule,
+    remat: str = "none",
     shards: int | None = None,
-) -> Callable:  # fmt: skip
+) -> Callable:
     """Global-view ``(params, state, batch, key) -> (loss, {"schedule": record}, state, grads)``:
     the gradient function ``build_step`` takes for a pipeline plan (state and key pass through).
     Deterministic mode (``shards``): the function's ``norm()`` is the last call's gradient norm, taken

@@ -36,8 +36,11 @@ class PipelineReport:
 
     @property
     def ok(self) -> bool:
-        return self.bubble_measured is not None and abs(self.bubble_measured - self.bubble_model) < 1e-12 \
-            and bool(self.executed_as_planned)  # fmt: skip
+        return (
+            self.bubble_measured is not None
+            and abs(self.bubble_measured - self.bubble_model) < 1e-12
+            and bool(self.executed_as_planned)
+        )
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "record"}
@@ -48,8 +51,11 @@ class PipelineReport:
 
         from meshkit.fmt import fmt_bytes
 
-        t = Table(title=f"pipeline: {self.schedule}, stage={self.stages}, microbatches={self.microbatches}, "
-                        f"virtual stages={self.virtual_stages}, {self.ticks} ticks", title_justify="left")  # fmt: skip
+        t = Table(
+            title=f"pipeline: {self.schedule}, stage={self.stages}, microbatches={self.microbatches}, "
+            f"virtual stages={self.virtual_stages}, {self.ticks} ticks",
+            title_justify="left",
+        )
         for c in ("quantity", "measured", "model", ""):
             t.add_column(c, justify="left" if c == "quantity" else "right")
         measured = "-" if self.bubble_measured is None else f"{self.bubble_measured:.4f}"
@@ -57,8 +63,12 @@ class PipelineReport:
             "bubble (idle ticks / ticks)", measured, f"{self.bubble_model:.4f}", "ok" if self.ok else "FAIL"
         )
         t.add_row("executed record = schedule table", str(self.executed_as_planned), "True", "")
-        t.add_row(f"activations in flight ({self.stash_slots} stash + {self.cotangent_slots} cotangent slots)",
-                  fmt_bytes(self.temp_bytes) + " temps", fmt_bytes(self.activation_model_bytes), "")  # fmt: skip
+        t.add_row(
+            f"activations in flight ({self.stash_slots} stash + {self.cotangent_slots} cotangent slots)",
+            fmt_bytes(self.temp_bytes) + " temps",
+            fmt_bytes(self.activation_model_bytes),
+            "",
+        )
         t.add_row(
             f"backward tick's residuals (remat {self.remat})", "", fmt_bytes(self.working_model_bytes), ""
         )

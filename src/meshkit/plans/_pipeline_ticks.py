@@ -32,8 +32,17 @@ class _Ticks:
     and running it under ``lax.switch``, then the two permutes; its carry the activation and
     cotangent buffers with their tags, the gradient accumulators and the loss."""
 
-    def __init__(self, stages: Stages, sched: _schedule.Schedule, policy: Any, top: Any, blocks: Any, micro: Any,
-                 d: Any, tree: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stages: Stages,
+        sched: _schedule.Schedule,
+        policy: Any,
+        top: Any,
+        blocks: Any,
+        micro: Any,
+        d: Any,
+        tree: bool = False,
+    ) -> None:
         self.stages, self.sched, self.policy = stages, sched, policy
         self.top, self.blocks, self.micro, self.d = top, blocks, micro, d
         self.p, self.v, self.S = sched.p, sched.v, sched.stages
@@ -54,8 +63,13 @@ class _Ticks:
         buf = lambda n: jnp.zeros((n + 1, *self.x_like.shape), self.x_like.dtype)  # noqa: E731
         sums = (self.blocks, self.top, jnp.zeros((), self.loss_dtype))
         sums = jax.tree.map(jnp.zeros_like, sums) if self.tree is None else self.tree.zeros(sums)
-        carry = (buf(s.x_slots), jnp.zeros((s.x_slots + 1,), jnp.int32), buf(s.g_slots),
-                 jnp.zeros((s.g_slots + 1,), jnp.int32), sums)  # fmt: skip
+        carry = (
+            buf(s.x_slots),
+            jnp.zeros((s.x_slots + 1,), jnp.int32),
+            buf(s.g_slots),
+            jnp.zeros((s.g_slots + 1,), jnp.int32),
+            sums,
+        )
         carry, record = lax.scan(self.tick, carry, jnp.asarray(table, jnp.int32))
         sums = carry[4] if self.tree is None else self.tree.total(carry[4])
         return (*sums, record)
@@ -83,8 +97,14 @@ class _Ticks:
 
     def idle(self, ops):
         zeros_c = jax.tree.map(jnp.zeros_like, self.chunk(self.blocks, 0))
-        return self.zeros_x, self.zeros_x, zeros_c, jax.tree.map(jnp.zeros_like, self.top), \
-            jnp.zeros((), self.loss_dtype), jnp.zeros((3,), jnp.int32)  # fmt: skip
+        return (
+            self.zeros_x,
+            self.zeros_x,
+            zeros_c,
+            jax.tree.map(jnp.zeros_like, self.top),
+            jnp.zeros((), self.loss_dtype),
+            jnp.zeros((3,), jnp.int32),
+        )
 
     def fwd(self, ops):
         c, s, j, xbuf, xtag, xr = ops[:6]
@@ -129,16 +149,19 @@ class _Ticks:
         chunk = self.tree.add(tuple(jax.tree.map(at, level[0]) for level in sums), j, dc, bwd)
         top = self.tree.add(tuple(level[1] for level in sums), j, dt, bwd & ((s == 0) | last))
         losses = self.tree.add(tuple(level[2] for level in sums), j, loss, bwd & last)
-        return tuple((jax.tree.map(put, level[0], new), t, lo)
-                     for level, new, t, lo in zip(sums, chunk, top, losses, strict=True))  # fmt: skip
+        return tuple(
+            (jax.tree.map(put, level[0], new), t, lo)
+            for level, new, t, lo in zip(sums, chunk, top, losses, strict=True)
+        )
 
     def tick(self, carry, row):
         xbuf, xtag, gbuf, gtag, sums = carry
         p, S, d = self.p, self.S, self.d
         kind, c, j, xr, gr, xw, gw = (row[d, i] for i in range(7))
         s = c * p + d
-        send_x, send_g, dc, dt, loss, rec = lax.switch(kind, [self.idle, self.fwd, self.bwd],
-                                                       (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr))  # fmt: skip
+        send_x, send_g, dc, dt, loss, rec = lax.switch(
+            kind, [self.idle, self.fwd, self.bwd], (c, s, j, xbuf, xtag, xr, gbuf, gtag, gr)
+        )
         sums = self.accumulate(sums, kind, c, s, j, dc, dt, loss)
         if p > 1 or self.v > 1:
             tag_x = j * S + s + 1  # what the receiver consumes: micro-batch j at virtual stage s + 1

@@ -247,8 +247,21 @@ def _with_slots(name, p, m, v, kind, chunk, mb, done) -> Schedule:
         w, r = g_live[(d, s, j)]
         g_write[w, d] = slot
         g_read[r, d] = slot
-    return Schedule(name=name, p=p, m=m, v=v, kind=kind, chunk=chunk, mb=mb, x_read=x_read, g_read=g_read,
-                    x_write=x_write, g_write=g_write, x_slots=nx, g_slots=ng)  # fmt: skip
+    return Schedule(
+        name=name,
+        p=p,
+        m=m,
+        v=v,
+        kind=kind,
+        chunk=chunk,
+        mb=mb,
+        x_read=x_read,
+        g_read=g_read,
+        x_write=x_write,
+        g_write=g_write,
+        x_slots=nx,
+        g_slots=ng,
+    )
 
 
 def plot(record: np.ndarray, path: Any, *, title: str = "", v: int = 1) -> Path:
@@ -278,8 +291,15 @@ def plot(record: np.ndarray, path: Any, *, title: str = "", v: int = 1) -> Path:
     ax.xaxis.get_major_locator().set_params(integer=True)
     idle = bubble_of(record)
     ax.set_title(f"{title}  bubble (idle ticks / ticks) = {idle:.3f}".strip())
-    ax.legend(handles=[Patch(color=colors[k], label=n) for k, n in ((FWD, "forward"), (BWD, "backward"), (IDLE, "idle"))],
-              loc="lower center", bbox_to_anchor=(0.5, 1.08), ncol=3, frameon=False)  # fmt: skip
+    ax.legend(
+        handles=[
+            Patch(color=colors[k], label=n) for k, n in ((FWD, "forward"), (BWD, "backward"), (IDLE, "idle"))
+        ],
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.08),
+        ncol=3,
+        frameon=False,
+    )
     fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp.png")

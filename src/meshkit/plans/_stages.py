@@ -121,8 +121,15 @@ def stage_placement(placement: Placement, stages: Stages) -> Placement:
                 if dims
                 else (None, f"no dim of {leaf.shape} but the layer dim divides over data={n}")
             )
-        return LeafPlacement(path=leaf.path, shape=leaf.shape, nbytes=leaf.nbytes, model_spec=spec,
-                          data_dim=dim, why_replicated=why, names=leaf.names)  # fmt: skip
+        return LeafPlacement(
+            path=leaf.path,
+            shape=leaf.shape,
+            nbytes=leaf.nbytes,
+            model_spec=spec,
+            data_dim=dim,
+            why_replicated=why,
+            names=leaf.names,
+        )
 
     return Placement(plan=placement.plan, mesh=placement.mesh, leaves=placement.tree(split))
 

@@ -32,7 +32,8 @@ from meshkit.plans._pipeline import Pipeline
 from meshkit.plans._stages import Stages
 from meshkit.plans._step import StepShardings, build_step, state_shardings
 from meshkit.plans.attention import Attention, in_force
-from meshkit.plans.placement import Placement, Rules, place
+from meshkit.plans.placement import Placement, place
+from meshkit.plans.tp_rules import Rules
 from meshkit.spec import DATA, ParallelSpec, PlanError
 
 
@@ -96,9 +97,13 @@ class Assembled:
             param_bytes, summed = self.pipeline.stage_bytes(), self.pipeline.summed_bytes()
         bytes_ = price(self.placement, summed, param_bytes)
         ratio = bytes_["deterministic"] / bytes_["normal"] if bytes_["normal"] else None
-        det = {"shards": shards, "shards_per_device": shards // self.placement.data_size,
-               "bytes_per_step": bytes_["deterministic"], "normal_bytes_per_step": bytes_["normal"],
-               "bytes_ratio": ratio}  # fmt: skip
+        det = {
+            "shards": shards,
+            "shards_per_device": shards // self.placement.data_size,
+            "bytes_per_step": bytes_["deterministic"],
+            "normal_bytes_per_step": bytes_["normal"],
+            "bytes_ratio": ratio,
+        }
         return expected(self.placement, param_bytes, summed=summed), det
 
     def abstract_args(self, params: Any, batch: Any, state: Any = None) -> tuple:
@@ -133,8 +138,13 @@ def attending(loss_fn: Any, record: Attention) -> Any:
         return inner
 
     if isinstance(loss_fn, Stages):
-        return dataclasses.replace(loss_fn, embed=wrap(loss_fn.embed), block=wrap(loss_fn.block),
-                                   head=wrap(loss_fn.head), loss=wrap(loss_fn.loss))  # fmt: skip
+        return dataclasses.replace(
+            loss_fn,
+            embed=wrap(loss_fn.embed),
+            block=wrap(loss_fn.block),
+            head=wrap(loss_fn.head),
+            loss=wrap(loss_fn.loss),
+        )
     return wrap(loss_fn)
 
 
@@ -142,6 +152,34 @@ def _state_layout(optimizer: optax.GradientTransformation, placement: Placement,
     """``state_shardings``' arguments: the optimizer state's own (``_frozen.optimizer_view``)."""
     optimizer, placement, params = optimizer_view(optimizer, placement, params)
     return optimizer, params, placement
+
+
+def _refuse(spec: ParallelSpec, clip_norm: float | None, stateful: bool) -> None:
+    """Options the step cannot take, refused before anything is built."""
+    if clip_norm is not None and clip_norm <= 0:
+        raise PlanError(f"clip_norm must be positive, got {clip_norm}")
+    if spec.deterministic is not None and stateful:
+        raise PlanError(
+            "deterministic mode covers losses without state: the state threads through the "
+            "micro-shards in an order the mesh sets; drop state= or deterministic"
+        )
+
+
+def _shardings(
+    mesh: Mesh, placement: Placement, optimizer: optax.GradientTransformation, params: Any, state: Any
+) -> StepShardings:
+    """The shardings pinned on the step's inputs and outputs: the parameters' and the optimizer state's
+    by the placement, the batch's rows over the batch axes, the rest replicated."""
+    replicated = NamedSharding(mesh, P())
+    return StepShardings(
+        params=jax.tree.map(
+            lambda s: NamedSharding(mesh, s), placement.param_specs(), is_leaf=lambda x: isinstance(x, P)
+        ),
+        opt_state=state_shardings(*_state_layout(optimizer, placement, params)),
+        batch=NamedSharding(mesh, placement.batch_spec()),
+        scalar=replicated,
+        state=jax.tree.map(lambda _: replicated, state),
+    )
 
 
 def _attach(tree: Any, shardings: Any) -> Any:
@@ -176,23 +214,18 @@ def assemble(
     or a predicate on a leaf's path ``"a/b/c"``) freezes the other leaves (``_frozen``): no gradient,
     no gradient collective, no optimizer state; ``Assembled.optimizer`` is then ``optimizer`` over the
     trainable leaves."""
-    if clip_norm is not None and clip_norm <= 0:
-        raise PlanError(f"clip_norm must be positive, got {clip_norm}")
+    _refuse(spec, clip_norm, stateful)
     plan = spec.plan_info
     record = Attention(requested=spec.attention)
     loss_fn = attending(loss_fn, record)  # every trace of the loss (step, peak model) attends as asked
-    if spec.deterministic is not None and stateful:
-        raise PlanError(
-            "deterministic mode covers losses without state: the state threads through the "
-            "micro-shards in an order the mesh sets; drop state= or deterministic"
-        )
     frozen = Trainable.of(trainable, params)
     optimizer = optimizer if frozen is None else frozen.optimizer(optimizer)
     if frozen is not None and spec.deterministic is not None:
         raise PlanError("deterministic mode trains every parameter: drop trainable= or deterministic")
     mesh = spec_mesh(spec, mesh, devices)
-    placement = place(params, plan, mesh, rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size,
-                      units=units)  # fmt: skip
+    placement = place(
+        params, plan, mesh, rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size, units=units
+    )
     pipeline = None
     if plan.pipeline:
         extras = {"state=": stateful, "rng=": rng, "has_aux=True": has_aux}
@@ -200,20 +233,34 @@ def assemble(
             loss_fn, params, placement, spec, extras, norm=grad_norm or clip_norm is not None
         )
         placement = pipeline.placement
-    replicated = NamedSharding(mesh, P())
-    shardings = StepShardings(
-        params=jax.tree.map(lambda s: NamedSharding(mesh, s), placement.param_specs(), is_leaf=lambda x: isinstance(x, P)),
-        opt_state=state_shardings(*_state_layout(optimizer, placement, params)),
-        batch=NamedSharding(mesh, placement.batch_spec()),
-        scalar=replicated,
-        state=jax.tree.map(lambda _: replicated, state),
-    )  # fmt: skip
+    shardings = _shardings(mesh, placement, optimizer, params, state)
     loss = step_loss(loss_fn, stateful=stateful, rng=rng, has_aux=has_aux)
     per_layer = PerLayer(placement=placement, remat=spec.remat, trainable=frozen)
     compute = None if spec.compute_dtype is None else jnp.dtype(spec.compute_dtype)
-    step = build_step(loss, optimizer, placement, shardings, accumulate=spec.accumulate, clip_norm=clip_norm,
-                      grad_norm=grad_norm, donate=donate, compute_dtype=compute, per_layer=per_layer,
-                      gradients=None if pipeline is None else pipeline.gradients(),
-                      context_attention=spec.context_attention, deterministic=spec.deterministic)  # fmt: skip
-    return Assembled(spec=spec, mesh=mesh, placement=placement, pipeline=pipeline, per_layer=per_layer,
-                     shardings=shardings, loss=loss, optimizer=optimizer, step=step, attention=record)  # fmt: skip
+    step = build_step(
+        loss,
+        optimizer,
+        placement,
+        shardings,
+        accumulate=spec.accumulate,
+        clip_norm=clip_norm,
+        grad_norm=grad_norm,
+        donate=donate,
+        compute_dtype=compute,
+        per_layer=per_layer,
+        gradients=None if pipeline is None else pipeline.gradients(),
+        context_attention=spec.context_attention,
+        deterministic=spec.deterministic,
+    )
+    return Assembled(
+        spec=spec,
+        mesh=mesh,
+        placement=placement,
+        pipeline=pipeline,
+        per_layer=per_layer,
+        shardings=shardings,
+        loss=loss,
+        optimizer=optimizer,
+        step=step,
+        attention=record,
+    )

@@ -209,8 +209,9 @@ def _fused(q, k, v, window, segment_ids, xla: bool) -> tuple[jax.Array | None, s
             return out, "splash"
     mask = None if segment_ids is None else same_segment(segment_ids)
     local = None if window is None else (window - 1, 0)
-    call = functools.partial(jax.nn.dot_product_attention, q, k, v, mask=mask, is_causal=True,
-                             local_window_size=local)  # fmt: skip
+    call = functools.partial(
+        jax.nn.dot_product_attention, q, k, v, mask=mask, is_causal=True, local_window_size=local
+    )
     if platform == "gpu":
         try:
             return call(implementation="cudnn"), "cudnn"
@@ -283,10 +284,19 @@ def _splash_kernel(heads: int, t: int, window: int | None, block: int, interpret
         if window is None
         else mod.LocalMask(shape, window_size=(window - 1, 0), offset=0)
     )
-    sizes = mod.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)  # fmt: skip
+    sizes = mod.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     extra = {"interpret": True} if interpret else {}
     # concrete mask arrays, not the tracers of the trace that asked first
     with jax.ensure_compile_time_eval():
-        return mod.make_splash_mha(mod.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
-                                   q_seq_shards=1, **extra)  # fmt: skip
+        return mod.make_splash_mha(
+            mod.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1, **extra
+        )

@@ -88,8 +88,9 @@ def abstract_step(
     ahead of time from parameter and batch shapes (ShapeDtypeStructs); ``loss_fn(params, batch)``
     returns the loss."""
     spec = ParallelSpec.of(spec, **options)
-    step = assemble(loss_fn, params, optimizer, spec, logical_axes=logical_axes, clip_norm=clip_norm,
-                    grad_norm=grad_norm)  # fmt: skip
+    step = assemble(
+        loss_fn, params, optimizer, spec, logical_axes=logical_axes, clip_norm=clip_norm, grad_norm=grad_norm
+    )
     return AbstractStep(
         compiled=step.lower(params, batch).compile(), assembled=step, params=params, batch=batch
     )
@@ -217,8 +218,10 @@ def _on_model_devices(
     """Tensor parallel: the loss on one data shard's devices (``sub``), each leaf split on the model
     axis as in the step (the partitioner then splits the activations of the heads and the MLP's
     hidden units; an expert leaf's experts stay whole), the rest replicated."""
-    specs = [NamedSharding(sub, P(*[a if a == MODEL else None for a in leaf.model_spec]))
-             for leaf in placement.flat()]  # fmt: skip
+    specs = [
+        NamedSharding(sub, P(*[a if a == MODEL else None for a in leaf.model_spec]))
+        for leaf in placement.flat()
+    ]
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h) for x, h in zip(leaves, specs, strict=True)]
     rep = NamedSharding(sub, P())
     extra = jax.tree.map(
@@ -227,8 +230,15 @@ def _on_model_devices(
     return leaves, extra
 
 
-def _on_split_devices(step: Callable, sub: jax.sharding.Mesh, placement: Placement, sizes: tuple[int, int],
-                      form: str, leaves: list, extra: Any) -> Any:  # fmt: skip
+def _on_split_devices(
+    step: Callable,
+    sub: jax.sharding.Mesh,
+    placement: Placement,
+    sizes: tuple[int, int],
+    form: str,
+    leaves: list,
+    extra: Any,
+) -> Any:
     """The loss traced on one group's devices of the context axis and, for a dropless mixture of experts,
     the expert axis (``sizes``: theirs), in a ``shard_map`` over them with their splits in force (each
     device's expert leaves its ``E / N`` experts).
@@ -295,11 +305,17 @@ def predict_peak(
     )
     activations = _activations(loss_fn, per, params, extra, step.spec.context_attention)
     for axis in axes.active(plan):  # what the one-device compile holds that the axis's split does not
-        activations -= axis.held_beyond_device(placement, [nbytes(x) for x in jax.tree.leaves(params)],
-                                               per, zero3=zero3)  # fmt: skip
+        activations -= axis.held_beyond_device(
+            placement, [nbytes(x) for x in jax.tree.leaves(params)], per, zero3=zero3
+        )
     if shards is not None:
-        backward = M.deterministic_phases(b.total, activations, shards_per_device=shards // placement.batch_devices,
-                                          devices=placement.batch_devices, zero3=zero3)  # fmt: skip
+        backward = M.deterministic_phases(
+            b.total,
+            activations,
+            shards_per_device=shards // placement.batch_devices,
+            devices=placement.batch_devices,
+            zero3=zero3,
+        )
         update = M.update_phase(
             b.total, M.at_rest(b.total, b.sharded, n, True), zero=3 if zero3 else rule.level, scan=False
         )
@@ -376,8 +392,13 @@ def _zero3_phases(step: Assembled, params: Any, b: _Sizes, own: float, *, scan: 
     trains = per.trainable.mask if per.trainable is not None else (True,) * len(b.sizes)
     layer_g = sum(b.sizes[i] for i in layer if trains[i])  # the layers' gradients: trainable leaves'
     per_layer_g = layer_g / found.layers if layer else 0.0
-    at_once = M.zero3_all_shards_alive(global_norm=per.global_norm, scan=scan, remat=per.remat,
-                                       microbatches=accumulate, hybrid=placement.replica_size > 1)  # fmt: skip
+    at_once = M.zero3_all_shards_alive(
+        global_norm=per.global_norm,
+        scan=scan,
+        remat=per.remat,
+        microbatches=accumulate,
+        hybrid=placement.replica_size > 1,
+    )
     gathered = 0.0
     for grads in (True, False):  # leaves outside layers, with their gradients and (frozen) without
         top = [(b.sizes[i], b.flat[i]) for i in range(len(b.sizes)) if i not in layer and trains[i] == grads]
@@ -385,13 +406,19 @@ def _zero3_phases(step: Assembled, params: Any, b: _Sizes, own: float, *, scan: 
             bucketed=sum(s for s, leaf in top if leaf.data_dim is not None and not leaf.model_sharded),
             alone=sum(s for s, leaf in top if leaf.data_dim is not None and leaf.model_sharded),
             whole=sum(s for s, leaf in top if leaf.data_dim is None),
-            gather_ratio=ratio, gradients=grads,
-        )  # fmt: skip
+            gather_ratio=ratio,
+            gradients=grads,
+        )
     backward = gathered + (layer_g if at_once else per_layer_g) / n + own
     backward += M.zero3_layers_held(ratio * layer_b, per_layer_b, n, scan=scan, remat=per.remat)
     g = b if per.trainable is None else _Sizes.of(*per.trainable.sizes(placement, params))
-    update = M.update_phase(g.total, M.at_rest(g.total, g.sharded, n, True), zero=3, scan=scan,
-                            partial=0.0 if at_once else (layer_g - per_layer_g) / n)  # fmt: skip
+    update = M.update_phase(
+        g.total,
+        M.at_rest(g.total, g.sharded, n, True),
+        zero=3,
+        scan=scan,
+        partial=0.0 if at_once else (layer_g - per_layer_g) / n,
+    )
     return backward, update
 
 
@@ -450,11 +477,15 @@ def peak_report(
     if not out["ok"]:
         why = []
         if ratio > 1.1:
-            why.append("the compiler keeps more alive at once than the model counts (buffers of several "
-                       "layers overlap, or gathered buckets are copied)")  # fmt: skip
+            why.append(
+                "the compiler keeps more alive at once than the model counts (buffers of several "
+                "layers overlap, or gathered buckets are copied)"
+            )
         else:
-            why.append("the compiler reuses buffers the model counts separately (gradients, activations and "
-                       "the update share memory over time)")  # fmt: skip
+            why.append(
+                "the compiler reuses buffers the model counts separately (gradients, activations and "
+                "the update share memory over time)"
+            )
         if per.gathers and found is not None and not found.per_layer:
             why.append(found.note)
         out["explanation"] = "; ".join(why)

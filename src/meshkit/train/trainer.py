@@ -23,7 +23,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from meshkit.plans.assemble import Assembled, assemble
-from meshkit.plans.placement import Placement, Rules
+from meshkit.plans.placement import Placement
+from meshkit.plans.tp_rules import Rules
 from meshkit.spec import AUTO, ParallelSpec, Plan, PlanError
 from meshkit.train._arguments import _check_key_argument, _mesh_text, _precision
 from meshkit.train._inputs import base_key, check_optimizer, check_params, check_state

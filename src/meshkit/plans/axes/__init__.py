@@ -2,7 +2,7 @@
 says (``_base.AxisPlan``: what is in force while the loss is traced, the batch's layout, the ledger's
 rows, the checks of a run).
 
-- ``data``: the ZeRO stage's collectives (the placement splits the leaves, ``_step`` runs them);
+- ``data``: the ZeRO stage's collectives (the placement splits the leaves, ``_gradients`` runs them);
 - ``model``: tensor parallelism's Megatron all-reduces (XLA partitions the matmuls);
 - ``context``: the sequence split and its attention (``_context``);
 - ``expert``: the expert split and its all_to_alls (``_experts``).

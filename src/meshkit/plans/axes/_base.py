@@ -67,7 +67,7 @@ class AxisPlan:
 
     @contextlib.contextmanager
     def tracing(self, placement: Placement, per: Any, form: str) -> Iterator[None]:
-        """What is in force while the step traces the loss (``_step``); checks after the trace."""
+        """What is in force while the step traces the loss (``_gradients``); checks after the trace."""
         yield
 
     def arrange(self, batch: Any, placement: Placement) -> Any:

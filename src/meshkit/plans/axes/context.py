@@ -50,21 +50,44 @@ class ContextAxis(AxisPlan):
         for layers, q_width, kv_width, *splits in _attention_widths(placement):
             if inputs.form == "ring":
                 count = inputs.accumulate * layers * 2 * (c - 1) * (forward + 1)
-                add("collective-permute", CONTEXT, count, local * kv_width, c,
-                    "K/V blocks round the ring (forward) and their gradients back (backward)")  # fmt: skip
+                add(
+                    "collective-permute",
+                    CONTEXT,
+                    count,
+                    local * kv_width,
+                    c,
+                    "K/V blocks round the ring (forward) and their gradients back (backward)",
+                )
             else:
                 kv = _exchanged_kv_width(placement, q_width, kv_width, c, tuple(splits))
-                add("all-to-all", CONTEXT, inputs.accumulate * layers * 4 * (forward + 1),
+                add(
+                    "all-to-all",
+                    CONTEXT,
+                    inputs.accumulate * layers * 4 * (forward + 1),
                     local * (q_width + kv) // 2,  # the mean of q, k, v and out
-                    c, "q, k, v to a head split and the output back; the same backward")  # fmt: skip
+                    c,
+                    "q, k, v to a head split and the output back; the same backward",
+                )
         if inputs.segment_bytes:  # packed documents: the keys' segment ids, once per micro-batch (forward)
             ids = inputs.tokens_per_device // c * inputs.segment_bytes
             if inputs.form == "ring":
-                add("collective-permute", CONTEXT, inputs.accumulate * (c - 1), ids, c,
-                    "segment ids round the ring, once for every layer")  # fmt: skip
+                add(
+                    "collective-permute",
+                    CONTEXT,
+                    inputs.accumulate * (c - 1),
+                    ids,
+                    c,
+                    "segment ids round the ring, once for every layer",
+                )
             else:
-                add("all-gather", CONTEXT, inputs.accumulate, c * ids, c,
-                    "segment ids of the whole sequences, once for every layer")  # fmt: skip
+                add(
+                    "all-gather",
+                    CONTEXT,
+                    inputs.accumulate,
+                    c * ids,
+                    c,
+                    "segment ids of the whole sequences, once for every layer",
+                )
 
     def check_run(self, size: int, *, seq_len: int, heads: int, experts: int, form: str) -> None:
         _context.check_context(seq_len, heads, size, form)

@@ -1,7 +1,7 @@
 """The data axis: the batch's rows split over it, and the ZeRO stage's collectives on it.
 
 The ZeRO rule (what each stage shards and moves) is ``plans.memory.zero_stage``'s; where each leaf is
-split is the placement's (``placement._data_dim``); the step writes the collectives out (``_step``,
+split is the placement's (``_zero_split.data_dim``); the step writes the collectives out (``_gradients``,
 per layer ``_fsdp``). Here: those collectives in the ledger's model, one row per kind, the per-layer
 gathers of ZeRO-3 counted as the loss's layers run them (``_fsdp.gather_rows``). The sum over data of
 the leaves a stage keeps whole is every axis's (``_expected._sum_rows``).
@@ -46,8 +46,11 @@ class DataAxis(AxisPlan):
             return model_bytes(x, placement) * (width or itemsize(x)) // itemsize(x)
 
         trainable = None if inputs.per_layer is None else inputs.per_layer.trainable
-        trained = [x for x in (placement if trainable is None else trainable.placement(placement)).flat()
-                   if x.data_dim is not None]  # the leaves with gradients (frozen ones have none)  # fmt: skip
+        trained = [  # the leaves with gradients (frozen ones have none)
+            x
+            for x in (placement if trainable is None else trainable.placement(placement)).flat()
+            if x.data_dim is not None
+        ]
         sharded = sum(model_bytes(x, placement) for x in sharded_leaves)
         grads = sum(model_bytes(x, placement) for x in trained)
         if width is not None and rule.shards("params"):

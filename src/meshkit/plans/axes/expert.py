@@ -55,8 +55,14 @@ class ExpertAxis(AxisPlan):
             add("all-gather", EXPERT, count, e * rows, e, "MoE tokens of the expert group (dropless)")
             add("reduce-scatter", EXPERT, count, e * rows, e, "MoE outputs back to their tokens (dropless)")
         elif e > 1:
-            add("all-to-all", EXPERT, 2 * (forward + 1) * layers * accumulate, rows, e,
-                "MoE rows to their experts and back (forward and backward)")  # fmt: skip
+            add(
+                "all-to-all",
+                EXPERT,
+                2 * (forward + 1) * layers * accumulate,
+                rows,
+                e,
+                "MoE rows to their experts and back (forward and backward)",
+            )
         if m <= 1:
             return
         if dropless:  # the experts multiply every gathered token's k slots
@@ -65,8 +71,14 @@ class ExpertAxis(AxisPlan):
             if EXPERT in x.model_spec and len(x.shape) >= 3 and MODEL in x.model_spec[-2:]:
                 row = x.model_spec[-2] == MODEL  # (E, F, D) with F on model: the MLP's output matrix
                 uses = x.shape[0] if "layers" in x.names else 1
-                add("all-reduce", MODEL, accumulate * uses, rows, m,
-                    f"{x.path}: expert {'forward output' if row else 'backward input-gradient'} partial sums")  # fmt: skip
+                add(
+                    "all-reduce",
+                    MODEL,
+                    accumulate * uses,
+                    rows,
+                    m,
+                    f"{x.path}: expert {'forward output' if row else 'backward input-gradient'} partial sums",
+                )
 
     def held_beyond_device(self, placement: Placement, sizes: list[float], per: Any, *, zero3: bool) -> float:
         """The experts beyond a device's own whose gradients the one-device compile holds

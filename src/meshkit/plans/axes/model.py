@@ -1,7 +1,7 @@
 """The model axis (tensor parallelism, plans ``tp``, ``dp+tp``, ``fsdp+tp``, ``tp+cp``...): Megatron's
 column- and row-parallel matrices, partitioned by XLA.
 
-Where each leaf is split is the placement's tensor-parallel rules (``placement.DEFAULT_TP_RULES``,
+Where each leaf is split is the placement's tensor-parallel rules (``tp_rules.DEFAULT_TP_RULES``,
 ``VOCAB_TP_RULES``); the partitioner writes the collectives. Here: those collectives in the ledger's
 model, per micro-batch: every row-parallel matrix (model axis on its rows) all-reduces its output
 partial sums in the forward pass (tokens x output width), and every column-parallel matrix (model axis
@@ -40,15 +40,34 @@ class ModelAxis(AxisPlan):
             if (
                 x.model_spec[0] == MODEL
             ):  # row-parallel: forward partial sums of the output (again under remat)
-                add("all-reduce", MODEL, accumulate * uses * (2 if redone else 1), tokens * x.shape[1] * width,
-                    m, f"{x.path}: forward output partial sums")  # fmt: skip
+                add(
+                    "all-reduce",
+                    MODEL,
+                    accumulate * uses * (2 if redone else 1),
+                    tokens * x.shape[1] * width,
+                    m,
+                    f"{x.path}: forward output partial sums",
+                )
             elif x.model_spec[1] == MODEL and x.path not in inputs.batch_fed:  # column-parallel: backward
-                add("all-reduce", MODEL, accumulate * uses, tokens * x.shape[0] * width, m,
-                    f"{x.path}: backward input-gradient partial sums")  # fmt: skip
+                add(
+                    "all-reduce",
+                    MODEL,
+                    accumulate * uses,
+                    tokens * x.shape[0] * width,
+                    m,
+                    f"{x.path}: backward input-gradient partial sums",
+                )
         _vocab_rows(add, placement, accumulate, tokens, width)
         trainable = None if inputs.per_layer is None else inputs.per_layer.trainable
         for x, layers in adapter_sums(placement, trainable):
-            add("all-reduce", MODEL, accumulate * layers, x.nbytes // layers, m, f"{x.path}: the adapter's gradient partial sums")  # fmt: skip
+            add(
+                "all-reduce",
+                MODEL,
+                accumulate * layers,
+                x.nbytes // layers,
+                m,
+                f"{x.path}: the adapter's gradient partial sums",
+            )
 
 
 def adapter_sums(placement: Placement, trainable: Any) -> list[tuple[LeafPlacement, int]]:
@@ -86,8 +105,14 @@ def _vocab_rows(add: Add, placement: Placement, accumulate: int, tokens: int, ac
     tied = [x for x in vocab if x.names[:1] == ("vocab",)] if not heads else []
     m = placement.model_size
     for x in tied:
-        add("all-reduce", MODEL, accumulate, tokens * x.shape[1] * activation_bytes, m,
-            f"{x.path} (tied head): backward input-gradient partial sums")  # fmt: skip
+        add(
+            "all-reduce",
+            MODEL,
+            accumulate,
+            tokens * x.shape[1] * activation_bytes,
+            m,
+            f"{x.path} (tied head): backward input-gradient partial sums",
+        )
     if heads or tied:
         logit = tokens * max(activation_bytes, 4)
         add(
