@@ -112,7 +112,9 @@ def _export(directory: Path) -> None:
     cfg = llama.LlamaConfig(vocab_size=tok.vocab_size, seq_len=16, layers=1, width=16, heads=2, ffn=32)
     special = interop.hf.Special(eos=(tok.eos[0], tok.eot_id), named=carried_tokens(tok, TEMPLATES / "llama3"),
                                  chat_template=template.source)  # fmt: skip
-    interop.save(llama.init(jax.random.key(0), cfg), cfg, directory, tokenizer_json=tok.to_str(), special=special)
+    interop.save(
+        llama.init(jax.random.key(0), cfg), cfg, directory, tokenizer_json=tok.to_str(), special=special
+    )
 
 
 def _reference(python: str, cases: list) -> list:

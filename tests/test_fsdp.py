@@ -143,9 +143,12 @@ def test_fsdp_tp_gathers_each_leaf_over_data_on_its_model_shard(scan):
     t = Trainer(gpt.make_loss(cfg), params, optax.adam(1e-3), plan="fsdp+tp", mesh="data=2,model=4",
                 logical_axes=gpt.logical_axes(params), units={"heads": cfg.heads}, tokens_per_example=cfg.seq_len)  # fmt: skip
     both = [x for x in t.placement.flat() if x.model_sharded and x.data_dim is not None]
-    assert {x.path.split("/")[-1] for x in both} == {"wq", "wk", "wv", "wo", "w_in", "w_out"}
-    assert len(both) == (6 if scan else 6 * cfg.layers)
-    assert all(x.data_dim != 0 for x in both) if scan else True  # not the stacked layer axis
+    blocks = {"wq", "wk", "wv", "wo", "w_in", "w_out"}  # and the vocabulary's rows and columns (vocab_rules)
+    assert {x.path.split("/")[-1] for x in both} == blocks | {"tok_embed", "unembed"}
+    assert len(both) == 2 + (6 if scan else 6 * cfg.layers)
+    assert (
+        all(x.data_dim != 0 for x in both if x.path.split("/")[-1] in blocks) if scan else True
+    )  # not the layers
     rep = t.report((np.zeros((8, cfg.seq_len), np.int32),) * 2)
     assert all(r.ok for r in rep.memory), rep.memory
     for row in rep.communication:

@@ -331,7 +331,7 @@ def test_a_failed_export_write_names_the_directory_and_leaves_nothing(tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(stream, "write", full)
-    with pytest.raises(interop.hf.WriteError) as e:
+    with pytest.raises(interop.hf_save.WriteError) as e:
         _saved(tmp_path / "out" / "ckpt")
     said = _one_line(e)
     assert "cannot write" in said and "No space left on device" in said and "nothing was written" in said

@@ -114,7 +114,9 @@ def test_held_out_loss_is_per_learnt_target_and_a_batch_with_none_counts_nothing
     monkeypatch.setattr(job, "data", Alternate(job.data.inner))
     monkeypatch.setattr(job, "cfg", job.cfg.replace(eval_batches=2))
     first = next(
-        job.data.batches(seq_len=16, global_batch=job.cfg.data.batch_size, seed=job.cfg.data.seed, held_out=True)
+        job.data.batches(
+            seq_len=16, global_batch=job.cfg.data.batch_size, seed=job.cfg.data.seed, held_out=True
+        )
     )
     want = float(job.eval_loss(job.trainer.params, first))
     assert results.evaluate(job)["eval_loss"] == pytest.approx(want, rel=1e-6) and want > 0

@@ -97,22 +97,46 @@ def _shift(n: int) -> list[tuple[int, int]]:
 CHECKS: dict[str, Check] = {
     c.name: c
     for c in (
-        Check(name="psum", op="all-reduce", body=lambda n: lambda x: jax.lax.psum(x, AXIS),
-              reference=_ref_psum),
-        Check(name="pmean", op="all-reduce", body=lambda n: lambda x: jax.lax.pmean(x, AXIS),
-              reference=_ref_pmean, rtol=PMEAN_RTOL),
-        Check(name="pmax", op="all-reduce", body=lambda n: lambda x: jax.lax.pmax(x, AXIS),
-              reference=_ref_pmax),
-        Check(name="all_gather", op="all-gather", gathers=True, reference=_ref_all_gather,
-              body=lambda n: lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)),
-        Check(name="psum_scatter", op="reduce-scatter", reference=_ref_psum_scatter,
-              body=lambda n: lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)),
-        Check(name="all_to_all", op="all-to-all", reference=_ref_all_to_all,
-              body=lambda n: lambda x: jax.lax.all_to_all(x, AXIS, 1, 0, tiled=True)),
-        Check(name="ppermute", op="collective-permute", reference=_ref_ppermute,
-              body=lambda n: lambda x: jax.lax.ppermute(x, AXIS, _shift(n))),
+        Check(
+            name="psum", op="all-reduce", body=lambda n: lambda x: jax.lax.psum(x, AXIS), reference=_ref_psum
+        ),
+        Check(
+            name="pmean",
+            op="all-reduce",
+            body=lambda n: lambda x: jax.lax.pmean(x, AXIS),
+            reference=_ref_pmean,
+            rtol=PMEAN_RTOL,
+        ),
+        Check(
+            name="pmax", op="all-reduce", body=lambda n: lambda x: jax.lax.pmax(x, AXIS), reference=_ref_pmax
+        ),
+        Check(
+            name="all_gather",
+            op="all-gather",
+            gathers=True,
+            reference=_ref_all_gather,
+            body=lambda n: lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True),
+        ),
+        Check(
+            name="psum_scatter",
+            op="reduce-scatter",
+            reference=_ref_psum_scatter,
+            body=lambda n: lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True),
+        ),
+        Check(
+            name="all_to_all",
+            op="all-to-all",
+            reference=_ref_all_to_all,
+            body=lambda n: lambda x: jax.lax.all_to_all(x, AXIS, 1, 0, tiled=True),
+        ),
+        Check(
+            name="ppermute",
+            op="collective-permute",
+            reference=_ref_ppermute,
+            body=lambda n: lambda x: jax.lax.ppermute(x, AXIS, _shift(n)),
+        ),
     )
-}  # fmt: skip
+}
 """Every collective checked, by name; each compiles to exactly one ``op``."""
 
 
@@ -190,8 +214,19 @@ class SelfTestReport:
         }
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
-          "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -293,10 +328,15 @@ def _agree(rows: Sequence[SelfTestRow]) -> tuple[SelfTestRow, ...]:
     local = np.array([[r.ok, r.max_abs_error, r.time_s, r.shards_checked] for r in rows], np.float32)
     every = np.asarray(multihost_utils.process_allgather(local))  # (processes, rows, 4)
     return tuple(
-        replace(r, ok=bool(every[:, i, 0].all()), max_abs_error=float(every[:, i, 1].max()),
-                 time_s=float(every[:, i, 2].max()), shards_checked=int(every[:, i, 3].sum()))
+        replace(
+            r,
+            ok=bool(every[:, i, 0].all()),
+            max_abs_error=float(every[:, i, 1].max()),
+            time_s=float(every[:, i, 2].max()),
+            shards_checked=int(every[:, i, 3].sum()),
+        )
         for i, r in enumerate(rows)
-    )  # fmt: skip
+    )
 
 
 def selftest(

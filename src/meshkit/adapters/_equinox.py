@@ -37,8 +37,11 @@ def _sync_batch_norm(eqx: Any, model: Any, axis: Any) -> Any:
 def _norms(eqx: Any, model: Any) -> list:
     import jax
 
-    return [m for m in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, eqx.nn.BatchNorm))
-            if isinstance(m, eqx.nn.BatchNorm)]  # fmt: skip
+    return [
+        m
+        for m in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, eqx.nn.BatchNorm))
+        if isinstance(m, eqx.nn.BatchNorm)
+    ]
 
 
 def from_equinox(model: Any, state: Any = None) -> Adapted:
@@ -66,5 +69,11 @@ def from_equinox(model: Any, state: Any = None) -> Adapted:
         m = eqx.combine(p, static)
         return (m, s) if stateful else m
 
-    return Adapted(framework="equinox", params=params, state=state if stateful else {}, logical_axes=None,
-                   wrap=wrap, rebuild=rebuild)  # fmt: skip
+    return Adapted(
+        framework="equinox",
+        params=params,
+        state=state if stateful else {},
+        logical_axes=None,
+        wrap=wrap,
+        rebuild=rebuild,
+    )

@@ -32,8 +32,17 @@ def _collective_row(r) -> list[Any]:
         )
         if on
     )
-    return [r.op, r.name, shapes if len(shapes) < 40 else shapes[:37] + "...", fmt_bytes(r.size_bytes),
-            r.group_size, r.axes_label, r.executions, fmt_bytes(r.total_traffic_bytes), flags]  # fmt: skip
+    return [
+        r.op,
+        r.name,
+        shapes if len(shapes) < 40 else shapes[:37] + "...",
+        fmt_bytes(r.size_bytes),
+        r.group_size,
+        r.axes_label,
+        r.executions,
+        fmt_bytes(r.total_traffic_bytes),
+        flags,
+    ]
 
 
 _COLUMNS = [

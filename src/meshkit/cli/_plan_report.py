@@ -14,8 +14,12 @@ def _stack(job, preds) -> dict:
     from meshkit.planner.stacks import CALIBRATION, STACKS
 
     first = preds[0]
-    return {"name": job.stack, "label": STACKS[job.stack].label, "efficiency_source": first.efficiency_source,
-            "calibration": CALIBRATION.to_json()}  # fmt: skip
+    return {
+        "name": job.stack,
+        "label": STACKS[job.stack].label,
+        "efficiency_source": first.efficiency_source,
+        "calibration": CALIBRATION.to_json(),
+    }
 
 
 def payload(shape, cluster, job, preds, result, measured, notes) -> dict:
@@ -23,13 +27,16 @@ def payload(shape, cluster, job, preds, result, measured, notes) -> dict:
 
     out = {
         "model": dataclasses.asdict(shape),
-        "cluster": {"hardware": cluster.hardware.to_json(), "devices": cluster.devices,
-                    "devices_per_host": cluster.devices_per_host},
+        "cluster": {
+            "hardware": cluster.hardware.to_json(),
+            "devices": cluster.devices,
+            "devices_per_host": cluster.devices_per_host,
+        },
         "job": dataclasses.asdict(job),
         "stack": _stack(job, preds),
         "notes": notes,
         "layouts": [p.to_json() for p in preds],
-    }  # fmt: skip
+    }
     if result is not None:
         out["considered"] = len(result.ranked) + len(result.rejected)
         out["fitting"] = len(result.ranked)
@@ -63,8 +70,10 @@ def print_report(shape, cluster, job, preds, result, measured, single: bool) -> 
     else:
         summary = ", ".join(f"{n} {k}" for k, n in result.reasons())
         considered = len(result.ranked) + len(result.rejected)
-        console.print(f"rejected {len(result.rejected)} of {considered} layouts" + (f": {summary}" if summary else ""),
-                      highlight=False)  # fmt: skip
+        console.print(
+            f"rejected {len(result.rejected)} of {considered} layouts" + (f": {summary}" if summary else ""),
+            highlight=False,
+        )
         console.print(f"choice: [bold]{preds[0].label()}[/]", highlight=False)
     if measured:
         _compiled(measured)
@@ -99,8 +108,18 @@ def _ranking(shape, job, preds, result, single: bool) -> None:
     # the context and expert columns where a layout shown has those axes, or the model has experts
     axes = shape.experts > 0 or any(p.layout.cp > 1 or p.layout.ep > 1 for p in preds)
     names = ["compute", "tp", "dp", "pp"] + ["cp", "ep"] * axes + ["bubble"]
-    cols = ["#", "layout", *["cp", "ep"] * axes, "meshkit plan", "peak/device", "step", "tokens/s", "MFU", "TFLOP/s",
-            "% " + "/".join(names)]  # fmt: skip
+    cols = [
+        "#",
+        "layout",
+        *["cp", "ep"] * axes,
+        "meshkit plan",
+        "peak/device",
+        "step",
+        "tokens/s",
+        "MFU",
+        "TFLOP/s",
+        "% " + "/".join(names),
+    ]
     keys = (
         ["compute", "comm_model", "comm_data", "comm_stage"]
         + ["comm_context", "comm_expert"] * axes
@@ -110,10 +129,20 @@ def _ranking(shape, job, preds, result, single: bool) -> None:
     for i, p in enumerate(preds, 1):
         s, pa = p.step_time_s, p.parts
         split = "/".join(_pct(pa[k], s) for k in keys)
-        rows.append([i, p.label(), *[p.layout.cp, p.layout.ep] * axes, p.meshkit_plan() or "-",
-                     fmt_bytes(p.peak_bytes, decimal=True) + ("" if p.fits else " (no fit)"),
-                     _seconds(s), f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%",
-                     f"{p.hardware_tflops_per_device:.0f}", split])  # fmt: skip
+        rows.append(
+            [
+                i,
+                p.label(),
+                *[p.layout.cp, p.layout.ep] * axes,
+                p.meshkit_plan() or "-",
+                fmt_bytes(p.peak_bytes, decimal=True) + ("" if p.fits else " (no fit)"),
+                _seconds(s),
+                f"{p.tokens_per_s:,.0f}",
+                f"{100 * p.mfu:.1f}%",
+                f"{p.hardware_tflops_per_device:.0f}",
+                split,
+            ]
+        )
     title = (
         f"Predicted ({job.stack})"
         if single
@@ -122,8 +151,11 @@ def _ranking(shape, job, preds, result, single: bool) -> None:
     t = table(title, cols, rows, justify_right=5 if axes else 3)
     t.columns[1].no_wrap = True
     console.print(t)
-    console.print("MFU: model FLOPs (no recompute) / peak; TFLOP/s: hardware FLOPs per device (with recompute)",
-                  highlight=False, style="dim")  # fmt: skip
+    console.print(
+        "MFU: model FLOPs (no recompute) / peak; TFLOP/s: hardware FLOPs per device (with recompute)",
+        highlight=False,
+        style="dim",
+    )
 
 
 def _one_layout(cluster, p) -> None:
@@ -133,11 +165,23 @@ def _one_layout(cluster, p) -> None:
     mem.append(["peak", fmt_bytes(p.peak_bytes, decimal=True)])
     mem.append([f"usable ({hw.name})", fmt_bytes(p.limit_bytes, decimal=True)])
     console.print(table("Memory per device", ["component", "bytes"], mem))
-    comm = [[axis, fmt_bytes(p.comm_bytes[axis], decimal=True), "yes" if p.crosses_hosts[axis] else "no",
-             f"{p.parts['comm_' + name]:.3f} s" if axis == name else f"(with {name})"]
-            for axis, name in (("model", "model"), ("data", "data"), ("replica", "data"), ("stage", "stage"),
-                               ("context", "context"), ("expert", "expert"))
-            if axis in p.comm_bytes]  # fmt: skip
+    comm = [
+        [
+            axis,
+            fmt_bytes(p.comm_bytes[axis], decimal=True),
+            "yes" if p.crosses_hosts[axis] else "no",
+            f"{p.parts['comm_' + name]:.3f} s" if axis == name else f"(with {name})",
+        ]
+        for axis, name in (
+            ("model", "model"),
+            ("data", "data"),
+            ("replica", "data"),
+            ("stage", "stage"),
+            ("context", "context"),
+            ("expert", "expert"),
+        )
+        if axis in p.comm_bytes
+    ]
     console.print(
         table("Communication per device per step", ["axis", "bytes", "crosses hosts", "exposed"], comm)
     )
@@ -158,9 +202,17 @@ def _compiled(measured) -> None:
             rows.append([m.layout.label(), "-", fmt_bytes(p.peak_bytes), "-", "-", "-", m.error])
             continue
         pc, mc = sum(p.comm_bytes.values()), m.total_comm_bytes
-        rows.append([m.layout.label(), fmt_bytes(m.peak_bytes), fmt_bytes(p.peak_bytes),
-                     f"{m.peak_bytes / p.peak_bytes:.2f}", fmt_bytes(mc), fmt_bytes(pc),
-                     f"{mc / pc:.2f}" if pc else "-"])  # fmt: skip
+        rows.append(
+            [
+                m.layout.label(),
+                fmt_bytes(m.peak_bytes),
+                fmt_bytes(p.peak_bytes),
+                f"{m.peak_bytes / p.peak_bytes:.2f}",
+                fmt_bytes(mc),
+                fmt_bytes(pc),
+                f"{mc / pc:.2f}" if pc else "-",
+            ]
+        )
     cols = [
         "layout",
         "peak compiled",
@@ -171,8 +223,11 @@ def _compiled(measured) -> None:
         "ratio",
     ]
     console.print(table("Compiled ahead of time on simulated CPU devices", cols, rows))
-    console.print("compiled: the top layouts meshkit runs; XLA:CPU moves bf16 collectives as f32, so in bf16 "
-                  "compiled bytes read 2x the accelerator's", highlight=False)  # fmt: skip
+    console.print(
+        "compiled: the top layouts meshkit runs; XLA:CPU moves bf16 collectives as f32, so in bf16 "
+        "compiled bytes read 2x the accelerator's",
+        highlight=False,
+    )
 
 
 def plot(preds, choice, path: Path) -> None:
@@ -189,10 +244,20 @@ def plot(preds, choice, path: Path) -> None:
         ax.scatter(xs, ys, s=10, c=colour, alpha=0.6, label=f"{label} ({len(xs)})")
     limit = choice.limit_bytes / 1e9
     ax.axvline(limit, color="tab:red", ls="--", lw=1, label=f"usable memory {limit:.0f} GB")
-    ax.scatter([choice.peak_bytes / 1e9], [choice.step_time_s], s=120, marker="*", c="tab:orange", zorder=5,
-               label=f"choice: {choice.label()}")  # fmt: skip
-    ax.set(xlabel="predicted peak memory per device (GB)", ylabel="predicted step time (s)",
-           title="meshkit plan: layouts")  # fmt: skip
+    ax.scatter(
+        [choice.peak_bytes / 1e9],
+        [choice.step_time_s],
+        s=120,
+        marker="*",
+        c="tab:orange",
+        zorder=5,
+        label=f"choice: {choice.label()}",
+    )
+    ax.set(
+        xlabel="predicted peak memory per device (GB)",
+        ylabel="predicted step time (s)",
+        title="meshkit plan: layouts",
+    )
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -77,13 +77,34 @@ def prepare(
     """Train a byte-level BPE (or take --tokenizer) and write token shards with a manifest."""
     import time
 
+    start = time.perf_counter()
+    options = {
+        "vocab_size": vocab_size,
+        "tokenizer": tokenizer,
+        "eos_token": eos_token,
+        "bos_token": bos_token,
+        "text_field": text_field,
+        "split": split,
+        "shard_tokens": shard_tokens,
+        "chat": chat,
+    }
+    manifest = _prepared(inputs or [], out, options)
+    _done(out, manifest, time.perf_counter() - start)
+
+
+def _prepared(inputs: list[str], out: str, options: dict) -> dict:
+    """``meshkit.data.prepare.prepare`` with a progress bar on a terminal, cleaned up on SIGTERM."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from meshkit.cli._format import console
     from meshkit.data.prepare import prepare as run
 
-    columns = [TextColumn("[bold]{task.description:<9}[/]"), BarColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn()]  # fmt: skip
+    columns = [
+        TextColumn("[bold]{task.description:<9}[/]"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, console=console, disable=not console.is_terminal, transient=True) as bar:
         task = bar.add_task("check", total=1, info="")
 
@@ -94,12 +115,8 @@ def prepare(
                 info += f"  {p.tokens:,} tokens  {p.tokens / p.seconds:,.0f} tokens/s"
             bar.update(task, description=phase, total=max(p.total_bytes, 1), completed=p.bytes, info=info)
 
-        start = time.perf_counter()
         with _cleanup_on_sigterm(out):
-            manifest = run(inputs or [], out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
-                           bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
-                           report=report, chat=chat)  # fmt: skip
-    _done(out, manifest, time.perf_counter() - start)
+            return run(inputs, out, report=report, **options)
 
 
 class _Terminated(BaseException):

@@ -31,8 +31,11 @@ def export(
     if not 0 < shard_mb < math.inf:  # NaN fails both
         raise InteropError(f"--shard-mb must be a finite number of MiB above 0, got {shard_mb}")
     run = export_run(run_dir, out, max_shard_bytes=int(shard_mb * 2**20))
-    console.print(f"exported step {run.step} of {run_dir} ({type(run.model).__name__}) to {out}", soft_wrap=True,
-                  highlight=False)  # fmt: skip
+    console.print(
+        f"exported step {run.step} of {run_dir} ({type(run.model).__name__}) to {out}",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -73,10 +73,17 @@ def launch(
     from meshkit.launch import launch as run
 
     status = run(
-        command or [], num_processes, devices_per_process=devices_per_process, port=port, timeout_s=timeout,
-        output=sys.stdout, error_output=sys.stderr, **({} if grace is None else {"signal_grace_s": grace}),
-        max_restarts=max_restarts, stall_timeout_s=stall_timeout,
-    )  # fmt: skip
+        command or [],
+        num_processes,
+        devices_per_process=devices_per_process,
+        port=port,
+        timeout_s=timeout,
+        output=sys.stdout,
+        error_output=sys.stderr,
+        **({} if grace is None else {"signal_grace_s": grace}),
+        max_restarts=max_restarts,
+        stall_timeout_s=stall_timeout,
+    )
     raise typer.Exit(status)
 
 

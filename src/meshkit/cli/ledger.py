@@ -112,9 +112,12 @@ def memory(
         ["temporaries", fmt_bytes(ledger.temp_bytes), ledger.temp_bytes],
         ["generated code", fmt_bytes(ledger.generated_code_bytes), ledger.generated_code_bytes],
         ["total", fmt_bytes(ledger.total_bytes), ledger.total_bytes],
-        ["peak: arguments + temporaries", fmt_bytes(ledger.argument_bytes + ledger.temp_bytes),
-         ledger.argument_bytes + ledger.temp_bytes],
-    ]  # fmt: skip
+        [
+            "peak: arguments + temporaries",
+            fmt_bytes(ledger.argument_bytes + ledger.temp_bytes),
+            ledger.argument_bytes + ledger.temp_bytes,
+        ],
+    ]
     if ledger.peak_bytes is not None:  # the compiler's live-buffer peak, where its backend reports one
         rows.append(["peak: live buffers (compiler)", fmt_bytes(ledger.peak_bytes), ledger.peak_bytes])
     console.print(table("Memory per device (compiled)", ["", "size", "bytes"], rows))
@@ -152,18 +155,33 @@ def budget(
     if stages is not None:
         bub = bubble(stages, microbatches)
     if json:
-        print_json({"params": params, "devices": devices, "convention": conv.name, "rows": rows_json,
-                    "bubble": None if bub is None else {"stages": stages, "microbatches": microbatches, "fraction": bub}})  # fmt: skip
+        print_json(
+            {
+                "params": params,
+                "devices": devices,
+                "convention": conv.name,
+                "rows": rows_json,
+                "bubble": None
+                if bub is None
+                else {"stages": stages, "microbatches": microbatches, "fraction": bub},
+            }
+        )
         return
     console.print(
         f"{params:,.0f} parameters over {devices} devices, convention [bold]{conv.name}[/]: "
         f"{conv.param:g} + {conv.grad:g} + {conv.optimizer:g} = {conv.total:g} bytes/parameter"
     )
     rows = [
-        [r["stage"], *(fmt_bytes(r[k], decimal=True) for k in ("params", "grads", "optimizer", "total", "traffic_bytes")),
-         " + ".join(r["collectives"])]
+        [
+            r["stage"],
+            *(
+                fmt_bytes(r[k], decimal=True)
+                for k in ("params", "grads", "optimizer", "total", "traffic_bytes")
+            ),
+            " + ".join(r["collectives"]),
+        ]
         for r in rows_json
-    ]  # fmt: skip
+    ]
     cols = ["layout", "params", "grads", "optimizer", "total/device", "traffic/device/step", "collectives"]
     console.print(table("Per-device memory and ring-model traffic", cols, rows))
     if bub is not None:

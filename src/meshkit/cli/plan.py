@@ -176,24 +176,32 @@ def plan(
     compile: _Compile = 0,
 ) -> None:
     """Choose a parallel layout: predicted memory, communication, bubble, step time and MFU per layout."""
+    given = dict(locals())  # the options by name, for the helpers that read the model and the cluster
     _check_counts(devices, top, compile)
     from meshkit.planner import ModelShape
     from meshkit.planner.presets import preset
 
-    figures = dict(peak_tflops=peak_tflops, memory_gb=memory_gb, hbm_gbps=hbm_gbps, intra_gbps=intra_gbps,
-                   inter_gbps=inter_gbps)  # fmt: skip
     moe = {"experts": experts, "experts_per_token": experts_per_token, "capacity_factor": capacity_factor}
     shape = _shape(
         model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape, moe
     )
-    cluster, job = _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision,
-                                    optimizer_bytes, flash_attention, runtime, stack, context_attention)  # fmt: skip
+    cluster, job = _cluster_and_job({k: given[k] for k in FIGURES}, **{k: given[k] for k in CLUSTER_AND_JOB})
     notes: list[str] = []
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         plot = plot or out / "plan.png"
-    one = None if layout is None else dict(text=layout, microbatch_size=microbatch_size, schedule=schedule,
-                                           virtual_stages=virtual_stages, remat=remat, zero=zero)  # fmt: skip
+    one = (
+        None
+        if layout is None
+        else dict(
+            text=layout,
+            microbatch_size=microbatch_size,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            remat=remat,
+            zero=zero,
+        )
+    )
     preds, result = _predictions(shape, cluster, job, notes, one, shard_group, top)
     _emit(shape, cluster, job, preds, result, notes, compile=compile, out=out, plot=plot, as_json=json)
 
@@ -231,8 +239,10 @@ def _predictions(shape, cluster, job, notes: list[str], one: dict | None, shard_
         result = _search(shape, cluster, job)
         preds = result.ranked[:top]
     if job.runtime == "meshkit" and any(p.layout.cp > 1 or p.layout.ep > 1 for p in preds):
-        notes.append("--runtime meshkit prices layouts with context (cp) or expert (ep) axes with the analytic "
-                     "model: meshkit's traced layer does not price them yet")  # fmt: skip
+        notes.append(
+            "--runtime meshkit prices layouts with context (cp) or expert (ep) axes with the analytic "
+            "model: meshkit's traced layer does not price them yet"
+        )
     return preds, result
 
 
@@ -256,8 +266,37 @@ def _emit(shape, cluster, job, preds, result, notes, *, compile: int, out, plot,
         console.print(f"plot: {plot}")
 
 
-def _cluster_and_job(figures, hardware, devices, devices_per_host, family, global_batch, precision, optimizer_bytes,
-                     flash_attention, runtime, stack, context_attention="ring"):  # fmt: skip
+FIGURES = ("peak_tflops", "memory_gb", "hbm_gbps", "intra_gbps", "inter_gbps")
+"""The flags that override a device's figures."""
+CLUSTER_AND_JOB = (
+    "hardware",
+    "devices",
+    "devices_per_host",
+    "family",
+    "global_batch",
+    "precision",
+    "optimizer_bytes",
+    "flash_attention",
+    "runtime",
+    "stack",
+    "context_attention",
+)
+
+
+def _cluster_and_job(
+    figures,
+    hardware,
+    devices,
+    devices_per_host,
+    family,
+    global_batch,
+    precision,
+    optimizer_bytes,
+    flash_attention,
+    runtime,
+    stack,
+    context_attention="ring",
+):
     """The cluster (a named device, its figures overridden by the flags given, or a custom one) and the
     job, every number checked (finite, positive) with a line naming its flag."""
     from meshkit.planner import Cluster, Job
@@ -273,9 +312,15 @@ def _cluster_and_job(figures, hardware, devices, devices_per_host, family, globa
     else:
         hw = override(get_hardware(hardware), **figures)
     cluster = Cluster(hardware=hw, devices=devices, devices_per_host=devices_per_host or 0)
-    job = Job(global_batch=global_batch, precision=precision, optimizer_bytes=optimizer_bytes,
-              flash_attention=flash_attention, runtime=runtime, stack=stack.strip().lower(),
-              context_attention=context_attention.strip().lower())  # fmt: skip
+    job = Job(
+        global_batch=global_batch,
+        precision=precision,
+        optimizer_bytes=optimizer_bytes,
+        flash_attention=flash_attention,
+        runtime=runtime,
+        stack=stack.strip().lower(),
+        context_attention=context_attention.strip().lower(),
+    )
     stack_for(job, hw)
     return cluster, job
 
@@ -316,8 +361,10 @@ def _virtual(schedule: str, layers: int, layout: str, notes: list[str]) -> int:
             if layers % p
             else f"the {layers // p} layers per stage are odd"
         )
-        notes.append(f"interleaved with 1 virtual stage (plain 1F1B order): {why}, so 2 chunks per device do not "
-                     "fit; give --virtual-stages to choose")  # fmt: skip
+        notes.append(
+            f"interleaved with 1 virtual stage (plain 1F1B order): {why}, so 2 chunks per device do not "
+            "fit; give --virtual-stages to choose"
+        )
         return 1
     return 2
 
@@ -325,8 +372,18 @@ def _virtual(schedule: str, layers: int, layout: str, notes: list[str]) -> int:
 def _shape(
     model, layers, width, heads, vocab, seq, ffn, gated, kv_heads, head_dim, preset, ModelShape, moe=None
 ):
-    sizes = {"layers": layers, "width": width, "heads": heads, "vocab": vocab, "seq": seq, "ffn": ffn,
-             "gated": gated, "kv_heads": kv_heads, "head_dim": head_dim, **(moe or {})}  # fmt: skip
+    sizes = {
+        "layers": layers,
+        "width": width,
+        "heads": heads,
+        "vocab": vocab,
+        "seq": seq,
+        "ffn": ffn,
+        "gated": gated,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        **(moe or {}),
+    }
     given = {k: v for k, v in sizes.items() if v is not None}
     from meshkit.planner.hardware import check_number
 
@@ -384,8 +441,15 @@ def _user_shape(target: str, heads, seq, ModelShape):
             raise TargetError(
                 f"{target} returned parameters not shaped as meshkit's GPT: return a meshkit.planner.ModelShape"
             ) from None
-        return ModelShape(name=target, layers=layers, width=width, heads=heads, vocab=vocab,
-                          seq=seq or positions, ffn=w_in[-1])  # fmt: skip
+        return ModelShape(
+            name=target,
+            layers=layers,
+            width=width,
+            heads=heads,
+            vocab=vocab,
+            seq=seq or positions,
+            ffn=w_in[-1],
+        )
     raise TargetError(
         f"{target} returned {type(made).__name__}: return a meshkit.planner.ModelShape, or meshkit's GPT "
         f"parameters (tok_embed, pos_embed, blocks, unembed) with --heads"

@@ -43,11 +43,18 @@ def _print(report) -> None:
         f"process {report.process_index} of {report.process_count} | median of {report.repeats} call(s)"
     )
     rows = [
-        [r.collective, r.op if r.ledger_matches else f"{r.op} (found {', '.join(r.ops) or 'none'})",
-         fmt_bytes(r.size_bytes), "ok" if r.ok else "[red]FAIL[/]", f"{r.max_abs_error:.3g}",
-         f"{r.time_s * 1e3:,.3f} ms", fmt_bytes(r.traffic_bytes), f"{r.bus_gbps:,.2f}"]
+        [
+            r.collective,
+            r.op if r.ledger_matches else f"{r.op} (found {', '.join(r.ops) or 'none'})",
+            fmt_bytes(r.size_bytes),
+            "ok" if r.ok else "[red]FAIL[/]",
+            f"{r.max_abs_error:.3g}",
+            f"{r.time_s * 1e3:,.3f} ms",
+            fmt_bytes(r.traffic_bytes),
+            f"{r.bus_gbps:,.2f}",
+        ]
         for r in report.rows
-    ]  # fmt: skip
+    ]
     cols = ["collective", "compiled op", "S", "check", "max |err|", "time", "ring traffic/device", "bus GB/s"]
     console.print(table("Collectives vs NumPy", cols, rows, justify_right=2))
     failed = report.failures()

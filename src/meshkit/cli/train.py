@@ -131,10 +131,16 @@ def _signature() -> inspect.Signature:
     """The command's parameters, as typer reads them: the fields' typed from the config."""
     rows = [*BEFORE.items(), *((k, (_kind(k) | None, o, None)) for k, o in FIELDS.items()), *AFTER.items()]
     return inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                           annotation=kind if option is None else Annotated[kind, option])
-         for name, (kind, option, default) in rows]
-    )  # fmt: skip
+        [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=default,
+                annotation=kind if option is None else Annotated[kind, option],
+            )
+            for name, (kind, option, default) in rows
+        ]
+    )
 
 
 def train(**options: Any) -> None:
@@ -170,8 +176,14 @@ def train(**options: Any) -> None:
 
     guard = distributed.fail_fast() if jax.process_count() > 1 else contextlib.nullcontext()
     with guard:  # a lost peer ends every survivor at once, with one line naming it
-        code = run(cfg, console, resume=resume, stop_after=o["stop_after"],
-                   latest_link=latest if run_dir is None else None, profile=profiled)  # fmt: skip
+        code = run(
+            cfg,
+            console,
+            resume=resume,
+            stop_after=o["stop_after"],
+            latest_link=latest if run_dir is None else None,
+            profile=profiled,
+        )
     if code:
         raise typer.Exit(code)
     if cfg.run.export_hf and jax.process_index() == 0:
@@ -191,7 +203,9 @@ def _start(options: dict[str, Any], o: dict[str, Any]) -> Any:
 
         cache.configure(o["compile_cache"])
     _check_devices(o["devices"])
-    if _deterministic_run(options.get("deterministic"), o["config"], o["set_"] or [], o["resume"], options.get("run_dir")):  # fmt: skip
+    if _deterministic_run(
+        options.get("deterministic"), o["config"], o["set_"] or [], o["resume"], options.get("run_dir")
+    ):
         from meshkit.devices import prepare_deterministic
 
         prepare_deterministic()  # before the backend starts (a launched rank's join starts it)

@@ -3,6 +3,7 @@ for a built-in model or the user's own (``--model mymodule:make``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Annotated
 
@@ -11,7 +12,14 @@ import typer
 from meshkit.cli._format import console, fmt_bytes, print_json, table
 from meshkit.cli.ledger import DevicesOpt, JsonOpt
 from meshkit.models import registry
-from meshkit.spec import CONTEXT_ATTENTION, PIPELINE_SCHEDULES, REMAT_POLICIES, describe_plans, one_of
+from meshkit.spec import ParallelSpec, describe_plans
+
+
+def _spec_option(name: str) -> typer.models.OptionInfo:
+    """The flag of a parallel spec's option, as its declaration gives it (``meshkit.spec.option``: the
+    same help as ``meshkit train``'s)."""
+    meta = {f.name: f for f in dataclasses.fields(ParallelSpec)}[name].metadata
+    return typer.Option(*meta["flags"], help=meta["help"], show_default=meta["shown"] or True)
 
 
 def verify(
@@ -29,32 +37,14 @@ def verify(
             "(optionally optimizer, logical_axes, rules, units, state, rng, has_aux, tokens_per_example)."
         ),
     ] = "mlp",
-    mesh: Annotated[
-        str | None, typer.Option(help="Mesh such as data=8 or data=4,model=2 (default: per plan).")
-    ] = None,
+    mesh: Annotated[str | None, _spec_option("mesh")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps to compare.")] = 20,
-    accumulate: Annotated[int, typer.Option(help="Micro-batches accumulated per step.")] = 1,
-    remat: Annotated[
-        str, typer.Option(help=f"Activation checkpointing per layer: {one_of(REMAT_POLICIES)}.")
-    ] = "none",
-    pipeline_schedule: Annotated[
-        str | None,
-        typer.Option(
-            "--pipeline-schedule",
-            "--schedule",
-            help=f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)} (default 1f1b).",
-        ),
-    ] = None,
-    microbatches: Annotated[
-        int | None, typer.Option(help="Pipeline plans: micro-batches per step (default: the stages).")
-    ] = None,
-    virtual_stages: Annotated[
-        int, typer.Option(help="Interleaved schedule: chunks of layers per device.")
-    ] = 1,
-    context_attention: Annotated[
-        str,
-        typer.Option(help=f"Context plans: {one_of(CONTEXT_ATTENTION)}."),
-    ] = "ring",
+    accumulate: Annotated[int, _spec_option("accumulate")] = 1,
+    remat: Annotated[str, _spec_option("remat")] = "none",
+    pipeline_schedule: Annotated[str | None, _spec_option("pipeline_schedule")] = None,
+    microbatches: Annotated[int | None, _spec_option("microbatches")] = None,
+    virtual_stages: Annotated[int, _spec_option("virtual_stages")] = 1,
+    context_attention: Annotated[str, _spec_option("context_attention")] = "ring",
     deterministic: Annotated[
         bool,
         typer.Option(
@@ -78,9 +68,17 @@ def verify(
     _simulate(devices)
     from meshkit import verify as V
 
-    options = dict(mesh=mesh, steps=steps, accumulate=accumulate, remat=remat, microbatches=microbatches,
-                   pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                   context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
+    options = dict(
+        mesh=mesh,
+        steps=steps,
+        accumulate=accumulate,
+        remat=remat,
+        microbatches=microbatches,
+        pipeline_schedule=pipeline_schedule,
+        virtual_stages=virtual_stages,
+        context_attention=context_attention,
+        deterministic=deterministic or None,
+    )
     if ":" in model:
         cert = V.verify_model(**_user_model(model), plan=plan, **options)
     else:
@@ -130,8 +128,6 @@ def _num(x: float | None, fmt: str = ".2e") -> str:
 
 
 def _print(cert) -> None:
-    from meshkit.verify import TAIL, TOL_EXACT, TOL_FLOAT64
-
     r = cert.report
     mesh = ",".join(f"{k}={v}" for k, v in r.mesh.items())
     console.print(
@@ -139,67 +135,119 @@ def _print(cert) -> None:
         f"accumulate {cert.accumulate}; final loss {cert.final_loss:.6f}",
         highlight=False,
     )
-    checked = cert.first_step_bound is not None
-    rows = [
-        ["float64: plan vs one device after K steps", _num(cert.exact_vs_single_device), f"<= {TOL_EXACT:g}"],
-        ["float64: state (batch statistics, ...) vs one device", _num(cert.state_exact_vs_single_device),
-         f"<= {TOL_EXACT:g}" if cert.state_exact_vs_single_device is not None else "(no state)"],
-        [f"float32: first step vs {cert.first_step_vs if checked else 'one device'}", _num(cert.first_step),
-         f"<= {_num(cert.first_step_bound)}" if checked else "(not checked: see below)"],
-        ["  one device's own (largest of its batch orders)", _num(cert.first_step_noise),
-         f"x {TAIL:g} sqrt(1 + ({cert.partial_sums} partial sums - 1) / log2({cert.examples} examples))"],
-        ["float32: plan vs NumPy float64 after K steps", _num(cert.vs_float64), f"<= {TOL_FLOAT64:g}"],
-        ["float32: plan vs one device after K steps", _num(cert.vs_single_device), "(informational)"],
-        ["  one device vs itself, batch reordered", _num(cert.float32_spread), "(informational)"],
-        ["  one device vs float64", _num(cert.float32_noise), "(informational)"],
-        ["bitwise reproducible run to run", cert.reproducible, "True"],
-    ]  # fmt: skip
-    if cert.bitwise_across_meshes is not None:
-        rows.append(["bitwise across meshes (deterministic)",
-                     ", ".join(f"{m}: {same}" for m, same in cert.bitwise_across_meshes.items()), "all True"])  # fmt: skip
-    console.print(table("Equivalence", ["check", "measured", "required"], rows))
+    console.print(table("Equivalence", ["check", "measured", "required"], _equivalence(cert)))
     if cert.float64_twin is not None:
         console.print(f"no float64 twin: {cert.float64_twin}", soft_wrap=True, highlight=False)
-    if not checked:
+    if cert.first_step_bound is None:
         console.print(f"float32 first step {cert.first_step_vs}", soft_wrap=True, highlight=False)
-    rows = [
-        [c.op, c.axes, c.measured_runs, fmt_bytes(c.measured_traffic_bytes), fmt_bytes(c.model_traffic_bytes),
-         "-" if c.ratio is None else f"{c.ratio:.4f}", "ok" if c.ok else "FAIL"]
-        for c in r.communication
-    ]  # fmt: skip
     cols = ["op", "axes", "instr. runs", "measured traffic/device", "model", "ratio", ""]
-    console.print(table("Communication per step (ring model, scalars aside)", cols, rows))
-    rows = [
-        [m.component, fmt_bytes(m.measured_bytes), fmt_bytes(m.formula_bytes), "-" if m.ratio is None else f"{m.ratio:.4f}", "ok" if m.ok else "FAIL"]
-        for m in r.memory
-    ]  # fmt: skip
-    cm = r.compiled_memory
-    rows.append(["compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", ""])
-    rows.append(["compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", ""])
-    if r.peak is not None:  # arguments + temporaries beside the peak model (meshkit.analysis.peak)
-        pk = r.peak
-        rows.append(["peak (arguments + temporaries)", fmt_bytes(pk["measured_bytes"]), fmt_bytes(pk["model_bytes"]),
-                     f"{pk['ratio']:.4f}", "ok" if pk["ok"] else "see below"])  # fmt: skip
-    console.print(table("Per-device memory", ["component", "measured", "formula", "ratio", ""], rows))
+    console.print(table("Communication per step (ring model, scalars aside)", cols, _communication(r)))
+    console.print(table("Per-device memory", ["component", "measured", "formula", "ratio", ""], _memory(r)))
     if r.pipeline is not None:
         console.print(r.pipeline.table())
-    reasons: dict[str, list[str]] = {}
-    for path, why in r.replicated:
-        reasons.setdefault(why, []).append(path)
-    if r.peak is not None:
-        console.print(f"layers: {r.peak['layers']}; remat {r.peak['remat']}", soft_wrap=True, highlight=False)
-        if "explanation" in r.peak:
-            console.print(
-                f"peak beyond 10% of the model: {r.peak['explanation']}", soft_wrap=True, highlight=False
-            )
-    for why, paths in reasons.items():
-        console.print(f"kept whole on the data axis ({why}): {len(paths)} leaves: {', '.join(paths)}")
+    _notes(r)
     verdict = (
         "[bold green]ok[/]"
         if cert.ok
         else "[bold red]FAILED[/]: " + ", ".join(k for k, v in cert.checks.items() if not v)
     )
     console.print(verdict)
+
+
+def _equivalence(cert) -> list[list]:
+    """The certificate's equivalence checks: measured beside what each requires."""
+    from meshkit.verify import TAIL, TOL_EXACT, TOL_FLOAT64
+
+    checked = cert.first_step_bound is not None
+    state = cert.state_exact_vs_single_device
+    rows = [
+        ["float64: plan vs one device after K steps", _num(cert.exact_vs_single_device), f"<= {TOL_EXACT:g}"],
+        [
+            "float64: state (batch statistics, ...) vs one device",
+            _num(state),
+            f"<= {TOL_EXACT:g}" if state is not None else "(no state)",
+        ],
+        [
+            f"float32: first step vs {cert.first_step_vs if checked else 'one device'}",
+            _num(cert.first_step),
+            f"<= {_num(cert.first_step_bound)}" if checked else "(not checked: see below)",
+        ],
+        [
+            "  one device's own (largest of its batch orders)",
+            _num(cert.first_step_noise),
+            f"x {TAIL:g} sqrt(1 + ({cert.partial_sums} partial sums - 1) / log2({cert.examples} examples))",
+        ],
+        ["float32: plan vs NumPy float64 after K steps", _num(cert.vs_float64), f"<= {TOL_FLOAT64:g}"],
+        ["float32: plan vs one device after K steps", _num(cert.vs_single_device), "(informational)"],
+        ["  one device vs itself, batch reordered", _num(cert.float32_spread), "(informational)"],
+        ["  one device vs float64", _num(cert.float32_noise), "(informational)"],
+        ["bitwise reproducible run to run", cert.reproducible, "True"],
+    ]
+    if cert.bitwise_across_meshes is not None:
+        same = ", ".join(f"{m}: {ok}" for m, ok in cert.bitwise_across_meshes.items())
+        rows.append(["bitwise across meshes (deterministic)", same, "all True"])
+    return rows
+
+
+def _communication(r) -> list[list]:
+    """Each collective of the step: measured beside the ring model."""
+    ratio = lambda c: "-" if c.ratio is None else f"{c.ratio:.4f}"  # noqa: E731
+    return [
+        [
+            c.op,
+            c.axes,
+            c.measured_runs,
+            fmt_bytes(c.measured_traffic_bytes),
+            fmt_bytes(c.model_traffic_bytes),
+            ratio(c),
+            "ok" if c.ok else "FAIL",
+        ]
+        for c in r.communication
+    ]
+
+
+def _memory(r) -> list[list]:
+    """Each component of the per-device memory beside its formula; the compiled step's, and its peak
+    beside the peak model (``meshkit.plans.peak``)."""
+    rows = [
+        [
+            m.component,
+            fmt_bytes(m.measured_bytes),
+            fmt_bytes(m.formula_bytes),
+            "-" if m.ratio is None else f"{m.ratio:.4f}",
+            "ok" if m.ok else "FAIL",
+        ]
+        for m in r.memory
+    ]
+    cm = r.compiled_memory
+    rows.append(["compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", ""])
+    rows.append(["compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", ""])
+    if (pk := r.peak) is not None:
+        rows.append(
+            [
+                "peak (arguments + temporaries)",
+                fmt_bytes(pk["measured_bytes"]),
+                fmt_bytes(pk["model_bytes"]),
+                f"{pk['ratio']:.4f}",
+                "ok" if pk["ok"] else "see below",
+            ]
+        )
+    return rows
+
+
+def _notes(r) -> None:
+    """The peak model's layers and remat, why it is off where it is, and the leaves kept whole on data."""
+    if r.peak is not None:
+        console.print(f"layers: {r.peak['layers']}; remat {r.peak['remat']}", soft_wrap=True, highlight=False)
+        if "explanation" in r.peak:
+            console.print(
+                f"peak beyond 10% of the model: {r.peak['explanation']}", soft_wrap=True, highlight=False
+            )
+    reasons: dict[str, list[str]] = {}
+    for path, why in r.replicated:
+        reasons.setdefault(why, []).append(path)
+    for why, paths in reasons.items():
+        console.print(f"kept whole on the data axis ({why}): {len(paths)} leaves: {', '.join(paths)}")
 
 
 def register(app: typer.Typer) -> None:

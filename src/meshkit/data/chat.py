@@ -140,8 +140,11 @@ class Ends:
     def of(tokenizer: Tokenizer, template: ChatTemplate) -> Ends:
         """The tokenizer's special tokens and its other added tokens the template writes (transformers'
         control tokens, ``_get_control_tokens``; whitespace tokens are ordinary text)."""
-        found = {t for t, special in tokenizer.added_tokens()
-                 if special or (t in template.source and not t.isspace())}  # fmt: skip
+        found = {
+            t
+            for t, special in tokenizer.added_tokens()
+            if special or (t in template.source and not t.isspace())
+        }
         return Ends(tuple(sorted(found, key=len, reverse=True)), tokenizer.eos[0])
 
 

@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import re
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +37,6 @@ GENERATION = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 """How transformers tells a template with ``{% generation %}`` tags (``render_jinja_template``)."""
 REASONING = ("reasoning_content", "thinking", "reasoning")
 """The names a message's reasoning comes under; transformers 5.x fills the first two from the first set."""
-_TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
-    "meshkit_generation", default=None
-)
-"""While :meth:`ChatTemplate.render_tagged` renders: the blocks rendered so far and the generation spans."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,12 +69,14 @@ class ChatTemplate:
         template has yielded before it end)."""
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
-        token = _TRACKING.set((blocks, spans))
+        from meshkit.data.jinja_env import TRACKING
+
+        token = TRACKING.set((blocks, spans))
         try:
             for block in self._blocks(messages, False):
                 blocks.append(block)
         finally:
-            _TRACKING.reset(token)
+            TRACKING.reset(token)
         return "".join(blocks), spans
 
     def _blocks(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> Any:
@@ -90,9 +85,12 @@ class ChatTemplate:
         template = _compiled(self.source)
         try:
             yield from template.generate(
-                **self.variables, messages=_as_transformers_reads(messages), tools=None, documents=None,
+                **self.variables,
+                messages=_as_transformers_reads(messages),
+                tools=None,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
-            )  # fmt: skip
+            )
         except jinja2.TemplateError as e:
             raise DataError(f"chat template '{self.name}': {_first_line(e)}") from None
         except Exception as e:  # a plain Python error inside the template: the row does not fit it
@@ -135,85 +133,11 @@ def _compiled(source: str) -> Any:
 
 @functools.cache
 def _environment() -> Any:
-    """transformers' environment for chat templates: its sandbox, filters, globals and the
-    ``{% generation %}`` tag (jinja2 imported here, when a template is first compiled)."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    import jinja2.utils
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """transformers' environment for chat templates (:mod:`meshkit.data.jinja_env`: imports jinja2, when a
+    template is first compiled)."""
+    from meshkit.data.jinja_env import environment
 
-    class Generation(jinja2.ext.Extension):
-        """transformers' ``{% generation %}...{% endgeneration %}``: renders its body, and records its
-        characters while :meth:`ChatTemplate.render_tagged` renders."""
-
-        tags = frozenset({"generation"})
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            text = caller()
-            tracking = _TRACKING.get()
-            if tracking is not None:
-                blocks, spans = tracking
-                start = sum(map(len, blocks))
-                spans.append((start, start + len(text)))
-            return text
-
-    class TemplateDict:
-        """transformers 5.x's ``dict``: a plain dict, no attribute access to the type."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        """transformers 5.x's ``namespace``: no underscore-prefixed names."""
-
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}."
-                )
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:  # fmt: skip
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env
+    return environment()
 
 
 def _token(value: Any) -> Any:

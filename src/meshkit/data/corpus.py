@@ -84,8 +84,13 @@ class Corpus:
     ) -> Batches:
         """The batch stream over the training (or held-out) tokens; a mixture's drawn from its sources by
         their weights, or from its source ``part`` alone; ``kw`` as :class:`Batches` takes."""
-        kw |= {"seq_len": seq_len, "global_batch": global_batch, "seed": seed, "packed": self.packed,
-               "pad_id": self.pad_id}  # fmt: skip
+        kw |= {
+            "seq_len": seq_len,
+            "global_batch": global_batch,
+            "seed": seed,
+            "packed": self.packed,
+            "pad_id": self.pad_id,
+        }
         if part is not None:
             one = self.parts[part]
             return Batches(one.held_out if held_out else one.train, digest=one.digest, **kw)
@@ -151,11 +156,16 @@ def load(path: str | None) -> Corpus:
     train, held = text.split(data.tokens, EVAL_FRACTION)
     vocab = data.vocab
     return Corpus(
-        train=ArraySource(train), held_out=ArraySource(held), vocab_size=data.vocab_size, source=data.source,
-        packed=False, decoder=None if vocab is None else (lambda ids: text.decode(ids, vocab)),
+        train=ArraySource(train),
+        held_out=ArraySource(held),
+        vocab_size=data.vocab_size,
+        source=data.source,
+        packed=False,
+        decoder=None if vocab is None else (lambda ids: text.decode(ids, vocab)),
         token_bytes=None if vocab is None else np.array([len(c.encode()) for c in vocab], np.int64),
-        tokenizer="ids" if vocab is None else "characters", chars=vocab,
-    )  # fmt: skip
+        tokenizer="ids" if vocab is None else "characters",
+        chars=vocab,
+    )
 
 
 def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any, Any]:
@@ -186,10 +196,18 @@ def _from_shards(directory: Path) -> Corpus:
     manifest, stream, tokenizer = shards.open_shards(directory)
     train, held = _split(directory, manifest, stream)
     return Corpus(
-        train=train, held_out=held, vocab_size=tokenizer.vocab_size,
-        source=f"{directory} (BPE token shards)", packed=True, pad_id=tokenizer.eot_id, digest=shards.digest(manifest),
-        decoder=tokenizer.decode, token_bytes=tokenizer.token_bytes, tokenizer="BPE", bpe=tokenizer,
-    )  # fmt: skip
+        train=train,
+        held_out=held,
+        vocab_size=tokenizer.vocab_size,
+        source=f"{directory} (BPE token shards)",
+        packed=True,
+        pad_id=tokenizer.eot_id,
+        digest=shards.digest(manifest),
+        decoder=tokenizer.decode,
+        token_bytes=tokenizer.token_bytes,
+        tokenizer="BPE",
+        bpe=tokenizer,
+    )
 
 
 def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
@@ -221,12 +239,24 @@ def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
     parts = []
     for name, (path, _), share, (m, stream, _) in zip(names, sources, weights, opened, strict=True):
         train, held = _split(Path(path), m, stream)
-        parts.append(mixture.Part(name=name, path=path, weight=share, train=train, held_out=held,
-                                  digest=shards.digest(m)))  # fmt: skip
+        parts.append(
+            mixture.Part(
+                name=name, path=path, weight=share, train=train, held_out=held, digest=shards.digest(m)
+            )
+        )
     mixture.check_kinds(parts)
     said = ", ".join(f"{p.name} {p.weight:.0%}" for p in parts)
     return Corpus(
-        train=ConcatSource([p.train for p in parts]), held_out=ConcatSource([p.held_out for p in parts]),
-        vocab_size=tok.vocab_size, source=f"a mixture of {said} (BPE token shards)", packed=True, pad_id=tok.eot_id,
-        digest=None, decoder=tok.decode, token_bytes=tok.token_bytes, tokenizer="BPE", bpe=tok, parts=tuple(parts),
-    )  # fmt: skip
+        train=ConcatSource([p.train for p in parts]),
+        held_out=ConcatSource([p.held_out for p in parts]),
+        vocab_size=tok.vocab_size,
+        source=f"a mixture of {said} (BPE token shards)",
+        packed=True,
+        pad_id=tok.eot_id,
+        digest=None,
+        decoder=tok.decode,
+        token_bytes=tok.token_bytes,
+        tokenizer="BPE",
+        bpe=tok,
+        parts=tuple(parts),
+    )

@@ -207,8 +207,12 @@ class MixedBatches(Batches):
         now, before = self.rows(batch), self.rows(batch - 1)
         out: dict[str, int] = {}
         for part, a, b in zip(self.parts, before, now, strict=True):
-            out |= {f"mix/{part.name}/rows": b - a, f"mix/{part.name}/rows_total": b,
-                    f"mix/{part.name}/tokens": (b - a) * self.seq_len, f"mix/{part.name}/tokens_total": b * self.seq_len}  # fmt: skip
+            out |= {
+                f"mix/{part.name}/rows": b - a,
+                f"mix/{part.name}/rows_total": b,
+                f"mix/{part.name}/tokens": (b - a) * self.seq_len,
+                f"mix/{part.name}/tokens_total": b * self.seq_len,
+            }
         return out
 
     @property
@@ -217,10 +221,17 @@ class MixedBatches(Batches):
         return self._state(self.batch)
 
     def _state(self, batch: int) -> dict[str, Any]:
-        sources = [{"name": p.name, "data": p.digest, "num_tokens": len(s.source), "weight": p.weight, "rows": r}
-                   for p, s, r in zip(self.parts, self.sources, self.rows(batch), strict=True)]  # fmt: skip
-        return {"batch": batch, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
-                "sources": sources}  # fmt: skip
+        sources = [
+            {"name": p.name, "data": p.digest, "num_tokens": len(s.source), "weight": p.weight, "rows": r}
+            for p, s, r in zip(self.parts, self.sources, self.rows(batch), strict=True)
+        ]
+        return {
+            "batch": batch,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "sources": sources,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the same sources (preparations, weights), seed and shapes; each source's
@@ -261,6 +272,14 @@ def realised(parts: tuple[Part, ...], row: dict[str, Any], seq_len: int) -> list
     out = []
     for part, rows in zip(parts, totals, strict=True):
         windows = -(-(len(part.train) - 1) // seq_len)
-        out.append({"name": part.name, "weight": part.weight, "rows": rows, "tokens": rows * seq_len,
-                    "share": rows / max(sum(totals), 1), "epochs": rows / windows})  # fmt: skip
+        out.append(
+            {
+                "name": part.name,
+                "weight": part.weight,
+                "rows": rows,
+                "tokens": rows * seq_len,
+                "share": rows / max(sum(totals), 1),
+                "epochs": rows / windows,
+            }
+        )
     return out

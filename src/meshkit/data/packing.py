@@ -102,8 +102,12 @@ class Packing:
     def summary(self) -> dict[str, float]:
         """What the run's log says of the packing: documents, rows, cut documents, share of ids used."""
         used = float(self.lengths.sum()) / (self.rows * self.width)
-        return {"documents": self.source.documents, "rows": self.rows, "truncated": self.truncated,
-                "fill": round(used, 4)}  # fmt: skip
+        return {
+            "documents": self.source.documents,
+            "rows": self.rows,
+            "truncated": self.truncated,
+            "fill": round(used, 4),
+        }
 
     def _docs(self, i: int) -> np.ndarray:
         return self.order[self.bounds[i] : self.bounds[i + 1]]

@@ -220,8 +220,13 @@ class Batches:
     @property
     def state(self) -> dict[str, Any]:
         """JSON-able position of the stream: the next global batch and what fixes the order."""
-        state: dict[str, Any] = {"batch": self.batch, "seed": self.seed, "seq_len": self.seq_len,
-                                 "global_batch": self.global_batch, "num_tokens": len(self.source)}  # fmt: skip
+        state: dict[str, Any] = {
+            "batch": self.batch,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "num_tokens": len(self.source),
+        }
         if self.packed:
             state |= {"packed": True, "data": self.digest}
         if self.chat:

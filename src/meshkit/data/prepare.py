@@ -175,9 +175,19 @@ def prepare(
         check_vocab_size(vocab_size)  # before any input is read
     _check_out(out)
     with output_lock(out):
-        return _prepare(inputs, out, vocab_size=vocab_size, tokenizer=tokenizer, eos_token=eos_token,
-                        bos_token=bos_token, text_field=text_field, split=split, shard_tokens=shard_tokens,
-                        report=report, chat=chat)  # fmt: skip
+        return _prepare(
+            inputs,
+            out,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+            eos_token=eos_token,
+            bos_token=bos_token,
+            text_field=text_field,
+            split=split,
+            shard_tokens=shard_tokens,
+            report=report,
+            chat=chat,
+        )
 
 
 def _check_out(out: Path) -> None:
@@ -189,10 +199,19 @@ def _check_out(out: Path) -> None:
 
 
 def _prepare(
-    inputs: list[str], out: Path, *, vocab_size: int | None, tokenizer: str | None, eos_token: str | None,
-    bos_token: str | None, text_field: str | None, split: str | None, shard_tokens: int,
-    report: Callable[[Progress, str], None] | None, chat: bool,
-) -> dict[str, Any]:  # fmt: skip
+    inputs: list[str],
+    out: Path,
+    *,
+    vocab_size: int | None,
+    tokenizer: str | None,
+    eos_token: str | None,
+    bos_token: str | None,
+    text_field: str | None,
+    split: str | None,
+    shard_tokens: int,
+    report: Callable[[Progress, str], None] | None,
+    chat: bool,
+) -> dict[str, Any]:
     """:func:`prepare` with ``--out``'s lock held."""
     _check_out(out)  # again: another prepare may have finished it while this one waited for its lock
     given = _given(tokenizer, vocab_size, eos_token, bos_token)
@@ -215,8 +234,11 @@ def _prepare(
         tok = train_bpe(_texts(reader, progress), 8192 if vocab_size is None else vocab_size)
     else:
         tok = given
-    about = {"text_bytes": progress.total_bytes, "skipped_rows": skipped,
-             "inputs": [d.name for d in listed] if inputs else [DEFAULT_SOURCE]}  # fmt: skip
+    about = {
+        "text_bytes": progress.total_bytes,
+        "skipped_rows": skipped,
+        "inputs": [d.name for d in listed] if inputs else [DEFAULT_SOURCE],
+    }
     if any(d.kind not in ("text", "embedded") for d in listed):
         about["text_field"] = text_field
     manifest = _write(out, tok, reader, progress, shard_tokens, about)
@@ -252,8 +274,12 @@ def _write(
             "shards": writer.shards,
         }
         (work / S.MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    S.stamp_prepared(out, S.listed(out, manifest["shards"], dtype=S.dtype_for(tok.vocab_size),
-                                   below=tok.vocab_size, what="token"))  # fmt: skip
+    S.stamp_prepared(
+        out,
+        S.listed(
+            out, manifest["shards"], dtype=S.dtype_for(tok.vocab_size), below=tok.vocab_size, what="token"
+        ),
+    )
     return manifest
 
 
@@ -277,8 +303,12 @@ def output_lock(out: Path) -> Iterator[None]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         while fd is None:
-            fd, holder = try_lock(lock, what="the lock meshkit data prepare keeps beside --out",
-                                        fix="give another --out", error=DataError)  # fmt: skip
+            fd, holder = try_lock(
+                lock,
+                what="the lock meshkit data prepare keeps beside --out",
+                fix="give another --out",
+                error=DataError,
+            )
             if fd is None:
                 raise DataError(
                     f"--out '{out}' is being prepared by another meshkit data prepare ({holder}): wait for it "
@@ -360,15 +390,27 @@ def tokenizer_files(work: Path, tok: Tokenizer) -> dict[str, Any]:
     bos = None if tok.bos is None else tok.bos[0]
     config = shards_config(tok.eos[0], bos, bool(tok.prefix), carried_tokens(tok))
     (work / CONFIG).write_text(json.dumps(config, indent=2), encoding="utf-8")
-    return {"format": S.FORMAT, "tokenizer": S.TOKENIZER, "tokenizer_sha256": _sha256(work / S.TOKENIZER),
-            "tokenizer_source": tok.source, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
-            "special": S.special_of(tok), "dtype": S.dtype_for(tok.vocab_size)}  # fmt: skip
+    return {
+        "format": S.FORMAT,
+        "tokenizer": S.TOKENIZER,
+        "tokenizer_sha256": _sha256(work / S.TOKENIZER),
+        "tokenizer_source": tok.source,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "special": S.special_of(tok),
+        "dtype": S.dtype_for(tok.vocab_size),
+    }
 
 
 def _prepare_chat(
-    inputs: list[str], out: Path, given: Tokenizer | None, tokenizer: str | None, text_field: str | None,
-    split: str | None, shard_tokens: int,
-) -> dict[str, Any]:  # fmt: skip
+    inputs: list[str],
+    out: Path,
+    given: Tokenizer | None,
+    tokenizer: str | None,
+    text_field: str | None,
+    split: str | None,
+    shard_tokens: int,
+) -> dict[str, Any]:
     """``prepare(..., chat=True)``: a document and its mask per row (:mod:`meshkit.data.prepare_chat`)."""
     from meshkit.data.prepare_chat import write_chat
 
@@ -386,8 +428,15 @@ def _prepare_chat(
     with workdir(out) as work:
         named = tokenizer_files(work, given)
         body = write_chat(work, listed, given, tokenizer, shard_tokens)
-        manifest = {**named, "documents": body["documents"], "tokens": body["tokens"],
-                    "text_bytes": sum(d.size for d in listed), "skipped_rows": 0,
-                    "inputs": [d.name for d in listed], "shards": body["shards"], "chat": body["chat"]}  # fmt: skip
+        manifest = {
+            **named,
+            "documents": body["documents"],
+            "tokens": body["tokens"],
+            "text_bytes": sum(d.size for d in listed),
+            "skipped_rows": 0,
+            "inputs": [d.name for d in listed],
+            "shards": body["shards"],
+            "chat": body["chat"],
+        }
         (work / S.MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     return manifest

@@ -151,13 +151,17 @@ def write_chat(
         raise DataError("the inputs hold no rows: give rows of messages, or of prompt and completion")
     if template is not None:
         (work / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
-    chat = {"masks": mask_out.shards, "learnt_tokens": learnt,
-            "template": None if template is None else template.name,
-            "template_sha256": None if template is None else template.sha256,
-            "mask": None if template is None else "generation tags" if template.tagged else "rendered turns",
-            "end_of_turn_added": encoder.added,
-            "tokenizer_class": read_config(Path(tokenizer).parent if Path(tokenizer).is_file()
-                                           else Path(tokenizer)).tokenizer_class}  # fmt: skip
+    chat = {
+        "masks": mask_out.shards,
+        "learnt_tokens": learnt,
+        "template": None if template is None else template.name,
+        "template_sha256": None if template is None else template.sha256,
+        "mask": None if template is None else "generation tags" if template.tagged else "rendered turns",
+        "end_of_turn_added": encoder.added,
+        "tokenizer_class": read_config(
+            Path(tokenizer).parent if Path(tokenizer).is_file() else Path(tokenizer)
+        ).tokenizer_class,
+    }
     return {
         "documents": len(ids_out.doc_ends),
         "tokens": ids_out.tokens,

@@ -145,8 +145,12 @@ class ShardWriter:
 def special_of(tokenizer: Tokenizer) -> dict[str, Any]:
     """The tokenizer's special tokens as the manifest records them: end and beginning of text (string
     and id; training, generation and export read them), and the ids around each document."""
-    return {"eos": list(tokenizer.eos), "bos": None if tokenizer.bos is None else list(tokenizer.bos),
-            "prefix": list(tokenizer.prefix), "suffix": list(tokenizer.suffix)}  # fmt: skip
+    return {
+        "eos": list(tokenizer.eos),
+        "bos": None if tokenizer.bos is None else list(tokenizer.bos),
+        "prefix": list(tokenizer.prefix),
+        "suffix": list(tokenizer.suffix),
+    }
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -193,8 +197,12 @@ def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSource, Tokenizer
         )
     tokenizer = load_tokenizer(tok_path)
     theirs = {k: manifest.get(k) for k in ("vocab_size", "special")}
-    theirs["special"] = theirs["special"] or {"eos": [EOT, manifest.get("eot_id")], "bos": None, "prefix": [],
-                                              "suffix": [manifest.get("eot_id")]}  # fmt: skip  # before issue 36
+    theirs["special"] = theirs["special"] or {
+        "eos": [EOT, manifest.get("eot_id")],
+        "bos": None,
+        "prefix": [],
+        "suffix": [manifest.get("eot_id")],
+    }  # before issue 36
     ours = {"vocab_size": tokenizer.vocab_size, "special": special_of(tokenizer)}
     if ours != theirs:
         raise DataError(
@@ -256,8 +264,15 @@ def listed(directory: Path, entries: Any, *, dtype: str, below: int, what: str) 
                 f"'{manifest}' has a {what} shard entry {entry!r} without file, tokens, bytes and sha256: {again}"
             )
         path = inside(directory, entry.get("file"), named_by=manifest, fix=again)
-        shard = Shard(name=entry["file"], path=path, tokens=entry["tokens"], sha256=entry["sha256"], dtype=dtype,
-                      below=below, what=what)  # fmt: skip
+        shard = Shard(
+            name=entry["file"],
+            path=path,
+            tokens=entry["tokens"],
+            sha256=entry["sha256"],
+            dtype=dtype,
+            below=below,
+            what=what,
+        )
         size = path.stat().st_size if path.is_file() else None
         if size != entry["bytes"] or shard.nbytes != entry["bytes"]:
             have = f"{size} bytes" if size is not None else path_kind(path)

@@ -28,8 +28,13 @@ def inside(directory: Path, name: object, *, named_by: Path, fix: str) -> Path:
     ``state.json``): refused in one line unless it stays inside ``directory`` (``meshkit.files.inside``).
     A directory names its own files; one that named ``../other/shard.bin``, an absolute path or a link out
     would have a run read another directory's files under this one's name."""
-    return files.inside(directory, name, named_by=named_by, fix=f"a directory's files must lie inside it; {fix}",
-                        error=DataError)  # fmt: skip
+    return files.inside(
+        directory,
+        name,
+        named_by=named_by,
+        fix=f"a directory's files must lie inside it; {fix}",
+        error=DataError,
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -87,8 +87,10 @@ class Tokenizer:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`encode_offsets` of each text, on the library's own threads."""
         tok = self._special_tok if special else self._tok
-        return [(np.asarray(e.ids, np.int32), np.asarray(e.offsets, np.int64).reshape(-1, 2))
-                for e in tok.encode_batch(list(texts), add_special_tokens=False)]  # fmt: skip
+        return [
+            (np.asarray(e.ids, np.int32), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+            for e in tok.encode_batch(list(texts), add_special_tokens=False)
+        ]
 
     @functools.cached_property
     def _special_tok(self):

@@ -113,5 +113,12 @@ def shards_config(eos: str, bos: str | None, add_bos: bool, carried: dict[str, s
     """The ``tokenizer_config.json`` written beside the shards' ``tokenizer.json`` (whose post-processor
     already frames a document): meshkit and ``AutoTokenizer`` read the same tokens and ids from it; with the
     ``CARRIED`` tokens the tokenizer's own files named."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos,
-            "add_bos_token": add_bos, "add_eos_token": False, "clean_up_tokenization_spaces": False, **carried}  # fmt: skip
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "bos_token": bos,
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        **carried,
+    }

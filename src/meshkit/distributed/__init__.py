@@ -200,9 +200,13 @@ def initialize(
         spec.multiprocess and (client := _client()) is not None
     ):  # the peer watch (see meshkit.distributed._heartbeat)
         watch = PeerWatch(
-            client, process_index=info.process_index, process_count=info.process_count,
-            timeout_s=heartbeat_timeout_s, coordinator=info.coordinator, fail=_peer_stalled,
-        ).start()  # fmt: skip
+            client,
+            process_index=info.process_index,
+            process_count=info.process_count,
+            timeout_s=heartbeat_timeout_s,
+            coordinator=info.coordinator,
+            fail=_peer_stalled,
+        ).start()
         atexit.register(watch.stop)
     _started = _Started(spec, info, watch)
     return info

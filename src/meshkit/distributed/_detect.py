@@ -45,11 +45,19 @@ class ProcessSpec:
 #: process's index and the process count. The coordinator's address is left to JAX's own detection
 #: (``jax.distributed.initialize(cluster_detection_method=...)``), which reads the same variables.
 _SCHEDULERS = {
-    "openmpi": (("OMPI_MCA_orte_hnp_uri",), ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_LOCAL_RANK"), "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    "slurm": ((), ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
-              "SLURM_PROCID", "SLURM_NTASKS"),
-}  # fmt: skip
+    "openmpi": (
+        ("OMPI_MCA_orte_hnp_uri",),
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+    ),
+    "slurm": (
+        (),
+        ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    ),
+}
 #: Set by Kubernetes in each pod of an Indexed Job (and of a JobSet): its index, used as the process
 #: index when ``MESHKIT_NUM_PROCESSES`` is set and ``MESHKIT_PROCESS_ID`` is not.
 JOB_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
@@ -136,9 +144,12 @@ def detect(
     _validate(spec, given=source in ("explicit", "meshkit-launch"))
     if not spec.multiprocess:
         return ProcessSpec(
-            source="single", process_index=0, process_count=1, coordinator=None,
+            source="single",
+            process_index=0,
+            process_count=1,
+            coordinator=None,
             devices_per_process=devices_per_process,
-        )  # fmt: skip
+        )
     return spec
 
 

@@ -100,9 +100,12 @@ def _jax_initialize(spec: ProcessSpec, explicit: tuple, kwargs: dict) -> None:
         jax.distributed.initialize(*explicit, cluster_detection_method=_JAX_METHOD[spec.source], **kwargs)
     else:
         jax.distributed.initialize(
-            spec.coordinator, spec.process_count, spec.process_index,
-            cluster_detection_method="deactivate", **kwargs,
-        )  # fmt: skip
+            spec.coordinator,
+            spec.process_count,
+            spec.process_index,
+            cluster_detection_method="deactivate",
+            **kwargs,
+        )
 
 
 @contextmanager

@@ -31,8 +31,14 @@ def inside(directory: Path, name: Any, named_by: str) -> Path:
     """``directory / name``, refused in one line unless ``name`` is a file name that stays inside the
     directory (``meshkit.files.inside``; the Hub cache's blobs allowed: the module docstring). ``named_by``
     says who names it (``'DIR/model.safetensors.index.json'``)."""
-    return files.inside(directory, name, named_by=named_by, roots=_roots(directory), error=InteropError,
-                        fix="a checkpoint reads only its own files; copy them into it")  # fmt: skip
+    return files.inside(
+        directory,
+        name,
+        named_by=named_by,
+        roots=_roots(directory),
+        error=InteropError,
+        fix="a checkpoint reads only its own files; copy them into it",
+    )
 
 
 def regular(path: Path) -> bool:

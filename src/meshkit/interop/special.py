@@ -69,9 +69,16 @@ class Special:
         """tokenizer_config.json for a ``tokenizer.json`` loaded as it is: ``AutoTokenizer`` then gives
         meshkit's ids (without it transformers builds the model type's tokenizer, which for a Llama
         prepends a ``<s>`` the vocabulary may not have)."""
-        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos[0] if self.eos else None,
-                "bos_token": self.bos[0] if self.bos else None, "add_bos_token": False, "add_eos_token": False,
-                "clean_up_tokenization_spaces": False, "model_max_length": max_length, **self.named}  # fmt: skip
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": self.eos[0] if self.eos else None,
+            "bos_token": self.bos[0] if self.bos else None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": max_length,
+            **self.named,
+        }
 
 
 def _ids(value: Any, key: str, path: Path) -> int | list[int] | None:

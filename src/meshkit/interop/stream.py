@@ -25,9 +25,21 @@ import numpy as np
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
-DTYPES = {np.dtype(k): v for k, v in ((np.float64, "F64"), (np.float32, "F32"), (np.float16, "F16"),
-          (ml_dtypes.bfloat16, "BF16"), (np.int64, "I64"), (np.int32, "I32"), (np.int16, "I16"),
-          (np.int8, "I8"), (np.uint8, "U8"), (np.bool_, "BOOL"))}  # fmt: skip
+DTYPES = {
+    np.dtype(k): v
+    for k, v in (
+        (np.float64, "F64"),
+        (np.float32, "F32"),
+        (np.float16, "F16"),
+        (ml_dtypes.bfloat16, "BF16"),
+        (np.int64, "I64"),
+        (np.int32, "I32"),
+        (np.int16, "I16"),
+        (np.int8, "I8"),
+        (np.uint8, "U8"),
+        (np.bool_, "BOOL"),
+    )
+}
 """NumPy dtypes and their safetensors names."""
 
 
@@ -68,8 +80,10 @@ def write(directory: Path, tensors: list[Tensor], max_shard_bytes: int) -> list[
     for file, shard in zip(files, shards, strict=True):
         write_file(directory / file, shard)
     if n > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-                 "weight_map": {t.name: f for f, shard in zip(files, shards, strict=True) for t in shard}}  # fmt: skip
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+            "weight_map": {t.name: f for f, shard in zip(files, shards, strict=True) for t in shard},
+        }
         (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
     return files
 

@@ -30,6 +30,7 @@ starting the job again after a failure, up to ``max_restarts`` times.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -187,35 +188,58 @@ def launch(
     out = output if output is not None else sys.stdout
     err = error_output if error_output is not None else out
     lock = threading.Lock()
-
-    def say(message: str) -> None:
-        with lock:
-            err.write(f"meshkit launch: {message}\n")
-            err.flush()
-
+    say = functools.partial(_say, err, lock)
     with _Signals() as signals, _job_tls(mtls) as tls, _progress_dir(stall_timeout_s) as progress:
         job = _Job(
-            command=command, num_processes=num_processes, port=port, bind=coordinator_bind_address,
-            env=env or {}, devices_per_process=devices_per_process, timeout_s=timeout_s,
-            heartbeat_timeout_s=heartbeat_timeout_s, mtls=tls, out=out, err=err, lock=lock, say=say,
-            grace_s=grace_s, signal_grace_s=signal_grace_s, drain_s=drain_s, max_restarts=max_restarts,
-            signals=signals, progress=progress, stall_timeout_s=stall_timeout_s,
-        )  # fmt: skip
-        attempt = 0
-        while True:
-            ended = _start(job, attempt)
-            restart = (
-                ended.rank is not None
-                and ended.status != BAD_INPUT_EXIT_CODE
-                and attempt < max_restarts
-                and signals.received is None
-            )
-            if not restart:
-                return ended.status
-            attempt += 1
-            if progress is not None:
-                for f in progress.iterdir():  # the next start's first step arms the stall watch again
-                    f.unlink(missing_ok=True)
+            command=command,
+            num_processes=num_processes,
+            port=port,
+            bind=coordinator_bind_address,
+            env=env or {},
+            devices_per_process=devices_per_process,
+            timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            mtls=tls,
+            out=out,
+            err=err,
+            lock=lock,
+            say=say,
+            grace_s=grace_s,
+            signal_grace_s=signal_grace_s,
+            drain_s=drain_s,
+            max_restarts=max_restarts,
+            signals=signals,
+            progress=progress,
+            stall_timeout_s=stall_timeout_s,
+        )
+        return _attempts(job)
+
+
+def _say(err: TextIO, lock: threading.Lock, message: str) -> None:
+    """The launcher's own line on ``err``, whole beside the children's."""
+    with lock:
+        err.write(f"meshkit launch: {message}\n")
+        err.flush()
+
+
+def _attempts(job: _Job) -> int:
+    """Start the job, and again after a failure that may be restarted (``launch``'s docstring), up to its
+    ``max_restarts``; the status of the last start."""
+    attempt = 0
+    while True:
+        ended = _start(job, attempt)
+        restart = (
+            ended.rank is not None
+            and ended.status != BAD_INPUT_EXIT_CODE
+            and attempt < job.max_restarts
+            and job.signals.received is None
+        )
+        if not restart:
+            return ended.status
+        attempt += 1
+        if job.progress is not None:
+            for f in job.progress.iterdir():  # the next start's first step arms the stall watch again
+                f.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,9 +287,17 @@ def _start(job: _Job, attempt: int) -> _Ended:
                 break
             if job.progress is not None:
                 extra[MESHKIT_PROGRESS_FILE] = str(job.progress / f"{_PROGRESS_PREFIX}{rank}")
-            child = child_env(rank, job.num_processes, f"localhost:{at}", devices_per_process=job.devices_per_process,
-                              timeout_s=job.timeout_s, heartbeat_timeout_s=job.heartbeat_timeout_s,
-                              coordinator_bind_address=bind, mtls=job.mtls, env=extra)  # fmt: skip
+            child = child_env(
+                rank,
+                job.num_processes,
+                f"localhost:{at}",
+                devices_per_process=job.devices_per_process,
+                timeout_s=job.timeout_s,
+                heartbeat_timeout_s=job.heartbeat_timeout_s,
+                coordinator_bind_address=bind,
+                mtls=job.mtls,
+                env=extra,
+            )
             children.append(_spawn(rank, job.command, child, job.out, job.err, job.lock))
         ended = _supervise(
             children,

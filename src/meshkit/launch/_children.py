@@ -110,9 +110,14 @@ def _spawn(rank: int, command: Sequence[str], env: dict, out: TextIO, err: TextI
             # PR_SET_PDEATHSIG and execs the command, touching nothing that JAX's threads hold
             warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
             proc = subprocess.Popen(
-                list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, process_group=0, preexec_fn=_die_with_launcher(),
-            )  # fmt: skip
+                list(command),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                process_group=0,
+                preexec_fn=_die_with_launcher(),
+            )
     except OSError as e:
         raise LaunchError(f"cannot start {command[0]!r}: {e.strerror or e}") from None
     pumps = tuple(

@@ -68,21 +68,44 @@ def _make_tls(directory: Path) -> MutualTLS:
             builder = builder.add_extension(extension, critical=critical)
         return builder.sign(ca_key, hashes.SHA256())
 
-    usage = dict.fromkeys(("content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
-                           "encipher_only", "decipher_only"), False)  # fmt: skip
-    ca = signed(ca_name, ca_key.public_key(), [
-        (x509.BasicConstraints(ca=True, path_length=0), True),
-        (x509.KeyUsage(digital_signature=False, key_cert_sign=True, crl_sign=True, **usage), True),
-    ])  # fmt: skip
+    usage = dict.fromkeys(
+        (
+            "content_commitment",
+            "key_encipherment",
+            "data_encipherment",
+            "key_agreement",
+            "encipher_only",
+            "decipher_only",
+        ),
+        False,
+    )
+    ca = signed(
+        ca_name,
+        ca_key.public_key(),
+        [
+            (x509.BasicConstraints(ca=True, path_length=0), True),
+            (x509.KeyUsage(digital_signature=False, key_cert_sign=True, crl_sign=True, **usage), True),
+        ],
+    )
     host = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-             x509.IPAddress(ipaddress.ip_address("::1"))]  # fmt: skip
-    cert = signed(host, key.public_key(), [
-        (x509.BasicConstraints(ca=False, path_length=None), True),
-        (x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False, **usage), True),
-        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), False),
-        (x509.SubjectAlternativeName(names), False),
-    ])  # fmt: skip
+    names = [
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        x509.IPAddress(ipaddress.ip_address("::1")),
+    ]
+    cert = signed(
+        host,
+        key.public_key(),
+        [
+            (x509.BasicConstraints(ca=False, path_length=None), True),
+            (x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False, **usage), True),
+            (
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                False,
+            ),
+            (x509.SubjectAlternativeName(names), False),
+        ],
+    )
     pem = serialization.Encoding.PEM
     files = {
         "ca.pem": ca.public_bytes(pem),

@@ -199,7 +199,7 @@ def generate(
 
 def kv_sharding(mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig) -> jax.sharding.NamedSharding:
     """The cache under a training mesh's tensor-parallel split: key/value heads on ``model`` where
-    they divide over it (as ``placement.WHERE_DIVIDES`` splits ``wk`` and ``wv``), else whole."""
+    they divide over it (as ``tp_rules.WHERE_DIVIDES`` splits ``wk`` and ``wv``), else whole."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 

@@ -433,7 +433,7 @@ def logical_axes(params: Params) -> Any:
 
 def units(cfg: LlamaConfig) -> dict[str, int]:
     """Logical axes of whole units: the model axis must divide the query heads; key/value heads
-    that do not divide over it stay whole on it (``placement.WHERE_DIVIDES``)."""
+    that do not divide over it stay whole on it (``tp_rules.WHERE_DIVIDES``)."""
     return {"heads": cfg.heads, "kv_heads": cfg.kv_heads}
 
 

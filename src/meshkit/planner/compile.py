@@ -129,7 +129,7 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
     The step ``meshkit train`` builds (``plans.assemble``, the Trainer's assembly, without allocating):
     the layout's ``ParallelSpec`` with the GPT's logical axes and whole heads, AdamW, clipping and the
     gradient norm, bf16 compute and (fsdp) bf16 gathers for bf16, the vocabulary split over the model
-    axis (``placement.vocab_rules``, as ``train.job`` places it); pipeline plans with their schedule.
+    axis (``tp_rules.vocab_rules``, every caller's default); pipeline plans with their schedule.
 
     The branch share is the fraction of a loop's trips on which a device runs each branch of a
     conditional in it: a pipeline's forward and backward branches run ``m v`` of the schedule's

@@ -41,7 +41,7 @@ def _config(shape: ModelShape, precision: str, layers: int = 1):
 
 def vocab_split(shape: ModelShape, layout: Layout) -> int:
     """The ways the GPT's token embedding and unembedding are split over the model axis, as
-    ``meshkit train`` places them (``plans.placement.vocab_rules``): over tp where the vocabulary
+    ``meshkit train`` places them (``plans.tp_rules.vocab_rules``): over tp where the vocabulary
     divides (the default rules leave a dim that does not divide whole), whole under a pipeline plan."""
     return layout.tp if layout.pp == 1 and shape.vocab % layout.tp == 0 else 1
 

@@ -43,14 +43,28 @@ def option(
     shown: str | None = None,
     flags: tuple[str, ...] = (),
     later: bool = False,
+    least: float | None = None,
+    above: float | None = None,
+    note: str = "",
 ) -> Any:
     """A field of a config dataclass with what every place that lists options asks of it, so that they all
     follow from the dataclass: ``help``, what ``meshkit train --help`` says (None: no flag; a config file
     or ``--set`` gives it); ``fixes``, what a run fixes by it (``--resume`` refuses a change, naming this)
     or None (a resumed run may change it); ``shown``, the default as help shows it (None: the presets');
     ``flags``, the flags where they are not ``--name`` (``--name/--no-name`` for a bool); ``later``, added
-    after configs were first written (a saved config without it ran with its default)."""
-    meta = {"help": help, "fixes": fixes, "shown": shown, "flags": flags, "later": later}
+    after configs were first written (a saved config without it ran with its default); ``least`` and
+    ``above``, its bounds (a number must be at least, or above, that; a float also finite), ``note`` what
+    the refusal adds ('0: full fine-tuning')."""
+    meta = {
+        "help": help,
+        "fixes": fixes,
+        "shown": shown,
+        "flags": flags,
+        "later": later,
+        "least": least,
+        "above": above,
+        "note": note,
+    }
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -58,8 +72,11 @@ def option(
 class ParallelSpec:
     """How a step is laid out: the plan, the mesh, and what the plan is run with."""
 
-    plan: str = option("dp", help=f"{describe_plans()}; auto: the planner's fastest predicted layout for the run's "
-                       "model on the devices present.")  # fmt: skip
+    plan: str = option(
+        "dp",
+        help=f"{describe_plans()}; auto: the planner's fastest predicted layout for the run's "
+        "model on the devices present.",
+    )
     """A name of ``PLANS``, or 'auto' (the planner chooses, before the step is built)."""
     mesh: str | None = option(
         None, help="e.g. data=8 or data=4,model=2.", shown="the plan's, over all devices"
@@ -69,9 +86,11 @@ class ParallelSpec:
     remat: str = option("none", help=f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}.")
     """Activation checkpointing per layer: one of ``REMAT_POLICIES`` (aliases ``REMAT_ALIASES``)."""
     precision: str | None = option(
-        None, help=one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + ".",
-        shown="by platform: " + ", ".join(f"{p} {v}" for p, v in PLATFORM_PRECISION.items()), fixes="the arithmetic",
-    )  # fmt: skip
+        None,
+        help=one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + ".",
+        shown="by platform: " + ", ".join(f"{p} {v}" for p, v in PLATFORM_PRECISION.items()),
+        fixes="the arithmetic",
+    )
     """Compute precision: one of ``PRECISIONS``; ZeRO-3 then gathers in the compute dtype. None: the
     parameters' own dtype in the Trainer; ``meshkit train`` resolves it by platform (``PLATFORM_PRECISION``)."""
     accumulate: int = option(1, help="Micro-batches per step (must divide the batch per data shard).")
@@ -80,8 +99,12 @@ class ParallelSpec:
         None, help="Pipeline plans: micro-batches per step.", shown="one per stage"
     )
     """Pipeline plans: micro-batches per step; None: one per stage."""
-    pipeline_schedule: str | None = option(None, help=f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)}.", shown="1f1b",
-                                           flags=("--pipeline-schedule", "--schedule"))  # fmt: skip
+    pipeline_schedule: str | None = option(
+        None,
+        help=f"Pipeline plans: {one_of(PIPELINE_SCHEDULES)}.",
+        shown="1f1b",
+        flags=("--pipeline-schedule", "--schedule"),
+    )
     """Pipeline plans: one of ``PIPELINE_SCHEDULES``; None: 1f1b."""
     virtual_stages: int = option(1, help="Interleaved: chunks of layers per device.")
     """Interleaved schedule: chunks of layers per device."""
@@ -93,11 +116,15 @@ class ParallelSpec:
     )
     """How each device attends: one of ``ATTENTION_IMPLEMENTATIONS`` (``plans.attention``)."""
     deterministic: bool | int | None = option(
-        None, fixes="the order the gradients are summed in", shown="off", flags=("--deterministic",), later=True,
+        None,
+        fixes="the order the gradients are summed in",
+        shown="off",
+        flags=("--deterministic",),
+        later=True,
         help="The same bits on 1, 2, 4 or 8 devices: the batch cut into 8 micro-shards (--set deterministic=N for N, a "
         "power of two) whose gradients are summed in one fixed tree; plans "
         f"{one_of(DETERMINISTIC_PLANS, 'and')}. Its price in bytes is in the report.",
-    )  # fmt: skip
+    )
     """Deterministic mode (``plans._deterministic``): the global batch cut into this many micro-shards
     (a power of two, at least the batch devices), their gradients summed in one fixed tree whatever the
     mesh, so that the step's bits do not depend on the device count; True means ``DETERMINISTIC_SHARDS``;

@@ -165,17 +165,39 @@ DATA_FILLS = 1
 """The data axis's ``AxisRule.fills``: it takes every device left unless the expert axis is in the plan."""
 
 AXIS_RULES = (
-    AxisRule(token="tp", axis=MODEL, field="tensor", words="tensor parallelism", fills=4, leads=3,
-             nondeterministic="splits matmuls over the model axis, whose partial sums XLA orders by that axis's size"),
+    AxisRule(
+        token="tp",
+        axis=MODEL,
+        field="tensor",
+        words="tensor parallelism",
+        fills=4,
+        leads=3,
+        nondeterministic="splits matmuls over the model axis, whose partial sums XLA orders by that axis's size",
+    ),
     AxisRule(token="pp", axis=STAGE, field="pipeline", words="pipelines", fills=2, leads=0),
-    AxisRule(token="cp", axis=CONTEXT, field="context", splits="sequence", fills=3, leads=1,
-             words="context parallelism (the sequence split over a context axis)",
-             nondeterministic="sums attention and gradients over the context axis in an order set by its size"),
-    AxisRule(token="ep", axis=EXPERT, field="expert", splits="rows", logical="expert", fills=0, leads=2,
-             model_needs="a mixture-of-experts model: set experts (e.g. --experts 8)",
-             words="expert parallelism (a mixture of experts, --experts, split over an expert axis)",
-             nondeterministic="all-reduces the dense leaves' gradients over the expert axis in an order set by its size"),
-)  # fmt: skip
+    AxisRule(
+        token="cp",
+        axis=CONTEXT,
+        field="context",
+        splits="sequence",
+        fills=3,
+        leads=1,
+        words="context parallelism (the sequence split over a context axis)",
+        nondeterministic="sums attention and gradients over the context axis in an order set by its size",
+    ),
+    AxisRule(
+        token="ep",
+        axis=EXPERT,
+        field="expert",
+        splits="rows",
+        logical="expert",
+        fills=0,
+        leads=2,
+        model_needs="a mixture-of-experts model: set experts (e.g. --experts 8)",
+        words="expert parallelism (a mixture of experts, --experts, split over an expert axis)",
+        nondeterministic="all-reduces the dense leaves' gradients over the expert axis in an order set by its size",
+    ),
+)
 """The axes a plan adds to its data part, in the order their parts are written in a plan's name."""
 
 COMBINE = {
@@ -226,8 +248,14 @@ def _default_mesh(data: str | None, rules: tuple[AxisRule, ...]) -> str:
 
 def _plan(data: str | None, rules: tuple[AxisRule, ...]) -> Plan:
     name = "+".join(([data] if data else []) + [r.token for r in rules])
-    return Plan(name=name, data=data is not None, zero=DATA_PARTS[data or "dp"], hybrid=data == "hsdp",
-                axes=tuple(r.axis for r in rules), default_mesh=_default_mesh(data, rules))  # fmt: skip
+    return Plan(
+        name=name,
+        data=data is not None,
+        zero=DATA_PARTS[data or "dp"],
+        hybrid=data == "hsdp",
+        axes=tuple(r.axis for r in rules),
+        default_mesh=_default_mesh(data, rules),
+    )
 
 
 def _plans() -> dict[str, Plan]:

@@ -60,9 +60,16 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         # XLA's CPU compiler moves sub-32-bit floats as f32
         cpu = trainer.mesh.devices.flat[0].platform == "cpu"
         low = max(trainer.compute_dtype.itemsize, 4) if cpu else trainer.compute_dtype.itemsize
-    expected = expected_collectives(trainer.placement, trainer.accumulate, tokens_per_device=tokens, batch_fed=fed,
-                                    gather_itemsize=low, per_layer=trainer.per_layer,
-                                    form=trainer.spec.context_attention, segment_bytes=_segment_bytes(batch))  # fmt: skip
+    expected = expected_collectives(
+        trainer.placement,
+        trainer.accumulate,
+        tokens_per_device=tokens,
+        batch_fed=fed,
+        gather_itemsize=low,
+        per_layer=trainer.per_layer,
+        form=trainer.spec.context_attention,
+        segment_bytes=_segment_bytes(batch),
+    )
     det = None
     if trainer.spec.deterministic is not None:  # its collectives over data (a pipeline's stage rows below)
         leaves = jax.tree.leaves(trainer._param_shapes)
@@ -73,11 +80,6 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
             *expected,
             *trainer.pipeline.expected(trainer._param_shapes, batch, trainer.per_layer.trainable),
         ]
-    formula = memory_formula(trainer.placement, trainer.assembled.optimizer, trainer._param_shapes)
-    mem = [
-        MemoryRow(component="params", measured_bytes=device_bytes(trainer.params), formula_bytes=formula["params"]),
-        MemoryRow(component="optimizer", measured_bytes=device_bytes(trainer.opt_state), formula_bytes=formula["optimizer"]),
-    ]  # fmt: skip
     compiled_memory = memory(compiled)
     return PlanReport(
         peak_of=None  # the peak model describes the non-pipeline step; a pipeline reports its stash
@@ -93,7 +95,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         plan=trainer.plan.name,
         mesh={k: int(v) for k, v in trainer.mesh.shape.items()},
         communication=compare_communication(ledger, expected),
-        memory=mem,
+        memory=_memory_rows(trainer),
         compiled_memory=compiled_memory,
         replicated=trainer.placement.replicated(),
         ledger=ledger,
@@ -104,6 +106,16 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
             trainer.last_schedule, trainer._param_shapes, batch, compiled_memory.temp_bytes
         ),
     )
+
+
+def _memory_rows(trainer: Any) -> list[MemoryRow]:
+    """The parameters and the optimizer state as placed, beside the ZeRO formula's bytes per device."""
+    formula = memory_formula(trainer.placement, trainer.assembled.optimizer, trainer._param_shapes)
+    held = {"params": trainer.params, "optimizer": trainer.opt_state}
+    return [
+        MemoryRow(component=k, measured_bytes=device_bytes(v), formula_bytes=formula[k])
+        for k, v in held.items()
+    ]
 
 
 def _tokens_per_example(rows: Mapping[str, int], placement: Placement, n_examples: int) -> int:

@@ -1,8 +1,8 @@
 """The training job's configuration: a frozen dataclass of sections, and presets as plain functions.
 
 ``TrainConfig`` holds five sections: ``model``, ``optimizer``, ``data``, ``run`` and ``parallel`` (the
-``ParallelSpec``, which validates the layout). Each option is declared once, in its section, with
-``meshkit.spec.option``: its default, what ``meshkit train --help`` says of it, and what a run fixes by
+``ParallelSpec``, which validates the layout). Each option is declared once, in its section
+(:mod:`meshkit.train.options`), with ``meshkit.spec.option``: its default, what ``meshkit train --help`` says of it, and what a run fixes by
 it. Everything that lists options follows from those declarations: the command's flags
 (``meshkit.cli.train``), a config file's tables (``config_file``: ``[model]``, ``[optimizer]``...),
 what ``--resume`` refuses to change and what it may (``resume``), and what a config written before an
@@ -25,7 +25,8 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
-from meshkit.spec import PLATFORM_PRECISION, TASKS, ParallelSpec, PlanError, one_of, option, plans_of
+from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
+from meshkit.train.options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
 from meshkit.train.task import problem as task_problem
 
 
@@ -39,137 +40,13 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 """Where ``--tracker`` sends the metrics (``meshkit.train.metrics``); jsonl (metrics.jsonl) is always on."""
 MAX_STEPS = 10**9
 """More optimizer steps than any run takes (a bound, so that nonsense fails before anything is written)."""
-SHAPE = "the model's shape"
-ROUTING = "the model's routing"
-TRAINED = "the trained parameters"
-SCHEDULE = "the learning-rate schedule"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelOptions:
-    """The model trained: its family, its shape, where its weights start, and LoRA's adapters."""
-
-    model: str = option("gpt", help=f"{registry.summary()}.", fixes="the model", later=True)
-    """The decoder trained: a family of ``meshkit.models.registry`` (the GPT, the Llama, the Gemma)."""
-    layers: int = option(2, help="Transformer blocks.", fixes=SHAPE)
-    width: int = option(128, help="Model width.", fixes=SHAPE)
-    """Model width (embedding dimension)."""
-    heads: int = option(4, help="Attention heads (must divide --width).", fixes=SHAPE)
-    kv_heads: int = option(0, help="Llama: key/value heads (must divide --heads).", shown="as many as --heads",
-                           fixes=SHAPE, later=True)  # fmt: skip
-    """Grouped-query attention's key/value heads (must divide heads); 0: as many as heads."""
-    tie_embeddings: bool = option(False, help="Llama: the output head is the token embedding.", shown="off",
-                                  fixes=SHAPE, later=True)  # fmt: skip
-    scan_layers: bool = option(False, help="Stack the blocks under lax.scan.")
-    """The scanned form: blocks stacked under lax.scan (compile time flat in depth); a resumed run may change it."""
-    init_from: str | None = option(None, help="Start from a Hugging Face checkpoint: hf:DIR (config.json + "
-                                   "safetensors).", shown="random", fixes="the initialisation", later=True)  # fmt: skip
-    """'hf:DIR' (config.json + safetensors) instead of random weights; its shape must be the run's."""
-    experts: int = option(0, help=f"Mixture of experts: MLPs per layer (plans {one_of(plans_of('expert'), 'and')} "
-                          "split them).", shown="0: a dense MLP", fixes=SHAPE, later=True)  # fmt: skip
-    """MLPs per layer (0: a dense MLP; ``ModelShape.experts``)."""
-    experts_per_token: int = option(
-        2, help="Mixture of experts: experts per token (top-k).", fixes=ROUTING, later=True
-    )
-    capacity_factor: float = option(1.25, help="Mixture of experts: slots per expert = ceil(factor x T x k / experts); "
-                                    "0: dropless (every slot runs).", fixes=ROUTING, later=True)  # fmt: skip
-    """An expert takes at most ceil(capacity_factor x T x k / experts) slots of a sequence."""
-    lora_rank: int = option(0, help="LoRA: the adapters' rank; the base weights stay frozen.",
-                            shown="0: full fine-tuning", fixes=TRAINED, later=True)  # fmt: skip
-    """LoRA (``meshkit.models.lora``): the adapters' rank; 0: full fine-tuning."""
-    lora_alpha: float | None = option(None, help="LoRA: the update is scaled by alpha / rank.", shown="LoRA's: 16",
-                                      fixes=TRAINED, later=True)  # fmt: skip
-    """None: ``lora.LoraConfig``'s alpha. Given without a rank, it is refused, never ignored."""
-    lora_targets: str | None = option(None, help="LoRA: comma-separated matrices to adapt.", shown="wq,wk,wv,wo",
-                                      fixes=TRAINED, later=True)  # fmt: skip
-    """Comma-separated keys of the matrices adapted; None: ``lora.DEFAULT_TARGETS``."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerOptions:
-    """The optimizer and its learning-rate schedule (``meshkit.train.optim``)."""
-
-    optimizer: str = option("adamw", help="adamw or sgd (momentum).", fixes="the optimizer")
-    lr: float = option(3e-3, help="Peak learning rate (warmup + cosine).", fixes=SCHEDULE)
-    warmup: int | None = option(None, help="Linear warmup steps (below --steps).",
-                                shown="a tenth of --steps, rounded down", fixes=SCHEDULE)  # fmt: skip
-    """None: a tenth of ``steps`` (rounded down), so any step count works."""
-    weight_decay: float = option(0.01, fixes="the optimizer")
-    """AdamW's weight decay (a config file or ``--set`` gives it)."""
-    momentum: float = option(0.9, fixes="the optimizer")
-    """SGD's momentum."""
-    clip: float | None = option(1.0, help="Global-norm clipping (0 turns it off).", fixes="the optimizer")
-    """Global-norm gradient clipping (None: off)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DataOptions:
-    """What is trained on, in what order, and how a batch is formed (``meshkit.train.task``)."""
-
-    data: str | None = option(
-        None, fixes="the data", shown="Python's reference docs (pydoc_data), per character",
-        help="A directory made by 'meshkit data prepare' (BPE token shards), a UTF-8 text file (per character) or a .npy "
-        "of token ids; DIR:WEIGHT,DIR:WEIGHT mixes prepared directories of one tokenizer by the weights "
-        "(normalised), e.g. web:0.7,code:0.3.",
-    )  # fmt: skip
-    """A prepared directory, a text file, a .npy of ids, or a mixture of prepared directories
-    (:mod:`meshkit.data.mixture`); None: Python's own reference docs (pydoc_data.topics), per character."""
-    seq_len: int = option(128, help="Tokens (characters, for text) per sequence.",
-                          fixes="the model's shape and the data order")  # fmt: skip
-    batch_size: int = option(32, help="Global batch in sequences.", fixes="the data order")
-    seed: int = option(
-        0, help="Seed of initialisation and data order.", fixes="the initialisation and the data order"
-    )
-    task: str = option("pretrain", help=f"What is trained: {one_of(TASKS)}.", fixes="the loss and the data stream",
-                       later=True)  # fmt: skip
-    """'pretrain' (every token) or 'sft' (conversations: the loss on the assistant's tokens only)."""
-    document_masks: bool = option(
-        False, help="Pretraining: packed documents attend within themselves, positions from 0 in each.", shown="off",
-        fixes="the attention and the data stream", later=True,
-    )  # fmt: skip
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RunOptions:
-    """How long the run trains, and what it measures and writes around the training."""
-
-    steps: int = option(400, help="Optimizer steps in total.", fixes=SCHEDULE)
-    """A resumed run continues up to this count (the schedule spans it: ``--stop-after`` stops early)."""
-    run_dir: str = option(
-        "runs/latest", help="Output directory.", shown="a new runs/<time>; with --resume, runs/latest"
-    )
-    """Where config.json, metrics.jsonl, report.json, plots and checkpoints go (the CLI gives each new run
-    its own runs/<time> and points runs/latest at it)."""
-    eval_every: int = option(50, help="Evaluate every k steps (0: at the end only).")
-    eval_batches: int = option(4)
-    """Held-out batches per evaluation."""
-    eval_tasks: str | None = option(
-        None, shown="none", help="Multiple-choice tasks scored at each evaluation (acc, acc_norm per task, as "
-        'lm-evaluation-harness): JSONL files of {"query", "choices", "gold"} rows, comma-separated, or a shipped '
-        "task: python_docs.",
-    )  # fmt: skip
-    checkpoint_every: int = option(100, help="Checkpoint every k steps.")
-    """Save a checkpoint every this many steps (and always at the end)."""
-    sample_chars: int = option(200, help="Characters to sample at the end.")
-    tensorboard: bool = option(
-        False, help="Also write TensorBoard event files beside metrics.jsonl.", shown="off"
-    )
-    plan_reason: str | None = option(None)
-    """Why ``--plan auto`` chose the plan (None: the plan was given)."""
-    export_hf: bool = option(False, shown="off",
-                             help="At the end, write the model as a Hugging Face checkpoint into the run's hf/.")  # fmt: skip
-    tracker: str = option(
-        "jsonl", help="Where the metrics go, comma-separated: jsonl (always), tensorboard, wandb (offline unless "
-        "WANDB_MODE says otherwise; pip install 'meshkit[wandb]').",
-    )  # fmt: skip
-    peak_tflops: float | None = option(
-        None, help="One device's peak TFLOP/s, for MFU in the summary, report.json and metrics.jsonl (default: the "
-        "table's figure for the GPU or TPU at the run's precision; none on a CPU).",
-    )  # fmt: skip
-
-
-SECTIONS: dict[str, type] = {"model": ModelOptions, "optimizer": OptimizerOptions, "data": DataOptions,
-                             "run": RunOptions, "parallel": ParallelSpec}  # fmt: skip
+SECTIONS: dict[str, type] = {
+    "model": ModelOptions,
+    "optimizer": OptimizerOptions,
+    "data": DataOptions,
+    "run": RunOptions,
+    "parallel": ParallelSpec,
+}
 """The sections of a config, by their name (``config.json``'s objects, a config file's tables)."""
 FIELDS: dict[str, dataclasses.Field] = {
     f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)
@@ -315,8 +192,18 @@ def default() -> TrainConfig:
 
 def tiny() -> TrainConfig:
     """A few-second run for tests and smoke checks."""
-    return TrainConfig().replace(steps=12, batch_size=16, seq_len=32, layers=1, width=32, heads=4, eval_every=6,
-                                 eval_batches=1, checkpoint_every=6, sample_chars=20)  # fmt: skip
+    return TrainConfig().replace(
+        steps=12,
+        batch_size=16,
+        seq_len=32,
+        layers=1,
+        width=32,
+        heads=4,
+        eval_every=6,
+        eval_batches=1,
+        checkpoint_every=6,
+        sample_chars=20,
+    )
 
 
 PRESETS = {"default": default, "tiny": tiny}
@@ -363,52 +250,14 @@ def by_platform(cfg: TrainConfig, platform: str | None = None) -> TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Range checks that need no data and no devices, section by section; each message names the option
-    to change."""
-    m, o, d, r = cfg.model, cfg.optimizer, cfg.data, cfg.run
-    warmup = warmup_steps(cfg)
-    family = registry.family(m.model) if m.model in registry.names() else None
-    checks = [
-        (lambda: family is not None, lambda: f"unknown --model {m.model!r}: use {' or '.join(registry.names())}"),
-        (lambda: m.layers >= 1, lambda: f"--layers must be at least 1, got {m.layers}"),
-        (lambda: m.width >= 1, lambda: f"--width must be at least 1, got {m.width}"),
-        (lambda: m.heads >= 1, lambda: f"--heads must be at least 1, got {m.heads}"),
-        # from a checkpoint, its head_dim sets the heads' width (checked against its tensors on load)
-        (lambda: m.init_from is not None or m.width % m.heads == 0, lambda: f"--heads {m.heads} must divide --width {m.width}"),
-        (lambda: m.kv_heads >= 0, lambda: f"--kv-heads must be at least 0 (0: as many as --heads), got {m.kv_heads}"),
-        (lambda: not _foreign_options(cfg), lambda: _foreign_options(cfg)),
-        (lambda: m.kv_heads == 0 or m.heads % m.kv_heads == 0, lambda: f"--kv-heads {m.kv_heads} must divide --heads {m.heads}"),
-        (lambda: family.check(m) is None, lambda: family.check(m)),
-        (lambda: m.init_from is None or (m.init_from.startswith(HF_PREFIX) and len(m.init_from) > len(HF_PREFIX)),
-         lambda: f"--init-from {m.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"),
-        (lambda: m.lora_rank >= 0, lambda: f"--lora-rank must be at least 0 (0: full fine-tuning), got {m.lora_rank}"),
-        (lambda: m.lora_rank > 0 or (m.lora_targets, m.lora_alpha) == (None, None),
-         lambda: "--lora-alpha and --lora-targets set LoRA's adapters: give their --lora-rank too (e.g. 8)"),
-        (lambda: o.optimizer in ("adamw", "sgd"), lambda: f"unknown --optimizer {o.optimizer!r}: use adamw or sgd"),
-        (lambda: math.isfinite(o.lr) and o.lr > 0, lambda: f"--lr must be a positive finite number, got {o.lr}"),
-        (lambda: math.isfinite(o.weight_decay) and o.weight_decay >= 0,
-         lambda: f"--weight-decay must be a finite number of at least 0, got {o.weight_decay}"),
-        (lambda: math.isfinite(o.momentum) and 0 <= o.momentum < 1, lambda: f"--momentum must be in [0, 1), got {o.momentum}"),
-        (lambda: o.clip is None or (math.isfinite(o.clip) and o.clip > 0),
-         lambda: f"--clip must be a positive finite number (0 turns it off), got {o.clip}"),
-        (lambda: d.batch_size >= 1, lambda: f"--batch-size must be at least 1, got {d.batch_size}"),
-        (lambda: d.seq_len >= 1, lambda: f"--seq-len must be at least 1, got {d.seq_len}"),
-        (lambda: 0 <= d.seed < 2**32, lambda: f"--seed must be in [0, 2**32), got {d.seed}"),
-        (lambda: task_problem(cfg) is None, lambda: task_problem(cfg)),
-        (lambda: 1 <= r.steps <= MAX_STEPS, lambda: f"--steps must be between 1 and {MAX_STEPS:,}, got {r.steps}"),
-        (lambda: warmup >= 0, lambda: f"--warmup must be at least 0, got {warmup}"),
-        (lambda: warmup < r.steps, lambda: f"--warmup {warmup} must be below --steps {r.steps}: lower --warmup, "
-                                           f"or leave it out (default: a tenth of --steps)"),
-        (lambda: r.eval_every >= 0, lambda: f"--eval-every must be at least 0 (0: at the end only), got {r.eval_every}"),
-        (lambda: r.eval_batches >= 1, lambda: f"--eval-batches must be at least 1, got {r.eval_batches}"),
-        (lambda: r.checkpoint_every >= 1, lambda: f"--checkpoint-every must be at least 1, got {r.checkpoint_every}"),
-        (lambda: r.sample_chars >= 0, lambda: f"--sample-chars must be at least 0, got {r.sample_chars}"),
-        (lambda: r.peak_tflops is None or (math.isfinite(r.peak_tflops) and r.peak_tflops > 0),
-         lambda: f"--peak-tflops must be a positive finite number (one device's peak), got {r.peak_tflops}"),
-    ]  # fmt: skip
-    for ok, message in checks:  # in order: a later check may divide by what an earlier one bounds
-        if not ok():
-            raise ConfigError(message())
+    """Checks that need no data and no devices; each message names the option to change: every number
+    within the bounds its declaration gives (``least``, ``above``), then what the options say of each other."""
+    for name, f in FIELDS.items():
+        if (problem := _out_of_bounds(name, cfg.get(name), f.metadata)) is not None:
+            raise ConfigError(problem)
+    for check in (_model_problem, _optimizer_problem, _data_problem, _run_problem):
+        if (problem := check(cfg)) is not None:
+            raise ConfigError(problem)
     lora_config(cfg)  # LoRA's own checks (its alpha, its targets), before anything is read
     if "wandb" in trackers(cfg):
         import importlib.util
@@ -417,6 +266,68 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(
                 "--tracker wandb needs the wandb package: pip install 'meshkit[wandb]' (or drop wandb from --tracker)"
             )
+
+
+def _out_of_bounds(name: str, value: Any, meta: Any) -> str | None:
+    """Why ``value`` is outside option ``name``'s declared bounds (a float must also be finite), or None."""
+    least, above, note = meta.get("least"), meta.get("above"), meta.get("note", "")
+    if value is None or isinstance(value, bool) or (least is None and above is None):
+        return None
+    finite = not isinstance(value, float) or math.isfinite(value)
+    if above is not None and not (finite and value > above):
+        return f"{flag(name)} must be a positive finite number{note}, got {value}"
+    if least is not None and not (finite and value >= least):
+        kind = "a finite number of at least" if isinstance(value, float) else "at least"
+        return f"{flag(name)} must be {kind} {least}{note}, got {value}"
+    return None
+
+
+def _model_problem(cfg: TrainConfig) -> str | None:
+    m = cfg.model
+    if m.model not in registry.names():
+        return f"unknown --model {m.model!r}: use {' or '.join(registry.names())}"
+    # from a checkpoint, its head_dim sets the heads' width (checked against its tensors on load)
+    if m.init_from is None and m.width % m.heads:
+        return f"--heads {m.heads} must divide --width {m.width}"
+    if foreign := _foreign_options(cfg):
+        return foreign
+    if m.kv_heads and m.heads % m.kv_heads:
+        return f"--kv-heads {m.kv_heads} must divide --heads {m.heads}"
+    if (problem := registry.family(m.model).check(m)) is not None:
+        return problem
+    if m.init_from is not None and not (
+        m.init_from.startswith(HF_PREFIX) and len(m.init_from) > len(HF_PREFIX)
+    ):
+        return f"--init-from {m.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"
+    if not m.lora_rank and (m.lora_targets, m.lora_alpha) != (None, None):
+        return "--lora-alpha and --lora-targets set LoRA's adapters: give their --lora-rank too (e.g. 8)"
+    return None
+
+
+def _optimizer_problem(cfg: TrainConfig) -> str | None:
+    o = cfg.optimizer
+    if o.optimizer not in ("adamw", "sgd"):
+        return f"unknown --optimizer {o.optimizer!r}: use adamw or sgd"
+    if not (math.isfinite(o.momentum) and 0 <= o.momentum < 1):
+        return f"--momentum must be in [0, 1), got {o.momentum}"
+    return None
+
+
+def _data_problem(cfg: TrainConfig) -> str | None:
+    if not 0 <= cfg.data.seed < 2**32:
+        return f"--seed must be in [0, 2**32), got {cfg.data.seed}"
+    return task_problem(cfg)
+
+
+def _run_problem(cfg: TrainConfig) -> str | None:
+    steps, warmup = cfg.run.steps, warmup_steps(cfg)
+    if not 1 <= steps <= MAX_STEPS:
+        return f"--steps must be between 1 and {MAX_STEPS:,}, got {steps}"
+    if warmup < 0:
+        return f"--warmup must be at least 0, got {warmup}"
+    if warmup >= steps:
+        return f"--warmup {warmup} must be below --steps {steps}: lower --warmup, or leave it out (default: a tenth of --steps)"
+    return None
 
 
 def _foreign_options(cfg: TrainConfig) -> str:
@@ -433,7 +344,7 @@ def _foreign_options(cfg: TrainConfig) -> str:
         return ""
     takers = [f.name for f in registry.families() if set(given) <= set(f.options)] or ["another"]
     said = " and ".join(flag(n) for n in dict.fromkeys(given))
-    return f"{said} {'is' if len(given) == 1 else 'are'} for --model {' or '.join(takers)}: add --model {takers[0]}, or drop them"  # fmt: skip
+    return f"{said} {'is' if len(given) == 1 else 'are'} for --model {' or '.join(takers)}: add --model {takers[0]}, or drop them"
 
 
 def trackers(cfg: TrainConfig) -> tuple[str, ...]:

@@ -229,8 +229,9 @@ class TaskEval:
     """The run's tasks, encoded once, and their scoring: one jitted function of fixed ``(rows, seq_len)``
     batches placed as the training batches are (``sharding``), the parameters where they lie."""
 
-    def __init__(self, tasks: tuple[Task, ...], reqs: Requests, *, apply: Callable, rows: int,
-                 sharding: NamedSharding) -> None:  # fmt: skip
+    def __init__(
+        self, tasks: tuple[Task, ...], reqs: Requests, *, apply: Callable, rows: int, sharding: NamedSharding
+    ) -> None:
         self.tasks, self.requests, self.rows, self.sharding = tasks, reqs, rows, sharding
         whole = NamedSharding(sharding.mesh, P())  # every process reads every score
         self.score_rows = jax.jit(lambda p, *batch: _sums(apply, p, *batch), out_shardings=whole)
@@ -250,8 +251,11 @@ class TaskEval:
 
     def __call__(self, params: Any) -> dict[str, float]:
         """``acc/NAME`` and ``acc_norm/NAME`` of every task."""
-        return {k: v for task, lls in zip(self.tasks, self.by_question(self.scores(params)), strict=True)
-                for k, v in accuracy(task, lls).items()}  # fmt: skip
+        return {
+            k: v
+            for task, lls in zip(self.tasks, self.by_question(self.scores(params)), strict=True)
+            for k, v in accuracy(task, lls).items()
+        }
 
     def by_question(self, lls: np.ndarray) -> list[list[np.ndarray]]:
         """Request scores ``lls`` cut into each task's questions' choice scores."""
@@ -263,8 +267,17 @@ class TaskEval:
         return out
 
 
-def build(spec: str | None, encode: Callable[[str], Any], family: Any, model: Any, *, seq_len: int, rows: int,
-          sharding: NamedSharding, params_of: Callable[[Any], Any] = lambda p: p) -> TaskEval | None:  # fmt: skip
+def build(
+    spec: str | None,
+    encode: Callable[[str], Any],
+    family: Any,
+    model: Any,
+    *,
+    seq_len: int,
+    rows: int,
+    sharding: NamedSharding,
+    params_of: Callable[[Any], Any] = lambda p: p,
+) -> TaskEval | None:
     """The tasks of ``--eval-tasks`` (None: none) for the run's model, data and batch layout; raises
     ``TaskError`` before anything runs where a file or a row is bad. ``family``: the model's
     (``models.family.Family``). ``params_of``: the run's parameters
@@ -274,5 +287,10 @@ def build(spec: str | None, encode: Callable[[str], Any], family: Any, model: An
         return None
     tasks = read_tasks(spec)
     module = family.module
-    return TaskEval(tasks, requests(tasks, encode, seq_len), rows=rows, sharding=sharding,
-                    apply=lambda params, tokens_bt: module.apply(params_of(params), tokens_bt, model))  # fmt: skip
+    return TaskEval(
+        tasks,
+        requests(tasks, encode, seq_len),
+        rows=rows,
+        sharding=sharding,
+        apply=lambda params, tokens_bt: module.apply(params_of(params), tokens_bt, model),
+    )

@@ -41,7 +41,9 @@ def checkpoint_config(
             C.flag(k) if v is True else f"{C.flag(k)} {v}" for k, v in differ.items() if v is not False
         )
         mine = ", ".join(f"{C.flag(k)} {cfg.get(k)}" for k in differ)
-        raise C.ConfigError(f"--init-from: the checkpoint's shape is not the run's ({mine}): give {flags or 'no --tie-embeddings'}")  # fmt: skip
+        raise C.ConfigError(
+            f"--init-from: the checkpoint's shape is not the run's ({mine}): give {flags or 'no --tie-embeddings'}"
+        )
     if family.learned_positions and cfg.data.seq_len > model.seq_len:
         raise C.ConfigError(
             f"--init-from: the checkpoint has {model.seq_len} positions, fewer than --seq-len {cfg.data.seq_len}: "
@@ -61,8 +63,11 @@ def checkpoint_shape(cfg: C.TrainConfig, family: Family) -> dict[str, int]:
     shape = model.shape()
     fixed = {"head_dim": shape.head_dim, "ffn": shape.ffn}
     if shape.experts:
-        fixed |= {"experts": shape.experts, "experts_per_token": shape.experts_per_token,
-                  "capacity_factor": shape.capacity_factor}  # fmt: skip
+        fixed |= {
+            "experts": shape.experts,
+            "experts_per_token": shape.experts_per_token,
+            "capacity_factor": shape.capacity_factor,
+        }
     return fixed
 
 
@@ -102,7 +107,9 @@ def _check_tokenizer(bpe: Any, where: Path) -> None:
     path = files.inside(where, interop.hf.TOKENIZER, str(where))
     prepare = f"prepare the data with it: meshkit data prepare TEXT --tokenizer {path} --out DIR"
     if not files.regular(path):  # a FIFO or a link out of the checkpoint is refused, naming it
-        raise C.ConfigError(f"--init-from: '{where}' has no {interop.hf.TOKENIZER} to check the data's BPE against: {prepare}")  # fmt: skip
+        raise C.ConfigError(
+            f"--init-from: '{where}' has no {interop.hf.TOKENIZER} to check the data's BPE against: {prepare}"
+        )
     if load_tokenizer(path).vocabulary() != bpe.vocabulary():
         raise C.ConfigError(
             f"--init-from: the data's BPE tokenizer is not the checkpoint's ({path}): {prepare}"

@@ -85,22 +85,55 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
     check_data(cfg, data)
     check_fits(cfg, family, data)
     model, loss, params, logical_axes = build_model(cfg, family, data.vocab_size)
-    trainer = Trainer(loss, params, optim.optimizer(cfg), spec=cfg.parallel, tokens_per_example=cfg.data.seq_len,
-                      **_step_options(cfg, family, model, logical_axes))  # fmt: skip
+    trainer = Trainer(
+        loss,
+        params,
+        optim.optimizer(cfg),
+        spec=cfg.parallel,
+        tokens_per_example=cfg.data.seq_len,
+        **_step_options(cfg, family, model, logical_axes),
+    )
     trainer.check_examples(cfg.data.batch_size)
     for axis in axes.active(trainer.plan):  # before the run directory is written, not at the first compile
-        axis.check_run(axis.size(trainer.placement), seq_len=cfg.data.seq_len, heads=model.heads,
-                       experts=model.experts, form=cfg.parallel.context_attention)  # fmt: skip
-    batches = data.batches(seq_len=cfg.data.seq_len, global_batch=cfg.data.batch_size, seed=cfg.data.seed, threads=PREFETCH_THREADS,
-                           rows=process_rows(trainer.shardings.batch, cfg.data.batch_size), **batch_options(cfg))  # fmt: skip
+        axis.check_run(
+            axis.size(trainer.placement),
+            seq_len=cfg.data.seq_len,
+            heads=model.heads,
+            experts=model.experts,
+            form=cfg.parallel.context_attention,
+        )
+    batches = data.batches(
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.data.batch_size,
+        seed=cfg.data.seed,
+        threads=PREFETCH_THREADS,
+        rows=process_rows(trainer.shardings.batch, cfg.data.batch_size),
+        **batch_options(cfg),
+    )
     check_learns(cfg, batches)
     # the held-out loss without the load-balancing loss (a mixture of experts': other families have none)
     plain = dataclasses.replace(model, router_aux_weight=0.0) if model.experts else model
-    tasks = evals.build(cfg.run.eval_tasks, data.encode, family, plain, seq_len=cfg.data.seq_len, rows=cfg.data.batch_size,
-                        sharding=trainer.shardings.batch, params_of=functools.partial(family_params, cfg))  # fmt: skip
-    job = Job(cfg=cfg, data=data, family=family, model=model, trainer=trainer, batches=batches, run_dir=run_dir,
-              eval_loss=jax.jit(lambda p, b: family.module.make_loss(plain)(family_params(cfg, p), b)),
-              tasks=tasks)  # fmt: skip
+    tasks = evals.build(
+        cfg.run.eval_tasks,
+        data.encode,
+        family,
+        plain,
+        seq_len=cfg.data.seq_len,
+        rows=cfg.data.batch_size,
+        sharding=trainer.shardings.batch,
+        params_of=functools.partial(family_params, cfg),
+    )
+    job = Job(
+        cfg=cfg,
+        data=data,
+        family=family,
+        model=model,
+        trainer=trainer,
+        batches=batches,
+        run_dir=run_dir,
+        eval_loss=jax.jit(lambda p, b: family.module.make_loss(plain)(family_params(cfg, p), b)),
+        tasks=tasks,
+    )
     if resume:
         _restore(job)
     return job
@@ -162,9 +195,14 @@ def family_params(cfg: C.TrainConfig, params: Any) -> Any:
 def _step_options(cfg: C.TrainConfig, family: Family, model: Any, logical_axes: Any) -> dict[str, Any]:
     """The run's step options beside its spec (the Trainer's, and ``assemble``'s for the layout an
     ``--init-from`` checkpoint is read into: the same, so the Trainer keeps the arrays where they are)."""
-    return {"clip_norm": cfg.optimizer.clip, "logical_axes": logical_axes, "grad_norm": True, "has_aux": moe_run(model, cfg),
-            "units": family.units(model),
-            "trainable": run_trainable(cfg)}  # fmt: skip
+    return {
+        "clip_norm": cfg.optimizer.clip,
+        "logical_axes": logical_axes,
+        "grad_norm": True,
+        "has_aux": moe_run(model, cfg),
+        "units": family.units(model),
+        "trainable": run_trainable(cfg),
+    }
 
 
 def run_trainable(cfg: C.TrainConfig) -> Any:
@@ -310,8 +348,16 @@ def model_shape(cfg: C.TrainConfig, family: Family, vocab: int) -> ModelShape:
         "experts_per_token": cfg.model.experts_per_token,
         "capacity_factor": cfg.model.capacity_factor,
     }
-    return ModelShape(name=family.name, layers=cfg.model.layers, width=cfg.model.width, heads=cfg.model.heads, vocab=vocab,
-                      seq=cfg.data.seq_len, gated=family.gated, **(moe | own))  # fmt: skip
+    return ModelShape(
+        name=family.name,
+        layers=cfg.model.layers,
+        width=cfg.model.width,
+        heads=cfg.model.heads,
+        vocab=vocab,
+        seq=cfg.data.seq_len,
+        gated=family.gated,
+        **(moe | own),
+    )
 
 
 def saved_config(run_dir: Path) -> C.TrainConfig:
@@ -365,8 +411,10 @@ def _restore(job: Job) -> None:
     with Checkpointer(job.run_dir / "checkpoints") as ckpt:
         try:
             params, opt_state, meta = ckpt.restore(
-                None, abstract_with(t.params, t.shardings.params), abstract_with(t.opt_state, t.shardings.opt_state)
-            )  # fmt: skip
+                None,
+                abstract_with(t.params, t.shardings.params),
+                abstract_with(t.opt_state, t.shardings.opt_state),
+            )
         except CheckpointError as first:
             try:
                 params, opt_state, meta = ckpt.restore(None, *_other_form(t, job.model.scan_layers))

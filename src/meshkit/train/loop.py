@@ -79,8 +79,13 @@ def train(
     last = cfg.run.steps if stop_after is None else min(cfg.run.steps, stop_after)
     lr = optim.lr_schedule(cfg)
     ckpt = Checkpointer(job.run_dir / "checkpoints") if job.writer or jax.process_count() > 1 else None
-    columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeRemainingColumn()]  # fmt: skip
+    columns = [
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    ]
     signum = None
     try:
         with (
@@ -142,9 +147,15 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     loss = float(metrics["loss"])  # waits for the step
     elapsed = time.perf_counter() - start
     job.step += 1
-    row = {"step": job.step, "loss": loss, "tokens_per_s": job.cfg.data.batch_size * job.cfg.data.seq_len / elapsed,
-           "step_time_s": elapsed, "lr": lr, "grad_norm": float(metrics["grad_norm"]),
-           **job.batches.delivered(job.batches.batch)}  # fmt: skip
+    row = {
+        "step": job.step,
+        "loss": loss,
+        "tokens_per_s": job.cfg.data.batch_size * job.cfg.data.seq_len / elapsed,
+        "step_time_s": elapsed,
+        "lr": lr,
+        "grad_norm": float(metrics["grad_norm"]),
+        **job.batches.delivered(job.batches.batch),
+    }
     if (used := mfu(job, row["tokens_per_s"])) is not None:
         row["mfu"] = used
     if (learnt := trained_tokens(local, job.cfg.data.batch_size * job.cfg.data.seq_len)) is not None:
@@ -345,6 +356,9 @@ def run(
             return 0
         out = finish(job, console, profiler.summary)
     if out.get("eval_bpb") is not None:
-        console.print(f"held-out: {out['eval_loss']:.4f} {job.data.loss_unit}, {out['eval_bpb']:.4f} bits/byte "
-                      f"({job.data.tokenizer}, vocab {job.data.vocab_size})", highlight=False)  # fmt: skip
+        console.print(
+            f"held-out: {out['eval_loss']:.4f} {job.data.loss_unit}, {out['eval_bpb']:.4f} bits/byte "
+            f"({job.data.tokenizer}, vocab {job.data.vocab_size})",
+            highlight=False,
+        )
     return 0

@@ -115,9 +115,13 @@ class WandbTracker:
             ) from None
         mode = os.environ.get("WANDB_MODE") or "offline"
         self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT, dir=str(run_dir), name=run_dir.resolve().name,
-            config=config, mode=mode, settings=wandb.Settings(console="off", silent=True),
-        )  # fmt: skip
+            project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT,
+            dir=str(run_dir),
+            name=run_dir.resolve().name,
+            config=config,
+            mode=mode,
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     def write(self, row: dict[str, Any]) -> None:
         self._run.log(scalars(row), step=row["step"])

@@ -11,9 +11,12 @@ from meshkit.train.config import TrainConfig, warmup_steps
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Linear warmup to ``lr`` (none with warmup 0), then cosine decay to lr/10 at the last step."""
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.optimizer.lr, warmup_steps=warmup_steps(cfg), decay_steps=max(cfg.run.steps, 2),
+        init_value=0.0,
+        peak_value=cfg.optimizer.lr,
+        warmup_steps=warmup_steps(cfg),
+        decay_steps=max(cfg.run.steps, 2),
         end_value=cfg.optimizer.lr / 10,
-    )  # fmt: skip
+    )
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -82,8 +82,15 @@ def export_run(run_dir: str | Path, out: str | Path, *, max_shard_bytes: int = 2
     bpe, special = run.corpus.bpe, special_tokens(run)
     if bpe is not None:  # what a tokenizer beside the weights needs besides its ends
         special = dataclasses.replace(special, named=_named(run, bpe), chat_template=_chat_template(run))
-    interop.save(gpt.to_form(run.params, False), model, out, max_shard_bytes=max_shard_bytes, vocab=run.vocab,
-                 tokenizer_json=None if bpe is None else bpe.to_str(), special=special)  # fmt: skip
+    interop.save(
+        gpt.to_form(run.params, False),
+        model,
+        out,
+        max_shard_bytes=max_shard_bytes,
+        vocab=run.vocab,
+        tokenizer_json=None if bpe is None else bpe.to_str(),
+        special=special,
+    )
     return run
 
 
@@ -118,8 +125,13 @@ def special_tokens(run: TrainedModel, *, required: bool = True) -> interop.hf.Sp
         if not theirs and generation is None:
             return None
         bos, pad = theirs.get("bos_token_id"), theirs.get("pad_token_id")
-        return interop.hf.Special(eos=(None, eos[0]) if eos else None, more_eos=tuple(eos[1:]), pad=pad,
-                                  bos=None if bos is None else (None, bos), generation=generation)  # fmt: skip
+        return interop.hf.Special(
+            eos=(None, eos[0]) if eos else None,
+            more_eos=tuple(eos[1:]),
+            pad=pad,
+            bos=None if bos is None else (None, bos),
+            generation=generation,
+        )
     own = {i: t for t, i in filter(None, (bpe.eos, bpe.bos))}
 
     def name(i: int | None) -> str | None:  # a special token of the tokenizer, or one it was prepared with
@@ -129,9 +141,13 @@ def special_tokens(run: TrainedModel, *, required: bool = True) -> interop.hf.Sp
     eos = [i for i in eos if name(i) is not None] or [bpe.eot_id]
     bos = theirs.get("bos_token_id", None if bpe.bos is None else bpe.bos[1])
     pad = theirs.get("pad_token_id")
-    return interop.hf.Special(eos=(name(eos[0]), eos[0]), more_eos=tuple(eos[1:]), generation=generation,
-                              bos=None if name(bos) is None else (name(bos), bos),
-                              pad=pad if name(pad) is not None else None)  # fmt: skip
+    return interop.hf.Special(
+        eos=(name(eos[0]), eos[0]),
+        more_eos=tuple(eos[1:]),
+        generation=generation,
+        bos=None if name(bos) is None else (name(bos), bos),
+        pad=pad if name(pad) is not None else None,
+    )
 
 
 def _chat_template(run: TrainedModel) -> str | None:
@@ -209,12 +225,16 @@ def _bounded(run: TrainedModel, longest: int, max_new_tokens: int) -> int:
         )
     new = min(max_new_tokens, positions - longest) if kv else max_new_tokens
     if new < max_new_tokens:
-        _warn(f"--max-new-tokens {max_new_tokens}: the model has {positions} positions and the prompt takes "
-              f"{longest}; generating {new}")  # fmt: skip
+        _warn(
+            f"--max-new-tokens {max_new_tokens}: the model has {positions} positions and the prompt takes "
+            f"{longest}; generating {new}"
+        )
     reach = longest + new if kv else min(longest + new, positions)
     if reach > trained:
-        _warn(f"the prompt and its new tokens reach position {reach}, past the {trained} the run trained on "
-              f"(--seq-len {trained}): the model never saw such positions")  # fmt: skip
+        _warn(
+            f"the prompt and its new tokens reach position {reach}, past the {trained} the run trained on "
+            f"(--seq-len {trained}): the model never saw such positions"
+        )
     return new
 
 

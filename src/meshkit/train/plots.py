@@ -33,11 +33,20 @@ def cost_plot(report: dict[str, Any], path: Path) -> None:
     """Communication per collective and memory per component: measured beside model."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     comm = report["communication"]
-    _bars(left, [f"{c['op']}\n{c['axes']}" for c in comm], [c["measured_traffic_bytes"] for c in comm],
-          [c["model_traffic_bytes"] for c in comm], "model (ring)", "traffic per device per step")  # fmt: skip
+    _bars(
+        left,
+        [f"{c['op']}\n{c['axes']}" for c in comm],
+        [c["measured_traffic_bytes"] for c in comm],
+        [c["model_traffic_bytes"] for c in comm],
+        "model (ring)",
+        "traffic per device per step",
+    )
     mem = report["memory"]
-    labels, measured, model = ([m["component"] for m in mem], [m["measured_bytes"] for m in mem],
-                               [m["formula_bytes"] for m in mem])  # fmt: skip
+    labels, measured, model = (
+        [m["component"] for m in mem],
+        [m["measured_bytes"] for m in mem],
+        [m["formula_bytes"] for m in mem],
+    )
     if peak := report.get("peak"):  # the step's peak (arguments + temporaries) beside the peak model
         labels.append(f"step peak\n(remat {peak['remat']})")
         measured.append(peak["measured_bytes"])
@@ -77,47 +86,12 @@ def _mfu(report: dict[str, Any]) -> str:
 
 
 def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
-    """The end-of-run table."""
-    rows = [
-        ["loss (first step -> last step)", f"{_num(report['initial_loss'])} -> {_num(report['final_loss'])}"],
-        ["held-out loss", _num(report["eval_loss"])],
-        *([f"task: {name}", f"acc {m['acc']:.3f}, acc_norm {m['acc_norm']:.3f}"] for name, m in report.get("tasks", {}).items()),
-        ["throughput", f"{report['tokens_per_s']:,.0f} tokens/s ({report['step_time_s'] * 1000:.1f} ms/step)"],
-        ["model FLOPs", f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"],
-        ["MFU", _mfu(report)],
-        ["devices", f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"],
-    ]  # fmt: skip
-    for m in report.get("mixture", []):
-        held = "" if m["eval_loss"] is None else f"; held-out {m['eval_loss']:.4f}"
-        rows.append([f"data: {m['name']}", f"{m['share']:.1%} of rows (weight {m['weight']:.1%}), {m['rows']:,} rows = "
-                     f"{m['tokens']:,} tokens, {m['epochs']:.2f} epochs{held}"])  # fmt: skip
-    if "dropped_tokens" in report:
-        rows.append(["MoE dropped token-slots", f"{report['dropped_tokens']:,} ({report['dropped_fraction']:.2%} of all routed)"])  # fmt: skip
-    for c in report.get("communication", []):
-        rows.append(
-            [
-                f"comm {c['op']} over {c['axes']}",
-                f"{fmt_bytes(c['measured_traffic_bytes'])} (model x{_x(c['ratio'])})",
-            ]
-        )
-    for m in report.get("memory", []):
-        rows.append(
-            [f"memory: {m['component']}", f"{fmt_bytes(m['measured_bytes'])} (formula x{_x(m['ratio'])})"]
-        )
-    if peak := report.get("peak"):
-        rows.append(
-            ["memory: step peak", f"{fmt_bytes(peak['measured_bytes'])} (model x{peak['ratio']:.3f}, remat {peak['remat']})"]
-        )  # fmt: skip
-    if pipe := report.get("pipeline"):
-        rows.append([f"pipeline bubble ({pipe['schedule']}, {pipe['ticks']} ticks)",
-                     f"{_num(pipe['bubble_measured'])} (model {_num(pipe['bubble_model'])}); schedule.png"])  # fmt: skip
+    """The end-of-run table, the sample, and what the run wrote."""
+    rows = [*_results(report), *_costs(report)]
     ok = report.get("checks_ok")
     rows.append(["measured = model", "not measured" if ok is None else "yes" if ok else "NO"])
-    console.print(
-        table(
-            f"Run summary ({report['steps']} steps, plan {report['plan']})", ["", ""], rows, justify_right=9
-        )
-    )
+    title = f"Run summary ({report['steps']} steps, plan {report['plan']})"
+    console.print(table(title, ["", ""], rows, justify_right=9))
     if report.get("sample"):
         console.print(f"[bold]sample:[/] {report['sample']!r}")
     names = (
@@ -131,3 +105,52 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
     )
     wrote = [n + "/" * (n == "checkpoints") for n in names if (run_dir / n).exists()]
     console.print(f"wrote {run_dir}/: {' '.join(wrote)}")
+
+
+def _results(report: dict[str, Any]) -> list[list[str]]:
+    """The table's rows of what the run achieved: losses, tasks, speed, devices, each source of a mixture."""
+    flops = f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"
+    devices = f"{report['devices']} {report['platform']} in {report['processes']} process(es), mesh {report['mesh']}"
+    speed = f"{report['tokens_per_s']:,.0f} tokens/s ({report['step_time_s'] * 1000:.1f} ms/step)"
+    rows = [
+        ["loss (first step -> last step)", f"{_num(report['initial_loss'])} -> {_num(report['final_loss'])}"],
+        ["held-out loss", _num(report["eval_loss"])],
+        *(
+            [f"task: {name}", f"acc {m['acc']:.3f}, acc_norm {m['acc_norm']:.3f}"]
+            for name, m in report.get("tasks", {}).items()
+        ),
+        ["throughput", speed],
+        ["model FLOPs", flops],
+        ["MFU", _mfu(report)],
+        ["devices", devices],
+    ]
+    for m in report.get("mixture", []):
+        held = "" if m["eval_loss"] is None else f"; held-out {m['eval_loss']:.4f}"
+        said = f"{m['share']:.1%} of rows (weight {m['weight']:.1%}), {m['rows']:,} rows = {m['tokens']:,} tokens, "
+        rows.append([f"data: {m['name']}", said + f"{m['epochs']:.2f} epochs{held}"])
+    if "dropped_tokens" in report:
+        dropped = f"{report['dropped_tokens']:,} ({report['dropped_fraction']:.2%} of all routed)"
+        rows.append(["MoE dropped token-slots", dropped])
+    return rows
+
+
+def _costs(report: dict[str, Any]) -> list[list[str]]:
+    """The table's rows of what the step cost, measured beside the model: communication, memory, bubble."""
+    rows = [
+        [
+            f"comm {c['op']} over {c['axes']}",
+            f"{fmt_bytes(c['measured_traffic_bytes'])} (model x{_x(c['ratio'])})",
+        ]
+        for c in report.get("communication", [])
+    ]
+    rows += [
+        [f"memory: {m['component']}", f"{fmt_bytes(m['measured_bytes'])} (formula x{_x(m['ratio'])})"]
+        for m in report.get("memory", [])
+    ]
+    if peak := report.get("peak"):
+        said = f"{fmt_bytes(peak['measured_bytes'])} (model x{peak['ratio']:.3f}, remat {peak['remat']})"
+        rows.append(["memory: step peak", said])
+    if pipe := report.get("pipeline"):
+        said = f"{_num(pipe['bubble_measured'])} (model {_num(pipe['bubble_model'])}); schedule.png"
+        rows.append([f"pipeline bubble ({pipe['schedule']}, {pipe['ticks']} ticks)", said])
+    return rows

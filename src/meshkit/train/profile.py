@@ -129,8 +129,10 @@ class StepProfiler:
 def summary_table(summary: dict[str, Any]) -> Table:
     """The profile summary (``TraceSummary.to_json()``) as a table: per step, averaged over devices."""
     wall = summary["wall_s"] or 1.0
-    rows = [["wall", _ms(summary["wall_s"]), "100%", "", ""],
-            ["compute", _ms(summary["compute_s"]), f"{summary['compute_s'] / wall:.0%}", "", ""]]  # fmt: skip
+    rows = [
+        ["wall", _ms(summary["wall_s"]), "100%", "", ""],
+        ["compute", _ms(summary["compute_s"]), f"{summary['compute_s'] / wall:.0%}", "", ""],
+    ]
     for kind, k in summary["kinds"].items():
         gbps = "-" if k["achieved_gbps"] is None else f"{k['achieved_gbps']:.3g}"
         rows.append(

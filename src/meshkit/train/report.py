@@ -67,20 +67,33 @@ class PlanReport:
 
         from meshkit.fmt import fmt_bytes
 
-        comm = Table(title=f"plan {self.plan} on {_mesh_text(self.mesh)}: communication per step (ring model)",
-                     title_justify="left")  # fmt: skip
+        comm = Table(
+            title=f"plan {self.plan} on {_mesh_text(self.mesh)}: communication per step (ring model)",
+            title_justify="left",
+        )
         for c in ("op", "axes", "runs", "measured/device", "model", "ratio", ""):
             comm.add_column(c, justify="left" if c in ("op", "axes") else "right")
         for r in self.communication:
-            comm.add_row(r.op, r.axes, str(r.measured_runs), fmt_bytes(r.measured_traffic_bytes),
-                         fmt_bytes(r.model_traffic_bytes), "-" if r.ratio is None else f"{r.ratio:.4f}",
-                         "ok" if r.ok else "FAIL")  # fmt: skip
+            comm.add_row(
+                r.op,
+                r.axes,
+                str(r.measured_runs),
+                fmt_bytes(r.measured_traffic_bytes),
+                fmt_bytes(r.model_traffic_bytes),
+                "-" if r.ratio is None else f"{r.ratio:.4f}",
+                "ok" if r.ok else "FAIL",
+            )
         mem = Table(title="per-device memory", title_justify="left")
         for c in ("component", "measured", "formula", "ratio", ""):
             mem.add_column(c, justify="left" if c == "component" else "right")
         for m in self.memory:
-            mem.add_row(m.component, fmt_bytes(m.measured_bytes), fmt_bytes(m.formula_bytes),
-                        "-" if m.ratio is None else f"{m.ratio:.4f}", "ok" if m.ok else "FAIL")  # fmt: skip
+            mem.add_row(
+                m.component,
+                fmt_bytes(m.measured_bytes),
+                fmt_bytes(m.formula_bytes),
+                "-" if m.ratio is None else f"{m.ratio:.4f}",
+                "ok" if m.ok else "FAIL",
+            )
         cm = self.compiled_memory
         mem.add_row("compiled: arguments", fmt_bytes(cm.argument_bytes), "", "", "")
         mem.add_row("compiled: temporaries", fmt_bytes(cm.temp_bytes), "", "", "")
@@ -112,8 +125,10 @@ def deterministic_line(det: Mapping[str, Any]) -> str:
         if ratio is None
         else f" ({ratio:.2f}x the plan's normal {fmt_bytes(det['normal_bytes_per_step'])})"
     )
-    return (f"deterministic: {det['shards']} micro-shards ({det['shards_per_device']} per device) summed in one "
-            f"fixed tree; {fmt_bytes(det['bytes_per_step'])} per device per step{price}")  # fmt: skip
+    return (
+        f"deterministic: {det['shards']} micro-shards ({det['shards_per_device']} per device) summed in one "
+        f"fixed tree; {fmt_bytes(det['bytes_per_step'])} per device per step{price}"
+    )
 
 
 class _Null:

@@ -44,8 +44,15 @@ def _held_out(job: Job, part: int | None) -> dict[str, float]:
     """``evaluate`` on the held-out split (of the mixture's source ``part``)."""
     t = job.trainer
     examples = job.cfg.data.batch_size
-    stream = job.data.batches(seq_len=job.cfg.data.seq_len, global_batch=examples, seed=job.cfg.data.seed, held_out=True,
-                              part=part, rows=process_rows(t.shardings.batch, examples), **batch_options(job.cfg))  # fmt: skip
+    stream = job.data.batches(
+        seq_len=job.cfg.data.seq_len,
+        global_batch=examples,
+        seed=job.cfg.data.seed,
+        held_out=True,
+        part=part,
+        rows=process_rows(t.shardings.batch, examples),
+        **batch_options(job.cfg),
+    )
     losses, targets, nats, counted = [], [], 0.0, 0
     tokens = examples * job.cfg.data.seq_len
     for _ in range(job.cfg.run.eval_batches):
@@ -179,15 +186,26 @@ def _dropped(job: Job) -> dict[str, Any]:
 
 def proof(job: Job) -> dict[str, Any]:
     """What the run cost: communication and memory measured from the compiled step beside the model."""
-    probe = next(job.data.batches(seq_len=job.cfg.data.seq_len, global_batch=job.cfg.data.batch_size, seed=job.cfg.data.seed,
-                                  process_index=0, process_count=1))  # fmt: skip
+    probe = next(
+        job.data.batches(
+            seq_len=job.cfg.data.seq_len,
+            global_batch=job.cfg.data.batch_size,
+            seed=job.cfg.data.seed,
+            process_index=0,
+            process_count=1,
+        )
+    )
     plan_report = job.trainer.report(probe)
     if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:
         from meshkit.plans import plot_schedule as plot
 
         p = plan_report.pipeline
-        plot(p.record, job.run_dir / "schedule.png", v=p.virtual_stages,
-             title=f"{p.schedule}, stage={p.stages}, microbatches={p.microbatches}")  # fmt: skip
+        plot(
+            p.record,
+            job.run_dir / "schedule.png",
+            v=p.virtual_stages,
+            title=f"{p.schedule}, stage={p.stages}, microbatches={p.microbatches}",
+        )
     keep = (
         "communication",
         "memory",
@@ -197,5 +215,8 @@ def proof(job: Job) -> dict[str, Any]:
         "pipeline",
         "deterministic",
     )
-    return {"mesh": plan_report.mesh, "checks_ok": plan_report.ok,
-            **{k: v for k, v in plan_report.to_json().items() if k in keep}}  # fmt: skip
+    return {
+        "mesh": plan_report.mesh,
+        "checks_ok": plan_report.ok,
+        **{k: v for k, v in plan_report.to_json().items() if k in keep},
+    }

@@ -106,27 +106,22 @@ class Trainer:
         deterministic: bool | int | None = None,
         trainable: Any = None,
     ) -> None:
-        from meshkit.adapters import Adapted
-
         if not callable(loss_fn):
             raise PlanError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
-        self.adapted = params if isinstance(params, Adapted) else None
         user_loss, given_state = loss_fn, state is not None
-        stateful = state is not None
-        if self.adapted is not None:
-            if state is not None:
-                raise PlanError("state= is taken from the adapted model: drop state=")
-            loss_fn = self.adapted.loss(loss_fn, has_aux=has_aux, rng=rng is not None)
-            params, state, stateful = self.adapted.params, self.adapted.state, True
-            logical_axes = self.adapted.logical_axes if logical_axes is None else logical_axes
+        loss_fn, params, state, stateful, logical_axes = self._adapt(
+            loss_fn, params, state, logical_axes, has_aux, rng
+        )
         check_optimizer(optimizer)
         check_params(params)
         check_state(state)
         given_mesh = mesh if isinstance(mesh, Mesh) else None
-        spec = ParallelSpec.of(spec, plan=plan, mesh=_mesh_text(mesh), remat=remat, accumulate=accumulate,
-                               microbatches=microbatches, pipeline_schedule=pipeline_schedule,
-                               virtual_stages=virtual_stages, precision=_precision(compute_dtype),
-                               attention=attention, deterministic=deterministic or None)  # fmt: skip
+        pipeline = {"microbatches": microbatches, "pipeline_schedule": pipeline_schedule}
+        steps = dict(
+            accumulate=accumulate, virtual_stages=virtual_stages, deterministic=deterministic or None
+        )
+        how = {"remat": remat, "precision": _precision(compute_dtype), "attention": attention}
+        spec = ParallelSpec.of(spec, plan=plan, mesh=_mesh_text(mesh), **pipeline, **steps, **how)
         if spec.deterministic is not None:  # on a CPU: fused multiply-adds off (meshkit.devices)
             from meshkit.devices import prepare_deterministic
 
@@ -137,11 +132,12 @@ class Trainer:
             spec = self._auto(spec, params, optimizer, given_mesh, logical_axes)
         self._key = base_key(rng)
         _check_key_argument(user_loss, self.adapted, given_state, rng is not None)
+        carried = {"state": state, "stateful": stateful, "rng": rng is not None, "has_aux": has_aux}
+        grads = {"clip_norm": clip_norm, "grad_norm": grad_norm, "donate": donate, "trainable": trainable}
+        layout = dict(rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size, units=units)
         self.assembled: Assembled = assemble(
-            loss_fn, params, optimizer, spec, mesh=given_mesh, state=state, stateful=stateful, rng=rng is not None,
-            has_aux=has_aux, clip_norm=clip_norm, grad_norm=grad_norm, donate=donate, rules=rules,
-            logical_axes=logical_axes, min_shard_size=min_shard_size, units=units, trainable=trainable,
-        )  # fmt: skip
+            loss_fn, params, optimizer, spec, mesh=given_mesh, **carried, **grads, **layout
+        )
         self.spec = spec
         self.optimizer = optimizer
         self.tokens_per_example = tokens_per_example
@@ -155,6 +151,22 @@ class Trainer:
         self._compiled: dict[Any, jax.stages.Compiled] = {}
         self.last_compiled: jax.stages.Compiled | None = None
         """The executable the last step ran (its ledger is the profile's)."""
+
+    def _adapt(
+        self, loss_fn: Any, params: Any, state: Any, logical_axes: Any, has_aux: bool, rng: Any
+    ) -> tuple:
+        """``(loss, params, state, stateful, logical_axes)`` as the step takes them: an adapted model's
+        (``meshkit.from_nnx`` ...: ``self.adapted``) taken apart, anything else as given."""
+        from meshkit.adapters import Adapted
+
+        self.adapted = params if isinstance(params, Adapted) else None
+        if self.adapted is None:
+            return loss_fn, params, state, state is not None, logical_axes
+        if state is not None:
+            raise PlanError("state= is taken from the adapted model: drop state=")
+        loss_fn = self.adapted.loss(loss_fn, has_aux=has_aux, rng=rng is not None)
+        axes = self.adapted.logical_axes if logical_axes is None else logical_axes
+        return loss_fn, self.adapted.params, self.adapted.state, True, axes
 
     def _place(self, params: Any, state: Any, optimizer: optax.GradientTransformation) -> None:
         """The parameters and state on the plan's shardings, and the optimizer state made there."""
@@ -226,9 +238,13 @@ class Trainer:
             raise PlanError("every batch array needs the same leading (examples) dim")
         self.check_examples(n)
         return jax.tree.map(
-            lambda a: a if isinstance(a, jax.Array) and a.sharding == self.shardings.batch else jax.device_put(_host_if_off_mesh(a, self.mesh), self.shardings.batch),
+            lambda a: (
+                a
+                if isinstance(a, jax.Array) and a.sharding == self.shardings.batch
+                else jax.device_put(_host_if_off_mesh(a, self.mesh), self.shardings.batch)
+            ),
             batch,
-        )  # fmt: skip
+        )
 
     def check_examples(self, n: int) -> None:
         """Raise unless a global batch of ``n`` examples divides over the data axis and micro-batches."""
@@ -315,8 +331,14 @@ class Trainer:
         return self.steps_done
 
     def _meta(self) -> dict:
-        return {"step": self.steps_done, "trainer": {"plan": self.plan.name, "mesh": dict(self.mesh.shape),
-                "model_state": bool(jax.tree.leaves(self.state))}}  # fmt: skip
+        return {
+            "step": self.steps_done,
+            "trainer": {
+                "plan": self.plan.name,
+                "mesh": dict(self.mesh.shape),
+                "model_state": bool(jax.tree.leaves(self.state)),
+            },
+        }
 
     def _opt_item(self, opt_state: Any, state: Any) -> Any:
         """The checkpoint's ``opt_state`` item: the optimizer state, with the model state beside it
@@ -328,9 +350,15 @@ class Trainer:
 
     @classmethod
     def restore(
-        cls, directory: str | Path, loss_fn: Callable[..., Any], params: Any, optimizer: optax.GradientTransformation,
-        *, step: int | None = None, **kwargs: Any,
-    ) -> Trainer:  # fmt: skip
+        cls,
+        directory: str | Path,
+        loss_fn: Callable[..., Any],
+        params: Any,
+        optimizer: optax.GradientTransformation,
+        *,
+        step: int | None = None,
+        **kwargs: Any,
+    ) -> Trainer:
         """A Trainer built as ``Trainer(loss_fn, params, optimizer, **kwargs)`` (``params`` gives the
         structure: the initial parameters or an adapted model), then loaded from ``directory``
         (a ``trainer.save`` or ``meshkit train`` checkpoint; the latest step unless ``step``),
@@ -341,10 +369,12 @@ class Trainer:
         like_params = abstract_with(t.params, t.shardings.params)
         like_opt = t._opt_item(
             abstract_with(t.opt_state, t.shardings.opt_state),
-            jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, t.state),
-                         t.shardings.state),
-        )  # fmt: skip
+            jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, t.state),
+                t.shardings.state,
+            ),
+        )
         with Checkpointer(directory) as ckpt:
             p, opt, meta = ckpt.restore(step, like_params, like_opt)
         if jax.tree.leaves(t.state):

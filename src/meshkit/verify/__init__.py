@@ -81,9 +81,24 @@ from meshkit.verify.meshes import bitwise_meshes, check_meshes, comparison_meshe
 from meshkit.verify.reference import _reference, shared_reference
 from meshkit.verify.workloads import MLP_AXES, Workload, family_workload, workload
 
-__all__ = ["MLP_AXES", "ORDERS", "TAIL", "TOL_EXACT", "TOL_FLOAT64", "TOL_SAME", "Certificate", "Workload",
-           "bitwise_equal", "bitwise_meshes", "check_meshes", "comparison_meshes", "relative_difference", "verify",
-           "verify_model", "workload"]  # fmt: skip
+__all__ = [
+    "MLP_AXES",
+    "ORDERS",
+    "TAIL",
+    "TOL_EXACT",
+    "TOL_FLOAT64",
+    "TOL_SAME",
+    "Certificate",
+    "Workload",
+    "bitwise_equal",
+    "bitwise_meshes",
+    "check_meshes",
+    "comparison_meshes",
+    "relative_difference",
+    "verify",
+    "verify_model",
+    "workload",
+]
 
 
 def _check_steps(steps: int) -> None:
@@ -136,9 +151,17 @@ def verify(
     Pipeline plans take ``microbatches``, ``pipeline_schedule`` and ``virtual_stages``, and verify the GPT
     as ``Stages`` with one layer per virtual stage (so the layers divide over the stages)."""
     _check_steps(steps)
-    spec = ParallelSpec(plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
-                        pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                        context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
+    spec = ParallelSpec(
+        plan=plan,
+        mesh=mesh,
+        accumulate=accumulate,
+        remat=remat,
+        microbatches=microbatches,
+        pipeline_schedule=pipeline_schedule,
+        virtual_stages=virtual_stages,
+        context_attention=context_attention,
+        deterministic=deterministic or None,
+    )
     check_meshes(spec)
     shape = _layers(spec, model)
     w = workload(model, seed, **shape)
@@ -178,11 +201,31 @@ def verify_model(
     the options that make one; default dp over every device), beside one device and the model's
     float64 twin. ``batch`` is the global batch (leading dim = examples)."""
     optimizer = optax.adam(1e-2) if optimizer is None else optimizer
-    spec = ParallelSpec.of(spec, plan=plan, mesh=mesh, accumulate=accumulate, remat=remat, microbatches=microbatches,
-                 pipeline_schedule=pipeline_schedule, virtual_stages=virtual_stages,
-                 context_attention=context_attention, deterministic=deterministic or None)  # fmt: skip
+    spec = ParallelSpec.of(
+        spec,
+        plan=plan,
+        mesh=mesh,
+        accumulate=accumulate,
+        remat=remat,
+        microbatches=microbatches,
+        pipeline_schedule=pipeline_schedule,
+        virtual_stages=virtual_stages,
+        context_attention=context_attention,
+        deterministic=deterministic or None,
+    )
     _check_steps(steps)
     check_meshes(spec)
-    w = Workload(name=name, loss_fn=loss_fn, params=params, batch=batch, logical_axes=logical_axes, rules=rules,
-                 units=units, state=state, rng=rng, has_aux=has_aux, tokens_per_example=tokens_per_example)  # fmt: skip
+    w = Workload(
+        name=name,
+        loss_fn=loss_fn,
+        params=params,
+        batch=batch,
+        logical_axes=logical_axes,
+        rules=rules,
+        units=units,
+        state=state,
+        rng=rng,
+        has_aux=has_aux,
+        tokens_per_example=tokens_per_example,
+    )
     return _certify(w, optimizer, spec, steps, _reference(w, optimizer, steps, numpy_lr=None))

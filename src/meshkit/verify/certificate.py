@@ -112,19 +112,41 @@ def _bound(noise: float | None, partial_sums: int, examples: int) -> float | Non
     return compare.TAIL * math.sqrt(1 + (partial_sums - 1) / max(1.0, math.log2(examples))) * noise
 
 
-def _certify(w: Workload, optimizer: optax.GradientTransformation, spec: ParallelSpec, steps: int,
-             ref: _Reference) -> Certificate:  # fmt: skip
+def _trainer(w: Workload, opt: optax.GradientTransformation, spec: ParallelSpec, mesh: Any = None) -> Trainer:
+    """A Trainer of ``w`` under ``spec``, or with the spec's options on another ``mesh`` (a ``jax.sharding.Mesh``:
+    deterministic mode's meshes)."""
+    layout: dict[str, Any] = {"spec": spec}
+    if mesh is not None:
+        pipeline = {k: getattr(spec, k) for k in ("microbatches", "pipeline_schedule", "virtual_stages")}
+        layout = {
+            "plan": spec.plan,
+            "mesh": mesh,
+            "remat": spec.remat,
+            "compute_dtype": spec.compute_dtype,
+            "deterministic": spec.deterministic,
+            **pipeline,
+        }
+    model = {"logical_axes": w.logical_axes, "rules": w.rules, "units": w.units, "has_aux": w.has_aux}
+    return Trainer(
+        w.loss_fn,
+        w.params,
+        opt,
+        **layout,
+        **model,
+        state=w.state,
+        rng=w.rng,
+        tokens_per_example=w.tokens_per_example,
+    )
+
+
+def _certify(
+    w: Workload, optimizer: optax.GradientTransformation, spec: ParallelSpec, steps: int, ref: _Reference
+) -> Certificate:
     """Train ``w`` under ``spec`` (float32, again from the same start, float64) beside ``ref``."""
     probe = _probe(optimizer, w.params)
 
     def trainer(w: Workload, opt: optax.GradientTransformation = optimizer, mesh: Any = None) -> Trainer:
-        layout = {"spec": spec} if mesh is None else {"plan": spec.plan, "mesh": mesh, "remat": spec.remat,
-                  "compute_dtype": spec.compute_dtype, "deterministic": spec.deterministic,
-                  "microbatches": spec.microbatches, "pipeline_schedule": spec.pipeline_schedule,
-                  "virtual_stages": spec.virtual_stages}  # fmt: skip
-        return Trainer(w.loss_fn, w.params, opt, **layout, logical_axes=w.logical_axes, rules=w.rules,
-                       units=w.units, state=w.state, rng=w.rng, has_aux=w.has_aux,
-                       tokens_per_example=w.tokens_per_example)  # fmt: skip
+        return _trainer(w, opt, spec, mesh)
 
     def train(t: Trainer, steps: int) -> tuple[list[np.ndarray], float]:
         first, loss = [], jnp.nan

@@ -256,5 +256,13 @@ def _reference(
             "neither a reordered batch nor float64 measures float32's own rounding"
         )
     numpy64 = _numpy_float64(w, steps, numpy_lr) if numpy_lr is not None and w.float64 is not None else None
-    return _Reference(runs=runs, run64=run64, twin=twin, float64_twin=why, first=first, first_vs=vs,
-                      noise=max(errors) if errors else None, numpy64=numpy64)  # fmt: skip
+    return _Reference(
+        runs=runs,
+        run64=run64,
+        twin=twin,
+        float64_twin=why,
+        first=first,
+        first_vs=vs,
+        noise=max(errors) if errors else None,
+        numpy64=numpy64,
+    )

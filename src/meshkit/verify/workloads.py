@@ -32,7 +32,7 @@ class Workload:
     units: Any = None
     """Logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
     rules: Any = None
-    """Tensor-parallel rules (None: the plan's defaults, ``placement.vocab_rules``)."""
+    """Tensor-parallel rules (None: the plan's defaults, ``tp_rules.vocab_rules``)."""
     state: Any = None
     rng: Any = None
     has_aux: bool = False
@@ -44,8 +44,11 @@ class Workload:
 
 
 #: Megatron pairs for the reference MLP: the first layer column-parallel, the second row-parallel.
-MLP_AXES = [{"w": ("embed", "mlp"), "b": ("mlp",)}, {"w": ("mlp", "embed"), "b": ("embed",)},
-            {"w": ("embed", None), "b": (None,)}]  # fmt: skip
+MLP_AXES = [
+    {"w": ("embed", "mlp"), "b": ("mlp",)},
+    {"w": ("mlp", "embed"), "b": ("embed",)},
+    {"w": ("embed", None), "b": (None,)},
+]
 
 
 @functools.cache  # one per process: its parameters are made by jitted code, and nothing changes them
@@ -62,14 +65,26 @@ def workload(
         x = rng.normal(size=(64, 16)).astype(np.float32)
         y = (x @ rng.normal(size=(16, 4)) + 0.1 * rng.normal(size=(64, 4))).astype(np.float32)
         p = linear.init(key, 16, 4)
-        return Workload(name=name, loss_fn=linear.loss, params=p, batch=(x, y), logical_axes=linear.logical_axes(p),
-                        float64=reference_np.linear_grad)  # fmt: skip
+        return Workload(
+            name=name,
+            loss_fn=linear.loss,
+            params=p,
+            batch=(x, y),
+            logical_axes=linear.logical_axes(p),
+            float64=reference_np.linear_grad,
+        )
     if name == "mlp":
         x = rng.normal(size=(64, 16)).astype(np.float32)
         y = np.sin(x @ np.ones((16, 8)) / 4).astype(np.float32)
         p = mlp.init(key, [16, 64, 64, 8])
-        return Workload(name=name, loss_fn=mlp.loss, params=p, batch=(x, y), logical_axes=MLP_AXES,
-                        float64=reference_np.mlp_grad)  # fmt: skip
+        return Workload(
+            name=name,
+            loss_fn=mlp.loss,
+            params=p,
+            batch=(x, y),
+            logical_axes=MLP_AXES,
+            float64=reference_np.mlp_grad,
+        )
     family = family_workload(name)
     if family is None:
         raise MeshkitError(f"unknown model {name!r}: choose {', '.join(names())}, or give module:function")
@@ -104,9 +119,16 @@ def _family(
 
     def one(dtype: str, params: Any) -> Workload:
         c = dataclasses.replace(cfg, dtype=dtype)
-        return Workload(name=name, loss_fn=make_loss(c), params=params, batch=batch,
-                        logical_axes=module.logical_axes(params), tokens_per_example=cfg.seq_len,
-                        units=family.units(cfg), has_aux=bool(cfg.experts),
-                        in_float64=None if dtype == "float64" else lambda: one("float64", _to_float64(params)))  # fmt: skip
+        return Workload(
+            name=name,
+            loss_fn=make_loss(c),
+            params=params,
+            batch=batch,
+            logical_axes=module.logical_axes(params),
+            tokens_per_example=cfg.seq_len,
+            units=family.units(cfg),
+            has_aux=bool(cfg.experts),
+            in_float64=None if dtype == "float64" else lambda: one("float64", _to_float64(params)),
+        )
 
     return one("float32", module.init(key, cfg))
