@@ -61,7 +61,7 @@ def make_run() -> str:
     """What ``make run`` does, read from the Makefile and the training config's defaults."""
     import jax
 
-    from meshkit.models import module_of, num_params
+    from meshkit.models import num_params, registry
     from meshkit.train import config as C
     from meshkit.train.job import model_config
 
@@ -70,15 +70,17 @@ def make_run() -> str:
     train = next(c for c in commands if c[:2] == ["meshkit", "train"])
     vocab = int(_option(prepare, "--vocab-size"))
     fields = {"model": _option(train, "--model"), "steps": int(_option(train, "--steps"))}
-    cfg = C.TrainConfig(**{k: v for k, v in fields.items() if v is not None})
-    model = model_config(cfg, vocab)
-    shapes = jax.eval_shape(lambda: module_of(model).init(jax.random.key(0), model))
+    cfg = C.default().replace(**{k: v for k, v in fields.items() if v is not None})
+    family = registry.family(cfg.model.model)
+    model = model_config(cfg, family, vocab)
+    shapes = jax.eval_shape(lambda: family.module.init(jax.random.key(0), model))
     return _wrap(
         f"Command: `make run` (`{shlex.join(prepare)}` once, then `{shlex.join(train)}`). From the Makefile "
         f"and the training config's defaults: a byte-level BPE of {vocab:,} ids prepared from the embedded "
-        f"text (Python's reference docs) into `{_option(prepare, '--out')}`; the {cfg.model} model of "
-        f"{cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, {num_params(shapes):,} parameters; "
-        f"{cfg.steps} steps of batch {cfg.batch_size} x {cfg.seq_len} tokens, plan {cfg.parallel.plan} on 8 "
+        f"text (Python's reference docs) into `{_option(prepare, '--out')}`; the {cfg.model.model} model of "
+        f"{cfg.model.layers} layers, width {cfg.model.width}, {cfg.model.heads} heads, {num_params(shapes):,} "
+        f"parameters; {cfg.run.steps} steps of batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens, plan "
+        f"{cfg.parallel.plan} on 8 "
         f"simulated CPU devices; held-out loss in nats/token and bits per byte.\n\n{RECORDED_RUN}"
     )
 

@@ -93,7 +93,7 @@ def _trainer(plan: str, mesh: Mesh, accumulate: int, precision: str):
         model = _model(precision)
         _trainers[key] = meshkit.Trainer(
             gpt.make_loss(model), params, OPTIMIZER, plan=plan, mesh=mesh, accumulate=accumulate,
-            clip_norm=BASE.clip, logical_axes=gpt.logical_axes(params), tokens_per_example=SEQ, grad_norm=True,
+            clip_norm=BASE.optimizer.clip, logical_axes=gpt.logical_axes(params), tokens_per_example=SEQ, grad_norm=True,
             units={"heads": HEADS}, compute_dtype=model.compute_dtype,
         )  # fmt: skip
     trainer = _trainers[key]
@@ -139,7 +139,7 @@ def _reference_programs(precision: str):
         @jax.jit
         def update(params, opt_state, sums, n):
             loss, grads = sums[0] / n, jax.tree.map(lambda g: g / n, sums[1])
-            factor = jax.numpy.minimum(1.0, BASE.clip / optax.tree.norm(grads))
+            factor = jax.numpy.minimum(1.0, BASE.optimizer.clip / optax.tree.norm(grads))
             updates, opt_state = OPTIMIZER.update(
                 jax.tree.map(lambda g: g * factor, grads), opt_state, params
             )

@@ -54,7 +54,7 @@ def test_train_tracks_to_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypat
             "--run-dir", str(run)]  # fmt: skip
     assert main(["train", "--preset", "tiny", *args]) == 0
     logged = rows(run)
-    assert json.loads((run / "config.json").read_text())["tracker"] == "tensorboard,wandb"
+    assert json.loads((run / "config.json").read_text())["run"]["tracker"] == "tensorboard,wandb"
     (events,) = run.glob("events.out.tfevents.*")
     same_scalars(logged, read_events(events), "tensorboard")
     history = wandb_history(run)

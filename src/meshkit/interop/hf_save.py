@@ -150,7 +150,8 @@ def save(
             if special is not None:
                 tok_cfg = special.tokenizer_config(cfg.seq_len)
                 (work / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-                tokens = {k: v for k, v in tok_cfg.items() if k.endswith("_token") and v is not None}
+                named = ("bos_token", "eos_token", *special.named)
+                tokens = {k: tok_cfg[k] for k in named if tok_cfg[k] is not None}
                 (work / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2))
                 if special.chat_template is not None:  # where transformers 4.44 and later read it
                     (work / CHAT_TEMPLATE).write_text(special.chat_template, encoding="utf-8")
