@@ -35,7 +35,7 @@ def _forget_the_trees():
 #: The layers, lowest first: a module imports from its own layer or below. (``cli`` is the top.)
 LAYERS = [
     {"_errors", "fmt", "files", "migrate"},
-    {"devices", "mesh", "spec", "distributed", "compile_cache"},
+    {"devices", "mesh", "spec", "distributed", "compile_cache", "targets"},
     {"analysis", "launch"},
     {"plans"},
     {"models", "adapters", "interop"},

@@ -21,6 +21,7 @@ from meshkit.cli import plan as _plan
 from meshkit.cli import selftest as _selftest
 from meshkit.cli import train as _train
 from meshkit.cli import verify as _verify
+from meshkit.targets import quiet_libtpu
 
 app = typer.Typer(
     name="meshkit",
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _command()
     as_json = _wants_json(list(sys.argv[1:] if argv is None else argv), command)
     try:
+        quiet_libtpu()  # before JAX starts: libtpu on a machine without a TPU would print to stderr
         compile_cache.configure()  # before anything compiles; train's --compile-cache may change it
         result = command.main(args=argv, prog_name="meshkit", standalone_mode=False)
         return result if isinstance(result, int) else 0

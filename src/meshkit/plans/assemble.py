@@ -216,13 +216,14 @@ def assemble(
     trainable leaves."""
     _refuse(spec, clip_norm, stateful)
     plan = spec.plan_info
-    record = Attention(requested=spec.attention)
-    loss_fn = attending(loss_fn, record)  # every trace of the loss (step, peak model) attends as asked
     frozen = Trainable.of(trainable, params)
     optimizer = optimizer if frozen is None else frozen.optimizer(optimizer)
     if frozen is not None and spec.deterministic is not None:
         raise PlanError("deterministic mode trains every parameter: drop trainable= or deterministic")
     mesh = spec_mesh(spec, mesh, devices)
+    # every trace of the loss (step, peak model) attends as asked, with the kernels of the devices it compiles for
+    record = Attention(requested=spec.attention, platform=mesh.devices.flat[0].platform)
+    loss_fn = attending(loss_fn, record)
     placement = place(
         params, plan, mesh, rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size, units=units
     )

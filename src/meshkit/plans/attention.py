@@ -59,6 +59,9 @@ class Attention:
     record ``in_force`` holds)."""
 
     requested: str = "auto"
+    platform: str | None = None
+    """The platform the step is compiled for (its mesh's devices: a TPU target's from a CPU machine); None:
+    JAX's default backend."""
     used: set[str] = field(default_factory=set)
     """Kernels traced: 'einsum', 'xla', 'cudnn', 'splash' (the ring's blocks count as einsum)."""
 
@@ -202,7 +205,7 @@ def einsum_attention(
 def _fused(q, k, v, window, segment_ids, xla: bool) -> tuple[jax.Array | None, str | None]:
     """The platform's fused attention and the kernel's name (the module docstring says which); where
     no flash kernel takes the inputs, XLA's implementation if ``xla``, else ``(None, None)``."""
-    platform = jax.default_backend()
+    platform = _record().platform or jax.default_backend()
     if platform == "tpu":
         out = splash(q, k, v, window=window, segment_ids=segment_ids)
         if out is not None:
