@@ -5,7 +5,8 @@ contain and XLA's parser accepts (``SOURCES.tsv`` names each one's repository, c
 ``collect.py`` rebuilt them). Each module is read by the ledger and, independently, by the small
 tokenizer below, which knows nothing of lines: it walks the token stream with XLA's grammar,
 counts collective opcodes per computation, and multiplies by the call sites of each computation
-(while bodies by their stated trip counts). A third count comes from XLA's own parser (per
+(while bodies by their stated trip counts, else by the trip count of a canonical loop: a counter from a
+constant, compared less-than a constant, stepped by 1). A third count comes from XLA's own parser (per
 computation), and the ledger must read XLA's canonical re-print of each module exactly as the
 original text.
 """
@@ -89,6 +90,67 @@ def trip_count(value: list[str]) -> int | None:
         return None
 
 
+def split_top(tokens: list[str]) -> list[list[str]]:
+    """Tokens split at the commas outside any bracket."""
+    out, depth = [[]], 0
+    for tok in tokens:
+        if tok in _OPEN:
+            depth += 1
+        elif tok in _OPEN.values():
+            depth -= 1
+        if tok == "," and depth == 0:
+            out.append([])
+        else:
+            out[-1].append(tok)
+    return out
+
+
+def canonical_trips(insts: dict[str, dict[str, tuple]], loops: list[tuple]) -> dict[tuple, int]:
+    """Trip counts of the ``loops`` (caller, condition, body, init operand) in canonical form: the condition's
+    one compare is ``gte(param, i) LT constant N``, the init tuple's operand i a constant K, the body adds
+    the constant 1 to ``gte(param, i)``: N - K (a copy or bitcast in between is looked through)."""
+
+    def find(comp: str, name: str) -> tuple | None:
+        inst = insts[comp].get(name.lstrip("%"))
+        while inst is not None and inst[0] in ("copy", "bitcast", "convert") and inst[1]:
+            inst = insts[comp].get(inst[1][0].lstrip("%"))
+        return inst
+
+    def const(inst) -> int | None:
+        return (
+            int(inst[3][0])
+            if inst and inst[0] == "constant" and inst[3][:1] and inst[3][0].lstrip("-").isdigit()
+            else None
+        )
+
+    def index(inst) -> int | None:
+        return (
+            int(inst[2]["index"][0])
+            if inst and inst[0] == "get-tuple-element" and "index" in inst[2]
+            else None
+        )
+
+    out = {}
+    for caller, condition, body, init in loops:
+        compares = [i for i in insts.get(condition, {}).values() if i[0] == "compare"]
+        if len(compares) != 1 or compares[0][2].get("direction") != ["LT"] or len(compares[0][1]) != 2:
+            continue
+        counter, bound = index(find(condition, compares[0][1][0])), const(find(condition, compares[0][1][1]))
+        tup = find(caller, init) if init else None
+        if counter is None or bound is None or not tup or tup[0] != "tuple" or counter >= len(tup[1]):
+            continue
+        start = const(find(caller, tup[1][counter]))
+        adds = [i for i in insts.get(body, {}).values() if i[0] == "add" and len(i[1]) == 2]
+        steps = any(
+            sorted([(index(find(body, a)), const(find(body, a))) for a in i[1]], key=str)
+            == sorted([(counter, None), (None, 1)], key=str)
+            for i in adds
+        )
+        if start is not None and steps and bound >= start:
+            out[(caller, condition, body)] = bound - start
+    return out
+
+
 def independent_count(text: str) -> Counter:
     """Executions of each collective opcode per computation, from the token stream alone."""
     t = Tokens(text)
@@ -98,7 +160,9 @@ def independent_count(text: str) -> Counter:
         t.take(), t.take(), t.take()
         t.atom()
     ops: dict[str, Counter] = {}
-    calls: list[tuple[str, str, int]] = []  # (caller, callee, multiplier)
+    calls: list[tuple[str, str, int | None, tuple]] = []  # (caller, callee, multiplier, the loop it is of)
+    insts: dict[str, dict[str, tuple]] = {}  # computation -> name -> (opcode, operands, attributes, literal)
+    loops: list[tuple] = []
     order, entry = [], None
     while t.peek():
         is_entry = t.peek() == "ENTRY"
@@ -118,10 +182,12 @@ def independent_count(text: str) -> Counter:
             t.atom()
         t.take()
         ops[comp] = Counter()
+        insts[comp] = {}
         while t.peek() != "}":
             if t.peek() == "ROOT":
                 t.take()
-            t.take(), t.take()  # name '='
+            name = t.take().lstrip("%")
+            t.take()  # '='
             if t.peek() == "(":
                 t.group()  # tuple type
             elif t.peek(1) == "[":
@@ -129,36 +195,51 @@ def independent_count(text: str) -> Counter:
                 if t.peek() == "{":
                     t.group()  # layout
             opcode = t.take()
-            t.group()  # operands
+            operand_tokens = t.group()[1:-1]
             attrs: dict[str, list[str]] = {}
             while t.peek() == ",":
                 t.take()
                 key = t.take()
                 t.take()  # '='
                 attrs[key] = t.value()
+            operands = [
+                piece[-1] for piece in split_top(operand_tokens) if piece
+            ]  # each operand's name, last
+            insts[comp][name] = (opcode, operands, attrs, operand_tokens)
             base = opcode.removesuffix("-start")
             if base in OPS:
                 ops[comp][base] += 1
             if opcode.endswith(("-done", "-update")):
                 continue
             trip = trip_count(attrs.get("backend_config", []))
+            loop = ()
+            if opcode == "while" and trip is None:  # its count read below, where its form is canonical
+                cond, body = (attrs[k][0].lstrip("%") for k in ("condition", "body"))
+                loop = (comp, cond, body)
+                loops.append((*loop, operands[0] if operands else None))
             for key, value in attrs.items():
                 if key not in CALL_KEYS or (key == "to_apply" and opcode != "call"):
                     continue
                 mult = 1
                 if opcode == "while" and trip is not None:
                     mult = trip + 1 if key == "condition" else trip
-                for name in value:
-                    if name not in "{},":
-                        calls.append((comp, name.lstrip("%"), mult))
+                for callee in value:
+                    if callee not in "{},":
+                        calls.append((comp, callee.lstrip("%"), mult, (key, loop)))
         t.take()  # '}'
         if t.peek() == ",":  # , execution_thread="..."
             t.take(), t.take(), t.take(), t.take()
     entry = entry or order[-1]  # XLA: without ENTRY, the last computation is the entry
+    trips = canonical_trips(insts, loops)
+
+    def mult(m: int, key: str, loop: tuple) -> int:
+        if loop in trips:
+            return trips[loop] + 1 if key == "condition" else trips[loop]
+        return m
 
     @cache
     def runs(comp: str) -> int:
-        return (comp == entry) + sum(runs(a) * m for a, b, m in calls if b == comp)
+        return (comp == entry) + sum(runs(a) * mult(m, *how) for a, b, m, how in calls if b == comp)
 
     total = Counter()
     for comp, counter in ops.items():

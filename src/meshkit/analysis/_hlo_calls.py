@@ -1,6 +1,11 @@
 """The call graph of an HLO module and how often each computation runs: while loops with a trip
 count the compiler states, conditionals, async wrappers and calls, pushed from the entry in
-topological order (a computation called from several places gets the sum of its callers')."""
+topological order (a computation called from several places gets the sum of its callers').
+
+A loop whose trip count the compiler does not state (XLA:TPU states none) is read from its canonical form,
+as XLA's own loop analysis reads it: a counter at tuple index ``i`` that starts at a constant ``K``, the
+condition ``counter < N`` against a constant, and the body adding the constant 1 to it: ``N - K`` trips.
+Any other form is left unknown (and the ledger says so)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ _NO_CALLS = ("-done", "-update")  # async-done/-update repeat the start's calls=
 
 def _call_edges(instructions: list[Instruction]) -> dict[str, list[Edge]]:
     edges: dict[str, list[Edge]] = {}
+    index: _Index | None = None  # built for the first loop without a stated count
     for inst in instructions:
         if inst.opcode == "while" and not ("body" in inst.attrs and "condition" in inst.attrs):
             raise HloParseError(f"{inst.label}: a while needs condition= and body=")
@@ -33,6 +39,9 @@ def _call_edges(instructions: list[Instruction]) -> dict[str, list[Edge]]:
         trip = None
         if inst.opcode == "while" and (m := _TRIP.search(inst.attrs)):
             trip = int(m.group(1))
+        elif inst.opcode == "while":
+            index = index if index is not None else _Index(instructions)
+            trip = _inferred_trip(inst, index)
         bare = _STRING.sub('""', inst.attrs) if '"' in inst.attrs else inst.attrs
         found = _CALLS.findall(bare)
         named = _CALL_KEY.findall(bare)
@@ -58,6 +67,81 @@ def _call_edges(instructions: list[Instruction]) -> dict[str, list[Edge]]:
             for callee in callees:
                 edges.setdefault(inst.computation, []).append(Edge(callee, kind, trip, inst.label))
     return edges
+
+
+_DIRECTION = re.compile(r"\bdirection=(\w+)")
+_PASS_THROUGH = ("copy", "bitcast", "convert")
+
+
+class _Index:
+    """The instructions by (computation, name), and each computation's instructions."""
+
+    def __init__(self, instructions: list[Instruction]) -> None:
+        self.by_name = {(i.computation, i.name): i for i in instructions}
+        self.by_computation: dict[str, list[Instruction]] = {}
+        for i in instructions:
+            self.by_computation.setdefault(i.computation, []).append(i)
+
+    def of(self, computation: str, opcode: str) -> list[Instruction]:
+        return [i for i in self.by_computation.get(computation, ()) if i.opcode == opcode]
+
+
+def _named(inst: Instruction, index: _Index, k: int) -> Instruction | None:
+    """Operand ``k`` of ``inst`` (through copies and bitcasts), where it is an instruction of its computation."""
+    operands = inst.operands
+    if k >= len(operands):
+        return None
+    found = index.by_name.get((inst.computation, operands[k].strip().rsplit(None, 1)[-1].lstrip("%")))
+    while found is not None and found.opcode in _PASS_THROUGH:
+        found = _named(found, index, 0)
+    return found
+
+
+def _constant(inst: Instruction | None) -> int | None:
+    if inst is None or inst.opcode != "constant":
+        return None
+    try:
+        return int(inst.operand_text[0].strip())
+    except ValueError:
+        return None
+
+
+def _counter(inst: Instruction | None) -> int | None:
+    """The tuple index ``inst`` reads of its computation's parameter, where it is such a read."""
+    if (
+        inst is None
+        or inst.opcode != "get-tuple-element"
+        or not (m := re.search(r"\bindex=(\d+)", inst.attrs))
+    ):
+        return None
+    return int(m.group(1))
+
+
+def _steps_by_one(add: Instruction, index: _Index, counter: int) -> bool:
+    """Whether ``add`` is the counter plus the constant 1 (either way round)."""
+    a, b = _named(add, index, 0), _named(add, index, 1)
+    return (_counter(a), _constant(b)) == (counter, 1) or (_counter(b), _constant(a)) == (counter, 1)
+
+
+def _inferred_trip(loop: Instruction, index: _Index) -> int | None:
+    """The trip count of a loop in XLA's canonical form (the module docstring), or None."""
+    calls = dict(_CALLS.findall(loop.attrs))
+    condition, body = calls.get("condition", "").lstrip("%"), calls.get("body", "").lstrip("%")
+    compares = index.of(condition, "compare")
+    if len(compares) != 1 or (m := _DIRECTION.search(compares[0].attrs)) is None or m.group(1) != "LT":
+        return None
+    counter, bound = _counter(_named(compares[0], index, 0)), _constant(_named(compares[0], index, 1))
+    init = _named(loop, index, 0)
+    if counter is None or bound is None or init is None or init.opcode != "tuple":
+        return None
+    start = _constant(_named(init, index, counter))
+    if (
+        start is None
+        or bound < start
+        or not any(_steps_by_one(a, index, counter) for a in index.of(body, "add"))
+    ):
+        return None
+    return bound - start
 
 
 @dataclass(frozen=True, slots=True)

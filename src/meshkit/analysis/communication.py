@@ -5,10 +5,17 @@ since the partitioner inserts most collectives at compile time) or HLO text, and
 ``CommLedger``: one ``Collective`` per collective instruction, with its element types and shapes,
 the bytes it moves (``S`` in the ring formulas), its replica groups, the mesh axes they span,
 how many times it runs per step (loop trip counts), and the per-device traffic of the ring model.
+
+Two forms XLA:TPU prints are read as what they run: a reduce-scatter fused as an all-reduce and the
+slice of its partition (a ``kCustom`` fusion calling ``all-reduce-scatter.N``) is one reduce-scatter of
+its input; and a collective that its async-collective fusion splits into pieces (its start, the compute
+it overlaps and its end, each a fusion holding a copy of the instruction with the same ``channel_id`` and
+``chain_id``) is one collective, counted once and marked async.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 import sys
@@ -44,6 +51,10 @@ MODELLED = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collect
 OTHER = ("collective-broadcast", "ragged-all-to-all", "send", "recv", "all-reduce-scatter")
 #: Async forms: the ``-start`` half carries the operation, the ``-done`` half is not counted.
 _ASYNC = {f"{op}-start": op for op in (*MODELLED, *OTHER)}
+_FUSED_REDUCE_SCATTER = re.compile(r"all-reduce-scatter(\.|$)")
+"""XLA:TPU's name for the computation of a reduce-scatter fused as an all-reduce and its partition's slice."""
+_CHAIN = re.compile(r'\bchannel_id=(\d+).*?\bchain_id=\\?"(\d+)')
+"""A collective's channel and its async chain (XLA:TPU's async collective fusion: one collective in pieces)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -285,18 +296,26 @@ def _communication(x: Any, text: str, mesh: Any, devices: int | None) -> CommLed
             n_dev *= s
     ctx = _Context(module=module, mesh=tuple(mesh) if mesh else None, n_dev=n_dev, counts=counts)
     records, warnings, dead, unsized = [], [], [], []
+    chains: set[tuple[str, ...]] = set()
     for inst in module.instructions:
         op, start = inst.opcode, False
         if op in _ASYNC:
             op, start = _ASYNC[op], True
         elif op not in MODELLED and op not in OTHER:
             continue
+        if (chain := _CHAIN.search(inst.attrs)) is not None:
+            if (op, *chain.groups()) in chains:
+                continue  # another piece of a collective already counted
+            chains.add((op, *chain.groups()))
+            start = True
         f = freq.get(inst.computation)
         if f is None:
             dead.append(inst)  # in a computation the entry never calls: it never runs
             continue
         try:
             rec, warning = _record(ctx, inst, op, start, f)
+            if op == "all-reduce" and _FUSED_REDUCE_SCATTER.match(inst.computation):
+                rec = _as_reduce_scatter(rec)
         except UnboundedDimension as e:
             unsized.append((inst, e))  # its bytes are unknown: said below, not counted as 0
             continue
@@ -438,6 +457,17 @@ def _shapes(module: Module, inst: Instruction, op: str, start: bool, n: int):
     size = out_b if op in ("all-gather", "recv") else in_b
     arrays = ins if ins else (outs or ())
     return arrays, in_b, out_b, size
+
+
+def _as_reduce_scatter(rec: Collective) -> Collective:
+    """An all-reduce that XLA:TPU fused with its partition's slice: the reduce-scatter of its input it runs."""
+    n = rec.group_size
+    return dataclasses.replace(
+        rec,
+        op="reduce-scatter",
+        out_bytes=rec.in_bytes // n,
+        traffic_bytes=ring_traffic("reduce-scatter", rec.size_bytes, n),
+    )
 
 
 def _record(ctx: _Context, inst: Instruction, op: str, start: bool, f) -> tuple[Collective, str | None]:
