@@ -159,11 +159,15 @@ def _meshkit(tmp_path, *options):
         pytest.fail(f"meshkit train {' '.join(options)} still ran after {e.timeout:.0f} s")
 
 
-# Tiers: meshkit train's fsdp+tp+cp and tp+ep runs are core; tp+cp's sweeps (its step is core above).
+# Tiers: meshkit train's tp+ep run is core (a combination plan through the CLI, its report checked); tp+cp's
+# and fsdp+tp+cp's sweep: their steps and reports are core above (gpt-tp+cp's in the meshkit verify --plan
+# cp+tp certificate, llama-fsdp+tp+cp-...-all-to-all's here), --context-attention all-to-all through meshkit
+# train in test_context.py's test_meshkit_train_refuses_bad_context_input_in_one_line[heads].
 @pytest.mark.parametrize(
     "options",
     [pytest.param(["--plan", "tp+cp"], marks=pytest.mark.sweep),
-     ["--plan", "fsdp+tp+cp", "--context-attention", "all-to-all"], ["--plan", "tp+ep", "--experts", "8"]],
+     pytest.param(["--plan", "fsdp+tp+cp", "--context-attention", "all-to-all"], marks=pytest.mark.sweep),
+     ["--plan", "tp+ep", "--experts", "8"]],
     ids=["tp+cp", "fsdp+tp+cp", "tp+ep"],
 )  # fmt: skip
 def test_meshkit_train_runs_each_combination_and_its_report_checks_out(tmp_path, options):

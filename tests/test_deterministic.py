@@ -68,16 +68,22 @@ def trained(plan, devices, model="gpt", steps=5, **kw):
     return t, losses, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
 
 
-# Tiers (this file): the core cases are gpt-dp and llama-zero3 here, dp+pp-1f1b for pipelines (in
+# Tiers (this file): the core cases are llama-zero3 here, dp+pp-1f1b for pipelines (in
 # test_a_pipeline_has_the_bits_of_dp_on_one_device_on_1_2_and_4_stages: stage=2 x data=4 and stage=4 x
-# data=2 against dp on one device), the peak's zero3 (micro-shards, partial sums and the gather), verify's
-# column in test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column, meshkit train's in
-# test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts; the other models x
-# plans, schedules, dp+pp-1f1b on data 1, 2 and 4 of 2 stages, dp's and zero1's peak, XLA's default level
-# (test_deterministic_mp.py, sweep only), verify on a pipeline and meshkit train on 8 and 2 devices sweep.
+# data=2 against dp on one device), the peak's zero3 (micro-shards, partial sums and the gather), meshkit
+# train's in test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts. gpt-dp sweeps
+# (dp's bits on data=1, 2, 4 and on 2 processes x 4 are core in test_verify_deterministic_mp.py's
+# test_every_mesh_row_has_the_bits_of_the_2_process_run[dp], 5 steps of a transformer on 1, 2, 4 and 8
+# devices in llama-zero3 here), and so does verify's column on one process
+# (test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column: meshkit verify --deterministic's
+# column, its check and verdict are core in that test_every_mesh_row_has_the_bits_of_the_2_process_run[dp],
+# zero3's bits on data=1 to 8 in llama-zero3); the other models x plans, schedules, dp+pp-1f1b on data 1, 2
+# and 4 of 2 stages, dp's and zero1's peak, XLA's default level (test_deterministic_mp.py, sweep only),
+# verify on a pipeline and meshkit train on 8 and 2 devices sweep.
 @pytest.mark.parametrize(
     "model, plan",
-    [("gpt", "dp"), pytest.param("gpt", "zero3", marks=pytest.mark.sweep),
+    [pytest.param("gpt", "dp", marks=pytest.mark.sweep),
+     pytest.param("gpt", "zero3", marks=pytest.mark.sweep),
      pytest.param("llama", "dp", marks=pytest.mark.sweep), ("llama", "zero3")],
 )  # fmt: skip
 def test_5_steps_bitwise_on_1_2_4_and_8_devices(model, plan):
@@ -169,6 +175,10 @@ def test_meshkit_train_refuses_a_plan_it_cannot_fix(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+# Tiers: sweeps; meshkit verify --deterministic's bitwise_across_meshes column, its check and verdict are
+# core in test_verify_deterministic_mp.py's test_every_mesh_row_has_the_bits_of_the_2_process_run[dp],
+# zero3's bits on data=1, 2, 4 and 8 in test_5_steps_bitwise_on_1_2_4_and_8_devices[llama-zero3].
+@pytest.mark.sweep
 def test_meshkit_verify_deterministic_has_the_bitwise_across_meshes_column(capsys):
     assert (
         main(["verify", "--plan", "zero3", "--model", "mlp", "--steps", "3", "--deterministic", "--json"])

@@ -300,12 +300,18 @@ PLANS = [
 QWEN = [(kind, *p) for p in PLANS for kind in ("qwen2", "qwen3")]
 
 
-# Tiers (this file): each Qwen under tp (its biases split, its norms replicated), Mistral's window under a
-# pipeline and the Mixtral under fsdp+ep are core; the other plans of each family sweep (each plan is core
-# with the GPT and the Llama). Qwen2's windows sweep under every plan: a window under all-to-all is core in
-# test_attention.py's test_each_plan_attends_as_one_device_masks_included[dp+cp], in the ring's blocks in
-# its scanned windows on cp, windows that differ by layer and a pipeline's refusal of them in
-# test_llama_window.py (test_layers_of_different_windows_run_in_the_loop_form_and_are_refused_scanned).
+# Tiers (this file): each Qwen under tp (its biases split, its norms replicated) and the Mixtral under
+# fsdp+ep are core; the other plans of each family sweep (each plan is core with the GPT and the Llama).
+# Qwen2's windows sweep under every plan: a window under all-to-all is core in test_attention.py's
+# test_each_plan_attends_as_one_device_masks_included[dp+cp], in the ring's blocks in its scanned windows on
+# cp, windows that differ by layer and a pipeline's refusal of them in test_llama_window.py
+# (test_layers_of_different_windows_run_in_the_loop_form_and_are_refused_scanned). Mistral's window under
+# dp+pp sweeps too: a window in a pipeline's blocks is core in test_attention.py's
+# test_each_plan_attends_as_one_device_masks_included[dp+pp] (float64, einsum and fused), the Llama's
+# blocks with a window in every layer in test_layers_of_different_windows_run_in_..., llama.stages under
+# dp+pp in test_packing.py's llama-dp+pp-stage=2,data=4 and test_lora.py's dp+pp, a pipeline's certificate
+# (its schedule and ledger against the model) in test_verify.py's
+# test_the_issues_pp_plan_on_8_stages_is_certified_by_a_derived_float32_bound.
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh", "opts", "kv"),
     tiered(QWEN, [f"{c[1]}-{c[0]}" for c in QWEN], core={"tp-qwen2", "tp-qwen3"}),
@@ -342,13 +348,10 @@ WINDOW_CASES = [
 ]
 
 
+# Tiers: sweeps, every case (each window's keeper: the Tiers comment above test_qwen_trains_...).
+@pytest.mark.sweep
 @pytest.mark.parametrize(
-    ("kind", "plan", "mesh", "opts"),
-    tiered(
-        WINDOW_CASES,
-        [f"{c[1]}-{c[0]}" for c in WINDOW_CASES],
-        core={"dp+pp-mistral"},
-    ),
+    ("kind", "plan", "mesh", "opts"), WINDOW_CASES, ids=[f"{c[1]}-{c[0]}" for c in WINDOW_CASES]
 )
 def test_a_sliding_window_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts):
     """The window masks by global positions under a context split (the ring's blocks, all-to-all's whole

@@ -30,11 +30,15 @@ CERTS = [
 ]
 
 
-# Tiers: each remat policy and form keeps a core certificate (zero3-gpt layer, fsdp-gpt-scan regather,
-# zero2-gpt-scan dots); the scanned zero3 without remat, zero1, fsdp+tp and tp (the last three core in
-# test_plans.py's certificates) and the loop form's regather sweep.
-SWEEP = {"zero3-gpt-scan-None-none-2", "zero1-gpt-None-layer-1", "zero3-gpt-None-regather-1",
-         "fsdp+tp-gpt-data=4,model=2-layer-1", "tp-gpt-scan-model=8-layer-1"}  # fmt: skip
+# Tiers: each remat policy and form keeps a core certificate (fsdp-gpt-scan regather, zero2-gpt-scan dots
+# here; the loop form's layer remat with 2 micro-batches in test_hsdp.py's GPT certificate, ZeRO-3 within the
+# data axis: its per-layer gathers, twice under remat, against the model); zero3-gpt layer (that
+# certificate without a replica axis), the scanned zero3 without remat, zero1, fsdp+tp and tp (core in
+# test_plans.py's certificates: zero1 on the linear model, fsdp+tp on the GPT; tp in test_families.py's
+# tp-qwen2) and the loop form's regather sweep.
+SWEEP = {"zero3-gpt-None-layer-2", "zero3-gpt-scan-None-none-2", "zero1-gpt-None-layer-1",
+         "zero3-gpt-None-regather-1", "fsdp+tp-gpt-data=4,model=2-layer-1",
+         "tp-gpt-scan-model=8-layer-1"}  # fmt: skip
 IDS = ["-".join(map(str, c)) for c in CERTS]
 
 
@@ -115,8 +119,9 @@ def _temp(model_cfg, remat):
     return t.compiled((tokens, tokens)).memory_analysis().temp_size_in_bytes
 
 
-# Tiers: the scanned form is core; the loop form (its zero3 gathers core in test_certificate_per_layer's
-# zero3-gpt layer case) sweeps.
+# Tiers: the scanned form is core; the loop form (its zero3 gathers under layer remat core in
+# test_hsdp.py's GPT certificate, their peak in test_peak.py's
+# test_sharded_gradient_accumulator_of_zero2_and_zero3_is_in_the_model[zero3-layer]) sweeps.
 @pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.sweep), True])
 def test_gathered_parameters_live_one_layer_at_a_time(scan):
     """Doubling the layers adds the whole model's gathered copy to zero3's temporaries without remat,

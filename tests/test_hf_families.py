@@ -167,6 +167,13 @@ def written(tmp_path_factory):
     return tmp
 
 
+# Tiers: sweeps (its fixture runs both references): config.json as transformers 5.x's save_pretrained writes
+# it is core in test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-*]
+# (each family's checkpoint made by 5.x, its config read by interop.read_config into the model whose logits
+# and greedy tokens are 5.x's), 4.57.6's in the same test's [transformers4-*] (sweep), a 4.x config in 5.x's
+# form (rope_parameters, dtype) in test_families.py's read tests, windows that never bind in
+# test_hf_config_defects.py.
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", list(WRITTEN))
 def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name):
     """config.json as ``save_pretrained`` of transformers 5.x writes it (its rotary in ``rope_parameters``,

@@ -174,6 +174,12 @@ def written(tmp_path_factory):
     return tmp
 
 
+# Tiers: sweeps (its fixture runs both references): config.json as transformers 5.x saves it, Gemma 3's
+# rotary keyed by layer type included, is core in
+# test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-*] (each checkpoint
+# made by 5.x, its config read into the model whose logits and greedy tokens are 5.x's), 4.57.6's in the
+# same test's [transformers4-*] (sweep).
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", list(REFERENCE_MODELS))
 def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name):
     """config.json as transformers 5.x saves it (its rotary in ``rope_parameters``, Gemma 3's keyed by layer

@@ -57,9 +57,9 @@ def _one_device_float64(scan: bool, steps: int):
     )
 
 
-# Tiers: the Llama is core under fsdp+tp (in a pipeline: Mistral's dp+pp in
-# test_families.py; under zero3: test_deterministic.py's llama-zero3); dp, zero3, dp+tp+pp and zero3's
-# peak sweep (each plan is core with the GPT).
+# Tiers: the Llama is core under fsdp+tp (in a pipeline: test_packing.py's llama-dp+pp-stage=2,data=4 and
+# test_lora.py's dp+pp, float64 against one device; under zero3: test_deterministic.py's llama-zero3); dp,
+# zero3, dp+tp+pp and zero3's peak sweep (each plan is core with the GPT).
 @pytest.mark.parametrize(("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"fsdp+tp"}))
 def test_llama_plan_matches_one_device_in_float64_and_its_cost_model(plan, mesh, opts):
     with jax.enable_x64(True):

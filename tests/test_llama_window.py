@@ -26,6 +26,13 @@ def _moved(cfg, scale=0.3):
     return jax.tree.map(lambda a: a + scale * jax.random.normal(next(keys), a.shape), params)
 
 
+# Tiers: sweeps; the window's mask is NumPy float64's in test_attention.py's
+# test_both_forms_equal_numpy_float64_masks_and_grouped_heads_included[5-False], the Llama's forward with a
+# window in every layer (loop and scanned forms) in
+# test_layers_of_different_windows_run_in_the_loop_form_and_are_refused_scanned, and against transformers
+# (Mistral's window of 8 over 24 tokens, logits within 1e-5) in test_hf_families.py's
+# test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-hf-mistral].
+@pytest.mark.sweep
 def test_one_layer_with_a_window_is_the_model_on_the_windows_tokens_alone():
     """Position t of a one-layer model with window w sees tokens t-w+1..t: its logits equal the
     windowless model's last logits on exactly those tokens (at positions 0..w-1: the rotary is relative).
@@ -95,14 +102,20 @@ def test_flops_count_the_keys_a_window_lets_a_query_see():
     assert llama.flops_per_token(mixed, 8) == llama.flops_per_token(CFG, 8)
 
 
-# Tiers: some-layers and experts are core; every-layer sweeps (its window of 4 in every layer is the
-# experts case's, and the cache's per-layer mask is some-layers').
+# Tiers: some-layers is core (the cache's per-layer mask); every-layer and experts sweep: the cache's mask
+# in every layer is some-layers' mask in each, and a mixture of experts generating dropless from the cache
+# with a window in every layer, 32 tokens past it, is core against transformers' greedy tokens in
+# test_hf_families.py's test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens
+# [transformers5-hf-mixtral] (4 experts, 2 a token, renormalised, window 8).
 @pytest.mark.parametrize(
     "fields",
     [
         pytest.param({"window": 4}, marks=pytest.mark.sweep),
         {"window": 3, "sliding": (False, True, False)},
-        {"window": 4, "experts": 4, "capacity_factor": 0.0, "router_renormalize": True},
+        pytest.param(
+            {"window": 4, "experts": 4, "capacity_factor": 0.0, "router_renormalize": True},
+            marks=pytest.mark.sweep,
+        ),
     ],
     ids=["every-layer", "some-layers", "experts"],
 )

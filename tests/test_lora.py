@@ -91,7 +91,7 @@ def test_bad_lora_settings_are_one_line(kwargs, fix):
 
 
 # Tiers: fsdp+tp is core (the adapters' gradients reduced over data and summed over the model axis, their
-# state sharded). dp sweeps (dp's ledger is core in test_plans.py and test_golden_steps.py, its peak in
+# state sharded). dp sweeps (dp's ledger is core in test_plans.py's dp-linear certificate, its peak in
 # test_peak.py); so does zero2: its ledger under LoRA is core in the fsdp run of
 # test_meshkit_train_with_lora_proves_its_cost_and_exports_the_merged_model (checks_ok), the frozen leaves'
 # gradients left out of zero2's reduce-scatter in test_frozen.py's

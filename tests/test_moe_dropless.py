@@ -127,6 +127,11 @@ def test_dropless_ledger_and_peak_under_expert_parallelism(plan, mesh):
     assert ("all-to-all", "expert") not in rows
 
 
+# Tiers: sweeps; meshkit train --plan ep with --experts and --capacity-factor is core in test_moe.py's
+# test_meshkit_train_ep_reports_dropped_tokens, the dropless step under ep (capacity 0) above in
+# test_dropless_step_equals_one_device_in_float64[ep] and its ledger in
+# test_dropless_ledger_and_peak_under_expert_parallelism[ep].
+@pytest.mark.sweep
 def test_meshkit_train_takes_a_dropless_mixture(tmp_path):
     exe = str(Path(sys.executable).parent / "meshkit")
     cmd = [exe, "train", "--preset", "tiny", "--model", "llama", "--plan", "ep", "--experts", "8",
