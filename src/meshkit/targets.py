@@ -61,6 +61,10 @@ def quiet_libtpu() -> None:
         return
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu takes /tmp/libtpu_lockfile to keep a chip to one process: with no chip, every process that
+    # compiles for a target loads it (two at once failed: "Internal error when accessing libtpu
+    # multi-process lockfile")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_name(target: str) -> str:
