@@ -26,7 +26,9 @@ def test_scanned_layers_run_as_many_times_as_the_stack_is_deep():
     assert looped and all(r.exact and r.executions == 3 for r in looped)
     # the layer weights are gathered in the forward and again in the backward pass: 3 layers x 2
     gathers = {r.shapes for r in looped if r.op == "all-gather"}
-    assert all(sum(r.executions for r in looped if r.op == "all-gather" and r.shapes == s) % 3 == 0 for s in gathers)
+    assert all(
+        sum(r.executions for r in looped if r.op == "all-gather" and r.shapes == s) % 3 == 0 for s in gathers
+    )
 
 
 def test_a_fused_all_reduce_scatter_is_one_reduce_scatter():

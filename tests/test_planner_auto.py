@@ -62,7 +62,9 @@ def test_meshkit_train_plan_auto_says_which_and_why(tmp_path, capsys):
     saved = json.loads((run / "config.json").read_text())
     cfg = saved["parallel"]
     assert (
-        cfg["plan"] != "auto" and saved["run"]["plan_reason"] and f"plan auto: {cfg['plan']} on {cfg['mesh']}" in out
+        cfg["plan"] != "auto"
+        and saved["run"]["plan_reason"]
+        and f"plan auto: {cfg['plan']} on {cfg['mesh']}" in out
     )
     assert json.loads((run / "report.json").read_text())["plan"] == cfg["plan"]
     bad = [
