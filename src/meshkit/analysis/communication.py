@@ -34,15 +34,13 @@ from meshkit.analysis._groups import (
     pair_axes,
 )
 from meshkit.analysis._hlo import (
-    Array,
     Instruction,
     Module,
     UnboundedDimension,
     frequencies,
-    leaves,
     parse_module,
-    parse_shape,
 )
+from meshkit.analysis._operands import operand_arrays, source_target_pairs
 from meshkit.analysis.cost import ring_traffic
 
 #: Collectives the ring model covers, by the name XLA prints for the synchronous form.
@@ -405,60 +403,6 @@ def _resolve(ctx: _Context, text: str | None, mode: str) -> tuple:
     return out
 
 
-def _pairs(attrs: str) -> tuple[tuple[int, int], ...]:
-    found = re.search(r"\bsource_target_pairs\s*=\s*\{", attrs)
-    if not found:
-        return ()
-    body = attrs[found.end() - 1 :]
-    depth = 0
-    for i, ch in enumerate(body):
-        depth += (ch == "{") - (ch == "}")
-        if depth == 0:
-            body = body[: i + 1]
-            break
-    return tuple((int(a), int(b)) for a, b in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", body))
-
-
-def _shapes(module: Module, inst: Instruction, op: str, start: bool, n: int):
-    """Operand arrays (the data counted in S), result arrays, in/out bytes and S of a collective."""
-    # ragged-all-to-all: (input, output, input_offsets, send_sizes, output_offsets, recv_sizes);
-    # the in-place collective-permute (with slice_sizes=): (input, output, input_starts,
-    # output_starts). S is the input. (A combined collective-permute's operands are all inputs.)
-    in_place = op == "collective-permute" and "slice_sizes" in inst.attrs
-    first = 1 if op == "ragged-all-to-all" or in_place else None
-    ins = module.operand_types(inst, first)
-    res = parse_shape(inst.type_text) if inst.type_text else None
-    outs: tuple[Array, ...] | None
-    if res is None:
-        outs = None
-    elif start and op != "all-reduce" and isinstance(res, tuple) and len(res) >= 2:
-        # Async starts return (operands, results[, context]); all-reduce-start returns the results.
-        outs = leaves(res[1])
-        if ins is None:
-            ins = leaves(res[0])
-    elif op in ("recv", "send") and isinstance(res, tuple) and res:
-        outs = leaves(res[0])  # (data, u32[] context, token[])
-    else:
-        outs = leaves(res)
-    if ins is not None:
-        ins = tuple(a for a in ins if a.dtype not in ("token", "opaque"))
-    if ins is None and outs is None:
-        raise HloParseError("its result type is not printed and its operands are not defined in the text")
-    out_b = sum(a.nbytes for a in outs) if outs is not None else None
-    in_b = sum(a.nbytes for a in ins) if ins is not None else None
-    if in_b is None:
-        in_b = out_b // n if op == "all-gather" else out_b * n if op == "reduce-scatter" else out_b
-        if op == "recv":
-            in_b = 0
-    if out_b is None:
-        out_b = in_b * n if op == "all-gather" else in_b // n if op == "reduce-scatter" else in_b
-    if op == "send":
-        out_b = in_b  # what it sends (its result repeats the data operand's type)
-    size = out_b if op in ("all-gather", "recv") else in_b
-    arrays = ins if ins else (outs or ())
-    return arrays, in_b, out_b, size
-
-
 def _as_reduce_scatter(rec: Collective) -> Collective:
     """An all-reduce that XLA:TPU fused with its partition's slice: the reduce-scatter of its input it runs."""
     n = rec.group_size
@@ -475,7 +419,7 @@ def _record(ctx: _Context, inst: Instruction, op: str, start: bool, f) -> tuple[
     warning = None
     rg_text = None
     if op in ("collective-permute", "send", "recv"):
-        pairs = _pairs(inst.attrs)
+        pairs = source_target_pairs(inst.attrs)
         groups: tuple = pairs
         n = 2
         axes = pair_axes(pairs, ctx.mesh) if ctx.mesh and pairs else None
@@ -483,7 +427,7 @@ def _record(ctx: _Context, inst: Instruction, op: str, start: bool, f) -> tuple[
     else:
         rg_text = groups_text(inst.attrs)
         groups, n, axes, warning, used_mode = _resolve(ctx, rg_text, mode)
-    arrays, in_b, out_b, size = _shapes(ctx.module, inst, op, start, n)
+    arrays, in_b, out_b, size = operand_arrays(ctx.module, inst, op, start, n)
     rec = Collective(
         op=op,
         name=inst.name,
