@@ -174,6 +174,7 @@ class GemmaConfig:
         """This model's shape, as the planner describes models."""
         return ModelShape(
             name=name,
+            family="gemma",
             layers=self.layers,
             width=self.width,
             heads=self.heads,

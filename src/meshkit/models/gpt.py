@@ -164,6 +164,7 @@ class GPTConfig:
         """This GPT's shape, as the planner describes models."""
         return ModelShape(
             name=name,
+            family="gpt",
             layers=self.layers,
             width=self.width,
             heads=self.heads,

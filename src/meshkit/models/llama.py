@@ -190,6 +190,7 @@ class LlamaConfig:
         """This model's shape, as the planner describes models."""
         return ModelShape(
             name=name,
+            family="llama",
             layers=self.layers,
             width=self.width,
             heads=self.heads,

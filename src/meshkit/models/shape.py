@@ -18,6 +18,9 @@ class ModelShape:
 
     name: str = "gpt"
     """A family's name (a run's ``--model``) or a preset's (``llama-7b``): a label, never dispatched on."""
+    family: str = ""
+    """The model family whose step is built for this shape (``meshkit.models.registry``: the planner's
+    compile check builds that family's own step); '' means by the MLP: ``llama`` where gated, else ``gpt``."""
     layers: int
     width: int
     heads: int
@@ -55,6 +58,8 @@ class ModelShape:
             raise MeshkitError(
                 f"width {self.width} is not divisible by heads {self.heads}: pick heads dividing it"
             )
+        if not self.family:
+            object.__setattr__(self, "family", "llama" if self.gated else "gpt")
         if self.ffn == 0:
             object.__setattr__(self, "ffn", 4 * self.width)
         if self.head_dim == 0:

@@ -93,15 +93,7 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         tokens_per_example=cfg.data.seq_len,
         **_step_options(cfg, family, model, logical_axes),
     )
-    trainer.check_examples(cfg.data.batch_size)
-    for axis in axes.active(trainer.plan):  # before the run directory is written, not at the first compile
-        axis.check_run(
-            axis.size(trainer.placement),
-            seq_len=cfg.data.seq_len,
-            heads=model.heads,
-            experts=model.experts,
-            form=cfg.parallel.context_attention,
-        )
+    check_step(cfg, model, trainer.assembled)
     batches = data.batches(
         seq_len=cfg.data.seq_len,
         global_batch=cfg.data.batch_size,
@@ -167,7 +159,7 @@ def build_model(cfg: C.TrainConfig, family: Family, vocab: int) -> tuple[Any, An
     model = model_config(cfg, family, vocab)
     module = family.module
     pipeline = cfg.parallel.plan_info.pipeline
-    loss = module.stages(model) if pipeline else module.make_loss(model, with_aux=moe_run(model, cfg))
+    loss, _ = family.training_loss(model, pipeline=pipeline)
     if cfg.model.init_from is not None:
         from meshkit.train.init_from import init_from
 
@@ -186,6 +178,21 @@ def build_model(cfg: C.TrainConfig, family: Family, vocab: int) -> tuple[Any, An
     return model, loss, params, module.logical_axes(params)
 
 
+def check_step(cfg: C.TrainConfig, model: Any, assembled: Any) -> None:
+    """What the run's step (``plans.Assembled``) cannot take, before the run directory is written, not at
+    the first compile: a ``--batch-size`` that does not divide over the data axis and micro-batches, a
+    sequence, heads or experts an active axis cannot split (``Axis.check_run``)."""
+    assembled.check_examples(cfg.data.batch_size)
+    for axis in axes.active(assembled.spec.plan_info):
+        axis.check_run(
+            axis.size(assembled.placement),
+            seq_len=cfg.data.seq_len,
+            heads=model.heads,
+            experts=model.experts,
+            form=cfg.parallel.context_attention,
+        )
+
+
 def family_params(cfg: C.TrainConfig, params: Any) -> Any:
     """A run's parameters as its family's own: a LoRA run's adapters merged into their weights."""
     adapters = C.lora_config(cfg)
@@ -199,7 +206,7 @@ def _step_options(cfg: C.TrainConfig, family: Family, model: Any, logical_axes: 
         "clip_norm": cfg.optimizer.clip,
         "logical_axes": logical_axes,
         "grad_norm": True,
-        "has_aux": moe_run(model, cfg),
+        "has_aux": family.training_loss(model, pipeline=cfg.parallel.plan_info.pipeline)[1],
         "units": family.units(model),
         "trainable": run_trainable(cfg),
     }
@@ -209,11 +216,6 @@ def run_trainable(cfg: C.TrainConfig) -> Any:
     """Which leaves the run trains (``Trainer``'s ``trainable=``): a LoRA run its adapters, else None (all);
     the step and ``load_run``'s optimizer state both ask it."""
     return None if C.lora_config(cfg) is None else lora.trainable
-
-
-def moe_run(model: Any, cfg: C.TrainConfig) -> bool:
-    """A mixture of experts outside a pipeline: its loss returns the dropped slots as metrics."""
-    return bool(model.experts) and not cfg.parallel.plan_info.pipeline
 
 
 def model_config(cfg: C.TrainConfig, family: Family, vocab: int) -> Any:
@@ -350,6 +352,7 @@ def model_shape(cfg: C.TrainConfig, family: Family, vocab: int) -> ModelShape:
     }
     return ModelShape(
         name=family.name,
+        family=family.name,
         layers=cfg.model.layers,
         width=cfg.model.width,
         heads=cfg.model.heads,
