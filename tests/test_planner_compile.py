@@ -78,9 +78,9 @@ def _program(hlo: str) -> str:
 
 def test_the_measuring_compile_is_the_default_compile_at_lower_llvm_effort():
     """``MEASURE_ONLY`` must not change what is measured: the same optimized HLO, the same memory."""
-    from meshkit.planner.compile import MEASURE_ONLY, abstract_gpt_step
+    from meshkit.planner.compile import MEASURE_ONLY, layout_step
 
-    lowered = abstract_gpt_step(SHAPE, Layout(dp=2, tp=2, zero=3, remat="layer"), JOB)[0]
+    lowered = layout_step(SHAPE, Layout(dp=2, tp=2, zero=3, remat="layer"), JOB)[0]
     fast, default = lowered.compile(compiler_options=MEASURE_ONLY), lowered.compile()
     program = _program(default.as_text())
     assert "ENTRY" in program and " all-gather(" in program  # the program itself is compared, not less

@@ -1,21 +1,25 @@
-"""The planner's check: a layout's GPT training step compiled ahead of time on simulated CPU devices.
+"""The planner's check: a layout's training step compiled ahead of time, on simulated CPU devices or
+for a TPU slice by libtpu's own compiler (``target``: ``v5e:16x16``, ``v5e-256``; no TPU needed).
 
 The analytic model (``meshkit.planner.predict``) predicts what a layout costs on a cluster far larger
-than this machine; this module measures what XLA makes of the same layout: meshkit's own step for
-``layout.meshkit_plan()`` on ``layout.mesh_spec()``, compiled from abstract shapes (the parameters
-are ``jax.eval_shape`` of the GPT's init in its scanned form, the batch a ``ShapeDtypeStruct``;
-nothing is allocated), AdamW, bf16 compute when the job says bf16, exactly as ``meshkit train``
-builds it (clipping, gradient norm, units of heads; pipeline plans through their schedule). It
-reads the per-device peak (``memory_analysis()``: arguments + temporaries, the outputs alias the
-donated parameters and optimizer state) and the collectives per mesh axis from meshkit's ledger.
+than this machine; this module measures what XLA makes of the same layout: meshkit's own step of the
+model's family (``ModelShape.family``) for ``layout.meshkit_plan()`` on ``layout.mesh_spec()``, compiled
+from abstract shapes (the parameters are ``jax.eval_shape`` of the family's init in its scanned form, the
+batch a ``ShapeDtypeStruct``; nothing is allocated), AdamW, bf16 compute when the job says bf16, exactly
+as ``meshkit train`` builds it (clipping, gradient norm, whole units; pipeline plans through their
+schedule). It reads the per-device peak (``memory_analysis()``: arguments + temporaries, the outputs
+alias the donated parameters and optimizer state; on a TPU the compiler's own peak) and the collectives
+per mesh axis from meshkit's ledger.
 
 The simulated device count is fixed when JAX starts its backend, so ``compile_layouts`` compiles
 each layout in a fresh process (``python -m meshkit.planner.compile``), one after another (the
 machine's cores go to XLA), with a progress bar and a per-compile timeout. A layout meshkit has
-no plan for, or one its plans refuse, comes back as a ``Measured`` with ``error`` set (one line).
+no plan for, one its plans refuse, or one XLA:TPU finds too large for a chip's HBM comes back as a
+``Measured`` with ``error`` set (one line).
 
 On CPU, XLA moves collectives of sub-32-bit floats as float32 (``Measured.comm_bytes`` are the
-bytes as compiled here; a bf16 activation all-reduce or permute counts 4 bytes per element).
+bytes as compiled here; a bf16 activation all-reduce or permute counts 4 bytes per element); a TPU
+moves them as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,13 +59,23 @@ class Measured:
     """The meshkit plan that ran it (None where meshkit has none)."""
     mesh: str
     error: str | None = None
-    """One line: why the layout was not compiled (no plan, a plan's refusal, a timeout)."""
+    """One line: why the layout was not compiled (no plan, a plan's refusal, a timeout, too large)."""
+    no_fit: bool = False
+    """The TPU compiler refused the step as larger than a chip's HBM (``error`` says by how much)."""
+    platform: str = ""
+    """The platform compiled for: ``cpu`` (simulated devices) or ``tpu`` (a target slice)."""
+    device_kind: str = ""
+    """The devices' kind (``TPU v5 lite``): the hardware table's row (``planner.hardware.for_device``)."""
+    attention: tuple[str, ...] = ()
+    """The attention kernels the step traced (``plans.attention``: ``splash`` on a TPU, ``einsum``...)."""
     argument_bytes: int = 0
     """Per device: parameters, optimizer state and the batch as the step takes them."""
     temp_bytes: int = 0
     """Per device: the compiler's temporaries (activations, gradients, gathered parameters, stash)."""
     output_bytes: int = 0
     alias_bytes: int = 0
+    xla_peak_bytes: int | None = None
+    """The compiler's own per-device peak (``memory_analysis().peak_memory_in_bytes``) where it states one."""
     parts: dict[str, int] = field(default_factory=dict)
     """The arguments by part: ``params``, ``optimizer``, ``batch`` (per-device shards), and ``temporaries``."""
     comm_bytes: dict[str, float] = field(default_factory=dict)
@@ -82,7 +97,12 @@ class Measured:
 
     @property
     def peak_bytes(self) -> int:
-        """Per-device peak: arguments + temporaries (what ``meshkit.analysis.peak`` measures)."""
+        """Per-device peak: on a TPU the compiler's own (its buffer assignment reuses argument space no
+        longer read: arguments + temporaries overstate it, a 32 B step on v5e-256 by 40%, 16.0 GiB against
+        11.5 GiB that fit its chips); elsewhere arguments + temporaries (what ``meshkit.analysis.peak``
+        measures: XLA:CPU states no peak of its own)."""
+        if self.platform == "tpu" and self.xla_peak_bytes:
+            return self.xla_peak_bytes
         return self.argument_bytes + self.temp_bytes
 
     @property
@@ -92,7 +112,7 @@ class Measured:
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["layout"] = self.layout.to_json()
-        out["warnings"] = list(self.warnings)
+        out["warnings"], out["attention"] = list(self.warnings), list(self.attention)
         return {
             **out,
             "ok": self.ok,
@@ -104,14 +124,19 @@ class Measured:
     def from_json(cls, data: dict) -> Measured:
         names = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in data.items() if k in names}
-        return cls(
-            **{**kept, "layout": Layout(**data["layout"]), "warnings": tuple(data.get("warnings", ()))}
-        )
+        tuples = {k: tuple(data.get(k, ())) for k in ("warnings", "attention")}
+        return cls(**{**kept, "layout": Layout(**data["layout"]), **tuples})
 
 
-def failed(layout: Layout, why: str, compile_s: float = 0.0) -> Measured:
-    return Measured(layout=layout, plan=layout.meshkit_plan(), mesh=layout.mesh_spec(), error=why,
-                    compile_s=compile_s)  # fmt: skip
+def failed(layout: Layout, why: str, compile_s: float = 0.0, *, no_fit: bool = False) -> Measured:
+    return Measured(
+        layout=layout,
+        plan=layout.meshkit_plan(),
+        mesh=layout.mesh_spec(),
+        error=why,
+        no_fit=no_fit,
+        compile_s=compile_s,
+    )
 
 
 def _job_fields(job: Any) -> tuple[int, str]:
@@ -122,14 +147,20 @@ def _job_fields(job: Any) -> tuple[int, str]:
     return batch, precision
 
 
-def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any, Any, dict[str, int], float]:
+def layout_step(
+    shape: ModelShape, layout: Layout, job: Any, devices: Sequence[Any] | None = None
+) -> tuple[Any, Any, dict[str, int], float, tuple[str, ...]]:
     """``(lowered step, mesh, per-device bytes of its params, optimizer and batch arguments, branch
-    share)``: meshkit's step for ``layout`` on abstract GPT parameters and batch.
+    share, attention kernels traced)``: meshkit's step for ``layout`` on abstract parameters and batch of ``shape``'s family
+    (``ModelShape.family``: the GPT, the Llama, the Gemma), over ``devices`` (default: this process's;
+    a TPU target's abstract chips, ``meshkit.targets.target_devices``, compile for that slice).
 
     The step ``meshkit train`` builds (``plans.assemble``, the Trainer's assembly, without allocating):
-    the layout's ``ParallelSpec`` with the GPT's logical axes and whole heads, AdamW, clipping and the
-    gradient norm, bf16 compute and (fsdp) bf16 gathers for bf16, the vocabulary split over the model
-    axis (``tp_rules.vocab_rules``, every caller's default); pipeline plans with their schedule.
+    the family's loss as a run trains it (``Family.training_loss``: its stages under a pipeline plan, a
+    mixture of experts' metrics), the layout's ``ParallelSpec`` with the family's logical axes and whole
+    units, AdamW, clipping and the gradient norm, bf16 compute and (fsdp) bf16 gathers for bf16, the
+    vocabulary split over the model axis (``tp_rules.vocab_rules``, every caller's default); attention
+    by the devices' platform (splash on a TPU).
 
     The branch share is the fraction of a loop's trips on which a device runs each branch of a
     conditional in it: a pipeline's forward and backward branches run ``m v`` of the schedule's
@@ -138,52 +169,119 @@ def abstract_gpt_step(shape: ModelShape, layout: Layout, job: Any) -> tuple[Any,
     import jax.numpy as jnp
     import optax
 
-    from meshkit.models import gpt
+    from meshkit.models import registry
     from meshkit.plans import assemble
 
     global_batch, precision = _job_fields(job)
     spec = layout.to_spec(global_batch, precision)
-    if jax.device_count() < layout.devices:
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < layout.devices:
         raise MeshkitError(
-            f"{layout.label()} needs {layout.devices} devices, this process has {jax.device_count()}: "
+            f"{layout.label()} needs {layout.devices} devices, this process has {len(devices)}: "
             f"use compile_layouts (one process per layout)"
         )
     pipeline = spec.plan_info.pipeline
-    cfg = gpt.GPTConfig.from_shape(shape, precision=precision, scan_layers=True)
-    params = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+    family = registry.family(shape.family)
+    cfg = family.config.from_shape(shape, precision=precision, scan_layers=True)
+    params = jax.eval_shape(lambda: family.module.init(jax.random.key(0), cfg))
+    loss, aux = family.training_loss(cfg, pipeline=pipeline)
     tokens = jax.ShapeDtypeStruct((global_batch, shape.seq), jnp.int32)
-    step = assemble(gpt.stages(cfg) if pipeline else gpt.make_loss(cfg), params, optax.adamw(3e-4, weight_decay=0.01),
-                    spec, devices=jax.devices()[: layout.devices], clip_norm=CLIP, grad_norm=True,
-                    logical_axes=gpt.logical_axes(params), units={"heads": shape.heads})  # fmt: skip
+    step = assemble(
+        loss,
+        params,
+        optax.adamw(3e-4, weight_decay=0.01),
+        spec,
+        devices=devices[: layout.devices],
+        clip_norm=CLIP,
+        grad_norm=True,
+        has_aux=aux,
+        logical_axes=family.module.logical_axes(params),
+        units=family.units(cfg),
+    )
     args = step.abstract_args(params, (tokens, tokens))
     lowered = step.step.lower(*args)
     parts = {"params": args[0], "optimizer": args[1], "batch": args[3]}
     s = step.pipeline.schedule if pipeline else None
     share = 1.0 if s is None else s.m * s.v / s.ticks
-    return lowered, step.mesh, {k: _shard_bytes(v) for k, v in parts.items()}, share
+    sizes = {k: shard_bytes(v) for k, v in parts.items()}
+    return lowered, step.mesh, sizes, share, tuple(step.attention.used)
 
 
-def _shard_bytes(tree: Any) -> int:
+def shard_bytes(tree: Any) -> int:
     """Bytes of one device's shard of every leaf of an abstract tree with shardings."""
     import jax
     import numpy as np
 
-    return int(sum(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(tree)))  # fmt: skip
+    return int(
+        sum(
+            np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(tree)
+        )
+    )
 
 
-def compile_layout(shape: ModelShape, layout: Layout, job: Any) -> Measured:
-    """Compile ``layout``'s GPT step in this process (which must have ``layout.devices`` devices)
-    and measure it; a layout meshkit cannot run comes back with ``error`` set."""
-    from meshkit.analysis import communication, memory
-
+def compile_layout(shape: ModelShape, layout: Layout, job: Any, *, target: str | None = None) -> Measured:
+    """Compile ``layout``'s step in this process and measure it: on this process's devices (it must have
+    ``layout.devices``), or for TPU slice ``target`` (``meshkit.targets.target_devices``: libtpu's
+    compiler, any machine). A layout meshkit cannot run, or one the TPU compiler finds too large for
+    its chips' HBM, comes back with ``error`` set (one line)."""
     start = time.perf_counter()
     try:
-        lowered, mesh, parts, share = abstract_gpt_step(shape, layout, job)
-        compiled = lowered.compile(compiler_options=MEASURE_ONLY)
+        devices = None
+        if target is not None:
+            from meshkit.targets import target_devices
+
+            devices = target_devices(target)
+            if len(devices) != layout.devices:
+                raise MeshkitError(
+                    f"{layout.label()} is {layout.devices} devices; {target} has {len(devices)} chips"
+                )
+        lowered, mesh, parts, share, attention = layout_step(shape, layout, job, devices)
+        platform = mesh.devices.flat[0].platform
+        compiled = lowered.compile(compiler_options=MEASURE_ONLY if platform == "cpu" else None)
     except MeshkitError as e:
         return failed(layout, str(e).splitlines()[0], time.perf_counter() - start)
-    seconds = time.perf_counter() - start
+    except Exception as e:  # the TPU compiler's own refusal of a program too large for HBM
+        if (why := too_large(e)) is None:
+            raise
+        return failed(layout, why, time.perf_counter() - start, no_fit=True)
+    return measure(compiled, mesh, layout, parts, share, time.perf_counter() - start, attention)
+
+
+_HBM_OOM = re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)")
+
+
+def too_large(error: BaseException) -> str | None:
+    """One line for XLA:TPU's compile-time refusal of a program larger than a chip's HBM (``RESOURCE_EXHAUSTED:
+    ... CompileTimeHbmOom``), or None for any other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text or "HBM" not in text:
+        return None
+    found = _HBM_OOM.search(text)
+    if found is None:
+        return "does not fit: XLA:TPU finds the step larger than a chip's HBM (CompileTimeHbmOom)"
+    need, have = (f"{n} {u}iB" if u else f"{n} bytes" for n, u in (found.group(1, 2), found.group(3, 4)))
+    # XLA's G is GiB: a v5e chip's 15.75G are its 16.9e9 bytes
+    return (
+        f"does not fit: XLA:TPU needs {need} per chip for the step's temporaries alone, a chip has {have} of "
+        f"HBM (CompileTimeHbmOom)"
+    )
+
+
+def measure(
+    compiled: Any,
+    mesh: Any,
+    layout: Layout,
+    parts: dict[str, int],
+    share: float,
+    seconds: float,
+    attention: Sequence[str] = (),
+) -> Measured:
+    """A compiled step's per-device memory (``memory_analysis()``; XLA's own peak where the backend
+    states it) and its collectives per mesh axis (meshkit's ledger; a branch's collectives on the
+    share of their loop's trips it runs)."""
+    from meshkit.analysis import communication, memory
+
     mem = memory(compiled)
     ledger = communication(compiled, mesh=mesh)
     by = ledger.by_axes()
@@ -191,14 +289,19 @@ def compile_layout(shape: ModelShape, layout: Layout, job: Any) -> Measured:
     for r in ledger.records:  # a branch's collectives run on its share of the loop's trips
         bytes_ = (r.total_traffic_bytes or 0.0) * (share if r.in_conditional and r.in_loop else 1.0)
         executed[r.axes_label] = executed.get(r.axes_label, 0.0) + bytes_
+    platform = mesh.devices.flat[0].platform
     return Measured(
         layout=layout,
         plan=layout.meshkit_plan(),
         mesh=layout.mesh_spec(),
+        platform=platform,
+        device_kind=mesh.devices.flat[0].device_kind,
+        attention=tuple(sorted(attention)),
         argument_bytes=mem.argument_bytes,
         temp_bytes=mem.temp_bytes,
         output_bytes=mem.output_bytes,
         alias_bytes=mem.alias_bytes,
+        xla_peak_bytes=mem.peak_bytes,
         parts={**parts, "temporaries": mem.temp_bytes},
         comm_bytes=executed,
         ledger_comm_bytes={k: float(v.traffic_bytes) for k, v in by.items()},
@@ -211,10 +314,14 @@ def compile_layout(shape: ModelShape, layout: Layout, job: Any) -> Measured:
 # -- one process per layout -------------------------------------------------------------------------
 
 
-def _request(shape: ModelShape, layout: Layout, job: Any) -> dict:
+def _request(shape: ModelShape, layout: Layout, job: Any, target: str | None) -> dict:
     global_batch, precision = _job_fields(job)
-    return {"shape": dataclasses.asdict(shape), "layout": layout.to_json(),
-            "job": {"global_batch": global_batch, "precision": precision}}  # fmt: skip
+    return {
+        "shape": dataclasses.asdict(shape),
+        "layout": layout.to_json(),
+        "job": {"global_batch": global_batch, "precision": precision},
+        "target": target,
+    }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -226,9 +333,10 @@ class _Job:
 
 
 def compile_in_subprocess(
-    shape: ModelShape, layout: Layout, job: Any, *, timeout_s: float = TIMEOUT_S
+    shape: ModelShape, layout: Layout, job: Any, *, timeout_s: float = TIMEOUT_S, target: str | None = None
 ) -> Measured:
-    """``compile_layout`` in a fresh Python simulating ``layout.devices`` CPU devices."""
+    """``compile_layout`` in a fresh Python: simulating ``layout.devices`` CPU devices, or compiling for
+    TPU slice ``target`` (its memory and time bounded by the process's end)."""
     try:  # no process to start for a layout meshkit cannot run
         layout.to_spec(job.global_batch, job.precision)
     except MeshkitError as e:
@@ -236,8 +344,15 @@ def compile_in_subprocess(
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "meshkit.planner.compile"], input=json.dumps(_request(shape, layout, job)),
-                              capture_output=True, text=True, env=env, timeout=timeout_s, check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "meshkit.planner.compile"],
+            input=json.dumps(_request(shape, layout, job, target)),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return failed(layout, f"compile timed out after {timeout_s:.0f} s", time.perf_counter() - start)
     lines = done.stdout.strip().splitlines()
@@ -249,10 +364,19 @@ def compile_in_subprocess(
     return Measured.from_json(json.loads(lines[-1]))
 
 
-def compile_layouts(shape: ModelShape, layouts: Sequence[Layout], job: Any, *, progress: bool = True,
-                    timeout_s: float = TIMEOUT_S, console: Any = None) -> list[Measured]:  # fmt: skip
-    """Compile each layout in its own process, in order, with a progress bar (``progress``) and a
-    limit of ``timeout_s`` per compile; each result's ``error`` says why a layout was not compiled."""
+def compile_layouts(
+    shape: ModelShape,
+    layouts: Sequence[Layout],
+    job: Any,
+    *,
+    progress: bool = True,
+    timeout_s: float = TIMEOUT_S,
+    console: Any = None,
+    target: str | None = None,
+) -> list[Measured]:
+    """Compile each layout in its own process (on simulated CPU devices, or for TPU slice ``target``), in
+    order, with a progress bar (``progress``) and a limit of ``timeout_s`` per compile; each result's
+    ``error`` says why a layout was not compiled."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     _job_fields(job)  # a bad job fails here, once, not in every child
@@ -266,10 +390,11 @@ def compile_layouts(shape: ModelShape, layouts: Sequence[Layout], job: Any, *, p
     with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
         task = bar.add_task("", total=len(layouts))
         for layout in layouts:
-            bar.update(task, description=f"{layout.label()} on {layout.devices} devices")
-            m = compile_in_subprocess(shape, layout, job, timeout_s=timeout_s)
+            where = target or f"{layout.devices} devices"
+            bar.update(task, description=f"{layout.label()} on {where}")
+            m = compile_in_subprocess(shape, layout, job, timeout_s=timeout_s, target=target)
             out.append(m)
-            if not m.ok:
+            if not m.ok and progress:
                 bar.console.print(
                     f"{layout.label()}: not compiled: {m.error}", highlight=False, soft_wrap=True
                 )
@@ -280,12 +405,13 @@ def compile_layouts(shape: ModelShape, layouts: Sequence[Layout], job: Any, *, p
 def _main() -> None:
     """Child process: a request (JSON on stdin) in, one line of ``Measured`` JSON out."""
     request = json.loads(sys.stdin.read())
-    layout = Layout(**request["layout"])
-    from meshkit.devices import simulate_devices
+    layout, target = Layout(**request["layout"]), request.get("target")
+    if target is None:
+        from meshkit.devices import simulate_devices
 
-    simulate_devices(layout.devices)
+        simulate_devices(layout.devices)
     shape = ModelShape(**request["shape"])
-    result = compile_layout(shape, layout, _Job(**request["job"]))
+    result = compile_layout(shape, layout, _Job(**request["job"]), target=target)
     sys.stdout.write(json.dumps(result.to_json()) + "\n")
 
 
