@@ -121,26 +121,29 @@ HARDWARE: dict[str, Hardware] = {
         source="cloud.google.com/tpu/docs/v4",
     ),
     # v5e (docs.cloud.google.com/tpu/docs/v5e): 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, ICI 400 GB/s
-    # bidirectional per chip, 2D torus, 8 chips per host.
+    # bidirectional per chip, 2D torus, 8 chips per host. Capacity: the 15.75 GiB XLA:TPU gives a program
+    # (libtpu 0.0.50's CompileTimeHbmOom limit for v5e; the chip at hand reports the same 15.75 GiB).
     "tpu-v5e": Hardware(
         name="tpu-v5e", family="tpu", peak_flops=197e12, fp32_flops=197e12 / 3,
-        memory_bytes=16e9, hbm_bytes_per_s=819e9, intra_host_bytes_per_s=200e9,
+        memory_bytes=15.75 * GIB, hbm_bytes_per_s=819e9, intra_host_bytes_per_s=200e9,
         inter_host_bytes_per_s=200e9, devices_per_host=8, host_hop_s=NVLINK_HOP_S,
         source="docs.cloud.google.com/tpu/docs/v5e",
     ),
     # v5p (docs.cloud.google.com/tpu/docs/v5p-training): 459 TFLOP/s bf16, 95 GiB HBM at 2,765 GB/s,
-    # ICI 1,200 GB/s bidirectional per chip, 3D torus, 4 chips per host.
+    # ICI 1,200 GB/s bidirectional per chip, 3D torus, 4 chips per host. Capacity: the 95.73 GiB XLA:TPU
+    # gives a program (libtpu 0.0.50's CompileTimeHbmOom limit for v5p).
     "tpu-v5p": Hardware(
         name="tpu-v5p", family="tpu", peak_flops=459e12, fp32_flops=459e12 / 3,
-        memory_bytes=95 * GIB, hbm_bytes_per_s=2765e9, intra_host_bytes_per_s=600e9,
+        memory_bytes=95.73 * GIB, hbm_bytes_per_s=2765e9, intra_host_bytes_per_s=600e9,
         inter_host_bytes_per_s=600e9, devices_per_host=4, host_hop_s=NVLINK_HOP_S,
         source="docs.cloud.google.com/tpu/docs/v5p-training",
     ),
     # v6e, Trillium (docs.cloud.google.com/tpu/docs/v6e): 918 TFLOP/s bf16, 32 GB HBM at 1,638 GB/s,
-    # ICI 800 GB/s bidirectional per chip, 2D torus, 8 chips per host.
+    # ICI 800 GB/s bidirectional per chip, 2D torus, 8 chips per host. Capacity: the 31.24 GiB XLA:TPU
+    # gives a program (libtpu 0.0.50's CompileTimeHbmOom limit for v6e).
     "tpu-v6e": Hardware(
         name="tpu-v6e", family="tpu", peak_flops=918e12, fp32_flops=918e12 / 3,
-        memory_bytes=32e9, hbm_bytes_per_s=1638e9, intra_host_bytes_per_s=400e9,
+        memory_bytes=31.24 * GIB, hbm_bytes_per_s=1638e9, intra_host_bytes_per_s=400e9,
         inter_host_bytes_per_s=400e9, devices_per_host=8, host_hop_s=NVLINK_HOP_S,
         source="docs.cloud.google.com/tpu/docs/v6e",
     ),
