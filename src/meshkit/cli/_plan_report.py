@@ -22,7 +22,7 @@ def _stack(job, preds) -> dict:
     }
 
 
-def payload(shape, cluster, job, preds, result, measured, notes) -> dict:
+def payload(shape, cluster, job, preds, result, measured, notes, target=None) -> dict:
     import dataclasses
 
     out = {
@@ -33,6 +33,7 @@ def payload(shape, cluster, job, preds, result, measured, notes) -> dict:
             "devices_per_host": cluster.devices_per_host,
         },
         "job": dataclasses.asdict(job),
+        "target": target,
         "stack": _stack(job, preds),
         "notes": notes,
         "layouts": [p.to_json() for p in preds],
@@ -42,8 +43,18 @@ def payload(shape, cluster, job, preds, result, measured, notes) -> dict:
         out["fitting"] = len(result.ranked)
         out["rejected"] = [{"why": k, "layouts": n} for k, n in result.reasons()]
     if measured is not None:
+        key = "predicted" if target else "predicted_meshkit"
         out["compiled"] = [
-            {**m.to_json(), "predicted_meshkit": {"peak_bytes": p.peak_bytes, "comm_bytes": p.comm_bytes}}
+            {
+                **m.to_json(),
+                "fits": _fits(m, cluster),
+                key: {
+                    "peak_bytes": p.peak_bytes,
+                    "comm_bytes": p.comm_bytes,
+                    "step_time_s": p.step_time_s,
+                    "mfu": p.mfu,
+                },
+            }
             for m, p in measured
         ]
     return out
@@ -61,7 +72,17 @@ def _pct(x: float, total: float) -> str:
     return f"{100 * x / total:.0f}" if total else "-"
 
 
-def print_report(shape, cluster, job, preds, result, measured, single: bool) -> None:
+def _fits(m, cluster) -> bool | None:
+    """Whether a compiled layout fits the device's memory: None where it was not compiled for another
+    reason, or compiled on simulated CPU devices (their memory is the host's)."""
+    if m.no_fit:
+        return False
+    if not m.ok or m.platform != "tpu":
+        return None
+    return m.peak_bytes <= cluster.hardware.memory_bytes
+
+
+def print_report(shape, cluster, job, preds, result, measured, single: bool, target=None) -> None:
     """The tables of one ``meshkit plan`` run (``single``: one layout given with --layout)."""
     _header(shape, cluster, job, preds)
     _ranking(shape, job, preds, result, single)
@@ -76,7 +97,7 @@ def print_report(shape, cluster, job, preds, result, measured, single: bool) -> 
         )
         console.print(f"choice: [bold]{preds[0].label()}[/]", highlight=False)
     if measured:
-        _compiled(measured)
+        (_compiled_for_target(measured, cluster, target) if target else _compiled(measured))
 
 
 def _header(shape, cluster, job, preds) -> None:
@@ -228,6 +249,78 @@ def _compiled(measured) -> None:
         "compiled bytes read 2x the accelerator's",
         highlight=False,
     )
+
+
+def _compiled_for_target(measured, cluster, target: str) -> None:
+    """The layouts compiled for a TPU slice: per chip, XLA:TPU's peak against the chip's HBM and the
+    prediction, the bytes each step moves against the model's, and the predicted step and MFU."""
+    hw = cluster.hardware
+    rows = []
+    for m, p in measured:
+        if not m.ok:
+            rows.append(
+                [
+                    m.layout.label(),
+                    "no" if m.no_fit else "-",
+                    "-",
+                    fmt_bytes(p.peak_bytes),
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    _seconds(p.step_time_s),
+                    f"{100 * p.mfu:.1f}%",
+                    m.error,
+                ]
+            )
+            continue
+        pc, mc = sum(p.comm_bytes.values()), m.total_comm_bytes
+        fits = _fits(m, cluster)
+        rows.append(
+            [
+                m.layout.label(),
+                "yes" if fits else "[red]no[/]",
+                fmt_bytes(m.peak_bytes),
+                fmt_bytes(p.peak_bytes),
+                f"{m.peak_bytes / p.peak_bytes:.2f}",
+                _by_axis(m.comm_bytes),
+                _by_axis(p.comm_bytes),
+                f"{mc / pc:.2f}" if pc else "-",
+                _seconds(p.step_time_s),
+                f"{100 * p.mfu:.1f}%",
+                "",
+            ]
+        )
+    cols = [
+        "layout",
+        "fits",
+        "peak/chip compiled",
+        "predicted",
+        "ratio",
+        "moved/chip compiled",
+        "predicted",
+        "ratio",
+        "step predicted",
+        "MFU",
+        "why not",
+    ]
+    title = (
+        f"Compiled for {target} ({cluster.devices} x {hw.name}, {fmt_bytes(hw.memory_bytes)} HBM) by XLA:TPU"
+    )
+    console.print(table(title, cols, rows))
+    console.print(
+        "compiled: libtpu's compiler for the slice's chips, from abstract shapes (nothing ran); peak: the "
+        "compiler's own per-chip peak; moved: bytes each chip sends per step, by mesh axis (meshkit's ledger of "
+        "the TPU program)",
+        highlight=False,
+        style="dim",
+    )
+
+
+def _by_axis(comm: dict[str, float]) -> str:
+    """Bytes per mesh axis, largest first (``data 1.2 GB, model 40 MB``); scalars' axes under 1 KB left out."""
+    kept = sorted(((k, v) for k, v in comm.items() if v >= 1024), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in kept) or "0"
 
 
 def plot(preds, choice, path: Path) -> None:

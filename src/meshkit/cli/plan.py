@@ -5,131 +5,55 @@ Thin over ``meshkit.planner`` (the model, the search, the hardware table, the pr
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
 import typer
 
 from meshkit._errors import MeshkitError
 from meshkit.cli import _plan_report as report
 from meshkit.cli._format import console, print_json
-from meshkit.spec import (
-    CONTEXT_ATTENTION,
-    PIPELINE_SCHEDULES,
-    PRECISIONS,
-    REMAT_ALIASES,
-    REMAT_POLICIES,
-    one_of,
+from meshkit.cli._plan_options import (
+    _CapacityFactor,
+    _Compile,
+    _ContextAttention,
+    _Devices,
+    _DevicesPerHost,
+    _Experts,
+    _ExpertsPerToken,
+    _Family,
+    _Ffn,
+    _FlashAttention,
+    _Gated,
+    _GlobalBatch,
+    _Hardware,
+    _HbmGbps,
+    _HeadDim,
+    _Heads,
+    _InterGbps,
+    _IntraGbps,
+    _Json,
+    _KvHeads,
+    _Layers,
+    _Layout,
+    _MemoryGb,
+    _MicrobatchSize,
+    _Model,
+    _OptimizerBytes,
+    _Out,
+    _PeakTflops,
+    _Plot,
+    _Precision,
+    _Remat,
+    _Runtime,
+    _Schedule,
+    _Seq,
+    _ShardGroup,
+    _Stack,
+    _TargetOpt,
+    _Top,
+    _VirtualStages,
+    _Vocab,
+    _Width,
+    _Zero,
 )
-
-_M = "Model"
-_C = "Cluster"
-_J = "Job"
-_L = "One layout (--layout)"
-_O = "Output"
-
-
-def _opt(panel: str, help: str, *decls: str, **kw) -> typer.models.OptionInfo:
-    return typer.Option(*decls, help=help, rich_help_panel=panel, **kw)
-
-
-# -- the options, one alias each (panel, help) ------------------------------------------------------
-
-_Model = Annotated[
-    str | None,
-    _opt(
-        _M,
-        "A preset (gpt2-124m ... gpt-13b, llama-7b ... llama3-8b, mixtral-8x7b, mixtral-8x22b), or "
-        "module:function returning a ModelShape or meshkit GPT parameters (with --heads).",
-    ),
-]
-_Layers = Annotated[int | None, _opt(_M, "Transformer blocks.")]
-_Width = Annotated[int | None, _opt(_M, "Model width.")]
-_Heads = Annotated[int | None, _opt(_M, "Attention heads.")]
-_Vocab = Annotated[int | None, _opt(_M, "Vocabulary size.")]
-_Seq = Annotated[int | None, _opt(_M, "Sequence length.")]
-_Ffn = Annotated[int | None, _opt(_M, "MLP hidden size (default 4 x width).")]
-_Gated = Annotated[bool | None, _opt(_M, "SwiGLU MLP (LLaMA-style), no biases.", "--gated/--no-gated")]
-_KvHeads = Annotated[int | None, _opt(_M, "Key/value heads (grouped-query attention; default heads).")]
-_HeadDim = Annotated[int | None, _opt(_M, "Width of one head (default width / heads).")]
-_Experts = Annotated[
-    int | None, _opt(_M, "Mixture of experts: MLPs of width --ffn per layer (0: a dense MLP).")
-]
-_ExpertsPerToken = Annotated[int | None, _opt(_M, "Mixture of experts: experts a token is routed to.")]
-_CapacityFactor = Annotated[
-    float | None, _opt(_M, "Mixture of experts: expert buffers' slots per routed token (1.25 usual).")
-]
-_Devices = Annotated[int, _opt(_C, "Devices in the cluster.")]
-_DevicesPerHost = Annotated[int | None, _opt(_C, "Devices per host (default: the hardware's node).")]
-_Hardware = Annotated[str, _opt(_C, "a100-40gb, a100-80gb, h100, h200, tpu-v4, tpu-v5e, tpu-v5p, or custom.")]
-_PeakTflops = Annotated[
-    float | None, _opt(_C, "Dense bf16 TFLOP/s per device (custom; overrides a named device's).")
-]
-_MemoryGb = Annotated[float | None, _opt(_C, "HBM GB per device (custom; overrides).")]
-_HbmGbps = Annotated[float | None, _opt(_C, "HBM GB/s (custom; overrides).")]
-_IntraGbps = Annotated[
-    float | None, _opt(_C, "GB/s per device per direction inside a host (custom; overrides).")
-]
-_InterGbps = Annotated[
-    float | None, _opt(_C, "GB/s per device per direction between hosts (custom; overrides).")
-]
-_Family = Annotated[str, _opt(_C, "custom: calibrated efficiency of gpu-ampere, gpu-hopper or tpu.")]
-_GlobalBatch = Annotated[int, _opt(_J, "Sequences per optimizer step.")]
-_Precision = Annotated[
-    str,
-    _opt(_J, f"{one_of(PRECISIONS)}; bytes per parameter: mixed-precision Adam 2+2+12, fp32 Adam 4+4+8."),
-]
-_OptimizerBytes = Annotated[
-    float | None, _opt(_J, "Optimizer state bytes per parameter (default 12 bf16, 8 fp32).")
-]
-_FlashAttention = Annotated[
-    bool,
-    _opt(_J, "Attention without a stored S x S score matrix.", "--flash-attention/--no-flash-attention"),
-]
-_Runtime = Annotated[str, _opt(_J, "standard (Megatron-style) or meshkit (meshkit's compiled programs).")]
-_Stack = Annotated[
-    str,
-    _opt(
-        _J,
-        "Software whose efficiency to assume: maxtext-xla (JAX/XLA, what meshkit runs), megatron-te, "
-        "torchtitan or deepspeed, each calibrated on its published runs.",
-    ),
-]
-_ContextAttention = Annotated[str, _opt(_J, f"Context parallelism's attention: {one_of(CONTEXT_ATTENTION)}.")]
-_Layout = Annotated[
-    str | None,
-    _opt(
-        _L,
-        "Evaluate one layout, e.g. dp=24,tp=8,pp=8, or with context / expert degrees dp=4,tp=8,pp=16,cp=16.",
-    ),
-]
-_MicrobatchSize = Annotated[int, _opt(_L, "Sequences per micro-batch per replica.")]
-_Schedule = Annotated[str, _opt(_L, f"{one_of(PIPELINE_SCHEDULES)}.")]
-_VirtualStages = Annotated[
-    int,
-    _opt(
-        _L,
-        "Interleaved: chunks per device.",
-        show_default="interleaved: 2 where it divides the layers per stage, else 1",
-    ),
-]
-_Remat = Annotated[
-    str, _opt(_L, one_of(REMAT_POLICIES, notes={v: f"= {k}" for k, v in REMAT_ALIASES.items()}) + ".")
-]
-_Zero = Annotated[int, _opt(_L, "ZeRO stage over the data axis: 0, 1, 2, 3.")]
-_ShardGroup = Annotated[
-    int,
-    _opt(
-        _L,
-        "ZeRO-3 over groups of N data-parallel devices, replicated across the groups (hybrid sharding).",
-        show_default="all of dp",
-    ),
-]
-_Top = Annotated[int, _opt(_O, "Ranked layouts to show.")]
-_Json = Annotated[bool, _opt(_O, "Print JSON instead of tables.")]
-_Plot = Annotated[Path | None, _opt(_O, "Write the step time vs peak memory plot to FILE (.png).")]
-_Out = Annotated[Path | None, _opt(_O, "Write plan.json and plan.png into DIR.")]
-_Compile = Annotated[int, _opt(_O, "Compile the top K layouts ahead of time on simulated CPU devices.")]
 
 
 def plan(
@@ -146,9 +70,10 @@ def plan(
     experts: _Experts = None,
     experts_per_token: _ExpertsPerToken = None,
     capacity_factor: _CapacityFactor = None,
-    devices: _Devices = 8,
+    devices: _Devices = None,
     devices_per_host: _DevicesPerHost = None,
-    hardware: _Hardware = "h100",
+    hardware: _Hardware = None,
+    target: _TargetOpt = None,
     peak_tflops: _PeakTflops = None,
     memory_gb: _MemoryGb = None,
     hbm_gbps: _HbmGbps = None,
@@ -176,6 +101,7 @@ def plan(
     compile: _Compile = 0,
 ) -> None:
     """Choose a parallel layout: predicted memory, communication, bubble, step time and MFU per layout."""
+    devices, hardware = _on_target(target, devices, hardware)
     given = dict(locals())  # the options by name, for the helpers that read the model and the cluster
     _check_counts(devices, top, compile)
     from meshkit.planner import ModelShape
@@ -190,20 +116,37 @@ def plan(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         plot = plot or out / "plan.png"
-    one = (
-        None
-        if layout is None
-        else dict(
-            text=layout,
-            microbatch_size=microbatch_size,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            remat=remat,
-            zero=zero,
-        )
-    )
+    one = None if layout is None else {"text": layout, **{k: given[k] for k in ONE_LAYOUT}}
     preds, result = _predictions(shape, cluster, job, notes, one, shard_group, top)
-    _emit(shape, cluster, job, preds, result, notes, compile=compile, out=out, plot=plot, as_json=json)
+    emitted = {"compile": compile, "out": out, "plot": plot, "as_json": json, "target": target}
+    _emit(shape, cluster, job, preds, result, notes, **emitted)
+
+
+ONE_LAYOUT = ("microbatch_size", "schedule", "virtual_stages", "remat", "zero")
+"""The options of the one layout ``--layout`` prices (``Layout.parse``'s keywords)."""
+
+
+def _on_target(target: str | None, devices: int | None, hardware: str | None) -> tuple[int, str]:
+    """(devices, hardware): ``--target``'s chips and their row of the hardware table (a slice's chips
+    counted by libtpu, as it compiles for them), else the flags' or their defaults (8 x h100)."""
+    if target is None:
+        return (8 if devices is None else devices), (hardware or "h100")
+    from meshkit.planner.hardware import for_device
+    from meshkit.targets import target_devices
+
+    chips = target_devices(target)
+    hw = for_device(chips[0].device_kind)
+    if hw is None:
+        raise MeshkitError(
+            f"--target {target}: the hardware table has no figures for {chips[0].device_kind!r}: plan it with "
+            f"--hardware custom and its figures"
+        )
+    for flag, value, own in (("--devices", devices, len(chips)), ("--hardware", hardware, hw.name)):
+        if value is not None and str(value).strip().lower() != str(own):
+            raise MeshkitError(
+                f"--target {target} is {len(chips)} x {hw.name}: drop {flag} {value}, or --target"
+            )
+    return len(chips), hw.name
 
 
 def _check_counts(devices: int, top: int, compile: int) -> None:
@@ -246,12 +189,14 @@ def _predictions(shape, cluster, job, notes: list[str], one: dict | None, shard_
     return preds, result
 
 
-def _emit(shape, cluster, job, preds, result, notes, *, compile: int, out, plot, as_json: bool) -> None:
-    """Compile the top layouts meshkit runs (``compile``), then write plan.json and the plot (``out``,
-    ``plot``) and print the tables or the JSON."""
+def _emit(
+    shape, cluster, job, preds, result, notes, *, compile: int, out, plot, as_json: bool, target=None
+) -> None:
+    """Compile the top layouts meshkit runs (``compile``; for ``target``'s TPU chips where given), then
+    write plan.json and the plot (``out``, ``plot``) and print the tables or the JSON."""
     runnable = [p for p in (preds if result is None else result.ranked) if p.meshkit_plan()]
-    measured = _compile(shape, runnable[:compile], cluster, job) if compile else None
-    payload = report.payload(shape, cluster, job, preds, result, measured, notes)
+    measured = _compile(shape, runnable[:compile], cluster, job, target, quiet=as_json) if compile else None
+    payload = report.payload(shape, cluster, job, preds, result, measured, notes, target)
     if out is not None:
         (out / "plan.json").write_text(__import__("json").dumps(payload, indent=2, default=str) + "\n")
     if plot is not None:
@@ -261,7 +206,7 @@ def _emit(shape, cluster, job, preds, result, notes, *, compile: int, out, plot,
         return
     for note in notes:
         console.print(f"note: {note}", highlight=False, style="dim")
-    report.print_report(shape, cluster, job, preds, result, measured, single=result is None)
+    report.print_report(shape, cluster, job, preds, result, measured, single=result is None, target=target)
     if plot is not None:
         console.print(f"plot: {plot}")
 
@@ -456,21 +401,21 @@ def _user_shape(target: str, heads, seq, ModelShape):
     )
 
 
-def _compile(shape, preds, cluster, job):
-    """Measured (compiled on simulated devices) for each prediction, with meshkit's own runtime's
-    prediction to compare against. ``preds`` are the ranked layouts meshkit can run (a layout with no
-    meshkit plan, e.g. ZeRO-1 with tensor parallelism, is passed over: it could not be compiled)."""
+def _compile(shape, preds, cluster, job, target=None, *, quiet: bool = False):
+    """Measured (compiled on simulated devices, or for ``target``'s TPU chips) for each prediction, with
+    the prediction to compare against: on simulated CPU devices meshkit's own runtime's (its step there
+    attends with XLA's einsum: an S x S score matrix), for a TPU target the job's (splash attention stores
+    none). ``quiet`` (``--json``): no progress bar or lines on stdout, the JSON says it all. ``preds`` are the
+    ranked layouts meshkit can run (a layout with no meshkit plan, e.g. ZeRO-1
+    with tensor parallelism, is passed over: it could not be compiled)."""
     import dataclasses
 
     from meshkit.planner import predict
+    from meshkit.planner.compile import compile_layouts
 
-    try:
-        from meshkit.planner.compile import compile_layouts
-    except ImportError:
-        raise MeshkitError("--compile needs meshkit.planner.compile, which this install lacks") from None
     layouts = [p.layout for p in preds]
-    got = compile_layouts(shape, layouts, job, progress=True, console=console)
-    mk = dataclasses.replace(job, runtime="meshkit", flash_attention=False)  # meshkit's GPT stores S x S
+    got = compile_layouts(shape, layouts, job, progress=not quiet, console=console, target=target)
+    mk = job if target else dataclasses.replace(job, runtime="meshkit", flash_attention=False)
     return [(m, predict(shape, p.layout, cluster, mk)) for p, m in zip(preds, got, strict=True)]
 
 

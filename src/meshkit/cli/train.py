@@ -115,6 +115,24 @@ AFTER = {
         ),
         None,
     ),
+    "dry_run": (
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Compile the run's step without training or writing anything: each device's memory against "
+            "its HBM, the bytes a step moves per mesh axis, the predicted step time and MFU.",
+        ),
+        False,
+    ),
+    "target": (
+        str | None,
+        typer.Option(
+            help="With --dry-run: compile for a TPU slice with libtpu's compiler, from any machine: v5e-256, "
+            "v5p-128, or a topology such as v5e:16x16 (pip install 'meshkit[tpu]').",
+            show_default="this machine's devices",
+        ),
+        None,
+    ),
     "devices": (DevicesOpt, None, 8),
     "compile_cache": (
         str | None,
@@ -169,7 +187,21 @@ def train(**options: Any) -> None:
             f"restart: resuming {run_dir} from its latest checkpoint", soft_wrap=True, highlight=False
         )
         resume = True
-    cfg = _config(given, preset, run_dir, resume, latest, console)
+    if o["target"] is not None and not o["dry_run"]:
+        raise C.ConfigError(
+            f"--target {o['target']} compiles for a TPU slice, it does not train there: add --dry-run"
+        )
+    platform = "tpu" if o["target"] is not None else None
+    cfg = _config(given, preset, run_dir, resume, latest, console, platform=platform, auto=not o["dry_run"])
+    if o["dry_run"]:
+        from meshkit.cli._dry_run import show
+        from meshkit.train.dry_run import dry_run
+
+        result = dry_run(cfg, target=o["target"])
+        show(result, console)
+        if result.fits is False:
+            raise typer.Exit(1)
+        return
     import jax
 
     from meshkit import distributed
@@ -219,10 +251,19 @@ def _start(options: dict[str, Any], o: dict[str, Any]) -> Any:
 
 
 def _config(
-    given: dict, preset: str | None, run_dir: str | None, resume: bool, latest: Path, console
+    given: dict,
+    preset: str | None,
+    run_dir: str | None,
+    resume: bool,
+    latest: Path,
+    console,
+    *,
+    platform: str | None = None,
+    auto: bool = True,
 ) -> C.TrainConfig:
     """The run's config: the resumed run's with what may change, or the preset's with the options given;
-    ``--plan auto`` resolved."""
+    its precision by ``platform`` (default: this process's backend) where none is given; ``--plan auto``
+    resolved (where ``auto``)."""
     from meshkit.train.job import saved_config
 
     if resume:
@@ -240,8 +281,8 @@ def _config(
             raise C.ConfigError(f"unknown --preset {preset!r}: use {' or '.join(C.PRESETS)}")
         new_dir = run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         cfg = C.PRESETS[preset]().replace(**given, run_dir=new_dir)
-    cfg = C.by_platform(cfg)
-    if cfg.parallel.plan == AUTO:
+    cfg = C.by_platform(cfg, platform)
+    if cfg.parallel.plan == AUTO and auto:
         return _auto(cfg, given, console)
     if "plan" in given:  # a plan named again on resume: the reason auto gave no longer applies
         return cfg.replace(plan_reason=None)
