@@ -143,3 +143,11 @@ _Compile = Annotated[
         _O, "Compile the top K layouts ahead of time: on simulated CPU devices, or for --target's TPU chips."
     ),
 ]
+_Calibration = Annotated[
+    Path | None,
+    _opt(
+        _J,
+        "The time model calibrated on a chip: benchmarks/device_check.py's JSON from that hardware (e.g. "
+        "docs/device/tpu-v5e.json), or a calibration's own JSON. Default: fitted on published runs.",
+    ),
+]

@@ -9,8 +9,9 @@ from pathlib import Path
 from meshkit.cli._format import console, fmt_bytes, table
 
 
-def _stack(job, preds) -> dict:
-    """The software stack the prediction assumes, and where its efficiency comes from."""
+def _stack(job, preds, calibration=None) -> dict:
+    """The software stack the prediction assumes, and where its efficiency comes from (``calibration``:
+    ``--calibration``'s, else the published runs')."""
     from meshkit.planner.stacks import CALIBRATION, STACKS
 
     first = preds[0]
@@ -18,11 +19,11 @@ def _stack(job, preds) -> dict:
         "name": job.stack,
         "label": STACKS[job.stack].label,
         "efficiency_source": first.efficiency_source,
-        "calibration": CALIBRATION.to_json(),
+        "calibration": (calibration or CALIBRATION).to_json(),
     }
 
 
-def payload(shape, cluster, job, preds, result, measured, notes, target=None) -> dict:
+def payload(shape, cluster, job, preds, result, measured, notes, target=None, calibration=None) -> dict:
     import dataclasses
 
     out = {
@@ -34,7 +35,7 @@ def payload(shape, cluster, job, preds, result, measured, notes, target=None) ->
         },
         "job": dataclasses.asdict(job),
         "target": target,
-        "stack": _stack(job, preds),
+        "stack": _stack(job, preds, calibration),
         "notes": notes,
         "layouts": [p.to_json() for p in preds],
     }

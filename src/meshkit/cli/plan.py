@@ -11,6 +11,7 @@ from meshkit._errors import MeshkitError
 from meshkit.cli import _plan_report as report
 from meshkit.cli._format import console, print_json
 from meshkit.cli._plan_options import (
+    _Calibration,
     _CapacityFactor,
     _Compile,
     _ContextAttention,
@@ -86,6 +87,7 @@ def plan(
     flash_attention: _FlashAttention = True,
     runtime: _Runtime = "standard",
     stack: _Stack = "maxtext-xla",
+    calibration: _Calibration = None,
     context_attention: _ContextAttention = "ring",
     layout: _Layout = None,
     microbatch_size: _MicrobatchSize = 1,
@@ -117,8 +119,18 @@ def plan(
         out.mkdir(parents=True, exist_ok=True)
         plot = plot or out / "plan.png"
     one = None if layout is None else {"text": layout, **{k: given[k] for k in ONE_LAYOUT}}
-    preds, result = _predictions(shape, cluster, job, notes, one, shard_group, top)
-    emitted = {"compile": compile, "out": out, "plot": plot, "as_json": json, "target": target}
+    from meshkit.planner import measured
+
+    cal = None if calibration is None else measured.load(calibration)
+    preds, result = _predictions(shape, cluster, job, notes, one, shard_group, top, cal)
+    emitted = {
+        "compile": compile,
+        "out": out,
+        "plot": plot,
+        "as_json": json,
+        "target": target,
+        "calibration": cal,
+    }
     _emit(shape, cluster, job, preds, result, notes, **emitted)
 
 
@@ -161,16 +173,18 @@ def _check_counts(devices: int, top: int, compile: int) -> None:
         raise MeshkitError(f"--compile {compile}: compile 0 or more layouts")
 
 
-def _predictions(shape, cluster, job, notes: list[str], one: dict | None, shard_group: int, top: int):
+def _predictions(
+    shape, cluster, job, notes: list[str], one: dict | None, shard_group: int, top: int, cal=None
+):
     """(the predictions shown, the search or None): the one layout given (``one``: --layout and its
-    options), or the top of every layout ranked."""
+    options), or the top of every layout ranked; priced with ``cal`` (``--calibration``) where given."""
     from meshkit.planner import Layout, predict
 
     if one is not None:
         text = one.pop("text")
         one["virtual_stages"] = one["virtual_stages"] or _virtual(one["schedule"], shape.layers, text, notes)
         lay = Layout.parse(text, **one)
-        pred = predict(shape, lay, cluster, job, shard_group=shard_group)
+        pred = predict(shape, lay, cluster, job, shard_group=shard_group, calibration=cal)
         if not pred.valid:
             raise MeshkitError(f"layout {lay.label()} cannot run: {pred.why}")
         preds, result = [pred], None
@@ -179,7 +193,7 @@ def _predictions(shape, cluster, job, notes: list[str], one: dict | None, shard_
             raise MeshkitError(
                 "--shard-group prices one layout: give --layout too (the search tries hybrid sharding itself)"
             )
-        result = _search(shape, cluster, job)
+        result = _search(shape, cluster, job, cal)
         preds = result.ranked[:top]
     if job.runtime == "meshkit" and any(p.layout.cp > 1 or p.layout.ep > 1 for p in preds):
         notes.append(
@@ -190,13 +204,27 @@ def _predictions(shape, cluster, job, notes: list[str], one: dict | None, shard_
 
 
 def _emit(
-    shape, cluster, job, preds, result, notes, *, compile: int, out, plot, as_json: bool, target=None
+    shape,
+    cluster,
+    job,
+    preds,
+    result,
+    notes,
+    *,
+    compile: int,
+    out,
+    plot,
+    as_json: bool,
+    target=None,
+    calibration=None,
 ) -> None:
     """Compile the top layouts meshkit runs (``compile``; for ``target``'s TPU chips where given), then
     write plan.json and the plot (``out``, ``plot``) and print the tables or the JSON."""
     runnable = [p for p in (preds if result is None else result.ranked) if p.meshkit_plan()]
-    measured = _compile(shape, runnable[:compile], cluster, job, target, quiet=as_json) if compile else None
-    payload = report.payload(shape, cluster, job, preds, result, measured, notes, target)
+    measured = (
+        _compile(shape, runnable[:compile], cluster, job, target, as_json, calibration) if compile else None
+    )
+    payload = report.payload(shape, cluster, job, preds, result, measured, notes, target, calibration)
     if out is not None:
         (out / "plan.json").write_text(__import__("json").dumps(payload, indent=2, default=str) + "\n")
     if plot is not None:
@@ -270,11 +298,11 @@ def _cluster_and_job(
     return cluster, job
 
 
-def _search(shape, cluster, job):
+def _search(shape, cluster, job, cal=None):
     """Every layout ranked; where none fits, one line saying by how much the closest misses."""
     from meshkit.planner import search
 
-    result = search(shape, cluster, job)
+    result = search(shape, cluster, job, cal)
     if result.best is None:
         close = result.closest()
         if close is None:
@@ -401,7 +429,7 @@ def _user_shape(target: str, heads, seq, ModelShape):
     )
 
 
-def _compile(shape, preds, cluster, job, target=None, *, quiet: bool = False):
+def _compile(shape, preds, cluster, job, target=None, quiet: bool = False, cal=None):
     """Measured (compiled on simulated devices, or for ``target``'s TPU chips) for each prediction, with
     the prediction to compare against: on simulated CPU devices meshkit's own runtime's (its step there
     attends with XLA's einsum: an S x S score matrix), for a TPU target the job's (splash attention stores
@@ -416,7 +444,9 @@ def _compile(shape, preds, cluster, job, target=None, *, quiet: bool = False):
     layouts = [p.layout for p in preds]
     got = compile_layouts(shape, layouts, job, progress=not quiet, console=console, target=target)
     mk = job if target else dataclasses.replace(job, runtime="meshkit", flash_attention=False)
-    return [(m, predict(shape, p.layout, cluster, mk)) for p, m in zip(preds, got, strict=True)]
+    return [
+        (m, predict(shape, p.layout, cluster, mk, calibration=cal)) for p, m in zip(preds, got, strict=True)
+    ]
 
 
 def register(app: typer.Typer) -> None:

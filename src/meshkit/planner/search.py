@@ -25,6 +25,7 @@ from meshkit.planner.cluster import Cluster, Job
 from meshkit.planner.layout import Layout, ModelShape
 from meshkit.planner.network import crosses_hosts
 from meshkit.planner.predict import Prediction, predict
+from meshkit.planner.stacks import Calibration
 from meshkit.spec import PIPELINE_REMAT
 
 REMATS = PIPELINE_REMAT
@@ -139,10 +140,11 @@ def _rank(p: Prediction) -> tuple:
             lay.tp, lay.cp, lay.ep)  # fmt: skip
 
 
-def search(shape: ModelShape, cluster: Cluster, job: Job) -> Search:
-    """Predict every candidate layout; rank those that fit by step time."""
+def search(shape: ModelShape, cluster: Cluster, job: Job, calibration: Calibration | None = None) -> Search:
+    """Predict every candidate layout (``calibration``: in place of the published runs', e.g. a chip's
+    measurement, ``planner.measured``); rank those that fit by step time."""
     preds = [
-        predict(shape, lay, cluster, job, shard_group=g)
+        predict(shape, lay, cluster, job, shard_group=g, calibration=calibration)
         for lay in layouts(shape, cluster, job)
         for g in shard_groups(lay, cluster, job)
     ]

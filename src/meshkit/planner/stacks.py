@@ -54,10 +54,16 @@ class Calibration:
     """Relative spread of one device's step time (stragglers: the step waits for the slowest)."""
     comm_efficiency: dict[str, float] = field(default_factory=dict)
     """Fraction of the ring model's bandwidth a stack's data-parallel collectives reach (1 where absent)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where an ``efficiency`` key's figure comes from, where it is not the published runs (a chip's
+    measurement: ``planner.measured``)."""
 
-    def efficiency_of(self, stack: str, family: str) -> tuple[float, str]:
-        """(efficiency, where it comes from): fitted on the stack's runs on that family, else carried
-        from a family it has runs on by another stack's ratio between the two families."""
+    def efficiency_of(self, stack: str, family: str, hardware: str = "") -> tuple[float, str]:
+        """(efficiency, where it comes from): measured on that hardware (a ``stack/tpu-v5e`` key,
+        ``planner.measured``), else fitted on the stack's runs on that family, else carried from a family
+        it has runs on by another stack's ratio between the two families."""
+        if (on_chip := self.efficiency.get(f"{stack}/{hardware}")) is not None:
+            return on_chip, self.sources.get(f"{stack}/{hardware}", f"measured on {hardware}")
         own = self.efficiency.get(f"{stack}/{family}")
         if own is not None:
             return own, f"calibrated on {stack}'s published runs on {family}"
@@ -74,7 +80,7 @@ class Calibration:
 
     def to_json(self) -> dict:
         return {"efficiency": dict(self.efficiency), "overlap_tax": self.overlap_tax, "straggler": self.straggler,
-                "comm_efficiency": dict(self.comm_efficiency)}  # fmt: skip
+                "comm_efficiency": dict(self.comm_efficiency), "sources": dict(self.sources)}  # fmt: skip
 
 
 CALIBRATION = Calibration(

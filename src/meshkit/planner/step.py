@@ -32,7 +32,7 @@ def efficiency(
 ) -> tuple[float, str]:
     """(the stack's calibrated matmul efficiency on this family, scaled down for narrow per-device
     matmuls; where that efficiency comes from)."""
-    base, source = (calibration or CALIBRATION).efficiency_of(job.stack, hardware.family)
+    base, source = (calibration or CALIBRATION).efficiency_of(job.stack, hardware.family, hardware.name)
     tokens = layout.microbatch_size * shape.seq / layout.cp
     n = min(shape.width / layout.tp, tokens)
     if shape.experts:  # an expert's matmuls: its width, and the tokens it takes from the whole ep group
