@@ -70,6 +70,8 @@ FIT = 0.9
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = _arguments(argv)
+    if a.target is not None:
+        return _compile_for_target(a)
     start = time.perf_counter()
     budget = a.minutes * 60
     platform, n = jax.default_backend(), jax.device_count()
@@ -111,6 +113,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the compile")
     p.add_argument("--minutes", type=float, default=8.0, help="budget: later parts are skipped past it")
+    p.add_argument(
+        "--target", default=None, help="compile only, for this TPU topology (v5e:1x1) with libtpu here"
+    )
     return p.parse_args(argv)
 
 
@@ -331,6 +336,7 @@ def _memory(t, compiled, params, tokens) -> dict:
 
     m = compiled.memory_analysis()
     measured = int(m.argument_size_in_bytes + m.temp_size_in_bytes)
+    figures = _compiled_figures(compiled)
     stats = jax.local_devices()[0].memory_stats() or {}
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tokens)
@@ -340,9 +346,63 @@ def _memory(t, compiled, params, tokens) -> dict:
         print(f"peak model: {_first_line(e)}")
         predicted = None
     device = stats.get("peak_bytes_in_use")
-    return {"compiled_bytes": measured, "device_peak_bytes": device, "predicted_bytes": predicted,
+    return {**figures, "compiled_bytes": measured, "device_peak_bytes": device, "predicted_bytes": predicted,
             "compiled_over_predicted": measured / predicted if predicted else None,
             "device_over_predicted": device / predicted if predicted and device else None}  # fmt: skip
+
+
+def _compiled_figures(compiled) -> dict:
+    """What the compiler says of a step, to set a compile for a target from another machine beside the
+    device's own: memory_analysis's parts and XLA's bytes accessed."""
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
+    return {"argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+            "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
+            "xla_peak_bytes": int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0))}  # fmt: skip
+
+
+def _compile_for_target(a) -> dict[str, Any]:
+    """meshkit's fsdp step of the run's model, batch and remat (as ``_meshkit`` builds it through the
+    Trainer) compiled for ``a.target``'s abstract TPU chips with this machine's libtpu: no TPU needed.
+    Its figures (``_compiled_figures``) are the device run's ``memory`` ones when the two compilers agree."""
+    import os
+
+    from jax.experimental import topologies
+
+    from meshkit.plans import assemble
+    from meshkit.spec import ParallelSpec
+
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # libtpu quiet where no TPU is present
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    try:
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=a.target).devices
+    except Exception:  # libtpu before 0.0.50: one chip needs its host bounds said
+        devices = topologies.get_topology_desc(
+            platform="tpu", topology_name=a.target, chips_per_host_bounds=(1, 1, 1)
+        ).devices
+    precision = a.precision or PLATFORM_PRECISION["tpu"]
+    size = "0.7b" if a.size == "auto" else a.size
+    cfg = _config(size, a.seq or 2048, precision)
+    n, remat = len(devices), a.remat or "dots"
+    batch = (a.batch or 2) * n
+    spec = ParallelSpec.of(
+        None, plan="fsdp", mesh=f"data={n}", remat=remat, precision=precision, attention="fused"
+    )
+    params = jax.eval_shape(llama.init, jax.random.key(0), cfg)
+    tokens = (jax.ShapeDtypeStruct((batch, cfg.seq_len), np.int32),) * 2
+    step = assemble(llama.make_loss(cfg), params, optax.adamw(1e-4), spec, devices=devices,
+                    logical_axes=llama.logical_axes(params), units=llama.units(cfg))  # fmt: skip
+    begin = time.perf_counter()
+    compiled = step.lower(params, tokens).compile()
+    out = {"target": a.target, "device_kind": devices[0].device_kind, "devices": n, "jax": jax.__version__,
+           "python": sys.version.split()[0], "size": size, "batch": batch, "remat": remat, "precision": precision,
+           "kernels": sorted(step.attention.used), "compile_s": time.perf_counter() - begin,
+           "memory": _compiled_figures(compiled)}  # fmt: skip
+    Path(a.out).write_text(json.dumps(out, indent=2, default=float))
+    print(json.dumps(out, indent=2, default=float))
+    return out
 
 
 def _profile(t, placed) -> dict:
