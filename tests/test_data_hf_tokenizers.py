@@ -260,6 +260,12 @@ pre-tokenizer, no ``<unk>``). ``meshkit data prepare`` follows 4.x there; what m
 shards' directories, exports) reads the same in both."""
 
 
+# Tiers: sweeps; the shards' ids are the tokenizers library's for each published directory in
+# test_real_tokenizers_give_the_tokenizers_librarys_ids, each family's end and beginning of text read from
+# its tokenizer_config.json as transformers reads them in test_each_familys_config_names_its_tokens, an
+# export's special tokens where transformers reads them in test_export_special.py; AutoTokenizer itself on
+# a meshkit export is core in test_chat_template.py's test_ids_equal_transformers_apply_chat_template.
+@pytest.mark.sweep
 @pytest.mark.reference
 def test_transformers_autotokenizer_gives_the_shards_ids(prepared, tmp_path, reference_python):
     """The tokenizer directories as published (HERE), the fixtures, the shards' own directory (its

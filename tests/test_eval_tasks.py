@@ -283,6 +283,12 @@ print(json.dumps({d: [encode_pair(AutoTokenizer.from_pretrained(d), c, x) for c,
 """
 
 
+# Tiers: sweeps; meshkit's split of (context, " " + choice) is core in
+# test_split_pair_moves_trailing_space_and_splits_the_whole_encoding, the corpus tokenizers' ids as the
+# tokenizers library's (BOS included) in test_data_hf_tokenizers.py's
+# test_real_tokenizers_give_the_tokenizers_librarys_ids; transformers' AutoTokenizer on a tokenizer
+# directory in test_chat_template.py's test_ids_equal_transformers_apply_chat_template[transformers5].
+@pytest.mark.sweep
 @pytest.mark.reference
 def test_the_split_is_the_harness_split_with_transformers_tokenizers(tmp_path, reference_python):
     """The tokenizers of tests/corpus (with a BOS: openllama under transformers 4.x, which meshkit follows;

@@ -245,10 +245,11 @@ CERTIFIED = [("gemma2", *p) for p in PLANS if p[-1] is not ALL_TO_ALL] + [
 """Each type under each plan, one context form each."""
 
 
-# Tiers: gemma3-tp is core (Gemma 2 is core beside transformers, test_hf_gemma.py, and trained from its
-# checkpoint below); all-to-all is core in the verify case
-# gemma-scan-dp+cp below, the ring's capped blocks in test_attention.py, pipelines of whole periods in
-# test_the_scanned_form_and_whole_periods_of_stages_compute_the_loop_forms_logits[6]; the rest sweep.
+# Tiers: gemma3-tp is core (Gemma 2, meshkit verify's small Gemma, is core in the verify cases below and
+# trained from its checkpoint below; beside transformers in test_hf_gemma.py, a sweep); all-to-all is core
+# in the verify case gemma-scan-dp+cp below, the ring's capped blocks in test_attention.py, pipelines of
+# whole periods in test_the_scanned_form_and_whole_periods_of_stages_compute_the_loop_forms_logits[6]; the
+# rest sweep.
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh", "opts"),
     tiered(

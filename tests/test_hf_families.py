@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from _limits import limit
+from _tiers import tiered
 from conftest import REFERENCES, reference_interpreter
 from meshkit import interop
 from meshkit.interop.hf import Checkpoint, Source
@@ -85,20 +86,36 @@ def _perturbed(cfg, seed):
     return jax.tree.map(lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape, a.dtype), params)
 
 
+def _asked(request) -> set[str]:
+    """The cases of this module the session runs (every one, where it cannot tell): the reference process
+    makes only their files (the core tier asks for 4 of the 17)."""
+    names = {
+        item.callspec.params.get("name")
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+    }
+    return (names - {None}) or set(MESHKIT_MODELS) | set(REFERENCE_MODELS)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, reference_python):
+def reference(tmp_path_factory, reference_python, request):
     """meshkit's exports and transformers' own checkpoints, each run by transformers (logits and greedy
-    tokens) in one reference process."""
+    tokens) in one reference process: those the session's cases ask for."""
     tmp = tmp_path_factory.mktemp("families")
     tokens = np.random.default_rng(1).integers(0, 64, size=(3, 24)).astype(np.int32)
     np.save(tmp / "tokens.npy", tokens)
+    asked = _asked(request)
     ours, jobs = {}, []
     for i, (name, cfg) in enumerate(MESHKIT_MODELS.items()):
+        if name not in asked:
+            continue
         params = _perturbed(cfg, i)
         interop.save(params, cfg, tmp / name, max_shard_bytes=20_000)
         ours[name] = params
         jobs.append({"dir": str(tmp / name)})
-    jobs += [{"make": config, "dir": str(tmp / name)} for name, config in REFERENCE_MODELS.items()]
+    jobs += [
+        {"make": config, "dir": str(tmp / name)} for name, config in REFERENCE_MODELS.items() if name in asked
+    ]
     for job in jobs:
         job |= {"tokens": str(tmp / "tokens.npy"), "out": job["dir"] + ".npy",
                 "generate": {"prompt": PROMPT, "new": NEW}}  # fmt: skip
@@ -123,7 +140,20 @@ def _agree(tmp, name, params, cfg, tokens):
     assert greedy == theirs[len(PROMPT) :]
 
 
-@pytest.mark.parametrize("name", list(REFERENCE_MODELS))
+# Tiers (this file): the transformers reference is core on Llama 3 (its checkpoints, untied and tied, read
+# into meshkit, and meshkit's export read by transformers; read sharded in the scanned form below) and on
+# the Mixtral's checkpoint (a mixture of experts generating dropless from the cache with a window in every
+# layer: test_llama_window.py's generation [experts] sweeps beside it). The other families sweep: their
+# side of meshkit is core in test_families.py (each type's config.json and weights written and read back
+# as its own model type, windows and experts included, 5.x's form too; each Qwen trained under tp) and in
+# test_interop.py (a Llama's experts written as Mixtral's or Qwen3-MoE's, or refused); the reference
+# process makes only the files of the cases a session runs (4 of 17 in the core tier).
+CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3"}
+
+
+@pytest.mark.parametrize(
+    "name", tiered([(n,) for n in REFERENCE_MODELS], REFERENCE_MODELS, core=CORE & set(REFERENCE_MODELS))
+)
 def test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens(reference, name):
     tmp, tokens, _ = reference
     params, cfg = interop.load(tmp / name)
@@ -139,7 +169,9 @@ def test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens(refe
     assert written["model_type"] == REFERENCE_MODELS[name]["model_type"]
 
 
-@pytest.mark.parametrize("name", list(MESHKIT_MODELS))
+@pytest.mark.parametrize(
+    "name", tiered([(n,) for n in MESHKIT_MODELS], MESHKIT_MODELS, core=CORE & set(MESHKIT_MODELS))
+)
 def test_meshkit_export_gives_transformers_its_logits_and_greedy_tokens(reference, name):
     tmp, tokens, ours = reference
     _agree(tmp, name, ours[name], MESHKIT_MODELS[name], tokens)
@@ -168,9 +200,10 @@ def written(tmp_path_factory):
 
 
 # Tiers: sweeps (its fixture runs both references): config.json as transformers 5.x's save_pretrained writes
-# it is core in test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-*]
-# (each family's checkpoint made by 5.x, its config read by interop.read_config into the model whose logits
-# and greedy tokens are 5.x's), 4.57.6's in the same test's [transformers4-*] (sweep), a 4.x config in 5.x's
+# it is core in test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-*]'s
+# core cases (Llama 3's and the Mixtral's checkpoints made by 5.x, each config read by interop.read_config
+# into the model whose logits and greedy tokens are 5.x's; the other families' sweep), 4.57.6's in the same
+# test's [transformers4-*] (sweep), a 4.x config in 5.x's
 # form (rope_parameters, dtype) in test_families.py's read tests, windows that never bind in
 # test_hf_config_defects.py.
 @pytest.mark.sweep
@@ -202,7 +235,10 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     )
 
 
-@pytest.mark.parametrize("name", ["hf-qwen2", "hf-qwen3", "hf-llama3", "hf-mistral", "hf-mixtral"])
+SHARDED = ["hf-qwen2", "hf-qwen3", "hf-llama3", "hf-mistral", "hf-mixtral"]
+
+
+@pytest.mark.parametrize("name", tiered([(n,) for n in SHARDED], SHARDED, core={"hf-llama3"}))
 def test_transformers_checkpoint_loads_sharded_in_the_scanned_form(reference, name):
     """Straight into data=4,model=2 (each leaf split on both axes where it divides: the biases and the
     per-head norms too), the scanned form: the logits of the checkpoint."""

@@ -24,7 +24,16 @@ from meshkit.models import gemma
 from meshkit.models.generate import continue_prompts
 from test_hf_reference import SCRIPT, TOL
 
-pytestmark = pytest.mark.reference
+# Tiers: sweeps, every case (its reference process makes every checkpoint, 16-19 s of a core run): Gemma's
+# side of each is core in test_gemma.py: each type's config.json read and written, 5.x's form too, and its
+# weights round trip bitwise (test_each_type_reads_its_switches_and_writes_its_own_model_type), a Gemma 2
+# checkpoint trained from, exported as gemma2 and generated from over its window
+# (test_a_run_from_a_gemma2_checkpoint_trains_exports_as_gemma2_and_generates), the scanned form and whole
+# periods of stages beside the loop form's logits (test_the_scanned_form_and_whole_periods_of_stages_...),
+# caps and windows under the plans (its certificates, test_attention.py's caps); the transformers reference
+# itself (its script, a checkpoint made by 5.x read by meshkit, meshkit's export read by 5.x) is core in
+# test_hf_families.py's Llama 3 cases.
+pytestmark = [pytest.mark.reference, pytest.mark.sweep]
 NEW = 32
 PROMPT = [5, 17, 3, 42, 8, 61, 29]
 
@@ -174,12 +183,10 @@ def written(tmp_path_factory):
     return tmp
 
 
-# Tiers: sweeps (its fixture runs both references): config.json as transformers 5.x saves it, Gemma 3's
-# rotary keyed by layer type included, is core in
-# test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-*] (each checkpoint
-# made by 5.x, its config read into the model whose logits and greedy tokens are 5.x's), 4.57.6's in the
-# same test's [transformers4-*] (sweep).
-@pytest.mark.sweep
+# Tiers: sweeps, as the file (its fixture runs both references): config.json in 5.x's form, Gemma 3's
+# rotary keyed by layer type included, is read in core by test_gemma.py's
+# test_each_type_reads_its_switches_and_writes_its_own_model_type (each type's 5.x form); configs made by
+# 5.x and 4.57.6 in test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens (sweep).
 @pytest.mark.parametrize("name", list(REFERENCE_MODELS))
 def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name):
     """config.json as transformers 5.x saves it (its rotary in ``rope_parameters``, Gemma 3's keyed by layer

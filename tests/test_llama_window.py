@@ -30,8 +30,9 @@ def _moved(cfg, scale=0.3):
 # test_both_forms_equal_numpy_float64_masks_and_grouped_heads_included[5-False], the Llama's forward with a
 # window in every layer (loop and scanned forms) in
 # test_layers_of_different_windows_run_in_the_loop_form_and_are_refused_scanned, and against transformers
-# (Mistral's window of 8 over 24 tokens, logits within 1e-5) in test_hf_families.py's
-# test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-hf-mistral].
+# (the Mixtral's window of 8 over 24 tokens, logits within 1e-5) in test_hf_families.py's
+# test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens[transformers5-hf-mixtral]
+# (Mistral's, [transformers5-hf-mistral], sweeps).
 @pytest.mark.sweep
 def test_one_layer_with_a_window_is_the_model_on_the_windows_tokens_alone():
     """Position t of a one-layer model with window w sees tokens t-w+1..t: its logits equal the

@@ -16,7 +16,12 @@ from meshkit.models import llama, lora
 from meshkit.train import Trainer
 from test_hf_reference import SCRIPT, TOL
 
-pytestmark = pytest.mark.reference
+# Tiers: sweeps; the merged parameters are the family's own and give the adapted model's logits in
+# test_lora.py's test_merge_folds_the_adapters_into_the_family_parameters, a run's merged export in its
+# test_meshkit_train_with_lora_proves_its_cost_and_exports_the_merged_model, a Llama exported by meshkit
+# read by transformers with meshkit's logits in test_hf_families.py's
+# test_meshkit_export_gives_transformers_its_logits_and_greedy_tokens[transformers5-llama3].
+pytestmark = [pytest.mark.reference, pytest.mark.sweep]
 CFG = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=64)
 LORA = lora.LoraConfig(rank=4, alpha=8.0, targets=("wq", "wv", "w_up"))
 
