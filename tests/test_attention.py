@@ -242,19 +242,21 @@ PLANS = [
 ]
 
 
-# Tiers (this file): the masks are core on one device's attention (dp), a pipeline and all-to-all; fsdp,
-# dp+tp and fsdp+tp (the same attention on split parameters or heads: core in test_plans.py and the
-# Llama's plans) sweep, as does the ring (cp: its window, einsum and fused asked, is core in
-# test_each_plan_caps_the_scores_as_one_device[cp], fused asked written out on the ring in the scanned
-# windows' [cp]). The cap is core where a plan's attention differs from one device's: the ring's blocks
-# (cp) and all-to-all (dp+cp); under dp and dp+pp (one device's capped call, written out whatever is
-# asked: core in test_a_capped_attention_equals_numpy_float64_written_out_whatever_is_asked, on a batch
-# split and in a pipeline's blocks: both plans core in test_each_plan_attends_as_one_device_masks_included)
-# it sweeps. The scanned windows are core on the ring (cp), their dp and all-to-all forms sweep
-# (all-to-all's: core in test_gemma.py's gemma-scan-dp+cp).
+# Tiers (this file): the masks are core in a pipeline (dp+pp) and under all-to-all (dp+cp); dp (each
+# device one device's attention on its rows: window, segments and grouped heads core on one device, einsum
+# and fused, in test_both_forms_equal_numpy_float64_masks_and_grouped_heads_included, packed segments under
+# dp in test_packing.py's llama-dp-data=8), fsdp, dp+tp and fsdp+tp (the same attention on split parameters
+# or heads: core in test_plans.py and the Llama's plans) sweep, as does the ring (cp: its window, einsum and
+# fused asked, is core in test_each_plan_caps_the_scores_as_one_device[cp], fused asked written out on the
+# ring in the scanned windows' [cp]). The cap is core on the ring's blocks (cp); under all-to-all (dp+cp:
+# Gemma 2's binding caps, float64 = one device, in test_gemma.py's gemma-scan-dp+cp), dp and dp+pp (one
+# device's capped call, written out whatever is asked: core in
+# test_a_capped_attention_equals_numpy_float64_written_out_whatever_is_asked, in a pipeline's blocks in
+# test_each_plan_attends_as_one_device_masks_included[dp+pp]) it sweeps. The scanned windows are core on
+# the ring (cp), their dp and all-to-all forms sweep (all-to-all's: core in test_gemma.py's gemma-scan-dp+cp).
 @pytest.mark.parametrize(
     ("plan", "mesh", "options", "window", "segmented"),
-    tiered(PLANS, [p[0] for p in PLANS], core={"dp", "dp+pp", "dp+cp"}),
+    tiered(PLANS, [p[0] for p in PLANS], core={"dp+pp", "dp+cp"}),
 )
 def test_each_plan_attends_as_one_device_masks_included(plan, mesh, options, window, segmented):
     """Written out, the plan's loss and gradients are one device's to 1e-10 (window and segments in
@@ -275,7 +277,7 @@ CAPPED = [p for p in PLANS if p[0] in ("dp", "dp+pp", "dp+cp", "cp")]
 
 @pytest.mark.parametrize(
     ("plan", "mesh", "options", "window", "segmented"),
-    tiered(CAPPED, [p[0] for p in CAPPED], core={"dp+cp", "cp"}),
+    tiered(CAPPED, [p[0] for p in CAPPED], core={"cp"}),
 )
 def test_each_plan_caps_the_scores_as_one_device(plan, mesh, options, window, segmented):
     """With ``softcap`` (Gemma 2's), einsum or fused asked, the plan's loss and gradients are one device's

@@ -159,14 +159,16 @@ def _meshkit(tmp_path, *options):
         pytest.fail(f"meshkit train {' '.join(options)} still ran after {e.timeout:.0f} s")
 
 
-# Tiers: meshkit train's tp+ep run is core (a combination plan through the CLI, its report checked); tp+cp's
-# and fsdp+tp+cp's sweep: their steps and reports are core above (gpt-tp+cp's in the meshkit verify --plan
-# cp+tp certificate, llama-fsdp+tp+cp-...-all-to-all's here), --context-attention all-to-all through meshkit
-# train in test_context.py's test_meshkit_train_refuses_bad_context_input_in_one_line[heads].
+# Tiers: sweeps, every run; their steps and reports are core above (gpt-tp+cp's in the meshkit verify --plan
+# cp+tp certificate, llama-fsdp+tp+cp-...-all-to-all's here, experts beside tensor parallelism in
+# gpt-fsdp+tp+ep), a combination plan through meshkit train with its report checked in test_llama_cli.py's
+# run (fsdp+tp) and test_pipeline.py's (dp+pp, then fsdp), --experts through meshkit train in test_moe.py's
+# test_meshkit_train_ep_reports_dropped_tokens, --context-attention all-to-all in test_context.py's
+# test_meshkit_train_refuses_bad_context_input_in_one_line[heads].
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "options",
-    [pytest.param(["--plan", "tp+cp"], marks=pytest.mark.sweep),
-     pytest.param(["--plan", "fsdp+tp+cp", "--context-attention", "all-to-all"], marks=pytest.mark.sweep),
+    [["--plan", "tp+cp"], ["--plan", "fsdp+tp+cp", "--context-attention", "all-to-all"],
      ["--plan", "tp+ep", "--experts", "8"]],
     ids=["tp+cp", "fsdp+tp+cp", "tp+ep"],
 )  # fmt: skip

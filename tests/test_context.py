@@ -64,21 +64,19 @@ def _trainer(name, plan, mesh, form, dtype="float32", compute_dtype=None, **opti
     return Trainer(loss, params, optax.adam(1e-2), spec=spec, tokens_per_example=16, units=units)
 
 
-# Tiers: dp+cp's all-to-all is core on the Llama (llama-dp+cp-data=2,context=4-all-to-all: its rotary
-# positions under a split, its kv heads repeated; kv heads as they are on context=2 in test_fsdp_axes.py's
-# llama-all-to-all); the ring is core with the same checks (one device in float64, ledger = model) in
-# test_axis_combos.py's meshkit verify --plan cp+tp certificate (the GPT's ring on context=4,model=2), one
-# device in float64 in test_packing.py's gpt-dp+cp ring (its peak here in
-# test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring]); the GPT's all-to-all (the GPT under
-# dp+cp: the ring's gpt-dp+cp-ring-accumulate2 below) and the other meshes and forms, cp's ring over
-# context=8 among them, sweep.
+# Tiers: sweeps, every case. dp+cp's all-to-all on the Llama (data=2,context=4: its rotary positions under a
+# split, its kv heads repeated) is core in float64 against one device in test_packing.py's
+# llama-dp+cp-data=2,context=4 (the same Llama and mesh, packed), its ledger against the model in
+# test_packing.py's test_context_ledger_counts_the_segment_exchange[...all-to-all...] (the same mesh),
+# kv heads as they are on context=2 in test_fsdp_axes.py's llama-all-to-all (both checks); the ring is core
+# with the same checks (one device in float64, ledger = model) in test_axis_combos.py's meshkit verify --plan
+# cp+tp certificate (the GPT's ring on context=4,model=2), one device in float64 in test_packing.py's
+# gpt-dp+cp ring (its peak here in test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring]); the
+# GPT's all-to-all (the GPT under dp+cp: the ring's gpt-dp+cp-ring-accumulate2 below) and the other meshes
+# and forms, cp's ring over context=8 among them, sweep.
+@pytest.mark.sweep
 @pytest.mark.parametrize(
-    ("name", "plan", "mesh", "form"),
-    tiered(
-        CASES,
-        [f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES],
-        core={"llama-dp+cp-data=2,context=4-all-to-all"},
-    ),
+    ("name", "plan", "mesh", "form"), CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES]
 )
 def test_context_plan_matches_one_device_in_float64_and_its_ledger_the_model(name, plan, mesh, form):
     with jax.enable_x64(True):

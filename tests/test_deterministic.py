@@ -68,10 +68,11 @@ def trained(plan, devices, model="gpt", steps=5, **kw):
     return t, losses, [np.asarray(x) for x in jax.tree.leaves(jax.device_get(t.params))]
 
 
-# Tiers (this file): the core cases are llama-zero3 here, dp+pp-1f1b for pipelines (in
-# test_a_pipeline_has_the_bits_of_dp_on_one_device_on_1_2_and_4_stages: stage=2 x data=4 and stage=4 x
-# data=2 against dp on one device), the peak's zero3 (micro-shards, partial sums and the gather), meshkit
-# train's in test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts. gpt-dp sweeps
+# Tiers (this file): the core cases are llama-zero3 here, dp+pp for pipelines (in
+# test_a_tied_embedding_has_the_same_bits_on_every_data_axis_of_its_stage_count: stage=2 x data 1 and 4
+# and stage=4 x data=2 with the same bits; its ledger in test_a_deterministic_pipeline_s_ledger_is_its_...),
+# the peak's zero3 (micro-shards, partial sums and the gather), meshkit train's in
+# test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts. gpt-dp sweeps
 # (dp's bits on data=1, 2, 4 and on 2 processes x 4 are core in test_verify_deterministic_mp.py's
 # test_every_mesh_row_has_the_bits_of_the_2_process_run[dp], 5 steps of a transformer on 1, 2, 4 and 8
 # devices in llama-zero3 here), and so does verify's column on one process
@@ -224,6 +225,13 @@ def test_a_pipeline_trained_5_steps_has_the_same_bits_on_data_1_2_and_4(plan, sc
         assert all(same), f"{plan} on data={data}: {same.count(False)} of {len(same)} leaves differ"
 
 
+# Tiers: sweeps; a pipeline's bits the same on 2 and 4 stages and every data axis of them are core in
+# test_a_tied_embedding_has_the_same_bits_on_every_data_axis_of_its_stage_count (dp+pp: stage=2 x data 1
+# and 4, stage=4 x data=2), the pipeline's running sums (TreeAdder) adding as dp's one tree (tree_sum) does,
+# bit for bit, in test_tree_adder_adds_in_arrival_order_as_tree_sum_does, the one tree's bits on 1 to 8
+# devices in test_5_steps_bitwise_on_1_2_4_and_8_devices[llama-zero3] and, dp's, in
+# test_verify_deterministic_mp.py's test_every_mesh_row_has_the_bits_of_the_2_process_run[dp].
+@pytest.mark.sweep
 def test_a_pipeline_has_the_bits_of_dp_on_one_device_on_1_2_and_4_stages():
     """Embedding and head untied (the GPT's): every leaf's gradient is one tree over the micro-shards
     whatever the stages, so dp+pp on stage=1 (1 device), stage=2 x data=4 and stage=4 x data=2 (8

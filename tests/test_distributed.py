@@ -360,7 +360,13 @@ def test_sigkill_mid_collective_survivor_names_the_lost_process():
         ), out[-3000:]
 
 
+# Tiers: sweeps; a survivor naming a silent peer once its heartbeats stop is core in
+# test_a_stalled_process_ends_the_job_and_leaves_when_resumed[0] (the coordinator silent: process 1 names
+# it) and test_signals.py's test_a_local_job_listens_on_loopback_only_and_a_stalled_rank_ends_it_in_one_line
+# (rank 1 silent: rank 0 names it within the heartbeat timeout), a SIGKILLed peer named by the survivor in
+# test_sigkill_mid_collective_survivor_names_the_lost_process.
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_sigkill_while_survivor_is_idle_heartbeat_timeout_stops_it():
     """No collective to fail: JAX's coordination service misses process 1's heartbeats and stops 0."""
     code, out, elapsed = _kill_and_wait(_start_pair("--idle-rank", "0", heartbeat=5), victim=1)
@@ -378,9 +384,9 @@ def test_sigkill_of_the_coordinator_stops_the_survivor_at_once():
 # --- Open MPI ---------------------------------------------------------------------------------------
 
 
-# Tiers: sweeps; a job under mpirun, detected as openmpi (2 processes of 4 devices, 8 in all), is core in
-# test_multiprocess.py's test_two_processes_under_mpirun_without_meshkit_environment, this worker's sums
-# across 2 processes of 4 devices in test_launch.py's test_two_processes_of_four_devices_sum_across_processes.
+# Tiers: sweeps; Open MPI's environment detected as openmpi is core in test_openmpi_detected_as_jax_does
+# (test_multiprocess.py's job under mpirun sweeps too), this worker's sums across 2 processes of 4 devices
+# in test_launch.py's test_two_processes_of_four_devices_sum_across_processes.
 @pytest.mark.slow
 @pytest.mark.sweep
 def test_mpirun_job_is_detected_as_openmpi(tmp_path):
@@ -441,8 +447,12 @@ def test_a_slurm_job_forms_through_jax_s_own_detection(tmp_path):
 # --- stalled processes (SIGSTOP) --------------------------------------------------------------------
 
 
+# Tiers: the coordinator stalled ([0]) is core; [1] sweeps: process 0 naming a stalled process 1 in one
+# line within the heartbeat timeout is core in test_signals.py's
+# test_a_local_job_listens_on_loopback_only_and_a_stalled_rank_ends_it_in_one_line (a meshkit train job, exit
+# 75), the stalled process leaving with one line once resumed in [0].
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.sweep), 0])
 def test_a_stalled_process_ends_the_job_and_leaves_when_resumed(victim):
     """SIGSTOP of one process: the other ends within the heartbeat timeout (+10 s) with one line
     naming it; after SIGCONT the stalled one finds the job gone and leaves with one line."""

@@ -300,8 +300,9 @@ PLANS = [
 QWEN = [(kind, *p) for p in PLANS for kind in ("qwen2", "qwen3")]
 
 
-# Tiers (this file): each Qwen under tp (its biases split, its norms replicated) and the Mixtral under
-# fsdp+ep are core; the other plans of each family sweep (each plan is core with the GPT and the Llama).
+# Tiers (this file): each Qwen under tp (its biases split, its norms replicated) is core; the other plans of
+# each family sweep (each plan is core with the GPT and the Llama), and so does the Mixtral under every
+# expert plan (see test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device).
 # Qwen2's windows sweep under every plan: a window under all-to-all is core in test_attention.py's
 # test_each_plan_attends_as_one_device_masks_included[dp+cp], in the ring's blocks in its scanned windows on
 # cp, windows that differ by layer and a pipeline's refusal of them in test_llama_window.py
@@ -378,7 +379,15 @@ MIXTRAL = {
 MOE_PLANS = [("ep", "expert=8"), ("fsdp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,model=2")]
 
 
-@pytest.mark.parametrize(("plan", "mesh"), tiered(MOE_PLANS, [p[0] for p in MOE_PLANS], core={"fsdp+ep"}))
+# Tiers: sweeps, every plan (fsdp+ep was core, 16.8 s): the Mixtral's config.json read dropless with
+# renormalised gates and its window is core in test_windows_and_experts_read_and_write_as_their_own_model_type
+# [mixtral], its checkpoint's logits and greedy tokens transformers' in test_hf_families.py's [hf-mixtral];
+# the dropless step (renormalised gates, k=2) under ep and fsdp in test_moe_dropless.py's
+# test_dropless_step_equals_one_device_in_float64 (its ledger and peak under ep beside it), plan fsdp+ep
+# (dense leaves ZeRO-3 over data, experts over expert: float64 = one device, ledger = model) in
+# test_fsdp_axes.py's test_fsdp_ep_matches_one_device_in_float64_and_its_ledger_the_model[llama].
+@pytest.mark.sweep
+@pytest.mark.parametrize(("plan", "mesh"), MOE_PLANS, ids=[p[0] for p in MOE_PLANS])
 def test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device(plan, mesh):
     """The Mixtral config.json reads dropless with renormalised gates (and its window): each device runs
     its experts' rows of the gathered tokens, float64 equal to one device, the ledger the model's."""

@@ -104,7 +104,15 @@ def _wait_for(path: Path, timeout: float) -> None:
         time.sleep(0.0005)
 
 
+# Tiers: sweeps (thirty kills at random moments of saves: more draws of paths each core once): a SIGKILL
+# inside a save keeps the previous step whole and the directory usable in test_checkpoint.py's
+# test_sigkill_mid_save_keeps_the_previous_step, one between a save's last file and its rename leaves no
+# visible step and --resume continues to the same losses in test_async_save.py's
+# test_sigkill_during_a_background_save_leaves_no_visible_step_and_resume_continues, what a kill can leave of
+# a step (a file missing, a step directory empty, garbage) falls back to the newest intact step in
+# test_checkpoint.py's test_an_unreadable_latest_step_falls_back_to_the_newest_intact_one.
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_thirty_sigkills_mid_save_each_resume_continues_bit_for_bit(tmp_path, trajectory, capsys):
     trainer, states = trajectory
     last = len(states) - 2  # two more states to compare each continuation with

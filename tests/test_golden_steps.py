@@ -60,15 +60,16 @@ CASES = [
 ]
 
 
-# Tiers: the sharded-parameter, tensor-parallel and pipeline programs are core once each (zero3, fsdp+tp,
-# fsdp+tp+pp-gpipe: the records' comparison itself, collectives, memory, bytes accessed and the models);
-# dp, zero2-acc2, zero1, tp, dp+tp, fsdp+pp-interleaved, dp+pp-1f1b-layer and the further variants sweep
-# (each of those plans is core in a certificate, whose ledger reads the same collectives: dp, zero1 and
-# zero2 with 2 micro-batches in test_plans.py's linear certificates, zero2's on the scanned GPT with 2
-# micro-batches in test_fsdp.py's zero2-gpt-scan-None-dots-2, tp in test_families.py's tp-qwen2, dp+tp in
-# test_gpt_vocab_tp.py, the pipelines in test_pipeline.py; the interleaved schedule's in test_pipeline.py's
+# Tiers: the records' comparison itself (collectives, memory, bytes accessed and the models) is core once,
+# on zero3's sharded-parameter program; every other record sweeps, each of those plans core in a test whose
+# ledger reads the same collectives: dp, zero1 and zero2 with 2 micro-batches in test_plans.py's linear
+# certificates, zero2's on the scanned GPT with 2 micro-batches in test_fsdp.py's zero2-gpt-scan-None-dots-2,
+# tp in test_families.py's tp-qwen2, dp+tp in test_gpt_vocab_tp.py, fsdp+tp on the GPT in test_plans.py's
+# test_plan_certificate[fsdp+tp-gpt-data=4,model=2-1]; the pipelines in test_pipeline.py (fsdp+tp+pp's step
+# in test_gpt_loss_and_every_gradient_equal_one_device_in_float64, gpipe's ledger on fsdp+pp in
+# test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model, the interleaved schedule's on dp+tp+pp in
 # test_trainer_3d_interleaved_matches_one_device_and_...).
-CORE = {"zero3", "fsdp+tp", "fsdp+tp+pp-gpipe"}
+CORE = {"zero3"}
 
 
 @pytest.mark.parametrize(("name", "plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], CORE))

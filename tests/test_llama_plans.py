@@ -10,7 +10,6 @@ import optax
 import pytest
 
 from _reference import max_rel, one_device
-from _tiers import tiered
 from meshkit.models import gpt, llama
 from meshkit.plans.tp_rules import VOCAB_TP_RULES, vocab_rules
 from meshkit.spec import get_plan
@@ -57,10 +56,15 @@ def _one_device_float64(scan: bool, steps: int):
     )
 
 
-# Tiers: the Llama is core under fsdp+tp (in a pipeline: test_packing.py's llama-dp+pp-stage=2,data=4 and
-# test_lora.py's dp+pp, float64 against one device; under zero3: test_deterministic.py's llama-zero3); dp,
-# zero3, dp+tp+pp and zero3's peak sweep (each plan is core with the GPT).
-@pytest.mark.parametrize(("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"fsdp+tp"}))
+# Tiers: sweeps, every plan (each plan is core with the GPT). The Llama under fsdp+tp (the vocabulary and
+# the key/value heads split: test_tensor_parallel_rules_split_heads_kv_heads_mlp_and_the_vocabulary below)
+# is core in float64 against one device in test_packing.py's llama-fsdp+tp-data=4,model=2 and test_lora.py's
+# fsdp+tp (the frozen base), its ledger against the model in test_lora.py's
+# test_lora_ledger_memory_and_peak_match_the_model[fsdp+tp-data=4,model=2] (its model axis's all-reduces
+# x1.000) and test_llama_cli.py's run (the vocabulary split's rows); in a pipeline: test_packing.py's
+# llama-dp+pp-stage=2,data=4 and test_lora.py's dp+pp; under zero3: test_deterministic.py's llama-zero3.
+@pytest.mark.sweep
+@pytest.mark.parametrize(("plan", "mesh", "opts"), CASES, ids=[c[0] for c in CASES])
 def test_llama_plan_matches_one_device_in_float64_and_its_cost_model(plan, mesh, opts):
     with jax.enable_x64(True):
         t = _trainer(plan, mesh, opts, "float64")

@@ -100,7 +100,8 @@ CASES = [("ep", "expert=8"), ("dp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,m
 
 
 # Tiers: the dropless step is core under ep (tokens gathered to their experts) and fsdp (every expert
-# local), its ledger and peak under ep, fsdp+ep in test_families.py's Mixtral; the other plans sweep.
+# local), its ledger and peak under ep; the other plans sweep (fsdp+ep's dense ZeRO-3 beside experts over
+# expert is core in test_fsdp_axes.py's llama, test_families.py's Mixtral under it sweeps).
 @pytest.mark.parametrize(("plan", "mesh"), tiered(CASES, [c[0] for c in CASES], core={"ep", "fsdp"}))
 def test_dropless_step_equals_one_device_in_float64(plan, mesh):
     with jax.enable_x64(True):

@@ -62,9 +62,9 @@ def check(res: dict[int, dict], plan: str, ckpt: Path, source: str) -> None:
     )
 
 
-# Tiers: sweeps (dp: under mutual TLS below, the same checks on one job); fsdp on 2 processes is core in
-# test_two_processes_under_mpirun_without_meshkit_environment, launch() with these checks in
-# test_two_processes_with_mutual_tls_match_one_process.
+# Tiers: sweeps (dp: under mutual TLS below, the same checks on one job); launch() with these checks is core
+# in test_two_processes_with_mutual_tls_match_one_process, meshkit train's fsdp on 2 processes in
+# test_signals.py's jobs (test_mpirun's fsdp, with these checks, sweeps too).
 @pytest.mark.parametrize("plan", [pytest.param("fsdp", marks=pytest.mark.sweep)])
 def test_two_processes_under_meshkit_launch_match_one_process(tmp_path, plan):
     out = io.StringIO()
@@ -74,6 +74,12 @@ def test_two_processes_under_meshkit_launch_match_one_process(tmp_path, plan):
     check(results(tmp_path), plan, tmp_path / "ckpt", "meshkit-launch")
 
 
+# Tiers: sweeps; Open MPI's environment read as JAX reads it is core in test_distributed.py's
+# test_openmpi_detected_as_jax_does and test_initialize_lets_jax_detect_the_scheduler[_ompi-ompi], a job of
+# real processes formed through JAX's own detection in its test_a_slurm_job_forms_through_jax_s_own_detection,
+# two processes training as one (and the checkpoint they wrote restored by one) under meshkit launch in
+# test_two_processes_with_mutual_tls_match_one_process (dp), fsdp on 2 processes in test_signals.py's jobs.
+@pytest.mark.sweep
 def test_two_processes_under_mpirun_without_meshkit_environment(tmp_path):
     mpirun = shutil.which("mpirun")
     assert mpirun, (

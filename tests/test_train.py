@@ -55,6 +55,11 @@ def test_tiny_run_writes_every_output(tmp_path, capsys):
     assert json.loads((run / "config.json").read_text())["parallel"]["plan"] == "fsdp"
 
 
+# Tiers: sweeps; a run stopped and resumed through meshkit train to the same losses bit for bit is core in
+# test_data_mixture.py's test_a_mixture_run_stopped_and_resumed_trains_as_an_uninterrupted_one, the
+# restored parameters and optimizer state the saved ones bit for bit (and the run then finishing) in
+# test_pipeline.py's test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_schedule.
+@pytest.mark.sweep
 def test_exact_resume_is_bitwise(tmp_path):
     straight = prepare(tiny(tmp_path / "a"))
     assert train(straight, Quiet())
