@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.planner.compile import Measured, compile_layout, too_large
+from meshkit.planner.compile import Measured, compile_in_subprocess, compile_layout, too_large
 from meshkit.planner.layout import Layout, ModelShape
 
 MESHKIT = str(Path(sys.executable).parent / "meshkit")
@@ -47,6 +47,15 @@ def test_a_layout_compiled_for_a_v5e_slice_is_the_llamas_own_step_with_splash():
     # bf16 as 2 bytes where XLA:CPU moves 4, so the TPU's data axis carries less than the CPU's
     assert 0 < on_tpu.comm_bytes["data"] < on_cpu.comm_bytes["data"]
     assert Measured.from_json(on_tpu.to_json()) == on_tpu
+
+
+def test_a_plan_the_partitioner_splits_attends_with_xla_on_a_slice_from_a_one_device_process():
+    # dp over 4 chips in one pass runs the partitioner's step, where a Pallas call cannot be split (JAX
+    # refuses it at lowering): attention then takes XLA's. The slice's chip count decides, not the process's
+    # (meshkit plan --target compiles in a child with one CPU device: it raised NotImplementedError there)
+    m = compile_in_subprocess(LLAMA, Layout(dp=4, microbatch_size=2), _Job(global_batch=8), target="v5e:2x2")
+    assert m.ok, m.error
+    assert m.platform == "tpu" and m.attention == ("einsum",)
 
 
 def test_a_step_larger_than_a_chips_hbm_is_one_line_from_the_compiler():

@@ -147,8 +147,26 @@ def _job_fields(job: Any) -> tuple[int, str]:
     return batch, precision
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UserModel:
+    """A model that is no registry family's, to compile in place of the shape's family (a user's loss
+    and parameters, the published anchors' 2023 MaxText block): ``loss(params, batch)`` as
+    ``plans.assemble`` takes it, ``params`` abstract (``jax.eval_shape`` of an init), their logical axes
+    (``"embed"``, ``"heads"``, ``"mlp"``, ``"vocab"``, ``"layers"``: the names meshkit's plans place)."""
+
+    loss: Any
+    params: Any
+    logical_axes: Any = None
+    units: dict[str, int] | None = None
+    has_aux: bool = False
+
+
 def layout_step(
-    shape: ModelShape, layout: Layout, job: Any, devices: Sequence[Any] | None = None
+    shape: ModelShape,
+    layout: Layout,
+    job: Any,
+    devices: Sequence[Any] | None = None,
+    model: UserModel | None = None,
 ) -> tuple[Any, Any, dict[str, int], float, tuple[str, ...]]:
     """``(lowered step, mesh, per-device bytes of its params, optimizer and batch arguments, branch
     share, attention kernels traced)``: meshkit's step for ``layout`` on abstract parameters and batch of ``shape``'s family
@@ -181,22 +199,28 @@ def layout_step(
             f"use compile_layouts (one process per layout)"
         )
     pipeline = spec.plan_info.pipeline
-    family = registry.family(shape.family)
-    cfg = family.config.from_shape(shape, precision=precision, scan_layers=True)
-    params = jax.eval_shape(lambda: family.module.init(jax.random.key(0), cfg))
-    loss, aux = family.training_loss(cfg, pipeline=pipeline)
+    if model is None:
+        family = registry.family(shape.family)
+        cfg = family.config.from_shape(shape, precision=precision, scan_layers=True)
+        params = jax.eval_shape(lambda: family.module.init(jax.random.key(0), cfg))
+        loss, aux = family.training_loss(cfg, pipeline=pipeline)
+        model = UserModel(
+            loss=loss, params=params, logical_axes=family.module.logical_axes(params),
+            units=family.units(cfg), has_aux=aux,
+        )  # fmt: skip
+    params = model.params
     tokens = jax.ShapeDtypeStruct((global_batch, shape.seq), jnp.int32)
     step = assemble(
-        loss,
+        model.loss,
         params,
         optax.adamw(3e-4, weight_decay=0.01),
         spec,
         devices=devices[: layout.devices],
         clip_norm=CLIP,
         grad_norm=True,
-        has_aux=aux,
-        logical_axes=family.module.logical_axes(params),
-        units=family.units(cfg),
+        has_aux=model.has_aux,
+        logical_axes=model.logical_axes,
+        units=model.units,
     )
     args = step.abstract_args(params, (tokens, tokens))
     lowered = step.step.lower(*args)
@@ -220,11 +244,14 @@ def shard_bytes(tree: Any) -> int:
     )
 
 
-def compile_layout(shape: ModelShape, layout: Layout, job: Any, *, target: str | None = None) -> Measured:
+def compile_layout(
+    shape: ModelShape, layout: Layout, job: Any, *, target: str | None = None, model: UserModel | None = None
+) -> Measured:
     """Compile ``layout``'s step in this process and measure it: on this process's devices (it must have
     ``layout.devices``), or for TPU slice ``target`` (``meshkit.targets.target_devices``: libtpu's
     compiler, any machine). A layout meshkit cannot run, or one the TPU compiler finds too large for
-    its chips' HBM, comes back with ``error`` set (one line)."""
+    its chips' HBM, comes back with ``error`` set (one line). ``model``: a ``UserModel`` compiled in place of
+    the shape's family (the shape then only labels it)."""
     start = time.perf_counter()
     try:
         devices = None
@@ -236,15 +263,16 @@ def compile_layout(shape: ModelShape, layout: Layout, job: Any, *, target: str |
                 raise MeshkitError(
                     f"{layout.label()} is {layout.devices} devices; {target} has {len(devices)} chips"
                 )
-        lowered, mesh, parts, share, attention = layout_step(shape, layout, job, devices)
+        lowered, mesh, parts, share, attention = layout_step(shape, layout, job, devices, model)
         platform = mesh.devices.flat[0].platform
         compiled = lowered.compile(compiler_options=MEASURE_ONLY if platform == "cpu" else None)
     except MeshkitError as e:
         return failed(layout, str(e).splitlines()[0], time.perf_counter() - start)
-    except Exception as e:  # the TPU compiler's own refusal of a program too large for HBM
-        if (why := too_large(e)) is None:
-            raise
-        return failed(layout, why, time.perf_counter() - start, no_fit=True)
+    except Exception as e:  # the TPU compiler's refusal of a program too large for HBM, or any other
+        if (why := too_large(e)) is not None:
+            return failed(layout, why, time.perf_counter() - start, no_fit=True)
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        return failed(layout, f"did not compile: {type(e).__name__}: {first}", time.perf_counter() - start)
     return measure(compiled, mesh, layout, parts, share, time.perf_counter() - start, attention)
 
 

@@ -62,6 +62,8 @@ class Attention:
     platform: str | None = None
     """The platform the step is compiled for (its mesh's devices: a TPU target's from a CPU machine); None:
     JAX's default backend."""
+    devices: int | None = None
+    """The devices the step is compiled for (its mesh's: a TPU slice's from a CPU machine); None: JAX's."""
     used: set[str] = field(default_factory=set)
     """Kernels traced: 'einsum', 'xla', 'cudnn', 'splash' (the ring's blocks count as einsum)."""
 
@@ -244,8 +246,9 @@ def _partitioned() -> bool:
         from jax.sharding import AxisType, get_abstract_mesh
 
         mesh = get_abstract_mesh()
-        if mesh.empty:
-            return jax.device_count() > 1
+        if mesh.empty:  # the step's own devices (a target slice's), else this process's
+            devices = _record().devices
+            return (jax.device_count() if devices is None else devices) > 1
         kinds = zip(mesh.axis_sizes, mesh.axis_types, strict=True)
         return any(size > 1 and kind != AxisType.Manual for size, kind in kinds)
     except (ImportError, AttributeError):  # an older jax: not known, so not split by hand
