@@ -215,6 +215,97 @@ def planner_runs() -> str:
     return "\n".join([*summary, "", *tables[:-1]])
 
 
+ANCHORS_JSON = ROOT / "benchmarks" / "anchors.json"
+
+
+def _anchors_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("meshkit_anchors", ROOT / "benchmarks" / "anchors.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _by_axis(comm: dict[str, float]) -> str:
+    """Bytes per step per device by mesh axis, GiB, the largest first ('-' for none)."""
+    big = sorted(((v, k) for k, v in comm.items() if v >= 2**20), reverse=True)
+    return ", ".join(f"{k} {v / 2**30:.1f}" for v, k in big) or "-"
+
+
+def _fits(c: dict, hbm: float) -> str:
+    return (
+        f"yes, {_gib(c['peak_bytes'])} of {_gib(hbm)}"
+        if c["ok"]
+        else f"no: {c['error'].removeprefix('does not fit: ')}"
+    )
+
+
+def pod_anchors() -> str:
+    """Each published pod run as XLA:TPU compiled meshkit's step of it for its own slice, under its own
+    layout and under the planner's best (benchmarks/anchors.json, written by benchmarks/anchors.py),
+    beside the planner's prediction (recomputed: arithmetic) and the published MFU."""
+    from meshkit.planner.cluster import Cluster, Job
+    from meshkit.planner.hardware import hardware
+    from meshkit.planner.layout import Layout
+    from meshkit.planner.predict import predict
+
+    module = _anchors_module()
+    anchors = module.ANCHORS
+    compiled = json.loads(ANCHORS_JSON.read_text())
+    fit_rows, time_rows = [], []
+    for a in anchors:
+        own, best = compiled[a.name]["own"], compiled[a.name].get("best")
+        hw = hardware(a.hardware)
+        cluster, job = (
+            Cluster(hardware=hw, devices=a.chips),
+            Job(global_batch=a.global_batch, precision="bf16"),
+        )
+        mfu = lambda p, a=a, hw=hw: a.tflop_per_chip * 1e12 / (p.step_time_s * hw.peak_flops)  # noqa: E731
+        p = predict(a.shape, a.layout, cluster, job)
+        fit_rows.append(
+            f"| {a.title} | {a.target} | {a.layout.label()} | {', '.join(own['attention']) or '-'} | "
+            f"{_fits(own, hw.memory_bytes)} | {_gib(p.peak_bytes)} | {_by_axis(own['comm_bytes'])} | "
+            f"{_by_axis(p.comm_bytes)} | {own['compile_s']:.0f} s |"
+        )
+        if best is not None:
+            lay = Layout(**best["layout"])
+            b = predict(a.shape, lay, cluster, module.best_job(a))
+            best_cell = f"{lay.label()}: {mfu(b):.1%}, {_fits(best, hw.memory_bytes)}"
+        else:
+            best_cell = "none meshkit runs fits"
+        time_rows.append(
+            f"| {a.title} | {a.published_step_s:.2f} s | {a.published_mfu:.1%} | {p.step_time_s:.2f} s | {mfu(p):.1%} | "
+            f"{mfu(p) / a.published_mfu - 1:+.0%} | {best_cell} |"
+        )
+    versions = {(c["jax"], c["libtpu"]) for row in compiled.values() for c in row.values()}
+    return "\n".join([
+        _wrap("Compiled by `benchmarks/anchors.py` (XLA:TPU from libtpu on this CPU machine, abstract chips: "
+              + "; ".join(f"jax {j}, libtpu {t}" for j, t in sorted(versions))
+              + "). Per chip, under the run's own layout: the compiler's peak against the HBM XLA:TPU gives a "
+              "program, the planner's predicted peak, and the bytes each mesh axis moves per step (GiB, "
+              "meshkit's ledger of the TPU HLO beside the planner's ring model):"),
+        "",
+        "| run | slice | layout | attention | fits (GiB per chip) | predicted peak | moved, compiled | moved, predicted | compile |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *fit_rows,
+        "",
+        _wrap("Step time and MFU in each publisher's FLOP convention (the published FLOPs per chip over the "
+              "predicted step): the planner's prediction of the run's own layout, and the planner's best "
+              "layout that meshkit runs (`meshkit plan --runtime meshkit`'s ranking) with its predicted MFU "
+              "and its compile:"),
+        "",
+        "| run | published step | published MFU | predicted step | predicted MFU | off | planner's best, compiled |",
+        "|---|---|---|---|---|---|---|",
+        *time_rows,
+    ])  # fmt: skip
+
+
 def _wrap(text: str) -> str:
     """Paragraphs wrapped at 100 columns, as the page's hand-written ones are."""
     return "\n\n".join(
@@ -222,7 +313,12 @@ def _wrap(text: str) -> str:
     )
 
 
-SECTIONS = {"make-run": make_run, "planner-published-runs": planner_runs, "plan-gpt-1.3b": plan_1_3b}
+SECTIONS = {
+    "make-run": make_run,
+    "planner-published-runs": planner_runs,
+    "plan-gpt-1.3b": plan_1_3b,
+    "pod-anchors": pod_anchors,
+}
 
 
 def render(text: str) -> str:
