@@ -1,5 +1,5 @@
 """The planner's time model calibrated on a chip (``meshkit.planner.measured``): fitted on what
-``benchmarks/device_check.py`` measured on one TPU v5e (docs/device/tpu-v5e.json, 2026-12-05), checked on
+``benchmarks/device_check.py`` measured on one TPU v5e (src/meshkit/planner/chips/tpu-v5e.json, 2026-12-06), checked on
 the steps it timed besides, and read by ``meshkit plan --calibration``."""
 
 import json
@@ -19,7 +19,7 @@ from meshkit.planner.presets import preset
 from meshkit.planner.stacks import CALIBRATION
 
 ROOT = Path(__file__).resolve().parent.parent
-V5E = ROOT / "docs" / "device" / "tpu-v5e.json"
+V5E = ROOT / "src" / "meshkit" / "planner" / "chips" / "tpu-v5e.json"
 V5E_05B = ROOT / "docs" / "device" / "tpu-v5e-0.5b.json"  # another size, the same chip, the same day
 
 
@@ -57,11 +57,12 @@ def test_a_calibration_file_round_trips_and_a_wrong_file_is_one_line(chip, tmp_p
     own.write_text(json.dumps(chip.calibration.to_json()))
     assert measured.load(own) == chip.calibration
     assert measured.load(V5E) == chip.calibration
+    assert "tpu-v5e" in measured.shipped() and measured.load("tpu-v5e") == chip.calibration  # by name
     for text, says in (("[1, 2]", "neither"), ("{", "not JSON")):
         (bad := tmp_path / "bad.json").write_text(text)
         with pytest.raises(MeshkitError, match=says):
             measured.load(bad)
-    with pytest.raises(MeshkitError, match="no such file"):
+    with pytest.raises(MeshkitError, match=r"no such file, and no chip meshkit ships \(those: .*tpu-v5e"):
         measured.load(tmp_path / "absent.json")
     cpu = dict(json.loads(V5E.read_text()), device_kind="cpu")
     with pytest.raises(MeshkitError, match="no accelerator"):
@@ -83,7 +84,7 @@ def test_meshkit_plan_prices_with_the_chips_calibration(tmp_path):
          "--global-batch", "64", "--top", "1", "--json", *extra],
         capture_output=True, text=True, cwd=tmp_path, check=False,
     )  # fmt: skip
-    plain, calibrated = run(), run("--calibration", str(V5E))
+    plain, calibrated = run(), run("--calibration", "tpu-v5e")
     assert plain.returncode == 0 and calibrated.returncode == 0, calibrated.stderr
     a, b = json.loads(plain.stdout)["stack"], json.loads(calibrated.stdout)["stack"]
     assert "published" in a["efficiency_source"] and b["efficiency_source"].startswith(

@@ -148,6 +148,6 @@ _Calibration = Annotated[
     _opt(
         _J,
         "The time model calibrated on a chip: benchmarks/device_check.py's JSON from that hardware (e.g. "
-        "docs/device/tpu-v5e.json), or a calibration's own JSON. Default: fitted on published runs.",
+        "tpu-v5e, the chip meshkit ships), or a calibration's own JSON. Default: fitted on published runs.",
     ),
 ]

@@ -8,7 +8,10 @@ writes its step time; the efficiency is the one at which the planner's predictio
 equals the measured time. Every other step it timed (one sequence instead of the batch; another size
 in another file) is then predicted with it and set beside its measurement: that is the check.
 
-    meshkit plan --calibration docs/device/tpu-v5e.json ...   # a device_check JSON
+    meshkit plan --calibration tpu-v5e ...          # a chip meshkit ships (planner/chips/tpu-v5e.json)
+    meshkit plan --calibration device_check.json ...  # what device_check wrote on yours
+
+meshkit ships the chips it was measured on (``CHIPS``): ``tpu-v5e``, one TPU v5e of 2026-12-06.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from meshkit.planner.hardware import Hardware, for_device
 from meshkit.planner.layout import Layout, ModelShape
 from meshkit.planner.stacks import CALIBRATION, Calibration
 
+CHIPS = Path(__file__).resolve().parent / "chips"
+"""device_check's JSON of each chip meshkit was measured on, by hardware name (``--calibration tpu-v5e``)."""
 FITTED_RUN = "meshkit_fused"
 """The ``device_check`` run the efficiency is fitted on: meshkit's step at the chosen batch."""
 CHECKED_RUNS = {"meshkit_fused_small": 1}
@@ -152,21 +157,31 @@ def from_device_check(data: dict, *, others: tuple[dict, ...] = ()) -> ChipCalib
     )
 
 
+def shipped() -> list[str]:
+    """The chips meshkit ships a measurement of (``--calibration NAME``)."""
+    return sorted(p.stem for p in CHIPS.glob("*.json"))
+
+
 def load(path: str | Path) -> Calibration:
-    """``meshkit plan --calibration``'s file: a ``device_check`` JSON (fitted here) or a calibration's own
-    JSON (``Calibration.to_json``); refused in one line where it is neither."""
+    """``meshkit plan --calibration``'s file: a ``device_check`` JSON (fitted here), a calibration's own
+    JSON (``Calibration.to_json``), or the name of a chip meshkit ships (``shipped``); refused in one line
+    where it is none of these."""
     path = Path(path)
+    if not path.exists() and str(path) in shipped():
+        path = CHIPS / f"{path}.json"
     try:
         data: Any = json.loads(path.read_text())
     except FileNotFoundError:
-        raise MeshkitError(f"--calibration {path}: no such file") from None
+        raise MeshkitError(
+            f"--calibration {path}: no such file, and no chip meshkit ships (those: {', '.join(shipped())})"
+        ) from None
     except (OSError, ValueError) as e:
         raise MeshkitError(f"--calibration {path}: not JSON ({e})") from None
     if isinstance(data, dict) and "runs" in data and "model" in data:
         return from_device_check(data).calibration
     if isinstance(data, dict) and {"efficiency", "overlap_tax", "straggler"} <= data.keys():
-        return Calibration(**{k: data[k] for k in ("efficiency", "overlap_tax", "straggler", "comm_efficiency",
-                                                   "sources") if k in data})  # fmt: skip
+        keys = ("efficiency", "overlap_tax", "straggler", "comm_efficiency", "sources")
+        return Calibration(**{k: data[k] for k in keys if k in data})
     raise MeshkitError(
         f"--calibration {path}: neither benchmarks/device_check.py's JSON nor a calibration (efficiency, "
         f"overlap_tax, straggler)"
