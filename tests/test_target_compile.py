@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.planner.compile import Measured, compile_in_subprocess, compile_layout, too_large
+from meshkit.planner.compile import Measured, compile_error, compile_in_subprocess, compile_layout, too_large
 from meshkit.planner.layout import Layout, ModelShape
 
 MESHKIT = str(Path(sys.executable).parent / "meshkit")
@@ -77,6 +77,13 @@ def test_the_compilers_refusal_is_read_from_its_message_and_nothing_else():
     )
     assert too_large(RuntimeError("INVALID_ARGUMENT: bad sharding")) is None
     assert too_large(RuntimeError("RESOURCE_EXHAUSTED: host memory")) is None
+    lay = Layout(dp=4)
+    oom, other = (
+        compile_error(lay, said, 1.0),
+        compile_error(lay, NotImplementedError("\nMosaic: no.\nmore"), 1.0),
+    )
+    assert oom.no_fit and oom.error == too_large(said)
+    assert not other.no_fit and other.error == "did not compile: NotImplementedError: Mosaic: no."
 
 
 def _meshkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -199,7 +199,7 @@ def train(**options: Any) -> None:
 
         result = dry_run(cfg, target=o["target"])
         show(result, console)
-        if result.fits is False:
+        if result.fits is False or not result.measured.ok:  # too large, or not compiled (one line said why)
             raise typer.Exit(1)
         return
     import jax

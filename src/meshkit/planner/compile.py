@@ -269,11 +269,17 @@ def compile_layout(
     except MeshkitError as e:
         return failed(layout, str(e).splitlines()[0], time.perf_counter() - start)
     except Exception as e:  # the TPU compiler's refusal of a program too large for HBM, or any other
-        if (why := too_large(e)) is not None:
-            return failed(layout, why, time.perf_counter() - start, no_fit=True)
-        first = next((line for line in str(e).splitlines() if line.strip()), "")
-        return failed(layout, f"did not compile: {type(e).__name__}: {first}", time.perf_counter() - start)
+        return compile_error(layout, e, time.perf_counter() - start)
     return measure(compiled, mesh, layout, parts, share, time.perf_counter() - start, attention)
+
+
+def compile_error(layout: Layout, error: BaseException, seconds: float) -> Measured:
+    """A compile that failed, as one line: XLA:TPU's refusal of a step larger than a chip's HBM as "does not
+    fit" (``no_fit``), any other error by its type and first line (never a traceback from inside JAX)."""
+    if (why := too_large(error)) is not None:
+        return failed(layout, why, seconds, no_fit=True)
+    first = next((line for line in str(error).splitlines() if line.strip()), "")
+    return failed(layout, f"did not compile: {type(error).__name__}: {first}", seconds)
 
 
 _HBM_OOM = re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)")

@@ -81,7 +81,7 @@ class DryRun:
 def dry_run(cfg: C.TrainConfig, *, target: str | None = None) -> DryRun:
     """Compile ``cfg``'s training step for ``target``'s TPU chips (or this process's devices) and measure
     it beside the planner's prediction; raises (one line) where the options cannot train."""
-    from meshkit.planner.compile import failed, measure, shard_bytes, too_large
+    from meshkit.planner.compile import compile_error, measure, shard_bytes
     from meshkit.planner.layout import Layout
 
     cfg = C.by_platform(cfg, "tpu" if target else None)
@@ -122,10 +122,8 @@ def dry_run(cfg: C.TrainConfig, *, target: str | None = None) -> DryRun:
         compiled = step.step.lower(*args).compile()
         seconds = time.perf_counter() - start
         measured = measure(compiled, step.mesh, layout, parts, share, seconds, step.attention.used)
-    except Exception as e:  # XLA:TPU's compile-time refusal of a step larger than a chip's HBM
-        if (why := too_large(e)) is None:
-            raise
-        measured = failed(layout, why, time.perf_counter() - start, no_fit=True)
+    except Exception as e:  # XLA:TPU's compile-time refusal of a step larger than a chip's HBM, or any other
+        measured = compile_error(layout, e, time.perf_counter() - start)
     shape = model.shape(family.name)
     hardware, prediction = _predicted(shape, layout, devices, cfg)
     return DryRun(
