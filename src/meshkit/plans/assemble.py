@@ -222,9 +222,7 @@ def assemble(
         raise PlanError("deterministic mode trains every parameter: drop trainable= or deterministic")
     mesh = spec_mesh(spec, mesh, devices)
     # every trace of the loss (step, peak model) attends as asked, with the kernels of the devices it compiles for
-    record = Attention(
-        requested=spec.attention, platform=mesh.devices.flat[0].platform, devices=mesh.devices.size
-    )
+    record = Attention(requested=spec.attention, platform=mesh.devices.flat[0].platform, devices=mesh.size)
     loss_fn = attending(loss_fn, record)
     placement = place(
         params, plan, mesh, rules=rules, logical_axes=logical_axes, min_shard_size=min_shard_size, units=units
