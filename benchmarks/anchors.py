@@ -248,9 +248,8 @@ def best_layout(anchor: Anchor) -> Layout | None:
 
     cluster = Cluster(hardware=hardware(anchor.hardware), devices=anchor.chips)
     ranked = search(anchor.shape, cluster, best_job(anchor)).ranked
-    stages = (
-        anchor.model == "llama"
-    )  # a pipeline takes the model as Stages: meshkit's Llama, not a plain loss
+    # a pipeline takes the model as Stages: meshkit's Llama does, a plain loss does not
+    stages = anchor.model == "llama"
     runnable = [
         p.layout
         for p in ranked
