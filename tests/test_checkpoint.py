@@ -407,3 +407,22 @@ def test_sigkill_mid_save_keeps_the_previous_step(tmp_path):
         assert sorted(p.name for p in directory.iterdir() if "tmp" in p.name) == []
         return
     pytest.fail("every SIGKILL landed after step 2 was committed: raise the payload")
+
+
+def test_orbax_noise_is_dropped_and_nothing_else():
+    import logging
+
+    from meshkit.train._orbax_noise import _OrbaxNoise
+
+    keep = _OrbaxNoise()
+    orbax_file = os.path.join(os.path.dirname(ocp.__file__), "checkpoint_manager.py")
+
+    def record(path, level, msg, exc=None):
+        return logging.LogRecord("absl", level, path, 1, msg, (1.4,), exc)
+
+    wait = "Waiting for previous save to complete took %f seconds. If this number is high, consider checkpointing less frequently."
+    assert not keep.filter(record(orbax_file, logging.WARNING, wait))  # meshkit waits on purpose
+    assert not keep.filter(record(orbax_file, logging.ERROR, "save failed", (OSError, OSError("x"), None)))
+    assert keep.filter(record(orbax_file, logging.WARNING, "another warning %f"))
+    assert keep.filter(record(orbax_file, logging.ERROR, "an error without a traceback"))
+    assert keep.filter(record("/elsewhere/train.py", logging.WARNING, wait))  # not orbax's: kept

@@ -24,7 +24,7 @@ import pytest
 from _limits import limit
 from meshkit.cli import main
 from meshkit.files import _umask
-from meshkit.train.checkpoint import _quiet_orbax_noise
+from meshkit.train._orbax_noise import quiet_orbax_noise
 from meshkit.train.lock import RunDirError, new_run_dir, write_atomic
 from meshkit.train.metrics import read_rows
 
@@ -67,7 +67,7 @@ def _flip(path: Path, at: int, count: int = 64) -> None:
 
 def _orbax_reads(params: Path):
     """The arrays orbax restores from a step's ``params`` on its own (no checksums), or None if it fails."""
-    _quiet_orbax_noise()  # the failures' tracebacks from orbax's threads
+    quiet_orbax_noise()  # the failures' tracebacks from orbax's threads
     try:
         with ocp.StandardCheckpointer() as reader:
             return [np.asarray(a) for a in jax.tree.leaves(reader.restore(params.absolute()))]
@@ -387,7 +387,7 @@ def test_the_reads_orbax_leaves_behind_a_failed_restore_are_not_printed(monkeypa
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    _quiet_orbax_noise()
+    quiet_orbax_noise()
     fields = dict(global_shape=(4,), new_shard_shape=(4,), dtype=np.float32, byte_limiter=None, strict=True,
                   dll=None, memory_kind=None)  # fmt: skip
     left = serialization._read_array_index_and_device_put([], (), None, **fields)  # never run

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -63,6 +62,7 @@ from orbax.checkpoint.checkpoint_managers import LatestN
 from meshkit._errors import MeshkitError, gist
 from meshkit.files import free_space
 from meshkit.train import background
+from meshkit.train._orbax_noise import quiet_orbax_noise
 from meshkit.train.checksums import CHECKSUMS as CHECKSUMS  # where the digests are: named here for callers
 from meshkit.train.checksums import Unreadable as _Unreadable
 from meshkit.train.checksums import check_checksums, write_checksums
@@ -138,42 +138,6 @@ def _sigint_deferred() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
         if caught:
             signal.raise_signal(signal.SIGINT)
-
-
-class _DropRaisedInThread(logging.Filter):
-    """orbax logs a failed background write (from its writer, commit and finalize threads) with the
-    whole traceback, before it raises the same error to the caller, who reports it in one line:
-    drop orbax's error records that carry a traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
-        return not (from_orbax and record.levelno >= logging.ERROR and record.exc_info)
-
-
-def _quiet_orbax_noise() -> None:
-    """Installed before reads and writes. After a failed one (1) orbax logs the error with its
-    traceback from a background thread, (2) tensorstore's other operations on that step finish
-    later and try to wake orbax's event loop, which orbax already closed, and (3) the reads orbax
-    started beside the failed one end with their own errors in coroutines nobody awaits any more:
-    Python would print each as "Exception ignored in ..." with a traceback when it collects them,
-    long after the one-line error (in a test suite, inside whichever test runs then). Drop exactly
-    those (every other log record and unraisable exception goes where it went)."""
-    absl = logging.getLogger("absl")
-    if not any(isinstance(f, _DropRaisedInThread) for f in absl.filters):
-        absl.addFilter(_DropRaisedInThread())
-    previous = sys.unraisablehook
-    if getattr(previous, "meshkit_quiet", False):
-        return
-
-    def hook(unraisable) -> None:
-        e = unraisable.exc_value
-        closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
-        code = getattr(unraisable.object, "cr_code", None)  # a coroutine of orbax's own code
-        if not (closed or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename)):
-            previous(unraisable)
-
-    hook.meshkit_quiet = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
 
 
 def _warn(message: str) -> None:
@@ -299,7 +263,7 @@ class Checkpointer:
     @contextlib.contextmanager
     def _failing_save(self, step: int) -> Iterator[None]:
         """Turn a failed write into one line naming the directory, its free space and what is kept."""
-        _quiet_orbax_noise()
+        quiet_orbax_noise()
         try:
             yield
         except CheckpointError:
@@ -430,7 +394,7 @@ class Checkpointer:
             check_checksums(
                 self.directory / str(step), process=jax.process_index(), processes=jax.process_count()
             )
-        _quiet_orbax_noise()  # before reading: orbax closes its loop before the error reaches us
+        quiet_orbax_noise()  # before reading: orbax closes its loop before the error reaches us
         try:
             saved = self._manager.item_metadata(step)
         except Exception as e:
