@@ -31,11 +31,10 @@ reference:
 # replacement worker can sit idle until CI's limit: pytest-xdist#1328). --dist worksteal: an idle worker
 # takes tests queued on the other, so neither waits alone at the end.
 # `make test` is the core tier with the references against transformers 5.x (-m "not sweep" replaces
-# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 14:45 and 14:57 measured
-# quietly (2026-12-06, 1,401 passed), 32:03 beside `make sweeps` (which passed its 319 in 29:08 meanwhile).
-# The machine's speed moves by a fifth within hours: the same day, earlier and slower, the suite before
-# that day's last cuts (about 6% of its CPU) took 20:18. -n 3 was slower (17:22: each worker builds its own
-# fixtures and programs, three compiling against two cores).
+# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 14:17 and 17:11 measured
+# quietly (2026-12-06/07, 1,460 passed; the same suite, the machine's speed moving by a fifth between the
+# two), 35:01 beside `make sweeps` (which passed its 424 in 43:24 meanwhile); `make sweeps` alone 24:17.
+# -n 3 was slower (17:22: each worker builds its own fixtures and programs, three compiling against two cores).
 # `make sweeps` runs the further configurations of the core's paths (pytest.mark.sweep); CI runs both
 # (.ci/run).
 PYTEST := $(BIN)/python -m pytest -n 2 --dist worksteal --max-worker-restart=0 -q
