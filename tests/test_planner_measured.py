@@ -69,6 +69,12 @@ def test_a_calibration_file_round_trips_and_a_wrong_file_is_one_line(chip, tmp_p
         measured.from_device_check(cpu)
 
 
+def test_a_run_on_several_devices_is_priced_per_device():
+    data = dict(json.loads(V5E.read_text()), devices=8, batch=16)  # device_check's batch is the global one
+    _, layout, cluster, job = measured._setup(data, measured._per_device(data))
+    assert (layout.dp, layout.microbatch_size, job.global_batch, cluster.devices) == (8, 2, 16, 8)
+
+
 def test_another_chips_file_is_refused_as_a_check(chip):
     data = json.loads(V5E.read_text())
     other = dict(data, device_kind="NVIDIA H100 80GB HBM3")

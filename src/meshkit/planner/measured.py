@@ -89,6 +89,11 @@ def _setup(data: dict, batch: int) -> tuple[ModelShape, Layout, Cluster, Job]:
     return shape, layout, Cluster(hardware=hw, devices=devices, devices_per_host=devices), job
 
 
+def _per_device(data: dict) -> int:
+    """Sequences per device of device_check's run (its ``batch`` is the global one, over ``devices``)."""
+    return int(data["batch"]) // int(data.get("devices", 1))
+
+
 def _predicted_s(data: dict, batch: int, calibration: Calibration) -> float:
     from meshkit.planner.predict import predict
 
@@ -119,7 +124,7 @@ def from_device_check(data: dict, *, others: tuple[dict, ...] = ()) -> ChipCalib
             f"no timed '{FITTED_RUN}' run in the file: is it benchmarks/device_check.py's JSON?"
         )
     hw = _setup(data, 1)[2].hardware
-    measured, batch = float(runs[FITTED_RUN]["step_s"]), int(data["batch"])
+    measured, batch = float(runs[FITTED_RUN]["step_s"]), _per_device(data)
     source = (
         f"measured on one {hw.name} ({data.get('device_kind')}, JAX {data.get('jax', '?')}): "
         f"benchmarks/device_check.py's step of a {data.get('size', '')} Llama"
@@ -151,7 +156,7 @@ def from_device_check(data: dict, *, others: tuple[dict, ...] = ()) -> ChipCalib
             raise MeshkitError(
                 f"{other.get('device_kind')} is not a {hw.name}: check a calibration on its own chip"
             )
-        checks.append(timed(other, FITTED_RUN, int(other["batch"])))
+        checks.append(timed(other, FITTED_RUN, _per_device(other)))
     return ChipCalibration(
         hardware=hw, efficiency=eff, calibration=cal, fitted=timed(data, FITTED_RUN, batch), checks=checks
     )
