@@ -223,12 +223,17 @@ def layout_step(
         units=model.units,
     )
     args = step.abstract_args(params, (tokens, tokens))
-    lowered = step.step.lower(*args)
-    parts = {"params": args[0], "optimizer": args[1], "batch": args[3]}
-    s = step.pipeline.schedule if pipeline else None
-    share = 1.0 if s is None else s.m * s.v / s.ticks
-    sizes = {k: shard_bytes(v) for k, v in parts.items()}
-    return lowered, step.mesh, sizes, share, tuple(step.attention.used)
+    sizes, share = step_figures(step, args)
+    return step.step.lower(*args), step.mesh, sizes, share, tuple(step.attention.used)
+
+
+def step_figures(step: Any, args: tuple) -> tuple[dict[str, int], float]:
+    """``(per-device bytes of the params, optimizer and batch arguments, branch share)`` of an assembled
+    step (``plans.Assembled``) and its abstract arguments (``abstract_args``): what ``measure`` takes
+    beside the compiled program (the share: ``layout_step``'s docstring)."""
+    sizes = {k: shard_bytes(args[i]) for k, i in (("params", 0), ("optimizer", 1), ("batch", 3))}
+    s = step.pipeline.schedule if step.pipeline is not None else None
+    return sizes, 1.0 if s is None else s.m * s.v / s.ticks
 
 
 def shard_bytes(tree: Any) -> int:

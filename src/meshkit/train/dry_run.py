@@ -81,7 +81,7 @@ class DryRun:
 def dry_run(cfg: C.TrainConfig, *, target: str | None = None) -> DryRun:
     """Compile ``cfg``'s training step for ``target``'s TPU chips (or this process's devices) and measure
     it beside the planner's prediction; raises (one line) where the options cannot train."""
-    from meshkit.planner.compile import compile_error, measure, shard_bytes
+    from meshkit.planner.compile import compile_error, measure, step_figures
     from meshkit.planner.layout import Layout
 
     cfg = C.by_platform(cfg, "tpu" if target else None)
@@ -115,9 +115,7 @@ def dry_run(cfg: C.TrainConfig, *, target: str | None = None) -> DryRun:
     layout = Layout.from_spec(spec, len(step.mesh.devices.flat), cfg.data.batch_size)
     batch = abstract_batch(cfg, data)
     args = step.abstract_args(shapes, batch)
-    parts = {"params": shard_bytes(args[0]), "optimizer": shard_bytes(args[1]), "batch": shard_bytes(args[3])}
-    pipeline = step.pipeline.schedule if spec.plan_info.pipeline else None
-    share = 1.0 if pipeline is None else pipeline.m * pipeline.v / pipeline.ticks
+    parts, share = step_figures(step, args)
     try:
         compiled = step.step.lower(*args).compile()
         seconds = time.perf_counter() - start
