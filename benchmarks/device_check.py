@@ -353,13 +353,14 @@ def _memory(t, compiled, params, tokens) -> dict:
 
 def _compiled_figures(compiled) -> dict:
     """What the compiler says of a step, to set a compile for a target from another machine beside the
-    device's own: memory_analysis's parts and XLA's bytes accessed."""
-    m = compiled.memory_analysis()
+    device's own: memory_analysis's parts (``meshkit.analysis.memory``) and XLA's bytes accessed."""
+    from meshkit.analysis import memory
+
+    m = memory(compiled)
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list | tuple) else cost) or {}
-    return {"argument_bytes": int(m.argument_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
-            "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
-            "xla_peak_bytes": int(getattr(m, "peak_memory_in_bytes", 0) or 0),
+    return {"argument_bytes": m.argument_bytes, "temp_bytes": m.temp_bytes, "output_bytes": m.output_bytes,
+            "alias_bytes": m.alias_bytes, "xla_peak_bytes": m.peak_bytes or 0,
             "bytes_accessed": float(cost.get("bytes accessed", 0.0))}  # fmt: skip
 
 
@@ -367,21 +368,11 @@ def _compile_for_target(a) -> dict[str, Any]:
     """meshkit's fsdp step of the run's model, batch and remat (as ``_meshkit`` builds it through the
     Trainer) compiled for ``a.target``'s abstract TPU chips with this machine's libtpu: no TPU needed.
     Its figures (``_compiled_figures``) are the device run's ``memory`` ones when the two compilers agree."""
-    import os
-
-    from jax.experimental import topologies
-
     from meshkit.plans import assemble
     from meshkit.spec import ParallelSpec
+    from meshkit.targets import target_devices
 
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # libtpu quiet where no TPU is present
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    try:
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=a.target).devices
-    except Exception:  # libtpu before 0.0.50: one chip needs its host bounds said
-        devices = topologies.get_topology_desc(
-            platform="tpu", topology_name=a.target, chips_per_host_bounds=(1, 1, 1)
-        ).devices
+    devices = target_devices(a.target)  # libtpu here; quiet where no TPU is present
     precision = a.precision or PLATFORM_PRECISION["tpu"]
     size = "0.7b" if a.size == "auto" else a.size
     cfg = _config(size, a.seq or 2048, precision)

@@ -103,6 +103,14 @@ def target_devices(target: str) -> list[Any]:
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
     except Exception as e:  # libtpu's own error: an unknown generation or grid
+        if name.endswith(":1x1"):  # libtpu before 0.0.50 (JAX 0.10's) needs one chip's host bounds said
+            try:
+                one = topologies.get_topology_desc(
+                    platform="tpu", topology_name=name, chips_per_host_bounds=(1, 1, 1)
+                )
+                return list(one.devices)
+            except Exception:
+                pass
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise DeviceSetupError(
             f"libtpu knows no TPU topology {name!r} ({first}): give one such as {TARGET_EXAMPLES}"
