@@ -271,3 +271,49 @@ def test_a_spec_and_its_layout_convert_both_ways(name):
     back = layout.to_spec(16)
     assert back.plan == name and back.degrees(8) == spec.degrees(8), (layout, back)
     assert layout.devices == 8 and layout.meshkit_plan() == name
+
+
+def test_a_new_axis_is_priced_from_its_row_and_its_module_with_no_planner_edit(monkeypatch):
+    """The planner's dry run of a new axis: a row that splits rows and a module whose ``flows`` says what it
+    moves and whose ``check_layout`` refuses a degree. ``Layout`` takes its degree by the row's token, the
+    batch and the ZeRO group span it, and ``predict`` prices and reports it under its mesh axis, with no
+    line of the planner changed (issue 49)."""
+    from meshkit.planner.network import collective_latency
+    from meshkit.plans.axes import AXIS_PLANS, AxisPlan, Flow
+    from meshkit.spec import AXIS_RULES, AxisRule
+    from meshkit.spec import plans as spec_plans
+
+    toy = AxisRule(token="xp", axis="pod", field="pod", words="toy pods", splits="rows", fills=0)
+    monkeypatch.setattr(spec_plans, "AXIS_RULES", (*AXIS_RULES, toy))
+    moved = 3e8
+
+    class Pod(AxisPlan):
+        axis = "pod"
+
+        def flows(self, step):
+            n = step.layout.degree("pod")
+            if n == 1:
+                return []
+            return [
+                Flow(axis="pod", op="all-reduce", nbytes=moved, count=2, stride=step.inner("pod"), size=n)
+            ]
+
+        def check_layout(self, shape, layout, job):
+            return "xp=3: the toy pods pair up" if layout.xp == 3 else None
+
+    monkeypatch.setitem(AXIS_PLANS, "pod", Pod())
+    lay = Layout.parse("dp=2,xp=4", zero=1)
+    assert (lay.xp, lay.devices, lay.batch_ways, lay.inner("pod")) == (4, 8, 8, 2)
+    assert lay.mesh_spec() == "pod=4,data=2" and "xp=4" in lay.label() and lay.plan_name() == "zero1+xp"
+    shape = ModelShape(layers=4, width=512, heads=8, vocab=1000, seq=256)
+    cluster = Cluster(hardware=H100, devices=8)
+    p = predict(shape, lay, cluster, Job(global_batch=16))
+    assert p.valid, p.why
+    assert p.comm_bytes["pod"] == moved and p.crosses_hosts["pod"] is False and p.microbatches == 2
+    latency = 2 * collective_latency(cluster, "all-reduce", 2, 4)
+    assert p.parts["comm_pod"] == pytest.approx(moved / H100.intra_host_bytes_per_s + latency)
+    plain = predict(shape, Layout(dp=8, zero=1), cluster, Job(global_batch=16))  # the ZeRO group: dp x xp
+    assert p.memory["optimizer"] == pytest.approx(plain.memory["optimizer"])
+    assert p.comm_bytes["data"] == pytest.approx(plain.comm_bytes["data"])
+    refused = predict(shape, Layout(dp=2, xp=3), Cluster(hardware=H100, devices=6), Job(global_batch=12))
+    assert not refused.valid and refused.why == "xp=3: the toy pods pair up"

@@ -187,22 +187,14 @@ def _one_layout(cluster, p) -> None:
     mem.append(["peak", fmt_bytes(p.peak_bytes, decimal=True)])
     mem.append([f"usable ({hw.name})", fmt_bytes(p.limit_bytes, decimal=True)])
     console.print(table("Memory per device", ["component", "bytes"], mem))
-    comm = [
+    comm = [  # every axis the layout uses, as the prediction reports them (hsdp's replicas: data's part)
         [
             axis,
-            fmt_bytes(p.comm_bytes[axis], decimal=True),
+            fmt_bytes(moved, decimal=True),
             "yes" if p.crosses_hosts[axis] else "no",
-            f"{p.parts['comm_' + name]:.3f} s" if axis == name else f"(with {name})",
+            f"{p.parts['comm_' + axis]:.3f} s" if "comm_" + axis in p.parts else "(with data)",
         ]
-        for axis, name in (
-            ("model", "model"),
-            ("data", "data"),
-            ("replica", "data"),
-            ("stage", "stage"),
-            ("context", "context"),
-            ("expert", "expert"),
-        )
-        if axis in p.comm_bytes
+        for axis, moved in p.comm_bytes.items()
     ]
     console.print(
         table("Communication per device per step", ["axis", "bytes", "crosses hosts", "exposed"], comm)

@@ -81,3 +81,18 @@ class ModelShape:
             raise MeshkitError(
                 f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"
             )
+
+    @property
+    def q_width(self) -> int:
+        """The queries' width: heads x head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """The keys' (and the values') width: kv_heads x head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def routed(self) -> int:
+        """MLPs each token passes through: ``experts_per_token`` for a mixture of experts, else 1."""
+        return self.experts_per_token if self.experts else 1

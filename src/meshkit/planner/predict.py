@@ -83,8 +83,7 @@ from dataclasses import dataclass, field
 from meshkit.analysis.cost import MemoryModel, zero_memory
 from meshkit.planner import traffic
 from meshkit.planner.cluster import Cluster, Job
-from meshkit.planner.layout import Layout, ModelShape
-from meshkit.planner.network import crosses_hosts
+from meshkit.planner.layout import Layout, ModelShape, degree_names
 from meshkit.planner.sizes import (
     attention_widths,
     in_flight,
@@ -94,8 +93,9 @@ from meshkit.planner.sizes import (
 )
 from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration
 from meshkit.planner.step import Step, setup
+from meshkit.plans.axes import AXIS_PLANS
 from meshkit.plans.memory import zero_stage
-from meshkit.spec import STEADY_SCHEDULES
+from meshkit.spec import DATA, MODEL, REPLICA, STAGE
 
 MEMORY_USABLE = 0.9
 """Fraction of HBM a training step can use (the rest: allocator fragmentation, runtime, workspaces)."""
@@ -163,40 +163,23 @@ class Prediction:
 
 
 def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str | None:
-    """Why the layout cannot run this model on this cluster, or None."""
+    """Why the layout cannot run this model on this cluster, or None: its devices and batch, then each
+    axis's own refusals (``AxisPlan.check_layout``), then the data part's."""
     if layout.devices != cluster.devices:
-        return f"dp*tp*pp*cp*ep = {layout.devices}, not the {cluster.devices} devices"
-    if layout.cp > 1 and shape.seq % (2 * layout.cp):
-        return f"cp={layout.cp}: seq {shape.seq} does not split into 2*cp balanced chunks"
-    if layout.cp > 1 and job.context_attention == "all-to-all" and shape.heads % (layout.cp * layout.tp):
-        return (
-            f"cp={layout.cp} all-to-all: heads={shape.heads} do not divide over cp*tp={layout.cp * layout.tp}"
-        )
-    if layout.ep > 1 and not shape.experts:
-        return f"ep={layout.ep}: {shape.name} has no experts (a dense MLP)"
-    if layout.ep > 1 and shape.experts % layout.ep:
-        return f"ep={layout.ep} does not divide experts={shape.experts}"
-    if shape.heads % layout.tp:
-        return f"tp={layout.tp} does not divide heads={shape.heads}"
-    if shape.kv_heads % layout.tp and layout.tp % shape.kv_heads:
-        return f"tp={layout.tp} neither divides nor is a multiple of kv_heads={shape.kv_heads}"
-    if shape.layers < layout.pp * layout.virtual_stages:
-        return f"pp*virtual_stages={layout.pp * layout.virtual_stages} exceeds layers={shape.layers}"
+        names = "*".join(degree_names())
+        return f"{names} = {layout.devices}, not the {cluster.devices} devices"
     per_replica = layout.batch_ways * layout.microbatch_size
     if job.global_batch % per_replica:
-        return f"global batch {job.global_batch} is not a multiple of dp*ep*microbatch={per_replica}"
-    m = job.global_batch // per_replica
-    if layout.pp > 1 and layout.schedule in STEADY_SCHEDULES and m < layout.pp:
-        return f"{layout.schedule} needs micro-batches >= pp: {m} < {layout.pp}"
-    if layout.pp > 1 and layout.schedule == "interleaved" and m % layout.pp:
-        return f"interleaved runs micro-batches in groups of pp={layout.pp}: {m} is not a multiple"
-    if layout.pp == 1 and layout.virtual_stages > 1:
-        return "virtual stages need pp > 1"
+        return f"global batch {job.global_batch} is not a multiple of the batch's ways x microbatch={per_replica}"
+    for axis in AXIS_PLANS.values():
+        why = axis.check_layout(shape, layout, job)
+        if why is not None:
+            return why
     if layout.zero and layout.dp == 1:
         return f"zero{layout.zero} over a data axis of one device shards nothing: use zero=0"
     g = layout.shard_group
     if g and g != layout.dp:
-        if layout.cp > 1 or layout.ep > 1:
+        if any(n > 1 for a, n in layout.degrees if a not in (MODEL, STAGE)):
             return f"hybrid sharding (shard group {g}) is priced without cp or ep"
         if layout.zero != 3:
             return f"hybrid sharding (shard group {g}) shards ZeRO-3: use zero=3"
@@ -212,8 +195,10 @@ def _memory(s: Step):
     lay, job, conv = s.layout, s.job, s.job.convention
     rule = zero_stage(lay.zero if lay.dp > 1 else 0)
     stage = rule.name
-    shard = rule.shard_group(lay.dp, s.shard) * lay.cp  # ZeRO over dp x cp (x ep outside the experts)
-    state = zero_memory(s.phi - s.experts_phi, shard * lay.ep, stage, conv)
+    shard = (
+        rule.shard_group(lay.dp, s.shard) * lay.sequence_ways
+    )  # ZeRO over dp x cp (x ep outside the experts)
+    state = zero_memory(s.phi - s.experts_phi, shard * lay.batch_ways // lay.dp, stage, conv)
     if s.experts_phi:  # the experts: over dp x cp only
         experts = zero_memory(s.experts_phi, shard, stage, conv)
         state = MemoryModel(stage=stage, params=state.params + experts.params, grads=state.grads + experts.grads,
@@ -254,17 +239,6 @@ def _gathered(s: Step) -> float:
     return s.shape.width * max(s.shape.ffn, q + 2 * kv) / s.layout.tp
 
 
-def _by_axis(flows: list[traffic.Flow], values: list, combine) -> dict:
-    """``combine`` of each data-parallel axis's values: data always, replica under hybrid sharding."""
-    axes = ["data"] + (["replica"] if any(fl.axis == "replica" for fl in flows) else [])
-    return {a: combine(v for fl, v in zip(flows, values, strict=True) if fl.axis == a) for a in axes}
-
-
-def _new_axes(lay: Layout, context, expert) -> dict:
-    """The context and expert axes' entries, where the layout has them (dense layouts keep their keys)."""
-    return {k: v for k, v, n in (("context", context, lay.cp), ("expert", expert, lay.ep)) if n > 1}
-
-
 def predict(
     shape: ModelShape,
     layout: Layout,
@@ -285,29 +259,24 @@ def predict(
     cal = calibration or CALIBRATION
     s = setup(shape, layout, cluster, job, cal)
     memory, state = _memory(s)
-    tp_bytes, t_tp_mb = traffic.model_axis(s)
-    pp_bytes, t_pp = traffic.stage_axis(s)
-    cp_bytes, t_cp_mb = traffic.context_axis(s, cal)
-    ep_bytes, t_ep_mb = traffic.expert_axis(s)
-    flows = traffic.data_flows(s)
-    exposed = [traffic.exposed(s, fl, cal) for fl in flows]
-    lay, hw = layout, cluster.hardware
+    flows = traffic.flows(s)
+    priced = [traffic.price(s, fl, cal) for fl in flows]
+    used = [DATA] + [axis for axis, n in layout.degrees if n > 1]  # every layout reports its data part
+    comm_bytes = {a: 0.0 for a in used} | {fl.axis: 0.0 for fl in flows}
+    crossing = dict.fromkeys(comm_bytes, False)
+    exposed = {f"comm_{axis}": 0.0 for axis in AXIS_PLANS}
+    for fl, (seconds, crosses) in zip(flows, priced, strict=True):
+        comm_bytes[fl.axis] += fl.nbytes
+        crossing[fl.axis] |= crosses
+        exposed[f"comm_{DATA if fl.axis == REPLICA else fl.axis}"] += seconds  # hsdp's replicas: data's part
+    hw = cluster.hardware
     from meshkit.plans import bubble_model
 
-    bub = bubble_model(lay.pp, s.m, lay.virtual_stages) if lay.pp > 1 else 0.0
+    bub = bubble_model(layout.pp, s.m, layout.virtual_stages) if layout.pp > 1 else 0.0
     compute = s.m * s.t_mb
-    exposed_tp = s.m * max(t_tp_mb * (1 - job.tp_overlap), t_tp_mb - s.t_mb)
-    useful = compute + exposed_tp + t_pp + s.m * (t_cp_mb + t_ep_mb)
-    parts = {
-        "compute": compute,
-        "comm_model": exposed_tp,
-        "comm_data": sum(t for t, _ in exposed),
-        "comm_stage": t_pp,
-        "comm_context": s.m * t_cp_mb,
-        "comm_expert": s.m * t_ep_mb,
-        "bubble": useful * bub / (1 - bub),
-        "optimizer": 2 * (state.params + state.grads + state.optimizer) / hw.hbm_bytes_per_s,  # read + write
-    }
+    useful = compute + sum(t for k, t in exposed.items() if k != f"comm_{DATA}")
+    parts = {"compute": compute, **exposed, "bubble": useful * bub / (1 - bub),
+             "optimizer": 2 * (state.params + state.grads + state.optimizer) / hw.hbm_bytes_per_s}  # fmt: skip
     step = sum(parts.values())
     parts["straggler"] = step * cal.straggler * math.sqrt(2 * math.log(cluster.devices))
     step += parts["straggler"]
@@ -322,14 +291,9 @@ def predict(
         else (f"needs {peak / 1e9:.1f} GB per device, {limit / 1e9:.1f} GB usable ({peak / limit:.2f}x)")
     )
     return Prediction(
-        layout=layout, valid=True, fits=why is None, why=why, shard_group=s.shard if lay.zero == 3 else 0,
+        layout=layout, valid=True, fits=why is None, why=why, shard_group=s.shard if layout.zero == 3 else 0,
         peak_bytes=peak, limit_bytes=limit, memory=memory,
-        comm_bytes={**_by_axis(flows, [fl.nbytes for fl in flows], sum),
-                    "model": s.m * tp_bytes, "stage": pp_bytes, **_new_axes(lay, s.m * cp_bytes, s.m * ep_bytes)},
-        crosses_hosts={**_by_axis(flows, [x for _, x in exposed], any), "model": crosses_hosts(1, lay.tp, cluster),
-                       "stage": crosses_hosts(lay.tp * s.batch_group, lay.pp, cluster),
-                       **_new_axes(lay, crosses_hosts(lay.tp, lay.cp, cluster),
-                                   crosses_hosts(lay.tp * lay.cp, lay.ep, cluster))},
+        comm_bytes=comm_bytes, crosses_hosts=crossing,
         bubble=bub, microbatches=s.m, step_time_s=step, parts=parts, tokens_per_s=tokens / step,
         mfu=model_flops / per_device / s.peak_flops, hfu=hw_flops / per_device / s.peak_flops,
         model_tflops_per_device=model_flops / per_device / 1e12,

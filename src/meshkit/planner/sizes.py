@@ -10,7 +10,7 @@ from meshkit.planner.layout import Layout, ModelShape
 
 def attention_widths(shape: ModelShape) -> tuple[int, int]:
     """(query width, key/value width): heads x head_dim and kv_heads x head_dim."""
-    return shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return shape.q_width, shape.kv_width
 
 
 def mlp_params(shape: ModelShape) -> float:
@@ -61,23 +61,12 @@ def active_param_count(shape: ModelShape) -> float:
     return param_count(shape) - shape.layers * unused
 
 
-def routed(shape: ModelShape) -> int:
-    """MLPs each token passes through: ``experts_per_token`` for a mixture of experts, else 1."""
-    return shape.experts_per_token if shape.experts else 1
-
-
 def layer_flops(shape: ModelShape) -> float:
     """Forward matmul FLOPs of one layer per token (the S^2 terms counted whole; a mixture of experts:
     the router and the ``experts_per_token`` experts the token is sent to)."""
     d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
-    mlp = 2 * (3 if shape.gated else 2) * d * f * routed(shape) + 2 * d * shape.experts
+    mlp = 2 * (3 if shape.gated else 2) * d * f * shape.routed + 2 * d * shape.experts
     return 2 * (2 * d * q + 2 * d * kv) + 4 * shape.seq * q + mlp
-
-
-def attention_core_flops(shape: ModelShape) -> float:
-    """Forward FLOPs per token of scores and values (``4 S D_q``): what a context-parallel ring's
-    K/V passes hide behind."""
-    return 4 * shape.seq * shape.heads * shape.head_dim
 
 
 def head_flops(shape: ModelShape) -> float:
@@ -101,8 +90,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple
     Context parallelism holds ``seq / cp`` tokens of each sequence (its scores span the whole
     sequence's keys); a mixture of experts holds each token's ``experts_per_token`` MLP activations
     and the dispatched copies of its input."""
-    t, e, k = layout.tp, job.act_bytes, routed(shape)
-    sb = shape.seq * layout.microbatch_size / layout.cp
+    t, e, k = layout.tp, job.act_bytes, shape.routed
+    sb = shape.seq * layout.microbatch_size / layout.sequence_ways
     d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
     split = t if job.sequence_parallel and job.runtime != "meshkit" else 1
     mask = 1 if job.dropout else 0
@@ -131,11 +120,11 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
     return (
         layout.microbatch_size
         * shape.seq
-        / layout.cp
+        / layout.sequence_ways
         * job.act_bytes
         * (
             (10 + (4 * shape.experts_per_token if shape.experts else 0)) * d / split
-            + routed(shape) * (3 if shape.gated else 2) * f / layout.tp
+            + shape.routed * (3 if shape.gated else 2) * f / layout.tp
         )
     )
 

@@ -1,7 +1,8 @@
 """One prediction's shared quantities (``Step``, set once by ``setup``): micro-batches, layers and
 parameters on the busiest device, the matmul efficiency the compute time assumes, and the seconds
-of one micro-batch's compute. ``planner.predict`` prices memory and the step from it, ``planner.traffic``
-each mesh axis's communication (conventions: ``planner.predict``'s docstring)."""
+of one micro-batch's compute. ``planner.predict`` prices memory and the step from it, each mesh
+axis's module (``plans.axes``) says what the axis moves and ``planner.traffic`` what that costs
+(conventions: ``planner.predict``'s docstring)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from meshkit.planner.sizes import (
     layer_flops,
     layer_params,
 )
-from meshkit.planner.stacks import CALIBRATION, Calibration, stack_for
+from meshkit.planner.stacks import CALIBRATION, STACKS, Calibration, stack_for
 
 N_HALF = 128
 """Per-device matmul dimension at which matmul efficiency falls to half its large-matrix value
@@ -33,7 +34,7 @@ def efficiency(
     """(the stack's calibrated matmul efficiency on this family, scaled down for narrow per-device
     matmuls; where that efficiency comes from)."""
     base, source = (calibration or CALIBRATION).efficiency_of(job.stack, hardware.family, hardware.name)
-    tokens = layout.microbatch_size * shape.seq / layout.cp
+    tokens = layout.microbatch_size * shape.seq / layout.sequence_ways
     n = min(shape.width / layout.tp, tokens)
     if shape.experts:  # an expert's matmuls: its width, and the tokens it takes from the whole ep group
         n = min(n, shape.ffn / layout.tp, tokens * shape.experts_per_token * layout.ep / shape.experts)
@@ -78,15 +79,29 @@ class Step:
         """meshkit's own programs (``runtime``), which price no context or expert axis yet."""
         return self.job.runtime == "meshkit" and self.layout.cp == 1 and self.layout.ep == 1
 
+    def inner(self, axis: str) -> int:
+        """Devices between two neighbours on mesh ``axis`` (``Layout.inner``): a group's stride."""
+        return self.layout.inner(axis)
+
+    @property
+    def flops_per_s(self) -> float:
+        """The matmul FLOP/s the compute time assumes: peak x efficiency."""
+        return self.peak_flops * self.eff
+
+    @property
+    def zero3_per_tensor(self) -> bool:
+        """Whether the stack's ZeRO-3 gathers and reduces each parameter tensor by itself (``Stack``)."""
+        return STACKS[self.job.stack].zero3_per_tensor
+
     @property
     def batch_group(self) -> int:
-        """Devices holding the same dense parameters: dp x cp x ep (their gradients are reduced over all)."""
-        return self.layout.dp * self.layout.cp * self.layout.ep
+        """Devices holding the same dense parameters: dp x cp x ep (``Layout.batch_group``)."""
+        return self.layout.batch_group
 
     @property
     def window(self) -> float:
         """Seconds of one micro-batch's backward pass (what hides a gradient reduce)."""
-        return (2 + self.recompute) * self.per_stage * self.layer_fwd / (self.peak_flops * self.eff)
+        return (2 + self.recompute) * self.per_stage * self.layer_fwd / self.flops_per_s
 
 
 def setup(shape, layout, cluster, job, calibration) -> Step:
@@ -95,7 +110,7 @@ def setup(shape, layout, cluster, job, calibration) -> Step:
     tp, pp, v = lay.tp, lay.pp, lay.virtual_stages
     m = job.global_batch // (lay.batch_ways * lay.microbatch_size)
     per_stage = -(-shape.layers // (pp * v)) * v
-    tokens_mb = lay.microbatch_size * shape.seq // lay.cp
+    tokens_mb = lay.microbatch_size * shape.seq // lay.sequence_ways
     stage_layers = per_stage * layer_params(shape, tp, lay.ep)
     if job.runtime == "meshkit" and lay.cp == 1 and lay.ep == 1:  # the embedding and unembedding on
         # every device (every stage), the vocabulary split over tp as training places it

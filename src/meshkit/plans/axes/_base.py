@@ -7,6 +7,13 @@ adds what cannot follow from a row: what is in force while the loss is traced on
 of context parallelism, the expert split), how it lays out the batch before the region, the collectives
 it adds to the ledger's model, and the checks of a run's shapes against its size. The defaults do
 nothing, so a module says only what its axis does.
+
+The planner prices the same axes on clusters far larger than this machine: ``flows`` says what the
+axis moves per step on the busiest device of a layout (bytes, collectives, their group, the compute
+they may hide behind), the planner's network model turns each ``Flow`` into exposed seconds
+(``planner.traffic.price``), and ``check_layout`` refuses, in one line, a layout the axis cannot run.
+``flows`` reads a ``planner.step.Step`` (the layout, the model's shape, the job, one micro-batch's
+compute), passed in: a module here never imports the planner.
 """
 
 from __future__ import annotations
@@ -47,6 +54,31 @@ class LedgerInputs:
         return self.tokens_per_device // sequence_split(self.placement)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Flow:
+    """What one mesh axis moves per step on one device, of one kind: ``nbytes`` in ``count``
+    collectives (``op``, each paying its ring's latency) over groups of ``size`` devices ``stride``
+    apart, hidden behind ``window`` seconds of compute but for the ``edge`` fraction (1: nothing hides
+    it)."""
+
+    axis: str
+    """The mesh axis it is reported under (hybrid sharding's gradients across groups: ``replica``)."""
+    op: str
+    nbytes: float
+    count: float
+    stride: int
+    size: int
+    window: float = 0.0
+    edge: float = 1.0
+    one_nic: bool = False
+    """A point-to-point send, through one NIC where the group spans hosts (else k members' NICs)."""
+    by_stack: bool = False
+    """Run by the software stack's collectives: its NIC use (``Stack.one_nic``) and fitted bandwidth
+    fraction (``Calibration.comm_efficiency``) apply."""
+    taxed: bool = True
+    """What is hidden still costs ``Calibration.overlap_tax`` of its time."""
+
+
 def axis_size(placement: Placement, axis: str) -> int:
     """Devices on ``axis`` where the plan uses it, else 1."""
     return int(placement.mesh.shape.get(axis, 1)) if axis in placement.plan.needs else 1
@@ -83,6 +115,16 @@ class AxisPlan:
         """Bytes the peak model's one-device compile of the loss holds that a device under the axis's split
         does not (``plans.peak``; ``sizes``: each parameter leaf's bytes, whole)."""
         return 0.0
+
+    def flows(self, step: Any) -> list[Flow]:
+        """What the axis moves per step on the busiest device of ``step.layout`` (a ``planner.step.Step``),
+        by the ring model; nothing where the layout does not use the axis."""
+        return []
+
+    def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
+        """Why the planner's ``layout`` cannot run a model of ``shape`` (``models.shape.ModelShape``) for
+        ``job`` (``planner.cluster.Job``) on this axis (one line), or None."""
+        return None
 
     def check_run(self, size: int, *, seq_len: int, heads: int, experts: int, form: str) -> None:
         """Refuse, in one line, a model's shapes that cannot run over ``size`` devices of the axis

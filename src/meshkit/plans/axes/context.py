@@ -14,9 +14,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from meshkit.analysis.cost import ring_traffic
 from meshkit.plans import _context
 from meshkit.plans._experts import check_whole_sequences
-from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
+from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import CONTEXT, MODEL
 
@@ -88,6 +89,38 @@ class ContextAxis(AxisPlan):
                     c,
                     "segment ids of the whole sequences, once for every layer",
                 )
+
+    def flows(self, step: Any) -> list[Flow]:
+        """One step's context-parallel traffic on one device. Ring: every layer passes its K/V block
+        ``cp - 1`` times forward (``collective-permute``) and K/V with their gradients backward (twice),
+        again per recomputed forward; each pass hides behind the attention it feeds (scores and values,
+        ``4 S D_q`` FLOPs a token), less the overlap tax. All-to-all: Q, K and V to a head split, the
+        output back, ``(cp - 1) / cp`` of each, forward and twice backward, exposed."""
+        s, lay, cp, e = step, step.layout, step.layout.cp, step.job.act_bytes
+        if cp == 1:
+            return []
+        q, kv = s.shape.heads * s.shape.head_dim, s.shape.kv_heads * s.shape.head_dim
+        kv_local = max(
+            kv / lay.tp, s.shape.head_dim
+        )  # kv heads split over tp (whole heads: repeated below one)
+        passes = (3 + s.recompute) * s.per_stage * s.m
+        if s.job.context_attention == "all-to-all":
+            size = s.tokens_mb * (2 * q / lay.tp + 2 * kv_local) * e
+            return [Flow(axis=CONTEXT, op="all-to-all", nbytes=passes * ring_traffic("all-to-all", size, cp),
+                         count=4 * passes, stride=s.inner(CONTEXT), size=cp)]  # fmt: skip
+        block = s.tokens_mb * 2 * kv_local * e  # K and V of this device's chunk
+        attention = passes * 4 * s.shape.seq * q * s.tokens_mb / lay.tp / s.flops_per_s
+        return [Flow(axis=CONTEXT, op="collective-permute", count=passes * (cp - 1), stride=s.inner(CONTEXT),
+                     nbytes=passes * (cp - 1) * ring_traffic("collective-permute", block, cp), size=cp,
+                     window=attention, edge=0.0, one_nic=True)]  # fmt: skip
+
+    def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
+        cp, tp = layout.cp, layout.tp
+        if cp > 1 and shape.seq % (2 * cp):
+            return f"cp={cp}: seq {shape.seq} does not split into 2*cp balanced chunks"
+        if cp > 1 and job.context_attention == "all-to-all" and shape.heads % (cp * tp):
+            return f"cp={cp} all-to-all: heads={shape.heads} do not divide over cp*tp={cp * tp}"
+        return None
 
     def check_run(self, size: int, *, seq_len: int, heads: int, experts: int, form: str) -> None:
         _context.check_context(seq_len, heads, size, form)

@@ -15,8 +15,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from meshkit.analysis.cost import ring_traffic
 from meshkit.plans import _experts
-from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
+from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs
 from meshkit.plans.memory import experts_beyond_device
 from meshkit.plans.placement import Placement
 from meshkit.spec import EXPERT, MODEL
@@ -79,6 +80,35 @@ class ExpertAxis(AxisPlan):
                     m,
                     f"{x.path}: expert {'forward output' if row else 'backward input-gradient'} partial sums",
                 )
+
+    def flows(self, step: Any) -> list[Flow]:
+        """One step's expert-parallel traffic on one device, exposed: per MoE layer, the tokens dispatched
+        to their experts and combined back (``k x capacity_factor`` copies of each token's activation,
+        ``(ep - 1) / ep`` of them leaving the device), forward, their gradients backward, again per
+        recomputed forward; dropless (``capacity_factor`` 0) the group's tokens gathered and the outputs
+        reduce-scattered (the same bytes in a ring), as often."""
+        s, ep = step, step.layout.ep
+        if ep == 1:
+            return []
+        split = s.layout.tp if s.job.sequence_parallel else 1  # the tokens a tensor-parallel rank dispatches
+        count = (
+            2 * (2 + s.recompute) * s.per_stage * s.m
+        )  # dispatch and combine: forward, backward, recomputed
+        tokens = s.tokens_mb * s.shape.width * s.job.act_bytes / split
+        if s.shape.capacity_factor:
+            op, size = "all-to-all", tokens * s.shape.routed * s.shape.capacity_factor
+        else:  # dropless: the expert group's tokens gathered, the outputs reduce-scattered back (``_experts``)
+            op, size = "all-gather", tokens * ep
+        return [Flow(axis=EXPERT, op=op, nbytes=count * ring_traffic(op, size, ep), count=count,
+                     stride=s.inner(EXPERT), size=ep)]  # fmt: skip
+
+    def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
+        ep = layout.ep
+        if ep > 1 and not shape.experts:
+            return f"ep={ep}: {shape.name} has no experts (a dense MLP)"
+        if ep > 1 and shape.experts % ep:
+            return f"ep={ep} does not divide experts={shape.experts}"
+        return None
 
     def held_beyond_device(self, placement: Placement, sizes: list[float], per: Any, *, zero3: bool) -> float:
         """The experts beyond a device's own whose gradients the one-device compile holds

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._fsdp import tp_matrices
-from meshkit.plans.axes._base import Add, AxisPlan, LedgerInputs
+from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import ADAPTER_PAIR, ADAPTER_RANK, MODEL
 
@@ -68,6 +69,43 @@ class ModelAxis(AxisPlan):
                 m,
                 f"{x.path}: the adapter's gradient partial sums",
             )
+
+    def flows(self, step: Any) -> list[Flow]:
+        """The all-reduces of a step's tensor-parallel matmuls, exposed whole between the matmuls that
+        need them but for ``Job.tp_overlap`` of them (hidden behind the compute, untaxed). Megatron: 2
+        forward and 2 backward per layer, the vocabulary-parallel embedding and unembedding, 2 more per
+        recomputed layer; meshkit's programs (``Job(runtime="meshkit")``): 4 backward (Q, K and V's
+        input gradients reduced apart) and one row-parallel reduce redone per recomputed layer, a
+        pipeline's forward tick 2 and backward tick 6 per layer, and the vocabulary on the model axis."""
+        s, tp = step, step.layout.tp
+        if tp == 1:
+            return []
+        if s.meshkit and s.layout.pp > 1:  # under layer remat the block recomputed in a backward tick
+            # redoes one (8 devices: 0.89 -> 1.00)
+            count = (8 + s.recompute) * s.per_stage
+        else:
+            per_layer = 2 + (4 if s.meshkit else 2) + (1 if s.meshkit else 2) * s.recompute
+            ends = 0 if s.meshkit else 2 if s.layout.pp == 1 else 1  # vocab-parallel embedding, unembedding
+            count = s.per_stage * per_layer + ends
+        act = s.tokens_mb * s.shape.width * s.job.act_bytes  # one micro-batch's activation, whole
+        nbytes = count * ring_traffic("all-reduce", act, tp)
+        if s.meshkit and s.layout.pp == 1 and s.top_split > 1:  # the vocabulary on the model axis: the
+            # lookup's forward and the head's backward partial sums, and the cross-entropy's three
+            # all-reduces of a number per token (max, sum, target; at least float32: ``_expected``)
+            count += 2 + 3
+            nbytes += 2 * ring_traffic("all-reduce", act, tp)
+            nbytes += 3 * ring_traffic("all-reduce", s.tokens_mb * max(s.job.act_bytes, 4), tp)
+        m = s.m
+        return [Flow(axis=MODEL, op="all-reduce", nbytes=m * nbytes, count=m * count, stride=1, size=tp,
+                     window=m * s.t_mb, edge=1 - s.job.tp_overlap, taxed=False)]  # fmt: skip
+
+    def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
+        tp = layout.tp
+        if shape.heads % tp:
+            return f"tp={tp} does not divide heads={shape.heads}"
+        if shape.kv_heads % tp and tp % shape.kv_heads:
+            return f"tp={tp} neither divides nor is a multiple of kv_heads={shape.kv_heads}"
+        return None
 
 
 def adapter_sums(placement: Placement, trainable: Any) -> list[tuple[LeafPlacement, int]]:
