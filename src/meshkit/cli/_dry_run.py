@@ -14,8 +14,6 @@ def _count(n: float) -> str:
 
 def show(result: Any, console: Any) -> None:
     """The header line, the table of compiled against predicted figures, and one line: fits or not."""
-    from meshkit.planner.sizes import param_count
-
     m, p, hw, cfg = result.measured, result.prediction, result.hardware, result.cfg
     where = (
         f"{result.target} ({m.layout.devices} x {hw.name if hw else m.device_kind})"
@@ -23,7 +21,7 @@ def show(result: Any, console: Any) -> None:
         else f"this machine's {m.layout.devices} {m.device_kind or 'device'}s"
     )
     console.print(
-        f"dry run: {cfg.model.model} ({_count(param_count(result.shape))} parameters), {m.plan} on {m.mesh}, "
+        f"dry run: {cfg.model.model} ({_count(result.parameters)} parameters), {m.plan} on {m.mesh}, "
         f"{cfg.parallel.precision}, batch {cfg.data.batch_size} x {cfg.data.seq_len}, for {where}",
         soft_wrap=True,
         highlight=False,

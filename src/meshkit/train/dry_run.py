@@ -15,6 +15,7 @@ for that chip beside the compiled figures.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ class DryRun:
     """The devices' row of ``planner.hardware`` (None where the table has none: a CPU)."""
     prediction: Any
     """``planner.predict``'s figures for the run's layout on those devices (None without hardware)."""
+    parameters: int = 0
+    """The run's parameters, counted on the family's own abstract tree (a LoRA run's adapters with them)."""
 
     @property
     def fits(self) -> bool | None:
@@ -64,6 +67,7 @@ class DryRun:
             "mesh": self.measured.mesh,
             "precision": self.cfg.parallel.precision,
             "hardware": None if self.hardware is None else self.hardware.name,
+            "parameters": self.parameters,
             "fits": self.fits,
             "compiled": self.measured.to_json(),
             "predicted": None
@@ -124,9 +128,9 @@ def dry_run(cfg: C.TrainConfig, *, target: str | None = None) -> DryRun:
         measured = compile_error(layout, e, time.perf_counter() - start)
     shape = model.shape(family.name)
     hardware, prediction = _predicted(shape, layout, devices, cfg)
-    return DryRun(
-        target=target, cfg=cfg, shape=shape, measured=measured, hardware=hardware, prediction=prediction
-    )
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return DryRun(target=target, cfg=cfg, shape=shape, measured=measured, hardware=hardware,
+                  prediction=prediction, parameters=count)  # fmt: skip
 
 
 def abstract_model(cfg: C.TrainConfig, family: Any, model: Any) -> tuple[Any, Any, Any]:
