@@ -193,7 +193,8 @@ class Layout:
         group, replicas = sizes[DATA], sizes[REPLICA]  # hsdp: the batch over replica x data
         steps = (spec.microbatches or sizes[STAGE]) if plan.pipeline else spec.accumulate
         degrees = {rule.token: sizes[rule.axis] for rule in _rules()}
-        unit = group * replicas * degrees.get("ep", 1) * steps
+        rows = math.prod(sizes[r.axis] for r in _rules() if r.splits == "rows")  # the expert axis's
+        unit = group * replicas * rows * steps
         if global_batch % unit:
             raise MeshkitError(f"global batch {global_batch} does not divide over {unit} rows of {spec.plan}")
         return cls(dp=group * replicas, zero=plan.level, microbatch_size=global_batch // unit,

@@ -17,7 +17,7 @@ row-splitting axis's, from the plan's row (the data module prices its traffic). 
 pipelines build their own gradient path (``_pipeline``, ``_schedule``, ``_stages``), which replaces the
 step's region. A new axis is its row in
 ``AXIS_RULES`` and, where it does more than split rows or sequences, a module here with its ``PLAN`` in
-``AXIS_PLANS``: the step, the ledger and ``meshkit train``'s checks then find it.
+``AXIS_PLANS``: the step, the ledger, ``meshkit train``'s checks and the planner then find it.
 """
 
 from __future__ import annotations
