@@ -17,8 +17,8 @@ from meshkit.cli import main
 from meshkit.planner import Cluster, Job, Layout, ModelShape, hardware, predict
 from meshkit.planner.calibrate import load
 from meshkit.planner.presets import preset
-from meshkit.planner.search import CONTEXT_MIN_TOKENS
 from meshkit.planner.sizes import active_param_count, layer_params, model_flops_per_token, param_count
+from meshkit.plans.axes.context import CONTEXT_MIN_TOKENS
 from meshkit.spec import PLANS
 
 CORPUS = Path(__file__).parent / "corpus" / "published_runs.json"
@@ -277,7 +277,7 @@ def test_a_new_axis_is_priced_from_its_row_and_its_module_with_no_planner_edit(m
     """The planner's dry run of a new axis: a row that splits rows and a module whose ``flows`` says what it
     moves and whose ``check_layout`` refuses a degree. ``Layout`` takes its degree by the row's token, the
     batch and the ZeRO group span it, and ``predict`` prices and reports it under its mesh axis, with no
-    line of the planner changed (issue 49)."""
+    line of the planner changed; the search tries the degrees the module proposes (issue 49)."""
     from meshkit.planner.network import collective_latency
     from meshkit.plans.axes import AXIS_PLANS, AxisPlan, Flow
     from meshkit.spec import AXIS_RULES, AxisRule
@@ -301,6 +301,9 @@ def test_a_new_axis_is_priced_from_its_row_and_its_module_with_no_planner_edit(m
         def check_layout(self, shape, layout, job):
             return "xp=3: the toy pods pair up" if layout.xp == 3 else None
 
+        def search_degrees(self, shape, cluster, job, devices):
+            return [d for d in (1, 2) if devices % d == 0]
+
     monkeypatch.setitem(AXIS_PLANS, "pod", Pod())
     lay = Layout.parse("dp=2,xp=4", zero=1)
     assert (lay.xp, lay.devices, lay.batch_ways, lay.inner("pod")) == (4, 8, 8, 2)
@@ -317,3 +320,7 @@ def test_a_new_axis_is_priced_from_its_row_and_its_module_with_no_planner_edit(m
     assert p.comm_bytes["data"] == pytest.approx(plain.comm_bytes["data"])
     refused = predict(shape, Layout(dp=2, xp=3), Cluster(hardware=H100, devices=6), Job(global_batch=12))
     assert not refused.valid and refused.why == "xp=3: the toy pods pair up"
+    from meshkit.planner import search
+
+    found = search(shape, cluster, Job(global_batch=16))  # the search tries the degrees the module proposes
+    assert {p.layout.xp for p in found.ranked} == {1, 2}

@@ -79,6 +79,10 @@ class Flow:
     """What is hidden still costs ``Calibration.overlap_tax`` of its time."""
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def axis_size(placement: Placement, axis: str) -> int:
     """Devices on ``axis`` where the plan uses it, else 1."""
     return int(placement.mesh.shape.get(axis, 1)) if axis in placement.plan.needs else 1
@@ -120,6 +124,11 @@ class AxisPlan:
         """What the axis moves per step on the busiest device of ``step.layout`` (a ``planner.step.Step``),
         by the ring model; nothing where the layout does not use the axis."""
         return []
+
+    def search_degrees(self, shape: Any, cluster: Any, job: Any, devices: int) -> list[int]:
+        """The degrees the planner's search tries on ``devices`` devices (``planner.cluster.Cluster``'s;
+        each divides them); only 1 by default: a new axis is priced where ``--layout`` names it."""
+        return [1]
 
     def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
         """Why the planner's ``layout`` cannot run a model of ``shape`` (``models.shape.ModelShape``) for

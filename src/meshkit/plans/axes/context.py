@@ -17,9 +17,14 @@ from typing import Any
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans import _context
 from meshkit.plans._experts import check_whole_sequences
-from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs
+from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs, divisors
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import CONTEXT, MODEL
+
+CONTEXT_MIN_TOKENS = 4096
+"""Shortest sequence chunk per device the planner's search splits a sequence into (Llama 3's 131k-token
+phase ran 8192 a device): below it the ring's K/V passes outgrow the attention that hides them (both
+grow with the chunk, the attention with its square) and sequences that short fit without cp."""
 
 
 class ContextAxis(AxisPlan):
@@ -113,6 +118,13 @@ class ContextAxis(AxisPlan):
         return [Flow(axis=CONTEXT, op="collective-permute", count=passes * (cp - 1), stride=s.inner(CONTEXT),
                      nbytes=passes * (cp - 1) * ring_traffic("collective-permute", block, cp), size=cp,
                      window=attention, edge=0.0, one_nic=True)]  # fmt: skip
+
+    def search_degrees(self, shape: Any, cluster: Any, job: Any, devices: int) -> list[int]:
+        """cp where ``2 cp`` divides the sequence into chunks of at least ``CONTEXT_MIN_TOKENS`` a device."""
+        seq = shape.seq
+        return [
+            c for c in divisors(devices) if c == 1 or (not seq % (2 * c) and seq // c >= CONTEXT_MIN_TOKENS)
+        ]
 
     def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
         cp, tp = layout.cp, layout.tp

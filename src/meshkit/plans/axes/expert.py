@@ -17,7 +17,7 @@ from typing import Any
 
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans import _experts
-from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs
+from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs, divisors
 from meshkit.plans.memory import experts_beyond_device
 from meshkit.plans.placement import Placement
 from meshkit.spec import EXPERT, MODEL
@@ -101,6 +101,10 @@ class ExpertAxis(AxisPlan):
             op, size = "all-gather", tokens * ep
         return [Flow(axis=EXPERT, op=op, nbytes=count * ring_traffic(op, size, ep), count=count,
                      stride=s.inner(EXPERT), size=ep)]  # fmt: skip
+
+    def search_degrees(self, shape: Any, cluster: Any, job: Any, devices: int) -> list[int]:
+        """ep dividing a mixture of experts' experts (1 for a dense model)."""
+        return [p for p in divisors(devices) if p == 1 or (shape.experts and not shape.experts % p)]
 
     def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
         ep = layout.ep

@@ -22,7 +22,7 @@ from typing import Any
 
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._fsdp import tp_matrices
-from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs
+from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs, divisors
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import ADAPTER_PAIR, ADAPTER_RANK, MODEL
 
@@ -98,6 +98,17 @@ class ModelAxis(AxisPlan):
         m = s.m
         return [Flow(axis=MODEL, op="all-reduce", nbytes=m * nbytes, count=m * count, stride=1, size=tp,
                      window=m * s.t_mb, edge=1 - s.job.tp_overlap, taxed=False)]  # fmt: skip
+
+    def search_degrees(self, shape: Any, cluster: Any, job: Any, devices: int) -> list[int]:
+        """tp dividing the heads, inside a host (on a TPU slice, whose ICI joins hosts at the bandwidth it
+        joins chips, anywhere)."""
+        hw = cluster.hardware
+        one_fabric = hw.inter_host_bytes_per_s >= hw.intra_host_bytes_per_s
+        return [
+            t
+            for t in divisors(devices)
+            if (one_fabric or t <= cluster.devices_per_host) and not shape.heads % t
+        ]
 
     def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
         tp = layout.tp

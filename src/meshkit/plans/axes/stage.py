@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshkit.analysis.cost import ring_traffic
-from meshkit.plans.axes._base import AxisPlan, Flow
+from meshkit.plans.axes._base import AxisPlan, Flow, divisors
 from meshkit.spec import STAGE, STEADY_SCHEDULES
 
 
@@ -38,6 +38,10 @@ class StageAxis(AxisPlan):
             nbytes, sends = 2 * v * m * act / lay.tp, 2 * v * m
         return [Flow(axis=STAGE, op="collective-permute", nbytes=nbytes, count=sends, stride=s.inner(STAGE),
                      size=pp, one_nic=True)]  # fmt: skip
+
+    def search_degrees(self, shape: Any, cluster: Any, job: Any, devices: int) -> list[int]:
+        """pp up to the layers (where it does not divide them the busiest stage holds the rounded-up share)."""
+        return [p for p in divisors(devices) if p <= shape.layers]
 
     def check_layout(self, shape: Any, layout: Any, job: Any) -> str | None:
         p, v = layout.pp, layout.virtual_stages
