@@ -76,60 +76,103 @@ def residuals(
         n = float(np.prod(dims)) * itemsize
         return n / vocab_tp if dims[-1:] == (v,) else n
 
-    def saved(found, weights_only=False, sized=size) -> float:
+    def saved(found, weights_only=False, sized=size, every=not kept) -> float:
         return sum(
             (
                 sized(dims, itemsize)
                 for dims, itemsize, keeps in found
-                if (keeps or not kept) and not (weights_only and len(dims) != 2)
+                if (keeps or every) and not (weights_only and len(dims) != 2)
             ),
             0.0,
         )
 
-    # weights: the compute-dtype copies of the matrices
-    return saved(block), saved(block, weights_only=True), layer_input, saved(head, sized=head_size)
+    # weights: the compute-dtype copies of the matrices; the head's residuals as a compiled step keeps
+    # them, in a pipeline's tick too (the loss's dead exponentials and target mask are not held there)
+    return (
+        saved(block),
+        saved(block, weights_only=True),
+        layer_input,
+        saved(head, sized=head_size, every=False),
+    )
 
 
 @lru_cache(maxsize=64)
 def _traced(shape: ModelShape, batch: int, precision: str, remat: str):
     """The residuals of one block under ``remat`` and of the head and loss, for ``batch`` sequences, as
     (dims, itemsize, whether a compiled scan keeps it) each, and the block input's bytes: traced once
-    per shape, batch, precision and remat (abstract values only), whatever the tp and ``kept``."""
+    per shape, batch, precision and remat (abstract values only), whatever the tp and ``kept``. The
+    block, head and loss are the shape's family's own (``_family_parts``); a block of a period of layers
+    (Gemma's local and global pattern) counts each residual a period's share."""
     import jax
     import jax.numpy as jnp
 
-    from meshkit.models import gpt
     from meshkit.plans import remat_policy
 
-    cfg = _config(shape, precision)
-    compute = jnp.dtype(cfg.compute_dtype or cfg.dtype)
+    compute, block_fn, block, head_fn, top, period = _family_parts(shape, precision)
     x = jax.ShapeDtypeStruct((batch, shape.seq, shape.width), compute)
-    block = jax.eval_shape(lambda: gpt._init_block(jax.random.key(0), cfg))
     policy = remat_policy(remat)
 
-    def found(fn, args) -> tuple:
+    def found(fn, args, share: int = 1) -> tuple:
         return tuple(
-            (tuple(aval.shape), np.dtype(aval.dtype).itemsize, keeps) for aval, keeps in _residuals(fn, args)
+            (tuple(aval.shape), np.dtype(aval.dtype).itemsize / share, keeps)
+            for aval, keeps in _residuals(fn, args)
         )
 
     def run(p, x):
-        fn = (
-            (lambda p, x: gpt._block(p, x, cfg))
-            if policy is None
-            else jax.checkpoint(lambda p, x: gpt._block(p, x, cfg), policy=policy)
-        )
+        fn = block_fn if policy is None else jax.checkpoint(block_fn, policy=policy)
         return fn(p, x).astype(jnp.float32).sum()
 
     layer_input = float(np.prod(x.shape)) * compute.itemsize
-    top = jax.eval_shape(lambda: gpt.init(jax.random.key(0), _config(shape, precision)))
-    top = {k: v for k, v in top.items() if k != "blocks"}
-    targets = jnp.zeros((batch, shape.seq), jnp.int32)
+    tokens = jnp.zeros((batch, shape.seq), jnp.int32)  # a constant: what only the targets make (the loss's
+    # comparison with the vocabulary) the compiled backward pass makes again, as from the causal mask's iotas
+    head = lambda top, x: head_fn(top, x, (tokens, tokens))  # noqa: E731
+    return found(run, (block, x), period), found(head, (top, x)), layer_input
 
-    def head(top, x):  # the unembedding and a cross-entropy, as the GPT's loss ends
-        logits = gpt._head(top, x, cfg)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
-    return found(run, (block, x)), found(head, (top, x)), layer_input
+def _family_parts(shape: ModelShape, precision: str) -> tuple:
+    """``(compute dtype, block function, one block's abstract parameters, head-and-loss function, the
+    leaves outside the blocks, layers per block)``: the shape's family's own, from its scanned
+    ``Stages``. A mixture of experts, which no family runs as ``Stages`` yet, is the reference GPT of its
+    shape, its experts the GPT's."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshkit._errors import MeshkitError
+    from meshkit.models import gpt, registry
+
+    family = registry.family(shape.family)
+    try:
+        cfg = family.config.from_shape(shape, precision=precision, scan_layers=True)
+        stages = family.module.stages(cfg)
+    except MeshkitError:
+        cfg = _config(shape, precision)
+        block = jax.eval_shape(lambda: gpt._init_block(jax.random.key(0), cfg))
+        top = jax.eval_shape(lambda: gpt.init(jax.random.key(0), cfg))
+        top = {k: v for k, v in top.items() if k != "blocks"}
+
+        def gpt_head(top, x, batch):
+            logits = gpt._head(top, x, cfg)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][..., None], -1))
+
+        def gpt_block(p, x):  # a mixture of experts: the block's output, its routing statistics dropped
+            if not cfg.experts:
+                return gpt._block(p, x, cfg)
+            return gpt._moe_block(p, (x, jnp.zeros(2, jnp.float32)), cfg)[0]
+
+        return jnp.dtype(cfg.compute_dtype or cfg.dtype), gpt_block, block, gpt_head, top, 1
+    period = stages.period  # abstract: the whole stack costs nothing; one block's slice of it is traced
+    top, blocks = stages.split(jax.eval_shape(lambda: family.module.init(jax.random.key(0), cfg)))
+    one = (lambda a: a.shape[1:]) if period == 1 else (lambda a: (period, *a.shape[1:]))
+    block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(one(a), a.dtype), blocks)
+    compute = jnp.dtype(cfg.compute_dtype or cfg.dtype)
+    return (
+        compute,
+        stages.block,
+        block,
+        lambda top, x, batch: stages.loss(stages.head(top, x), batch),
+        top,
+        period,
+    )
 
 
 def kept_residuals(fn, args: tuple, everything: bool = False) -> list:
