@@ -404,3 +404,28 @@ def test_residuals_trace_a_block_once_whatever_the_tp_split_and_kept(monkeypatch
         assert weights == got[1, kept][1] / tp > 0  # the matrices' bf16 copies, split over tp
         assert layer_input == got[1, kept][2]  # the block's input is not split
     assert got[1, True][0] < got[1, False][0]  # kept: the dead scores and the mask left out
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_the_runtime_model_traces_the_familys_own_block(family):
+    """meshkit's own step's residuals come from the shape's family's block (issue 49): the compute copies
+    of a Llama's or a Gemma's matrices are its SwiGLU's three and its grouped-query projections, in
+    bfloat16, as the family's init makes them (the GPT stand-in had two MLP matrices and full-width keys)."""
+    from meshkit.planner.runtime import residuals
+
+    shape = ModelShape(name=family, family=family, layers=2, width=64, heads=4, kv_heads=2, head_dim=16,
+                       vocab=97, seq=16, ffn=96, gated=True)  # fmt: skip
+    d, f, q, kv = 64, 96, 4 * 16, 2 * 16
+    _, weights, layer_input, _ = residuals(shape, 2, 1, "bf16", "none")
+    assert weights == 2 * (2 * d * q + 2 * d * kv + 3 * d * f) and layer_input == 2 * 16 * 64 * 2
+
+
+def test_meshkit_runtime_prices_a_mixture_of_experts():
+    """``meshkit plan --runtime meshkit`` of a mixture of experts under a data plan: its memory from the
+    GPT's MoE block (a KeyError before; no family runs a mixture of experts as ``Stages`` yet)."""
+    shape = ModelShape(
+        name="moe", layers=2, width=64, heads=4, vocab=97, seq=16, ffn=96, gated=True, experts=4
+    )
+    p = predict(shape, Layout(dp=8, zero=3), Cluster(hardware=hardware("h100"), devices=8),
+                Job(global_batch=16, runtime="meshkit"))  # fmt: skip
+    assert p.valid and p.fits and p.memory["activations"] > 0
