@@ -429,3 +429,27 @@ def test_meshkit_runtime_prices_a_mixture_of_experts():
     p = predict(shape, Layout(dp=8, zero=3), Cluster(hardware=hardware("h100"), devices=8),
                 Job(global_batch=16, runtime="meshkit"))  # fmt: skip
     assert p.valid and p.fits and p.memory["activations"] > 0
+
+
+def test_the_planners_parameter_count_is_each_familys_own():
+    """``sizes.param_count`` of a shape equals the parameters its family's init makes (abstract), tied
+    heads counted once (Llama 3.2's and Gemma's tables were counted twice), a mixture of experts with
+    every expert; Gemma within its norms, which a ``ModelShape`` does not say (sandwich, q/k norms)."""
+    from meshkit.models import registry
+
+    base = dict(layers=3, width=64, heads=4, kv_heads=2, vocab=97, seq=32, ffn=96, gated=True)
+    shapes = [
+        ModelShape(name="g", family="gpt", layers=3, width=64, heads=4, vocab=97, seq=32),
+        ModelShape(name="l", family="llama", **base),
+        ModelShape(name="tied", family="llama", tie_embeddings=True, **base),
+        ModelShape(name="moe", family="llama", experts=4, **base),
+        ModelShape(name="gemma", family="gemma", head_dim=32, **{**base, "kv_heads": 1}),
+    ]
+    for shape in shapes:
+        family = registry.family(shape.family)
+        cfg = family.config.from_shape(shape)
+        made = jax.eval_shape(lambda f=family, c=cfg: f.module.init(jax.random.key(0), c))
+        count = sum(math.prod(x.shape) for x in jax.tree.leaves(made))
+        assert param_count(shape) == pytest.approx(count, rel=0.01 if shape.family == "gemma" else 0), (
+            shape.name
+        )

@@ -44,9 +44,12 @@ def embed_params(shape: ModelShape, tp: int = 1) -> float:
     return shape.vocab * shape.width / tp + (0 if shape.gated else shape.seq * shape.width)
 
 
-def head_params(shape: ModelShape, tp: int = 1) -> float:
-    """Final norm and untied unembedding on the last stage; vocab split over tp."""
-    return shape.width * shape.vocab / tp + (1 if shape.gated else 2) * shape.width
+def head_params(shape: ModelShape, tp: int = 1, *, copy: bool = False) -> float:
+    """Final norm and the unembedding on the last stage, vocab split over tp: a tied head is the token
+    embedding's table, counted with it, but where a stage apart from the first holds its own copy
+    (``copy``: a pipeline's last stage, as Megatron keeps one)."""
+    table = shape.width * shape.vocab / tp if copy or not shape.tie_embeddings else 0.0
+    return table + (1 if shape.gated else 2) * shape.width
 
 
 def param_count(shape: ModelShape) -> float:

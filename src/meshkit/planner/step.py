@@ -122,7 +122,7 @@ def setup(shape, layout, cluster, job, calibration) -> Step:
     else:
         top_params, top_split = 0.0, tp
         first = stage_layers + embed_params(shape, tp) + (head_params(shape, tp) if pp == 1 else 0)
-        phi = max(first, stage_layers + head_params(shape, tp))
+        phi = max(first, stage_layers + head_params(shape, tp, copy=pp > 1))
     recompute = 1 if lay.remat == "layer" else 0
     layer_fwd = layer_flops(shape) * tokens_mb / tp
     eff, source = efficiency(shape, lay, hw, job, calibration)
