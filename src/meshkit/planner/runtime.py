@@ -58,14 +58,27 @@ def whole_on_data(shape: ModelShape, layout: Layout) -> float:
 
 @lru_cache(maxsize=256)
 def residuals(
-    shape: ModelShape, batch: int, tp: int, precision: str, remat: str, kept: bool = True, vocab_tp: int = 1
+    shape: ModelShape,
+    batch: int,
+    tp: int,
+    precision: str,
+    remat: str,
+    kept: bool = True,
+    vocab_tp: int = 1,
+    flash: bool = False,
 ) -> tuple[float, float, float, float]:
     """Per device, for ``batch`` sequences: (bytes one block saves under ``remat``, one block's
     matmul outputs, the block's input, what the head and loss save). ``kept``: only what a
     compiled scan keeps (``kept_residuals``); else every residual ``jax.vjp`` saves. ``vocab_tp``:
-    the ways the head's vocabulary is split (``vocab_split``)."""
+    the ways the head's vocabulary is split (``vocab_split``). ``flash``: the step attends with a fused
+    kernel (splash on a TPU, ``Job.flash_attention``), which keeps no ``(seq, seq)`` scores, masks or
+    probabilities but each query's float32 log-sum-exp (the block is traced with XLA's attention)."""
     block, head, layer_input = _traced(shape, batch, precision, remat)
     d, f, v = shape.width, shape.ffn, shape.vocab
+    if flash:
+        seq = shape.seq
+        block = tuple(r for r in block if r[0][-2:] != (seq, seq))
+        block += (((batch, shape.heads, seq, 1), 4, True),)  # the log-sum-exp, split over tp with the heads
 
     def size(dims: tuple[int, ...], itemsize: int) -> float:
         n = float(np.prod(dims)) * itemsize
@@ -288,7 +301,7 @@ def _pipeline(
     A stage runs its chunk's forward and backward inside the tick's conditional branches: counted
     with every residual the vjp saves (under the layout's remat policy)."""
     saved, _, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision, layout.remat,
-                                         kept=False)  # fmt: skip
+                                         kept=False, flash=job.flash_attention)  # fmt: skip
     p, m, v = layout.pp, microbatches, layout.virtual_stages
     # the schedule table's slots (plans._schedule: stash x_slots, cotangents g_slots, 2 scratch)
     x_slots = m if layout.schedule == "gpipe" else min(p, m) if v == 1 else min(v * p + p - 2, v * m)
@@ -304,7 +317,10 @@ def _pipeline(
         # recomputed layer sits beside its parameters' slices, its gradient written matrix by matrix
         # as the recomputed values die
         redo = (
-            residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none", kept=False)[0] - saved
+            residuals(
+                shape, layout.microbatch_size, layout.tp, job.precision, "none", False, 1, job.flash_attention
+            )[0]
+            - saved
         )
         activations += chunk * layer_in if chunk > 1 and layout.remat == "layer" else 0.0
         working = max(body, body / 2 + redo)
@@ -348,23 +364,16 @@ def _step(
     matrix as the recomputed values die), whichever moment is larger. The head's backward computes the
     gradient of the leaves outside layers: with a whole accumulator it is added as it comes."""
     remat, m = layout.remat != "none", microbatches  # n: the devices ZeRO shards over
-    saved, weights, layer_in, head = residuals(
-        shape,
-        layout.microbatch_size,
-        layout.tp,
-        job.precision,
-        layout.remat,
-        vocab_tp=vocab_split(shape, layout),
-    )
+    of = lambda policy, **k: residuals(shape, layout.microbatch_size, layout.tp, job.precision, policy,  # noqa: E731
+                                      flash=job.flash_attention, **k)  # fmt: skip
+    saved, weights, layer_in, head = of(layout.remat, vocab_tp=vocab_split(shape, layout))
     rule = M.zero_stage(layout.zero)
     accumulator = M.accumulator(b.total, b.sharded, n, microbatches=m, shards_gradients=rule.shards("grads"))
     stacked = M.at_rest(b.layer, b.layer - b.whole, n, zero3)
     if zero3:  # a layer's weights are its gathered parameters, counted with them
         saved -= weights
     stash = b.layers * (saved + (layer_in if layout.remat == "layer" else 0.0))
-    recomputed = (
-        residuals(shape, layout.microbatch_size, layout.tp, job.precision, "none")[0] if remat else 0.0
-    )
+    recomputed = of("none")[0] if remat else 0.0
     one = b.one_layer
     if not zero3:
         whole_accumulator = m > 1 and not (rule.shards("grads") and n > 1)
