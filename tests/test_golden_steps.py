@@ -24,7 +24,11 @@ issue 37, when the GPT's loss became the token families' one weighted cross-entr
 (``models.token_loss``, the Llama's vocabulary-split form, in place of optax's integer-label one): every
 collective unchanged; bytes accessed within 0.6% (tp 12,229,952 -> 12,203,328, the pipelines +2,474 to
 +4,746), temporaries within 1% (tp 922,464 -> 926,560, zero3 404,576 -> 407,904), the peak model of tp
-1,000,564 -> 1,008,756 and of zero3-bf16 452,388 -> 452,516 with them.
+1,000,564 -> 1,008,756 and of zero3-bf16 452,388 -> 452,516 with them. The planner's records of
+meshkit's runtime re-recorded on issue 49 (no compiled step changed): its residuals traced on the
+family's own block and loss (llama-7b dp=8,tp=8 3.467 -> 3.350 GB, dp=4,tp=4,pp=4 21.024 -> 20.497),
+and a bfloat16 step without a model axis attending with a fused kernel that keeps no scores (gpt-1.3b
+dp=64 dots 10.851 -> 3.469 GB, dp=16,pp=4 gpipe 9.199 -> 8.771).
 """
 
 import json

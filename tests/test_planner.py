@@ -456,8 +456,9 @@ def test_the_planners_parameter_count_is_each_familys_own():
 
 
 def test_a_fused_attention_keeps_no_scores_in_the_runtime_model():
-    """Under ``Job(flash_attention=True)`` (splash on a TPU) meshkit's own step keeps no ``(seq, seq)``
-    scores, masks or probabilities, only each query's float32 log-sum-exp: the runtime model of a Llama
+    """Under ``Job(flash_attention=True)`` in bfloat16 with no model axis (splash on a TPU, cuDNN's flash on
+    a GPU) meshkit's own step keeps no ``(seq, seq)`` scores, masks or probabilities, only each query's
+    float32 log-sum-exp: the runtime model of a Llama
     3 8B step on 256 v6e chips (fsdp, 4 sequences of 8192, remat layer) fell from 70.8 GiB a chip to
     33.0 (XLA:TPU compiles it to 27.2, docs/measurements.md)."""
     from meshkit.planner.runtime import _traced, residuals
@@ -475,3 +476,10 @@ def test_a_fused_attention_keeps_no_scores_in_the_runtime_model():
     xla = predict(shape, Layout(dp=8, zero=3), cluster, dataclasses.replace(job, flash_attention=False))
     splash = predict(shape, Layout(dp=8, zero=3), cluster, job)
     assert splash.memory["activations"] < xla.memory["activations"]
+    # where the model axis is the partitioner's (no splash) or in float32 (no cuDNN flash) they are counted
+    for lay, j in (
+        (Layout(dp=4, tp=2, zero=3), job),
+        (Layout(dp=8, zero=3), dataclasses.replace(job, precision="fp32")),
+    ):
+        unfused = dataclasses.replace(j, flash_attention=False)
+        assert predict(shape, lay, cluster, j).memory == predict(shape, lay, cluster, unfused).memory

@@ -56,6 +56,15 @@ def whole_on_data(shape: ModelShape, layout: Layout) -> float:
     return (q + kv + shape.ffn) / layout.tp
 
 
+def fused(job, layout: Layout) -> bool:
+    """Whether meshkit's step attends with a fused kernel that keeps no scores, where the job says the
+    platform has one (``Job.flash_attention``): in bfloat16 (cuDNN's flash attention takes no float32)
+    and with no model axis left to the partitioner (which cannot split splash's Pallas call:
+    ``plans.attention``). Elsewhere the scores are counted: a layout refused rather than one that does
+    not fit."""
+    return bool(job.flash_attention) and job.precision == "bf16" and layout.tp == 1
+
+
 @lru_cache(maxsize=256)
 def residuals(
     shape: ModelShape,
@@ -301,7 +310,7 @@ def _pipeline(
     A stage runs its chunk's forward and backward inside the tick's conditional branches: counted
     with every residual the vjp saves (under the layout's remat policy)."""
     saved, _, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision, layout.remat,
-                                         kept=False, flash=job.flash_attention)  # fmt: skip
+                                         kept=False, flash=fused(job, layout))  # fmt: skip
     p, m, v = layout.pp, microbatches, layout.virtual_stages
     # the schedule table's slots (plans._schedule: stash x_slots, cotangents g_slots, 2 scratch)
     x_slots = m if layout.schedule == "gpipe" else min(p, m) if v == 1 else min(v * p + p - 2, v * m)
@@ -318,7 +327,7 @@ def _pipeline(
         # as the recomputed values die
         redo = (
             residuals(
-                shape, layout.microbatch_size, layout.tp, job.precision, "none", False, 1, job.flash_attention
+                shape, layout.microbatch_size, layout.tp, job.precision, "none", False, 1, fused(job, layout)
             )[0]
             - saved
         )
@@ -365,7 +374,7 @@ def _step(
     gradient of the leaves outside layers: with a whole accumulator it is added as it comes."""
     remat, m = layout.remat != "none", microbatches  # n: the devices ZeRO shards over
     of = lambda policy, **k: residuals(shape, layout.microbatch_size, layout.tp, job.precision, policy,  # noqa: E731
-                                      flash=job.flash_attention, **k)  # fmt: skip
+                                      flash=fused(job, layout), **k)  # fmt: skip
     saved, weights, layer_in, head = of(layout.remat, vocab_tp=vocab_split(shape, layout))
     rule = M.zero_stage(layout.zero)
     accumulator = M.accumulator(b.total, b.sharded, n, microbatches=m, shards_gradients=rule.shards("grads"))
