@@ -96,6 +96,7 @@ from meshkit.planner.step import Step, setup
 from meshkit.plans.axes import AXIS_PLANS
 from meshkit.plans.memory import zero_stage
 from meshkit.spec import DATA, MODEL, REPLICA, STAGE
+from meshkit.spec import plans as spec_plans
 
 MEMORY_USABLE = 0.9
 """Fraction of HBM a training step can use (the rest: allocator fragmentation, runtime, workspaces)."""
@@ -170,7 +171,8 @@ def check(shape: ModelShape, layout: Layout, cluster: Cluster, job: Job) -> str 
         return f"{names} = {layout.devices}, not the {cluster.devices} devices"
     per_replica = layout.batch_ways * layout.microbatch_size
     if job.global_batch % per_replica:
-        return f"global batch {job.global_batch} is not a multiple of the batch's ways x microbatch={per_replica}"
+        ways = "*".join(["dp", *(r.token for r in spec_plans.AXIS_RULES if r.splits == "rows"), "microbatch"])
+        return f"global batch {job.global_batch} is not a multiple of {ways}={per_replica}"
     for axis in AXIS_PLANS.values():
         why = axis.check_layout(shape, layout, job)
         if why is not None:
@@ -195,9 +197,7 @@ def _memory(s: Step):
     lay, job, conv = s.layout, s.job, s.job.convention
     rule = zero_stage(lay.zero if lay.dp > 1 else 0)
     stage = rule.name
-    shard = (
-        rule.shard_group(lay.dp, s.shard) * lay.sequence_ways
-    )  # ZeRO over dp x cp (x ep outside the experts)
+    shard = rule.shard_group(lay.dp, s.shard) * lay.sequence_ways  # ZeRO over dp x cp (ep: outside experts)
     state = zero_memory(s.phi - s.experts_phi, shard * lay.batch_ways // lay.dp, stage, conv)
     if s.experts_phi:  # the experts: over dp x cp only
         experts = zero_memory(s.experts_phi, shard, stage, conv)

@@ -28,7 +28,7 @@ from meshkit.planner.layout import Layout, ModelShape
 from meshkit.planner.network import crosses_hosts
 from meshkit.planner.predict import Prediction, predict
 from meshkit.planner.stacks import Calibration
-from meshkit.plans.axes import AXIS_PLANS, AxisPlan
+from meshkit.plans.axes import AXIS_PLANS, AxisPlan, divisors
 from meshkit.spec import MODEL, PIPELINE_REMAT, STAGE
 from meshkit.spec import plans as spec_plans
 
@@ -37,10 +37,6 @@ REMATS = PIPELINE_REMAT
 MAX_MICROBATCH = 64
 """Largest micro-batch size tried (every divisor of the per-replica batch up to it)."""
 VIRTUAL_STAGES = (2, 4, 8)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def layouts(shape: ModelShape, cluster: Cluster, job: Job) -> Iterator[Layout]:
@@ -71,7 +67,7 @@ def _layouts(shape: ModelShape, job: Job, degrees: dict[str, int], dp: int) -> I
     schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)]
     if pp > 1:
         schedules += [("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.layers]
-    for b in _divisors(per_replica):
+    for b in divisors(per_replica):
         if b > MAX_MICROBATCH:
             break
         m = per_replica // b

@@ -23,7 +23,7 @@ step's region. A new axis is its row in
 from __future__ import annotations
 
 from meshkit.plans.axes import context, data, expert, model, stage
-from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs, axis_size, sequence_split
+from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs, axis_size, divisors, sequence_split
 from meshkit.spec import Plan
 
 AXIS_PLANS: dict[str, AxisPlan] = {m.PLAN.axis: m.PLAN for m in (data, model, stage, context, expert)}
@@ -35,4 +35,14 @@ def active(plan: Plan) -> list[AxisPlan]:
     return [AXIS_PLANS[a] for a in plan.needs if a in AXIS_PLANS]
 
 
-__all__ = ["AXIS_PLANS", "Add", "AxisPlan", "Flow", "LedgerInputs", "active", "axis_size", "sequence_split"]
+__all__ = [
+    "AXIS_PLANS",
+    "Add",
+    "AxisPlan",
+    "Flow",
+    "LedgerInputs",
+    "active",
+    "axis_size",
+    "divisors",
+    "sequence_split",
+]
