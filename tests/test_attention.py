@@ -159,6 +159,42 @@ def test_splash_kernel_under_meshkits_step_trains_as_einsum_and_keeps_ledger_and
     assert r.ok and 0.9 <= r.peak["ratio"] <= 1.1, str(r)
 
 
+def test_splash_kernel_runs_on_each_devices_heads_under_tensor_parallelism(monkeypatch):
+    """fsdp+tp on data=4,model=2 (the splash kernel interpreted, as a TPU runs it): the kernel runs in a
+    shard_map over the model axis on each device's query and key/value heads (``heads_split``), alone
+    and under sequence parallelism, with einsum's loss. Where the heads do not divide over the model
+    axis (one key/value head on two devices) XLA's partitioner is left the attention."""
+    cfg = llama.LlamaConfig(
+        vocab_size=64, seq_len=128, layers=2, width=64, heads=4, kv_heads=2, ffn=128, scan_layers=True
+    )
+    params = llama.init(jax.random.key(0), cfg)
+    tokens = np.random.default_rng(0).integers(0, 64, size=(8, 129)).astype(np.int32)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    splits = []
+
+    def fused(q, k, v, w, s, xla):
+        splits.append(A.heads_split(q.shape[2], k.shape[2]))
+        return A.splash(q, k, v, interpret=True), "splash"
+
+    def loss(attention, sequence_parallel=False):
+        t = Trainer(llama.make_loss(cfg), params, optax.adamw(1e-3), plan="fsdp+tp", mesh="data=4,model=2",
+                    attention=attention, sequence_parallel=sequence_parallel, logical_axes=llama.logical_axes(params),
+                    units=llama.units(cfg), tokens_per_example=128)  # fmt: skip
+        return float(t.step(batch)["loss"]), t.assembled.attention.used
+
+    reference, _ = loss("einsum")
+    monkeypatch.setattr(A, "_fused", fused)
+    for sequence_parallel in (False, True):
+        value, used = loss("fused", sequence_parallel)
+        assert used == {"splash"} and set(splits) == {2}
+        assert value == pytest.approx(reference, rel=1e-6)
+    mesh = jax.make_mesh(
+        (2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+    )
+    with jax.set_mesh(mesh):
+        assert A.heads_split(4, 2) == 2 and A.heads_split(4, 1) is None
+
+
 # -- under the plans -------------------------------------------------------------------------------------
 def _block(p, x, window, segments, cfg, softcap=None):
     """The Llama's block (``llama._block``) with a window, segments and a soft cap."""

@@ -28,11 +28,12 @@ from meshkit.plans._expected import (
 )
 from meshkit.plans._experts import EXPERT_DIM, check_whole_sequences, expert_bias, expert_dot, moe
 from meshkit.plans._frozen import Trainable
+from meshkit.plans._gradients import in_region
 from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis, micro_batches
 from meshkit.plans._pipeline import Pipeline
-from meshkit.plans._remat import remat_policy
+from meshkit.plans._remat import keeps_forward, remat_policy
 from meshkit.plans._schedule import Schedule, bubble_model
 from meshkit.plans._schedule import build as build_schedule
 from meshkit.plans._schedule import plot as plot_schedule
@@ -74,6 +75,8 @@ __all__ = [
     "expected_collectives",
     "expert_bias",
     "expert_dot",
+    "in_region",
+    "keeps_forward",
     "layer",
     "manual_data_axis",
     "matmul_rows",

@@ -53,8 +53,9 @@ import jax.extend.core as jcore
 from jax import lax
 
 from meshkit.plans import _buckets as buckets
+from meshkit.plans import _sequence
 from meshkit.plans._hook import handling
-from meshkit.plans._layers import Found, analyse, arrays_only, scan_body, scan_groups
+from meshkit.plans._layers import Found, analyse, arrays_only, scan_closed, scan_groups
 from meshkit.plans._remat import remat_policy
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import DATA, EXPERT, PlanError
@@ -77,6 +78,9 @@ class PerLayer:
     trainable: Any = None
     """The leaves that train (``_frozen.Trainable``), or None: all of them. The loss is differentiated
     with respect to these alone."""
+    sequence_split: int = 0
+    """Megatron's sequence parallelism (``ParallelSpec.sequence_parallel``): the model axis's size, over
+    which each layer's input and output are split on their sequence dim (``_sequence``); 0: off."""
     barriers_only: bool = False
     """Place zero3's per-layer optimization barriers but gather nothing (parameters whole): the
     single-device compile ``meshkit.analysis.peak`` reads the compiler's activation bytes from."""
@@ -84,6 +88,14 @@ class PerLayer:
     @property
     def policy(self) -> Any:
         return remat_policy(self.remat)
+
+    def split(self, tree: Any, *, whole: bool = False) -> Any:
+        """A layer's input or output split on the sequence over the model axis (``_sequence.split``)."""
+        return _sequence.split(tree, self.sequence_split, self.placement.mesh, whole=whole)
+
+    def pinned(self, block: Callable, pins: list, *args: Any) -> Any:
+        """``block(*args)`` with its matmuls against the ``pins`` leaves pinned (``_sequence.call``)."""
+        return _sequence.call(block, pins, args, self.sequence_split, self.placement.mesh)
 
     @property
     def gathers(self) -> bool:
@@ -167,6 +179,15 @@ def _gather_vjp(leaves: Sequence[LeafPlacement], n: int, *, own_output: bool = F
 
     gather.defvjp(fwd, bwd)
     return lambda shards: gather(list(shards))
+
+
+def _weight(flat: Sequence[LeafPlacement], i: int | None, *, stacked: bool = False) -> tuple | None:
+    """The model-axis split a layer's matmuls are pinned by for leaf ``i`` (a scan's slice of it where
+    ``stacked``), or None."""
+    if i is None:
+        return None
+    leaf = _unstacked(flat[i]) if stacked else flat[i]
+    return _sequence.weight_spec(leaf.model_spec)
 
 
 def _unstacked(leaf: LeafPlacement) -> LeafPlacement:
@@ -279,11 +300,14 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
 
     def f(leaves, micro):
         ids = {id(x): i for i, x in enumerate(leaves)}
+        calls = [0]
 
         def handler(block_fn, block_params, inputs):
             # arrays only: other leaves (an Equinox block's activation function) stay static
             bl, params_back = arrays_only(block_params)
             ins, inputs_back = arrays_only(inputs)
+            first, last = calls[0] == 0, calls[0] == found.layers - 1
+            calls[0] += 1
             mine = [k for k, x in enumerate(bl) if ids.get(id(x)) in layer_set]
             gather = (
                 list
@@ -291,17 +315,26 @@ def hooked_loss(loss_fn: Callable, per: PerLayer, treedef: Any) -> Callable:
                 else _gather_vjp([flat[ids[id(bl[k])]] for k in mine], n, own_output=per.remat == "regather")
             )
 
+            pins = [_weight(flat, ids.get(id(x))) for x in bl]
+
+            def block(bl, ins):
+                return block_fn(params_back(bl), *inputs_back(ins))
+
             def run(bl, ins):
-                bl = list(bl)
+                bl, ins = list(bl), per.split(ins)
                 if mine:
                     gathered, ins = _barrier_gather(gather, [bl[k] for k in mine], ins)
                     for k, x in zip(mine, gathered, strict=True):
                         bl[k] = x
-                return block_fn(params_back(bl), *inputs_back(ins))
+                return per.split(
+                    per.pinned(block, pins, bl, ins) if per.sequence_split > 1 else block(bl, ins)
+                )
 
             if policy is not None:
                 run = jax.checkpoint(run, policy=policy)
-            return run(bl, ins)
+            # as in a scan: the first block's input and the last one's output whole on the model axis
+            out = run(bl, per.split(ins, whole=True) if first else ins)
+            return per.split(out, whole=True) if last else out
 
         with handling(handler):
             return loss_fn(jax.tree.unflatten(treedef, leaves), micro)
@@ -338,10 +371,16 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
                 [_unstacked(flat[which[k]]) for k in mine], n, own_output=per.remat == "regather"
             )
         )
-        body = scan_body(eqn)
+        closed = scan_closed(eqn)
+        pins = [None] * (nc + nk) + [_weight(flat, i, stacked=True) for i in which]
+        body = (
+            _sequence.pinned(closed, pins, per.sequence_split, per.placement.mesh)
+            if per.sequence_split > 1
+            else jcore.jaxpr_as_fun(closed)
+        )
 
         def layer(carry, x):
-            x = list(x)
+            x, carry = list(x), per.split(list(carry))
             if mine:
                 # (the barrier's carry is not used: tying it made no difference in a scan, whose
                 # body is a fusion boundary already; bench_plans zero3/fsdp+tp scanned 0.96-1.02)
@@ -349,12 +388,13 @@ def scanned_loss(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) -> C
                 for k, g in zip(mine, gathered, strict=True):
                     x[k] = g
             out = body(*consts, *carry, *x)
-            return list(out[:nk]), list(out[nk:])
+            return per.split(list(out[:nk])), list(out[nk:])
 
         if policy is not None:  # in a scan, CSE cannot merge the recomputation into the forward: no barrier
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        carry, ys = lax.scan(layer, list(carry), list(xs), length=p["length"], reverse=p["reverse"])
-        return [*carry, *ys]
+        carry = per.split(list(carry), whole=True)  # the embedding's output as without the split
+        carry, ys = lax.scan(layer, carry, list(xs), length=p["length"], reverse=p["reverse"])
+        return [*per.split(carry, whole=True), *ys]
 
     def f(leaves, m):
         env: dict[Any, Any] = {}
@@ -419,12 +459,14 @@ def value_and_grad(loss_fn: Callable, per: PerLayer, params: Any, micro: Any) ->
     micro_avals = micro  # the tracers themselves: make_jaxpr keeps their full types (weak, varying)
     if per.found is None:  # one abstract trace, also read by the reports (layers, stacked leaves)
         per.found = analyse(loss_fn, per.placement, full, micro_avals)
-    if per.remat != "none" and not per.found.per_layer:  # the policy applies per layer: there is none
+    if (per.remat != "none" or per.sequence_split > 1) and not per.found.per_layer:  # there is no layer
+        what = f"remat={per.remat!r} checkpoints" if per.remat != "none" else "sequence_parallel splits"
         raise PlanError(
-            f"remat={per.remat!r} checkpoints per layer, but the loss has no layers meshkit can find: mark each "
-            f"block with meshkit.layer, lax.scan over stacked layer parameters, or use remat='none'"
+            f"{what} per layer, but the loss has no layers meshkit can find: mark each block with meshkit.layer, "
+            f"lax.scan over stacked layer parameters, or "
+            + ("use remat='none'" if per.remat != "none" else "drop --sequence-parallel")
         )
-    if per.remat == "none" and not per.gathers:
+    if per.remat == "none" and not per.gathers and per.sequence_split <= 1:
         f = lambda leaves, m: loss_fn(jax.tree.unflatten(treedef, leaves), m)  # noqa: E731
     else:
         if per.gathers:

@@ -52,6 +52,7 @@ from meshkit.plans import _buckets as buckets
 from meshkit.plans import _fsdp, _rng, axes
 from meshkit.plans._manual import accumulating, manual_data
 from meshkit.plans.placement import Placement
+from meshkit.spec import Plan
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, Any]]]
 """``(params, state, batch, key) -> (loss, (aux, new_state))``."""
@@ -263,6 +264,23 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
+def in_region(plan: Plan, live: bool, data_axis: bool, accumulate: int, frozen: bool) -> bool:
+    """Whether a plan's gradients run in the manual region (``manual_gradients``) rather than left to
+    XLA's partitioner alone: ``live``, some region axis has more than one device; ``data_axis``, the
+    mesh has a data axis; ``frozen``, some leaves do not train. Attention reads it too: a Pallas kernel
+    (splash) runs only where no axis but the model axis is left to the partitioner
+    (``plans.attention``), so only in the region, and the planner's memory of meshkit's step with it.
+
+    An axis beyond data that splits the batch (context, expert) always runs it; frozen leaves under dp
+    do (the region sums the trainable leaves' gradients; left to it, XLA's partitioner may sum a LoRA
+    weight's whole merged gradient instead of its adapters'); a ZeRO stage over a data axis of one
+    device does not (written out over it, its buckets and gathers were copies XLA keeps: one TPU v5e,
+    a 0.7 B Llama, 2.6x the bytes and 1.6x the step of dp)."""
+    if any(rule.splits for rule in plan.rules):
+        return True
+    return live and data_axis and (plan.shards_optimizer or accumulate > 1 or frozen)
+
+
 def gradient_fn(
     loss_fn: LossFn,
     placement: Placement,
@@ -280,20 +298,8 @@ def gradient_fn(
     records the layers found.
     """
     per = _fsdp.PerLayer(placement=placement) if per is None else per
-    plan = placement.plan
-    split = any(rule.splits for rule in plan.rules)  # an axis beyond data that splits the batch
-    # frozen leaves under dp: the region sums the trainable leaves' gradients (left to it, XLA's partitioner
-    # may sum a LoRA weight's whole merged gradient instead of its adapters')
-    # a ZeRO stage over a data axis of one device shards nothing: written out over it, its buckets and
-    # gathers were copies XLA keeps (one TPU v5e, a 0.7 B Llama: 2.6x the bytes and 1.6x the step of dp)
-    alone = not split and not placement.live_axes
-    if alone or (
-        not split
-        and (
-            not placement.has_data_axis
-            or (not plan.shards_optimizer and accumulate == 1 and per.trainable is None)
-        )
-    ):
+    live = bool(placement.live_axes)
+    if not in_region(placement.plan, live, placement.has_data_axis, accumulate, per.trainable is not None):
         chunk = _chunk_grad(loss_fn, per, lambda j, rows: j * rows)
 
         def plain(params, state, batch, key):

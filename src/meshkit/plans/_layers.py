@@ -227,10 +227,10 @@ def scan_groups(eqn: Any) -> tuple[int, int] | None:
     return len(groups[0]), len(groups[1])
 
 
-def scan_body(eqn: Any) -> Callable:
+def scan_closed(eqn: Any) -> Any:
+    """A scan equation's body as a closed jaxpr."""
     body = eqn.params["jaxpr"]
-    closed = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, [])
-    return jcore.jaxpr_as_fun(closed)
+    return body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, [])
 
 
 def _is_xs(eqn: Any, var: Any) -> bool:

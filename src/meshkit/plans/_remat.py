@@ -29,3 +29,10 @@ assert tuple(_POLICIES) == REMAT_POLICIES, "every remat policy of meshkit.spec n
 def remat_policy(name: str) -> Any:
     """The ``jax.checkpoint`` policy of a remat policy name (None for 'none')."""
     return _POLICIES[name]
+
+
+def keeps_forward(name: str) -> bool:
+    """Whether the backward pass reads the forward's own values, recomputing none of them (no
+    checkpointing, or ``regather``'s every value but a gather): sequence parallelism's gathered inputs
+    are then kept, not gathered again (``plans.axes.model``)."""
+    return _POLICIES[name] in (None, _all_but_gathers)

@@ -236,7 +236,8 @@ def assemble(
         placement = pipeline.placement
     shardings = _shardings(mesh, placement, optimizer, params, state)
     loss = step_loss(loss_fn, stateful=stateful, rng=rng, has_aux=has_aux)
-    per_layer = PerLayer(placement=placement, remat=spec.remat, trainable=frozen)
+    split = placement.model_size if spec.sequence_parallel else 0
+    per_layer = PerLayer(placement=placement, remat=spec.remat, trainable=frozen, sequence_split=split)
     compute = None if spec.compute_dtype is None else jnp.dtype(spec.compute_dtype)
     step = build_step(
         loss,

@@ -17,7 +17,8 @@ trace what trains, and records the kernels the trace used (``Attention.used``, i
   multiple of 8 up to 128, 256 from Hopper on; it refuses the rest when traced, and XLA's runs);
   on a TPU, the Pallas splash kernel (``jax.experimental.pallas.ops.tpu.splash_attention``, where
   this jax has it) for sequences of whole 128-token blocks where no mesh axis is left to the
-  partitioner (which cannot split a Pallas call), else XLA's; on a CPU, XLA's.
+  partitioner (which cannot split a Pallas call) but a model axis the heads divide over (the kernel
+  then runs per device on its heads: ``heads_split``), else XLA's; on a CPU, XLA's.
 - auto: a flash kernel where the platform has one that takes the inputs (cuDNN, splash), else
   einsum. jax's XLA implementation is the same written-out attention, with more kept for the
   backward pass (its full-size mask and float32 scores: the planner's compiled GPT layer for the
@@ -50,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshkit.spec import ATTENTION_IMPLEMENTATIONS, PlanError, one_of
+from meshkit.spec import ATTENTION_IMPLEMENTATIONS, MODEL, PlanError, one_of
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,16 +256,62 @@ def _partitioned() -> bool:
         return True
 
 
+def heads_split(heads: int, kv_heads: int) -> int | None:
+    """How a Pallas kernel's heads are split where attention traces: 1 where no mesh axis is left to the
+    partitioner; the model axis's size where it is the only one left and both head counts divide over
+    it (the kernel then runs in a ``shard_map`` over that axis, each device on the heads tensor
+    parallelism gave it, as MaxText runs its flash kernels); None otherwise (the partitioner cannot
+    split a Pallas call)."""
+    if not _partitioned():
+        return 1
+    from jax.sharding import AxisType, get_abstract_mesh
+
+    mesh = get_abstract_mesh()
+    left = {
+        name: size
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
+        if size > 1 and kind != AxisType.Manual
+    }
+    m = left.get(MODEL)
+    if mesh.empty or set(left) != {MODEL} or heads % m or kv_heads % m:
+        return None
+    return m
+
+
 def splash(q, k, v, *, window=None, segment_ids=None, interpret: bool = False) -> jax.Array | None:
     """Splash attention (queries scaled first: the kernel does not scale), or None where it does not
     apply: no kernel in this jax, query and key lengths differ, a sequence not in whole 128-token
-    blocks, or a mesh axis left to the partitioner (``interpret``: the kernel run by the Pallas
-    interpreter, on any platform, for the tests)."""
+    blocks, or a mesh axis left to the partitioner that is not a model axis the heads divide over
+    (``heads_split``; ``interpret``: the kernel run by the Pallas interpreter, on any platform, for the
+    tests, whole where no mesh says how to split it)."""
+    t = q.shape[1]
+    block = splash_block(t)
+    split = heads_split(q.shape[2], k.shape[2])
+    split = 1 if split is None and interpret else split
+    if _splash_module() is None or block is None or k.shape[1] != t or split is None:
+        return None
+    run = functools.partial(_splash, window=window, block=block, interpret=interpret)
+    if split == 1:
+        return run(q, k, v, segment_ids)
+    from jax.sharding import PartitionSpec as P
+
+    heads, whole = P(None, None, MODEL, None), P()
+    ids = () if segment_ids is None else (segment_ids,)
+    local = jax.shard_map(
+        lambda q, k, v, *ids: run(q, k, v, ids[0] if ids else None),
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(heads, heads, heads, *(whole,) * len(ids)),
+        out_specs=heads,
+        axis_names={MODEL},
+        check_vma=False,
+    )
+    return local(q, k, v, *ids)
+
+
+def _splash(q, k, v, segment_ids, *, window, block, interpret) -> jax.Array:
+    """The splash kernel on whole heads of ``q, k, v`` ``(B, T, H, h)``."""
     mod = _splash_module()
     t, heads = q.shape[1], q.shape[2]
-    block = splash_block(t)
-    if mod is None or block is None or k.shape[1] != t or (_partitioned() and not interpret):
-        return None
     kernel = _splash_kernel(heads, t, window, block, interpret)
     scale = 1.0 / math.sqrt(q.shape[-1])
     qh, kh, vh = ((q * scale).astype(q.dtype).swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2))

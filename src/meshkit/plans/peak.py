@@ -151,10 +151,12 @@ def compiled_activations(
     sub = _local_mesh(per.placement, {EXPERT: x, CONTEXT: c, MODEL: m})
     if m > 1:
         leaves, extra = _on_model_devices(per.placement, sub, leaves, extra)
-    if c > 1 or x > 1:
-        traced = _on_split_devices(step, sub, per.placement, (c, x), context_attention, leaves, extra)
-    else:
-        traced = jax.jit(step).trace(leaves, extra)
+    # sequence parallelism's constraints name the compile's own devices (one data shard's)
+    with jax.set_mesh(sub) if per.sequence_split > 1 and sub is not None else contextlib.nullcontext():
+        if c > 1 or x > 1:
+            traced = _on_split_devices(step, sub, per.placement, (c, x), context_attention, leaves, extra)
+        else:
+            traced = jax.jit(step).trace(leaves, extra)
     # the same program (another plan's Trainer, verify's next certificate): one compile; the jaxpr
     # text does not show the inputs' shardings, so the tensor-parallel split is part of the key
     key = str(traced.jaxpr) + (str([x.sharding.spec for x in leaves]) + str(m) if m > 1 else "")
@@ -195,7 +197,13 @@ def _local_layers(per: PerLayer) -> PerLayer:
     placement = Placement(plan=get_plan("dp"), mesh=per.placement.mesh, leaves=per.placement.leaves)
     scan = per.found is not None and per.found.mode == "scan"
     barriers = per.gathers and not scan and per.remat != "regather"
-    return PerLayer(placement=placement, remat=per.remat, found=per.found, barriers_only=barriers)
+    return PerLayer(
+        placement=placement,
+        remat=per.remat,
+        found=per.found,
+        barriers_only=barriers,
+        sequence_split=per.sequence_split,
+    )
 
 
 def _local_mesh(placement: Placement, sizes: dict[str, int]) -> jax.sharding.Mesh | None:

@@ -9,6 +9,7 @@ from typing import Any
 from meshkit.spec.plans import (
     DETERMINISTIC_PLANS,
     PIPELINE_PLANS,
+    SEQUENCE_PARALLEL_PLANS,
     Plan,
     check_axes,
     check_deterministic_plan,
@@ -85,6 +86,14 @@ class ParallelSpec:
     None: the plan's default mesh over all devices."""
     remat: str = option("none", help=f"Activation checkpointing per block: {one_of(REMAT_POLICIES)}.")
     """Activation checkpointing per layer: one of ``REMAT_POLICIES`` (aliases ``REMAT_ALIASES``)."""
+    sequence_parallel: bool = option(
+        False,
+        help="Tensor-parallel plans: each layer's input and output split over the model axis on the "
+        "sequence (Megatron's sequence parallelism): a layer keeps 1/model of its activations.",
+    )
+    """Megatron's sequence parallelism under a model axis (``plans._fsdp.split_sequences``): each layer's
+    input and output split over ``model`` on the sequence dim, the row-parallel all-reduces turned into
+    reduce-scatters and all-gathers. Plans with a model axis and no pipeline."""
     precision: str | None = option(
         None,
         help=one_of(PRECISIONS, notes={"bf16": "bf16 compute, fp32 master weights"}) + ".",
@@ -150,6 +159,12 @@ class ParallelSpec:
             self._check_plan(plan)
 
     def _check_plan(self, plan: Plan) -> None:
+        if self.sequence_parallel and plan.name not in SEQUENCE_PARALLEL_PLANS:
+            raise PlanError(
+                f"sequence_parallel splits sequences over the model axis of a tensor-parallel plan without a "
+                f"pipeline ({', '.join(SEQUENCE_PARALLEL_PLANS)}), not plan {plan.name}: drop "
+                f"--sequence-parallel or choose one of those plans"
+            )
         if plan.pipeline:
             if self.accumulate != 1:
                 raise PlanError(

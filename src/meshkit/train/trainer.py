@@ -74,6 +74,8 @@ class Trainer:
     see ``meshkit.plans._fsdp``); under zero3/fsdp a layer's parameters are gathered inside it; pipeline
     plans take 'none', 'layer' and 'dots', applied to each block inside a stage's backward (``_pipeline``). Layers
     are found in the loss: a ``lax.scan`` over stacked parameters, or blocks marked ``meshkit.layer``.
+    ``sequence_parallel`` splits each layer's input and output over the model axis on the sequence
+    (Megatron's sequence parallelism, ``ParallelSpec.sequence_parallel``).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Trainer:
         plan: str | None = None,
         mesh: str | Mesh | None = None,
         remat: str | None = None,
+        sequence_parallel: bool | None = None,
         accumulate: int | None = None,
         microbatches: int | None = None,
         pipeline_schedule: str | None = None,
@@ -120,7 +123,8 @@ class Trainer:
         steps = dict(
             accumulate=accumulate, virtual_stages=virtual_stages, deterministic=deterministic or None
         )
-        how = {"remat": remat, "precision": _precision(compute_dtype), "attention": attention}
+        how = dict(remat=remat, sequence_parallel=sequence_parallel, precision=_precision(compute_dtype),
+                   attention=attention)  # fmt: skip
         spec = ParallelSpec.of(spec, plan=plan, mesh=_mesh_text(mesh), **pipeline, **steps, **how)
         if spec.deterministic is not None:  # on a CPU: fused multiply-adds off (meshkit.devices)
             from meshkit.devices import prepare_deterministic

@@ -145,6 +145,7 @@ def verify(
     virtual_stages: int = 1,
     context_attention: str = "ring",
     deterministic: bool | int | None = None,
+    sequence_parallel: bool = False,
 ) -> Certificate:
     """Train the built-in ``model`` for ``steps`` Adam steps under ``plan`` and certify the result.
 
@@ -161,6 +162,7 @@ def verify(
         virtual_stages=virtual_stages,
         context_attention=context_attention,
         deterministic=deterministic or None,
+        sequence_parallel=sequence_parallel,
     )
     check_meshes(spec)
     shape = _layers(spec, model)
@@ -186,6 +188,7 @@ def verify_model(
     virtual_stages: int | None = None,
     context_attention: str | None = None,
     deterministic: bool | int | None = None,
+    sequence_parallel: bool | None = None,
     logical_axes: Any = None,
     rules: Any = None,
     units: Any = None,
@@ -212,6 +215,7 @@ def verify_model(
         virtual_stages=virtual_stages,
         context_attention=context_attention,
         deterministic=deterministic or None,
+        sequence_parallel=sequence_parallel or None,
     )
     _check_steps(steps)
     check_meshes(spec)

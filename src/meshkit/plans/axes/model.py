@@ -22,6 +22,7 @@ from typing import Any
 
 from meshkit.analysis.cost import ring_traffic
 from meshkit.plans._fsdp import tp_matrices
+from meshkit.plans._remat import keeps_forward
 from meshkit.plans.axes._base import Add, AxisPlan, Flow, LedgerInputs, divisors
 from meshkit.plans.placement import LeafPlacement, Placement
 from meshkit.spec import ADAPTER_PAIR, ADAPTER_RANK, MODEL
@@ -35,14 +36,21 @@ class ModelAxis(AxisPlan):
         if m <= 1:
             return
         tokens, width, accumulate = inputs.tokens, inputs.activation_bytes, inputs.accumulate
-        for x, uses, redone in tp_matrices(inputs.per_layer, placement):  # a scan's stacked leaf: per layer
+        per = inputs.per_layer
+        split = per is not None and per.sequence_split > 1
+        # under sequence parallelism the layer's partial sums are reduce-scattered onto the sequence split;
+        # XLA:CPU writes a reduce-scatter of the partitioner's as an all-reduce and keeps its slice
+        reduce = (
+            "reduce-scatter" if split and placement.mesh.devices.flat[0].platform != "cpu" else "all-reduce"
+        )
+        for x, uses, redone in tp_matrices(per, placement):  # a scan's stacked leaf: per layer
             if ADAPTER_RANK in x.names:  # an adapter multiplies its partner, not the tokens
                 continue
             if (
                 x.model_spec[0] == MODEL
             ):  # row-parallel: forward partial sums of the output (again under remat)
                 add(
-                    "all-reduce",
+                    reduce,
                     MODEL,
                     accumulate * uses * (2 if redone else 1),
                     tokens * x.shape[1] * width,
@@ -51,15 +59,17 @@ class ModelAxis(AxisPlan):
                 )
             elif x.model_spec[1] == MODEL and x.path not in inputs.batch_fed:  # column-parallel: backward
                 add(
-                    "all-reduce",
+                    reduce,
                     MODEL,
                     accumulate * uses,
                     tokens * x.shape[0] * width,
                     m,
                     f"{x.path}: backward input-gradient partial sums",
                 )
+        if split:
+            _sequence_rows(add, inputs)
         _vocab_rows(add, placement, accumulate, tokens, width)
-        trainable = None if inputs.per_layer is None else inputs.per_layer.trainable
+        trainable = None if per is None else per.trainable
         for x, layers in adapter_sums(placement, trainable):
             add(
                 "all-reduce",
@@ -89,6 +99,16 @@ class ModelAxis(AxisPlan):
             count = s.per_stage * per_layer + ends
         act = s.tokens_mb * s.shape.width * s.job.act_bytes  # one micro-batch's activation, whole
         nbytes = count * ring_traffic("all-reduce", act, tp)
+        if s.meshkit and s.job.sequence_split(s.layout) > 1:
+            # meshkit's sequence parallelism (``plans._sequence``, the ledger's ``_sequence_rows``): per
+            # layer 3 all-gathers a row-parallel matrix (2 where the forward's gathered input is kept: no
+            # remat, regather), 2 more for the head and the embedding; each reduce priced as the
+            # all-reduce XLA:CPU compiles it to (a GPU's reduce-scatter moves half; XLA:TPU's collective
+            # matmuls more: the MaxText 128B's model axis, 245 GB a chip a step without the split,
+            # 1.92 TB with it, in permutes hidden behind the matmuls they feed)
+            gathers = s.per_stage * 2 * (2 if keeps_forward(s.layout.remat) else 3) + 2
+            nbytes += gathers * ring_traffic("all-gather", act, tp)
+            count += gathers
         if s.meshkit and s.layout.pp == 1 and s.top_split > 1:  # the vocabulary on the model axis: the
             # lookup's forward and the head's backward partial sums, and the cross-entropy's three
             # all-reduces of a number per token (max, sum, target; at least float32: ``_expected``)
@@ -117,6 +137,44 @@ class ModelAxis(AxisPlan):
         if shape.kv_heads % tp and tp % shape.kv_heads:
             return f"tp={tp} neither divides nor is a multiple of kv_heads={shape.kv_heads}"
         return None
+
+
+def _sequence_rows(add: Add, inputs: LedgerInputs) -> None:
+    """Sequence parallelism's all-gathers and sums (``plans._sequence``), per micro-batch: for each
+    row-parallel matrix of a layer, the sequence gathered before the column-parallel matmuls that feed
+    it, the row-parallel output's gradient gathered in the backward pass, and the first gathered again
+    there for the weights' gradients (without remat, or under ``regather``, the forward's is kept: two); the last
+    layer's output gathered whole for the head, and its gradient for the embedding's backward; and the
+    gradient of each layer leaf whole on the model axis (norms, row-parallel biases), a partial sum
+    over its sequence split, all-reduced once per layer."""
+    per, placement = inputs.per_layer, inputs.placement
+    m, tokens, act, accumulate = (
+        placement.model_size,
+        inputs.tokens,
+        inputs.activation_bytes,
+        inputs.accumulate,
+    )
+    kept = keeps_forward(per.remat)
+    flat = placement.flat()
+    layer = {flat[i].path for i in per.found.layer_leaves} if per.found is not None else set()
+    rows = [(x, uses) for x, uses, _ in tp_matrices(per, placement)
+            if x.path in layer and ADAPTER_RANK not in x.names and x.model_spec[0] == MODEL]  # fmt: skip
+    for x, uses in rows:
+        size = tokens * x.shape[1] * act
+        add("all-gather", MODEL, accumulate * uses * (2 if kept else 3), size, m,
+            f"{x.path}: the sequence gathered for its layer's matmuls and gradients")  # fmt: skip
+    if rows:
+        add("all-gather", MODEL, 2 * accumulate, tokens * rows[0][0].shape[1] * act, m,
+            "the last layer's output whole for the head, its gradient for the embedding")  # fmt: skip
+    scan = per.found is not None and per.found.mode == "scan"
+    trained = per.trainable.mask if per.trainable is not None else [True] * len(flat)
+    for i in per.found.layer_leaves if per.found is not None else ():
+        x = flat[i]
+        if x.model_sharded or not trained[i] or ADAPTER_RANK in x.names:
+            continue
+        layers = x.shape[0] if scan else 1
+        add("all-reduce", MODEL, accumulate * layers, x.nbytes / layers, m,
+            f"{x.path}: its gradient's partial sums over the sequence split")  # fmt: skip
 
 
 def adapter_sums(placement: Placement, trainable: Any) -> list[tuple[LeafPlacement, int]]:
