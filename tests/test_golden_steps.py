@@ -28,7 +28,12 @@ collective unchanged; bytes accessed within 0.6% (tp 12,229,952 -> 12,203,328, t
 meshkit's runtime re-recorded on issue 49 (no compiled step changed): its residuals traced on the
 family's own block and loss (llama-7b dp=8,tp=8 3.467 -> 3.350 GB, dp=4,tp=4,pp=4 21.024 -> 20.497),
 and a bfloat16 step without a model axis attending with a fused kernel that keeps no scores (gpt-1.3b
-dp=64 dots 10.851 -> 3.469 GB, dp=16,pp=4 gpipe 9.199 -> 8.771).
+dp=64 dots 10.851 -> 3.469 GB, dp=16,pp=4 gpipe 9.199 -> 8.771). Again on issue 49's next stop (no
+compiled step changed): meshkit's step runs sequence parallelism under tp where the job asks it
+(``Job.sequence_parallel``, the default; ``plans._sequence``) and splash on each device's heads under tp
+(``plans.attention.heads_split``): gpt-1.3b dp=8,tp=8 layer remat 4.025 -> 3.674 GB (1.310 -> 1.486 s: the
+sequence's all-gathers), dp=16,tp=4 without remat 33.84 -> 13.51 (no scores kept), llama-7b dp=8,tp=8
+3.350 -> 2.638, dp=4,tp=4,pp=4 20.50 -> 17.55.
 """
 
 import json

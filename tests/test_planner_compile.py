@@ -23,6 +23,7 @@ SHAPE = ModelShape(name="tiny", layers=4, width=64, heads=8, vocab=256, seq=32)
 class _Job:
     global_batch: int = 16
     precision: str = "fp32"
+    sequence_parallel: bool = True  # the planner's default: tensor-parallel layouts compile with it
 
 
 JOB = _Job()

@@ -94,6 +94,15 @@ _FlashAttention = Annotated[
     bool,
     _opt(_J, "Attention without a stored S x S score matrix.", "--flash-attention/--no-flash-attention"),
 ]
+_SequenceParallel = Annotated[
+    bool,
+    _opt(
+        _J,
+        "Under tensor parallelism, the activations between its matmuls split over the sequence (Megatron's "
+        "sequence parallelism; meshkit's plans without a pipeline or an expert axis).",
+        "--sequence-parallel/--no-sequence-parallel",
+    ),
+]
 _Runtime = Annotated[str, _opt(_J, "standard (Megatron-style) or meshkit (meshkit's compiled programs).")]
 _Stack = Annotated[
     str,

@@ -46,6 +46,7 @@ from meshkit.cli._plan_options import (
     _Runtime,
     _Schedule,
     _Seq,
+    _SequenceParallel,
     _ShardGroup,
     _Stack,
     _TargetOpt,
@@ -85,6 +86,7 @@ def plan(
     precision: _Precision = "bf16",
     optimizer_bytes: _OptimizerBytes = None,
     flash_attention: _FlashAttention = True,
+    sequence_parallel: _SequenceParallel = True,
     runtime: _Runtime = "standard",
     stack: _Stack = "maxtext-xla",
     calibration: _Calibration = None,
@@ -253,6 +255,7 @@ CLUSTER_AND_JOB = (
     "runtime",
     "stack",
     "context_attention",
+    "sequence_parallel",
 )
 
 
@@ -269,6 +272,7 @@ def _cluster_and_job(
     runtime,
     stack,
     context_attention="ring",
+    sequence_parallel=True,
 ):
     """The cluster (a named device, its figures overridden by the flags given, or a custom one) and the
     job, every number checked (finite, positive) with a line naming its flag."""
@@ -290,6 +294,7 @@ def _cluster_and_job(
         precision=precision,
         optimizer_bytes=optimizer_bytes,
         flash_attention=flash_attention,
+        sequence_parallel=sequence_parallel,
         runtime=runtime,
         stack=stack.strip().lower(),
         context_attention=context_attention.strip().lower(),

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.analysis.cost import Convention, convention
 from meshkit.planner.hardware import Hardware
 from meshkit.planner.stacks import STACKS
-from meshkit.spec import CONTEXT_ATTENTION, one_of
+from meshkit.spec import CONTEXT_ATTENTION, SEQUENCE_PARALLEL_PLANS, one_of
 from meshkit.spec import PRECISIONS as SPEC_PRECISIONS
 
 RUNTIMES = ("standard", "meshkit")
@@ -41,6 +42,15 @@ class Cluster:
         return max(1, self.devices // self.devices_per_host)
 
 
+def sequence_split(layout: Any, runtime: str = "meshkit") -> int:
+    """The ways sequence parallelism splits ``layout``'s activations between tensor-parallel matmuls in
+    ``runtime``: tp (Megatron's under any layout; meshkit's where its plan for the layout takes it,
+    ``meshkit.spec.SEQUENCE_PARALLEL_PLANS``: no pipeline, no expert axis)."""
+    if runtime == "meshkit" and layout.meshkit_plan() not in SEQUENCE_PARALLEL_PLANS:
+        return 1
+    return layout.tp
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Job:
     """The training job: sequences per step, precision, optimizer state, and whose runtime to model."""
@@ -55,7 +65,8 @@ class Job:
     """Under tensor parallelism, the activations between the tensor-parallel matmuls (norms,
     residuals, dropout) split over the sequence across tp (Megatron-LM's sequence parallelism;
     MaxText's and PaLM's sharded activations): replicated activations shrink by tp, the bytes
-    moved stay (all-reduce = reduce-scatter + all-gather). meshkit's plans keep them whole."""
+    moved stay (all-reduce = reduce-scatter + all-gather). meshkit's plans run it without a pipeline
+    (``ParallelSpec.sequence_parallel``): ``sequence_split``."""
     tp_overlap: float = 0.0
     """Fraction of the tensor-parallel all-reduces hidden behind the matmuls (0: on the critical
     path, Megatron-LM's classic TP; 1: overlapped, Megatron-Core's --tp-comm-overlap, up to the
@@ -88,6 +99,11 @@ class Job:
             )
         if self.stack not in STACKS:
             raise MeshkitError(f"unknown software stack {self.stack!r}: choose one of {', '.join(STACKS)}")
+
+    def sequence_split(self, layout: Any) -> int:
+        """The ways ``layout``'s activations between tensor-parallel matmuls split under sequence
+        parallelism: ``sequence_split`` of the job's runtime where it runs it, else 1."""
+        return sequence_split(layout, self.runtime) if self.sequence_parallel else 1
 
     @property
     def convention(self) -> Convention:

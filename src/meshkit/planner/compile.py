@@ -147,6 +147,14 @@ def _job_fields(job: Any) -> tuple[int, str]:
     return batch, precision
 
 
+def _sequence_parallel(job: Any, layout: Layout) -> bool:
+    """Whether meshkit's step of ``layout`` runs sequence parallelism for the planner's ``job`` (its
+    ``sequence_parallel``, where meshkit runs it: ``planner.cluster.sequence_split``)."""
+    from meshkit.planner.cluster import sequence_split
+
+    return bool(getattr(job, "sequence_parallel", False)) and sequence_split(layout) > 1
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UserModel:
     """A model that is no registry family's, to compile in place of the shape's family (a user's loss
@@ -191,7 +199,7 @@ def layout_step(
     from meshkit.plans import assemble
 
     global_batch, precision = _job_fields(job)
-    spec = layout.to_spec(global_batch, precision)
+    spec = layout.to_spec(global_batch, precision, sequence_parallel=_sequence_parallel(job, layout))
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < layout.devices:
         raise MeshkitError(
@@ -358,7 +366,11 @@ def _request(shape: ModelShape, layout: Layout, job: Any, target: str | None) ->
     return {
         "shape": dataclasses.asdict(shape),
         "layout": layout.to_json(),
-        "job": {"global_batch": global_batch, "precision": precision},
+        "job": {
+            "global_batch": global_batch,
+            "precision": precision,
+            "sequence_parallel": bool(getattr(job, "sequence_parallel", False)),
+        },
         "target": target,
     }
 
@@ -369,6 +381,7 @@ class _Job:
 
     global_batch: int
     precision: str = "fp32"
+    sequence_parallel: bool = False
 
 
 def compile_in_subprocess(

@@ -248,8 +248,11 @@ class Layout:
             )
         return global_batch // unit
 
-    def to_spec(self, global_batch: int, precision: str = "fp32") -> ParallelSpec:
-        """The ``ParallelSpec`` that runs this layout for a global batch of ``global_batch`` sequences."""
+    def to_spec(
+        self, global_batch: int, precision: str = "fp32", *, sequence_parallel: bool = False
+    ) -> ParallelSpec:
+        """The ``ParallelSpec`` that runs this layout for a global batch of ``global_batch`` sequences
+        (``sequence_parallel``: Megatron's, under its model axis)."""
         plan = self.meshkit_plan()
         if plan is None:
             name = self.plan_name()
@@ -268,7 +271,8 @@ class Layout:
         return ParallelSpec(plan=plan, mesh=self.mesh_spec(), remat=self.remat, precision=precision,
                             accumulate=1 if pipe else m, microbatches=m if pipe else None,
                             pipeline_schedule=self.schedule if pipe else None,
-                            virtual_stages=self.virtual_stages if pipe else 1)  # fmt: skip
+                            virtual_stages=self.virtual_stages if pipe else 1,
+                            sequence_parallel=sequence_parallel)  # fmt: skip
 
     def label(self) -> str:
         text = ",".join(

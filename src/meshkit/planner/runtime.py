@@ -56,13 +56,26 @@ def whole_on_data(shape: ModelShape, layout: Layout) -> float:
     return (q + kv + shape.ffn) / layout.tp
 
 
-def fused(job, layout: Layout) -> bool:
+def fused(job, layout: Layout, shape: ModelShape, microbatches: int = 1) -> bool:
     """Whether meshkit's step attends with a fused kernel that keeps no scores, where the job says the
-    platform has one (``Job.flash_attention``): in bfloat16 (cuDNN's flash attention takes no float32)
-    and with no model axis left to the partitioner (which cannot split splash's Pallas call:
-    ``plans.attention``). Elsewhere the scores are counted: a layout refused rather than one that does
-    not fit."""
-    return bool(job.flash_attention) and job.precision == "bf16" and layout.tp == 1
+    platform has one (``Job.flash_attention``): in bfloat16 (cuDNN's flash attention takes no float32),
+    in the step's manual region (``plans._gradients.in_region``: a pipeline's, or the gradients' where
+    it runs one) and with the query and key/value heads dividing over the model axis (splash then runs
+    on each device's heads: ``plans.attention.heads_split``). Elsewhere the scores are counted: a layout
+    refused rather than one that does not fit. Plain data parallelism of one micro-batch, left to the
+    partitioner, attends with XLA's (compiled for v5e:2x2, a Llama of 2 layers: einsum at dp=4, splash
+    under fsdp and under dp+tp with 2 micro-batches)."""
+    from meshkit.plans import in_region
+    from meshkit.spec import get_plan
+
+    if not (job.flash_attention and job.precision == "bf16"):
+        return False
+    if shape.heads % layout.tp or shape.kv_heads % layout.tp:
+        return False
+    name = layout.meshkit_plan()
+    if layout.pp > 1 or name is None:
+        return True
+    return in_region(get_plan(name), layout.batch_group > 1, layout.dp > 1, microbatches, False)
 
 
 @lru_cache(maxsize=256)
@@ -75,13 +88,17 @@ def residuals(
     kept: bool = True,
     vocab_tp: int = 1,
     flash: bool = False,
+    sequence: int = 1,
 ) -> tuple[float, float, float, float]:
     """Per device, for ``batch`` sequences: (bytes one block saves under ``remat``, one block's
     matmul outputs, the block's input, what the head and loss save). ``kept``: only what a
     compiled scan keeps (``kept_residuals``); else every residual ``jax.vjp`` saves. ``vocab_tp``:
     the ways the head's vocabulary is split (``vocab_split``). ``flash``: the step attends with a fused
     kernel (splash on a TPU, ``Job.flash_attention``), which keeps no ``(seq, seq)`` scores, masks or
-    probabilities but each query's float32 log-sum-exp (the block is traced with XLA's attention)."""
+    probabilities but each query's float32 log-sum-exp (the block is traced with XLA's attention).
+    ``sequence``: the ways sequence parallelism splits the block's input and every ``(batch, seq, x)``
+    tensor not already split over tp (``Job.sequence_split``: the norms, the residual sums, the
+    row-parallel outputs meshkit's step pins to the sequence split, ``plans._sequence``)."""
     block, head, layer_input = _traced(shape, batch, precision, remat)
     d, f, v = shape.width, shape.ffn, shape.vocab
     if flash:
@@ -92,6 +109,7 @@ def residuals(
     def size(dims: tuple[int, ...], itemsize: int) -> float:
         n = float(np.prod(dims)) * itemsize
         split = len(dims) == 4 or (f != d and dims[-1:] == (f,)) or len(dims) == 2
+        split = split or (sequence > 1 and len(dims) == 3)  # (b, t, x) on the sequence split
         return n / tp if split else n  # heads (b,t,h,k) / (b,h,t,s), MLP width, weight copies
 
     def head_size(dims: tuple[int, ...], itemsize: int) -> float:  # logits and the unembedding's copy
@@ -113,7 +131,7 @@ def residuals(
     return (
         saved(block),
         saved(block, weights_only=True),
-        layer_input,
+        layer_input / sequence,
         saved(head, sized=head_size, every=False),
     )
 
@@ -310,7 +328,7 @@ def _pipeline(
     A stage runs its chunk's forward and backward inside the tick's conditional branches: counted
     with every residual the vjp saves (under the layout's remat policy)."""
     saved, _, layer_in, head = residuals(shape, layout.microbatch_size, layout.tp, job.precision, layout.remat,
-                                         kept=False, flash=fused(job, layout))  # fmt: skip
+                                         kept=False, flash=fused(job, layout, shape))  # fmt: skip
     p, m, v = layout.pp, microbatches, layout.virtual_stages
     # the schedule table's slots (plans._schedule: stash x_slots, cotangents g_slots, 2 scratch)
     x_slots = m if layout.schedule == "gpipe" else min(p, m) if v == 1 else min(v * p + p - 2, v * m)
@@ -327,7 +345,14 @@ def _pipeline(
         # as the recomputed values die
         redo = (
             residuals(
-                shape, layout.microbatch_size, layout.tp, job.precision, "none", False, 1, fused(job, layout)
+                shape,
+                layout.microbatch_size,
+                layout.tp,
+                job.precision,
+                "none",
+                False,
+                1,
+                fused(job, layout, shape),
             )[0]
             - saved
         )
@@ -373,8 +398,14 @@ def _step(
     matrix as the recomputed values die), whichever moment is larger. The head's backward computes the
     gradient of the leaves outside layers: with a whole accumulator it is added as it comes."""
     remat, m = layout.remat != "none", microbatches  # n: the devices ZeRO shards over
+    from meshkit.plans import keeps_forward
+
+    # without recomputation the backward pass reads the forward's own values, each column-parallel input
+    # among them gathered whole: the sequence split saves nothing there (GPT of 4 layers, dp=2,tp=4
+    # without remat: compiled 1.84 -> 1.89 MB with the split; under layer remat 1.37 -> 1.34)
+    split = 1 if keeps_forward(layout.remat) else job.sequence_split(layout)
     of = lambda policy, **k: residuals(shape, layout.microbatch_size, layout.tp, job.precision, policy,  # noqa: E731
-                                      flash=fused(job, layout), **k)  # fmt: skip
+                                      flash=fused(job, layout, shape, microbatches), sequence=split, **k)  # fmt: skip
     saved, weights, layer_in, head = of(layout.remat, vocab_tp=vocab_split(shape, layout))
     rule = M.zero_stage(layout.zero)
     accumulator = M.accumulator(b.total, b.sharded, n, microbatches=m, shards_gradients=rule.shards("grads"))

@@ -96,7 +96,7 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple
     t, e, k = layout.tp, job.act_bytes, shape.routed
     sb = shape.seq * layout.microbatch_size / layout.sequence_ways
     d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
-    split = t if job.sequence_parallel and job.runtime != "meshkit" else 1
+    split = job.sequence_split(layout)
     mask = 1 if job.dropout else 0
     replicated = sb * d * (4 * e + 2 * mask) / split  # QKV and MLP inputs, 2 norm inputs, dropout masks
     attention = sb * (q + 2 * kv + q) * e / t  # Q, K, V and the output projection's input
@@ -118,7 +118,7 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
     about twice as much, a recomputed forward as much again: ``ELEMENTWISE`` is this per pass
     (``seq / cp`` tokens a sequence under context parallelism; a mixture of experts: k MLPs a token, and
     the permutations that gather each expert's tokens and scatter them back, read and write k D twice)."""
-    split = layout.tp if job.sequence_parallel and job.runtime != "meshkit" else 1
+    split = job.sequence_split(layout)
     d, f = shape.width, shape.ffn
     return (
         layout.microbatch_size

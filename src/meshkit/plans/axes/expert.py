@@ -90,7 +90,7 @@ class ExpertAxis(AxisPlan):
         s, ep = step, step.layout.ep
         if ep == 1:
             return []
-        split = s.layout.tp if s.job.sequence_parallel else 1  # the tokens a tensor-parallel rank dispatches
+        split = s.job.sequence_split(s.layout)  # the tokens a tensor-parallel rank dispatches
         count = (
             2 * (2 + s.recompute) * s.per_stage * s.m
         )  # dispatch and combine: forward, backward, recomputed
