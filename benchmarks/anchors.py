@@ -240,8 +240,8 @@ def best_job(anchor: Anchor):
 def best_layout(anchor: Anchor) -> Layout | None:
     """The planner's top-ranked layout for the anchor's model, slice and batch that meshkit has a plan
     for (a pipeline only for meshkit's own Llama: a plain loss is no ``Stages``), priced as meshkit's
-    runtime runs it (``meshkit plan --runtime meshkit``'s ranking: its tensor parallelism keeps
-    activations whole; seconds), or None where none of those fits."""
+    runtime runs it (``meshkit plan --runtime meshkit``'s ranking: sequence parallelism under tp, splash
+    on each device's heads; seconds), or None where none of those fits."""
     from meshkit.planner.cluster import Cluster
     from meshkit.planner.hardware import hardware
     from meshkit.planner.search import search

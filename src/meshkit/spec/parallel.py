@@ -91,7 +91,7 @@ class ParallelSpec:
         help="Tensor-parallel plans: each layer's input and output split over the model axis on the "
         "sequence (Megatron's sequence parallelism): a layer keeps 1/model of its activations.",
     )
-    """Megatron's sequence parallelism under a model axis (``plans._fsdp.split_sequences``): each layer's
+    """Megatron's sequence parallelism under a model axis (``plans._sequence``): each layer's
     input and output split over ``model`` on the sequence dim, the row-parallel all-reduces turned into
     reduce-scatters and all-gathers. Plans with a model axis and no pipeline."""
     precision: str | None = option(
