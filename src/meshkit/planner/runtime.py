@@ -59,7 +59,7 @@ def whole_on_data(shape: ModelShape, layout: Layout) -> float:
 def fused(job, layout: Layout, shape: ModelShape, microbatches: int = 1) -> bool:
     """Whether meshkit's step attends with a fused kernel that keeps no scores, where the job says the
     platform has one (``Job.flash_attention``): in bfloat16 (cuDNN's flash attention takes no float32),
-    in the step's manual region (``plans._gradients.in_region``: a pipeline's, or the gradients' where
+    in the step's manual region (``plans.in_region``: a pipeline's, or the gradients' where
     it runs one) and with the query and key/value heads dividing over the model axis (splash then runs
     on each device's heads: ``plans.attention.heads_split``). Elsewhere the scores are counted: a layout
     refused rather than one that does not fit. Plain data parallelism of one micro-batch, left to the

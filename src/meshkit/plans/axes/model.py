@@ -104,8 +104,8 @@ class ModelAxis(AxisPlan):
             # layer 3 all-gathers a row-parallel matrix (2 where the forward's gathered input is kept: no
             # remat, regather), 2 more for the head and the embedding; each reduce priced as the
             # all-reduce XLA:CPU compiles it to (a GPU's reduce-scatter moves half; XLA:TPU's collective
-            # matmuls more: the MaxText 128B's model axis, 245 GB a chip a step without the split,
-            # 1.92 TB with it, in permutes hidden behind the matmuls they feed)
+            # matmuls more, in permutes each feeding its matmul: the MaxText 128B on v5e-256 compiles to
+            # 604 GiB a chip a step on the model axis, 1.34x this model's, docs/measurements.md)
             gathers = s.per_stage * 2 * (2 if keeps_forward(s.layout.remat) else 3) + 2
             nbytes += gathers * ring_traffic("all-gather", act, tp)
             count += gathers
