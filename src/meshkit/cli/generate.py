@@ -17,6 +17,9 @@ def generate(
     top_p: Annotated[
         float, typer.Option(help="Sample among the most likely tokens whose mass reaches p.")
     ] = 1.0,
+    min_p: Annotated[
+        float, typer.Option(help="Sample among the tokens at least p times as likely as the most likely one.")
+    ] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of the sampling.")] = 0,
 ) -> None:
     """Continue each --prompt with the run's model and print one continuation per prompt."""
@@ -26,7 +29,7 @@ def generate(
     from meshkit.models.generate import Sampling
     from meshkit.train.outputs import generate_text, load_run
 
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if max_new_tokens < 1:
         from meshkit._errors import MeshkitError
 

@@ -9,7 +9,8 @@ under it (e.g. the key/value heads on the training mesh's ``model`` axis, beside
 by the same rules), else it lives where the parameters do. A layer with a sliding window masks the
 keys more than ``window - 1`` slots before its query (the cache keeps every slot; the mask decides,
 so one cache serves layers of every window). A mixture of experts runs dropless. Sampling: greedy
-(``temperature=0``), or temperature with top-k and top-p (nucleus) filtering.
+(``temperature=0``), or temperature with top-k, top-p (nucleus) and min-p filtering; each new token's
+log-probability under the model comes with it (``logprobs=True``).
 
 Compiled shapes come in buckets (``bucket``): the prompts are left-padded to a power of two of at
 least ``BUCKET_MIN`` tokens and the new tokens rounded up to a power of two (the extra ones dropped), so a prompt
@@ -48,6 +49,9 @@ class Sampling:
     """Keep the k most likely tokens (0: all)."""
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose probability reaches p (1: all)."""
+    min_p: float = 0.0
+    """Keep the tokens at least ``min_p`` times as likely as the most likely one (0: all; transformers'
+    ``min_p``, after the temperature)."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -56,6 +60,8 @@ class Sampling:
             raise MeshkitError(f"--top-k must be at least 0 (0: every token), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise MeshkitError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise MeshkitError(f"--min-p must be in [0, 1), got {self.min_p}")
 
 
 def sample(logits_bv: jax.Array, key: jax.Array, how: Sampling) -> jax.Array:
@@ -74,7 +80,18 @@ def sample(logits_bv: jax.Array, key: jax.Array, how: Sampling) -> jax.Array:
         keep_sorted = before < how.top_p  # the most likely token is always kept
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
         logits = jnp.where(keep, logits, -jnp.inf)
+    if how.min_p:  # log p >= log p_max + log min_p, the softmax's normaliser cancelling
+        floor = jnp.max(logits, -1, keepdims=True) + np.log(how.min_p)
+        logits = jnp.where(logits < floor, -jnp.inf, logits)
     return jax.random.categorical(key, logits, -1).astype(jnp.int32)
+
+
+def token_logprob(logits_bv: jax.Array, token_b: jax.Array) -> jax.Array:
+    """Each row's log-probability of ``token`` under the model: the log-softmax of the logits as they are
+    (no temperature, no filter), in at least float32: the trainer's forward log-probability of that
+    token (``tests/test_sampler_logprobs.py`` certifies them equal)."""
+    logits = logits_bv.astype(jnp.promote_types(logits_bv.dtype, jnp.float32))
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), token_b[:, None], -1)[:, 0]
 
 
 def _layers(params: llama.Params, cfg: llama.LlamaConfig) -> list:
@@ -122,17 +139,19 @@ def _generate(params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, ca
     )
     logits, cache = _forward(params, tokens_bp, pos, mask, cache, 0, cfg)
     first = sample(logits[:, -1], jax.random.fold_in(key, 0), how)
+    first_lp = token_logprob(logits[:, -1], first)
 
     def step(carry, j):
-        token, cache = carry
+        token, lp, cache = carry
         slot = prompt + j
         mask = (slots[None, None, :] <= slot) & (slots[None, None, :] >= pad_b[:, None, None])
         logits, cache = _forward(params, token[:, None], (slot - pad_b)[:, None], mask, cache, slot, cfg)
         nxt = sample(logits[:, -1], jax.random.fold_in(key, j + 1), how)
-        return (nxt, cache), token
+        return (nxt, token_logprob(logits[:, -1], nxt), cache), (token, lp)
 
-    (last, _), out = lax.scan(step, (first, cache), jnp.arange(new - 1))
-    return jnp.concatenate([out.T, last[:, None]], 1) if new > 1 else first[:, None]
+    (last, last_lp, _), (out, lps) = lax.scan(step, (first, first_lp, cache), jnp.arange(new - 1))
+    tokens = jnp.concatenate([out.T, last[:, None]], 1)
+    return tokens, jnp.concatenate([lps.T, last_lp[:, None]], 1)
 
 
 BUCKET_MIN = 16
@@ -168,10 +187,13 @@ def generate(
     sampling: Sampling | None = None,
     seed: int = 0,
     cache_sharding: Any = None,
-) -> list[list[int]]:
-    """``max_new_tokens`` new tokens for each prompt (lists of token ids), with a key/value cache. The
-    prompt and its new tokens must fit the model's positions (``cfg.seq_len``): the cache is that long at
-    most, and a position past them is one the model was never given (``meshkit generate`` bounds
+    logprobs: bool = False,
+) -> Any:
+    """``max_new_tokens`` new tokens for each prompt (lists of token ids), with a key/value cache; with
+    ``logprobs``, ``(tokens, logprobs)``: each new token's log-probability under the model
+    (``token_logprob``: what the trainer's forward gives it, whatever the sampling). The prompt and its
+    new tokens must fit the model's positions (``cfg.seq_len``): the cache is that long at most, and a
+    position past them is one the model was never given (``meshkit generate`` bounds
     ``--max-new-tokens`` by them and says so)."""
     if not isinstance(cfg, llama.LlamaConfig):
         raise MeshkitError("the key/value cache generates from the Llama; use window_generate for the GPT")
@@ -184,7 +206,7 @@ def generate(
             f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens passes the model's "
             f"{cfg.seq_len} positions: give at most {max(cfg.seq_len - longest, 0)}"
         )
-    out = _generate(
+    out, lps = _generate(
         params,
         tokens,
         pad,
@@ -194,7 +216,8 @@ def generate(
         how=sampling or Sampling(),
         cache_sharding=cache_sharding,
     )
-    return np.asarray(out)[:, :max_new_tokens].tolist()
+    tokens = np.asarray(out)[:, :max_new_tokens].tolist()
+    return (tokens, np.asarray(lps)[:, :max_new_tokens].tolist()) if logprobs else tokens
 
 
 def kv_sharding(mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig) -> jax.sharding.NamedSharding:
