@@ -159,6 +159,17 @@ def test_a_layout_part_not_a_degree_is_one_line():
         Layout.parse("dp=2,xp=4")
 
 
+@pytest.mark.parametrize("bad", [{"tp": 2.5}, {"dp": True}, {"zero": 3.0}, {"microbatch_size": 0}])
+def test_a_degree_that_is_no_whole_number_is_refused_not_truncated(bad):
+    """``Layout(tp=2.5)`` was a layout of tp=2 (``int`` truncates): a degree, a stage and a size must be whole
+    numbers (a bool is none), and at least 1."""
+    name, value = next(iter(bad.items()))
+    with pytest.raises(
+        Exception, match=rf"layout {name}={value!r}: (give a whole number|must be at least 1)"
+    ):
+        Layout(**bad)
+
+
 # -- published runs --------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 from meshkit._errors import MeshkitError
@@ -100,11 +101,13 @@ class Layout:
         unknown = sorted(set(axes) - set(_tokens()))
         if unknown:
             raise MeshkitError(f"layout has no degree {unknown[0]}: give {', '.join(degree_names())}")
-        degrees = tuple((axis, int(axes.get(token, 1))) for token, axis in _tokens().items())
         for name, value in (("dp", dp), *axes.items(), ("microbatch_size", microbatch_size),
-                            ("virtual_stages", virtual_stages)):  # fmt: skip
-            if value < 1:
+                            ("virtual_stages", virtual_stages), ("zero", zero), ("shard_group", shard_group)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # int(2.5) would be 2
+                raise MeshkitError(f"layout {name}={value!r}: give a whole number")
+            if value < 1 and name not in ("zero", "shard_group"):
                 raise MeshkitError(f"layout {name}={value}: must be at least 1")
+        degrees = tuple((axis, int(axes.get(token, 1))) for token, axis in _tokens().items())
         if shard_group < 0:
             raise MeshkitError(f"layout shard_group={shard_group}: give 0 (all of dp) or a group size")
         if zero not in (0, 1, 2, 3):
