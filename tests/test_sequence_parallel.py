@@ -89,3 +89,18 @@ def test_a_loss_without_layers_is_refused_in_one_line():
         match=r"sequence_parallel splits per layer, but the loss has no layers .* or drop --sequence-parallel",
     ):
         t.step(np.ones((8, 4, 8), np.float32))
+
+
+def test_frozen_leaves_under_sequence_parallelism_are_refused_in_one_line():
+    """LoRA under the split trains as one device (float64, 2e-14 measured) but its model-axis collectives
+    are not the ledger's model (2-3x): refused, rather than a run that cannot prove its cost."""
+    from meshkit.models import llama, lora
+
+    cfg = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=64)
+    params = lora.add(
+        jax.random.key(1), llama.init(jax.random.key(0), cfg), lora.LoraConfig(rank=4, alpha=8.0)
+    )
+    with pytest.raises(PlanError, match=r"sequence_parallel with frozen leaves .* drop --sequence-parallel"):
+        Trainer(lora.wrap(llama.make_loss(cfg), lora.LoraConfig(rank=4, alpha=8.0)), params, optax.adam(1e-2),
+                plan="fsdp+tp", mesh="data=4,model=2", units=llama.units(cfg), sequence_parallel=True,
+                logical_axes=lora.logical_axes(params, llama.logical_axes), trainable=lora.trainable)  # fmt: skip
