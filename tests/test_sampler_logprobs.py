@@ -79,12 +79,12 @@ def test_sampled_logprobs_are_the_trainers_in_float64(sampling):
 DRAWS = 4000
 
 
-# Tiers: the model's own distribution and min-p's are core, top-k's sweeps (its filter is core above).
+# Tiers: the model's own distribution is core, top-k's and min-p's sweep (their filters are core above).
 @pytest.mark.parametrize(
     "sampling",
     [pytest.param(G.Sampling(temperature=1.0), id="t1"),
      pytest.param(G.Sampling(temperature=1.0, top_k=6), id="top_k", marks=pytest.mark.sweep),
-     pytest.param(G.Sampling(temperature=1.0, min_p=0.1), id="min_p")],
+     pytest.param(G.Sampling(temperature=1.0, min_p=0.1), id="min_p", marks=pytest.mark.sweep)],
 )  # fmt: skip
 def test_tokens_drawn_follow_the_models_distribution(sampling):
     """4,000 first tokens after one prompt (one batch: a key per row's draw): their frequencies against
