@@ -39,8 +39,9 @@ from jax.sharding import PartitionSpec as P
 from meshkit.spec import EXPERT, MODEL
 
 _FREE = P.UNCONSTRAINED
-_SAME_VALUE = ("convert_element_type", "copy", "copy_p", "reduce_precision")
-"""Operations after which a weight is still that weight, split as it was (its cast to the compute dtype)."""
+_SAME_DIMS = ("convert_element_type", "copy", "copy_p", "reduce_precision")
+"""Operations after which a weight is still that weight with its dims in place, split as it was (its cast
+to the compute dtype). ``_dataflow``'s wider set (reshapes, transposes) follows values, not dims."""
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
@@ -130,7 +131,7 @@ def _run(jaxpr: Any, consts: Sequence[Any], args: list, specs: list, ways: int, 
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            if name in _SAME_VALUE and inspecs[0] is not None:
+            if name in _SAME_DIMS and inspecs[0] is not None:
                 split_of[eqn.outvars[0]] = inspecs[0]
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x

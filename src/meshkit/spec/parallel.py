@@ -89,7 +89,7 @@ class ParallelSpec:
     sequence_parallel: bool = option(
         False,
         help="Tensor-parallel plans: each layer's input and output split over the model axis on the "
-        "sequence (Megatron's sequence parallelism): a layer keeps 1/model of its activations.",
+        "sequence (Megatron's sequence parallelism): under remat a layer keeps 1/model of its input.",
     )
     """Megatron's sequence parallelism under a model axis (``plans._sequence``): each layer's
     input and output split over ``model`` on the sequence dim, the row-parallel all-reduces turned into
@@ -162,7 +162,7 @@ class ParallelSpec:
         if self.sequence_parallel and plan.name not in SEQUENCE_PARALLEL_PLANS:
             raise PlanError(
                 f"sequence_parallel splits sequences over the model axis of a tensor-parallel plan without a "
-                f"pipeline ({', '.join(SEQUENCE_PARALLEL_PLANS)}), not plan {plan.name}: drop "
+                f"pipeline or an expert axis ({', '.join(SEQUENCE_PARALLEL_PLANS)}), not plan {plan.name}: drop "
                 f"--sequence-parallel or choose one of those plans"
             )
         if plan.pipeline:
