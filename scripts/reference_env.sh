@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Creates the independent references that the Hugging Face tests (pytest -m reference) check meshkit's
 # import and export against: Python 3.11 with torch (CPU) and one transformers release each,
-#   .venv-ref   transformers 4.57.6 (the last 4.x)
+#   .venv-ref   transformers 4.57.6 (the last 4.x), and TRL for the preference references
+#               (tests/test_dpo_reference.py: DPO sigmoid/ipo and CPO simpo losses, tests/reference/trl_preference.py);
+#               trl 0.25.1 is the last release with CPOTrainer outside trl.experimental; datasets 5.0.1 is the last
+#               that takes huggingface-hub<1.0 (as transformers 4.x needs), and it caps fsspec at 2026.6.0
 #   .venv-ref5  transformers 5.x (5.x writes config.json otherwise: rope_parameters, dtype)
 # `reference_env.sh` makes both; `reference_env.sh .venv-ref5` one of them.
 # torch is installed from a CPU wheel on this machine's disk only (never from an index: that pulls a
@@ -13,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 declare -A PINS=(
-  [.venv-ref]="transformers==4.57.6"
+  [.venv-ref]="transformers==4.57.6 trl==0.25.1 accelerate==1.16.0 datasets==5.0.1 fsspec==2026.6.0"
   [.venv-ref5]="transformers==5.25.0 huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 kernels==0.19.1"
 )
 

@@ -209,18 +209,29 @@ def _gemma(params: Any, cfg: Any, tokens, seg, pos) -> np.ndarray:
 _FORWARDS = {"GPTConfig": _gpt, "LlamaConfig": _llama, "GemmaConfig": _gemma}
 
 
-def token_loss(params: Any, cfg: Any, batch: Any) -> float:
-    """The mean over every token of ``cross-entropy x weight`` (``meshkit.models.token_loss``) of a GPT,
-    Llama or Gemma (``cfg``; the loop form, dense, the ``small`` configs' switches: the Gemma's window,
-    soft caps, sandwich norms and tied head) on ``batch`` (a pair or a ``TokenBatch``), in float64."""
+def token_logprobs(params: Any, cfg: Any, batch: Any) -> np.ndarray:
+    """Each target's log-probability ``(B, T)`` under a GPT, Llama or Gemma (``cfg``; the loop form, dense,
+    the ``small`` configs' switches: the Gemma's window, soft caps, sandwich norms and tied head) on
+    ``batch`` (a pair or a ``TokenBatch``: its segment ids and positions), in float64."""
     params = to_float64(params)
     tokens, targets = np.asarray(batch[0]), np.asarray(batch[1])
-    rest = [None if a is None else np.asarray(a) for a in tuple(batch[2:]) + (None,) * (5 - len(batch))]
-    weights, seg, pos = rest
+    _, seg, pos = _extras(batch)
     seg = np.zeros(tokens.shape, np.int64) if seg is None else seg
     pos = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape) if pos is None else pos
     logits = _FORWARDS[type(cfg).__name__](params, cfg, tokens, seg, pos)
     peak = logits.max(-1, keepdims=True)
     lse = np.log(np.exp(logits - peak).sum(-1)) + peak[..., 0]
-    token = lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    return np.take_along_axis(logits, targets[..., None], -1)[..., 0] - lse
+
+
+def _extras(batch: Any) -> list[Any]:
+    """``(weights, segment_ids, positions)`` of a batch as NumPy arrays (None where absent)."""
+    return [None if a is None else np.asarray(a) for a in (tuple(batch[2:5]) + (None,) * 3)[:3]]
+
+
+def token_loss(params: Any, cfg: Any, batch: Any) -> float:
+    """The mean over every token of ``cross-entropy x weight`` (``meshkit.models.token_loss``) of
+    ``token_logprobs``' model and batch, in float64."""
+    token = -token_logprobs(params, cfg, batch)
+    weights = _extras(batch)[0]
     return float(np.mean(token if weights is None else token * weights))

@@ -31,13 +31,20 @@ def cross_entropy(
     logits split over the vocabulary stay split: every reduction over the vocabulary (the max, the sum
     of exponentials, the target's logit picked by a comparison rather than a gather) is elementwise work
     plus a reduction, which the compiler turns into an all-reduce of one number per token."""
+    token = -token_logprobs(logits_btv, targets_bt)
+    return jnp.mean(token if weights_bt is None else token * weights_bt.astype(token.dtype))
+
+
+def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Each target's log-probability ``(B, T)`` (in at least float32), every reduction over the vocabulary
+    elementwise work plus a reduction (``cross_entropy``): the one place meshkit reads a token's log-prob
+    from logits for training (the preference losses sum it per sequence)."""
     logits = logits_btv.astype(jnp.promote_types(logits_btv.dtype, jnp.float32))
     peak = lax.stop_gradient(jnp.max(logits, -1, keepdims=True))
     lse = jnp.log(jnp.sum(jnp.exp(logits - peak), -1)) + peak[..., 0]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     picked = jnp.sum(jnp.where(vocab == targets_bt[..., None], logits, 0.0), -1)
-    token = lse - picked
-    return jnp.mean(token if weights_bt is None else token * weights_bt.astype(token.dtype))
+    return picked - lse
 
 
 def batch_extras(batch: Any) -> tuple[Any, Any, Any]:

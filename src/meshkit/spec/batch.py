@@ -12,6 +12,9 @@ fine-tuning and packed documents need, each optional (``None``: absent):
 - ``segment_ids`` ``(B, T)`` int: packed documents; a query attends to keys of its own segment only.
 - ``positions`` ``(B, T)`` int: each token's position within its document (reset at each document
   start), for rotary or learned position embeddings; absent: ``0..T-1`` of the row.
+- ``reference`` ``(B, 2)`` float: preference tuning's pairs (one per row, ``meshkit.models.preference``):
+  the frozen reference model's log-probs of the row's chosen and rejected answers, filled before each
+  step; no model reads it.
 
 It is a ``NamedTuple``, so a pytree whose leaves the plans split like any batch's (rows on the data
 axis, the sequence on the context axis), and ``batch[0]``, ``batch[1]`` stay the inputs and targets.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-BATCH_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")
+BATCH_FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions", "reference")
 """The fields of a token batch, in order (a plain pair holds the first two)."""
 
 
@@ -31,6 +34,7 @@ class TokenBatch(NamedTuple):
     weights: Any = None
     segment_ids: Any = None
     positions: Any = None
+    reference: Any = None
 
 
 def extras(batch: Any) -> tuple[Any, Any, Any]:

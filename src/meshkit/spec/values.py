@@ -75,8 +75,17 @@ TASKS = {
     "pretrain": "the next-token loss on every token",
     "sft": "supervised fine-tuning: the loss on the assistant's tokens only, conversations packed with a "
     "mask per document",
+    "dpo": "preference tuning on pairs of answers (prompt, chosen, rejected): --preference-loss against the "
+    "frozen starting model",
 }
 """What ``meshkit train --task`` trains (``meshkit.spec.batch``: the batch's fields each needs)."""
+
+PREFERENCE_LOSSES = {
+    "sigmoid": "DPO's loss",
+    "ipo": "IPO: squared, on mean log-probs",
+    "simpo": "SimPO: no reference, mean log-probs and a target margin",
+}
+"""The objectives of ``--task dpo`` (``meshkit.models.preference``)."""
 
 AUTO = "auto"
 """A plan name that asks the planner to choose (resolved before a step is assembled)."""

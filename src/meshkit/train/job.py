@@ -30,7 +30,7 @@ from meshkit.train import resume as R
 from meshkit.train.checkpoint import Checkpointer, CheckpointError, abstract_with, held
 from meshkit.train.lock import RunDirLock, check_link, lock_run_dir, new_run_dir
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
-from meshkit.train.task import batch_options, check_data, check_learns
+from meshkit.train.task import batch_options, check_data, check_learns, reference_step, training_loss
 from meshkit.train.trainer import Trainer
 
 
@@ -58,6 +58,9 @@ class Job:
     """Where rows go while the run is open (process 0 only)."""
     stopped_by: int | None = None
     """The signal (SIGINT, SIGTERM) that stopped training early, if one did."""
+    reference: Any = None
+    """``(trainer, batch) -> batch`` with the reference model's log-probs of its pairs (``--task dpo``:
+    ``task.reference_step``); None: the run has no reference."""
     utilisation: tuple[int, float | None, str] | None = None
     """Model FLOPs per token, peak FLOP/s per device and its source (``results.utilisation``, once per run)."""
 
@@ -123,8 +126,11 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
         trainer=trainer,
         batches=batches,
         run_dir=run_dir,
-        eval_loss=jax.jit(lambda p, b: family.module.make_loss(plain)(family_params(cfg, p), b)),
+        eval_loss=jax.jit(_eval_loss(cfg, family, plain)),
         tasks=tasks,
+        reference=reference_step(
+            cfg, family, model, trainer.params, trainer.shardings.batch, C.lora_config(cfg)
+        ),
     )
     if resume:
         _restore(job)
@@ -133,6 +139,14 @@ def prepare(cfg: C.TrainConfig, *, resume: bool = False) -> Job:
 
 PREFETCH_THREADS = 2
 """Threads that read the training batches ahead of the step (grain's prefetch)."""
+
+
+def _eval_loss(cfg: C.TrainConfig, family: Family, model: Any) -> Any:
+    """``(params, batch) -> loss`` of the held-out batches: the family's loss of the run's parameters as the
+    family's own (``family_params``), or ``--task dpo``'s ``(loss, metrics)``."""
+    if cfg.data.task == "dpo":
+        return lambda p, b: training_loss(cfg, family, model)[0](family_params(cfg, p), b)
+    return lambda p, b: family.module.make_loss(model)(family_params(cfg, p), b)
 
 
 def load_data(cfg: C.TrainConfig) -> Corpus:
@@ -158,8 +172,7 @@ def build_model(cfg: C.TrainConfig, family: Family, vocab: int) -> tuple[Any, An
     never holds the model)."""
     model = model_config(cfg, family, vocab)
     module = family.module
-    pipeline = cfg.parallel.plan_info.pipeline
-    loss, _ = family.training_loss(model, pipeline=pipeline)
+    loss, _ = training_loss(cfg, family, model)
     if cfg.model.init_from is not None:
         from meshkit.train.init_from import init_from
 
@@ -206,7 +219,7 @@ def _step_options(cfg: C.TrainConfig, family: Family, model: Any, logical_axes: 
         "clip_norm": cfg.optimizer.clip,
         "logical_axes": logical_axes,
         "grad_norm": True,
-        "has_aux": family.training_loss(model, pipeline=cfg.parallel.plan_info.pipeline)[1],
+        "has_aux": training_loss(cfg, family, model)[1],
         "units": family.units(model),
         "trainable": run_trainable(cfg),
     }

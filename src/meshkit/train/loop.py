@@ -143,6 +143,8 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     local = next(job.batches)
     batch = global_batch(t.shardings.batch, local, job.cfg.data.batch_size)
     start = time.perf_counter()
+    if job.reference is not None:  # --task dpo: the frozen model's log-probs of the pairs, in the step's time
+        batch = job.reference(t, batch)
     metrics = t.step(batch)
     loss = float(metrics["loss"])  # waits for the step
     elapsed = time.perf_counter() - start
@@ -158,7 +160,9 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     }
     if (used := mfu(job, row["tokens_per_s"])) is not None:
         row["mfu"] = used
-    if (learnt := trained_tokens(local, job.cfg.data.batch_size * job.cfg.data.seq_len)) is not None:
+    if job.cfg.data.task == "dpo":  # TRL's metrics of the preference loss (meshkit.models.preference)
+        row.update({k: float(v) for k, v in metrics.items() if k.startswith(("rewards/", "logps/"))})
+    elif (learnt := trained_tokens(local, job.cfg.data.batch_size * job.cfg.data.seq_len)) is not None:
         row["trained_tokens"] = learnt  # fine-tuning: the targets the masked loss learnt from
     if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
         row["dropped_fraction"] = fraction = float(metrics["dropped_fraction"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshkit.models import registry
-from meshkit.spec import TASKS, one_of, option, plans_of
+from meshkit.spec import PREFERENCE_LOSSES, TASKS, one_of, option, plans_of
 
 SHAPE = "the model's shape"
 ROUTING = "the model's routing"
@@ -149,7 +149,32 @@ class DataOptions:
         fixes="the loss and the data stream",
         later=True,
     )
-    """'pretrain' (every token) or 'sft' (conversations: the loss on the assistant's tokens only)."""
+    """'pretrain' (every token), 'sft' (conversations: the loss on the assistant's tokens only) or 'dpo'
+    (preference pairs: ``meshkit.models.preference``)."""
+    preference_loss: str = option(
+        "sigmoid",
+        help=f"--task dpo: the objective, {one_of(PREFERENCE_LOSSES)}.",
+        fixes="the loss",
+        later=True,
+    )
+    beta: float = option(
+        0.1,
+        help="--task dpo: how far the policy may move from the reference.",
+        fixes="the loss",
+        later=True,
+        above=0,
+    )
+    """DPO's inverse temperature (SimPO's reward scale)."""
+    label_smoothing: float = option(
+        0.0,
+        help="--task dpo: the share of pairs taken as mislabelled.",
+        fixes="the loss",
+        later=True,
+        least=0,
+    )
+    simpo_gamma: float = option(
+        0.5, help="--preference-loss simpo: the target reward margin.", fixes="the loss", later=True, least=0
+    )
     document_masks: bool = option(
         False,
         help="Pretraining: packed documents attend within themselves, positions from 0 in each.",

@@ -53,6 +53,8 @@ def _held_out(job: Job, part: int | None) -> dict[str, float]:
         rows=process_rows(t.shardings.batch, examples),
         **batch_options(job.cfg),
     )
+    if job.cfg.data.task == "dpo":
+        return _held_out_pairs(job, stream)
     losses, targets, nats, counted = [], [], 0.0, 0
     tokens = examples * job.cfg.data.seq_len
     for _ in range(job.cfg.run.eval_batches):
@@ -78,6 +80,20 @@ def _held_out(job: Job, part: int | None) -> dict[str, float]:
         if (bpb := job.data.bits_per_byte(nats, int(np.sum(nbytes)))) is not None:
             out["eval_bpb"] = bpb
     return out
+
+
+def _held_out_pairs(job: Job, stream: Any) -> dict[str, float]:
+    """``--task dpo``'s held-out figures: the preference loss (``eval_loss``) and TRL's metrics
+    (``eval_rewards/accuracies``, ...), each the mean over the held-out batches (of equal pairs)."""
+    t, sums = job.trainer, {}
+    for _ in range(job.cfg.run.eval_batches):
+        batch = global_batch(t.shardings.batch, next(stream), job.cfg.data.batch_size)
+        if job.reference is not None:
+            batch = job.reference(t, batch)
+        loss, metrics = job.eval_loss(t.params, batch)
+        for key, value in {"loss": loss, **metrics}.items():
+            sums[key] = sums.get(key, 0.0) + float(value) / job.cfg.run.eval_batches
+    return {f"eval_{k}": v for k, v in sums.items()}
 
 
 def utilisation(job: Job) -> tuple[int, float | None, str]:
