@@ -160,10 +160,12 @@ def _done(out: str, manifest: dict, seconds: float) -> None:
     if "chat" in manifest:
         from meshkit.data.prepare_chat import summary
 
+        pairs = bool(manifest["chat"].get("preference"))  # a chosen and a rejected document per pair
+        what, task = ("documents", "dpo") if pairs else ("conversations", "sft")
         console.print(
-            f"prepared {out}: {manifest['documents']:,} conversations -> {manifest['tokens']:,} tokens, "
+            f"prepared {out}: {manifest['documents']:,} {what} -> {manifest['tokens']:,} tokens, "
             f"{summary(manifest)}, in {len(manifest['shards'])} shard(s), {seconds:.1f} s; train on it with: "
-            f"meshkit train --task sft --data {out}",
+            f"meshkit train --task {task} --data {out}",
             soft_wrap=True,
             highlight=False,
         )

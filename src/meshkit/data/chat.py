@@ -27,6 +27,10 @@ one line: meshkit cannot tell what it means to learn; ``{% generation %}`` tags 
 
 Plain prompt/completion strings need no template: the tokenizer's framing (a BOS where it prepends
 one), prompt + completion, and its end of text; the completion and the end of text are learnt.
+
+A preference row (TRL's, for DPO: ``prompt``, ``chosen`` and ``rejected``; or no ``prompt`` and two whole
+conversations sharing their first messages, :func:`read_pair`) is two such rows, the prompt with each
+of its completions, encoded exactly as those prompt/completion rows are.
 """
 
 from __future__ import annotations
@@ -88,25 +92,32 @@ class Row:
 def read_row(row: dict[str, Any], where: str) -> Row:
     """The conversation of a row (``where``: its file and line or row, for messages)."""
     if "messages" in row and row["messages"] is not None:
-        messages = _messages(row["messages"], "messages", where)
-        out = Row(messages=messages)
-    elif "prompt" in row and "completion" in row:
-        prompt, completion = row["prompt"], row["completion"]
-        if isinstance(prompt, str) and isinstance(completion, str):
-            if not completion:
-                raise DataError(f"'{where}': 'completion' is empty: nothing to learn; {FIX}")
-            _text(prompt, "prompt", where)
-            _text(completion, "completion", where)
-            return Row(prompt=prompt, completion=completion)
-        prompt = _messages(prompt, "prompt", where)
-        completion = _messages(completion, "completion", where)
-        out = Row(messages=prompt + completion, learn_from=len(prompt))
-    else:
-        keys = ", ".join(sorted(map(str, row))[:8]) or "none"
-        raise DataError(
-            f"'{where}' has neither 'messages' (a list of {{role, content}}) nor 'prompt' and 'completion' "
-            f"(its fields: {keys}): {FIX}"
-        )
+        return _checked(Row(messages=_messages(row["messages"], "messages", where)), where)
+    if "prompt" in row and "completion" in row:
+        return completion_row(row["prompt"], row["completion"], where)
+    keys = ", ".join(sorted(map(str, row))[:8]) or "none"
+    raise DataError(
+        f"'{where}' has neither 'messages' (a list of {{role, content}}) nor 'prompt' and 'completion' "
+        f"(its fields: {keys}): {FIX}"
+    )
+
+
+def completion_row(prompt: Any, completion: Any, where: str, key: str = "completion") -> Row:
+    """A prompt and its completion (two strings, or two lists of messages), ``key`` naming the
+    completion in messages (a preference row's ``chosen`` or ``rejected``)."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion:
+            raise DataError(f"'{where}': '{key}' is empty: nothing to learn; {FIX}")
+        _text(prompt, "prompt", where)
+        _text(completion, key, where)
+        return Row(prompt=prompt, completion=completion)
+    prompt = _messages(prompt, "prompt", where)
+    completion = _messages(completion, key, where)
+    return _checked(Row(messages=prompt + completion, learn_from=len(prompt)), where)
+
+
+def _checked(out: Row, where: str) -> Row:
+    """``out`` opens with a system or user message and has an assistant message to learn."""
     assert out.messages is not None
     if out.messages[0]["role"] == "assistant":
         raise DataError(
@@ -115,6 +126,72 @@ def read_row(row: dict[str, Any], where: str) -> Row:
     if not any(m["role"] == "assistant" for m in out.messages[out.learn_from :]):
         raise DataError(f"'{where}' has no assistant message to learn: add one, or remove the row")
     return out
+
+
+PAIR = ("chosen", "rejected")
+"""A preference row's two completions (TRL's preference format)."""
+
+
+def is_pair(row: dict[str, Any]) -> bool:
+    """Whether ``row`` is a preference row: it has ``chosen`` or ``rejected`` (a null is none)."""
+    return any(row.get(k) is not None for k in PAIR)
+
+
+def read_pair(row: dict[str, Any], where: str) -> tuple[Row, Row]:
+    """A preference row's chosen and rejected rows, each read as the prompt/completion row of its
+    completion (TRL's preference format: ``prompt``, ``chosen`` and ``rejected`` three strings or three
+    lists of messages; or, with no ``prompt``, two whole conversations whose longest common beginning of
+    whole messages is the prompt, as TRL's ``maybe_extract_prompt`` reads them). A pair whose two sides
+    read alike teaches nothing, and is refused."""
+    have = [k for k in PAIR if row.get(k) is not None]
+    if len(have) < 2:
+        lack = next(k for k in PAIR if k not in have)
+        raise DataError(f"'{where}' has '{have[0]}' but no '{lack}': a preference row needs both; {FIX}")
+    other = [k for k in ("messages", "completion") if row.get(k) is not None]
+    if other:
+        raise DataError(
+            f"'{where}' has '{other[0]}' beside 'chosen' and 'rejected': give a preference pair or a "
+            f"conversation, not both; {FIX}"
+        )
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if prompt is None:
+        prompt, chosen, rejected = _implicit_prompt(chosen, rejected, where)
+    out = completion_row(prompt, chosen, where, "chosen"), completion_row(prompt, rejected, where, "rejected")
+    if out[0] == out[1]:
+        raise _same(where)
+    return out
+
+
+def _same(where: str, how: str = "are the same") -> DataError:
+    return DataError(f"'{where}': 'chosen' and 'rejected' {how}: the pair teaches nothing; {FIX}")
+
+
+def _implicit_prompt(chosen: Any, rejected: Any, where: str) -> tuple[list, list, list]:
+    """The prompt of a row without one, and its two completions: the messages both conversations open
+    with, and what follows them in each."""
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        raise DataError(
+            f"'{where}' has no 'prompt', and 'chosen' and 'rejected' are not both lists of messages (an "
+            f"implicit prompt is read from conversations only): give the row its 'prompt', or {FIX}"
+        )
+    chosen, rejected = _messages(chosen, "chosen", where), _messages(rejected, "rejected", where)
+    if chosen == rejected:
+        raise _same(where)
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise DataError(
+            f"'{where}' has no 'prompt', and 'chosen' and 'rejected' open with different messages (no prompt "
+            f"shared): give the row its 'prompt', or {FIX}"
+        )
+    for key, side in (("chosen", chosen), ("rejected", rejected)):
+        if shared == len(side):
+            raise DataError(
+                f"'{where}': '{key}' ends where the other side's prompt does (all of it is the prompt both share): "
+                f"nothing to learn; {FIX}"
+            )
+    return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
 def _mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -294,16 +371,30 @@ class Encoder:
         """The row's ids (int32) and mask (uint8: 1 where the id is learnt)."""
         return self._many([self._plan(row)])[0]
 
-    def encode_rows(self, rows: list[tuple[dict[str, Any], str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Raw rows' ids and masks (each with ``where`` it is, which a bad row or a template error names)."""
+    def _plans(self, rows: list[tuple[Row, str]]) -> list[_Plan]:
         plans = []
         for row, where in rows:
-            parsed = read_row(row, where)
             try:
-                plans.append(self._plan(parsed))
+                plans.append(self._plan(row))
             except DataError as e:
                 raise DataError(f"'{where}': {e}") from None
-        return self._many(plans)
+        return plans
+
+    def encode_rows(self, rows: list[tuple[dict[str, Any], str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Raw rows' ids and masks (each with ``where`` it is, which a bad row or a template error names)."""
+        return self._many(self._plans([(read_row(row, where), where) for row, where in rows]))
+
+    def encode_pairs(self, rows: list[tuple[dict[str, Any], str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Preference rows' ids and masks (:func:`read_pair`): two documents a row, its chosen one then its
+        rejected one; a pair whose two sides encode to the same ids and mask is refused, as one whose
+        rows read alike is."""
+        docs = [(side, where) for row, where in rows for side in read_pair(row, where)]
+        out = self._many(self._plans(docs))
+        for k, (_, where) in enumerate(rows):
+            (a, ma), (b, mb) = out[2 * k], out[2 * k + 1]
+            if np.array_equal(a, b) and np.array_equal(ma, mb):
+                raise _same(where, "encode to the same ids (the template renders them alike)")
+        return out
 
     def encode_row(self, row: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
         """A raw row's ids and mask."""

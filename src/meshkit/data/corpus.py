@@ -63,6 +63,15 @@ class Corpus:
         return isinstance(self.train, ChatSource) or any(isinstance(p.train, ChatSource) for p in self.parts)
 
     @property
+    def preference(self) -> bool:
+        """Preference pairs (``meshkit data prepare --chat`` of rows with ``chosen`` and ``rejected``, its
+        manifest's ``chat.preference``): conversations too (``chat``), whose batches hold a pair a row with
+        0/1 weights (:class:`meshkit.data.packing.PairRows`), for DPO."""
+        from meshkit.data.packing import ChatSource
+
+        return isinstance(self.train, ChatSource) and self.train.pairs
+
+    @property
     def loss_unit(self) -> str:
         """The unit of the run's cross-entropy: nats per character for text read per character, per
         token for BPE shards and bare ids (the one owner: the plot, the log and the summary ask it)."""
@@ -170,7 +179,8 @@ def load(path: str | None) -> Corpus:
 
 def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any, Any]:
     """The training and held-out parts of a prepared directory's stream: its tail of ``EVAL_FRACTION``
-    of the tokens, or (``--chat``) of its conversations, whole, with their masks."""
+    of the tokens, or (``--chat``) of its conversations, whole, with their masks (of its preference
+    pairs, whole pairs)."""
     held = len(stream) - split_at(len(stream))
     if "chat" not in manifest:
         return stream.view(0, len(stream) - held), stream.view(len(stream) - held, len(stream))
@@ -182,12 +192,19 @@ def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any,
     files, sizes = [m.path for m in masks], [m.tokens for m in masks]
     ends = shards.documents(directory, len(stream))
     starts = np.concatenate([[0], ends[:-1]])
-    if len(ends) < 2:
+    preference = manifest["chat"].get("preference")
+    pairs = isinstance(preference, dict)
+    if pairs and (not isinstance(n := preference.get("pairs"), int) or 2 * n != len(ends)):
         raise DataError(
-            f"'{directory}' holds {len(ends)} conversation(s): a run holds out its last ones for evaluation, "
-            "so give at least 2 rows"
+            f"'{directory}' manifest says {preference.get('pairs')} preference pairs but it holds {len(ends)} "
+            "documents: prepare it again (meshkit data prepare --chat)"
         )
-    return ChatSource(stream, ShardSource(files, sizes, "u1"), starts, ends).split(held)
+    if len(ends) < (4 if pairs else 2):
+        what = f"{len(ends) // 2} preference pair(s)" if pairs else f"{len(ends)} conversation(s)"
+        raise DataError(
+            f"'{directory}' holds {what}: a run holds out its last ones for evaluation, so give at least 2 rows"
+        )
+    return ChatSource(stream, ShardSource(files, sizes, "u1"), starts, ends, pairs=pairs).split(held)
 
 
 def _from_shards(directory: Path) -> Corpus:
@@ -245,6 +262,11 @@ def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
             )
         )
     mixture.check_kinds(parts)
+    if pairs := [p.name for p in parts if getattr(p.train, "pairs", False)]:
+        raise DataError(
+            f"--data: '{pairs[0]}' holds preference pairs, which a mixture does not draw from: train on one "
+            "directory of pairs (prepare the sources' rows together: meshkit data prepare --chat A B --out DIR)"
+        )
     said = ", ".join(f"{p.name} {p.weight:.0%}" for p in parts)
     return Corpus(
         train=ConcatSource([p.train for p in parts]),

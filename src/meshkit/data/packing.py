@@ -10,6 +10,15 @@ is a segment of its own (ids ``1, 2, ...``; padding ``0``), positions restart at
 and a target is learnt where its id's mask is 1 and it continues the input's document (padding and a
 next document's first id never are).
 
+Preference pairs (a chosen document, then its rejected one: ``ChatSource.pairs``) are not packed:
+row ``i`` of :class:`PairRows` holds pair ``i`` alone, the chosen document (segment 1) then the rejected
+one (segment 2), then padding, so a DPO loss reads each side's log-probabilities from one row. A pair
+longer than the row is cut, and counted (``truncated``), by one rule: each document keeps its
+beginning, and the row's ``seq_len + 1`` ids are shared out so that neither side is cut where it fits in
+half a row: the shorter document whole where it fits in ``(seq_len + 1) // 2`` ids, the longer one the
+rest; else the chosen one ``seq_len + 1 - (seq_len + 1) // 2`` ids and the rejected one ``(seq_len + 1)
+// 2``. Segment ids, positions and the target mask are as for packed rows.
+
 ``documents_layout`` gives the same segment ids and positions for plain token windows, from the
 end-of-text ids that close their documents.
 """
@@ -23,11 +32,24 @@ from meshkit.data.source import DataError, TokenSource
 
 class ChatSource:
     """Documents with a loss mask: the token stream, the mask stream beside it (a byte per id), and
-    each document's ``[start, end)`` in them; a view holds some of the documents."""
+    each document's ``[start, end)`` in them; a view holds some of the documents. With ``pairs`` they
+    are preference pairs, documents ``2k`` (chosen) and ``2k + 1`` (rejected) pair ``k``."""
 
-    def __init__(self, tokens: TokenSource, masks: TokenSource, starts: np.ndarray, ends: np.ndarray) -> None:
-        self.tokens, self.masks = tokens, masks
+    def __init__(
+        self,
+        tokens: TokenSource,
+        masks: TokenSource,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        pairs: bool = False,
+    ) -> None:
+        self.tokens, self.masks, self.pairs = tokens, masks, pairs
         self.starts, self.ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+        if pairs and len(self.starts) % 2:
+            raise DataError(
+                f"preference data holds {len(self.starts)} documents, not a chosen and a rejected one per pair: "
+                "prepare it again (meshkit data prepare --chat)"
+            )
 
     def __len__(self) -> int:
         return int((self.ends - self.starts).sum())
@@ -49,14 +71,19 @@ class ChatSource:
         return ids[start - int(offsets[first]) : stop - int(offsets[first])]
 
     def view(self, first: int, stop: int) -> ChatSource:
-        """Documents ``[first, stop)``."""
-        return ChatSource(self.tokens, self.masks, self.starts[first:stop], self.ends[first:stop])
+        """Documents ``[first, stop)`` (whole pairs: even bounds, for pairs)."""
+        return ChatSource(
+            self.tokens, self.masks, self.starts[first:stop], self.ends[first:stop], pairs=self.pairs
+        )
 
     def split(self, held_tokens: int) -> tuple[ChatSource, ChatSource]:
-        """Training and held-out documents: the held-out ones, at the end, hold about ``held_tokens``."""
-        tail = np.cumsum((self.ends - self.starts)[::-1])
+        """Training and held-out documents: the held-out ones, at the end, hold about ``held_tokens``;
+        each part at least one document (pair, for pairs: a pair is never split)."""
+        step = 2 if self.pairs else 1
+        units = (self.ends - self.starts).reshape(-1, step).sum(1)
+        tail = np.cumsum(units[::-1])
         held = int(np.searchsorted(tail, held_tokens)) + 1 if held_tokens > 0 else 0
-        cut = max(self.documents - min(held, self.documents - 1), 1)
+        cut = step * max(len(units) - min(held, len(units) - 1), 1)
         return self.view(0, cut), self.view(cut, self.documents)
 
 
@@ -80,7 +107,50 @@ def first_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return rows
 
 
-class Packing:
+class _Rows:
+    """Rows of ``source``'s documents, ``seq_len + 1`` ids each: a subclass says which documents row ``i``
+    holds (``_docs``) and how many ids of each (``lengths``)."""
+
+    source: ChatSource
+    width: int
+    pad_id: int
+    lengths: np.ndarray
+    """Each document's ids in its row (its length, or less where it was cut)."""
+    rows: int
+
+    def _docs(self, i: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _read(self, stream: TokenSource, i: int, pad: int) -> np.ndarray:
+        s = self.source
+        parts = [stream.read(int(s.starts[d]), int(s.starts[d] + self.lengths[d])) for d in self._docs(i)]
+        out = np.full(self.width, pad, np.int32)
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        out[: len(ids)] = ids
+        return out
+
+    def tokens(self, i: int) -> np.ndarray:
+        """Row ``i``'s ids (``seq_len + 1``), padded with ``pad_id``."""
+        return self._read(self.source.tokens, i, self.pad_id)
+
+    def layout(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``i``'s segment ids (documents 1, 2, ...; padding 0) and positions."""
+        seg, pos = np.zeros(self.width, np.int32), np.zeros(self.width, np.int32)
+        at = 0
+        for k, d in enumerate(self._docs(i), 1):
+            n = int(self.lengths[d])
+            seg[at : at + n], pos[at : at + n] = k, np.arange(n)
+            at += n
+        return seg, pos
+
+    def target_mask(self, i: int) -> np.ndarray:
+        """Row ``i``'s targets to learn (``seq_len``, 0/1): the id's mask, within the input's document."""
+        mask = self._read(self.source.masks, i, 0)
+        seg, _ = self.layout(i)
+        return (mask[1:] * (seg[1:] == seg[:-1]) * (seg[1:] > 0)).astype(np.uint8)
+
+
+class Packing(_Rows):
     """The rows of ``source``'s documents for windows of ``seq_len + 1`` ids (module docstring)."""
 
     def __init__(self, source: ChatSource, seq_len: int, pad_id: int) -> None:
@@ -112,33 +182,55 @@ class Packing:
     def _docs(self, i: int) -> np.ndarray:
         return self.order[self.bounds[i] : self.bounds[i + 1]]
 
-    def _read(self, stream: TokenSource, i: int, pad: int) -> np.ndarray:
-        s = self.source
-        parts = [stream.read(int(s.starts[d]), int(s.starts[d] + self.lengths[d])) for d in self._docs(i)]
-        out = np.full(self.width, pad, np.int32)
-        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-        out[: len(ids)] = ids
-        return out
 
-    def tokens(self, i: int) -> np.ndarray:
-        """Row ``i``'s ids (``seq_len + 1``), padded with ``pad_id``."""
-        return self._read(self.source.tokens, i, self.pad_id)
+def pair_cut(chosen: np.ndarray, rejected: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids each side of each pair keeps in a row of ``width`` (module docstring): both whole where
+    they fit; else the shorter whole where it fits in ``width // 2``, the longer the rest; else the
+    chosen ``width - width // 2`` and the rejected ``width // 2``."""
+    half = width // 2
+    fit, short = chosen + rejected <= width, np.minimum(chosen, rejected)
+    one_cut = ~fit & (short <= half)  # the shorter whole, the longer the rest of the row
+    rest = width - short
+    keep_c = np.where(
+        fit, chosen, np.where(one_cut, np.where(chosen <= rejected, chosen, rest), width - half)
+    )
+    keep_r = np.where(fit, rejected, np.where(one_cut, np.where(chosen <= rejected, rest, rejected), half))
+    return keep_c, keep_r
 
-    def layout(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row ``i``'s segment ids (documents 1, 2, ...; padding 0) and positions."""
-        seg, pos = np.zeros(self.width, np.int32), np.zeros(self.width, np.int32)
-        at = 0
-        for k, d in enumerate(self._docs(i), 1):
-            n = int(self.lengths[d])
-            seg[at : at + n], pos[at : at + n] = k, np.arange(n)
-            at += n
-        return seg, pos
 
-    def target_mask(self, i: int) -> np.ndarray:
-        """Row ``i``'s targets to learn (``seq_len``, 0/1): the id's mask, within the input's document."""
-        mask = self._read(self.source.masks, i, 0)
-        seg, _ = self.layout(i)
-        return (mask[1:] * (seg[1:] == seg[:-1]) * (seg[1:] > 0)).astype(np.uint8)
+class PairRows(_Rows):
+    """The rows of ``source``'s preference pairs (``source.pairs``): row ``i`` holds pair ``i``, its chosen
+    document (segment 1) then its rejected one (segment 2), then padding (module docstring). The same
+    interface as :class:`Packing`: ``lengths`` per document, ``rows``, ``tokens``, ``layout``,
+    ``target_mask``, ``summary``."""
+
+    def __init__(self, source: ChatSource, seq_len: int, pad_id: int) -> None:
+        if source.documents == 0:
+            raise DataError(
+                "the data holds no preference pairs: prepare some with meshkit data prepare --chat"
+            )
+        self.source, self.width, self.pad_id = source, seq_len + 1, pad_id
+        pairs = (source.ends - source.starts).reshape(-1, 2)
+        self.rows = len(pairs)
+        self.truncated = int((pairs.sum(1) > self.width).sum())
+        """Pairs longer than a row, cut by the rule (module docstring)."""
+        self.lengths = np.stack(pair_cut(pairs[:, 0], pairs[:, 1], self.width), axis=1).reshape(-1)
+
+    @property
+    def summary(self) -> dict[str, float]:
+        """What the run's log says of the rows: pairs (rows) and their documents, cut pairs, share of ids
+        used."""
+        used = float(self.lengths.sum()) / (self.rows * self.width)
+        return {
+            "pairs": self.rows,
+            "documents": self.source.documents,
+            "rows": self.rows,
+            "truncated": self.truncated,
+            "fill": round(used, 4),
+        }
+
+    def _docs(self, i: int) -> np.ndarray:
+        return np.array([2 * i, 2 * i + 1])
 
 
 def documents_layout(window: np.ndarray, eot_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -22,6 +22,12 @@ process computes from the masks of all the batch's rows (a byte per id; it reads
 so the plain mean of ``token_loss * weights`` is the global masked mean under every plan (all zeros where
 the global batch has no target to learn). ``document_masks=True`` gives plain token windows segment ids
 and positions from their end-of-text ids (weights ``None``).
+
+Preference pairs (a ``ChatSource`` with ``pairs``) are rows of one pair each
+(:class:`meshkit.data.packing.PairRows`), shuffled and dealt out as packed rows are, and their weights
+are the 0/1 target mask itself, not scaled: a DPO loss sums each side's log-probabilities per row, and
+the global batch's count of targets would change its value. Their state says ``preference``, so that a
+resume on other data is refused.
 """
 
 from __future__ import annotations
@@ -35,12 +41,12 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from meshkit.data.packing import ChatSource, Packing, documents_layout
+from meshkit.data.packing import ChatSource, Packing, PairRows, documents_layout
 from meshkit.data.source import DataError, TokenSource
 from meshkit.spec.batch import TokenBatch
 
 _STATE_KEYS = ("seed", "seq_len", "global_batch", "num_tokens")
-_PACKED_KEYS = ("packed", "data", "chat")
+_PACKED_KEYS = ("packed", "data", "chat", "preference")
 
 
 def _process() -> tuple[int, int]:
@@ -89,8 +95,10 @@ class Batches:
             self.first_row, self.local_batch = rows[0], rows[1] - rows[0]
         self.document_masks = document_masks
         """Segment ids and positions of plain windows from their end-of-text ids (``pad_id``)."""
-        self.packing = Packing(source, seq_len, pad_id) if isinstance(source, ChatSource) else None
-        """The rows of whole conversations (fine-tuning data), else None."""
+        self.packing: Packing | PairRows | None = None
+        """The rows of whole conversations, or of preference pairs (fine-tuning data), else None."""
+        if isinstance(source, ChatSource):
+            self.packing = (PairRows if source.pairs else Packing)(source, seq_len, pad_id)
         if self.packing is not None:
             self.windows = self.packing.rows
         else:
@@ -129,6 +137,11 @@ class Batches:
         return self.packing is not None
 
     @property
+    def preference(self) -> bool:
+        """Rows of one preference pair each (chosen, then rejected), with 0/1 weights (module docstring)."""
+        return isinstance(self.packing, PairRows)
+
+    @property
     def packing_summary(self) -> dict[str, float] | None:
         """For the run's log (fine-tuning data): conversations, rows, conversations cut to a row, share
         of the rows' ids that are conversations; None for plain data."""
@@ -164,13 +177,16 @@ class Batches:
 
     def batch_at(self, b: int) -> TokenBatch:
         """This process's rows of global batch ``b`` with segment ids, positions and (fine-tuning data)
-        weights scaled over the whole global batch (module docstring)."""
+        weights scaled over the whole global batch, or (preference pairs) the 0/1 target mask
+        (module docstring)."""
         first = b * self.global_batch
         mine = range(first + self.first_row, first + self.first_row + self.local_batch)
         rows = np.stack([self.window(i) for i in mine])
         seg, pos = (np.stack(a)[:, :-1] for a in zip(*(self.layout(i) for i in mine), strict=True))
         weights = None
-        if self.chat:
+        if self.preference:
+            weights = np.stack([self.target_mask(i) for i in mine]).astype(np.float32)
+        elif self.chat:
             masks = np.stack([self.target_mask(i) for i in range(first, first + self.global_batch)])
             learnt = int(masks.sum())
             scale = masks.size / learnt if learnt else 0.0
@@ -231,6 +247,8 @@ class Batches:
             state |= {"packed": True, "data": self.digest}
         if self.chat:
             state |= {"chat": True}
+        if self.preference:
+            state |= {"preference": True}
         return state
 
     def restore(self, state: dict[str, Any]) -> None:

@@ -9,6 +9,11 @@ manifest's ``chat`` key says so: the mask shards, the template, how its mask was
 generation %}`` tags, or its rendered turns), the end of turn given to rows whose template writes it
 only between messages, and the counts. A bad row (no messages, an unknown role, a template that
 refuses it) stops it with one line naming the file, row and fix, and leaves nothing written.
+
+Preference rows (``chosen`` and ``rejected``, TRL's format for DPO: :func:`meshkit.data.chat.read_pair`)
+become two documents each, the chosen one then the rejected one, and the manifest's ``chat`` key counts
+them (``preference``: ``{"pairs": N}``; absent for other rows). The inputs hold one kind of row or the
+other: a row of the other kind than the first is refused in one line.
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.data import shards as S
-from meshkit.data.chat import FIX, Encoder
+from meshkit.data.chat import FIX, Encoder, is_pair
 from meshkit.data.chat_template import TEMPLATE_FILE, ChatTemplate, load_template
 from meshkit.data.readers import ROWS, Input, json_row
 from meshkit.data.source import DataError
 from meshkit.data.tokenizer import Tokenizer
 from meshkit.data.tokenizer_config import read_config
 
-FIELDS = ("messages", "prompt", "completion")
+FIELDS = ("messages", "prompt", "completion", "chosen", "rejected")
 """The columns a chat row is read from."""
 CHUNK = 256
 """Rows rendered, then encoded together on the tokenizer's threads."""
@@ -134,10 +139,12 @@ def write_chat(
     dtype = S.dtype_for(tok.vocab_size)
     ids_out = S.ShardWriter(work, dtype=dtype, end_ids=(), shard_tokens=shard_tokens)
     mask_out = S.ShardWriter(work, dtype="u1", end_ids=(), shard_tokens=shard_tokens, name="mask")
-    learnt = 0
+    learnt, first = 0, None
     try:
         for chunk in _chunks((row, where) for inp in listed for where, row in records(inp)):
-            for ids, mask in encoder.encode_rows(chunk):
+            first = _one_kind(chunk, first)
+            encode = encoder.encode_pairs if is_pair(first[0]) else encoder.encode_rows
+            for ids, mask in encode(chunk):
                 ids_out.add([ids], end=True)
                 mask_out.add([mask], end=True)
                 learnt += int(mask.sum())
@@ -148,7 +155,10 @@ def write_chat(
     ids_out.close()
     mask_out.close(documents=False)
     if not ids_out.doc_ends:
-        raise DataError("the inputs hold no rows: give rows of messages, or of prompt and completion")
+        raise DataError(
+            "the inputs hold no rows: give rows of messages, of prompt and completion, or of prompt, chosen and "
+            "rejected"
+        )
     if template is not None:
         (work / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     chat = {
@@ -162,12 +172,32 @@ def write_chat(
             Path(tokenizer).parent if Path(tokenizer).is_file() else Path(tokenizer)
         ).tokenizer_class,
     }
+    if first is not None and is_pair(first[0]):
+        chat["preference"] = {"pairs": len(ids_out.doc_ends) // 2}
     return {
         "documents": len(ids_out.doc_ends),
         "tokens": ids_out.tokens,
         "shards": ids_out.shards,
         "chat": chat,
     }
+
+
+def _one_kind(
+    chunk: list[tuple[dict[str, Any], str]], first: tuple[dict[str, Any], str] | None
+) -> tuple[dict[str, Any], str]:
+    """The inputs' first row, each row of ``chunk`` checked to be of its kind: preference pairs, or
+    conversations and prompt/completion rows. A preparation holds one kind: a run trains on pairs
+    (``--task dpo``) or on conversations (``--task sft``), and a mixed one could not be read as either."""
+    first = first or chunk[0]
+    pairs = is_pair(first[0])
+    for row, where in chunk:
+        if is_pair(row) != pairs:
+            this, those = ("is", "are not") if is_pair(row) else ("is not", "are")
+            raise DataError(
+                f"'{where}' {this} a preference pair ('chosen' and 'rejected'), and the rows from '{first[1]}' on "
+                f"{those}: prepare preference pairs and other rows apart (each with its own --out)"
+            )
+    return first
 
 
 def summary(manifest: dict[str, Any]) -> str:
@@ -178,6 +208,8 @@ def summary(manifest: dict[str, Any]) -> str:
     said = (
         f"{chat['learnt_tokens']:,} of them learnt ({share:.1%}; template {chat['template'] or 'none'}{how})"
     )
+    if chat.get("preference"):
+        said += f"; {chat['preference']['pairs']:,} preference pairs (chosen, rejected: a document each)"
     for token, rows in (chat.get("end_of_turn_added") or {}).items():
         said += (
             f"; {rows:,} conversation(s) end with {token!r} added after the last answer (the template writes it "
