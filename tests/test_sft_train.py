@@ -164,7 +164,14 @@ def test_trained_tokens_counts_the_global_mask_from_any_rows():
 @pytest.mark.parametrize(
     ("changes", "says"),
     [
-        ({"task": "chat"}, "unknown --task 'chat': use pretrain or sft"),
+        ({"task": "chat"}, "unknown --task 'chat': use pretrain, sft or dpo"),
+        ({"task": "dpo"}, "--task dpo needs --data"),
+        ({"task": "dpo", "data": "d", "plan": "dp+pp"}, "pipeline plans (pp, dp+pp"),
+        ({"task": "dpo", "data": "d", "experts": 4, "plan": "ep"}, "does not train a mixture of experts"),
+        ({"task": "dpo", "data": "d", "plan": "cp"}, "which plan cp splits over the context axis"),
+        ({"beta": 0.2}, "--beta set(s) the preference loss, which only --task dpo trains"),
+        ({"task": "dpo", "data": "d", "preference_loss": "orpo"}, "unknown preference loss 'orpo'"),
+        ({"task": "dpo", "data": "d", "preference_loss": "ipo", "label_smoothing": 0.1}, "ipo loss takes no"),
         ({"task": "sft"}, "--task sft needs --data"),
         ({"task": "sft", "data": "d", "plan": "dp+pp"}, "pipeline plans (pp, dp+pp"),
         ({"document_masks": True, "plan": "pp"}, "drop --document-masks"),

@@ -248,6 +248,8 @@ def _packing_line(job: Job) -> str:
     cut = (
         f", [bold]{p['truncated']:,} cut[/] to --seq-len {job.cfg.data.seq_len} + 1" if p["truncated"] else ""
     )
+    if "pairs" in p:  # preference pairs: a row each (meshkit.data.packing.PairRows)
+        return f"; {p['pairs']:,} preference pairs, a row each ({p['fill']:.0%} filled{cut})"
     return f"; {p['documents']:,} conversations packed in {p['rows']:,} rows ({p['fill']:.0%} filled{cut})"
 
 

@@ -107,6 +107,14 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
     console.print(f"wrote {run_dir}/: {' '.join(wrote)}")
 
 
+def _preference(report: dict[str, Any]) -> str:
+    """``--task dpo``'s held-out pairs: how many the policy prefers the chosen answer of, and by how much."""
+    return (
+        f"accuracy {report['eval_rewards/accuracies']:.1%}, reward margin "
+        f"{report['eval_rewards/margins']:.4f} (chosen over rejected)"
+    )
+
+
 def _results(report: dict[str, Any]) -> list[list[str]]:
     """The table's rows of what the run achieved: losses, tasks, speed, devices, each source of a mixture."""
     flops = f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"
@@ -115,6 +123,7 @@ def _results(report: dict[str, Any]) -> list[list[str]]:
     rows = [
         ["loss (first step -> last step)", f"{_num(report['initial_loss'])} -> {_num(report['final_loss'])}"],
         ["held-out loss", _num(report["eval_loss"])],
+        *([["held-out preference", _preference(report)]] if "eval_rewards/accuracies" in report else []),
         *(
             [f"task: {name}", f"acc {m['acc']:.3f}, acc_norm {m['acc_norm']:.3f}"]
             for name, m in report.get("tasks", {}).items()

@@ -163,6 +163,12 @@ def results(job: Job) -> dict[str, Any]:
         "final_loss": job.history[-1]["loss"] if job.history else None,
         "eval_loss": job.evals[-1]["eval_loss"] if job.evals else None,
         "eval_bpb": job.evals[-1].get("eval_bpb") if job.evals else None,
+        # --task dpo: TRL's metrics of the held-out pairs
+        **(
+            {k: v for k, v in job.evals[-1].items() if k.startswith(("eval_rewards/", "eval_logps/"))}
+            if job.evals
+            else {}
+        ),
         **({"tasks": evals.summary(job.evals[-1])} if job.evals and job.tasks is not None else {}),
         "tokenizer": job.data.tokenizer,
         "vocab": job.data.vocab_size,
@@ -211,6 +217,10 @@ def proof(job: Job) -> dict[str, Any]:
             process_count=1,
         )
     )
+    if (
+        job.reference is not None
+    ):  # --task dpo: the step reads its pairs' reference log-probs (compiled, not run)
+        probe = probe._replace(reference=np.zeros((len(probe[0]), 2), np.float32))
     plan_report = job.trainer.report(probe)
     if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:
         from meshkit.plans import plot_schedule as plot

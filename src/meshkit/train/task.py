@@ -190,6 +190,8 @@ def check_learns(cfg: Any, batches: Any) -> None:
     packing = batches.packing
     if packing is None:
         return
+    if getattr(batches, "preference", False):
+        return _check_pairs_learn(cfg, packing)
     import numpy as np  # here: see trained_tokens
 
     source, first = packing.source, None
@@ -209,6 +211,34 @@ def check_learns(cfg: Any, batches: Any) -> None:
     raise TaskError(
         f"--seq-len {cfg.data.seq_len} cuts every conversation in {cfg.data.data} before its answer: nothing would "
         f"be learnt; use --seq-len {first + 1} or more (the shortest prompt before an answer is {first + 1} tokens)"
+    )
+
+
+def _check_pairs_learn(cfg: Any, rows: Any) -> None:
+    """``check_learns`` for preference pairs (``PairRows``): some pair keeps a target of both its answers
+    in its row (a side cut before its answer has a log-prob of 0, and a loss of such pairs alone would
+    only push the other side). Stops at the first pair that does."""
+    import numpy as np  # here: see trained_tokens
+
+    source, need = rows.source, None
+    for k in range(rows.rows):
+        firsts = {}  # each side's first learnt target (it predicts id first + 1 of the document)
+        for d in (2 * k, 2 * k + 1):
+            learnt = np.flatnonzero(source.masks.read(int(source.starts[d]), int(source.ends[d]))[1:])
+            firsts[d] = int(learnt[0]) if len(learnt) else None
+        if all(f is not None and f + 1 < rows.lengths[d] for d, f in firsts.items()):
+            return
+        if None not in firsts.values():  # a row of twice the longer side's first answer id fits both
+            width = 2 * (max(firsts.values()) + 2)
+            need = width if need is None else min(need, width)
+    if need is None:
+        raise TaskError(
+            f"no pair in {cfg.data.data} has an answer to learn on both sides: prepare it again from rows whose "
+            "chosen and rejected answers are not empty"
+        )
+    raise TaskError(
+        f"--seq-len {cfg.data.seq_len} cuts an answer of every pair in {cfg.data.data}: nothing would be learnt; "
+        f"use --seq-len {need - 1} or more (a row holds a pair: both prompts and the start of both answers)"
     )
 
 
