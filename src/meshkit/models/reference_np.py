@@ -209,16 +209,17 @@ def _gemma(params: Any, cfg: Any, tokens, seg, pos) -> np.ndarray:
 _FORWARDS = {"GPTConfig": _gpt, "LlamaConfig": _llama, "GemmaConfig": _gemma}
 
 
-def token_logprobs(params: Any, cfg: Any, batch: Any) -> np.ndarray:
+def token_logprobs(params: Any, cfg: Any, batch: Any, temperature: float = 1.0) -> np.ndarray:
     """Each target's log-probability ``(B, T)`` under a GPT, Llama or Gemma (``cfg``; the loop form, dense,
     the ``small`` configs' switches: the Gemma's window, soft caps, sandwich norms and tied head) on
-    ``batch`` (a pair or a ``TokenBatch``: its segment ids and positions), in float64."""
+    ``batch`` (a pair or a ``TokenBatch``: its segment ids and positions), in float64; of the logits divided
+    by ``temperature`` where given (a sampler's, as GRPO's loss reads them)."""
     params = to_float64(params)
     tokens, targets = np.asarray(batch[0]), np.asarray(batch[1])
     _, seg, pos = _extras(batch)
     seg = np.zeros(tokens.shape, np.int64) if seg is None else seg
     pos = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape) if pos is None else pos
-    logits = _FORWARDS[type(cfg).__name__](params, cfg, tokens, seg, pos)
+    logits = _FORWARDS[type(cfg).__name__](params, cfg, tokens, seg, pos) / temperature
     peak = logits.max(-1, keepdims=True)
     lse = np.log(np.exp(logits - peak).sum(-1)) + peak[..., 0]
     return np.take_along_axis(logits, targets[..., None], -1)[..., 0] - lse

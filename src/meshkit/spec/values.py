@@ -77,6 +77,7 @@ TASKS = {
     "mask per document",
     "dpo": "preference tuning on pairs of answers (prompt, chosen, rejected): --preference-loss against the "
     "frozen starting model",
+    "grpo": "reinforcement learning on prompts: --generations completions each, scored by --reward",
 }
 """What ``meshkit train --task`` trains (``meshkit.spec.batch``: the batch's fields each needs)."""
 
@@ -86,6 +87,14 @@ PREFERENCE_LOSSES = {
     "simpo": "SimPO: no reference, mean log-probs and a target margin",
 }
 """The objectives of ``--task dpo`` (``meshkit.models.preference``)."""
+
+GRPO_LOSSES = {
+    "dapo": "the mean over every completion token of the batch",
+    "bnpo": "as dapo",
+    "grpo": "each completion's mean, then the mean over completions",
+    "dr_grpo": "the sum over tokens over completions x --max-new-tokens",
+}
+"""How ``--task grpo`` aggregates its token losses (TRL's ``loss_type``; ``meshkit.models.grpo``)."""
 
 AUTO = "auto"
 """A plan name that asks the planner to choose (resolved before a step is assembled)."""
