@@ -230,7 +230,7 @@ def test_prepare_chat_writes_masks_and_the_corpus_batches_them(tmp_path):
             [{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}],
             "'X:1' opens with the assistant's message",
         ),
-        ([{"prompt": "p"}], "'X:1' has neither 'messages' .* nor 'prompt' and 'completion'"),
+        ([{"completion": "c"}], "'X:1' has neither 'messages' .* nor 'prompt' and 'completion'"),
         (  # JSON's "\\ud800": a lone surrogate, which no tokenizer encodes (a UnicodeEncodeError before)
             [
                 ROWS[0],

@@ -34,13 +34,13 @@ def _forget_the_trees():
 
 #: The layers, lowest first: a module imports from its own layer or below. (``cli`` is the top.)
 LAYERS = [
-    {"_errors", "fmt", "files", "migrate"},
+    {"_errors", "fmt", "files", "migrate", "user_code"},
     {"devices", "mesh", "spec", "distributed", "compile_cache", "targets"},
     {"analysis", "launch"},
     {"plans"},
     {"models", "adapters", "interop"},
     {"planner"},
-    {"data"},
+    {"data", "rewards"},
     {"train"},
     {"verify", "examples", "selftest"},
     {"cli", "__init__"},

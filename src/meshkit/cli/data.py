@@ -18,7 +18,10 @@ data_app = typer.Typer(
 CHAT_HELP = (
     "Rows are conversations ('messages': a list of {role, content}) or 'prompt' and 'completion' (strings, or "
     "lists of messages): each row one document, rendered with --tokenizer's chat template as transformers' "
-    "apply_chat_template does, with a loss mask on the assistant's tokens (for meshkit train --task sft)."
+    "apply_chat_template does, with a loss mask on the assistant's tokens (for meshkit train --task sft); or "
+    "preference rows ('prompt', 'chosen', 'rejected': two documents each, for --task dpo); or prompts ('prompt' "
+    "alone, TRL's GRPO rows: the prompt as the model is given it, each row's other columns in rows.jsonl for "
+    "the rewards of --task grpo)."
 )
 
 
@@ -162,6 +165,8 @@ def _done(out: str, manifest: dict, seconds: float) -> None:
 
         pairs = bool(manifest["chat"].get("preference"))  # a chosen and a rejected document per pair
         what, task = ("documents", "dpo") if pairs else ("conversations", "sft")
+        if manifest["chat"].get("prompts"):
+            what, task = "prompts", "grpo --reward SPEC"
         console.print(
             f"prepared {out}: {manifest['documents']:,} {what} -> {manifest['tokens']:,} tokens, "
             f"{summary(manifest)}, in {len(manifest['shards'])} shard(s), {seconds:.1f} s; train on it with: "

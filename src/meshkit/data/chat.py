@@ -31,6 +31,11 @@ one), prompt + completion, and its end of text; the completion and the end of te
 A preference row (TRL's, for DPO: ``prompt``, ``chosen`` and ``rejected``; or no ``prompt`` and two whole
 conversations sharing their first messages, :func:`read_pair`) is two such rows, the prompt with each
 of its completions, encoded exactly as those prompt/completion rows are.
+
+A prompt row (TRL's, for GRPO: ``prompt`` alone, a string or a list of messages, :func:`read_prompt`)
+is what the model is given to answer: messages the template's render with the generation prompt
+(:meth:`Encoder.prompt_ids`), a string the tokenizer's framing (its BOS where it prepends one) and the
+text, with no end of text; nothing of it is learnt.
 """
 
 from __future__ import annotations
@@ -160,6 +165,40 @@ def read_pair(row: dict[str, Any], where: str) -> tuple[Row, Row]:
     if out[0] == out[1]:
         raise _same(where)
     return out
+
+
+ANSWERS = ("messages", "completion", *PAIR)
+"""What a prompt row has none of: a row with any of them is a conversation or a preference pair."""
+
+
+def is_prompt(row: dict[str, Any]) -> bool:
+    """Whether ``row`` is a prompt row: it has a ``prompt`` and none of :data:`ANSWERS` (a null is none)."""
+    return row.get("prompt") is not None and all(row.get(k) is None for k in ANSWERS)
+
+
+def read_prompt(row: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
+    """A prompt row's prompt as given (TRL's GRPO format): a string, or a list of messages that opens with
+    a system or user message and does not end with the assistant's (TRL would continue that answer;
+    meshkit gives the model a turn to answer)."""
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f"'{where}': 'prompt' is empty: nothing to answer; {FIX}")
+        _text(prompt, "prompt", where)
+        return prompt
+    if not isinstance(prompt, list):
+        raise DataError(
+            f"'{where}': 'prompt' is a {type(prompt).__name__}, not a string or a list of {{role, content}} "
+            f"messages: {FIX}"
+        )
+    prompt = _messages(prompt, "prompt", where)
+    for at, name in ((0, "opens"), (-1, "ends")):
+        if prompt[at]["role"] == "assistant":
+            raise DataError(
+                f"'{where}': 'prompt' {name} with the assistant's message: a prompt gives the model a turn to "
+                f"answer, so open with a system or user message and end with another than the assistant's; {FIX}"
+            )
+    return prompt
 
 
 def _same(where: str, how: str = "are the same") -> DataError:
@@ -399,6 +438,39 @@ class Encoder:
     def encode_row(self, row: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
         """A raw row's ids and mask."""
         return self.encode_rows([(row, where)])[0]
+
+    def encode_prompts(self, rows: list[tuple[dict[str, Any], str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Prompt rows' ids and masks (all 0: nothing is learnt), batched on the tokenizer's threads: a
+        list of messages exactly :meth:`prompt_ids`, a string the tokenizer's framing and its text."""
+        texts: list[tuple[str, bool]] = []
+        for row, where in rows:
+            prompt = read_prompt(row, where)
+            if isinstance(prompt, str):
+                texts.append((prompt, False))
+                continue
+            try:
+                texts.append((self._render_prompt(prompt), True))
+            except DataError as e:
+                raise DataError(f"'{where}': {e}") from None
+        out: list[Any] = [None] * len(texts)
+        pre = np.asarray(self.tokenizer.prefix, np.int32)
+        for chat in (True, False):
+            at = [i for i, (_, c) in enumerate(texts) if c == chat]
+            encoded = (
+                self.tokenizer.encode_offsets_batch([texts[i][0] for i in at], special=chat) if at else []
+            )
+            for i, (ids, _) in zip(at, encoded, strict=True):
+                ids = ids if chat else np.concatenate([pre, ids])
+                out[i] = ids, np.zeros(len(ids), np.uint8)
+        return out
+
+    def _render_prompt(self, messages: list[dict[str, Any]]) -> str:
+        if self.template is None:
+            raise DataError(
+                "a prompt of messages needs a chat template: give --tokenizer a chat model's directory "
+                "(its tokenizer_config.json's chat_template, or chat_template.jinja)"
+            )
+        return self.template.render(messages, add_generation_prompt=True)
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> np.ndarray:
         """The ids of ``messages`` with the template's generation prompt (to sample the answer from)."""

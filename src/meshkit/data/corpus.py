@@ -53,11 +53,15 @@ class Corpus:
     parts: tuple[mixture.Part, ...] = ()
     """A mixture's sources with their weights (``train`` and ``held_out`` are theirs one after another);
     empty for one source."""
+    prompt_sets: tuple[Any, ...] = ()
+    """Prompts (``meshkit data prepare --chat`` of prompt rows): the training and held-out
+    :class:`meshkit.data.prompts.Prompts`, the documents of ``train`` and ``held_out``; empty otherwise."""
 
     @property
     def chat(self) -> bool:
         """Conversations with a loss mask (``meshkit data prepare --chat``): its batches are
-        :class:`meshkit.spec.batch.TokenBatch` es with weights, segment ids and positions."""
+        :class:`meshkit.spec.batch.TokenBatch` es with weights, segment ids and positions. Prompts
+        (:attr:`prompts`) are chat data too, with nothing to learn."""
         from meshkit.data.packing import ChatSource
 
         return isinstance(self.train, ChatSource) or any(isinstance(p.train, ChatSource) for p in self.parts)
@@ -70,6 +74,22 @@ class Corpus:
         from meshkit.data.packing import ChatSource
 
         return isinstance(self.train, ChatSource) and self.train.pairs
+
+    @property
+    def prompts(self) -> bool:
+        """Prompts to answer, for GRPO (its manifest's ``chat.prompts``): no conversations to learn (``train``
+        and ``held_out`` are their documents, with masks of 0s, which :class:`Batches` refuses to pack);
+        :meth:`prompt_set` reads them."""
+        return bool(self.prompt_sets)
+
+    def prompt_set(self, held_out: bool = False) -> Any:
+        """The training (or held-out) :class:`meshkit.data.prompts.Prompts`: ids, rows, the order by seed."""
+        if not self.prompt_sets:
+            raise DataError(
+                f"{self.source} holds no prompts: prepare rows of 'prompt' alone (TRL's GRPO format) with "
+                "meshkit data prepare --chat"
+            )
+        return self.prompt_sets[1 if held_out else 0]
 
     @property
     def loss_unit(self) -> str:
@@ -180,7 +200,7 @@ def load(path: str | None) -> Corpus:
 def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any, Any]:
     """The training and held-out parts of a prepared directory's stream: its tail of ``EVAL_FRACTION``
     of the tokens, or (``--chat``) of its conversations, whole, with their masks (of its preference
-    pairs, whole pairs)."""
+    pairs, whole pairs; of its prompts, ``EVAL_FRACTION`` of them by count, :func:`meshkit.data.prompts.held_out`)."""
     held = len(stream) - split_at(len(stream))
     if "chat" not in manifest:
         return stream.view(0, len(stream) - held), stream.view(len(stream) - held, len(stream))
@@ -199,12 +219,20 @@ def _split(directory: Path, manifest: dict[str, Any], stream: Any) -> tuple[Any,
             f"'{directory}' manifest says {preference.get('pairs')} preference pairs but it holds {len(ends)} "
             "documents: prepare it again (meshkit data prepare --chat)"
         )
+    prompts = isinstance(manifest["chat"].get("prompts"), dict)
     if len(ends) < (4 if pairs else 2):
         what = f"{len(ends) // 2} preference pair(s)" if pairs else f"{len(ends)} conversation(s)"
+        what = f"{len(ends)} prompt(s)" if prompts else what
         raise DataError(
             f"'{directory}' holds {what}: a run holds out its last ones for evaluation, so give at least 2 rows"
         )
-    return ChatSource(stream, ShardSource(files, sizes, "u1"), starts, ends, pairs=pairs).split(held)
+    source = ChatSource(stream, ShardSource(files, sizes, "u1"), starts, ends, pairs=pairs, prompts=prompts)
+    if prompts:
+        from meshkit.data.prompts import held_out
+
+        cut = len(ends) - held_out(len(ends), EVAL_FRACTION)
+        return source.view(0, cut), source.view(cut, len(ends))
+    return source.split(held)
 
 
 def _from_shards(directory: Path) -> Corpus:
@@ -212,6 +240,11 @@ def _from_shards(directory: Path) -> Corpus:
 
     manifest, stream, tokenizer = shards.open_shards(directory)
     train, held = _split(directory, manifest, stream)
+    sets: tuple[Any, ...] = ()
+    if getattr(train, "prompts", False):
+        from meshkit.data.prompts import Prompts
+
+        sets = Prompts.open(directory, manifest=manifest, stream=stream).split(EVAL_FRACTION)
     return Corpus(
         train=train,
         held_out=held,
@@ -224,6 +257,7 @@ def _from_shards(directory: Path) -> Corpus:
         token_bytes=tokenizer.token_bytes,
         tokenizer="BPE",
         bpe=tokenizer,
+        prompt_sets=sets,
     )
 
 
@@ -262,11 +296,12 @@ def _mixture(sources: list[tuple[str, float | None]]) -> Corpus:
             )
         )
     mixture.check_kinds(parts)
-    if pairs := [p.name for p in parts if getattr(p.train, "pairs", False)]:
-        raise DataError(
-            f"--data: '{pairs[0]}' holds preference pairs, which a mixture does not draw from: train on one "
-            "directory of pairs (prepare the sources' rows together: meshkit data prepare --chat A B --out DIR)"
-        )
+    for kind, said in (("pairs", "preference pairs"), ("prompts", "prompts")):
+        if named := [p.name for p in parts if getattr(p.train, kind, False)]:
+            raise DataError(
+                f"--data: '{named[0]}' holds {said}, which a mixture does not draw from: train on one directory of "
+                f"{said} (prepare the sources' rows together: meshkit data prepare --chat A B --out DIR)"
+            )
     said = ", ".join(f"{p.name} {p.weight:.0%}" for p in parts)
     return Corpus(
         train=ConcatSource([p.train for p in parts]),

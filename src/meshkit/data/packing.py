@@ -19,6 +19,9 @@ half a row: the shorter document whole where it fits in ``(seq_len + 1) // 2`` i
 rest; else the chosen one ``seq_len + 1 - (seq_len + 1) // 2`` ids and the rejected one ``(seq_len + 1)
 // 2``. Segment ids, positions and the target mask are as for packed rows.
 
+Prompts (``ChatSource.prompts``: :mod:`meshkit.data.prompts`, for GRPO) have nothing to learn and are
+neither packed nor laid out in pair rows: both refuse them in one line.
+
 ``documents_layout`` gives the same segment ids and positions for plain token windows, from the
 end-of-text ids that close their documents.
 """
@@ -33,7 +36,8 @@ from meshkit.data.source import DataError, TokenSource
 class ChatSource:
     """Documents with a loss mask: the token stream, the mask stream beside it (a byte per id), and
     each document's ``[start, end)`` in them; a view holds some of the documents. With ``pairs`` they
-    are preference pairs, documents ``2k`` (chosen) and ``2k + 1`` (rejected) pair ``k``."""
+    are preference pairs, documents ``2k`` (chosen) and ``2k + 1`` (rejected) pair ``k``; with ``prompts``
+    they are prompts to answer (all masks 0), which no run learns from as conversations."""
 
     def __init__(
         self,
@@ -42,8 +46,9 @@ class ChatSource:
         starts: np.ndarray,
         ends: np.ndarray,
         pairs: bool = False,
+        prompts: bool = False,
     ) -> None:
-        self.tokens, self.masks, self.pairs = tokens, masks, pairs
+        self.tokens, self.masks, self.pairs, self.prompts = tokens, masks, pairs, prompts
         self.starts, self.ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         if pairs and len(self.starts) % 2:
             raise DataError(
@@ -73,7 +78,12 @@ class ChatSource:
     def view(self, first: int, stop: int) -> ChatSource:
         """Documents ``[first, stop)`` (whole pairs: even bounds, for pairs)."""
         return ChatSource(
-            self.tokens, self.masks, self.starts[first:stop], self.ends[first:stop], pairs=self.pairs
+            self.tokens,
+            self.masks,
+            self.starts[first:stop],
+            self.ends[first:stop],
+            pairs=self.pairs,
+            prompts=self.prompts,
         )
 
     def split(self, held_tokens: int) -> tuple[ChatSource, ChatSource]:
@@ -85,6 +95,15 @@ class ChatSource:
         held = int(np.searchsorted(tail, held_tokens)) + 1 if held_tokens > 0 else 0
         cut = step * max(len(units) - min(held, len(units) - 1), 1)
         return self.view(0, cut), self.view(cut, self.documents)
+
+
+def _not_prompts(source: ChatSource) -> None:
+    """Prompts are answered (``--task grpo``), not learnt as conversations or pairs."""
+    if source.prompts:
+        raise DataError(
+            "the data holds prompts to answer (prompt rows, nothing to learn from them as they are): train on them "
+            "with --task grpo, or prepare conversations or preference pairs"
+        )
 
 
 def first_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -154,6 +173,7 @@ class Packing(_Rows):
     """The rows of ``source``'s documents for windows of ``seq_len + 1`` ids (module docstring)."""
 
     def __init__(self, source: ChatSource, seq_len: int, pad_id: int) -> None:
+        _not_prompts(source)
         if source.documents == 0:
             raise DataError("the data holds no conversations: prepare some with meshkit data prepare --chat")
         self.source, self.width, self.pad_id = source, seq_len + 1, pad_id
@@ -205,6 +225,7 @@ class PairRows(_Rows):
     ``target_mask``, ``summary``."""
 
     def __init__(self, source: ChatSource, seq_len: int, pad_id: int) -> None:
+        _not_prompts(source)
         if source.documents == 0:
             raise DataError(
                 "the data holds no preference pairs: prepare some with meshkit data prepare --chat"

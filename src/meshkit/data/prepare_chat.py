@@ -12,8 +12,18 @@ refuses it) stops it with one line naming the file, row and fix, and leaves noth
 
 Preference rows (``chosen`` and ``rejected``, TRL's format for DPO: :func:`meshkit.data.chat.read_pair`)
 become two documents each, the chosen one then the rejected one, and the manifest's ``chat`` key counts
-them (``preference``: ``{"pairs": N}``; absent for other rows). The inputs hold one kind of row or the
-other: a row of the other kind than the first is refused in one line.
+them (``preference``: ``{"pairs": N}``; absent for other rows).
+
+Prompt rows (``prompt`` and no answer, TRL's format for GRPO: :func:`meshkit.data.chat.read_prompt`)
+become a document each, the prompt as the model is given it with a mask of 0s, and ``rows.jsonl`` beside
+the shards holds each one's row as read (the prompt and every other column: what a reward function is
+given, :mod:`meshkit.data.prompts`); the manifest's ``chat`` key counts them (``prompts``: ``{"count":
+N}``, with the file and its sha256). Parquet and datasets inputs of prompt rows (no ``messages``,
+``completion``, ``chosen`` or ``rejected`` column) are read whole, every column; others only from their
+chat columns.
+
+The inputs hold one kind of row: conversations (and prompt/completion rows), preference pairs or
+prompts; a row of another kind than the first is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,8 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from meshkit.data import prompts as P
 from meshkit.data import shards as S
-from meshkit.data.chat import FIX, Encoder, is_pair
+from meshkit.data.chat import ANSWERS, FIX, Encoder, is_pair, is_prompt
 from meshkit.data.chat_template import TEMPLATE_FILE, ChatTemplate, load_template
 from meshkit.data.readers import ROWS, Input, json_row
 from meshkit.data.source import DataError
@@ -77,21 +88,42 @@ def _pylist(batch: Any, name: str, before: int) -> list[dict[str, Any]]:
         raise
 
 
+def _columns(names: list[str]) -> list[str]:
+    """The columns a table's rows are read from: all of them where its rows can be prompt rows (it has
+    none of :data:`meshkit.data.chat.ANSWERS`: a reward function is given the other columns), else the
+    chat columns it has."""
+    if "prompt" in names and not any(c in names for c in ANSWERS):
+        return list(names)
+    return [c for c in FIELDS if c in names]
+
+
+def _null_answers(where: str, names: list[str]) -> DataError:
+    """A prompt row of a table read only from its chat columns (it has an answer column, null here): its
+    other columns, which a reward function would be given, were not read."""
+    null = [c for c in ANSWERS if c in names]
+    return DataError(
+        f"'{where}' is a prompt row (its {', '.join(null)} null) in a table with a '{null[0]}' column, whose other "
+        f"columns are then not read for the rewards: drop the {', '.join(null)} column(s) from prompt rows, or {FIX}"
+    )
+
+
 def _table_rows(inp: Input) -> Iterator[tuple[str, dict[str, Any]]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     def rows(name: str, schema: Any, batches: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-        i = 0
+        i, cols = 0, _columns(schema.names)
         for batch in batches:
-            for row in _pylist(batch.select([c for c in FIELDS if c in schema.names]), name, i):
+            for row in _pylist(batch.select(cols), name, i):
                 i += 1
+                if len(cols) < len(schema.names) and is_prompt(row):
+                    raise _null_answers(f"{name} row {i}", schema.names)
                 yield f"{name} row {i}", row
 
     try:
         if inp.kind == "parquet":
             with pq.ParquetFile(inp.path) as f:
-                cols = [c for c in FIELDS if c in f.schema_arrow.names]
+                cols = _columns(f.schema_arrow.names)
                 yield from rows(
                     inp.name, f.schema_arrow, f.iter_batches(batch_size=ROWS, columns=cols or None)
                 )
@@ -132,37 +164,59 @@ def _template(tokenizer: str) -> ChatTemplate | None:
 def write_chat(
     work: Path, listed: list[Input], tok: Tokenizer, tokenizer: str, shard_tokens: int
 ) -> dict[str, Any]:
-    """Encode every row into ``work`` (token and mask shards, ``documents.npy``, the template); returns
-    the manifest's counts and its ``chat`` key."""
+    """Encode every row into ``work`` (token and mask shards, ``documents.npy``, the template, and for
+    prompt rows ``rows.jsonl``); returns the manifest's counts and its ``chat`` key."""
     template = _template(tokenizer)
     encoder = Encoder(tok, template)
     dtype = S.dtype_for(tok.vocab_size)
     ids_out = S.ShardWriter(work, dtype=dtype, end_ids=(), shard_tokens=shard_tokens)
     mask_out = S.ShardWriter(work, dtype="u1", end_ids=(), shard_tokens=shard_tokens, name="mask")
+    rows_out = P.RowWriter(work)
     learnt, first = 0, None
     try:
         for chunk in _chunks((row, where) for inp in listed for where, row in records(inp)):
             first = _one_kind(chunk, first)
-            encode = encoder.encode_pairs if is_pair(first[0]) else encoder.encode_rows
+            encode = getattr(encoder, _ENCODE[_kind(first[0])])
             for ids, mask in encode(chunk):
                 ids_out.add([ids], end=True)
                 mask_out.add([mask], end=True)
                 learnt += int(mask.sum())
+            if is_prompt(first[0]):  # each row's columns, for the reward functions
+                rows_out.add(chunk)
     except BaseException:
         ids_out.close(documents=False)  # the files closed; the directory is removed
         mask_out.close(documents=False)
+        rows_out.close()
         raise
     ids_out.close()
     mask_out.close(documents=False)
+    rows = rows_out.close()
     if not ids_out.doc_ends:
         raise DataError(
-            "the inputs hold no rows: give rows of messages, of prompt and completion, or of prompt, chosen and "
-            "rejected"
+            "the inputs hold no rows: give rows of messages, of prompt and completion, of prompt, chosen and "
+            "rejected, or of prompts"
         )
     if template is not None:
         (work / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
-    chat = {
-        "masks": mask_out.shards,
+    chat = _chat_key(template, tokenizer, encoder, mask_out.shards, learnt)
+    if first is not None and is_pair(first[0]):
+        chat["preference"] = {"pairs": len(ids_out.doc_ends) // 2}
+    if rows is not None:  # nothing is learnt: no mask was found
+        chat |= {"prompts": rows, "mask": None}
+    return {
+        "documents": len(ids_out.doc_ends),
+        "tokens": ids_out.tokens,
+        "shards": ids_out.shards,
+        "chat": chat,
+    }
+
+
+def _chat_key(
+    template: ChatTemplate | None, tokenizer: str, encoder: Encoder, masks: list, learnt: int
+) -> dict[str, Any]:
+    """The manifest's ``chat`` key but what a kind of rows adds (``preference``, ``prompts``)."""
+    return {
+        "masks": masks,
         "learnt_tokens": learnt,
         "template": None if template is None else template.name,
         "template_sha256": None if template is None else template.sha256,
@@ -172,30 +226,37 @@ def write_chat(
             Path(tokenizer).parent if Path(tokenizer).is_file() else Path(tokenizer)
         ).tokenizer_class,
     }
-    if first is not None and is_pair(first[0]):
-        chat["preference"] = {"pairs": len(ids_out.doc_ends) // 2}
-    return {
-        "documents": len(ids_out.doc_ends),
-        "tokens": ids_out.tokens,
-        "shards": ids_out.shards,
-        "chat": chat,
-    }
+
+
+_ENCODE = {"pair": "encode_pairs", "prompt": "encode_prompts", "conversation": "encode_rows"}
+"""Each kind of row's :class:`meshkit.data.chat.Encoder` method."""
+_SAID = {
+    "pair": "a preference pair ('chosen' and 'rejected')",
+    "prompt": "a prompt to answer ('prompt' alone, for --task grpo)",
+}
+
+
+def _kind(row: dict[str, Any]) -> str:
+    return "pair" if is_pair(row) else "prompt" if is_prompt(row) else "conversation"
 
 
 def _one_kind(
     chunk: list[tuple[dict[str, Any], str]], first: tuple[dict[str, Any], str] | None
 ) -> tuple[dict[str, Any], str]:
-    """The inputs' first row, each row of ``chunk`` checked to be of its kind: preference pairs, or
-    conversations and prompt/completion rows. A preparation holds one kind: a run trains on pairs
-    (``--task dpo``) or on conversations (``--task sft``), and a mixed one could not be read as either."""
+    """The inputs' first row, each row of ``chunk`` checked to be of its kind: preference pairs, prompts, or
+    conversations and prompt/completion rows. A preparation holds one kind: a run trains on pairs (``--task
+    dpo``), on prompts (``--task grpo``) or on conversations (``--task sft``), and a mixed one could not be
+    read as any."""
     first = first or chunk[0]
-    pairs = is_pair(first[0])
+    kind = _kind(first[0])
     for row, where in chunk:
-        if is_pair(row) != pairs:
-            this, those = ("is", "are not") if is_pair(row) else ("is not", "are")
+        if (this := _kind(row)) != kind:
+            named = "prompt" if "prompt" in (this, kind) else "pair"  # the kind the line speaks of
+            said, plural = _SAID[named], "prompts" if named == "prompt" else "preference pairs"
+            this, those = ("is", "are not") if this == named else ("is not", "are")
             raise DataError(
-                f"'{where}' {this} a preference pair ('chosen' and 'rejected'), and the rows from '{first[1]}' on "
-                f"{those}: prepare preference pairs and other rows apart (each with its own --out)"
+                f"'{where}' {this} {said}, and the rows from '{first[1]}' on {those}: prepare {plural} and other "
+                "rows apart (each with its own --out)"
             )
     return first
 
@@ -208,6 +269,11 @@ def summary(manifest: dict[str, Any]) -> str:
     said = (
         f"{chat['learnt_tokens']:,} of them learnt ({share:.1%}; template {chat['template'] or 'none'}{how})"
     )
+    if chat.get("prompts"):  # the CLI's line counts them
+        said = (
+            f"none of them learnt (prompts to answer; template {chat['template'] or 'none'}), each prompt's row "
+            f"in {chat['prompts']['rows']} for the reward functions"
+        )
     if chat.get("preference"):
         said += f"; {chat['preference']['pairs']:,} preference pairs (chosen, rejected: a document each)"
     for token, rows in (chat.get("end_of_turn_added") or {}).items():
