@@ -14,6 +14,9 @@ from meshkit.train import config_file
 def test_every_option_is_in_exactly_one_table():
     tabled = [n for names in config_file.SECTIONS.values() for n in names]
     assert sorted(tabled) == sorted(C.OPTIONS) and len(tabled) == len(set(tabled))
+    from meshkit.cli.train import ORDER  # every section's flags in meshkit train --help
+
+    assert sorted(ORDER) == sorted(C.SECTIONS)
 
 
 def _error(capsys, argv) -> str:

@@ -53,8 +53,8 @@ def _kind(name: str) -> type:
 _TYPES = C.option_types()
 """Every config field's type (read once: the fields' types are the same for every option)."""
 
-ORDER = ("parallel", "model", "data", "optimizer", "run")
-"""The sections' order in --help."""
+ORDER = ("parallel", "model", "data", "objective", "optimizer", "run")
+"""The sections' order in --help (every one of ``config.SECTIONS``: tests/test_config_file.py holds it)."""
 #: ``meshkit train``'s options that are config fields, section by section, each declared with the help it shows
 #: (the field's docstring says why it exists; its help, what to type). An option without help is given by a
 #: config file or ``--set`` only (``--set optimizer.weight_decay=0.1``).
@@ -332,7 +332,7 @@ def _deterministic_run(given: Any, config: Any, set_: list, resume: bool, run_di
 def _check_devices(n: int | None) -> None:
     """``--devices`` at most what the host's available memory can simulate (100000 devices ended in a
     segfault, exit 139, before any line)."""
-    from meshkit.train.job import host_available
+    from meshkit.train.fits import host_available
 
     if n is None or not isinstance(n, int) or n < 1:
         return  # simulate_devices says what a count must be
@@ -353,7 +353,7 @@ def _auto(cfg: C.TrainConfig, given: dict, console) -> C.TrainConfig:
     """``--plan auto``: the planner's choice for this GPT, its batch and precision on these devices."""
     from meshkit.data import load
     from meshkit.planner.auto import choose_gpt
-    from meshkit.train.job import model_shape
+    from meshkit.train.fits import model_shape
 
     if clash := [C.flag(k) for k in AUTO_SETS if k in given]:
         raise C.ConfigError(

@@ -26,7 +26,7 @@ from typing import Any
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
 from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
-from meshkit.train.options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
+from meshkit.train.options import DataOptions, ModelOptions, ObjectiveOptions, OptimizerOptions, RunOptions
 from meshkit.train.task import problem as task_problem
 
 
@@ -44,6 +44,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelOptions,
     "optimizer": OptimizerOptions,
     "data": DataOptions,
+    "objective": ObjectiveOptions,
     "run": RunOptions,
     "parallel": ParallelSpec,
 }
@@ -66,6 +67,7 @@ class TrainConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     data: DataOptions = field(default_factory=DataOptions)
+    objective: ObjectiveOptions = field(default_factory=ObjectiveOptions)
     run: RunOptions = field(default_factory=RunOptions)
     parallel: ParallelSpec = field(default_factory=lambda: ParallelSpec(plan="fsdp"))
     """How the step is laid out over devices: plan, mesh, remat, precision, micro-batches."""

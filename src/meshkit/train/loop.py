@@ -32,6 +32,7 @@ from meshkit._errors import MeshkitError
 from meshkit.data import global_batch
 from meshkit.fmt import to_json
 from meshkit.models import num_params
+from meshkit.rewards import RewardError
 from meshkit.train import config as C
 from meshkit.train import evals, optim
 from meshkit.train import resume as R
@@ -44,9 +45,11 @@ from meshkit.train.lock import (
     write_atomic,
 )
 from meshkit.train.metrics import METRICS_NAME, MetricsLog, read_rows
+from meshkit.train.objective import OPTIONS
 from meshkit.train.profile import PROFILE_DIR, StepProfiler, summary_table
 from meshkit.train.profile import check_steps as check_profile
 from meshkit.train.results import evaluate, mfu, moe_slots, proof, results, sample
+from meshkit.train.rollout import Rollouts, nothing_learnt
 from meshkit.train.stop import StopRequest
 from meshkit.train.stop import exit_code as stop_exit_code
 from meshkit.train.task import trained_tokens
@@ -118,6 +121,10 @@ def train(
     except KeyboardInterrupt:  # raised by code (SIGINT itself is a StopRequest)
         signum = signal.SIGINT
         _stopped(job, ckpt, console, signum)
+    except RewardError:  # a rollout's reward failed before its step ran: the steps done are good, keep them
+        if ckpt is not None and job.step and ckpt.latest_step() != job.step:
+            _save(job, ckpt, wait=True)
+        raise
     finally:
         profiler.close()
         job.batches.close()
@@ -140,8 +147,15 @@ def _stopped(job: Job, ckpt: Checkpointer | None, console: Console, signum: int)
 
 def _one_step(job: Job, lr: float) -> dict[str, Any]:
     t = job.trainer
-    local = next(job.batches)
-    batch = global_batch(t.shardings.batch, local, job.cfg.data.batch_size)
+    rollout: dict[str, float] = {}
+    if isinstance(job.batches, Rollouts):  # --task grpo: sampled, scored, placed (its time apart)
+        began = time.perf_counter()
+        local = batch = (made := job.batches.next_batch(t))[0]
+        if rollout := made[1]:
+            rollout["rollout_s"] = time.perf_counter() - began
+    else:
+        local = next(job.batches)
+        batch = global_batch(t.shardings.batch, local, job.cfg.data.batch_size)
     start = time.perf_counter()
     if job.reference is not None:  # --task dpo: the frozen model's log-probs of the pairs, in the step's time
         batch = job.reference(t, batch)
@@ -160,8 +174,8 @@ def _one_step(job: Job, lr: float) -> dict[str, Any]:
     }
     if (used := mfu(job, row["tokens_per_s"])) is not None:
         row["mfu"] = used
-    if job.cfg.data.task == "dpo":  # TRL's metrics of the preference loss (meshkit.models.preference)
-        row.update({k: float(v) for k, v in metrics.items() if k.startswith(("rewards/", "logps/"))})
+    if job.cfg.data.task in OPTIONS:  # post-training: TRL's metrics of its loss, and of its rollout
+        row.update({k: float(v) for k, v in metrics.items() if k not in ("loss", "grad_norm")} | rollout)
     elif (learnt := trained_tokens(local, job.cfg.data.batch_size * job.cfg.data.seq_len)) is not None:
         row["trained_tokens"] = learnt  # fine-tuning: the targets the masked loss learnt from
     if "dropped_fraction" in metrics:  # a mixture of experts: the step's token-slots past capacity
@@ -205,7 +219,7 @@ def check_finite(job: Job, row: dict[str, Any], ckpt: Checkpointer | None) -> No
 
 
 def _log(job: Job, row: dict[str, Any]) -> None:
-    if "eval_loss" in row:
+    if "eval_loss" in row or "eval_reward" in row:  # an evaluation (GRPO's scores rewards)
         job.evals.append(row)
     if job.log is not None:
         job.log.write(row)
@@ -280,6 +294,10 @@ def finish(job: Job, console: Console, profile: dict[str, Any] | None = None) ->
     if job.writer and plots is not None:
         loss_png = job.run_dir / "loss.png"
         _attempt("loss.png", problems, plots.loss_plot, job.history, job.evals, loss_png, job.data.loss_unit)
+        if job.cfg.data.task == "grpo":
+            _attempt(
+                "reward.png", problems, plots.reward_plot, job.history, job.evals, job.run_dir / "reward.png"
+            )
         if "communication" in out:
             _attempt("cost.png", problems, plots.cost_plot, out, job.run_dir / "cost.png")
     if problems:
@@ -361,6 +379,11 @@ def run(
             console.print(f"stopped after step {job.step} of {cfg.run.steps}; continue with --resume")
             return 0
         out = finish(job, console, profiler.summary)
+    if job.cfg.data.task == "grpo" and (said := nothing_learnt(job.history)) is not None:
+        console.print(
+            f"[red]error:[/] {said}; the run's results are in {job.run_dir}", soft_wrap=True, highlight=False
+        )
+        return 1
     if out.get("eval_bpb") is not None:
         console.print(
             f"held-out: {out['eval_loss']:.4f} {job.data.loss_unit}, {out['eval_bpb']:.4f} bits/byte "

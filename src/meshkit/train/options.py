@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshkit.models import registry
-from meshkit.spec import PREFERENCE_LOSSES, TASKS, one_of, option, plans_of
+from meshkit.spec import GRPO_LOSSES, PREFERENCE_LOSSES, TASKS, one_of, option, plans_of
 
 SHAPE = "the model's shape"
 ROUTING = "the model's routing"
@@ -151,36 +151,85 @@ class DataOptions:
     )
     """'pretrain' (every token), 'sft' (conversations: the loss on the assistant's tokens only) or 'dpo'
     (preference pairs: ``meshkit.models.preference``)."""
-    preference_loss: str = option(
-        "sigmoid",
-        help=f"--task dpo: the objective, {one_of(PREFERENCE_LOSSES)}.",
-        fixes="the loss",
-        later=True,
-    )
-    beta: float = option(
-        0.1,
-        help="--task dpo: how far the policy may move from the reference.",
-        fixes="the loss",
-        later=True,
-        above=0,
-    )
-    """DPO's inverse temperature (SimPO's reward scale)."""
-    label_smoothing: float = option(
-        0.0,
-        help="--task dpo: the share of pairs taken as mislabelled.",
-        fixes="the loss",
-        later=True,
-        least=0,
-    )
-    simpo_gamma: float = option(
-        0.5, help="--preference-loss simpo: the target reward margin.", fixes="the loss", later=True, least=0
-    )
     document_masks: bool = option(
         False,
         help="Pretraining: packed documents attend within themselves, positions from 0 in each.",
         shown="off",
         fixes="the attention and the data stream",
         later=True,
+    )
+
+
+POST = "the loss"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ObjectiveOptions:
+    """What post-training optimises: ``--task dpo``'s preference loss (``meshkit.models.preference``) and
+    ``--task grpo``'s rewards, rollouts and clipped loss (``meshkit.models.grpo``, ``meshkit.train.rollout``);
+    each refused when given to a task that does not read it (``meshkit.train.task``)."""
+
+    beta: float | None = option(
+        None,
+        help="--task dpo and grpo: how far the policy may move from the reference (grpo: the KL's weight).",
+        shown="dpo 0.1, grpo 0.0",
+        fixes=POST,
+        later=True,
+        least=0,
+    )
+    """DPO's inverse temperature (SimPO's reward scale); GRPO's KL weight (0: no reference is run)."""
+    preference_loss: str = option(
+        "sigmoid", help=f"--task dpo: the objective, {one_of(PREFERENCE_LOSSES)}.", fixes=POST, later=True
+    )
+    label_smoothing: float = option(
+        0.0, help="--task dpo: the share of pairs taken as mislabelled.", fixes=POST, later=True, least=0
+    )
+    simpo_gamma: float = option(
+        0.5, help="--preference-loss simpo: the target reward margin.", fixes=POST, later=True, least=0
+    )
+    reward: str | None = option(
+        None,
+        help="--task grpo: the reward, comma-separated rewards summed: exact (the row's answer), "
+        "regex:PATTERN, or a function MODULE:NAME / FILE.py:NAME(prompts, completions, **columns).",
+        shown="none",
+        fixes=POST,
+        later=True,
+    )
+    generations: int = option(
+        8, help="--task grpo: completions sampled per prompt (a group).", fixes=POST, later=True, least=2
+    )
+    max_new_tokens: int = option(
+        32, help="--task grpo: a completion's most tokens.", fixes=POST, later=True, least=1
+    )
+    temperature: float = option(
+        1.0, help="--task grpo: the sampling temperature.", fixes=POST, later=True, above=0
+    )
+    grpo_loss: str = option(
+        "dapo",
+        help=f"--task grpo: how token losses are averaged, {one_of(GRPO_LOSSES)}.",
+        fixes=POST,
+        later=True,
+    )
+    epsilon: float = option(
+        0.2, help="--task grpo: the ratio's clip below, 1 - epsilon.", fixes=POST, later=True, above=0
+    )
+    epsilon_high: float | None = option(
+        None,
+        help="--task grpo: the ratio's clip above, 1 + epsilon-high (DAPO's clip-higher).",
+        shown="--epsilon",
+        fixes=POST,
+        later=True,
+        above=0,
+    )
+    scale_rewards: bool = option(
+        True,
+        help="--task grpo: divide advantages by their group's standard deviation (off: Dr. GRPO).",
+        shown="on",
+        fixes=POST,
+        later=True,
+    )
+    updates_per_rollout: int = option(
+        1, help="--task grpo: optimizer steps on each rollout batch.", fixes=POST, later=True, least=1
     )
 
 

@@ -19,9 +19,29 @@ def loss_plot(history: list[dict], evals: list[dict], path: Path, unit: str) -> 
     :attr:`~meshkit.data.corpus.Corpus.loss_unit`)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1, label="train")
-    if evals:
-        ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o-", label="held-out")
+    if held := [e for e in evals if e.get("eval_loss") is not None]:  # GRPO's evaluations score rewards
+        ax.plot([e["step"] for e in held], [e["eval_loss"] for e in held], "o-", label="held-out")
     ax.set(xlabel="step", ylabel=f"cross-entropy ({unit})", title="meshkit train: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def reward_plot(history: list[dict], evals: list[dict], path: Path) -> None:
+    """``--task grpo``: each rollout's mean reward (its group spread shaded) and the held-out prompts' greedy
+    reward per evaluation."""
+    rows = [h for h in history if "reward" in h]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, mean = [h["step"] for h in rows], [h["reward"] for h in rows]
+    spread = [h.get("reward_std", 0.0) for h in rows]
+    ax.plot(steps, mean, lw=1, label="rollouts (mean)")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, spread, strict=True)],
+                    [m + s for m, s in zip(mean, spread, strict=True)], alpha=0.2, label="within-group std")  # fmt: skip
+    if held := [e for e in evals if "eval_reward" in e]:
+        ax.plot([e["step"] for e in held], [e["eval_reward"] for e in held], "o-", label="held-out (greedy)")
+    ax.set(xlabel="step", ylabel="reward", title="meshkit train --task grpo: reward")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -99,6 +119,7 @@ def summary(report: dict[str, Any], run_dir: Path, console: Console) -> None:
         "metrics.jsonl",
         "report.json",
         "loss.png",
+        "reward.png",
         "cost.png",
         "schedule.png",
         "checkpoints",
@@ -115,6 +136,11 @@ def _preference(report: dict[str, Any]) -> str:
     )
 
 
+def _reward(report: dict[str, Any]) -> str:
+    """``--task grpo``'s held-out prompts: the policy's greedy completions' mean reward."""
+    return f"{report['eval_reward']:.4f} (greedy; above 0 on {report['eval_reward_positive']:.1%} of prompts)"
+
+
 def _results(report: dict[str, Any]) -> list[list[str]]:
     """The table's rows of what the run achieved: losses, tasks, speed, devices, each source of a mixture."""
     flops = f"{report['model_flops_per_token']:,} per token; {report['achieved_flops_per_s'] / 1e9:,.2f} GFLOP/s achieved"
@@ -123,7 +149,18 @@ def _results(report: dict[str, Any]) -> list[list[str]]:
     rows = [
         ["loss (first step -> last step)", f"{_num(report['initial_loss'])} -> {_num(report['final_loss'])}"],
         ["held-out loss", _num(report["eval_loss"])],
+        *(
+            [
+                [
+                    "reward (first rollout -> last)",
+                    f"{report['initial_reward']:.4f} -> {report['final_reward']:.4f}",
+                ]
+            ]
+            if "initial_reward" in report
+            else []
+        ),
         *([["held-out preference", _preference(report)]] if "eval_rewards/accuracies" in report else []),
+        *([["held-out reward", _reward(report)]] if "eval_reward" in report else []),
         *(
             [f"task: {name}", f"acc {m['acc']:.3f}, acc_norm {m['acc_norm']:.3f}"]
             for name, m in report.get("tasks", {}).items()

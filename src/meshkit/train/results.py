@@ -16,7 +16,7 @@ from meshkit.devices import host
 from meshkit.models import num_params
 from meshkit.planner.hardware import peak_flops
 from meshkit.spec.batch import extras
-from meshkit.train import evals
+from meshkit.train import evals, rollout
 from meshkit.train.job import Job, family_params
 from meshkit.train.task import batch_options, trained_tokens
 
@@ -43,6 +43,8 @@ def evaluate(job: Job) -> dict[str, float]:
 def _held_out(job: Job, part: int | None) -> dict[str, float]:
     """``evaluate`` on the held-out split (of the mixture's source ``part``)."""
     t = job.trainer
+    if job.cfg.data.task == "grpo":
+        return _held_out_rewards(job)
     examples = job.cfg.data.batch_size
     stream = job.data.batches(
         seq_len=job.cfg.data.seq_len,
@@ -96,6 +98,23 @@ def _held_out_pairs(job: Job, stream: Any) -> dict[str, float]:
     return {f"eval_{k}": v for k, v in sums.items()}
 
 
+def _held_out_rewards(job: Job) -> dict[str, float]:
+    """``--task grpo``'s held-out figure: the reward of the policy's greedy completion of each held-out prompt
+    (up to ``--eval-batches`` rollouts' worth of prompts): ``eval_reward``, and its share of prompts whose
+    reward is above 0 (``eval_reward_positive``)."""
+    rollouts = job.batches
+    held = job.data.prompt_set(held_out=True)
+    n = min(len(held), job.cfg.run.eval_batches * rollouts.rows // rollouts.generations)
+    ids = [held.ids(i) for i in range(n)]
+    tokens = rollouts.greedy(job.trainer, ids)
+    texts = [job.data.decode(np.asarray(rollout.cut(c, rollouts.stop_ids), np.int32)) for c in tokens]
+    rewards = rollouts.reward([held.prompt(i) for i in range(n)], texts, [held.row(i) for i in range(n)])
+    return {
+        "eval_reward": float(np.mean(rewards)),
+        "eval_reward_positive": float(np.mean(np.asarray(rewards) > 0)),
+    }
+
+
 def utilisation(job: Job) -> tuple[int, float | None, str]:
     """The model's training FLOPs per token at the run's sequence length (attention included), the
     devices' peak FLOP/s each, and where that peak comes from (``planner.hardware.peak_flops``)."""
@@ -141,6 +160,13 @@ def sample(job: Job, chars: int, temperature: float = 0.8) -> str:
     return job.data.decode(np.asarray(out, np.int32))
 
 
+def _rollout_rewards(history: list[dict[str, Any]]) -> dict[str, float]:
+    """``--task grpo``: the first and the last rollouts' mean rewards (its loss is no measure of progress: its
+    advantages are centred in each group)."""
+    rewards = [h["reward"] for h in history if "reward" in h]
+    return {"initial_reward": rewards[0], "final_reward": rewards[-1]} if rewards else {}
+
+
 def results(job: Job) -> dict[str, Any]:
     """What the run achieved: loss, throughput, FLOPs and MFU; needs nothing but the history."""
     t = job.trainer
@@ -161,11 +187,12 @@ def results(job: Job) -> dict[str, Any]:
         "steps": job.step,
         "initial_loss": job.history[0]["loss"] if job.history else None,
         "final_loss": job.history[-1]["loss"] if job.history else None,
-        "eval_loss": job.evals[-1]["eval_loss"] if job.evals else None,
+        **_rollout_rewards(job.history),
+        "eval_loss": job.evals[-1].get("eval_loss") if job.evals else None,
         "eval_bpb": job.evals[-1].get("eval_bpb") if job.evals else None,
         # --task dpo: TRL's metrics of the held-out pairs
         **(
-            {k: v for k, v in job.evals[-1].items() if k.startswith(("eval_rewards/", "eval_logps/"))}
+            {k: v for k, v in job.evals[-1].items() if k.startswith(("eval_reward", "eval_logps/"))}
             if job.evals
             else {}
         ),
@@ -208,18 +235,20 @@ def _dropped(job: Job) -> dict[str, Any]:
 
 def proof(job: Job) -> dict[str, Any]:
     """What the run cost: communication and memory measured from the compiled step beside the model."""
-    probe = next(
-        job.data.batches(
-            seq_len=job.cfg.data.seq_len,
-            global_batch=job.cfg.data.batch_size,
-            seed=job.cfg.data.seed,
-            process_index=0,
-            process_count=1,
+    probe = (
+        job.batches.current[1]
+        if job.cfg.data.task == "grpo"
+        else next(  # GRPO: its last rollout
+            job.data.batches(
+                seq_len=job.cfg.data.seq_len,
+                global_batch=job.cfg.data.batch_size,
+                seed=job.cfg.data.seed,
+                process_index=0,
+                process_count=1,
+            )
         )
     )
-    if (
-        job.reference is not None
-    ):  # --task dpo: the step reads its pairs' reference log-probs (compiled, not run)
+    if job.reference is not None:  # --task dpo's step reads its pairs' reference log-probs (compiled only)
         probe = probe._replace(reference=np.zeros((len(probe[0]), 2), np.float32))
     plan_report = job.trainer.report(probe)
     if plan_report.pipeline is not None and plan_report.pipeline.record is not None and job.writer:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshkit._errors import MeshkitError
-from meshkit.spec import CONTEXT, TASKS, one_of
+from meshkit.spec import TASKS, one_of
 from meshkit.spec.batch import extras, pipeline_refusal
 
 
@@ -36,107 +36,15 @@ def problem(cfg: Any) -> str | None:
         return f"unknown --task {cfg.data.task!r}: use {one_of(TASKS, notes={k: '' for k in TASKS})}"
     if cfg.data.task == "sft" and cfg.data.data is None:
         return "--task sft needs --data: a directory of conversations prepared with their loss mask"
-    if (said := _preference_problem(cfg)) is not None:
+    from meshkit.train.objective import problem as objective_problem
+
+    if (said := objective_problem(cfg)) is not None:
         return said
-    packs = cfg.data.task in ("sft", "dpo") or cfg.data.document_masks
+    packs = cfg.data.task != "pretrain" or cfg.data.document_masks
     if packs and cfg.parallel.plan_info.pipeline:
         what = f"--task {cfg.data.task}" if cfg.data.task != "pretrain" else "--document-masks"
         return pipeline_refusal(what) + f", or drop {what}"
     return None
-
-
-PREFERENCE_OPTIONS = ("preference_loss", "beta", "label_smoothing", "simpo_gamma")
-"""The ``meshkit train`` options only ``--task dpo`` reads (given to another task, refused: never ignored)."""
-
-
-def _preference_problem(cfg: Any) -> str | None:
-    """Why ``--task dpo`` (or its options) cannot train as given, or None."""
-    import dataclasses
-
-    if cfg.data.task != "dpo":
-        defaults = {f.name: f.default for f in dataclasses.fields(cfg.data)}
-        given = [n for n in PREFERENCE_OPTIONS if getattr(cfg.data, n) != defaults[n]]
-        if given:
-            flags = ", ".join("--" + n.replace("_", "-") for n in given)
-            return f"{flags} set(s) the preference loss, which only --task dpo trains: add --task dpo, or drop it"
-        return None
-    if cfg.data.data is None:
-        return (
-            "--task dpo needs --data: a directory of preference pairs (meshkit data prepare --chat on rows of "
-            "prompt, chosen and rejected)"
-        )
-    if cfg.parallel.plan_info.uses(CONTEXT):
-        from meshkit.spec import PLANS, get_plan
-
-        others = [p for p in PLANS if not get_plan(p).uses(CONTEXT) and not get_plan(p).pipeline]
-        return (
-            f"--task dpo sums each answer's log-probs along its sequence, which plan {cfg.parallel.plan} splits "
-            f"over the context axis: use a plan without it ({', '.join(others)})"
-        )
-    if cfg.model.experts:
-        return (
-            "--task dpo does not train a mixture of experts yet (its load-balancing loss is not part of the "
-            "preference losses): use a dense model (--experts 0)"
-        )
-    from meshkit.models.preference import PreferenceError
-
-    try:
-        preference(cfg)
-    except PreferenceError as e:
-        return str(e)
-    return None
-
-
-def preference(cfg: Any) -> Any:
-    """The run's preference objective (``meshkit.models.preference.Preference``), or None for other tasks."""
-    if cfg.data.task != "dpo":
-        return None
-    from meshkit.models.preference import Preference
-
-    d = cfg.data
-    return Preference(
-        loss=d.preference_loss, beta=d.beta, label_smoothing=d.label_smoothing, gamma=d.simpo_gamma
-    )
-
-
-def training_loss(cfg: Any, family: Any, model: Any) -> tuple[Any, bool]:
-    """``(loss, has_aux)`` the run trains: the family's (``Family.training_loss``), or for ``--task dpo``
-    the preference loss of its logits with TRL's metrics (``meshkit.models.preference.make_loss``)."""
-    pref = preference(cfg)
-    if pref is None:
-        return family.training_loss(model, pipeline=cfg.parallel.plan_info.pipeline)
-    from meshkit.models import preference as P
-
-    return P.make_loss(_applied(family, model), pref), True
-
-
-def _applied(family: Any, model: Any) -> Any:
-    """The family's ``apply`` with its config: ``(params, tokens, segment_ids=, positions=) -> logits``."""
-    return lambda params, tokens, **kw: family.module.apply(params, tokens, model, **kw)
-
-
-def reference_step(cfg: Any, family: Any, model: Any, params: Any, sharding: Any, adapters: Any) -> Any:
-    """``batch -> batch`` with the reference model's log-probs of its pairs (``TokenBatch.reference``), or
-    None where the run's objective has no reference (other tasks, SimPO). The reference is the frozen
-    starting model: under LoRA (``adapters``, the run's ``LoraConfig``) the base weights of ``params`` (the
-    run's own, never trained: no copy), else a copy of ``params`` as they start (one more copy of the
-    weights, laid out as the run's)."""
-    pref = preference(cfg)
-    if pref is None or not pref.needs_reference:
-        return None
-    import jax
-    import jax.numpy as jnp
-
-    from meshkit.models import lora
-    from meshkit.models import preference as P
-
-    logps = P.reference_fn(_applied(family, model))
-    if adapters is None:
-        frozen = jax.tree.map(jnp.copy, params)
-        run = jax.jit(logps, out_shardings=sharding)
-        return lambda trainer, batch: batch._replace(reference=run(frozen, batch))
-    run = jax.jit(lambda p, b: logps(lora.base(p), b), out_shardings=sharding)
-    return lambda trainer, batch: batch._replace(reference=run(trainer.params, batch))
 
 
 def batch_options(cfg: Any) -> dict[str, Any]:
