@@ -86,3 +86,12 @@ def test_rollouts_that_never_score_answers_apart_end_as_a_failure(prompts, tmp_p
     out = capsys.readouterr().out
     assert "the policy learnt nothing from --reward" in " ".join(out.split())
     assert (run / "report.json").exists()  # the results are kept
+
+
+def test_prompts_longer_than_the_context_are_refused_before_anything_is_written(prompts, tmp_path, capsys):
+    run = tmp_path / "long"
+    args = [*BASE, "--data", str(prompts / "prompts"), "--reward", "exact", "--plan", "dp", "--max-new-tokens",
+            "20", "--steps", "1", "--run-dir", str(run)]  # fmt: skip
+    assert main(args) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "and --max-new-tokens 20 pass --seq-len 24: give --seq-len" in err and not run.exists(), err

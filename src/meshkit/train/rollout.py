@@ -245,6 +245,7 @@ def build(
         )
     how = objective.grpo(cfg)
     o = cfg.objective
+    check_room(data, cfg.data.seq_len, o.max_new_tokens)
     apply = objective.applied(family, model)
     sharding = trainer.shardings.batch
     reference = None
@@ -288,3 +289,21 @@ def nothing_learnt(history: list[dict[str, Any]]) -> str | None:
         "advantage was 0 and the policy learnt nothing from --reward; check that it can tell answers apart (the "
         "rows' answer field, the pattern), or sample more --generations or at a higher --temperature"
     )
+
+
+def check_room(data: Any, seq_len: int, max_new: int) -> None:
+    """Every prompt (training and held-out) and ``max_new`` tokens after it fit the model's ``seq_len``
+    positions, as the sampler needs them (``models.generate``); else one line naming the longest prompt and
+    what fits, before the run directory is written or anything sampled."""
+    longest, where = 0, None
+    for held in (False, True):
+        prompts = data.prompt_set(held_out=held)
+        lengths = prompts.ends - prompts.starts
+        if len(lengths) and int(lengths.max()) > longest:
+            longest = int(lengths.max())
+            where = f"{'held-out' if held else 'training'} prompt {int(lengths.argmax())}"
+    if longest + max_new > seq_len:
+        raise RolloutError(
+            f"the longest prompt ({where}, {longest} ids) and --max-new-tokens {max_new} pass --seq-len {seq_len}: "
+            f"give --seq-len {longest + max_new} or more, a smaller --max-new-tokens, or shorter prompts"
+        )
