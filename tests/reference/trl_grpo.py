@@ -73,9 +73,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 import trl
+from _trl import load, rows  # beside this script: python puts its folder first on sys.path
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import disable_dropout_in_model
 
@@ -87,26 +88,6 @@ def _tokenizer(vocab_size: int, eos_id: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="t0", unk_token="t0", bos_token="t1", eos_token=f"t{eos_id}"
     )
-
-
-def _load(path: str):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    for module in model.modules():  # functional attention dropout, which disable_dropout does not reach
-        if hasattr(module, "attention_dropout"):
-            module.attention_dropout = 0.0
-    return model.eval()
-
-
-def _rows(ids: np.ndarray, mask: np.ndarray, side: str, name: str) -> list[list[int]]:
-    """The unpadded rows of a padded (N, L) batch, checking the mask is [0..0 1..1] (left) or [1..1 0..0]."""
-    out = []
-    for i, (row, m) in enumerate(zip(ids.tolist(), mask.astype(int).tolist(), strict=True)):
-        n = sum(m)
-        want = [0] * (len(m) - n) + [1] * n if side == "left" else [1] * n + [0] * (len(m) - n)
-        if n == 0 or m != want:
-            raise ValueError(f"{name}_mask row {i} is not {side}-padded with at least one token: {m}")
-        out.append(row[len(m) - n :] if side == "left" else row[:n])
-    return out
 
 
 def given_reward(prompts, completions, reward, **kwargs) -> list[float]:
@@ -124,8 +105,8 @@ def _grid(t, n: int, width: int) -> list[list[float]]:
 
 def run(job: dict) -> dict:
     z = np.load(job["batch"])
-    prompts = _rows(z["prompt"], z["prompt_mask"], "left", "prompt")
-    completions = _rows(z["completion"], z["completion_mask"], "right", "completion")
+    prompts = rows(z["prompt"], z["prompt_mask"], "left", "prompt")
+    completions = rows(z["completion"], z["completion_mask"], "right", "completion")
     rewards = [float(r) for r in np.asarray(z["rewards"], dtype=np.float64).reshape(-1)]
     n, width = z["completion"].shape
     g = int(job["num_generations"])
@@ -159,7 +140,7 @@ def run(job: dict) -> dict:
     if vllm_is:
         sampling = [row[: len(c)] for row, c in zip(z["sampling_logps"].tolist(), completions, strict=True)]
 
-    policy = _load(job["policy"])
+    policy = load(job["policy"])
     eos_id = int(job.get("eos_token_id", 2))
     tokenizer = _tokenizer(policy.config.vocab_size, eos_id)
     dummy = Dataset.from_dict({"prompt": ["t3 t4"], "reward": [0.0]})
@@ -189,7 +170,7 @@ def run(job: dict) -> dict:
             processing_class=tokenizer,
         )
         if beta != 0.0:  # TRL loaded the policy's checkpoint again (its defaults): use the job's reference
-            ref = _load(job.get("reference") or job["policy"])
+            ref = load(job.get("reference") or job["policy"])
             disable_dropout_in_model(ref)
             trainer.ref_model = trainer.accelerator.prepare_model(ref, evaluation_mode=True)
         if vllm_is:  # vLLM itself is not needed: generation is replaced below

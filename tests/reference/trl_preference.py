@@ -60,9 +60,10 @@ import datasets
 import numpy as np
 import torch
 import trl
+from _trl import load, rows  # beside this script: python puts its folder first on sys.path
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 from trl import CPOConfig, CPOTrainer, DPOConfig, DPOTrainer
 
 
@@ -75,23 +76,6 @@ def _tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="t0", unk_token="t0", bos_token="t1", eos_token="t2"
     )
-
-
-def _load(path: str):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
-
-
-def _rows(ids: np.ndarray, mask: np.ndarray, side: str, name: str) -> list[list[int]]:
-    """The unpadded rows of a padded (P, L) batch, checking the mask is [0..0 1..1] (left) or [1..1 0..0]."""
-    out = []
-    for i, (row, m) in enumerate(zip(ids.tolist(), mask.astype(int).tolist(), strict=True)):
-        n = sum(m)
-        want = [0] * (len(m) - n) + [1] * n if side == "left" else [1] * n + [0] * (len(m) - n)
-        if n == 0 or m != want:
-            raise ValueError(f"{name}_mask row {i} is not {side}-padded with at least one token: {m}")
-        out.append(row[len(m) - n :] if side == "left" else row[:n])
-    return out
 
 
 def _common_args(job: dict, out_dir: str) -> dict:
@@ -118,11 +102,11 @@ def _floats(t) -> list[float]:
 
 def run(job: dict) -> dict:
     z = np.load(job["batch"])
-    prompts = _rows(z["prompt"], z["prompt_mask"], "left", "prompt")
-    chosen = _rows(z["chosen"], z["chosen_mask"], "right", "chosen")
-    rejected = _rows(z["rejected"], z["rejected_mask"], "right", "rejected")
+    prompts = rows(z["prompt"], z["prompt_mask"], "left", "prompt")
+    chosen = rows(z["chosen"], z["chosen_mask"], "right", "chosen")
+    rejected = rows(z["rejected"], z["rejected_mask"], "right", "rejected")
     loss_type = job["loss_type"]
-    policy = _load(job["policy"])
+    policy = load(job["policy"])
     tokenizer = _tokenizer(policy.config.vocab_size)
     dummy = Dataset.from_dict({"prompt": ["t3 t4"], "chosen": [" t5"], "rejected": [" t6"]})
     result = {"trl": trl.__version__, "loss_type": loss_type, "beta": float(job["beta"]),
@@ -140,7 +124,7 @@ def run(job: dict) -> dict:
                 padding_free=False,
             )
             trainer = DPOTrainer(
-                model=policy, ref_model=_load(job["reference"]), args=args, train_dataset=dummy,
+                model=policy, ref_model=load(job["reference"]), args=args, train_dataset=dummy,
                 processing_class=tokenizer,
             )  # fmt: skip
             features = [
