@@ -101,7 +101,7 @@ def _layers(params: llama.Params, cfg: llama.LlamaConfig) -> list:
 
 
 def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg: llama.LlamaConfig):
-    """Logits of ``tokens`` at positions ``pos``, their keys and values written into ``cache`` at
+    """The logits after the last of ``tokens`` (at positions ``pos``), their keys and values written into ``cache`` at
     slots ``slot .. slot + T``, attending over the cache where ``mask`` allows and, in a layer with a
     window, over the last ``window`` slots of each query's (itself among them: transformers' sliding
     window, whose cache keeps ``window - 1`` keys besides the new one)."""
@@ -112,19 +112,23 @@ def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg: llama.LlamaC
     for i, (p, window) in enumerate(zip(_layers(params, cfg), cfg.layer_windows, strict=True)):
         p = L.cast_block(p, cfg)
         q, k, v = L.project_qkv(p["attn"], L.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos_bt, cfg)
-        ks = ks.at[i].set(lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks.dtype), slot, axis=1))
-        vs = vs.at[i].set(lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs.dtype), slot, axis=1))
+        # straight into the stacked cache: `ks.at[i].set(update(ks[i]))` doubled a decode step's time on the
+        # CPU (benchmarks/bench_sampler.py), a copy of the layer's cache each step
+        ks = lax.dynamic_update_slice(ks, k.astype(ks.dtype)[None], (i, 0, slot, 0, 0))
+        vs = lax.dynamic_update_slice(vs, v.astype(vs.dtype)[None], (i, 0, slot, 0, 0))
         mask = mask_bts if window is None else mask_bts & (near < window)[None]
         x = x + L.attend(p["attn"], q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask, cfg)
         h = L.rms_norm(p["mlp_norm"], x, cfg.norm_eps)
         # a mixture of experts runs dropless (every token its k experts, as transformers runs it): a
         # capacity counted over the prompt's padding or one new token would be no training run's
         x = x + (llama.experts(p["moe"], h, cfg, 0.0)[0] if cfg.experts else L.mlp(p["mlp"], h))
-    return llama.head(top, x, cfg), (ks, vs)
+    return llama.head(top, x[:, -1:], cfg), (ks, vs)  # the next token's logits only (a prompt's last)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "new", "how", "cache_sharding"))
-def _generate(params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, cache_sharding=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "new", "how", "cache_sharding", "logprobs"))
+def _generate(
+    params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, cache_sharding=None, logprobs=True
+):
     b, prompt = tokens_bp.shape
     total = prompt + new
     shape = (cfg.layers, b, total, cfg.kv_heads, cfg.head_dim)
@@ -138,8 +142,10 @@ def _generate(params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, ca
         slots[None, None, :] >= pad_b[:, None, None]
     )
     logits, cache = _forward(params, tokens_bp, pos, mask, cache, 0, cfg)
+    # each drawn token's log-prob where asked (a log-softmax over the vocabulary every step, else zeros)
+    lp_of = token_logprob if logprobs else (lambda logits_bv, token_b: jnp.zeros(token_b.shape, jnp.float32))
     first = sample(logits[:, -1], jax.random.fold_in(key, 0), how)
-    first_lp = token_logprob(logits[:, -1], first)
+    first_lp = lp_of(logits[:, -1], first)
 
     def step(carry, j):
         token, lp, cache = carry
@@ -147,7 +153,7 @@ def _generate(params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, ca
         mask = (slots[None, None, :] <= slot) & (slots[None, None, :] >= pad_b[:, None, None])
         logits, cache = _forward(params, token[:, None], (slot - pad_b)[:, None], mask, cache, slot, cfg)
         nxt = sample(logits[:, -1], jax.random.fold_in(key, j + 1), how)
-        return (nxt, token_logprob(logits[:, -1], nxt), cache), (token, lp)
+        return (nxt, lp_of(logits[:, -1], nxt), cache), (token, lp)
 
     (last, last_lp, _), (out, lps) = lax.scan(step, (first, first_lp, cache), jnp.arange(new - 1))
     tokens = jnp.concatenate([out.T, last[:, None]], 1)
@@ -215,6 +221,7 @@ def generate(
         new=bucket(max_new_tokens, 1),
         how=sampling or Sampling(),
         cache_sharding=cache_sharding,
+        logprobs=logprobs,
     )
     tokens = np.asarray(out)[:, :max_new_tokens].tolist()
     return (tokens, np.asarray(lps)[:, :max_new_tokens].tolist()) if logprobs else tokens

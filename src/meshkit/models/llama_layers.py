@@ -115,14 +115,15 @@ def attend(
     output projection; scores and softmax in at least float32."""
     b, t = q_bthk.shape[:2]
     w = wide(q_bthk.dtype)
-    # each key/value head serves ``groups`` query heads: repeated to one per query head, so that a
-    # query head's split over the model axis finds its key/value head on the same device
-    k = jnp.repeat(k_bskh, cfg.groups, axis=2)
-    v = jnp.repeat(v_bskh, cfg.groups, axis=2)
-    scores = jnp.einsum("bthk,bshk->bhts", q_bthk, k, preferred_element_type=w) / math.sqrt(cfg.head_dim)
-    scores = jnp.where(mask_bts[:, None], scores, jnp.finfo(w).min)
+    # each key/value head serves ``groups`` consecutive query heads (transformers' repeat_kv): the queries
+    # grouped under their key/value head, the cache read once (repeating it per query head copied the
+    # whole cache every decode step); a query head's split over the model axis keeps its key/value head
+    # on the same device where the key/value heads divide over it (``generate.kv_sharding``)
+    q = q_bthk.reshape(b, t, cfg.kv_heads, cfg.groups, cfg.head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=w) / math.sqrt(cfg.head_dim)
+    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(w).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
-    out = jnp.einsum("bhts,bshk->bthk", probs, v).reshape(b, t, cfg.heads * cfg.head_dim)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh).reshape(b, t, cfg.heads * cfg.head_dim)
     return out @ p["wo"]
 
 
