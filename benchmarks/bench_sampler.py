@@ -375,7 +375,8 @@ def against_hand(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """The run (``argv``: the command line's arguments; None: ``sys.argv``); returns the figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", choices=("transformers", "hand"), required=True)
     ap.add_argument("--size", choices=tuple(SIZES), default=None,
@@ -395,7 +396,7 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=None,
                     help="pin this process and transformers' to this many cores (default: all it may use)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.cores is not None:  # before XLA's CPU pool starts (it spreads over the cores it may use)
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cores])
     if args.against == "transformers":
@@ -407,6 +408,7 @@ def main() -> None:
         figures = against_hand(args)
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
+    return figures
 
 
 if __name__ == "__main__":
