@@ -65,6 +65,9 @@ def test_meshkit_train_task_dpo_learns_the_preference(pairs, tmp_path, capsys):
     assert "; 143 preference pairs, a row each" in out and "held-out preference │ accuracy" in out, out
 
 
+# Tiers: sweeps; the reference as the base under LoRA is frozen leaves' forward (lora.base), the
+# preference step under LoRA's frozen leaves as any loss's (test_lora.py), DPO end to end in the core above.
+@pytest.mark.sweep
 def test_under_lora_the_reference_is_the_base(pairs, tmp_path, capsys):
     run = tmp_path / "lora"
     args = ["train", "--preset", "tiny", "--model", "llama", "--task", "dpo", "--data", str(pairs),

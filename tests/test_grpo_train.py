@@ -78,6 +78,8 @@ def test_a_reward_that_raises_stops_in_one_line_keeping_the_steps_done(prompts, 
     assert [r["step"] for r in _rows(run)] == [1, 2]
 
 
+# Tiers: sweeps; its check (rollout.nothing_learnt) reads the rows the core test above logs.
+@pytest.mark.sweep
 def test_rollouts_that_never_score_answers_apart_end_as_a_failure(prompts, tmp_path, capsys):
     run = tmp_path / "same"
     args = [*BASE, "--data", str(prompts / "prompts"), "--reward", f"{prompts / 'rewards.py'}:same",

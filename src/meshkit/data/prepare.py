@@ -420,7 +420,8 @@ def _prepare_chat(
         )
     if text_field is not None:
         raise DataError(
-            "--chat reads 'messages', or 'prompt' and 'completion', not --text-field: drop --text-field"
+            "--chat reads its rows' own columns ('messages', 'prompt', 'completion', 'chosen', 'rejected'), not "
+            "--text-field: drop --text-field"
         )
     if not inputs:
         raise DataError("--chat needs inputs: give JSONL, Parquet or datasets directories of conversations")
