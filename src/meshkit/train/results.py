@@ -236,9 +236,9 @@ def _dropped(job: Job) -> dict[str, Any]:
 def proof(job: Job) -> dict[str, Any]:
     """What the run cost: communication and memory measured from the compiled step beside the model."""
     probe = (
-        job.batches.current[1]
+        job.batches.current[1]  # GRPO: its last rollout
         if job.cfg.data.task == "grpo"
-        else next(  # GRPO: its last rollout
+        else next(
             job.data.batches(
                 seq_len=job.cfg.data.seq_len,
                 global_batch=job.cfg.data.batch_size,

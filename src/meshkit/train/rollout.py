@@ -9,7 +9,7 @@ The rollout's log-probs of the completions under the policy that sampled them (`
 trainer's forward before the rollout's first update, and the sampler's own log-probs of its tokens are
 set beside them each rollout (``logps/sampler_gap``: the largest difference; the two are the same
 computation, certified equal in float64 by tests/test_sampler_logprobs.py). The reference (where
-``--beta`` > 0) is the frozen starting model, as for DPO (``task.reference_step``): the base weights under
+``--beta`` > 0) is the frozen starting model, as for DPO (``objective.frozen_logps``): the base weights under
 LoRA, else a copy of the starting weights.
 
 Which prompts a rollout takes and the sampler's key are functions of the seed and the rollout's index
@@ -129,7 +129,7 @@ class Rollouts:
         values["sampled"] = self.logps(trainer.params, placed)
         if self.reference is not None:
             values["reference"] = self.reference(trainer, placed)
-        gap = _sampler_gap(np.asarray(values["sampled"]), mask, sampler_lps, ids, completions, self.how)
+        gap = _sampler_gap(np.asarray(values["sampled"]), sampler_lps, ids, completions, self.how)
         lengths = np.array([len(c) for c in completions], np.float64)
         groups = np.asarray(rewards, np.float64).reshape(-1, self.generations)
         metrics = {
@@ -187,7 +187,7 @@ def rows_of(
     return TokenBatch(ids[:, :-1], ids[:, 1:], None, seg[:, :-1], pos[:, :-1]), mask
 
 
-def _sampler_gap(sampled, mask, sampler_lps, prompts, completions, how: G.GRPO) -> float | None:
+def _sampler_gap(sampled, sampler_lps, prompts, completions, how: G.GRPO) -> float | None:
     """The largest difference between the trainer's log-prob of a sampled token and the sampler's own
     (None where the loss reads the logits at another temperature than the sampler reports them: the
     sampler's are of the logits as they are)."""
@@ -204,8 +204,9 @@ def _sampler_gap(sampled, mask, sampler_lps, prompts, completions, how: G.GRPO) 
 
 def sampler(family: Any, model: Any, params_of: Any, max_new: int, how: G.GRPO) -> Any:
     """``(trainer, prompts ids, seed, greedy=False) -> (tokens, logprobs)``: ``max_new`` tokens after each
-    prompt, drawn at the run's temperature (``greedy``: the most likely) with the key/value cache, the parameters as the trainer keeps them (as the
-    family reads them: ``params_of``, a LoRA run's adapters merged)."""
+    prompt, drawn at the run's temperature (``greedy``: the most likely) with the key/value cache, the
+    parameters as the trainer keeps them (as the family reads them: ``params_of``, a LoRA run's adapters
+    merged)."""
     from meshkit.models.generate import Sampling, generate, kv_sharding
 
     def draw(trainer: Any, prompts: list[Any], seed: int, greedy: bool = False) -> tuple[Any, Any]:
