@@ -84,7 +84,9 @@ def test_each_aggregation_equals_numpy_float64(how):
         batch, mask = rollout(cfg.vocab_size)
         np_lp = lambda p: reference_np.token_logprobs(p, cfg, batch, how.temperature)  # noqa: E731
         full = filled(batch, mask, how, np_lp(old), np_lp(frozen))
-        loss, metrics = jax.jit(G.make_loss(lambda p, x, **kw: llama.apply(p, x, cfg, **kw), how))(policy, full)
+        loss, metrics = jax.jit(G.make_loss(lambda p, x, **kw: llama.apply(p, x, cfg, **kw), how))(
+            policy, full
+        )
         want = numpy_loss(np_lp(policy), full, mask, how)
         got = {"loss": loss, **metrics}
         assert set(got) == set(want)

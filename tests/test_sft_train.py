@@ -174,7 +174,17 @@ def test_trained_tokens_counts_the_global_mask_from_any_rows():
         ({"task": "grpo", "data": "d"}, "--task grpo needs --reward"),
         ({"task": "grpo", "data": "d", "reward": "exact", "batch_size": 12}, "do not divide into groups"),
         ({"task": "grpo", "data": "d", "reward": "exact", "model": "gpt"}, "use --model llama"),
-        ({"task": "grpo", "data": "d", "reward": "exact", "model": "llama", "seq_len": 64, "grpo_loss": "ppo"}, "unknown GRPO loss 'ppo'"),
+        (
+            {
+                "task": "grpo",
+                "data": "d",
+                "reward": "exact",
+                "model": "llama",
+                "seq_len": 64,
+                "grpo_loss": "ppo",
+            },
+            "unknown GRPO loss 'ppo'",
+        ),
         ({"task": "dpo", "data": "d", "preference_loss": "orpo"}, "unknown preference loss 'orpo'"),
         ({"task": "dpo", "data": "d", "preference_loss": "ipo", "label_smoothing": 0.1}, "ipo loss takes no"),
         ({"task": "sft"}, "--task sft needs --data"),
