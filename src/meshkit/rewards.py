@@ -43,6 +43,8 @@ from meshkit._errors import MeshkitError
 NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 """A number in text (module docstring: ``exact``)."""
 EXAMPLE = "exact, regex:PATTERN, or a function MODULE:NAME / path/to/file.py:NAME"
+RETRIES = 8
+"""Completions a failed reward function is called on alone, to name the first that fails."""
 
 
 class RewardError(MeshkitError):
@@ -224,13 +226,14 @@ def _arguments(
 
 def _call(term: Term, prompts, completions, rows, ids) -> Any:
     """``term``'s function on the batch; where it raises, one line naming the first completion that
-    raises alone."""
+    raises alone (of the first ``RETRIES``: a function that fails on every call, a grader that is down,
+    is not called once per completion of a large batch)."""
     assert term.fn is not None
     try:
         return term.fn(**_arguments(prompts, completions, rows, ids))
     except Exception as e:  # the user's code: say where it failed, in one line
         at = " (at completion 0)" if len(completions) == 1 else ""
-        for i in range(len(completions)) if len(completions) > 1 else ():
+        for i in range(min(len(completions), RETRIES)) if len(completions) > 1 else ():
             one = slice(i, i + 1)
             try:
                 term.fn(
