@@ -33,9 +33,8 @@ prompts into a preallocated key/value cache per layer (``(B, S, kv_heads, head_d
 buckets (``--hand-pad longest``: the prompts padded to the longest, not to meshkit's power of two), no
 sampling filters, no log-probabilities, the output head only at the last position. From the llama module
 it takes ``llama.embed``, ``llama.head``, ``llama_layers.rms_norm``, ``project_qkv`` (projections and
-the rotary), ``mlp`` and ``cast_block``; the attention is its own (``--hand-attention grouped``: each
-key/value head's query heads as one einsum axis, the cache never repeated) or ``llama_layers.attend``
-(``llama``: meshkit's, the cache repeated per query head). The two ways alternate, run by run, and must
+the rotary), ``mlp``, ``cast_block`` and ``attend`` (grouped-query attention over the cache: the sampler's
+measured here differ in what surrounds them, not in the layers). The two ways alternate, run by run, and must
 give the same tokens (the count of equal ones is printed).
 
     .venv/bin/python benchmarks/bench_sampler.py --against transformers [--size medium] [--repeats 3]
@@ -50,7 +49,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import platform
 import statistics
@@ -249,24 +247,8 @@ def against_transformers(args: argparse.Namespace) -> dict:
     }
 
 
-def grouped_attend(
-    p: dict, q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts, cfg
-) -> jax.Array:
-    """Grouped-query attention without repeating the cache: a key/value head's ``groups`` query heads
-    (query head ``j`` reads key/value head ``j // groups``, as ``llama_layers.attend``) as one axis of
-    the einsum; scores and softmax in at least float32, then the output projection."""
-    b, t = q_bthk.shape[:2]
-    w = L.wide(q_bthk.dtype)
-    q = q_bthk.reshape(b, t, cfg.kv_heads, cfg.groups, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=w) / math.sqrt(cfg.head_dim)
-    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(w).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh).reshape(b, t, cfg.heads * cfg.head_dim)
-    return out @ p["wo"]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "new", "attention"))
-def hand_decode(params, tokens_bp, pad_b, *, cfg: llama.LlamaConfig, new: int, attention: str):
+@functools.partial(jax.jit, static_argnames=("cfg", "new"))
+def hand_decode(params, tokens_bp, pad_b, *, cfg: llama.LlamaConfig, new: int):
     """``new`` greedy tokens after each left-padded prompt (row ``b``'s first ``pad[b]`` slots padding):
     a prefill, then a ``fori_loop`` of one-token steps over a preallocated cache per layer."""
     b, prompt = tokens_bp.shape
@@ -276,11 +258,6 @@ def hand_decode(params, tokens_bp, pad_b, *, cfg: llama.LlamaConfig, new: int, a
     slots = jnp.arange(total)
     real = slots[None, None, :] >= pad_b[:, None, None]  # (B, 1, S): a row's padding is never attended
 
-    def attend(p, q, k, v, mask):
-        if attention == "llama":
-            return L.attend(p, q, k, v, mask, cfg)
-        return grouped_attend(p, q, k, v, mask, cfg)
-
     def forward(tokens_bt, pos_bt, mask_bts, cache, slot):
         x = llama.embed(top, tokens_bt, cfg)
         written = []
@@ -288,7 +265,7 @@ def hand_decode(params, tokens_bp, pad_b, *, cfg: llama.LlamaConfig, new: int, a
             q, k, v = L.project_qkv(p["attn"], L.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos_bt, cfg)
             kc = lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, slot, 0, 0))
             vc = lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, slot, 0, 0))
-            x = x + attend(p["attn"], q, kc, vc, mask_bts)
+            x = x + L.attend(p["attn"], q, kc, vc, mask_bts, cfg)
             x = x + L.mlp(p["mlp"], L.rms_norm(p["mlp_norm"], x, cfg.norm_eps))
             written.append((kc, vc))
         return llama.head(top, x[:, -1:], cfg)[:, 0], tuple(written)
@@ -312,7 +289,7 @@ def hand_decode(params, tokens_bp, pad_b, *, cfg: llama.LlamaConfig, new: int, a
     return lax.fori_loop(0, new - 1, step, (first, cache, out))[2]
 
 
-def hand_generate(params, cfg, prompts, new: int, *, pad_to: str, attention: str) -> list[list[int]]:
+def hand_generate(params, cfg, prompts, new: int, *, pad_to: str) -> list[list[int]]:
     """The hand loop's tokens for ``prompts``, left-padded (id 0) to the longest or to meshkit's bucket."""
     longest = max(len(p) for p in prompts)
     width = G.bucket(longest) if pad_to == "bucket" else longest
@@ -320,7 +297,7 @@ def hand_generate(params, cfg, prompts, new: int, *, pad_to: str, attention: str
     pad = np.array([width - len(p) for p in prompts], np.int32)
     for row, (p, k) in enumerate(zip(prompts, pad, strict=True)):
         tokens[row, k:] = p
-    return np.asarray(hand_decode(params, tokens, pad, cfg=cfg, new=new, attention=attention)).tolist()
+    return np.asarray(hand_decode(params, tokens, pad, cfg=cfg, new=new)).tolist()
 
 
 def against_hand(args: argparse.Namespace) -> dict:
@@ -332,9 +309,7 @@ def against_hand(args: argparse.Namespace) -> dict:
     n = len(prompts) * args.new
     ways = {
         "meshkit": lambda: G.generate(params, cfg, prompts, args.new),
-        "hand": lambda: hand_generate(
-            params, cfg, prompts, args.new, pad_to=args.hand_pad, attention=args.hand_attention
-        ),
+        "hand": lambda: hand_generate(params, cfg, prompts, args.new, pad_to=args.hand_pad),
     }
     first, out, times = {}, {}, {name: [] for name in ways}
     for name, fn in ways.items():  # compile each
@@ -353,7 +328,7 @@ def against_hand(args: argparse.Namespace) -> dict:
     longest = max(len(p) for p in prompts)
     hand_width = G.bucket(longest) if args.hand_pad == "bucket" else longest
     print(f"meshkit pads the prompts to {G.bucket(longest)} and the new tokens to {G.bucket(args.new, 1)}; "
-          f"the hand loop to {hand_width} ({args.hand_pad}), attention '{args.hand_attention}'")  # fmt: skip
+          f"the hand loop to {hand_width} ({args.hand_pad})")  # fmt: skip
     print("| way | first run (s) | seconds | tokens/s |\n|---|---|---|---|")
     print(f"| meshkit generate | {first['meshkit']:.2f} | {t['meshkit']:.3f} | {n / t['meshkit']:,.0f} |")
     print(f"| hand-written jit loop | {first['hand']:.2f} | {t['hand']:.3f} | {n / t['hand']:,.0f} |")
@@ -363,7 +338,6 @@ def against_hand(args: argparse.Namespace) -> dict:
     return info | {
         "against": "hand",
         "hand_pad": args.hand_pad,
-        "hand_attention": args.hand_attention,
         "meshkit": {
             "first_s": first["meshkit"],
             "times_s": times["meshkit"],
@@ -391,8 +365,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="transformers' attention")
     ap.add_argument("--hand-pad", choices=("longest", "bucket"), default="longest",
                     help="the hand loop's prompt padding: to the longest prompt, or to meshkit's bucket")  # fmt: skip
-    ap.add_argument("--hand-attention", choices=("grouped", "llama"), default="grouped",
-                    help="the hand loop's attention: its own grouped einsum, or llama_layers.attend")  # fmt: skip
     ap.add_argument("--cores", type=int, default=None,
                     help="pin this process and transformers' to this many cores (default: all it may use)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
