@@ -18,6 +18,7 @@ alone, so a resumed run draws what the run it continues would have drawn.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,15 +110,17 @@ class Rollouts:
         return self.sample_fn(trainer, prompts, 0, greedy=True)[0]
 
     def _make(self, trainer: Any, rollout: int) -> tuple[Any, dict[str, float]]:
-        which = self.prompts_of(rollout)
-        ids = [self.prompts.ids(i) for i in which for _ in range(self.generations)]
+        which, g = self.prompts_of(rollout), self.generations
+        ids = [a for i in which for a in [self.prompts.ids(i)] * g]
         tokens, sampler_lps = self.sample_fn(trainer, ids, _key(self.seed, rollout))
         completions = [cut(t, self.stop_ids) for t in tokens]
-        rows = [self.prompts.row(i) for i in which for _ in range(self.generations)]
+        # each prompt's row read once, a copy for each completion of its group (a reward function may
+        # change what it is given, as TRL's own do)
+        asked = [(self.prompts.prompt(i), self.prompts.row(i)) for i in which]
+        prompts = [copy.deepcopy(q) for q, _ in asked for _ in range(g)]
+        rows = [copy.deepcopy(r) for _, r in asked for _ in range(g)]
         texts = [self.decode(np.asarray(c, np.int32)) for c in completions]
-        rewards = self.reward(
-            [self.prompts.prompt(i) for i in which for _ in range(self.generations)], texts, rows
-        )
+        rewards = self.reward(prompts, texts, rows)
         batch, mask = rows_of(ids, completions, self.seq_len, self.pad_id)
         weights, share = G.weights(mask, self.how, self.max_new)
         values = {
