@@ -1,6 +1,8 @@
 """What the TRL reference scripts (``trl_preference.py``, ``trl_grpo.py``) share: a checkpoint loaded as
 TRL's trainers should see it, and the unpadded rows of a padded batch."""
 
+import json
+
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
@@ -26,3 +28,16 @@ def rows(ids: np.ndarray, mask: np.ndarray, side: str, name: str) -> list[list[i
             raise ValueError(f"{name}_mask row {i} is not {side}-padded with at least one token: {m}")
         out.append(row[len(m) - n :] if side == "left" else row[:n])
     return out
+
+
+def run_jobs(path: str, run, said) -> None:
+    """Each job of the JSON list at ``path`` through ``run(job) -> result``, the result written to the job's
+    ``out``; ``said(job, result)`` is the line printed for it."""
+    torch.manual_seed(0)
+    with open(path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        result = run(job)
+        with open(job["out"], "w") as f:
+            json.dump(result, f, indent=1)
+        print(said(job, result), flush=True)

@@ -60,7 +60,6 @@ t{V-1}`` (pad ``t0``, EOS ``t{eos_token_id}``), needed to build the trainer and 
 TRL hands to the reward function; EOS matters only to ``completions/clipped_ratio`` and friends and to
 ``mask_truncated_completions`` (a completion is "truncated" when its last token is neither EOS nor pad)."""
 
-import json
 import os
 import sys
 import tempfile
@@ -73,7 +72,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 import trl
-from _trl import load, rows  # beside this script: python puts its folder first on sys.path
+from _trl import load, rows, run_jobs  # beside this script: python puts its folder first on sys.path
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -222,16 +221,11 @@ def run(job: dict) -> dict:
 
 
 def main(path: str) -> None:
-    torch.manual_seed(0)
-    with open(path) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        result = run(job)
-        with open(job["out"], "w") as f:
-            json.dump(result, f, indent=1)
-        print(
-            f"{job['out']}: GRPO {job['loss_type']} beta {job['beta']} loss {result['loss']:.6g}", flush=True
-        )
+    run_jobs(
+        path,
+        run,
+        lambda job, r: f"{job['out']}: GRPO {job['loss_type']} beta {job['beta']} loss {r['loss']:.6g}",
+    )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ both trainers the model sees each sequence as prompt then completion from positi
 the left padding away), and a completion's log-prob is the sum (IPO, SimPO: the mean) of the log-probs of
 its tokens alone, each predicted from the token before it."""
 
-import json
 import os
 import sys
 import tempfile
@@ -60,7 +59,7 @@ import datasets
 import numpy as np
 import torch
 import trl
-from _trl import load, rows  # beside this script: python puts its folder first on sys.path
+from _trl import load, rows, run_jobs  # beside this script: python puts its folder first on sys.path
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -190,14 +189,9 @@ def run(job: dict) -> dict:
 
 def main(path: str) -> None:
     datasets.disable_progress_bar()  # the dummy dataset's maps
-    torch.manual_seed(0)
-    with open(path) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        result = run(job)
-        with open(job["out"], "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"{job['out']}: {result['trainer']} {job['loss_type']} loss {result['loss']:.6g}", flush=True)
+    run_jobs(
+        path, run, lambda job, r: f"{job['out']}: {r['trainer']} {job['loss_type']} loss {r['loss']:.6g}"
+    )
 
 
 if __name__ == "__main__":
