@@ -265,7 +265,8 @@ def hand_decode(params, tokens_bp, pad_b, *, cfg: llama.LlamaConfig, new: int):
             q, k, v = L.project_qkv(p["attn"], L.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos_bt, cfg)
             kc = lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, slot, 0, 0))
             vc = lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, slot, 0, 0))
-            x = x + L.attend(p["attn"], q, kc, vc, mask_bts, cfg)
+            b, t = q.shape[:2]
+            x = x + L.attend(q, kc, vc, mask_bts).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
             x = x + L.mlp(p["mlp"], L.rms_norm(p["mlp_norm"], x, cfg.norm_eps))
             written.append((kc, vc))
         return llama.head(top, x[:, -1:], cfg)[:, 0], tuple(written)

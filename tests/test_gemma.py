@@ -313,7 +313,7 @@ def test_meshkit_verify_takes_the_gemma_and_zero3_gathers_its_scanned_layers_one
 def test_a_run_from_a_gemma2_checkpoint_trains_exports_as_gemma2_and_generates(tmp_path):
     """``--init-from hf:DIR`` with a Gemma 2 checkpoint: the run's model is the checkpoint's (its window,
     caps and weights), ``meshkit export`` writes it back as model_type gemma2, and ``meshkit generate``
-    continues a prompt over the window of ``seq_len`` tokens (no key/value cache: ``Family.kv_cache``)."""
+    continues a prompt with a key/value cache over its local and global layers."""
     import io
     import json
 

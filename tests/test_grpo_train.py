@@ -97,3 +97,16 @@ def test_prompts_longer_than_the_context_are_refused_before_anything_is_written(
     assert main(args) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "and --max-new-tokens 20 pass --seq-len 24: give --seq-len" in err and not run.exists(), err
+
+
+# Tiers: the Gemma (local and global layers in the sampler's cache) is core, the GPT sweeps.
+@pytest.mark.parametrize("model", ["gemma", pytest.param("gpt", marks=pytest.mark.sweep)])
+def test_every_family_samples_its_rollouts_with_the_cache(model, prompts, tmp_path, capsys):
+    """The Gemma and the GPT sample their rollouts with the key/value cache the Llama's do: the sampler's
+    log-probabilities are the trainer's forward's (float32)."""
+    run = tmp_path / model
+    args = [*BASE, "--model", model, "--data", str(prompts / "prompts"), "--reward", f"{prompts / 'rewards.py'}:digits",
+            "--plan", "dp", "--steps", "2", "--eval-every", "0", "--run-dir", str(run)]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    rollout = _rows(run)[0]
+    assert rollout["logps/sampler_gap"] < 1e-4 and 1 <= rollout["completions/mean_length"] <= 4

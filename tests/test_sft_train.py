@@ -173,7 +173,6 @@ def test_trained_tokens_counts_the_global_mask_from_any_rows():
         ({"task": "dpo", "data": "d", "reward": "exact"}, "--reward set(s) what only --task grpo trains"),
         ({"task": "grpo", "data": "d"}, "--task grpo needs --reward"),
         ({"task": "grpo", "data": "d", "reward": "exact", "batch_size": 12}, "do not divide into groups"),
-        ({"task": "grpo", "data": "d", "reward": "exact", "model": "gpt"}, "use --model llama"),
         (
             {
                 "task": "grpo",

@@ -109,7 +109,8 @@ class Family:
     about: str = ""
     """What ``--model``'s help says of it beside its name ('': nothing)."""
     module_name: str
-    """The model module: ``init``, ``apply``, ``make_loss``, ``stages``, ``logical_axes``, ``flops_per_token``."""
+    """The model module: ``init``, ``apply``, ``make_loss``, ``stages``, ``logical_axes``, ``flops_per_token``,
+    ``decode`` (generation's forward over a key/value cache)."""
     config_name: str
     """The config class in that module (``from_shape(shape, precision=, scan_layers=)``, ``shape()``)."""
     gated: bool = False
@@ -126,9 +127,6 @@ class Family:
     """Config -> logical axes of whole units (``{"heads": 8}``), checked against the model axis."""
     rules: Callable[[bool], dict[str, str]] = _vocab_rules
     """Pipeline or not -> tensor-parallel rules (logical axis -> mesh axis)."""
-    kv_cache: bool = False
-    """Generation keeps a key/value cache (``meshkit.models.generate.generate``); else each new token runs
-    the window of the last ``seq_len`` tokens again (``window_generate``)."""
     small: Callable[..., Any]
     """``(layers=, heads=, experts=, scan_layers=)`` -> the small config ``meshkit verify`` certifies plans on."""
     hf: HFFormat | None = None

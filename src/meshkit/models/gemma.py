@@ -275,15 +275,20 @@ def init(key: jax.Array, cfg: GemmaConfig) -> Params:
 
 
 def _block(
-    p: Params, x_btd: jax.Array, cfg: GemmaConfig, local: Any, seg: Any = None, pos: Any = None
+    p: Params, x_btd: jax.Array, cfg: GemmaConfig, local: Any, seg: Any = None, pos: Any = None, attend=None
 ) -> jax.Array:
     """One block over a whole causal sequence (positions ``pos``, default 0..T-1; segments ``seg``): a
-    local layer if ``local``."""
+    local layer if ``local``; its attention ``attend(q, k, v, window, softcap)``'s where given (over a
+    cache: ``decode``)."""
     p = cast_block(p, cfg)
     b, t, _ = x_btd.shape
     pos = token_positions(x_btd, pos)
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg, local)
-    out = attention(q, k, v, cfg, local, seg).reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
+    if attend is None:
+        out = attention(q, k, v, cfg, local, seg)
+    else:
+        out = attend(q, k, v, cfg.window if local else None, cfg.attn_softcap)
+    out = out.reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
     if cfg.sandwich:
         out = rms_norm(p["attn_post_norm"], out, cfg.norm_eps)
     x_btd = x_btd + out
@@ -338,6 +343,20 @@ def apply(
     seg = exchange_segments(segment_ids)  # context plans: the keys' ids, once for every layer
     x_btd = run_layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, seg, positions)
     return head(top, x_btd, cfg)
+
+
+def decode(
+    params: Params, tokens_bt: jax.Array, pos_bt: jax.Array, attend: Callable, cfg: GemmaConfig
+) -> jax.Array:
+    """The logits ``(B, 1, V)`` after the last of ``tokens`` (at positions ``pos``), each layer ``i``
+    attending through ``attend(i, q, k, v, window, softcap)`` (over a key/value cache:
+    ``meshkit.models.generate``): its window on a local layer, the score cap on every layer."""
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    x_btd = embed(top, tokens_bt, cfg)
+    layers = stack.layer_list(params["blocks"], cfg.scan_layers)
+    for i, (p, local) in enumerate(zip(layers, cfg.kinds, strict=True)):
+        x_btd = _block(p, x_btd, cfg, local, pos=pos_bt, attend=functools.partial(attend, i))
+    return head(top, x_btd[:, -1:], cfg)
 
 
 def make_loss(cfg: GemmaConfig, *, with_aux: bool = False) -> Callable:

@@ -1,9 +1,6 @@
 """The Gemma's row in the registry (``meshkit.models.registry``): ``meshkit.models.gemma``, read from and
 written as a Gemma 1, Gemma 2 or Gemma 3 (text) checkpoint (its Hugging Face format, one row per model
 type: ``meshkit.models.gemma_hf``; the table in ``docs/families.md``).
-
-It generates without a key/value cache (``Family.kv_cache`` off: each new token runs the window of the
-last ``seq_len`` tokens again), which a local layer's window would have to bound.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Text generation from the Llama with a key/value cache: one prefill of the prompts, then one
-decode step per new token, all in one compiled program.
+"""Text generation with a key/value cache, for every family: one prefill of the prompts, then one
+decode step per new token, all in one compiled program. The cache and its masks are this module's; a
+family's ``decode`` runs its layers, each attending through the cache (``_forward``).
 
 Prompts of different lengths are left-padded to the longest: row ``b`` starts at cache slot
 ``pad[b]``, its positions (for the rotary embedding) count from there, and its keys before that
@@ -8,7 +9,9 @@ head_dim)`` with ``S`` = longest prompt + new tokens; given ``cache_sharding``, 
 under it (e.g. the key/value heads on the training mesh's ``model`` axis, beside parameters split
 by the same rules), else it lives where the parameters do. A layer with a sliding window masks the
 keys more than ``window - 1`` slots before its query (the cache keeps every slot; the mask decides,
-so one cache serves layers of every window). A mixture of experts runs dropless. Sampling: greedy
+so one cache serves layers of every window: Mistral's and Qwen2's windows, Gemma's local and global
+layers), and Gemma 2's scores are capped as its training forward caps them. A mixture of experts runs
+dropless. Sampling: greedy
 (``temperature=0``), or temperature with top-k, top-p (nucleus) and min-p filtering; each new token's
 log-probability under the model comes with it (``logprobs=True``).
 
@@ -17,9 +20,9 @@ least ``BUCKET_MIN`` tokens and the new tokens rounded up to a power of two (the
 of a length not seen before, or another ``max_new_tokens``, reuses the program of its bucket instead
 of compiling one (at most twice the work of the exact shape).
 
-``window_generate`` is the way without a cache (the whole window run again for every token, as
-``meshkit train``'s end-of-run sample does): the benchmark's baseline, and the check that both give
-the same greedy tokens.
+``window_generate`` is the way without a cache (the whole window run again for every token): the GPT's
+past its learned positions, where the window slides, the benchmark's baseline, and the check that both
+give the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import numpy as np
 from jax import lax
 
 from meshkit._errors import MeshkitError
-from meshkit.models import gpt, llama, registry
 from meshkit.models import llama_layers as L
+from meshkit.models import registry
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,35 +97,30 @@ def token_logprob(logits_bv: jax.Array, token_b: jax.Array) -> jax.Array:
     return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), token_b[:, None], -1)[:, 0]
 
 
-def _layers(params: llama.Params, cfg: llama.LlamaConfig) -> list:
-    if cfg.scan_layers:
-        return [jax.tree.map(lambda a, i=i: a[i], params["blocks"]) for i in range(cfg.layers)]
-    return list(params["blocks"])
+def _kv_heads(cfg: Any) -> int:
+    return getattr(cfg, "kv_heads", cfg.heads)  # the GPT: one key/value head per query head
 
 
-def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg: llama.LlamaConfig):
+def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg):
     """The logits after the last of ``tokens`` (at positions ``pos``), their keys and values written into ``cache`` at
     slots ``slot .. slot + T``, attending over the cache where ``mask`` allows and, in a layer with a
     window, over the last ``window`` slots of each query's (itself among them: transformers' sliding
-    window, whose cache keeps ``window - 1`` keys besides the new one)."""
-    top = {k: v for k, v in params.items() if k != "blocks"}
-    x = llama.embed(top, tokens_bt, cfg)
+    window, whose cache keeps ``window - 1`` keys besides the new one). The family's ``decode`` runs the
+    layers; each layer's attention is this cache's."""
     ks, vs = cache
     near = slot + jnp.arange(tokens_bt.shape[1])[:, None] - jnp.arange(ks.shape[2])[None, :]  # (T, S): q - k
-    for i, (p, window) in enumerate(zip(_layers(params, cfg), cfg.layer_windows, strict=True)):
-        p = L.cast_block(p, cfg)
-        q, k, v = L.project_qkv(p["attn"], L.rms_norm(p["attn_norm"], x, cfg.norm_eps), pos_bt, cfg)
+
+    def attend(i, q, k, v, window=None, softcap=None):
+        nonlocal ks, vs
         # straight into the stacked cache: `ks.at[i].set(update(ks[i]))` doubled a decode step's time on the
         # CPU (benchmarks/bench_sampler.py), a copy of the layer's cache each step
         ks = lax.dynamic_update_slice(ks, k.astype(ks.dtype)[None], (i, 0, slot, 0, 0))
         vs = lax.dynamic_update_slice(vs, v.astype(vs.dtype)[None], (i, 0, slot, 0, 0))
         mask = mask_bts if window is None else mask_bts & (near < window)[None]
-        x = x + L.attend(p["attn"], q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask, cfg)
-        h = L.rms_norm(p["mlp_norm"], x, cfg.norm_eps)
-        # a mixture of experts runs dropless (every token its k experts, as transformers runs it): a
-        # capacity counted over the prompt's padding or one new token would be no training run's
-        x = x + (llama.experts(p["moe"], h, cfg, 0.0)[0] if cfg.experts else L.mlp(p["mlp"], h))
-    return llama.head(top, x[:, -1:], cfg), (ks, vs)  # the next token's logits only (a prompt's last)
+        return L.attend(q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask, softcap)
+
+    logits = registry.family_of(cfg).module.decode(params, tokens_bt, pos_bt, attend, cfg)
+    return logits, (ks, vs)  # the next token's logits only (a prompt's last)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "new", "how", "cache_sharding", "logprobs"))
@@ -131,8 +129,9 @@ def _generate(
 ):
     b, prompt = tokens_bp.shape
     total = prompt + new
-    shape = (cfg.layers, b, total, cfg.kv_heads, cfg.head_dim)
-    cache = (jnp.zeros(shape, cfg.compute), jnp.zeros(shape, cfg.compute))
+    shape = (cfg.layers, b, total, _kv_heads(cfg), cfg.head_dim)
+    compute = cfg.compute_dtype or cfg.dtype
+    cache = (jnp.zeros(shape, compute), jnp.zeros(shape, compute))
     if cache_sharding is not None:
         cache = jax.tree.map(lambda c: lax.with_sharding_constraint(c, cache_sharding), cache)
     slots = jnp.arange(total)
@@ -186,7 +185,7 @@ def _padded(prompts: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, n
 
 def generate(
     params: Any,
-    cfg: llama.LlamaConfig,
+    cfg: Any,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
@@ -201,8 +200,6 @@ def generate(
     new tokens must fit the model's positions (``cfg.seq_len``): the cache is that long at most, and a
     position past them is one the model was never given (``meshkit generate`` bounds
     ``--max-new-tokens`` by them and says so)."""
-    if not isinstance(cfg, llama.LlamaConfig):
-        raise MeshkitError("the key/value cache generates from the Llama; use window_generate for the GPT")
     if max_new_tokens < 1:
         raise MeshkitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     tokens, pad = _padded(prompts, cfg.vocab_size)
@@ -227,14 +224,14 @@ def generate(
     return (tokens, np.asarray(lps)[:, :max_new_tokens].tolist()) if logprobs else tokens
 
 
-def kv_sharding(mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig) -> jax.sharding.NamedSharding:
+def kv_sharding(mesh: jax.sharding.Mesh, cfg: Any) -> jax.sharding.NamedSharding:
     """The cache under a training mesh's tensor-parallel split: key/value heads on ``model`` where
     they divide over it (as ``tp_rules.WHERE_DIVIDES`` splits ``wk`` and ``wv``), else whole."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     m = int(mesh.shape.get("model", 1))
-    heads = "model" if m > 1 and cfg.kv_heads % m == 0 else None
+    heads = "model" if m > 1 and _kv_heads(cfg) % m == 0 else None
     return NamedSharding(mesh, P(None, None, None, heads, None))
 
 
@@ -247,7 +244,7 @@ def _next_token(params, window_t, length, key, *, cfg, how: Sampling):
 
 def window_generate(
     params: Any,
-    cfg: llama.LlamaConfig | gpt.GPTConfig,
+    cfg: Any,
     prompt: Sequence[int],
     max_new_tokens: int,
     *,
@@ -287,11 +284,14 @@ def continue_prompts(
     seed: int = 0,
     stop: Sequence[int] = (),
 ) -> list[list[int]]:
-    """New tokens for each prompt as the model's family generates (``Family.kv_cache``): batched with a
-    key/value cache, or one prompt at a time over its window; each ends before its first token of ``stop``
-    (the ids that end a text, as transformers' ``generate`` stops at ``eos_token_id``)."""
+    """New tokens for each prompt, each ending before its first token of ``stop`` (the ids that end a text,
+    as transformers' ``generate`` stops at ``eos_token_id``): batched with a key/value cache (one compiled
+    program for every row, each cut after it) where the prompt and its new tokens fit the model's positions,
+    else, for a family whose positions end (a learned table: the GPT), one prompt at a time over the window
+    of its last ``seq_len`` tokens, the positions sliding."""
     stop = frozenset(stop)
-    if registry.family_of(cfg).kv_cache:  # one compiled program for every row: each cut after it
+    longest = max((len(p) for p in prompts), default=0)
+    if not registry.family_of(cfg).learned_positions or longest + max_new_tokens <= cfg.seq_len:
         rows = generate(params, cfg, prompts, max_new_tokens, sampling=sampling, seed=seed)
         return [row[: next((i for i, t in enumerate(row) if t in stop), len(row))] for row in rows]
     return [

@@ -51,6 +51,10 @@ import jax.numpy as jnp
 from meshkit._errors import MeshkitError
 from meshkit.models import stack
 from meshkit.models.shape import ModelShape
+from meshkit.models.stack import blocks_form
+from meshkit.models.stack import to_form as to_form  # the forms' converters, as the GPT's API names them
+from meshkit.models.stack import to_layers as to_layers
+from meshkit.models.stack import to_scanned as to_scanned
 from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
 from meshkit.plans import (
     causal_attention,
@@ -240,42 +244,6 @@ def init(key: jax.Array, cfg: GPTConfig) -> Params:
     }
 
 
-def blocks_form(tree: Any) -> str:
-    """``"layers"`` (a list of per-layer dicts) or ``"scanned"`` (stacked leaves) for a GPT parameter tree."""
-    return "layers" if isinstance(tree["blocks"], (list, tuple)) else "scanned"
-
-
-def to_scanned(tree: Any) -> Any:
-    """The scanned form of a parameter-shaped tree (blocks stacked on a new leading axis); idempotent."""
-    if blocks_form(tree) == "scanned":
-        return tree
-    return {**tree, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *tree["blocks"])}
-
-
-def to_layers(tree: Any) -> Any:
-    """The Python-loop form of a parameter-shaped tree (one dict per layer); idempotent."""
-    if blocks_form(tree) == "layers":
-        return tree
-    stacked = tree["blocks"]
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    return {**tree, "blocks": [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]}
-
-
-def _is_gpt_tree(x: Any) -> bool:
-    return isinstance(x, dict) and "blocks" in x and "tok_embed" in x
-
-
-def to_form(tree: Any, scan_layers: bool) -> Any:
-    """Every GPT parameter-shaped subtree of ``tree`` (parameters, optax state such as Adam's mu and
-    nu, a checkpoint's payload) in the scanned form or the Python-loop form; other leaves unchanged.
-
-    The hook a checkpoint restore needs: record ``blocks_form(params)`` when saving, and on restore
-    into a model of the other form pass the restored tree through ``to_form(tree, cfg.scan_layers)``.
-    """
-    convert = to_scanned if scan_layers else to_layers
-    return jax.tree.map(lambda x: convert(x) if _is_gpt_tree(x) else x, tree, is_leaf=_is_gpt_tree)
-
-
 def _wide(dtype) -> jnp.dtype:
     """The dtype for numerically sensitive steps: at least float32 (float64 stays float64)."""
     return jnp.promote_types(dtype, jnp.float32)
@@ -290,16 +258,21 @@ def _layer_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float = 1e-5) ->
     return y_btd * p["scale"] + p["bias"]
 
 
-def _attention(p: dict[str, jax.Array], x_btd: jax.Array, cfg: GPTConfig, seg: Any = None) -> jax.Array:
-    """Causal multi-head self-attention (``seg``: within each token's segment only); scores and softmax
-    in at least float32."""
+def _attention(
+    p: dict[str, jax.Array], x_btd: jax.Array, cfg: GPTConfig, seg: Any = None, attend: Any = None
+) -> jax.Array:
+    """Causal multi-head self-attention (``seg``: within each token's segment only; ``attend(q, k, v)``:
+    over a cache instead, ``decode``); scores and softmax in at least float32."""
     b, t, _ = x_btd.shape
     # No key bias: it adds q.b_k to every score of a query, which softmax cancels, so its gradient
     # is exactly zero and in floating point pure rounding noise (Adam would amplify it to +-lr).
     q_bthk = (x_btd @ p["wq"] + p["bq"]).reshape(b, t, cfg.heads, cfg.head_dim)
     k_bthk = (x_btd @ p["wk"]).reshape(b, t, cfg.heads, cfg.head_dim)
     v_bthk = (x_btd @ p["wv"] + p["bv"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    out_bthk = causal_attention(q_bthk, k_bthk, v_bthk, segment_ids=seg)  # context plans: over the split
+    if attend is None:  # context plans: over the split
+        out_bthk = causal_attention(q_bthk, k_bthk, v_bthk, segment_ids=seg)
+    else:
+        out_bthk = attend(q_bthk, k_bthk, v_bthk)
     return out_bthk.reshape(b, t, cfg.width) @ p["wo"] + p["bo"]
 
 
@@ -343,16 +316,16 @@ def _moe_block(
     x_btd, stats = carry
     p = jax.tree.map(lambda a: a.astype(cfg.compute_dtype or cfg.dtype), p)
     x_btd = x_btd + _attention(p["attn"], _layer_norm(p["ln1"], x_btd), cfg, seg)
-    experts = {k: v for k, v in p["moe"].items() if k != "router"}
-    y_btd, aux, dropped = moe(
-        _experts,
-        experts,
-        p["moe"]["router"],
-        _layer_norm(p["ln2"], x_btd),
-        k=cfg.experts_per_token,
-        capacity_factor=cfg.capacity_factor,
-    )
+    y_btd, aux, dropped = _mixture(p["moe"], _layer_norm(p["ln2"], x_btd), cfg, cfg.capacity_factor)
     return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
+
+
+def _mixture(p: Params, x_btd: jax.Array, cfg: GPTConfig, capacity_factor: float) -> tuple:
+    """The mixture of experts of the normalised ``x_btd`` (``p``: a block's ``"moe"``): ``(y, aux, dropped)``."""
+    experts = {k: v for k, v in p.items() if k != "router"}
+    return moe(
+        _experts, experts, p["router"], x_btd, k=cfg.experts_per_token, capacity_factor=capacity_factor
+    )
 
 
 def _head(top: Params, x_btd: jax.Array, cfg: GPTConfig) -> jax.Array:
@@ -398,6 +371,25 @@ def forward(
         (exchange_segments(segment_ids),),
     )
     return _head(top, x_btd, cfg), stats
+
+
+def decode(
+    params: Params, tokens_bt: jax.Array, pos_bt: jax.Array, attend: Callable, cfg: GPTConfig
+) -> jax.Array:
+    """The logits ``(B, 1, V)`` after the last of ``tokens`` (at rows ``pos`` of the position table), each
+    layer ``i`` attending through ``attend(i, q, k, v)`` (over a key/value cache: ``meshkit.models.generate``);
+    a mixture of experts dropless."""
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    compute = cfg.compute_dtype or cfg.dtype
+    x_btd = top["tok_embed"].astype(compute)[tokens_bt] + top["pos_embed"].astype(compute)[pos_bt]
+    for i, p in enumerate(stack.layer_list(params["blocks"], cfg.scan_layers)):
+        p = jax.tree.map(lambda a: a.astype(compute), p)
+        x_btd = x_btd + _attention(
+            p["attn"], _layer_norm(p["ln1"], x_btd), cfg, attend=functools.partial(attend, i)
+        )
+        h = _layer_norm(p["ln2"], x_btd)
+        x_btd = x_btd + (_mixture(p["moe"], h, cfg, 0.0)[0] if cfg.experts else _mlp(p["mlp"], h))
+    return _head(top, x_btd[:, -1:], cfg)
 
 
 def stages(cfg: GPTConfig) -> Any:

@@ -273,16 +273,19 @@ def init(key: jax.Array, cfg: LlamaConfig) -> Params:
 
 
 def _attention(
-    p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None, seg=None, pos=None
+    p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None, seg=None, pos=None, attend=None
 ) -> jax.Array:
     """The residual after the block's attention over its whole causal sequence (``window``: the last
     ``window`` positions of each, itself among them; ``seg``: within each token's segment only; ``pos``:
-    the tokens' positions, default ``0..T-1``)."""
+    the tokens' positions, default ``0..T-1``), or ``attend(q, k, v, window)``'s (over a cache: ``decode``)."""
     b, t, _ = x_btd.shape
     pos = token_positions(x_btd, pos)
     q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
-    out = causal_attention(q, k, v, window=window, segment_ids=seg).reshape(b, t, cfg.heads * cfg.head_dim)
-    return x_btd + out @ p["attn"]["wo"]
+    if attend is None:
+        out = causal_attention(q, k, v, window=window, segment_ids=seg)
+    else:
+        out = attend(q, k, v, window)
+    return x_btd + out.reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
 
 
 def experts(p: Params, x_btd: jax.Array, cfg: LlamaConfig, capacity_factor: float) -> tuple:
@@ -375,6 +378,24 @@ def forward(
     extra = (exchange_segments(segment_ids), positions)  # context plans: the keys' ids, once for every layer
     x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, extra)
     return head(top, x_btd, cfg), stats
+
+
+def decode(
+    params: Params, tokens_bt: jax.Array, pos_bt: jax.Array, attend: Callable, cfg: LlamaConfig
+) -> jax.Array:
+    """The logits ``(B, 1, V)`` after the last of ``tokens`` (at positions ``pos``), each layer ``i``
+    attending through ``attend(i, q, k, v, window)`` (over a key/value cache: ``meshkit.models.generate``).
+    A mixture of experts runs dropless (every token its k experts, as transformers runs it): a capacity
+    counted over a prompt's padding or one new token would be no training run's."""
+    top = {k: v for k, v in params.items() if k != "blocks"}
+    x_btd = embed(top, tokens_bt, cfg)
+    layers = stack.layer_list(params["blocks"], cfg.scan_layers)
+    for i, (p, window) in enumerate(zip(layers, cfg.layer_windows, strict=True)):
+        p = cast_block(p, cfg)
+        x_btd = _attention(p, x_btd, cfg, window, pos=pos_bt, attend=functools.partial(attend, i))
+        h = rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps)
+        x_btd = x_btd + (experts(p["moe"], h, cfg, 0.0)[0] if cfg.experts else mlp(p["mlp"], h))
+    return head(top, x_btd[:, -1:], cfg)
 
 
 def make_loss(cfg: LlamaConfig, *, with_aux: bool = False) -> Callable:

@@ -63,7 +63,6 @@ FAMILY = Family(
     options_of=options_of,
     check=check,
     units=units,
-    kv_cache=True,
     small=small,
     hf=HFFormat(
         label="Llama",

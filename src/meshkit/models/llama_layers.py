@@ -104,27 +104,29 @@ def project_qkv(
 
 
 def attend(
-    p: dict[str, jax.Array],
     q_bthk: jax.Array,
     k_bskh: jax.Array,
     v_bskh: jax.Array,
     mask_bts: jax.Array,
-    cfg: Any,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """Grouped-query attention of ``T`` queries over ``S`` keys (a cache) where ``mask`` allows, then the
-    output projection; scores and softmax in at least float32."""
-    b, t = q_bthk.shape[:2]
+    """Grouped-query attention ``(B, T, H, h)`` of ``T`` queries over ``S`` keys (a cache) where ``mask``
+    allows: scores (capped to ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap`` where given, before
+    the mask, as ``plans.attention`` caps them) and softmax in at least float32."""
+    b, t, heads, hd = q_bthk.shape
+    kv = k_bskh.shape[2]
     w = wide(q_bthk.dtype)
-    # each key/value head serves ``groups`` consecutive query heads (transformers' repeat_kv): the queries
+    # each key/value head serves ``heads / kv`` consecutive query heads (transformers' repeat_kv): the queries
     # grouped under their key/value head, the cache read once (repeating it per query head copied the
     # whole cache every decode step); a query head's split over the model axis keeps its key/value head
     # on the same device where the key/value heads divide over it (``generate.kv_sharding``)
-    q = q_bthk.reshape(b, t, cfg.kv_heads, cfg.groups, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=w) / math.sqrt(cfg.head_dim)
+    q = q_bthk.reshape(b, t, kv, heads // kv, hd)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh, preferred_element_type=w) / math.sqrt(hd)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(w).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh).reshape(b, t, cfg.heads * cfg.head_dim)
-    return out @ p["wo"]
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh).reshape(b, t, heads, hd)
 
 
 def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:

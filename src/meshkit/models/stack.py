@@ -6,7 +6,7 @@ the check that a model's parameters hold the form its config says (``check_form`
 A stack has two forms: the loop form, a Python list of one block per layer, each run marked with
 ``meshkit.layer`` (the hook a plan uses to gather and rematerialize per block); and the scanned form, one
 block whose leaves are stacked with a leading ``"layers"`` axis, run by ``lax.scan`` (one compiled block
-whatever the depth). ``gpt.to_scanned``, ``to_layers`` and ``to_form`` convert between them.
+whatever the depth). ``to_scanned``, ``to_layers`` and ``to_form`` convert between them.
 """
 
 from __future__ import annotations
@@ -82,6 +82,50 @@ def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
         names = (EXPERT_DIM, *names)
     stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
     return ("layers", *names) if stacked else names
+
+
+def layer_list(blocks: Any, scan: bool) -> list:
+    """Each layer's parameters, in order: the loop form's list, or the scanned form's stacked leaves cut
+    one layer at a time (a Python loop over layers: generation's, whose layers each write a cache)."""
+    if not scan:
+        return list(blocks)
+    return [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(jax.tree.leaves(blocks)[0].shape[0])]
+
+
+def blocks_form(tree: Any) -> str:
+    """``"layers"`` (a list of per-layer dicts) or ``"scanned"`` (stacked leaves) for a parameter tree."""
+    return "layers" if isinstance(tree["blocks"], (list, tuple)) else "scanned"
+
+
+def to_scanned(tree: Any) -> Any:
+    """The scanned form of a parameter-shaped tree (blocks stacked on a new leading axis); idempotent."""
+    if blocks_form(tree) == "scanned":
+        return tree
+    return {**tree, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *tree["blocks"])}
+
+
+def to_layers(tree: Any) -> Any:
+    """The Python-loop form of a parameter-shaped tree (one dict per layer); idempotent."""
+    if blocks_form(tree) == "layers":
+        return tree
+    stacked = tree["blocks"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return {**tree, "blocks": [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]}
+
+
+def _is_model_tree(x: Any) -> bool:
+    return isinstance(x, dict) and "blocks" in x and "tok_embed" in x
+
+
+def to_form(tree: Any, scan_layers: bool) -> Any:
+    """Every model parameter-shaped subtree of ``tree`` (parameters, optax state such as Adam's mu and
+    nu, a checkpoint's payload) in the scanned form or the Python-loop form; other leaves unchanged.
+
+    The hook a checkpoint restore needs: record ``blocks_form(params)`` when saving, and on restore
+    into a model of the other form pass the restored tree through ``to_form(tree, cfg.scan_layers)``.
+    """
+    convert = to_scanned if scan_layers else to_layers
+    return jax.tree.map(lambda x: convert(x) if _is_model_tree(x) else x, tree, is_leaf=_is_model_tree)
 
 
 def check_form(params: Params, cfg: Any) -> None:

@@ -77,14 +77,6 @@ def _grpo_problem(cfg: Any) -> str | None:
             f"--batch-size {cfg.data.batch_size} completions do not divide into groups of --generations "
             f"{o.generations}: give a multiple of {o.generations}"
         )
-    from meshkit.models import registry
-
-    if not registry.family(cfg.model.model).kv_cache:
-        kv = [f.name for f in registry.families() if f.kv_cache]
-        return (
-            f"--task grpo samples with a key/value cache, which the {cfg.model.model} family has not yet: use "
-            f"--model {' or '.join(kv)}"
-        )
     if o.max_new_tokens >= cfg.data.seq_len:
         return (
             f"--max-new-tokens {o.max_new_tokens} leaves no room for a prompt in --seq-len {cfg.data.seq_len}: "

@@ -194,8 +194,8 @@ def generate_text(
     run: TrainedModel, prompts: list[str], max_new_tokens: int, *, sampling: G.Sampling, seed: int = 0
 ) -> list[str]:
     """The continuation of each prompt, up to its end of text (the tokenizer's, and those of the checkpoint
-    the run started from): batched with a key/value cache where the model's family keeps one (the Llama),
-    else one prompt at a time over its window (the GPT: its learned positions end at ``seq_len``). New
+    the run started from): batched with a key/value cache, or, for a GPT continued past its learned
+    positions, one prompt at a time over its window of ``seq_len`` tokens (``continue_prompts``). New
     tokens are bounded by the model's positions, and a continuation past what the run trained on
     (``--seq-len``) is said in one ``warning:`` line: the model never saw such positions."""
     if (bad := lone_surrogate(prompts, "--prompt")) is not None:  # bytes no UTF-8 decodes come as these
@@ -213,12 +213,12 @@ def generate_text(
 
 
 def _bounded(run: TrainedModel, longest: int, max_new_tokens: int) -> int:
-    """``--max-new-tokens`` as the model can run it. With a key/value cache the positions grow with every
-    token: the prompt and its new tokens must fit the model's positions (a cache as long as asked would
-    allocate beyond any memory: a billion tokens, 971 GB), so fewer are generated, and said. Over a window
-    the positions slide and end at the window's length."""
+    """``--max-new-tokens`` as the model can run it. Where positions are computed (a rotary) they grow with
+    every token: the prompt and its new tokens must fit the model's positions (a cache as long as asked
+    would allocate beyond any memory: a billion tokens, 971 GB), so fewer are generated, and said. Past a
+    learned table's positions the window slides and they end at the window's length."""
     positions, trained = run.model.seq_len, run.cfg.data.seq_len
-    kv = run.family.kv_cache
+    kv = not run.family.learned_positions
     if kv and longest >= positions:
         raise C.ConfigError(
             f"--prompt of {longest} tokens fills the model's {positions} positions: give a shorter prompt"
