@@ -50,7 +50,8 @@ def _forward_logprobs(params, cfg, prompts, news):
         batch[row, : len(seq) - 1] = seq[:-1]
     logp = np.asarray(jax.nn.log_softmax(registry.family_of(cfg).module.apply(params, batch, cfg), -1))
     rows = [
-        (row, np.arange(len(p) - 1, len(s) - 1), s[len(p) :]) for row, (p, s) in enumerate(zip(prompts, seqs))
+        (row, np.arange(len(p) - 1, len(s) - 1), s[len(p) :])
+        for row, (p, s) in enumerate(zip(prompts, seqs, strict=True))
     ]
     return [logp[r, at, tok] for r, at, tok in rows], [
         np.argmax(logp[r, at], -1).tolist() for r, at, _ in rows

@@ -157,6 +157,34 @@ def test_export_refuses_a_used_directory_and_leaves_it_alone(trained, tmp_path, 
     shutil.rmtree(out)
 
 
+def test_meshkit_generate_streams_a_prompt_and_stops_before_a_stop_string(trained, capsys):
+    """One prompt's continuation is shown as each token settles (``generate_text(show=)``, what the command
+    writes to stdout) and printed whole; ``--stop TEXT`` cuts it before the text and stops drawing there."""
+    from meshkit.models.generate import Sampling
+    from meshkit.train.outputs import generate_text
+
+    args = ["generate", "--run-dir", str(trained), "--prompt", "The class", "--max-new-tokens", "16",
+            "--temperature", "1", "--seed", "5"]  # fmt: skip
+    assert main(args) == 0
+    full = capsys.readouterr().out
+    assert full.endswith("\n") and len(full) == 17, full  # 16 characters, each a token
+    run, shown = load_run(trained), []
+    how = Sampling(temperature=1.0)
+    texts = generate_text(run, ["The class"], 16, sampling=how, seed=5, show=lambda row, t: shown.append(t))
+    assert texts == [full[:-1]] and shown == [full[:n] for n in range(1, 17)]  # one text per token, growing
+    stop = full[6:8]
+    cut = full.index(stop)
+    assert main([*args, "--stop", stop, "--stop", "never in it"]) == 0
+    assert capsys.readouterr().out == full[:cut] + "\n"
+    shown.clear()
+    generate_text(
+        run, ["The class"], 16, sampling=how, seed=5, stop_strings=[stop], show=lambda r, t: shown.append(t)
+    )
+    assert len(shown) == cut + len(stop) and shown[-1] == full[:cut]  # no token drawn after the stop string
+    assert main([*args, "--stop", ""]) == 2
+    assert "empty stop string" in capsys.readouterr().err
+
+
 def test_a_llama_on_bpe_token_shards_exports_its_tokenizer_generates_and_restarts_only_on_it(
     tmp_path, capsys
 ):

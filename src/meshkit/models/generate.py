@@ -28,7 +28,7 @@ give the same greedy tokens.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,40 +123,63 @@ def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg):
     return logits, (ks, vs)  # the next token's logits only (a prompt's last)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "new", "how", "cache_sharding", "logprobs"))
-def _generate(
-    params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, cache_sharding=None, logprobs=True
-):
+def _lp_of(logprobs: bool):
+    """Each drawn token's log-prob where asked (a log-softmax over the vocabulary every step), else zeros."""
+    return token_logprob if logprobs else (lambda logits_bv, token_b: jnp.zeros(token_b.shape, jnp.float32))
+
+
+def _prefill(params, tokens_bp, pad_b, key, *, cfg, total: int, how: Sampling, cache_sharding, logprobs):
+    """Every prompt token at once (causal, a row's padding masked) into a cache of ``total`` slots: the
+    first new token of each row, its log-prob, and the cache."""
     b, prompt = tokens_bp.shape
-    total = prompt + new
     shape = (cfg.layers, b, total, _kv_heads(cfg), cfg.head_dim)
     compute = cfg.compute_dtype or cfg.dtype
     cache = (jnp.zeros(shape, compute), jnp.zeros(shape, compute))
     if cache_sharding is not None:
         cache = jax.tree.map(lambda c: lax.with_sharding_constraint(c, cache_sharding), cache)
     slots = jnp.arange(total)
-    # prefill: every prompt token, causal, a row's padding masked
     pos = jnp.maximum(jnp.arange(prompt)[None] - pad_b[:, None], 0)
     mask = (slots[None, None, :] <= jnp.arange(prompt)[None, :, None]) & (
         slots[None, None, :] >= pad_b[:, None, None]
     )
     logits, cache = _forward(params, tokens_bp, pos, mask, cache, 0, cfg)
-    # each drawn token's log-prob where asked (a log-softmax over the vocabulary every step, else zeros)
-    lp_of = token_logprob if logprobs else (lambda logits_bv, token_b: jnp.zeros(token_b.shape, jnp.float32))
     first = sample(logits[:, -1], jax.random.fold_in(key, 0), how)
-    first_lp = lp_of(logits[:, -1], first)
+    return first, _lp_of(logprobs)(logits[:, -1], first), cache
+
+
+def _decode(params, token_b, pad_b, cache, slot, key, j, *, cfg, how: Sampling, logprobs):
+    """Token ``j + 1`` of each row after its token ``j`` (written at cache ``slot``), and its log-prob."""
+    slots = jnp.arange(cache[0].shape[2])
+    mask = (slots[None, None, :] <= slot) & (slots[None, None, :] >= pad_b[:, None, None])
+    logits, cache = _forward(params, token_b[:, None], (slot - pad_b)[:, None], mask, cache, slot, cfg)
+    nxt = sample(logits[:, -1], jax.random.fold_in(key, j + 1), how)
+    return nxt, _lp_of(logprobs)(logits[:, -1], nxt), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "new", "how", "cache_sharding", "logprobs"))
+def _generate(
+    params, tokens_bp, pad_b, key, *, cfg, new: int, how: Sampling, cache_sharding=None, logprobs=True
+):
+    """``new`` tokens of each row in one program: the prefill, then a scan of decode steps."""
+    prompt = tokens_bp.shape[1]
+    first, first_lp, cache = _prefill(
+        params, tokens_bp, pad_b, key, cfg=cfg, total=prompt + new, how=how, cache_sharding=cache_sharding,
+        logprobs=logprobs,
+    )  # fmt: skip
 
     def step(carry, j):
         token, lp, cache = carry
-        slot = prompt + j
-        mask = (slots[None, None, :] <= slot) & (slots[None, None, :] >= pad_b[:, None, None])
-        logits, cache = _forward(params, token[:, None], (slot - pad_b)[:, None], mask, cache, slot, cfg)
-        nxt = sample(logits[:, -1], jax.random.fold_in(key, j + 1), how)
-        return (nxt, lp_of(logits[:, -1], nxt), cache), (token, lp)
+        nxt, nxt_lp, cache = _decode(params, token, pad_b, cache, prompt + j, key, j, cfg=cfg, how=how,
+                                     logprobs=logprobs)  # fmt: skip
+        return (nxt, nxt_lp, cache), (token, lp)
 
     (last, last_lp, _), (out, lps) = lax.scan(step, (first, first_lp, cache), jnp.arange(new - 1))
     tokens = jnp.concatenate([out.T, last[:, None]], 1)
     return tokens, jnp.concatenate([lps.T, last_lp[:, None]], 1)
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("cfg", "total", "how", "cache_sharding", "logprobs"))
+_decode_jit = jax.jit(_decode, static_argnames=("cfg", "how", "logprobs"), donate_argnames=("cache",))
 
 
 BUCKET_MIN = 16
@@ -183,6 +206,22 @@ def _padded(prompts: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, n
     return tokens, pad
 
 
+def _checked(
+    cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts left-padded to their bucket and each row's padding, once the request is checked."""
+    if max_new_tokens < 1:
+        raise MeshkitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    tokens, pad = _padded(prompts, cfg.vocab_size)
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.seq_len:
+        raise MeshkitError(
+            f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens passes the model's "
+            f"{cfg.seq_len} positions: give at most {max(cfg.seq_len - longest, 0)}"
+        )
+    return tokens, pad
+
+
 def generate(
     params: Any,
     cfg: Any,
@@ -200,15 +239,7 @@ def generate(
     new tokens must fit the model's positions (``cfg.seq_len``): the cache is that long at most, and a
     position past them is one the model was never given (``meshkit generate`` bounds
     ``--max-new-tokens`` by them and says so)."""
-    if max_new_tokens < 1:
-        raise MeshkitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    tokens, pad = _padded(prompts, cfg.vocab_size)
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > cfg.seq_len:
-        raise MeshkitError(
-            f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens passes the model's "
-            f"{cfg.seq_len} positions: give at most {max(cfg.seq_len - longest, 0)}"
-        )
+    tokens, pad = _checked(cfg, prompts, max_new_tokens)
     out, lps = _generate(
         params,
         tokens,
@@ -222,6 +253,32 @@ def generate(
     )
     tokens = np.asarray(out)[:, :max_new_tokens].tolist()
     return (tokens, np.asarray(lps)[:, :max_new_tokens].tolist()) if logprobs else tokens
+
+
+def stream(
+    params: Any,
+    cfg: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    cache_sharding: Any = None,
+) -> Iterator[np.ndarray]:
+    """``generate``'s tokens one step at a time: each row's next token ``(B,)`` as soon as it is drawn (the
+    prefill, then one compiled decode step per token, the host between them); for the same seed, the tokens
+    ``generate`` draws. Stop iterating to stop early: a row's stop token or string is the caller's to find
+    (``continue_prompts``)."""
+    tokens, pad = _checked(cfg, prompts, max_new_tokens)
+    how, key, prompt = sampling or Sampling(), jax.random.key(seed), tokens.shape[1]
+    pad = jnp.asarray(pad)
+    token, _, cache = _prefill_jit(params, tokens, pad, key, cfg=cfg, total=prompt + bucket(max_new_tokens, 1),
+                                   how=how, cache_sharding=cache_sharding, logprobs=False)  # fmt: skip
+    yield np.asarray(token)
+    for j in range(max_new_tokens - 1):
+        token, _, cache = _decode_jit(params, token, pad, cache, jnp.int32(prompt + j), key, jnp.int32(j), cfg=cfg,
+                                      how=how, logprobs=False)  # fmt: skip
+        yield np.asarray(token)
 
 
 def kv_sharding(mesh: jax.sharding.Mesh, cfg: Any) -> jax.sharding.NamedSharding:
@@ -251,10 +308,11 @@ def window_generate(
     sampling: Sampling | None = None,
     seed: int = 0,
     stop: Sequence[int] = (),
+    until: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """New tokens for one prompt without a cache: the last ``seq_len`` tokens run through the whole
     model for every new token (the GPT's learned positions allow no more); it ends early at a token of
-    ``stop`` (an end of text), which is not returned."""
+    ``stop`` (an end of text), which is not returned, or after a token where ``until(tokens so far)``."""
     how = sampling or Sampling()
     window = np.asarray(list(prompt)[-cfg.seq_len :], np.int32)
     width = cfg.seq_len
@@ -267,6 +325,8 @@ def window_generate(
         if tok in stop:
             break
         out.append(tok)
+        if until is not None and until(out):
+            break
         if n < width:
             buf[n], n = tok, n + 1
         else:
@@ -283,18 +343,37 @@ def continue_prompts(
     sampling: Sampling | None = None,
     seed: int = 0,
     stop: Sequence[int] = (),
+    until: Callable[[int, list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """New tokens for each prompt, each ending before its first token of ``stop`` (the ids that end a text,
-    as transformers' ``generate`` stops at ``eos_token_id``): batched with a key/value cache (one compiled
-    program for every row, each cut after it) where the prompt and its new tokens fit the model's positions,
-    else, for a family whose positions end (a learned table: the GPT), one prompt at a time over the window
-    of its last ``seq_len`` tokens, the positions sliding."""
+    as transformers' ``generate`` stops at ``eos_token_id``): batched with a key/value cache where the prompt
+    and its new tokens fit the model's positions, else, for a family whose positions end (a learned table:
+    the GPT), one prompt at a time over the window of its last ``seq_len`` tokens, the positions sliding.
+
+    ``until(row, tokens)`` is asked after each new token of a row still going, with that row's tokens so
+    far: True ends the row there (a stop string found; the caller shows the text as it grows). With it the
+    cache runs one step at a time (``stream``) and stops once every row has ended; without it, one compiled
+    program draws every token and each row is cut after it."""
     stop = frozenset(stop)
     longest = max((len(p) for p in prompts), default=0)
-    if not registry.family_of(cfg).learned_positions or longest + max_new_tokens <= cfg.seq_len:
+    if registry.family_of(cfg).learned_positions and longest + max_new_tokens > cfg.seq_len:
+        return [
+            window_generate(params, cfg, p, max_new_tokens, sampling=sampling, seed=seed, stop=stop,
+                            until=None if until is None else functools.partial(until, row))
+            for row, p in enumerate(prompts)
+        ]  # fmt: skip
+    if until is None:
         rows = generate(params, cfg, prompts, max_new_tokens, sampling=sampling, seed=seed)
         return [row[: next((i for i, t in enumerate(row) if t in stop), len(row))] for row in rows]
-    return [
-        window_generate(params, cfg, p, max_new_tokens, sampling=sampling, seed=seed, stop=stop)
-        for p in prompts
-    ]
+    rows, going = [[] for _ in prompts], set(range(len(prompts)))
+    for drawn in stream(params, cfg, prompts, max_new_tokens, sampling=sampling, seed=seed):
+        for row in sorted(going):
+            if int(drawn[row]) in stop:
+                going.discard(row)
+                continue
+            rows[row].append(int(drawn[row]))
+            if until(row, rows[row]):
+                going.discard(row)
+        if not going:
+            break
+    return rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,15 +192,28 @@ def _named(run: TrainedModel, bpe: Any) -> dict[str, str]:
 
 
 def generate_text(
-    run: TrainedModel, prompts: list[str], max_new_tokens: int, *, sampling: G.Sampling, seed: int = 0
+    run: TrainedModel,
+    prompts: list[str],
+    max_new_tokens: int,
+    *,
+    sampling: G.Sampling,
+    seed: int = 0,
+    stop_strings: Sequence[str] = (),
+    show: Callable[[int, str], None] | None = None,
 ) -> list[str]:
     """The continuation of each prompt, up to its end of text (the tokenizer's, and those of the checkpoint
-    the run started from): batched with a key/value cache, or, for a GPT continued past its learned
-    positions, one prompt at a time over its window of ``seq_len`` tokens (``continue_prompts``). New
-    tokens are bounded by the model's positions, and a continuation past what the run trained on
-    (``--seq-len``) is said in one ``warning:`` line: the model never saw such positions."""
+    the run started from) or before the first of ``stop_strings`` it contains: batched with a key/value
+    cache, or, for a GPT continued past its learned positions, one prompt at a time over its window of
+    ``seq_len`` tokens (``continue_prompts``). ``show(row, text)`` is given each row's text as it grows
+    (``settled``: what no later token can change). New tokens are bounded by the model's positions, and a
+    continuation past what the run trained on (``--seq-len``) is said in one ``warning:`` line: the model
+    never saw such positions."""
     if (bad := lone_surrogate(prompts, "--prompt")) is not None:  # bytes no UTF-8 decodes come as these
         raise C.ConfigError(surrogate_said(*bad))
+    if any(s == "" for s in stop_strings):
+        raise C.ConfigError(
+            "--stop '': an empty stop string would end every text before it starts: give text"
+        )
     try:
         ids = [run.corpus.encode(p).tolist() for p in prompts]
     except DataError as e:
@@ -208,8 +222,36 @@ def generate_text(
     special = special_tokens(run, required=False)
     stop = {run.corpus.bpe.eot_id} if run.corpus.bpe is not None else set()
     stop |= set(special.eos_ids) if special is not None else set()
-    out = G.continue_prompts(run.params, run.model, ids, new, sampling=sampling, seed=seed, stop=stop)
-    return [run.corpus.decode(row) for row in out]
+    until = None
+    if stop_strings or show is not None:
+
+        def until(row: int, tokens: list[int]) -> bool:
+            text = run.corpus.decode(tokens)
+            cut = stop_at(text, stop_strings)
+            if show is not None:
+                show(row, text[:cut] if cut is not None else settled(text, stop_strings))
+            return cut is not None
+
+    out = G.continue_prompts(
+        run.params, run.model, ids, new, sampling=sampling, seed=seed, stop=stop, until=until
+    )
+    texts = [run.corpus.decode(row) for row in out]
+    return [t[: stop_at(t, stop_strings)] for t in texts]
+
+
+def stop_at(text: str, stop_strings: Sequence[str]) -> int | None:
+    """Where ``text`` is cut: before the earliest of ``stop_strings`` in it (the stop string not kept, as
+    vLLM and OpenAI's API return), or None."""
+    found = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(found) if found else None
+
+
+def settled(text: str, stop_strings: Sequence[str]) -> str:
+    """What of a growing ``text`` later tokens cannot change: without a trailing replacement character (a
+    character whose UTF-8 bytes have not all come) and the longest end that could begin a stop string."""
+    text = text.rstrip("\ufffd")
+    held = max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - held]
 
 
 def _bounded(run: TrainedModel, longest: int, max_new_tokens: int) -> int:
