@@ -98,3 +98,28 @@ def test_each_gemma_switch_reaches_the_cache():
                     params, dataclasses.replace(cfg, **{field: off}), PROMPTS, NEW, logprobs=True
                 )
                 assert np.max(np.abs(np.asarray(moved) - np.asarray(lps))) > 1e-3, field
+
+
+@pytest.mark.parametrize(
+    "plan, mesh", [("fsdp", "data=8"), ("dp+tp", "data=4,model=2"), ("fsdp+tp", "data=4,model=2")]
+)
+def test_the_same_seed_draws_the_same_tokens_under_every_plan(plan, mesh):
+    """The sampler on the parameters where a Trainer of each plan keeps them (ZeRO-3's split over data, the
+    tensor-parallel split, both) and its cache laid out on that mesh: the same tokens as on one device and
+    log-probabilities equal to 1e-12 (float64; the Gemma 2's local and global layers)."""
+    import optax
+
+    from meshkit import Trainer
+
+    with jax.enable_x64(True):
+        cfg = MODELS["gemma2"]
+        params = _params(cfg)
+        filtered = G.Sampling(temperature=0.8, top_k=8, top_p=0.95)
+        one = G.generate(params, cfg, PROMPTS, NEW, sampling=filtered, seed=3, logprobs=True)
+        t = Trainer(gemma.make_loss(cfg), params, optax.sgd(0.1), plan=plan, mesh=mesh,
+                    logical_axes=gemma.logical_axes(params))  # fmt: skip
+        assert any(not a.sharding.is_fully_replicated for a in jax.tree.leaves(t.params))  # split, not gathered
+        split = G.generate(t.params, cfg, PROMPTS, NEW, sampling=filtered, seed=3, logprobs=True,
+                           cache_sharding=G.kv_sharding(t.mesh, cfg))  # fmt: skip
+        assert split[0] == one[0]
+        assert np.max(np.abs(np.asarray(split[1]) - np.asarray(one[1]))) <= 1e-12
