@@ -118,7 +118,8 @@ def test_the_same_seed_draws_the_same_tokens_under_every_plan(plan, mesh):
         one = G.generate(params, cfg, PROMPTS, NEW, sampling=filtered, seed=3, logprobs=True)
         t = Trainer(gemma.make_loss(cfg), params, optax.sgd(0.1), plan=plan, mesh=mesh,
                     logical_axes=gemma.logical_axes(params))  # fmt: skip
-        assert any(not a.sharding.is_fully_replicated for a in jax.tree.leaves(t.params))  # split, not gathered
+        split_leaves = [a for a in jax.tree.leaves(t.params) if not a.sharding.is_fully_replicated]
+        assert split_leaves  # the parameters split, not gathered onto every device
         split = G.generate(t.params, cfg, PROMPTS, NEW, sampling=filtered, seed=3, logprobs=True,
                            cache_sharding=G.kv_sharding(t.mesh, cfg))  # fmt: skip
         assert split[0] == one[0]
