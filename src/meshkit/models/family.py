@@ -136,14 +136,15 @@ class Family:
     def module(self) -> Any:
         return importlib.import_module(self.module_name)
 
-    def training_loss(self, model: Any, *, pipeline: bool) -> tuple[Callable, bool]:
+    def training_loss(self, model: Any, *, pipeline: bool, loss_chunk: int = 0) -> tuple[Callable, bool]:
         """``(loss, has_aux)``: what a run trains ``model`` (this family's config) with, as ``meshkit train``
         and the planner's compile check build its step. Under a pipeline plan the model as ``Stages``; else
-        its loss, which for a mixture of experts returns the dropped slots as metrics (``has_aux``)."""
+        its loss, which for a mixture of experts returns the dropped slots as metrics (``has_aux``), its head
+        and loss ``loss_chunk`` positions at a time where given (``--loss-chunk``)."""
         if pipeline:
             return self.module.stages(model), False
         aux = bool(getattr(model, "experts", 0))
-        return self.module.make_loss(model, with_aux=aux), aux
+        return self.module.make_loss(model, with_aux=aux, loss_chunk=loss_chunk), aux
 
     @property
     def config(self) -> type:

@@ -64,7 +64,7 @@ from meshkit.models import stack
 from meshkit.models.gemma_layers import attention, mlp, project_qkv, rms_norm
 from meshkit.models.llama_layers import AXES, cast_block, token_positions, wide
 from meshkit.models.shape import ModelShape
-from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
+from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
 from meshkit.plans import exchange_segments, layer
 from meshkit.spec import PRECISIONS
 
@@ -333,16 +333,23 @@ def head(top: Params, x_btd: jax.Array, cfg: GemmaConfig) -> jax.Array:
 
 
 def apply(
-    params: Params, tokens_bt: jax.Array, cfg: GemmaConfig, *, segment_ids: Any = None, positions: Any = None
+    params: Params,
+    tokens_bt: jax.Array,
+    cfg: GemmaConfig,
+    *,
+    segment_ids: Any = None,
+    positions: Any = None,
+    out: Callable | None = None,
 ) -> jax.Array:
     """Next-token logits ``(B, T, V)`` (at least float32) for integer tokens ``(B, T)``; ``segment_ids``
     ``(B, T)``: packed documents (a token attends within its own); ``positions`` ``(B, T)``: each token's
-    position for the rotary (default ``0..T-1``)."""
+    position for the rotary (default ``0..T-1``); ``out(head, x)``: what of the last hidden states and the
+    head is returned instead of the logits (``make_loss``'s loss)."""
     stack.check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
     seg = exchange_segments(segment_ids)  # context plans: the keys' ids, once for every layer
     x_btd = run_layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, seg, positions)
-    return head(top, x_btd, cfg)
+    return (out or whole_logits)(lambda x: head(top, x, cfg), x_btd)
 
 
 def decode(
@@ -359,14 +366,16 @@ def decode(
     return head(top, x_btd[:, -1:], cfg)
 
 
-def make_loss(cfg: GemmaConfig, *, with_aux: bool = False) -> Callable:
+def make_loss(cfg: GemmaConfig, *, with_aux: bool = False, loss_chunk: int = 0) -> Callable:
     """``loss(params, batch)``: mean next-token cross-entropy (``token_loss``: logits split over the
     vocabulary stay split; weighted by the batch's weights, packed documents and positions as it gives
-    them, ``meshkit.spec.batch``); ``with_aux``: ``(loss, {})``."""
+    them, ``meshkit.spec.batch``); ``with_aux``: ``(loss, {})``; ``loss_chunk``: the head and the loss
+    that many positions at a time (``token_loss.head_loss``)."""
 
     def loss(params: Params, batch: Any) -> Any:
         weights, seg, pos = batch_extras(batch)
-        value = cross_entropy(apply(params, batch[0], cfg, segment_ids=seg, positions=pos), batch[1], weights)
+        lossy = lambda h, x: head_loss(h, x, batch[1], weights, loss_chunk)  # noqa: E731
+        value = apply(params, batch[0], cfg, segment_ids=seg, positions=pos, out=lossy)
         return (value, {}) if with_aux else value
 
     return loss

@@ -55,7 +55,7 @@ from meshkit.models.stack import blocks_form
 from meshkit.models.stack import to_form as to_form  # the forms' converters, as the GPT's API names them
 from meshkit.models.stack import to_layers as to_layers
 from meshkit.models.stack import to_scanned as to_scanned
-from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
+from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
 from meshkit.plans import (
     causal_attention,
     exchange_segments,
@@ -349,10 +349,17 @@ def apply(
 
 
 def forward(
-    params: Params, tokens_bt: jax.Array, cfg: GPTConfig, *, segment_ids: Any = None, positions: Any = None
+    params: Params,
+    tokens_bt: jax.Array,
+    cfg: GPTConfig,
+    *,
+    segment_ids: Any = None,
+    positions: Any = None,
+    out: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(logits, stats)``: ``apply``'s logits and the MoE ``[load-balancing loss, dropped slots]``
-    summed over the layers (zeros for a dense model)."""
+    summed over the layers (zeros for a dense model); ``out(head, x)``: what of the last hidden states and
+    the head is returned instead of the logits (``make_loss``'s loss)."""
     form = blocks_form(params)
     if (form == "scanned") != cfg.scan_layers:
         fix = "gpt.to_scanned(params)" if cfg.scan_layers else "gpt.to_layers(params)"
@@ -370,7 +377,7 @@ def forward(
         cfg.experts,
         (exchange_segments(segment_ids),),
     )
-    return _head(top, x_btd, cfg), stats
+    return (out or whole_logits)(lambda x: _head(top, x, cfg), x_btd), stats
 
 
 def decode(
@@ -416,17 +423,18 @@ def stages(cfg: GPTConfig) -> Any:
     )
 
 
-def make_loss(cfg: GPTConfig, *, with_aux: bool = False) -> Callable:
+def make_loss(cfg: GPTConfig, *, with_aux: bool = False, loss_chunk: int = 0) -> Callable:
     """``loss(params, batch)``: mean token cross-entropy of the next-token logits (``token_loss``: weighted
     by the batch's weights, packed documents and positions as it gives them, ``meshkit.spec.batch``), plus
     ``router_aux_weight`` x the load-balancing loss for a mixture of experts. ``with_aux``:
-    ``(loss, metrics)`` with ``stack.moe_metrics`` (empty for a dense model): a Trainer's ``has_aux=True``."""
+    ``(loss, metrics)`` with ``stack.moe_metrics`` (empty for a dense model): a Trainer's ``has_aux=True``.
+    ``loss_chunk``: the head and the loss that many positions at a time (``token_loss.head_loss``)."""
 
     def loss(params: Params, batch: Any) -> Any:
         tokens_bt, targets_bt = batch[0], batch[1]
         weights, seg, pos = batch_extras(batch)
-        logits_btv, stats = forward(params, tokens_bt, cfg, segment_ids=seg, positions=pos)
-        value = cross_entropy(logits_btv, targets_bt, weights)
+        lossy = lambda h, x: head_loss(h, x, targets_bt, weights, loss_chunk)  # noqa: E731
+        value, stats = forward(params, tokens_bt, cfg, segment_ids=seg, positions=pos, out=lossy)
         metrics = (
             stack.moe_metrics(stats, tokens_bt.size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
         )

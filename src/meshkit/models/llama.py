@@ -75,7 +75,7 @@ from meshkit.models.llama_layers import (
 )
 from meshkit.models.rope import Llama3Rope
 from meshkit.models.shape import ModelShape
-from meshkit.models.token_loss import batch_extras, cross_entropy, loss_of, stage_extras
+from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
 from meshkit.plans import causal_attention, exchange_segments, moe
 from meshkit.spec import PRECISIONS
 
@@ -369,15 +369,22 @@ def apply(
 
 
 def forward(
-    params: Params, tokens_bt: jax.Array, cfg: LlamaConfig, *, segment_ids: Any = None, positions: Any = None
+    params: Params,
+    tokens_bt: jax.Array,
+    cfg: LlamaConfig,
+    *,
+    segment_ids: Any = None,
+    positions: Any = None,
+    out: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(logits, stats)``: the logits and the MoE ``[load-balancing loss, dropped slots]`` summed
-    over the layers (zeros for a dense model)."""
+    over the layers (zeros for a dense model); ``out(head, x)``: what of the last hidden states ``x`` and
+    the head is returned instead of the logits (``make_loss``'s loss, ``token_loss.head_loss``)."""
     stack.check_form(params, cfg)
     top = {k: v for k, v in params.items() if k != "blocks"}
     extra = (exchange_segments(segment_ids), positions)  # context plans: the keys' ids, once for every layer
     x_btd, stats = _layers(params["blocks"], embed(top, tokens_bt, cfg), cfg, extra)
-    return head(top, x_btd, cfg), stats
+    return (out or whole_logits)(lambda x: head(top, x, cfg), x_btd), stats
 
 
 def decode(
@@ -398,15 +405,16 @@ def decode(
     return head(top, x_btd[:, -1:], cfg)
 
 
-def make_loss(cfg: LlamaConfig, *, with_aux: bool = False) -> Callable:
+def make_loss(cfg: LlamaConfig, *, with_aux: bool = False, loss_chunk: int = 0) -> Callable:
     """``loss(params, batch)``: mean next-token cross-entropy (weighted by the batch's weights, packed
     documents and positions as it gives them: ``meshkit.spec.batch``), plus the weighted load-balancing
-    loss for a mixture of experts; ``with_aux``: ``(loss, metrics)`` (``gpt.make_loss``)."""
+    loss for a mixture of experts; ``with_aux``: ``(loss, metrics)`` (``gpt.make_loss``); ``loss_chunk``:
+    the head and the loss that many positions at a time (``token_loss.head_loss``)."""
 
     def loss(params: Params, batch: Any) -> Any:
         weights, seg, pos = batch_extras(batch)
-        logits, stats = forward(params, batch[0], cfg, segment_ids=seg, positions=pos)
-        value = cross_entropy(logits, batch[1], weights)
+        lossy = lambda h, x: head_loss(h, x, batch[1], weights, loss_chunk)  # noqa: E731
+        value, stats = forward(params, batch[0], cfg, segment_ids=seg, positions=pos, out=lossy)
         metrics = (
             stack.moe_metrics(stats, batch[0].size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
         )

@@ -10,6 +10,7 @@ loss of 0 and zero gradients, not a 0/0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,6 +34,44 @@ def cross_entropy(
     plus a reduction, which the compiler turns into an all-reduce of one number per token."""
     token = -token_logprobs(logits_btv, targets_bt)
     return jnp.mean(token if weights_bt is None else token * weights_bt.astype(token.dtype))
+
+
+def whole_logits(head: Callable[[jax.Array], jax.Array], x_btd: jax.Array) -> jax.Array:
+    """What a family's forward returns of its last hidden states by default: the head's logits of every
+    position (``head_loss``, given instead, returns the loss)."""
+    return head(x_btd)
+
+
+def head_loss(
+    head: Callable[[jax.Array], jax.Array],
+    x_btd: jax.Array,
+    targets_bt: jax.Array,
+    weights_bt: jax.Array | None = None,
+    chunk: int = 0,
+) -> jax.Array:
+    """``cross_entropy(head(x), targets, weights)``: the model's head (its final norm, the output matrix, a
+    cap) and the loss. With ``chunk`` (``--loss-chunk``), ``chunk`` positions of every row at a time: each
+    piece's logits made, reduced to its summed loss and dropped, and made again in the backward pass
+    (``jax.checkpoint`` under a ``lax.map``), so that no more than ``B x chunk x V`` logits exist at once
+    instead of ``B x T x V`` (at a vocabulary of 128 k the whole float32 logits are the largest activation).
+    The same sum, added piece by piece: equal to the whole form to rounding (``tests/test_loss_chunk.py``)."""
+    if not chunk:
+        return cross_entropy(head(x_btd), targets_bt, weights_bt)
+    b, t = x_btd.shape[:2]
+    if t % chunk:
+        raise MeshkitError(
+            f"--loss-chunk {chunk} does not divide the sequence of {t} positions: give a divisor of {t}"
+        )
+    weights = jnp.ones((b, t), x_btd.dtype) if weights_bt is None else weights_bt
+    pieces = lambda a: jnp.swapaxes(a.reshape(b, t // chunk, chunk, *a.shape[2:]), 0, 1)  # noqa: E731
+
+    @jax.checkpoint
+    def piece(xs: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        x, target, weight = xs
+        token = -token_logprobs(head(x), target)
+        return jnp.sum(token * weight.astype(token.dtype))
+
+    return jnp.sum(lax.map(piece, (pieces(x_btd), pieces(targets_bt), pieces(weights)))) / (b * t)
 
 
 def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:

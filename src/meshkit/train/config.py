@@ -25,7 +25,7 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
-from meshkit.spec import PLATFORM_PRECISION, ParallelSpec, PlanError
+from meshkit.spec import CONTEXT, PLATFORM_PRECISION, ParallelSpec, PlanError
 from meshkit.train.options import DataOptions, ModelOptions, ObjectiveOptions, OptimizerOptions, RunOptions
 from meshkit.train.task import problem as task_problem
 
@@ -303,6 +303,22 @@ def _model_problem(cfg: TrainConfig) -> str | None:
         return f"--init-from {m.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"
     if not m.lora_rank and (m.lora_targets, m.lora_alpha) != (None, None):
         return "--lora-alpha and --lora-targets set LoRA's adapters: give their --lora-rank too (e.g. 8)"
+    return _loss_chunk_problem(cfg) if m.loss_chunk else None
+
+
+def _loss_chunk_problem(cfg: TrainConfig) -> str | None:
+    chunk, plan, name = cfg.model.loss_chunk, cfg.parallel.plan_info, cfg.parallel.plan
+    if plan.pipeline:
+        return (
+            f"--loss-chunk: plan {name}'s last stage takes the loss of whole logits (meshkit.Stages): drop it"
+        )
+    if plan.uses(CONTEXT):
+        return (
+            f"--loss-chunk takes pieces along the sequence, which plan {name} splits over the context axis: drop "
+            "--loss-chunk, or use a plan without that axis"
+        )
+    if cfg.data.seq_len % chunk:
+        return f"--loss-chunk {chunk} must divide --seq-len {cfg.data.seq_len}: give a divisor of it"
     return None
 
 

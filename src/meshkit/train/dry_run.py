@@ -137,7 +137,9 @@ def abstract_model(cfg: C.TrainConfig, family: Any, model: Any) -> tuple[Any, An
     """``(loss, parameter shapes, logical axes)`` of the run's model as ``job.build_model`` makes it, from
     shapes alone: nothing initialised or read (a LoRA run's adapters beside the base)."""
     module = family.module
-    loss, _ = family.training_loss(model, pipeline=cfg.parallel.plan_info.pipeline)
+    loss, _ = family.training_loss(
+        model, pipeline=cfg.parallel.plan_info.pipeline, loss_chunk=cfg.model.loss_chunk
+    )
     shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), model))
     if (adapters := C.lora_config(cfg)) is not None:
         shapes = jax.eval_shape(lambda p: lora.add(jax.random.key(1), p, adapters), shapes)

@@ -158,7 +158,8 @@ def _eval_loss(cfg: C.TrainConfig, family: Family, model: Any) -> Any:
     family's own (``family_params``), or ``--task dpo``'s ``(loss, metrics)``."""
     if cfg.data.task in ("dpo", "grpo"):
         return lambda p, b: training_loss(cfg, family, model)[0](family_params(cfg, p), b)
-    return lambda p, b: family.module.make_loss(model)(family_params(cfg, p), b)
+    loss = family.module.make_loss(model, loss_chunk=cfg.model.loss_chunk)  # its logits in pieces too
+    return lambda p, b: loss(family_params(cfg, p), b)
 
 
 def load_data(cfg: C.TrainConfig) -> Corpus:

@@ -50,6 +50,11 @@ def problem(cfg: Any) -> str | None:
             f"--task {task} sums each answer's log-probs along its sequence, which plan {cfg.parallel.plan} splits "
             f"over the context axis: use a plan without it ({', '.join(others)})"
         )
+    if cfg.model.loss_chunk:
+        return (
+            f"--loss-chunk takes the next-token loss in pieces; --task {task} reads each sequence's log-probs "
+            "whole: drop --loss-chunk"
+        )
     if cfg.model.experts:
         return (
             f"--task {task} does not train a mixture of experts yet (its load-balancing loss is not part of "
@@ -130,7 +135,9 @@ def training_loss(cfg: Any, family: Any, model: Any) -> tuple[Any, bool]:
         from meshkit.models import grpo as G
 
         return G.make_loss(applied(family, model), how), True
-    return family.training_loss(model, pipeline=cfg.parallel.plan_info.pipeline)
+    return family.training_loss(
+        model, pipeline=cfg.parallel.plan_info.pipeline, loss_chunk=cfg.model.loss_chunk
+    )
 
 
 def frozen_logps(cfg: Any, logps: Any, params: Any, sharding: Any, adapters: Any) -> Any:

@@ -41,6 +41,15 @@ class ModelOptions:
     )
     scan_layers: bool = option(False, help="Stack the blocks under lax.scan.")
     """The scanned form: blocks stacked under lax.scan (compile time flat in depth); a resumed run may change it."""
+    loss_chunk: int = option(
+        0,
+        help="Compute the head and the loss this many positions at a time, never the whole logits "
+        "(a divisor of --seq-len).",
+        shown="0: all at once",
+        least=0,
+        note=" (0: all at once)",
+    )
+    """``token_loss.head_loss``'s pieces: ``B x loss_chunk x V`` logits at a time; a resumed run may change it."""
     init_from: str | None = option(
         None,
         help="Start from a Hugging Face checkpoint: hf:DIR (config.json + safetensors).",
