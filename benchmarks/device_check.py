@@ -78,6 +78,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = bench_sampler.main(["--against", "hand", "--dtype", "bfloat16", "--json", a.out])
         print(f"wrote {a.out}")
         return out
+    # issue 53's fused head: whole logits against pieces at a 128 k vocabulary (bench_loss_chunk.py)
+    if a.loss_chunk:
+        import bench_loss_chunk
+
+        return bench_loss_chunk.main(["--run", "--shape", "16,1024,8,4,2816", "--chunks", "0,128", "--batches",
+                                      "4,6,8", "--out", a.out])  # fmt: skip
     start = time.perf_counter()
     budget = a.minutes * 60
     platform, n = jax.default_backend(), jax.device_count()
@@ -127,6 +133,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="only the sampler: meshkit's generate against a hand-written decode loop (bench_sampler.py), "
         "32 prompts x 128 tokens of a 1.1 B Llama in bf16",
+    )
+    p.add_argument(
+        "--loss-chunk",
+        action="store_true",
+        help="only the head in pieces (bench_loss_chunk.py --run): a 0.25 B Llama with a 128 k vocabulary",
     )
     return p.parse_args(argv)
 
