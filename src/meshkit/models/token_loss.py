@@ -10,11 +10,13 @@ loss of 0 and zero gradients, not a 0/0.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshkit._errors import MeshkitError
@@ -50,11 +52,13 @@ def head_loss(
     chunk: int = 0,
 ) -> jax.Array:
     """``cross_entropy(head(x), targets, weights)``: the model's head (its final norm, the output matrix, a
-    cap) and the loss. With ``chunk`` (``--loss-chunk``), ``chunk`` positions of every row at a time: each
-    piece's logits made, reduced to its summed loss and dropped, and made again in the backward pass
-    (``jax.checkpoint`` under a ``lax.map``), so that no more than ``B x chunk x V`` logits exist at once
-    instead of ``B x T x V`` (at a vocabulary of 128 k the whole float32 logits are the largest activation).
-    The same sum, added piece by piece: equal to the whole form to rounding (``tests/test_loss_chunk.py``)."""
+    cap) and the loss. With ``chunk`` (``--loss-chunk``), ``chunk`` positions of every row at a time, as
+    fused linear cross-entropy kernels do: each piece's logits are made, reduced to its summed loss and, in
+    the same pass, to its gradients (of the piece's hidden states, and added up over the pieces for the
+    head's parameters), then dropped; the backward pass only scales what the forward kept. No more than
+    ``B x chunk x V`` logits exist at once instead of ``B x T x V`` (at a vocabulary of 128 k the whole
+    float32 logits are the largest activation), and none is made twice. Equal to the whole form to
+    rounding (``tests/test_loss_chunk.py``)."""
     if not chunk:
         return cross_entropy(head(x_btd), targets_bt, weights_bt)
     b, t = x_btd.shape[:2]
@@ -63,15 +67,59 @@ def head_loss(
             f"--loss-chunk {chunk} does not divide the sequence of {t} positions: give a divisor of {t}"
         )
     weights = jnp.ones((b, t), x_btd.dtype) if weights_bt is None else weights_bt
-    pieces = lambda a: jnp.swapaxes(a.reshape(b, t // chunk, chunk, *a.shape[2:]), 0, 1)  # noqa: E731
+    fn, consts = jax.closure_convert(head, x_btd[:, :chunk])  # the head's parameters as arguments
+    return _pieces(fn, chunk, consts, x_btd, targets_bt, weights)
 
-    @jax.checkpoint
-    def piece(xs: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        x, target, weight = xs
-        token = -token_logprobs(head(x), target)
-        return jnp.sum(token * weight.astype(token.dtype))
 
-    return jnp.sum(lax.map(piece, (pieces(x_btd), pieces(targets_bt), pieces(weights)))) / (b * t)
+def _split(a: jax.Array, chunk: int) -> jax.Array:
+    """``(B, T, ...)`` as ``(T / chunk, B, chunk, ...)``: the pieces, scanned over."""
+    b, t = a.shape[:2]
+    return jnp.swapaxes(a.reshape(b, t // chunk, chunk, *a.shape[2:]), 0, 1)
+
+
+def _summed(fn: Callable, consts: list, x: jax.Array, target: jax.Array, weight: jax.Array) -> jax.Array:
+    token = -token_logprobs(fn(x, *consts), target)
+    return jnp.sum(token * weight.astype(token.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _pieces(fn, chunk, consts, x_btd, targets_bt, weights_bt):
+    b, t = x_btd.shape[:2]
+    per = lambda xs: _summed(fn, consts, *xs)  # noqa: E731
+    return jnp.sum(lax.map(per, tuple(_split(a, chunk) for a in (x_btd, targets_bt, weights_bt)))) / (b * t)
+
+
+def _pieces_fwd(fn, chunk, consts, x_btd, targets_bt, weights_bt):
+    b, t = x_btd.shape[:2]
+    grad = jax.value_and_grad(lambda c, x, tg, w: _summed(fn, c, x, tg, w), argnums=(0, 1))
+
+    def piece(carry, xs):
+        total, g_consts = carry
+        value, (g_c, g_x) = grad(consts, *xs)
+        return (total + value, jax.tree.map(jnp.add, g_consts, g_c)), g_x
+
+    pieces = tuple(_split(a, chunk) for a in (x_btd, targets_bt, weights_bt))
+    kind = jax.eval_shape(
+        lambda: _summed(fn, consts, *(a[0] for a in pieces))
+    ).dtype  # the logits' (>= float32)
+    zeros = (jnp.zeros((), kind), jax.tree.map(jnp.zeros_like, consts))
+    (total, g_consts), g_x = lax.scan(piece, zeros, pieces)
+    g_x = jnp.swapaxes(g_x, 0, 1).reshape(x_btd.shape)
+    return total / (b * t), (g_consts, g_x, targets_bt, weights_bt, b * t)
+
+
+def _pieces_bwd(fn, chunk, residuals, g):
+    g_consts, g_x, targets_bt, weights_bt, n = residuals
+    scale = g / n
+    return (
+        jax.tree.map(lambda a: (a * scale).astype(a.dtype), g_consts),
+        (g_x * scale).astype(g_x.dtype),
+        np.zeros(targets_bt.shape, jax.dtypes.float0),
+        jnp.zeros_like(weights_bt),  # the weights are data: no gradient flows to them
+    )
+
+
+_pieces.defvjp(_pieces_fwd, _pieces_bwd)
 
 
 def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
