@@ -8,9 +8,9 @@ per chip, its temporaries, and whether it fits the chip's 15.75 GiB (the compile
 does not). Issue 53's goal: the compiled peak at least 30% lower than the whole head's, or a larger batch.
 
 ``--run`` trains on the accelerator present instead (``python benchmarks/device_check.py --loss-chunk`` on
-the TPU v5e chip): per piece length and batch, a Trainer's step (the same model and options) compiled and
-timed, side by side: tokens/s, the first loss (equal up to bf16 rounding), the compiled peak and the
-device's own peak bytes in use.
+the TPU v5e chip: the whole head and pieces of 512 at batches 4 and 8): per piece length and batch, a
+Trainer's step (the same model and options) compiled and timed, side by side: tokens/s, the first loss
+(equal up to bf16 rounding), the compiled peak and the device's own peak bytes in use.
 
     .venv/bin/python benchmarks/bench_loss_chunk.py [--target v5e:1x1] [--chunks 0,512,1024] [--batches 2,3,4]
         [--shape L,D,H,K,F] [--run [--steps 10]] [--out FILE.json]

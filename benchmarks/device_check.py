@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.loss_chunk:
         import bench_loss_chunk
 
-        return bench_loss_chunk.main(["--run", "--shape", "16,1024,8,4,2816", "--chunks", "0,128", "--batches",
-                                      "4,6,8", "--out", a.out])  # fmt: skip
+        return bench_loss_chunk.main(["--run", "--shape", "16,1024,8,4,2816", "--chunks", "0,512", "--batches",
+                                      "4,8", "--out", a.out])  # fmt: skip
     start = time.perf_counter()
     budget = a.minutes * 60
     platform, n = jax.default_backend(), jax.device_count()
