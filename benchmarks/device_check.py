@@ -155,7 +155,8 @@ def _memory_limit() -> float | None:
 
 def _candidates(a, seq: int, n: int, precision: str, limit: float | None, platform: str) -> tuple[list, list]:
     """Every (size, remat, batch) with its estimated peak (``_estimate``), and those that fit, in the
-    order to try: the largest size first, then ``LAYOUTS``' order."""
+    order to try: the largest size first, then ``LAYOUTS``' order; a layout asked for (``--remat`` and
+    ``--batch``) is tried whatever the first-pass estimate says, the compile deciding."""
     sizes = [a.size] if a.size != "auto" else [s for s in reversed(SIZES) if s != "tiny"]
     layouts = [(r, b) for r, b in LAYOUTS if (a.remat in (None, r)) and (a.batch in (None, b))]
     if a.remat is not None and a.batch is not None:
@@ -165,7 +166,8 @@ def _candidates(a, seq: int, n: int, precision: str, limit: float | None, platfo
         cfg = _config(size, seq, precision)
         for remat, per_device in layouts:
             peak = _estimate(cfg, per_device * seq, remat, precision, platform in ("gpu", "tpu"))
-            ok = limit is None or peak <= FIT * limit
+            asked = a.remat is not None and a.batch is not None  # a layout asked for: its compile decides
+            ok = limit is None or peak <= FIT * limit or asked
             choices.append({"size": size, "params": _params(cfg), "remat": remat, "batch_per_device": per_device,
                             "estimated_peak_bytes": peak, "fits": ok})  # fmt: skip
             if ok:
