@@ -5,11 +5,10 @@ split; sampling's filters; bad input."""
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from _placed import tp_placed
 from meshkit._errors import MeshkitError
-from meshkit.mesh import make_mesh
 from meshkit.models import generate as G
 from meshkit.models import llama
 
@@ -43,12 +42,7 @@ def test_greedy_equals_the_full_forward_argmax_at_every_position():
 def test_cache_under_the_tensor_parallel_split_gives_the_same_tokens():
     """Parameters split as fsdp+tp's rules split them on data=4,model=2, the cache's key/value heads
     on model: the same greedy tokens as one device."""
-    mesh = make_mesh("data=4,model=2", axis_types="auto")  # as the Trainer's: the model axis XLA's
-    axes = llama.logical_axes(PARAMS)
-    spec = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
-    shardings = jax.tree.map(lambda names: NamedSharding(mesh, P(*[spec.get(n) for n in names])), axes,
-                             is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
-    split = jax.device_put(PARAMS, shardings)
+    mesh, split = tp_placed(PARAMS, llama.logical_axes(PARAMS))
     cache = G.kv_sharding(mesh, CFG)
     assert cache.spec == P(None, None, None, "model", None)
     assert G.generate(split, CFG, PROMPTS, NEW, cache_sharding=cache) == G.generate(PARAMS, CFG, PROMPTS, NEW)

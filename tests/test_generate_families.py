@@ -11,10 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from meshkit.mesh import make_mesh
+from _placed import tp_placed
 from meshkit.models import gemma, gpt, registry
 from meshkit.models import generate as G
 
@@ -30,7 +28,6 @@ MODELS = {
     "gemma3": gemma.GemmaConfig(**GEMMA, layers=3, window=4, local_layers=(True, True, False), rope_theta=1e6,
                                 local_rope_theta=100.0, rope_factor=4.0, scan_layers=True, tie_embeddings=False),
 }  # fmt: skip
-RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 
 
 def _params(cfg):
@@ -72,11 +69,8 @@ def test_the_cache_of_every_family_is_its_training_forward(name):
         assert len({tuple(g) for g in greedy}) == 3 and any(len(set(g)) > 2 for g in greedy)  # not degenerate
         assert _forward_logprobs(params, cfg, PROMPTS, greedy)[1] == greedy
         assert G.window_generate(params, cfg, PROMPTS[1], NEW) == greedy[1]
-        mesh = make_mesh("data=4,model=2", axis_types="auto")
-        module = registry.family_of(cfg).module
-        shardings = jax.tree.map(lambda names: NamedSharding(mesh, P(*[RULES.get(n) for n in names])),
-                                 module.logical_axes(params), is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
-        split = G.generate(jax.device_put(params, shardings), cfg, PROMPTS, NEW, sampling=filtered, seed=3,
+        mesh, placed = tp_placed(params, registry.family_of(cfg).module.logical_axes(params))
+        split = G.generate(placed, cfg, PROMPTS, NEW, sampling=filtered, seed=3,
                            cache_sharding=G.kv_sharding(mesh, cfg), logprobs=True)  # fmt: skip
         assert split[0] == tokens
         assert np.max(np.abs(np.asarray(split[1]) - np.asarray(lps))) <= 1e-12

@@ -6,10 +6,8 @@ tokens cannot change; ``stop_at``: where a stop string cuts)."""
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from meshkit.mesh import make_mesh
+from _placed import tp_placed
 from meshkit.models import gemma, llama
 from meshkit.models import generate as G
 from meshkit.train.outputs import settled, stop_at
@@ -20,7 +18,6 @@ MODELS = {
     "gemma": gemma.GemmaConfig(vocab_size=48, seq_len=48, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
                                window=4, local_layers=(True, False), attn_softcap=0.5, tie_embeddings=False),
 }  # fmt: skip
-RULES = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 
 
 def _params(cfg, module):
@@ -38,10 +35,8 @@ def test_streamed_tokens_are_the_one_program_samplers(name):
     whole = G.generate(params, cfg, PROMPTS, 20, sampling=how, seed=11)
     steps = list(G.stream(params, cfg, PROMPTS, 20, sampling=how, seed=11))
     assert len(steps) == 20 and np.stack(steps, 1).tolist() == whole
-    mesh = make_mesh("data=4,model=2", axis_types="auto")
-    shardings = jax.tree.map(lambda names: NamedSharding(mesh, P(*[RULES.get(n) for n in names])),
-                             module.logical_axes(params), is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
-    split = G.stream(jax.device_put(params, shardings), cfg, PROMPTS, 20, sampling=how, seed=11,
+    mesh, placed = tp_placed(params, module.logical_axes(params))
+    split = G.stream(placed, cfg, PROMPTS, 20, sampling=how, seed=11,
                      cache_sharding=G.kv_sharding(mesh, cfg))  # fmt: skip
     assert np.stack(list(split), 1).tolist() == whole
 

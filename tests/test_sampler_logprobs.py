@@ -10,12 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from scipy import stats
 
+from _placed import tp_placed
 from meshkit._errors import MeshkitError
-from meshkit.mesh import make_mesh
 from meshkit.models import generate as G
 from meshkit.models import llama
 
@@ -66,11 +64,8 @@ def test_sampled_logprobs_are_the_trainers_in_float64(sampling):
         gap = max(float(np.max(np.abs(np.asarray(lp) - t))) for lp, t in zip(lps, trainer, strict=True))
         assert gap <= 1e-12, gap
         assert all(np.all(np.asarray(lp) <= 0) for lp in lps)
-        mesh = make_mesh("data=4,model=2", axis_types="auto")
-        rules = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
-        shardings = jax.tree.map(lambda names: NamedSharding(mesh, P(*[rules.get(n) for n in names])),
-                                 llama.logical_axes(params), is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
-        split = G.generate(jax.device_put(params, shardings), cfg, PROMPTS, NEW, sampling=sampling, seed=7,
+        mesh, placed = tp_placed(params, llama.logical_axes(params))
+        split = G.generate(placed, cfg, PROMPTS, NEW, sampling=sampling, seed=7,
                            cache_sharding=G.kv_sharding(mesh, cfg), logprobs=True)  # fmt: skip
         assert split[0] == tokens
         assert np.max(np.abs(np.asarray(split[1]) - np.asarray(lps))) <= 1e-12
