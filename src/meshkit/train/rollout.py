@@ -205,7 +205,7 @@ def _sampler_gap(sampled, sampler_lps, prompts, completions, how: G.GRPO) -> flo
     return gap
 
 
-def sampler(family: Any, model: Any, params_of: Any, max_new: int, how: G.GRPO) -> Any:
+def sampler(model: Any, params_of: Any, max_new: int, how: G.GRPO) -> Any:
     """``(trainer, prompts ids, seed, greedy=False) -> (tokens, logprobs)``: ``max_new`` tokens after each
     prompt, drawn at the run's temperature (``greedy``: the most likely) with the key/value cache, the
     parameters as the trainer keeps them (as the family reads them: ``params_of``, a LoRA run's adapters
@@ -224,7 +224,6 @@ def sampler(family: Any, model: Any, params_of: Any, max_new: int, how: G.GRPO) 
             logprobs=True,
         )
 
-    del family
     return draw
 
 
@@ -269,7 +268,7 @@ def build(
         stop_ids=stop_ids(data),
         pad_id=data.pad_id,
         decode=data.decode,
-        sample_fn=sampler(family, model, params_of, o.max_new_tokens, how),
+        sample_fn=sampler(model, params_of, o.max_new_tokens, how),
         logps=logps_step(apply, how, sharding),
         reference=reference,
         rows=cfg.data.batch_size,
