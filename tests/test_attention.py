@@ -19,6 +19,7 @@ import pytest
 from _reference import max_rel
 from _tiers import tiered
 from meshkit.models import llama
+from meshkit.models.token_loss import cross_entropy
 from meshkit.plans import Stages, causal_attention, sequence_positions, use_attention
 from meshkit.plans import attention as A
 from meshkit.plans.tp_rules import vocab_rules
@@ -210,7 +211,7 @@ def _loss(cfg, window, segmented, pipeline, softcap=None):
     """The Llama with masks: a loss over the stacked blocks, or the same as ``Stages`` (a pipeline's)."""
     stages = Stages(embed=lambda top, b: llama.embed(top, b[0], cfg),
                     block=lambda p, x: _block(p, x, window, None, cfg, softcap), head=lambda top, x: llama.head(top, x, cfg),
-                    loss=lambda logits, b: llama.cross_entropy(logits, b[1]))  # fmt: skip
+                    loss=lambda logits, b: cross_entropy(logits, b[1]))  # fmt: skip
     if pipeline:
         return stages
 
@@ -350,7 +351,7 @@ def _alternating_loss(cfg, scanned):
         else:
             for i, kind in enumerate(kinds):
                 x = block(jax.tree.map(lambda a, i=i: a[i], params["blocks"]), x, kind)
-        return llama.cross_entropy(llama.head(top, x, cfg), batch[1])
+        return cross_entropy(llama.head(top, x, cfg), batch[1])
 
     return loss
 
