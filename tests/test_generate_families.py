@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from _placed import tp_placed
+from _tiers import tiered
 from meshkit.models import gemma, gpt, registry
 from meshkit.models import generate as G
 
@@ -55,7 +56,9 @@ def _forward_logprobs(params, cfg, prompts, news):
     ]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# Tiers: the Gemma 2 (windows and caps) and the GPT (learned positions) are core; the GPT-MoE and the scanned
+# Gemma 3 sweep.
+@pytest.mark.parametrize("name", tiered([(n,) for n in MODELS], MODELS, core={"gpt", "gemma2"}))
 def test_the_cache_of_every_family_is_its_training_forward(name):
     with jax.enable_x64(True):
         cfg = MODELS[name]
@@ -94,9 +97,10 @@ def test_each_gemma_switch_reaches_the_cache():
                 assert np.max(np.abs(np.asarray(moved) - np.asarray(lps))) > 1e-3, field
 
 
-@pytest.mark.parametrize(
-    "plan, mesh", [("fsdp", "data=8"), ("dp+tp", "data=4,model=2"), ("fsdp+tp", "data=4,model=2")]
-)
+PLANS = {"fsdp": "data=8", "dp+tp": "data=4,model=2", "fsdp+tp": "data=4,model=2"}
+
+
+@pytest.mark.parametrize("plan, mesh", tiered(list(PLANS.items()), PLANS, core={"fsdp", "fsdp+tp"}))
 def test_the_same_seed_draws_the_same_tokens_under_every_plan(plan, mesh):
     """The sampler on the parameters where a Trainer of each plan keeps them (ZeRO-3's split over data, the
     tensor-parallel split, both) and its cache laid out on that mesh: the same tokens as on one device and

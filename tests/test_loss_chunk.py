@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from _tiers import tiered
 from meshkit import Trainer
 from meshkit.cli import main
 from meshkit.models import gemma, gpt, llama
@@ -26,6 +27,9 @@ MODELS = {
 }  # fmt: skip
 
 
+PLANS = {"dp": "data=8", "fsdp": "data=8", "tp": "model=8", "fsdp+tp": "data=4,model=2"}
+
+
 def _batch(vocab, b=4, t=16, weights=True):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, (b, t + 1)).astype(np.int32)
@@ -33,7 +37,9 @@ def _batch(vocab, b=4, t=16, weights=True):
     return TokenBatch(tokens[:, :-1], tokens[:, 1:], None if w is None else jnp.asarray(w, jnp.float64))
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# Tiers: the Llama with experts and the capped Gemma 2 are core, the GPT sweeps; fsdp and fsdp+tp are core
+# below, dp and tp sweep.
+@pytest.mark.parametrize("name", tiered([(n,) for n in MODELS], MODELS, core={"llama-moe", "gemma2"}))
 def test_the_chunked_loss_and_its_gradients_equal_the_whole_in_float64(name):
     module, cfg = MODELS[name]
     with jax.enable_x64(True):
@@ -50,8 +56,7 @@ def test_the_chunked_loss_and_its_gradients_equal_the_whole_in_float64(name):
         assert float(jnp.abs(whole[0][0] if aux else whole[0])) > 1  # a real loss, not a vacuous 0
 
 
-@pytest.mark.parametrize("plan, mesh", [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "model=8"),
-                                        ("fsdp+tp", "data=4,model=2")])  # fmt: skip
+@pytest.mark.parametrize("plan, mesh", tiered(list(PLANS.items()), PLANS, core={"fsdp", "fsdp+tp"}))
 def test_under_each_plan_the_chunked_step_is_one_devices(plan, mesh):
     """The Llama's step with pieces of 4 positions under each plan (its head split over the vocabulary under
     tp) equals the same step on one device, float64."""
