@@ -84,6 +84,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         return bench_loss_chunk.main(["--run", "--shape", "16,1024,8,4,2816", "--chunks", "0,512", "--batches",
                                       "4,8", "--out", a.out])  # fmt: skip
+    # issue 53's int8 training: bf16 and int8 side by side at the 0.7 B Llama's batch 3 (bench_quantize.py),
+    # then both trained 300 steps on text
+    if a.quantize:
+        import bench_quantize
+
+        speed = bench_quantize.main(["--size", "0.7b", "--batch", "3", "--remat", "dots", "--out", a.out])
+        converge = bench_quantize.main(["--size", "0.7b", "--seq", "512", "--batch", "8", "--remat", "dots",
+                                        "--converge", "300", "--out", a.out.replace(".json", "-converge.json")])  # fmt: skip
+        return {"speed": speed, "converge": converge}
     start = time.perf_counter()
     budget = a.minutes * 60
     platform, n = jax.default_backend(), jax.device_count()
@@ -138,6 +147,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         "--loss-chunk",
         action="store_true",
         help="only the head in pieces (bench_loss_chunk.py --run): a 0.25 B Llama with a 128 k vocabulary",
+    )
+    p.add_argument(
+        "--quantize",
+        action="store_true",
+        help="only int8 training beside bf16 (bench_quantize.py): the 0.7 B Llama's speed at batch 3, then "
+        "300 steps of each on text",
     )
     return p.parse_args(argv)
 

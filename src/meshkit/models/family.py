@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit._errors import MeshkitError
+from meshkit.models import quantize as quantized
 
 
 class InteropError(MeshkitError):
@@ -136,15 +137,20 @@ class Family:
     def module(self) -> Any:
         return importlib.import_module(self.module_name)
 
-    def training_loss(self, model: Any, *, pipeline: bool, loss_chunk: int = 0) -> tuple[Callable, bool]:
+    def training_loss(
+        self, model: Any, *, pipeline: bool, loss_chunk: int = 0, quantize: str = "none"
+    ) -> tuple[Callable, bool]:
         """``(loss, has_aux)``: what a run trains ``model`` (this family's config) with, as ``meshkit train``
         and the planner's compile check build its step. Under a pipeline plan the model as ``Stages``; else
         its loss, which for a mixture of experts returns the dropped slots as metrics (``has_aux``), its head
-        and loss ``loss_chunk`` positions at a time where given (``--loss-chunk``)."""
+        and loss ``loss_chunk`` positions at a time where given (``--loss-chunk``), its blocks' matmuls in
+        ``quantize`` (``--quantize``: ``models.quantize``)."""
         if pipeline:
             return self.module.stages(model), False
         aux = bool(getattr(model, "experts", 0))
-        return self.module.make_loss(model, with_aux=aux, loss_chunk=loss_chunk), aux
+        return quantized.wrap(
+            self.module.make_loss(model, with_aux=aux, loss_chunk=loss_chunk), quantize
+        ), aux
 
     @property
     def config(self) -> type:

@@ -63,6 +63,7 @@ from meshkit._errors import MeshkitError
 from meshkit.models import stack
 from meshkit.models.gemma_layers import attention, mlp, project_qkv, rms_norm
 from meshkit.models.llama_layers import AXES, cast_block, token_positions, wide
+from meshkit.models.quantize import linear
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
 from meshkit.plans import exchange_segments, layer
@@ -288,7 +289,7 @@ def _block(
         out = attention(q, k, v, cfg, local, seg)
     else:
         out = attend(q, k, v, cfg.window if local else None, cfg.attn_softcap)
-    out = out.reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
+    out = linear(out.reshape(b, t, cfg.heads * cfg.head_dim), p["attn"]["wo"])
     if cfg.sandwich:
         out = rms_norm(p["attn_post_norm"], out, cfg.norm_eps)
     x_btd = x_btd + out

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshkit.models.llama_layers import rotate, wide
+from meshkit.models.quantize import linear
 from meshkit.models.rope import inv_frequencies
 from meshkit.plans import causal_attention
 
@@ -68,9 +69,9 @@ def project_qkv(
     """Queries ``(B, T, H, h)`` (scaled for ``query_scalar``) and keys, values ``(B, T, K, h)``: projected,
     each head normalised (``qk_norm``), then the layer's rotary applied."""
     b, t, _ = x_btd.shape
-    q = (x_btd @ p["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    k = (x_btd @ p["wk"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
-    v = (x_btd @ p["wv"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    q = linear(x_btd, p["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    k = linear(x_btd, p["wk"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    v = linear(x_btd, p["wv"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm({"scale": p["q_norm"]}, q, cfg.norm_eps)
         k = rms_norm({"scale": p["k_norm"]}, k, cfg.norm_eps)
@@ -96,4 +97,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any, local: Any, se
 
 def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     """GeGLU: ``(gelu(x w_gate) * x w_up) w_down``, gelu's tanh approximation (``gelu_pytorch_tanh``)."""
-    return (jax.nn.gelu(x_btd @ p["w_gate"], approximate=True) * (x_btd @ p["w_up"])) @ p["w_down"]
+    return linear(
+        jax.nn.gelu(linear(x_btd, p["w_gate"]), approximate=True) * linear(x_btd, p["w_up"]), p["w_down"]
+    )

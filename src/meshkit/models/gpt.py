@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from meshkit._errors import MeshkitError
 from meshkit.models import stack
+from meshkit.models.quantize import linear
 from meshkit.models.shape import ModelShape
 from meshkit.models.stack import blocks_form
 from meshkit.models.stack import to_form as to_form  # the forms' converters, as the GPT's API names them
@@ -266,18 +267,18 @@ def _attention(
     b, t, _ = x_btd.shape
     # No key bias: it adds q.b_k to every score of a query, which softmax cancels, so its gradient
     # is exactly zero and in floating point pure rounding noise (Adam would amplify it to +-lr).
-    q_bthk = (x_btd @ p["wq"] + p["bq"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    k_bthk = (x_btd @ p["wk"]).reshape(b, t, cfg.heads, cfg.head_dim)
-    v_bthk = (x_btd @ p["wv"] + p["bv"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    q_bthk = (linear(x_btd, p["wq"]) + p["bq"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    k_bthk = linear(x_btd, p["wk"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    v_bthk = (linear(x_btd, p["wv"]) + p["bv"]).reshape(b, t, cfg.heads, cfg.head_dim)
     if attend is None:  # context plans: over the split
         out_bthk = causal_attention(q_bthk, k_bthk, v_bthk, segment_ids=seg)
     else:
         out_bthk = attend(q_bthk, k_bthk, v_bthk)
-    return out_bthk.reshape(b, t, cfg.width) @ p["wo"] + p["bo"]
+    return linear(out_bthk.reshape(b, t, cfg.width), p["wo"]) + p["bo"]
 
 
 def _mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x_btd @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
+    return linear(jax.nn.gelu(linear(x_btd, p["w_in"]) + p["b_in"]), p["w_out"]) + p["b_out"]
 
 
 def _experts(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:

@@ -73,6 +73,7 @@ from meshkit.models.llama_layers import (
     token_positions,
     wide,
 )
+from meshkit.models.quantize import linear
 from meshkit.models.rope import Llama3Rope
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
@@ -285,7 +286,7 @@ def _attention(
         out = causal_attention(q, k, v, window=window, segment_ids=seg)
     else:
         out = attend(q, k, v, window)
-    return x_btd + out.reshape(b, t, cfg.heads * cfg.head_dim) @ p["attn"]["wo"]
+    return x_btd + linear(out.reshape(b, t, cfg.heads * cfg.head_dim), p["attn"]["wo"])
 
 
 def experts(p: Params, x_btd: jax.Array, cfg: LlamaConfig, capacity_factor: float) -> tuple:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshkit.models.quantize import linear
 from meshkit.models.rope import inv_frequencies
 from meshkit.plans import expert_dot, sequence_positions
 
@@ -88,7 +89,7 @@ def project_qkv(
     b, t, _ = x_btd.shape
 
     def project(w: str, b_: str, heads: int) -> jax.Array:
-        y = x_btd @ p[w] + p[b_] if cfg.qkv_bias else x_btd @ p[w]
+        y = linear(x_btd, p[w]) + p[b_] if cfg.qkv_bias else linear(x_btd, p[w])
         return y.reshape(b, t, heads, cfg.head_dim)
 
     q, k, v = (
@@ -131,7 +132,7 @@ def attend(
 
 def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     """SwiGLU: ``(silu(x w_gate) * x w_up) w_down``."""
-    return (jax.nn.silu(x_btd @ p["w_gate"]) * (x_btd @ p["w_up"])) @ p["w_down"]
+    return linear(jax.nn.silu(linear(x_btd, p["w_gate"])) * linear(x_btd, p["w_up"]), p["w_down"])
 
 
 def experts_mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:

@@ -49,10 +49,17 @@ def _var(v) -> Any:
 
 
 def _walk(
-    jaxpr, origin: dict, tainted: set, found: set, rows: dict | None = None, weights: set | None = None
+    jaxpr,
+    origin: dict,
+    tainted: set,
+    found: set,
+    rows: dict | None = None,
+    weights: set | None = None,
+    int8: set | None = None,
 ) -> None:
     """``weights`` (where frozen leaves are given): the values computed from parameters alone; a sum of
-    such values keeps the origin of its parameter operand (LoRA's ``W + s A @ B`` is ``W`` to the ledger)."""
+    such values keeps the origin of its parameter operand (LoRA's ``W + s A @ B`` is ``W`` to the ledger).
+    ``int8``: collects the leaves that are operands of a call multiplying int8 operands (``quantized``)."""
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         dirty = any(v in tainted for v in ins)
@@ -62,7 +69,9 @@ def _walk(
             inner_origin = {iv: origin[ov] for iv, ov in pairs if ov in origin}
             inner_taint = {iv for iv, ov in pairs if ov in tainted}
             inner_weights = None if weights is None else {iv for iv, ov in pairs if ov in weights}
-            _walk(sub, inner_origin, inner_taint, found, rows, inner_weights)
+            if int8 is not None and _multiplies_int8(sub):
+                int8.update(origin[ov] for _, ov in pairs if ov in origin)
+            _walk(sub, inner_origin, inner_taint, found, rows, inner_weights, int8)
             for ov, iv in zip(eqn.outvars, map(_var, sub.outvars), strict=True):
                 if iv in inner_taint:
                     tainted.add(ov)
@@ -107,6 +116,29 @@ def batch_fed(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None)
     else:
         taint = {v for v, m in zip(invars, trainable.mask, strict=True) if m}
         _walk(closed.jaxpr, origin, taint, found, weights=set(invars))
+    return frozenset(found)
+
+
+def _multiplies_int8(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and any(
+            getattr(v.aval, "dtype", None) == np.int8 for v in eqn.invars
+        ):
+            return True
+        if (sub := _inner(eqn)) is not None and _multiplies_int8(sub):
+            return True
+    return False
+
+
+def quantized(loss_fn: Callable, params: Any, *rest: Any) -> frozenset[str]:
+    """Paths of parameter leaves some matmul multiplies in int8 (``meshkit.models.quantize``): operands, up
+    to dtype and shape, of a call (Qwix's custom derivative) whose program multiplies int8 operands. The
+    model axis's ledger adds their scales' all-reduces. ``loss_fn(params, *rest)``, as for ``batch_fed``."""
+    closed = jax.make_jaxpr(loss_fn)(params, *rest)
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    invars = closed.jaxpr.invars[: len(paths)]
+    found: set = set()
+    _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), int8=found)
     return frozenset(found)
 
 

@@ -96,6 +96,12 @@ GRPO_LOSSES = {
 }
 """How ``--task grpo`` aggregates its token losses (TRL's ``loss_type``; ``meshkit.models.grpo``)."""
 
+QUANTIZE = {
+    "none": "the compute dtype throughout",
+    "int8": "the blocks' matmuls in int8, forward and backward, through Qwix",
+}
+"""``--quantize``'s values (``meshkit.models.quantize``)."""
+
 AUTO = "auto"
 """A plan name that asks the planner to choose (resolved before a step is assembled)."""
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from meshkit._errors import MeshkitError
 from meshkit.models import registry
-from meshkit.spec import CONTEXT, PLATFORM_PRECISION, ParallelSpec, PlanError
+from meshkit.spec import CONTEXT, PLATFORM_PRECISION, QUANTIZE, ParallelSpec, PlanError, one_of
 from meshkit.train.options import DataOptions, ModelOptions, ObjectiveOptions, OptimizerOptions, RunOptions
 from meshkit.train.task import problem as task_problem
 
@@ -303,7 +303,9 @@ def _model_problem(cfg: TrainConfig) -> str | None:
         return f"--init-from {m.init_from!r}: give hf:DIR, a Hugging Face checkpoint directory"
     if not m.lora_rank and (m.lora_targets, m.lora_alpha) != (None, None):
         return "--lora-alpha and --lora-targets set LoRA's adapters: give their --lora-rank too (e.g. 8)"
-    return _loss_chunk_problem(cfg) if m.loss_chunk else None
+    if m.loss_chunk and (problem := _loss_chunk_problem(cfg)):
+        return problem
+    return _quantize_problem(cfg) if m.quantize != "none" else None
 
 
 def _loss_chunk_problem(cfg: TrainConfig) -> str | None:
@@ -320,6 +322,17 @@ def _loss_chunk_problem(cfg: TrainConfig) -> str | None:
     if cfg.data.seq_len % chunk:
         return f"--loss-chunk {chunk} must divide --seq-len {cfg.data.seq_len}: give a divisor of it"
     return None
+
+
+def _quantize_problem(cfg: TrainConfig) -> str | None:
+    from meshkit.models import quantize
+
+    name, plan = cfg.parallel.plan, cfg.parallel.plan_info
+    if cfg.model.quantize not in QUANTIZE:
+        return f"unknown --quantize {cfg.model.quantize!r}: use {one_of(QUANTIZE)}"
+    if plan.pipeline:
+        return f"--quantize: plan {name}'s stages (meshkit.Stages) are not quantized yet: drop it, or use a plan without stages"
+    return quantize.available()
 
 
 def _optimizer_problem(cfg: TrainConfig) -> str | None:

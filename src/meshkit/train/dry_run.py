@@ -28,6 +28,7 @@ from meshkit.plans.assemble import assemble
 from meshkit.train import config as C
 from meshkit.train import optim
 from meshkit.train.job import _step_options, check_step, load_data, model_config
+from meshkit.train.objective import loss_options
 from meshkit.train.task import batch_options, check_data
 
 
@@ -137,9 +138,7 @@ def abstract_model(cfg: C.TrainConfig, family: Any, model: Any) -> tuple[Any, An
     """``(loss, parameter shapes, logical axes)`` of the run's model as ``job.build_model`` makes it, from
     shapes alone: nothing initialised or read (a LoRA run's adapters beside the base)."""
     module = family.module
-    loss, _ = family.training_loss(
-        model, pipeline=cfg.parallel.plan_info.pipeline, loss_chunk=cfg.model.loss_chunk
-    )
+    loss, _ = family.training_loss(model, pipeline=cfg.parallel.plan_info.pipeline, **loss_options(cfg))
     shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), model))
     if (adapters := C.lora_config(cfg)) is not None:
         shapes = jax.eval_shape(lambda p: lora.add(jax.random.key(1), p, adapters), shapes)

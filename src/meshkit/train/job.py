@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshkit.data import Batches, Corpus, load, process_rows
-from meshkit.models import gpt, lora, registry
+from meshkit.models import gpt, lora, quantize, registry
 from meshkit.models.family import Family
 from meshkit.plans import axes
 from meshkit.plans.assemble import assemble
@@ -158,7 +158,8 @@ def _eval_loss(cfg: C.TrainConfig, family: Family, model: Any) -> Any:
     family's own (``family_params``), or ``--task dpo``'s ``(loss, metrics)``."""
     if cfg.data.task in ("dpo", "grpo"):
         return lambda p, b: training_loss(cfg, family, model)[0](family_params(cfg, p), b)
-    loss = family.module.make_loss(model, loss_chunk=cfg.model.loss_chunk)  # its logits in pieces too
+    # its logits in pieces and its matmuls quantized as the step's
+    loss = quantize.wrap(family.module.make_loss(model, loss_chunk=cfg.model.loss_chunk), cfg.model.quantize)
     return lambda p, b: loss(family_params(cfg, p), b)
 
 

@@ -55,6 +55,11 @@ def problem(cfg: Any) -> str | None:
             f"--loss-chunk takes the next-token loss in pieces; --task {task} reads each sequence's log-probs "
             "whole: drop --loss-chunk"
         )
+    if cfg.model.quantize != "none":
+        return (
+            f"--quantize {cfg.model.quantize} quantizes the next-token loss's step; --task {task} compares the "
+            "policy with an unquantized reference: drop --quantize"
+        )
     if cfg.model.experts:
         return (
             f"--task {task} does not train a mixture of experts yet (its load-balancing loss is not part of "
@@ -124,6 +129,12 @@ def applied(family: Any, model: Any) -> Any:
     return lambda params, tokens, **kw: family.module.apply(params, tokens, model, **kw)
 
 
+def loss_options(cfg: Any) -> dict[str, Any]:
+    """What ``Family.training_loss`` takes from the run's options besides the plan: ``--loss-chunk`` and
+    ``--quantize``."""
+    return {"loss_chunk": cfg.model.loss_chunk, "quantize": cfg.model.quantize}
+
+
 def training_loss(cfg: Any, family: Any, model: Any) -> tuple[Any, bool]:
     """``(loss, has_aux)`` the run trains: the family's (``Family.training_loss``), or a post-training task's
     loss of the family's logits with TRL's metrics."""
@@ -135,9 +146,7 @@ def training_loss(cfg: Any, family: Any, model: Any) -> tuple[Any, bool]:
         from meshkit.models import grpo as G
 
         return G.make_loss(applied(family, model), how), True
-    return family.training_loss(
-        model, pipeline=cfg.parallel.plan_info.pipeline, loss_chunk=cfg.model.loss_chunk
-    )
+    return family.training_loss(model, pipeline=cfg.parallel.plan_info.pipeline, **loss_options(cfg))
 
 
 def frozen_logps(cfg: Any, logps: Any, params: Any, sharding: Any, adapters: Any) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshkit.models import registry
-from meshkit.spec import GRPO_LOSSES, PREFERENCE_LOSSES, TASKS, one_of, option, plans_of
+from meshkit.spec import GRPO_LOSSES, PREFERENCE_LOSSES, QUANTIZE, TASKS, one_of, option, plans_of
 
 SHAPE = "the model's shape"
 ROUTING = "the model's routing"
@@ -50,6 +50,8 @@ class ModelOptions:
         note=" (0: all at once)",
     )
     """``token_loss.head_loss``'s pieces: ``B x loss_chunk x V`` logits at a time; a resumed run may change it."""
+    quantize: str = option("none", help=f"The blocks' matmuls: {one_of(QUANTIZE)}.", shown="none")
+    """``meshkit.models.quantize``: quantized training of the blocks' matmuls; a resumed run may change it."""
     init_from: str | None = option(
         None,
         help="Start from a Hugging Face checkpoint: hf:DIR (config.json + safetensors).",

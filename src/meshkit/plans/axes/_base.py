@@ -47,6 +47,8 @@ class LedgerInputs:
     form: str = "ring"
     segment_bytes: int = 0
     """Bytes per segment id of a batch of packed documents (0: none): a context split exchanges them."""
+    quantized: frozenset[str] = frozenset()
+    """Paths of the leaves multiplied in int8 (``--quantize``): the model axis all-reduces their scales."""
 
     @property
     def tokens(self) -> int:

@@ -66,6 +66,8 @@ class ModelAxis(AxisPlan):
                     m,
                     f"{x.path}: backward input-gradient partial sums",
                 )
+            if x.path in inputs.quantized:
+                _int8_scale_rows(add, x, inputs, uses * (2 if redone else 1), uses)
         if split:
             _sequence_rows(add, inputs)
         _vocab_rows(add, placement, accumulate, tokens, width)
@@ -80,7 +82,7 @@ class ModelAxis(AxisPlan):
                 f"{x.path}: the adapter's gradient partial sums",
             )
 
-    def flows(self, step: Any) -> list[Flow]:
+    def flows(self, step: Any) -> list[Flow]:  # the planner's steps are in the compute dtype
         """The all-reduces of a step's tensor-parallel matmuls, exposed whole between the matmuls that
         need them but for ``Job.tp_overlap`` of them (hidden behind the compute, untaxed). Megatron: 2
         forward and 2 backward per layer, the vocabulary-parallel embedding and unembedding, 2 more per
@@ -228,3 +230,27 @@ def _vocab_rows(add: Add, placement: Placement, accumulate: int, tokens: int, ac
 
 
 PLAN = ModelAxis()
+
+
+def _int8_scale_rows(add: Add, x: Any, inputs: LedgerInputs, forward: int, backward: int) -> None:
+    """An int8 matmul's scales (``models.quantize``) are maxima over the contracted dimension; where the
+    model axis splits it, their all-reduce. Row-parallel: the input's per token and the matrix's per
+    output column in each forward pass (``forward`` of them); column-parallel: the output gradient's per
+    token in each backward pass (but for a matrix fed the batch, which has no input gradient)."""
+    m, tokens, width, accumulate = (
+        inputs.placement.model_size,
+        inputs.tokens,
+        inputs.activation_bytes,
+        inputs.accumulate,
+    )
+    if x.model_spec[0] == MODEL:
+        add(
+            "all-reduce",
+            MODEL,
+            accumulate * forward,
+            (tokens + x.shape[1]) * width,
+            m,
+            f"{x.path}: int8 scales",
+        )
+    elif x.model_spec[1] == MODEL and x.path not in inputs.batch_fed:
+        add("all-reduce", MODEL, accumulate * backward, tokens * width, m, f"{x.path}: int8 gradient scales")

@@ -1,0 +1,174 @@
+"""Quantized training (``--quantize int8``, ``meshkit.models.quantize``) beside bf16, side by side in one run.
+
+Two measurements, each on the accelerator present (``python benchmarks/device_check.py --quantize`` on
+the TPU v5e chip runs both at the 0.7 B Llama):
+
+- speed: the device check's Llama under a Trainer (plan dp on one device, bf16 compute over float32
+  parameters, AdamW, ``--remat``), its step with the blocks' matmuls in bf16 and in int8, at the same
+  batch: tokens/s, the ratio (issue 53's bar: int8 at least 1.3x bf16), the compiled peak, and the
+  first losses (close, not equal: int8 rounds);
+- convergence (``--converge STEPS``): both trained ``STEPS`` steps on real text, Python's reference docs
+  (``pydoc_data.topics``, bytes as tokens, the last tenth held out), the same batches in the same order:
+  the mean loss of the last 20 steps and the held-out loss of each, and their relative gap (the bar:
+  within 2%). On a CPU at a small size (``--size tiny``) in a few minutes.
+
+    .venv/bin/python benchmarks/bench_quantize.py [--size 0.7b] [--batch 3] [--remat dots] [--seq 2048]
+        [--converge 300 [--seq 256 --batch 8]] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import numpy as np
+import optax
+
+from meshkit.analysis import memory
+from meshkit.models import llama, quantize
+from meshkit.spec.batch import TokenBatch
+
+GIB = 2**30
+SIZES = {  # the device check's (device_check.SIZES), with a byte vocabulary for the text
+    "tiny": {"layers": 2, "width": 128, "heads": 4, "kv_heads": 2, "ffn": 384},
+    "small": {"layers": 4, "width": 256, "heads": 4, "kv_heads": 2, "ffn": 768},
+    "0.25b": {"layers": 16, "width": 1024, "heads": 8, "kv_heads": 4, "ffn": 2816},
+    "0.7b": {"layers": 12, "width": 2048, "heads": 16, "kv_heads": 8, "ffn": 5632},
+}
+MODES = ("none", "int8")
+
+
+def trainer(cfg, mode: str, remat: str, lr: float, params=None):
+    from meshkit import Trainer
+
+    params = llama.init(jax.random.key(0), cfg) if params is None else params
+    loss = quantize.wrap(llama.make_loss(cfg), mode)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 20, 10_000)
+    return Trainer(loss, params, optax.adamw(schedule, weight_decay=0.01), plan="dp", mesh="data=1", remat=remat,
+                   compute_dtype="bfloat16", logical_axes=llama.logical_axes(params))  # fmt: skip
+
+
+def speed(cfg, mode: str, batch: int, remat: str, steps: int) -> dict:
+    """One Trainer's step compiled and timed (``steps`` after two untimed) on random tokens."""
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1), dtype=np.int32)
+    row: dict = {"quantize": mode, "batch": batch}
+    try:
+        t = trainer(cfg, mode, remat, 1e-4)
+        placed = t.put_batch(TokenBatch(tokens[:, :-1], tokens[:, 1:]))
+        begin = time.perf_counter()
+        m = memory(t.compiled(placed))
+        row["compile_s"] = time.perf_counter() - begin
+        row["first_loss"] = float(t.step(placed)["loss"])
+        t.step(placed)
+        jax.block_until_ready(t.params)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            t.step(placed)
+        jax.block_until_ready(t.params)
+        seconds = (time.perf_counter() - begin) / steps
+    except Exception as e:  # out of memory at compile or run
+        return row | {"error": str(e).splitlines()[0][:200]}
+    return row | {"step_s": seconds, "tokens_per_s": batch * cfg.seq_len / seconds,
+                  "peak_gib": (m.peak_bytes or m.total_bytes) / GIB, "temp_gib": m.temp_bytes / GIB}  # fmt: skip
+
+
+def text_tokens() -> np.ndarray:
+    """Python's reference docs as bytes: real text nobody here wrote, present wherever Python is."""
+    from pydoc_data.topics import topics
+
+    return np.frombuffer("\n\n".join(topics[k] for k in sorted(topics)).encode(), dtype=np.uint8).astype(
+        np.int32
+    )
+
+
+def converge(cfg, mode: str, batch: int, remat: str, steps: int, lr: float) -> dict:
+    """``steps`` steps on the text's first nine tenths (windows drawn by a fixed seed: the same for every
+    mode), then the held-out loss on 16 windows of the last tenth (in the mode trained)."""
+    data = text_tokens()
+    cut, t = len(data) * 9 // 10, cfg.seq_len + 1
+    rng = np.random.default_rng(0)
+    tr = trainer(cfg, mode, remat, lr)
+    losses, begin = [], time.perf_counter()
+    for _ in range(steps):
+        starts = rng.integers(0, cut - t, batch)
+        rows = np.stack([data[s : s + t] for s in starts])
+        losses.append(float(tr.step(tr.put_batch(TokenBatch(rows[:, :-1], rows[:, 1:])))["loss"]))
+    seconds = time.perf_counter() - begin
+    held = np.stack([data[s : s + t] for s in np.linspace(cut, len(data) - t, 16).astype(int)])
+    loss = jax.jit(quantize.wrap(llama.make_loss(cfg), mode))
+    held_out = float(loss(tr.params, TokenBatch(held[:, :-1], held[:, 1:])))
+    finite = bool(np.isfinite(losses).all())
+    return {"quantize": mode, "steps": steps, "first_loss": losses[0], "last20_loss": float(np.mean(losses[-20:])),
+            "held_out_loss": held_out, "finite": finite, "seconds": seconds, "losses": losses}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="0.7b", choices=list(SIZES))
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=3)
+    ap.add_argument("--remat", default="dots")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps of the speed run")
+    ap.add_argument(
+        "--converge", type=int, default=0, help="train this many steps on text instead (0: speed)"
+    )
+    ap.add_argument("--lr", type=float, default=1e-3, help="--converge: the peak learning rate")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    a = ap.parse_args(argv)
+    vocab = 256 if a.converge else 32000
+    cfg = llama.LlamaConfig(
+        vocab_size=vocab, seq_len=a.seq, compute_dtype="bfloat16", scan_layers=True, **SIZES[a.size]
+    )
+    device = jax.devices()[0].device_kind
+    head = f"Llama {a.size}, seq {a.seq}, batch {a.batch}, remat {a.remat}, bf16 over float32 AdamW, one {device}"
+    if a.converge:
+        rows = [converge(cfg, m, a.batch, a.remat, a.converge, a.lr) for m in MODES]
+        base, q = rows
+        gap = (q["last20_loss"] - base["last20_loss"]) / base["last20_loss"]
+        held = (q["held_out_loss"] - base["held_out_loss"]) / base["held_out_loss"]
+        print(head + f", {a.converge} steps on pydoc_data's text")
+        print("| matmuls | first loss | mean of the last 20 | held-out | seconds |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['quantize']} | {r['first_loss']:.4f} | {r['last20_loss']:.4f} | {r['held_out_loss']:.4f} | "
+                  f"{r['seconds']:.0f} |")  # fmt: skip
+        print(
+            f"int8 vs bf16: last 20 steps {100 * gap:+.2f}%, held-out {100 * held:+.2f}% (the bar: within 2%)"
+        )
+        out = {"gap_last20": gap, "gap_held_out": held}
+    else:
+        rows = [speed(cfg, m, a.batch, a.remat, a.steps) for m in MODES]
+        print(head)
+        print(
+            "| matmuls | tokens/s | step ms | compiled peak GiB | first loss | compile s |\n|---|---|---|---|---|---|"
+        )
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['quantize']} | {r['error']} | | | | |")
+                continue
+            print(f"| {r['quantize']} | {r['tokens_per_s']:,.0f} | {1e3 * r['step_s']:.1f} | {r['peak_gib']:.2f} | "
+                  f"{r['first_loss']:.4f} | {r['compile_s']:.1f} |")  # fmt: skip
+        ok = all("step_s" in r for r in rows)
+        ratio = rows[0]["step_s"] / rows[1]["step_s"] if ok else None
+        print(f"int8 / bf16 tokens/s: {ratio:.3f}x (the bar: 1.3x)" if ok else "int8 / bf16: n/a")
+        out = {"int8_over_bf16_tokens_per_s": ratio}
+    out |= {
+        "device": device,
+        "jax": jax.__version__,
+        "size": a.size,
+        "model": dataclasses.asdict(cfg) | {"compute_dtype": "bfloat16"},
+        "batch": a.batch,
+        "seq": a.seq,
+        "remat": a.remat,
+        "rows": rows,
+    }
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return out
+
+
+if __name__ == "__main__":
+    main()
