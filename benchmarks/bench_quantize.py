@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 
 import jax
@@ -75,6 +76,34 @@ def speed(cfg, mode: str, batch: int, remat: str, steps: int) -> dict:
                   "peak_gib": (m.peak_bytes or m.total_bytes) / GIB, "temp_gib": m.temp_bytes / GIB}  # fmt: skip
 
 
+def compiled(cfg, mode: str, batch: int, remat: str, target: str) -> dict:
+    """The step compiled for ``target``'s first chip by libtpu on this machine (no TPU needed): its peak
+    and temporaries, and how many of its matmuls (XLA:TPU's ``convolution``) multiply int8 operands."""
+    import re
+
+    from meshkit.plans.assemble import assemble
+    from meshkit.spec import ParallelSpec
+    from meshkit.targets import target_devices
+
+    devices = target_devices(target)[:1]
+    shapes = jax.eval_shape(lambda: llama.init(jax.random.key(0), cfg))
+    spec = ParallelSpec(plan="dp", mesh="data=1", remat=remat, precision="bf16")
+    step = assemble(quantize.wrap(llama.make_loss(cfg), mode), shapes, optax.adamw(1e-4), spec, devices=devices,
+                    logical_axes=llama.logical_axes(shapes))  # fmt: skip
+    tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), np.int32)
+    row: dict = {"quantize": mode, "batch": batch, "device": devices[0].device_kind}
+    try:
+        program = step.step.lower(*step.abstract_args(shapes, TokenBatch(tokens, tokens))).compile()
+    except Exception as e:  # XLA:TPU's refusal of a step past the chip's memory
+        return row | {"error": str(e).splitlines()[0][:200]}
+    m, text = memory(program), program.as_text()
+    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", text))  # each instruction's element type
+    matmuls = re.findall(r"= \S+ (?:convolution|dot)\(([^)]*)\)", text)
+    int8 = sum(any(types.get(o.split()[-1]) == "s8" or "s8[" in o for o in ops.split(",")) for ops in matmuls)
+    return row | {"peak_gib": (m.peak_bytes or m.total_bytes) / GIB, "temp_gib": m.temp_bytes / GIB,
+                  "matmuls": len(matmuls), "int8_matmuls": int8}  # fmt: skip
+
+
 def text_tokens() -> np.ndarray:
     """Python's reference docs as bytes: real text nobody here wrote, present wherever Python is."""
     from pydoc_data.topics import topics
@@ -96,6 +125,10 @@ def converge(cfg, mode: str, batch: int, remat: str, steps: int, lr: float) -> d
         starts = rng.integers(0, cut - t, batch)
         rows = np.stack([data[s : s + t] for s in starts])
         losses.append(float(tr.step(tr.put_batch(TokenBatch(rows[:, :-1], rows[:, 1:])))["loss"]))
+        if len(losses) % 50 == 0:
+            print(
+                f"{mode}: step {len(losses)}, loss {np.mean(losses[-50:]):.4f}", file=sys.stderr, flush=True
+            )
     seconds = time.perf_counter() - begin
     held = np.stack([data[s : s + t] for s in np.linspace(cut, len(data) - t, 16).astype(int)])
     loss = jax.jit(quantize.wrap(llama.make_loss(cfg), mode))
@@ -116,6 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--converge", type=int, default=0, help="train this many steps on text instead (0: speed)"
     )
     ap.add_argument("--lr", type=float, default=1e-3, help="--converge: the peak learning rate")
+    ap.add_argument(
+        "--target", default=None, help="compile only, for this TPU topology (v5e:1x1), with libtpu"
+    )
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     vocab = 256 if a.converge else 32000
@@ -124,7 +160,16 @@ def main(argv: list[str] | None = None) -> dict:
     )
     device = jax.devices()[0].device_kind
     head = f"Llama {a.size}, seq {a.seq}, batch {a.batch}, remat {a.remat}, bf16 over float32 AdamW, one {device}"
-    if a.converge:
+    if a.target:
+        rows = [compiled(cfg, m, a.batch, a.remat, a.target) for m in MODES]
+        print(head.replace(f"one {device}", f"compiled for {a.target} here"))
+        print("| matmuls | compiled peak GiB | temporaries GiB | int8 matmuls / all |\n|---|---|---|---|")
+        for r in rows:
+            fig = (f"{r['peak_gib']:.2f} | {r['temp_gib']:.2f} | {r['int8_matmuls']} / {r['matmuls']}"
+                   if "error" not in r else f"does not fit: {r['error']} | |")  # fmt: skip
+            print(f"| {r['quantize']} | {fig} |")
+        out = {"target": a.target}
+    elif a.converge:
         rows = [converge(cfg, m, a.batch, a.remat, a.converge, a.lr) for m in MODES]
         base, q = rows
         gap = (q["last20_loss"] - base["last20_loss"]) / base["last20_loss"]

@@ -8,11 +8,21 @@ matmuls (the incoming gradient per channel). What stays in the compute dtype: at
 weighted sums, the experts' matmuls, and the head and its loss (MaxText's rules quantize the same set).
 
 The scales are absolute maxima over the contracted dimensions. A maximum is exact under any split and
-order, and int32 sums of int8 products are exact, so a sharded quantized step equals the one-device
-quantized step to the rounding of the float parts. One change from Qwix's default is needed for that: Qwix
-maps the largest element to 127.5, a rounding tie, and a one-ulp difference in the division between two
-programs then moves it between 127 and 128 (-127 and -128). Calibrating at ``absmax * 127.5 / 127`` maps it
-to 127 instead: no tie, and the same integers under every plan.
+order, and int32 sums of int8 products are exact, so a sharded quantized step can equal the one-device
+quantized step to the rounding of the float parts. Two choices make it so:
+
+- Qwix maps the largest element to 127.5, a rounding tie: a one-ulp difference in the division between
+  two programs then moves it between 127 and 128 (-127 and -128). Calibrating at ``absmax * 127.5 / 127``
+  maps it to 127: no tie, the same integers under every plan.
+- The weight gradient contracts the tokens, which data-parallel plans split, and fsdp's step runs each
+  device's loss on its own rows: a scale over all tokens would be a per-device scale there. Its scales
+  are taken per sequence instead (Qwix's ``drhs_tile_size``, the rows flattened so that a tile is one
+  sequence), which every plan that splits the batch keeps whole. Plans that split a sequence (the
+  context axis) are refused (``train.config``). The cost: the weight gradient is summed over the
+  sequences in float, from one int32 matrix per sequence.
+
+Under tensor parallelism the partial sums a split contraction all-reduces are int32 (4 bytes, where bf16
+moves 2), and each scale over a split dimension adds a small all-reduce (the model axis's ledger rows).
 
 The context is read when the step is traced: :func:`wrap` enters it inside the loss, so a jitted step's
 program is fixed by the loss it was built from.
@@ -27,7 +37,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
+from meshkit.plans import INT8_RESULT
 from meshkit.spec import QUANTIZE, one_of
 
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("meshkit_quantize", default="none")
@@ -77,8 +89,10 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     from qwix._src.core import dot_general_qt  # Qwix's own entry point for a function, not a Flax module
 
     rows = x.reshape(-1, x.shape[-1])  # the weight gradient contracts these rows: tiles of one sequence each
-    out = dot_general_qt.dot_general_qt(rows, w, (((1,), (0,)), ((), ())), _config(x.shape[-2] if x.ndim > 2 else None))
-    return out.reshape(*x.shape[:-1], w.shape[1])
+    out = dot_general_qt.dot_general_qt(
+        rows, w, (((1,), (0,)), ((), ())), _config(x.shape[-2] if x.ndim > 2 else None)
+    )
+    return checkpoint_name(out.reshape(*x.shape[:-1], w.shape[1]), INT8_RESULT)  # what remat "dots" keeps
 
 
 @functools.cache
@@ -96,4 +110,11 @@ def _config(sequence: int | None) -> Any:
         dlhs_grad_calibration_method=_CALIBRATION,
         drhs_grad_calibration_method=_CALIBRATION,
         drhs_tile_size=sequence,
+        # the backward requantizes the forward's float operands along its own contraction (Qwix reuses the
+        # forward's int8 operand otherwise, whose scales cannot tile: the weight gradient fell back to float)
+        use_original_residuals=True,
+        dlhs_residual_qtype=jnp.int8,
+        drhs_residual_qtype=jnp.int8,
+        dlhs_residual_calibration_method=_CALIBRATION,
+        drhs_residual_calibration_method=_CALIBRATION,
     )

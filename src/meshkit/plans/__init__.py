@@ -33,7 +33,7 @@ from meshkit.plans._hook import layer
 from meshkit.plans._loss import LossFn, step_loss
 from meshkit.plans._manual import manual_data_axis, micro_batches
 from meshkit.plans._pipeline import Pipeline
-from meshkit.plans._remat import keeps_forward, remat_policy
+from meshkit.plans._remat import INT8_RESULT, keeps_forward, remat_policy
 from meshkit.plans._schedule import Schedule, bubble_model
 from meshkit.plans._schedule import build as build_schedule
 from meshkit.plans._schedule import plot as plot_schedule
@@ -47,6 +47,7 @@ from meshkit.plans.tp_rules import DEFAULT_TP_RULES, Rules
 __all__ = [
     "DEFAULT_TP_RULES",
     "EXPERT_DIM",
+    "INT8_RESULT",
     "Assembled",
     "Attention",
     "CommRow",

@@ -6,7 +6,8 @@ other operand depends on no parameter (the batch itself, as in an MLP's first la
 the all-reduce. The plan's cost model asks this module which leaves those are, so model and
 ledger agree. The walk follows the loss's jaxpr, into nested calls (``jit``, custom derivatives,
 remat), tracking which values depend on parameters and which are a parameter leaf up to
-dtype/shape-only operations.
+dtype/shape-only operations (and the division and rounding that quantize it: ``quantized`` names the
+leaves multiplied in int8).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ _SAME_VALUE = {
     "copy_p",
     "reduce_precision",
     "sharding_constraint",
+    # a matmul's operand quantized to int8 (``models.quantize``: ``round(w / scale)``) is its leaf
+    "div",
+    "round",
 }
 _SUB = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -59,7 +63,7 @@ def _walk(
 ) -> None:
     """``weights`` (where frozen leaves are given): the values computed from parameters alone; a sum of
     such values keeps the origin of its parameter operand (LoRA's ``W + s A @ B`` is ``W`` to the ledger).
-    ``int8``: collects the leaves that are operands of a call multiplying int8 operands (``quantized``)."""
+    ``int8``: collects the leaves some matmul multiplies as int8 (``quantized``)."""
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         dirty = any(v in tainted for v in ins)
@@ -69,8 +73,6 @@ def _walk(
             inner_origin = {iv: origin[ov] for iv, ov in pairs if ov in origin}
             inner_taint = {iv for iv, ov in pairs if ov in tainted}
             inner_weights = None if weights is None else {iv for iv, ov in pairs if ov in weights}
-            if int8 is not None and _multiplies_int8(sub):
-                int8.update(origin[ov] for _, ov in pairs if ov in origin)
             _walk(sub, inner_origin, inner_taint, found, rows, inner_weights, int8)
             for ov, iv in zip(eqn.outvars, map(_var, sub.outvars), strict=True):
                 if iv in inner_taint:
@@ -83,6 +85,8 @@ def _walk(
         if eqn.primitive.name == "dot_general" and len(ins) == 2:
             a, b = ins
             (contract, batch) = eqn.params["dimension_numbers"]
+            if int8 is not None and np.int8 in (a.aval.dtype, b.aval.dtype):
+                int8.update(origin[v] for v in (a, b) if v in origin)
             for side, (w, x) in enumerate(((a, b), (b, a))):
                 if w in origin and x not in tainted:
                     found.add(origin[w])
@@ -119,26 +123,19 @@ def batch_fed(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None)
     return frozenset(found)
 
 
-def _multiplies_int8(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and any(
-            getattr(v.aval, "dtype", None) == np.int8 for v in eqn.invars
-        ):
-            return True
-        if (sub := _inner(eqn)) is not None and _multiplies_int8(sub):
-            return True
-    return False
-
-
-def quantized(loss_fn: Callable, params: Any, *rest: Any) -> frozenset[str]:
-    """Paths of parameter leaves some matmul multiplies in int8 (``meshkit.models.quantize``): operands, up
-    to dtype and shape, of a call (Qwix's custom derivative) whose program multiplies int8 operands. The
-    model axis's ledger adds their scales' all-reduces. ``loss_fn(params, *rest)``, as for ``batch_fed``."""
+def quantized(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None) -> frozenset[str]:
+    """Paths of parameter leaves some matmul multiplies in int8 (``meshkit.models.quantize``: the leaf
+    divided by its scale, rounded and cast is still the leaf here). The model axis's ledger adds their
+    int32 partial sums and their scales' all-reduces. ``loss_fn(params, *rest)`` and ``trainable``
+    (where frozen leaves are given: LoRA's ``W + s A @ B`` is ``W``), as for ``batch_fed``."""
     closed = jax.make_jaxpr(loss_fn)(params, *rest)
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     invars = closed.jaxpr.invars[: len(paths)]
     found: set = set()
-    _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), int8=found)
+    weights = None if trainable is None else set(invars)
+    _walk(
+        closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), weights=weights, int8=found
+    )
     return frozenset(found)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from meshkit.spec import REMAT_POLICIES
 
@@ -17,10 +18,23 @@ def _all_but_gathers(prim, *_, **__) -> bool:
     return prim.name != "all_gather"
 
 
+INT8_RESULT = "meshkit_int8_matmul"
+"""The name (``jax.ad_checkpoint.checkpoint_name``) of an int8 matmul's rescaled result
+(``models.quantize.linear``): what ``dots`` keeps of it."""
+
+
+def _dots(prim, *avals, **params) -> bool:
+    """``dots_saveable``, but an int8 matmul (``--quantize``) keeps its rescaled result, not its int32
+    sums (twice bf16's bytes)."""
+    if prim.name == "dot_general":
+        return not any(getattr(a, "dtype", None) == np.int8 for a in avals)
+    return prim.name == "name" and params.get("name") == INT8_RESULT
+
+
 _POLICIES: dict[str, Any] = {
     "none": None,
     "layer": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots": _dots,
     "regather": _all_but_gathers,
 }
 assert tuple(_POLICIES) == REMAT_POLICIES, "every remat policy of meshkit.spec needs its jax policy here"

@@ -53,7 +53,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         )
         args = (trainer.assembled.loss, *shapes, trainer.put_batch(batch), trainer._step_key())
         fed = batch_fed(*args, trainable=trainer.per_layer.trainable)
-        int8 = quantized(*args)
+        int8 = quantized(*args, trainable=trainer.per_layer.trainable)
         if trainer.tokens_per_example is None:
             per_example = _tokens_per_example(matmul_rows(*args), trainer.placement, n_examples)
     tokens = n_examples // (trainer.placement.batch_devices * trainer.accumulate) * per_example

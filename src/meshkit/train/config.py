@@ -331,7 +331,15 @@ def _quantize_problem(cfg: TrainConfig) -> str | None:
     if cfg.model.quantize not in QUANTIZE:
         return f"unknown --quantize {cfg.model.quantize!r}: use {one_of(QUANTIZE)}"
     if plan.pipeline:
-        return f"--quantize: plan {name}'s stages (meshkit.Stages) are not quantized yet: drop it, or use a plan without stages"
+        return (
+            f"--quantize: plan {name}'s stages (meshkit.Stages) are not quantized yet: drop it, or use a plan "
+            "without stages"
+        )
+    if plan.uses(CONTEXT):
+        return (
+            f"--quantize {cfg.model.quantize} takes the weight gradient's scales per sequence, which plan {name} "
+            "splits over the context axis: use a plan without that axis"
+        )
     return quantize.available()
 
 

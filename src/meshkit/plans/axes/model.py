@@ -44,30 +44,8 @@ class ModelAxis(AxisPlan):
             "reduce-scatter" if split and placement.mesh.devices.flat[0].platform != "cpu" else "all-reduce"
         )
         for x, uses, redone in tp_matrices(per, placement):  # a scan's stacked leaf: per layer
-            if ADAPTER_RANK in x.names:  # an adapter multiplies its partner, not the tokens
-                continue
-            if (
-                x.model_spec[0] == MODEL
-            ):  # row-parallel: forward partial sums of the output (again under remat)
-                add(
-                    reduce,
-                    MODEL,
-                    accumulate * uses * (2 if redone else 1),
-                    tokens * x.shape[1] * width,
-                    m,
-                    f"{x.path}: forward output partial sums",
-                )
-            elif x.model_spec[1] == MODEL and x.path not in inputs.batch_fed:  # column-parallel: backward
-                add(
-                    reduce,
-                    MODEL,
-                    accumulate * uses,
-                    tokens * x.shape[0] * width,
-                    m,
-                    f"{x.path}: backward input-gradient partial sums",
-                )
-            if x.path in inputs.quantized:
-                _int8_scale_rows(add, x, inputs, uses * (2 if redone else 1), uses)
+            if ADAPTER_RANK not in x.names:  # an adapter multiplies its partner, not the tokens
+                _matrix_rows(add, x, inputs, reduce, uses * (2 if redone else 1), uses)
         if split:
             _sequence_rows(add, inputs)
         _vocab_rows(add, placement, accumulate, tokens, width)
@@ -232,25 +210,44 @@ def _vocab_rows(add: Add, placement: Placement, accumulate: int, tokens: int, ac
 PLAN = ModelAxis()
 
 
-def _int8_scale_rows(add: Add, x: Any, inputs: LedgerInputs, forward: int, backward: int) -> None:
-    """An int8 matmul's scales (``models.quantize``) are maxima over the contracted dimension; where the
-    model axis splits it, their all-reduce. Row-parallel: the input's per token and the matrix's per
-    output column in each forward pass (``forward`` of them); column-parallel: the output gradient's per
-    token in each backward pass (but for a matrix fed the batch, which has no input gradient)."""
-    m, tokens, width, accumulate = (
-        inputs.placement.model_size,
-        inputs.tokens,
-        inputs.activation_bytes,
-        inputs.accumulate,
-    )
+def _matrix_rows(add: Add, x: Any, inputs: LedgerInputs, reduce: str, forward: int, backward: int) -> None:
+    """One split matrix's rows, ``forward`` forward passes (2 where remat redoes it) and ``backward``
+    backward ones. Row-parallel (model axis on its rows): the output's partial sums in the forward pass;
+    column-parallel: the input gradient's in the backward pass (none for a matrix fed the batch itself).
+    A matrix multiplied in int8 (``models.quantize``) sums int32 partials, and all-reduces the scales it
+    takes over the dimension the model axis splits: row-parallel, in the forward pass, the input's per
+    token and the matrix's per output column; column-parallel, in the backward pass, the output
+    gradient's per token and the matrix's per input row (requantized along the backward's contraction)."""
+    m, tokens, accumulate = inputs.placement.model_size, inputs.tokens, inputs.accumulate
+    int8, width = x.path in inputs.quantized, inputs.activation_bytes
+    sums = 4 if int8 else width
     if x.model_spec[0] == MODEL:
         add(
-            "all-reduce",
+            reduce,
             MODEL,
             accumulate * forward,
-            (tokens + x.shape[1]) * width,
+            tokens * x.shape[1] * sums,
             m,
-            f"{x.path}: int8 scales",
+            f"{x.path}: forward output partial sums",
         )
+        if int8:
+            add(
+                "all-reduce",
+                MODEL,
+                accumulate * forward,
+                (tokens + x.shape[1]) * width,
+                m,
+                f"{x.path}: int8 scales",
+            )
     elif x.model_spec[1] == MODEL and x.path not in inputs.batch_fed:
-        add("all-reduce", MODEL, accumulate * backward, tokens * width, m, f"{x.path}: int8 gradient scales")
+        what = f"{x.path}: backward input-gradient partial sums"
+        add(reduce, MODEL, accumulate * backward, tokens * x.shape[0] * sums, m, what)
+        if int8:
+            add(
+                "all-reduce",
+                MODEL,
+                accumulate * backward,
+                (tokens + x.shape[0]) * width,
+                m,
+                f"{x.path}: int8 gradient scales",
+            )
