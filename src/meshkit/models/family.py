@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit._errors import MeshkitError
-from meshkit.models import quantize as quantized
 
 
 class InteropError(MeshkitError):
@@ -147,6 +146,8 @@ class Family:
         ``quantize`` (``--quantize``: ``models.quantize``)."""
         if pipeline:
             return self.module.stages(model), False
+        from meshkit.models import quantize as quantized  # JAX, on first use: the registry's rows need none
+
         aux = bool(getattr(model, "experts", 0))
         return quantized.wrap(
             self.module.make_loss(model, with_aux=aux, loss_chunk=loss_chunk), quantize
