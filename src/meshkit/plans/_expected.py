@@ -45,6 +45,7 @@ from meshkit.analysis.cost import ring_traffic
 from meshkit.plans import axes
 from meshkit.plans._frozen import optimizer_view
 from meshkit.plans._fsdp import PerLayer
+from meshkit.plans._state_tree import map_state
 from meshkit.plans.axes.data import model_bytes
 from meshkit.plans.memory import zero_stage
 from meshkit.plans.placement import LeafPlacement, Placement
@@ -241,12 +242,13 @@ def memory_formula(
     params_b = sum(x.nbytes / _divisor(x, placement, rule.shards("params")) for x in placement.flat())
     optimizer, placement, params = optimizer_view(optimizer, placement, params)  # frozen leaves: no state
     shapes = jax.eval_shape(optimizer.init, params)
-    per_leaf = optax.tree_map_params(
+    per_leaf = map_state(
         optimizer,
-        lambda s, leaf: s.size * s.dtype.itemsize / _divisor(leaf, placement, rule.shards("optimizer")),
+        params,
         shapes,
         placement.leaves,
-        transform_non_params=lambda s: s.size * s.dtype.itemsize,
+        lambda s, leaf: s.size * s.dtype.itemsize / _divisor(leaf, placement, rule.shards("optimizer")),
+        lambda s: s.size * s.dtype.itemsize,
         is_leaf=lambda x: isinstance(x, LeafPlacement),
     )
     return {"params": params_b, "optimizer": float(sum(jax.tree.leaves(per_leaf)))}

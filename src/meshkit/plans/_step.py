@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from meshkit.plans import _fsdp
 from meshkit.plans._deterministic import deterministic_gradients
 from meshkit.plans._gradients import LossFn, _chunk_grad, _gather, _trained, gradient_fn, trained_placement
+from meshkit.plans._state_tree import map_state
 from meshkit.plans.placement import Placement
 from meshkit.spec import DATA, PlanError
 
@@ -46,14 +47,13 @@ class StepShardings:
 def state_shardings(optimizer: optax.GradientTransformation, params: Any, placement: Placement) -> Any:
     """Optimizer-state shardings: parameter-shaped leaves follow the plan, the rest replicated."""
     mesh = placement.mesh
-    shapes = jax.eval_shape(optimizer.init, params)
-    specs = placement.state_specs()
-    return optax.tree_map_params(
+    return map_state(
         optimizer,
+        params,
+        jax.eval_shape(optimizer.init, params),
+        placement.state_specs(),
         lambda _, spec: NamedSharding(mesh, spec),
-        shapes,
-        specs,
-        transform_non_params=lambda _: NamedSharding(mesh, P()),
+        lambda _: NamedSharding(mesh, P()),
         is_leaf=lambda x: isinstance(x, P),
     )
 
