@@ -200,9 +200,12 @@ def test_llama3_frequencies_are_transformers_formula():
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0], "long_factor": [2.0]}}, "rope_type 'longrope'"),
+        ({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32}}, "rope_type yarn lacks factor"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "yes"}}, "truncate='yes' is not true or false"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 0}}, "beta_fast"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0, "original_max_position_embeddings": 32}}, "rope_type linear takes no original_max_position_embeddings"),
         ({"rope_scaling": {**LLAMA3, "factor": None}}, "rope_scaling="),
         ({"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}}, "lacks low_freq_factor"),
         ({"rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}}, "high_freq_factor > low_freq_factor"),

@@ -32,6 +32,9 @@ PROMPT = [5, 17, 3, 42, 8, 61, 29]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}  # fmt: skip
 """At head_dim 16 and theta 5e5, wavelengths 6.3 (kept), 32 (interpolated) and 168 on (stretched)."""
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+"""At head_dim 16 and theta 1e4, a ramp over dimensions 0 to 3: the first kept, three between, four divided by 4;
+the cosines and sines scaled by 0.1 ln 4 + 1."""
 WINDOW = 8
 """Shorter than the 24 tokens whose logits are compared and than the 7-token prompt plus 32 new ones."""
 COMMON = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -55,6 +58,10 @@ REFERENCE_MODELS = {
                          "rope_theta": 1e6, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
     "hf-mixtral": {**COMMON, "model_type": "mixtral", "num_attention_heads": 4, "num_key_value_heads": 2,
                    "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW, "rope_theta": 1e6},
+    "hf-llama-linear": {**COMMON, "model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1,
+                        "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "hf-qwen2-yarn": {**COMMON, "model_type": "qwen2", "num_attention_heads": 2, "num_key_value_heads": 1,
+                      "rope_theta": 10000.0, "rope_scaling": YARN},
     "hf-qwen3-moe": {**COMMON, "model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
                      "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                      "norm_topk_prob": False, "rope_theta": 1e6, "tie_word_embeddings": True},
@@ -63,6 +70,11 @@ MESHKIT_MODELS = {
     "llama3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=2, kv_heads=1, ffn=64,
                                 rope_theta=500000.0, rope_scaling=llama.Llama3Rope(
                                     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_positions=64)),
+    "llama-linear": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=2, kv_heads=1, ffn=64,
+                                      rope_scaling=llama.LinearRope(factor=4.0)),
+    "qwen2-yarn": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=2, kv_heads=1, ffn=64,
+                                    qkv_bias=True, norm_eps=1e-6, rope_scaling=llama.YarnRope(
+                                        factor=4.0, original_positions=64, beta_fast=16.0)),
     "qwen2": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
                                rope_theta=1e6, qkv_bias=True, tie_embeddings=True, norm_eps=1e-6),
     "qwen3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, head_dim=16,
@@ -148,7 +160,7 @@ def _agree(tmp, name, params, cfg, tokens):
 # as its own model type, windows and experts included, 5.x's form too; each Qwen trained under tp) and in
 # test_interop.py (a Llama's experts written as Mixtral's or Qwen3-MoE's, or refused); the reference
 # process makes only the files of the cases a session runs (4 of 17 in the core tier).
-CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3"}
+CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3", "hf-qwen2-yarn"}
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ from meshkit.models.llama_layers import (
     wide,
 )
 from meshkit.models.quantize import linear
-from meshkit.models.rope import Llama3Rope
+from meshkit.models.rope import LinearRope, Llama3Rope, YarnRope
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
 from meshkit.plans import causal_attention, exchange_segments, moe
@@ -103,7 +103,7 @@ class LlamaConfig:
     """Hidden width of the SwiGLU MLP; 0 means 4 x width."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding's frequencies."""
-    rope_scaling: Llama3Rope | None = None
+    rope_scaling: Llama3Rope | LinearRope | YarnRope | None = None
     """Llama 3.1's rescaled frequencies; None: the plain rotary."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2; none on the output projection)."""

@@ -1,7 +1,10 @@
 """The Llama family's rotary settings in a Hugging Face ``config.json`` (``meshkit.models.llama_hf``), both
 ways: read in both forms transformers writes, 4.x's ``rope_theta`` + ``rope_scaling`` and 5.x's
 ``rope_parameters`` (the same settings in one dict, ``rope_theta`` among them); written in 4.x's. The rope
-types meshkit computes are ``ROPE_TYPES``' keys: the plain rotary and Llama 3.1's (``rope.Llama3Rope``).
+types meshkit computes are ``ROPE_TYPES``' keys: the plain rotary, Llama 3.1's (``rope.Llama3Rope``),
+position interpolation (``rope.LinearRope``) and YaRN (``rope.YarnRope``). YaRN's
+``original_max_position_embeddings`` defaults to the config's ``max_position_embeddings``, as 4.57 reads it
+(5.x fills it in the same way when it standardises the settings).
 """
 
 from __future__ import annotations
@@ -11,13 +14,31 @@ from typing import Any
 from meshkit._errors import MeshkitError
 from meshkit.models.family import InteropError, positive, whole
 
-ROPE_TYPES: dict[str, frozenset[str]] = {
-    "default": frozenset(),
-    "llama3": frozenset(
-        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+ROPE_TYPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "default": (frozenset(), frozenset()),
+    "llama3": (
+        frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+        frozenset(),
+    ),
+    "linear": (frozenset({"factor"}), frozenset()),
+    "yarn": (
+        frozenset({"factor"}),
+        frozenset(
+            {
+                "original_max_position_embeddings",
+                "beta_fast",
+                "beta_slow",
+                "attention_factor",
+                "mscale",
+                "mscale_all_dim",
+                "truncate",
+            }
+        ),
     ),
 }
-"""The rope types meshkit computes, each with the settings it needs (all of them, no more)."""
+"""The rope types meshkit computes, each with the settings it needs and those it may take (no others)."""
+_YARN_NUMBERS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+"""YaRN's optional numbers: ``rope.YarnRope``'s fields of the same names."""
 
 
 def _default_rope(rope: Any) -> Any:
@@ -26,8 +47,9 @@ def _default_rope(rope: Any) -> Any:
     return None if default and all(v == "default" for v in rope.values()) else rope
 
 
-def _scaling(rope: Any, where: str, key: str) -> Any:
-    """The ``Llama3Rope`` of a ``rope_scaling`` (or ``rope_parameters`` less its theta), or None."""
+def _scaling(rope: Any, where: str, key: str, positions: Any) -> Any:
+    """The ``rope`` scaling of a ``rope_scaling`` (or ``rope_parameters`` less its theta), or None;
+    ``positions``: the config's ``max_position_embeddings`` (YaRN's default original context)."""
     rope = _default_rope(rope)
     if rope is None:
         return None
@@ -43,23 +65,39 @@ def _scaling(rope: Any, where: str, key: str) -> Any:
             f"{said}: rope_type {kind!r} is not one meshkit's Llama computes ({', '.join(ROPE_TYPES)}): "
             f"give a checkpoint with one of those"
         )
-    given, needs = set(rope) - {"rope_type", "type"}, ROPE_TYPES[kind]
-    if given != needs:
-        lacks, extra = sorted(needs - given), sorted(given - needs)
+    given, (needs, may) = set(rope) - {"rope_type", "type"}, ROPE_TYPES[kind]
+    if not needs <= given <= needs | may:
+        lacks, extra = sorted(needs - given), sorted(given - needs - may)
         wrong = f"lacks {', '.join(lacks)}" if lacks else f"takes no {', '.join(extra)}"
+        takes = ", ".join(sorted(needs)) or "rope_type"
         raise InteropError(
-            f"{said}: rope_type {kind} {wrong}: give exactly {', '.join(sorted(needs)) or 'rope_type'}"
+            f"{said}: rope_type {kind} {wrong}: give {takes}"
+            + (f" (and any of {', '.join(sorted(may))})" if may else "")
         )
-    factors = {
-        k: positive(rope[k], f"{said}: {k}") for k in ("factor", "low_freq_factor", "high_freq_factor")
-    }
-    original = whole(rope, "original_max_position_embeddings", said)
-    from meshkit.models.rope import Llama3Rope  # JAX, imported on first use: the registry's rows need none
+    from meshkit.models import rope as R  # JAX, imported on first use: the registry's rows need none
 
     try:
-        return Llama3Rope(**factors, original_positions=original)
+        return _made(R, kind, rope, said, positions)
     except MeshkitError as e:
         raise InteropError(f"{said}: {e}") from None
+
+
+def _made(R: Any, kind: str, rope: dict, said: str, positions: Any) -> Any:
+    factor = positive(rope.get("factor"), f"{said}: factor")
+    if kind == "linear":
+        return R.LinearRope(factor=factor)
+    if kind == "yarn":
+        original = rope.get("original_max_position_embeddings") or positions  # None: transformers' default too
+        numbers = {k: positive(rope[k], f"{said}: {k}") for k in _YARN_NUMBERS if rope.get(k) is not None}
+        truncate = rope.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise InteropError(f"{said}: truncate={truncate!r} is not true or false: give one")
+        return R.YarnRope(
+            factor=factor, original_positions=whole({"o": original}, "o", said), truncate=truncate, **numbers
+        )
+    factors = {k: positive(rope[k], f"{said}: {k}") for k in ("low_freq_factor", "high_freq_factor")}
+    original = whole(rope, "original_max_position_embeddings", said)
+    return R.Llama3Rope(factor=factor, **factors, original_positions=original)
 
 
 def read(data: dict, where: str, default: float) -> tuple[float, Any]:
@@ -87,13 +125,22 @@ def read(data: dict, where: str, default: float) -> tuple[float, Any]:
                 f"give one of the two forms"
             )
         theta, scaling, key = theta if five is None else five, rest, "rope_parameters"
-    return float(default if theta is None else theta), _scaling(scaling, where, key)
+    return float(default if theta is None else theta), _scaling(
+        scaling, where, key, data.get("max_position_embeddings")
+    )
 
 
 def written(r: Any) -> dict | None:
-    """``rope_scaling`` as 4.x writes it for a config's ``rope_scaling`` (a ``Llama3Rope``, or None)."""
+    """``rope_scaling`` as 4.x writes it for a config's ``rope_scaling`` (one of ``rope``'s, or None)."""
     if r is None:
         return None
+    kind = type(r).__name__
+    if kind == "LinearRope":
+        return {"rope_type": "linear", "factor": r.factor}
+    if kind == "YarnRope":
+        optional = {k: getattr(r, k) for k in _YARN_NUMBERS if getattr(r, k) is not None}
+        return {"rope_type": "yarn", "factor": r.factor, "original_max_position_embeddings": r.original_positions,
+                **optional, "truncate": r.truncate}  # fmt: skip
     return {
         "rope_type": "llama3",
         "factor": r.factor,

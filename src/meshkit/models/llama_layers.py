@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshkit.models.quantize import linear
-from meshkit.models.rope import inv_frequencies
+from meshkit.models.rope import attention_scaling, inv_frequencies
 from meshkit.plans import expert_dot, sequence_positions
 
 Params = dict[str, Any]
@@ -72,7 +72,10 @@ def rope_tables(pos_bt: jax.Array, cfg: Any, dtype) -> tuple[jax.Array, jax.Arra
     w = wide(dtype)
     angles = pos_bt.astype(w)[..., None] * inv_frequencies(cfg, w)
     angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    scale = attention_scaling(cfg)  # YaRN's factor on both (transformers' attention_scaling), else 1
+    if scale == 1.0:
+        return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    return (jnp.cos(angles) * scale).astype(dtype), (jnp.sin(angles) * scale).astype(dtype)
 
 
 def rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
