@@ -87,7 +87,9 @@ def _made(R: Any, kind: str, rope: dict, said: str, positions: Any) -> Any:
     if kind == "linear":
         return R.LinearRope(factor=factor)
     if kind == "yarn":
-        original = rope.get("original_max_position_embeddings") or positions  # None: transformers' default too
+        original = (
+            rope.get("original_max_position_embeddings") or positions
+        )  # None: transformers' default too
         numbers = {k: positive(rope[k], f"{said}: {k}") for k in _YARN_NUMBERS if rope.get(k) is not None}
         truncate = rope.get("truncate", True)
         if not isinstance(truncate, bool):
