@@ -63,22 +63,30 @@ def trained(cfg, chunk: int, batch: int, remat: str, steps: int) -> dict:
     try:
         t = Trainer(llama.make_loss(cfg, loss_chunk=chunk), params, optax.adamw(1e-4), plan="dp", mesh="data=1",
                     remat=remat, compute_dtype="bfloat16", logical_axes=llama.logical_axes(params))  # fmt: skip
-        placed = t.put_batch(TokenBatch(tokens[:, :-1], tokens[:, 1:]))
-        m = memory(t.compiled(placed))
-        first = float(t.step(placed)["loss"])
-        t.step(placed)
-        jax.block_until_ready(t.params)
-        begin = time.perf_counter()
-        for _ in range(steps):
-            t.step(placed)
-        jax.block_until_ready(t.params)
-        seconds = (time.perf_counter() - begin) / steps
+        timed = time_step(t, TokenBatch(tokens[:, :-1], tokens[:, 1:]), steps)
     except Exception as e:  # out of memory at compile or run
         return row | {"fits": False, "error": str(e).splitlines()[0][:160]}
     stats = jax.devices()[0].memory_stats() or {}
-    return row | {"fits": True, "peak_gib": (m.peak_bytes or m.total_bytes) / GIB, "temp_gib": m.temp_bytes / GIB,
-                  "first_loss": first, "step_s": seconds, "tokens_per_s": batch * cfg.seq_len / seconds,
-                  "device_peak_gib": stats.get("peak_bytes_in_use", 0) / GIB}  # fmt: skip
+    return row | timed | {"fits": True, "tokens_per_s": batch * cfg.seq_len / timed["step_s"],
+                          "device_peak_gib": stats.get("peak_bytes_in_use", 0) / GIB}  # fmt: skip
+
+
+def time_step(t, batch, steps: int) -> dict:
+    """A Trainer's step on ``batch``: compiled (its peak and temporaries), its first loss, then ``steps``
+    timed after one untimed (``bench_quantize`` times its variants the same way)."""
+    placed = t.put_batch(batch)
+    begin = time.perf_counter()
+    m = memory(t.compiled(placed))
+    compile_s = time.perf_counter() - begin
+    first = float(t.step(placed)["loss"])
+    t.step(placed)
+    jax.block_until_ready(t.params)
+    begin = time.perf_counter()
+    for _ in range(steps):
+        t.step(placed)
+    jax.block_until_ready(t.params)
+    return {"compile_s": compile_s, "first_loss": first, "step_s": (time.perf_counter() - begin) / steps,
+            "peak_gib": (m.peak_bytes or m.total_bytes) / GIB, "temp_gib": m.temp_bytes / GIB}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

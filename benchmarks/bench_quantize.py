@@ -28,6 +28,7 @@ import jax
 import numpy as np
 import optax
 
+from bench_loss_chunk import time_step
 from meshkit.analysis import memory
 from meshkit.models import llama, quantize
 from meshkit.spec.batch import TokenBatch
@@ -57,23 +58,10 @@ def speed(cfg, mode: str, batch: int, remat: str, steps: int) -> dict:
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1), dtype=np.int32)
     row: dict = {"quantize": mode, "batch": batch}
     try:
-        t = trainer(cfg, mode, remat, 1e-4)
-        placed = t.put_batch(TokenBatch(tokens[:, :-1], tokens[:, 1:]))
-        begin = time.perf_counter()
-        m = memory(t.compiled(placed))
-        row["compile_s"] = time.perf_counter() - begin
-        row["first_loss"] = float(t.step(placed)["loss"])
-        t.step(placed)
-        jax.block_until_ready(t.params)
-        begin = time.perf_counter()
-        for _ in range(steps):
-            t.step(placed)
-        jax.block_until_ready(t.params)
-        seconds = (time.perf_counter() - begin) / steps
+        timed = time_step(trainer(cfg, mode, remat, 1e-4), TokenBatch(tokens[:, :-1], tokens[:, 1:]), steps)
     except Exception as e:  # out of memory at compile or run
         return row | {"error": str(e).splitlines()[0][:200]}
-    return row | {"step_s": seconds, "tokens_per_s": batch * cfg.seq_len / seconds,
-                  "peak_gib": (m.peak_bytes or m.total_bytes) / GIB, "temp_gib": m.temp_bytes / GIB}  # fmt: skip
+    return row | timed | {"tokens_per_s": batch * cfg.seq_len / timed["step_s"]}
 
 
 def compiled(cfg, mode: str, batch: int, remat: str, target: str) -> dict:

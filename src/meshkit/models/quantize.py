@@ -95,26 +95,21 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return checkpoint_name(out.reshape(*x.shape[:-1], w.shape[1]), INT8_RESULT)  # what remat "dots" keeps
 
 
+_OPERANDS = ("lhs", "rhs", "dlhs_grad", "drhs_grad", "dlhs_residual", "drhs_residual")
+"""Every operand of the three matmuls Qwix quantizes: the forward's two, and each backward matmul's incoming
+gradient and residual (the forward's float operand requantized along the backward's own contraction: Qwix
+reuses the forward's int8 operand otherwise, whose scales cannot tile, and the weight gradient fell back to
+float)."""
+
+
 @functools.cache
 def _config(sequence: int | None) -> Any:
     import jax.numpy as jnp
     from qwix._src.core import dot_general_qt
 
     return dot_general_qt.DotGeneralQtConfig(
-        lhs_qtype=jnp.int8,
-        rhs_qtype=jnp.int8,
-        lhs_calibration_method=_CALIBRATION,
-        rhs_calibration_method=_CALIBRATION,
-        dlhs_grad_qtype=jnp.int8,
-        drhs_grad_qtype=jnp.int8,
-        dlhs_grad_calibration_method=_CALIBRATION,
-        drhs_grad_calibration_method=_CALIBRATION,
+        **{f"{o}_qtype": jnp.int8 for o in _OPERANDS},
+        **{f"{o}_calibration_method": _CALIBRATION for o in _OPERANDS},
         drhs_tile_size=sequence,
-        # the backward requantizes the forward's float operands along its own contraction (Qwix reuses the
-        # forward's int8 operand otherwise, whose scales cannot tile: the weight gradient fell back to float)
         use_original_residuals=True,
-        dlhs_residual_qtype=jnp.int8,
-        drhs_residual_qtype=jnp.int8,
-        dlhs_residual_calibration_method=_CALIBRATION,
-        drhs_residual_calibration_method=_CALIBRATION,
     )

@@ -220,34 +220,12 @@ def _matrix_rows(add: Add, x: Any, inputs: LedgerInputs, reduce: str, forward: i
     gradient's per token and the matrix's per input row (requantized along the backward's contraction)."""
     m, tokens, accumulate = inputs.placement.model_size, inputs.tokens, inputs.accumulate
     int8, width = x.path in inputs.quantized, inputs.activation_bytes
-    sums = 4 if int8 else width
     if x.model_spec[0] == MODEL:
-        add(
-            reduce,
-            MODEL,
-            accumulate * forward,
-            tokens * x.shape[1] * sums,
-            m,
-            f"{x.path}: forward output partial sums",
-        )
-        if int8:
-            add(
-                "all-reduce",
-                MODEL,
-                accumulate * forward,
-                (tokens + x.shape[1]) * width,
-                m,
-                f"{x.path}: int8 scales",
-            )
+        count, free, what = forward, x.shape[1], "forward output partial sums"
     elif x.model_spec[1] == MODEL and x.path not in inputs.batch_fed:
-        what = f"{x.path}: backward input-gradient partial sums"
-        add(reduce, MODEL, accumulate * backward, tokens * x.shape[0] * sums, m, what)
-        if int8:
-            add(
-                "all-reduce",
-                MODEL,
-                accumulate * backward,
-                (tokens + x.shape[0]) * width,
-                m,
-                f"{x.path}: int8 gradient scales",
-            )
+        count, free, what = backward, x.shape[0], "backward input-gradient partial sums"
+    else:
+        return
+    add(reduce, MODEL, accumulate * count, tokens * free * (4 if int8 else width), m, f"{x.path}: {what}")
+    if int8:
+        add("all-reduce", MODEL, accumulate * count, (tokens + free) * width, m, f"{x.path}: int8 scales")
