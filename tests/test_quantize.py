@@ -133,6 +133,25 @@ def test_under_each_plan_the_quantized_step_is_one_devices(plan):
 
 
 @pytest.mark.sweep
+@pytest.mark.parametrize("plan", ["fsdp", "fsdp+tp"])
+def test_with_sequences_of_128_the_weight_gradient_in_int8_is_one_devices_too(plan):
+    """At 128 tokens a sequence Qwix multiplies the weight gradient's tiles in int8 (shorter ones are
+    dequantized first, as in the case above): the int32 matrix of each sequence, scaled and summed in
+    float, still equals one device's."""
+    cfg = dataclasses.replace(LLAMA, seq_len=128, layers=1)
+    with jax.enable_x64(True):
+        params = llama.init(jax.random.key(1), cfg)
+        loss = quantize.wrap(llama.make_loss(cfg), "int8")
+        batch = _batch(cfg.vocab_size, t=128)
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params, batch)
+        tiled = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+                 and e.invars[0].aval.dtype == np.int8 and e.params["dimension_numbers"][1] == ((0,), (0,))]  # fmt: skip
+        assert len(tiled) == 7, len(tiled)  # each projection's weight gradient, one int32 matrix per sequence
+        loss_gap, param_gap = _steps(loss, params, batch, plan)
+    assert loss_gap <= 1e-10 and param_gap <= 1e-10, (loss_gap, param_gap)
+
+
+@pytest.mark.sweep
 def test_without_the_two_choices_fsdp_is_not_one_device(monkeypatch):
     """The fixes are needed: Qwix's default calibration (the tie) and one scale over all of the weight
     gradient's tokens (per device under fsdp) each move fsdp's quantized step away from one device's."""
