@@ -78,7 +78,9 @@ def _scaling(rope: Any, where: str, key: str, positions: Any) -> Any:
 
     try:
         return _made(R, kind, rope, said, positions)
-    except MeshkitError as e:
+    except InteropError:  # a field's own refusal, already naming it
+        raise
+    except MeshkitError as e:  # the scaling's own check (rope.py)
         raise InteropError(f"{said}: {e}") from None
 
 
@@ -87,16 +89,13 @@ def _made(R: Any, kind: str, rope: dict, said: str, positions: Any) -> Any:
     if kind == "linear":
         return R.LinearRope(factor=factor)
     if kind == "yarn":
-        original = (
-            rope.get("original_max_position_embeddings") or positions
-        )  # None: transformers' default too
+        key = "original_max_position_embeddings"  # absent: max_position_embeddings, as 4.57 reads it
+        original = whole({key: rope.get(key) or positions}, key, said)
         numbers = {k: positive(rope[k], f"{said}: {k}") for k in _YARN_NUMBERS if rope.get(k) is not None}
         truncate = rope.get("truncate", True)
         if not isinstance(truncate, bool):
             raise InteropError(f"{said}: truncate={truncate!r} is not true or false: give one")
-        return R.YarnRope(
-            factor=factor, original_positions=whole({"o": original}, "o", said), truncate=truncate, **numbers
-        )
+        return R.YarnRope(factor=factor, original_positions=original, truncate=truncate, **numbers)
     factors = {k: positive(rope[k], f"{said}: {k}") for k in ("low_freq_factor", "high_freq_factor")}
     original = whole(rope, "original_max_position_embeddings", said)
     return R.Llama3Rope(factor=factor, **factors, original_positions=original)
