@@ -43,13 +43,17 @@ SIZES = {  # the device check's (device_check.SIZES), with a byte vocabulary for
 MODES = ("none", "int8")
 
 
-def trainer(cfg, mode: str, remat: str, lr: float, params=None):
+def trainer(cfg, mode: str, remat: str, lr: float):
+    """The Llama's Trainer on this process's first device (plan dp over one), its matmuls in ``mode``."""
+    from jax.sharding import Mesh
+
     from meshkit import Trainer
 
-    params = llama.init(jax.random.key(0), cfg) if params is None else params
+    params = llama.init(jax.random.key(0), cfg)
     loss = quantize.wrap(llama.make_loss(cfg), mode)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 20, 10_000)
-    return Trainer(loss, params, optax.adamw(schedule, weight_decay=0.01), plan="dp", mesh="data=1", remat=remat,
+    one = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    return Trainer(loss, params, optax.adamw(schedule, weight_decay=0.01), plan="dp", mesh=one, remat=remat,
                    compute_dtype="bfloat16", logical_axes=llama.logical_axes(params))  # fmt: skip
 
 

@@ -43,3 +43,22 @@ def test_device_check_runs_at_tiny_size_and_writes_every_figure(tmp_path, capsys
         report["exposed_communication_fraction"] is None or 0 <= report["exposed_communication_fraction"] <= 1
     )
     assert report["choices"] and all(c["fits"] for c in report["choices"])  # no memory limit on a CPU
+
+
+@pytest.mark.sweep
+def test_the_int8_benchmark_runs_at_tiny_size_both_ways(tmp_path, monkeypatch):
+    """``bench_quantize.py`` (``device_check.py --quantize`` on the chip): bf16 and int8 side by side, their
+    ratio, and a few steps on text of each, so that the prepared command cannot rot."""
+    monkeypatch.syspath_prepend(str(CHECK.parent))  # as run from benchmarks/: it imports bench_loss_chunk
+    import bench_quantize
+
+    speed = bench_quantize.main(["--size", "tiny", "--seq", "128", "--batch", "2", "--remat", "dots",
+                                 "--steps", "1", "--out", str(tmp_path / "speed.json")])  # fmt: skip
+    assert [r["quantize"] for r in speed["rows"]] == ["none", "int8"]
+    assert all(r["tokens_per_s"] > 0 for r in speed["rows"]) and speed["int8_over_bf16_tokens_per_s"] > 0
+    a, b = (r["first_loss"] for r in speed["rows"])
+    assert abs(a - b) < 0.05 * a  # the same model and batch, int8 rounding apart
+    text = bench_quantize.main(["--size", "tiny", "--seq", "64", "--batch", "2", "--remat", "none",
+                                "--converge", "3", "--out", str(tmp_path / "text.json")])  # fmt: skip
+    assert all(r["finite"] and r["steps"] == 3 for r in text["rows"]) and abs(text["gap_held_out"]) < 0.05
+    assert json.loads((tmp_path / "text.json").read_text())["rows"][1]["quantize"] == "int8"
