@@ -62,6 +62,10 @@ REFERENCE_MODELS = {
                         "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     "hf-qwen2-yarn": {**COMMON, "model_type": "qwen2", "num_attention_heads": 2, "num_key_value_heads": 1,
                       "rope_theta": 10000.0, "rope_scaling": YARN},
+    "hf-phi3": {**COMMON, "model_type": "phi3", "num_attention_heads": 4, "num_key_value_heads": 2,
+                "partial_rotary_factor": 0.5, "sliding_window": WINDOW, "pad_token_id": None},
+    "hf-olmo2": {**COMMON, "model_type": "olmo2", "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "rope_theta": 5e5, "pad_token_id": None},
     "hf-qwen3-moe": {**COMMON, "model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
                      "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                      "norm_topk_prob": False, "rope_theta": 1e6, "tie_word_embeddings": True},
@@ -85,6 +89,10 @@ MESHKIT_MODELS = {
                                        qkv_bias=True, window=WINDOW, sliding=(True, False, True)),
     "mixtral": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=48,
                                  experts=4, experts_per_token=2, capacity_factor=0.0, router_renormalize=True),
+    "phi3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=1, ffn=48,
+                              rotary_dim=6, fused=True, window=WINDOW),
+    "olmo2": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
+                               post_norms=True, qk_norm_whole=True, tie_embeddings=True),
     "qwen3_moe": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, head_dim=16,
                                    ffn=24, qk_norm=True, experts=8, experts_per_token=3, capacity_factor=0.0,
                                    router_renormalize=True, window=WINDOW, norm_eps=1e-6),
@@ -160,7 +168,7 @@ def _agree(tmp, name, params, cfg, tokens):
 # as its own model type, windows and experts included, 5.x's form too; each Qwen trained under tp) and in
 # test_interop.py (a Llama's experts written as Mixtral's or Qwen3-MoE's, or refused); the reference
 # process makes only the files of the cases a session runs (4 of 17 in the core tier).
-CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3", "hf-qwen2-yarn"}
+CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3", "hf-qwen2-yarn", "hf-phi3"}
 
 
 @pytest.mark.parametrize(
@@ -236,7 +244,7 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
         made["model_type"] == "qwen2",
         made["model_type"] in ("qwen3", "qwen3_moe"),
     )
-    slides = made.get("use_sliding_window", made["model_type"] in ("mistral", "mixtral"))
+    slides = made.get("use_sliding_window", made["model_type"] in ("mistral", "mixtral", "phi3"))
     binds = (
         slides
         and (made.get("sliding_window") or made["max_position_embeddings"]) < made["max_position_embeddings"]
@@ -247,7 +255,7 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     )
 
 
-SHARDED = ["hf-qwen2", "hf-qwen3", "hf-llama3", "hf-mistral", "hf-mixtral"]
+SHARDED = ["hf-qwen2", "hf-qwen3", "hf-llama3", "hf-mistral", "hf-mixtral", "hf-phi3", "hf-olmo2"]
 
 
 @pytest.mark.parametrize("name", tiered([(n,) for n in SHARDED], SHARDED, core={"hf-llama3"}))

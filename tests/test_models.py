@@ -206,7 +206,7 @@ def test_each_layer_s_weights_are_its_own_key_s_and_the_init_program_does_not_gr
     same numbers as the block's init called with that key alone, in both forms), the scanned form in one
     program whose size does not grow with the depth (a program per layer compiled a 24-layer GPT's init
     in 6.2 s, now 0.84 s)."""
-    from meshkit.models import gemma, llama
+    from meshkit.models import gemma, llama, llama_layers
 
     module = {"gpt": gpt, "llama": llama, "gemma": gemma}[family]
     cfg = {
@@ -220,7 +220,8 @@ def test_each_layer_s_weights_are_its_own_key_s_and_the_init_program_does_not_gr
     }[family]
     key = jax.random.key(4)
     k_blocks = jax.random.split(key, 4 if family == "gpt" else 3)[-1]
-    alone = [module._init_block(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)]
+    one = llama_layers.init_block if family == "llama" else module._init_block
+    alone = [one(k, cfg) for k in jax.random.split(k_blocks, cfg.layers)]
     for scan in (False, True):
         blocks = module.init(key, dataclasses.replace(cfg, scan_layers=scan))["blocks"]
         for i, want in enumerate(alone):

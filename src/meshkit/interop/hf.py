@@ -197,10 +197,16 @@ def _weight_map(index: Path) -> dict[str, str] | None:
 
 
 def _stored_shape(source: Source, shape: tuple[int, ...], layer_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape the checkpoint must hold for a meshkit leaf of ``layer_shape``."""
+    """The shape the checkpoint must hold for a meshkit leaf of ``layer_shape`` (``shape``: the one it holds;
+    a fused tensor's columns, after any transpose, are as many as it has: ``_fused_width``)."""
     if source.columns is not None:
-        return (*layer_shape[:-1], shape[-1])
+        layer_shape = (*layer_shape[:-1], _fused_width(source, shape))
     return tuple(reversed(layer_shape)) if source.transpose else layer_shape
+
+
+def _fused_width(source: Source, shape: tuple[int, ...]) -> int:
+    """The columns of a stored tensor as meshkit lays it out (its first dim where it is transposed)."""
+    return shape[0] if source.transpose else shape[-1]
 
 
 def _named(
@@ -302,7 +308,8 @@ def _sources(ckpt: Checkpoint, cfg: ModelConfig, shapes: Any) -> tuple[list, set
             name = source.name.format(**{"i": layer} | dict(zip((d[0] for d in dims), at, strict=True)))
             used.add(name)
             want = _stored_shape(source, ckpt.shape(name), tensor_shape)
-            if ckpt.shape(name) != want or (source.columns and source.columns[1] > ckpt.shape(name)[-1]):
+            short = source.columns is not None and source.columns[1] > _fused_width(source, ckpt.shape(name))
+            if ckpt.shape(name) != want or short:
                 raise InteropError(
                     f"'{ckpt.directory}': tensor {name} has shape {ckpt.shape(name)} but the config makes it {want}: "
                     f"the weights do not match config.json"

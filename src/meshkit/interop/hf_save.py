@@ -60,7 +60,7 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[list[stream.Tensor], bool]:
             continue
         name, shape = source.name.format(i=layer, j=None), tuple(leaf.shape)
         if source.columns is not None:
-            fused.setdefault(name, []).append((source.columns, leaf))
+            fused.setdefault(name, []).append((source.columns, leaf, source.transpose))
             continue
         for j in range(shape[0]) if source.experts else [None]:  # an expert's tensor: its row of the leaf
             one = (lambda x=leaf: x) if j is None else (lambda x=leaf, j=j: x[j])
@@ -75,16 +75,17 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[list[stream.Tensor], bool]:
                 )
             )
     for name, parts in fused.items():  # columns no leaf fills are zeros (GPT-2's key bias: the GPT has none)
-        first = parts[0][1]
-        shape = (*first.shape[:-1], max(hi for (_, hi), _ in parts))
+        first, transpose = parts[0][1], parts[0][2]  # Phi-3's qkv_proj, gate_up_proj: torch's (out, in)
+        shape = (*first.shape[:-1], max(hi for (_, hi), _, _ in parts))
 
-        def read(parts=parts, shape=shape, dtype=first.dtype) -> np.ndarray:
+        def read(parts=parts, shape=shape, dtype=first.dtype, transpose=transpose) -> np.ndarray:
             whole = np.zeros(shape, dtype)
-            for (lo, hi), leaf in parts:
+            for (lo, hi), leaf, _ in parts:
                 whole[..., lo:hi] = _host(leaf)
-            return whole
+            return np.ascontiguousarray(whole.T) if transpose else whole
 
-        out.append(stream.Tensor(name=name, shape=shape, dtype=np.dtype(first.dtype), read=read))
+        stored = shape[::-1] if transpose else shape
+        out.append(stream.Tensor(name=name, shape=stored, dtype=np.dtype(first.dtype), read=read))
     return out, tied
 
 

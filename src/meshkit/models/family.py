@@ -212,6 +212,12 @@ def flag(data: dict, key: str, where: str, default: bool) -> bool:
     return bool(value)
 
 
+NO_SPECIAL = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+"""Written by a model type whose transformers config defaults to special ids (Gemma's eos 1, bos 2, pad 0;
+Phi-3's pad 32000; OLMo 2's pad 1, eos 50279) unless the export names its own (``interop.save(special=)``):
+else transformers' ``generate`` stops at an id meshkit never meant, or a pad id past a small vocabulary
+does not load."""
+
 HF_METADATA = frozenset(
     {
         "_name_or_path",

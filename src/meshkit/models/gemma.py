@@ -62,7 +62,7 @@ from jax import lax
 from meshkit._errors import MeshkitError
 from meshkit.models import stack
 from meshkit.models.gemma_layers import attention, mlp, project_qkv, rms_norm
-from meshkit.models.llama_layers import AXES, cast_block, token_positions, wide
+from meshkit.models.llama_layers import AXES, cast_block, normal, token_positions, wide
 from meshkit.models.quantize import linear
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
@@ -228,19 +228,15 @@ def _check(cfg: GemmaConfig) -> None:
             raise MeshkitError(f"{name}={value}: give a cap above 0, or None for no cap")
 
 
-def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:
-    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
 def _init_block(key: jax.Array, cfg: GemmaConfig) -> Params:
     d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
     resid = 0.02 / math.sqrt(2 * cfg.layers)
     kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
     attn = {
-        "wq": _normal(kq, (d, q), 0.02, dt),
-        "wk": _normal(kk, (d, kv), 0.02, dt),
-        "wv": _normal(kv_, (d, kv), 0.02, dt),
-        "wo": _normal(ko, (q, d), resid, dt),
+        "wq": normal(kq, (d, q), 0.02, dt),
+        "wk": normal(kk, (d, kv), 0.02, dt),
+        "wv": normal(kv_, (d, kv), 0.02, dt),
+        "wo": normal(ko, (q, d), resid, dt),
     }
     if cfg.qk_norm:
         attn |= {"q_norm": jnp.zeros((cfg.head_dim,), dt), "k_norm": jnp.zeros((cfg.head_dim,), dt)}
@@ -250,9 +246,9 @@ def _init_block(key: jax.Array, cfg: GemmaConfig) -> Params:
         "attn": attn,
         "mlp_norm": norm(),
         "mlp": {
-            "w_gate": _normal(kg, (d, f), 0.02, dt),
-            "w_up": _normal(ku, (d, f), 0.02, dt),
-            "w_down": _normal(kd, (f, d), resid, dt),
+            "w_gate": normal(kg, (d, f), 0.02, dt),
+            "w_up": normal(ku, (d, f), 0.02, dt),
+            "w_down": normal(kd, (f, d), resid, dt),
         },
     }
     if cfg.sandwich:
@@ -266,12 +262,12 @@ def init(key: jax.Array, cfg: GemmaConfig) -> Params:
     offsets zeros (a scale of one)."""
     k_tok, k_un, k_blocks = jax.random.split(key, 3)
     out = {
-        "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
+        "tok_embed": normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
         "blocks": stack.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
         "norm_f": {"scale": jnp.zeros((cfg.width,), cfg.dtype)},
     }
     if not cfg.tie_embeddings:
-        out["unembed"] = _normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype)
+        out["unembed"] = normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype)
     return out
 
 

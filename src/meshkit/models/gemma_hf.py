@@ -21,6 +21,7 @@ from typing import Any
 from meshkit._errors import MeshkitError
 from meshkit.models.family import (
     HF_METADATA,
+    NO_SPECIAL,
     InteropError,
     Names,
     Source,
@@ -314,11 +315,6 @@ def _number(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
 
-_NO_SPECIAL = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-"""Written unless the export names its special tokens (``interop.save(special=)``): transformers' Gemma
-configs default to eos 1, bos 2, pad 0, and its ``generate`` would stop at an id 1 meshkit never meant."""
-
-
 def write(cfg: Any, tied: bool) -> dict:
     kind = type_of(cfg)
     row = TYPES[kind]
@@ -341,7 +337,7 @@ def write(cfg: Any, tied: bool) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "torch_dtype": cfg.dtype,
-        **_NO_SPECIAL,
+        **NO_SPECIAL,  # transformers' Gemma configs default to eos 1, bos 2, pad 0
     }
     if kind == "gemma":
         return out | {"hidden_act": TANH}

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -67,7 +66,9 @@ from meshkit.models.llama_layers import (
     Params,
     cast_block,
     experts_mlp,
+    init_block,
     mlp,
+    normal,
     project_qkv,
     rms_norm,
     token_positions,
@@ -109,6 +110,18 @@ class LlamaConfig:
     """Biases on the query, key and value projections (Qwen2; none on the output projection)."""
     qk_norm: bool = False
     """An RMSNorm over each head's width on the queries and the keys before the rotary (Qwen3)."""
+    qk_norm_whole: bool = False
+    """An RMSNorm over all the heads' width at once on the queries and on the keys, before the rotary
+    (OLMo 2's ``q_norm``, ``k_norm``; leaves ``q_width_norm`` ``(H h,)``, ``k_width_norm`` ``(K h,)``)."""
+    post_norms: bool = False
+    """Each sublayer's output normalised before the residual sum, its input not (OLMo 2): ``attn_norm`` and
+    ``mlp_norm`` move to the outputs."""
+    rotary_dim: int = 0
+    """How many of each head's dims the rotary turns, the rest passing unturned (Phi-3's
+    ``partial_rotary_factor x head_dim``); 0 means ``head_dim``."""
+    fused: bool = False
+    """Stored with fused q/k/v and gate/up tensors (Phi-3's ``qkv_proj``, ``gate_up_proj``): a checkpoint's
+    layout only, split on import and fused on export; the model computes the same."""
     window: int | None = None
     """Sliding-window attention (transformers' ``sliding_window``): a position attends to itself and the
     ``window - 1`` positions before it, in the layers ``sliding`` names; None: to every earlier position."""
@@ -152,8 +165,17 @@ class LlamaConfig:
             raise MeshkitError(
                 f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"
             )
-        if self.head_dim % 2:
-            raise MeshkitError(f"head_dim {self.head_dim} is odd: rotary embeddings need an even head width")
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise MeshkitError(
+                f"rotary_dim {self.rotary_dim} (head_dim {self.head_dim}): rotary embeddings turn an even number "
+                f"of a head's dims, at most all of them"
+            )
+        if self.qk_norm and self.qk_norm_whole:
+            raise MeshkitError(
+                "qk_norm and qk_norm_whole both set: normalise each head, or all heads at once"
+            )
         if self.experts:
             self.shape()  # ModelShape checks the mixture-of-experts fields (one owner)
         window, sliding = llama_windows.settle(self.window, self.sliding, self.layers, self.scan_layers)
@@ -224,52 +246,18 @@ class LlamaConfig:
         return self.compute_dtype or self.dtype
 
 
-def _normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:
-    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def _init_block(key: jax.Array, cfg: LlamaConfig) -> Params:
-    d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
-    resid = 0.02 / math.sqrt(2 * cfg.layers)
-    kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
-    e = (cfg.experts,) if cfg.experts else ()
-    mlp = {
-        "w_gate": _normal(kg, (*e, d, f), 0.02, dt),
-        "w_up": _normal(ku, (*e, d, f), 0.02, dt),
-        "w_down": _normal(kd, (*e, f, d), resid, dt),
-    }
-    if cfg.experts:
-        mlp = {"router": _normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
-    attn = {
-        "wq": _normal(kq, (d, q), 0.02, dt),
-        "wk": _normal(kk, (d, kv), 0.02, dt),
-        "wv": _normal(kv_, (d, kv), 0.02, dt),
-        "wo": _normal(ko, (q, d), resid, dt),
-    }
-    if cfg.qkv_bias:
-        attn |= {"bq": jnp.zeros((q,), dt), "bk": jnp.zeros((kv,), dt), "bv": jnp.zeros((kv,), dt)}
-    if cfg.qk_norm:
-        attn |= {"q_norm": jnp.ones((cfg.head_dim,), dt), "k_norm": jnp.ones((cfg.head_dim,), dt)}
-    return {
-        "attn_norm": {"scale": jnp.ones((d,), dt)},
-        "attn": attn,
-        "mlp_norm": {"scale": jnp.ones((d,), dt)},
-        "moe" if cfg.experts else "mlp": mlp,
-    }
-
-
 @functools.partial(jax.jit, static_argnums=1)  # one program, independent of any mesh
 def init(key: jax.Array, cfg: LlamaConfig) -> Params:
     """Weights ~ N(0, 0.02²), the residual projections (wo, w_down) scaled by 1/sqrt(2 layers),
     RMSNorm scales ones, biases zeros."""
     k_tok, k_un, k_blocks = jax.random.split(key, 3)
     out = {
-        "tok_embed": _normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
-        "blocks": stack.layer_blocks(lambda k: _init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
+        "tok_embed": normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
+        "blocks": stack.layer_blocks(lambda k: init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
         "norm_f": {"scale": jnp.ones((cfg.width,), cfg.dtype)},
     }
     if not cfg.tie_embeddings:
-        out["unembed"] = _normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype)
+        out["unembed"] = normal(k_un, (cfg.width, cfg.vocab_size), 0.02, cfg.dtype)
     return out
 
 
@@ -281,12 +269,24 @@ def _attention(
     the tokens' positions, default ``0..T-1``), or ``attend(q, k, v, window)``'s (over a cache: ``decode``)."""
     b, t, _ = x_btd.shape
     pos = token_positions(x_btd, pos)
-    q, k, v = project_qkv(p["attn"], rms_norm(p["attn_norm"], x_btd, cfg.norm_eps), pos, cfg)
-    if attend is None:
-        out = causal_attention(q, k, v, window=window, segment_ids=seg)
-    else:
-        out = attend(q, k, v, window)
-    return x_btd + linear(out.reshape(b, t, cfg.heads * cfg.head_dim), p["attn"]["wo"])
+
+    def sublayer(h_btd: jax.Array) -> jax.Array:
+        q, k, v = project_qkv(p["attn"], h_btd, pos, cfg)
+        out = (
+            causal_attention(q, k, v, window=window, segment_ids=seg)
+            if attend is None
+            else attend(q, k, v, window)
+        )
+        return linear(out.reshape(b, t, cfg.heads * cfg.head_dim), p["attn"]["wo"])
+
+    return residual(p["attn_norm"], x_btd, sublayer, cfg)
+
+
+def residual(norm: Params, x_btd: jax.Array, sublayer: Callable, cfg: LlamaConfig) -> jax.Array:
+    """``x`` plus the sublayer: of the normalised ``x`` (pre-norm), or normalised after it (``post_norms``)."""
+    if cfg.post_norms:
+        return x_btd + rms_norm(norm, sublayer(x_btd), cfg.norm_eps)
+    return x_btd + sublayer(rms_norm(norm, x_btd, cfg.norm_eps))
 
 
 def experts(p: Params, x_btd: jax.Array, cfg: LlamaConfig, capacity_factor: float) -> tuple:
@@ -310,7 +310,7 @@ def _block(
     """One pre-norm block over a whole causal sequence (positions ``pos``, default 0..T-1; segments ``seg``)."""
     p = cast_block(p, cfg)
     x_btd = _attention(p, x_btd, cfg, window, seg, pos)
-    return x_btd + mlp(p["mlp"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps))
+    return residual(p["mlp_norm"], x_btd, lambda h: mlp(p["mlp"], h), cfg)
 
 
 def _moe_block(
@@ -320,10 +320,14 @@ def _moe_block(
     x_btd, stats = carry
     p = cast_block(p, cfg)
     x_btd = _attention(p, x_btd, cfg, window, seg, pos)
-    y_btd, aux, dropped = experts(
-        p["moe"], rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps), cfg, cfg.capacity_factor
-    )
-    return x_btd + y_btd, stats + jnp.stack([aux, dropped]).astype(stats.dtype)
+    out = {}
+
+    def routed(h_btd: jax.Array) -> jax.Array:
+        y_btd, out["aux"], out["dropped"] = experts(p["moe"], h_btd, cfg, cfg.capacity_factor)
+        return y_btd
+
+    x_btd = residual(p["mlp_norm"], x_btd, routed, cfg)
+    return x_btd, stats + jnp.stack([out["aux"], out["dropped"]]).astype(stats.dtype)
 
 
 def _layers(
@@ -401,9 +405,13 @@ def decode(
     for i, (p, window) in enumerate(zip(layers, cfg.layer_windows, strict=True)):
         p = cast_block(p, cfg)
         x_btd = _attention(p, x_btd, cfg, window, pos=pos_bt, attend=functools.partial(attend, i))
-        h = rms_norm(p["mlp_norm"], x_btd, cfg.norm_eps)
-        x_btd = x_btd + (experts(p["moe"], h, cfg, 0.0)[0] if cfg.experts else mlp(p["mlp"], h))
+        x_btd = residual(p["mlp_norm"], x_btd, functools.partial(_dropless_ffn, p, cfg), cfg)
     return head(top, x_btd[:, -1:], cfg)
+
+
+def _dropless_ffn(p: Params, cfg: LlamaConfig, h_btd: jax.Array) -> jax.Array:
+    """A block's MLP, or its experts with every token routed (generation's)."""
+    return experts(p["moe"], h_btd, cfg, 0.0)[0] if cfg.experts else mlp(p["mlp"], h_btd)
 
 
 def make_loss(cfg: LlamaConfig, *, with_aux: bool = False, loss_chunk: int = 0) -> Callable:
@@ -475,6 +483,7 @@ def matmul_params(cfg: LlamaConfig) -> int:
     d, f, q, kv = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     mlp = cfg.experts_per_token * 3 * d * f + d * cfg.experts if cfg.experts else 3 * d * f
     extra = (q + 2 * kv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    extra += q + kv if cfg.qk_norm_whole else 0
     block = 2 * d * q + 2 * d * kv + mlp + 2 * d + extra
     return cfg.layers * block + d + d * cfg.vocab_size
 

@@ -1,6 +1,7 @@
 """The Llama family's Hugging Face format: one row per ``model_type`` it reads (``TYPES``: Llama,
-Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE), each naming the switches of
-``meshkit.models.llama.LlamaConfig`` it sets (``qkv_bias``, ``qk_norm``, a mixture of experts), how
+Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Phi-3, OLMo 2), each naming the switches of
+``meshkit.models.llama.LlamaConfig`` it sets (``qkv_bias``, ``qk_norm``, OLMo 2's norms after the
+sublayers and over the heads' whole width, Phi-3's fused tensors and partial rotary, a mixture of experts), how
 its window reads, its defaults, and the ``config.json`` fields it may hold. A field that no row names
 and that is not Hugging Face's own metadata (``family.HF_METADATA``) is refused by name: meshkit reads
 only what it computes, so that a checkpoint it reads is the model transformers runs.
@@ -29,6 +30,7 @@ from meshkit._errors import MeshkitError
 from meshkit.models import llama_hf_experts, llama_hf_rope
 from meshkit.models.family import (
     HF_METADATA,
+    NO_SPECIAL,
     InteropError,
     Names,
     Source,
@@ -40,6 +42,7 @@ from meshkit.models.family import (
     whole_or_null,
 )
 from meshkit.models.llama_hf_experts import MIXTRAL, QWEN3_MOE, Experts
+from meshkit.models.llama_hf_rope import PARTIAL
 
 
 def _llama() -> Any:
@@ -86,6 +89,14 @@ class _Type:
     default_window: int | None = None
     """``sliding_window`` where the config omits it (and, for a gated row, turns it on): transformers'
     default for the type, 4096 in 4.57.6 and 5.25.0 alike, which binds from position 4096 on."""
+    olmo: bool = False
+    """OLMo 2's block: norms after the sublayers (``post_norms``) and q/k norms over the heads' whole width
+    (``qk_norm_whole``), stored as ``post_attention_layernorm``, ``post_feedforward_layernorm``, ``q_norm``,
+    ``k_norm``."""
+    phi: bool = False
+    """Phi-3's: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``, ``LlamaConfig.fused``), a partial
+    rotary (``partial_rotary_factor``), no rope scaling but longrope (which its transformers class alone
+    takes, in 4.57 and 5.x), and ``original_max_position_embeddings``, which only longrope reads."""
 
 
 TYPES: dict[str, _Type] = {
@@ -167,6 +178,32 @@ TYPES: dict[str, _Type] = {
         experts=QWEN3_MOE,
         default_window=4096,
     ),
+    "phi3": _Type(
+        architecture="Phi3ForCausalLM",
+        positions=4096,
+        head_dim=None,
+        kv_heads=None,
+        theta=1e4,
+        eps=1e-5,
+        qkv_bias=False,
+        qk_norm=False,
+        window="every",
+        wants=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0)),
+        phi=True,
+    ),
+    "olmo2": _Type(
+        architecture="Olmo2ForCausalLM",
+        positions=2048,
+        head_dim=None,
+        kv_heads=None,
+        theta=1e4,
+        eps=1e-5,
+        qkv_bias=False,
+        qk_norm=False,
+        window="none",
+        wants=(("attention_bias", False),),
+        olmo=True,
+    ),
 }
 """The model types read; a config is written as the first whose switches, window and experts it has."""
 
@@ -191,12 +228,13 @@ _READ = frozenset(
 _CHECKED = (("hidden_act", "silu"), ("attention_dropout", 0.0), ("pruned_heads", {}))
 """Fields every row may hold with the one value meshkit computes."""
 _IGNORED = frozenset({"pretraining_tp"})
+_ORIGINAL = "original_max_position_embeddings"
 """Fields that change no output: Llama 2's ``pretraining_tp`` split a matmul in older transformers."""
 
 
 def _fields(row: _Type) -> frozenset[str]:
     """Every field a row reads."""
-    own = llama_hf_experts.fields(row.experts)
+    own = llama_hf_experts.fields(row.experts) | ({PARTIAL, _ORIGINAL} if row.phi else set())
     return _READ | set(_WINDOWS[row.window]) | {k for k, _ in row.wants + _CHECKED} | _IGNORED | own
 
 
@@ -255,8 +293,13 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
         whole(data, "max_position_embeddings", where, row.positions),
     )
     window, sliding = _window(data, where, row, layers, positions)
-    theta, scaling = llama_hf_rope.read(data, where, row.theta)
+    theta, scaling, fraction = llama_hf_rope.read(data, where, row.theta, partial=row.phi)
+    if row.phi:
+        _phi(data, where, scaling)
     heads = whole(data, "num_attention_heads", where)
+    width = whole(data, "hidden_size", where)
+    head_dim = whole_or_null(data, "head_dim", where, row.head_dim) or 0  # 0: width / heads, checked there
+    rotary = 0 if fraction == 1 else llama_hf_rope.rotary_dim(fraction, head_dim or width // heads)
     fields = {"ffn": whole(data, "intermediate_size", where)} | llama_hf_experts.read(
         data, where, row.experts, layers
     )
@@ -265,10 +308,14 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
             vocab_size=whole(data, "vocab_size", where),
             seq_len=positions,
             layers=layers,
-            width=whole(data, "hidden_size", where),
+            width=width,
             heads=heads,
             kv_heads=whole_or_null(data, "num_key_value_heads", where, row.kv_heads) or heads,
-            head_dim=whole_or_null(data, "head_dim", where, row.head_dim) or 0,
+            head_dim=head_dim,
+            rotary_dim=rotary,
+            qk_norm_whole=row.olmo,
+            post_norms=row.olmo,
+            fused=row.phi,
             rope_theta=theta,
             rope_scaling=scaling,
             qkv_bias=row.qkv_bias,
@@ -286,11 +333,26 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
         raise InteropError(f"{where}: {e}") from None
 
 
+def _phi(data: dict, where: str, scaling: Any) -> None:
+    """Phi-3's rotary: no scaling (its transformers class takes longrope only), an original context whole."""
+    whole(data, _ORIGINAL, where, 4096)
+    if scaling is not None:
+        raise InteropError(
+            f"{where}: a {type(scaling).__name__} rotary in a Phi3ForCausalLM config, whose transformers class "
+            f"takes longrope only (4.57 and 5.x): give rope_scaling null"
+        )
+
+
 def _fits(row: _Type, cfg: Any) -> bool:
     """Whether ``row`` writes ``cfg``: its switches, its experts (Mixtral's gates always renormalised) and
     a window it can say (in every layer, or per layer for Qwen's)."""
     moe = row.experts
-    if (row.qkv_bias, row.qk_norm, moe is not None) != (cfg.qkv_bias, cfg.qk_norm, cfg.experts > 0):
+    switches = (cfg.qkv_bias, cfg.qk_norm, cfg.experts > 0, cfg.post_norms and cfg.qk_norm_whole, cfg.fused)
+    if (row.qkv_bias, row.qk_norm, moe is not None, row.olmo, row.phi) != switches:
+        return False
+    if cfg.post_norms != cfg.qk_norm_whole or (cfg.rotary_dim != cfg.head_dim and not row.phi):
+        return False
+    if row.phi and cfg.rope_scaling is not None:
         return False
     if moe is not None and moe.renormalize is None and not cfg.router_renormalize:
         return False
@@ -303,7 +365,9 @@ def type_of(cfg: Any) -> str:
         if _fits(row, cfg):
             return kind
     raise InteropError(
-        f"a Llama with qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}, experts={cfg.experts} (router_renormalize="
+        f"a Llama with qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, qk_norm_whole={cfg.qk_norm_whole}, "
+        f"post_norms={cfg.post_norms}, fused={cfg.fused}, rotary_dim={cfg.rotary_dim} of {cfg.head_dim}, "
+        f"rope_scaling={type(cfg.rope_scaling).__name__}, experts={cfg.experts} (router_renormalize="
         f"{cfg.router_renormalize}), window={cfg.window} (sliding={cfg.sliding}) is no Hugging Face model type "
         f"meshkit writes ({', '.join(TYPES)}): give the switches of one (docs/families.md)"
     )
@@ -328,6 +392,10 @@ def write(cfg: Any, tied: bool) -> dict:
     kind = type_of(cfg)
     row = TYPES[kind]
     own = dict(row.wants) | _window_fields(cfg, row) | llama_hf_experts.write(cfg, row.experts)
+    if row.phi:
+        own |= {_ORIGINAL: cfg.seq_len} | llama_hf_rope.written_fraction(cfg.rotary_dim, cfg.head_dim)
+    if row.phi or row.olmo:
+        own |= NO_SPECIAL
     return {
         "architectures": [row.architecture],
         "model_type": kind,
@@ -355,24 +423,44 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
     if not cfg.tie_embeddings:
         yield ("unembed",), Source("lm_head.weight", transpose=True)
     layer = "model.layers.{i}."
-    for path, name in (
-        (("attn_norm", "scale"), "input_layernorm.weight"),
-        (("mlp_norm", "scale"), "post_attention_layernorm.weight"),
-    ):
-        yield ("blocks", *path), Source(layer + name)
+    norms = ("post_attention", "post_feedforward") if cfg.post_norms else ("input", "post_attention")
+    for path, name in zip((("attn_norm", "scale"), ("mlp_norm", "scale")), norms, strict=True):
+        yield ("blocks", *path), Source(f"{layer}{name}_layernorm.weight")
+    if cfg.fused:
+        yield from _fused(cfg, layer)
+        return
     for leaf, name in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
         yield ("blocks", "attn", leaf), Source(f"{layer}self_attn.{name}.weight", transpose=True)
     if cfg.qkv_bias:
         for leaf, name in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             yield ("blocks", "attn", leaf), Source(f"{layer}self_attn.{name}.bias")
-    if cfg.qk_norm:
+    if cfg.qk_norm or cfg.qk_norm_whole:
         for leaf in ("q_norm", "k_norm"):
-            yield ("blocks", "attn", leaf), Source(f"{layer}self_attn.{leaf}.weight")
+            mine = leaf.replace("_", "_width_") if cfg.qk_norm_whole else leaf
+            yield ("blocks", "attn", mine), Source(f"{layer}self_attn.{leaf}.weight")
     if not cfg.experts:
         for leaf, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
         return
     yield from llama_hf_experts.names(TYPES[type_of(cfg)].experts, layer)
+
+
+def _fused(cfg: Any, layer: str) -> Names:
+    """Phi-3's attention and MLP: q, k, v the column ranges of ``qkv_proj`` and gate, up those of
+    ``gate_up_proj`` (transformers' ``chunk(2)``: the gate first), ``o_proj`` and ``down_proj`` apart."""
+    q, kv, f = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
+    for leaf, columns in (("wq", (0, q)), ("wk", (q, q + kv)), ("wv", (q + kv, q + 2 * kv))):
+        yield (
+            ("blocks", "attn", leaf),
+            Source(f"{layer}self_attn.qkv_proj.weight", transpose=True, columns=columns),
+        )
+    yield ("blocks", "attn", "wo"), Source(f"{layer}self_attn.o_proj.weight", transpose=True)
+    for leaf, columns in (("w_gate", (0, f)), ("w_up", (f, 2 * f))):
+        yield (
+            ("blocks", "mlp", leaf),
+            Source(f"{layer}mlp.gate_up_proj.weight", transpose=True, columns=columns),
+        )
+    yield ("blocks", "mlp", "w_down"), Source(f"{layer}mlp.down_proj.weight", transpose=True)
 
 
 def unread(cfg: Any) -> frozenset[str]:

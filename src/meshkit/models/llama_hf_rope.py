@@ -5,6 +5,11 @@ types meshkit computes are ``ROPE_TYPES``' keys: the plain rotary, Llama 3.1's (
 position interpolation (``rope.LinearRope``) and YaRN (``rope.YarnRope``). YaRN's
 ``original_max_position_embeddings`` defaults to the config's ``max_position_embeddings``, as 4.57 reads it
 (5.x fills it in the same way when it standardises the settings).
+
+A partial rotary (Phi-3's ``partial_rotary_factor``: the rotary turns that fraction of each head) reads from
+the config's top level, where 4.x keeps it, or from ``rope_parameters``, where 5.x puts it, for a type whose
+transformers class applies it (``partial`` in ``read``); it is written at the top level, and only where
+it is not the whole head.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ ROPE_TYPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     ),
 }
 """The rope types meshkit computes, each with the settings it needs and those it may take (no others)."""
+PARTIAL = "partial_rotary_factor"
 _YARN_NUMBERS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 """YaRN's optional numbers: ``rope.YarnRope``'s fields of the same names."""
 
@@ -101,9 +107,28 @@ def _made(R: Any, kind: str, rope: dict, said: str, positions: Any) -> Any:
     return R.Llama3Rope(factor=factor, **factors, original_positions=original)
 
 
-def read(data: dict, where: str, default: float) -> tuple[float, Any]:
-    """``(rope_theta, rope_scaling)`` of either form (``default``: the type's theta where the config gives
-    none); both forms at once must say the same."""
+def _fraction(data: dict, where: str, params: Any) -> float:
+    """The partial rotary's fraction of each head, from either place (both at once must agree)."""
+    said = {k: v.get(PARTIAL) for k, v in (("", data), ("rope_parameters.", params)) if isinstance(v, dict)}
+    given = {k: v for k, v in said.items() if v is not None}
+    if len(set(given.values())) > 1:
+        raise InteropError(
+            f"{where}: {PARTIAL} differs between the config and rope_parameters ({said}): give one"
+        )
+    if not given:
+        return 1.0
+    key, value = next(iter(given.items()))
+    fraction = positive(value, f"{where}: {key}{PARTIAL}")
+    if fraction > 1:
+        raise InteropError(f"{where}: {key}{PARTIAL}={value} turns more than a head: give at most 1")
+    return fraction
+
+
+def read(data: dict, where: str, default: float, partial: bool = False) -> tuple[float, Any, float]:
+    """``(rope_theta, rope_scaling, fraction)`` of either form (``default``: the type's theta where the config
+    gives none; ``fraction``: of each head the rotary turns, 1 unless ``partial`` reads it); both forms at
+    once must say the same."""
+    fraction = _fraction(data, where, data.get("rope_parameters")) if partial else 1.0
     theta, scaling, key = data.get("rope_theta"), data.get("rope_scaling"), "rope_scaling"
     theta = None if theta is None else positive(theta, f"{where}: rope_theta")
     params = data.get("rope_parameters")
@@ -114,7 +139,7 @@ def read(data: dict, where: str, default: float) -> tuple[float, Any]:
                 f"{where}: rope_parameters={params!r} is not one set of rotary settings: meshkit's Llama uses one "
                 f"rotary in every layer"
             )
-        rest = {k: v for k, v in params.items() if k != "rope_theta"}
+        rest = {k: v for k, v in params.items() if k != "rope_theta" and not (partial and k == PARTIAL)}
         five = params.get("rope_theta")
         five = None if five is None else positive(five, f"{where}: rope_parameters.rope_theta")
         both = (theta is not None and five is not None and theta != five) or (
@@ -126,9 +151,26 @@ def read(data: dict, where: str, default: float) -> tuple[float, Any]:
                 f"give one of the two forms"
             )
         theta, scaling, key = theta if five is None else five, rest, "rope_parameters"
-    return float(default if theta is None else theta), _scaling(
-        scaling, where, key, data.get("max_position_embeddings")
-    )
+    positions = data.get("max_position_embeddings")
+    return float(default if theta is None else theta), _scaling(scaling, where, key, positions), fraction
+
+
+def rotary_dim(fraction: float, head_dim: int) -> int:
+    """The dims a partial rotary turns, as transformers counts them: ``int(head_dim x fraction)``."""
+    return int(head_dim * fraction)
+
+
+def written_fraction(rotary: int, head_dim: int) -> dict:
+    """``{partial_rotary_factor}`` for a rotary of ``rotary`` dims of each head (none for the whole head), one
+    that transformers reads back as those dims."""
+    if rotary == head_dim:
+        return {}
+    fraction = rotary / head_dim
+    if rotary_dim(fraction, head_dim) != rotary:
+        raise InteropError(
+            f"a rotary of {rotary} of {head_dim} dims has no {PARTIAL} transformers reads back as it: give another"
+        )
+    return {PARTIAL: fraction}
 
 
 def written(r: Any) -> dict | None:

@@ -42,9 +42,12 @@ AXES: dict[str, Axes] = {
     "bv": ("kv_heads",),
     "q_norm": (None,),
     "k_norm": (None,),
+    "q_width_norm": ("heads",),
+    "k_width_norm": ("kv_heads",),
 }
 """Logical axis names of a leaf's dimensions, by its key (``stack.leaf_axes`` adds ``"expert"`` and
-``"layers"``): a bias has its weight's output axis, a per-head norm none (every head shares it)."""
+``"layers"``): a bias has its weight's output axis, a per-head norm none (every head shares it), a norm over
+every head's width at once (OLMo 2's) the heads' axis, as a bias."""
 
 
 def wide(dtype) -> jnp.dtype:
@@ -67,8 +70,8 @@ def token_positions(x_btd: jax.Array, positions_bt: jax.Array | None) -> jax.Arr
 
 
 def rope_tables(pos_bt: jax.Array, cfg: Any, dtype) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` of shape ``(B, T, 1, head_dim)`` for integer positions, computed in at least
-    float32 and cast to ``dtype``."""
+    """``(cos, sin)`` of shape ``(B, T, 1, r)`` for integer positions (``r``: the rotary's width,
+    ``rope.rotary_width``), computed in at least float32 and cast to ``dtype``."""
     w = wide(dtype)
     angles = pos_bt.astype(w)[..., None] * inv_frequencies(cfg, w)
     angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
@@ -79,7 +82,12 @@ def rope_tables(pos_bt: jax.Array, cfg: Any, dtype) -> tuple[jax.Array, jax.Arra
 
 
 def rotate(x_bthk: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    half = x_bthk.shape[-1] // 2
+    """The rotary on the two halves of each head's first ``r`` dims (``cos``'s width; ``rotate_half``), the
+    rest of the head passed on unturned (transformers' partial rotary, Phi-3's ``apply_rotary_pos_emb``)."""
+    r = cos.shape[-1]
+    if r < x_bthk.shape[-1]:
+        return jnp.concatenate([rotate(x_bthk[..., :r], cos, sin), x_bthk[..., r:]], -1)
+    half = r // 2
     rotated = jnp.concatenate([-x_bthk[..., half:], x_bthk[..., :half]], -1)
     return x_bthk * cos + rotated * sin
 
@@ -88,16 +96,19 @@ def project_qkv(
     p: dict[str, jax.Array], x_btd: jax.Array, pos_bt: jax.Array, cfg: Any
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries ``(B, T, H, h)`` and keys, values ``(B, T, K, h)``: projected (plus their biases), each
-    head normalised (``qk_norm``), then rotary positions applied."""
+    head normalised (``qk_norm``) or all heads' width at once (``qk_norm_whole``, OLMo 2's: over a split
+    of the heads the compiler sums the statistics), then rotary positions applied."""
     b, t, _ = x_btd.shape
 
-    def project(w: str, b_: str, heads: int) -> jax.Array:
+    def project(w: str, b_: str, heads: int, norm: str | None = None) -> jax.Array:
         y = linear(x_btd, p[w]) + p[b_] if cfg.qkv_bias else linear(x_btd, p[w])
+        if norm is not None and cfg.qk_norm_whole:
+            y = rms_norm({"scale": p[norm]}, y, cfg.norm_eps)
         return y.reshape(b, t, heads, cfg.head_dim)
 
     q, k, v = (
-        project("wq", "bq", cfg.heads),
-        project("wk", "bk", cfg.kv_heads),
+        project("wq", "bq", cfg.heads, "q_width_norm"),
+        project("wk", "bk", cfg.kv_heads, "k_width_norm"),
         project("wv", "bv", cfg.kv_heads),
     )
     if cfg.qk_norm:
@@ -147,3 +158,42 @@ def experts_mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 def cast_block(p: Params, cfg: Any) -> Params:
     """A block's parameters in the compute dtype."""
     return jax.tree.map(lambda a: a.astype(cfg.compute), p)
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:
+    """N(0, std²) in float32, cast to ``dtype`` (the Llama's and the Gemma's initial weights)."""
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def init_block(key: jax.Array, cfg: Any) -> Params:
+    """One block's parameters (``meshkit.models.llama``'s layout): weights ~ N(0, 0.02²), the residual
+    projections scaled by ``1/sqrt(2 layers)``, norm scales ones, biases zeros."""
+    d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
+    resid = 0.02 / math.sqrt(2 * cfg.layers)
+    kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
+    e = (cfg.experts,) if cfg.experts else ()
+    mlp = {
+        "w_gate": normal(kg, (*e, d, f), 0.02, dt),
+        "w_up": normal(ku, (*e, d, f), 0.02, dt),
+        "w_down": normal(kd, (*e, f, d), resid, dt),
+    }
+    if cfg.experts:
+        mlp = {"router": normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
+    attn = {
+        "wq": normal(kq, (d, q), 0.02, dt),
+        "wk": normal(kk, (d, kv), 0.02, dt),
+        "wv": normal(kv_, (d, kv), 0.02, dt),
+        "wo": normal(ko, (q, d), resid, dt),
+    }
+    if cfg.qkv_bias:
+        attn |= {"bq": jnp.zeros((q,), dt), "bk": jnp.zeros((kv,), dt), "bv": jnp.zeros((kv,), dt)}
+    if cfg.qk_norm:
+        attn |= {"q_norm": jnp.ones((cfg.head_dim,), dt), "k_norm": jnp.ones((cfg.head_dim,), dt)}
+    if cfg.qk_norm_whole:
+        attn |= {"q_width_norm": jnp.ones((q,), dt), "k_width_norm": jnp.ones((kv,), dt)}
+    return {
+        "attn_norm": {"scale": jnp.ones((d,), dt)},
+        "attn": attn,
+        "mlp_norm": {"scale": jnp.ones((d,), dt)},
+        "moe" if cfg.experts else "mlp": mlp,
+    }

@@ -93,6 +93,12 @@ class YarnRope:
         return mscale(1.0)
 
 
+def rotary_width(cfg: Any) -> int:
+    """How many of each head's dims the rotary turns: a config's ``rotary_dim`` where it has one (Phi-3's
+    ``partial_rotary_factor x head_dim``), else the whole head."""
+    return getattr(cfg, "rotary_dim", 0) or cfg.head_dim
+
+
 def attention_scaling(cfg: Any) -> float:
     """The factor on the rotary's cosines and sines: YaRN's, else 1."""
     r = getattr(cfg, "rope_scaling", None)
@@ -101,7 +107,7 @@ def attention_scaling(cfg: Any) -> float:
 
 def _yarn(r: YarnRope, cfg: Any, wide) -> jax.Array:
     """transformers' ``_compute_yarn_parameters``, operation for operation."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = rotary_width(cfg), cfg.rope_theta
 
     def correction(rotations: float) -> float:
         return (dim * math.log(r.original_positions / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -119,12 +125,13 @@ def _yarn(r: YarnRope, cfg: Any, wide) -> jax.Array:
 
 
 def inv_frequencies(cfg: Any, wide) -> jax.Array:
-    """The rotary's ``head_dim / 2`` angular frequencies (radians per position) in ``wide``: ``theta^(-2i/h)``,
+    """The rotary's ``rotary_width / 2`` angular frequencies (radians per position) in ``wide``: ``theta^(-2i/h)``,
     rescaled by ``cfg.rope_scaling`` as transformers' rope type of it does, operation for operation
     in the same dtype. They agree to float32 rounding, not to the bit: XLA folds and reassociates some
     of it (a constant divisor becomes its reciprocal), so a few frequencies differ by an ulp or three
     (at most 3.7e-7 relative at head_dim 128; the logits agree within 1e-6)."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=wide) / cfg.head_dim))
+    dim = rotary_width(cfg)
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=wide) / dim))
     r = cfg.rope_scaling
     if r is None:
         return inv_freq
