@@ -16,7 +16,7 @@ parallelism is the placement's rules (``tp_rules``), partitioned by XLA.
 
 from meshkit.plans._context import causal_attention, check_context, exchange_segments, position_rows
 from meshkit.plans._context import positions as sequence_positions
-from meshkit.plans._dataflow import batch_fed, matmul_rows, quantized
+from meshkit.plans._dataflow import batch_fed, matmul_rows, norms, quantized
 from meshkit.plans._expected import (
     CommRow,
     Expected,
@@ -84,6 +84,7 @@ __all__ = [
     "memory_formula",
     "micro_batches",
     "moe",
+    "norms",
     "place",
     "plot_schedule",
     "position_rows",

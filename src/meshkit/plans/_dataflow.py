@@ -7,12 +7,15 @@ the all-reduce. The plan's cost model asks this module which leaves those are, s
 ledger agree. The walk follows the loss's jaxpr, into nested calls (``jit``, custom derivatives,
 remat), tracking which values depend on parameters and which are a parameter leaf up to
 dtype/shape-only operations (and the division and rounding that quantize it: ``quantized`` names the
-leaves multiplied in int8).
+leaves multiplied in int8). ``norms`` names the leaves that scale a normalised value (an RMSNorm's or a
+LayerNorm's, a product with a reciprocal square root): where the model axis splits such a leaf, it splits
+the width the norm's statistics are taken over; and the matrices whose products a norm reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -60,10 +63,12 @@ def _walk(
     rows: dict | None = None,
     weights: set | None = None,
     int8: set | None = None,
+    norms: _Norms | None = None,
 ) -> None:
     """``weights`` (where frozen leaves are given): the values computed from parameters alone; a sum of
     such values keeps the origin of its parameter operand (LoRA's ``W + s A @ B`` is ``W`` to the ledger).
-    ``int8``: collects the leaves some matmul multiplies as int8 (``quantized``)."""
+    ``int8``: collects the leaves some matmul multiplies as int8 (``quantized``); ``norms``: the norms'
+    scales and the matrices whose products a norm reads (``norms``)."""
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
         dirty = any(v in tainted for v in ins)
@@ -73,8 +78,11 @@ def _walk(
             inner_origin = {iv: origin[ov] for iv, ov in pairs if ov in origin}
             inner_taint = {iv for iv, ov in pairs if ov in tainted}
             inner_weights = None if weights is None else {iv for iv, ov in pairs if ov in weights}
-            _walk(sub, inner_origin, inner_taint, found, rows, inner_weights, int8)
+            inner_norms = None if norms is None else norms.inner(pairs)
+            _walk(sub, inner_origin, inner_taint, found, rows, inner_weights, int8, inner_norms)
             for ov, iv in zip(eqn.outvars, map(_var, sub.outvars), strict=True):
+                if norms is not None:
+                    norms.out(ov, iv, inner_norms)
                 if iv in inner_taint:
                     tainted.add(ov)
                 if iv in inner_origin:
@@ -96,6 +104,8 @@ def _walk(
                     rows[origin[w]] = max(rows.get(origin[w], 0), n)
         if eqn.primitive.name in _SAME_VALUE and ins and ins[0] in origin:
             origin[eqn.outvars[0]] = origin[ins[0]]
+        if norms is not None:
+            norms.see(eqn, ins, origin)
         if weights is not None and ins and all(v in weights for v in ins):
             weights.update(eqn.outvars)
             held = [v for v in ins if v in origin]
@@ -103,6 +113,63 @@ def _walk(
                 origin[eqn.outvars[0]] = origin[held[0]]
         if dirty:
             tainted.update(eqn.outvars)
+
+
+@dataclass
+class _Norms:
+    """What the walk learns of the norms: ``scales``, the leaves multiplied with a normalised value (a
+    reciprocal square root's output, or a product with it or a dtype/shape change of it); ``normed``, the
+    matrices whose product (through dtype/shape changes) a norm squares for its statistics (OLMo 2's
+    ``wo`` and ``w_down``, whose outputs are normalised before the residual sum)."""
+
+    scales: set = field(default_factory=set)
+    normed: set = field(default_factory=set)
+    values: set = field(default_factory=set)
+    products: dict = field(default_factory=dict)
+
+    def see(self, eqn, ins: list, origin: dict) -> None:
+        name, outs = eqn.primitive.name, eqn.outvars
+        if name == "rsqrt" or (name in _SAME_VALUE | {"mul"} and any(v in self.values for v in ins)):
+            self.values.update(outs)
+        if name == "mul" and len(ins) == 2 and any(v in self.values for v in ins):
+            self.scales.update(origin[v] for v in ins if v in origin)
+        if name == "dot_general":
+            held = [origin[v] for v in ins if v in origin]
+            if held:
+                self.products[outs[0]] = held[0]
+        elif name in _SAME_VALUE and ins and ins[0] in self.products:
+            self.products[outs[0]] = self.products[ins[0]]
+        elif name == "square" and ins[0] in self.products:
+            self.normed.add(self.products[ins[0]])
+
+    def inner(self, pairs: list) -> _Norms:
+        """The same, seen from inside a nested jaxpr (``pairs``: its inputs and the outer values they are)."""
+        return _Norms(
+            self.scales,
+            self.normed,
+            {iv for iv, ov in pairs if ov in self.values},
+            {iv: self.products[ov] for iv, ov in pairs if ov in self.products},
+        )
+
+    def out(self, outer, inner_var, seen: _Norms) -> None:
+        """What a nested jaxpr's output ``inner_var`` was, for the outer value ``outer``."""
+        if inner_var in seen.values:
+            self.values.add(outer)
+        if inner_var in seen.products:
+            self.products[outer] = seen.products[inner_var]
+
+
+def norms(loss_fn: Callable, params: Any, *rest: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """``(scales, normed)`` (``_Norms``), paths of parameter leaves. Where the model axis splits a scale
+    (OLMo 2's q/k norms over every head's width), the compiler sums the norm's statistics over it, forward
+    and backward; a row-parallel matrix whose product a norm reads is recomputed under layer remat even
+    when it is the layer's last. The model axis's ledger counts both."""
+    closed = jax.make_jaxpr(loss_fn)(params, *rest)
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    invars = closed.jaxpr.invars[: len(paths)]
+    seen = _Norms()
+    _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), norms=seen)
+    return frozenset(seen.scales), frozenset(seen.normed)
 
 
 def batch_fed(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None) -> frozenset[str]:

@@ -77,13 +77,16 @@ def expected_collectives(
     form: str = "ring",
     segment_bytes: int = 0,
     quantized: frozenset[str] = frozenset(),
+    norm_scales: frozenset[str] = frozenset(),
+    normed: frozenset[str] = frozenset(),
 ) -> list[Expected]:
     """The plan's collectives per step (see the module docstring): the gradients' sums over the step's
         axes (``_sum_rows``), then each axis module's rows (``plans.axes``). ``gather_itemsize``: bytes per
         element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16); ``form``: a
         context plan's attention (``meshkit.spec.CONTEXT_ATTENTION``); ``segment_bytes``: bytes per segment
     id of a batch of packed documents (0: none); ``quantized``: the leaves multiplied in int8
-    (``_dataflow.quantized``)."""
+    (``_dataflow.quantized``); ``norm_scales``, ``normed``: the leaves that scale a normalised value, and the
+    matrices whose products a norm reads (``_dataflow.norms``)."""
     out: list[Expected] = []
 
     def add(op, axes, count, size, n_group, what):
@@ -112,6 +115,8 @@ def expected_collectives(
         form=form,
         segment_bytes=segment_bytes,
         quantized=quantized,
+        norm_scales=norm_scales,
+        normed=normed,
     )
     for axis in axes.active(placement.plan):
         axis.ledger(add, inputs)

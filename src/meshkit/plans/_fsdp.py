@@ -242,21 +242,24 @@ def gather_rows(
     return rows
 
 
-def tp_matrices(per: PerLayer | None, placement: Placement) -> list[tuple[LeafPlacement, int, bool]]:
+def tp_matrices(
+    per: PerLayer | None, placement: Placement, normed: frozenset[str] = frozenset()
+) -> list[tuple[LeafPlacement, int, bool]]:
     """Tensor-parallel matrices as ``(2-D leaf, uses per forward pass, forward redone in backward)``,
     expert leaves aside (their rows are the MoE's dispatched rows, not the tokens).
 
     A stacked leaf of a scan is one matrix per layer. Under ``layer`` remat the backward pass redoes a
     layer's forward, and with it the row-parallel output all-reduces, but not the layer's last one
     (its output only feeds the residual sum, which the backward pass does not need): the model counts
-    one fewer than the layer's row-parallel matrices again per layer."""
+    one fewer than the layer's row-parallel matrices again per layer, unless a norm reads that last
+    output (``normed``, ``_dataflow.norms``: OLMo 2's norm after the MLP), whose backward needs it."""
     found = per.found if per is not None else None
     stacked = set(found.layer_leaves) if found is not None and found.mode == "scan" else set()
     redo: set[int] = set()
     if per is not None and per.remat == "layer" and found is not None:
         for group in found.groups:  # leaf order: a GPT block's attention before its MLP
             rows = [i for i in group if placement.flat()[i].model_spec[-2:][:1] == ("model",)]
-            redo.update(rows[:-1])
+            redo.update(rows if rows and placement.flat()[rows[-1]].path in normed else rows[:-1])
     out = []
     for i, x in enumerate(placement.flat()):
         if EXPERT in x.model_spec:  # an expert leaf's matmuls run on its dispatched rows (``_expected``)

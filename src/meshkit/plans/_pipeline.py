@@ -75,10 +75,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshkit.plans import _schedule
+from meshkit.plans._dataflow import norms
 from meshkit.plans._pipeline_region import local_pipeline as local_pipeline
 from meshkit.plans._pipeline_region import pipeline_gradients
 from meshkit.plans._pipeline_report import PipelineReport
-from meshkit.plans._remat import remat_policy
+from meshkit.plans._remat import keeps_forward, remat_policy
 from meshkit.plans._stages import Stages, check_sizes, relayout_count, stage_placement
 from meshkit.plans.axes.model import adapter_sums
 from meshkit.plans.placement import Placement
@@ -257,7 +258,7 @@ class Pipeline:
         item = act.dtype.itemsize  # XLA's CPU compiler moves sub-32-bit float collectives as f32
         item = max(item, 4) if self.placement.mesh.devices.flat[0].platform == "cpu" else item
         rows = self._stage_rows(int(np.prod(act.shape)) * item, trainable) + self._model_rows(
-            act, item, trainable
+            act, item, trainable, self._norms(params, act)
         )
         return _merge(
             [
@@ -304,20 +305,34 @@ class Pipeline:
             rows.append((STAGE, "all-gather", 1, p * 4 * len(blocks), p, what))
         return rows
 
-    def _model_rows(self, act: jax.ShapeDtypeStruct, item: int, trainable: Any) -> list[tuple]:
+    def _norms(self, params: Any, act: jax.ShapeDtypeStruct) -> tuple[frozenset[str], frozenset[str]]:
+        """``_dataflow.norms`` of the blocks, as the placement's paths: the norms' scales and the matrices
+        whose products a norm reads."""
+        if self.placement.model_size == 1:
+            return frozenset(), frozenset()
+        run = lambda blocks, x: self.stages.run_blocks(blocks, x)  # noqa: E731
+        found = norms(run, self.stages.split(params)[1], act)
+        return tuple(frozenset(f"{self.stages.blocks}/{path}" for path in paths) for paths in found)
+
+    def _model_rows(self, act: jax.ShapeDtypeStruct, item: int, trainable: Any, found: tuple) -> list[tuple]:
         """The rows over ``model`` (tp+pp), per layer of a chunk: every row-parallel matrix all-reduces
         its output in the forward branch and again in the backward branch's recomputation (under
-        ``layer`` remat the backward redoes every row-parallel output all-reduce but a block's last),
-        every column-parallel one its input gradient in the backward branch, and every adapter of a
-        frozen base its gradient sums (``axes.model.adapter_sums``)."""
+        ``layer`` remat the backward redoes every row-parallel output all-reduce but a block's last, unless
+        a norm reads it), every column-parallel one its input gradient in the backward branch, a norm's
+        scale split on ``model`` its statistics in each (``axes.model``'s norm rows), and every adapter
+        of a frozen base its gradient sums (``axes.model.adapter_sums``). ``found``: ``_norms``."""
         s, p, placement = self.schedule, self.schedule.p, self.placement
         m = placement.model_size
         if m == 1:
             return []
+        scales, normed = found
         blocks = [x for x in placement.flat() if self._is_block(x)]
         tokens, k = int(np.prod(act.shape[:-1])), self.layers // (p * s.v)
         row_parallel = [x for x in blocks if len(x.shape) == 3 and x.model_spec[1] == MODEL]
-        redone = row_parallel[:-1] if self.remat == "layer" else []  # see ``_fsdp.tp_matrices``
+        last = 0 if row_parallel and row_parallel[-1].path in normed else 1
+        redone = (
+            row_parallel[: len(row_parallel) - last] if self.remat == "layer" else []
+        )  # ``_fsdp.tp_matrices``
         # one stage runs each micro-batch's forward and backward once, without the tick loop
         runs, forwards = (s.m, 1) if p == 1 and s.v == 1 else (s.ticks, 2)
         rows = []
@@ -330,6 +345,11 @@ class Pipeline:
             elif len(x.shape) == 3 and x.model_spec[2] == MODEL:  # column-parallel: input-gradient sums, B
                 what = f"{x.path}: input gradients"
                 rows.append((MODEL, "all-reduce", runs * k, tokens * x.shape[1] * item, m, what))
+            elif x.path in scales and x.model_sharded:  # a norm's statistics over a split width, F and B
+                times = (forwards + 1 + (not keeps_forward(self.remat))) * runs * k  # remat: F redone in B
+                rows.append(
+                    (MODEL, "all-reduce", times, tokens * max(item, 4), m, f"{x.path}: its statistics")
+                )
         for x, layers in adapter_sums(placement, trainable):  # per layer of a chunk, in the backward branch
             rows.append((MODEL, "all-reduce", runs * k, x.nbytes // layers, m, f"{x.path}: gradient sums"))
         return rows

@@ -20,6 +20,7 @@ from meshkit.plans import (
     expected_collectives,
     matmul_rows,
     memory_formula,
+    norms,
     quantized,
 )
 from meshkit.plans.peak import peak_report_later
@@ -46,7 +47,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
     per_example = trainer.tokens_per_example or 1
     if trainer.tokens_per_example is None and trainer.plan.split_axes("sequence"):  # the sequence it splits
         per_example = jax.tree.leaves(batch)[0].shape[1]
-    fed = int8 = frozenset()
+    fed = int8 = scales = normed = frozenset()
     if trainer.placement.model_size > 1:  # column-parallel matmuls on the batch itself need no input gradient
         shapes = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (trainer.params, trainer.state)
@@ -54,6 +55,7 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         args = (trainer.assembled.loss, *shapes, trainer.put_batch(batch), trainer._step_key())
         fed = batch_fed(*args, trainable=trainer.per_layer.trainable)
         int8 = quantized(*args, trainable=trainer.per_layer.trainable)
+        scales, normed = norms(*args)
         if trainer.tokens_per_example is None:
             per_example = _tokens_per_example(matmul_rows(*args), trainer.placement, n_examples)
     tokens = n_examples // (trainer.placement.batch_devices * trainer.accumulate) * per_example
@@ -72,6 +74,8 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
         form=trainer.spec.context_attention,
         segment_bytes=_segment_bytes(batch),
         quantized=int8,
+        norm_scales=scales,
+        normed=normed,
     )
     det = None
     if trainer.spec.deterministic is not None:  # its collectives over data (a pipeline's stage rows below)

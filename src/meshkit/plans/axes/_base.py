@@ -49,6 +49,11 @@ class LedgerInputs:
     """Bytes per segment id of a batch of packed documents (0: none): a context split exchanges them."""
     quantized: frozenset[str] = frozenset()
     """Paths of the leaves multiplied in int8 (``--quantize``): the model axis all-reduces their scales."""
+    norm_scales: frozenset[str] = frozenset()
+    """Paths of the leaves that scale a normalised value (``_dataflow.norms``): one the model axis splits
+    sums its norm's statistics over it."""
+    normed: frozenset[str] = frozenset()
+    """Paths of the matrices whose products a norm reads (``_dataflow.norms``): layer remat recomputes them."""
 
     @property
     def tokens(self) -> int:

@@ -13,7 +13,8 @@ the loss's jaxpr, ``_dataflow``). The vocabulary on the model axis, per micro-ba
 is row-parallel (each device adds the rows it holds: tokens x width forward), the output head
 column-parallel (tokens x width backward; a tied head is the embedding's second use, both rows), and the
 cross-entropy on the split logits three all-reduces of one number per token (the max, the sum of
-exponentials, the target's logit), in the logits' dtype (at least float32).
+exponentials, the target's logit), in the logits' dtype (at least float32). A norm whose scale is
+split on the model axis (OLMo 2's q/k norms over every head's width) sums its statistics over it.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ class ModelAxis(AxisPlan):
         reduce = (
             "reduce-scatter" if split and placement.mesh.devices.flat[0].platform != "cpu" else "all-reduce"
         )
-        for x, uses, redone in tp_matrices(per, placement):  # a scan's stacked leaf: per layer
+        for x, uses, redone in tp_matrices(per, placement, inputs.normed):  # a scan's stacked leaf: per layer
             if ADAPTER_RANK not in x.names:  # an adapter multiplies its partner, not the tokens
                 _matrix_rows(add, x, inputs, reduce, uses * (2 if redone else 1), uses)
         if split:
             _sequence_rows(add, inputs)
+        _norm_rows(add, inputs)
         _vocab_rows(add, placement, accumulate, tokens, width)
         trainable = None if per is None else per.trainable
         for x, layers in adapter_sums(placement, trainable):
@@ -155,6 +157,20 @@ def _sequence_rows(add: Add, inputs: LedgerInputs) -> None:
         layers = x.shape[0] if scan else 1
         add("all-reduce", MODEL, accumulate * layers, x.nbytes / layers, m,
             f"{x.path}: its gradient's partial sums over the sequence split")  # fmt: skip
+
+
+def _norm_rows(add: Add, inputs: LedgerInputs) -> None:
+    """A norm whose scale the model axis splits (OLMo 2's q/k norms over every head's width) takes its
+    statistics over a split width: per micro-batch and layer, an all-reduce of one number per token in the
+    forward pass (again where remat redoes the layer) and one in the backward (the gradient's sum over the
+    width), in at least float32."""
+    per, placement = inputs.per_layer, inputs.placement
+    passes = 2 if per is None or keeps_forward(per.remat) else 3
+    for x in placement.flat():
+        if x.path in inputs.norm_scales and x.model_sharded:
+            layers = x.shape[0] if "layers" in x.names else 1
+            add("all-reduce", MODEL, inputs.accumulate * layers * passes, inputs.tokens * max(inputs.activation_bytes, 4),
+                placement.model_size, f"{x.path}: its norm's statistics over the split width")  # fmt: skip
 
 
 def adapter_sums(placement: Placement, trainable: Any) -> list[tuple[LeafPlacement, int]]:
