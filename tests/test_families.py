@@ -31,7 +31,20 @@ CONFIGS = {
     "llama3": {**BASE, "model_type": "llama", "rope_theta": 500000.0, "rope_scaling": LLAMA3},
     "qwen2": {**BASE, "model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": True},
     "qwen3": {**BASE, "model_type": "qwen3", "head_dim": 16, "rope_theta": 1e6},
+    "phi3": {
+        **BASE,
+        "model_type": "phi3",
+        "partial_rotary_factor": 0.75,
+        "sliding_window": 16,
+        "original_max_position_embeddings": 64,
+    },
+    "olmo2": {**BASE, "model_type": "olmo2", "rope_theta": 5e5},
 }
+SWITCHES = {
+    "phi3": {"fused": True, "rotary_dim": 6, "window": 16},
+    "olmo2": {"post_norms": True, "qk_norm_whole": True},
+}
+"""What the Phi-3's and the OLMo 2's rows set beyond a Llama's defaults (head_dim 8)."""
 
 
 def _v5(data: dict) -> dict:
@@ -51,6 +64,11 @@ def test_each_family_reads_its_switches_and_writes_its_own_model_type(name, tmp_
     assert (cfg.qkv_bias, cfg.qk_norm, cfg.rope_scaling is not None) == (
         name == "qwen2", name == "qwen3", name == "llama3",
     )  # fmt: skip
+    plain = config_from_hf(
+        {**BASE, "model_type": "llama", "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps}
+    )
+    if name in SWITCHES:
+        assert cfg == dataclasses.replace(plain, **SWITCHES[name])
     written = config_to_hf(cfg)
     assert written["model_type"] == data["model_type"] and config_from_hf(written) == cfg
     assert config_from_hf(_v5(data)) == cfg == config_from_hf(_v5(written))
@@ -230,6 +248,12 @@ def test_llama3_frequencies_are_transformers_formula():
         ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
         ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False}, "norm_topk_prob=False"),
         ({"model_type": "qwen2_moe", **MOE}, "model_type 'qwen2_moe'"),
+        ({"model_type": "phi3", "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "takes longrope only"),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}, "partial_rotary_factor differs"),
+        ({"model_type": "phi3", "partial_rotary_factor": 1.5}, "turns more than a head"),
+        ({"model_type": "phi3", "resid_pdrop": 0.1}, "resid_pdrop=0.1"),
+        ({"model_type": "olmo2", "attention_bias": True}, "attention_bias=True"),
+        ({"model_type": "olmo2", "sliding_window": 16}, "sliding_window=16 in a Olmo2ForCausalLM config"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
         ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
@@ -252,6 +276,11 @@ def test_a_field_meshkit_does_not_compute_is_refused_in_one_line_by_its_name(ext
         {"model_type": "qwen2", "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
         {"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
         {"pretraining_tp": 1, "use_cache": True, "initializer_range": 0.02, "transformers_version": "5.0.0"},
+        {
+            "model_type": "phi3",
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 1.0},
+        },
+        {"model_type": "phi3", "partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096},
     ],
 )
 def test_fields_that_do_not_change_the_model_are_read(extra):
@@ -263,9 +292,7 @@ def test_fields_that_do_not_change_the_model_are_read(extra):
 
 def test_a_config_with_both_switches_is_no_hugging_face_type():
     cfg = dataclasses.replace(config_from_hf(CONFIGS["qwen2"]), qk_norm=True)
-    with pytest.raises(
-        InteropError, match=r"qkv_bias=True and qk_norm=True, .* is no Hugging Face model type"
-    ):
+    with pytest.raises(InteropError, match=r"qkv_bias=True, qk_norm=True, .* is no Hugging Face model type"):
         config_to_hf(cfg)
 
 
@@ -330,6 +357,57 @@ def test_qwen_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv
     )
     cert = _certificate(cfg, plan, mesh, opts)
     assert cert.ok, str(cert)
+
+
+OTHERS = [
+    ("olmo2", "tp", "model=8", {}, 8),
+    ("olmo2", "fsdp", "data=8", {}, 2),
+    ("olmo2", "tp", "model=8", {"remat": "layer"}, 8),
+    ("olmo2", "fsdp+tp", "data=2,model=4", {"sequence_parallel": True}, 4),
+    ("olmo2", "tp+pp", "stage=2,model=4", {"microbatches": 4, "remat": "layer"}, 4),
+    ("phi3", "tp", "model=8", {}, 8),
+    ("phi3", "fsdp", "data=8", {}, 2),
+]
+"""(family, plan, mesh, options, key/value heads) of the rows whose blocks differ from the Llama's."""
+
+
+# Tiers: the OLMo 2 under tp is core (its norms over the heads' whole width split with the heads, their
+# statistics summed over the model axis in the ledger); its other plans and the Phi-3's sweep (the Phi-3's
+# partial rotary and fused tensors are core in test_hf_families.py's hf-phi3, its LoRA in test_lora.py).
+@pytest.mark.parametrize(
+    ("kind", "plan", "mesh", "opts", "kv"),
+    tiered(OTHERS, [f"{c[1]}-{c[0]}" + "".join(f"-{k}" for k in c[3]) for c in OTHERS], core={"tp-olmo2"}),
+)
+def test_olmo2_and_phi3_train_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv):
+    """Equal to one device in float64, and the ledger equals its model: OLMo 2's q/k norm scales split as
+    the heads, their statistics all-reduced over the model axis forward and backward (and again where
+    remat redoes the layer), its row-parallel outputs, which its norms read, all redone under layer
+    remat; the Phi-3's partial rotary under a window."""
+    phi = {"partial_rotary_factor": 0.5, "sliding_window": 8} if kind == "phi3" else {}
+    cfg = config_from_hf({**SMALL, "model_type": kind, "num_key_value_heads": kv, **phi})
+    if kind == "olmo2":
+        axes = llama.logical_axes(llama.init(jax.random.key(0), cfg))["blocks"][0]["attn"]
+        assert (axes["q_width_norm"], axes["k_width_norm"]) == (("heads",), ("kv_heads",))
+    cert = _certificate(cfg, plan, mesh, opts)
+    assert cert.ok, str(cert)
+
+
+def test_the_ledger_reads_the_norms_scales_and_the_products_they_read_from_the_loss():
+    """``plans.norms`` on the loss's jaxpr: every norm's scale (Qwen3's per-head ones, OLMo 2's over the
+    heads' width, the blocks' and the final one), and the matrices whose products a norm squares (the q/k
+    projections under either; OLMo 2's ``wo`` and ``w_down``, normalised before the residual sum)."""
+    from meshkit.plans import norms
+
+    batch = (jax.ShapeDtypeStruct((2, 16), np.int32),) * 2
+    found = {}
+    for kind in ("qwen3", "olmo2"):
+        cfg = config_from_hf({**SMALL, "model_type": kind, "head_dim": 4, "num_hidden_layers": 1})
+        found[kind] = norms(llama.make_loss(cfg), jax.eval_shape(llama.init, jax.random.key(0), cfg), batch)
+    block = {"blocks/0/attn_norm/scale", "blocks/0/mlp_norm/scale", "norm_f/scale"}
+    assert found["qwen3"] == (block | {"blocks/0/attn/q_norm", "blocks/0/attn/k_norm"},
+                              {"blocks/0/attn/wq", "blocks/0/attn/wk"})  # fmt: skip
+    assert found["olmo2"] == (block | {"blocks/0/attn/q_width_norm", "blocks/0/attn/k_width_norm"},
+                              {f"blocks/0/{w}" for w in ("attn/wq", "attn/wk", "attn/wo", "mlp/w_down")})  # fmt: skip
 
 
 WINDOWED = {
@@ -462,13 +540,27 @@ HUB = {
               "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
               "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
               "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 64},
+    # microsoft/Phi-3-mini-4k-instruct's (its fields as a public repository's model table copies them)
+    "phi-3-mini": {"_name_or_path": "Phi-3-mini-4k-instruct", "architectures": ["Phi3ForCausalLM"],
+                   "attention_dropout": 0.0, "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                   "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}, "bos_token_id": 1, "embd_pdrop": 0.0,
+                   "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
+                   "intermediate_size": 64, "max_position_embeddings": 4096, "model_type": "phi3",
+                   "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4,
+                   "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+                   "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047,
+                   "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.2",
+                   "use_cache": True, "attention_bias": False, "vocab_size": 64},
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(HUB))
 def test_the_hubs_own_configs_are_read(name):
     cfg = config_from_hf(HUB[name])
-    assert cfg.tie_embeddings and (cfg.rope_scaling is not None) == (name == "llama-3.2")
+    assert cfg.tie_embeddings == (name != "phi-3-mini") and (cfg.rope_scaling is not None) == (
+        name == "llama-3.2"
+    )
+    assert (cfg.fused, cfg.window) == ((True, 2047) if name == "phi-3-mini" else (False, None))
 
 
 def test_a_mixture_checkpoints_experts_are_the_runs_shape(tmp_path):

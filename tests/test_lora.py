@@ -24,7 +24,16 @@ CASES = [
     ("fsdp", "data=8", {"remat": "layer"}),
     ("fsdp+tp", "data=4,model=2", {}),
     ("dp+pp", "stage=2,data=4", {"microbatches": 2}),
+    ("fsdp+tp", "data=4,model=2", {"family": "olmo2", "remat": "layer"}),
+    ("dp+tp", "data=4,model=2", {"family": "phi3"}),
 ]
+FAMILIES = {
+    "olmo2": dataclasses.replace(CFG, post_norms=True, qk_norm_whole=True),
+    "phi3": dataclasses.replace(CFG, fused=True, rotary_dim=4, window=4),
+}
+"""The Llama's other rows (``llama_hf.TYPES``) whose blocks differ: OLMo 2's norms after the sublayers and
+over the heads' whole width (split on the model axis: their statistics summed over it), Phi-3's partial
+rotary under a window."""
 
 
 def _batch():
@@ -37,17 +46,21 @@ def _adapted(cfg):
 
 
 # Tiers: fsdp+tp (the adapters' gradients over data and model, ZeRO-3's shards of the frozen base) and dp+pp
-# are core; dp and fsdp sweep: LoRA under fsdp is core through meshkit train in
+# are core; dp, fsdp and the OLMo 2's and the Phi-3's sweep (their blocks are core in test_families.py): LoRA under fsdp is core through meshkit train in
 # test_meshkit_train_with_lora_proves_its_cost_and_exports_the_merged_model (its ledger checked), frozen
 # leaves under ZeRO-3 (the rest trained as one device in float64) and its layer remat (no gradient of theirs
 # moved) in test_frozen.py's zero3 cases.
 @pytest.mark.parametrize(
-    ("plan", "mesh", "opts"), tiered(CASES, [c[0] for c in CASES], core={"fsdp+tp", "dp+pp"})
-)
+    ("plan", "mesh", "opts"),
+    tiered(CASES, [c[0] + "".join(f"-{c[2]['family']}" for _ in c[2:] if "family" in c[2]) for c in CASES],
+           core={"fsdp+tp", "dp+pp"}),
+)  # fmt: skip
 def test_lora_under_the_plans_matches_one_device_in_float64(plan, mesh, opts):
     pipeline = get_plan(plan).pipeline
+    opts = dict(opts)
+    family = opts.pop("family", None)
     with jax.enable_x64(True):
-        cfg = dataclasses.replace(CFG, dtype="float64", scan_layers=pipeline)
+        cfg = dataclasses.replace(FAMILIES.get(family, CFG), dtype="float64", scan_layers=pipeline)
         params = _adapted(cfg)
         loss = lora.wrap(llama.stages(cfg) if pipeline else llama.make_loss(cfg), LORA)
         t = Trainer(loss, params, optax.adam(1e-2), plan=plan, mesh=mesh, units=llama.units(cfg),
@@ -63,6 +76,14 @@ def test_lora_under_the_plans_matches_one_device_in_float64(plan, mesh, opts):
         if pipeline:  # the ledger: the frozen embedding and head sum no gradients over the stages
             r = t.report(_batch())
             assert r.ok, str(r)
+    if family:  # the ledger of the float32 step (its model of the model axis counts float32 activations):
+        # OLMo 2's norm statistics over the model axis, its row-parallel outputs redone under layer remat
+        params = _adapted(FAMILIES[family])
+        t = Trainer(lora.wrap(llama.make_loss(FAMILIES[family]), LORA), params, optax.adam(1e-2), plan=plan,
+                    mesh=mesh, units=llama.units(cfg), logical_axes=lora.logical_axes(params, llama.logical_axes),
+                    trainable=lora.trainable, **opts)  # fmt: skip
+        r = t.report(_batch())
+        assert r.ok, str(r)
     if get_plan(plan).tensor:  # the adapters split like their weight on the model axis
         specs = {leaf.path: leaf.model_spec for leaf in t.placement.flat()}
         assert specs["blocks/0/attn/wq_lora_b"] == (None, "model") and specs["blocks/0/attn/wq_lora_a"] == (

@@ -1,5 +1,9 @@
 """A LoRA model merged for export loads in Hugging Face ``transformers`` (the reference environments of
-``tests/test_hf_reference.py``) and gives meshkit's logits of the adapted model, within 1e-5 in float32."""
+``tests/test_hf_reference.py``) and gives meshkit's logits of the adapted model, within 1e-5 in float32: a
+Llama, a Phi-3 (its adapted q, v and up merged into the fused ``qkv_proj`` and ``gate_up_proj``) and an
+OLMo 2."""
+
+import dataclasses
 
 import json
 import os
@@ -24,17 +28,24 @@ from test_hf_reference import SCRIPT, TOL
 pytestmark = [pytest.mark.reference, pytest.mark.sweep]
 CFG = llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, kv_heads=2, ffn=64)
 LORA = lora.LoraConfig(rank=4, alpha=8.0, targets=("wq", "wv", "w_up"))
+FAMILIES = {
+    "llama": CFG,
+    "phi3": dataclasses.replace(CFG, fused=True, rotary_dim=4, window=8),
+    "olmo2": dataclasses.replace(CFG, post_norms=True, qk_norm_whole=True),
+}
 
 
-def test_merged_lora_export_loads_in_transformers_with_meshkits_logits(tmp_path, reference_python):
-    params = lora.add(jax.random.key(1), llama.init(jax.random.key(0), CFG), LORA)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merged_lora_export_loads_in_transformers_with_meshkits_logits(tmp_path, reference_python, family):
+    cfg = FAMILIES[family]
+    params = lora.add(jax.random.key(1), llama.init(jax.random.key(0), cfg), LORA)
     tokens = np.random.default_rng(0).integers(0, 64, size=(8, 17)).astype(np.int32)
-    t = Trainer(lora.wrap(llama.make_loss(CFG), LORA), params, optax.adam(3e-2), plan="dp", mesh="data=8",
+    t = Trainer(lora.wrap(llama.make_loss(cfg), LORA), params, optax.adam(3e-2), plan="dp", mesh="data=8",
                 logical_axes=lora.logical_axes(params, llama.logical_axes), trainable=lora.trainable)  # fmt: skip
     for _ in range(3):  # adapters away from their zero start
         t.step((tokens[:, :-1], tokens[:, 1:]))
     adapted = jax.device_get(t.params)
-    interop.save(lora.merge(adapted, LORA), CFG, tmp_path / "hf")
+    interop.save(lora.merge(adapted, LORA), cfg, tmp_path / "hf")
     np.save(tmp_path / "tokens.npy", tokens[:, :-1])
     job = {
         "dir": str(tmp_path / "hf"),
@@ -45,7 +56,7 @@ def test_merged_lora_export_loads_in_transformers_with_meshkits_logits(tmp_path,
     done = subprocess.run([reference_python, str(SCRIPT), str(tmp_path / "jobs.json")], capture_output=True, text=True,
                           timeout=limit(5), env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    ours = lora.wrap(lambda p, x: llama.apply(p, x, CFG), LORA)(adapted, tokens[:, :-1])
+    ours = lora.wrap(lambda p, x: llama.apply(p, x, cfg), LORA)(adapted, tokens[:, :-1])
     theirs = np.load(tmp_path / "out.npy")
     assert np.max(np.abs(theirs - np.asarray(ours))) <= TOL * max(1.0, float(np.max(np.abs(ours))))
-    assert np.max(np.abs(ours - llama.apply(llama.init(jax.random.key(0), CFG), tokens[:, :-1], CFG))) > 1e-3
+    assert np.max(np.abs(ours - llama.apply(llama.init(jax.random.key(0), cfg), tokens[:, :-1], cfg))) > 1e-3

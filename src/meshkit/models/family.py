@@ -222,6 +222,7 @@ HF_METADATA = frozenset(
     {
         "_name_or_path",
         "architectures",
+        "auto_map",  # the Hub repository's own code, which transformers runs only with trust_remote_code
         "model_type",
         "transformers_version",
         "torch_dtype",

@@ -188,7 +188,7 @@ TYPES: dict[str, _Type] = {
         qkv_bias=False,
         qk_norm=False,
         window="every",
-        wants=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0)),
+        wants=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0), ("attention_bias", False)),
         phi=True,
     ),
     "olmo2": _Type(
@@ -367,7 +367,7 @@ def type_of(cfg: Any) -> str:
     raise InteropError(
         f"a Llama with qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, qk_norm_whole={cfg.qk_norm_whole}, "
         f"post_norms={cfg.post_norms}, fused={cfg.fused}, rotary_dim={cfg.rotary_dim} of {cfg.head_dim}, "
-        f"rope_scaling={type(cfg.rope_scaling).__name__}, experts={cfg.experts} (router_renormalize="
+        f"rope_scaling={cfg.rope_scaling and type(cfg.rope_scaling).__name__}, experts={cfg.experts} (router_renormalize="
         f"{cfg.router_renormalize}), window={cfg.window} (sliding={cfg.sliding}) is no Hugging Face model type "
         f"meshkit writes ({', '.join(TYPES)}): give the switches of one (docs/families.md)"
     )
