@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -390,6 +391,27 @@ def test_olmo2_and_phi3_train_under_the_plans_as_on_one_device(kind, plan, mesh,
         assert (axes["q_width_norm"], axes["k_width_norm"]) == (("heads",), ("kv_heads",))
     cert = _certificate(cfg, plan, mesh, opts)
     assert cert.ok, str(cert)
+
+
+def test_olmo2_norms_scale_in_float32_before_the_cast_as_transformers_olmo2_rmsnorm():
+    """In bfloat16 ``Olmo2RMSNorm`` computes ``(weight * x_f32 / rms).to(bf16)``; the Llama's casts, then
+    scales: over 4096 random rows the two differ, and the OLMo 2's form equals NumPy's float32 bitwise."""
+    from ml_dtypes import bfloat16
+
+    from meshkit.models.llama_layers import rms_norm
+
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(4096, 32)).astype(bfloat16), (1 + rng.normal(size=32)).astype(bfloat16)
+    xf = x.astype(np.float32)
+    want = (w.astype(np.float32) * (xf / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + 1e-6))).astype(
+        bfloat16
+    )
+    wide = np.asarray(rms_norm({"scale": jnp.asarray(w)}, jnp.asarray(x), 1e-6, wide_scale=True))
+    narrow = np.asarray(rms_norm({"scale": jnp.asarray(w)}, jnp.asarray(x), 1e-6))
+    assert (
+        np.mean(wide.astype(np.float32) != want.astype(np.float32)) < 1e-3
+    )  # rsqrt against 1/sqrt: rare ulps
+    assert np.mean(narrow.astype(np.float32) != want.astype(np.float32)) > 0.05
 
 
 def test_the_ledger_reads_the_norms_scales_and_the_products_they_read_from_the_loss():

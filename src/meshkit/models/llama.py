@@ -1,9 +1,9 @@
-"""A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no
-biases, optionally tied embeddings) as a plain pytree, in the reference GPT's two forms. Its
-switches make it the decoders of other families (``docs/families.md``): ``qkv_bias`` (Qwen2),
-``qk_norm`` (Qwen3), ``rope_scaling`` (Llama 3.1's long-context frequencies), a sliding ``window``
-in every layer or in those ``sliding`` names (Mistral, Qwen2), and a mixture of experts (``experts``:
-Mixtral, Qwen3-MoE, their checkpoints read dropless, ``capacity_factor=0``, as transformers runs them).
+"""A Llama-family decoder (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases,
+optionally tied embeddings) as a plain pytree, in the reference GPT's two forms. Its switches make it
+the decoders of other families (``docs/families.md``): ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
+``rope_scaling`` (long contexts), ``window``/``sliding`` (Mistral, Qwen2), ``post_norms`` and
+``qk_norm_whole`` (OLMo 2: leaves ``q_width_norm`` (H h,), ``k_width_norm`` (K h,)), ``rotary_dim``, ``fused``
+(Phi-3), ``experts`` (Mixtral, Qwen3-MoE: read dropless, ``capacity_factor=0``, as transformers runs them).
 The sublayers (norm, projections, rotary, MLP, experts) are ``llama_layers``'; this module builds
 blocks of them.
 
@@ -283,9 +283,10 @@ def _attention(
 
 
 def residual(norm: Params, x_btd: jax.Array, sublayer: Callable, cfg: LlamaConfig) -> jax.Array:
-    """``x`` plus the sublayer: of the normalised ``x`` (pre-norm), or normalised after it (``post_norms``)."""
+    """``x`` plus the sublayer: of the normalised ``x`` (pre-norm), or normalised after it (``post_norms``,
+    OLMo 2's norm, scaled in float32: ``rms_norm``'s ``wide_scale``)."""
     if cfg.post_norms:
-        return x_btd + rms_norm(norm, sublayer(x_btd), cfg.norm_eps)
+        return x_btd + rms_norm(norm, sublayer(x_btd), cfg.norm_eps, wide_scale=True)
     return x_btd + sublayer(rms_norm(norm, x_btd, cfg.norm_eps))
 
 
@@ -359,7 +360,8 @@ def embed(top: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
 
 def head(top: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Final RMSNorm and the output head: logits in at least float32."""
-    x_btd = rms_norm(jax.tree.map(lambda a: a.astype(cfg.compute), top["norm_f"]), x_btd, cfg.norm_eps)
+    final = jax.tree.map(lambda a: a.astype(cfg.compute), top["norm_f"])
+    x_btd = rms_norm(final, x_btd, cfg.norm_eps, wide_scale=cfg.post_norms)  # OLMo 2's: every norm its own
     w = top["tok_embed"].T if cfg.tie_embeddings else top["unembed"]
     return jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=wide(cfg.compute))
 

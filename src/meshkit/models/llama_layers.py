@@ -55,10 +55,13 @@ def wide(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def rms_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm: statistics in at least float32, scaled in the input dtype (as Hugging Face's)."""
+def rms_norm(p: dict[str, jax.Array], x_btd: jax.Array, eps: float, wide_scale: bool = False) -> jax.Array:
+    """RMSNorm: statistics in at least float32, scaled in the input dtype (as Hugging Face's Llama), or
+    with ``wide_scale`` scaled in float32 and then cast (its OLMo 2's ``Olmo2RMSNorm``)."""
     xw = x_btd.astype(wide(x_btd.dtype))
     y = xw * lax.rsqrt(jnp.mean(jnp.square(xw), -1, keepdims=True) + eps)
+    if wide_scale:
+        return (p["scale"].astype(xw.dtype) * y).astype(x_btd.dtype)
     return p["scale"] * y.astype(x_btd.dtype)
 
 
@@ -103,7 +106,7 @@ def project_qkv(
     def project(w: str, b_: str, heads: int, norm: str | None = None) -> jax.Array:
         y = linear(x_btd, p[w]) + p[b_] if cfg.qkv_bias else linear(x_btd, p[w])
         if norm is not None and cfg.qk_norm_whole:
-            y = rms_norm({"scale": p[norm]}, y, cfg.norm_eps)
+            y = rms_norm({"scale": p[norm]}, y, cfg.norm_eps, wide_scale=True)
         return y.reshape(b, t, heads, cfg.head_dim)
 
     q, k, v = (
