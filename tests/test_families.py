@@ -143,6 +143,26 @@ WINDOWS_AND_EXPERTS = {
         },
         {"experts": 4, "router_renormalize": False, "router_aux_weight": 0.02, "window": None},
     ),
+    "qwen2_moe": (  # a shared expert of width 24 beside the routed ones; the Hub's configs carry a window off
+        {
+            **BASE,
+            "model_type": "qwen2_moe",
+            **MOE,
+            "shared_expert_intermediate_size": 24,
+            "qkv_bias": True,
+            "use_sliding_window": False,
+            "sliding_window": 32768,
+            "max_window_layers": 21,
+        },
+        {
+            "experts": 4,
+            "ffn": 16,
+            "shared_ffn": 24,
+            "qkv_bias": True,
+            "router_renormalize": False,
+            "window": None,
+        },
+    ),
 }
 
 
@@ -248,7 +268,10 @@ def test_llama3_frequencies_are_transformers_formula():
         ({"model_type": "qwen3_moe", **MOE, "num_experts": 0}, "num_experts=0"),
         ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
         ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False}, "norm_topk_prob=False"),
-        ({"model_type": "qwen2_moe", **MOE}, "model_type 'qwen2_moe'"),
+        ({"model_type": "qwen2_moe", **MOE, "shared_expert_intermediate_size": 8, "qkv_bias": False}, "qkv_bias=False"),
+        ({"model_type": "qwen2_moe", **MOE, "shared_expert_intermediate_size": 8, "use_sliding_window": True}, "use_sliding_window=true in a Qwen2MoeForCausalLM"),
+        ({"model_type": "qwen2_moe", **MOE}, "shared_expert_intermediate_size"),
+        ({"model_type": "deepseek_v3", **MOE}, "model_type 'deepseek_v3'"),
         ({"model_type": "phi3", "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "takes longrope only"),
         ({"model_type": "phi3", "partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}}, "partial_rotary_factor differs"),
         ({"model_type": "phi3", "partial_rotary_factor": 1.5}, "turns more than a head"),
@@ -333,7 +356,7 @@ QWEN = [(kind, *p) for p in PLANS for kind in ("qwen2", "qwen3")]
 
 # Tiers (this file): each Qwen under tp (its biases split, its norms replicated) is core; the other plans of
 # each family sweep (each plan is core with the GPT and the Llama), and so does the Mixtral under every
-# expert plan (see test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device).
+# expert plan (see test_an_imported_mixture_trains_under_the_expert_plans_as_on_one_device).
 # Qwen2's windows sweep under every plan: a window under all-to-all is core in test_attention.py's
 # test_each_plan_attends_as_one_device_masks_included[dp+cp], in the ring's blocks in its scanned windows on
 # cp, windows that differ by layer and a pipeline's refusal of them in test_llama_window.py
@@ -479,6 +502,8 @@ MIXTRAL = {
     "num_experts_per_tok": 2,
     "sliding_window": 8,
 }
+QWEN2_MOE = {**SMALL, "model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}  # fmt: skip
 MOE_PLANS = [("ep", "expert=8"), ("fsdp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,model=2")]
 
 
@@ -490,12 +515,18 @@ MOE_PLANS = [("ep", "expert=8"), ("fsdp+ep", "data=2,expert=4"), ("tp+ep", "expe
 # (dense leaves ZeRO-3 over data, experts over expert: float64 = one device, ledger = model) in
 # test_fsdp_axes.py's test_fsdp_ep_matches_one_device_in_float64_and_its_ledger_the_model[llama].
 @pytest.mark.sweep
-@pytest.mark.parametrize(("plan", "mesh"), MOE_PLANS, ids=[p[0] for p in MOE_PLANS])
-def test_an_imported_mixtral_trains_under_the_expert_plans_as_on_one_device(plan, mesh):
-    """The Mixtral config.json reads dropless with renormalised gates (and its window): each device runs
-    its experts' rows of the gathered tokens, float64 equal to one device, the ledger the model's."""
-    cfg = config_from_hf(MIXTRAL)
-    assert (cfg.experts, cfg.capacity_factor, cfg.router_renormalize, cfg.window) == (8, 0.0, True, 8)
+@pytest.mark.parametrize(
+    ("kind", "plan", "mesh"),
+    [(k, *p) for k in ("mixtral", "qwen2_moe") for p in MOE_PLANS],
+    ids=[f"{k}-{p[0]}" for k in ("mixtral", "qwen2_moe") for p in MOE_PLANS],
+)
+def test_an_imported_mixture_trains_under_the_expert_plans_as_on_one_device(kind, plan, mesh):
+    """The Mixtral config.json reads dropless with renormalised gates (and its window), the Qwen2-MoE's with
+    its shared expert (a dense MLP every token runs, split like the attention): each device runs its
+    experts' rows of the gathered tokens, float64 equal to one device, the ledger the model's."""
+    cfg = config_from_hf(MIXTRAL if kind == "mixtral" else QWEN2_MOE)
+    want = (8, 0.0, True, 8, 0) if kind == "mixtral" else (8, 0.0, False, None, 24)
+    assert (cfg.experts, cfg.capacity_factor, cfg.router_renormalize, cfg.window, cfg.shared_ffn) == want
     cert = _certificate(cfg, plan, mesh, {})
     assert cert.ok, str(cert)
 

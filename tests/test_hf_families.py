@@ -62,6 +62,9 @@ REFERENCE_MODELS = {
                         "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     "hf-qwen2-yarn": {**COMMON, "model_type": "qwen2", "num_attention_heads": 2, "num_key_value_heads": 1,
                       "rope_theta": 10000.0, "rope_scaling": YARN},
+    "hf-qwen2-moe": {**COMMON, "model_type": "qwen2_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                     "shared_expert_intermediate_size": 24, "rope_theta": 1e6},
     "hf-phi3": {**COMMON, "model_type": "phi3", "num_attention_heads": 4, "num_key_value_heads": 2,
                 "partial_rotary_factor": 0.5, "sliding_window": WINDOW, "pad_token_id": None},
     "hf-olmo2": {**COMMON, "model_type": "olmo2", "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -89,6 +92,9 @@ MESHKIT_MODELS = {
                                        qkv_bias=True, window=WINDOW, sliding=(True, False, True)),
     "mixtral": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=48,
                                  experts=4, experts_per_token=2, capacity_factor=0.0, router_renormalize=True),
+    "qwen2_moe": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=16,
+                                   qkv_bias=True, experts=4, experts_per_token=2, capacity_factor=0.0,
+                                   router_renormalize=True, shared_ffn=40, norm_eps=1e-6, tie_embeddings=True),
     "phi3": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=1, ffn=48,
                               rotary_dim=6, fused=True, window=WINDOW),
     "olmo2": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
@@ -241,7 +247,7 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     assert cfg.rope_theta == made.get("rope_theta", 10000.0) and cfg.heads == made["num_attention_heads"]
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in made)
     assert (cfg.qkv_bias, cfg.qk_norm) == (
-        made["model_type"] == "qwen2",
+        made["model_type"] in ("qwen2", "qwen2_moe"),
         made["model_type"] in ("qwen3", "qwen3_moe"),
     )
     slides = made.get("use_sliding_window", made["model_type"] in ("mistral", "mixtral", "phi3"))

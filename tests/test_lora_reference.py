@@ -1,7 +1,7 @@
 """A LoRA model merged for export loads in Hugging Face ``transformers`` (the reference environments of
 ``tests/test_hf_reference.py``) and gives meshkit's logits of the adapted model, within 1e-5 in float32: a
-Llama, a Phi-3 (its adapted q, v and up merged into the fused ``qkv_proj`` and ``gate_up_proj``) and an
-OLMo 2."""
+Llama, a Phi-3 (its adapted q, v and up merged into the fused ``qkv_proj`` and ``gate_up_proj``), an
+OLMo 2 and a Qwen2-MoE (its routed experts' and its shared expert's up projections adapted)."""
 
 import dataclasses
 
@@ -32,6 +32,9 @@ FAMILIES = {
     "llama": CFG,
     "phi3": dataclasses.replace(CFG, fused=True, rotary_dim=4, window=8),
     "olmo2": dataclasses.replace(CFG, post_norms=True, qk_norm_whole=True),
+    "qwen2_moe": dataclasses.replace(
+        CFG, qkv_bias=True, experts=4, ffn=16, capacity_factor=0.0, shared_ffn=24
+    ),
 }
 
 

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from _tiers import tiered
-from meshkit.models import gpt, llama
+from meshkit.models import gpt, llama, llama_layers
 from meshkit.plans import _experts
 from meshkit.plans.tp_rules import vocab_rules
 from meshkit.spec import ParallelSpec
@@ -66,7 +66,7 @@ def test_dropless_moe_equals_numpy_float64(family, k, renormalize):
     else:
         p = {"w_gate": rng.normal(size=(e, d, f)), "w_up": rng.normal(size=(e, d, f)),
              "w_down": rng.normal(size=(e, f, d))}  # fmt: skip
-        fn = llama.experts_mlp
+        fn = llama_layers.experts_mlp
         one = lambda j, v: (_silu(v @ p["w_gate"][j]) * (v @ p["w_up"][j])) @ p["w_down"][j]  # noqa: E731
     x, router = rng.normal(size=(3, 10, d)), rng.normal(size=(d, e))
     router[:, 3] = router[:, 2]  # experts 2 and 3 tie for every token: the lower index wins

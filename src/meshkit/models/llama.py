@@ -65,12 +65,15 @@ from meshkit.models.llama_layers import (
     AXES,
     Params,
     cast_block,
-    experts_mlp,
+    dropless_ffn,
+    experts,
     init_block,
     mlp,
     normal,
     project_qkv,
+    residual,
     rms_norm,
+    shared_expert,
     token_positions,
     wide,
 )
@@ -78,7 +81,7 @@ from meshkit.models.quantize import linear
 from meshkit.models.rope import LinearRope, Llama3Rope, YarnRope
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
-from meshkit.plans import causal_attention, exchange_segments, moe
+from meshkit.plans import causal_attention, exchange_segments
 from meshkit.spec import PRECISIONS
 
 
@@ -149,6 +152,9 @@ class LlamaConfig:
     """Mixture of experts: the top-k gates divided by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
     router_aux_weight: float = 0.01
     """Mixture of experts: weight of the load-balancing loss added to the cross-entropy."""
+    shared_ffn: int = 0
+    """Mixture of experts: hidden width of a shared SwiGLU expert every token runs beside its routed ones,
+    gated by ``sigmoid(h w_shared_gate)`` (Qwen2-MoE's; leaves under ``"shared"``); 0: none."""
 
     def __post_init__(self):
         if self.kv_heads == 0:
@@ -171,6 +177,10 @@ class LlamaConfig:
             raise MeshkitError(
                 f"rotary_dim {self.rotary_dim} (head_dim {self.head_dim}): rotary embeddings turn an even number "
                 f"of a head's dims, at most all of them"
+            )
+        if self.shared_ffn and not self.experts:
+            raise MeshkitError(
+                f"shared_ffn={self.shared_ffn} without experts: a shared expert sits beside routed ones"
             )
         if self.qk_norm and self.qk_norm_whole:
             raise MeshkitError(
@@ -282,29 +292,6 @@ def _attention(
     return residual(p["attn_norm"], x_btd, sublayer, cfg)
 
 
-def residual(norm: Params, x_btd: jax.Array, sublayer: Callable, cfg: LlamaConfig) -> jax.Array:
-    """``x`` plus the sublayer: of the normalised ``x`` (pre-norm), or normalised after it (``post_norms``,
-    OLMo 2's norm, scaled in float32: ``rms_norm``'s ``wide_scale``)."""
-    if cfg.post_norms:
-        return x_btd + rms_norm(norm, sublayer(x_btd), cfg.norm_eps, wide_scale=True)
-    return x_btd + sublayer(rms_norm(norm, x_btd, cfg.norm_eps))
-
-
-def experts(p: Params, x_btd: jax.Array, cfg: LlamaConfig, capacity_factor: float) -> tuple:
-    """The mixture of experts of the normalised ``x_btd`` (``p``: a block's ``"moe"``): ``(y, aux,
-    dropped)`` as ``plans.moe`` computes them, at ``capacity_factor`` (0: dropless)."""
-    weights = {name: w for name, w in p.items() if name != "router"}
-    return moe(
-        experts_mlp,
-        weights,
-        p["router"],
-        x_btd,
-        k=cfg.experts_per_token,
-        capacity_factor=capacity_factor,
-        renormalize=cfg.router_renormalize,
-    )
-
-
 def _block(
     p: Params, x_btd: jax.Array, cfg: LlamaConfig, window: int | None, seg=None, pos=None
 ) -> jax.Array:
@@ -325,7 +312,7 @@ def _moe_block(
 
     def routed(h_btd: jax.Array) -> jax.Array:
         y_btd, out["aux"], out["dropped"] = experts(p["moe"], h_btd, cfg, cfg.capacity_factor)
-        return y_btd
+        return y_btd + shared_expert(p, h_btd)
 
     x_btd = residual(p["mlp_norm"], x_btd, routed, cfg)
     return x_btd, stats + jnp.stack([out["aux"], out["dropped"]]).astype(stats.dtype)
@@ -407,13 +394,8 @@ def decode(
     for i, (p, window) in enumerate(zip(layers, cfg.layer_windows, strict=True)):
         p = cast_block(p, cfg)
         x_btd = _attention(p, x_btd, cfg, window, pos=pos_bt, attend=functools.partial(attend, i))
-        x_btd = residual(p["mlp_norm"], x_btd, functools.partial(_dropless_ffn, p, cfg), cfg)
+        x_btd = residual(p["mlp_norm"], x_btd, functools.partial(dropless_ffn, p, cfg), cfg)
     return head(top, x_btd[:, -1:], cfg)
-
-
-def _dropless_ffn(p: Params, cfg: LlamaConfig, h_btd: jax.Array) -> jax.Array:
-    """A block's MLP, or its experts with every token routed (generation's)."""
-    return experts(p["moe"], h_btd, cfg, 0.0)[0] if cfg.experts else mlp(p["mlp"], h_btd)
 
 
 def make_loss(cfg: LlamaConfig, *, with_aux: bool = False, loss_chunk: int = 0) -> Callable:
@@ -484,6 +466,7 @@ def matmul_params(cfg: LlamaConfig) -> int:
     MLPs and the router)."""
     d, f, q, kv = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     mlp = cfg.experts_per_token * 3 * d * f + d * cfg.experts if cfg.experts else 3 * d * f
+    mlp += 3 * d * cfg.shared_ffn + d if cfg.shared_ffn else 0
     extra = (q + 2 * kv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
     extra += q + kv if cfg.qk_norm_whole else 0
     block = 2 * d * q + 2 * d * kv + mlp + 2 * d + extra

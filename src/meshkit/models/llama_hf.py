@@ -41,7 +41,7 @@ from meshkit.models.family import (
     whole,
     whole_or_null,
 )
-from meshkit.models.llama_hf_experts import MIXTRAL, QWEN3_MOE, Experts
+from meshkit.models.llama_hf_experts import MIXTRAL, QWEN2_MOE, QWEN3_MOE, Experts
 from meshkit.models.llama_hf_rope import PARTIAL
 
 
@@ -89,6 +89,10 @@ class _Type:
     default_window: int | None = None
     """``sliding_window`` where the config omits it (and, for a gated row, turns it on): transformers'
     default for the type, 4096 in 4.57.6 and 5.25.0 alike, which binds from position 4096 on."""
+    slides: bool = True
+    """Whether its window reads (Qwen2-MoE's does not: with ``use_sliding_window`` 4.57.6 slides every layer
+    under sdpa and eager attention and those from ``max_window_layers`` under flash attention, 5.x those
+    ``layer_types`` names: the checkpoint has no one meaning)."""
     olmo: bool = False
     """OLMo 2's block: norms after the sublayers (``post_norms``) and q/k norms over the heads' whole width
     (``qk_norm_whole``), stored as ``post_attention_layernorm``, ``post_feedforward_layernorm``, ``q_norm``,
@@ -178,6 +182,21 @@ TYPES: dict[str, _Type] = {
         experts=QWEN3_MOE,
         default_window=4096,
     ),
+    "qwen2_moe": _Type(
+        architecture="Qwen2MoeForCausalLM",
+        positions=32768,
+        head_dim=None,
+        kv_heads=16,
+        theta=1e4,
+        eps=1e-6,
+        qkv_bias=True,
+        qk_norm=False,
+        window="qwen",
+        wants=(("qkv_bias", True),),
+        experts=QWEN2_MOE,
+        default_window=4096,
+        slides=False,
+    ),
     "phi3": _Type(
         architecture="Phi3ForCausalLM",
         positions=4096,
@@ -263,6 +282,11 @@ def _window(
     window = data.get("sliding_window", row.default_window)
     if row.window in ("qwen", "gated") and not flag(data, "use_sliding_window", where, False):
         window = None
+    if window is not None and not row.slides:
+        raise InteropError(
+            f"{where}: use_sliding_window=true in a {row.architecture} config, whose window transformers 4.57 and "
+            f"5.x read differently (every layer, or those layer_types names): give use_sliding_window false"
+        )
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise InteropError(
             f"{where}: sliding_window={window!r} is not a whole number of tokens: give one, or null"
@@ -355,6 +379,10 @@ def _fits(row: _Type, cfg: Any) -> bool:
     if row.phi and cfg.rope_scaling is not None:
         return False
     if moe is not None and moe.renormalize is None and not cfg.router_renormalize:
+        return False
+    if (moe is not None and moe.shared is not None) != (cfg.shared_ffn > 0) or (
+        cfg.window and not row.slides
+    ):
         return False
     return cfg.window is None or row.window == "qwen" or (row.window != "none" and cfg.sliding is None)
 

@@ -1,5 +1,5 @@
 """How a Llama-family Hugging Face checkpoint (``meshkit.models.llama_hf``) says a mixture of experts:
-each model type's names for it (``Experts``: Mixtral's, Qwen3-MoE's), its ``config.json`` fields both ways
+each model type's names for it (``Experts``: Mixtral's, Qwen3-MoE's, Qwen2-MoE's with its shared expert), its ``config.json`` fields both ways
 (``read``, ``write``) and where its router and experts lie among the tensors (``names``).
 
 Experts read dropless (``capacity_factor=0``), as transformers runs them: every token its top-k
@@ -37,6 +37,9 @@ class Experts:
     """An expert's gate, up and down projections."""
     layers: tuple[str, ...] = ()
     """Fields saying which layers are sparse (Qwen3-MoE's ``decoder_sparse_step``, ``mlp_only_layers``)."""
+    shared: str | None = None
+    """The field of a shared expert's hidden width (Qwen2-MoE's ``shared_expert_intermediate_size``: its
+    ``{prefix}.shared_expert`` beside the routed ones, gated by ``{prefix}.shared_expert_gate``); None: none."""
 
 
 MIXTRAL = Experts(("num_local_experts",), "intermediate_size", None, "block_sparse_moe", ("w1", "w3", "w2"))
@@ -50,6 +53,16 @@ QWEN3_MOE = Experts(
     ("decoder_sparse_step", "mlp_only_layers"),
 )
 """Qwen3-MoE's: 4.x's and 5.x's names of the count, its gates renormalised where ``norm_topk_prob``."""
+QWEN2_MOE = Experts(
+    ("num_experts",),
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    ("decoder_sparse_step", "mlp_only_layers"),
+    "shared_expert_intermediate_size",
+)
+"""Qwen2-MoE's: Qwen3-MoE's names, and a gated shared expert."""
 
 _READ = frozenset({"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"})
 """Fields every mixture-of-experts row reads, besides those its ``Experts`` names."""
@@ -59,7 +72,7 @@ def fields(moe: Experts | None) -> frozenset[str]:
     """The ``config.json`` fields a model type with experts ``moe`` reads for them (none for a dense one)."""
     if moe is None:
         return frozenset()
-    return frozenset({*moe.count, moe.ffn, *moe.layers, *_READ} | ({moe.renormalize} - {None}))
+    return frozenset({*moe.count, moe.ffn, *moe.layers, *_READ} | ({moe.renormalize, moe.shared} - {None}))
 
 
 def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, Any]:
@@ -90,6 +103,7 @@ def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, 
     aux = positive(data.get("router_aux_loss_coef", 0.001), f"{where}: router_aux_loss_coef", zero=True)
     return {
         "experts": experts,
+        "shared_ffn": whole(data, moe.shared, where) if moe.shared else 0,
         "experts_per_token": whole(data, "num_experts_per_tok", where),
         "ffn": whole(data, moe.ffn, where),
         "capacity_factor": 0.0,
@@ -112,6 +126,8 @@ def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
     }
     if moe.renormalize is not None:
         out[moe.renormalize] = cfg.router_renormalize
+    if moe.shared is not None:
+        out[moe.shared] = cfg.shared_ffn
     return out | ({"decoder_sparse_step": 1, "mlp_only_layers": []} if moe.layers else {})
 
 
@@ -123,3 +139,14 @@ def names(moe: Experts, layer: str) -> Names:
             ("blocks", "moe", leaf),
             Source(f"{layer}{moe.prefix}.experts.{{j}}.{name}.weight", True, experts=True),
         )
+    if moe.shared is None:
+        return
+    for leaf, name in zip(("w_gate", "w_up", "w_down"), moe.weights, strict=True):
+        yield (
+            ("blocks", "shared", leaf),
+            Source(f"{layer}{moe.prefix}.shared_expert.{name}.weight", transpose=True),
+        )
+    yield (
+        ("blocks", "shared", "w_shared_gate"),
+        Source(f"{layer}{moe.prefix}.shared_expert_gate.weight", transpose=True),
+    )

@@ -12,6 +12,7 @@ rotary on the two halves of each head (``rotate_half``), ``silu(x w_gate) * (x w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from jax import lax
 
 from meshkit.models.quantize import linear
 from meshkit.models.rope import attention_scaling, inv_frequencies
-from meshkit.plans import expert_dot, sequence_positions
+from meshkit.plans import expert_dot, moe, sequence_positions
 
 Params = dict[str, Any]
 Axes = tuple[str | None, ...]
@@ -37,6 +38,7 @@ AXES: dict[str, Axes] = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
     "router": ("embed", None),
+    "w_shared_gate": ("embed", None),
     "bq": ("heads",),
     "bk": ("kv_heads",),
     "bv": ("kv_heads",),
@@ -194,9 +196,59 @@ def init_block(key: jax.Array, cfg: Any) -> Params:
         attn |= {"q_norm": jnp.ones((cfg.head_dim,), dt), "k_norm": jnp.ones((cfg.head_dim,), dt)}
     if cfg.qk_norm_whole:
         attn |= {"q_width_norm": jnp.ones((q,), dt), "k_width_norm": jnp.ones((kv,), dt)}
-    return {
+    block = {
         "attn_norm": {"scale": jnp.ones((d,), dt)},
         "attn": attn,
         "mlp_norm": {"scale": jnp.ones((d,), dt)},
         "moe" if cfg.experts else "mlp": mlp,
     }
+    if cfg.shared_ffn:
+        ks = jax.random.split(jax.random.fold_in(key, 2), 4)
+        s = cfg.shared_ffn
+        block["shared"] = {
+            "w_gate": normal(ks[0], (d, s), 0.02, dt),
+            "w_up": normal(ks[1], (d, s), 0.02, dt),
+            "w_down": normal(ks[2], (s, d), resid, dt),
+            "w_shared_gate": normal(ks[3], (d, 1), 0.02, dt),
+        }
+    return block
+
+
+def residual(norm: Params, x_btd: jax.Array, sublayer: Callable, cfg: Any) -> jax.Array:
+    """``x`` plus the sublayer: of the normalised ``x`` (pre-norm), or normalised after it (``post_norms``,
+    OLMo 2's norm, scaled in float32: ``rms_norm``'s ``wide_scale``)."""
+    if cfg.post_norms:
+        return x_btd + rms_norm(norm, sublayer(x_btd), cfg.norm_eps, wide_scale=True)
+    return x_btd + sublayer(rms_norm(norm, x_btd, cfg.norm_eps))
+
+
+def experts(p: Params, x_btd: jax.Array, cfg: Any, capacity_factor: float) -> tuple:
+    """The mixture of experts of the normalised ``x_btd`` (``p``: a block's ``"moe"``): ``(y, aux,
+    dropped)`` as ``plans.moe`` computes them, at ``capacity_factor`` (0: dropless)."""
+    weights = {name: w for name, w in p.items() if name != "router"}
+    return moe(
+        experts_mlp,
+        weights,
+        p["router"],
+        x_btd,
+        k=cfg.experts_per_token,
+        capacity_factor=capacity_factor,
+        renormalize=cfg.router_renormalize,
+    )
+
+
+def dropless_ffn(p: Params, cfg: Any, h_btd: jax.Array) -> jax.Array:
+    """A block's MLP, or its experts with every token routed (generation's), and any shared expert."""
+    if not cfg.experts:
+        return mlp(p["mlp"], h_btd)
+    return experts(p["moe"], h_btd, cfg, 0.0)[0] + shared_expert(p, h_btd)
+
+
+def shared_expert(p: Params, h_btd: jax.Array) -> jax.Array:
+    """A block's shared expert (Qwen2-MoE's ``shared_expert``, every token through it), gated per token by
+    ``sigmoid(h w_shared_gate)``; 0 for a block without one."""
+    if "shared" not in p:
+        return jnp.zeros((), h_btd.dtype)
+    s = p["shared"]
+    gate = jax.nn.sigmoid(linear(h_btd, s["w_shared_gate"]))
+    return gate * mlp({k: w for k, w in s.items() if k != "w_shared_gate"}, h_btd)
