@@ -4,7 +4,6 @@ Llama, a Phi-3 (its adapted q, v and up merged into the fused ``qkv_proj`` and `
 OLMo 2 and a Qwen2-MoE (its routed experts' and its shared expert's up projections adapted)."""
 
 import dataclasses
-
 import json
 import os
 import subprocess
