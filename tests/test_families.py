@@ -507,6 +507,24 @@ QWEN2_MOE = {**SMALL, "model_type": "qwen2_moe", "num_experts": 8, "num_experts_
 MOE_PLANS = [("ep", "expert=8"), ("fsdp+ep", "data=2,expert=4"), ("tp+ep", "expert=4,model=2")]
 
 
+def test_a_shared_expert_is_in_the_models_shape_and_the_planners_count():
+    """The Qwen2-MoE's shape carries its shared expert, back and forth, and the planner counts its
+    parameters exactly (the shared MLP and its gate beside the routed experts; a shape has no q/k/v
+    biases, which the planner leaves out for every Qwen2)."""
+    from meshkit.planner.sizes import param_count
+
+    cfg = config_from_hf(QWEN2_MOE)
+    shape = cfg.shape()
+    assert shape.shared_ffn == 24 and llama.LlamaConfig.from_shape(shape).shared_ffn == 24
+    params = jax.eval_shape(llama.init, jax.random.key(0), dataclasses.replace(cfg, qkv_bias=False))
+    assert param_count(shape) == sum(
+        int(np.prod(x.shape)) for x in jax.tree.leaves(params)
+    )  # no biases in a shape
+    assert param_count(dataclasses.replace(shape, shared_ffn=0)) == param_count(shape) - 2 * (
+        3 * 32 * 24 + 32
+    )
+
+
 # Tiers: sweeps, every plan (fsdp+ep was core, 16.8 s): the Mixtral's config.json read dropless with
 # renormalised gates and its window is core in test_windows_and_experts_read_and_write_as_their_own_model_type
 # [mixtral], its checkpoint's logits and greedy tokens transformers' in test_hf_families.py's [hf-mixtral];

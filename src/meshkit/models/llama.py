@@ -217,6 +217,7 @@ class LlamaConfig:
             experts=shape.experts,
             experts_per_token=shape.experts_per_token,
             capacity_factor=shape.capacity_factor,
+            shared_ffn=shape.shared_ffn,
         )
 
     def shape(self, name: str = "llama") -> ModelShape:
@@ -239,6 +240,7 @@ class LlamaConfig:
             experts=self.experts,
             experts_per_token=self.experts_per_token,
             capacity_factor=self.capacity_factor,
+            shared_ffn=self.shared_ffn,
         )
 
     @property

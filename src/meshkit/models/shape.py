@@ -49,6 +49,9 @@ class ModelShape:
     """Mixture of experts: an expert takes at most ``capacity_factor x tokens x experts_per_token /
     experts`` tokens of a batch; the rest are dropped (they pass through the residual), counted, reported.
     0: dropless, every slot runs (one grouped matmul per weight, ``plans._experts._dropless``)."""
+    shared_ffn: int = 0
+    """Mixture of experts: the hidden width of a shared (gated) MLP every token runs beside its routed ones,
+    with a gate of one output (Qwen2-MoE's ``shared_expert``); 0: none."""
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "vocab", "seq"):
@@ -77,6 +80,10 @@ class ModelShape:
                 raise MeshkitError(
                     f"capacity_factor={self.capacity_factor}: give 0 (dropless) or a factor above 0 (1.25 is usual)"
                 )
+        if self.shared_ffn and not (self.experts and self.gated):
+            raise MeshkitError(
+                f"shared_ffn={self.shared_ffn}: a shared expert sits beside a gated mixture of experts"
+            )
         if self.heads % self.kv_heads:
             raise MeshkitError(
                 f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"

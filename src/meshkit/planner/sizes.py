@@ -36,7 +36,8 @@ def layer_params(shape: ModelShape, tp: int = 1, ep: int = 1) -> float:
     if not shape.experts:
         return (attention + mlp) / tp + mlp_whole + whole
     per_device = shape.experts / ep
-    return (attention + mlp * per_device) / tp + mlp_whole * per_device + whole + d * shape.experts
+    shared = 3 * d * shape.shared_ffn / tp + (d if shape.shared_ffn else 0)  # its gate (D, 1) whole
+    return (attention + mlp * per_device) / tp + mlp_whole * per_device + whole + d * shape.experts + shared
 
 
 def embed_params(shape: ModelShape, tp: int = 1) -> float:
@@ -66,9 +67,10 @@ def active_param_count(shape: ModelShape) -> float:
 
 def layer_flops(shape: ModelShape) -> float:
     """Forward matmul FLOPs of one layer per token (the S^2 terms counted whole; a mixture of experts:
-    the router and the ``experts_per_token`` experts the token is sent to)."""
+    the router and the ``experts_per_token`` experts the token is sent to, and a shared expert and its gate)."""
     d, f, q, kv = shape.width, shape.ffn, *attention_widths(shape)
     mlp = 2 * (3 if shape.gated else 2) * d * f * shape.routed + 2 * d * shape.experts
+    mlp += 2 * (3 * d * shape.shared_ffn + d) if shape.shared_ffn else 0
     return 2 * (2 * d * q + 2 * d * kv) + 4 * shape.seq * q + mlp
 
 
@@ -105,9 +107,11 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, job: Job) -> tuple
     )  # GeLU: its input and output; SwiGLU: gate, up, product
     if shape.experts:  # the tokens dispatched to the experts (k copies of the MLP input)
         mlp += k * sb * d * e / split
+    shared = sb * shape.shared_ffn * e / t  # a shared expert's gate, up and product (dots: gate, up)
+    mlp += 3 * shared
     scores = 0.0 if job.flash_attention else sb * shape.heads * shape.seq * (2 * e + mask) / t
     full = replicated + attention + mlp + scores
-    dots = sb * d * e / split + attention + k * sb * f * (2 if shape.gated else 1) * e / t
+    dots = sb * d * e / split + attention + k * sb * f * (2 if shape.gated else 1) * e / t + 2 * shared
     return full, dots, sb * d * e / split
 
 
@@ -127,7 +131,7 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, job: Job) -> float:
         * job.act_bytes
         * (
             (10 + (4 * shape.experts_per_token if shape.experts else 0)) * d / split
-            + shape.routed * (3 if shape.gated else 2) * f / layout.tp
+            + (shape.routed * (3 if shape.gated else 2) * f + 3 * shape.shared_ffn) / layout.tp
         )
     )
 

@@ -67,6 +67,7 @@ def checkpoint_shape(cfg: C.TrainConfig, family: Family) -> dict[str, int]:
             "experts": shape.experts,
             "experts_per_token": shape.experts_per_token,
             "capacity_factor": shape.capacity_factor,
+            "shared_ffn": shape.shared_ffn,
         }
     return fixed
 
