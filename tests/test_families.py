@@ -143,6 +143,24 @@ WINDOWS_AND_EXPERTS = {
         },
         {"experts": 4, "router_renormalize": False, "router_aux_weight": 0.02, "window": None},
     ),
+    "qwen3_moe-dense": (  # Qwen3-MoE's rule: a layer is dense where named, or where step does not divide i + 1
+        {
+            **BASE,
+            "model_type": "qwen3_moe",
+            **MOE,
+            "num_hidden_layers": 4,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+            "intermediate_size": 40,
+        },
+        {
+            "experts": 4,
+            "ffn": 16,
+            "dense_layers": (True, False, True, True),
+            "dense_ffn": 40,
+            "sparse_layers": 1,
+        },
+    ),
     "qwen2_moe": (  # a shared expert of width 24 beside the routed ones; the Hub's configs carry a window off
         {
             **BASE,
@@ -184,13 +202,34 @@ def test_windows_and_experts_read_and_write_as_their_own_model_type(name, tmp_pa
         np.testing.assert_array_equal(a, np.asarray(b))
     if cfg.experts:
         names = interop.hf.Checkpoint(tmp_path / name).names()
-        assert sum(".experts.3." in n for n in names) == 3 * cfg.layers and not any(
+        assert sum(".experts.3." in n for n in names) == 3 * cfg.sparse_layers and not any(
             "experts.4" in n for n in names
         )
+        if cfg.dense_layers:  # layers of two kinds: no scanned form
+            with pytest.raises(
+                MeshkitError, match="dense layers between routed ones runs in the layers form only"
+            ):
+                dataclasses.replace(cfg, scan_layers=True)
+            return
         scanned = dataclasses.replace(cfg, scan_layers=True)  # (layers, experts, ...) read tensor by tensor
         stacked, _ = interop.load(tmp_path / name, scanned)
         for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(gpt.to_scanned(params)), strict=True):
             np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"dense_layers": (True, False)}, "experts is 0"),
+        ({"experts": 4, "dense_layers": (True, True)}, "every layer is dense"),
+        ({"experts": 4, "dense_layers": (True,)}, "dense_layers must be 2 booleans"),
+        ({"experts": 4, "dense_layers": (True, False), "scan_layers": True}, "runs in the layers form only"),
+    ],
+)
+def test_dense_layers_among_routed_ones_are_checked_in_one_line(kw, says):
+    with pytest.raises(MeshkitError, match=says) as e:
+        llama.LlamaConfig(vocab_size=64, seq_len=16, layers=2, width=32, heads=4, **kw)
+    assert "\n" not in str(e.value)
 
 
 def test_a_window_on_a_type_that_says_it_only_per_layer_is_refused_when_written():
@@ -261,8 +300,10 @@ def test_llama3_frequencies_are_transformers_formula():
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0 is not a whole number of tokens"),
         ({"model_type": "qwen3_moe", **MOE, "layer_types": ["sliding_attention"] * 2}, "layer_types="),
         ({"sliding_window": 16}, "sliding_window=16 in a LlamaForCausalLM config"),
-        ({"model_type": "qwen3_moe", **MOE, "decoder_sparse_step": 2}, "decoder_sparse_step=2, mlp_only_layers=[] make layers [0] dense"),
-        ({"model_type": "qwen3_moe", **MOE, "mlp_only_layers": [1]}, "mlp_only_layers=[1] make layers [1] dense"),
+        ({"model_type": "qwen3_moe", **MOE, "decoder_sparse_step": 3}, "decoder_sparse_step=3, mlp_only_layers=[] make every layer a dense MLP"),
+        ({"model_type": "qwen3_moe", **MOE, "mlp_only_layers": [0, 1]}, "make every layer a dense MLP"),
+        ({"model_type": "qwen3_moe", **MOE, "decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+        ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [1]}, "mlp_only_layers"),
         ({"model_type": "qwen3_moe", **MOE, "num_local_experts": 8}, "num_experts=4, num_local_experts=8 differ"),
         ({"model_type": "qwen3_moe", **MOE, "shared_expert_intermediate_size": 16}, "shared_expert_intermediate_size=16"),
         ({"model_type": "qwen3_moe", **MOE, "num_experts": 0}, "num_experts=0"),
@@ -535,17 +576,22 @@ def test_a_shared_expert_is_in_the_models_shape_and_the_planners_count():
 @pytest.mark.sweep
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh"),
-    [(k, *p) for k in ("mixtral", "qwen2_moe") for p in MOE_PLANS],
-    ids=[f"{k}-{p[0]}" for k in ("mixtral", "qwen2_moe") for p in MOE_PLANS],
+    [(k, *p) for k in ("mixtral", "qwen2_moe") for p in MOE_PLANS] + [("qwen2_moe-dense", "ep", "expert=8")],
+    ids=[f"{k}-{p[0]}" for k in ("mixtral", "qwen2_moe") for p in MOE_PLANS] + ["qwen2_moe-dense-ep"],
 )
 def test_an_imported_mixture_trains_under_the_expert_plans_as_on_one_device(kind, plan, mesh):
     """The Mixtral config.json reads dropless with renormalised gates (and its window), the Qwen2-MoE's with
-    its shared expert (a dense MLP every token runs, split like the attention): each device runs its
-    experts' rows of the gathered tokens, float64 equal to one device, the ledger the model's."""
-    cfg = config_from_hf(MIXTRAL if kind == "mixtral" else QWEN2_MOE)
+    its shared expert (a dense MLP every token runs, split like the attention), and with a dense layer
+    between routed ones: each device runs its experts' rows of the gathered tokens, float64 equal to one
+    device, the ledger the model's."""
+    dense = {"num_hidden_layers": 3, "mlp_only_layers": [1]} if kind.endswith("-dense") else {}
+    cfg = config_from_hf(MIXTRAL if kind == "mixtral" else {**QWEN2_MOE, **dense})
     want = (8, 0.0, True, 8, 0) if kind == "mixtral" else (8, 0.0, False, None, 24)
     assert (cfg.experts, cfg.capacity_factor, cfg.router_renormalize, cfg.window, cfg.shared_ffn) == want
-    cert = _certificate(cfg, plan, mesh, {})
+    assert cfg.dense_layers == ((False, True, False) if dense else None)
+    # a dense layer among routed ones dispatches nothing; under layer remat the gathers are redone, the
+    # outputs' scatters (which only join the residual) not
+    cert = _certificate(cfg, plan, mesh, {"remat": "layer"} if dense else {})
     assert cert.ok, str(cert)
 
 

@@ -61,6 +61,8 @@ import jax.numpy as jnp
 
 from meshkit._errors import MeshkitError
 from meshkit.models import llama_windows, stack
+from meshkit.models.llama_counts import flops_per_token as flops_per_token
+from meshkit.models.llama_counts import matmul_params as matmul_params
 from meshkit.models.llama_layers import (
     AXES,
     Params,
@@ -155,6 +157,11 @@ class LlamaConfig:
     shared_ffn: int = 0
     """Mixture of experts: hidden width of a shared SwiGLU expert every token runs beside its routed ones,
     gated by ``sigmoid(h w_shared_gate)`` (Qwen2-MoE's; leaves under ``"shared"``); 0: none."""
+    dense_layers: tuple[bool, ...] | None = None
+    """Mixture of experts: the layers whose MLP is dense, of width ``dense_ffn`` (Qwen3-MoE's
+    ``mlp_only_layers``, ``decoder_sparse_step``); None: every layer routed. The layers form only."""
+    dense_ffn: int = 0
+    """Hidden width of those dense MLPs; 0 means 4 x width."""
 
     def __post_init__(self):
         if self.kv_heads == 0:
@@ -165,8 +172,8 @@ class LlamaConfig:
                     f"width {self.width} is not divisible by heads {self.heads}: give head_dim"
                 )
             object.__setattr__(self, "head_dim", self.width // self.heads)
-        if self.ffn == 0:
-            object.__setattr__(self, "ffn", 4 * self.width)
+        for name in ("ffn", "dense_ffn"):
+            object.__setattr__(self, name, getattr(self, name) or 4 * self.width)
         if self.heads % self.kv_heads:
             raise MeshkitError(
                 f"heads {self.heads} is not divisible by kv_heads {self.kv_heads}: pick kv_heads dividing it"
@@ -188,6 +195,8 @@ class LlamaConfig:
             )
         if self.experts:
             self.shape()  # ModelShape checks the mixture-of-experts fields (one owner)
+        dense = llama_windows.settle_dense(self.dense_layers, self.layers, self.experts, self.scan_layers)
+        object.__setattr__(self, "dense_layers", dense)
         window, sliding = llama_windows.settle(self.window, self.sliding, self.layers, self.scan_layers)
         object.__setattr__(self, "window", window)
         object.__setattr__(self, "sliding", sliding)
@@ -249,6 +258,11 @@ class LlamaConfig:
         return tuple(self.window if s else None for s in self.sliding or (True,) * self.layers)
 
     @property
+    def sparse_layers(self) -> int:
+        """Layers whose MLP is routed (a mixture of experts'; 0 for a dense model)."""
+        return (self.layers - sum(self.dense_layers or ())) if self.experts else 0
+
+    @property
     def groups(self) -> int:
         """Query heads per key/value head."""
         return self.heads // self.kv_heads
@@ -265,7 +279,13 @@ def init(key: jax.Array, cfg: LlamaConfig) -> Params:
     k_tok, k_un, k_blocks = jax.random.split(key, 3)
     out = {
         "tok_embed": normal(k_tok, (cfg.vocab_size, cfg.width), 0.02, cfg.dtype),
-        "blocks": stack.layer_blocks(lambda k: init_block(k, cfg), k_blocks, cfg.layers, cfg.scan_layers),
+        "blocks": stack.layer_blocks(
+            lambda k, i=None: init_block(k, cfg, i is not None and cfg.dense_layers[i]),
+            k_blocks,
+            cfg.layers,
+            cfg.scan_layers,
+            indexed=cfg.dense_layers is not None,
+        ),
         "norm_f": {"scale": jnp.ones((cfg.width,), cfg.dtype)},
     }
     if not cfg.tie_embeddings:
@@ -327,7 +347,7 @@ def _layers(
     ``stack.run_layers`` (a scan, or a loop marking each block with ``meshkit.layer``); ``extra``: the
     batch's ``(segment_ids, positions)``, each None where absent."""
     stats = None
-    for window, lo, hi in llama_windows.runs(cfg):
+    for window, dense, lo, hi in llama_windows.runs(cfg):
 
         def block(p, x, seg, pos, window=window):
             return _block(p, x, cfg, window, seg, pos)
@@ -336,7 +356,8 @@ def _layers(
             return _moe_block(p, c, cfg, window, seg, pos)
 
         run = blocks if cfg.scan_layers else blocks[lo:hi]
-        x_btd, s = stack.run_layers(block, moe_block, x_btd, run, cfg.scan_layers, cfg.experts, extra)
+        routed = 0 if dense else cfg.experts
+        x_btd, s = stack.run_layers(block, moe_block, x_btd, run, cfg.scan_layers, routed, extra)
         stats = s if stats is None else stats + s
     return x_btd, stats
 
@@ -411,7 +432,9 @@ def make_loss(cfg: LlamaConfig, *, with_aux: bool = False, loss_chunk: int = 0) 
         lossy = lambda h, x: head_loss(h, x, batch[1], weights, loss_chunk)  # noqa: E731
         value, stats = forward(params, batch[0], cfg, segment_ids=seg, positions=pos, out=lossy)
         metrics = (
-            stack.moe_metrics(stats, batch[0].size, cfg.layers, cfg.experts_per_token) if cfg.experts else {}
+            stack.moe_metrics(stats, batch[0].size, cfg.sparse_layers, cfg.experts_per_token)
+            if cfg.experts
+            else {}
         )
         if cfg.experts:
             value = value + cfg.router_aux_weight * metrics["router_aux"]
@@ -460,25 +483,3 @@ def units(cfg: LlamaConfig) -> dict[str, int]:
     """Logical axes of whole units: the model axis must divide the query heads; key/value heads
     that do not divide over it stay whole on it (``tp_rules.WHERE_DIVIDES``)."""
     return {"heads": cfg.heads, "kv_heads": cfg.kv_heads}
-
-
-def matmul_params(cfg: LlamaConfig) -> int:
-    """Parameters that multiply activations: every matrix but the embedding lookup (the tied head
-    counts once, as a matmul); a mixture of experts those a token multiplies (``experts_per_token``
-    MLPs and the router)."""
-    d, f, q, kv = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    mlp = cfg.experts_per_token * 3 * d * f + d * cfg.experts if cfg.experts else 3 * d * f
-    mlp += 3 * d * cfg.shared_ffn + d if cfg.shared_ffn else 0
-    extra = (q + 2 * kv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
-    extra += q + kv if cfg.qk_norm_whole else 0
-    block = 2 * d * q + 2 * d * kv + mlp + 2 * d + extra
-    return cfg.layers * block + d + d * cfg.vocab_size
-
-
-def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token at a context of ``seq_len`` tokens (the run's sequence; default the
-    config's ``seq_len``, which is a checkpoint's max_position_embeddings): ``6 N + 12 L T (H h)``
-    (PaLM, appendix B), a layer with a window counting the ``min(T, window)`` keys a query may see."""
-    t = cfg.seq_len if seq_len is None else seq_len
-    seen = sum(t if w is None else min(t, w) for w in cfg.layer_windows)
-    return 6 * matmul_params(cfg) + 12 * seen * cfg.heads * cfg.head_dim

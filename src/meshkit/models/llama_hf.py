@@ -384,6 +384,8 @@ def _fits(row: _Type, cfg: Any) -> bool:
         cfg.window and not row.slides
     ):
         return False
+    if cfg.dense_layers and not (moe and moe.layers):
+        return False
     return cfg.window is None or row.window == "qwen" or (row.window != "none" and cfg.sliding is None)
 
 
@@ -466,11 +468,11 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
         for leaf in ("q_norm", "k_norm"):
             mine = leaf.replace("_", "_width_") if cfg.qk_norm_whole else leaf
             yield ("blocks", "attn", mine), Source(f"{layer}self_attn.{leaf}.weight")
-    if not cfg.experts:
+    if not cfg.experts or cfg.dense_layers:  # a dense model's MLP, or a dense layer's among sparse ones
         for leaf, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
-        return
-    yield from llama_hf_experts.names(TYPES[type_of(cfg)].experts, layer)
+    if cfg.experts:
+        yield from llama_hf_experts.names(TYPES[type_of(cfg)].experts, layer)
 
 
 def _fused(cfg: Any, layer: str) -> Names:

@@ -5,7 +5,8 @@ each model type's names for it (``Experts``: Mixtral's, Qwen3-MoE's, Qwen2-MoE's
 Experts read dropless (``capacity_factor=0``), as transformers runs them: every token its top-k
 experts by softmax probability, the gates renormalised to sum to 1 (Mixtral always, Qwen3-MoE where
 ``norm_topk_prob``). Each expert is its own tensors in the checkpoint (``experts.{j}``), stacked into
-meshkit's ``(E, D, F)`` leaves. ``router_aux_loss_coef`` is read as the weight of meshkit's
+meshkit's ``(E, D, F)`` leaves. Dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step``)
+read as ``LlamaConfig.dense_layers`` with ``intermediate_size`` their width, written as ``mlp_only_layers``. ``router_aux_loss_coef`` is read as the weight of meshkit's
 load-balancing loss (``router_aux_weight``; Switch's, per sequence and layer, where transformers pools
 the batch and the layers and counts each of the k choices: about k times meshkit's).
 ``output_router_logits`` (whether transformers returns the router's logits and adds its loss) changes
@@ -88,20 +89,11 @@ def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, 
     experts = need(data, key, where)
     if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
         raise InteropError(f"{where}: {key}={experts!r}: meshkit reads a mixture of at least 1 expert")
-    if moe.layers:
-        step, only = whole(data, "decoder_sparse_step", where, 1), data.get("mlp_only_layers") or []
-        if not isinstance(only, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in only
-        ):
-            raise InteropError(f"{where}: mlp_only_layers={only!r} is not a list of layer numbers: give one")
-        dense = [i for i in range(layers) if i in only or (i + 1) % step]
-        if dense:
-            raise InteropError(
-                f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={only!r} make layers {dense[:4]} dense MLPs: "
-                f"meshkit's Llama has experts in every layer; give a checkpoint whose every layer is sparse"
-            )
+    dense = _dense(data, where, moe, layers)
     aux = positive(data.get("router_aux_loss_coef", 0.001), f"{where}: router_aux_loss_coef", zero=True)
     return {
+        "dense_layers": dense if any(dense) else None,
+        "dense_ffn": whole(data, "intermediate_size", where) if any(dense) else 0,
         "experts": experts,
         "shared_ffn": whole(data, moe.shared, where) if moe.shared else 0,
         "experts_per_token": whole(data, "num_experts_per_tok", where),
@@ -110,6 +102,23 @@ def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, 
         "router_aux_weight": aux,
         "router_renormalize": moe.renormalize is None or flag(data, moe.renormalize, where, False),
     }
+
+
+def _dense(data: dict, where: str, moe: Experts, layers: int) -> tuple[bool, ...]:
+    """Which layers run a dense MLP of ``intermediate_size`` (transformers' rule: those ``mlp_only_layers``
+    names, and each whose number plus one ``decoder_sparse_step`` does not divide)."""
+    if not moe.layers:
+        return (False,) * layers
+    step, only = whole(data, "decoder_sparse_step", where, 1, least=1), data.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise InteropError(f"{where}: mlp_only_layers={only!r} is not a list of layer numbers: give one")
+    dense = tuple(i in only or bool((i + 1) % step) for i in range(layers))
+    if all(dense):
+        raise InteropError(
+            f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={only!r} make every layer a dense MLP: give "
+            f"the checkpoint as its dense model type"
+        )
+    return dense
 
 
 def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
@@ -128,7 +137,14 @@ def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
         out[moe.renormalize] = cfg.router_renormalize
     if moe.shared is not None:
         out[moe.shared] = cfg.shared_ffn
-    return out | ({"decoder_sparse_step": 1, "mlp_only_layers": []} if moe.layers else {})
+    if not moe.layers:
+        return out
+    dense = [i for i, d in enumerate(cfg.dense_layers or ()) if d]
+    return (
+        out
+        | {"decoder_sparse_step": 1, "mlp_only_layers": dense}
+        | ({"intermediate_size": cfg.dense_ffn} if dense else {})
+    )
 
 
 def names(moe: Experts, layer: str) -> Names:

@@ -170,19 +170,22 @@ def normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> ja
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def init_block(key: jax.Array, cfg: Any) -> Params:
+def init_block(key: jax.Array, cfg: Any, dense: bool = False) -> Params:
     """One block's parameters (``meshkit.models.llama``'s layout): weights ~ N(0, 0.02²), the residual
-    projections scaled by ``1/sqrt(2 layers)``, norm scales ones, biases zeros."""
-    d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
+    projections scaled by ``1/sqrt(2 layers)``, norm scales ones, biases zeros; ``dense``: a dense MLP of
+    width ``dense_ffn`` in a mixture of experts' layer (``dense_layers``)."""
+    routed = cfg.experts and not dense
+    d, f = cfg.width, cfg.dense_ffn if cfg.experts and dense else cfg.ffn
+    q, kv, dt = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
     resid = 0.02 / math.sqrt(2 * cfg.layers)
     kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
-    e = (cfg.experts,) if cfg.experts else ()
+    e = (cfg.experts,) if routed else ()
     mlp = {
         "w_gate": normal(kg, (*e, d, f), 0.02, dt),
         "w_up": normal(ku, (*e, d, f), 0.02, dt),
         "w_down": normal(kd, (*e, f, d), resid, dt),
     }
-    if cfg.experts:
+    if routed:
         mlp = {"router": normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
     attn = {
         "wq": normal(kq, (d, q), 0.02, dt),
@@ -200,9 +203,9 @@ def init_block(key: jax.Array, cfg: Any) -> Params:
         "attn_norm": {"scale": jnp.ones((d,), dt)},
         "attn": attn,
         "mlp_norm": {"scale": jnp.ones((d,), dt)},
-        "moe" if cfg.experts else "mlp": mlp,
+        "moe" if routed else "mlp": mlp,
     }
-    if cfg.shared_ffn:
+    if cfg.shared_ffn and routed:
         ks = jax.random.split(jax.random.fold_in(key, 2), 4)
         s = cfg.shared_ffn
         block["shared"] = {
@@ -239,7 +242,7 @@ def experts(p: Params, x_btd: jax.Array, cfg: Any, capacity_factor: float) -> tu
 
 def dropless_ffn(p: Params, cfg: Any, h_btd: jax.Array) -> jax.Array:
     """A block's MLP, or its experts with every token routed (generation's), and any shared expert."""
-    if not cfg.experts:
+    if "moe" not in p:
         return mlp(p["mlp"], h_btd)
     return experts(p["moe"], h_btd, cfg, 0.0)[0] + shared_expert(p, h_btd)
 

@@ -132,9 +132,11 @@ def mfu(job: Job, tokens_per_s: float) -> float | None:
 
 
 def moe_slots(job: Job) -> int:
-    """Token-slots a step routes: tokens x experts per token x layers of the global batch."""
+    """Token-slots a step routes: tokens x experts per token x routed layers of the global batch (a Llama's
+    dense layers among routed ones, ``LlamaConfig.sparse_layers``, route none)."""
     m = job.model
-    return job.cfg.data.batch_size * job.cfg.data.seq_len * m.experts_per_token * m.layers
+    layers = getattr(m, "sparse_layers", m.layers)
+    return job.cfg.data.batch_size * job.cfg.data.seq_len * m.experts_per_token * layers
 
 
 def sample(job: Job, chars: int, temperature: float = 0.8) -> str:

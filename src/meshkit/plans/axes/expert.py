@@ -42,19 +42,27 @@ class ExpertAxis(AxisPlan):
         ``S = E x B_local x T x width``. Under tensor parallelism the experts' matmuls on their ``S``
         rows (each device's E/N experts, N B_local C rows each) add the Megatron all-reduces over model:
         a row-parallel expert matrix its output's partial sums forward, a column-parallel one its input
-        gradient's backward, each ``S`` bytes."""
+        gradient's backward, each ``S`` bytes. MoE layers: those whose leaves hold experts (a dense MLP's
+        layer among them, Qwen3-MoE's ``mlp_only_layers``, dispatches nothing)."""
         placement, per_layer, accumulate = inputs.placement, inputs.per_layer, inputs.accumulate
         e, m = self.size(placement), placement.model_size
         if per_layer is None or not per_layer.experts:
             return
-        found = per_layer.found
-        layers = found.layers if found is not None and found.per_layer else 1
+        layers = _moe_layers(per_layer.found, placement)
         rows, dropless = per_layer.experts[0], per_layer.experts[1]
         forward = 1 if per_layer.remat == "none" else 2
-        if e > 1 and dropless:  # the group's tokens gathered, the outputs reduce-scattered back
+        if e > 1 and dropless:  # the group's tokens gathered, the outputs reduce-scattered back: remat redoes
+            # the gather, not the scatter, whose output only joins the residual sum (``_fsdp.tp_matrices``)
             count = (forward + 1) * layers * accumulate
             add("all-gather", EXPERT, count, e * rows, e, "MoE tokens of the expert group (dropless)")
-            add("reduce-scatter", EXPERT, count, e * rows, e, "MoE outputs back to their tokens (dropless)")
+            add(
+                "reduce-scatter",
+                EXPERT,
+                2 * layers * accumulate,
+                e * rows,
+                e,
+                "MoE outputs back to their tokens (dropless)",
+            )
         elif e > 1:
             add(
                 "all-to-all",
@@ -130,3 +138,14 @@ class ExpertAxis(AxisPlan):
 
 
 PLAN = ExpertAxis()
+
+
+def _moe_layers(found: Any, placement: Placement) -> int:
+    """Layer applications per forward pass that route tokens to experts: every scan iteration, or each
+    marked layer whose leaves hold an expert dim (1 where the loss has no layers meshkit can find)."""
+    if found is None or not found.per_layer:
+        return 1
+    if found.mode == "scan":
+        return found.layers
+    flat = placement.flat()
+    return sum(any(_experts.EXPERT_DIM in flat[i].names for i in group) for group in found.groups)

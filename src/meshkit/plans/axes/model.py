@@ -77,7 +77,8 @@ class ModelAxis(AxisPlan):
             count = (8 + s.recompute) * s.per_stage
         else:
             per_layer = 2 + (4 if s.meshkit else 2) + (1 if s.meshkit else 2) * s.recompute
-            per_layer += 2 if s.shape.shared_ffn else 0  # a shared expert: its w_down's sums, its input's gradient
+            # a shared expert: its w_down's output sums, its input's gradient sums
+            per_layer += 2 if s.shape.shared_ffn else 0
             ends = 0 if s.meshkit else 2 if s.layout.pp == 1 else 1  # vocab-parallel embedding, unembedding
             count = s.per_stage * per_layer + ends
         act = s.tokens_mb * s.shape.width * s.job.act_bytes  # one micro-batch's activation, whole
