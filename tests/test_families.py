@@ -479,16 +479,17 @@ def test_olmo2_norms_scale_in_float32_before_the_cast_as_transformers_olmo2_rmsn
 
 
 def test_the_ledger_reads_the_norms_scales_and_the_products_they_read_from_the_loss():
-    """``plans.norms`` on the loss's jaxpr: every norm's scale (Qwen3's per-head ones, OLMo 2's over the
+    """``plans.dataflow`` on the loss's jaxpr: every norm's scale (Qwen3's per-head ones, OLMo 2's over the
     heads' width, the blocks' and the final one), and the matrices whose products a norm squares (the q/k
     projections under either; OLMo 2's ``wo`` and ``w_down``, normalised before the residual sum)."""
-    from meshkit.plans import norms
+    from meshkit.plans import dataflow
 
     batch = (jax.ShapeDtypeStruct((2, 16), np.int32),) * 2
     found = {}
     for kind in ("qwen3", "olmo2"):
         cfg = config_from_hf({**SMALL, "model_type": kind, "head_dim": 4, "num_hidden_layers": 1})
-        found[kind] = norms(llama.make_loss(cfg), jax.eval_shape(llama.init, jax.random.key(0), cfg), batch)
+        flow = dataflow(llama.make_loss(cfg), jax.eval_shape(llama.init, jax.random.key(0), cfg), batch)
+        found[kind] = (flow.norm_scales, flow.normed)
     block = {"blocks/0/attn_norm/scale", "blocks/0/mlp_norm/scale", "norm_f/scale"}
     assert found["qwen3"] == (block | {"blocks/0/attn/q_norm", "blocks/0/attn/k_norm"},
                               {"blocks/0/attn/wq", "blocks/0/attn/wk"})  # fmt: skip

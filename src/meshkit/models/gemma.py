@@ -62,7 +62,7 @@ from jax import lax
 from meshkit._errors import MeshkitError
 from meshkit.models import stack
 from meshkit.models.gemma_layers import attention, mlp, project_qkv, rms_norm
-from meshkit.models.llama_layers import AXES, cast_block, normal, token_positions, wide
+from meshkit.models.llama_layers import AXES, cast_block, init_attention, normal, token_positions, wide
 from meshkit.models.quantize import linear
 from meshkit.models.shape import ModelShape
 from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
@@ -229,15 +229,10 @@ def _check(cfg: GemmaConfig) -> None:
 
 
 def _init_block(key: jax.Array, cfg: GemmaConfig) -> Params:
-    d, f, q, kv, dt = cfg.width, cfg.ffn, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
+    d, f, dt = cfg.width, cfg.ffn, cfg.dtype
     resid = 0.02 / math.sqrt(2 * cfg.layers)
     kq, kk, kv_, ko, kg, ku, kd = jax.random.split(key, 7)
-    attn = {
-        "wq": normal(kq, (d, q), 0.02, dt),
-        "wk": normal(kk, (d, kv), 0.02, dt),
-        "wv": normal(kv_, (d, kv), 0.02, dt),
-        "wo": normal(ko, (q, d), resid, dt),
-    }
+    attn = init_attention((kq, kk, kv_, ko), cfg, resid)
     if cfg.qk_norm:
         attn |= {"q_norm": jnp.zeros((cfg.head_dim,), dt), "k_norm": jnp.zeros((cfg.head_dim,), dt)}
     norm = lambda: {"scale": jnp.zeros((d,), dt)}  # noqa: E731

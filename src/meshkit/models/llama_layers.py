@@ -170,6 +170,17 @@ def normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> ja
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
+def init_attention(keys: tuple, cfg: Any, resid: float) -> Params:
+    """The attention's projections ``wq``, ``wk``, ``wv``, ``wo`` ~ N(0, 0.02²), ``wo`` ~ N(0, resid²) (the
+    Llama's and the Gemma's)."""
+    d, q, kv, dt = cfg.width, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.dtype
+    shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d)}
+    return {
+        name: normal(k, shape, resid if name == "wo" else 0.02, dt)
+        for k, (name, shape) in zip(keys, shapes.items(), strict=True)
+    }
+
+
 def init_block(key: jax.Array, cfg: Any, dense: bool = False) -> Params:
     """One block's parameters (``meshkit.models.llama``'s layout): weights ~ N(0, 0.02²), the residual
     projections scaled by ``1/sqrt(2 layers)``, norm scales ones, biases zeros; ``dense``: a dense MLP of
@@ -187,12 +198,7 @@ def init_block(key: jax.Array, cfg: Any, dense: bool = False) -> Params:
     }
     if routed:
         mlp = {"router": normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
-    attn = {
-        "wq": normal(kq, (d, q), 0.02, dt),
-        "wk": normal(kk, (d, kv), 0.02, dt),
-        "wv": normal(kv_, (d, kv), 0.02, dt),
-        "wo": normal(ko, (q, d), resid, dt),
-    }
+    attn = init_attention((kq, kk, kv_, ko), cfg, resid)
     if cfg.qkv_bias:
         attn |= {"bq": jnp.zeros((q,), dt), "bk": jnp.zeros((kv,), dt), "bv": jnp.zeros((kv,), dt)}
     if cfg.qk_norm:

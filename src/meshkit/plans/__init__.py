@@ -16,7 +16,7 @@ parallelism is the placement's rules (``tp_rules``), partitioned by XLA.
 
 from meshkit.plans._context import causal_attention, check_context, exchange_segments, position_rows
 from meshkit.plans._context import positions as sequence_positions
-from meshkit.plans._dataflow import batch_fed, matmul_rows, norms, quantized
+from meshkit.plans._dataflow import Dataflow, dataflow
 from meshkit.plans._expected import (
     CommRow,
     Expected,
@@ -51,6 +51,7 @@ __all__ = [
     "Assembled",
     "Attention",
     "CommRow",
+    "Dataflow",
     "Expected",
     "LeafPlacement",
     "LossFn",
@@ -63,7 +64,6 @@ __all__ = [
     "StepShardings",
     "Trainable",
     "assemble",
-    "batch_fed",
     "bubble_model",
     "build_schedule",
     "build_step",
@@ -71,6 +71,7 @@ __all__ = [
     "check_context",
     "check_whole_sequences",
     "compare_communication",
+    "dataflow",
     "device_bytes",
     "exchange_segments",
     "expected_collectives",
@@ -80,15 +81,12 @@ __all__ = [
     "keeps_forward",
     "layer",
     "manual_data_axis",
-    "matmul_rows",
     "memory_formula",
     "micro_batches",
     "moe",
-    "norms",
     "place",
     "plot_schedule",
     "position_rows",
-    "quantized",
     "remat_policy",
     "sequence_positions",
     "spec_mesh",

@@ -159,60 +159,49 @@ class _Norms:
             self.products[outer] = seen.products[inner_var]
 
 
-def norms(loss_fn: Callable, params: Any, *rest: Any) -> tuple[frozenset[str], frozenset[str]]:
-    """``(scales, normed)`` (``_Norms``), paths of parameter leaves. Where the model axis splits a scale
-    (OLMo 2's q/k norms over every head's width), the compiler sums the norm's statistics over it, forward
-    and backward; a row-parallel matrix whose product a norm reads is recomputed under layer remat even
-    when it is the layer's last. The model axis's ledger counts both."""
+@dataclass(frozen=True)
+class Dataflow:
+    """What the ledger reads of a loss's jaxpr (``dataflow``), as paths (``a/b/c``) of parameter leaves."""
+
+    batch_fed: frozenset[str]
+    """Leaves some matmul multiplies with a value that depends on no parameter (with ``trainable``: on no
+    trainable one; a frozen leaf's gradient is not asked for, like the batch's): XLA drops a
+    column-parallel matrix's input-gradient all-reduce there."""
+    quantized: frozenset[str]
+    """Leaves some matmul multiplies in int8 (``meshkit.models.quantize``: the leaf divided by its scale,
+    rounded and cast is still the leaf; where frozen leaves are given, LoRA's ``W + s A @ B`` is ``W``): the
+    model axis adds their int32 partial sums and their scales' all-reduces."""
+    norm_scales: frozenset[str]
+    """Leaves that scale a normalised value (``_Norms``): where the model axis splits one (OLMo 2's q/k
+    norms over every head's width), the compiler sums the norm's statistics over it, forward and backward."""
+    normed: frozenset[str]
+    """Matrices whose product a norm reads: a row-parallel one is recomputed under layer remat even when
+    it is the layer's last."""
+    rows: dict[str, int]
+    """Per leaf the most rows a matmul multiplies it with: the other operand's dims neither contracted nor
+    batched (a token model's ``examples x sequence`` for each projection)."""
+
+
+def dataflow(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None) -> Dataflow:
+    """``Dataflow`` of ``loss_fn(params, *rest)`` (arrays or ``jax.ShapeDtypeStruct``s), from one trace;
+    ``trainable``: a ``_frozen.Trainable``, or None where every leaf trains."""
     closed = jax.make_jaxpr(loss_fn)(params, *rest)
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     invars = closed.jaxpr.invars[: len(paths)]
-    seen = _Norms()
-    _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), norms=seen)
-    return frozenset(seen.scales), frozenset(seen.normed)
 
+    def walk(taint: set, found: set, **kw: Any) -> None:
+        _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), taint, found, **kw)
 
-def batch_fed(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None) -> frozenset[str]:
-    """Paths (``a/b/c``) of parameter leaves some matmul multiplies with a value that depends on no
-    parameter (with ``trainable``, a ``_frozen.Trainable``: on no trainable one; a frozen leaf's
-    gradient is not asked for, like the batch's). ``loss_fn(params, *rest)``; arguments may be arrays
-    or ``jax.ShapeDtypeStruct``s."""
-    closed = jax.make_jaxpr(loss_fn)(params, *rest)
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    invars = closed.jaxpr.invars[: len(paths)]
-    origin = dict(zip(invars, paths, strict=True))
-    found: set = set()
-    if trainable is None:
-        _walk(closed.jaxpr, origin, set(invars), found)
-    else:
-        taint = {v for v, m in zip(invars, trainable.mask, strict=True) if m}
-        _walk(closed.jaxpr, origin, taint, found, weights=set(invars))
-    return frozenset(found)
-
-
-def quantized(loss_fn: Callable, params: Any, *rest: Any, trainable: Any = None) -> frozenset[str]:
-    """Paths of parameter leaves some matmul multiplies in int8 (``meshkit.models.quantize``: the leaf
-    divided by its scale, rounded and cast is still the leaf here). The model axis's ledger adds their
-    int32 partial sums and their scales' all-reduces. ``loss_fn(params, *rest)`` and ``trainable``
-    (where frozen leaves are given: LoRA's ``W + s A @ B`` is ``W``), as for ``batch_fed``."""
-    closed = jax.make_jaxpr(loss_fn)(params, *rest)
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    invars = closed.jaxpr.invars[: len(paths)]
-    found: set = set()
+    fed: set = set()
     weights = None if trainable is None else set(invars)
-    _walk(
-        closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), weights=weights, int8=found
-    )
-    return frozenset(found)
-
-
-def matmul_rows(loss_fn: Callable, params: Any, *rest: Any) -> dict[str, int]:
-    """Per parameter leaf path (``a/b/c``) the most rows a matmul multiplies it with: the other
-    operand's dims that are neither contracted nor batched (a token model's ``examples x sequence``
-    for each projection). ``loss_fn(params, *rest)``, as for ``batch_fed``."""
-    closed = jax.make_jaxpr(loss_fn)(params, *rest)
-    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    invars = closed.jaxpr.invars[: len(paths)]
+    if trainable is None:
+        walk(set(invars), fed)
+    else:
+        walk({v for v, m in zip(invars, trainable.mask, strict=True) if m}, fed, weights=set(invars))
+    int8: set = set()
+    walk(set(invars), set(), weights=weights, int8=int8)
     rows: dict[str, int] = {}
-    _walk(closed.jaxpr, dict(zip(invars, paths, strict=True)), set(invars), set(), rows)
-    return rows
+    walk(set(invars), set(), rows=rows)
+    seen = _Norms()
+    walk(set(invars), set(), norms=seen)
+    return Dataflow(frozenset(fed), frozenset(int8), frozenset(seen.scales), frozenset(seen.normed), rows)

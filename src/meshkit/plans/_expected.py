@@ -85,8 +85,8 @@ def expected_collectives(
         element of zero3's all-gather and reduce-scatter under mixed precision (2 for bf16); ``form``: a
         context plan's attention (``meshkit.spec.CONTEXT_ATTENTION``); ``segment_bytes``: bytes per segment
     id of a batch of packed documents (0: none); ``quantized``: the leaves multiplied in int8
-    (``_dataflow.quantized``); ``norm_scales``, ``normed``: the leaves that scale a normalised value, and the
-    matrices whose products a norm reads (``_dataflow.norms``)."""
+    (``_dataflow.dataflow``); ``norm_scales``, ``normed``: the leaves that scale a normalised value, and the
+    matrices whose products a norm reads (``_dataflow.dataflow``)."""
     out: list[Expected] = []
 
     def add(op, axes, count, size, n_group, what):

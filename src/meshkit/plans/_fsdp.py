@@ -252,7 +252,7 @@ def tp_matrices(
     layer's forward, and with it the row-parallel output all-reduces, but not the layer's last one
     (its output only feeds the residual sum, which the backward pass does not need): the model counts
     one fewer than the layer's row-parallel matrices again per layer, unless a norm reads that last
-    output (``normed``, ``_dataflow.norms``: OLMo 2's norm after the MLP), whose backward needs it."""
+    output (``normed``, ``_dataflow.dataflow``: OLMo 2's norm after the MLP), whose backward needs it."""
     found = per.found if per is not None else None
     stacked = set(found.layer_leaves) if found is not None and found.mode == "scan" else set()
     redo: set[int] = set()

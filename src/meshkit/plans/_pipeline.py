@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshkit.plans import _schedule
-from meshkit.plans._dataflow import norms
+from meshkit.plans._dataflow import dataflow
 from meshkit.plans._pipeline_region import local_pipeline as local_pipeline
 from meshkit.plans._pipeline_region import pipeline_gradients
 from meshkit.plans._pipeline_report import PipelineReport
@@ -306,13 +306,16 @@ class Pipeline:
         return rows
 
     def _norms(self, params: Any, act: jax.ShapeDtypeStruct) -> tuple[frozenset[str], frozenset[str]]:
-        """``_dataflow.norms`` of the blocks, as the placement's paths: the norms' scales and the matrices
+        """``_dataflow.dataflow`` of the blocks, as the placement's paths: the norms' scales and the matrices
         whose products a norm reads."""
         if self.placement.model_size == 1:
             return frozenset(), frozenset()
         run = lambda blocks, x: self.stages.run_blocks(blocks, x)  # noqa: E731
-        found = norms(run, self.stages.split(params)[1], act)
-        return tuple(frozenset(f"{self.stages.blocks}/{path}" for path in paths) for paths in found)
+        found = dataflow(run, self.stages.split(params)[1], act)
+        return tuple(
+            frozenset(f"{self.stages.blocks}/{p}" for p in paths)
+            for paths in (found.norm_scales, found.normed)
+        )
 
     def _model_rows(self, act: jax.ShapeDtypeStruct, item: int, trainable: Any, found: tuple) -> list[tuple]:
         """The rows over ``model`` (tp+pp), per layer of a chunk: every row-parallel matrix all-reduces

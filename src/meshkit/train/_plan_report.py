@@ -14,14 +14,11 @@ import numpy as np
 from meshkit.analysis import communication, memory
 from meshkit.plans import (
     MemoryRow,
-    batch_fed,
     compare_communication,
+    dataflow,
     device_bytes,
     expected_collectives,
-    matmul_rows,
     memory_formula,
-    norms,
-    quantized,
 )
 from meshkit.plans.peak import peak_report_later
 from meshkit.plans.placement import Placement
@@ -53,11 +50,10 @@ def plan_report(trainer: Any, batch: Any) -> PlanReport:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (trainer.params, trainer.state)
         )
         args = (trainer.assembled.loss, *shapes, trainer.put_batch(batch), trainer._step_key())
-        fed = batch_fed(*args, trainable=trainer.per_layer.trainable)
-        int8 = quantized(*args, trainable=trainer.per_layer.trainable)
-        scales, normed = norms(*args)
+        flow = dataflow(*args, trainable=trainer.per_layer.trainable)  # one trace of the loss
+        fed, int8, scales, normed = flow.batch_fed, flow.quantized, flow.norm_scales, flow.normed
         if trainer.tokens_per_example is None:
-            per_example = _tokens_per_example(matmul_rows(*args), trainer.placement, n_examples)
+            per_example = _tokens_per_example(flow.rows, trainer.placement, n_examples)
     tokens = n_examples // (trainer.placement.batch_devices * trainer.accumulate) * per_example
     low = None
     if trainer.compute_dtype is not None and trainer.plan.gathers_in_compute_dtype:

@@ -50,10 +50,10 @@ class LedgerInputs:
     quantized: frozenset[str] = frozenset()
     """Paths of the leaves multiplied in int8 (``--quantize``): the model axis all-reduces their scales."""
     norm_scales: frozenset[str] = frozenset()
-    """Paths of the leaves that scale a normalised value (``_dataflow.norms``): one the model axis splits
+    """Paths of the leaves that scale a normalised value (``_dataflow.dataflow``): one the model axis splits
     sums its norm's statistics over it."""
     normed: frozenset[str] = frozenset()
-    """Paths of the matrices whose products a norm reads (``_dataflow.norms``): layer remat recomputes them."""
+    """Paths of the matrices whose products a norm reads (``_dataflow.dataflow``): layer remat recomputes them."""
 
     @property
     def tokens(self) -> int:
