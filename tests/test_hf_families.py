@@ -123,7 +123,7 @@ def _perturbed(cfg, seed):
 
 def _asked(request) -> set[str]:
     """The cases of this module the session runs (every one, where it cannot tell): the reference process
-    makes only their files (the core tier asks for 4 of the 17)."""
+    makes only their files (the core tier asks for 5 of the 30)."""
     names = {
         item.callspec.params.get("name")
         for item in request.session.items
@@ -180,10 +180,11 @@ def _agree(tmp, name, params, cfg, tokens):
 # the Mixtral's checkpoint (a mixture of experts generating dropless from the cache with a window in every
 # layer: test_llama_window.py's generation [experts] sweeps beside it). The other families sweep: their
 # side of meshkit is core in test_families.py (each type's config.json and weights written and read back
-# as its own model type, windows and experts included, 5.x's form too; each Qwen trained under tp) and in
-# test_interop.py (a Llama's experts written as Mixtral's or Qwen3-MoE's, or refused); the reference
-# process makes only the files of the cases a session runs (4 of 17 in the core tier).
-CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3", "hf-qwen2-yarn", "hf-phi3"}
+# as its own model type, windows and experts included, 5.x's form too; each Qwen and the OLMo 2 trained under
+# tp) and in test_interop.py (a Llama's experts written as Mixtral's or Qwen3-MoE's, or refused); the Phi-3,
+# the OLMo 2, the Qwen2-MoE and the dense layers among routed ones sweep here; the reference process makes
+# only the files of the cases a session runs (5 of 30 in the core tier).
+CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3", "hf-qwen2-yarn"}
 
 
 @pytest.mark.parametrize(
