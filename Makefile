@@ -31,11 +31,12 @@ reference:
 # replacement worker can sit idle until CI's limit: pytest-xdist#1328). --dist worksteal: an idle worker
 # takes tests queued on the other, so neither waits alone at the end.
 # `make test` is the core tier with the references against transformers 5.x (-m "not sweep" replaces
-# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 14:23 and 15:32 measured
-# quietly on 2026-12-07 with --quantize int8 and YaRN, the same 1,626 cases (14:52 that afternoon before
-# them, 12:24 that morning, and 14:02 to 15:57 earlier: the machine's speed moves by a fifth between runs;
-# Muon's certificate has since moved to the sweeps), 33:35 beside `make sweeps` (1,626 passed; the sweeps'
-# 479 in 40:44 meanwhile);
+# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 16:46 measured quietly on
+# 2026-12-07's evening with Phi-3, OLMo 2, Qwen2-MoE and dense layers (1,652 cases; their own core cases
+# add about 10 s), 40:39 beside `make sweeps` (1,649 passed, after three cases moved to the sweeps) on a
+# machine a fifth slower than that morning's, when the same tier measured 14:23 and 15:32 quietly and 33:35
+# beside the sweeps (14:52 and 12:24 earlier that day, 14:02 to 15:57 before: the machine's speed moves
+# by a fifth between runs);
 # `make sweeps` alone 24:17 and 24:19
 # (2026-12-06/07, before DPO and GRPO). The costliest core
 # cases are each the last of their path in the core tier (the Tiers comments in their files name the
