@@ -113,6 +113,8 @@ class Family:
     ``decode`` (generation's forward over a key/value cache)."""
     config_name: str
     """The config class in that module (``from_shape(shape, precision=, scan_layers=)``, ``shape()``)."""
+    config_module: str = ""
+    """The module defining that class where it is not the model module ('': the model module)."""
     gated: bool = False
     """``ModelShape.gated``: a SwiGLU MLP (the planner's formulas follow it)."""
     options: tuple[str, ...] = ()

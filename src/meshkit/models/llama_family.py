@@ -58,6 +58,7 @@ FAMILY = Family(
     about="rotary, RMSNorm, SwiGLU, grouped-query attention",
     module_name="meshkit.models.llama",
     config_name="LlamaConfig",
+    config_module="meshkit.models.llama_config",
     gated=True,
     options=("kv_heads", "tie_embeddings"),
     options_of=options_of,

@@ -57,7 +57,7 @@ def family(name: str) -> Family:
 def family_of(cfg: Any) -> Family:
     """The family of a model config (an instance of its config class)."""
     for f in families():
-        if type(cfg).__module__ == f.module_name and type(cfg).__name__ == f.config_name:
+        if type(cfg).__module__ == (f.config_module or f.module_name) and type(cfg).__name__ == f.config_name:
             return f
     raise TypeError(f"no meshkit model family has config {type(cfg).__name__}")
 
