@@ -596,15 +596,63 @@ def test_an_imported_mixture_trains_under_the_expert_plans_as_on_one_device(kind
     assert cert.ok, str(cert)
 
 
+GPT_OSS = {**SMALL, "model_type": "gpt_oss", "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 4,
+           "sliding_window": 8, "intermediate_size": 16, "swiglu_limit": 0.05, "transformers_version": "5.25.0"}  # fmt: skip
+"""GPT-OSS (its YaRN by default, every other layer's window, sinks, biases everywhere) with a clamp that binds at
+these sizes (5.x's ``swiglu_limit``)."""
+#: (plan, mesh, key/value heads); under tp alone float64 only: the ledger has no model of experts split over the
+#: model axis without an expert axis (measured for a Mixtral too: 1,266,944 B of all-reduces against 578,816)
+OSS_PLANS = [
+    ("ep", "expert=8", 2),
+    ("fsdp+ep", "data=2,expert=4", 2),
+    ("tp+ep", "expert=4,model=2", 2),
+    ("fsdp", "data=8", 2),
+    ("tp", "model=8", 8),
+]
+
+
+# Tiers: tp+ep is core (the sinks and the q/k/v/o biases split with the heads, the router's bias whole, the
+# experts' biases split with the experts and their width); the other plans sweep.
+@pytest.mark.parametrize(("plan", "mesh", "kv"), tiered(OSS_PLANS, [c[0] for c in OSS_PLANS], core={"tp+ep"}))
+def test_gpt_oss_trains_under_the_plans_as_on_one_device(plan, mesh, kv):
+    """GPT-OSS's config.json reads as its switches (sinks, o and router and expert biases, float32 norm scales,
+    the clamped SwiGLU, dropless renormalised routing, every other layer's window, YaRN); under each plan
+    float64 equals one device and the ledger its model."""
+    cfg = config_from_hf({**GPT_OSS, "num_key_value_heads": kv})
+    assert (cfg.sinks, cfg.o_bias, cfg.moe_bias, cfg.wide_norms, cfg.qkv_bias) == (True,) * 5
+    assert (cfg.swiglu_limit, cfg.capacity_factor, cfg.router_renormalize) == (0.05, 0.0, True)
+    assert (cfg.window, cfg.sliding, type(cfg.rope_scaling).__name__) == (8, (True, False), "YarnRope")
+    axes = llama.logical_axes(llama.init(jax.random.key(0), cfg))["blocks"][0]
+    assert (axes["attn"]["sinks"], axes["attn"]["bo"], axes["moe"]["router_bias"]) == (
+        ("heads",),
+        ("embed",),
+        (None,),
+    )
+    assert (axes["moe"]["b_gate"], axes["moe"]["b_down"]) == (("expert", "mlp"), ("expert", "embed"))
+    cert = _certificate(cfg, plan, mesh, {})
+    if plan == "tp":  # experts split over model alone: the ledger does not model it (a Mixtral's neither)
+        assert cert.exact_vs_single_device <= 1e-10, str(cert)
+        return
+    assert cert.ok, str(cert)
+
+
 # Tiers: sweeps: ``--init-from hf:`` of a Llama checkpoint is core in test_llama_cli.py
 # (test_init_from_the_export_starts_from_its_weights), a run from another model type's checkpoint exported
 # as that type in test_gemma.py's gemma2 run, Qwen3's config and weights written and read as qwen3 in
 # test_each_family_reads_its_switches_and_writes_its_own_model_type[qwen3], its training in
 # test_qwen_trains_under_the_plans_as_on_one_device[tp-qwen3].
+RUN_FROM = {
+    "qwen3": {"model_type": "qwen3", "head_dim": 8},
+    "gpt_oss": {"model_type": "gpt_oss", "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 16, "sliding_window": 8},
+}  # fmt: skip
+
+
 @pytest.mark.sweep
-def test_a_run_from_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
-    """``--init-from hf:DIR`` with a Qwen3 checkpoint: the run's model is the checkpoint's (qk_norm on,
-    its weights), and ``meshkit export`` writes it back as model_type qwen3."""
+@pytest.mark.parametrize("kind", list(RUN_FROM))
+def test_a_run_from_a_checkpoint_trains_and_exports_as_its_model_type(tmp_path, kind):
+    """``--init-from hf:DIR`` with a Qwen3 (or a GPT-OSS) checkpoint: the run's model is the checkpoint's (qk_norm
+    on, its weights; the sinks, biases and clamp), and ``meshkit export`` writes it back as its model_type."""
     import io
     import json
 
@@ -617,18 +665,20 @@ def test_a_run_from_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
     from meshkit.train.outputs import export_run
 
     data = load(C.tiny().data.data)
-    model = config_from_hf({**SMALL, "model_type": "qwen3", "vocab_size": len(data.chars), "head_dim": 8,
-                            "num_attention_heads": 4, "max_position_embeddings": 64})  # fmt: skip
+    model = config_from_hf({**SMALL, **RUN_FROM[kind], "vocab_size": len(data.chars), "num_attention_heads": 4,
+                            "max_position_embeddings": 64})  # fmt: skip
     params = llama.init(jax.random.key(1), model)
     interop.save(params, model, tmp_path / "ckpt", vocab=data.chars)
     cfg = C.tiny().replace(model="llama", layers=2, width=32, heads=4, kv_heads=2, plan="dp", steps=2,
                            eval_every=0, init_from=f"hf:{tmp_path / 'ckpt'}", run_dir=str(tmp_path / "run"))  # fmt: skip
     job = prepare(cfg)
-    assert job.model.qk_norm and job.trainer.params["blocks"][0]["attn"]["q_norm"].shape == (8,)
+    assert job.model == model
+    attn = job.trainer.params["blocks"][0]["attn"]
+    assert attn["q_norm"].shape == (8,) if kind == "qwen3" else attn["sinks"].shape == (4,)
     assert train(job, Console(file=io.StringIO()))
     (tmp_path / "run" / "config.json").write_text(C.dumps(cfg))
     export_run(tmp_path / "run", tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == kind
     assert interop.read_config(tmp_path / "out") == model
 
 
@@ -670,6 +720,77 @@ HUB = {
                    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.2",
                    "use_cache": True, "attention_bias": False, "vocab_size": 64},
 }  # fmt: skip
+
+
+#: openai/gpt-oss-120b's config.json (https://huggingface.co/openai/gpt-oss-120b/raw/main/config.json, as a
+#: public repository's test copies it, read 2026-10-02), its sizes made tiny and its MXFP4 quantization aside
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 8, "hidden_act": "silu", "hidden_size": 32, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 16, "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 4, "num_experts_per_tok": 4,
+    "num_hidden_layers": 4, "num_key_value_heads": 2, "num_local_experts": 8, "output_router_logits": False,
+    "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 64,
+}  # fmt: skip
+MXFP4 = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                    "lm_head"], "quant_method": "mxfp4"}  # fmt: skip
+
+
+def test_gpt_oss_reads_openais_config_and_its_rotary_as_the_writer_computes():
+    """OpenAI's own config reads (its aliases checked, its windows every other layer); its MXFP4 experts, an alias
+    that disagrees, and a clamp or a null rotary whose meaning depends on the transformers that wrote it are
+    refused in one line naming the field; the rotary a config does not name is GPT-OSS's YaRN in both versions."""
+    cfg = config_from_hf(GPT_OSS_120B)
+    assert (cfg.window, cfg.sliding, cfg.experts, cfg.experts_per_token) == (128, (True, False) * 2, 8, 4)
+    assert (cfg.rope_scaling.factor, cfg.rope_scaling.truncate, cfg.rope_theta) == (32.0, False, 150000.0)
+    assert config_from_hf(config_to_hf(cfg)) == cfg and config_to_hf(cfg)["model_type"] == "gpt_oss"
+    refused = {
+        "quantization_config": ({"quantization_config": MXFP4}, "quant_method 'mxfp4'.*dequantized"),
+        "alias": ({"experts_per_token": 2}, "experts_per_token=2 and num_experts_per_tok=4 differ"),
+        "clamp": (
+            {"swiglu_limit": 5.0},
+            "swiglu_limit=5.0, swiglu_alpha=1.702 in a config transformers 4.55",
+        ),
+        "null rotary": (
+            {"rope_scaling": None, "transformers_version": None},
+            "rope_scaling null .* no transformers",
+        ),
+        "no bias": ({"attention_bias": False}, "attention_bias"),
+    }
+    for change, says in refused.values():
+        with pytest.raises(InteropError, match=says):
+            config_from_hf(
+                {
+                    k: v
+                    for k, v in {**GPT_OSS_120B, **change}.items()
+                    if v is not None or k != "transformers_version"
+                }
+            )
+    unnamed = {k: v for k, v in GPT_OSS_120B.items() if k not in ("rope_scaling", "rope_theta")}
+    assert config_from_hf(unnamed).rope_scaling == cfg.rope_scaling  # both versions' default
+    null = {**GPT_OSS_120B, "rope_scaling": None}
+    assert config_from_hf(null).rope_scaling is None  # 4.x wrote it: the plain rotary
+    assert config_from_hf({**null, "transformers_version": "5.25.0"}).rope_scaling == cfg.rope_scaling
+    assert (
+        config_from_hf({**GPT_OSS_120B, "swiglu_limit": 5.0, "transformers_version": "5.0.0"}).swiglu_limit
+        == 5.0
+    )
+
+
+def test_gpt_oss_sinks_are_refused_under_a_context_split_in_one_line():
+    from meshkit.spec import PlanError
+    from meshkit.train import Trainer
+
+    cfg = config_from_hf({**GPT_OSS, "max_position_embeddings": 32})
+    tokens = np.zeros((8, 33), np.int32)
+    t = Trainer(llama.make_loss(cfg), llama.init(jax.random.key(0), cfg), optax.sgd(0.1), plan="cp", mesh="context=8",
+                logical_axes=llama.logical_axes)  # fmt: skip
+    with pytest.raises(PlanError, match=r"attention sinks \(GPT-OSS's\) under a context split of 8"):
+        t.step((tokens[:, :-1], tokens[:, 1:]))
 
 
 @pytest.mark.parametrize("name", list(HUB))

@@ -8,6 +8,7 @@ meshkit's logits and tokens; read back, the weights are bitwise the ones read. E
 transformers 4.57.6 and 5.x (conftest's ``reference_python``), and the config.json each writes for
 every one of them reads as the same model. ``-m reference``."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from _limits import limit
 from _tiers import tiered
 from conftest import REFERENCES, reference_interpreter
 from meshkit import interop
-from meshkit.interop.hf import Checkpoint, Source
+from meshkit.interop.hf import Checkpoint, InteropError, Source
 from meshkit.models import llama
 from meshkit.models.generate import generate
 from test_hf_reference import SCRIPT, TOL
@@ -33,6 +34,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 64}  # fmt: skip
 """At head_dim 16 and theta 5e5, wavelengths 6.3 (kept), 32 (interpolated) and 168 on (stretched)."""
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False}  # fmt: skip
+"""GPT-OSS's YaRN form (unrounded ramp ends) at a factor that binds within the 128 positions."""
 """At head_dim 16 and theta 1e4, a ramp over dimensions 0 to 3: the first kept, three between, four divided by 4;
 the cosines and sines scaled by 0.1 ln 4 + 1."""
 WINDOW = 8
@@ -75,6 +79,12 @@ REFERENCE_MODELS = {
                 "partial_rotary_factor": 0.5, "sliding_window": WINDOW, "pad_token_id": None},
     "hf-olmo2": {**COMMON, "model_type": "olmo2", "num_attention_heads": 4, "num_key_value_heads": 2,
                  "rope_theta": 5e5, "pad_token_id": None},
+    "hf-gpt-oss": {**COMMON, "model_type": "gpt_oss", "num_hidden_layers": 3, "intermediate_size": 16,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+                   "num_experts_per_tok": 2, "sliding_window": WINDOW, "pad_token_id": None, "rope_scaling": OSS_YARN},
+    "hf-gpt-oss-clamped": {**COMMON, "model_type": "gpt_oss", "intermediate_size": 16, "num_attention_heads": 4,
+                           "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                           "sliding_window": WINDOW, "pad_token_id": None, "swiglu_limit": 0.05, "swiglu_alpha": 1.5},
     "hf-qwen3-moe": {**COMMON, "model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
                      "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                      "norm_topk_prob": False, "rope_theta": 1e6, "tie_word_embeddings": True},
@@ -108,6 +118,10 @@ MESHKIT_MODELS = {
                               rotary_dim=6, fused=True, window=WINDOW),
     "olmo2": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, ffn=64,
                                post_norms=True, qk_norm_whole=True, tie_embeddings=True),
+    "gpt_oss": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=3, width=32, heads=4, kv_heads=2, head_dim=8,
+                                 ffn=16, qkv_bias=True, o_bias=True, sinks=True, wide_norms=True, experts=4,
+                                 experts_per_token=2, capacity_factor=0.0, router_renormalize=True, moe_bias=True,
+                                 swiglu_limit=7.0, window=WINDOW, sliding=(True, False, True), rope_theta=150000.0),
     "qwen3_moe": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, head_dim=16,
                                    ffn=24, qk_norm=True, experts=8, experts_per_token=3, capacity_factor=0.0,
                                    router_renormalize=True, window=WINDOW, norm_eps=1e-6),
@@ -192,6 +206,15 @@ CORE = {"hf-llama3", "hf-llama3-tied", "hf-mixtral", "llama3", "hf-qwen2-yarn"}
 )
 def test_transformers_checkpoint_gives_meshkit_its_logits_and_greedy_tokens(reference, name):
     tmp, tokens, _ = reference
+    writer = json.loads((tmp / name / "config.json").read_text())["transformers_version"]
+    if name == "hf-gpt-oss-clamped" and writer.startswith(
+        "4."
+    ):  # 4.57 computes 7.0 and 1.702 whatever it says
+        with pytest.raises(
+            InteropError, match=r"swiglu_limit=0.05, swiglu_alpha=1.5 in a config transformers 4"
+        ):
+            interop.load(tmp / name)
+        return
     params, cfg = interop.load(tmp / name)
     _agree(tmp, name, params, cfg, tokens)
     interop.save(params, cfg, tmp / f"{name}-again")  # and back: the tensors it read, bitwise
@@ -213,7 +236,7 @@ def test_meshkit_export_gives_transformers_its_logits_and_greedy_tokens(referenc
     _agree(tmp, name, ours[name], MESHKIT_MODELS[name], tokens)
 
 
-WRITTEN = REFERENCE_MODELS | {
+WRITTEN = {k: v for k, v in REFERENCE_MODELS.items() if k != "hf-gpt-oss-clamped"} | {  # 4.57 refuses its clamp
     "hf-mistral": {**COMMON, "model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 2,
                    "sliding_window": None, "rope_theta": 1e6},
     "hf-mistral-window": {**COMMON, "model_type": "mistral", "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -252,15 +275,20 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     assert five["transformers_version"].startswith("5.") and "rope_parameters" in five
     assert "rope_theta" not in five and "rope_scaling" not in five
     cfg = interop.read_config(written / "transformers5" / name)
-    assert cfg == interop.read_config(written / "transformers4" / name)
-    made = WRITTEN[name]
-    assert cfg.rope_theta == made.get("rope_theta", 10000.0) and cfg.heads == made["num_attention_heads"]
-    assert (cfg.rope_scaling is not None) == ("rope_scaling" in made)
-    assert (cfg.qkv_bias, cfg.qk_norm) == (
-        made["model_type"] in ("qwen2", "qwen2_moe"),
+    four = interop.read_config(
+        written / "transformers4" / name
+    )  # GPT-OSS's aux weight defaults differ: 0.9, 0.001
+    assert cfg == dataclasses.replace(four, router_aux_weight=cfg.router_aux_weight)
+    made, oss = WRITTEN[name], WRITTEN[name]["model_type"] == "gpt_oss"
+    theta = made.get("rope_theta", 150000.0 if oss else 10000.0)
+    assert cfg.rope_theta == theta and cfg.heads == made["num_attention_heads"]
+    assert (cfg.rope_scaling is not None) == ("rope_scaling" in made or oss)  # GPT-OSS's YaRN by default
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.sinks) == (
+        made["model_type"] in ("qwen2", "qwen2_moe", "gpt_oss"),
         made["model_type"] in ("qwen3", "qwen3_moe"),
+        oss,
     )
-    slides = made.get("use_sliding_window", made["model_type"] in ("mistral", "mixtral", "phi3"))
+    slides = made.get("use_sliding_window", made["model_type"] in ("mistral", "mixtral", "phi3", "gpt_oss"))
     binds = (
         slides
         and (made.get("sliding_window") or made["max_position_embeddings"]) < made["max_position_embeddings"]
@@ -271,22 +299,30 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     )
 
 
-SHARDED = ["hf-qwen2", "hf-qwen3", "hf-llama3", "hf-mistral", "hf-mixtral", "hf-phi3", "hf-olmo2"]
+SHARDED = [
+    "hf-qwen2",
+    "hf-qwen3",
+    "hf-llama3",
+    "hf-mistral",
+    "hf-mixtral",
+    "hf-phi3",
+    "hf-olmo2",
+    "hf-gpt-oss",
+]
 
 
 @pytest.mark.parametrize("name", tiered([(n,) for n in SHARDED], SHARDED, core={"hf-llama3"}))
 def test_transformers_checkpoint_loads_sharded_in_the_scanned_form(reference, name):
     """Straight into data=4,model=2 (each leaf split on both axes where it divides: the biases and the
-    per-head norms too), the scanned form: the logits of the checkpoint."""
-    import dataclasses
-
+    per-head norms too), the scanned form (the loop form where layers' windows differ: GPT-OSS's, its
+    interleaved gate and up read per shard): the logits of the checkpoint."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from meshkit.models import gpt
 
     tmp, tokens, _ = reference
-    cfg = interop.read_config(tmp / name, scan_layers=True)
+    cfg = interop.read_config(tmp / name, scan_layers=name != "hf-gpt-oss")
     mesh = jax.make_mesh((4, 2), ("data", "model"))
 
     def spec(s):

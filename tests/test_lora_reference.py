@@ -1,7 +1,8 @@
 """A LoRA model merged for export loads in Hugging Face ``transformers`` (the reference environments of
 ``tests/test_hf_reference.py``) and gives meshkit's logits of the adapted model, within 1e-5 in float32: a
 Llama, a Phi-3 (its adapted q, v and up merged into the fused ``qkv_proj`` and ``gate_up_proj``), an
-OLMo 2 and a Qwen2-MoE (its routed experts' and its shared expert's up projections adapted)."""
+OLMo 2, a Qwen2-MoE (its routed experts' and its shared expert's up projections adapted) and a GPT-OSS (its
+experts' adapted up projections interleaved back into ``gate_up_proj``)."""
 
 import dataclasses
 import json
@@ -33,6 +34,21 @@ FAMILIES = {
     "olmo2": dataclasses.replace(CFG, post_norms=True, qk_norm_whole=True),
     "qwen2_moe": dataclasses.replace(
         CFG, qkv_bias=True, experts=4, ffn=16, capacity_factor=0.0, shared_ffn=24
+    ),
+    "gpt_oss": dataclasses.replace(
+        CFG,
+        qkv_bias=True,
+        o_bias=True,
+        sinks=True,
+        wide_norms=True,
+        experts=4,
+        ffn=16,
+        capacity_factor=0.0,
+        router_renormalize=True,
+        moe_bias=True,
+        swiglu_limit=7.0,
+        window=8,
+        sliding=(True, False),
     ),
 }
 

@@ -173,13 +173,17 @@ class Checkpoint:
     def read(self, source: Source, index: tuple[slice, ...]) -> np.ndarray:
         """The block ``index`` of the tensor as meshkit lays it out (transposed, columns chosen)."""
         index = list(index)
+        step = 1
         if source.columns is not None:
             lo, hi = source.columns
-            start, stop, _ = index[-1].indices(hi - lo)
-            index[-1] = slice(lo + start, lo + stop)
+            start, stop, _ = index[-1].indices(len(range(0, hi - lo, source.step)))
+            step = source.step  # read contiguous, then every step-th column (safetensors slices by ranges)
+            index[-1] = slice(lo + start * step, lo + max(start, stop - 1) * step + (stop > start))
         if source.transpose:
-            return np.ascontiguousarray(self._slice(source.name)[tuple(reversed(index))].T)
-        return self._slice(source.name)[tuple(index)]
+            out = self._slice(source.name)[tuple(reversed(index))].T
+            return np.ascontiguousarray(out[..., ::step])
+        out = self._slice(source.name)[tuple(index)]
+        return out if step == 1 else np.ascontiguousarray(out[..., ::step])
 
 
 def _weight_map(index: Path) -> dict[str, str] | None:
@@ -284,7 +288,7 @@ def load(
                 lo, hi, _ = index[0].indices(len(dims[depth][1]))
                 return np.stack([block(index[1:], depth + 1, (*at, k)) for k in range(lo, hi)])
             keys = {"i": layer} | dict(zip((d[0] for d in dims), at, strict=True))
-            named = Source(source.name.format(**keys), source.transpose, source.columns)
+            named = Source(source.name.format(**keys), source.transpose, source.columns, step=source.step)
             return ckpt.read(named, index).astype(leaf.dtype, copy=False)
 
         if sharding is None:

@@ -60,7 +60,7 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[list[stream.Tensor], bool]:
             continue
         name, shape = source.name.format(i=layer, j=None), tuple(leaf.shape)
         if source.columns is not None:
-            fused.setdefault(name, []).append((source.columns, leaf, source.transpose))
+            fused.setdefault(name, []).append((source.columns, leaf, source.transpose, source.step))
             continue
         for j in range(shape[0]) if source.experts else [None]:  # an expert's tensor: its row of the leaf
             one = (lambda x=leaf: x) if j is None else (lambda x=leaf, j=j: x[j])
@@ -76,12 +76,12 @@ def _tensors(params: Any, cfg: ModelConfig) -> tuple[list[stream.Tensor], bool]:
             )
     for name, parts in fused.items():  # columns no leaf fills are zeros (GPT-2's key bias: the GPT has none)
         first, transpose = parts[0][1], parts[0][2]  # Phi-3's qkv_proj, gate_up_proj: torch's (out, in)
-        shape = (*first.shape[:-1], max(hi for (_, hi), _, _ in parts))
+        shape = (*first.shape[:-1], max(hi for (_, hi), *_ in parts))
 
         def read(parts=parts, shape=shape, dtype=first.dtype, transpose=transpose) -> np.ndarray:
             whole = np.zeros(shape, dtype)
-            for (lo, hi), leaf, _ in parts:
-                whole[..., lo:hi] = _host(leaf)
+            for (lo, hi), leaf, _, step in parts:  # GPT-OSS's gate_up_proj: interleaved (step 2)
+                whole[..., lo:hi:step] = _host(leaf)
             return np.ascontiguousarray(whole.T) if transpose else whole
 
         stored = shape[::-1] if transpose else shape

@@ -29,6 +29,8 @@ class Source:
     transpose: bool = False
     columns: tuple[int, int] | None = None
     """A column range of the stored tensor (after any transpose): GPT-2's fused ``c_attn``."""
+    step: int = 1
+    """Every ``step``-th column of that range (GPT-OSS's ``gate_up_proj``: gate and up interleaved)."""
     experts: bool = False
     """One tensor per expert (``{j}`` in the name), stacked as the leaf's first dim (its expert dim)."""
 

@@ -110,14 +110,14 @@ def _forward(params, tokens_bt, pos_bt, mask_bts, cache, slot, cfg):
     ks, vs = cache
     near = slot + jnp.arange(tokens_bt.shape[1])[:, None] - jnp.arange(ks.shape[2])[None, :]  # (T, S): q - k
 
-    def attend(i, q, k, v, window=None, softcap=None):
+    def attend(i, q, k, v, window=None, softcap=None, sinks=None):
         nonlocal ks, vs
         # straight into the stacked cache: `ks.at[i].set(update(ks[i]))` doubled a decode step's time on the
         # CPU (benchmarks/bench_sampler.py), a copy of the layer's cache each step
         ks = lax.dynamic_update_slice(ks, k.astype(ks.dtype)[None], (i, 0, slot, 0, 0))
         vs = lax.dynamic_update_slice(vs, v.astype(vs.dtype)[None], (i, 0, slot, 0, 0))
         mask = mask_bts if window is None else mask_bts & (near < window)[None]
-        return L.attend(q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask, softcap)
+        return L.attend(q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask, softcap, sinks)
 
     logits = registry.family_of(cfg).module.decode(params, tokens_bt, pos_bt, attend, cfg)
     return logits, (ks, vs)  # the next token's logits only (a prompt's last)

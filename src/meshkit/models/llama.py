@@ -80,6 +80,9 @@ from meshkit.models.llama_layers import (
     wide,
 )
 from meshkit.models.quantize import linear
+from meshkit.models.rope import LinearRope as LinearRope
+from meshkit.models.rope import Llama3Rope as Llama3Rope
+from meshkit.models.rope import YarnRope as YarnRope
 from meshkit.models.token_loss import batch_extras, head_loss, loss_of, stage_extras, whole_logits
 from meshkit.plans import causal_attention, exchange_segments
 
@@ -116,12 +119,14 @@ def _attention(
 
     def sublayer(h_btd: jax.Array) -> jax.Array:
         q, k, v = project_qkv(p["attn"], h_btd, pos, cfg)
+        sinks = p["attn"].get("sinks")
         out = (
-            causal_attention(q, k, v, window=window, segment_ids=seg)
+            causal_attention(q, k, v, window=window, segment_ids=seg, sinks=sinks)
             if attend is None
-            else attend(q, k, v, window)
+            else attend(q, k, v, window, sinks=sinks)
         )
-        return linear(out.reshape(b, t, cfg.heads * cfg.head_dim), p["attn"]["wo"])
+        y = linear(out.reshape(b, t, cfg.heads * cfg.head_dim), p["attn"]["wo"])
+        return y + p["attn"]["bo"] if cfg.o_bias else y
 
     return residual(p["attn_norm"], x_btd, sublayer, cfg)
 
@@ -183,7 +188,7 @@ def embed(top: Params, tokens_bt: jax.Array, cfg: LlamaConfig) -> jax.Array:
 def head(top: Params, x_btd: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Final RMSNorm and the output head: logits in at least float32."""
     final = jax.tree.map(lambda a: a.astype(cfg.compute), top["norm_f"])
-    x_btd = rms_norm(final, x_btd, cfg.norm_eps, wide_scale=cfg.post_norms)  # OLMo 2's: every norm its own
+    x_btd = rms_norm(final, x_btd, cfg.norm_eps, wide_scale=cfg.norms_wide)  # OLMo 2's, GPT-OSS's
     w = top["tok_embed"].T if cfg.tie_embeddings else top["unembed"]
     return jnp.matmul(x_btd, w.astype(cfg.compute), preferred_element_type=wide(cfg.compute))
 

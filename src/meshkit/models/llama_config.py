@@ -88,6 +88,27 @@ class LlamaConfig:
     ``mlp_only_layers``, ``decoder_sparse_step``); None: every layer routed. The layers form only."""
     dense_ffn: int = 0
     """Hidden width of those dense MLPs; 0 means 4 x width."""
+    o_bias: bool = False
+    """A bias on the attention's output projection (GPT-OSS's ``attention_bias``, beside ``qkv_bias``): leaf ``bo``."""
+    sinks: bool = False
+    """A learned logit per query head in every softmax, a key with no value (GPT-OSS's attention sinks): leaf
+    ``sinks`` ``(H,)``. Written-out attention; refused under context plans."""
+    moe_bias: bool = False
+    """Mixture of experts: biases on the router's logits (``router_bias`` ``(E,)``) and on each expert's
+    projections (``b_gate``, ``b_up`` ``(E, F)``, ``b_down`` ``(E, D)``), GPT-OSS's."""
+    swiglu_limit: float = 0.0
+    """Mixture of experts: GPT-OSS's clamped SwiGLU in the experts, ``(clip(x w_up, -l, l) + 1) g sigmoid(alpha
+    g)`` with ``g = min(x w_gate, l)``; 0: the plain SwiGLU."""
+    swiglu_alpha: float = 1.702
+    """The clamped SwiGLU's ``alpha`` (read where ``swiglu_limit`` is set)."""
+    wide_norms: bool = False
+    """The RMSNorms' scale multiplied in float32 and the result cast (GPT-OSS's, as OLMo 2's with ``post_norms``);
+    else in the compute dtype (the Llama's)."""
+
+    @property
+    def norms_wide(self) -> bool:
+        """Whether the RMSNorms scale in float32 (``wide_norms``, or OLMo 2's ``post_norms``)."""
+        return self.wide_norms or self.post_norms
 
     def __post_init__(self):
         if self.kv_heads == 0:
@@ -110,6 +131,15 @@ class LlamaConfig:
             raise MeshkitError(
                 f"rotary_dim {self.rotary_dim} (head_dim {self.head_dim}): rotary embeddings turn an even number "
                 f"of a head's dims, at most all of them"
+            )
+        routed_only = {"moe_bias": self.moe_bias, "swiglu_limit": self.swiglu_limit}
+        if any(routed_only.values()) and not self.experts:
+            said = ", ".join(f"{k}={v}" for k, v in routed_only.items() if v)
+            raise MeshkitError(f"{said} without experts: these are a mixture of experts' settings")
+        if not (self.swiglu_limit >= 0 and self.swiglu_alpha > 0):
+            raise MeshkitError(
+                f"swiglu_limit={self.swiglu_limit}, swiglu_alpha={self.swiglu_alpha}: give a limit of at least 0 "
+                f"(0: none) and an alpha above 0"
             )
         if self.shared_ffn and not self.experts:
             raise MeshkitError(

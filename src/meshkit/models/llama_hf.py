@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshkit._errors import MeshkitError
-from meshkit.models import llama_hf_experts, llama_hf_rope
+from meshkit.models import llama_hf_experts, llama_hf_oss, llama_hf_rope, llama_hf_windows
 from meshkit.models.family import (
     HF_METADATA,
     NO_SPECIAL,
@@ -41,7 +41,7 @@ from meshkit.models.family import (
     whole,
     whole_or_null,
 )
-from meshkit.models.llama_hf_experts import MIXTRAL, QWEN2_MOE, QWEN3_MOE, Experts
+from meshkit.models.llama_hf_experts import GPT_OSS, MIXTRAL, QWEN2_MOE, QWEN3_MOE, Experts
 from meshkit.models.llama_hf_rope import PARTIAL
 
 
@@ -49,18 +49,6 @@ def _llama() -> Any:
     from meshkit.models import llama
 
     return llama
-
-
-_WINDOWS = {
-    "none": ("sliding_window",),
-    "every": ("sliding_window",),
-    "qwen": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
-    "gated": ("use_sliding_window", "sliding_window", "max_window_layers"),
-}
-"""How a row reads a window, and the fields it reads for it: none (Llama's: ``sliding_window`` null
-only, which transformers' Llama would ignore); ``sliding_window`` in every layer
-(Mistral's); gated by ``use_sliding_window``, per layer (Qwen2's, Qwen3's); gated, in every layer
-(Qwen3-MoE's: ``max_window_layers`` read and left aside, as its transformers class does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +69,7 @@ class _Type:
     qkv_bias: bool
     qk_norm: bool
     window: str
-    """How its window reads (a key of ``_WINDOWS``)."""
+    """How its window reads (a key of ``llama_hf_windows.WINDOWS``)."""
     wants: tuple[tuple[str, Any], ...]
     """Fields of its own, each with the one value meshkit computes."""
     experts: Experts | None = None
@@ -101,6 +89,9 @@ class _Type:
     """Phi-3's: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``, ``LlamaConfig.fused``), a partial
     rotary (``partial_rotary_factor``), no rope scaling but longrope (which its transformers class alone
     takes, in 4.57 and 5.x), and ``original_max_position_embeddings``, which only longrope reads."""
+    oss: bool = False
+    """GPT-OSS's: attention sinks, a bias on the output projection, norms scaled in float32, its experts'
+    (``llama_hf_experts.GPT_OSS``), and its YaRN where the config names no rotary (``llama_hf_oss``)."""
 
 
 TYPES: dict[str, _Type] = {
@@ -223,6 +214,21 @@ TYPES: dict[str, _Type] = {
         wants=(("attention_bias", False),),
         olmo=True,
     ),
+    "gpt_oss": _Type(
+        architecture="GptOssForCausalLM",
+        positions=131072,
+        head_dim=64,
+        kv_heads=8,
+        theta=150000.0,
+        eps=1e-5,
+        qkv_bias=True,
+        qk_norm=False,
+        window="layers",
+        wants=(("attention_bias", True),),
+        experts=GPT_OSS,
+        default_window=128,
+        oss=True,
+    ),
 }
 """The model types read; a config is written as the first whose switches, window and experts it has."""
 
@@ -254,69 +260,29 @@ _ORIGINAL = "original_max_position_embeddings"
 def _fields(row: _Type) -> frozenset[str]:
     """Every field a row reads."""
     own = llama_hf_experts.fields(row.experts) | ({PARTIAL, _ORIGINAL} if row.phi else set())
-    return _READ | set(_WINDOWS[row.window]) | {k for k, _ in row.wants + _CHECKED} | _IGNORED | own
-
-
-def _layer_types(data: dict, where: str, layers: int) -> list | None:
-    """Qwen's ``layer_types``, checked: one kind per layer, full or sliding attention."""
-    kinds = data.get("layer_types")
-    if kinds is not None and (
-        not isinstance(kinds, list)
-        or not all(isinstance(kind, str) for kind in kinds)
-        or set(kinds) - {"full_attention", "sliding_attention"}
-        or len(kinds) != layers
-    ):
-        raise InteropError(
-            f"{where}: layer_types={kinds!r} is not what meshkit's Llama computes: give {layers} layers, each "
-            f"full_attention or sliding_attention"
-        )
-    return kinds
-
-
-def _window(
-    data: dict, where: str, row: _Type, layers: int, positions: int
-) -> tuple[int | None, tuple[bool, ...] | None]:
-    """``(window, sliding)`` of the config as transformers runs it (the module docstring); an omitted
-    ``sliding_window`` is the type's default (``_Type.default_window``), not none."""
-    kinds = _layer_types(data, where, layers) if row.window == "qwen" else None
-    window = data.get("sliding_window", row.default_window)
-    if row.window in ("qwen", "gated") and not flag(data, "use_sliding_window", where, False):
-        window = None
-    if window is not None and not row.slides:
-        raise InteropError(
-            f"{where}: use_sliding_window=true in a {row.architecture} config, whose window transformers 4.57 and "
-            f"5.x read differently (every layer, or those layer_types names): give use_sliding_window false"
-        )
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise InteropError(
-            f"{where}: sliding_window={window!r} is not a whole number of tokens: give one, or null"
-        )
-    if window is not None and row.window == "none":
-        raise InteropError(
-            f"{where}: sliding_window={window} in a {row.architecture} config, whose transformers class attends to "
-            f"every earlier position: give null, or the model_type that slides (mistral)"
-        )
-    if window is None or window >= positions:
-        return None, None
-    if row.window != "qwen":
-        return window, None
-    if kinds is not None:
-        return window, tuple(kind == "sliding_attention" for kind in kinds)
-    first = whole(data, "max_window_layers", where, 28, least=0)
-    return window, tuple(i >= first for i in range(layers))
+    own |= llama_hf_oss.FIELDS if row.oss else set()
+    return (
+        _READ
+        | set(llama_hf_windows.WINDOWS[row.window])
+        | {k for k, _ in row.wants + _CHECKED}
+        | _IGNORED
+        | own
+    )
 
 
 def read(data: dict, where: str, scan_layers: bool) -> Any:
     """meshkit's Llama of a Llama-family ``config.json`` (any model type of ``TYPES``)."""
     kind = data["model_type"]
     row = TYPES[kind]
+    if row.oss:  # before the fields: its quantized experts are refused by what they are
+        data = llama_hf_oss.read(data, where)
     check_fields(data, where, _fields(row) | HF_METADATA, f"Llama ({kind})")
     check_values(data, where, _CHECKED + row.wants, "Llama")
     layers, positions = (
         whole(data, "num_hidden_layers", where),
         whole(data, "max_position_embeddings", where, row.positions),
     )
-    window, sliding = _window(data, where, row, layers, positions)
+    window, sliding = llama_hf_windows.window(data, where, row, layers, positions)
     theta, scaling, fraction = llama_hf_rope.read(data, where, row.theta, partial=row.phi)
     if row.phi:
         _phi(data, where, scaling)
@@ -340,6 +306,9 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
             qk_norm_whole=row.olmo,
             post_norms=row.olmo,
             fused=row.phi,
+            o_bias=row.oss,
+            sinks=row.oss,
+            wide_norms=row.oss,
             rope_theta=theta,
             rope_scaling=scaling,
             qkv_bias=row.qkv_bias,
@@ -386,7 +355,11 @@ def _fits(row: _Type, cfg: Any) -> bool:
         return False
     if cfg.dense_layers and not (moe and moe.layers):
         return False
-    return cfg.window is None or row.window == "qwen" or (row.window != "none" and cfg.sliding is None)
+    oss = (cfg.sinks, cfg.o_bias, cfg.moe_bias, cfg.swiglu_limit > 0, cfg.wide_norms)
+    if all(oss) != row.oss or (any(oss) and not all(oss)):
+        return False
+    per_layer = row.window in ("qwen", "layers")
+    return cfg.window is None or per_layer or (row.window != "none" and cfg.sliding is None)
 
 
 def type_of(cfg: Any) -> str:
@@ -396,32 +369,20 @@ def type_of(cfg: Any) -> str:
             return kind
     raise InteropError(
         f"a Llama with qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, qk_norm_whole={cfg.qk_norm_whole}, "
-        f"post_norms={cfg.post_norms}, fused={cfg.fused}, rotary_dim={cfg.rotary_dim} of {cfg.head_dim}, "
+        f"post_norms={cfg.post_norms}, fused={cfg.fused}, sinks={cfg.sinks}, rotary_dim={cfg.rotary_dim} of "
+        f"{cfg.head_dim}, "
         f"rope_scaling={cfg.rope_scaling and type(cfg.rope_scaling).__name__}, experts={cfg.experts} (router_renormalize="
         f"{cfg.router_renormalize}), window={cfg.window} (sliding={cfg.sliding}) is no Hugging Face model type "
         f"meshkit writes ({', '.join(TYPES)}): give the switches of one (docs/families.md)"
     )
 
 
-def _window_fields(cfg: Any, row: _Type) -> dict[str, Any]:
-    """The row's window fields for ``cfg``'s window."""
-    if row.window == "every":
-        return {"sliding_window": cfg.window}
-    if row.window == "none":
-        return {}
-    on = {"use_sliding_window": cfg.window is not None, "sliding_window": cfg.window}
-    if row.window == "gated":
-        return on
-    windows = cfg.layer_windows
-    first = next((i for i, w in enumerate(windows) if w is not None), cfg.layers)
-    kinds = ["full_attention" if w is None else "sliding_attention" for w in windows]
-    return on | {"max_window_layers": first} | ({"layer_types": kinds} if cfg.window is not None else {})
-
-
 def write(cfg: Any, tied: bool) -> dict:
     kind = type_of(cfg)
     row = TYPES[kind]
-    own = dict(row.wants) | _window_fields(cfg, row) | llama_hf_experts.write(cfg, row.experts)
+    own = (
+        dict(row.wants) | llama_hf_windows.window_fields(cfg, row) | llama_hf_experts.write(cfg, row.experts)
+    )
     if row.phi:
         own |= {_ORIGINAL: cfg.seq_len} | llama_hf_rope.written_fraction(cfg.rotary_dim, cfg.head_dim)
     if row.phi or row.olmo:
@@ -439,7 +400,8 @@ def write(cfg: Any, tied: bool) -> dict:
         "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": llama_hf_rope.written(cfg.rope_scaling),
+        "rope_scaling": llama_hf_rope.written(cfg.rope_scaling)
+        or ({"rope_type": "default"} if row.oss else None),
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "torch_dtype": cfg.dtype,
@@ -464,6 +426,10 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
     if cfg.qkv_bias:
         for leaf, name in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             yield ("blocks", "attn", leaf), Source(f"{layer}self_attn.{name}.bias")
+    if cfg.o_bias:
+        yield ("blocks", "attn", "bo"), Source(f"{layer}self_attn.o_proj.bias")
+    if cfg.sinks:
+        yield ("blocks", "attn", "sinks"), Source(f"{layer}self_attn.sinks")
     if cfg.qk_norm or cfg.qk_norm_whole:
         for leaf in ("q_norm", "k_norm"):
             mine = leaf.replace("_", "_width_") if cfg.qk_norm_whole else leaf
@@ -472,7 +438,7 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
         for leaf, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
     if cfg.experts:
-        yield from llama_hf_experts.names(TYPES[type_of(cfg)].experts, layer)
+        yield from llama_hf_experts.names(TYPES[type_of(cfg)].experts, layer, cfg.ffn)
 
 
 def _fused(cfg: Any, layer: str) -> Names:

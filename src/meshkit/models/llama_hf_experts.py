@@ -41,6 +41,10 @@ class Experts:
     shared: str | None = None
     """The field of a shared expert's hidden width (Qwen2-MoE's ``shared_expert_intermediate_size``: its
     ``{prefix}.shared_expert`` beside the routed ones, gated by ``{prefix}.shared_expert_gate``); None: none."""
+    oss: bool = False
+    """GPT-OSS's: a router with a bias (``{prefix}.router``), the experts stacked in one tensor each with biases,
+    gate and up interleaved in ``gate_up_proj`` ``(E, D, 2F)`` (untransposed), and the clamped SwiGLU
+    (``swiglu_limit``, ``swiglu_alpha``: 5.x's fields; 4.57 computes 7.0 and 1.702 whatever they say)."""
 
 
 MIXTRAL = Experts(("num_local_experts",), "intermediate_size", None, "block_sparse_moe", ("w1", "w3", "w2"))
@@ -64,6 +68,12 @@ QWEN2_MOE = Experts(
     "shared_expert_intermediate_size",
 )
 """Qwen2-MoE's: Qwen3-MoE's names, and a gated shared expert."""
+GPT_OSS = Experts(
+    ("num_local_experts",), "intermediate_size", None, "mlp", ("gate_up_proj", "", "down_proj"), oss=True
+)
+"""GPT-OSS's: the softmax of the top-k logits (the renormalised gates), biases, the clamped SwiGLU."""
+SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+"""GPT-OSS's clamped SwiGLU as 4.57 computes it (constants) and 5.x by default (fields)."""
 
 _READ = frozenset({"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"})
 """Fields every mixture-of-experts row reads, besides those its ``Experts`` names."""
@@ -73,7 +83,8 @@ def fields(moe: Experts | None) -> frozenset[str]:
     """The ``config.json`` fields a model type with experts ``moe`` reads for them (none for a dense one)."""
     if moe is None:
         return frozenset()
-    return frozenset({*moe.count, moe.ffn, *moe.layers, *_READ} | ({moe.renormalize, moe.shared} - {None}))
+    own = ({moe.renormalize, moe.shared} - {None}) | (set(SWIGLU) if moe.oss else set())
+    return frozenset({*moe.count, moe.ffn, *moe.layers, *_READ} | own)
 
 
 def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, Any]:
@@ -101,7 +112,28 @@ def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, 
         "capacity_factor": 0.0,
         "router_aux_weight": aux,
         "router_renormalize": moe.renormalize is None or flag(data, moe.renormalize, where, False),
-    }
+    } | (_swiglu(data, where) if moe.oss else {})
+
+
+def _swiglu(data: dict, where: str) -> dict[str, Any]:
+    """GPT-OSS's ``LlamaConfig`` switches: biases and the clamped SwiGLU, its fields as the writer computes them
+    (5.x reads them; 4.57 computes ``SWIGLU`` whatever they say: a 4.x-written config that says otherwise is
+    refused, as is one that says by no ``transformers_version`` which wrote it)."""
+    said = {k: positive(data.get(k, v), f"{where}: {k}") for k, v in SWIGLU.items()}
+    if said != SWIGLU and major_version(data) != 5:
+        raise InteropError(
+            f"{where}: {', '.join(f'{k}={v}' for k, v in said.items())} in a config transformers "
+            f"{data.get('transformers_version', '(unnamed)')} wrote, and 4.57 computes {SWIGLU}: the checkpoint "
+            f"has two meanings; give those values, or the transformers_version 5.x that computes these"
+        )
+    return {"moe_bias": True, **said}
+
+
+def major_version(data: dict) -> int | None:
+    """The major version of transformers that wrote a config (``transformers_version``), or None."""
+    version = data.get("transformers_version")
+    head = version.split(".")[0] if isinstance(version, str) else ""
+    return int(head) if head.isdigit() else None
 
 
 def _dense(data: dict, where: str, moe: Experts, layers: int) -> tuple[bool, ...]:
@@ -137,6 +169,8 @@ def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
         out[moe.renormalize] = cfg.router_renormalize
     if moe.shared is not None:
         out[moe.shared] = cfg.shared_ffn
+    if moe.oss:
+        out |= {"swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha}
     if not moe.layers:
         return out
     dense = [i for i, d in enumerate(cfg.dense_layers or ()) if d]
@@ -147,8 +181,12 @@ def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
     )
 
 
-def names(moe: Experts, layer: str) -> Names:
-    """Where a layer's router and experts lie (``layer``: the layer's prefix, ``{i}`` for its number)."""
+def names(moe: Experts, layer: str, ffn: int) -> Names:
+    """Where a layer's router and experts lie (``layer``: the layer's prefix, ``{i}`` for its number; ``ffn``:
+    an expert's hidden width)."""
+    if moe.oss:
+        yield from _oss_names(f"{layer}{moe.prefix}.", ffn)
+        return
     yield ("blocks", "moe", "router"), Source(f"{layer}{moe.prefix}.gate.weight", transpose=True)
     for leaf, name in zip(("w_gate", "w_up", "w_down"), moe.weights, strict=True):
         yield (
@@ -166,3 +204,15 @@ def names(moe: Experts, layer: str) -> Names:
         ("blocks", "shared", "w_shared_gate"),
         Source(f"{layer}{moe.prefix}.shared_expert_gate.weight", transpose=True),
     )
+
+
+def _oss_names(mlp: str, ffn: int) -> Names:
+    """GPT-OSS's router and experts (``mlp``: the layer's MLP prefix): each a whole stacked tensor, gate and up
+    the even and odd columns of ``gate_up_proj`` and of its bias."""
+    yield ("blocks", "moe", "router"), Source(f"{mlp}router.weight", transpose=True)
+    yield ("blocks", "moe", "router_bias"), Source(f"{mlp}router.bias")
+    for suffix, kind in (("", "w"), ("_bias", "b")):
+        for half, lo in (("gate", 0), ("up", 1)):
+            columns = Source(f"{mlp}experts.gate_up_proj{suffix}", columns=(lo, 2 * ffn), step=2)
+            yield ("blocks", "moe", f"{kind}_{half}"), columns
+        yield ("blocks", "moe", f"{kind}_down"), Source(f"{mlp}experts.down_proj{suffix}")

@@ -11,6 +11,7 @@ rotary on the two halves of each head (``rotate_half``), ``silu(x w_gate) * (x w
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ from jax import lax
 
 from meshkit.models.quantize import linear
 from meshkit.models.rope import attention_scaling, inv_frequencies
-from meshkit.plans import expert_dot, moe, sequence_positions
+from meshkit.plans import expert_bias, expert_dot, moe, sequence_positions, sink_softmax
 
 Params = dict[str, Any]
 Axes = tuple[str | None, ...]
@@ -46,10 +47,21 @@ AXES: dict[str, Axes] = {
     "k_norm": (None,),
     "q_width_norm": ("heads",),
     "k_width_norm": ("kv_heads",),
+    "bo": ("embed",),
+    "sinks": ("heads",),
+    "router_bias": (None,),
+    "b_gate": ("mlp",),
+    "b_up": ("mlp",),
+    "b_down": ("embed",),
 }
 """Logical axis names of a leaf's dimensions, by its key (``stack.leaf_axes`` adds ``"expert"`` and
 ``"layers"``): a bias has its weight's output axis, a per-head norm none (every head shares it), a norm over
-every head's width at once (OLMo 2's) the heads' axis, as a bias."""
+every head's width at once (OLMo 2's) the heads' axis, as a bias, and so do the heads' sinks (GPT-OSS's, one per
+head: split with the heads)."""
+
+
+ROUTER = frozenset({"router", "router_bias"})
+"""A block's ``"moe"`` leaves that route (no expert dim: every device holds them whole)."""
 
 
 def wide(dtype) -> jnp.dtype:
@@ -129,10 +141,12 @@ def attend(
     v_bskh: jax.Array,
     mask_bts: jax.Array,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention ``(B, T, H, h)`` of ``T`` queries over ``S`` keys (a cache) where ``mask``
     allows: scores (capped to ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap`` where given, before
-    the mask, as ``plans.attention`` caps them) and softmax in at least float32."""
+    the mask, as ``plans.attention`` caps them) and softmax in at least float32, with each head's sink
+    (``sinks`` ``(H,)``) in it where given (``plans.sink_softmax``)."""
     b, t, heads, hd = q_bthk.shape
     kv = k_bskh.shape[2]
     w = wide(q_bthk.dtype)
@@ -145,7 +159,8 @@ def attend(
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(w).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthk.dtype)
+    sink = None if sinks is None else sinks.reshape(kv, heads // kv)[None, :, :, None]
+    probs = sink_softmax(scores, sink).astype(q_bthk.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh).reshape(b, t, heads, hd)
 
 
@@ -154,10 +169,26 @@ def mlp(p: dict[str, jax.Array], x_btd: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(linear(x_btd, p["w_gate"])) * linear(x_btd, p["w_up"]), p["w_down"])
 
 
-def experts_mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+def experts_mlp(p: dict[str, jax.Array], x: jax.Array, limit: float = 0.0, alpha: float = 1.702) -> jax.Array:
     """``n`` SwiGLU experts (leading dim of every leaf) on their rows: ``(n, c, D)`` with capacity,
-    ``(M, D)`` grouped by expert when dropless (``expert_dot``)."""
-    return expert_dot(jax.nn.silu(expert_dot(x, p["w_gate"])) * expert_dot(x, p["w_up"]), p["w_down"])
+    ``(M, D)`` grouped by expert when dropless (``expert_dot``); plus each expert's biases where the leaves
+    hold them (``b_gate``, ``b_up``, ``b_down``: GPT-OSS's, ``expert_bias``); ``limit``: ``swiglu``'s clamp."""
+
+    def project(h: jax.Array, w: str, b: str) -> jax.Array:
+        y = expert_dot(h, p[w])
+        return y + expert_bias(p[b]) if b in p else y
+
+    hidden = swiglu(project(x, "w_gate", "b_gate"), project(x, "w_up", "b_up"), limit, alpha)
+    return project(hidden, "w_down", "b_down")
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float = 0.0, alpha: float = 1.702) -> jax.Array:
+    """``silu(gate) * up``, or with ``limit`` GPT-OSS's clamped form (its ``GptOssExperts._apply_gate``): the gate
+    capped above at ``limit``, ``up`` clipped to ``[-limit, limit]``, ``(up + 1) gate sigmoid(alpha gate)``."""
+    if not limit:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
 
 
 def cast_block(p: Params, cfg: Any) -> Params:
@@ -198,7 +229,15 @@ def init_block(key: jax.Array, cfg: Any, dense: bool = False) -> Params:
     }
     if routed:
         mlp = {"router": normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
+    if routed and cfg.moe_bias:
+        e_ = cfg.experts
+        mlp |= {"router_bias": jnp.zeros((e_,), dt), "b_gate": jnp.zeros((e_, f), dt)}
+        mlp |= {"b_up": jnp.zeros((e_, f), dt), "b_down": jnp.zeros((e_, d), dt)}
     attn = init_attention((kq, kk, kv_, ko), cfg, resid)
+    if cfg.o_bias:
+        attn["bo"] = jnp.zeros((d,), dt)
+    if cfg.sinks:
+        attn["sinks"] = normal(jax.random.fold_in(key, 3), (cfg.heads,), 0.02, dt)
     if cfg.qkv_bias:
         attn |= {"bq": jnp.zeros((q,), dt), "bk": jnp.zeros((kv,), dt), "bv": jnp.zeros((kv,), dt)}
     if cfg.qk_norm:
@@ -225,24 +264,25 @@ def init_block(key: jax.Array, cfg: Any, dense: bool = False) -> Params:
 
 def residual(norm: Params, x_btd: jax.Array, sublayer: Callable, cfg: Any) -> jax.Array:
     """``x`` plus the sublayer: of the normalised ``x`` (pre-norm), or normalised after it (``post_norms``,
-    OLMo 2's norm, scaled in float32: ``rms_norm``'s ``wide_scale``)."""
+    OLMo 2's norm, scaled in float32: ``rms_norm``'s ``wide_scale``, as GPT-OSS's pre-norms with ``wide_norms``)."""
     if cfg.post_norms:
         return x_btd + rms_norm(norm, sublayer(x_btd), cfg.norm_eps, wide_scale=True)
-    return x_btd + sublayer(rms_norm(norm, x_btd, cfg.norm_eps))
+    return x_btd + sublayer(rms_norm(norm, x_btd, cfg.norm_eps, wide_scale=cfg.norms_wide))
 
 
 def experts(p: Params, x_btd: jax.Array, cfg: Any, capacity_factor: float) -> tuple:
     """The mixture of experts of the normalised ``x_btd`` (``p``: a block's ``"moe"``): ``(y, aux,
     dropped)`` as ``plans.moe`` computes them, at ``capacity_factor`` (0: dropless)."""
-    weights = {name: w for name, w in p.items() if name != "router"}
+    weights = {name: w for name, w in p.items() if name not in ROUTER}
     return moe(
-        experts_mlp,
+        functools.partial(experts_mlp, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha),
         weights,
         p["router"],
         x_btd,
         k=cfg.experts_per_token,
         capacity_factor=capacity_factor,
         renormalize=cfg.router_renormalize,
+        router_bias=p.get("router_bias"),
     )
 
 

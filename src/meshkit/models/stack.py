@@ -80,10 +80,10 @@ def moe_metrics(stats: jax.Array, tokens: int, layers: int, k: int) -> dict[str,
 
 def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
     """A block leaf's logical axes from ``table`` by its key: ``"expert"`` first for an expert's leaf
-    (under ``"moe"``, the router aside), ``"layers"`` first in the scanned form."""
+    (under ``"moe"``, the router and its bias aside), ``"layers"`` first in the scanned form."""
     names = table[path[-1].key]
     keys = [getattr(k, "key", None) for k in path]
-    if "moe" in keys and path[-1].key != "router":
+    if "moe" in keys and path[-1].key not in ("router", "router_bias"):
         names = (EXPERT_DIM, *names)
     stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
     return ("layers", *names) if stacked else names

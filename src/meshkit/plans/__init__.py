@@ -40,7 +40,7 @@ from meshkit.plans._schedule import plot as plot_schedule
 from meshkit.plans._stages import Stages
 from meshkit.plans._step import StepShardings, build_step, state_shardings
 from meshkit.plans.assemble import Assembled, assemble, spec_mesh
-from meshkit.plans.attention import Attention, use_attention
+from meshkit.plans.attention import Attention, sink_softmax, use_attention
 from meshkit.plans.placement import LeafPlacement, Placement, place
 from meshkit.plans.tp_rules import DEFAULT_TP_RULES, Rules
 
@@ -89,6 +89,7 @@ __all__ = [
     "position_rows",
     "remat_policy",
     "sequence_positions",
+    "sink_softmax",
     "spec_mesh",
     "state_shardings",
     "step_loss",

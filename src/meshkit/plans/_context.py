@@ -200,6 +200,7 @@ def causal_attention(
     segment_ids: jax.Array | None = None,
     softcap: float | None = None,
     windowed: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention ``(B, T, H, h)`` of queries over keys and values with ``H / K`` query heads per
     key/value head (grouped-query); scores and softmax in at least float32, result in q's dtype.
@@ -209,16 +210,22 @@ def causal_attention(
     ``softcap``: each score capped to ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap`` before
     the mask (Gemma 2; always written out: the fused call takes no cap); ``windowed``: a traced boolean
     (a layer's kind, scanned beside its parameters): the window applies only where it is true, each
-    device's attention still one of two static calls. Each device's attention runs by the
+    device's attention still one of two static calls; ``sinks`` ``(H,)``: each head's logit in every
+    softmax, with no value (GPT-OSS's; refused under a context split). Each device's attention runs by the
     implementation in force (``plans.attention``)."""
     split = _SPLIT.get()
     if split is not None:
         split.attended.append(split.form)
     if split is None or split.size == 1:
         call = functools.partial(
-            attention.causal, q_bthk, k_bskh, v_bskh, segment_ids=segment_ids, softcap=softcap
+            attention.causal, q_bthk, k_bskh, v_bskh, segment_ids=segment_ids, softcap=softcap, sinks=sinks
         )
         return _windowed(call, window, windowed)
+    if sinks is not None:
+        raise PlanError(
+            f"attention sinks (GPT-OSS's) under a context split of {split.size}: the ring and all-to-all forms "
+            f"take none yet; use a plan without a context axis"
+        )
     attention.check_window(window)
     attention.check_softcap(softcap)
     segment_ids = exchange_segments(segment_ids)

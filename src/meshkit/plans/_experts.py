@@ -104,12 +104,17 @@ class Routing:
     dropped: jax.Array
 
 
-def top_k(x_btd: jax.Array, router_de: jax.Array, k: int, *, renormalize: bool = False) -> tuple:
-    """``(probs_bte, choice_btk, gate_btk)``: the router's probabilities (softmax in at least float32),
-    each token's top ``k`` experts (ties to the lower index: a stable sort) and their gates (divided by
-    their sum where ``renormalize``)."""
+def top_k(
+    x_btd: jax.Array, router_de: jax.Array, k: int, *, renormalize: bool = False, bias: Any = None
+) -> tuple:
+    """``(probs_bte, choice_btk, gate_btk)``: the router's probabilities (softmax in at least float32 of
+    ``x router``, plus ``bias`` ``(E,)`` where given: GPT-OSS's), each token's top ``k`` experts (ties to the
+    lower index: a stable sort) and their gates (divided by their sum where ``renormalize``: the softmax of
+    the top ``k`` logits, GPT-OSS's form)."""
     wide = jnp.promote_types(x_btd.dtype, jnp.float32)
     logits = jnp.einsum("btd,de->bte", x_btd, router_de, preferred_element_type=wide)
+    if bias is not None:
+        logits = logits + bias.astype(wide)
     probs_bte = jax.nn.softmax(logits, axis=-1)
     choice_btk = jnp.argsort(-lax.stop_gradient(probs_bte), axis=-1, stable=True)[..., :k]
     gate_btk = jnp.take_along_axis(probs_bte, choice_btk, axis=-1)
@@ -128,14 +133,20 @@ def balance_loss(probs_bte: jax.Array, choice_btk: jax.Array) -> jax.Array:
 
 
 def route(
-    x_btd: jax.Array, router_de: jax.Array, k: int, factor: float, *, renormalize: bool = False
+    x_btd: jax.Array,
+    router_de: jax.Array,
+    k: int,
+    factor: float,
+    *,
+    renormalize: bool = False,
+    bias: Any = None,
 ) -> Routing:
     """Top-``k`` routing with capacity (see the module docstring)."""
     b, t, _ = x_btd.shape
     e = router_de.shape[-1]
     c = capacity(t, e, k, factor)
     wide = jnp.promote_types(x_btd.dtype, jnp.float32)
-    probs_bte, choice_btk, gate_btk = top_k(x_btd, router_de, k, renormalize=renormalize)
+    probs_bte, choice_btk, gate_btk = top_k(x_btd, router_de, k, renormalize=renormalize, bias=bias)
     # slots in priority order: all first choices (token order), then all second choices, ...
     chosen_bkte = jax.nn.one_hot(jnp.swapaxes(choice_btk, 1, 2), e, dtype=jnp.int32)
     flat = chosen_bkte.reshape(b, k * t, e)
@@ -159,17 +170,19 @@ def moe(
     k: int,
     capacity_factor: float,
     renormalize: bool = False,
+    router_bias: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The MoE MLP of ``x_btd``: ``(y_btd, aux, dropped)`` (aux: the load-balancing loss of this layer,
     dropped: the slots past capacity). ``experts``: the experts' parameters, leading dim E (E / N
     under an expert split); ``expert_fn`` multiplies them through ``expert_dot`` and ``expert_bias``.
     ``capacity_factor`` 0: dropless (``_dropless``: every slot runs, grouped by expert, as MaxText's -1);
-    ``renormalize``: the top-k gates divided by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+    ``renormalize``: the top-k gates divided by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``);
+    ``router_bias`` ``(E,)``: added to the router's logits (GPT-OSS's)."""
     if capacity_factor == 0:
-        return _dropless(expert_fn, experts, router_de, x_btd, k=k, renormalize=renormalize)
+        return _dropless(expert_fn, experts, router_de, x_btd, k=k, renormalize=renormalize, bias=router_bias)
     sequence = _context._SPLIT.get()
     check_whole_sequences(sequence.size if sequence is not None else 1)
-    r = route(x_btd, router_de, k, capacity_factor, renormalize=renormalize)
+    r = route(x_btd, router_de, k, capacity_factor, renormalize=renormalize, bias=router_bias)
     rows_becd = jnp.einsum("btec,btd->becd", r.dispatch, x_btd)
     split = _SPLIT.get()
     if split is not None:
@@ -230,7 +243,14 @@ def expert_bias(b_nf: jax.Array) -> jax.Array:
 
 
 def _dropless(
-    expert_fn: ExpertFn, experts: Any, router_de: jax.Array, x_btd: jax.Array, *, k: int, renormalize: bool
+    expert_fn: ExpertFn,
+    experts: Any,
+    router_de: jax.Array,
+    x_btd: jax.Array,
+    *,
+    k: int,
+    renormalize: bool,
+    bias: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dropless MoE (MegaBlocks'): each token's ``k`` slots sorted by expert and multiplied in one
     grouped matmul per weight (``expert_dot``), no capacity and no slot dropped; the outputs back in
@@ -240,7 +260,7 @@ def _dropless(
     (``psum_scatter``: as much again); their transposes move as much in the backward pass. Routing is
     per token, so a sequence split does not change it. The load-balancing loss is each device's own
     tokens'."""
-    probs_bte, choice_btk, _ = top_k(x_btd, router_de, k, renormalize=renormalize)
+    probs_bte, choice_btk, _ = top_k(x_btd, router_de, k, renormalize=renormalize, bias=bias)
     aux = balance_loss(probs_bte, choice_btk)
     split = _SPLIT.get()
     spread = split is not None and split.size > 1
@@ -249,7 +269,7 @@ def _dropless(
         split.dropless.append(True)
         split.k.append(k)
     x_all = lax.all_gather(x_btd, split.axis, axis=0, tiled=True) if spread else x_btd
-    _, choice, gate = top_k(x_all, router_de, k, renormalize=renormalize)
+    _, choice, gate = top_k(x_all, router_de, k, renormalize=renormalize, bias=bias)
     b, t, d = x_all.shape
     e = router_de.shape[-1]
     slot_expert = choice.reshape(-1)  # (N k,), N = b t: token n's slots at n k .. n k + k - 1

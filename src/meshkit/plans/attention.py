@@ -35,6 +35,10 @@ Soft-capping (Gemma 2's ``attn_logit_softcapping``): ``softcap`` bounds each sca
 ``(-softcap, softcap)`` by ``tanh(s / softcap) * softcap``, before the mask, as transformers' eager
 attention does. ``jax.nn.dot_product_attention`` takes no cap (and cuDNN's flash attention none through
 it), so a capped attention is written out (einsum) whatever is asked, and the record says so.
+
+Sinks (GPT-OSS's ``sinks``): one learned logit per query head joins each query's softmax as a key with no
+value (``softmax([s, sink])`` without its last column), so a query may attend to less than all of its keys.
+No fused call takes one: an attention with sinks is written out too.
 """
 
 from __future__ import annotations
@@ -150,10 +154,11 @@ def causal(
     window: int | None = None,
     segment_ids: jax.Array | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention ``(B, T, H, h)`` over whole sequences in their natural order, ``H / K`` query heads
-    per key/value head, by the implementation in force (the module docstring); with ``softcap``, written
-    out (the fused call takes no cap)."""
+    per key/value head, by the implementation in force (the module docstring); with ``softcap`` or
+    ``sinks`` ``(H,)``, written out (the fused call takes neither)."""
     check_window(window)
     check_softcap(softcap)
     t = q_bthk.shape[1]
@@ -162,13 +167,13 @@ def causal(
             f"segment_ids must be (batch, sequence) = {q_bthk.shape[:2]}, one id per token, got {segment_ids.shape}"
         )
     fused, xla = _wanted(q_bthk.dtype)
-    fused = fused and softcap is None
+    fused = fused and softcap is None and sinks is None
     out, kernel = _fused(q_bthk, k_bskh, v_bskh, window, segment_ids, xla) if fused else (None, None)
     if out is None:
         mask = allowed(np.arange(t), np.arange(k_bskh.shape[1]), window)
         if segment_ids is not None:
             mask = mask & same_segment(segment_ids)
-        out, kernel = einsum_attention(q_bthk, k_bskh, v_bskh, mask, softcap), "einsum"
+        out, kernel = einsum_attention(q_bthk, k_bskh, v_bskh, mask, softcap, sinks), "einsum"
     note(kernel)
     return out
 
@@ -193,16 +198,31 @@ def capped_scores(q_bthk: jax.Array, k_bshk: jax.Array, softcap: float | None = 
 
 
 def einsum_attention(
-    q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask: jax.Array, softcap: float | None = None
+    q_bthk: jax.Array,
+    k_bskh: jax.Array,
+    v_bskh: jax.Array,
+    mask: jax.Array,
+    softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention written out where ``mask`` (broadcast to ``(B, H, T, S)``) allows: scores (``softcap``
-    applied) and softmax in at least float32, the probabilities and the result in q's dtype."""
+    applied) and softmax in at least float32, the probabilities and the result in q's dtype; ``sinks``
+    ``(H,)``: each head's logit in every softmax, with no value (``sink_softmax``)."""
     heads = q_bthk.shape[2]
     k, v = repeat_kv(k_bskh, heads), repeat_kv(v_bskh, heads)
     w = wide(q_bthk.dtype)
     s = jnp.where(mask, capped_scores(q_bthk, k, softcap), jnp.finfo(w).min)
-    probs = jax.nn.softmax(s, axis=-1).astype(q_bthk.dtype)
+    probs = sink_softmax(s, None if sinks is None else sinks[:, None]).astype(q_bthk.dtype)
     return jnp.einsum("bhts,bshk->bthk", probs, v)
+
+
+def sink_softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """The softmax over the last axis of ``scores``, or with ``sinks`` (broadcasting against ``scores`` less
+    its last axis) of ``[scores, sink]`` less the sink's column, as GPT-OSS's eager attention computes it."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sink = jnp.broadcast_to(sinks.astype(scores.dtype), scores.shape[:-1])[..., None]
+    return jax.nn.softmax(jnp.concatenate([scores, sink], -1), axis=-1)[..., :-1]
 
 
 def _fused(q, k, v, window, segment_ids, xla: bool) -> tuple[jax.Array | None, str | None]:

@@ -46,6 +46,8 @@ class Trainer:
     gradients in that dtype: half the bytes; the optimizer still updates float32. ``attention=`` is how
     ``meshkit.plans.causal_attention`` runs on each device (``spec.ATTENTION_IMPLEMENTATIONS``; default
     auto: fused, written out for float64; ``trainer.assembled.attention.used`` names the kernels traced).
+    ``logical_axes=`` (with ``rules=``): the parameters' logical axis names, a pytree like them with a tuple
+    per leaf, or a model's function of the parameters giving it (``meshkit.models.llama.logical_axes``).
     ``units={"heads": n}`` makes a model axis
     that does not divide the head count an error before compiling. ``report`` reads a
     tensor-parallel model's tokens per example (the rows its split matmuls multiply per example: a
@@ -115,6 +117,8 @@ class Trainer:
         loss_fn, params, state, stateful, logical_axes = self._adapt(
             loss_fn, params, state, logical_axes, has_aux, rng
         )
+        if callable(logical_axes):  # a model's function of its parameters (llama.logical_axes)
+            logical_axes = logical_axes(params)
         check_optimizer(optimizer)
         check_params(params)
         check_state(state)
