@@ -17,9 +17,9 @@ import pytest
 from _tiers import tiered
 from meshkit import interop
 from meshkit._errors import MeshkitError
-from meshkit.interop.hf import InteropError, config_from_hf, config_to_hf
+from meshkit.interop.hf import Checkpoint, InteropError, config_from_hf, config_to_hf
 from meshkit.models import gpt, llama, registry
-from meshkit.models.rope import inv_frequencies
+from meshkit.models.rope import YarnRope, inv_frequencies
 from meshkit.spec import ParallelSpec, get_plan
 
 BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -40,12 +40,21 @@ CONFIGS = {
         "original_max_position_embeddings": 64,
     },
     "olmo2": {**BASE, "model_type": "olmo2", "rope_theta": 5e5},
-}
+    "gpt_oss": {**BASE, "model_type": "gpt_oss", "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 16, "rope_theta": 1.5e5, "rope_scaling": {"rope_type": "yarn", "factor": 32.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}},
+}  # fmt: skip
 SWITCHES = {
     "phi3": {"fused": True, "rotary_dim": 6, "window": 16},
     "olmo2": {"post_norms": True, "qk_norm_whole": True},
-}
-"""What the Phi-3's and the OLMo 2's rows set beyond a Llama's defaults (head_dim 8)."""
+    "gpt_oss": {"qkv_bias": True, "o_bias": True, "sinks": True, "wide_norms": True, "moe_bias": True,
+                "swiglu_limit": 7.0, "experts": 4, "capacity_factor": 0.0, "router_renormalize": True,
+                "router_aux_weight": 0.001, "window": 16, "sliding": (True, False),
+                "rope_scaling": YarnRope(factor=32.0, original_positions=4096, beta_fast=32.0, beta_slow=1.0,
+                                         truncate=False)},
+}  # fmt: skip
+"""What the Phi-3's, the OLMo 2's and the GPT-OSS's rows set beyond a Llama's defaults (head_dim 8): the last's
+interleaved gate and up written and read back bitwise."""
 
 
 def _v5(data: dict) -> dict:
@@ -63,7 +72,7 @@ def test_each_family_reads_its_switches_and_writes_its_own_model_type(name, tmp_
     data = CONFIGS[name]
     cfg = config_from_hf(data)
     assert (cfg.qkv_bias, cfg.qk_norm, cfg.rope_scaling is not None) == (
-        name == "qwen2", name == "qwen3", name == "llama3",
+        name in ("qwen2", "gpt_oss"), name == "qwen3", name in ("llama3", "gpt_oss"),
     )  # fmt: skip
     plain = config_from_hf(
         {**BASE, "model_type": "llama", "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps}
@@ -600,40 +609,86 @@ GPT_OSS = {**SMALL, "model_type": "gpt_oss", "num_local_experts": 8, "num_expert
            "sliding_window": 8, "intermediate_size": 16, "swiglu_limit": 0.05, "transformers_version": "5.25.0"}  # fmt: skip
 """GPT-OSS (its YaRN by default, every other layer's window, sinks, biases everywhere) with a clamp that binds at
 these sizes (5.x's ``swiglu_limit``)."""
-#: (plan, mesh, key/value heads); under tp alone float64 only: the ledger has no model of experts split over the
-#: model axis without an expert axis (measured for a Mixtral too: 1,266,944 B of all-reduces against 578,816)
-OSS_PLANS = [
-    ("ep", "expert=8", 2),
-    ("fsdp+ep", "data=2,expert=4", 2),
-    ("tp+ep", "expert=4,model=2", 2),
-    ("fsdp", "data=8", 2),
-    ("tp", "model=8", 8),
-]
+GLM4_MOE = {**SMALL, "model_type": "glm4_moe", "n_routed_experts": 8, "num_experts_per_tok": 2, "head_dim": 4,
+            "moe_intermediate_size": 16, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+            "routed_scaling_factor": 2.0, "first_k_dense_replace": 1, "attention_bias": True}  # fmt: skip
+"""GLM-4.5 (DeepSeek-V3's mixture: sigmoid scores, the choice among 2 of 4 groups, scaled gates, an ungated shared
+expert, the first layer dense; half of each head rotated, q/k/v biases)."""
+#: (family, plan, mesh, key/value heads); under tp alone float64 only: the ledger has no model of experts split
+#: over the model axis without an expert axis (measured for a Mixtral too: 1,266,944 B of all-reduces against
+#: 578,816)
+NEW_MOE = [(f, *p) for f in ("gpt_oss", "glm4_moe") for p in [
+    ("ep", "expert=8", 2), ("fsdp+ep", "data=2,expert=4", 2), ("tp+ep", "expert=4,model=2", 2), ("fsdp", "data=8", 2),
+    ("tp", "model=8", 8)]]  # fmt: skip
 
 
-# Tiers: tp+ep is core (the sinks and the q/k/v/o biases split with the heads, the router's bias whole, the
-# experts' biases split with the experts and their width); the other plans sweep.
-@pytest.mark.parametrize(("plan", "mesh", "kv"), tiered(OSS_PLANS, [c[0] for c in OSS_PLANS], core={"tp+ep"}))
-def test_gpt_oss_trains_under_the_plans_as_on_one_device(plan, mesh, kv):
+# Tiers: GPT-OSS under tp+ep and GLM-4.5 under ep are core (the sinks and the q/k/v/o biases split with the
+# heads, the routers' biases whole, the experts' biases split with the experts and their width; the sigmoid
+# router's choice on each device's gathered tokens); the other plans sweep.
+@pytest.mark.parametrize(
+    ("kind", "plan", "mesh", "kv"),
+    tiered(NEW_MOE, [f"{c[0]}-{c[1]}" for c in NEW_MOE], core={"gpt_oss-tp+ep", "glm4_moe-ep"}),
+)
+def test_gpt_oss_and_glm_train_under_the_plans_as_on_one_device(kind, plan, mesh, kv):
     """GPT-OSS's config.json reads as its switches (sinks, o and router and expert biases, float32 norm scales,
-    the clamped SwiGLU, dropless renormalised routing, every other layer's window, YaRN); under each plan
-    float64 equals one device and the ledger its model."""
-    cfg = config_from_hf({**GPT_OSS, "num_key_value_heads": kv})
-    assert (cfg.sinks, cfg.o_bias, cfg.moe_bias, cfg.wide_norms, cfg.qkv_bias) == (True,) * 5
-    assert (cfg.swiglu_limit, cfg.capacity_factor, cfg.router_renormalize) == (0.05, 0.0, True)
-    assert (cfg.window, cfg.sliding, type(cfg.rope_scaling).__name__) == (8, (True, False), "YarnRope")
-    axes = llama.logical_axes(llama.init(jax.random.key(0), cfg))["blocks"][0]
-    assert (axes["attn"]["sinks"], axes["attn"]["bo"], axes["moe"]["router_bias"]) == (
-        ("heads",),
-        ("embed",),
-        (None,),
-    )
-    assert (axes["moe"]["b_gate"], axes["moe"]["b_down"]) == (("expert", "mlp"), ("expert", "embed"))
+    the clamped SwiGLU, dropless renormalised routing, every other layer's window, YaRN), GLM-4.5's as
+    DeepSeek-V3's mixture; under each plan float64 equals one device and the ledger its model."""
+    cfg = config_from_hf({**(GPT_OSS if kind == "gpt_oss" else GLM4_MOE), "num_key_value_heads": kv})
+    params = llama.init(jax.random.key(0), cfg)
+    axes = llama.logical_axes(params)["blocks"][-1]
+    if kind == "gpt_oss":
+        assert (cfg.sinks, cfg.o_bias, cfg.moe_bias, cfg.wide_norms, cfg.qkv_bias) == (True,) * 5
+        assert (cfg.swiglu_limit, cfg.capacity_factor, cfg.router_renormalize) == (0.05, 0.0, True)
+        assert (cfg.window, cfg.sliding, type(cfg.rope_scaling).__name__) == (8, (True, False), "YarnRope")
+        assert (axes["attn"]["sinks"], axes["attn"]["bo"]) == (("heads",), ("embed",))
+        assert (axes["moe"]["b_gate"], axes["moe"]["b_down"]) == (("expert", "mlp"), ("expert", "embed"))
+    else:
+        assert (cfg.sigmoid_router, cfg.expert_groups, cfg.top_groups, cfg.routed_scale) == (True, 4, 2, 2.0)
+        assert (cfg.shared_ffn, cfg.shared_gate, cfg.dense_layers, cfg.rotary_dim) == (
+            16,
+            False,
+            (True, False),
+            2,
+        )
+        assert "w_shared_gate" not in params["blocks"][1]["shared"] and axes["moe"]["router_choice_bias"] == (
+            None,
+        )
     cert = _certificate(cfg, plan, mesh, {})
-    if plan == "tp":  # experts split over model alone: the ledger does not model it (a Mixtral's neither)
+    if plan == "tp":
         assert cert.exact_vs_single_device <= 1e-10, str(cert)
         return
     assert cert.ok, str(cert)
+
+
+def test_glm_checkpoints_multi_token_prediction_layers_are_left_aside(tmp_path):
+    """GLM-4.5's checkpoints carry ``num_nextn_predict_layers`` layers past the last (``model.layers.{L}.*``), which
+    transformers builds no module for: read and left aside where the config counts them, refused as undeclared
+    tensors where it does not."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    cfg = config_from_hf({**GLM4_MOE, "n_group": 1, "topk_group": 1})
+    interop.save(llama.init(jax.random.key(0), cfg), cfg, tmp_path)
+    save_file(
+        {"model.layers.2.eh_proj.weight": np.zeros((32, 64), np.float32)}, str(tmp_path / "mtp.safetensors")
+    )
+    index = tmp_path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+    else:
+        data = {"metadata": {}, "weight_map": {}}
+        names = Checkpoint(tmp_path).names() - {"model.layers.2.eh_proj.weight"}
+        data["weight_map"] = {n: "model.safetensors" for n in names}
+    data["weight_map"]["model.layers.2.eh_proj.weight"] = "mtp.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(
+        InteropError, match=r"1 tensor\(s\) its config.json does not declare \(model.layers.2.eh_proj"
+    ):
+        interop.load(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    assert interop.load(tmp_path)[1] == cfg
 
 
 # Tiers: sweeps: ``--init-from hf:`` of a Llama checkpoint is core in test_llama_cli.py

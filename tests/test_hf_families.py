@@ -85,6 +85,11 @@ REFERENCE_MODELS = {
     "hf-gpt-oss-clamped": {**COMMON, "model_type": "gpt_oss", "intermediate_size": 16, "num_attention_heads": 4,
                            "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
                            "sliding_window": WINDOW, "pad_token_id": None, "swiglu_limit": 0.05, "swiglu_alpha": 1.5},
+    "hf-glm4-moe": {**COMMON, "model_type": "glm4_moe", "num_hidden_layers": 3, "intermediate_size": 48,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 8,
+                    "num_experts_per_tok": 3, "moe_intermediate_size": 16, "n_shared_experts": 2, "n_group": 4,
+                    "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "attention_bias": True,
+                    "use_qk_norm": True, "rope_theta": 1e6, "pad_token_id": None},
     "hf-qwen3-moe": {**COMMON, "model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
                      "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                      "norm_topk_prob": False, "rope_theta": 1e6, "tie_word_embeddings": True},
@@ -122,6 +127,10 @@ MESHKIT_MODELS = {
                                  ffn=16, qkv_bias=True, o_bias=True, sinks=True, wide_norms=True, experts=4,
                                  experts_per_token=2, capacity_factor=0.0, router_renormalize=True, moe_bias=True,
                                  swiglu_limit=7.0, window=WINDOW, sliding=(True, False, True), rope_theta=150000.0),
+    "glm4_moe": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=3, width=32, heads=4, kv_heads=2, head_dim=8,
+                                  ffn=16, experts=4, experts_per_token=2, capacity_factor=0.0, sigmoid_router=True,
+                                  expert_groups=2, top_groups=1, routed_scale=1.5, shared_ffn=16, shared_gate=False,
+                                  dense_layers=(True, False, False), dense_ffn=40),
     "qwen3_moe": llama.LlamaConfig(vocab_size=64, seq_len=128, layers=2, width=32, heads=4, kv_heads=2, head_dim=16,
                                    ffn=24, qk_norm=True, experts=8, experts_per_token=3, capacity_factor=0.0,
                                    router_renormalize=True, window=WINDOW, norm_eps=1e-6),
@@ -284,8 +293,8 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     assert cfg.rope_theta == theta and cfg.heads == made["num_attention_heads"]
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in made or oss)  # GPT-OSS's YaRN by default
     assert (cfg.qkv_bias, cfg.qk_norm, cfg.sinks) == (
-        made["model_type"] in ("qwen2", "qwen2_moe", "gpt_oss"),
-        made["model_type"] in ("qwen3", "qwen3_moe"),
+        made["model_type"] in ("qwen2", "qwen2_moe", "gpt_oss") or made.get("attention_bias", False),
+        made["model_type"] in ("qwen3", "qwen3_moe") or made.get("use_qk_norm", False),
         oss,
     )
     slides = made.get("use_sliding_window", made["model_type"] in ("mistral", "mixtral", "phi3", "gpt_oss"))
@@ -295,7 +304,7 @@ def test_a_config_transformers_5_writes_reads_as_the_one_4x_writes(written, name
     )
     assert (cfg.window, cfg.experts) == (
         made["sliding_window"] if binds else None,
-        made.get("num_local_experts", made.get("num_experts", 0)),
+        made.get("num_local_experts", made.get("num_experts", made.get("n_routed_experts", 0))),
     )
 
 

@@ -2,7 +2,8 @@
 ``tests/test_hf_reference.py``) and gives meshkit's logits of the adapted model, within 1e-5 in float32: a
 Llama, a Phi-3 (its adapted q, v and up merged into the fused ``qkv_proj`` and ``gate_up_proj``), an
 OLMo 2, a Qwen2-MoE (its routed experts' and its shared expert's up projections adapted) and a GPT-OSS (its
-experts' adapted up projections interleaved back into ``gate_up_proj``)."""
+experts' adapted up projections interleaved back into ``gate_up_proj``) and a GLM-4.5 (DeepSeek-V3's router and
+ungated shared experts)."""
 
 import dataclasses
 import json
@@ -49,6 +50,18 @@ FAMILIES = {
         swiglu_limit=7.0,
         window=8,
         sliding=(True, False),
+    ),
+    "glm4_moe": dataclasses.replace(
+        CFG,
+        experts=4,
+        ffn=16,
+        capacity_factor=0.0,
+        sigmoid_router=True,
+        router_renormalize=True,
+        shared_ffn=16,
+        shared_gate=False,
+        rotary_dim=4,
+        qkv_bias=True,
     ),
 }
 

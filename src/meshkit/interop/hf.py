@@ -248,11 +248,19 @@ _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq
 table): transformers skips them on load, and so does meshkit."""
 
 
-def _check_undeclared(ckpt: Checkpoint, used: set[str], cfg: ModelConfig, directory: str | Path) -> None:
+def _check_undeclared(
+    ckpt: Checkpoint, used: set[str], cfg: ModelConfig, directory: str | Path, data: dict
+) -> None:
     """Refuse a checkpoint with weights its config does not declare (biases of another family, extra
-    layers, ...): meshkit would drop them without a word and compute another model."""
-    unread = _format(cfg).unread(cfg)
-    extra = sorted(n for n in ckpt.names() - used if not _BUFFERS.search(n) and n not in unread)
+    layers, ...): meshkit would drop them without a word and compute another model. Those its format leaves
+    unread (``HFFormat.unread``: names, and prefixes ending in ``.``) are the checkpoint's own."""
+    unread = _format(cfg).unread(cfg, data)
+    prefixes = tuple(n for n in unread if n.endswith("."))
+    extra = sorted(
+        n
+        for n in ckpt.names() - used
+        if not _BUFFERS.search(n) and n not in unread and not n.startswith(prefixes)
+    )
     if extra:
         raise InteropError(
             f"'{directory}' holds {len(extra)} tensor(s) its config.json does not declare ({', '.join(extra[:3])}"
@@ -275,7 +283,7 @@ def load(
     ckpt = Checkpoint(directory)
     shapes = jax.eval_shape(lambda: registry.family_of(cfg).module.init(jax.random.key(0), cfg))
     sources, used = _sources(ckpt, cfg, shapes)
-    _check_undeclared(ckpt, used, cfg, directory)
+    _check_undeclared(ckpt, used, cfg, directory, data if isinstance(data, dict) else {})
     _check_head(ckpt, cfg, data if isinstance(data, dict) else {})
     flat_shardings = [None] * len(sources) if shardings is None else jax.tree.leaves(shardings)
 

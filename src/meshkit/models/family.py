@@ -43,7 +43,7 @@ def _never_tied(params: Any) -> bool:
     return False
 
 
-def _nothing_unread(cfg: Any) -> frozenset[str]:
+def _nothing_unread(cfg: Any, data: dict) -> frozenset[str]:
     return frozenset()
 
 
@@ -75,7 +75,7 @@ class HFFormat:
     leaf lives."""
     tied: Callable[[Any], bool] = _never_tied
     """Parameters (loop form) -> whether they are written with the head tied to the embedding."""
-    unread: Callable[[Any], frozenset[str]] = _nothing_unread
+    unread: Callable[[Any, dict], frozenset[str]] = _nothing_unread
     """Config -> tensor names a checkpoint of it may hold that no leaf reads (a tied model's head)."""
     head: Callable[[Any, dict, frozenset[str], str], tuple[str, str] | None] = _no_head
     """``(config, config.json, the checkpoint's tensor names, where)`` -> ``(head, embedding)``: a head the

@@ -383,6 +383,6 @@ def names(cfg: Any, stored: frozenset[str] | None, tied: bool) -> Names:
         yield ("blocks", "mlp", leaf), Source(f"{layer}mlp.{name}.weight", transpose=True)
 
 
-def unread(cfg: Any) -> frozenset[str]:
+def unread(cfg: Any, data: dict) -> frozenset[str]:
     """A tied Gemma reads no head: a checkpoint may still carry one (the embedding's copy)."""
     return frozenset({"lm_head.weight"}) if cfg.tie_embeddings else frozenset()

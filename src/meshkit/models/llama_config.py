@@ -101,9 +101,39 @@ class LlamaConfig:
     g)`` with ``g = min(x w_gate, l)``; 0: the plain SwiGLU."""
     swiglu_alpha: float = 1.702
     """The clamped SwiGLU's ``alpha`` (read where ``swiglu_limit`` is set)."""
+    sigmoid_router: bool = False
+    """Mixture of experts: DeepSeek-V3's router (GLM-4.5's): each expert's sigmoid score, the gates those of the
+    chosen (renormalised where ``router_renormalize``, times ``routed_scale``), chosen by the scores plus a held
+    bias (leaf ``router_choice_bias`` ``(E,)``: its ``e_score_correction_bias``, no gradient)."""
+    expert_groups: int = 1
+    """Mixture of experts: DeepSeek-V3's ``n_group``: the experts in that many equal groups, a token choosing
+    among the ``top_groups`` best groups only (a group ranked by its two best scores)."""
+    top_groups: int = 1
+    """Mixture of experts: DeepSeek-V3's ``topk_group``."""
+    routed_scale: float = 1.0
+    """Mixture of experts: DeepSeek-V3's ``routed_scaling_factor`` on the routed experts' gates."""
+    shared_gate: bool = True
+    """A shared expert's sigmoid gate (Qwen2-MoE's ``shared_expert_gate``); False: none, every token's output
+    added whole (DeepSeek's, GLM-4.5's ``shared_experts``)."""
     wide_norms: bool = False
     """The RMSNorms' scale multiplied in float32 and the result cast (GPT-OSS's, as OLMo 2's with ``post_norms``);
     else in the compute dtype (the Llama's)."""
+
+    def _check_groups(self) -> None:
+        """DeepSeek-V3's groups: equal groups of at least 2 experts, the top ones holding the top-k."""
+        g, top, e = self.expert_groups, self.top_groups, self.experts
+        if g == top == 1 and self.routed_scale > 0:
+            return
+        size = e // g if e and g >= 1 else 0
+        if not (
+            g >= 1 and e % g == 0 and size >= 2 and 1 <= top <= g and top * size >= self.experts_per_token
+        ):
+            raise MeshkitError(
+                f"expert_groups={g}, top_groups={top} of {e} experts (top-{self.experts_per_token}): give groups that "
+                f"divide the experts into groups of at least 2, and top groups holding at least the top-k"
+            )
+        if not self.routed_scale > 0:
+            raise MeshkitError(f"routed_scale={self.routed_scale}: give a scale above 0")
 
     @property
     def norms_wide(self) -> bool:
@@ -132,7 +162,11 @@ class LlamaConfig:
                 f"rotary_dim {self.rotary_dim} (head_dim {self.head_dim}): rotary embeddings turn an even number "
                 f"of a head's dims, at most all of them"
             )
-        routed_only = {"moe_bias": self.moe_bias, "swiglu_limit": self.swiglu_limit}
+        routed_only = {
+            "moe_bias": self.moe_bias,
+            "swiglu_limit": self.swiglu_limit,
+            "sigmoid_router": self.sigmoid_router,
+        }
         if any(routed_only.values()) and not self.experts:
             said = ", ".join(f"{k}={v}" for k, v in routed_only.items() if v)
             raise MeshkitError(f"{said} without experts: these are a mixture of experts' settings")
@@ -141,6 +175,7 @@ class LlamaConfig:
                 f"swiglu_limit={self.swiglu_limit}, swiglu_alpha={self.swiglu_alpha}: give a limit of at least 0 "
                 f"(0: none) and an alpha above 0"
             )
+        self._check_groups()
         if self.shared_ffn and not self.experts:
             raise MeshkitError(
                 f"shared_ffn={self.shared_ffn} without experts: a shared expert sits beside routed ones"

@@ -1,29 +1,22 @@
-"""The Llama family's Hugging Face format: one row per ``model_type`` it reads (``TYPES``: Llama,
-Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Phi-3, OLMo 2), each naming the switches of
-``meshkit.models.llama.LlamaConfig`` it sets (``qkv_bias``, ``qk_norm``, OLMo 2's norms after the
-sublayers and over the heads' whole width, Phi-3's fused tensors and partial rotary, a mixture of experts), how
-its window reads, its defaults, and the ``config.json`` fields it may hold. A field that no row names
-and that is not Hugging Face's own metadata (``family.HF_METADATA``) is refused by name: meshkit reads
-only what it computes, so that a checkpoint it reads is the model transformers runs.
+"""The Llama family's Hugging Face format: one row per ``model_type`` it reads (``TYPES``, in ``llama_hf_types``:
+Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE, Phi-3, OLMo 2, GPT-OSS, GLM-4.5), each naming the
+switches of ``meshkit.models.llama.LlamaConfig`` it sets (``qkv_bias``, ``qk_norm``, OLMo 2's norms after the
+sublayers and over the heads' whole width, Phi-3's fused tensors and partial rotary, GPT-OSS's sinks and biases,
+a mixture of experts), how its window reads, its defaults, and the ``config.json`` fields it may hold. A field
+that no row names and that is not Hugging Face's own metadata (``family.HF_METADATA``) is refused by name:
+meshkit reads only what it computes, so that a checkpoint it reads is the model transformers runs.
 
-Rotary settings read and write as ``llama_hf_rope`` says, a mixture of experts (its fields and its tensors'
-names) as ``llama_hf_experts`` does.
+Rotary settings read and write as ``llama_hf_rope`` says, sliding windows as ``llama_hf_windows`` (as
+transformers' ``masking_utils`` runs them: a query sees the keys ``q - k < sliding_window``, itself among them), a
+mixture of experts (its fields and its tensors' names) as ``llama_hf_experts`` does, GPT-OSS's own rules as
+``llama_hf_oss``.
 
-Sliding windows read as transformers runs them (its ``masking_utils``: a query sees the keys ``q - k <
-sliding_window``, itself among them, ``LlamaConfig.window``): Mistral's and Mixtral's ``sliding_window``
-binds in every layer where it is not null; Qwen2's and Qwen3's only with ``use_sliding_window``, and
-then in the layers ``layer_types`` names ``sliding_attention`` (else those from ``max_window_layers``
-on: ``LlamaConfig.sliding``); Qwen3-MoE's with ``use_sliding_window`` in every layer (its transformers
-class reads no ``max_window_layers``). A window at least as long as the positions never binds within
-them and reads as none.
-
-Weights move by name, transpose and stacking only: ``meshkit.models.llama`` follows
+Weights move by name, transpose, column range and stacking only: ``meshkit.models.llama`` follows
 ``LlamaForCausalLM``'s conventions (the other types' are its, plus biases, per-head norms, experts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from meshkit._errors import MeshkitError
@@ -41,8 +34,9 @@ from meshkit.models.family import (
     whole,
     whole_or_null,
 )
-from meshkit.models.llama_hf_experts import GPT_OSS, MIXTRAL, QWEN2_MOE, QWEN3_MOE, Experts
 from meshkit.models.llama_hf_rope import PARTIAL
+from meshkit.models.llama_hf_types import TYPES as TYPES
+from meshkit.models.llama_hf_types import Type
 
 
 def _llama() -> Any:
@@ -50,187 +44,6 @@ def _llama() -> Any:
 
     return llama
 
-
-@dataclass(frozen=True, slots=True)
-class _Type:
-    """One ``model_type`` the Llama reads and writes."""
-
-    architecture: str
-    positions: int
-    """``max_position_embeddings`` where the config omits it (transformers' default for the type)."""
-    head_dim: int | None
-    """``head_dim`` where the config omits it (None: hidden_size / num_attention_heads)."""
-    kv_heads: int | None
-    """``num_key_value_heads`` where the config omits it (None: num_attention_heads)."""
-    theta: float
-    """``rope_theta`` where the config omits it."""
-    eps: float
-    """``rms_norm_eps`` where the config omits it."""
-    qkv_bias: bool
-    qk_norm: bool
-    window: str
-    """How its window reads (a key of ``llama_hf_windows.WINDOWS``)."""
-    wants: tuple[tuple[str, Any], ...]
-    """Fields of its own, each with the one value meshkit computes."""
-    experts: Experts | None = None
-    """Its mixture of experts (None: a dense MLP)."""
-    default_window: int | None = None
-    """``sliding_window`` where the config omits it (and, for a gated row, turns it on): transformers'
-    default for the type, 4096 in 4.57.6 and 5.25.0 alike, which binds from position 4096 on."""
-    slides: bool = True
-    """Whether its window reads (Qwen2-MoE's does not: with ``use_sliding_window`` 4.57.6 slides every layer
-    under sdpa and eager attention and those from ``max_window_layers`` under flash attention, 5.x those
-    ``layer_types`` names: the checkpoint has no one meaning)."""
-    olmo: bool = False
-    """OLMo 2's block: norms after the sublayers (``post_norms``) and q/k norms over the heads' whole width
-    (``qk_norm_whole``), stored as ``post_attention_layernorm``, ``post_feedforward_layernorm``, ``q_norm``,
-    ``k_norm``."""
-    phi: bool = False
-    """Phi-3's: q/k/v and gate/up stored fused (``qkv_proj``, ``gate_up_proj``, ``LlamaConfig.fused``), a partial
-    rotary (``partial_rotary_factor``), no rope scaling but longrope (which its transformers class alone
-    takes, in 4.57 and 5.x), and ``original_max_position_embeddings``, which only longrope reads."""
-    oss: bool = False
-    """GPT-OSS's: attention sinks, a bias on the output projection, norms scaled in float32, its experts'
-    (``llama_hf_experts.GPT_OSS``), and its YaRN where the config names no rotary (``llama_hf_oss``)."""
-
-
-TYPES: dict[str, _Type] = {
-    "llama": _Type(
-        architecture="LlamaForCausalLM",
-        positions=2048,
-        head_dim=None,
-        kv_heads=None,
-        theta=1e4,
-        eps=1e-6,
-        qkv_bias=False,
-        qk_norm=False,
-        window="none",
-        wants=(("attention_bias", False), ("mlp_bias", False)),
-    ),
-    "mistral": _Type(
-        architecture="MistralForCausalLM",
-        positions=131072,
-        head_dim=None,
-        kv_heads=8,
-        theta=1e4,
-        eps=1e-6,
-        qkv_bias=False,
-        qk_norm=False,
-        window="every",
-        wants=(),
-        default_window=4096,
-    ),
-    "qwen2": _Type(
-        architecture="Qwen2ForCausalLM",
-        positions=32768,
-        head_dim=None,
-        kv_heads=32,
-        theta=1e4,
-        eps=1e-6,
-        qkv_bias=True,
-        qk_norm=False,
-        window="qwen",
-        wants=(),
-        default_window=4096,
-    ),
-    "qwen3": _Type(
-        architecture="Qwen3ForCausalLM",
-        positions=32768,
-        head_dim=128,
-        kv_heads=32,
-        theta=1e4,
-        eps=1e-6,
-        qkv_bias=False,
-        qk_norm=True,
-        window="qwen",
-        wants=(("attention_bias", False),),
-        default_window=4096,
-    ),
-    "mixtral": _Type(
-        architecture="MixtralForCausalLM",
-        positions=131072,
-        head_dim=None,
-        kv_heads=8,
-        theta=1e6,
-        eps=1e-5,
-        qkv_bias=False,
-        qk_norm=False,
-        window="every",
-        wants=(("router_jitter_noise", 0.0),),
-        experts=MIXTRAL,
-    ),
-    "qwen3_moe": _Type(
-        architecture="Qwen3MoeForCausalLM",
-        positions=32768,
-        head_dim=None,
-        kv_heads=4,
-        theta=1e4,
-        eps=1e-6,
-        qkv_bias=False,
-        qk_norm=True,
-        window="gated",
-        wants=(("attention_bias", False),),
-        experts=QWEN3_MOE,
-        default_window=4096,
-    ),
-    "qwen2_moe": _Type(
-        architecture="Qwen2MoeForCausalLM",
-        positions=32768,
-        head_dim=None,
-        kv_heads=16,
-        theta=1e4,
-        eps=1e-6,
-        qkv_bias=True,
-        qk_norm=False,
-        window="qwen",
-        wants=(("qkv_bias", True),),
-        experts=QWEN2_MOE,
-        default_window=4096,
-        slides=False,
-    ),
-    "phi3": _Type(
-        architecture="Phi3ForCausalLM",
-        positions=4096,
-        head_dim=None,
-        kv_heads=None,
-        theta=1e4,
-        eps=1e-5,
-        qkv_bias=False,
-        qk_norm=False,
-        window="every",
-        wants=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0), ("attention_bias", False)),
-        phi=True,
-    ),
-    "olmo2": _Type(
-        architecture="Olmo2ForCausalLM",
-        positions=2048,
-        head_dim=None,
-        kv_heads=None,
-        theta=1e4,
-        eps=1e-5,
-        qkv_bias=False,
-        qk_norm=False,
-        window="none",
-        wants=(("attention_bias", False),),
-        olmo=True,
-    ),
-    "gpt_oss": _Type(
-        architecture="GptOssForCausalLM",
-        positions=131072,
-        head_dim=64,
-        kv_heads=8,
-        theta=150000.0,
-        eps=1e-5,
-        qkv_bias=True,
-        qk_norm=False,
-        window="layers",
-        wants=(("attention_bias", True),),
-        experts=GPT_OSS,
-        default_window=128,
-        oss=True,
-    ),
-}
-"""The model types read; a config is written as the first whose switches, window and experts it has."""
 
 _READ = frozenset(
     {
@@ -257,9 +70,11 @@ _ORIGINAL = "original_max_position_embeddings"
 """Fields that change no output: Llama 2's ``pretraining_tp`` split a matmul in older transformers."""
 
 
-def _fields(row: _Type) -> frozenset[str]:
+def _fields(row: Type) -> frozenset[str]:
     """Every field a row reads."""
-    own = llama_hf_experts.fields(row.experts) | ({PARTIAL, _ORIGINAL} if row.phi else set())
+    own = llama_hf_experts.fields(row.experts) | ({_ORIGINAL} if row.phi else set())
+    own |= {PARTIAL} if row.partial is not None else set()
+    own |= {f for f in (row.qkv_bias, row.qk_norm) if isinstance(f, str)}
     own |= llama_hf_oss.FIELDS if row.oss else set()
     return (
         _READ
@@ -283,9 +98,9 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
         whole(data, "max_position_embeddings", where, row.positions),
     )
     window, sliding = llama_hf_windows.window(data, where, row, layers, positions)
-    theta, scaling, fraction = llama_hf_rope.read(data, where, row.theta, partial=row.phi)
-    if row.phi:
-        _phi(data, where, scaling)
+    theta, scaling, fraction = llama_hf_rope.read(data, where, row.theta, partial=row.partial)
+    if row.partial is not None:
+        _partial(data, where, row, scaling)
     heads = whole(data, "num_attention_heads", where)
     width = whole(data, "hidden_size", where)
     head_dim = whole_or_null(data, "head_dim", where, row.head_dim) or 0  # 0: width / heads, checked there
@@ -311,8 +126,8 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
             wide_norms=row.oss,
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=row.qkv_bias,
-            qk_norm=row.qk_norm,
+            qkv_bias=_switch(data, where, row.qkv_bias),
+            qk_norm=_switch(data, where, row.qk_norm),
             window=window,
             sliding=sliding,
             norm_eps=positive(data.get("rms_norm_eps", row.eps), f"{where}: rms_norm_eps"),
@@ -326,26 +141,43 @@ def read(data: dict, where: str, scan_layers: bool) -> Any:
         raise InteropError(f"{where}: {e}") from None
 
 
-def _phi(data: dict, where: str, scaling: Any) -> None:
-    """Phi-3's rotary: no scaling (its transformers class takes longrope only), an original context whole."""
-    whole(data, _ORIGINAL, where, 4096)
+def _switch(data: dict, where: str, said: bool | str) -> bool:
+    """A row's switch: its value, or the config field's (false where omitted)."""
+    return flag(data, said, where, False) if isinstance(said, str) else said
+
+
+def _partial(data: dict, where: str, row: Type, scaling: Any) -> None:
+    """A partial rotary's type: no scaling (Phi-3's transformers class takes longrope only; GLM-4.5's scaled
+    partial rotary is not checked against transformers), Phi-3's original context whole."""
+    if row.phi:
+        whole(data, _ORIGINAL, where, 4096)
     if scaling is not None:
+        why = (
+            "whose transformers class takes longrope only (4.57 and 5.x)"
+            if row.phi
+            else "a partial rotary meshkit does not scale"
+        )
         raise InteropError(
-            f"{where}: a {type(scaling).__name__} rotary in a Phi3ForCausalLM config, whose transformers class "
-            f"takes longrope only (4.57 and 5.x): give rope_scaling null"
+            f"{where}: a {type(scaling).__name__} rotary in a {row.architecture} config, {why}: give rope_scaling null"
         )
 
 
-def _fits(row: _Type, cfg: Any) -> bool:
+def _fits(row: Type, cfg: Any) -> bool:
     """Whether ``row`` writes ``cfg``: its switches, its experts (Mixtral's gates always renormalised) and
     a window it can say (in every layer, or per layer for Qwen's)."""
     moe = row.experts
+    said = [
+        (s if isinstance(s, bool) else c)
+        for s, c in ((row.qkv_bias, cfg.qkv_bias), (row.qk_norm, cfg.qk_norm))
+    ]
     switches = (cfg.qkv_bias, cfg.qk_norm, cfg.experts > 0, cfg.post_norms and cfg.qk_norm_whole, cfg.fused)
-    if (row.qkv_bias, row.qk_norm, moe is not None, row.olmo, row.phi) != switches:
+    if (*said, moe is not None, row.olmo, row.phi) != switches:
         return False
-    if cfg.post_norms != cfg.qk_norm_whole or (cfg.rotary_dim != cfg.head_dim and not row.phi):
+    if cfg.post_norms != cfg.qk_norm_whole or (cfg.rotary_dim != cfg.head_dim and row.partial is None):
         return False
-    if row.phi and cfg.rope_scaling is not None:
+    if row.partial is not None and cfg.rope_scaling is not None:
+        return False
+    if not llama_hf_experts.fits(moe, cfg):
         return False
     if moe is not None and moe.renormalize is None and not cfg.router_renormalize:
         return False
@@ -384,7 +216,10 @@ def write(cfg: Any, tied: bool) -> dict:
         dict(row.wants) | llama_hf_windows.window_fields(cfg, row) | llama_hf_experts.write(cfg, row.experts)
     )
     if row.phi:
-        own |= {_ORIGINAL: cfg.seq_len} | llama_hf_rope.written_fraction(cfg.rotary_dim, cfg.head_dim)
+        own |= {_ORIGINAL: cfg.seq_len}
+    if row.partial is not None:
+        own |= llama_hf_rope.written_fraction(cfg.rotary_dim, cfg.head_dim, always=row.partial != 1.0)
+    own |= {f: v for f, v in ((row.qkv_bias, cfg.qkv_bias), (row.qk_norm, cfg.qk_norm)) if isinstance(f, str)}
     if row.phi or row.olmo:
         own |= NO_SPECIAL
     return {
@@ -459,6 +294,10 @@ def _fused(cfg: Any, layer: str) -> Names:
     yield ("blocks", "mlp", "w_down"), Source(f"{layer}mlp.down_proj.weight", transpose=True)
 
 
-def unread(cfg: Any) -> frozenset[str]:
-    """A tied Llama reads no head: a checkpoint may still carry one (the embedding's copy)."""
-    return frozenset({"lm_head.weight"}) if cfg.tie_embeddings else frozenset()
+def unread(cfg: Any, data: dict) -> frozenset[str]:
+    """A tied Llama reads no head: a checkpoint may still carry one (the embedding's copy); nor the
+    multi-token-prediction layers a DeepSeek-V3-style checkpoint carries past its last (``model.layers.{L + i}.``
+    for ``num_nextn_predict_layers``, as transformers leaves them)."""
+    head = frozenset({"lm_head.weight"}) if cfg.tie_embeddings else frozenset()
+    extra = llama_hf_experts.mtp_layers(data, TYPES.get(data.get("model_type"), None))
+    return head | {f"model.layers.{cfg.layers + i}." for i in range(extra)}

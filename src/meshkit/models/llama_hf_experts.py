@@ -41,6 +41,13 @@ class Experts:
     shared: str | None = None
     """The field of a shared expert's hidden width (Qwen2-MoE's ``shared_expert_intermediate_size``: its
     ``{prefix}.shared_expert`` beside the routed ones, gated by ``{prefix}.shared_expert_gate``); None: none."""
+    deepseek: bool = False
+    """DeepSeek-V3's (GLM-4.5's): a sigmoid router whose choice adds ``{prefix}.gate.e_score_correction_bias``, in
+    groups (``n_group``, ``topk_group``), its gates scaled (``routed_scaling_factor``); ``shared`` the count of
+    ungated shared experts (``{prefix}.shared_experts``, their width that count times an expert's); the first
+    ``layers`` dense."""
+    renormalize_default: bool = False
+    """``renormalize``'s value where the config omits it (Qwen's false; DeepSeek-V3's true)."""
     oss: bool = False
     """GPT-OSS's: a router with a bias (``{prefix}.router``), the experts stacked in one tensor each with biases,
     gate and up interleaved in ``gate_up_proj`` ``(E, D, 2F)`` (untransposed), and the clamped SwiGLU
@@ -72,6 +79,20 @@ GPT_OSS = Experts(
     ("num_local_experts",), "intermediate_size", None, "mlp", ("gate_up_proj", "", "down_proj"), oss=True
 )
 """GPT-OSS's: the softmax of the top-k logits (the renormalised gates), biases, the clamped SwiGLU."""
+GLM4_MOE = Experts(
+    ("n_routed_experts",),
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    ("first_k_dense_replace",),
+    "n_shared_experts",
+    deepseek=True,
+    renormalize_default=True,
+)
+"""GLM-4.5's: DeepSeek-V3's mixture of experts."""
+_DEEPSEEK = ("n_group", "topk_group", "routed_scaling_factor", "num_nextn_predict_layers")
+"""DeepSeek-V3's router fields, and its multi-token-prediction layers' count (``mtp_layers``)."""
 SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 """GPT-OSS's clamped SwiGLU as 4.57 computes it (constants) and 5.x by default (fields)."""
 
@@ -84,6 +105,7 @@ def fields(moe: Experts | None) -> frozenset[str]:
     if moe is None:
         return frozenset()
     own = ({moe.renormalize, moe.shared} - {None}) | (set(SWIGLU) if moe.oss else set())
+    own |= set(_DEEPSEEK) if moe.deepseek else set()
     return frozenset({*moe.count, moe.ffn, *moe.layers, *_READ} | own)
 
 
@@ -102,17 +124,31 @@ def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, 
         raise InteropError(f"{where}: {key}={experts!r}: meshkit reads a mixture of at least 1 expert")
     dense = _dense(data, where, moe, layers)
     aux = positive(data.get("router_aux_loss_coef", 0.001), f"{where}: router_aux_loss_coef", zero=True)
-    return {
+    out = {
         "dense_layers": dense if any(dense) else None,
         "dense_ffn": whole(data, "intermediate_size", where) if any(dense) else 0,
         "experts": experts,
-        "shared_ffn": whole(data, moe.shared, where) if moe.shared else 0,
+        "shared_ffn": whole(data, moe.shared, where, *((1,) if moe.deepseek else ())) if moe.shared else 0,
         "experts_per_token": whole(data, "num_experts_per_tok", where),
         "ffn": whole(data, moe.ffn, where),
         "capacity_factor": 0.0,
         "router_aux_weight": aux,
-        "router_renormalize": moe.renormalize is None or flag(data, moe.renormalize, where, False),
+        "router_renormalize": moe.renormalize is None
+        or flag(data, moe.renormalize, where, moe.renormalize_default),
     } | (_swiglu(data, where) if moe.oss else {})
+    return out | _deepseek(data, where, out) if moe.deepseek else out
+
+
+def _deepseek(data: dict, where: str, out: dict) -> dict[str, Any]:
+    """DeepSeek-V3's router and its ungated shared experts (``n_shared_experts`` of an expert's width)."""
+    return {
+        "sigmoid_router": True,
+        "expert_groups": whole(data, "n_group", where, 1, least=1),
+        "top_groups": whole(data, "topk_group", where, 1, least=1),
+        "routed_scale": positive(data.get("routed_scaling_factor", 1.0), f"{where}: routed_scaling_factor"),
+        "shared_gate": False,
+        "shared_ffn": out["shared_ffn"] * out["ffn"],
+    }
 
 
 def _swiglu(data: dict, where: str) -> dict[str, Any]:
@@ -141,6 +177,15 @@ def _dense(data: dict, where: str, moe: Experts, layers: int) -> tuple[bool, ...
     names, and each whose number plus one ``decoder_sparse_step`` does not divide)."""
     if not moe.layers:
         return (False,) * layers
+    if moe.deepseek:  # the first first_k_dense_replace layers
+        first = whole(data, "first_k_dense_replace", where, 1, least=0)
+        dense = tuple(i < first for i in range(layers))
+        if all(dense):
+            raise InteropError(
+                f"{where}: first_k_dense_replace={first} of {layers} layers makes every layer a dense MLP: give the "
+                f"checkpoint as its dense model type"
+            )
+        return dense
     step, only = whole(data, "decoder_sparse_step", where, 1, least=1), data.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise InteropError(f"{where}: mlp_only_layers={only!r} is not a list of layer numbers: give one")
@@ -151,6 +196,33 @@ def _dense(data: dict, where: str, moe: Experts, layers: int) -> tuple[bool, ...
             f"the checkpoint as its dense model type"
         )
     return dense
+
+
+def mtp_layers(data: dict, row: Any) -> int:
+    """The multi-token-prediction layers a DeepSeek-V3-style checkpoint carries past its last layer
+    (``num_nextn_predict_layers``: GLM-4.5's one), which transformers builds no module for and leaves unread:
+    read and left aside too (0 for any other type)."""
+    moe = getattr(row, "experts", None)
+    if moe is None or not moe.deepseek:
+        return 0
+    return whole(data, "num_nextn_predict_layers", "config.json", 0, least=0)
+
+
+def fits(moe: Experts | None, cfg: Any) -> bool:
+    """Whether a type with experts ``moe`` (None: a dense type) can say ``cfg``'s router: DeepSeek-V3's (its
+    sigmoid scores, groups, scale, ungated shared experts of whole experts' width, dense layers first) only
+    in a DeepSeek-V3 type, and no other type's router there."""
+    deepseek = moe is not None and moe.deepseek
+    if cfg.sigmoid_router != deepseek:
+        return False
+    if not deepseek:
+        return (cfg.expert_groups, cfg.top_groups, cfg.routed_scale) == (1, 1, 1.0) and cfg.shared_gate
+    dense = cfg.dense_layers or ()
+    first = sum(dense)
+    whole_experts = cfg.shared_ffn > 0 and cfg.shared_ffn % cfg.ffn == 0
+    return (
+        whole_experts and not cfg.shared_gate and tuple(dense) == tuple(i < first for i in range(len(dense)))
+    )
 
 
 def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
@@ -171,6 +243,16 @@ def write(cfg: Any, moe: Experts | None) -> dict[str, Any]:
         out[moe.shared] = cfg.shared_ffn
     if moe.oss:
         out |= {"swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha}
+    if moe.deepseek:
+        first = sum(cfg.dense_layers or ())
+        out |= {
+            "n_group": cfg.expert_groups,
+            "topk_group": cfg.top_groups,
+            "routed_scaling_factor": cfg.routed_scale,
+            "num_nextn_predict_layers": 0,  # an export carries none
+        }
+        out |= {moe.shared: cfg.shared_ffn // cfg.ffn, "first_k_dense_replace": first}
+        return out | ({"intermediate_size": cfg.dense_ffn} if first else {})
     if not moe.layers:
         return out
     dense = [i for i, d in enumerate(cfg.dense_layers or ()) if d]
@@ -188,6 +270,11 @@ def names(moe: Experts, layer: str, ffn: int) -> Names:
         yield from _oss_names(f"{layer}{moe.prefix}.", ffn)
         return
     yield ("blocks", "moe", "router"), Source(f"{layer}{moe.prefix}.gate.weight", transpose=True)
+    if moe.deepseek:
+        yield (
+            ("blocks", "moe", "router_choice_bias"),
+            Source(f"{layer}{moe.prefix}.gate.e_score_correction_bias"),
+        )
     for leaf, name in zip(("w_gate", "w_up", "w_down"), moe.weights, strict=True):
         yield (
             ("blocks", "moe", leaf),
@@ -195,11 +282,14 @@ def names(moe: Experts, layer: str, ffn: int) -> Names:
         )
     if moe.shared is None:
         return
+    shared = "shared_experts" if moe.deepseek else "shared_expert"
     for leaf, name in zip(("w_gate", "w_up", "w_down"), moe.weights, strict=True):
         yield (
             ("blocks", "shared", leaf),
-            Source(f"{layer}{moe.prefix}.shared_expert.{name}.weight", transpose=True),
+            Source(f"{layer}{moe.prefix}.{shared}.{name}.weight", transpose=True),
         )
+    if moe.deepseek:
+        return
     yield (
         ("blocks", "shared", "w_shared_gate"),
         Source(f"{layer}{moe.prefix}.shared_expert_gate.weight", transpose=True),

@@ -107,8 +107,9 @@ def _made(R: Any, kind: str, rope: dict, said: str, positions: Any) -> Any:
     return R.Llama3Rope(factor=factor, **factors, original_positions=original)
 
 
-def _fraction(data: dict, where: str, params: Any) -> float:
-    """The partial rotary's fraction of each head, from either place (both at once must agree)."""
+def _fraction(data: dict, where: str, params: Any, default: float = 1.0) -> float:
+    """The partial rotary's fraction of each head, from either place (both at once must agree; ``default``
+    where neither says it)."""
     said = {k: v.get(PARTIAL) for k, v in (("", data), ("rope_parameters.", params)) if isinstance(v, dict)}
     given = {k: v for k, v in said.items() if v is not None}
     if len(set(given.values())) > 1:
@@ -116,7 +117,7 @@ def _fraction(data: dict, where: str, params: Any) -> float:
             f"{where}: {PARTIAL} differs between the config and rope_parameters ({said}): give one"
         )
     if not given:
-        return 1.0
+        return default
     key, value = next(iter(given.items()))
     fraction = positive(value, f"{where}: {key}{PARTIAL}")
     if fraction > 1:
@@ -124,11 +125,11 @@ def _fraction(data: dict, where: str, params: Any) -> float:
     return fraction
 
 
-def read(data: dict, where: str, default: float, partial: bool = False) -> tuple[float, Any, float]:
+def read(data: dict, where: str, default: float, partial: float | None = None) -> tuple[float, Any, float]:
     """``(rope_theta, rope_scaling, fraction)`` of either form (``default``: the type's theta where the config
-    gives none; ``fraction``: of each head the rotary turns, 1 unless ``partial`` reads it); both forms at
-    once must say the same."""
-    fraction = _fraction(data, where, data.get("rope_parameters")) if partial else 1.0
+    gives none; ``fraction``: of each head the rotary turns, 1 unless the type reads it, ``partial`` its
+    default); both forms at once must say the same."""
+    fraction = 1.0 if partial is None else _fraction(data, where, data.get("rope_parameters"), partial)
     theta, scaling, key = data.get("rope_theta"), data.get("rope_scaling"), "rope_scaling"
     theta = None if theta is None else positive(theta, f"{where}: rope_theta")
     params = data.get("rope_parameters")
@@ -139,7 +140,11 @@ def read(data: dict, where: str, default: float, partial: bool = False) -> tuple
                 f"{where}: rope_parameters={params!r} is not one set of rotary settings: meshkit's Llama uses one "
                 f"rotary in every layer"
             )
-        rest = {k: v for k, v in params.items() if k != "rope_theta" and not (partial and k == PARTIAL)}
+        rest = {
+            k: v
+            for k, v in params.items()
+            if k != "rope_theta" and not (partial is not None and k == PARTIAL)
+        }
         five = params.get("rope_theta")
         five = None if five is None else positive(five, f"{where}: rope_parameters.rope_theta")
         both = (theta is not None and five is not None and theta != five) or (
@@ -160,11 +165,11 @@ def rotary_dim(fraction: float, head_dim: int) -> int:
     return int(head_dim * fraction)
 
 
-def written_fraction(rotary: int, head_dim: int) -> dict:
-    """``{partial_rotary_factor}`` for a rotary of ``rotary`` dims of each head (none for the whole head), one
-    that transformers reads back as those dims."""
+def written_fraction(rotary: int, head_dim: int, always: bool = False) -> dict:
+    """``{partial_rotary_factor}`` for a rotary of ``rotary`` dims of each head (none for the whole head unless
+    ``always``: a type whose default is part of it), one that transformers reads back as those dims."""
     if rotary == head_dim:
-        return {}
+        return {PARTIAL: 1.0} if always else {}
     fraction = rotary / head_dim
     if rotary_dim(fraction, head_dim) != rotary:
         raise InteropError(

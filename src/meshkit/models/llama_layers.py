@@ -22,6 +22,7 @@ from jax import lax
 
 from meshkit.models.quantize import linear
 from meshkit.models.rope import attention_scaling, inv_frequencies
+from meshkit.models.stack import is_router
 from meshkit.plans import expert_bias, expert_dot, moe, sequence_positions, sink_softmax
 
 Params = dict[str, Any]
@@ -50,6 +51,7 @@ AXES: dict[str, Axes] = {
     "bo": ("embed",),
     "sinks": ("heads",),
     "router_bias": (None,),
+    "router_choice_bias": (None,),
     "b_gate": ("mlp",),
     "b_up": ("mlp",),
     "b_down": ("embed",),
@@ -58,10 +60,6 @@ AXES: dict[str, Axes] = {
 ``"layers"``): a bias has its weight's output axis, a per-head norm none (every head shares it), a norm over
 every head's width at once (OLMo 2's) the heads' axis, as a bias, and so do the heads' sinks (GPT-OSS's, one per
 head: split with the heads)."""
-
-
-ROUTER = frozenset({"router", "router_bias"})
-"""A block's ``"moe"`` leaves that route (no expert dim: every device holds them whole)."""
 
 
 def wide(dtype) -> jnp.dtype:
@@ -229,6 +227,8 @@ def init_block(key: jax.Array, cfg: Any, dense: bool = False) -> Params:
     }
     if routed:
         mlp = {"router": normal(jax.random.fold_in(key, 1), (d, cfg.experts), 0.02, dt), **mlp}
+    if routed and cfg.sigmoid_router:
+        mlp["router_choice_bias"] = jnp.zeros((cfg.experts,), dt)
     if routed and cfg.moe_bias:
         e_ = cfg.experts
         mlp |= {"router_bias": jnp.zeros((e_,), dt), "b_gate": jnp.zeros((e_, f), dt)}
@@ -257,8 +257,7 @@ def init_block(key: jax.Array, cfg: Any, dense: bool = False) -> Params:
             "w_gate": normal(ks[0], (d, s), 0.02, dt),
             "w_up": normal(ks[1], (d, s), 0.02, dt),
             "w_down": normal(ks[2], (s, d), resid, dt),
-            "w_shared_gate": normal(ks[3], (d, 1), 0.02, dt),
-        }
+        } | ({"w_shared_gate": normal(ks[3], (d, 1), 0.02, dt)} if cfg.shared_gate else {})
     return block
 
 
@@ -273,7 +272,7 @@ def residual(norm: Params, x_btd: jax.Array, sublayer: Callable, cfg: Any) -> ja
 def experts(p: Params, x_btd: jax.Array, cfg: Any, capacity_factor: float) -> tuple:
     """The mixture of experts of the normalised ``x_btd`` (``p``: a block's ``"moe"``): ``(y, aux,
     dropped)`` as ``plans.moe`` computes them, at ``capacity_factor`` (0: dropless)."""
-    weights = {name: w for name, w in p.items() if name not in ROUTER}
+    weights = {name: w for name, w in p.items() if not is_router(name)}
     return moe(
         functools.partial(experts_mlp, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha),
         weights,
@@ -283,6 +282,10 @@ def experts(p: Params, x_btd: jax.Array, cfg: Any, capacity_factor: float) -> tu
         capacity_factor=capacity_factor,
         renormalize=cfg.router_renormalize,
         router_bias=p.get("router_bias"),
+        sigmoid=cfg.sigmoid_router,
+        choice_bias=p.get("router_choice_bias"),
+        groups=(cfg.expert_groups, cfg.top_groups),
+        scale=cfg.routed_scale,
     )
 
 
@@ -295,9 +298,9 @@ def dropless_ffn(p: Params, cfg: Any, h_btd: jax.Array) -> jax.Array:
 
 def shared_expert(p: Params, h_btd: jax.Array) -> jax.Array:
     """A block's shared expert (Qwen2-MoE's ``shared_expert``, every token through it), gated per token by
-    ``sigmoid(h w_shared_gate)``; 0 for a block without one."""
+    ``sigmoid(h w_shared_gate)`` where it has a gate (DeepSeek's has none); 0 for a block without one."""
     if "shared" not in p:
         return jnp.zeros((), h_btd.dtype)
     s = p["shared"]
-    gate = jax.nn.sigmoid(linear(h_btd, s["w_shared_gate"]))
-    return gate * mlp({k: w for k, w in s.items() if k != "w_shared_gate"}, h_btd)
+    out = mlp({k: w for k, w in s.items() if k != "w_shared_gate"}, h_btd)
+    return jax.nn.sigmoid(linear(h_btd, s["w_shared_gate"])) * out if "w_shared_gate" in s else out

@@ -78,12 +78,17 @@ def moe_metrics(stats: jax.Array, tokens: int, layers: int, k: int) -> dict[str,
     return {"router_aux": stats[0] / layers, "dropped_fraction": stats[1] / (tokens * k * layers)}
 
 
+def is_router(name: str) -> bool:
+    """Whether a ``"moe"`` leaf is its router's (``router``, its biases): no expert dim, whole on every device."""
+    return name.startswith("router")
+
+
 def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
     """A block leaf's logical axes from ``table`` by its key: ``"expert"`` first for an expert's leaf
-    (under ``"moe"``, the router and its bias aside), ``"layers"`` first in the scanned form."""
+    (under ``"moe"``, the router's aside: ``is_router``), ``"layers"`` first in the scanned form."""
     names = table[path[-1].key]
     keys = [getattr(k, "key", None) for k in path]
-    if "moe" in keys and path[-1].key not in ("router", "router_bias"):
+    if "moe" in keys and not is_router(path[-1].key):
         names = (EXPERT_DIM, *names)
     stacked = path[0].key == "blocks" and not isinstance(path[1], jax.tree_util.SequenceKey)
     return ("layers", *names) if stacked else names

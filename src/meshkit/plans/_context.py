@@ -223,8 +223,8 @@ def causal_attention(
         return _windowed(call, window, windowed)
     if sinks is not None:
         raise PlanError(
-            f"attention sinks (GPT-OSS's) under a context split of {split.size}: the ring and all-to-all forms "
-            f"take none yet; use a plan without a context axis"
+            f"attention sinks (GPT-OSS's) under a context split of {split.size}: the split attention takes none "
+            f"yet; use a plan without a context axis"
         )
     attention.check_window(window)
     attention.check_softcap(softcap)

@@ -105,22 +105,53 @@ class Routing:
 
 
 def top_k(
-    x_btd: jax.Array, router_de: jax.Array, k: int, *, renormalize: bool = False, bias: Any = None
+    x_btd: jax.Array,
+    router_de: jax.Array,
+    k: int,
+    *,
+    renormalize: bool = False,
+    bias: Any = None,
+    sigmoid: bool = False,
+    choice_bias: Any = None,
+    groups: tuple[int, int] = (1, 1),
+    scale: float = 1.0,
 ) -> tuple:
     """``(probs_bte, choice_btk, gate_btk)``: the router's probabilities (softmax in at least float32 of
-    ``x router``, plus ``bias`` ``(E,)`` where given: GPT-OSS's), each token's top ``k`` experts (ties to the
-    lower index: a stable sort) and their gates (divided by their sum where ``renormalize``: the softmax of
-    the top ``k`` logits, GPT-OSS's form)."""
+    ``x router``, plus ``bias`` ``(E,)`` where given: GPT-OSS's; with ``sigmoid`` each expert's sigmoid score,
+    DeepSeek-V3's, the probabilities then those scores over their sum), each token's top ``k`` experts (ties to
+    the lower index: a stable sort) and their gates (divided by their sum where ``renormalize``: the softmax of
+    the top ``k`` logits, GPT-OSS's form; times ``scale``). DeepSeek-V3's choice (its gates stay the scores):
+    by the scores plus ``choice_bias`` ``(E,)`` (its ``e_score_correction_bias``, held: no gradient), among the
+    top ``groups[1]`` of ``groups[0]`` groups of experts, each group ranked by its two best (``_top_groups``)."""
     wide = jnp.promote_types(x_btd.dtype, jnp.float32)
     logits = jnp.einsum("btd,de->bte", x_btd, router_de, preferred_element_type=wide)
     if bias is not None:
         logits = logits + bias.astype(wide)
-    probs_bte = jax.nn.softmax(logits, axis=-1)
-    choice_btk = jnp.argsort(-lax.stop_gradient(probs_bte), axis=-1, stable=True)[..., :k]
-    gate_btk = jnp.take_along_axis(probs_bte, choice_btk, axis=-1)
-    if renormalize:
-        gate_btk = gate_btk / gate_btk.sum(-1, keepdims=True)
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choosing = lax.stop_gradient(scores)
+    if choice_bias is not None:
+        choosing = choosing + lax.stop_gradient(choice_bias.astype(wide))
+    if groups[0] > 1:
+        choosing = _top_groups(choosing, *groups)
+    choice_btk = jnp.argsort(-choosing, axis=-1, stable=True)[..., :k]
+    gate_btk = jnp.take_along_axis(scores, choice_btk, axis=-1)
+    if renormalize:  # DeepSeek-V3's sum carries transformers' 1e-20 (sigmoid scores may all be near 0)
+        gate_btk = gate_btk / (gate_btk.sum(-1, keepdims=True) + (1e-20 if sigmoid else 0.0))
+    if scale != 1.0:
+        gate_btk = gate_btk * scale
+    probs_bte = scores / scores.sum(-1, keepdims=True) if sigmoid else scores
     return probs_bte, choice_btk, gate_btk
+
+
+def _top_groups(choosing: jax.Array, groups: int, top: int) -> jax.Array:
+    """``choosing`` ``(B, T, E)`` with the experts outside each token's ``top`` best of ``groups`` equal groups set
+    to 0 (a group's rank: the sum of its two best; DeepSeek-V3's ``n_group``, ``topk_group``; 0, not minus
+    infinity, as transformers masks them)."""
+    b, t, e = choosing.shape
+    grouped = choosing.reshape(b, t, groups, e // groups)
+    rank = lax.top_k(grouped, 2)[0].sum(-1)
+    kept = jax.nn.one_hot(lax.top_k(rank, top)[1], groups, dtype=bool).any(-2)
+    return jnp.where(kept[..., None], grouped, 0.0).reshape(b, t, e)
 
 
 def balance_loss(probs_bte: jax.Array, choice_btk: jax.Array) -> jax.Array:
@@ -137,16 +168,14 @@ def route(
     router_de: jax.Array,
     k: int,
     factor: float,
-    *,
-    renormalize: bool = False,
-    bias: Any = None,
+    **how: Any,
 ) -> Routing:
-    """Top-``k`` routing with capacity (see the module docstring)."""
+    """Top-``k`` routing with capacity (see the module docstring); ``how``: ``top_k``'s options."""
     b, t, _ = x_btd.shape
     e = router_de.shape[-1]
     c = capacity(t, e, k, factor)
     wide = jnp.promote_types(x_btd.dtype, jnp.float32)
-    probs_bte, choice_btk, gate_btk = top_k(x_btd, router_de, k, renormalize=renormalize, bias=bias)
+    probs_bte, choice_btk, gate_btk = top_k(x_btd, router_de, k, **how)
     # slots in priority order: all first choices (token order), then all second choices, ...
     chosen_bkte = jax.nn.one_hot(jnp.swapaxes(choice_btk, 1, 2), e, dtype=jnp.int32)
     flat = chosen_bkte.reshape(b, k * t, e)
@@ -171,18 +200,21 @@ def moe(
     capacity_factor: float,
     renormalize: bool = False,
     router_bias: Any = None,
+    **how: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The MoE MLP of ``x_btd``: ``(y_btd, aux, dropped)`` (aux: the load-balancing loss of this layer,
     dropped: the slots past capacity). ``experts``: the experts' parameters, leading dim E (E / N
     under an expert split); ``expert_fn`` multiplies them through ``expert_dot`` and ``expert_bias``.
     ``capacity_factor`` 0: dropless (``_dropless``: every slot runs, grouped by expert, as MaxText's -1);
     ``renormalize``: the top-k gates divided by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``);
-    ``router_bias`` ``(E,)``: added to the router's logits (GPT-OSS's)."""
+    ``router_bias`` ``(E,)``: added to the router's logits (GPT-OSS's); ``how``: ``top_k``'s other options
+    (DeepSeek-V3's sigmoid scores, choice bias, groups and scale)."""
+    how = {"renormalize": renormalize, "bias": router_bias, **how}
     if capacity_factor == 0:
-        return _dropless(expert_fn, experts, router_de, x_btd, k=k, renormalize=renormalize, bias=router_bias)
+        return _dropless(expert_fn, experts, router_de, x_btd, k=k, how=how)
     sequence = _context._SPLIT.get()
     check_whole_sequences(sequence.size if sequence is not None else 1)
-    r = route(x_btd, router_de, k, capacity_factor, renormalize=renormalize, bias=router_bias)
+    r = route(x_btd, router_de, k, capacity_factor, **how)
     rows_becd = jnp.einsum("btec,btd->becd", r.dispatch, x_btd)
     split = _SPLIT.get()
     if split is not None:
@@ -249,8 +281,7 @@ def _dropless(
     x_btd: jax.Array,
     *,
     k: int,
-    renormalize: bool,
-    bias: Any = None,
+    how: dict[str, Any],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dropless MoE (MegaBlocks'): each token's ``k`` slots sorted by expert and multiplied in one
     grouped matmul per weight (``expert_dot``), no capacity and no slot dropped; the outputs back in
@@ -260,7 +291,7 @@ def _dropless(
     (``psum_scatter``: as much again); their transposes move as much in the backward pass. Routing is
     per token, so a sequence split does not change it. The load-balancing loss is each device's own
     tokens'."""
-    probs_bte, choice_btk, _ = top_k(x_btd, router_de, k, renormalize=renormalize, bias=bias)
+    probs_bte, choice_btk, _ = top_k(x_btd, router_de, k, **how)
     aux = balance_loss(probs_bte, choice_btk)
     split = _SPLIT.get()
     spread = split is not None and split.size > 1
@@ -269,7 +300,7 @@ def _dropless(
         split.dropless.append(True)
         split.k.append(k)
     x_all = lax.all_gather(x_btd, split.axis, axis=0, tiled=True) if spread else x_btd
-    _, choice, gate = top_k(x_all, router_de, k, renormalize=renormalize, bias=bias)
+    _, choice, gate = top_k(x_all, router_de, k, **how)
     b, t, d = x_all.shape
     e = router_de.shape[-1]
     slot_expert = choice.reshape(-1)  # (N k,), N = b t: token n's slots at n k .. n k + k - 1
