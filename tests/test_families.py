@@ -404,9 +404,11 @@ PLANS = [
 QWEN = [(kind, *p) for p in PLANS for kind in ("qwen2", "qwen3")]
 
 
-# Tiers (this file): each Qwen under tp (its biases split, its norms replicated) is core; the other plans of
-# each family sweep (each plan is core with the GPT and the Llama), and so does the Mixtral under every
-# expert plan (see test_an_imported_mixture_trains_under_the_expert_plans_as_on_one_device).
+# Tiers (this file): the Qwen2 under tp is core (plan tp's certificate on the Llama family, its biases split);
+# the Qwen3 under tp sweeps (per-head q/k norms whole under a model axis are core in
+# test_gpt_oss_and_glm_train_under_the_plans_as_on_one_device[glm4_moe-tp+ep]); the other plans of each family
+# sweep (each plan is core with the GPT and the Llama), and so does the Mixtral under every expert plan (see
+# test_an_imported_mixture_trains_under_the_expert_plans_as_on_one_device).
 # Qwen2's windows sweep under every plan: a window under all-to-all is core in test_attention.py's
 # test_each_plan_attends_as_one_device_masks_included[dp+cp], in the ring's blocks in its scanned windows on
 # cp, windows that differ by layer and a pipeline's refusal of them in test_llama_window.py
@@ -419,7 +421,7 @@ QWEN = [(kind, *p) for p in PLANS for kind in ("qwen2", "qwen3")]
 # test_the_issues_pp_plan_on_8_stages_is_certified_by_a_derived_float32_bound.
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh", "opts", "kv"),
-    tiered(QWEN, [f"{c[1]}-{c[0]}" for c in QWEN], core={"tp-qwen2", "tp-qwen3"}),
+    tiered(QWEN, [f"{c[1]}-{c[0]}" for c in QWEN], core={"tp-qwen2"}),
 )
 def test_qwen_trains_under_the_plans_as_on_one_device(kind, plan, mesh, opts, kv):
     """Biases split as their weights' output dim (``heads``, ``kv_heads``), per-head norms replicated."""
@@ -611,9 +613,9 @@ GPT_OSS = {**SMALL, "model_type": "gpt_oss", "num_local_experts": 8, "num_expert
 these sizes (5.x's ``swiglu_limit``)."""
 GLM4_MOE = {**SMALL, "model_type": "glm4_moe", "n_routed_experts": 8, "num_experts_per_tok": 2, "head_dim": 4,
             "moe_intermediate_size": 16, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
-            "routed_scaling_factor": 2.0, "first_k_dense_replace": 1, "attention_bias": True}  # fmt: skip
+            "routed_scaling_factor": 2.0, "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": True}  # fmt: skip
 """GLM-4.5 (DeepSeek-V3's mixture: sigmoid scores, the choice among 2 of 4 groups, scaled gates, an ungated shared
-expert, the first layer dense; half of each head rotated, q/k/v biases)."""
+expert, the first layer dense; half of each head rotated, q/k/v biases, per-head q/k norms)."""
 #: (family, plan, mesh, key/value heads); under tp alone float64 only: the ledger has no model of experts split
 #: over the model axis without an expert axis (measured for a Mixtral too: 1,266,944 B of all-reduces against
 #: 578,816)
@@ -622,12 +624,12 @@ NEW_MOE = [(f, *p) for f in ("gpt_oss", "glm4_moe") for p in [
     ("tp", "model=8", 8)]]  # fmt: skip
 
 
-# Tiers: GPT-OSS under tp+ep and GLM-4.5 under ep are core (the sinks and the q/k/v/o biases split with the
-# heads, the routers' biases whole, the experts' biases split with the experts and their width; the sigmoid
-# router's choice on each device's gathered tokens); the other plans sweep.
+# Tiers: GPT-OSS and GLM-4.5 under tp+ep are core (the sinks and the q/k/v/o biases split with the heads, the
+# per-head q/k norms whole, the routers' biases whole, the experts' biases split with the experts and their
+# width; the sigmoid router's choice on each device's gathered tokens); the other plans sweep.
 @pytest.mark.parametrize(
     ("kind", "plan", "mesh", "kv"),
-    tiered(NEW_MOE, [f"{c[0]}-{c[1]}" for c in NEW_MOE], core={"gpt_oss-tp+ep", "glm4_moe-ep"}),
+    tiered(NEW_MOE, [f"{c[0]}-{c[1]}" for c in NEW_MOE], core={"gpt_oss-tp+ep", "glm4_moe-tp+ep"}),
 )
 def test_gpt_oss_and_glm_train_under_the_plans_as_on_one_device(kind, plan, mesh, kv):
     """GPT-OSS's config.json reads as its switches (sinks, o and router and expert biases, float32 norm scales,
@@ -650,8 +652,13 @@ def test_gpt_oss_and_glm_train_under_the_plans_as_on_one_device(kind, plan, mesh
             (True, False),
             2,
         )
-        assert "w_shared_gate" not in params["blocks"][1]["shared"] and axes["moe"]["router_choice_bias"] == (
-            None,
+        assert "w_shared_gate" not in params["blocks"][1]["shared"]
+        assert axes["moe"]["router_choice_bias"] == (None,) and (
+            axes["attn"]["bq"],
+            axes["attn"]["q_norm"],
+        ) == (
+            ("heads",),
+            (None,),
         )
     cert = _certificate(cfg, plan, mesh, {})
     if plan == "tp":
@@ -694,8 +701,8 @@ def test_glm_checkpoints_multi_token_prediction_layers_are_left_aside(tmp_path):
 # Tiers: sweeps: ``--init-from hf:`` of a Llama checkpoint is core in test_llama_cli.py
 # (test_init_from_the_export_starts_from_its_weights), a run from another model type's checkpoint exported
 # as that type in test_gemma.py's gemma2 run, Qwen3's config and weights written and read as qwen3 in
-# test_each_family_reads_its_switches_and_writes_its_own_model_type[qwen3], its training in
-# test_qwen_trains_under_the_plans_as_on_one_device[tp-qwen3].
+# test_each_family_reads_its_switches_and_writes_its_own_model_type[qwen3], its per-head norms' training in
+# test_gpt_oss_and_glm_train_under_the_plans_as_on_one_device[glm4_moe-tp+ep].
 RUN_FROM = {
     "qwen3": {"model_type": "qwen3", "head_dim": 8},
     "gpt_oss": {"model_type": "gpt_oss", "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,

@@ -31,7 +31,7 @@ CASES = [
 
 # Tiers: every plan keeps a core certificate (dp, zero1/2/3 on the linear model, fsdp on the MLP, fsdp+tp on
 # the GPT; dp+tp in test_gpt_vocab_tp.py; tp on model=8 in test_families.py's
-# test_qwen_trains_under_the_plans_as_on_one_device[tp-qwen2] and [tp-qwen3] and test_gemma.py's gemma3-tp);
+# test_qwen_trains_under_the_plans_as_on_one_device[tp-qwen2] and test_gemma.py's gemma3-tp);
 # the MLP's dp and ZeRO certificates and the GPT's dp, zero3, tp and dp+tp sweep (the GPT under zero3 stays
 # core in test_fsdp.py's fsdp-gpt-scan certificate and test_hsdp.py's GPT, ZeRO-3 within the data axis;
 # the GPT's tensor-parallel rules, the vocabulary split on model among them, under dp+tp in
