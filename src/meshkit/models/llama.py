@@ -3,9 +3,11 @@ optionally tied embeddings) as a plain pytree, in the reference GPT's two forms.
 the decoders of other families (``docs/families.md``): ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
 ``rope_scaling`` (long contexts), ``window``/``sliding`` (Mistral, Qwen2), ``post_norms`` and
 ``qk_norm_whole`` (OLMo 2: leaves ``q_width_norm`` (H h,), ``k_width_norm`` (K h,)), ``rotary_dim``, ``fused``
-(Phi-3), ``experts`` (Mixtral, Qwen3-MoE: read dropless, ``capacity_factor=0``, as transformers runs them).
-The sublayers (norm, projections, rotary, MLP, experts) are ``llama_layers``'; this module builds
-blocks of them.
+(Phi-3), ``experts`` (Mixtral, Qwen3-MoE: read dropless, ``capacity_factor=0``, as transformers runs them),
+``sinks``, ``o_bias``, ``moe_bias``, ``swiglu_limit`` (GPT-OSS: leaves ``sinks`` (H,), ``bo`` (D,), ``router_bias``,
+``b_gate``, ``b_up``, ``b_down``), ``sigmoid_router`` and its groups, ``shared_gate`` (GLM-4.5, DeepSeek-V3's
+mixture: leaf ``router_choice_bias``). The config is ``llama_config``'s; the sublayers (norm, projections, rotary,
+MLP, experts) are ``llama_layers``'; this module builds blocks of them.
 
 Parameter layout (``L = layers``, ``D = width``, ``V = vocab_size``, ``H = heads``, ``K = kv_heads``,
 ``h = head_dim``, ``F = ffn``)::
