@@ -140,7 +140,9 @@ def read(data: dict, where: str, moe: Experts | None, layers: int) -> dict[str, 
 
 
 def _deepseek(data: dict, where: str, out: dict) -> dict[str, Any]:
-    """DeepSeek-V3's router and its ungated shared experts (``n_shared_experts`` of an expert's width)."""
+    """DeepSeek-V3's router and its ungated shared experts (``n_shared_experts`` of an expert's width); its
+    multi-token-prediction count checked here, by the config's name, and left aside (``mtp_layers``)."""
+    whole(data, "num_nextn_predict_layers", where, 0, least=0)
     return {
         "sigmoid_router": True,
         "expert_groups": whole(data, "n_group", where, 1, least=1),
