@@ -43,26 +43,34 @@ SIZES = {  # the device check's (device_check.SIZES), with a byte vocabulary for
 MODES = ("none", "int8")
 
 
-def trainer(cfg, mode: str, remat: str, lr: float):
-    """The Llama's Trainer on this process's first device (plan dp over one), its matmuls in ``mode``."""
+def trainer(cfg, mode: str, remat: str, lr: float, optimizer: str = "adamw", loss_chunk: int = 0):
+    """The Llama's Trainer on this process's first device (plan dp over one), its matmuls in ``mode``;
+    ``optimizer`` AdamW or optax's Muon (the blocks' matrices, ``train.optim.muon_matrices``; AdamW for the
+    rest), the head and its loss ``loss_chunk`` positions at a time where given (``--loss-chunk``)."""
     from jax.sharding import Mesh
 
     from meshkit import Trainer
+    from meshkit.train.optim import muon_matrices
 
     params = llama.init(jax.random.key(0), cfg)
-    loss = quantize.wrap(llama.make_loss(cfg), mode)
+    axes = llama.logical_axes(params)
+    loss = quantize.wrap(llama.make_loss(cfg, loss_chunk=loss_chunk), mode)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 20, 10_000)
+    opt = (optax.contrib.muon(schedule, muon_weight_dimension_numbers=muon_matrices(axes), weight_decay=0.01)
+           if optimizer == "muon" else optax.adamw(schedule, weight_decay=0.01))  # fmt: skip
     one = Mesh(np.asarray(jax.devices()[:1]), ("data",))
-    return Trainer(loss, params, optax.adamw(schedule, weight_decay=0.01), plan="dp", mesh=one, remat=remat,
-                   compute_dtype="bfloat16", logical_axes=llama.logical_axes(params))  # fmt: skip
+    return Trainer(loss, params, opt, plan="dp", mesh=one, remat=remat, compute_dtype="bfloat16",
+                   logical_axes=axes)  # fmt: skip
 
 
-def speed(cfg, mode: str, batch: int, remat: str, steps: int) -> dict:
-    """One Trainer's step compiled and timed (``steps`` after two untimed) on random tokens."""
+def speed(cfg, mode: str, batch: int, remat: str, steps: int, **options) -> dict:
+    """One Trainer's step compiled and timed (``steps`` after two untimed) on random tokens (``options``:
+    :func:`trainer`'s)."""
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1), dtype=np.int32)
     row: dict = {"quantize": mode, "batch": batch}
     try:
-        timed = time_step(trainer(cfg, mode, remat, 1e-4), TokenBatch(tokens[:, :-1], tokens[:, 1:]), steps)
+        t = trainer(cfg, mode, remat, 1e-4, **options)
+        timed = time_step(t, TokenBatch(tokens[:, :-1], tokens[:, 1:]), steps)
     except Exception as e:  # out of memory at compile or run
         return row | {"error": str(e).splitlines()[0][:200]}
     return row | timed | {"tokens_per_s": batch * cfg.seq_len / timed["step_s"]}

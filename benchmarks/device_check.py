@@ -62,7 +62,7 @@ SIZES = {
     "1.1b": {"vocab_size": 32000, "layers": 22, "width": 2048, "heads": 32, "kv_heads": 4, "ffn": 5632},
 }
 #: (remat, sequences per device) in the order tried: the most tokens a step without recompute first
-LAYOUTS = [("none", 8), ("none", 4), ("dots", 8), ("dots", 4), ("none", 2), ("dots", 2), ("layer", 4),
+LAYOUTS = [("none", 8), ("none", 4), ("dots", 8), ("dots", 4), ("dots", 3), ("none", 2), ("dots", 2), ("layer", 4),
            ("layer", 2), ("none", 1), ("layer", 1)]  # fmt: skip
 FIT = 0.9
 """The share of a device's memory the predicted peak may take."""
@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         return bench_loss_chunk.main(["--run", "--shape", "16,1024,8,4,2816", "--chunks", "0,512", "--batches",
                                       "4,8", "--out", a.out])  # fmt: skip
+    # issue 53's variants of the 0.7 B Llama's step at batch 3, side by side: bf16, int8, Muon, the head in pieces
+    if a.variants:
+        import bench_variants
+
+        return bench_variants.main(["--out", a.out])
     # issue 53's int8 training: bf16 and int8 side by side at the 0.7 B Llama's batch 3 (bench_quantize.py),
     # then both trained 300 steps on text
     if a.quantize:
@@ -153,6 +158,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="only int8 training beside bf16 (bench_quantize.py): the 0.7 B Llama's speed at batch 3, then "
         "300 steps of each on text",
+    )
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="only the 0.7 B Llama's step at batch 3 in bf16, int8, with Muon and with the head in pieces, "
+        "side by side (bench_variants.py)",
     )
     return p.parse_args(argv)
 

@@ -62,3 +62,23 @@ def test_the_int8_benchmark_runs_at_tiny_size_both_ways(tmp_path, monkeypatch):
                                 "--converge", "3", "--out", str(tmp_path / "text.json")])  # fmt: skip
     assert all(r["finite"] and r["steps"] == 3 for r in text["rows"]) and abs(text["gap_held_out"]) < 0.05
     assert json.loads((tmp_path / "text.json").read_text())["rows"][1]["quantize"] == "int8"
+
+
+@pytest.mark.sweep
+def test_the_variants_benchmark_runs_every_row_from_the_same_first_loss(tmp_path, monkeypatch):
+    """``bench_variants.py`` (``device_check.py --variants`` on the chip): bf16, int8, Muon and the head in
+    pieces side by side. Every row's first loss is taken before any update, from the same parameters and
+    batch: Muon's is bf16's exactly, the head in pieces' to float rounding, int8's to its rounding."""
+    monkeypatch.syspath_prepend(str(CHECK.parent))
+    import bench_variants
+
+    out = bench_variants.main(["--size", "tiny", "--seq", "64", "--batch", "2", "--remat", "none", "--steps", "1",
+                               "--out", str(tmp_path / "variants.json")])  # fmt: skip
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert list(rows) == list(bench_variants.VARIANTS)
+    assert all(r["tokens_per_s"] > 0 and r["peak_gib"] > 0 for r in rows.values()), rows
+    base = rows["bf16"]["first_loss"]
+    assert rows["muon"]["first_loss"] == base and rows["bf16"]["vs_bf16"] == 1.0
+    assert rows["chunk"]["first_loss"] == pytest.approx(base, rel=1e-5)
+    assert rows["int8"]["first_loss"] == pytest.approx(base, rel=0.05)
+    assert json.loads((tmp_path / "variants.json").read_text())["rows"][0]["variant"] == "bf16"

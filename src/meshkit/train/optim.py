@@ -3,9 +3,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import optax
 
 from meshkit.train.config import TrainConfig, warmup_steps
+
+BATCHED = ("layers",)
+"""Logical axes Muon's orthogonalisation batches over (a scanned stack's layers; experts are added from
+``plans.EXPERT_DIM``): each layer's, each expert's matrix is orthogonalised on its own."""
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -25,3 +32,25 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     if cfg.optimizer.optimizer == "adamw":
         return optax.adamw(lr, weight_decay=cfg.optimizer.weight_decay)
     return optax.sgd(lr, momentum=cfg.optimizer.momentum)
+
+
+def muon_matrices(logical_axes: Any) -> Any:
+    """Which leaves optax's Muon orthogonalises (``optax.contrib.muon``'s ``muon_weight_dimension_numbers``),
+    from a model's logical axes (its ``logical_axes(params)``): a leaf with exactly two named axes besides the
+    batched ones (``BATCHED`` and the experts'), neither the vocabulary's, as (input, output); every other
+    leaf (norms, biases, embeddings, the head, routers: an unnamed axis) None, AdamW's, as Muon's authors
+    train them."""
+    from optax.contrib import MuonDimensionNumbers
+
+    from meshkit.plans import EXPERT_DIM
+
+    batched = (*BATCHED, EXPERT_DIM)
+
+    def one(names: tuple) -> Any:
+        inner = [i for i, n in enumerate(names) if n not in batched]
+        named = [names[i] for i in inner]
+        if len(inner) != 2 or None in named or "vocab" in named:
+            return None
+        return MuonDimensionNumbers(reduction_axis=inner[0], output_axis=inner[1])
+
+    return jax.tree.map(one, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
