@@ -97,11 +97,88 @@ def compiled(cfg, mode: str, batch: int, remat: str, target: str) -> dict:
     except Exception as e:  # XLA:TPU's refusal of a step past the chip's memory
         return row | {"error": str(e).splitlines()[0][:200]}
     m, text = memory(program), program.as_text()
+    row["estimated_cycles"] = cycles(text)
     types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", text))  # each instruction's element type
     matmuls = re.findall(r"= \S+ (?:convolution|dot)\(([^)]*)\)", text)
     int8 = sum(any(types.get(o.split()[-1]) == "s8" or "s8[" in o for o in ops.split(",")) for ops in matmuls)
     return row | {"peak_gib": (m.peak_bytes or m.total_bytes) / GIB, "temp_gib": m.temp_bytes / GIB,
                   "matmuls": len(matmuls), "int8_matmuls": int8}  # fmt: skip
+
+
+def cycles(text: str) -> dict[str, int]:
+    """XLA:TPU's own estimate of a compiled step's cycles (each instruction's ``estimated_cycles``, a scanned
+    loop's body times its trip count) by kind: the matmuls on int8 operands and the others, the passes that
+    make int8 operands (an absolute maximum, a rounding to ``s8``), and the rest. Kernels (splash) carry
+    no estimate and are not counted."""
+    import re
+
+    comps: dict[str, list[str]] = {}
+    for head, body in re.findall(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", text, re.S | re.M):
+        comps[head] = body.splitlines()
+    kind = {
+        i: t
+        for lines in comps.values()
+        for i, t in (re.findall(r"%([\w.\-]+) = \(?(\w+)\[", "\n".join(lines)))
+    }
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
+    times, todo, out = {entry: 1}, [entry], dict.fromkeys(("matmul int8", "matmul", "quantize", "other"), 0)
+    while todo:
+        name = todo.pop()
+        for line in comps.get(name, []):
+            if " while(" in line:  # the trip count: the condition's constant bound
+                cond, body = re.search(r"condition=%([\w.\-]+), body=%([\w.\-]+)", line).groups()
+                bound = [int(c) for c in re.findall(r"constant\((\d+)\)", "\n".join(comps.get(cond, [])))]
+                times[body] = times.get(body, 0) + times[name] * max(bound, default=1)
+                todo.append(body)
+            n = re.search(r'"estimated_cycles":"(\d+)"', line)
+            if not n:
+                continue
+            fused = "\n".join(comps.get((re.search(r"calls=%([\w.\-]+)", line) or [None, ""])[1], []))
+            if " convolution(" in fused or " convolution(" in line:
+                ops = re.findall(r"%([\w.\-]+)", (fused or line).split(" convolution(")[1].split(")")[0])
+                k = "matmul int8" if any(kind.get(o) == "s8" for o in ops) else "matmul"
+            elif re.match(r"\s*(ROOT )?%\S+ = \(?s8\[", line) or "abs_reduce" in line.split("=")[0]:
+                k = "quantize"
+            else:
+                k = "other"
+            out[k] += int(n[1]) * times[name]
+    return out
+
+
+def matmuls(steps: int) -> list[dict]:
+    """The 0.7 B Llama's projection shapes (3 sequences of 2048; and a 4096-wide model's at 8) one matmul at
+    a time on this device: bf16, int8 operands with int32 sums (the hardware's rate), and Qwix's quantized
+    matmul (``quantize.linear``) forward, and forward with both gradients, each against bf16's."""
+    import jax.numpy as jnp
+
+    def timed(f, *args) -> float:
+        f = jax.jit(f)
+        jax.block_until_ready(f(*args))
+        begin = time.perf_counter()
+        for _ in range(steps):
+            r = f(*args)
+        jax.block_until_ready(r)
+        return (time.perf_counter() - begin) / steps
+
+    def quantized(x, w):
+        with quantize.quantized("int8"):
+            return quantize.linear(x.reshape(-1, 2048, x.shape[-1]), w)  # sequences of 2048
+
+    def square(f):
+        return lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2)
+
+    rows, dims = [], (((1,), (0,)), ((), ()))
+    for m, k, n in [(6144, 2048, 5632), (6144, 5632, 2048), (6144, 2048, 2048), (16384, 4096, 4096)]:
+        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        w = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
+        plain = timed(lambda a, b: a @ b, x, w)
+        raw = timed(lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.int32),
+                    x.astype(jnp.int8), w.astype(jnp.int8))  # fmt: skip
+        both = timed(jax.grad(square(lambda a, b: a @ b), (0, 1)), x, w)
+        rows.append({"shape": [m, k, n], "bf16_tflops": 2 * m * k * n / plain / 1e12,
+                     "int8_tops": 2 * m * k * n / raw / 1e12, "qwix_forward": plain / timed(quantized, x, w),
+                     "qwix_forward_backward": both / timed(jax.grad(square(quantized), (0, 1)), x, w)})  # fmt: skip
+    return rows
 
 
 def text_tokens() -> np.ndarray:
@@ -152,6 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--target", default=None, help="compile only, for this TPU topology (v5e:1x1), with libtpu"
     )
+    ap.add_argument(
+        "--matmuls", action="store_true", help="time the projections' matmuls one at a time instead"
+    )
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
     vocab = 256 if a.converge else 32000
@@ -160,7 +240,17 @@ def main(argv: list[str] | None = None) -> dict:
     )
     device = jax.devices()[0].device_kind
     head = f"Llama {a.size}, seq {a.seq}, batch {a.batch}, remat {a.remat}, bf16 over float32 AdamW, one {device}"
-    if a.target:
+    if a.matmuls:
+        rows = matmuls(a.steps)
+        print(f"one matmul at a time on one {device}: rows x in x out")
+        print(
+            "| shape | bf16 TFLOP/s | int8 TOP/s | Qwix forward / bf16 | forward + backward / bf16 |\n|---|---|---|---|---|"
+        )
+        for r in rows:
+            print(f"| {' x '.join(map(str, r['shape']))} | {r['bf16_tflops']:.0f} | {r['int8_tops']:.0f} | "
+                  f"{r['qwix_forward']:.2f}x | {r['qwix_forward_backward']:.2f}x |")  # fmt: skip
+        out = {}
+    elif a.target:
         rows = [compiled(cfg, m, a.batch, a.remat, a.target) for m in MODES]
         print(head.replace(f"one {device}", f"compiled for {a.target} here"))
         print("| matmuls | compiled peak GiB | temporaries GiB | int8 matmuls / all |\n|---|---|---|---|")
@@ -168,6 +258,10 @@ def main(argv: list[str] | None = None) -> dict:
             fig = (f"{r['peak_gib']:.2f} | {r['temp_gib']:.2f} | {r['int8_matmuls']} / {r['matmuls']}"
                    if "error" not in r else f"does not fit: {r['error']} | |")  # fmt: skip
             print(f"| {r['quantize']} | {fig} |")
+        for r in rows:  # XLA:TPU's own estimate, in millions of cycles
+            if "estimated_cycles" in r:
+                print(f"{r['quantize']}: estimated M cycles " + ", ".join(
+                    f"{k} {v / 1e6:.1f}" for k, v in r["estimated_cycles"].items()))  # fmt: skip
         out = {"target": a.target}
     elif a.converge:
         rows = [converge(cfg, m, a.batch, a.remat, a.converge, a.lr) for m in MODES]
