@@ -83,6 +83,17 @@ def is_router(name: str) -> bool:
     return name.startswith("router")
 
 
+HELD = ("router_choice_bias",)
+"""Leaves a model holds as read, which no gradient moves (GLM-4.5's and DeepSeek-V3's router correction
+bias, updated by expert load in their own training, which meshkit does not run): no optimizer may change
+them, weight decay included (``train.optim``)."""
+
+
+def held(path: Any) -> bool:
+    """Whether the leaf at ``path`` (a key path) is one of ``HELD``."""
+    return bool(path) and getattr(path[-1], "key", None) in HELD
+
+
 def leaf_axes(path: Any, table: dict[str, Axes]) -> Axes:
     """A block leaf's logical axes from ``table`` by its key: ``"expert"`` first for an expert's leaf
     (under ``"moe"``, the router's aside: ``is_router``), ``"layers"`` first in the scanned form."""

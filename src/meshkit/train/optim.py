@@ -27,11 +27,19 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW or SGD with momentum, on the warmup + cosine schedule."""
+    """AdamW or SGD with momentum, on the warmup + cosine schedule. AdamW decays every leaf but those a
+    model holds (``models.stack.held``: their gradient is zero, so decay alone would move them)."""
     lr = lr_schedule(cfg)
     if cfg.optimizer.optimizer == "adamw":
-        return optax.adamw(lr, weight_decay=cfg.optimizer.weight_decay)
+        return optax.adamw(lr, weight_decay=cfg.optimizer.weight_decay, mask=decayed)
     return optax.sgd(lr, momentum=cfg.optimizer.momentum)
+
+
+def decayed(params: Any) -> Any:
+    """AdamW's weight-decay mask: True for every leaf of ``params`` but the held ones (``stack.held``)."""
+    from meshkit.models.stack import held
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: not held(path), params)
 
 
 def muon_matrices(logical_axes: Any) -> Any:
