@@ -136,6 +136,12 @@ def test_splash_kernel_interpreted_equals_einsum():
     assert A.splash(q[:, :100], k[:, :100], v[:, :100], interpret=True) is None  # not whole 128-token blocks
 
 
+# Tiers: sweeps (moved when make test measured 22 min): the splash kernel in every layer of meshkit's step,
+# its loss einsum's, is core under fsdp+tp in
+# test_splash_kernel_runs_on_each_devices_heads_under_tensor_parallelism, the kernel on whole heads (no model
+# axis to split them) in test_splash_kernel_interpreted_equals_einsum; fsdp's ledger and peak against the
+# model with XLA's attention in test_fsdp.py's and test_peak.py's core cases.
+@pytest.mark.sweep
 def test_splash_kernel_under_meshkits_step_trains_as_einsum_and_keeps_ledger_and_peak(monkeypatch):
     """fsdp over the 8 CPU devices with the splash kernel (interpreted) in every layer, as a TPU runs it:
     the loss of einsum's step, the ledger equal to the model, the peak within 10% of the model."""
@@ -278,18 +284,18 @@ PLANS = [
 ]
 
 
-# Tiers (this file): the masks are core in a pipeline (dp+pp) and under all-to-all (dp+cp); dp (each
-# device one device's attention on its rows: window, segments and grouped heads core on one device, einsum
-# and fused, in test_both_forms_equal_numpy_float64_masks_and_grouped_heads_included, packed segments under
-# dp in test_packing.py's llama-dp-data=8), fsdp, dp+tp and fsdp+tp (the same attention on split parameters
-# or heads: core in test_plans.py and the Llama's plans) sweep, as does the ring (cp: its window, einsum and
-# fused asked, is core in test_each_plan_caps_the_scores_as_one_device[cp], fused asked written out on the
-# ring in the scanned windows' [cp]). The cap is core on the ring's blocks (cp); under all-to-all (dp+cp:
-# Gemma 2's binding caps, float64 = one device, in test_gemma.py's gemma-scan-dp+cp), dp and dp+pp (one
-# device's capped call, written out whatever is asked: core in
+# Tiers (this file): the masks are core in a pipeline (dp+pp) and under all-to-all (dp+cp); dp (each device
+# one device's attention on its rows: window, segments and grouped heads core on one device, einsum and fused,
+# in test_both_forms_equal_numpy_float64_masks_and_grouped_heads_included, packed segments under the batch's
+# rows split over data in test_packing.py's llama-fsdp+tp-data=4,model=2), fsdp, dp+tp and fsdp+tp (the same
+# attention on split parameters or heads: core in test_plans.py and the Llama's plans) sweep, as does the ring
+# (cp: its window, einsum and fused asked, is core in test_each_plan_caps_the_scores_as_one_device[cp], fused
+# asked written out on the ring in the scanned windows' [cp]). The cap is core on the ring's blocks (cp);
+# under all-to-all (dp+cp: Gemma 2's binding caps, float64 = one device, in test_gemma.py's gemma-scan-dp+cp),
+# dp and dp+pp (one device's capped call, written out whatever is asked: core in
 # test_a_capped_attention_equals_numpy_float64_written_out_whatever_is_asked, in a pipeline's blocks in
-# test_each_plan_attends_as_one_device_masks_included[dp+pp]) it sweeps. The scanned windows are core on
-# the ring (cp), their dp and all-to-all forms sweep (all-to-all's: core in test_gemma.py's gemma-scan-dp+cp).
+# test_each_plan_attends_as_one_device_masks_included[dp+pp]) it sweeps. The scanned windows are core on the
+# ring (cp), their dp and all-to-all forms sweep (all-to-all's: core in test_gemma.py's gemma-scan-dp+cp).
 @pytest.mark.parametrize(
     ("plan", "mesh", "options", "window", "segmented"),
     tiered(PLANS, [p[0] for p in PLANS], core={"dp+pp", "dp+cp"}),

@@ -226,8 +226,8 @@ def test_meshkit_verify_certifies_cp_tp_and_says_what_a_context_plan_needs(tmp_p
     assert "verifies a model of token sequences" in proc.stderr and "--model gpt or llama" in proc.stderr
 
 
-# Tiers: the combinations' peak is core on llama-fsdp+tp+cp-all-to-all; the ring's peak is core in
-# test_context.py (test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring]); gpt-tp+cp sweeps.
+# Tiers: the combinations' peak is core on llama-fsdp+tp+cp-all-to-all (the peak model under a context
+# split: test_context.py's cases sweep); gpt-tp+cp sweeps.
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "form"),
     [pytest.param("gpt", "tp+cp", "context=4,model=2", "ring", marks=pytest.mark.sweep),

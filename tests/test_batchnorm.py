@@ -121,17 +121,18 @@ def _max_diff(a, b):
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in pairs)
 
 
-# Tiers: dp's plain form and zero2's both forms are core (the vmap form's batch statistics over the data
+# Tiers: dp's plain form and zero2's vmap form are core (the vmap form's batch statistics over the data
 # axis in zero2-vmap), zero3 and hsdp (the batch's statistics over two mesh axes) in
-# test_equinox_batchnorm_equals_one_device[zero3] and [hsdp]; dp's vmap form, zero1, zero3 and hsdp's forms
-# sweep.
+# test_equinox_batchnorm_equals_one_device[zero3] and [hsdp]; dp's vmap form, zero2's plain form (moved when
+# make test measured 22 min: the plain form core in dp-plain, zero2's sharded update beside a carried
+# BatchNorm state in zero2-vmap), zero1, zero3 and hsdp's forms sweep.
 BN = [(plan, vmap) for plan in ("dp", "zero1", "zero2", "zero3", "hsdp") for vmap in (True, False)]
 BN_IDS = [f"{plan}-{'vmap' if vmap else 'plain'}" for plan, vmap in BN]
 
 
 @pytest.mark.parametrize(
     ("plan", "vmap"),
-    tiered(BN, BN_IDS, core={"dp-plain", "zero2-vmap", "zero2-plain"}),
+    tiered(BN, BN_IDS, core={"dp-plain", "zero2-vmap"}),
 )
 def test_resnet_batchnorm_equals_one_device(plan, vmap):
     want_losses, want_params, want_stats = _one_device(vmap)

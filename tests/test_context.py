@@ -71,7 +71,7 @@ def _trainer(name, plan, mesh, form, dtype="float32", compute_dtype=None, **opti
 # kv heads as they are on context=2 in test_fsdp_axes.py's llama-all-to-all (both checks); the ring is core
 # with the same checks (one device in float64, ledger = model) in test_axis_combos.py's meshkit verify --plan
 # cp+tp certificate (the GPT's ring on context=4,model=2), one device in float64 in test_packing.py's
-# gpt-dp+cp ring (its peak here in test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring]); the
+# gpt-dp+cp ring (its peak here, test_context_peak_is_within_ten_percent_of_the_model[gpt-cp-ring], sweeps); the
 # GPT's all-to-all (the GPT under dp+cp: the ring's gpt-dp+cp-ring-accumulate2 below) and the other meshes
 # and forms, cp's ring over context=8 among them, sweep.
 @pytest.mark.sweep
@@ -198,6 +198,10 @@ def test_meshkit_train_refuses_bad_context_input_in_one_line(tmp_path, options, 
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: " + message), proc.stderr
 
 
+# Tiers: sweeps (moved when make test measured 22 min): a device's share of a sequence split over the context
+# axis, its compiled step's memory against the model, is core in test_fsdp_axes.py's llama-all-to-all and
+# test_axis_combos.py's test_the_peak_model_holds_for_the_combinations[llama-fsdp+tp+cp-all-to-all].
+@pytest.mark.sweep
 def test_a_long_sequence_that_does_not_fit_a_budget_under_dp_fits_under_context_8():
     """Per-device temporaries from ``memory_analysis`` of the compiled step (GPT, 2 layers, width 64,
     8 heads, T = 512), each plan at its smallest batch: dp holds one whole sequence per device (8 in
@@ -231,12 +235,16 @@ PEAK_MODELS = {
 }
 
 
-# Tiers: the ring's peak is core (gpt-cp-ring); the Llama's all-to-all sweeps: the Llama's all-to-all peak
-# is core beside a data axis in test_fsdp_axes.py's llama-all-to-all (fsdp+cp, data=4,context=2) and with
-# tensor parallelism in test_axis_combos.py's test_the_peak_model_holds_for_the_combinations.
+# Tiers: sweeps, both (the ring's, 19.5 CPU s, was core: moved when make test measured 22 min). The peak
+# model under a context split (its activation term the loss compiled on the context axis's devices, the split
+# in force) is core beside a data axis in test_fsdp_axes.py's llama-all-to-all (fsdp+cp, data=4,context=2)
+# and with tensor parallelism in test_axis_combos.py's test_the_peak_model_holds_for_the_combinations
+# [llama-fsdp+tp+cp-all-to-all]; the ring's own step against one device in float64 in test_attention.py's
+# test_each_plan_caps_the_scores_as_one_device[cp], with its ledger in test_axis_combos.py's meshkit verify
+# --plan cp+tp.
 @pytest.mark.parametrize(
     ("name", "plan", "mesh", "examples", "form"),
-    [("gpt", "cp", "context=8", 2, "ring"),
+    [pytest.param("gpt", "cp", "context=8", 2, "ring", marks=pytest.mark.sweep),
      pytest.param("llama", "dp+cp", "data=2,context=4", 4, "all-to-all", marks=pytest.mark.sweep)],
     ids=["gpt-cp-ring", "llama-dp+cp-all-to-all"],
 )  # fmt: skip

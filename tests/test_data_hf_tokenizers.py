@@ -162,6 +162,13 @@ def test_eos_and_bos_flags_override_the_config(tmp_path):
     assert manifest["special"]["prefix"] == [vocab["<|begin_of_text|>"]]  # the post-processor's own BOS
 
 
+# Tiers: sweeps (moved when make test measured 22 min): a Llama trained on shards of Llama 3's tokenizer and
+# exported with its end and beginning of text is core in test_sft_train.py's
+# test_meshkit_train_task_sft_on_prepared_conversations (--export-hf), meshkit generate through a run's
+# tokenizer in test_llama_cli.py's test_a_llama_on_bpe_token_shards_exports_its_tokenizer_generates_and_...,
+# the export's special tokens where transformers reads them in test_export_special.py, each family's end and
+# beginning of text read from its tokenizer_config.json in test_each_familys_config_names_its_tokens.
+@pytest.mark.sweep
 def test_a_run_on_them_trains_generates_and_exports_its_tokens(tmp_path, capsys):
     """Shards of a Llama 3 shaped tokenizer: a Llama trains on them, generates from a prompt that starts
     with the BOS id, and its export names that BOS and end of text."""

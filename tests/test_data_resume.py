@@ -79,10 +79,11 @@ def _kill_mid_run(data: Path, run: Path) -> None:
 # same losses in test_async_save.py's test_sigkill_during_a_background_save_..., token shards' stream state
 # through a checkpoint and meshkit train --resume, bit for bit, in test_data_mixture.py's
 # test_a_mixture_run_stopped_and_resumed_trains_as_an_uninterrupted_one, that state restored on 2 processes
-# to the same batches in test_data_tokens.py's test_resume_is_exact_with_another_process_count, a job of 2
-# processes resuming through meshkit launch in test_faults.py's
-# test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest, a config file with --set
-# resolved as its flags in test_config_file.py's test_the_file_then_set_then_flags.
+# to the same batches in test_data_tokens.py's test_resume_is_exact_with_another_process_count, meshkit train
+# as a job of 2 processes under meshkit launch in test_signals.py's
+# test_a_local_job_listens_on_loopback_only_and_a_stalled_rank_ends_it_in_one_line (such a job resuming
+# through meshkit launch sweeps: test_faults.py's test_two_processes_agree_on_the_step_when_only_one_..._latest),
+# a config file with --set resolved as its flags in test_config_file.py's test_the_file_then_set_then_flags.
 @pytest.mark.sweep
 def test_sigkill_then_resume_gives_the_same_losses_also_on_two_processes(data, tmp_path, capsys):
     killed = tmp_path / "killed"

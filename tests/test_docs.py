@@ -188,9 +188,9 @@ PY_PAGES = sorted({b.page for b in ALL if b.lang == "python"})
 #   loss with state, a key and aux; meshkit.layer; logical axes; NNX, Linen and Equinox models):
 #   test_trainer.py (test_save_and_restore_continue_the_run, test_aux_state_and_a_fresh_key_per_step_...),
 #   test_fsdp.py (meshkit.layer under zero3's layer remat), test_user_models.py (logical axes under dp+tp),
-#   test_adapters.py (each framework's model under zero3 and fsdp+tp, its state carried), test_batchnorm.py
-#   (Equinox's state under a vmapped axis name), test_user_transformers.py (a Linen LM's blocks marked
-#   through nn.intercept_methods, fsdp+tp with layer remat).
+#   test_adapters.py (each framework's model under fsdp+tp: zero3's sharding over data and the rules, its
+#   state carried), test_batchnorm.py (Equinox's state under a vmapped axis name), test_user_transformers.py
+#   (a Linen LM's blocks marked through nn.intercept_methods, fsdp+tp with layer remat).
 # - docs/plans.md (dp, zero1-3's reports beside the model; a ParallelSpec with accumulate, and its refusal of
 #   microbatches without a pipeline; meshkit.layer's peak under zero3 with and without layer remat):
 #   test_plans.py's certificates, test_trainer.py's test_report_prints_as_a_table, test_pipeline.py's
@@ -335,8 +335,9 @@ def run_block(block: Block, body: str, cwd: Path, timeout_s: float) -> tuple[int
 #   test_a_deterministic_run_resumed_turns_fused_multiply_adds_off_before_jax_starts, the line's price in
 #   test_report_sets_the_measured_gather_beside_the_deterministic_model.
 # - docs/plans.md (its meshkit verify block; its two meshkit train blocks sweep as they did): a
-#   path/to/file.py:function model in test_verify_deterministic_mp.py's
-#   test_a_loss_that_differs_between_processes_fails_the_local_rows, --model linear --json in test_plans.py's
+#   path/to/file.py:function target in test_grpo_train.py's --reward (user_code.resolve, as --model reads
+#   it; test_verify_deterministic_mp.py's test_a_loss_that_differs_between_processes_fails_the_local_rows
+#   sweeps), --model linear --json in test_plans.py's
 #   test_verify_cli_json_and_exit_code, zero2 with --accumulate 2 on a plain-JAX MLP in test_verify.py's
 #   test_verify_model_certifies_a_plain_jax_mlp_..., an unknown plan in test_bad_input.py, a missing function
 #   in test_verify.py's test_bad_model_targets_are_one_line.

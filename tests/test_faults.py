@@ -304,7 +304,8 @@ def test_meshkit_train_on_a_directory_another_run_holds_exits_2(tmp_path, capsys
 
 # Tiers: sweeps; one process's fallback past a step its checksums reject is core in test_rundir.py's
 # test_flipped_bytes_in_the_latest_checkpoint_fall_back_to_the_previous_one, garbage of another size (the
-# size check) in test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest below.
+# size check) in test_checkpoint.py's test_an_unreadable_latest_step_falls_back_to_the_newest_intact_one
+# [garbage in the array files].
 @pytest.mark.slow
 @pytest.mark.sweep
 def test_resume_from_a_corrupt_latest_checkpoint_continues_from_the_previous_one(tmp_path, capsys):
@@ -346,6 +347,12 @@ def test_resume_from_a_corrupt_latest_checkpoint_continues_from_the_previous_one
 
 
 @pytest.mark.slow
+# Tiers: sweeps (44 CPU s, moved when make test measured 22 min): the fallback past an unreadable latest step
+# is core in test_rundir.py's test_flipped_bytes_in_the_latest_checkpoint_fall_back_to_the_previous_one (one
+# process, through meshkit train --resume), each process checking the files it wrote in test_checkpoint.py's
+# test_each_process_checks_the_files_it_wrote, meshkit train as a job of 2 processes under meshkit launch in
+# test_signals.py's test_a_local_job_listens_on_loopback_only_and_a_stalled_rank_ends_it_in_one_line.
+@pytest.mark.sweep
 def test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest(tmp_path):
     """Step 8's shards written by process 1 are garbage: process 0 could read all it needs of step 8
     (its own shards and the replicated leaves), process 1 cannot. Unagreed, process 0 went on from

@@ -34,8 +34,8 @@ CERTS = [
 # here; the loop form's layer remat with 2 micro-batches in test_hsdp.py's GPT certificate, ZeRO-3 within the
 # data axis: its per-layer gathers, twice under remat, against the model); zero3-gpt layer (that
 # certificate without a replica axis), the scanned zero3 without remat, zero1, fsdp+tp and tp (core in
-# test_plans.py's certificates: zero1 on the linear model, fsdp+tp on the GPT; tp in test_families.py's
-# tp-qwen2) and the loop form's regather sweep.
+# test_plans.py's certificates: zero1 on the linear model; fsdp+tp on the GPT in test_sequence_parallel.py's
+# certificates; tp in test_families.py's tp-qwen2) and the loop form's regather sweep.
 SWEEP = {"zero3-gpt-None-layer-2", "zero3-gpt-scan-None-none-2", "zero1-gpt-None-layer-1",
          "zero3-gpt-None-regather-1", "fsdp+tp-gpt-data=4,model=2-layer-1",
          "tp-gpt-scan-model=8-layer-1"}  # fmt: skip
@@ -119,10 +119,13 @@ def _temp(model_cfg, remat):
     return t.compiled((tokens, tokens)).memory_analysis().temp_size_in_bytes
 
 
-# Tiers: the scanned form is core; the loop form (its zero3 gathers under layer remat core in
-# test_hsdp.py's GPT certificate, their peak in test_peak.py's
-# test_sharded_gradient_accumulator_of_zero2_and_zero3_is_in_the_model[zero3-layer]) sweeps.
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.sweep), True])
+# Tiers: sweeps, both (the scanned form, 13 CPU s, was core: moved when make test measured 22 min): the
+# scanned zero3's compiled peak with and without layer remat against the model (remat's below holding) is core
+# in test_peak.py's test_model_predicts_per_layer_remat_below_holding_and_the_compiler_agrees, the loop form's
+# zero3 gathers under layer remat in test_hsdp.py's GPT certificate, their peak in test_peak.py's
+# test_sharded_gradient_accumulator_of_zero2_and_zero3_is_in_the_model[zero3-layer].
+@pytest.mark.sweep
+@pytest.mark.parametrize("scan", [False, True])
 def test_gathered_parameters_live_one_layer_at_a_time(scan):
     """Doubling the layers adds the whole model's gathered copy to zero3's temporaries without remat,
     and with layer remat adds no more than a small fraction of the added layers' bytes."""
@@ -135,8 +138,9 @@ def test_gathered_parameters_live_one_layer_at_a_time(scan):
     assert remat <= 0.5 * layer_bytes  # their gradient shards (1/8 each) and inputs, no gathered copy
 
 
-# Tiers: the scanned form is core; the loop form sweeps (fsdp+tp's ledger on the loop-form GPT is core in
-# test_plans.py's test_plan_certificate[fsdp+tp-gpt-data=4,model=2-1]).
+# Tiers: the scanned form is core; the loop form sweeps (fsdp+tp's ledger on the loop-form GPT, sequence
+# parallelism on, is core in test_sequence_parallel.py's test_sequence_parallel_certificate
+# [fsdp+tp-gpt-data=2,model=4-none]).
 @pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.sweep), True])
 def test_fsdp_tp_gathers_each_leaf_over_data_on_its_model_shard(scan):
     """fsdp+tp on data=2,model=4: a leaf split on model by the tensor-parallel rules is also split on

@@ -24,8 +24,9 @@ CP = [
 ]
 
 
-# Tiers: fsdp+cp is core on the Llama's all-to-all (the ring: cp and tp+cp in test_context.py and
-# test_axis_combos.py), fsdp+ep on the Llama; the GPT's cases and the two meshkit train runs (the CLI's
+# Tiers: fsdp+cp is core on the Llama's all-to-all (the ring: cp in test_attention.py's
+# test_each_plan_caps_the_scores_as_one_device[cp], dp+cp in test_context.py, tp+cp in test_axis_combos.py),
+# fsdp+ep on the Llama; the GPT's cases and the two meshkit train runs (the CLI's
 # combinations: test_llama_cli.py's fsdp+tp run, dropped tokens: test_moe.py) sweep.
 @pytest.mark.parametrize(
     ("name", "mesh", "form", "options"), tiered(CP, [f"{c[0]}-{c[2]}" for c in CP], core={"llama-all-to-all"})

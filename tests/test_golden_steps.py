@@ -73,11 +73,13 @@ CASES = [
 # on zero3's sharded-parameter program; every other record sweeps, each of those plans core in a test whose
 # ledger reads the same collectives: dp, zero1 and zero2 with 2 micro-batches in test_plans.py's linear
 # certificates, zero2's on the scanned GPT with 2 micro-batches in test_fsdp.py's zero2-gpt-scan-None-dots-2,
-# tp in test_families.py's tp-qwen2, dp+tp in test_gpt_vocab_tp.py, fsdp+tp on the GPT in test_plans.py's
-# test_plan_certificate[fsdp+tp-gpt-data=4,model=2-1]; the pipelines in test_pipeline.py (fsdp+tp+pp's step
+# tp in test_families.py's tp-qwen2, dp+tp in test_gpt_vocab_tp.py, fsdp+tp on the GPT in
+# test_sequence_parallel.py's certificates (sequence parallelism on; the loop form in
+# fsdp+tp-gpt-data=2,model=4-none; without it, fsdp+tp's ledger on the Llama in test_lora.py's); the pipelines in test_pipeline.py (fsdp+tp+pp's step
 # in test_gpt_loss_and_every_gradient_equal_one_device_in_float64, gpipe's ledger on fsdp+pp in
-# test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model, the interleaved schedule's on dp+tp+pp in
-# test_trainer_3d_interleaved_matches_one_device_and_...).
+# test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model, a pipeline's beside a model axis on tp+pp
+# there too; the interleaved schedule's on dp+tp+pp in test_trainer_3d_interleaved_matches_one_device_and_...
+# sweeps since make test measured 22 min).
 CORE = {"zero3"}
 
 

@@ -89,8 +89,9 @@ def _one_device_float64():
 
 
 # Tiers: dp+tp is core; fsdp+tp and tp sweep (verify's GPT with these rules: float64 equality and the
-# ledger in test_plans.py's test_plan_certificate[fsdp+tp-gpt-data=4,model=2-1]; tp's rules, the same
-# split without a data axis, in dp+tp here, plan tp's certificate in test_families.py's tp-qwen2).
+# ledger, sequence parallelism on, in test_sequence_parallel.py's test_sequence_parallel_certificate[fsdp+tp-gpt-data=2,model=4-none];
+# tp's rules, the same split without a data axis, in dp+tp here, plan tp's certificate in test_families.py's
+# tp-qwen2).
 @pytest.mark.parametrize(("plan", "mesh"), tiered(CASES, [c[0] for c in CASES], core={"dp+tp"}))
 def test_gpt_vocab_tp_matches_one_device_in_float64(plan, mesh):
     """The reference GPT (verify.workload: the plan's default rules, the vocabulary split) under the plan,

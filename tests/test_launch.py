@@ -309,7 +309,9 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 # Tiers: launch's restart is core in test_a_process_that_stops_making_progress_is_restarted, a preempted
-# job's save and resume in test_signals.py's SIGTERM tests; this run of both sweeps.
+# run's save and resume in test_signals.py's
+# test_sigterm_to_meshkit_train_saves_at_the_next_step_and_a_second_stops_at_once (a job's ranks stopping
+# together at one step sweeps there); this run of both sweeps.
 @pytest.mark.sweep
 def test_a_killed_process_is_restarted_and_a_preempted_job_resumes_both_ending_as_an_uninterrupted_run(
     tmp_path,

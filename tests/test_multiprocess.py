@@ -64,7 +64,7 @@ def check(res: dict[int, dict], plan: str, ckpt: Path, source: str) -> None:
 
 # Tiers: sweeps (dp: under mutual TLS below, the same checks on one job); launch() with these checks is core
 # in test_two_processes_with_mutual_tls_match_one_process, meshkit train's fsdp on 2 processes in
-# test_signals.py's jobs (test_mpirun's fsdp, with these checks, sweeps too).
+# test_signals.py's stalled-rank job (test_mpirun's fsdp, with these checks, sweeps too).
 @pytest.mark.parametrize("plan", [pytest.param("fsdp", marks=pytest.mark.sweep)])
 def test_two_processes_under_meshkit_launch_match_one_process(tmp_path, plan):
     out = io.StringIO()
@@ -78,7 +78,8 @@ def test_two_processes_under_meshkit_launch_match_one_process(tmp_path, plan):
 # test_openmpi_detected_as_jax_does and test_initialize_lets_jax_detect_the_scheduler[_ompi-ompi], a job of
 # real processes formed through JAX's own detection in its test_a_slurm_job_forms_through_jax_s_own_detection,
 # two processes training as one (and the checkpoint they wrote restored by one) under meshkit launch in
-# test_two_processes_with_mutual_tls_match_one_process (dp), fsdp on 2 processes in test_signals.py's jobs.
+# test_two_processes_with_mutual_tls_match_one_process (dp), fsdp on 2 processes in test_signals.py's
+# stalled-rank job.
 @pytest.mark.sweep
 def test_two_processes_under_mpirun_without_meshkit_environment(tmp_path):
     mpirun = shutil.which("mpirun")
@@ -105,8 +106,10 @@ def test_two_processes_under_mpirun_without_meshkit_environment(tmp_path):
     check(results(tmp_path), "fsdp", tmp_path / "ckpt", "openmpi")
 
 
-# Tiers: sweeps; the same assertions, on the resumed 2-process zero3 job of test_faults.py's
-# test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest, are core.
+# Tiers: sweeps, as are the same assertions on the resumed 2-process zero3 job of test_faults.py's
+# test_two_processes_agree_on_the_step_when_only_one_cannot_read_the_latest (moved when make test measured 22
+# min); meshkit train as a job of 2 processes (process 0 its writer) is core in test_signals.py's
+# test_a_local_job_listens_on_loopback_only_and_a_stalled_rank_ends_it_in_one_line.
 @pytest.mark.sweep
 def test_meshkit_train_under_launch_writes_once(tmp_path):
     run = tmp_path / "run"

@@ -162,6 +162,12 @@ def test_gpt_loss_and_every_gradient_equal_one_device_in_float64():
         assert jax.tree.structure(grads) == jax.tree.structure(params)
 
 
+# Tiers: sweeps (moved when make test measured 22 min): layer remat inside a pipeline's backward tick against
+# one device, its redone all-reduces in the ledger, is core in
+# test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model[tp+pp-stage=4,model=2-1f1b-layer], the dots
+# policy's pipeline step compiled against the planner's peak in test_planner_compile.py's dp+pp remat=dots
+# layout, Pipeline.working_bytes in every pipeline's report (the core cases below and the CLI's).
+@pytest.mark.sweep
 def test_remat_matches_one_device_in_float64_and_lowers_the_temporaries():
     """dp+pp, GPipe, 2 layers per stage: every block rematerialized (``layer``) or its matmuls kept
     (``dots``) inside the backward tick; the same loss and gradients, fewer temporaries, and the
@@ -313,6 +319,15 @@ def _one_device_adam_run(most=3):
     return out
 
 
+# Tiers: sweeps (moved when make test measured 22 min): the interleaved schedule is core in
+# test_user_stages_model_matches_numpy_float64[stage=2,data=4-dp+pp-interleaved-2-2] and
+# test_stages_of_a_period_run_whole_periods_per_stage_and_refuse_parts_of_one (float64), tensor parallelism in
+# a pipeline in test_gpt_loss_and_every_gradient_equal_one_device_in_float64 (fsdp+tp+pp) and tp+pp below,
+# a pipeline's report (its ledger and executed schedule against the model) in
+# test_trainer_fsdp_pp_and_tp_pp_match_one_device_and_their_model, a pipeline's checkpoint restored under
+# fsdp and back, bit for bit, in
+# test_meshkit_train_dp_pp_resumes_under_fsdp_and_back_bitwise_and_writes_the_schedule.
+@pytest.mark.sweep
 def test_trainer_3d_interleaved_matches_one_device_and_its_report_measures_the_schedule(tmp_path):
     """dp+tp+pp, interleaved (v=2) on stage=2,data=2,model=2, 3 Adam steps beside the same steps on
     one device; then the report, and the checkpoint restored under fsdp and back (bitwise)."""

@@ -77,6 +77,9 @@ def _program(hlo: str) -> str:
     return "\n".join(lines)
 
 
+# Tiers: sweeps (moved when make test measured 22 min): the measuring compile (MEASURE_ONLY) is what every core
+# layout of test_predicted_peak_and_bytes_match_the_compiled_step measures, its memory against the model.
+@pytest.mark.sweep
 def test_the_measuring_compile_is_the_default_compile_at_lower_llvm_effort():
     """``MEASURE_ONLY`` must not change what is measured: the same optimized HLO, the same memory."""
     from meshkit.planner.compile import MEASURE_ONLY, layout_step
@@ -109,6 +112,11 @@ def test_a_compile_past_its_timeout_is_reported_not_awaited():
     assert not m.ok and "timed out after" in m.error
 
 
+# Tiers: sweeps (moved when make test measured 22 min): a layout compiled in a child process is core in
+# test_target_compile.py's test_a_plan_the_partitioner_splits_attends_with_xla_on_a_slice_from_a_one_device_process
+# (compile_in_subprocess, its Measured read back) and, through meshkit plan --compile, in its
+# test_meshkit_plan_compiles_the_top_layout_for_a_target; the same layout in process in fsdp+tp's layouts.
+@pytest.mark.sweep
 def test_a_subprocess_with_its_own_device_count_measures_the_same_step():
     layout = Layout(dp=2, tp=2, zero=3)  # 4 devices: the child simulates 4, this process uses 4 of its 8
     (child,) = compile_layouts(SHAPE, [layout], JOB, progress=False)
@@ -161,15 +169,17 @@ CHECKED = [  # every meshkit plan once (tp alone and pp alone through dp+tp and 
 
 # Tiers: every plan, schedule and remat policy keeps a core layout (a pipeline's zero3 in fsdp+pp, its
 # tp in tp+pp, its remat in dp+pp remat=dots, fsdp+tp's in fsdp+tp remat=layer, the whole accumulator's
-# in dp+tp remat=layer, ZeRO-3's dots in fsdp remat=dots); these nine sweep: dp+pp 1F1B without remat
+# in dp+tp remat=layer, ZeRO-3's dots in fsdp remat=dots); these eleven sweep: dp+pp 1F1B without remat
 # (dp+pp core in dp+pp remat=dots and interleavedx2, 1F1B in both 1f1b layouts, a pipeline without
 # remat in fsdp+pp, tp+pp and interleavedx2) and zero2 without remat (zero2 core in zero2 remat=layer,
-# no remat in dp and zero1) among them.
+# no remat in zero1) among them; dp and dp+tp without remat moved when make test measured 22 min (dp's
+# replicated parameters and whole accumulator without remat core in zero1's layout, which shards only the
+# optimizer state, and in dp+tp remat=layer; dp+tp core in dp+tp remat=layer, tp without remat in tp+pp).
 SWEEP = {"fsdp+tp+pp:dp=2,tp=2,pp=2_zero3_mb=1_1f1b_remat=dots", "fsdp+tp+pp:dp=2,tp=2,pp=2_zero3_mb=1_1f1b",
          "dp+tp+pp:dp=2,tp=2,pp=2_mb=1_1f1b", "dp+tp+pp:dp=2,tp=2,pp=2_mb=1_1f1b_remat=layer",
          "fsdp+tp:dp=2,tp=2,pp=1_zero3_mb=1_remat=dots", "dp+tp:dp=2,tp=4,pp=1_mb=1_remat=dots",
          "fsdp:dp=8,tp=1,pp=1_zero3_mb=1_remat=layer", "dp+pp:dp=2,tp=1,pp=4_mb=1_1f1b",
-         "zero2:dp=8,tp=1,pp=1_zero2_mb=1"}  # fmt: skip
+         "zero2:dp=8,tp=1,pp=1_zero2_mb=1", "dp:dp=8,tp=1,pp=1_mb=1", "dp+tp:dp=2,tp=4,pp=1_mb=1"}  # fmt: skip
 
 
 def _checked(layout: Layout):

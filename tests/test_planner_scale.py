@@ -92,6 +92,12 @@ def test_check_runs_within_the_claimed_bound(runs):
     assert not off, off
 
 
+# Tiers: sweeps (moved when make test measured 22 min: a search of each source's cluster, 16 CPU s): the
+# search's ranking (what fits, fastest first, every rejection with its reason) is core in test_planner.py's
+# test_search_ranks_fitting_layouts_and_keeps_reasons, on a cluster of several hosts in
+# test_the_search_prices_hybrid_sharding_where_dp_spans_hosts; each published run's prediction in
+# test_check_runs_within_the_claimed_bound.
+@pytest.mark.sweep
 def test_top_ranked_layout_fits_and_is_at_least_as_fast(runs):
     """The search's first choice fits and is predicted at least as fast as the published layout, on
     the first run of each source (every run would search 400,000 layouts); where the model says the

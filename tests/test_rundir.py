@@ -236,6 +236,11 @@ def _catch_a_save_in_flight(first: subprocess.Popen, runs: Path, timeout: float)
     raise AssertionError(f"no save of the live run caught in flight in {timeout} s")
 
 
+# Tiers: sweeps (moved when make test measured 22 min): a --resume and a new run on a directory another
+# process holds, refused in one line before they touch its save in flight, are core in
+# test_a_second_run_on_a_held_directory_touches_nothing, runs/<time> taken giving runs/<time>-2 in
+# test_new_run_dirs_are_distinct_when_created_at_once.
+@pytest.mark.sweep
 def test_a_live_run_gets_its_own_directory_and_a_second_resume_beside_it_is_refused(
     tmp_path, monkeypatch, capsys
 ):

@@ -199,8 +199,9 @@ def _stopped_together(job: _Proc, run: Path, signame: str) -> int:
 
 @pytest.mark.slow
 # Tiers: a stranger's refusal is core in test_multiprocess.py's
-# test_a_process_without_the_jobs_certificate_is_refused, SIGTERM over ranks in
-# test_sigterm_to_the_launcher_reaches_every_rank_which_saves_and_exits; this one sweeps.
+# test_a_process_without_the_jobs_certificate_is_refused, SIGTERM saving and stopping a run in
+# test_sigterm_to_meshkit_train_saves_at_the_next_step_and_a_second_stops_at_once; this one sweeps, as does
+# SIGTERM over ranks (test_sigterm_to_the_launcher_reaches_every_rank_which_saves_and_exits).
 @pytest.mark.sweep
 def test_a_stranger_claiming_a_rank_is_refused_and_sigterm_to_one_rank_stops_both_at_one_step(tmp_path):
     """Was: a process claiming rank 1 (or 0) aborted both ranks within 1.1 s (SIGABRT, exit 134); and
@@ -228,6 +229,11 @@ def test_a_stranger_claiming_a_rank_is_refused_and_sigterm_to_one_rank_stops_bot
 
 
 @pytest.mark.slow
+# Tiers: sweeps (moved when make test measured 22 min): SIGTERM saving and stopping meshkit train is core in
+# test_sigterm_to_meshkit_train_saves_at_the_next_step_and_a_second_stops_at_once, the launcher passing a
+# signal on to its processes in test_launch.py's test_interrupting_the_launcher_leaves_no_process_behind[15],
+# meshkit train as a job of 2 processes in the stalled-rank test below.
+@pytest.mark.sweep
 def test_sigterm_to_the_launcher_reaches_every_rank_which_saves_and_exits(tmp_path):
     """Was: the ranks ignored it, were SIGKILLed 5 s later, and left a temporary checkpoint directory."""
     run = tmp_path / "run"

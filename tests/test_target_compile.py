@@ -30,6 +30,11 @@ class _Job:
     precision: str = "bf16"
 
 
+# Tiers: sweeps (moved when make test measured 22 min): the Llama's fsdp step compiled by XLA:TPU for v5e:2x2
+# (TPU v5 lite, splash attention, the per-chip peak and each axis's bytes beside the planner's model) is core
+# through meshkit plan in test_meshkit_plan_compiles_the_top_layout_for_a_target, the same layout on this
+# CPU's simulated devices (the parts at rest) in test_planner_compile.py's layouts.
+@pytest.mark.sweep
 def test_a_layout_compiled_for_a_v5e_slice_is_the_llamas_own_step_with_splash():
     """The chips are libtpu's v5 lite; the step is the Llama's (its family, not a GPT stand-in), attending
     with the TPU's kernel; the per-chip peak is the compiler's own; the parameters and optimizer state at

@@ -76,6 +76,12 @@ def make():
 """
 
 
+# Tiers: sweeps (moved when make test measured 22 min): meshkit verify --deterministic on 2 processes under
+# meshkit launch, each mesh row against the plan's bits, is core in
+# test_every_mesh_row_has_the_bits_of_the_2_process_run[dp], a failed check failing the certificate in
+# test_verify.py's test_a_broken_step_fails_the_certificate, a path/to/file.py:function target (meshkit's
+# user_code.resolve, as --model reads it) in test_grpo_train.py's --reward.
+@pytest.mark.sweep
 def test_a_loss_that_differs_between_processes_fails_the_local_rows(tmp_path):
     model = tmp_path / "per_process.py"
     model.write_text(PER_PROCESS_LOSS)
