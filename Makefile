@@ -31,7 +31,10 @@ reference:
 # replacement worker can sit idle until CI's limit: pytest-xdist#1328). --dist worksteal: an idle worker
 # takes tests queued on the other, so neither waits alone at the end.
 # `make test` is the core tier with the references against transformers 5.x (-m "not sweep" replaces
-# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 21:02 and 21:48 measured quietly on
+# pyproject's -m "not reference"; 4.57.6's sweep), in one run over both cores: 17:11 measured quietly on 2026-12-08
+# (1,627 cases, after 31 costlier configurations moved to the sweeps: 382 CPU s; CPU 32.7 min against 39.5),
+# 39:10 beside `make sweeps` (which took 58:03, 588 passed): still OVER the 15-minute line; the core cases left above 12 s are each the one
+# core case of their path (their files' Tiers comments), so the next cut is making them cheaper; before, 21:02 and 21:48 quietly on
 # 2026-12-07's night with GPT-OSS and GLM-4.5 (1,655 cases; their core cases add about 40 s of test time, the
 # Qwen3's tp certificate moved to the sweeps), 44:33 beside `make sweeps` (which took 61:11, 557 passed): OVER
 # the 15-minute line on this machine, the next core test needs the tier cut first; earlier that evening
