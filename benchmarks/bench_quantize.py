@@ -106,42 +106,36 @@ def compiled(cfg, mode: str, batch: int, remat: str, target: str) -> dict:
 
 
 def cycles(text: str) -> dict[str, int]:
-    """XLA:TPU's own estimate of a compiled step's cycles (each instruction's ``estimated_cycles``, a scanned
-    loop's body times its trip count) by kind: the matmuls on int8 operands and the others, the passes that
-    make int8 operands (an absolute maximum, a rounding to ``s8``), and the rest. Kernels (splash) carry
-    no estimate and are not counted."""
+    """XLA:TPU's own estimate of a compiled step's cycles (each instruction's ``estimated_cycles`` times how
+    often its computation runs: ``analysis.frequencies``, a scanned loop's trip count read from its canonical
+    form) by kind: the matmuls on int8 operands and the others, the passes that make int8 operands (an
+    absolute maximum, a rounding to ``s8``), and the rest. Kernels (splash) carry no estimate and are not
+    counted."""
     import re
 
-    comps: dict[str, list[str]] = {}
-    for head, body in re.findall(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", text, re.S | re.M):
-        comps[head] = body.splitlines()
-    kind = {
-        i: t
-        for lines in comps.values()
-        for i, t in (re.findall(r"%([\w.\-]+) = \(?(\w+)\[", "\n".join(lines)))
-    }
-    entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
-    times, todo, out = {entry: 1}, [entry], dict.fromkeys(("matmul int8", "matmul", "quantize", "other"), 0)
-    while todo:
-        name = todo.pop()
-        for line in comps.get(name, []):
-            if " while(" in line:  # the trip count: the condition's constant bound
-                cond, body = re.search(r"condition=%([\w.\-]+), body=%([\w.\-]+)", line).groups()
-                bound = [int(c) for c in re.findall(r"constant\((\d+)\)", "\n".join(comps.get(cond, [])))]
-                times[body] = times.get(body, 0) + times[name] * max(bound, default=1)
-                todo.append(body)
-            n = re.search(r'"estimated_cycles":"(\d+)"', line)
-            if not n:
-                continue
-            fused = "\n".join(comps.get((re.search(r"calls=%([\w.\-]+)", line) or [None, ""])[1], []))
-            if " convolution(" in fused or " convolution(" in line:
-                ops = re.findall(r"%([\w.\-]+)", (fused or line).split(" convolution(")[1].split(")")[0])
-                k = "matmul int8" if any(kind.get(o) == "s8" for o in ops) else "matmul"
-            elif re.match(r"\s*(ROOT )?%\S+ = \(?s8\[", line) or "abs_reduce" in line.split("=")[0]:
-                k = "quantize"
-            else:
-                k = "other"
-            out[k] += int(n[1]) * times[name]
+    from meshkit.analysis._hlo import frequencies, parse_module
+
+    module = parse_module(text)
+    runs = frequencies(module)
+    convolutions: dict[str, list] = {}  # a fused computation's matmuls
+    for inst in module.instructions:
+        if inst.opcode == "convolution":
+            convolutions.setdefault(inst.computation, []).append(inst)
+    out = dict.fromkeys(("matmul int8", "matmul", "quantize", "other"), 0)
+    for inst in module.instructions:
+        n = re.search(r'"estimated_cycles":"(\d+)"', inst.attrs)
+        if not n or inst.computation not in runs:
+            continue
+        fused = (re.search(r"calls=%([\w.\-]+)", inst.attrs) or [None, inst.computation])[1]
+        convs = convolutions.get(fused, [inst] if inst.opcode == "convolution" else [])
+        if convs:
+            types = module.operand_types(convs[0]) or ()
+            k = "matmul int8" if any(t.dtype == "s8" for t in types) else "matmul"
+        elif "s8[" in inst.type_text or inst.name.startswith("abs_reduce"):
+            k = "quantize"
+        else:
+            k = "other"
+        out[k] += int(n[1]) * runs[inst.computation].count
     return out
 
 
